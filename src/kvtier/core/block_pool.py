@@ -1,0 +1,307 @@
+"""The block pool: ref-counted blocks, a key index and an eviction order (SPEC §4).
+
+One pool serves as the GPU-tier pool of an engine and as the index of every lower tier.
+Per-block state lives in arrays and parallel lists (no Python object per block), so a
+cached block costs about 150 bytes even at 10 M blocks.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+
+from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from kvtier.core.free_queue import FreeQueue, LRUFreeQueue
+from kvtier.core.keys import Key, key_block_hash, key_group_id
+
+NULL_BLOCK_ID = 0
+
+
+class PoolError(RuntimeError):
+    """A pool operation was asked for something the pool cannot do."""
+
+
+class PoolBlock:
+    """A read-only view of one block of a `BlockPool` (satisfies `GpuBlockView`)."""
+
+    __slots__ = ("_pool", "block_id")
+
+    def __init__(self, pool: BlockPool, block_id: int) -> None:
+        self._pool = pool
+        self.block_id = block_id
+
+    @property
+    def is_null(self) -> bool:
+        """Return True for the null block."""
+        return self.block_id == NULL_BLOCK_ID
+
+    @property
+    def ref_count(self) -> int:
+        """Return the block's reference count."""
+        return self._pool.ref_count(self.block_id)
+
+    @property
+    def key(self) -> Key | None:
+        """Return the primary key, or None when the block is not cached."""
+        return self._pool.key(self.block_id)
+
+    @property
+    def num_tokens(self) -> int:
+        """Return the number of tokens the primary key covers (0 when not cached)."""
+        return self._pool.num_tokens(self.block_id)
+
+    @property
+    def secondary_keys(self) -> Sequence[Key]:
+        """Return the keys held besides the primary one."""
+        return self._pool.secondary_keys(self.block_id)
+
+
+class BlockPool:
+    """Blocks `0..num_blocks-1`; block 0 is the null block and is never handed out.
+
+    Not thread-safe: one owner (the engine's scheduler or the offload scheduler) calls it.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        free_queue: FreeQueue | None = None,
+        medium: str | None = None,
+        record_events: bool = False,
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be an int >= 2 (block 0 is null), got {num_blocks!r}"
+            )
+        self.num_blocks = num_blocks
+        self.medium = medium
+        self._record_events = record_events
+        self._refs = array("i", bytes(4 * num_blocks))
+        self._num_tokens = array("i", bytes(4 * num_blocks))
+        self._keys: list[Key | None] = [None] * num_blocks
+        self._secondary: dict[int, list[Key]] = {}
+        self._index: dict[Key, int] = {}
+        self._more_blocks: dict[Key, list[int]] = {}  # a key held by several blocks
+        self._free: FreeQueue = free_queue if free_queue is not None else LRUFreeQueue(num_blocks)
+        self._free.clear_and_fill(range(1, num_blocks))
+        self._events: list[KVEvent] = []
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Return the number of blocks that can ever be handed out (all but the null block)."""
+        return self.num_blocks - 1
+
+    def num_free(self) -> int:
+        """Return the number of blocks with ref count 0, cached ones included."""
+        return len(self._free)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Return True when `allocate(num_blocks)` would succeed."""
+        return num_blocks <= len(self._free)
+
+    def block(self, block_id: int) -> PoolBlock:
+        """Return a view of block `block_id`."""
+        self._check_id(block_id)
+        return PoolBlock(self, block_id)
+
+    def ref_count(self, block_id: int) -> int:
+        """Return the reference count of `block_id`."""
+        return self._refs[block_id]
+
+    def key(self, block_id: int) -> Key | None:
+        """Return the primary key of `block_id`, or None."""
+        return self._keys[block_id]
+
+    def num_tokens(self, block_id: int) -> int:
+        """Return how many tokens the primary key of `block_id` covers."""
+        return self._num_tokens[block_id]
+
+    def secondary_keys(self, block_id: int) -> Sequence[Key]:
+        """Return the secondary keys of `block_id` (empty when none)."""
+        return tuple(self._secondary.get(block_id, ()))
+
+    def is_cached(self, block_id: int) -> bool:
+        """Return True when `block_id` holds a key."""
+        return self._keys[block_id] is not None
+
+    def cached_block(self, key: Key) -> int | None:
+        """Return a block holding `key`, or None."""
+        return self._index.get(key)
+
+    def cached_blocks(self, key: Key) -> list[int]:
+        """Return every block holding `key`."""
+        first = self._index.get(key)
+        if first is None:
+            return []
+        return [first, *self._more_blocks.get(key, ())]
+
+    def lookup(self, keys: Iterable[Key]) -> list[int]:
+        """Return the blocks of the leading run of `keys` that are cached."""
+        found: list[int] = []
+        index = self._index
+        for key in keys:
+            block_id = index.get(key)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def iter_free_after(self, cursor: int | None) -> Iterator[int]:
+        """Yield free blocks in eviction order after `cursor`; from the head if None or busy."""
+        if cursor is not None and (cursor == NULL_BLOCK_ID or self._refs[cursor] != 0):
+            cursor = None
+        return self._free.iter_after(cursor)
+
+    # ----------------------------------------------------------------- changes
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks from the head of the free queue with ref count 1.
+
+        A cached block taken this way loses its keys (one `BlockRemoved` per key).
+        Raises `PoolError` when fewer than `num_blocks` are free.
+        """
+        if num_blocks > len(self._free):
+            raise PoolError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
+        taken = []
+        for _ in range(num_blocks):
+            block_id = self._free.pop_victim()
+            if self._keys[block_id] is not None:
+                self._drop_keys(block_id)
+            self._refs[block_id] = 1
+            taken.append(block_id)
+        return taken
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each block; a free block leaves the free queue."""
+        refs = self._refs
+        for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:
+                continue
+            if refs[block_id] == 0:
+                self._free.remove(block_id)
+            refs[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block, in order.
+
+        Blocks reaching 0 rejoin the free queue: unhashed ones at the head (reused
+        first), cached ones at the tail in the given order — pass a request's blocks
+        tail-first so that prefix tails are evicted before their roots.
+        """
+        refs = self._refs
+        for block_id in block_ids:
+            if block_id == NULL_BLOCK_ID:
+                continue
+            if refs[block_id] <= 0:
+                raise PoolError(f"block {block_id} freed more often than referenced")
+            refs[block_id] -= 1
+            if refs[block_id] == 0:
+                if self._keys[block_id] is None:
+                    self._free.push_reusable(block_id)
+                else:
+                    self._free.push_cached(block_id)
+
+    def insert_key(
+        self, key: Key, block_id: int, num_tokens: int, stored: BlockStored | None = None
+    ) -> None:
+        """Make `block_id` hold `key`: primary if it has none, otherwise secondary.
+
+        `num_tokens` is recorded for a primary key. `stored` is the event to record
+        (when events are on); a minimal one is made when it is None. Inserting a key
+        the block already holds does nothing.
+        """
+        self._check_id(block_id)
+        if block_id == NULL_BLOCK_ID:
+            raise PoolError("the null block cannot hold a key")
+        primary = self._keys[block_id]
+        if primary is None:
+            self._keys[block_id] = key
+            self._num_tokens[block_id] = num_tokens
+        elif primary == key or key in self._secondary.get(block_id, ()):
+            return
+        else:
+            self._secondary.setdefault(block_id, []).append(key)
+        if key in self._index:
+            self._more_blocks.setdefault(key, []).append(block_id)
+        else:
+            self._index[key] = block_id
+        if self._record_events:
+            if stored is None:
+                stored = BlockStored(key_block_hash(key), key_group_id(key), num_tokens)
+            self._events.append(stored)
+
+    def reset(self) -> bool:
+        """Drop every key; return False (and change nothing) while any block is referenced."""
+        if len(self._free) != self.num_usable_blocks:
+            return False
+        self._keys = [None] * self.num_blocks
+        self._num_tokens = array("i", bytes(4 * self.num_blocks))
+        self._secondary.clear()
+        self._index.clear()
+        self._more_blocks.clear()
+        self._free.clear_and_fill(range(1, self.num_blocks))
+        if self._record_events:
+            self._events.append(AllCleared(self.medium))
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """Return and forget the events recorded since the last call."""
+        events, self._events = self._events, []
+        return events
+
+    # ----------------------------------------------------------------- internals
+
+    def _check_id(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise PoolError(f"block id {block_id} out of range [0, {self.num_blocks})")
+
+    def _drop_keys(self, block_id: int) -> None:
+        primary = self._keys[block_id]
+        assert primary is not None
+        keys = [primary, *self._secondary.pop(block_id, ())]
+        self._keys[block_id] = None
+        self._num_tokens[block_id] = 0
+        for key in keys:
+            self._unindex(key, block_id)
+            if self._record_events:
+                removed = BlockRemoved(key_block_hash(key), key_group_id(key), self.medium)
+                self._events.append(removed)
+
+    def _unindex(self, key: Key, block_id: int) -> None:
+        more = self._more_blocks.get(key)
+        if self._index[key] == block_id:
+            if more:
+                self._index[key] = more.pop()
+            else:
+                del self._index[key]
+        else:
+            assert more is not None
+            more.remove(block_id)
+        if more is not None and not more:
+            del self._more_blocks[key]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the pool's bookkeeping is inconsistent."""
+        free_blocks = list(self._free.iter_after(None))
+        assert len(free_blocks) == len(self._free), "free queue length disagrees with its links"
+        assert len(set(free_blocks)) == len(free_blocks), "a block is queued twice"
+        assert NULL_BLOCK_ID not in free_blocks, "the null block is in the free queue"
+        assert self._refs[NULL_BLOCK_ID] == 0, "the null block is referenced"
+        assert min(self._refs) >= 0, "negative ref count"
+        num_zero = sum(1 for b in range(1, self.num_blocks) if self._refs[b] == 0)
+        assert num_zero == len(free_blocks), "free queue differs from the ref-0 blocks"
+        assert all(self._refs[b] == 0 for b in free_blocks), "a referenced block is free"
+        assert self._keys[NULL_BLOCK_ID] is None, "the null block holds a key"
+        for key, first in self._index.items():
+            for block_id in [first, *self._more_blocks.get(key, ())]:
+                held = [self._keys[block_id], *self._secondary.get(block_id, ())]
+                assert key in held, f"index maps a key to block {block_id}, which lacks it"
+        for block_id in self._secondary:
+            assert self._keys[block_id] is not None, "secondary keys without a primary key"
+        num_held = sum(k is not None for k in self._keys) + sum(
+            len(v) for v in self._secondary.values()
+        )
+        num_indexed = len(self._index) + sum(len(v) for v in self._more_blocks.values())
+        assert num_held == num_indexed, "a key held by a block is missing from the index"

@@ -1,0 +1,52 @@
+"""KV cache events, queued by their owner and drained with `take_events()`.
+
+Field names follow vLLM's KV events where they overlap, so KV-aware routers can consume
+them after a thin translation. One event describes one key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.core.keys import BlockHash
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """A key became visible in a tier.
+
+    `block_size` is the number of tokens the block covers (a partial tail covers fewer
+    than the group's block size). Lazy stores, hand-offs and partial tails carry no
+    `token_ids` payload.
+    """
+
+    block_hash: BlockHash
+    group_id: int
+    block_size: int
+    parent_block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] = ()
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[object, ...] = ()
+    medium: str | None = None
+    group_kind: str | None = None
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """A key stopped being visible in a tier (its block was evicted or reused)."""
+
+    block_hash: BlockHash
+    group_id: int
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class AllCleared:
+    """Every key of a tier was dropped (reset)."""
+
+    medium: str | None = None
+
+
+KVEvent = BlockStored | BlockRemoved | AllCleared

@@ -1,0 +1,113 @@
+"""The eviction order of free blocks, as a strategy object.
+
+A block pool keeps every block with ref count 0 (except the null block) in its free
+queue. The queue decides which free block is reused next. `LRUFreeQueue` is the default:
+an intrusive doubly linked list stored in two `array('i')` (8 bytes per block), so every
+operation is O(1) and no Python object exists per block.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+from typing import Protocol
+
+
+class FreeQueue(Protocol):
+    """Eviction order over free block ids. The pool calls it; it never calls the pool."""
+
+    def __len__(self) -> int: ...
+
+    def push_reusable(self, block_id: int) -> None:
+        """Add an unhashed free block: it is reused before any cached block."""
+        ...
+
+    def push_cached(self, block_id: int) -> None:
+        """Add a cached (hashed) free block at the most-recently-used end."""
+        ...
+
+    def remove(self, block_id: int) -> None:
+        """Take a block out of the queue (it was touched). O(1)."""
+        ...
+
+    def pop_victim(self) -> int:
+        """Remove and return the block to reuse next. The queue is not empty."""
+        ...
+
+    def iter_after(self, cursor: int | None) -> Iterator[int]:
+        """Yield free blocks in eviction order, starting after `cursor` (head if None).
+
+        The cursor must be in the queue; the queue must not change while iterating.
+        """
+        ...
+
+    def clear_and_fill(self, block_ids: range) -> None:
+        """Make the queue hold exactly `block_ids`, in that order."""
+        ...
+
+
+class LRUFreeQueue:
+    """Least recently freed first; unhashed blocks go to the head."""
+
+    __slots__ = ("_len", "_next", "_prev", "_sentinel")
+
+    def __init__(self, num_blocks: int) -> None:
+        # Node `num_blocks` is the sentinel of a circular list: _next[s] is the head and
+        # _prev[s] the tail. A block not in the queue has undefined links.
+        self._sentinel = num_blocks
+        self._next = array("i", bytes(4 * (num_blocks + 1)))
+        self._prev = array("i", bytes(4 * (num_blocks + 1)))
+        self._next[num_blocks] = num_blocks
+        self._prev[num_blocks] = num_blocks
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _insert_after(self, node: int, block_id: int) -> None:
+        nxt = self._next[node]
+        self._next[block_id] = nxt
+        self._prev[block_id] = node
+        self._prev[nxt] = block_id
+        self._next[node] = block_id
+        self._len += 1
+
+    def push_reusable(self, block_id: int) -> None:
+        """Add `block_id` at the head."""
+        self._insert_after(self._sentinel, block_id)
+
+    def push_cached(self, block_id: int) -> None:
+        """Add `block_id` at the tail."""
+        self._insert_after(self._prev[self._sentinel], block_id)
+
+    def remove(self, block_id: int) -> None:
+        """Unlink `block_id`."""
+        prv = self._prev[block_id]
+        nxt = self._next[block_id]
+        self._next[prv] = nxt
+        self._prev[nxt] = prv
+        self._len -= 1
+
+    def pop_victim(self) -> int:
+        """Unlink and return the head."""
+        head = self._next[self._sentinel]
+        if head == self._sentinel:
+            raise IndexError("free queue is empty")
+        self.remove(head)
+        return head
+
+    def iter_after(self, cursor: int | None) -> Iterator[int]:
+        """Yield from after `cursor` (or the head) to the tail."""
+        node = self._next[self._sentinel if cursor is None else cursor]
+        while node != self._sentinel:
+            yield node
+            node = self._next[node]
+
+    def clear_and_fill(self, block_ids: range) -> None:
+        """Link `block_ids` in order, dropping whatever was queued."""
+        s = self._sentinel
+        self._next[s] = s
+        self._prev[s] = s
+        self._len = 0
+        for block_id in block_ids:
+            self.push_cached(block_id)

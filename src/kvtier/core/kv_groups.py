@@ -1,0 +1,133 @@
+"""KV cache groups and the block geometry they imply (SPEC §1, §5).
+
+A group is a set of layers sharing one attention kind and block size. The scheduler
+block is the LCM of the group block sizes (external hits start and end on it); the hash
+block is their GCD unless configured (it must divide every group's block size).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class GroupKind(enum.Enum):
+    """What a group keeps, and so which of its blocks a hit needs."""
+
+    FULL_ATTENTION = "full_attention"  # every block
+    SLIDING_WINDOW = "sliding_window"  # the blocks of the last window
+    STATE = "state"  # only the latest state block; not positionally stable
+    SCRATCH = "scratch"  # never stored or loaded
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """One KV group: its kind, block size in tokens and bytes per block."""
+
+    kind: GroupKind
+    block_size: int
+    bytes_per_block: int
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not isinstance(self.bytes_per_block, int) or self.bytes_per_block < 0:
+            raise ValueError(
+                f"bytes_per_block must be a non-negative int, got {self.bytes_per_block!r}"
+            )
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+                raise ValueError(
+                    f"a sliding-window group needs a positive sliding_window, "
+                    f"got {self.sliding_window!r}"
+                )
+        elif self.sliding_window is not None:
+            raise ValueError(f"sliding_window is only for sliding-window groups ({self.kind})")
+
+    @property
+    def is_cacheable(self) -> bool:
+        """Return True when the group's blocks are stored and loaded."""
+        return self.kind is not GroupKind.SCRATCH
+
+    @property
+    def is_positional(self) -> bool:
+        """Return True when block j of a request always holds tokens of block j."""
+        return self.kind in (GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW)
+
+    @property
+    def num_window_blocks(self) -> int:
+        """Return how many trailing blocks a sliding-window hit needs before its end."""
+        assert self.sliding_window is not None
+        return math.ceil((self.sliding_window - 1) / self.block_size)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """All KV groups of a model, with the derived scheduler and hash block sizes."""
+
+    groups: tuple[KVGroupSpec, ...]
+    configured_hash_block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a KV layout needs at least one group")
+        hbs = self.configured_hash_block_size
+        if hbs is not None:
+            if not isinstance(hbs, int) or hbs <= 0:
+                raise ValueError(f"hash_block_size must be a positive int, got {hbs!r}")
+            for group_id, group in enumerate(self.groups):
+                if group.block_size % hbs:
+                    raise ValueError(
+                        f"hash_block_size {hbs} does not divide the block size "
+                        f"{group.block_size} of group {group_id}"
+                    )
+
+    @staticmethod
+    def single(block_size: int, bytes_per_block: int) -> KVLayout:
+        """Return a layout of one full-attention group."""
+        return KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, block_size, bytes_per_block),))
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Return the LCM of the group block sizes."""
+        return math.lcm(*(g.block_size for g in self.groups))
+
+    @property
+    def hash_block_size(self) -> int:
+        """Return the configured hash block size, else the GCD of the group block sizes."""
+        if self.configured_hash_block_size is not None:
+            return self.configured_hash_block_size
+        return math.gcd(*(g.block_size for g in self.groups))
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Return the bytes one block id spans across every group (one tier slot)."""
+        return sum(g.bytes_per_block for g in self.groups)
+
+    @property
+    def cacheable_group_ids(self) -> tuple[int, ...]:
+        """Return the ids of groups whose blocks are stored and loaded."""
+        return tuple(i for i, g in enumerate(self.groups) if g.is_cacheable)
+
+    def blocks_per_hash(self, group_id: int) -> int:
+        """Return how many hash blocks one block of `group_id` spans."""
+        return self.groups[group_id].block_size // self.hash_block_size
+
+    @property
+    def supports_fine_grained_hits(self) -> bool:
+        """Return True when hits may end inside a full-attention block.
+
+        That needs a full-attention group whose block spans several hash blocks while
+        every other cacheable group matches at hash-block granularity.
+        """
+        hbs = self.hash_block_size
+        cacheable = [self.groups[i] for i in self.cacheable_group_ids]
+        has_coarse_full = any(
+            g.kind is GroupKind.FULL_ATTENTION and g.block_size > hbs for g in cacheable
+        )
+        others_fine = all(
+            g.block_size == hbs for g in cacheable if g.kind is not GroupKind.FULL_ATTENTION
+        )
+        return has_coarse_full and others_fine

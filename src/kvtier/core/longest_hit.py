@@ -1,0 +1,198 @@
+"""The longest prefix hit across KV groups (SPEC §5).
+
+Every group judges a candidate hit length by its own rule; the hybrid hit is the fixed
+point where all groups accept the same length:
+
+    full attention   every block of [0, T) cached             (scan left to right)
+    sliding window   the last `num_window_blocks` before T     (scan right to left)
+    state            the block that ends at T                  (scan right to left)
+    scratch          always accepts; never loaded
+
+Lengths are multiples of the unit: the scheduler block, or the hash block when
+fine-grained hits are on (a full-attention hit may then end inside a block, served by a
+partial tail registered under the hash of that hash block).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.core.keys import BlockHash, Key, make_key
+from kvtier.core.kv_groups import GroupKind, KVLayout
+
+CachedBlockFn = Callable[[Key], "int | None"]
+
+
+class HitGranularity(enum.Enum):
+    """Where a hit may end."""
+
+    SCHEDULER_BLOCK = "scheduler_block"
+    HASH_BLOCK = "hash_block"
+
+
+@dataclass(frozen=True)
+class LongestHit:
+    """A hit of `num_tokens` tokens and, per group, the block ids that serve it.
+
+    `block_ids[g][j]` serves block j of group g from the start of the looked-up range;
+    positions the group does not need hold the null block id. Scratch groups get ().
+    """
+
+    num_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+class _GroupMatcher:
+    """Judge candidate hit lengths for one group, memoising index look-ups."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        group_id: int,
+        hashes: Sequence[BlockHash],
+        cached: CachedBlockFn,
+        fine: bool = False,
+    ) -> None:
+        self.fine = fine
+        self.group = layout.groups[group_id]
+        self.group_id = group_id
+        self.ratio = layout.blocks_per_hash(group_id)
+        self.hashes = hashes
+        self.cached = cached
+        self.num_blocks = len(hashes) // self.ratio
+        self._blocks: dict[int, int | None] = {}
+
+    def block(self, j: int) -> int | None:
+        """Return the cached block id of whole block j, or None."""
+        if j not in self._blocks:
+            key = make_key(self.hashes[(j + 1) * self.ratio - 1], self.group_id)
+            self._blocks[j] = self.cached(key)
+        return self._blocks[j]
+
+
+def _floor(value: int, unit: int) -> int:
+    return value // unit * unit
+
+
+class _FullMatcher(_GroupMatcher):
+    _prefix: tuple[int, int | None] | None = None  # (tokens, partial tail block)
+
+    def _prefix_hit(self) -> tuple[int, int | None]:
+        if self._prefix is None:
+            n = 0
+            while n < self.num_blocks and self.block(n) is not None:
+                n += 1
+            tokens, tail = n * self.group.block_size, None
+            if self.fine:
+                # A partial tail of block n ends at hash block n*ratio + m (m < ratio - 1).
+                hbs = self.group.block_size // self.ratio
+                for m in range(self.ratio - 2, -1, -1):
+                    index = n * self.ratio + m
+                    if index >= len(self.hashes):
+                        continue
+                    tail = self.cached(make_key(self.hashes[index], self.group_id))
+                    if tail is not None:
+                        tokens += (m + 1) * hbs
+                        break
+            self._prefix = (tokens, tail)
+        return self._prefix
+
+    def best_at_most(self, num_tokens: int, unit: int) -> int:
+        return _floor(min(num_tokens, self._prefix_hit()[0]), unit)
+
+    def block_ids(self, num_tokens: int) -> tuple[int, ...]:
+        bs = self.group.block_size
+        ids = []
+        for j in range(-(-num_tokens // bs)):
+            block = self.block(j) if j < self.num_blocks else None
+            if block is None:
+                block = self._prefix_hit()[1]
+            assert block is not None
+            ids.append(block)
+        return tuple(ids)
+
+
+class _SlidingMatcher(_GroupMatcher):
+    def _window(self, end: int) -> range:
+        return range(max(0, end - self.group.num_window_blocks), end)
+
+    def best_at_most(self, num_tokens: int, unit: int) -> int:
+        bs = self.group.block_size
+        tokens = _floor(num_tokens, unit)
+        while tokens > 0:
+            missing = [j for j in self._window(tokens // bs) if self.block(j) is None]
+            if not missing:
+                return tokens
+            tokens = _floor(missing[-1] * bs, unit)
+        return 0
+
+    def block_ids(self, num_tokens: int) -> tuple[int, ...]:
+        end = num_tokens // self.group.block_size
+        window = self._window(end)
+        ids = [NULL_BLOCK_ID] * window.start
+        for j in window:
+            block = self.block(j)
+            assert block is not None
+            ids.append(block)
+        return tuple(ids)
+
+
+class _StateMatcher(_GroupMatcher):
+    def best_at_most(self, num_tokens: int, unit: int) -> int:
+        bs = self.group.block_size
+        tokens = _floor(num_tokens, unit)
+        while tokens > 0 and self.block(tokens // bs - 1) is None:
+            tokens = _floor(tokens - bs, unit)
+        return tokens
+
+    def block_ids(self, num_tokens: int) -> tuple[int, ...]:
+        end = num_tokens // self.group.block_size
+        if end == 0:
+            return ()
+        last = self.block(end - 1)
+        assert last is not None
+        return (NULL_BLOCK_ID,) * (end - 1) + (last,)
+
+
+def find_longest_hit(
+    layout: KVLayout,
+    hashes: Sequence[BlockHash],
+    max_num_tokens: int,
+    cached_block: CachedBlockFn,
+    granularity: HitGranularity = HitGranularity.SCHEDULER_BLOCK,
+) -> LongestHit:
+    """Return the longest hit of at most `max_num_tokens` tokens over `hashes`.
+
+    `hashes` are chained hashes at the hash block size, starting at a scheduler-block
+    boundary; `cached_block(key)` answers whether (and where) a key is cached.
+    """
+    fine = granularity is HitGranularity.HASH_BLOCK
+    if fine and not layout.supports_fine_grained_hits:
+        raise ValueError("fine-grained hits need a coarse full-attention group (see KVLayout)")
+    unit = layout.hash_block_size if fine else layout.scheduler_block_size
+    matchers: list[_FullMatcher | _SlidingMatcher | _StateMatcher] = []
+    for group_id in layout.cacheable_group_ids:
+        kind = layout.groups[group_id].kind
+        args = (layout, group_id, hashes, cached_block)
+        if kind is GroupKind.FULL_ATTENTION:
+            matchers.append(_FullMatcher(*args, fine))
+        elif kind is GroupKind.SLIDING_WINDOW:
+            matchers.append(_SlidingMatcher(*args))
+        else:
+            matchers.append(_StateMatcher(*args))
+    num_tokens = _floor(min(max_num_tokens, len(hashes) * layout.hash_block_size), unit)
+    changed = num_tokens > 0
+    while changed:
+        changed = False
+        for matcher in matchers:
+            accepted = matcher.best_at_most(num_tokens, unit)
+            if accepted < num_tokens:
+                num_tokens, changed = accepted, accepted > 0
+    block_ids: list[tuple[int, ...]] = [() for _ in layout.groups]
+    if num_tokens > 0:
+        for matcher in matchers:
+            block_ids[matcher.group_id] = matcher.block_ids(num_tokens)
+    return LongestHit(num_tokens, tuple(block_ids))

@@ -1,0 +1,192 @@
+"""Offload configuration (SPEC §8) and lower-tier sizing (SPEC §6.1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.core.hashing import HashAlgo
+from kvtier.offload.plan import Tier
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the value."""
+
+
+class StoreMode(enum.Enum):
+    """When blocks are copied down to the tier."""
+
+    EAGER = "eager"  # as soon as their KV is confirmed computed
+    LAZY = "lazy"  # only when they are about to be evicted from the GPU
+
+
+class DiskIOMode(enum.Enum):
+    """How the disk tier reads and writes its file."""
+
+    DIRECT = "direct"  # O_DIRECT, 4096-aligned; slot bytes must be a multiple of 4096
+    PAGE_CACHE = "page_cache"
+
+
+_DISK_KEYS = ("disk_path", "disk_io_mode", "disk_buffer_slots")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Everything that shapes the offload scheduler and worker. Byte budgets are per rank.
+
+    Exactly one lower tier is used: CPU when `cpu_bytes` > 0, else DISK when
+    `disk_bytes` > 0. `num_blocks` sets the tier size explicitly (it must fit the
+    budget); it counts every block of the tier pool, the null block included.
+    """
+
+    cpu_bytes: int = 0
+    disk_bytes: int = 0
+    disk_path: str | None = None
+    disk_io_mode: DiskIOMode = DiskIOMode.DIRECT
+    disk_buffer_slots: int = 2
+    num_blocks: int | None = None
+    store_mode: StoreMode = StoreMode.EAGER
+    hash_algo: HashAlgo = HashAlgo.SHA256
+    hash_seed: str | None = None
+    events: bool = False
+    max_batched_tokens: int = 8192
+    fine_grained_hits: bool = False
+
+    def __post_init__(self) -> None:
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"{name} must be {_type_name(kind)}, got {value!r}")
+        _require(self.cpu_bytes >= 0, "cpu_bytes", self.cpu_bytes, "must be >= 0")
+        _require(self.disk_bytes >= 0, "disk_bytes", self.disk_bytes, "must be >= 0")
+        _require(self.disk_buffer_slots >= 1, "disk_buffer_slots", self.disk_buffer_slots, ">= 1")
+        _require(self.max_batched_tokens > 0, "max_batched_tokens", self.max_batched_tokens, "> 0")
+        if self.num_blocks is not None:
+            _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2")
+        if self.cpu_bytes == 0 and self.disk_bytes == 0:
+            raise ConfigError("no lower tier: set cpu_bytes or disk_bytes to a positive size")
+        if self.cpu_bytes > 0 and self.disk_bytes > 0:
+            raise ConfigError(
+                f"cpu_bytes={self.cpu_bytes} and disk_bytes={self.disk_bytes} are both set: "
+                "choose one lower tier (the CPU+disk cascade is not available yet)"
+            )
+        if self.disk_bytes > 0 and not self.disk_path:
+            raise ConfigError(f"disk_bytes={self.disk_bytes} needs disk_path")
+        if self.fine_grained_hits and self.store_mode is StoreMode.LAZY:
+            raise ConfigError("fine_grained_hits=True needs store_mode='eager'")
+
+    @property
+    def tier(self) -> Tier:
+        """Return the lower tier this configuration uses."""
+        return Tier.CPU if self.cpu_bytes > 0 else Tier.DISK
+
+    @property
+    def tier_bytes(self) -> int:
+        """Return the byte budget of the lower tier (per rank)."""
+        return self.cpu_bytes if self.tier is Tier.CPU else self.disk_bytes
+
+    @staticmethod
+    def from_dict(values: Mapping[str, Any]) -> OffloadConfig:
+        """Build a config from plain values (e.g. JSON); unknown keys are rejected.
+
+        Enum fields accept their string values; `disk_direct_io` (bool) is accepted as
+        the SPEC's spelling of `disk_io_mode`. Disk-only keys without a disk tier are
+        ignored with a warning.
+        """
+        values = dict(values)
+        if "disk_direct_io" in values:  # SPEC §8 spelling
+            direct = values.pop("disk_direct_io")
+            if not isinstance(direct, bool):
+                raise ConfigError(f"disk_direct_io must be a bool, got {direct!r}")
+            values["disk_io_mode"] = DiskIOMode.DIRECT if direct else DiskIOMode.PAGE_CACHE
+        known = {f.name for f in dataclasses.fields(OffloadConfig)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown offload config key(s): {', '.join(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            enum_type = _ENUM_FIELDS.get(key)
+            if enum_type is not None and isinstance(value, str):
+                try:
+                    value = enum_type(value)
+                except ValueError:
+                    choices = ", ".join(repr(m.value) for m in enum_type)
+                    raise ConfigError(f"{key} must be one of {choices}, got {value!r}") from None
+            kwargs[key] = value
+        if not kwargs.get("disk_bytes"):
+            ignored = sorted(k for k in _DISK_KEYS if k in kwargs)
+            if ignored:
+                logger.warning("no disk tier (disk_bytes unset): ignoring %s", ", ".join(ignored))
+                for key in ignored:
+                    del kwargs[key]
+        return OffloadConfig(**kwargs)
+
+    def num_tier_blocks(self, bytes_per_block: int) -> int:
+        """Return the tier pool size for blocks of `bytes_per_block` bytes (SPEC §6.1)."""
+        if bytes_per_block <= 0:
+            raise ConfigError(f"bytes_per_block must be > 0, got {bytes_per_block}")
+        capacity = self.tier_bytes // bytes_per_block
+        name = "cpu_bytes" if self.tier is Tier.CPU else "disk_bytes"
+        if self.num_blocks is not None:
+            if self.num_blocks > capacity:
+                raise ConfigError(
+                    f"num_blocks={self.num_blocks} exceeds what {name}={self.tier_bytes} "
+                    f"holds at {bytes_per_block} bytes per block ({capacity})"
+                )
+            return self.num_blocks
+        if capacity < 2:
+            raise ConfigError(
+                f"{name}={self.tier_bytes} holds {capacity} block(s) of {bytes_per_block} "
+                "bytes; the tier needs at least 2 (block 0 is the null block)"
+            )
+        return capacity
+
+
+def agree_num_tier_blocks(per_worker: list[int]) -> int:
+    """Return the tier size every worker can hold: the minimum over workers."""
+    if not per_worker:
+        raise ConfigError("no worker reported a tier size")
+    return min(per_worker)
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "cpu_bytes": int,
+    "disk_bytes": int,
+    "disk_path": str,
+    "disk_io_mode": DiskIOMode,
+    "disk_buffer_slots": int,
+    "num_blocks": int,
+    "store_mode": StoreMode,
+    "hash_algo": HashAlgo,
+    "hash_seed": str,
+    "events": bool,
+    "max_batched_tokens": int,
+    "fine_grained_hits": bool,
+}
+_OPTIONAL = {"disk_path", "num_blocks", "hash_seed"}
+_ENUM_FIELDS: dict[str, type[enum.Enum]] = {
+    "disk_io_mode": DiskIOMode,
+    "store_mode": StoreMode,
+    "hash_algo": HashAlgo,
+}
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    if issubclass(kind, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in kind)
+    return f"an {kind.__name__}" if kind.__name__[0] in "aeiou" else f"a {kind.__name__}"
+
+
+def _require(ok: bool, key: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}")

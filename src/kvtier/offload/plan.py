@@ -1,0 +1,113 @@
+"""The transfer plan (scheduler → worker) and the worker report (worker → scheduler).
+
+These frozen, picklable records are the only things that cross between the two sides.
+They hold block ids and event ids, never tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+class Tier(enum.Enum):
+    """Where bytes live."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+    DISK = "DISK"
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Copy whole blocks from one tier to another as one batched transfer.
+
+    `src_block_ids[i]` is copied to `dst_block_ids[i]`; both are in their tier's block id
+    space (GPU block ids for the engine's cache, slot ids for a lower tier). Null block
+    ids never appear. `event_id` is unique over the scheduler's lifetime, across kinds.
+    """
+
+    event_id: int
+    src_tier: Tier
+    dst_tier: Tier
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ValueError(
+                f"event {self.event_id}: {len(self.src_block_ids)} source blocks but "
+                f"{len(self.dst_block_ids)} destination blocks"
+            )
+        if self.src_tier is self.dst_tier:
+            raise ValueError(
+                f"event {self.event_id}: source and destination tier are both {self.src_tier.value}"
+            )
+
+    @property
+    def is_store(self) -> bool:
+        """Return True for a GPU → lower tier copy."""
+        return self.src_tier is Tier.GPU
+
+    @property
+    def is_load(self) -> bool:
+        """Return True for a lower tier → GPU copy."""
+        return self.dst_tier is Tier.GPU
+
+    @property
+    def num_blocks(self) -> int:
+        """Return the number of blocks this job copies."""
+        return len(self.src_block_ids)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What the worker must do this step.
+
+    `jobs` run in order of submission per direction. `load_request_ids` maps every
+    outstanding load event (issued this step or earlier) to the request ids it serves, so
+    a worker can turn a finished event into request ids. `need_flush` means a request was
+    preempted this step: the worker must finish every outstanding transfer before the
+    forward pass, because preempted GPU blocks may be reused at once.
+    """
+
+    step_id: int
+    jobs: tuple[TransferJob, ...] = ()
+    load_request_ids: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    need_flush: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        """Return True when the plan asks for no transfer and no flush."""
+        return not self.jobs and not self.need_flush
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What one worker (or several, merged) finished since its last report.
+
+    `done[event_id]` and `failed[event_id]` count the workers that finished that event
+    successfully or with an error (I/O error, short read/write, checksum mismatch). A
+    worker reports each event it was given exactly once, in one of the two maps.
+    """
+
+    done: Mapping[int, int] = field(default_factory=dict)
+    failed: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        """Return True when nothing finished."""
+        return not self.done and not self.failed
+
+    @staticmethod
+    def merge(reports: Iterable[WorkerReport]) -> WorkerReport:
+        """Return one report that sums the worker counts of `reports`."""
+        done: dict[int, int] = {}
+        failed: dict[int, int] = {}
+        for report in reports:
+            for event_id, count in report.done.items():
+                done[event_id] = done.get(event_id, 0) + count
+            for event_id, count in report.failed.items():
+                failed[event_id] = failed.get(event_id, 0) + count
+        return WorkerReport(done=done, failed=failed)

@@ -1,0 +1,122 @@
+"""What an engine provides to the offload scheduler (SPEC §2.1): protocols, not base classes."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.core.keys import BlockHash, Key
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """Identity of the LoRA adapter a request runs with."""
+
+    lora_id: int
+    lora_name: str
+
+
+class RequestView(Protocol):
+    """A request as the offload scheduler sees it. All counts are in tokens.
+
+    `block_hashes` are chained hashes at the layout's `hash_block_size`, one per full hash
+    block, grown by the engine as tokens arrive.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_output_placeholders(self) -> int: ...
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def lora(self) -> LoRAInfo | None: ...
+    @property
+    def skip_prefix_cache(self) -> bool: ...
+
+
+class GpuBlockView(Protocol):
+    """One block of the engine's GPU pool."""
+
+    @property
+    def block_id(self) -> int: ...
+    @property
+    def is_null(self) -> bool: ...
+    @property
+    def ref_count(self) -> int: ...
+    @property
+    def key(self) -> Key | None: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def secondary_keys(self) -> Sequence[Key]: ...
+
+
+class GpuPoolView(Protocol):
+    """The engine's own block pool. kvtier's `BlockPool` satisfies it."""
+
+    def block(self, block_id: int) -> GpuBlockView:
+        """Return a view of block `block_id`."""
+        ...
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one reference on each block (a ref-0 block leaves the free queue)."""
+        ...
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, in order."""
+        ...
+
+    def cached_block(self, key: Key) -> int | None:
+        """Return a block id holding `key`, or None."""
+        ...
+
+    def iter_free_after(self, cursor: int | None) -> Iterator[int]:
+        """Yield free block ids in eviction order, after `cursor` (from the head if None)."""
+        ...
+
+
+class TableUpdate(enum.Enum):
+    """How a step's block ids relate to the request's block table."""
+
+    REPLACE = "replace"  # a new or resumed request: the full table
+    APPEND = "append"  # a running request: blocks appended this step
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request scheduled this step, with its block ids per group."""
+
+    request: RequestView
+    block_ids: tuple[tuple[int, ...], ...]
+    num_scheduled_tokens: int
+    table_update: TableUpdate = TableUpdate.APPEND
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A GPU block of a group whose blocks are not positionally stable, offered for storing."""
+
+    request_id: str
+    group_id: int
+    gpu_block_id: int
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Everything the engine tells the offload scheduler about one step."""
+
+    scheduled: tuple[ScheduledRequest, ...] = ()
+    finished_request_ids: frozenset[str] = field(default_factory=frozenset)
+    preempted_request_ids: frozenset[str] = field(default_factory=frozenset)
+    handoffs: tuple[Handoff, ...] = ()

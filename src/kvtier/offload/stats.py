@@ -1,0 +1,70 @@
+"""Per-step statistics and cumulative counters of the offload scheduler (SPEC §6.10)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class StoreOutcome(enum.Enum):
+    """What happened to one candidate for storing."""
+
+    STORED = "stored"
+    ALREADY_CACHED = "skipped_already_cached"
+    IN_FLIGHT = "skipped_in_flight"
+    TIER_FULL = "dropped_tier_full"
+    REQUEST_GONE = "dropped_request_gone"
+    NULL = "dropped_null"
+    UNHASHED = "dropped_unhashed"
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """One step's counters (reset by `take_stats`) plus gauges and cumulative totals.
+
+    `store_outcomes` counts eager, lazy and finish-time candidates; `handoff_outcomes`
+    counts hand-offs alone. `hit_tokens` is cumulative per tier medium.
+    """
+
+    store_outcomes: Mapping[str, int] = field(default_factory=dict)
+    handoff_outcomes: Mapping[str, int] = field(default_factory=dict)
+    num_loaded_blocks: int = 0
+    num_stored_blocks: int = 0
+    num_failed_loads: int = 0
+    num_failed_stores: int = 0
+    num_bytes_loaded: int = 0
+    num_bytes_stored: int = 0
+    num_tier_blocks_in_use: int = 0
+    num_blocks_pending_store: int = 0
+    hit_tokens: Mapping[str, int] = field(default_factory=dict)
+    info: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepCounters:
+    """Mutable counters the scheduler bumps during a step."""
+
+    store_outcomes: dict[StoreOutcome, int] = field(default_factory=dict)
+    handoff_outcomes: dict[StoreOutcome, int] = field(default_factory=dict)
+    num_loaded_blocks: int = 0
+    num_stored_blocks: int = 0
+    num_failed_loads: int = 0
+    num_failed_stores: int = 0
+
+    def count_store(self, outcome: StoreOutcome) -> None:
+        """Count one store candidate's outcome."""
+        self.store_outcomes[outcome] = self.store_outcomes.get(outcome, 0) + 1
+
+    def count_handoff(self, outcome: StoreOutcome) -> None:
+        """Count one hand-off's outcome."""
+        self.handoff_outcomes[outcome] = self.handoff_outcomes.get(outcome, 0) + 1
+
+    def clear(self) -> None:
+        """Reset every counter to zero."""
+        self.store_outcomes.clear()
+        self.handoff_outcomes.clear()
+        self.num_loaded_blocks = 0
+        self.num_stored_blocks = 0
+        self.num_failed_loads = 0
+        self.num_failed_stores = 0

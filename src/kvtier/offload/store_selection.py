@@ -1,0 +1,277 @@
+"""Choosing GPU blocks to copy down to the tier (SPEC §6.5 eager, §6.6 lazy, §6.7 finish).
+
+`StoreSelector` decides; every accepted candidate is pinned on the GPU, given a freshly
+allocated tier slot and queued as a `StoreItem` until `build_plan` issues it. Keys whose
+store is queued or in flight are tracked so no block is stored twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvtier.core.events import BlockStored
+from kvtier.core.keys import Key, make_key
+from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.offload.protocols import (
+    GpuPoolView,
+    Handoff,
+    RequestView,
+    ScheduledRequest,
+    TableUpdate,
+)
+from kvtier.offload.stats import StepCounters, StoreOutcome
+
+
+@dataclass(slots=True)
+class StoreItem:
+    """One GPU block being copied to one tier slot.
+
+    `tail_key` is set for a fine-grained partial tail: that key (covering
+    `tail_num_tokens` tokens) is registered instead of the GPU block's own keys.
+    `stored` is the event payload captured at selection time (events on, eager only).
+    """
+
+    gpu_block_id: int
+    tier_block_id: int
+    key: Key
+    tail_num_tokens: int = 0
+    stored: BlockStored | None = None
+
+    @property
+    def is_partial_tail(self) -> bool:
+        """Return True when this item registers a partial-tail key."""
+        return self.tail_num_tokens > 0
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Store tracking of one request (eager mode): its block table and a cursor per group."""
+
+    block_ids: list[list[int]]
+    cursors: list[int]
+
+
+@dataclass(slots=True)
+class StoreSelector:
+    """Select store candidates; owns the request tables, cursors and in-flight keys."""
+
+    layout: KVLayout
+    gpu_pool: GpuPoolView
+    tier_pool: BlockPool
+    counters: StepCounters
+    record_payload: bool
+    fine_grained: bool
+    queued: list[StoreItem] = field(default_factory=list)
+    in_flight_keys: set[Key] = field(default_factory=set)
+    tracked: dict[str, _Tracked] = field(default_factory=dict)
+    lazy_cursor: int | None = None
+
+    # ------------------------------------------------------------ request tracking
+
+    def track(self, request_id: str) -> None:
+        """Start tracking `request_id` (once) with an empty table."""
+        if request_id not in self.tracked:
+            self.tracked[request_id] = self._empty()
+
+    def untrack(self, request_id: str) -> None:
+        """Forget a request's table and cursors."""
+        self.tracked.pop(request_id, None)
+
+    def reset_request(self, request_id: str) -> None:
+        """Reset a preempted request's table and cursors."""
+        if request_id in self.tracked:
+            self.tracked[request_id] = self._empty()
+
+    def _empty(self) -> _Tracked:
+        num_groups = len(self.layout.groups)
+        return _Tracked([[] for _ in range(num_groups)], [0] * num_groups)
+
+    def update_table(self, scheduled: ScheduledRequest) -> _Tracked | None:
+        """Apply a step's block ids to the request's table; None for an unknown request."""
+        request_id = scheduled.request.request_id
+        if scheduled.table_update is TableUpdate.REPLACE:
+            self.tracked[request_id] = state = self._empty()
+        else:
+            found = self.tracked.get(request_id)
+            if found is None:
+                return None
+            state = found
+        for table, new_ids in zip(state.block_ids, scheduled.block_ids, strict=True):
+            table.extend(new_ids)
+        return state
+
+    # ------------------------------------------------------------ selection
+
+    def confirmed_tokens(self, request: RequestView) -> int:
+        """Return the tokens whose KV is confirmed computed, rounded down to the unit."""
+        unit = (
+            self.layout.hash_block_size if self.fine_grained else self.layout.scheduler_block_size
+        )
+        confirmed = request.num_computed_tokens - request.num_output_placeholders
+        return max(0, confirmed) // unit * unit
+
+    def select_request(self, request: RequestView, state: _Tracked) -> None:
+        """Select a request's confirmed, positionally stable blocks from its cursors on."""
+        ready_tokens = self.confirmed_tokens(request)
+        for group_id in self.layout.cacheable_group_ids:
+            group = self.layout.groups[group_id]
+            if not group.is_positional:
+                continue  # state blocks are stored only from hand-offs
+            table = state.block_ids[group_id]
+            num_ready = min(ready_tokens // group.block_size, len(table))
+            pos = state.cursors[group_id]
+            while pos < num_ready:
+                outcome = self._select_position(request, group_id, table, pos)
+                if outcome is StoreOutcome.TIER_FULL:
+                    break  # retry later: the cursor does not advance
+                pos += 1
+            state.cursors[group_id] = pos
+
+    def _select_position(
+        self, request: RequestView, group_id: int, table: Sequence[int], pos: int
+    ) -> StoreOutcome:
+        gpu_block_id = table[pos]
+        if gpu_block_id == NULL_BLOCK_ID:
+            # A sliding window dropped this block; it may still be cached on the GPU.
+            key = self._request_key(request, group_id, pos)
+            recovered = None if key is None else self.gpu_pool.cached_block(key)
+            if recovered is None:
+                self.counters.count_store(StoreOutcome.NULL)
+                return StoreOutcome.NULL
+            gpu_block_id = recovered
+        payload = self._payload(request, group_id, pos) if self.record_payload else None
+        outcome = self.try_select(gpu_block_id, stored=payload)
+        self.counters.count_store(outcome)
+        return outcome
+
+    def select_lazy(self, target: int) -> None:
+        """Walk the GPU free queue from the cursor and select up to `target` visited blocks."""
+        visited = []
+        for block_id in self.gpu_pool.iter_free_after(self.lazy_cursor):
+            visited.append(block_id)
+            if len(visited) >= target:
+                break
+        cursor = None
+        for block_id in visited:
+            outcome = self.try_select(block_id)
+            self.counters.count_store(outcome)
+            if outcome is StoreOutcome.TIER_FULL:
+                break
+            if outcome is not StoreOutcome.STORED:
+                cursor = block_id  # still in the free queue: resume after it
+        self.lazy_cursor = cursor
+
+    def select_handoffs(
+        self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
+    ) -> None:
+        """Select hand-offs, dropping those of finished, preempted or unknown requests."""
+        for handoff in handoffs:
+            known = handoff.request_id in self.tracked or not require_tracked
+            if not known or handoff.request_id in gone:
+                outcome = StoreOutcome.REQUEST_GONE
+            elif not self.layout.groups[handoff.group_id].is_cacheable:
+                outcome = StoreOutcome.NULL
+            else:
+                outcome = self.try_select(handoff.gpu_block_id)
+            self.counters.count_handoff(outcome)
+
+    def select_partial_tail(self, request: RequestView, state: _Tracked) -> None:
+        """Select the full-attention partial tail of a finished request (fine-grained)."""
+        confirmed = self.confirmed_tokens(request)
+        hbs = self.layout.hash_block_size
+        for group_id in self.layout.cacheable_group_ids:
+            group = self.layout.groups[group_id]
+            if group.kind is not GroupKind.FULL_ATTENTION or group.block_size == hbs:
+                continue
+            pos, rest = divmod(confirmed, group.block_size)
+            table = state.block_ids[group_id]
+            if rest == 0 or pos >= len(table):
+                continue
+            last_hash = confirmed // hbs - 1
+            key = make_key(request.block_hashes[last_hash], group_id)
+            outcome = self.try_select(table[pos], tail_key=key, tail_num_tokens=rest)
+            self.counters.count_store(outcome)
+
+    def try_select(
+        self,
+        gpu_block_id: int,
+        tail_key: Key | None = None,
+        tail_num_tokens: int = 0,
+        stored: BlockStored | None = None,
+    ) -> StoreOutcome:
+        """Pin `gpu_block_id`, allocate a tier slot and queue the copy, unless skipped."""
+        if gpu_block_id == NULL_BLOCK_ID:
+            return StoreOutcome.NULL
+        key = tail_key if tail_key is not None else self.gpu_pool.block(gpu_block_id).key
+        if key is None:
+            return StoreOutcome.UNHASHED
+        if key in self.in_flight_keys:
+            return StoreOutcome.IN_FLIGHT
+        if self.tier_pool.cached_block(key) is not None:
+            return StoreOutcome.ALREADY_CACHED
+        if not self.tier_pool.can_allocate(1):
+            return StoreOutcome.TIER_FULL
+        self.gpu_pool.touch([gpu_block_id])
+        (tier_block_id,) = self.tier_pool.allocate(1)
+        self.in_flight_keys.add(key)
+        self.queued.append(StoreItem(gpu_block_id, tier_block_id, key, tail_num_tokens, stored))
+        return StoreOutcome.STORED
+
+    def release(self, items: Iterable[StoreItem]) -> None:
+        """Drop the pins and in-flight keys of items that will register nothing."""
+        items = list(items)
+        self.gpu_pool.free([item.gpu_block_id for item in items])
+        self.tier_pool.free([item.tier_block_id for item in items])
+        for item in items:
+            self.in_flight_keys.discard(item.key)
+
+    def take_queued(self) -> list[StoreItem]:
+        """Return and forget the items selected since the last call."""
+        queued, self.queued = self.queued, []
+        return queued
+
+    # ------------------------------------------------------------ helpers
+
+    def _request_key(self, request: RequestView, group_id: int, pos: int) -> Key | None:
+        ratio = self.layout.blocks_per_hash(group_id)
+        index = (pos + 1) * ratio - 1
+        if index >= len(request.block_hashes):
+            return None
+        return make_key(request.block_hashes[index], group_id)
+
+    def _payload(self, request: RequestView, group_id: int, pos: int) -> BlockStored:
+        group = self.layout.groups[group_id]
+        ratio = self.layout.blocks_per_hash(group_id)
+        hashes = request.block_hashes
+        parent = hashes[pos * ratio - 1] if pos > 0 else None
+        start = pos * group.block_size
+        lora = request.lora
+        return BlockStored(
+            block_hash=hashes[(pos + 1) * ratio - 1],
+            group_id=group_id,
+            block_size=group.block_size,
+            parent_block_hash=parent,
+            token_ids=tuple(request.token_ids[start : start + group.block_size]),
+            lora_id=None if lora is None else lora.lora_id,
+            lora_name=None if lora is None else lora.lora_name,
+            group_kind=group.kind.value,
+            sliding_window=group.sliding_window,
+        )
+
+
+def lazy_target(layout: KVLayout, max_batched_tokens: int) -> int:
+    """Return how many GPU free-queue blocks lazy mode visits per step (SPEC §6.6)."""
+    total = 0
+    for group_id in layout.cacheable_group_ids:
+        group = layout.groups[group_id]
+        if group.kind is GroupKind.STATE:
+            total += 2
+        elif group.kind is GroupKind.SLIDING_WINDOW:
+            assert group.sliding_window is not None
+            total += math.ceil(group.sliding_window / group.block_size) + 1
+        else:
+            total += math.ceil(max_batched_tokens / group.block_size)
+    return 2 * total
