@@ -232,6 +232,19 @@ class BlockPool:
                 stored = BlockStored(key_block_hash(key), key_group_id(key), num_tokens)
             self._events.append(stored)
 
+    def discard_keys(self, block_id: int) -> None:
+        """Drop every key of `block_id` (its content is no longer trusted).
+
+        A free block moves to the head of the free queue, to be reused first.
+        """
+        self._check_id(block_id)
+        if self._keys[block_id] is None:
+            return
+        self._drop_keys(block_id)
+        if block_id != NULL_BLOCK_ID and self._refs[block_id] == 0:
+            self._free.remove(block_id)
+            self._free.push_reusable(block_id)
+
     def reset(self) -> bool:
         """Drop every key; return False (and change nothing) while any block is referenced."""
         if len(self._free) != self.num_usable_blocks:

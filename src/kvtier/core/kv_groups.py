@@ -12,6 +12,11 @@ import math
 from dataclasses import dataclass
 
 
+def _is_int(value: object) -> bool:
+    """Return True for an int that is not a bool (bool subclasses int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class GroupKind(enum.Enum):
     """What a group keeps, and so which of its blocks a hit needs."""
 
@@ -31,14 +36,14 @@ class KVGroupSpec:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        if not _is_int(self.block_size) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
-        if not isinstance(self.bytes_per_block, int) or self.bytes_per_block < 0:
+        if not _is_int(self.bytes_per_block) or self.bytes_per_block < 0:
             raise ValueError(
                 f"bytes_per_block must be a non-negative int, got {self.bytes_per_block!r}"
             )
         if self.kind is GroupKind.SLIDING_WINDOW:
-            if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
+            if not _is_int(self.sliding_window) or self.sliding_window <= 0:
                 raise ValueError(
                     f"a sliding-window group needs a positive sliding_window, "
                     f"got {self.sliding_window!r}"
@@ -75,7 +80,7 @@ class KVLayout:
             raise ValueError("a KV layout needs at least one group")
         hbs = self.configured_hash_block_size
         if hbs is not None:
-            if not isinstance(hbs, int) or hbs <= 0:
+            if not _is_int(hbs) or hbs <= 0:
                 raise ValueError(f"hash_block_size must be a positive int, got {hbs!r}")
             for group_id, group in enumerate(self.groups):
                 if group.block_size % hbs:

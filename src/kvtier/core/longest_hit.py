@@ -183,7 +183,9 @@ def find_longest_hit(
             matchers.append(_SlidingMatcher(*args))
         else:
             matchers.append(_StateMatcher(*args))
-    num_tokens = _floor(min(max_num_tokens, len(hashes) * layout.hash_block_size), unit)
+    num_tokens = _floor(max(0, min(max_num_tokens, len(hashes) * layout.hash_block_size)), unit)
+    if not matchers:  # a layout of scratch groups only caches nothing
+        num_tokens = 0
     changed = num_tokens > 0
     while changed:
         changed = False

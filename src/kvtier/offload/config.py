@@ -40,7 +40,8 @@ _DISK_KEYS = ("disk_path", "disk_io_mode", "disk_buffer_slots")
 class OffloadConfig:
     """Everything that shapes the offload scheduler and worker. Byte budgets are per rank.
 
-    Exactly one lower tier is used: CPU when `cpu_bytes` > 0, else DISK when
+    `disk_path` is a directory; each rank creates its own file in it. Exactly one lower
+    tier is used: CPU when `cpu_bytes` > 0, else DISK when
     `disk_bytes` > 0. `num_blocks` sets the tier size explicitly (it must fit the
     budget); it counts every block of the tier pool, the null block included.
     """

@@ -290,6 +290,8 @@ class OffloadScheduler:
                 else:
                     failed.append(FailedLoad(load.request_id, load.start_token, load.end_token))
                     self._counters.num_failed_loads += 1
+                    for block_id in load.tier_block_ids:  # never serve a suspect copy again
+                        self.tier_pool.discard_keys(block_id)
             if transfer.stores:
                 self._complete_stores(transfer)
         return ReportOutcome(tuple(finished), tuple(failed))

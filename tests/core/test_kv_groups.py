@@ -1,0 +1,218 @@
+"""Tests for kvtier.core.kv_groups (SPEC §1, §5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+
+FULL = GroupKind.FULL_ATTENTION
+SLIDING = GroupKind.SLIDING_WINDOW
+STATE = GroupKind.STATE
+SCRATCH = GroupKind.SCRATCH
+
+
+def group(
+    kind: GroupKind = FULL,
+    block_size: int = 16,
+    bytes_per_block: int = 1024,
+    sliding_window: int | None = None,
+) -> KVGroupSpec:
+    if kind is SLIDING and sliding_window is None:
+        sliding_window = 4 * block_size
+    return KVGroupSpec(kind, block_size, bytes_per_block, sliding_window)
+
+
+def layout(*groups: KVGroupSpec, hash_block_size: int | None = None) -> KVLayout:
+    return KVLayout(tuple(groups), hash_block_size)
+
+
+# --- group validation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 16.0, "16", None])
+def test_bad_block_size_is_rejected_and_named(block_size: object) -> None:
+    """A non-positive or non-int block size raises a ValueError naming the value."""
+    with pytest.raises(ValueError, match=rf"block_size.*{block_size!r}"):
+        KVGroupSpec(FULL, block_size, 1024)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bytes_per_block", [-1, 1.5, "1024", None])
+def test_bad_bytes_per_block_is_rejected_and_named(bytes_per_block: object) -> None:
+    """A negative or non-int bytes_per_block raises a ValueError naming the value."""
+    with pytest.raises(ValueError, match=rf"bytes_per_block.*{bytes_per_block!r}"):
+        KVGroupSpec(FULL, 16, bytes_per_block)  # type: ignore[arg-type]
+
+
+def test_zero_bytes_per_block_is_allowed() -> None:
+    """A group may span no bytes (e.g. a scratch group with nothing to copy)."""
+    assert KVGroupSpec(SCRATCH, 16, 0).bytes_per_block == 0
+
+
+@pytest.mark.parametrize("window", [None, 0, -4, 8.0])
+def test_sliding_group_needs_positive_int_window(window: object) -> None:
+    """A sliding-window group without a positive int window is rejected, naming it."""
+    with pytest.raises(ValueError, match=rf"sliding_window.*{window!r}"):
+        KVGroupSpec(SLIDING, 16, 1024, window)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", [FULL, STATE, SCRATCH])
+def test_window_on_other_kinds_is_rejected(kind: GroupKind) -> None:
+    """Only sliding-window groups may carry a window; the error names the kind."""
+    with pytest.raises(ValueError, match=kind.name):
+        KVGroupSpec(kind, 16, 1024, sliding_window=32)
+
+
+@pytest.mark.parametrize("field", ["block_size", "bytes_per_block", "sliding_window"])
+def test_bool_values_are_rejected(field: str) -> None:
+    """True is not a block size, a byte count or a window (bool is an int subclass)."""
+    values: dict[str, object] = {"block_size": 16, "bytes_per_block": 1024, "sliding_window": 64}
+    values[field] = True
+    with pytest.raises(ValueError, match=field):
+        KVGroupSpec(SLIDING, **values)  # type: ignore[arg-type]
+
+
+def test_group_kind_properties() -> None:
+    """Scratch is the only non-cacheable kind; full and sliding are positional."""
+    assert [group(k).is_cacheable for k in (FULL, SLIDING, STATE, SCRATCH)] == [
+        True,
+        True,
+        True,
+        False,
+    ]
+    assert [group(k).is_positional for k in (FULL, SLIDING, STATE, SCRATCH)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("window", "block_size", "expected"),
+    [
+        (1, 16, 0),  # a token attends only to itself
+        (2, 16, 1),
+        (16, 16, 1),
+        (17, 16, 1),  # 16 earlier tokens fit in exactly one block
+        (18, 16, 2),
+        (33, 16, 2),
+        (34, 16, 3),
+        (4096, 32, 128),  # 4095 / 32 -> 127.97
+        (4097, 32, 128),
+    ],
+)
+def test_num_window_blocks_is_ceil_of_window_minus_one(
+    window: int, block_size: int, expected: int
+) -> None:
+    """num_window_blocks = ceil((window - 1) / block_size)."""
+    assert group(SLIDING, block_size, sliding_window=window).num_window_blocks == expected
+
+
+# --- layout geometry ----------------------------------------------------------------
+
+
+def test_empty_layout_is_rejected() -> None:
+    """A layout needs at least one group."""
+    with pytest.raises(ValueError, match="at least one group"):
+        KVLayout(())
+
+
+def test_single_layout() -> None:
+    """KVLayout.single is one full-attention group with equal scheduler and hash block."""
+    single = KVLayout.single(16, 2048)
+    assert single.groups == (KVGroupSpec(FULL, 16, 2048),)
+    assert single.scheduler_block_size == single.hash_block_size == 16
+    assert single.bytes_per_block == 2048
+
+
+@pytest.mark.parametrize(
+    ("block_sizes", "scheduler", "hash_"),
+    [
+        ((16,), 16, 16),
+        ((16, 32), 32, 16),
+        ((32, 16, 64), 64, 16),
+        ((16, 24), 48, 8),
+        ((12, 18, 8), 72, 2),
+        ((7, 5), 35, 1),
+    ],
+)
+def test_scheduler_block_is_lcm_and_hash_block_is_gcd(
+    block_sizes: tuple[int, ...], scheduler: int, hash_: int
+) -> None:
+    """Scheduler block = LCM of group block sizes; default hash block = their GCD."""
+    lay = layout(*(group(FULL, bs) for bs in block_sizes))
+    assert lay.scheduler_block_size == scheduler
+    assert lay.hash_block_size == hash_
+
+
+def test_configured_hash_block_overrides_gcd() -> None:
+    """A configured hash block that divides every block size is used as is."""
+    lay = layout(group(FULL, 32), group(STATE, 64), hash_block_size=8)
+    assert lay.hash_block_size == 8
+    assert lay.scheduler_block_size == 64
+    assert [lay.blocks_per_hash(g) for g in range(2)] == [4, 8]
+
+
+@pytest.mark.parametrize("hbs", [12, 48, 96])
+def test_configured_hash_block_must_divide_every_block(hbs: int) -> None:
+    """A hash block that does not divide some group's block size names both numbers."""
+    with pytest.raises(ValueError, match=rf"hash_block_size {hbs} .* 32 of group 1"):
+        layout(group(FULL, 96), group(SLIDING, 32), hash_block_size=hbs)
+
+
+@pytest.mark.parametrize("hbs", [0, -16, 16.0, "16"])
+def test_configured_hash_block_must_be_positive_int(hbs: object) -> None:
+    """A non-positive or non-int configured hash block is rejected, naming the value."""
+    with pytest.raises(ValueError, match=rf"hash_block_size.*{hbs!r}"):
+        layout(group(FULL, 16), hash_block_size=hbs)  # type: ignore[arg-type]
+
+
+def test_bytes_per_block_is_the_sum_over_groups() -> None:
+    """One tier slot spans every group's bytes, scratch included."""
+    lay = layout(group(FULL, bytes_per_block=100), group(STATE, bytes_per_block=7), group(SCRATCH))
+    assert lay.bytes_per_block == 100 + 7 + 1024
+
+
+def test_cacheable_group_ids_exclude_scratch() -> None:
+    """Scratch groups are left out of cacheable_group_ids; order is kept."""
+    lay = layout(group(SCRATCH), group(FULL), group(SCRATCH), group(SLIDING), group(STATE))
+    assert lay.cacheable_group_ids == (1, 3, 4)
+
+
+def test_blocks_per_hash() -> None:
+    """blocks_per_hash is how many hash blocks one block of the group spans."""
+    lay = layout(group(FULL, 64), group(SLIDING, 16), group(STATE, 32))
+    assert [lay.blocks_per_hash(g) for g in range(3)] == [4, 1, 2]
+
+
+# --- fine-grained hits --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("groups", "hbs", "expected"),
+    [
+        # one full group: coarse only when the hash block is configured smaller
+        ((group(FULL, 16),), None, False),
+        ((group(FULL, 32),), 16, True),
+        # coarse full + fine state / sliding / full
+        ((group(FULL, 32), group(STATE, 16)), None, True),
+        ((group(FULL, 32), group(SLIDING, 16)), None, True),
+        ((group(FULL, 32), group(FULL, 16)), None, True),
+        ((group(FULL, 64), group(FULL, 32), group(STATE, 16)), None, True),
+        # a coarse non-full group cannot end inside its block
+        ((group(FULL, 32), group(STATE, 32)), 16, False),
+        ((group(FULL, 32), group(SLIDING, 32), group(STATE, 16)), None, False),
+        # no coarse full-attention group
+        ((group(FULL, 16), group(SLIDING, 16)), None, False),
+        ((group(FULL, 16), group(STATE, 32)), None, False),
+        # scratch groups are ignored, whatever their block size
+        ((group(FULL, 32), group(SCRATCH, 64)), 16, True),
+        ((group(SCRATCH, 32), group(STATE, 16)), None, False),
+    ],
+)
+def test_supports_fine_grained_hits(
+    groups: tuple[KVGroupSpec, ...], hbs: int | None, expected: bool
+) -> None:
+    """Fine-grained hits need a coarse full group and every other group at the hash block."""
+    assert layout(*groups, hash_block_size=hbs).supports_fine_grained_hits is expected
