@@ -162,6 +162,8 @@ class BlockPool:
         A cached block taken this way loses its keys (one `BlockRemoved` per key).
         Raises `PoolError` when fewer than `num_blocks` are free.
         """
+        if num_blocks < 0:
+            raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > len(self._free):
             raise PoolError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
         taken = []
@@ -177,8 +179,10 @@ class BlockPool:
         """Take one more reference on each block; a free block leaves the free queue."""
         refs = self._refs
         for block_id in block_ids:
-            if block_id == NULL_BLOCK_ID:
-                continue
+            if block_id <= NULL_BLOCK_ID:
+                if block_id == NULL_BLOCK_ID:
+                    continue
+                self._check_id(block_id)  # raises: a negative id aliases another block
             if refs[block_id] == 0:
                 self._free.remove(block_id)
             refs[block_id] += 1
@@ -192,8 +196,10 @@ class BlockPool:
         """
         refs = self._refs
         for block_id in block_ids:
-            if block_id == NULL_BLOCK_ID:
-                continue
+            if block_id <= NULL_BLOCK_ID:
+                if block_id == NULL_BLOCK_ID:
+                    continue
+                self._check_id(block_id)  # raises: a negative id aliases another block
             if refs[block_id] <= 0:
                 raise PoolError(f"block {block_id} freed more often than referenced")
             refs[block_id] -= 1
@@ -229,7 +235,9 @@ class BlockPool:
             self._index[key] = block_id
         if self._record_events:
             if stored is None:
-                stored = BlockStored(key_block_hash(key), key_group_id(key), num_tokens)
+                stored = BlockStored(
+                    key_block_hash(key), key_group_id(key), num_tokens, medium=self.medium
+                )
             self._events.append(stored)
 
     def discard_keys(self, block_id: int) -> None:

@@ -2,8 +2,8 @@
 
 A block hash is the chained hash of a token prefix (see `hashing`). A key tags a block
 hash with the KV group it belongs to, so one prefix has one key per group. Keys are plain
-`bytes` (hash bytes followed by the group id as 4 little-endian bytes): hashable, compact,
-and cheap to compare.
+`bytes` (hash bytes followed by the group id as 4 big-endian bytes, the layout vLLM uses,
+so its keys are kvtier keys): hashable, compact, and cheap to compare.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def make_key(block_hash: BlockHash, group_id: int) -> Key:
     """Return the key of `block_hash` in group `group_id`."""
     if not 0 <= group_id < 2 ** (8 * _GROUP_ID_BYTES):
         raise ValueError(f"group id {group_id} out of range")
-    return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "little")
+    return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big")
 
 
 def key_block_hash(key: Key) -> BlockHash:
@@ -28,4 +28,4 @@ def key_block_hash(key: Key) -> BlockHash:
 
 def key_group_id(key: Key) -> int:
     """Return the group id a key was made for."""
-    return int.from_bytes(key[-_GROUP_ID_BYTES:], "little")
+    return int.from_bytes(key[-_GROUP_ID_BYTES:], "big")

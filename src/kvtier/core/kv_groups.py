@@ -10,9 +10,11 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TypeGuard
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """Return True for an int that is not a bool (bool subclasses int)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -94,33 +96,42 @@ class KVLayout:
         """Return a layout of one full-attention group."""
         return KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, block_size, bytes_per_block),))
 
-    @property
+    @cached_property
     def scheduler_block_size(self) -> int:
         """Return the LCM of the group block sizes."""
         return math.lcm(*(g.block_size for g in self.groups))
 
-    @property
+    @cached_property
     def hash_block_size(self) -> int:
         """Return the configured hash block size, else the GCD of the group block sizes."""
         if self.configured_hash_block_size is not None:
             return self.configured_hash_block_size
         return math.gcd(*(g.block_size for g in self.groups))
 
-    @property
+    @cached_property
     def bytes_per_block(self) -> int:
         """Return the bytes one block id spans across every group (one tier slot)."""
         return sum(g.bytes_per_block for g in self.groups)
 
-    @property
+    @cached_property
     def cacheable_group_ids(self) -> tuple[int, ...]:
         """Return the ids of groups whose blocks are stored and loaded."""
         return tuple(i for i, g in enumerate(self.groups) if g.is_cacheable)
+
+    @cached_property
+    def positional_groups(self) -> tuple[tuple[int, int], ...]:
+        """Return (group id, block size) of every cacheable, positionally stable group."""
+        return tuple(
+            (i, g.block_size)
+            for i, g in enumerate(self.groups)
+            if g.is_cacheable and g.is_positional
+        )
 
     def blocks_per_hash(self, group_id: int) -> int:
         """Return how many hash blocks one block of `group_id` spans."""
         return self.groups[group_id].block_size // self.hash_block_size
 
-    @property
+    @cached_property
     def supports_fine_grained_hits(self) -> bool:
         """Return True when hits may end inside a full-attention block.
 

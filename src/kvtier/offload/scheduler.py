@@ -321,8 +321,20 @@ class OffloadScheduler:
             )
             self.tier_pool.insert_key(item.key, tier_block, item.tail_num_tokens, event)
             return
-        gpu_block = self.gpu_pool.block(item.gpu_block_id)
-        key = gpu_block.key if gpu_block.key is not None else item.key
+        gpu_pool = self.gpu_pool
+        gpu_block_id = item.gpu_block_id
+        key = gpu_pool.key(gpu_block_id)
+        if key is None:
+            key = item.key
+        if not self.config.events:
+            num_tokens = gpu_pool.num_tokens(gpu_block_id)
+            if not num_tokens:
+                num_tokens = self.layout.groups[key_group_id(key)].block_size
+            self.tier_pool.insert_key(key, tier_block, num_tokens)
+            for secondary in gpu_pool.secondary_keys(gpu_block_id):
+                self.tier_pool.insert_key(secondary, tier_block, num_tokens)
+            return
+        gpu_block = gpu_pool.block(gpu_block_id)
         stored = item.stored
         if stored is not None and stored.block_hash != key_block_hash(key):
             stored = None
@@ -408,8 +420,8 @@ class OffloadScheduler:
         bytes_per_block = self.layout.bytes_per_block
         pending = len(self.selector.queued) + sum(len(t.stores) for t in self._book)
         stats = OffloadStats(
-            store_outcomes={k.value: v for k, v in counters.store_outcomes.items()},
-            handoff_outcomes={k.value: v for k, v in counters.handoff_outcomes.items()},
+            store_outcomes=dict(counters.store_outcomes),
+            handoff_outcomes=dict(counters.handoff_outcomes),
             num_loaded_blocks=counters.num_loaded_blocks,
             num_stored_blocks=counters.num_stored_blocks,
             num_failed_loads=counters.num_failed_loads,

@@ -45,8 +45,9 @@ class OffloadStats:
 class StepCounters:
     """Mutable counters the scheduler bumps during a step."""
 
-    store_outcomes: dict[StoreOutcome, int] = field(default_factory=dict)
-    handoff_outcomes: dict[StoreOutcome, int] = field(default_factory=dict)
+    # Keyed by `StoreOutcome.value`: Enum.__hash__ is a Python-level call, str's is not.
+    store_outcomes: dict[str, int] = field(default_factory=dict)
+    handoff_outcomes: dict[str, int] = field(default_factory=dict)
     num_loaded_blocks: int = 0
     num_stored_blocks: int = 0
     num_failed_loads: int = 0
@@ -54,11 +55,13 @@ class StepCounters:
 
     def count_store(self, outcome: StoreOutcome) -> None:
         """Count one store candidate's outcome."""
-        self.store_outcomes[outcome] = self.store_outcomes.get(outcome, 0) + 1
+        name = outcome._value_
+        self.store_outcomes[name] = self.store_outcomes.get(name, 0) + 1
 
     def count_handoff(self, outcome: StoreOutcome) -> None:
         """Count one hand-off's outcome."""
-        self.handoff_outcomes[outcome] = self.handoff_outcomes.get(outcome, 0) + 1
+        name = outcome._value_
+        self.handoff_outcomes[name] = self.handoff_outcomes.get(name, 0) + 1
 
     def clear(self) -> None:
         """Reset every counter to zero."""

@@ -116,13 +116,13 @@ class StoreSelector:
     def select_request(self, request: RequestView, state: _Tracked) -> None:
         """Select a request's confirmed, positionally stable blocks from its cursors on."""
         ready_tokens = self.confirmed_tokens(request)
-        for group_id in self.layout.cacheable_group_ids:
-            group = self.layout.groups[group_id]
-            if not group.is_positional:
-                continue  # state blocks are stored only from hand-offs
+        cursors = state.cursors
+        for group_id, block_size in self.layout.positional_groups:
+            pos = cursors[group_id]
+            if (pos + 1) * block_size > ready_tokens:
+                continue  # nothing new is confirmed (most decode steps)
             table = state.block_ids[group_id]
-            num_ready = min(ready_tokens // group.block_size, len(table))
-            pos = state.cursors[group_id]
+            num_ready = min(ready_tokens // block_size, len(table))
             while pos < num_ready:
                 outcome = self._select_position(request, group_id, table, pos)
                 if outcome is StoreOutcome.TIER_FULL:
@@ -205,7 +205,7 @@ class StoreSelector:
         """Pin `gpu_block_id`, allocate a tier slot and queue the copy, unless skipped."""
         if gpu_block_id == NULL_BLOCK_ID:
             return StoreOutcome.NULL
-        key = tail_key if tail_key is not None else self.gpu_pool.block(gpu_block_id).key
+        key = tail_key if tail_key is not None else self.gpu_pool.key(gpu_block_id)
         if key is None:
             return StoreOutcome.UNHASHED
         if key in self.in_flight_keys:

@@ -1,0 +1,389 @@
+"""Pool scaling: time per BlockPool operation and bytes per cached block, 10k to 10M blocks.
+
+Every size is built in one process and timed side by side: reps rotate over the sizes, and
+each size's time is divided by the smallest size's time *of the same rep* (paired ratios),
+so machine load that drifts during the run hits all sizes alike.
+
+Each pool has every usable block cached and free, in a random eviction order: blocks are
+allocated, each given a realistic 36-byte key (32 random bytes standing in for a sha256
+digest + a 4-byte group id, `make_key`), then freed in a random permutation, so eviction
+visits block ids, key objects and queue neighbours in random memory order, as a
+long-running tier does.
+
+Memory: the growth of the resident set (RSS, /proc/self/statm) from just before a pool is
+created to just after it is full, divided by its number of cached blocks. It includes
+everything the pool owns: the key bytes objects, the index dict, the int objects of block
+ids, the per-block arrays and list, and allocator overhead. A `sys.getsizeof` breakdown of
+the same structures (requested sizes, no allocator overhead) is printed alongside. Then
+blocks are evicted and re-cached until the index dict resizes: under delete/insert churn
+a dict regrows to 3-6 slots per entry (twice its size after pure inserts) and never
+shrinks, so "churn, max" = built RSS + the index's growth is what a long-running tier
+reaches just before each further resize. Timing runs on the churned pools.
+
+Time: rounds of steady-state operations on random blocks, each kind timed as a batch —
+touch(b random free blocks), free(them), cached_block(key) for b random keys, allocate(b)
+(pops the head: evicts b cached blocks, dropping their keys), insert_key(new key) on each
+of them, then an untimed free that makes them cached again. A rep is `--ops` operations of
+each kind (in rounds of at most a quarter of the pool); a quarter-rep warm-up, then the median
+and min-max of `--reps` reps. Random access is deliberate: at 10M blocks it defeats the
+CPU caches, as a big tier's traffic does.
+
+Run: `python benchmarks/bench_pool.py [--sizes 10000,1000000,10000000] [--json PATH]
+[--clock cpu]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.keys import Key, make_key
+
+DEFAULT_SIZES = (10_000, 1_000_000, 10_000_000)
+OPS = ("allocate", "touch", "free", "insert_key", "cached_block")
+# The same probes through the pool's own dict without the method call: the limit that
+# CPython's dict sets on cached_block at each size. Printed, not part of the target.
+BASELINE = "bare_dict_get"
+BUILD_CHUNK = 1 << 16
+# Blocks evicted and re-cached at a time while churning: a step's worth, so the index's
+# length stays near the pool size when it resizes (as in a running tier).
+CHURN_BATCH = 256
+NUM_TOKENS = 16
+TARGET_RATIO = 1.5
+TARGET_BYTES = 200
+CLOCKS: dict[str, Callable[[], int]] = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
+
+
+class KeyMaker:
+    """Hands out distinct realistic 36-byte keys: a 32-byte digest + group id 0.
+
+    The digests are random bytes (same size and randomness as sha256 output; hashing 10 M
+    counters would add ~10 s to the build without changing what the pool stores).
+    """
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def take(self, count: int) -> list[Key]:
+        """Return `count` new keys."""
+        digests = self._rng.randbytes(32 * count)
+        return [make_key(digests[i : i + 32], 0) for i in range(0, 32 * count, 32)]
+
+
+def rss_bytes() -> int | None:
+    """Return the resident set size of this process, or None where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def transparent_hugepages() -> str | None:
+    """Return the kernel's THP mode (huge pages cut TLB misses on big random-access pools)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0] if "[" in text else text.strip()
+
+
+def build_cached_pool(num_blocks: int, order: np.ndarray, keys: KeyMaker) -> BlockPool:
+    """Return a pool with every usable block cached and free, evicted in `order`."""
+    pool = BlockPool(num_blocks)
+    num_usable = pool.num_usable_blocks
+    for start in range(0, num_usable, BUILD_CHUNK):
+        taken = pool.allocate(min(BUILD_CHUNK, num_usable - start))
+        for key, block_id in zip(keys.take(len(taken)), taken, strict=True):
+            pool.insert_key(key, block_id, NUM_TOKENS)
+    for start in range(0, num_usable, BUILD_CHUNK):
+        pool.free(order[start : start + BUILD_CHUNK].tolist())
+    return pool
+
+
+def memory_breakdown(pool: BlockPool) -> dict[str, float]:
+    """Return `sys.getsizeof` bytes per cached block of each of the pool's structures."""
+    # Private fields on purpose: this is a diagnostic of where the bytes go.
+    index, queue = pool._index, pool._free
+    arrays = (pool._refs, pool._num_tokens, queue._next, queue._prev)
+    sizes = {
+        "key_objects": sum(map(sys.getsizeof, filter(None, pool._keys))),
+        "index_dict": sys.getsizeof(index),
+        "index_int_values": sum(map(sys.getsizeof, index.values())),
+        "keys_list": sys.getsizeof(pool._keys),
+        "arrays": sum(map(sys.getsizeof, arrays)),
+    }
+    return {name: size / pool.num_usable_blocks for name, size in sizes.items()}
+
+
+def churn_until_index_regrows(pool: BlockPool, keys: KeyMaker) -> int:
+    """Evict and re-cache blocks until the index dict resizes; return blocks churned.
+
+    Deleted keys leave dummy slots, so a dict under delete/insert churn resizes to a
+    table sized for 3 x its length and never shrinks back: that is its steady size.
+    """
+    index_bytes = sys.getsizeof(pool._index)  # private on purpose: the diagnostic
+    num_churned = 0
+    while sys.getsizeof(pool._index) == index_bytes and num_churned <= pool.num_usable_blocks:
+        taken = pool.allocate(min(CHURN_BATCH, pool.num_usable_blocks))
+        for key, block_id in zip(keys.take(len(taken)), taken, strict=True):
+            pool.insert_key(key, block_id, NUM_TOKENS)
+        pool.free(taken)
+        num_churned += len(taken)
+    return num_churned
+
+
+def build_size(num_blocks: int, rng: np.random.Generator, keys: KeyMaker) -> tuple[BlockPool, dict]:
+    """Build one cached pool, churn it to its steady size; return it with its memory numbers."""
+    order = rng.permutation(num_blocks - 1) + 1
+    gc.collect()
+    rss_before = rss_bytes()
+    t0 = time.perf_counter()
+    pool = build_cached_pool(num_blocks, order, keys)
+    build_s = time.perf_counter() - t0
+    gc.collect()
+    rss_after = rss_bytes()
+    num_cached = pool.num_usable_blocks
+    assert pool.num_free() == num_cached
+    built = memory_breakdown(pool)
+    num_churned = churn_until_index_regrows(pool, keys)
+    steady = memory_breakdown(pool)
+    rss_built = rss_steady = None
+    if rss_before is not None and rss_after is not None:
+        rss_built = (rss_after - rss_before) / num_cached
+        # The regrown table's pages become resident as its entries fill, before its next
+        # resize: that is the most RSS the pool reaches in steady churn.
+        rss_steady = rss_built + steady["index_dict"] - built["index_dict"]
+    return pool, {
+        "num_blocks": num_blocks,
+        "build_s": build_s,
+        "num_churned_blocks": num_churned,
+        "rss_bytes_per_cached_block": rss_built,
+        "steady_rss_bytes_per_cached_block": rss_steady,
+        "getsizeof_bytes_per_cached_block": built,
+        "getsizeof_total_per_cached_block": sum(built.values()),
+        "steady_getsizeof_bytes_per_cached_block": steady,
+        "steady_getsizeof_total_per_cached_block": sum(steady.values()),
+    }
+
+
+def time_rep(
+    pool: BlockPool, num_ops: int, rng: random.Random, keys: KeyMaker, clock: Callable[[], int]
+) -> dict[str, float]:
+    """Run `num_ops` operations of each kind on random blocks; return ns per operation."""
+    batch = max(1, min(num_ops, pool.num_usable_blocks // 4))
+    totals = dict.fromkeys((*OPS, BASELINE), 0)
+    bare_get = pool._index.get  # private on purpose: the baseline
+    done = 0
+    while done < num_ops:
+        size = min(batch, num_ops - done)
+        touched = rng.sample(range(1, pool.num_blocks), size)
+        probes = [pool.key(b) for b in rng.sample(range(1, pool.num_blocks), size)]
+        bare_probes = [pool.key(b) for b in rng.sample(range(1, pool.num_blocks), size)]
+        new_keys = keys.take(size)
+
+        t0 = clock()
+        pool.touch(touched)
+        t1 = clock()
+        pool.free(touched)
+        t2 = clock()
+        for key in probes:
+            pool.cached_block(key)
+        t3 = clock()
+        for key in bare_probes:
+            bare_get(key)
+        t3b = clock()
+        taken = pool.allocate(size)
+        t4 = clock()
+        for key, block_id in zip(new_keys, taken, strict=True):
+            pool.insert_key(key, block_id, NUM_TOKENS)
+        t5 = clock()
+        pool.free(taken)
+
+        totals["touch"] += t1 - t0
+        totals["free"] += t2 - t1
+        totals["cached_block"] += t3 - t2
+        totals[BASELINE] += t3b - t3
+        totals["allocate"] += t4 - t3b
+        totals["insert_key"] += t5 - t4
+        done += size
+    assert pool.num_free() == pool.num_usable_blocks
+    return {op: total / num_ops for op, total in totals.items()}
+
+
+def run(sizes: list[int], args: argparse.Namespace) -> list[dict]:
+    """Build every size, then time reps rotating over the sizes; return every number."""
+    np_rng = np.random.default_rng(args.seed)
+    rng = random.Random(args.seed)
+    keys = KeyMaker(args.seed)
+    pools, results = [], []
+    for num_blocks in sizes:
+        pool, result = build_size(num_blocks, np_rng, keys)
+        pools.append(pool)
+        results.append(result)
+        print(f"  built {label(num_blocks)} blocks in {result['build_s']:.1f} s", flush=True)
+    clock = CLOCKS[args.clock]
+    reps: list[dict[str, list[float]]] = [{op: [] for op in (*OPS, BASELINE)} for _ in sizes]
+    for rep in range(-1, args.reps):  # rep -1 is a shorter warm-up
+        num_ops = args.ops if rep >= 0 else max(1, args.ops // 4)
+        for i in [(rep + k) % len(sizes) for k in range(len(sizes))]:
+            times = time_rep(pools[i], num_ops, rng, keys, clock)
+            for op in (*OPS, BASELINE):
+                if rep >= 0:
+                    reps[i][op].append(times[op])
+    for result, per_op in zip(results, reps, strict=True):
+        result["ns_per_op"] = {}
+        for op, values in per_op.items():
+            paired = [v / b for v, b in zip(values, reps[0][op], strict=True)]
+            result["ns_per_op"][op] = {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "reps": values,
+                "ratio_to_smallest": statistics.median(paired),
+                "ratio_to_smallest_reps": paired,
+            }
+    return results
+
+
+def summarize(results: list[dict]) -> tuple[dict, str]:
+    """Return the largest size's ratios to the smallest and the one summary line."""
+    base, top = results[0], results[-1]
+    ratios = {op: top["ns_per_op"][op]["ratio_to_smallest"] for op in OPS}
+    worst = max(ratios, key=ratios.__getitem__)
+    baseline = top["ns_per_op"][BASELINE]["ratio_to_smallest"]
+    top_bytes = top["rss_bytes_per_cached_block"]
+    top_steady = top["steady_rss_bytes_per_cached_block"]
+    summary = {
+        "base_num_blocks": base["num_blocks"],
+        "top_num_blocks": top["num_blocks"],
+        "per_op_ratio": ratios,
+        "per_op_ratio_max": ratios[worst],
+        "per_op_ratio_max_op": worst,
+        "bare_dict_get_ratio": baseline,
+        "bytes_per_cached_block_at_top": top_bytes,
+        "steady_bytes_per_cached_block_at_top": top_steady,
+        "target_ratio": TARGET_RATIO,
+        "target_bytes": TARGET_BYTES,
+    }
+    line = (
+        f"bench_pool: per-op ratio {label(top['num_blocks'])}/{label(base['num_blocks'])}"
+        f" max {ratios[worst]:.2f} ({worst}; target <= {TARGET_RATIO};"
+        f" bare dict.get {baseline:.2f}),"
+        f" bytes/cached block at {label(top['num_blocks'])} {fmt(top_bytes, '.0f')} built,"
+        f" up to {fmt(top_steady, '.0f')} under churn (RSS; target <= {TARGET_BYTES})"
+    )
+    return summary, line
+
+
+def label(num_blocks: int) -> str:
+    """Return 10k / 1M style names for round sizes."""
+    for unit, name in ((1_000_000, "M"), (1_000, "k")):
+        if num_blocks >= unit and num_blocks % unit == 0:
+            return f"{num_blocks // unit}{name}"
+    return str(num_blocks)
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """Format a number that may be missing."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def print_table(results: list[dict]) -> None:
+    """Print ns/op (median, min-max, paired ratio to the smallest size) and bytes per block."""
+    width = 31
+    print(f"{'':15}" + "".join(f"{label(r['num_blocks']):>{width}}" for r in results))
+    for op in (*OPS, BASELINE):
+        cells = []
+        for r in results:
+            t = r["ns_per_op"][op]
+            span = f"({t['min']:.0f}-{t['max']:.0f})"
+            cells.append(f"{t['median']:6.0f} ns {span:>11} x{t['ratio_to_smallest']:4.2f}")
+        print(f"{op:15}" + "".join(f"{c:>{width}}" for c in cells))
+    rows: list[tuple[str, Callable[[dict], float | None]]] = [
+        ("B/block RSS", lambda r: r["rss_bytes_per_cached_block"]),
+        ("  churn, max", lambda r: r["steady_rss_bytes_per_cached_block"]),
+        ("B/block sizeof", lambda r: r["getsizeof_total_per_cached_block"]),
+        ("  churn", lambda r: r["steady_getsizeof_total_per_cached_block"]),
+    ]
+    for name, get in rows:
+        cells = []
+        for r in results:
+            value, ref = get(r), get(results[0])
+            ratio = f"x{value / ref:4.2f}" if value is not None and ref else "    -"
+            cells.append(f"{fmt(value, '6.1f')} B {ratio}")
+        print(f"{name:15}" + "".join(f"{c:>{width}}" for c in cells))
+    top = results[-1]
+    for when in ("", "steady_"):
+        breakdown = top[f"{when}getsizeof_bytes_per_cached_block"]
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items())
+        state = "under churn" if when else "built"
+        print(f"getsizeof at {label(top['num_blocks'])} {state}, B/block: {parts}")
+    builds = (f"{label(r['num_blocks'])} {r['build_s']:.1f} s" for r in results)
+    churns = (f"{label(r['num_blocks'])} {r['num_churned_blocks']}" for r in results)
+    print(
+        f"build time: {', '.join(builds)}; blocks churned until the index regrew:"
+        f" {', '.join(churns)}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="pool sizes")
+    parser.add_argument("--ops", type=int, default=100_000, help="operations per kind per rep")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--json", type=Path, help="write every number to this file")
+    args = parser.parse_args()
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    machine = {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "transparent_hugepages": transparent_hugepages(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+    }
+    print(
+        f"bench_pool: {machine['cpus_usable']} cores, {machine['implementation']}"
+        f" {machine['python']}, {machine['platform']}, load {machine['load_average']},"
+        f" THP {machine['transparent_hugepages']}, GLIBC_TUNABLES {machine['glibc_tunables']};"
+        f" {args.ops} ops/kind/rep, median (min-max) of {args.reps} reps, {args.clock} clock,"
+        f" x = paired ratio to {label(sizes[0])}; memory = RSS delta"
+    )
+    t0 = time.perf_counter()
+    results = run(sizes, args)
+    print_table(results)
+    summary, line = summarize(results)
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    print(line)
+    if args.json:
+        payload = {
+            "machine": machine,
+            "ops_per_rep": args.ops,
+            "reps": args.reps,
+            "clock": args.clock,
+            "results": results,
+            "summary": summary,
+            "summary_line": line,
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
