@@ -167,11 +167,14 @@ class BlockPool:
         if num_blocks > len(self._free):
             raise PoolError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
         taken = []
+        pop_victim = self._free.pop_victim
+        keys = self._keys
+        refs = self._refs
         for _ in range(num_blocks):
-            block_id = self._free.pop_victim()
-            if self._keys[block_id] is not None:
+            block_id = pop_victim()
+            if keys[block_id] is not None:
                 self._drop_keys(block_id)
-            self._refs[block_id] = 1
+            refs[block_id] = 1
             taken.append(block_id)
         return taken
 
@@ -195,6 +198,8 @@ class BlockPool:
         tail-first so that prefix tails are evicted before their roots.
         """
         refs = self._refs
+        keys = self._keys
+        push_cached = self._free.push_cached
         for block_id in block_ids:
             if block_id <= NULL_BLOCK_ID:
                 if block_id == NULL_BLOCK_ID:
@@ -204,10 +209,10 @@ class BlockPool:
                 raise PoolError(f"block {block_id} freed more often than referenced")
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                if self._keys[block_id] is None:
+                if keys[block_id] is None:
                     self._free.push_reusable(block_id)
                 else:
-                    self._free.push_cached(block_id)
+                    push_cached(block_id)
 
     def insert_key(
         self, key: Key, block_id: int, num_tokens: int, stored: BlockStored | None = None
@@ -218,9 +223,8 @@ class BlockPool:
         (when events are on); a minimal one is made when it is None. Inserting a key
         the block already holds does nothing.
         """
-        self._check_id(block_id)
-        if block_id == NULL_BLOCK_ID:
-            raise PoolError("the null block cannot hold a key")
+        if not 0 < block_id < self.num_blocks:
+            raise PoolError(f"block {block_id} cannot hold a key (null or out of range)")
         primary = self._keys[block_id]
         if primary is None:
             self._keys[block_id] = key
@@ -281,10 +285,13 @@ class BlockPool:
     def _drop_keys(self, block_id: int) -> None:
         primary = self._keys[block_id]
         assert primary is not None
-        keys = [primary, *self._secondary.pop(block_id, ())]
         self._keys[block_id] = None
         self._num_tokens[block_id] = 0
-        for key in keys:
+        secondary = self._secondary.pop(block_id, None) if self._secondary else None
+        if secondary is None and not self._record_events and primary not in self._more_blocks:
+            del self._index[primary]  # the common case: one key, held by this block only
+            return
+        for key in [primary, *(secondary or ())]:
             self._unindex(key, block_id)
             if self._record_events:
                 removed = BlockRemoved(key_block_hash(key), key_group_id(key), self.medium)

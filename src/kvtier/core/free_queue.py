@@ -78,7 +78,14 @@ class LRUFreeQueue:
 
     def push_cached(self, block_id: int) -> None:
         """Add `block_id` at the tail."""
-        self._insert_after(self._prev[self._sentinel], block_id)
+        sentinel = self._sentinel
+        prev = self._prev
+        tail = prev[sentinel]
+        self._next[block_id] = sentinel
+        prev[block_id] = tail
+        prev[sentinel] = block_id
+        self._next[tail] = block_id
+        self._len += 1
 
     def remove(self, block_id: int) -> None:
         """Unlink `block_id`."""

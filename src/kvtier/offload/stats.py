@@ -53,6 +53,12 @@ class StepCounters:
     num_failed_loads: int = 0
     num_failed_stores: int = 0
 
+    def count_many(self, outcome: StoreOutcome, count: int) -> None:
+        """Count `count` store candidates with the same outcome."""
+        if count:
+            name = outcome._value_
+            self.store_outcomes[name] = self.store_outcomes.get(name, 0) + count
+
     def count_store(self, outcome: StoreOutcome) -> None:
         """Count one store candidate's outcome."""
         name = outcome._value_

@@ -124,11 +124,59 @@ class StoreSelector:
             table = state.block_ids[group_id]
             num_ready = min(ready_tokens // block_size, len(table))
             while pos < num_ready:
+                if not self.record_payload and table[pos] != NULL_BLOCK_ID:
+                    pos = self._select_run(table, pos, num_ready)
+                    if pos < num_ready and table[pos] != NULL_BLOCK_ID:
+                        break  # the tier is full: retry later, the cursor does not advance
+                    continue
                 outcome = self._select_position(request, group_id, table, pos)
                 if outcome is StoreOutcome.TIER_FULL:
                     break  # retry later: the cursor does not advance
                 pos += 1
             state.cursors[group_id] = pos
+
+    def _select_run(self, table: Sequence[int], pos: int, end: int) -> int:
+        """Select positions from `pos` up to the first null block, `end`, or a full tier.
+
+        The hot path of eager mode: the same rules as `try_select` over a run of plain
+        blocks, with one batched touch and allocation. Returns the first unvisited position.
+        """
+        gpu_key = self.gpu_pool.key
+        in_flight = self.in_flight_keys
+        tier_get = self.tier_pool.cached_block
+        room = self.tier_pool.num_free()
+        gpu_ids: list[int] = []
+        keys: list[Key] = []
+        skipped = {StoreOutcome.UNHASHED: 0, StoreOutcome.IN_FLIGHT: 0}
+        num_cached = 0
+        while pos < end:
+            gpu_block_id = table[pos]
+            if gpu_block_id == NULL_BLOCK_ID:
+                break
+            key = gpu_key(gpu_block_id)
+            if key is None:
+                skipped[StoreOutcome.UNHASHED] += 1
+            elif key in in_flight:
+                skipped[StoreOutcome.IN_FLIGHT] += 1
+            elif tier_get(key) is not None:
+                num_cached += 1
+            elif len(gpu_ids) == room:
+                self.counters.count_store(StoreOutcome.TIER_FULL)
+                break
+            else:
+                in_flight.add(key)
+                gpu_ids.append(gpu_block_id)
+                keys.append(key)
+            pos += 1
+        if gpu_ids:
+            self.gpu_pool.touch(gpu_ids)
+            tier_ids = self.tier_pool.allocate(len(gpu_ids))
+            self.queued.extend(map(StoreItem, gpu_ids, tier_ids, keys))
+        self.counters.count_many(StoreOutcome.STORED, len(gpu_ids))
+        self.counters.count_many(StoreOutcome.ALREADY_CACHED, num_cached)
+        for outcome, count in skipped.items():
+            self.counters.count_many(outcome, count)
+        return pos
 
     def _select_position(
         self, request: RequestView, group_id: int, table: Sequence[int], pos: int
