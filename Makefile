@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint types pytest setup line-budget clean
 
+include mk/vllm.mk
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -35,4 +37,4 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -26,7 +26,7 @@ from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
-from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
+from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput, TableUpdate
 from kvtier.offload.stats import OffloadStats, StepCounters
 from kvtier.offload.store_selection import StoreItem, StoreSelector, lazy_target
 from kvtier.offload.transfers import (
@@ -234,7 +234,8 @@ class OffloadScheduler:
         eager = self.config.store_mode is StoreMode.EAGER
         if eager:
             for scheduled in step.scheduled:
-                if scheduled.request.request_id in step.preempted_request_ids:
+                resumed = scheduled.table_update is TableUpdate.REPLACE
+                if scheduled.request.request_id in step.preempted_request_ids and not resumed:
                     continue
                 state = selector.update_table(scheduled)
                 if state is not None:

@@ -202,7 +202,7 @@ class StoreSelector:
             visited.append(block_id)
             if len(visited) >= target:
                 break
-        cursor = None
+        cursor = None if visited else self.lazy_cursor  # nothing new: stay at the tail
         for block_id in visited:
             outcome = self.try_select(block_id)
             self.counters.count_store(outcome)

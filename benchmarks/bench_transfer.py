@@ -1,0 +1,234 @@
+"""Host transfer bandwidth: worker stores/loads vs one contiguous copy_ of the same bytes.
+
+For each block size (bytes per block per region) and region count, one transfer moves
+about `--total-mib` MiB. Patterns:
+
+- `store`: scattered engine blocks → fresh, consecutive tier slots (a new tier);
+- `load`: scattered tier slots → freshly allocated, consecutive engine blocks;
+- `frag store` / `frag load`: scattered on both sides (a long-running, churned tier).
+
+Each transfer is timed through the public worker API (submit + flush + poll), repetitions
+interleaved with the baseline (a single `copy_` of one contiguous buffer into another, the
+same bytes, same devices, same direction: engine → host for stores, host → engine for
+loads; pinned host memory on a GPU) so machine noise hits both alike. Ratios are baseline time /
+transfer time (= GB/s ratio). Target (BENCHMARKS.md): >= 0.7x at >= 64 KiB blocks on CPU,
+>= 0.9x of a pinned contiguous copy on a GPU.
+
+    python benchmarks/bench_transfer.py [--device cuda] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan
+from kvtier.transfer import OffloadWorker, TensorLayout, WorkerConfig
+
+PATTERNS = ("store", "load", "frag_store", "frag_load")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration's results; times are medians in seconds, ratios baseline/op."""
+
+    block_kib: int
+    regions: int
+    blocks: int
+    mib: float
+    copy_gbs: float
+    gbs: dict[str, float]
+    ratio: dict[str, float]
+    ratio_spread: dict[str, tuple[float, float]]
+
+
+class Case:
+    """Engine tensors, a registered worker and the baseline buffers of one configuration."""
+
+    def __init__(
+        self, block_bytes: int, regions: int, num: int, device: str, copy_threads: int | None
+    ) -> None:
+        self.num = num
+        self.device = device
+        num_blocks = 2 * num + 1
+        self.kv = [
+            torch.randint(0, 256, (num_blocks, block_bytes), dtype=torch.uint8, device=device)
+            for _ in range(regions)
+        ]
+        self.worker = OffloadWorker(WorkerConfig(cpu_num_slots=2 * num, copy_threads=copy_threads))
+        self.worker.register(self.kv, TensorLayout.BLOCKS_FIRST)
+        nbytes = num * block_bytes * regions
+        self.src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+        self.event_id = 0
+        rng = np.random.default_rng(0)
+        blocks = rng.permutation(np.arange(1, num_blocks))
+        slots = rng.permutation(2 * num)
+        self.ids = {
+            "store": (blocks[:num], np.arange(num)),
+            "load": (slots[:num], np.arange(num + 1, 2 * num + 1)),
+            "frag_store": (blocks[num:], slots[num:]),
+            "frag_load": (slots[:num], blocks[:num]),
+        }
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def copy_down(self) -> None:
+        """The store baseline: engine device → host, one contiguous copy."""
+        self.dst.copy_(self.src, non_blocking=self.device == "cuda")
+        self.sync()
+
+    def copy_up(self) -> None:
+        """The load baseline: host → engine device, one contiguous copy."""
+        self.src.copy_(self.dst, non_blocking=self.device == "cuda")
+        self.sync()
+
+    def transfer(self, pattern: str) -> None:
+        src_ids, dst_ids = self.ids[pattern]
+        src, dst = (Tier.GPU, Tier.CPU) if "store" in pattern else (Tier.CPU, Tier.GPU)
+        self.event_id += 1
+        job = TransferJob(self.event_id, src, dst, tuple(src_ids.tolist()), tuple(dst_ids.tolist()))
+        self.worker.submit(TransferPlan(self.event_id, jobs=(job,)))
+        self.worker.flush()
+        report = self.worker.poll()
+        assert dict(report.done) == {self.event_id: 1}, report
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(case: Case, reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Warm up, then interleave the baselines and every pattern `reps` times.
+
+    Returns (baseline times by direction "down"/"up", transfer times by pattern).
+    """
+    case.copy_down()
+    case.copy_up()
+    for pattern in PATTERNS:
+        case.transfer(pattern)
+    base: dict[str, list[float]] = {"down": [], "up": []}
+    times: dict[str, list[float]] = {p: [] for p in PATTERNS}
+    for _ in range(reps):
+        base["down"].append(timed(case.copy_down))
+        base["up"].append(timed(case.copy_up))
+        for pattern in PATTERNS:
+            times[pattern].append(timed(lambda p=pattern: case.transfer(p)))  # type: ignore[misc]
+    return base, times
+
+
+def direction(pattern: str) -> str:
+    """Return the baseline direction of a pattern: stores go down, loads go up."""
+    return "down" if "store" in pattern else "up"
+
+
+def run_config(block_kib: int, regions: int, args: argparse.Namespace) -> Row:
+    block_bytes = block_kib << 10
+    num = max(4, (args.total_mib << 20) // (block_bytes * regions))
+    case = Case(block_bytes, regions, num, args.device, args.copy_threads)
+    try:
+        base, times = measure(case, args.reps)
+    finally:
+        case.worker.shutdown()
+    nbytes = num * block_bytes * regions
+    base_med = statistics.median(base["down"] + base["up"])
+    ratios = {
+        p: [b / t for b, t in zip(base[direction(p)], times[p], strict=True)] for p in PATTERNS
+    }
+    return Row(
+        block_kib=block_kib,
+        regions=regions,
+        blocks=num,
+        mib=nbytes / 2**20,
+        copy_gbs=nbytes / base_med / 1e9,
+        gbs={p: nbytes / statistics.median(times[p]) / 1e9 for p in PATTERNS},
+        ratio={p: statistics.median(ratios[p]) for p in PATTERNS},
+        ratio_spread={p: (min(ratios[p]), max(ratios[p])) for p in PATTERNS},
+    )
+
+
+def summarize(rows: list[Row], device: str, seconds: float) -> dict[str, float]:
+    """Print the summary line (min and median over configurations) and return its numbers."""
+    big = [r for r in rows if r.block_kib >= 64]
+    plain = [r.ratio[p] for r in big for p in ("store", "load")]
+    frag = [r.ratio[p] for r in big for p in ("frag_store", "frag_load")]
+    summary = {
+        "min_ratio_ge_64k": min(plain),
+        "median_ratio_ge_64k": statistics.median(plain),
+        "min_frag_ratio_ge_64k": min(frag),
+        "median_frag_ratio_ge_64k": statistics.median(frag),
+        "target": 0.7 if device == "cpu" else 0.9,
+        "seconds": seconds,
+    }
+    print(
+        f"summary: store/load at >= 64 KiB blocks {summary['median_ratio_ge_64k']:.2f}x of "
+        f"contiguous copy_ (median over configs; min {summary['min_ratio_ge_64k']:.2f}x; "
+        f"target >= {summary['target']}x); fragmented {summary['median_frag_ratio_ge_64k']:.2f}x "
+        f"(min {summary['min_frag_ratio_ge_64k']:.2f}x); {seconds:.0f} s"
+    )
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--total-mib", type=int, default=64, help="MiB moved per transfer")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[4, 16, 64, 256, 1024, 2048])
+    parser.add_argument("--regions", type=int, nargs="+", default=[1, 32])
+    parser.add_argument(
+        "--copy-threads", type=int, default=None, help="WorkerConfig.copy_threads (default: None)"
+    )
+    parser.add_argument("--json", help="write every number to this file")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    machine = (
+        f"{os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads, device {args.device}, "
+        f"copy_threads={args.copy_threads}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
+    )
+    print(
+        f"bench_transfer: {machine}; {args.total_mib} MiB per transfer, median of "
+        f"{args.reps} interleaved reps, ratio = contiguous copy_ time / transfer time"
+    )
+    header = f"{'block':>7} {'reg':>3} {'blocks':>6} {'copy GB/s':>9} " + " ".join(
+        f"{p:>17}" for p in PATTERNS
+    )
+    print(header)
+    rows = []
+    for regions in args.regions:
+        for block_kib in args.block_kib:
+            row = run_config(block_kib, regions, args)
+            rows.append(row)
+            cells = " ".join(f"{row.gbs[p]:6.2f} ({row.ratio[p]:4.2f}x)   " for p in PATTERNS)
+            print(f"{block_kib:>5}Ki {regions:>3} {row.blocks:>6} {row.copy_gbs:>9.2f} {cells}")
+    summary = summarize(rows, args.device, time.perf_counter() - started)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(
+                {
+                    "machine": machine,
+                    "args": vars(args),
+                    "summary": summary,
+                    "rows": [asdict(r) for r in rows],
+                },
+                out,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+"""vLLM connector overhead: µs per step inside kvtier's connector vs vLLM's own offload connector.
+
+Two real vLLM 0.33 `Scheduler`s run the same seeded request stream side by side, one step
+each in turn: (a) with `KVTierConnector`, whose worker role runs on the harness's CPU "GPU"
+tensors, and (b) with vLLM's `SimpleCPUOffloadConnector`, whose worker needs CUDA, so the
+test harness's stand-in worker (`FakeSimpleOffloadWorker`: same metadata, plain copies)
+runs in its place. The model runner is the harness's fake (no fingerprint checks here).
+
+Workload: 256 requests of 2048-token prompts (16-token blocks); half start with one of
+32 shared 1024-token system prefixes, half are unique; 16-64 output tokens; all queued at
+once in a shuffled order; 32 running at most, 4096 tokens per step (chunked prefill). The
+GPU pool holds the running set plus ~15 %, too little for the 32 prefixes, so they are
+evicted and come back from the CPU tier (4x the GPU pool, the same for both).
+
+Measured: the time spent inside the connector's scheduler-role methods, each wrapped by
+a timer (lookup, allocation, metadata, output, finish, events, stats, push work, ...),
+per engine step; the ratio kvtier / vLLM per window of steps (median, min-max); and the
+external hit tokens each connector served. Eager and lazy store modes are run as pairs.
+The default clock is this thread's CPU time (the scheduler side is single-threaded
+Python; the machines are shared and busy). The garbage collector is frozen after
+set-up and off while stepping (`--gc on` keeps it on): a collection is paid by whichever
+call happens to allocate, so with two engines in one process its cost would land on
+either connector at random.
+
+Run (the vLLM venv, see mk/vllm.mk):
+`VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+.venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--quick] [--json PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "adapters"))
+
+import torch
+from vllm_harness import (
+    SIMPLE_CPU_OFFLOAD,
+    HarnessConfig,
+    VllmHarness,
+    connector_worker_factory,
+    simple_offload_worker_factory,
+)
+
+BLOCK_SIZE = 16
+SLOT_BYTES = 2 * 2048  # one block id of the harness model: 2 layers x 2048-byte pages
+CONNECTORS = ("kvtier", "vllm")
+MODES = ("eager", "lazy")
+# Every scheduler-role method vLLM's Scheduler calls on a connector.
+SCHEDULER_METHODS = (
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "get_external_cache_hit_sources",
+    "get_loaded_kv_cache_group_ids",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "has_pending_block_frees",
+    "take_events",
+    "get_kv_connector_stats",
+)
+CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
+DEFAULTS = {"num_requests": 256, "reps": 3, "window": 50}
+QUICK = {"num_requests": 96, "reps": 2, "window": 25}
+
+
+@dataclass
+class CallTimer:
+    """Nanoseconds spent inside wrapped methods, per method."""
+
+    clock: Callable[[], int] = time.perf_counter_ns
+    ns: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def wrap(self, obj: Any, names: tuple[str, ...]) -> None:
+        """Replace each method of `obj` named in `names` by a timed call of it."""
+        for name in names:
+            method = getattr(obj, name)
+            setattr(obj, name, self._timed(name, method))
+
+    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        clock, ns, calls = self.clock, self.ns, self.calls
+        ns.setdefault(name, 0)
+        calls.setdefault(name, 0)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                ns[name] += clock() - start
+                calls[name] += 1
+
+        return timed
+
+    @property
+    def total_ns(self) -> int:
+        return sum(self.ns.values())
+
+
+@dataclass
+class Run:
+    """One engine with one connector, instrumented."""
+
+    harness: VllmHarness
+    connector: CallTimer
+    scheduler: CallTimer
+    num_steps: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.harness.scheduler.has_requests())
+
+
+def workload(num_requests: int, seed: int) -> list[tuple[str, list[int], int]]:
+    """Return (request id, prompt, max tokens) in arrival order."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000, 30000) for _ in range(1024)] for _ in range(32)]
+    requests = []
+    for i in range(num_requests):
+        if i % 2 == 0:
+            prompt = prefixes[(i // 2) % len(prefixes)] + [
+                rng.randrange(1000, 30000) for _ in range(1024)
+            ]
+        else:
+            prompt = [rng.randrange(1000, 30000) for _ in range(2048)]
+        requests.append((f"req-{i}", prompt, rng.randint(16, 64)))
+    rng.shuffle(requests)
+    return requests
+
+
+def build(connector: str, mode: str, args: argparse.Namespace) -> Run:
+    """Return a harness with `connector` in store `mode`, its connector and scheduler timed."""
+    num_running = 32
+    num_gpu_blocks = int(num_running * (2048 + 64) / BLOCK_SIZE * 1.15)
+    tier_bytes = 4 * num_gpu_blocks * SLOT_BYTES
+    common = {
+        "num_gpu_blocks": num_gpu_blocks,
+        "max_num_seqs": num_running,
+        "max_num_batched_tokens": 4096,
+        "max_model_len": 4096,
+        "block_size": BLOCK_SIZE,
+    }
+    if connector == "kvtier":
+        cfg = HarnessConfig(
+            connector="KVTierConnector",
+            connector_module="kvtier.adapters.vllm",
+            extra_config={"cpu_bytes": tier_bytes, "store_mode": mode},
+            kv_load_failure_policy="recompute",
+            **common,
+        )
+        harness = VllmHarness(cfg, connector_worker_factory, check_kv=False)
+    else:
+        cfg = HarnessConfig(
+            connector=SIMPLE_CPU_OFFLOAD,
+            extra_config={"cpu_bytes_to_use": tier_bytes, "lazy_offload": mode == "lazy"},
+            **common,
+        )
+        harness = VllmHarness(cfg, simple_offload_worker_factory(), check_kv=False)
+    clock = CLOCKS[args.clock]
+    connector_timer, scheduler_timer = CallTimer(clock), CallTimer(clock)
+    connector_timer.wrap(harness.scheduler.connector, SCHEDULER_METHODS)
+    scheduler_timer.wrap(harness.scheduler, ("schedule", "update_from_output"))
+    return Run(harness, connector_timer, scheduler_timer)
+
+
+def run_pair(
+    mode: str, requests: list[tuple[str, list[int], int]], args: argparse.Namespace
+) -> dict:
+    """Step both engines in turn until idle; return per-window and total numbers."""
+    runs = {name: build(name, mode, args) for name in CONNECTORS}
+    for run in runs.values():
+        for request_id, prompt, max_tokens in requests:
+            run.harness.add_request(request_id, prompt, max_tokens)
+    gc.collect()
+    gc.freeze()
+    if args.gc == "off":
+        gc.disable()
+    windows: list[dict[str, float]] = []
+    marks = dict.fromkeys(CONNECTORS, (0, 0))
+    order = list(runs.values())
+    step = 0
+    t0 = time.perf_counter()
+    while any(run.busy for run in runs.values()):
+        k = step % 2  # alternate which engine steps first
+        for run in order[k:] + order[:k]:
+            if run.busy:
+                run.harness.step()
+                run.num_steps += 1
+        step += 1
+        if step % args.window == 0 and all(run.busy for run in runs.values()):
+            window = {}
+            for name, run in runs.items():
+                ns, steps = run.connector.total_ns, run.num_steps
+                window[name] = (ns - marks[name][0]) / (steps - marks[name][1]) / 1e3
+                marks[name] = (ns, steps)
+            window["ratio"] = window["kvtier"] / window["vllm"]
+            windows.append(window)
+    elapsed = time.perf_counter() - t0
+    gc.enable()
+    gc.unfreeze()
+    result: dict[str, Any] = {"mode": mode, "elapsed_s": elapsed, "windows": windows}
+    for name, run in runs.items():
+        h = run.harness
+        assert h.finished == {r for r, _, _ in requests}, f"{name}: requests left unfinished"
+        connector_us = run.connector.total_ns / run.num_steps / 1e3
+        scheduler_us = run.scheduler.total_ns / run.num_steps / 1e3
+        result[name] = {
+            "num_steps": run.num_steps,
+            "connector_us_per_step": connector_us,
+            "scheduler_us_per_step_excluding_connector": scheduler_us - connector_us,
+            "connector_us_per_call": {
+                m: run.connector.ns[m] / run.connector.calls[m] / 1e3
+                for m in SCHEDULER_METHODS
+                if run.connector.calls[m]
+            },
+            "connector_us_per_step_by_method": {
+                m: run.connector.ns[m] / run.num_steps / 1e3 for m in SCHEDULER_METHODS
+            },
+            "external_hit_tokens": sum(h.external_hit_tokens(r) for r, _, _ in requests),
+            "local_hit_tokens": sum(h.local_hit_tokens(r) for r, _, _ in requests),
+        }
+    result["ratio_total"] = (
+        result["kvtier"]["connector_us_per_step"] / result["vllm"]["connector_us_per_step"]
+    )
+    return result
+
+
+def median_spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def print_mode(mode: str, reps: list[dict]) -> dict:
+    """Print one store mode's numbers over its repetitions; return its summary."""
+    ratios = [w["ratio"] for r in reps for w in r["windows"]]
+    summary = {
+        "window_ratio": median_spread(ratios),
+        "total_ratio": median_spread([r["ratio_total"] for r in reps]),
+    }
+    print(f"\n{mode}: {len(reps)} runs, {len(ratios)} windows")
+    print(
+        f"  {'connector':9} {'µs/step':>9} {'sched µs/step':>13} {'steps':>6}"
+        f" {'external hit tokens':>20} {'local':>8}  top methods µs/step"
+    )
+    for name in CONNECTORS:
+        us = statistics.median(r[name]["connector_us_per_step"] for r in reps)
+        sched = statistics.median(
+            r[name]["scheduler_us_per_step_excluding_connector"] for r in reps
+        )
+        ext = statistics.median(r[name]["external_hit_tokens"] for r in reps)
+        local = statistics.median(r[name]["local_hit_tokens"] for r in reps)
+        steps = statistics.median(r[name]["num_steps"] for r in reps)
+        by = reps[0][name]["connector_us_per_step_by_method"]
+        top = sorted(by.items(), key=lambda kv: -kv[1])[:3]
+        tops = " ".join(f"{m}={v:.0f}" for m, v in top)
+        print(f"  {name:9} {us:9.0f} {sched:13.0f} {steps:6.0f} {ext:20.0f} {local:8.0f}  {tops}")
+        summary[f"{name}_us_per_step"] = us
+        summary[f"{name}_external_hit_tokens"] = ext
+    w, t = summary["window_ratio"], summary["total_ratio"]
+    print(
+        f"  kvtier/vLLM connector time: windows {w['median']:.2f}x"
+        f" [{w['min']:.2f}-{w['max']:.2f}], whole runs {t['median']:.2f}x"
+    )
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument("--json", type=Path, help="write every number to this file")
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--reps", type=int, help="runs per store mode")
+    parser.add_argument("--window", type=int, help="steps per ratio window")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="cpu: this thread's CPU time (default); wall: perf_counter_ns",
+    )
+    parser.add_argument(
+        "--gc",
+        choices=("on", "off"),
+        default="off",
+        help="keep the garbage collector on while stepping",
+    )
+    args = parser.parse_args()
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    torch.set_num_threads(1)
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # per-engine start-up notes
+    machine = {
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "load_avg_at_start": os.getloadavg(),
+    }
+    print(
+        f"bench_vllm_connector: {machine['cpus_usable']} cores, torch threads"
+        f" {machine['torch_threads']}, load {machine['load_avg_at_start'][0]:.1f};"
+        f" {args.num_requests} requests x {args.reps} runs per mode, seed {args.seed},"
+        f" clock {args.clock}, gc {args.gc}"
+    )
+    requests = workload(args.num_requests, args.seed)
+    results: dict[str, list[dict]] = {}
+    summaries = {}
+    for mode in args.modes.split(","):
+        results[mode] = [run_pair(mode, requests, args) for _ in range(args.reps)]
+        summaries[mode] = print_mode(mode, results[mode])
+    parts = []
+    for mode, s in summaries.items():
+        parts.append(
+            f"{mode} {s['window_ratio']['median']:.2f}x"
+            f" (hit tokens kvtier {s['kvtier_external_hit_tokens']:.0f}"
+            f" / vLLM {s['vllm_external_hit_tokens']:.0f})"
+        )
+    line = (
+        "bench_vllm_connector: connector time kvtier/vLLM " + ", ".join(parts) + " (target <= 0.5x)"
+    )
+    print(f"\n{line}")
+    if args.json:
+        payload = {
+            "machine": machine,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "results": results,
+            "summary": summaries,
+            "summary_line": line,
+        }
+        args.json.write_text(json.dumps(payload, indent=1))
+
+
+if __name__ == "__main__":
+    main()

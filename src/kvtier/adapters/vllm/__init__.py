@@ -1,0 +1,32 @@
+"""vLLM adapter: kvtier as a vLLM v1 KV connector (`KVTierConnector`, vLLM 0.33.x).
+
+Use `kv_connector="KVTierConnector"` with `kv_connector_module_path="kvtier.adapters.vllm"`;
+the connector (and vLLM) is imported only when that name is looked up, so kvtier stays
+importable without vLLM. Modules:
+
+- `connector`: `KVTierConnector`, dispatching to the two roles (imports vLLM).
+- `scheduler_side` / `worker_side`: the scheduler and worker roles as calls of kvtier's
+  `OffloadScheduler` / `OffloadWorker` (import vLLM).
+- `metadata`, `stats`: what crosses between the roles; stats and Prometheus metrics.
+- `views`: vLLM's `Request` and GPU `BlockPool` as kvtier's `RequestView` / `GpuPoolView`.
+- `layout`: vLLM's `KVCacheConfig` as kvtier's `KVLayout`; tier sizing.
+- `regions`: byte views of vLLM's KV allocation from its placement.
+- `events`: kvtier's KV events as vLLM's KV event classes.
+- `config`: `kv_connector_extra_config` as an `OffloadConfig`.
+
+`views`, `layout`, `regions`, `events` and `config` import without vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KVTierConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVTierConnector":
+        from kvtier.adapters.vllm.connector import KVTierConnector
+
+        return KVTierConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

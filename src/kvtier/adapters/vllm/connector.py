@@ -1,0 +1,240 @@
+"""`KVTierConnector`: kvtier as a vLLM 0.33 v1 KV connector (scheduler and worker roles).
+
+Load it with `kv_connector="KVTierConnector"`, `kv_connector_module_path=
+"kvtier.adapters.vllm"`, `kv_role="kv_both"` and kvtier's settings in
+`kv_connector_extra_config` (see `config`). Set `kv_load_failure_policy="recompute"`:
+with vLLM's default ("fail") a failed tier load fails its request instead of recomputing.
+
+The class only dispatches: `SchedulerSide` translates the scheduler role for kvtier's
+`OffloadScheduler`, `WorkerSide` the worker role for kvtier's `OffloadWorker`. Whole
+blocks move asynchronously, so the per-layer hooks (`wait_for_layer_load`,
+`save_kv_layer`) do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.adapters.vllm.config import offload_config_from_vllm
+from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.adapters.vllm.scheduler_side import SchedulerSide
+from kvtier.adapters.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.adapters.vllm.worker_side import WorkerSide
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.plan import Tier
+
+logger = logging.getLogger(__name__)
+
+
+def connector_config(vllm_config: Any) -> OffloadConfig:
+    """Return kvtier's config for this engine from vLLM's (one rank's budgets)."""
+    transfer = vllm_config.kv_transfer_config
+    events_config = vllm_config.kv_events_config
+    return offload_config_from_vllm(
+        transfer.kv_connector_extra_config or {},
+        world_size=vllm_config.parallel_config.world_size,
+        max_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        events=bool(events_config is not None and events_config.enable_kv_cache_events),
+    )
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offload vLLM's prefix cache to kvtier's CPU or disk tier; translation only."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("KVTierConnector needs prefix caching (--enable-prefix-caching)")
+        self.offload_config = connector_config(vllm_config)
+        self._cache_hit_source = (
+            CacheHitSource.HOST if self.offload_config.tier is Tier.CPU else CacheHitSource.DISK
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.offload_config)
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.warning(
+                    "kvtier: kv_load_failure_policy=%r fails a request whose tier load "
+                    "fails; set kv_load_failure_policy='recompute' to recompute it instead",
+                    self._kv_transfer_config.kv_load_failure_policy,
+                )
+        else:
+            layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+            self._worker = WorkerSide(kv_cache_config, self.offload_config, layout)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Return False: a dropped store is a future cache miss, never lost output."""
+        return False
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        """Return the scheduler role's translator; raises in the worker role."""
+        if self._scheduler is None:
+            raise RuntimeError("not the scheduler role of KVTierConnector")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        """Return the worker role's translator; raises in the scheduler role."""
+        if self._worker is None:
+            raise RuntimeError("not the worker role of KVTierConnector")
+        return self._worker
+
+    # ================================================================ worker role
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Address vLLM's KV allocation (from the config's placement) and allocate the tier."""
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Flush outstanding transfers when the plan says a request was preempted."""
+        self.worker_side.handle_preemptions(_metadata(kv_connector_metadata))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's transfer plan."""
+        super().bind_connector_metadata(connector_metadata)
+        self.worker_side.bind(_metadata(connector_metadata))
+
+    def clear_connector_metadata(self) -> None:
+        """Forget this step's transfer plan."""
+        super().clear_connector_metadata()
+        self.worker_side.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Submit this step's loads; they complete asynchronously."""
+        self.worker_side.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Do nothing: loads are whole blocks, finished before the request runs."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Do nothing: stores are whole blocks, submitted in `wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        """Submit this step's stores, ordered after the forward's KV writes; never blocks."""
+        self.worker_side.submit_stores()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Return loads finished or failed since the last step (kvtier never delays frees)."""
+        finished, failed = self.worker_side.take_results()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Return (None, finished loads) for callers of the older API.
+
+        Raises RuntimeError when a load failed: this API cannot say so, and reporting
+        the load as finished would serve wrong KV. vLLM 0.33 calls `get_transfer_results`.
+        """
+        results = self.get_transfer_results(finished_req_ids)
+        if results.failed_recving:
+            raise RuntimeError(
+                f"kvtier loads failed for {sorted(results.failed_recving)}; get_finished() "
+                "cannot report failures, use get_transfer_results()"
+            )
+        return None, results.finished_recving or None
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        """Return the transfer events this rank finished, for the scheduler role."""
+        return self.worker_side.take_worker_metadata()
+
+    def shutdown(self) -> None:
+        """Finish outstanding transfers and free the tier."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ================================================================ scheduler role
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Wrap vLLM's GPU block pool as kvtier's GPU pool view."""
+        self.scheduler_side.bind_gpu_block_pool(gpu_block_pool)
+
+    def on_new_request(self, request: Any) -> None:
+        """Remember the request."""
+        self.scheduler_side.add_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Return the tokens the tier holds past the local hit, loaded asynchronously."""
+        return self.scheduler_side.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Queue the load of the accepted external tokens into the allocated blocks."""
+        self.scheduler_side.on_allocated(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        """Return this step's transfer plan for every worker."""
+        return self.scheduler_side.build_metadata(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Apply the workers' merged report."""
+        self.scheduler_side.apply_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Flush the finished request's blocks (one KV group); never delays the free."""
+        self.scheduler_side.on_finished(request, (block_ids,))
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Flush the finished request's blocks (every group); never delays the free."""
+        self.scheduler_side.on_finished(request, block_ids)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """Return True while stores are queued or in flight, so vLLM keeps stepping."""
+        return self._scheduler is not None and self._scheduler.has_pending_stores()
+
+    def take_events(self) -> Iterable[Any]:
+        """Return this step's tier events as vLLM KV events (medium CPU or STORAGE)."""
+        return self.scheduler_side.take_events()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """Return this step's offload stats (scheduler role; workers report none)."""
+        return None if self._scheduler is None else self._scheduler.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats:
+        """Rebuild stats from their payload (front-end process); the payload is copied,
+        because `aggregate` adds into the stats it is called on."""
+        sections = {} if data is None else {name: dict(value) for name, value in data.items()}
+        return KVTierStats(data=sections)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
+        """Register kvtier's Prometheus metrics (prefix `kvtier:`)."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> bool:
+        """Drop the tier's contents; False while issued transfers are outstanding."""
+        return self.scheduler_side.reset()
+
+
+def _metadata(metadata: KVConnectorMetadata) -> KVTierMetadata:
+    if not isinstance(metadata, KVTierMetadata):
+        raise TypeError(f"expected KVTierMetadata, got {type(metadata).__name__}")
+    return metadata

@@ -1,0 +1,135 @@
+"""Byte views of vLLM's KV allocation, built from the `KVCacheConfig` placement.
+
+vLLM allocates one backing buffer per rank and describes where every layer's page of
+every block lives (`KVCacheTensor`): layer `layers[l]`'s page of block `b` starts at
+`offset + l * layer_stride + b * block_stride`. The per-layer tensors the worker receives
+are views of that buffer whose shapes depend on the attention backend (kernel blocks
+may split a block, K and V may be separate), so kvtier addresses blocks from the
+placement instead: one `[num_blocks, page_bytes]` uint8 view per placed layer, handed to
+kvtier's region discovery (which deduplicates aliased groups and merges adjacent
+pages into one region).
+
+A page must be one dense run of bytes, which holds for layouts whose two outermost
+dimensions are the layer and the block (`LBNHC`, `LBHNC`, `BLNHC`, `BLHNC`). Others
+(heads outside blocks) are refused with a message naming the layout.
+
+No vLLM import: the config objects are read by attribute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+KVCacheValue = torch.Tensor | Sequence[torch.Tensor]
+
+
+class PlacementError(ValueError):
+    """vLLM's KV placement cannot be addressed as whole blocks."""
+
+
+def is_block_compact(layout_name: str) -> bool:
+    """Return True when a layout name keeps each page as one dense run (L and B outermost)."""
+    return len(layout_name) >= 2 and set(layout_name[:2]) == {"L", "B"}
+
+
+def placement_block_views(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, KVCacheValue],
+    layout_name: str | None,
+) -> dict[str, torch.Tensor]:
+    """Return one `[num_blocks, page_bytes]` uint8 view per placed layer, by layer name.
+
+    `kv_caches` is what `register_kv_caches` received; it supplies the backing storage
+    and is checked against the placement. Host-resident placements are skipped.
+    Raises `PlacementError` naming the layer or layout that cannot be addressed.
+    """
+    if layout_name is None:
+        raise PlacementError("the KV cache layout is not resolved (kv_cache_layout is None)")
+    if not is_block_compact(layout_name):
+        raise PlacementError(
+            f"KV cache layout {layout_name} splits a block's page into several runs; "
+            "kvtier copies whole pages: use a layer- or block-outermost layout such as "
+            "LBNHC (VLLM_KV_CACHE_LAYOUT)"
+        )
+    placements = [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
+    if not placements:
+        raise PlacementError("the KV cache config places no tensor on the device")
+    base, size = _backing_bytes(kv_caches)
+    page_bytes = _page_bytes_by_layer(kv_cache_config)
+    num_blocks = int(kv_cache_config.num_blocks)
+    views: dict[str, torch.Tensor] = {}
+    for placement in placements:
+        stride = int(placement.block_stride)
+        for index, name in enumerate(placement.layers):
+            page = page_bytes.get(name)
+            if page is None:
+                raise PlacementError(f"layer {name!r} is placed but belongs to no KV group")
+            start = int(placement.offset) + index * int(placement.layer_stride)
+            end = start + (num_blocks - 1) * stride + page
+            if num_blocks > 1 and page > stride:
+                raise PlacementError(
+                    f"layer {name!r}: page of {page} B exceeds the block stride {stride} B"
+                )
+            if start < 0 or end > size:
+                raise PlacementError(
+                    f"layer {name!r}: bytes [{start}, {end}) lie outside the {size}-byte "
+                    "KV allocation"
+                )
+            _check_view_start(name, kv_caches.get(name), start, base)
+            views[name] = base.as_strided((num_blocks, page), (stride, 1), start)
+    return views
+
+
+def _backing_bytes(kv_caches: Mapping[str, KVCacheValue]) -> tuple[torch.Tensor, int]:
+    """Return a flat uint8 tensor over the one storage all KV tensors share, and its size."""
+    tensors = [t for value in kv_caches.values() for t in _tensors(value)]
+    if not tensors:
+        raise PlacementError("register_kv_caches received no KV tensors")
+    storage = tensors[0].untyped_storage()
+    ptr = storage.data_ptr()
+    others = sorted(
+        {
+            n
+            for n, v in kv_caches.items()
+            for t in _tensors(v)
+            if t.untyped_storage().data_ptr() != ptr
+        }
+    )
+    if others:
+        raise PlacementError(
+            f"KV tensors of layers {others[:4]} live outside the shared KV allocation"
+        )
+    base = torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage)
+    return base, storage.nbytes()
+
+
+def _tensors(value: KVCacheValue) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def _page_bytes_by_layer(kv_cache_config: Any) -> dict[str, int]:
+    pages: dict[str, int] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+        for name in group.layer_names:
+            layer_spec = per_layer[name] if per_layer is not None else spec
+            pages[name] = int(layer_spec.page_size_bytes)
+    return pages
+
+
+def _check_view_start(
+    name: str, value: KVCacheValue | None, start: int, base: torch.Tensor
+) -> None:
+    """Raise when a layer's own view does not start where the placement says."""
+    if not isinstance(value, torch.Tensor):
+        return  # absent, or a list of state tensors: nothing to compare against
+    offset = value.storage_offset() * value.element_size()
+    is_whole_buffer = offset == 0 and value.numel() * value.element_size() == base.numel()
+    if not is_whole_buffer and offset != start:
+        raise PlacementError(
+            f"layer {name!r}: its KV tensor starts at byte {offset} but the placement says {start}"
+        )

@@ -1,0 +1,205 @@
+"""The connector's scheduler role: vLLM's scheduler calls as `OffloadScheduler` calls.
+
+Translation only; every decision is the offload scheduler's. vLLM call → kvtier call:
+
+    bind_gpu_block_pool            bind_gpu_pool(VllmGpuPoolView)
+    get_num_new_matched_tokens     lookup              (async load when > 0 tokens)
+    update_state_after_alloc       on_allocated        (whole block table per group)
+    build_connector_meta           build_plan          (StepInput from the SchedulerOutput)
+    update_connector_output        apply_report        (WorkerReport summed over ranks)
+    request_finished(_all_groups)  on_finished
+    has_pending_push_work          has_pending_stores
+    reset_cache                    reset
+    take_events / stats            take_events / take_stats
+
+Load failures reach vLLM through the workers, because vLLM reads `failed_recving`
+from the workers' output before it calls `update_connector_output`: an issued load that
+fails is reported by the workers that ran it; a load kvtier dropped before issuing it
+(its request still waits for it) rides in the next step's metadata and every worker
+echoes its request id as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+from kvtier.adapters.vllm.events import EventTranslator
+from kvtier.adapters.vllm.layout import kv_layout, num_tier_blocks
+from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.adapters.vllm.stats import GAUGES, KVTierStats, stats_payload
+from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.plan import WorkerReport
+from kvtier.offload.protocols import Handoff, ScheduledRequest, StepInput, TableUpdate
+from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
+
+logger = logging.getLogger(__name__)
+
+_NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyType({}))
+
+
+class SchedulerSide:
+    """Translate one vLLM scheduler's connector calls for one `OffloadScheduler`.
+
+    Thread affinity: vLLM's scheduler thread (engine core), like every call it receives.
+    """
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: OffloadConfig) -> None:
+        parallel = vllm_config.parallel_config
+        if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
+            raise ValueError(
+                "kvtier does not support context parallelism (decode_context_parallel_size="
+                f"{parallel.decode_context_parallel_size}, prefill_context_parallel_size="
+                f"{parallel.prefill_context_parallel_size})"
+            )
+        _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        self.layout = kv_layout(kv_cache_config, hash_block_size)
+        self.num_tier_blocks = num_tier_blocks(config, kv_cache_config)
+        self.offload = OffloadScheduler(
+            config,
+            SchedulerSetup(self.layout, self.num_tier_blocks, num_workers=parallel.world_size),
+        )
+        self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
+        self._requests: dict[str, VllmRequestView] = {}
+        self._unissued_failures: list[str] = []
+        self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
+        self._num_hit_tokens = 0
+        self._last_gauges: dict[str, int] | None = None
+
+    # ------------------------------------------------------------------ admission
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """Give the offload scheduler vLLM's GPU block pool (shared by every group)."""
+        self.offload.bind_gpu_pool(VllmGpuPoolView(gpu_block_pool))
+
+    def add_request(self, request: Any) -> VllmRequestView:
+        """Remember a vLLM request by id (its view is reused every step)."""
+        view = self._requests.get(request.request_id)
+        if view is None or view.request is not request:
+            view = self._requests[request.request_id] = VllmRequestView(request)
+        return view
+
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Return vLLM's (external tokens, load asynchronously) for a waiting request."""
+        num_tokens = self.offload.lookup(self.add_request(request), num_computed_tokens)
+        return num_tokens, num_tokens > 0
+
+    def on_allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Hand the request's whole block table and accepted external tokens to kvtier."""
+        self.offload.on_allocated(
+            self.add_request(request), blocks.get_block_ids(), num_external_tokens
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def build_metadata(self, scheduler_output: Any) -> KVTierMetadata:
+        """Return this step's plan, with never-issued loads for the workers to fail."""
+        self._take_unissued_failures()
+        scheduled = []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, block_ids, is_full_table in yield_req_data(scheduler_output):
+            view = self._requests.get(req_id)
+            if view is None:
+                continue  # not admitted through this connector (cannot happen in vLLM)
+            ids = self._no_new_blocks if block_ids is None else tuple(map(tuple, block_ids))
+            update = TableUpdate.REPLACE if is_full_table else TableUpdate.APPEND
+            scheduled.append(ScheduledRequest(view, ids, num_scheduled[req_id], update))
+        plan = self.offload.build_plan(
+            StepInput(
+                scheduled=tuple(scheduled),
+                finished_request_ids=frozenset(scheduler_output.finished_req_ids),
+                preempted_request_ids=frozenset(scheduler_output.preempted_req_ids or ()),
+                handoffs=_handoffs(scheduler_output),
+            )
+        )
+        failed, self._unissued_failures = tuple(self._unissued_failures), []
+        return KVTierMetadata(plan, failed)
+
+    def apply_output(self, connector_output: Any) -> None:
+        """Apply the workers' merged report: register stores, release load pins."""
+        self._take_unissued_failures()
+        worker_meta = connector_output.kv_connector_worker_meta
+        if worker_meta is None:
+            report = _NOTHING_FINISHED
+        elif isinstance(worker_meta, KVTierWorkerMetadata):
+            report = worker_meta.report
+        else:
+            raise TypeError(f"unexpected worker metadata {type(worker_meta).__name__}")
+        outcome = self.offload.apply_report(report)
+        for failed in outcome.failed_loads:  # issued: the workers reported them to vLLM
+            logger.warning(
+                "kvtier load for request %s failed on a worker; vLLM recomputes tokens "
+                "[%d, %d) (kv_load_failure_policy='recompute')",
+                failed.request_id,
+                failed.start_token,
+                failed.end_token,
+            )
+
+    def _take_unissued_failures(self) -> None:
+        """Collect loads kvtier dropped before issuing them (an empty report drains them)."""
+        for failed in self.offload.apply_report(_NOTHING_FINISHED).failed_loads:
+            logger.warning(
+                "kvtier dropped the load of request %s before issuing it; it will be "
+                "reported as failed",
+                failed.request_id,
+            )
+            self._unissued_failures.append(failed.request_id)
+
+    def on_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> None:
+        """Let kvtier flush the finished request's blocks, then forget the request."""
+        self.offload.on_finished(self.add_request(request), block_ids)
+        del self._requests[request.request_id]
+
+    def has_pending_stores(self) -> bool:
+        """Return True while stores are queued or in flight (vLLM keeps stepping)."""
+        return self.offload.has_pending_stores()
+
+    def reset(self) -> bool:
+        """Drop the tier's contents; False while issued transfers are outstanding."""
+        done = self.offload.reset()
+        self._take_unissued_failures()
+        return done
+
+    # ------------------------------------------------------------------ observability
+
+    def take_events(self) -> list[Any]:
+        """Return this step's tier events as vLLM KV events (none when events are off)."""
+        if self._events is None:
+            return []
+        return self._events.translate_all(self.offload.take_events())
+
+    def take_stats(self) -> KVTierStats | None:
+        """Return this step's stats, or None when nothing changed since the last ones."""
+        stats = self.offload.take_stats()
+        total = sum(stats.hit_tokens.values())
+        payload = stats_payload(stats, total - self._num_hit_tokens)
+        self._num_hit_tokens = total
+        gauges = payload[GAUGES]
+        if not payload["counters"] and gauges == self._last_gauges:
+            return None
+        self._last_gauges = gauges
+        return KVTierStats(data=payload)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Return how many live requests the connector remembers (tests: no leaks)."""
+        return len(self._requests)
+
+
+def _handoffs(scheduler_output: Any) -> tuple[Handoff, ...]:
+    """Return vLLM's exact-block state hand-offs (Mamba "align") as kvtier hand-offs."""
+    state = scheduler_output.kv_connector_block_state
+    offers: dict[str, Iterable[tuple[int, int, int]]] = (
+        state.boundary_state_offloads if state is not None else {}
+    )
+    return tuple(
+        Handoff(req_id, group_id, gpu_block_id)
+        for req_id, items in offers.items()
+        for group_id, gpu_block_id, _ in items
+    )

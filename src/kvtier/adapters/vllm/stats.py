@@ -1,0 +1,162 @@
+"""kvtier's offload statistics as vLLM connector stats and Prometheus metrics.
+
+The payload (`KVTierStats.data`) is a plain dict that survives vLLM's IPC to the
+front-end process:
+
+    {"counters": {name: number},      summed by `aggregate` (per step, per interval)
+     "gauges":   {name: number},      latest value wins
+     "info":     {label: str}}        deployment facts (tier, mode, capacity)
+
+Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stores`,
+`bytes_stored`, `bytes_loaded`, `hit_tokens`, and `store_outcome.<outcome>` /
+`handoff_outcome.<outcome>` (kvtier's `StoreOutcome` values). Prometheus exposes them as
+`kvtier:<name>_total` (outcomes as one metric with an `outcome` label), gauges as
+`kvtier:<name>`, and the info labels on `kvtier:info` (value 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvtier.offload.stats import OffloadStats
+
+PREFIX = "kvtier:"
+COUNTERS = "counters"
+GAUGES = "gauges"
+INFO = "info"
+INFO_LABELS = ("tier", "store_mode", "num_tier_blocks", "disk_io_mode")
+_OUTCOME_COUNTERS = {"store_outcome": "store_outcomes", "handoff_outcome": "handoff_outcomes"}
+_PLAIN_COUNTERS = {
+    "stored_blocks": "KV blocks copied down to the tier (store completed on every rank)",
+    "loaded_blocks": "KV blocks loaded back from the tier into the GPU cache",
+    "failed_loads": "loads that failed; their tokens were recomputed",
+    "failed_stores": "store candidates whose copy failed; nothing was registered",
+    "bytes_stored": "bytes copied down to the tier, per rank",
+    "bytes_loaded": "bytes loaded from the tier, per rank",
+    "hit_tokens": "prompt tokens served from the tier instead of recomputed",
+}
+_GAUGES = {
+    "tier_blocks_in_use": "tier blocks pinned by transfers or lookups (capacity minus free)",
+    "blocks_pending_store": "blocks queued or in flight towards the tier",
+}
+
+
+def stats_payload(stats: OffloadStats, num_hit_tokens: int) -> dict[str, Any]:
+    """Return the payload of one step's `OffloadStats` (`num_hit_tokens`: this step's)."""
+    counters: dict[str, int] = {
+        "stored_blocks": stats.num_stored_blocks,
+        "loaded_blocks": stats.num_loaded_blocks,
+        "failed_loads": stats.num_failed_loads,
+        "failed_stores": stats.num_failed_stores,
+        "bytes_stored": stats.num_bytes_stored,
+        "bytes_loaded": stats.num_bytes_loaded,
+        "hit_tokens": num_hit_tokens,
+    }
+    for outcome, count in stats.store_outcomes.items():
+        counters[f"store_outcome.{outcome}"] = count
+    for outcome, count in stats.handoff_outcomes.items():
+        counters[f"handoff_outcome.{outcome}"] = count
+    gauges = {
+        "tier_blocks_in_use": stats.num_tier_blocks_in_use,
+        "blocks_pending_store": stats.num_blocks_pending_store,
+    }
+    info = {label: str(stats.info.get(label, "")) for label in INFO_LABELS}
+    return {COUNTERS: {k: v for k, v in counters.items() if v}, GAUGES: gauges, INFO: info}
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """kvtier's connector stats; `data` is the payload described in the module docstring."""
+
+    def __post_init__(self) -> None:
+        for section in (COUNTERS, GAUGES, INFO):
+            self.data.setdefault(section, {})
+
+    def reset(self) -> None:
+        """Drop every value."""
+        empty: dict[str, Any] = {COUNTERS: {}, GAUGES: {}, INFO: {}}
+        self.data = empty
+
+    def aggregate(self, other: KVConnectorStats) -> KVTierStats:
+        """Add `other`'s counters to this one's; take its gauges and info (it is newer)."""
+        if not isinstance(other, KVTierStats):
+            raise TypeError(f"cannot aggregate KVTierStats with {type(other).__name__}")
+        counters = self.data[COUNTERS]
+        for name, value in other.data[COUNTERS].items():
+            counters[name] = counters.get(name, 0) + value
+        self.data[GAUGES].update(other.data[GAUGES])
+        self.data[INFO].update(other.data[INFO])
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """Return counters and gauges flattened for vLLM's periodic log line."""
+        return {**self.data[COUNTERS], **self.data[GAUGES]}
+
+    def is_empty(self) -> bool:
+        """Return True when the payload holds nothing at all."""
+        return not any(self.data[section] for section in (COUNTERS, GAUGES, INFO))
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """Register kvtier's metrics under the `kvtier:` prefix and record payloads into them."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Mapping[type, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        labels = list(self._labelnames)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"{PREFIX}{name}_total", documentation=doc, labelnames=labels
+            )
+            for name, doc in _PLAIN_COUNTERS.items()
+        }
+        self._outcomes = {
+            prefix: self._counter_cls(
+                name=f"{PREFIX}{metric}_total",
+                documentation=f"{prefix.replace('_', ' ')}s of kvtier's store selection",
+                labelnames=[*labels, "outcome"],
+            )
+            for prefix, metric in _OUTCOME_COUNTERS.items()
+        }
+        self._gauges = {
+            name: self._gauge_cls(
+                name=f"{PREFIX}{name}",
+                documentation=doc,
+                labelnames=labels,
+                multiprocess_mode="mostrecent",
+            )
+            for name, doc in _GAUGES.items()
+        }
+        self._info = self._gauge_cls(
+            name=f"{PREFIX}info",
+            documentation="kvtier deployment facts; the value is always 1",
+            labelnames=[*labels, *INFO_LABELS],
+            multiprocess_mode="mostrecent",
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one payload for engine `engine_idx`; unknown names raise KeyError."""
+        engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
+        for name, value in transfer_stats_data.get(COUNTERS, {}).items():
+            prefix, dot, outcome = name.partition(".")
+            if dot:
+                self._outcomes[prefix].labels(*engine, outcome).inc(value)
+            else:
+                self._counters[name].labels(*engine).inc(value)
+        for name, value in transfer_stats_data.get(GAUGES, {}).items():
+            self._gauges[name].labels(*engine).set(value)
+        info = transfer_stats_data.get(INFO)
+        if info:
+            self._info.labels(*engine, *(info.get(label, "") for label in INFO_LABELS)).set(1)

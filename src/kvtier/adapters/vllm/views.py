@@ -1,0 +1,174 @@
+"""vLLM's request and GPU block pool, seen through kvtier's engine protocols.
+
+Keys need no conversion: vLLM's `BlockHashWithGroupId` (block hash + group id in 4
+big-endian bytes) is exactly a kvtier key (`kvtier.core.keys`), so keys cross the
+boundary as they are.
+
+No vLLM import: the wrappers only read attributes, so this module imports without vLLM.
+Thread affinity: the scheduler thread of the engine core, like the objects they wrap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from operator import attrgetter
+from typing import Any
+
+from kvtier.core.keys import BlockHash, Key
+from kvtier.offload.protocols import LoRAInfo
+
+_BLOCK_ID = attrgetter("block_id")
+
+
+class VllmRequestView:
+    """A vLLM `Request` as a kvtier `RequestView`; reads through, copies nothing."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+
+    @property
+    def request_id(self) -> str:
+        """Return the engine's request id."""
+        return str(self.request.request_id)
+
+    @property
+    def num_tokens(self) -> int:
+        """Return prompt plus output tokens so far."""
+        return int(self.request.num_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Return the prompt length."""
+        return int(self.request.num_prompt_tokens)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Return the tokens the engine counts as computed (may include a pending load)."""
+        return int(self.request.num_computed_tokens)
+
+    @property
+    def num_output_placeholders(self) -> int:
+        """Return the tokens scheduled but not yet confirmed (async scheduling)."""
+        return int(self.request.num_output_placeholders)
+
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]:
+        """Return vLLM's chained hashes at `hash_block_size` (grown in place by vLLM)."""
+        hashes: Sequence[BlockHash] = self.request.block_hashes
+        return hashes
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """Return prompt plus output token ids (a read-only view)."""
+        token_ids: Sequence[int] = self.request.all_token_ids
+        return token_ids
+
+    @property
+    def lora(self) -> LoRAInfo | None:
+        """Return the LoRA adapter identity, or None."""
+        lora_request = self.request.lora_request
+        if lora_request is None:
+            return None
+        return LoRAInfo(int(lora_request.lora_int_id), str(lora_request.lora_name))
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Return True when the request must not read any prefix cache."""
+        return bool(self.request.skip_reading_prefix_cache)
+
+
+class VllmGpuBlockView:
+    """One block of vLLM's GPU pool as a kvtier `GpuBlockView`."""
+
+    __slots__ = ("_block", "_pool")
+
+    def __init__(self, pool: Any, block: Any) -> None:
+        self._pool = pool
+        self._block = block
+
+    @property
+    def block_id(self) -> int:
+        """Return the block id."""
+        return int(self._block.block_id)
+
+    @property
+    def is_null(self) -> bool:
+        """Return True for the null block."""
+        return bool(self._block.is_null)
+
+    @property
+    def ref_count(self) -> int:
+        """Return the reference count (not maintained by vLLM for the null block)."""
+        return int(self._block.ref_cnt)
+
+    @property
+    def key(self) -> Key | None:
+        """Return the primary key, or None when the block is not cached."""
+        key: Key | None = self._block.block_hash
+        return key
+
+    @property
+    def num_tokens(self) -> int:
+        """Return the tokens the primary key covers; 0 when vLLM recorded no count."""
+        return int(self._block.block_hash_num_tokens or 0)
+
+    @property
+    def secondary_keys(self) -> Sequence[Key]:
+        """Return the block's other keys (e.g. a partial tail), unordered."""
+        extra = self._pool.cached_block_hashes_by_block.get(self._block.block_id)
+        return list(extra) if extra else []
+
+
+class VllmGpuPoolView:
+    """vLLM's GPU `BlockPool` as a kvtier `GpuPoolView` (block ids in, block ids out)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self._blocks = pool.blocks
+
+    def block(self, block_id: int) -> VllmGpuBlockView:
+        """Return a view of block `block_id`."""
+        return VllmGpuBlockView(self.pool, self._blocks[block_id])
+
+    def key(self, block_id: int) -> Key | None:
+        """Return the primary key of block `block_id`, or None when it is not cached."""
+        key: Key | None = self._blocks[block_id].block_hash
+        return key
+
+    def num_tokens(self, block_id: int) -> int:
+        """Return the tokens the primary key covers; 0 when vLLM recorded no count."""
+        return int(self._blocks[block_id].block_hash_num_tokens or 0)
+
+    def secondary_keys(self, block_id: int) -> Sequence[Key]:
+        """Return the block's other keys (e.g. a partial tail), unordered."""
+        extra = self.pool.cached_block_hashes_by_block.get(block_id)
+        return list(extra) if extra else []
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one reference on each block; a free block leaves vLLM's free queue."""
+        blocks = self._blocks
+        self.pool.touch([blocks[block_id] for block_id in block_ids])
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, in order (vLLM's eviction order rules)."""
+        blocks = self._blocks
+        self.pool.free_blocks([blocks[block_id] for block_id in block_ids])
+
+    def cached_block(self, key: Key) -> int | None:
+        """Return a block id holding `key` in vLLM's prefix cache, or None."""
+        block = self.pool.cached_block_hash_to_block.get_one_block(key)
+        return None if block is None else int(block.block_id)
+
+    def iter_free_after(self, cursor: int | None) -> Iterator[int]:
+        """Return an iterator of free block ids in eviction order after `cursor`.
+
+        From the head when `cursor` is None or no longer free (it was reused or touched).
+        """
+        start = None
+        if cursor is not None:
+            block = self._blocks[cursor]
+            if not block.is_null and block.ref_cnt == 0:
+                start = block
+        return map(_BLOCK_ID, self.pool.free_block_queue.iter_blocks_after(start))

@@ -1,0 +1,161 @@
+"""The connector's worker role: vLLM's model-runner calls as `OffloadWorker` calls.
+
+Per step, in vLLM's order:
+
+    handle_preemptions     flush() when the plan says a request was preempted
+    bind metadata          remember the plan; the load-event → request-id map
+    start_load_kv          submit the plan's load jobs (right after the forward launch)
+    wait_for_save          record the compute-done marker, submit the store jobs
+    get_transfer_results   poll(): finished loads → finished_recving; failed loads (and
+                           the scheduler's never-issued ones) → failed_recving too
+    worker metadata        the polled `WorkerReport` for the scheduler role
+
+The worker holds no policy and never blocks except in `flush()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from kvtier.adapters.vllm.layout import num_tier_blocks
+from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.adapters.vllm.regions import KVCacheValue, placement_block_views
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
+from kvtier.transfer.regions import TensorLayout
+from kvtier.transfer.worker import OffloadWorker, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def worker_config(config: OffloadConfig, num_slots: int, rank: int) -> WorkerConfig:
+    """Return the `WorkerConfig` of one rank: `num_slots` slots of the configured tier."""
+    if config.tier is Tier.CPU:
+        return WorkerConfig(cpu_num_slots=num_slots, rank=rank)
+    return WorkerConfig(
+        disk_num_slots=num_slots,
+        disk_path=config.disk_path,
+        disk_io_mode=config.disk_io_mode,
+        disk_buffer_slots=config.disk_buffer_slots,
+        rank=rank,
+    )
+
+
+class WorkerSide:
+    """Drive one rank's `OffloadWorker` from vLLM's worker-role connector calls.
+
+    Thread affinity: the model runner's thread. The worker's copies run on its own lanes.
+    """
+
+    def __init__(self, kv_cache_config: Any, config: OffloadConfig, layout_name: str | None):
+        self.config = config
+        self.num_tier_blocks = num_tier_blocks(config, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+        self._layout_name = layout_name
+        self._worker: OffloadWorker | None = None
+        self._plan: TransferPlan | None = None
+        self._echo_failed: tuple[str, ...] = ()
+        self._loads_submitted = False
+        self._stores_submitted = False
+        self._load_request_ids: Mapping[int, tuple[str, ...]] = {}
+        self._report = WorkerReport()
+
+    @property
+    def worker(self) -> OffloadWorker:
+        """Return the offload worker; raises before `register_kv_caches`."""
+        if self._worker is None:
+            raise RuntimeError("kvtier worker has no KV caches yet: register_kv_caches first")
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: Mapping[str, KVCacheValue]) -> None:
+        """Address vLLM's KV allocation by block id and allocate this rank's tier."""
+        if self._worker is not None:
+            raise RuntimeError("register_kv_caches called twice")
+        views = placement_block_views(self._kv_cache_config, kv_caches, self._layout_name)
+        device = next(iter(views.values())).device
+        rank = device.index or 0  # one process per device: unique per node, names the file
+        worker = OffloadWorker(worker_config(self.config, self.num_tier_blocks, rank))
+        worker.register(views, TensorLayout.BLOCKS_FIRST)
+        self._worker = worker
+        logger.info(
+            "kvtier worker on %s: %d %s slots of %d B",
+            device,
+            self.num_tier_blocks,
+            self.config.tier.value,
+            worker.bytes_per_slot,
+        )
+
+    # ------------------------------------------------------------------ step
+
+    def handle_preemptions(self, metadata: KVTierMetadata) -> None:
+        """Finish every outstanding transfer when a preempted request's blocks may be reused."""
+        if metadata.plan.need_flush:
+            self.worker.flush()
+
+    def bind(self, metadata: KVTierMetadata) -> None:
+        """Take this step's plan; its load map covers every outstanding load event."""
+        self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
+        self._echo_failed = metadata.unissued_failed_request_ids
+        self._load_request_ids = metadata.plan.load_request_ids
+        self._loads_submitted = self._stores_submitted = False
+
+    def clear(self) -> None:
+        """Forget this step's plan."""
+        self._plan = None
+        self._echo_failed = ()
+
+    def start_loads(self) -> None:
+        """Submit this step's loads (they run in the background)."""
+        if self._plan is None or self._loads_submitted:
+            return
+        self._loads_submitted = True
+        jobs = tuple(job for job in self._plan.jobs if job.is_load)
+        if jobs:
+            self.worker.submit(replace(self._plan, jobs=jobs))
+
+    def submit_stores(self) -> None:
+        """Submit this step's stores after the forward that wrote their blocks.
+
+        Loads are submitted too if `start_loads` was not called this step.
+        """
+        if self._plan is None or self._stores_submitted:
+            return
+        self.start_loads()
+        self._stores_submitted = True
+        jobs = tuple(job for job in self._plan.jobs if job.is_store)
+        if jobs:
+            self.worker.record_compute_done()
+            self.worker.submit(replace(self._plan, jobs=jobs))
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """Poll the worker; return (finished_recving, failed_recving) request ids.
+
+        A failed request is also finished: vLLM releases it from waiting for its load.
+        """
+        report = self.worker.poll()
+        self._report = WorkerReport.merge([self._report, report])
+        finished: set[str] = set(self._echo_failed)
+        failed: set[str] = set(self._echo_failed)
+        self._echo_failed = ()
+        for event_id in report.done:
+            finished.update(self._load_request_ids.get(event_id, ()))
+        for event_id in report.failed:
+            request_ids = self._load_request_ids.get(event_id, ())
+            if request_ids:
+                logger.warning("kvtier load event %d failed: %s", event_id, list(request_ids))
+            finished.update(request_ids)
+            failed.update(request_ids)
+        return finished, failed
+
+    def take_worker_metadata(self) -> KVTierWorkerMetadata | None:
+        """Return what finished since the last call, or None when nothing did."""
+        report, self._report = self._report, WorkerReport()
+        return None if report.is_empty else KVTierWorkerMetadata(report)
+
+    def shutdown(self) -> None:
+        """Finish outstanding transfers and release the tier (idempotent)."""
+        if self._worker is not None:
+            self._worker.shutdown()

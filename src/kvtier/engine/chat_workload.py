@@ -1,0 +1,136 @@
+"""A multi-turn chat workload: conversations sharing a system prompt, turns interleaved."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.engine.llm import LLM
+from kvtier.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """Shape of the workload. Token counts are per message; ids are drawn from a seed."""
+
+    num_conversations: int = 8
+    num_turns: int = 5
+    num_system_tokens: int = 256
+    num_user_tokens: int = 128
+    num_answer_tokens: int = 16
+    vocab_size: int = 1024
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_conversations", "num_turns", "num_answer_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One conversation turn as served."""
+
+    conversation: int
+    turn: int
+    num_prompt_tokens: int
+    ttft_s: float
+    output_token_ids: tuple[int, ...]
+    num_local_hit_tokens: int
+    num_external_hit_tokens: int
+
+    @property
+    def history_left_gpu(self) -> bool:
+        """Return True for a later turn whose earlier history was not all on the GPU."""
+        return self.turn > 0 and self.num_local_hit_tokens < self.num_prompt_tokens // 2
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Everything one configuration produced."""
+
+    name: str
+    turns: tuple[TurnResult, ...]
+    wall_s: float
+    num_bytes_loaded: int
+    num_bytes_stored: int
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def ttfts(self, history_left_gpu: bool | None = None) -> list[float]:
+        """Return TTFTs of all turns, or only of turns whose history did / did not leave."""
+        return [
+            t.ttft_s
+            for t in self.turns
+            if history_left_gpu is None or t.history_left_gpu == history_left_gpu
+        ]
+
+    @property
+    def output_tokens(self) -> list[tuple[int, ...]]:
+        """Return every turn's output tokens, in (conversation, turn) order."""
+        return [
+            t.output_token_ids for t in sorted(self.turns, key=lambda t: (t.conversation, t.turn))
+        ]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Return prompt + output tokens served per second of wall time."""
+        total = sum(t.num_prompt_tokens + len(t.output_token_ids) for t in self.turns)
+        return total / self.wall_s
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Return the q-quantile (0..1) of `values` (0.0 when empty)."""
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def run_chat(
+    llm: LLM, workload: ChatWorkload, name: str, on_turn: Callable[[], None] | None = None
+) -> RunResult:
+    """Serve the workload on `llm`: every turn of all conversations goes in one batch."""
+    rng = random.Random(workload.seed)
+    system = [rng.randrange(workload.vocab_size) for _ in range(workload.num_system_tokens)]
+    histories = [list(system) for _ in range(workload.num_conversations)]
+    params = SamplingParams(max_tokens=workload.num_answer_tokens, ignore_eos=True)
+    turns = []
+    start = time.perf_counter()
+    for turn in range(workload.num_turns):
+        prompts = []
+        for history in histories:
+            history.extend(
+                rng.randrange(workload.vocab_size) for _ in range(workload.num_user_tokens)
+            )
+            prompts.append(list(history))
+        outputs = llm.generate(prompts, params)
+        for conversation, (history, output) in enumerate(zip(histories, outputs, strict=True)):
+            history.extend(output.output_token_ids)
+            turns.append(
+                TurnResult(
+                    conversation,
+                    turn,
+                    len(output.prompt_token_ids),
+                    output.ttft_s,
+                    output.output_token_ids,
+                    output.num_local_hit_tokens,
+                    output.num_external_hit_tokens,
+                )
+            )
+        if on_turn is not None:
+            on_turn()
+    llm.drain()
+    wall = time.perf_counter() - start
+    offload = llm.offload
+    return RunResult(
+        name=name,
+        turns=tuple(turns),
+        wall_s=wall,
+        num_bytes_loaded=0 if offload is None else offload.totals.num_bytes_loaded,
+        num_bytes_stored=0 if offload is None else offload.totals.num_bytes_stored,
+        hit_tokens_by_tier={} if offload is None else dict(offload.totals.hit_tokens),
+    )

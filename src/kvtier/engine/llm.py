@@ -1,0 +1,241 @@
+"""The reference engine's public API: `LLM(model=..., kv_offload=...).generate(...)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.hashing import BlockHasher, RequestHasher
+from kvtier.engine.config import CacheConfig, ModelConfig
+from kvtier.engine.model import build_model
+from kvtier.engine.offload_side import OffloadSide, layout_of
+from kvtier.engine.request import Request
+from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
+from kvtier.engine.sampling import SamplingParams, sample
+from kvtier.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
+from kvtier.engine.weights import load_model
+from kvtier.offload.config import OffloadConfig
+
+_IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and limits of the reference engine. `num_gpu_blocks` includes the null block."""
+
+    block_size: int = 16
+    num_gpu_blocks: int = 256
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    device: str = "cpu"
+    seed: int = 0
+    keep_logits: bool = False
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One finished request: its tokens, timing and where its prefix came from.
+
+    `logits` holds, when `EngineConfig.keep_logits` is set, the float32 logits each
+    output token was sampled from ([num_output_tokens, vocab_size]).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    finish_reason: str
+    ttft_s: float
+    tpot_s: float
+    num_local_hit_tokens: int
+    num_external_hit_tokens: int
+    logits: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_local_hit_tokens: int = 0
+    num_external_hit_tokens: int = 0
+    num_bytes_loaded: int = 0
+    num_bytes_stored: int = 0
+    num_failed_loads: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+class LLM:
+    """A small paged-attention engine with kvtier's offloading, for CPU or CUDA.
+
+    `model` is a local HF-format checkpoint directory, a `ModelConfig` (random weights
+    with `engine.seed`), or None for `ModelConfig.tiny()`. Nothing is ever downloaded.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | ModelConfig | None = None,
+        kv_offload: OffloadConfig | None = None,
+        engine: EngineConfig | None = None,
+    ) -> None:
+        self.engine_config = engine = engine or EngineConfig()
+        device = torch.device(engine.device)
+        if isinstance(model, (str, Path)):
+            network = load_model(model, device)
+        else:
+            network = build_model(model or ModelConfig.tiny(), device, seed=engine.seed)
+        self.model_config = network.config
+        cache = CacheConfig(block_size=engine.block_size, num_blocks=engine.num_gpu_blocks)
+        self.runner = ModelRunner(network, cache)
+        self.layout = layout_of(self.runner)
+        self.pool = BlockPool(engine.num_gpu_blocks)
+        self.offload = (
+            None if kv_offload is None else OffloadSide(kv_offload, self.runner, self.pool)
+        )
+        self._hasher = BlockHasher(self.layout.hash_block_size)
+        limits = SchedulerLimits(engine.max_num_seqs, engine.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.layout,
+            self.pool,
+            limits,
+            None if self.offload is None else self.offload.scheduler,
+            self.model_config.eos_token_ids,
+        )
+        self.stats = EngineStats()
+        self._next_id = 0
+        self._logits: dict[str, list[torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ API
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        show_progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run `prompts` (token id lists) to completion; outputs come in prompt order."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        pending = {r.request_id for r in requests}
+        with tqdm(total=len(requests), disable=not show_progress, unit="req") as bar:
+            while pending:
+                for request in self.step():
+                    if request.request_id in pending:
+                        pending.discard(request.request_id)
+                        bar.update()
+        return [self._output(r) for r in requests]
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+        """Queue one prompt; `step` runs it."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        request = Request(
+            request_id=f"req-{self._next_id}",
+            prompt_token_ids=list(prompt),
+            params=params,
+            hasher=RequestHasher(self._hasher),
+        )
+        self._next_id += 1
+        self.stats.num_prompt_tokens += len(prompt)
+        self.scheduler.add(request)
+        return request
+
+    def step(self) -> list[Request]:
+        """Run one engine step (SPEC §2.2); return the requests that finished in it."""
+        step = self.scheduler.schedule()
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(step.preempted_ids)
+        if self.offload is not None:
+            self.offload.prepare(step)
+        sampled = self._forward(step) if step.work else []
+        if self.offload is not None:
+            self.offload.submit()
+        finished = self.scheduler.complete(step, sampled, time.perf_counter())
+        if self.offload is not None:
+            self.offload.finish_step(finished)
+            self.scheduler.apply_offload(self.offload.poll())
+            if not step.work:
+                time.sleep(_IDLE_WAIT_S)
+        elif not step.work and self.scheduler.has_unfinished():
+            head = self.scheduler.waiting[0]
+            raise RuntimeError(
+                f"no progress possible: {head.request_id} ({head.num_tokens} tokens) does not "
+                f"fit the GPU pool of {self.pool.num_usable_blocks} blocks of "
+                f"{self.engine_config.block_size} tokens"
+            )
+        return finished
+
+    def drain(self) -> None:
+        """Step until every finish-time store has completed."""
+        while self.offload is not None and self.offload.has_pending_work():
+            self.step()
+
+    def shutdown(self) -> None:
+        """Drain pending stores and stop the offload worker (idempotent)."""
+        if self.offload is not None:
+            self.drain()
+            self.offload.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals
+
+    def _forward(self, step: SchedulerStep) -> list[int | None]:
+        sequences = []
+        for work in step.work:
+            request = work.request
+            start = request.num_computed_tokens
+            tokens = request.token_ids[start : start + work.num_new_tokens]
+            tables = tuple(tuple(t) for t in request.block_tables)
+            sequences.append(SequenceInput(tuple(tokens), start, tables))
+            self.stats.num_computed_tokens += work.num_new_tokens
+        logits = self.runner.run(BatchInput(tuple(sequences)))
+        sampled: list[int | None] = []
+        rows = []
+        for index, work in enumerate(step.work):
+            request = work.request
+            if request.num_computed_tokens + work.num_new_tokens == request.num_tokens:
+                rows.append(index)
+        tokens = sample(
+            logits[rows],
+            [step.work[i].request.params for i in rows],
+            [step.work[i].request.generator for i in rows],
+        )
+        by_row = dict(zip(rows, tokens, strict=True))
+        for index, work in enumerate(step.work):
+            sampled.append(by_row.get(index))
+            if index in by_row and self.engine_config.keep_logits:
+                row = logits[index].detach().float().cpu()
+                self._logits.setdefault(work.request.request_id, []).append(row)
+        return sampled
+
+    def _output(self, request: Request) -> RequestOutput:
+        self.stats.num_local_hit_tokens += request.num_local_tokens_total
+        self.stats.num_external_hit_tokens += request.num_external_tokens_total
+        rows = self._logits.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            output_token_ids=tuple(request.output_token_ids),
+            finish_reason=request.finish_reason.value if request.finish_reason else "",
+            ttft_s=request.ttft or 0.0,
+            tpot_s=request.tpot or 0.0,
+            num_local_hit_tokens=request.num_local_tokens_total,
+            num_external_hit_tokens=request.num_external_tokens_total,
+            logits=None if rows is None else torch.stack(rows),
+        )

@@ -1,0 +1,126 @@
+"""The reference engine's wiring of kvtier: offload scheduler + worker, step by step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.engine.config import AttentionKind
+from kvtier.engine.request import Request
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.scheduler import SchedulerStep
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.plan import Tier, TransferPlan
+from kvtier.offload.protocols import ScheduledRequest, StepInput
+from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
+from kvtier.offload.stats import OffloadStats
+from kvtier.offload.transfers import ReportOutcome
+from kvtier.transfer.worker import OffloadWorker, WorkerConfig
+
+
+def layout_of(runner: ModelRunner) -> KVLayout:
+    """Return kvtier's view of the runner's KV groups."""
+    groups = []
+    for group in runner.layer_groups:
+        kind = (
+            GroupKind.SLIDING_WINDOW
+            if group.kind is AttentionKind.SLIDING
+            else GroupKind.FULL_ATTENTION
+        )
+        groups.append(
+            KVGroupSpec(
+                kind,
+                runner.block_size,
+                runner.bytes_per_block(group.group_id),
+                group.sliding_window,
+            )
+        )
+    return KVLayout(tuple(groups))
+
+
+@dataclass(slots=True)
+class OffloadTotals:
+    """Cumulative transfer counters of one engine."""
+
+    num_bytes_loaded: int = 0
+    num_bytes_stored: int = 0
+    num_failed_loads: int = 0
+    num_failed_stores: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class OffloadSide:
+    """Drive one `OffloadScheduler` and one `OffloadWorker` from the engine's step loop."""
+
+    def __init__(self, config: OffloadConfig, runner: ModelRunner, pool: BlockPool) -> None:
+        layout = layout_of(runner)
+        num_tier_blocks = config.num_tier_blocks(layout.bytes_per_block)
+        self.scheduler = OffloadScheduler(
+            config, SchedulerSetup(layout, num_tier_blocks, num_workers=1, gpu_pool=pool)
+        )
+        self.worker = OffloadWorker(_worker_config(config, num_tier_blocks))
+        self.worker.register(runner.kv_tensors)
+        self.totals = OffloadTotals()
+        self._plan: TransferPlan | None = None
+        self._finished_ids: frozenset[str] = frozenset()
+
+    def prepare(self, step: SchedulerStep) -> None:
+        """Build this step's plan; flush the worker first if a request was preempted."""
+        scheduled = tuple(
+            ScheduledRequest(w.request, w.new_block_ids, w.num_new_tokens, w.table_update)
+            for w in step.work
+        )
+        self._plan = self.scheduler.build_plan(
+            StepInput(
+                scheduled=scheduled,
+                finished_request_ids=self._finished_ids,
+                preempted_request_ids=frozenset(step.preempted_ids),
+            )
+        )
+        if self._plan.need_flush:
+            self.worker.flush()
+
+    def submit(self) -> None:
+        """Hand this step's plan to the worker (after the forward pass was launched)."""
+        if self._plan is not None and self._plan.jobs:
+            self.worker.submit(self._plan)
+        self._plan = None
+
+    def finish_step(self, finished: Sequence[Request]) -> None:
+        """Remember which requests finished, for the next step's hand-off filtering."""
+        self._finished_ids = frozenset(r.request_id for r in finished)
+
+    def poll(self) -> ReportOutcome:
+        """Apply whatever the worker finished; return loads finished or failed."""
+        outcome = self.scheduler.apply_report(self.worker.poll())
+        self._account(self.scheduler.take_stats())
+        return outcome
+
+    def _account(self, stats: OffloadStats) -> None:
+        totals = self.totals
+        totals.num_bytes_loaded += stats.num_bytes_loaded
+        totals.num_bytes_stored += stats.num_bytes_stored
+        totals.num_failed_loads += stats.num_failed_loads
+        totals.num_failed_stores += stats.num_failed_stores
+        totals.hit_tokens = dict(stats.hit_tokens)
+
+    def has_pending_work(self) -> bool:
+        """Return True while finish-time stores are queued or in flight."""
+        return self.scheduler.has_pending_stores()
+
+    def shutdown(self) -> None:
+        """Stop the worker (idempotent)."""
+        self.worker.shutdown()
+
+
+def _worker_config(config: OffloadConfig, num_tier_blocks: int) -> WorkerConfig:
+    if config.tier is Tier.CPU:
+        return WorkerConfig(cpu_num_slots=num_tier_blocks)
+    return WorkerConfig(
+        disk_num_slots=num_tier_blocks,
+        disk_path=config.disk_path,
+        disk_io_mode=config.disk_io_mode,
+        disk_buffer_slots=config.disk_buffer_slots,
+    )

@@ -1,0 +1,101 @@
+"""Token sampling: greedy, or temperature sampling from a per-request seeded generator."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped generating."""
+
+    LENGTH = "length"  # produced max_tokens
+    STOP = "stop"  # produced a stop token or, unless ignored, an EOS token
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a request's output tokens and when to stop.
+
+    `temperature == 0` is greedy. With a temperature, `seed` makes the request's tokens
+    reproducible whatever else is in the batch; without a seed the generator is seeded
+    from torch's global RNG.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Return True when the most likely token is always taken."""
+        return self.temperature == 0.0
+
+    def make_generator(self) -> torch.Generator | None:
+        """Return a fresh CPU generator for one request, or None when greedy."""
+        if self.is_greedy:
+            return None
+        generator = torch.Generator()
+        if self.seed is None:
+            generator.manual_seed(int(torch.randint(2**62, ()).item()))
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """Pick one token per row of `logits` ([num_seqs, vocab_size]).
+
+    `generators[i]` is request i's generator from `SamplingParams.make_generator`; it is
+    advanced by one draw per sampled token. Sampling runs on CPU in float32, so results
+    do not depend on the device.
+    """
+    if not len(params) == len(generators) == logits.shape[0]:
+        raise ValueError(
+            f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators"
+        )
+    rows = logits.detach().float().cpu()
+    tokens: list[int] = []
+    for row, param, generator in zip(rows, params, generators, strict=True):
+        if param.is_greedy:
+            tokens.append(int(row.argmax().item()))
+            continue
+        if generator is None:
+            raise ValueError("temperature sampling needs a generator (make_generator)")
+        probs = torch.softmax(row / param.temperature, dim=-1)
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
+    return tokens
+
+
+def finish_reason(
+    token_id: int,
+    num_output_tokens: int,
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+) -> FinishReason | None:
+    """Return why a request stops after emitting `token_id`, or None to keep going.
+
+    `num_output_tokens` counts the request's output tokens including `token_id`.
+    """
+    if token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return FinishReason.STOP
+    if num_output_tokens >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,348 @@
+"""The reference engine's scheduler: continuous batching over a paged GPU cache.
+
+Each step it first continues running requests (decode, or the next prefill chunk),
+preempting the newest when the GPU pool runs out, then admits waiting requests in FCFS
+order within the token budget. Admission follows SPEC §2.2: local GPU prefix hit, then
+kvtier's `lookup`, allocation, `on_allocated`; a request with external tokens waits for
+its load. All GPU blocks come from one `BlockPool` shared by every KV group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvtier.core.keys import make_key
+from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.core.longest_hit import find_longest_hit
+from kvtier.engine.request import Request, RequestStatus
+from kvtier.engine.sampling import finish_reason
+from kvtier.offload.protocols import TableUpdate
+from kvtier.offload.scheduler import OffloadScheduler
+from kvtier.offload.transfers import ReportOutcome
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """How much work one step may carry."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+
+
+@dataclass(slots=True)
+class ScheduledWork:
+    """One request's share of a step: tokens to compute and blocks appended for them."""
+
+    request: Request
+    num_new_tokens: int
+    new_block_ids: tuple[tuple[int, ...], ...]
+    table_update: TableUpdate
+
+
+@dataclass(slots=True)
+class SchedulerStep:
+    """What `schedule` decided for one step."""
+
+    work: list[ScheduledWork] = field(default_factory=list)
+    preempted_ids: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    """Decide each step which requests run, with how many tokens and which blocks."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        pool: BlockPool,
+        limits: SchedulerLimits,
+        offload: OffloadScheduler | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.layout = layout
+        self.eos_token_ids = eos_token_ids
+        self.pool = pool
+        self.limits = limits
+        self.offload = offload
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        """Queue a new request."""
+        request.block_tables = [[] for _ in self.layout.groups]
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Return True while any request is waiting, loading or running."""
+        return bool(self.waiting or self.running or self.loading)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerStep:
+        """Choose this step's work. `num_computed_tokens` is advanced by `complete`."""
+        step = SchedulerStep()
+        budget = self.limits.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_ids = self._grow(request, num_new)
+            while new_ids is None and self.running[-1] is not request:
+                self._preempt(self.running.pop(), step)
+                new_ids = self._grow(request, num_new)
+            if new_ids is None:
+                self._preempt(self.running.pop(), step)
+                break
+            step.work.append(self._work(request, num_new, new_ids))
+            budget -= num_new
+            index += 1
+        num_preempted = len(step.preempted_ids)
+        while self.waiting and budget > 0 and len(step.preempted_ids) == num_preempted:
+            if len(self.running) >= self.limits.max_num_seqs:
+                break
+            request = self.waiting[0]
+            admitted = self._admit(request, budget)
+            if admitted is None and not self.running and self._release_idle_blocks(step):
+                admitted = self._admit(request, budget)
+            if admitted is None:
+                break  # no room on the GPU: wait for blocks to free up
+            num_new = admitted
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING_FOR_LOAD:
+                self.loading[request.request_id] = request
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_ids = self._grow(request, num_new)
+            assert new_ids is not None, "admission reserved these blocks"
+            step.work.append(self._work(request, num_new, new_ids))
+            budget -= num_new
+        return step
+
+    def _release_idle_blocks(self, step: SchedulerStep) -> bool:
+        """Free the blocks of waiting requests behind the head, which cannot run.
+
+        Requests back from a load hold blocks while they wait; when nothing runs and the
+        head does not fit, they would wait for each other forever. Their KV stays cached
+        in the pool, so they find it again as a local hit.
+        """
+        released = False
+        for request in list(self.waiting)[1:]:
+            if any(request.block_tables):
+                self._free_blocks(request)
+                request.num_computed_tokens = 0
+                request.needs_full_table = True
+                step.preempted_ids.add(request.request_id)
+                self.num_preemptions += 1
+                released = True
+        return released
+
+    def _shrink_to_fit(self, request: Request, num_new: int) -> int | None:
+        """Return the most of `num_new` tokens whose blocks fit the pool (None if none)."""
+        free = self.pool.num_free()
+        while num_new > 0 and self._num_new_blocks(request, num_new) > free:
+            num_new -= min(b.block_size for b in self.layout.groups)
+        return num_new if num_new > 0 else None
+
+    def _work(self, request: Request, num_new: int, new_ids: list[list[int]]) -> ScheduledWork:
+        if request.needs_full_table:
+            request.needs_full_table = False
+            ids = tuple(tuple(table) for table in request.block_tables)
+            return ScheduledWork(request, num_new, ids, TableUpdate.REPLACE)
+        return ScheduledWork(request, num_new, tuple(map(tuple, new_ids)), TableUpdate.APPEND)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Give a waiting request its cached prefix and blocks; return tokens to run now.
+
+        Returns None (changing nothing) when the GPU pool cannot hold the request.
+        """
+        if request.num_computed_tokens > 0:  # back from a load: its blocks are in place
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            return self._shrink_to_fit(request, num_new)
+        local = find_longest_hit(
+            self.layout, request.block_hashes, request.num_tokens - 1, self.pool.cached_block
+        )
+        num_local = local.num_tokens
+        num_external = 0
+        if self.offload is not None and not request.skip_external:
+            num_external = self.offload.lookup(request, num_local)
+        num_hit = num_local + num_external
+        num_new = 0 if num_external else min(request.num_tokens - num_hit, budget)
+        tables: list[list[int]] = []
+        for group_id in range(len(self.layout.groups)):
+            hit_ids = list(local.block_ids[group_id])
+            self.pool.touch(hit_ids)
+            tables.append(hit_ids)
+        num_fresh = self._num_hit_blocks(num_local, num_hit) + self._num_blocks_after(
+            num_hit, num_new
+        )
+        if not self.pool.can_allocate(num_fresh):
+            for table in tables:
+                self.pool.free(reversed(table))
+            return None
+        for group_id, group in enumerate(self.layout.groups):
+            first_needed = self._first_needed_block(group_id, num_hit)
+            for pos in range(num_local // group.block_size, num_hit // group.block_size):
+                fresh = pos >= first_needed
+                tables[group_id].append(self.pool.allocate(1)[0] if fresh else NULL_BLOCK_ID)
+        request.block_tables = tables
+        request.num_computed_tokens = num_hit
+        request.num_local_tokens_total += num_local
+        if self.offload is not None:
+            self.offload.on_allocated(request, tables, num_external)
+        if num_external:
+            request.num_external_tokens = num_external
+            request.num_external_tokens_total += num_external
+            request.status = RequestStatus.WAITING_FOR_LOAD
+        return num_new
+
+    def _first_needed_block(self, group_id: int, num_tokens: int) -> int:
+        group = self.layout.groups[group_id]
+        if group.kind is not GroupKind.SLIDING_WINDOW:
+            return 0
+        return max(0, num_tokens // group.block_size - group.num_window_blocks)
+
+    def _num_hit_blocks(self, num_local: int, num_hit: int) -> int:
+        total = 0
+        for group_id, group in enumerate(self.layout.groups):
+            first = max(num_local // group.block_size, self._first_needed_block(group_id, num_hit))
+            total += max(0, num_hit // group.block_size - first)
+        return total
+
+    def _num_blocks_after(self, num_tokens: int, num_new: int) -> int:
+        total = 0
+        for group in self.layout.groups:
+            have = -(-num_tokens // group.block_size)
+            total += -(-(num_tokens + num_new) // group.block_size) - have
+        return total
+
+    def _num_new_blocks(self, request: Request, num_new: int) -> int:
+        total = 0
+        for group, table in zip(self.layout.groups, request.block_tables, strict=True):
+            need = -(-(request.num_computed_tokens + num_new) // group.block_size)
+            total += max(0, need - len(table))
+        return total
+
+    def _grow(self, request: Request, num_new: int) -> list[list[int]] | None:
+        """Append the blocks `num_new` more tokens need; None if the pool is short."""
+        if self._num_new_blocks(request, num_new) > self.pool.num_free():
+            return None
+        new_ids = []
+        for group, table in zip(self.layout.groups, request.block_tables, strict=True):
+            need = -(-(request.num_computed_tokens + num_new) // group.block_size)
+            fresh = self.pool.allocate(max(0, need - len(table)))
+            table.extend(fresh)
+            new_ids.append(fresh)
+        return new_ids
+
+    def _preempt(self, request: Request, step: SchedulerStep) -> None:
+        logger.debug("preempting %s", request.request_id)
+        self._free_blocks(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.needs_full_table = True
+        self.waiting.appendleft(request)
+        step.preempted_ids.add(request.request_id)
+        self.num_preemptions += 1
+
+    def _free_blocks(self, request: Request) -> None:
+        for table in request.block_tables:
+            self.pool.free(reversed(table))  # tail-first: prefix roots are evicted last
+        request.block_tables = [[] for _ in self.layout.groups]
+
+    # ------------------------------------------------------------------ results
+
+    def complete(
+        self, step: SchedulerStep, sampled: Sequence[int | None], now: float
+    ) -> list[Request]:
+        """Apply a computed step: advance counts, cache full blocks, append tokens, finish.
+
+        `sampled[i]` is the token sampled for `step.work[i]` (None for a prefill chunk
+        that did not reach the end of its tokens). Returns the requests that finished.
+        """
+        finished = []
+        for work, token in zip(step.work, sampled, strict=True):
+            request = work.request
+            before = request.num_computed_tokens
+            request.num_computed_tokens += work.num_new_tokens
+            self._cache_full_blocks(request, before)
+            if token is None:
+                continue
+            request.append_output(token, now)
+            reason = finish_reason(
+                token, len(request.output_token_ids), request.params, self.eos_token_ids
+            )
+            if reason is not None:
+                request.finish_reason = reason
+                self._finish(request, now)
+                finished.append(request)
+            else:
+                self._drop_out_of_window(request)
+        return finished
+
+    def _finish(self, request: Request, now: float) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_time = now
+        self.running.remove(request)
+        if self.offload is not None:
+            self.offload.on_finished(request, request.block_tables)
+        self._free_blocks(request)
+
+    def _cache_full_blocks(self, request: Request, num_before: int) -> None:
+        """Register the keys of blocks that became full and computed (in every group)."""
+        hashes = request.block_hashes
+        for group_id, group in enumerate(self.layout.groups):
+            ratio = self.layout.blocks_per_hash(group_id)
+            table = request.block_tables[group_id]
+            start = num_before // group.block_size
+            for pos in range(start, request.num_computed_tokens // group.block_size):
+                block_id = table[pos]
+                if block_id != NULL_BLOCK_ID and self.pool.key(block_id) is None:
+                    key = make_key(hashes[(pos + 1) * ratio - 1], group_id)
+                    self.pool.insert_key(key, block_id, group.block_size)
+
+    def _drop_out_of_window(self, request: Request) -> None:
+        """Give back sliding-window blocks the next token can no longer attend to."""
+        for group_id, group in enumerate(self.layout.groups):
+            if group.kind is not GroupKind.SLIDING_WINDOW:
+                continue
+            assert group.sliding_window is not None
+            first = max(0, request.num_computed_tokens - group.sliding_window + 1)
+            table = request.block_tables[group_id]
+            for pos in range(min(first // group.block_size, len(table))):
+                if table[pos] != NULL_BLOCK_ID:
+                    self.pool.free([table[pos]])
+                    table[pos] = NULL_BLOCK_ID
+
+    def apply_offload(self, outcome: ReportOutcome) -> None:
+        """Make requests whose load finished schedulable; rewind those whose load failed."""
+        for request_id in outcome.finished_loads:
+            request = self.loading.pop(request_id, None)
+            if request is not None:
+                self._cache_full_blocks(request, 0)
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)
+        for failed in outcome.failed_loads:
+            request = self.loading.pop(failed.request_id, None)
+            if request is not None:
+                logger.warning(
+                    "load of %s failed: recomputing tokens [%d, %d)",
+                    failed.request_id,
+                    failed.start_token,
+                    failed.end_token,
+                )
+                # Recompute from scratch, without asking the tier again.
+                self._free_blocks(request)
+                request.num_computed_tokens = 0
+                request.num_external_tokens_total -= failed.end_token - failed.start_token
+                request.skip_external = True
+                request.needs_full_table = True
+                request.status = RequestStatus.WAITING
+                self.waiting.appendleft(request)

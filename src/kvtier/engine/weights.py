@@ -1,0 +1,96 @@
+"""Load a local HF-format checkpoint (config.json + safetensors) into a `DecoderModel`.
+
+Nothing is ever downloaded: the path must be a directory on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.model import DecoderModel, empty_model
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+_HF_PREFIX = "model."
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """Return the safetensors files of a checkpoint directory (all shards of an index)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is not a local checkpoint directory (kvtier never downloads models)"
+        )
+    index = path / INDEX_FILE
+    if index.exists():
+        with index.open(encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names missing shards: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def parameter_name(hf_name: str) -> str | None:
+    """Return our parameter name for an HF tensor name, or None for a tensor we ignore."""
+    if hf_name.endswith(_IGNORED_SUFFIXES):
+        return None
+    if hf_name.startswith(_HF_PREFIX):
+        return hf_name[len(_HF_PREFIX) :]
+    return hf_name
+
+
+def load_weights(model: DecoderModel, path: str | Path) -> None:
+    """Copy every parameter of `model` from the checkpoint at `path`, casting dtypes.
+
+    Raises ValueError on an unknown tensor, a shape mismatch or a parameter the
+    checkpoint lacks. With tied embeddings a stored `lm_head.weight` is ignored.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                name = parameter_name(hf_name)
+                if name is None or (name == "lm_head.weight" and model.lm_head is None):
+                    continue
+                if name not in params:
+                    raise ValueError(f"{file.name}: tensor {hf_name!r} has no model parameter")
+                tensor = f.get_tensor(hf_name)
+                param = params[name]
+                if tensor.shape != param.shape:
+                    raise ValueError(
+                        f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, the model "
+                        f"expects {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(params.keys() - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks parameters: {missing}")
+    logger.info("loaded %d tensors from %s", len(loaded), path)
+
+
+def load_model(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> DecoderModel:
+    """Build a model from the local checkpoint directory `path`, in eval mode."""
+    checkpoint_files(path)  # fail on a non-local path before reading anything
+    config = ModelConfig.from_hf_config(path, dtype)
+    model = empty_model(config, device)
+    load_weights(model, path)
+    return model

@@ -1,0 +1,239 @@
+"""The disk tier: a slot file, per-slot checksums, staging buffers and two I/O threads.
+
+The store side and the load side each own an I/O thread and `num_buffers` staging
+buffers (page-aligned, `batch_slots` slots each). A caller (the transfer worker's copy
+thread) fills a store buffer and hands it to `write_slots`, or hands an empty load buffer
+to `read_slots` and copies out of it once the future resolves; with two buffers per side
+copying one batch overlaps the I/O of the next. Consecutive slot ids in a batch become one
+large read or write.
+
+Every written slot gets a 64-bit xxh3 checksum, verified on read: a load never returns
+bytes that differ from what was stored. A slot whose last write failed, or that was never
+written, fails to load. Failures surface as `DiskIOError` from the future; the I/O threads
+themselves never die from them. Checksums are computed by the thread that filled a store
+buffer and verified by the thread that consumes a load buffer (the data is hot in their
+caches, and the I/O threads keep the device busy with nothing but reads and writes).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvtier.storage.slot_file import (
+    DIRECT_IO_ALIGNMENT,
+    DiskIOError,
+    DiskIOMode,
+    FileIO,
+    SlotFile,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """Shape of one rank's disk tier. `path` is the slot file to create."""
+
+    path: str
+    num_slots: int
+    bytes_per_slot: int
+    io_mode: DiskIOMode = DiskIOMode.DIRECT
+    num_buffers: int = 2  # staging buffers per direction; 2 = double buffering
+    batch_bytes: int = 4 << 20  # bytes per staging buffer, rounded down to whole slots
+
+    def __post_init__(self) -> None:
+        for name in ("num_slots", "bytes_per_slot", "batch_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_buffers < 1:
+            raise ValueError(f"num_buffers must be at least 1, got {self.num_buffers}")
+
+    @property
+    def batch_slots(self) -> int:
+        """Return the slots one staging buffer holds (at least one)."""
+        return max(1, min(self.num_slots, self.batch_bytes // self.bytes_per_slot))
+
+
+@dataclass(frozen=True, eq=False)
+class StagingBuffer:
+    """A page-aligned host buffer of `capacity` slots: `tensor` and `memory` alias it."""
+
+    tensor: torch.Tensor  # uint8 [capacity, bytes_per_slot]
+    memory: memoryview  # the same bytes, flat, for the file I/O
+
+    @property
+    def capacity(self) -> int:
+        """Return the number of slots the buffer holds."""
+        return int(self.tensor.shape[0])
+
+    @staticmethod
+    def allocate(capacity: int, bytes_per_slot: int) -> StagingBuffer:
+        """Return a zeroed (pre-touched) buffer aligned to 4096 bytes."""
+        nbytes = capacity * bytes_per_slot
+        raw = torch.zeros(nbytes + DIRECT_IO_ALIGNMENT, dtype=torch.uint8)
+        shift = -raw.data_ptr() % DIRECT_IO_ALIGNMENT
+        flat = raw[shift : shift + nbytes]
+        return StagingBuffer(flat.view(capacity, bytes_per_slot), memoryview(flat.numpy().data))
+
+
+class SlotRead:
+    """A queued read of slots into a staging buffer."""
+
+    def __init__(self, future: Future[None], verify: Callable[[], None]) -> None:
+        self._future = future
+        self._verify = verify
+
+    def result(self) -> None:
+        """Wait for the read, then verify every slot's checksum; raise DiskIOError."""
+        self._future.result()
+        self._verify()
+
+    def wait(self) -> None:
+        """Wait for the read to finish, ignoring its outcome (the buffer is free again)."""
+        self._future.exception()
+
+
+class DiskTier:
+    """One rank's disk tier. Thread affinity: `write_slots` buffers belong to the caller
+    until their future resolves; store-side and load-side calls may come from two
+    different threads; `close()` waits for queued I/O."""
+
+    def __init__(self, config: DiskTierConfig, file_io: FileIO | None = None) -> None:
+        self.config = config
+        self._file = SlotFile(
+            config.path, config.num_slots, config.bytes_per_slot, config.io_mode, file_io
+        )
+        self._checksums = np.zeros(config.num_slots, dtype=np.uint64)
+        self._valid = np.zeros(config.num_slots, dtype=np.bool_)
+        try:
+            self.store_buffers = self._allocate_buffers()
+            self.load_buffers = self._allocate_buffers()
+        except BaseException:
+            self._file.close()
+            raise
+        self._store_io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-store")
+        self._load_io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-load")
+        self._closed = False
+
+    def _allocate_buffers(self) -> tuple[StagingBuffer, ...]:
+        cfg = self.config
+        return tuple(
+            StagingBuffer.allocate(cfg.batch_slots, cfg.bytes_per_slot)
+            for _ in range(cfg.num_buffers)
+        )
+
+    @property
+    def path(self) -> str:
+        """Return the path of the slot file."""
+        return self._file.path
+
+    @property
+    def num_slots(self) -> int:
+        """Return the number of slots of the tier."""
+        return self.config.num_slots
+
+    @property
+    def batch_slots(self) -> int:
+        """Return the slots per staging buffer."""
+        return self.config.batch_slots
+
+    def write_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> Future[None]:
+        """Queue writing rows `0..len(slot_ids)` of `buffer` to `slot_ids` (store I/O thread).
+
+        The checksums are computed here, in the caller's thread, while the rows are still
+        hot in its cache; the I/O thread only writes. The future raises DiskIOError on an
+        I/O error or a short write; the slots are then invalid (a later load of them
+        fails). Sorted slot ids make fewer, larger writes.
+        """
+        self._check_batch(buffer, slot_ids)
+        size = self.config.bytes_per_slot
+        sums = np.array(
+            [
+                xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
+                for i in range(len(slot_ids))
+            ],
+            dtype=np.uint64,
+        )
+        return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums)
+
+    def read_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> SlotRead:
+        """Queue reading `slot_ids` into rows `0..len(slot_ids)` of `buffer` (load I/O thread).
+
+        `SlotRead.result()` raises DiskIOError on an I/O error, a short read, or a slot
+        whose bytes do not match the checksum of its last successful write. The checksums
+        are verified in the thread calling `result()`, so the I/O thread only reads.
+        """
+        self._check_batch(buffer, slot_ids)
+        slot_ids = slot_ids.copy()
+        future = self._load_io.submit(self._read, buffer, slot_ids)
+        return SlotRead(future, functools.partial(self._verify, buffer, slot_ids))
+
+    def _check_batch(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
+        if self._closed:
+            raise RuntimeError("disk tier is closed")
+        if len(slot_ids) > buffer.capacity:
+            raise ValueError(f"{len(slot_ids)} slots do not fit a {buffer.capacity}-slot buffer")
+        if len(slot_ids) and (slot_ids.min() < 0 or slot_ids.max() >= self.num_slots):
+            raise ValueError(f"slot ids outside [0, {self.num_slots}): {slot_ids.tolist()}")
+
+    def _write(self, buffer: StagingBuffer, slot_ids: np.ndarray, sums: np.ndarray) -> None:
+        size = self.config.bytes_per_slot
+        self._valid[slot_ids] = False
+        for a, b in _consecutive_runs(slot_ids):
+            self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
+        self._checksums[slot_ids] = sums
+        self._valid[slot_ids] = True
+
+    def _read(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
+        size = self.config.bytes_per_slot
+        for a, b in _consecutive_runs(slot_ids):
+            self._file.read(buffer.memory[a * size : b * size], int(slot_ids[a]))
+
+    def _verify(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
+        size = self.config.bytes_per_slot
+        for i, slot in enumerate(slot_ids.tolist()):
+            if not self._valid[slot]:
+                raise DiskIOError(errno.EIO, f"slot {slot} holds no valid data", self.path)
+            actual = xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
+            if actual != int(self._checksums[slot]):
+                raise DiskIOError(errno.EIO, f"checksum mismatch in slot {slot}", self.path)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the file or buffers disagree with the configuration."""
+        cfg = self.config
+        if self._closed:
+            assert not self._file.is_open, "closed disk tier still holds its file"
+            return
+        assert self._file.file_size() == cfg.num_slots * cfg.bytes_per_slot, "file size drifted"
+        assert self._checksums.shape == self._valid.shape == (cfg.num_slots,)
+        for buffer in (*self.store_buffers, *self.load_buffers):
+            assert buffer.tensor.shape == (cfg.batch_slots, cfg.bytes_per_slot)
+            assert buffer.tensor.data_ptr() % DIRECT_IO_ALIGNMENT == 0, "unaligned staging buffer"
+            assert buffer.memory.nbytes == buffer.tensor.numel()
+
+    def close(self) -> None:
+        """Finish queued I/O, then close and remove the file; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._store_io.shutdown(wait=True)
+        self._load_io.shutdown(wait=True)
+        self._file.close()
+
+
+def _consecutive_runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Return `[a, b)` index ranges over which `ids` goes up by exactly one."""
+    if len(ids) == 0:
+        return []
+    cuts = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist(), len(ids)]
+    return list(itertools.pairwise(cuts))

@@ -1,0 +1,191 @@
+"""The disk tier's backing file: one per rank, slot k at byte `k * bytes_per_slot`.
+
+The file is created fresh (exclusive create, mode 0600, never through a symlink) and
+removed by `close()`. All I/O goes through a `FileIO` object so tests can inject faults
+(a refused write, a short write, a full disk). A short read or write is an error, never
+retried: on a regular file it means the device ran out of space or the file shrank.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Protocol
+
+from kvtier.offload.config import DiskIOMode
+
+__all__ = ["DIRECT_IO_ALIGNMENT", "DiskIOError", "DiskIOMode", "FileIO", "OsFileIO", "SlotFile"]
+
+logger = logging.getLogger(__name__)
+
+DIRECT_IO_ALIGNMENT = 4096
+
+
+class DiskIOError(OSError):
+    """A disk tier transfer failed (I/O error, short read/write, checksum mismatch)."""
+
+
+class FileIO(Protocol):
+    """Positional reads and writes on a file descriptor; return the bytes moved."""
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int: ...
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int: ...
+
+
+class OsFileIO:
+    """`FileIO` on the operating system's `pwrite` / `preadv` (the GIL is released)."""
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        """Write `data` at `offset`; return the bytes written."""
+        return os.pwrite(fd, data, offset)
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int:
+        """Read into `into` from `offset`; return the bytes read."""
+        return os.preadv(fd, [into], offset)
+
+
+class SlotFile:
+    """The rank's slot file: `num_slots * bytes_per_slot` bytes, created and sized at once.
+
+    Raises FileExistsError when the path exists (a leftover of a crashed run, another
+    process, or a symlink), ValueError for direct I/O with slot bytes that are not a
+    multiple of 4096 (SPEC scenario 28), and OSError with a hint when the filesystem
+    refuses O_DIRECT. Reads and writes may run from any thread; `close()` must not race
+    them.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        num_slots: int,
+        bytes_per_slot: int,
+        mode: DiskIOMode,
+        file_io: FileIO | None = None,
+    ) -> None:
+        if num_slots <= 0 or bytes_per_slot <= 0:
+            raise ValueError(
+                f"disk tier needs positive sizes, got {num_slots} slots of {bytes_per_slot} B"
+            )
+        if mode is DiskIOMode.DIRECT and bytes_per_slot % DIRECT_IO_ALIGNMENT:
+            raise ValueError(
+                f"direct I/O needs slot bytes that are a multiple of {DIRECT_IO_ALIGNMENT}, "
+                f"got bytes_per_slot={bytes_per_slot}; use DiskIOMode.PAGE_CACHE"
+            )
+        self.path = path
+        self.num_slots = num_slots
+        self.bytes_per_slot = bytes_per_slot
+        self.mode = mode
+        self._io: FileIO = file_io if file_io is not None else OsFileIO()
+        self._fd: int | None = _create(path, mode)
+        try:
+            _reserve(self._fd, num_slots * bytes_per_slot)
+        except OSError as exc:
+            self.close()
+            raise OSError(
+                exc.errno,
+                f"cannot size the disk tier file to {num_slots} slots x "
+                f"{bytes_per_slot} B: {exc.strerror or exc}",
+                path,
+            ) from exc
+
+    @property
+    def is_open(self) -> bool:
+        """Return True until `close()`."""
+        return self._fd is not None
+
+    def write(self, data: memoryview, first_slot: int) -> None:
+        """Write whole slots starting at `first_slot`; raise DiskIOError on any failure."""
+        self._transfer(data, first_slot, is_write=True)
+
+    def read(self, into: memoryview, first_slot: int) -> None:
+        """Read whole slots starting at `first_slot` into `into`; raise DiskIOError."""
+        self._transfer(into, first_slot, is_write=False)
+
+    def _transfer(self, buf: memoryview, first_slot: int, is_write: bool) -> None:
+        fd = self._fd
+        if fd is None:
+            raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
+        num_slots, rest = divmod(buf.nbytes, self.bytes_per_slot)
+        if rest or first_slot < 0 or first_slot + num_slots > self.num_slots:
+            raise ValueError(
+                f"slots [{first_slot}, {first_slot + num_slots}) of {buf.nbytes} B do not fit "
+                f"{self.num_slots} slots of {self.bytes_per_slot} B"
+            )
+        offset = first_slot * self.bytes_per_slot
+        verb = "write" if is_write else "read"
+        try:
+            moved = (
+                self._io.pwrite(fd, buf, offset) if is_write else self._io.pread(fd, buf, offset)
+            )
+        except OSError as exc:
+            raise DiskIOError(
+                exc.errno,
+                f"{verb} of {buf.nbytes} B at {offset} failed: {exc.strerror or exc}",
+                self.path,
+            ) from exc
+        if moved != buf.nbytes:
+            raise DiskIOError(
+                errno.EIO, f"short {verb}: {moved} of {buf.nbytes} B at {offset}", self.path
+            )
+
+    def file_size(self) -> int:
+        """Return the current size of the file in bytes."""
+        if self._fd is None:
+            raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
+        return os.fstat(self._fd).st_size
+
+    def close(self) -> None:
+        """Close and remove the file; idempotent."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        os.close(fd)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            logger.warning("disk tier file %s vanished before shutdown", self.path)
+
+
+def _create(path: str, mode: DiskIOMode) -> int:
+    """Create `path` exclusively with mode 0600, refusing symlinks."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    if mode is DiskIOMode.DIRECT:
+        flags |= os.O_DIRECT
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError as exc:
+        what = "a symlink" if os.path.islink(path) else "an existing file"
+        raise FileExistsError(
+            exc.errno,
+            f"disk tier file is {what} (left by a crashed run or in use by another "
+            "process); refusing to reuse it, remove it first",
+            path,
+        ) from exc
+    except OSError as exc:
+        if mode is DiskIOMode.DIRECT and exc.errno == errno.EINVAL:
+            raise OSError(
+                exc.errno,
+                "this filesystem does not support O_DIRECT (tmpfs?); use "
+                "DiskIOMode.PAGE_CACHE or a directory on a block device",
+                path,
+            ) from exc
+        raise
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have narrowed it; make it exact
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Size the file to `nbytes`, allocating the blocks when the filesystem can."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)

@@ -1,0 +1,107 @@
+"""Move blocks between engine (or host tier) tensors and the disk tier, double-buffered.
+
+A job's pairs are sorted by slot id and cut into batches of `batch_slots`; consecutive
+slots of a batch become one large read or write. With `n` staging buffers per direction
+the copy of batch i overlaps the I/O of batches i+1 .. i+n-1:
+
+    store:  copy→buf0 | copy→buf1 | wait buf0, copy→buf0 | ...     (writes run behind)
+    load:   read→buf0, read→buf1 | wait buf0, copy out, read→buf0 | ...
+
+On the first failed batch the job stops submitting, waits for the I/O already queued
+(buffers are never reused while the I/O thread owns them) and raises: the whole job is
+reported failed. Runs on one lane thread per direction.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from kvtier.storage.disk_tier import DiskTier, SlotRead
+from kvtier.transfer.copiers import BlockCopier, StagingRows
+
+
+class DiskMover:
+    """Store to and load from one `DiskTier`; staging rows are viewed as `dtype` and cut
+    into regions at `spans` (in elements of `dtype`)."""
+
+    def __init__(
+        self, disk: DiskTier, spans: Sequence[tuple[int, int]], dtype: torch.dtype
+    ) -> None:
+        self.disk = disk
+        self.spans = tuple(spans)
+        self._store_rows = tuple(
+            StagingRows.of(b.tensor.view(dtype), spans) for b in disk.store_buffers
+        )
+        self._load_rows = tuple(
+            StagingRows.of(b.tensor.view(dtype), spans) for b in disk.load_buffers
+        )
+
+    def store(
+        self,
+        copier: BlockCopier,
+        src: Sequence[torch.Tensor],
+        src_ids: np.ndarray,
+        slot_ids: np.ndarray,
+    ) -> None:
+        """Write blocks `src[·][src_ids]` to `slot_ids`; raise DiskIOError on failure."""
+        order = np.argsort(slot_ids, kind="stable")
+        src_ids, slot_ids = src_ids[order], slot_ids[order]
+        buffers = self.disk.store_buffers
+        inflight: deque[Future[None]] = deque()
+        try:
+            for i, (a, b) in enumerate(_batches(len(slot_ids), self.disk.batch_slots)):
+                if len(inflight) == len(buffers):
+                    inflight.popleft().result()
+                k = i % len(buffers)
+                copier.store_to_staging(src, src_ids[a:b], self._store_rows[k])
+                inflight.append(self.disk.write_slots(buffers[k], slot_ids[a:b]))
+            while inflight:
+                inflight.popleft().result()
+        finally:
+            _drain(inflight)
+
+    def load(
+        self,
+        copier: BlockCopier,
+        slot_ids: np.ndarray,
+        dst: Sequence[torch.Tensor],
+        dst_ids: np.ndarray,
+    ) -> None:
+        """Read `slot_ids` into blocks `dst[·][dst_ids]`; raise DiskIOError on failure.
+
+        Nothing is copied out of a batch that failed its read or checksum; earlier batches
+        may already be in `dst`, which is why the whole job is then reported failed.
+        """
+        order = np.argsort(slot_ids, kind="stable")
+        slot_ids, dst_ids = slot_ids[order], dst_ids[order]
+        buffers = self.disk.load_buffers
+        batches = _batches(len(slot_ids), self.disk.batch_slots)
+        inflight: deque[SlotRead] = deque()
+        try:
+            for i, (a, b) in enumerate(batches[: len(buffers)]):
+                inflight.append(self.disk.read_slots(buffers[i], slot_ids[a:b]))
+            for i, (a, b) in enumerate(batches):
+                k = i % len(buffers)
+                inflight.popleft().result()
+                copier.load_from_staging(self._load_rows[k], dst, dst_ids[a:b])
+                if i + len(buffers) < len(batches):
+                    na, nb = batches[i + len(buffers)]
+                    inflight.append(self.disk.read_slots(buffers[k], slot_ids[na:nb]))
+        finally:
+            for read in inflight:
+                read.wait()
+
+
+def _batches(num: int, batch: int) -> list[tuple[int, int]]:
+    return [(a, min(a + batch, num)) for a in range(0, num, batch)]
+
+
+def _drain(futures: Iterable[Future[None]]) -> None:
+    """Wait for every future, ignoring their errors (the first one is already raised)."""
+    for future in futures:
+        future.exception()

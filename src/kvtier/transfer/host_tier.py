@@ -1,0 +1,72 @@
+"""The host memory tier: one `[num_slots, bytes_per_block]` uint8 tensor per region."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.transfer.device import pin_host_memory, unpin_host_memory
+
+logger = logging.getLogger(__name__)
+
+
+class HostTier:
+    """Host memory for `num_slots` slots, laid out region by region.
+
+    Memory is zeroed (which also pre-touches every page) and, with `pin`, page-locked in
+    place with `cudaHostRegister`, so memory use is exactly `num_slots * bytes_per_slot`.
+    Holds no policy: which slot holds what is the scheduler's business. `close()` unpins;
+    it must run before the tensors are dropped.
+    """
+
+    def __init__(self, bytes_per_block: Sequence[int], num_slots: int, pin: bool) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"host tier needs a positive slot count, got {num_slots}")
+        if not bytes_per_block or min(bytes_per_block) <= 0:
+            raise ValueError(f"host tier needs positive region sizes, got {list(bytes_per_block)}")
+        self.num_slots = num_slots
+        self.views: tuple[torch.Tensor, ...] = tuple(
+            torch.zeros((num_slots, size), dtype=torch.uint8) for size in bytes_per_block
+        )
+        self._pinned: list[torch.Tensor] = []
+        if pin:
+            try:
+                for view in self.views:
+                    pin_host_memory(view)
+                    self._pinned.append(view)
+            except BaseException:
+                self.close()
+                raise
+        logger.info(
+            "host tier: %d slots x %d B = %.1f MiB%s",
+            num_slots,
+            self.bytes_per_slot,
+            num_slots * self.bytes_per_slot / 2**20,
+            " (pinned)" if pin else "",
+        )
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Return the bytes of one slot over all regions."""
+        return sum(view.shape[1] for view in self.views)
+
+    @property
+    def is_pinned(self) -> bool:
+        """Return True while the memory is page-locked."""
+        return bool(self._pinned)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a region tensor lost its shape, dtype or layout."""
+        for view in self.views:
+            assert view.shape[0] == self.num_slots, f"region has {view.shape[0]} slots"
+            assert view.dtype == torch.uint8, f"region tensor is {view.dtype}"
+            assert view.is_contiguous(), "region tensor is not contiguous"
+            assert view.untyped_storage().nbytes() == view.numel(), "memory beyond the budget"
+        assert not self._pinned or len(self._pinned) == len(self.views), "partly pinned"
+
+    def close(self) -> None:
+        """Unpin the memory (idempotent); the tensors stay usable as plain memory."""
+        while self._pinned:
+            unpin_host_memory(self._pinned.pop())

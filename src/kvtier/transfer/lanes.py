@@ -1,0 +1,124 @@
+"""A transfer lane: the jobs of one direction, run in order on one background thread.
+
+`submit` returns at once. A job is finished when its function returned (or raised) and
+the device work it queued, if any, completed. `take_finished` reports finished jobs in
+submission order and stops at the first unfinished one, so reports are FIFO per lane.
+A job that raises is reported failed and logged; the thread lives on. `copy_threads`
+bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+
+from kvtier.transfer.device import Completion
+from kvtier.transfer.threads import limit_intra_op_threads
+
+logger = logging.getLogger(__name__)
+
+JobFn = Callable[[], Completion | None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A submitted job not yet reported."""
+
+    event_id: int
+    future: Future[Completion | None]
+
+
+class TransferLane:
+    """Run jobs FIFO on one thread; report them FIFO. Call from one (the engine's) thread.
+
+    `copy_threads`: OpenMP threads for torch CPU ops on the lane's thread; None keeps
+    torch's process-wide setting.
+    """
+
+    def __init__(self, name: str, copy_threads: int | None = None) -> None:
+        self.name = name
+        initializer = None
+        if copy_threads is not None:
+            initializer = functools.partial(limit_intra_op_threads, copy_threads)
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix=f"kvtier-{name}", initializer=initializer
+        )
+        self._pending: deque[_Pending] = deque()
+        self._closed = False
+
+    @property
+    def num_pending(self) -> int:
+        """Return the number of jobs submitted and not yet reported."""
+        return len(self._pending)
+
+    def pending_event_ids(self) -> list[int]:
+        """Return the event ids submitted and not yet reported, oldest first."""
+        return [p.event_id for p in self._pending]
+
+    def submit(self, event_id: int, job: JobFn) -> None:
+        """Queue `job` behind the lane's earlier jobs; return at once."""
+        if self._closed:
+            raise RuntimeError(f"lane {self.name} is closed")
+        self._pending.append(_Pending(event_id, self._executor.submit(job)))
+
+    def take_finished(self) -> tuple[list[int], list[int]]:
+        """Return (done, failed) event ids of the finished jobs at the head; never blocks."""
+        done: list[int] = []
+        failed: list[int] = []
+        while self._pending:
+            head = self._pending[0]
+            if not head.future.done():
+                break
+            outcome = _outcome(self.name, head)
+            if outcome is None:
+                break
+            (done if outcome else failed).append(head.event_id)
+            self._pending.popleft()
+        return done, failed
+
+    def wait_all(self) -> None:
+        """Block until every submitted job finished, device work included.
+
+        Failures are not raised here; `take_finished` reports them.
+        """
+        wait_futures([p.future for p in self._pending])
+        for pending in self._pending:
+            if pending.future.exception() is None:
+                completion = pending.future.result()
+                if completion is not None:
+                    try:
+                        completion.wait()
+                    except Exception:  # reported as failed by take_finished
+                        logger.debug(
+                            "lane %s: event %d failed on the device", self.name, pending.event_id
+                        )
+
+    def close(self) -> None:
+        """Finish queued jobs and stop the thread; idempotent. Unreported jobs stay
+        available to `take_finished`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+
+
+def _outcome(lane: str, pending: _Pending) -> bool | None:
+    """Return True (done), False (failed) or None (device work still running)."""
+    error = pending.future.exception()
+    if error is None:
+        completion = pending.future.result()
+        if completion is None:
+            return True
+        try:
+            if not completion.is_done():
+                return None
+            return True
+        except Exception as exc:
+            error = exc
+    logger.warning("lane %s: transfer event %d failed: %s", lane, pending.event_id, error)
+    return False

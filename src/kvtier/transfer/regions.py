@@ -1,0 +1,269 @@
+"""Byte regions of an engine's KV tensors: where each block id's bytes live.
+
+A region is `num_blocks` rows of `bytes_per_block` bytes, `block_stride` bytes apart,
+starting `offset` bytes into one storage. A tier slot is the concatenation of every
+region's bytes for one block id, in region order.
+
+How one KV tensor becomes regions (`TensorLayout.AUTO` picks per tensor):
+
+    shape                      layout        regions
+    [2, num_blocks, ...]       KV_FIRST      2: K rows, then V rows (same block stride)
+    [num_blocks, ...]          BLOCKS_FIRST  1
+    ndim < 2, zero-sized       -             error
+
+A block's bytes must be one dense run (inner dims may be permuted, e.g. HND vs NHD).
+Regions of one storage with the same stride are merged when their in-block byte ranges
+overlap or touch: this deduplicates groups overlaying the same memory and turns the
+per-layer views of one packed allocation (or the K and V halves of `[num_blocks, 2, ...]`)
+into a single wider region. Regions that overlay the same bytes with a different block
+geometry cannot be addressed by block id and are rejected.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+_ONE_BLOCK_STRIDE = 1 << 62
+
+
+class TensorLayout(enum.Enum):
+    """Where the block dimension of a KV tensor is."""
+
+    AUTO = "auto"  # KV_FIRST when ndim >= 3 and shape[0] == 2, else BLOCKS_FIRST
+    BLOCKS_FIRST = "blocks_first"  # [num_blocks, ...]
+    KV_FIRST = "kv_first"  # [2, num_blocks, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Region:
+    """One addressable byte region: block `b` is `bytes_per_block` bytes at
+    `offset + b * block_stride` of `base` (a flat uint8 view of the whole storage)."""
+
+    name: str
+    base: torch.Tensor
+    offset: int
+    block_stride: int
+    bytes_per_block: int
+    num_blocks: int
+
+    def blocks(self) -> torch.Tensor:
+        """Return a `[num_blocks, bytes_per_block]` uint8 view aliasing the region."""
+        return self.base.as_strided(
+            (self.num_blocks, self.bytes_per_block), (self.block_stride, 1), self.offset
+        )
+
+    @property
+    def storage_ptr(self) -> int:
+        """Return the address of the storage the region lives in."""
+        return int(self.base.untyped_storage().data_ptr())
+
+    @property
+    def extent(self) -> tuple[int, int]:
+        """Return the `[start, end)` byte range the region spans inside its storage."""
+        end = self.offset + (self.num_blocks - 1) * self.block_stride + self.bytes_per_block
+        return self.offset, end
+
+
+@dataclass(frozen=True, eq=False)
+class RegionSet:
+    """All regions of an engine's KV cache and the slot layout they imply."""
+
+    regions: tuple[Region, ...]
+    num_blocks: int
+    device: torch.device
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Return the bytes of one block id over all regions (one tier slot)."""
+        return sum(r.bytes_per_block for r in self.regions)
+
+    def slot_columns(self) -> tuple[tuple[int, int], ...]:
+        """Return each region's `[start, end)` byte columns inside a slot."""
+        columns, start = [], 0
+        for region in self.regions:
+            columns.append((start, start + region.bytes_per_block))
+            start += region.bytes_per_block
+        return tuple(columns)
+
+    def block_views(self) -> tuple[torch.Tensor, ...]:
+        """Return one `[num_blocks, bytes_per_block]` uint8 view per region."""
+        return tuple(region.blocks() for region in self.regions)
+
+
+@dataclass(frozen=True)
+class _Span:
+    """A region candidate before merging, remembering where it was first seen."""
+
+    order: int
+    name: str
+    offset: int
+    block_stride: int
+    bytes_per_block: int
+    num_blocks: int
+
+
+def discover_regions(
+    kv_tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    layout: TensorLayout = TensorLayout.AUTO,
+) -> RegionSet:
+    """Return the deduplicated, merged regions of `kv_tensors` (a list, or name → tensor).
+
+    Raises ValueError naming the tensor for a layout that cannot be addressed by block id:
+    fewer than 2 dims, zero size, a block whose bytes are not one dense run, a block stride
+    smaller than the block, overlays with different geometry, or tensors that disagree on
+    the number of blocks or the device.
+    """
+    named = _named(kv_tensors)
+    if not named:
+        raise ValueError("no KV tensors to register")
+    devices = {t.device for _, t in named}
+    if len(devices) != 1:
+        raise ValueError(f"KV tensors live on several devices: {sorted(map(str, devices))}")
+    bases: dict[int, torch.Tensor] = {}
+    spans: dict[int, list[_Span]] = {}
+    for order, (name, tensor) in enumerate(named):
+        storage = tensor.untyped_storage()
+        ptr = int(storage.data_ptr())
+        if ptr not in bases:
+            bases[ptr] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        spans.setdefault(ptr, []).extend(_tensor_spans(order, name, tensor, layout))
+    merged: list[tuple[int, Region]] = []
+    for ptr, storage_spans in spans.items():
+        storage_regions = _merge(storage_spans, bases[ptr])
+        _check_no_conflicting_overlays([region for _, region in storage_regions])
+        merged.extend(storage_regions)
+    merged.sort(key=lambda item: (item[0], item[1].offset))
+    regions = tuple(region for _, region in merged)
+    counts = {r.name: r.num_blocks for r in regions}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"KV tensors disagree on the number of blocks: {counts}")
+    return RegionSet(regions=regions, num_blocks=regions[0].num_blocks, device=devices.pop())
+
+
+def _named(
+    kv_tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    items = (
+        list(kv_tensors.items())
+        if isinstance(kv_tensors, Mapping)
+        else [(f"kv[{i}]", t) for i, t in enumerate(kv_tensors)]
+    )
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"KV tensor {name!r} is a {type(tensor).__name__}, not a tensor")
+    return items
+
+
+def _resolve(layout: TensorLayout, tensor: torch.Tensor) -> TensorLayout:
+    if layout is not TensorLayout.AUTO:
+        return layout
+    if tensor.dim() >= 3 and tensor.shape[0] == 2:
+        return TensorLayout.KV_FIRST
+    return TensorLayout.BLOCKS_FIRST
+
+
+def _tensor_spans(order: int, name: str, tensor: torch.Tensor, layout: TensorLayout) -> list[_Span]:
+    """Return the 1 (BLOCKS_FIRST) or 2 (KV_FIRST) spans of one tensor."""
+    if tensor.dim() < 2 or tensor.numel() == 0:
+        raise ValueError(
+            f"KV tensor {name!r} has shape {tuple(tensor.shape)}: need at least "
+            "[num_blocks, ...] with no zero-sized dimension"
+        )
+    kind = _resolve(layout, tensor)
+    block_dim = 1 if kind is TensorLayout.KV_FIRST else 0
+    if kind is TensorLayout.KV_FIRST and (tensor.dim() < 3 or tensor.shape[0] != 2):
+        raise ValueError(f"KV tensor {name!r} has shape {tuple(tensor.shape)}, not [2, ...]")
+    elem = tensor.element_size()
+    shape, strides = [int(n) for n in tensor.shape], [int(n) for n in tensor.stride()]
+    inner = list(zip(shape[block_dim + 1 :], strides[block_dim + 1 :], strict=True))
+    bytes_per_block = math.prod(size for size, _ in inner) * elem
+    _check_dense(name, tensor, inner)
+    num_blocks = shape[block_dim]
+    # With one block the stride is meaningless; make every view of it agree.
+    block_stride = strides[block_dim] * elem if num_blocks > 1 else _ONE_BLOCK_STRIDE
+    if num_blocks > 1 and block_stride < bytes_per_block:
+        raise ValueError(
+            f"KV tensor {name!r}: block stride {block_stride} B is smaller than a block "
+            f"({bytes_per_block} B); blocks overlap (shape {tuple(tensor.shape)}, "
+            f"strides {tensor.stride()})"
+        )
+    base = int(tensor.storage_offset()) * elem
+    parts = [("", 0)]
+    if kind is TensorLayout.KV_FIRST:
+        parts = [("[K]", 0), ("[V]", strides[0] * elem)]
+    return [
+        _Span(order, name + tag, base + shift, block_stride, bytes_per_block, num_blocks)
+        for tag, shift in parts
+    ]
+
+
+def _check_dense(name: str, tensor: torch.Tensor, inner: list[tuple[int, int]]) -> None:
+    """Raise unless the dims inside a block cover one dense run of elements."""
+    expected = 1
+    for size, stride in sorted((d for d in inner if d[0] > 1), key=lambda d: d[1]):
+        if stride != expected:
+            raise ValueError(
+                f"KV tensor {name!r}: a block's bytes are not contiguous (shape "
+                f"{tuple(tensor.shape)}, strides {tensor.stride()}); cannot copy whole blocks"
+            )
+        expected *= size
+
+
+def _merge(spans: list[_Span], base: torch.Tensor) -> list[tuple[int, Region]]:
+    """Merge spans of one storage whose in-block byte ranges overlap or touch."""
+    groups: dict[tuple[int, int], list[_Span]] = {}
+    for span in spans:
+        groups.setdefault((span.block_stride, span.num_blocks), []).append(span)
+    out: list[tuple[int, Region]] = []
+    for (stride, _), group in groups.items():
+        group.sort(key=lambda s: s.offset)
+        current = [group[0]]
+        start, end = group[0].offset, group[0].offset + group[0].bytes_per_block
+        for span in group[1:]:
+            span_end = span.offset + span.bytes_per_block
+            if span.offset <= end and max(end, span_end) - start <= stride:
+                current.append(span)
+                end = max(end, span_end)
+                continue
+            out.append(_region(current, base, end - start, stride))
+            current, start, end = [span], span.offset, span_end
+        out.append(_region(current, base, end - start, stride))
+    return out
+
+
+def _region(spans: list[_Span], base: torch.Tensor, size: int, stride: int) -> tuple[int, Region]:
+    """Return (first-seen order, region) of merged spans."""
+    names = list(dict.fromkeys(s.name for s in spans))
+    label = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]} ({len(names)} views)"
+    first = spans[0]
+    region = Region(label, base, first.offset, stride, size, first.num_blocks)
+    if region.extent[1] > base.numel():
+        raise ValueError(f"region {label} runs past the end of its storage")
+    return min(s.order for s in spans), region
+
+
+def _check_no_conflicting_overlays(regions: list[Region]) -> None:
+    """Raise when two regions of one storage map the same bytes to different block ids."""
+    ordered = sorted(regions, key=lambda r: r.extent[0])
+    for i, first in enumerate(ordered):
+        for second in ordered[i + 1 :]:
+            if second.extent[0] >= first.extent[1]:
+                break
+            shift = second.offset - first.offset
+            interleaved = (
+                first.block_stride == second.block_stride
+                and first.bytes_per_block <= shift
+                and shift + second.bytes_per_block <= first.block_stride
+            )
+            if not interleaved:
+                raise ValueError(
+                    f"regions {first.name} and {second.name} overlay the same memory with a "
+                    f"different block geometry (offsets {first.offset}/{second.offset} B, "
+                    f"block strides {first.block_stride}/{second.block_stride} B, blocks "
+                    f"{first.bytes_per_block}/{second.bytes_per_block} B)"
+                )

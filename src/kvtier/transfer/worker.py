@@ -1,0 +1,386 @@
+"""The offload worker: executes transfer plans and reports finished events (SPEC §7).
+
+The worker owns the bytes — the engine's KV regions, the host tier, the disk tier — and
+no policy: the scheduler decides what moves where, the worker moves it and says when.
+
+Jobs by tier pair and the lane (background thread, FIFO) that runs them:
+
+    GPU → CPU    store    host tier          CPU → GPU    load     host tier
+    GPU → DISK   store    disk via staging   DISK → GPU   load     disk via staging
+    CPU → DISK   store    demote             DISK → CPU   load     promote
+
+Ordering on CUDA: a store must not read a GPU block before the forward pass that writes
+it. `submit()` records a compute-done event on the caller's current stream (call it right
+after launching the forward) unless `record_compute_done()` was called since the previous
+submit; the store stream waits on that event before reading. Loads do not wait: their
+destination blocks are not used until the load is reported done.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import numpy as np
+import torch
+
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
+from kvtier.storage.disk_tier import DiskTier, DiskTierConfig
+from kvtier.storage.slot_file import FileIO
+from kvtier.transfer.block_copy import row_dtype
+from kvtier.transfer.copiers import BlockCopier, CpuCopier, CudaCopier
+from kvtier.transfer.device import Completion, pin_host_memory, record_compute_marker
+from kvtier.transfer.device import unpin_host_memory as unpin
+from kvtier.transfer.disk_mover import DiskMover
+from kvtier.transfer.host_tier import HostTier
+from kvtier.transfer.lanes import TransferLane
+from kvtier.transfer.regions import RegionSet, TensorLayout, discover_regions
+from kvtier.transfer.worker_config import WorkerConfig, WorkerState
+
+__all__ = ["OffloadWorker", "WorkerConfig", "WorkerState"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Route(enum.Enum):
+    HOST_STORE = "host_store"
+    HOST_LOAD = "host_load"
+    DISK_STORE = "disk_store"
+    DISK_LOAD = "disk_load"
+    DEMOTE = "demote"
+    PROMOTE = "promote"
+
+
+_ROUTES = {
+    (Tier.GPU, Tier.CPU): _Route.HOST_STORE,
+    (Tier.CPU, Tier.GPU): _Route.HOST_LOAD,
+    (Tier.GPU, Tier.DISK): _Route.DISK_STORE,
+    (Tier.DISK, Tier.GPU): _Route.DISK_LOAD,
+    (Tier.CPU, Tier.DISK): _Route.DEMOTE,
+    (Tier.DISK, Tier.CPU): _Route.PROMOTE,
+}
+
+
+class _Direction(enum.Enum):
+    STORE = "store"  # down the tiers
+    LOAD = "load"  # up the tiers
+
+
+_STORE_ROUTES = frozenset({_Route.HOST_STORE, _Route.DISK_STORE, _Route.DEMOTE})
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One validated job, ready for a lane."""
+
+    route: _Route
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    marker: torch.cuda.Event | None
+
+
+@dataclass(frozen=True)
+class _LaneCopiers:
+    engine: BlockCopier  # engine regions ↔ host memory
+    host: BlockCopier  # host tier ↔ disk staging (always CPU)
+
+
+class OffloadWorker:
+    """Execute transfer plans on one rank; see the module docstring for routes and ordering.
+
+    Call every method from one thread (the engine's). Transfer failures (I/O error, short
+    read/write, checksum mismatch) become `WorkerReport.failed` entries; contract
+    violations (unknown tier, ids out of range, repeated event ids) raise ValueError.
+    """
+
+    def __init__(self, config: WorkerConfig, file_io: FileIO | None = None) -> None:
+        self.config = config
+        self._file_io = file_io
+        self.state = WorkerState.CREATED
+        self._regions: RegionSet | None = None
+        self._engine_rows: tuple[torch.Tensor, ...] = ()  # per region, in the row dtype
+        self._host_rows: tuple[torch.Tensor, ...] = ()
+        self._host: HostTier | None = None
+        self._disk_tier: DiskTier | None = None
+        self._disk: DiskMover | None = None
+        self._pinned_staging: list[torch.Tensor] = []
+        self._lanes = {d: TransferLane(d.value, config.copy_threads) for d in _Direction}
+        self._copiers: dict[_Direction, _LaneCopiers] = {}
+        self._in_flight: set[int] = set()
+        self._compute_marker: torch.cuda.Event | None = None
+
+    # ---------------------------------------------------------------- registration
+
+    def register(
+        self,
+        kv_tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        layout: TensorLayout = TensorLayout.AUTO,
+    ) -> None:
+        """Discover the engine's KV regions and allocate the tiers (once).
+
+        Raises ValueError for KV layouts that cannot be addressed by block id, and the
+        disk tier's errors (existing file, unaligned slots for direct I/O, no O_DIRECT).
+        """
+        if self.state is not WorkerState.CREATED:
+            raise RuntimeError(f"register() on a worker that is {self.state.value}")
+        regions = discover_regions(kv_tensors, layout)
+        on_cuda = regions.device.type == "cuda"
+        try:
+            self._allocate_tiers(regions, on_cuda)
+        except BaseException:
+            self._release_tiers()
+            raise
+        self._regions = regions
+        for direction in _Direction:
+            host = CpuCopier()
+            engine = CudaCopier(regions.device) if on_cuda else host
+            self._copiers[direction] = _LaneCopiers(engine=engine, host=host)
+        self.state = WorkerState.REGISTERED
+        logger.info(
+            "offload worker rank %d: %d regions, %d blocks, %d B per slot",
+            self.config.rank,
+            len(regions.regions),
+            regions.num_blocks,
+            regions.bytes_per_slot,
+        )
+
+    def _allocate_tiers(self, regions: RegionSet, on_cuda: bool) -> None:
+        cfg = self.config
+        disk: DiskTier | None = None
+        if cfg.cpu_num_slots:
+            sizes = [r.bytes_per_block for r in regions.regions]
+            self._host = HostTier(sizes, cfg.cpu_num_slots, pin=on_cuda)
+        if cfg.disk_num_slots:
+            disk_config = DiskTierConfig(
+                path=cfg.disk_file(),
+                num_slots=cfg.disk_num_slots,
+                bytes_per_slot=regions.bytes_per_slot,
+                io_mode=cfg.disk_io_mode,
+                num_buffers=cfg.disk_buffer_slots,
+                batch_bytes=cfg.disk_batch_bytes,
+            )
+            disk = self._disk_tier = DiskTier(disk_config, self._file_io)
+            if on_cuda:
+                for buffer in (*disk.store_buffers, *disk.load_buffers):
+                    pin_host_memory(buffer.tensor)
+                    self._pinned_staging.append(buffer.tensor)
+        self._view_rows(regions, disk)
+
+    def _view_rows(self, regions: RegionSet, disk: DiskTier | None) -> None:
+        """View every byte region as rows of one dtype (int64 when all allow it)."""
+        engine = regions.block_views()
+        host = self._host.views if self._host else ()
+        columns = regions.slot_columns()
+        staging = [b.tensor for b in (*disk.store_buffers, *disk.load_buffers)] if disk else []
+        cuts = [t[:, a:b] for t in staging for a, b in columns]
+        dtype = row_dtype(*engine, *host, *staging, *cuts)
+        self._engine_rows = tuple(v.view(dtype) for v in engine)
+        self._host_rows = tuple(v.view(dtype) for v in host)
+        if disk is not None:
+            size = dtype.itemsize
+            spans = [(a // size, b // size) for a, b in columns]
+            self._disk = DiskMover(disk, spans, dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        """Return the number of engine blocks per region."""
+        return self._require_regions().num_blocks
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Return the bytes of one block id over all regions (one lower-tier slot)."""
+        return self._require_regions().bytes_per_slot
+
+    @property
+    def regions(self) -> RegionSet:
+        """Return the registered regions."""
+        return self._require_regions()
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        """Return the host tier, or None without one (read-only use: tests, metrics)."""
+        return self._host
+
+    @property
+    def disk_path(self) -> str | None:
+        """Return the slot file's path, or None without a disk tier."""
+        return self._disk.disk.path if self._disk else None
+
+    def _require_regions(self) -> RegionSet:
+        if self._regions is None:
+            raise RuntimeError("the worker has no KV tensors yet; call register() first")
+        return self._regions
+
+    # ---------------------------------------------------------------- transfers
+
+    def record_compute_done(self) -> None:
+        """Mark the end of the forward pass just launched on the current CUDA stream.
+
+        Optional: `submit()` records the marker itself when this was not called since the
+        previous submit. Call it when `submit()` runs later or on another stream. No-op on
+        the CPU.
+        """
+        regions = self._require_regions()
+        if regions.device.type == "cuda":
+            self._compute_marker = record_compute_marker(regions.device)
+
+    def submit(self, plan: TransferPlan) -> None:
+        """Start every job of `plan` in the background and return at once.
+
+        Flushes first when `plan.need_flush` (a preempted request's blocks may be reused).
+        Validates the whole plan before starting anything.
+        """
+        if self.state is not WorkerState.REGISTERED:
+            raise RuntimeError(f"submit() on a worker that is {self.state.value}")
+        if plan.need_flush:
+            self.flush()
+        seen: set[int] = set()
+        prepared = []
+        for job in plan.jobs:
+            if job.event_id in self._in_flight or job.event_id in seen:
+                raise ValueError(f"event {job.event_id} is already in flight")
+            seen.add(job.event_id)
+            prepared.append((job, *self._validate(job)))
+        marker = self._take_compute_marker(any(job.src_tier is Tier.GPU for job in plan.jobs))
+        for job, route, src_ids, dst_ids in prepared:
+            task = _Task(route, src_ids, dst_ids, marker if job.src_tier is Tier.GPU else None)
+            direction = _Direction.STORE if route in _STORE_ROUTES else _Direction.LOAD
+            run = functools.partial(self._run, task, self._copiers[direction])
+            self._lanes[direction].submit(job.event_id, run)
+            self._in_flight.add(job.event_id)
+
+    def _take_compute_marker(self, needed: bool) -> torch.cuda.Event | None:
+        marker, self._compute_marker = self._compute_marker, None
+        if needed and marker is None and self._require_regions().device.type == "cuda":
+            marker = record_compute_marker(self._require_regions().device)
+        return marker
+
+    def _validate(self, job: TransferJob) -> tuple[_Route, np.ndarray, np.ndarray]:
+        route = _ROUTES.get((job.src_tier, job.dst_tier))
+        if route is None:
+            raise ValueError(
+                f"event {job.event_id}: no route {job.src_tier.value} → {job.dst_tier.value}"
+            )
+        src_ids = np.asarray(job.src_block_ids, dtype=np.int64)
+        dst_ids = np.asarray(job.dst_block_ids, dtype=np.int64)
+        for tier, ids in ((job.src_tier, src_ids), (job.dst_tier, dst_ids)):
+            size = self._tier_size(tier, job.event_id)
+            if len(ids) and (ids.min() < 0 or ids.max() >= size):
+                bad = ids[(ids < 0) | (ids >= size)][:8].tolist()
+                raise ValueError(
+                    f"event {job.event_id}: {tier.value} ids {bad} outside [0, {size})"
+                )
+        if len(np.unique(dst_ids)) != len(dst_ids):
+            raise ValueError(
+                f"event {job.event_id}: repeated destination ids {sorted(job.dst_block_ids)}"
+            )
+        return route, src_ids, dst_ids
+
+    def _tier_size(self, tier: Tier, event_id: int) -> int:
+        if tier is Tier.GPU:
+            return self.num_blocks
+        size = self.config.cpu_num_slots if tier is Tier.CPU else self.config.disk_num_slots
+        if not size:
+            raise ValueError(f"event {event_id}: this worker has no {tier.value} tier")
+        return size
+
+    def _run(self, task: _Task, copiers: _LaneCopiers) -> Completion | None:
+        """Execute one task on its lane thread; raise on failure."""
+        if len(task.src_ids) == 0:
+            return None
+        route, src, dst = task.route, task.src_ids, task.dst_ids
+        engine, host = self._engine_rows, self._host_rows
+        copiers.engine.wait_for_compute(task.marker)
+        if route is _Route.HOST_STORE:
+            copiers.engine.store(engine, src, host, dst)
+            return copiers.engine.finish()
+        if route is _Route.HOST_LOAD:
+            copiers.engine.load(host, src, engine, dst)
+            return copiers.engine.finish()
+        assert self._disk is not None
+        if route is _Route.DISK_STORE:
+            self._disk.store(copiers.engine, engine, src, dst)
+        elif route is _Route.DISK_LOAD:
+            self._disk.load(copiers.engine, src, engine, dst)
+        elif route is _Route.DEMOTE:
+            self._disk.store(copiers.host, host, src, dst)
+        else:
+            self._disk.load(copiers.host, src, host, dst)
+        return None
+
+    def poll(self) -> WorkerReport:
+        """Return the events finished since the last poll (FIFO per lane); never blocks."""
+        done: dict[int, int] = {}
+        failed: dict[int, int] = {}
+        for lane in self._lanes.values():
+            lane_done, lane_failed = lane.take_finished()
+            done.update(dict.fromkeys(lane_done, 1))
+            failed.update(dict.fromkeys(lane_failed, 1))
+        self._in_flight.difference_update(done, failed)
+        return WorkerReport(done=done, failed=failed)
+
+    def flush(self) -> None:
+        """Block until every submitted transfer finished (done or failed)."""
+        for lane in self._lanes.values():
+            lane.wait_all()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def shutdown(self) -> None:
+        """Finish outstanding transfers, stop the threads, free the tiers, remove the disk
+        file; idempotent. Finished events can still be polled afterwards."""
+        if self.state is WorkerState.SHUT_DOWN:
+            return
+        self.state = WorkerState.SHUT_DOWN
+        for lane in self._lanes.values():
+            lane.wait_all()
+            lane.close()
+        self._release_tiers()
+
+    def _release_tiers(self) -> None:
+        if self._host is not None:
+            self._host.close()
+        while self._pinned_staging:
+            unpin(self._pinned_staging.pop())
+        if self._disk_tier is not None:
+            self._disk_tier.close()
+
+    def __enter__(self) -> OffloadWorker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the worker's bookkeeping or tiers are inconsistent."""
+        pending = [e for lane in self._lanes.values() for e in lane.pending_event_ids()]
+        assert len(pending) == len(set(pending)), f"an event is pending twice: {pending}"
+        assert set(pending) == self._in_flight, "in-flight events disagree with the lanes"
+        if self.state is WorkerState.CREATED:
+            assert self._regions is None, "regions before register()"
+            assert self._host is None, "host tier before register()"
+            assert self._disk_tier is None, "disk tier before register()"
+            return
+        regions = self._require_regions()
+        assert regions.regions, "no regions"
+        assert all(r.num_blocks == regions.num_blocks for r in regions.regions)
+        if self._host is not None:
+            self._host.check_invariants()
+            widths = [v.shape[1] for v in self._host.views]
+            assert widths == [r.bytes_per_block for r in regions.regions], "host tier layout"
+            assert self._host.num_slots == self.config.cpu_num_slots
+        if self._disk is not None:
+            self._disk.disk.check_invariants()
+            assert self._disk.disk.config.bytes_per_slot == regions.bytes_per_slot
+            size = self._engine_rows[0].element_size()
+            columns = tuple((a * size, b * size) for a, b in self._disk.spans)
+            assert columns == regions.slot_columns(), "disk slot layout"

@@ -1,0 +1,76 @@
+"""Configuration and lifecycle states of the offload worker."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from kvtier.offload.config import DiskIOMode
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Sizes of one rank's tiers, in slots (the scheduler side decides how many).
+
+    A tier with 0 slots does not exist. `disk_path` is the directory that receives the
+    rank's slot file `kvtier-rank{rank}.slots`.
+    """
+
+    cpu_num_slots: int = 0
+    disk_num_slots: int = 0
+    disk_path: str | None = None
+    disk_io_mode: DiskIOMode = DiskIOMode.DIRECT
+    disk_buffer_slots: int = 2  # staging buffers per direction; 2 = double buffering
+    disk_batch_bytes: int = 4 << 20  # bytes per staging buffer, rounded down to whole slots
+    rank: int = 0
+    # OpenMP threads each transfer thread's CPU copies may use. None: torch's process-wide
+    # setting (best bandwidth on a quiet machine). 1: one core per transfer thread, which is
+    # steadier on small or busy machines and leaves the engine's cores alone.
+    copy_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "cpu_num_slots",
+            "disk_num_slots",
+            "disk_buffer_slots",
+            "disk_batch_bytes",
+            "rank",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"WorkerConfig.{name} must be a non-negative int, got {value!r}")
+        if self.disk_buffer_slots < 1 or self.disk_batch_bytes < 1:
+            raise ValueError(
+                "WorkerConfig.disk_buffer_slots and disk_batch_bytes must be "
+                f"positive, got {self.disk_buffer_slots} and {self.disk_batch_bytes}"
+            )
+        if self.copy_threads is not None and (
+            not isinstance(self.copy_threads, int)
+            or isinstance(self.copy_threads, bool)
+            or self.copy_threads < 1
+        ):
+            raise ValueError(
+                f"WorkerConfig.copy_threads must be None or a positive int, "
+                f"got {self.copy_threads!r}"
+            )
+        if not isinstance(self.disk_io_mode, DiskIOMode):
+            raise ValueError(
+                f"WorkerConfig.disk_io_mode must be a DiskIOMode, got {self.disk_io_mode!r}"
+            )
+        if self.disk_num_slots and not self.disk_path:
+            raise ValueError(f"WorkerConfig.disk_num_slots={self.disk_num_slots} needs a disk_path")
+
+    def disk_file(self) -> str:
+        """Return the path of this rank's slot file."""
+        if not self.disk_path:
+            raise ValueError("WorkerConfig has no disk_path")
+        return os.path.join(self.disk_path, f"kvtier-rank{self.rank}.slots")
+
+
+class WorkerState(enum.Enum):
+    """Lifecycle of an `OffloadWorker`."""
+
+    CREATED = "created"
+    REGISTERED = "registered"
+    SHUT_DOWN = "shut_down"

@@ -1,0 +1,159 @@
+"""Helpers for driving `KVTierConnector` inside the vLLM harness (test helper only).
+
+Import after `pytest.importorskip("vllm")`. `kvtier_harness` builds a real vLLM scheduler
+with the connector's scheduler role and one worker role per rank over the harness's
+fake KV cache. `PollGate` sits between a rank's `OffloadWorker` and the connector: it
+can hold completions back (transfers still "in flight") or turn loads into failures
+that also scribble over the load's destination blocks, so a failed load that vLLM
+served anyway trips the harness's fingerprint check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm_harness import (
+    ConnectorWorker,
+    HarnessConfig,
+    VllmHarness,
+    connector_worker_factory,
+)
+
+from kvtier.adapters.vllm.scheduler_side import SchedulerSide
+from kvtier.offload.plan import TransferPlan, WorkerReport
+from kvtier.transfer.worker import OffloadWorker
+
+CONNECTOR = "KVTierConnector"
+MODULE = "kvtier.adapters.vllm"
+# One block id of the harness model: 2 layers x 2048-byte pages.
+SLOT_BYTES = 2 * 2048
+
+
+def kvtier_config(num_cpu_blocks: int = 256, **overrides: Any) -> HarnessConfig:
+    """Return a harness config running kvtier's connector with a CPU tier of that size.
+
+    `extra` entries in `overrides` (a dict) are merged into `kv_connector_extra_config`.
+    """
+    extra = {"cpu_bytes": num_cpu_blocks * SLOT_BYTES, **overrides.pop("extra", {})}
+    overrides.setdefault("kv_load_failure_policy", "recompute")
+    return HarnessConfig(
+        connector=CONNECTOR, connector_module=MODULE, extra_config=extra, **overrides
+    )
+
+
+def kvtier_harness(num_cpu_blocks: int = 256, **overrides: Any) -> VllmHarness:
+    """Return a harness with kvtier's scheduler role and one worker role per rank."""
+    return VllmHarness(kvtier_config(num_cpu_blocks, **overrides), connector_worker_factory)
+
+
+def scheduler_side(harness: VllmHarness) -> SchedulerSide:
+    """Return the connector's scheduler role translator."""
+    return harness.scheduler.connector.scheduler_side  # type: ignore[union-attr]
+
+
+def offload_worker(harness: VllmHarness, rank: int = 0) -> OffloadWorker:
+    """Return the `OffloadWorker` of one rank."""
+    worker = harness.workers[rank]
+    assert isinstance(worker, ConnectorWorker)
+    return worker.connector.worker_side.worker  # type: ignore[attr-defined]
+
+
+def drain(harness: VllmHarness, max_steps: int = 2000) -> None:
+    """Step until vLLM is idle (finish-time stores included)."""
+    harness.run(max_steps)
+
+
+def drain_collecting_stats(harness: VllmHarness, max_steps: int = 2000) -> list[dict[str, Any]]:
+    """Step until idle; return every step's connector stats payload vLLM produced."""
+    payloads = []
+    for _ in range(max_steps):
+        if not harness.scheduler.has_requests():
+            return payloads
+        for outputs in harness.step().outputs.values():
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:
+                payloads.append(stats.kv_connector_stats)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def zero_blocks(harness: VllmHarness, rank: int = 0) -> Callable[[tuple[int, ...]], None]:
+    """Return a scribbler that zeroes GPU blocks of one rank's fake KV cache."""
+
+    def scribble(block_ids: tuple[int, ...]) -> None:
+        for tensor in harness.caches[rank].tensors.values():
+            tensor[list(block_ids)] = 0
+
+    return scribble
+
+
+def check_quiescent(harness: VllmHarness) -> None:
+    """Assert nothing leaked once idle: pins, tracked requests, GPU blocks, in-flight work."""
+    side = scheduler_side(harness)
+    side.offload.check_invariants()
+    tier = side.offload.tier_pool
+    assert all(tier.ref_count(b) == 0 for b in range(1, tier.num_blocks)), "tier pin leaked"
+    assert side.num_tracked_requests == 0
+    assert not side.has_pending_stores()
+    pool = harness.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == harness.cfg.num_gpu_blocks - 1, "GPU block leaked"
+    for rank in range(harness.cfg.num_ranks):
+        offload_worker(harness, rank).check_invariants()
+
+
+class PollGate:
+    """Wrap one rank's `OffloadWorker.submit`/`poll` to delay or fail transfers.
+
+    `hold(kind)` keeps finished events of that kind ("load" or "store") from being
+    reported until `release()`; `fail_loads(scribble)` reports every later load as
+    failed, calling `scribble(gpu_block_ids)` first (the copy may have half-landed).
+    """
+
+    def __init__(self, worker: OffloadWorker) -> None:
+        self.worker = worker
+        self._submit = worker.submit
+        self._poll = worker.poll
+        self._kinds: dict[int, str] = {}
+        self._load_dsts: dict[int, tuple[int, ...]] = {}
+        self._held_kinds: set[str] = set()
+        self._held = WorkerReport()
+        self._scribble: Callable[[tuple[int, ...]], None] | None = None
+        self.num_failed_loads = 0
+        worker.submit = self.submit  # type: ignore[method-assign]
+        worker.poll = self.poll  # type: ignore[method-assign]
+
+    def hold(self, kind: str) -> None:
+        """Hold back completions of `kind` ("load" or "store")."""
+        self._held_kinds.add(kind)
+
+    def release(self) -> None:
+        """Report everything held at the next poll, and stop holding."""
+        self._held_kinds.clear()
+
+    def fail_loads(self, scribble: Callable[[tuple[int, ...]], None]) -> None:
+        """Turn every load finishing from now on into a failure."""
+        self._scribble = scribble
+
+    def submit(self, plan: TransferPlan) -> None:
+        for job in plan.jobs:
+            self._kinds[job.event_id] = "load" if job.is_load else "store"
+            if job.is_load:
+                self._load_dsts[job.event_id] = job.dst_block_ids
+        self._submit(plan)
+
+    def poll(self) -> WorkerReport:
+        report = WorkerReport.merge([self._held, self._poll()])
+        done = dict(report.done)
+        failed = dict(report.failed)
+        if self._scribble is not None:
+            for event_id in [e for e in done if self._kinds[e] == "load"]:
+                self._scribble(self._load_dsts[event_id])
+                failed[event_id] = done.pop(event_id)
+                self.num_failed_loads += 1
+        held_done = {e: n for e, n in done.items() if self._kinds[e] in self._held_kinds}
+        held_failed = {e: n for e, n in failed.items() if self._kinds[e] in self._held_kinds}
+        self._held = WorkerReport(held_done, held_failed)
+        return WorkerReport(
+            {e: n for e, n in done.items() if e not in held_done},
+            {e: n for e, n in failed.items() if e not in held_failed},
+        )

@@ -1,0 +1,188 @@
+"""`KVTierConnector` inside vLLM's real scheduler, with its worker role on CPU tensors.
+
+Every step the harness checks, for each request it (re)schedules, that the positions
+vLLM treats as computed hold that request's prefix (`KVMismatchError` otherwise), so a
+wrong load, a load into the wrong block or a load that never happened fails the test.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier_vllm import (
+    CONNECTOR,
+    MODULE,
+    PollGate,
+    check_quiescent,
+    drain,
+    kvtier_harness,
+    offload_worker,
+    scheduler_side,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+from vllm_harness import HarnessConfig, VllmHarness, shared_prefix_prompts
+
+from kvtier.adapters.vllm import KVTierConnector
+from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
+from kvtier.offload.config import ConfigError
+from kvtier.offload.plan import WorkerReport
+
+
+def run_waves(harness: VllmHarness, prompts: dict[str, list[int]], wave: int, **kw: int) -> int:
+    """Run `prompts` in waves of `wave` requests; return the preemptions seen."""
+    items = list(prompts.items())
+    num_preempted = 0
+    for start in range(0, len(items), wave):
+        for request_id, prompt in items[start : start + wave]:
+            harness.add_request(request_id, prompt, **kw)
+        while harness.scheduler.has_requests():
+            record = harness.step()
+            num_preempted += len(record.scheduler_output.preempted_req_ids or ())
+    return num_preempted
+
+
+def test_connector_loads_through_vllms_factory() -> None:
+    harness = kvtier_harness()
+    connector = harness.scheduler.connector
+    assert isinstance(connector, KVTierConnector)
+    assert isinstance(connector, SupportsHMA)
+    assert not connector.requires_kv_delivery
+    assert scheduler_side(harness).num_tier_blocks == 256
+    assert offload_worker(harness).config.cpu_num_slots == 256
+    assert offload_worker(harness).bytes_per_slot == 2 * 2048
+
+
+def test_metadata_survives_pickling_between_processes() -> None:
+    harness = kvtier_harness()
+    harness.add_request("a", list(range(1000, 1100)), max_tokens=2)
+    metadata = harness.step().scheduler_output.kv_connector_metadata
+    assert pickle.loads(pickle.dumps(metadata)) == metadata
+    drain(harness)
+    report = WorkerReport(done={3: 1}, failed={4: 1})
+    merged = KVTierWorkerMetadata(report).aggregate(KVTierWorkerMetadata(report))
+    assert pickle.loads(pickle.dumps(merged)).report == WorkerReport({3: 2}, {4: 2})
+
+
+@pytest.mark.parametrize("store_mode", ["eager", "lazy"])
+def test_evicted_shared_prefixes_are_served_from_the_tier(store_mode: str) -> None:
+    # 12 prefixes of 4 blocks over 3 waves: a 40-block GPU pool cannot keep them.
+    harness = kvtier_harness(num_gpu_blocks=40, extra={"store_mode": store_mode})
+    prompts = shared_prefix_prompts(36, prefix_len=64, suffix_len=8, num_prefixes=12)
+    run_waves(harness, prompts, wave=12)
+    assert harness.finished == set(prompts)
+    later = list(prompts)[12:]
+    external = sum(harness.external_hit_tokens(r) for r in later)
+    assert external > 0, "the second and third waves should hit the tier"
+    assert all(harness.external_hit_tokens(r) % 16 == 0 for r in prompts)
+    totals = scheduler_side(harness).offload.take_stats()
+    assert totals.hit_tokens == {"CPU": external}
+    check_quiescent(harness)
+
+
+@pytest.mark.parametrize("kv_cache_layout", ["LBNHC", "BLNHC"])
+def test_gpu_prefix_cache_reset_is_served_entirely_from_the_tier(kv_cache_layout: str) -> None:
+    harness = kvtier_harness(kv_cache_layout=kv_cache_layout)
+    prompts = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
+    harness.run_requests(prompts, max_tokens=3)  # idle only once finish-time stores landed
+    assert harness.scheduler.reset_prefix_cache()  # the GPU copies only
+    again = {f"again-{r}": [*p, 9] for r, p in prompts.items()}
+    harness.run_requests(again, max_tokens=3)
+    # 53 prompt tokens + 2 decoded: 3 full blocks stored, all 48 prefix tokens loaded.
+    assert all(harness.external_hit_tokens(r) == 48 for r in again)
+    assert all(harness.local_hit_tokens(r) == 0 for r in again)
+    check_quiescent(harness)
+
+
+@pytest.mark.parametrize("store_mode", ["eager", "lazy"])
+def test_preemption_flushes_and_resumed_requests_stay_correct(store_mode: str) -> None:
+    # 8 concurrent requests decoding 48 tokens each overflow a 30-block pool.
+    harness = kvtier_harness(num_gpu_blocks=30, max_num_seqs=8, extra={"store_mode": store_mode})
+    prompts = shared_prefix_prompts(16, prefix_len=64, suffix_len=24, num_prefixes=4)
+    num_preempted = run_waves(harness, prompts, wave=8, max_tokens=48)
+    assert num_preempted > 0
+    assert harness.finished == set(prompts)
+    check_quiescent(harness)
+
+
+def test_reset_with_running_requests_preempts_them_and_they_finish() -> None:
+    harness = kvtier_harness()
+    # vLLM's reset raises while any GPU block is referenced, and kvtier pins the blocks
+    # of stores in flight: finish every copy within its step so none is at the reset.
+    worker = offload_worker(harness)
+    poll = worker.poll
+
+    def poll_after_flush() -> WorkerReport:
+        worker.flush()
+        return poll()
+
+    worker.poll = poll_after_flush  # type: ignore[method-assign]
+    prompts = shared_prefix_prompts(6, prefix_len=64, suffix_len=24, num_prefixes=2)
+    for request_id, prompt in prompts.items():
+        harness.add_request(request_id, prompt, max_tokens=16)
+    for _ in range(4):
+        harness.step()
+    running = {r.request_id for r in harness.scheduler.running}
+    assert running
+    assert harness.scheduler.reset_prefix_cache(reset_running_requests=True)
+    record = harness.step()  # preempted since the last step, resumed in this one
+    assert running <= set(record.scheduler_output.preempted_req_ids or ())
+    drain(harness)
+    assert harness.finished == set(prompts)
+    check_quiescent(harness)
+
+
+def test_two_ranks_complete_stores_only_when_both_copied() -> None:
+    harness = kvtier_harness(num_ranks=2)
+    gate = PollGate(offload_worker(harness, 1))
+    gate.hold("store")
+    prompts = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
+    for request_id, prompt in prompts.items():
+        harness.add_request(request_id, prompt, max_tokens=3)
+    for _ in range(30):
+        harness.step()
+    side = scheduler_side(harness)
+    assert harness.finished == set(prompts)
+    assert side.has_pending_stores(), "rank 1 has not reported its stores"
+    tier = side.offload.tier_pool
+    assert not any(tier.is_cached(b) for b in range(1, tier.num_blocks)), "registered too early"
+    gate.release()
+    drain(harness)
+    assert side.offload.take_stats().num_tier_blocks_in_use == 0
+    assert harness.scheduler.reset_prefix_cache()
+    again = {f"again-{r}": [*p, 9] for r, p in prompts.items()}
+    harness.run_requests(again, max_tokens=3)  # both ranks' caches are checked
+    assert all(harness.external_hit_tokens(r) == 48 for r in again)
+    check_quiescent(harness)
+
+
+def test_no_hit_for_requests_that_skip_the_prefix_cache() -> None:
+    harness = kvtier_harness()
+    prompt = shared_prefix_prompts(1, prefix_len=48, suffix_len=5)["req-0"]
+    harness.run_requests({"a": prompt}, max_tokens=3)
+    assert harness.scheduler.reset_prefix_cache()
+    harness.add_request("b", [*prompt, 9], max_tokens=1, prompt_logprobs=1)
+    drain(harness)
+    assert (harness.local_hit_tokens("b"), harness.external_hit_tokens("b")) == (0, 0)
+    assert harness.scheduler.reset_prefix_cache()
+    harness.run_requests({"c": [*prompt, 9]}, max_tokens=1)
+    assert harness.external_hit_tokens("c") == 48
+    check_quiescent(harness)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"cpu_bytes": 1 << 20, "bogus_key": 1}, "bogus_key"),
+        ({"cpu_bytes": 1 << 20, "cascade": True}, "cascade"),
+        ({"cpu_bytes": 1 << 20, "policy": "s3fifo"}, "s3fifo"),
+        ({"cpu_bytes": 4096}, "at least 2"),
+    ],
+)
+def test_bad_config_fails_at_start_up(extra: dict[str, object], message: str) -> None:
+    cfg = HarnessConfig(connector=CONNECTOR, connector_module=MODULE, extra_config=extra)
+    with pytest.raises(ConfigError, match=message):
+        VllmHarness(cfg)

@@ -1,0 +1,139 @@
+"""`KVTierConnector` when loads fail, requests abort mid-load, and caches are reset."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier_vllm import (
+    PollGate,
+    check_quiescent,
+    drain,
+    drain_collecting_stats,
+    kvtier_harness,
+    offload_worker,
+    scheduler_side,
+    zero_blocks,
+)
+from vllm.v1.request import RequestStatus
+from vllm_harness import VllmHarness, shared_prefix_prompts
+
+from kvtier.adapters.vllm.views import VllmRequestView
+
+PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
+AGAIN = {f"again-{r}": [*p, 9] for r, p in PROMPTS.items()}
+
+
+def stored_then_gpu_reset(**overrides: object) -> VllmHarness:
+    """Return a harness whose tier holds 3 blocks of each prompt and whose GPU cache is empty."""
+    harness = kvtier_harness(**overrides)  # type: ignore[arg-type]
+    harness.run_requests(PROMPTS, max_tokens=3)
+    assert harness.scheduler.reset_prefix_cache()
+    return harness
+
+
+def test_failed_loads_are_recomputed_not_served() -> None:
+    harness = stored_then_gpu_reset()
+    gate = PollGate(offload_worker(harness))
+    gate.fail_loads(zero_blocks(harness))  # a failed copy leaves garbage behind
+    for request_id, prompt in AGAIN.items():
+        harness.add_request(request_id, prompt, max_tokens=3)
+    payloads = drain_collecting_stats(harness)  # KVMismatchError if garbage were served
+    assert harness.finished >= set(AGAIN)
+    assert gate.num_failed_loads > 0
+    assert all(harness.external_hit_tokens(r) == 48 for r in AGAIN)  # offered, then failed
+    counters: dict[str, int] = {}
+    for payload in payloads:
+        for name, value in payload["counters"].items():
+            counters[name] = counters.get(name, 0) + value
+    assert counters["failed_loads"] == len(AGAIN)
+    assert "loaded_blocks" not in counters
+    check_quiescent(harness)
+
+
+def test_failed_load_fails_the_request_under_vllms_default_policy() -> None:
+    harness = stored_then_gpu_reset(kv_load_failure_policy="fail")
+    PollGate(offload_worker(harness)).fail_loads(zero_blocks(harness))
+    harness.add_request("x", AGAIN["again-req-0"], max_tokens=3)
+    errors = []
+    while harness.scheduler.has_requests():
+        for outputs in harness.step().outputs.values():
+            errors += [o.request_id for o in outputs.outputs if o.finish_reason is not None]
+    assert errors == ["x"]
+    assert harness.requests["x"].status == RequestStatus.FINISHED_ERROR
+    check_quiescent(harness)
+
+
+def test_loads_dropped_before_issue_are_echoed_as_failed_by_every_worker() -> None:
+    harness = stored_then_gpu_reset(num_ranks=2)
+    side = scheduler_side(harness)
+    lookup = side.lookup
+    sabotaged: set[str] = set()
+
+    def lookup_then_lose_the_pin(request: object, num_computed_tokens: int) -> tuple[int, bool]:
+        result = lookup(request, num_computed_tokens)
+        request_id = request.request_id  # type: ignore[attr-defined]
+        if result[0] and request_id not in sabotaged:
+            sabotaged.add(request_id)
+            # A second lookup that offers nothing drops the first one's pin, so the
+            # allocation that follows finds no pin and kvtier never issues the load.
+            side.offload.lookup(VllmRequestView(request), result[0] + num_computed_tokens)
+        return result
+
+    side.lookup = lookup_then_lose_the_pin  # type: ignore[method-assign]
+    harness.run_requests(AGAIN, max_tokens=3)  # hangs if nobody reports the dropped loads
+    assert sabotaged == set(AGAIN)
+    assert all(harness.external_hit_tokens(r) == 48 for r in AGAIN)
+    check_quiescent(harness)
+
+
+def test_abort_during_load_frees_blocks_only_after_the_load() -> None:
+    harness = stored_then_gpu_reset()
+    gate = PollGate(offload_worker(harness))
+    gate.hold("load")
+    harness.add_request("b", AGAIN["again-req-1"], max_tokens=3)
+    for _ in range(3):
+        harness.step()
+    request = harness.requests["b"]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    harness.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    pool = harness.scheduler.kv_cache_manager.block_pool
+    for _ in range(3):
+        harness.step()
+        # The load may still write into the request's blocks: vLLM must not reuse them.
+        assert pool.get_num_free_blocks() < harness.cfg.num_gpu_blocks - 1
+    gate.release()
+    drain(harness)
+    assert "b" not in harness.scheduler.requests
+    check_quiescent(harness)
+
+
+def test_connector_reset_waits_for_issued_stores_and_never_shows_them() -> None:
+    harness = kvtier_harness()
+    gate = PollGate(offload_worker(harness))
+    gate.hold("store")
+    for request_id, prompt in PROMPTS.items():
+        harness.add_request(request_id, prompt, max_tokens=3)
+    for _ in range(20):
+        harness.step()
+    assert harness.finished == set(PROMPTS)
+    assert not harness.scheduler.reset_connector_cache(), "stores are still in flight"
+    gate.release()
+    drain(harness)
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True)
+    harness.run_requests(AGAIN, max_tokens=3)
+    assert all(harness.external_hit_tokens(r) == 0 for r in AGAIN), "abandoned stores leaked"
+    check_quiescent(harness)
+
+
+def test_reset_prefix_cache_with_connector_empties_the_tier() -> None:
+    harness = stored_then_gpu_reset()
+    side = scheduler_side(harness)
+    tier = side.offload.tier_pool
+    assert sum(tier.is_cached(b) for b in range(1, tier.num_blocks)) == 4 * 3
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True)
+    assert not any(tier.is_cached(b) for b in range(1, tier.num_blocks))
+    harness.run_requests(AGAIN, max_tokens=3)
+    assert all(harness.external_hit_tokens(r) == 0 for r in AGAIN)
+    check_quiescent(harness)

@@ -1,0 +1,155 @@
+"""`KVTierConnector`'s KV events, connector stats and Prometheus metrics in vLLM's formats."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier_vllm import (
+    SLOT_BYTES,
+    drain_collecting_stats,
+    kvtier_config,
+    kvtier_harness,
+)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm_harness import (
+    VllmHarness,
+    connector_worker_factory,
+    flatten_events,
+    shared_prefix_prompts,
+)
+
+from kvtier.adapters.vllm import KVTierConnector
+from kvtier.adapters.vllm.stats import KVTierStats
+
+PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
+AGAIN = {f"again-{r}": [*p, 9] for r, p in PROMPTS.items()}
+
+
+def tier_events(harness: VllmHarness, medium: str) -> list[object]:
+    events = flatten_events(harness.event_batches)
+    return [e for e in events if getattr(e, "medium", medium) == medium]
+
+
+def test_stored_blocks_are_published_with_medium_cpu() -> None:
+    harness = kvtier_harness(enable_kv_events=True)
+    prompt = list(range(1000, 1041))
+    harness.run_requests({"a": prompt}, max_tokens=2)
+    stored = [e for e in tier_events(harness, "CPU") if isinstance(e, BlockStored)]
+    hashes = harness.requests["a"].block_hashes
+    assert [e.block_hashes for e in stored] == [[maybe_convert_block_hash(h)] for h in hashes[:2]]
+    assert [e.token_ids for e in stored] == [prompt[:16], prompt[16:32]]
+    assert stored[1].parent_block_hash == maybe_convert_block_hash(hashes[0])
+    assert {(e.block_size, e.group_idx, e.kv_cache_spec_kind) for e in stored} == {
+        (16, 0, "full_attention")
+    }
+    gpu = [e for e in tier_events(harness, "GPU") if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in gpu) == 2, "the GPU pool's own events come too"
+
+
+def test_tier_evictions_and_resets_are_published() -> None:
+    harness = kvtier_harness(num_cpu_blocks=3, enable_kv_events=True)  # 2 usable slots
+    for request_id, prompt in PROMPTS.items():  # one at a time: each evicts the last
+        harness.run_requests({request_id: prompt}, max_tokens=3)
+    removed = [e for e in tier_events(harness, "CPU") if isinstance(e, BlockRemoved)]
+    assert removed
+    assert all(e.group_idx == 0 for e in removed)
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True)
+    harness.step()
+    assert any(isinstance(e, AllBlocksCleared) for e in flatten_events(harness.event_batches))
+
+
+def test_disk_tier_serves_hits_and_publishes_medium_storage(tmp_path: Path) -> None:
+    cfg = kvtier_config(
+        enable_kv_events=True,
+        extra={
+            "cpu_bytes": 0,
+            "disk_bytes": 64 * SLOT_BYTES,
+            "disk_path": str(tmp_path),
+            "disk_io_mode": "page_cache",
+        },
+    )
+    harness = VllmHarness(cfg, connector_worker_factory)
+    assert [p.name for p in tmp_path.iterdir()] == ["kvtier-rank0.slots"]
+    harness.run_requests(PROMPTS, max_tokens=3)
+    assert harness.scheduler.reset_prefix_cache()
+    harness.run_requests(AGAIN, max_tokens=3)
+    assert all(harness.external_hit_tokens(r) == 48 for r in AGAIN)
+    media = {e.medium for e in flatten_events(harness.event_batches) if isinstance(e, BlockStored)}
+    assert media == {"GPU", "STORAGE"}
+
+
+def collect_stats() -> tuple[VllmHarness, list[dict[str, object]]]:
+    harness = kvtier_harness()
+    for request_id, prompt in PROMPTS.items():
+        harness.add_request(request_id, prompt, max_tokens=3)
+    payloads = drain_collecting_stats(harness)
+    assert harness.scheduler.reset_prefix_cache()
+    for request_id, prompt in AGAIN.items():
+        harness.add_request(request_id, prompt, max_tokens=3)
+    return harness, payloads + drain_collecting_stats(harness)
+
+
+def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
+    harness, payloads = collect_stats()
+    total = KVTierConnector.build_kv_connector_stats()
+    for payload in payloads:
+        total = total.aggregate(KVTierConnector.build_kv_connector_stats(payload))
+    assert isinstance(total, KVTierStats)
+    assert not total.is_empty()
+    flat = total.reduce()
+    assert flat["loaded_blocks"] == 4 * 3
+    assert flat["hit_tokens"] == 4 * 48
+    assert flat["bytes_loaded"] == 4 * 3 * SLOT_BYTES
+    assert flat["stored_blocks"] == flat["store_outcome.stored"] >= 4 * 3
+    assert flat["tier_blocks_in_use"] == 0
+    assert total.data["info"] == {
+        "tier": "CPU",
+        "store_mode": "eager",
+        "num_tier_blocks": "256",
+        "disk_io_mode": "direct",
+    }
+    lines: list[str] = []
+    logging = KVConnectorLogging(harness.vllm_config.kv_transfer_config)
+    for payload in payloads:
+        logging.observe(payload)
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1
+    assert "loaded_blocks=12" in lines[0]
+
+
+def test_prometheus_metrics_build_and_observe() -> None:
+    harness, payloads = collect_stats()
+    registry = CollectorRegistry()
+    metric_types = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
+    labels = {"model_name": "tiny", "engine": "0"}
+    metrics = KVTierConnector.build_prom_metrics(
+        harness.vllm_config, metric_types, list(labels), {0: list(labels.values())}
+    )
+    for payload in payloads:
+        metrics.observe(payload, engine_idx=0)
+    value = registry.get_sample_value
+    assert value("kvtier:loaded_blocks_total", labels) == 12
+    assert value("kvtier:hit_tokens_total", labels) == 4 * 48
+    assert value("kvtier:store_outcomes_total", {**labels, "outcome": "stored"}) >= 12
+    assert value("kvtier:tier_blocks_in_use", labels) == 0
+    info = {
+        **labels,
+        "tier": "CPU",
+        "store_mode": "eager",
+        "num_tier_blocks": "256",
+        "disk_io_mode": "direct",
+    }
+    assert value("kvtier:info", info) == 1
+    names = {m.name for m in registry.collect()}
+    assert names
+    assert all(name.startswith("kvtier:") for name in names)

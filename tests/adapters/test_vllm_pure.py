@@ -1,0 +1,265 @@
+"""The vLLM adapter's translation modules without vLLM (they run in the main venv too).
+
+vLLM objects are replaced by stand-ins with the same attribute names; the real classes
+are covered by test_vllm_translation.py in the vLLM venv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.adapters.vllm.events import EventTranslator, vllm_medium
+from kvtier.adapters.vllm.layout import (
+    UnsupportedLayoutError,
+    bytes_per_block_id,
+    group_kind,
+    kv_layout,
+    num_tier_blocks,
+)
+from kvtier.adapters.vllm.regions import PlacementError, is_block_compact, placement_block_views
+from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
+from kvtier.core.events import AllCleared, BlockRemoved, BlockStored
+from kvtier.core.keys import make_key
+from kvtier.core.kv_groups import GroupKind
+from kvtier.offload.config import OffloadConfig
+
+HASH = bytes(range(32))
+
+
+# ----------------------------------------------------------------- stand-in specs
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    block_size: int = 16
+    page_size_bytes: int = 1024
+    prefix_cacheable: bool = True
+    attention_chunk_size: int | None = None
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    block_size: int = 16
+    page_size_bytes: int = 1024
+    sliding_window: int = 64
+    prefix_cacheable: bool = True
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    block_size: int = 64
+    page_size_bytes: int = 1024
+    prefix_cacheable: bool = True
+
+
+@dataclass(frozen=True)
+class UniformTypeKVCacheSpecs:
+    kv_cache_specs: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 16
+    page_size_bytes: int = 1024
+    prefix_cacheable: bool = True
+
+
+class PatchedFullAttentionSpec(FullAttentionSpec):
+    """A subclass: may keep different positions, so it must not pass as its base."""
+
+
+def group(layers: list[str], spec: Any) -> SimpleNamespace:
+    return SimpleNamespace(layer_names=layers, kv_cache_spec=spec, enable_kv_transfer=True)
+
+
+def placement(layers: list[str], layer_stride: int, block_stride: int, size: int) -> Any:
+    return SimpleNamespace(
+        size=size,
+        layers=layers,
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+        offset=0,
+        host_resident=False,
+    )
+
+
+def kv_config(groups: list[Any], tensors: list[Any], num_blocks: int = 8) -> Any:
+    return SimpleNamespace(
+        kv_cache_groups=groups, kv_cache_tensors=tensors, num_blocks=num_blocks, hash_block_size=16
+    )
+
+
+# ----------------------------------------------------------------- layout
+
+
+def test_layout_kinds_windows_and_scratch_groups() -> None:
+    scratch = group(["d"], FullAttentionSpec(prefix_cacheable=False))
+    config = kv_config(
+        [group(["a"], FullAttentionSpec()), group(["b", "c"], SlidingWindowSpec()), scratch],
+        [placement(["a"], 1024, 1024, 8 * 1024)],
+    )
+    layout = kv_layout(config)
+    kinds = [g.kind for g in layout.groups]
+    assert kinds == [GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.SCRATCH]
+    assert layout.groups[1].sliding_window == 64
+    assert layout.groups[1].bytes_per_block == 2 * 1024  # two layers' pages
+    assert bytes_per_block_id(config) == 1024
+
+
+def test_specs_are_matched_by_exact_class() -> None:
+    assert group_kind(MambaSpec()) is GroupKind.STATE
+    uniform = UniformTypeKVCacheSpecs({"a": FullAttentionSpec(), "b": FullAttentionSpec()})
+    assert group_kind(uniform) is GroupKind.FULL_ATTENTION
+    with pytest.raises(UnsupportedLayoutError, match="PatchedFullAttentionSpec"):
+        group_kind(PatchedFullAttentionSpec())
+    with pytest.raises(UnsupportedLayoutError, match="mixes"):
+        group_kind(UniformTypeKVCacheSpecs({"a": FullAttentionSpec(), "b": MambaSpec()}))
+    with pytest.raises(UnsupportedLayoutError, match="chunked"):
+        group_kind(FullAttentionSpec(attention_chunk_size=32))
+
+
+def test_tier_size_is_one_slot_per_block_id() -> None:
+    tensors = [placement(["a"], 0, 4096, 10 * 4096)]
+    config = kv_config([group(["a"], FullAttentionSpec())], tensors, num_blocks=10)
+    assert num_tier_blocks(OffloadConfig(cpu_bytes=100 * 4096 + 4095), config) == 100
+    assert num_tier_blocks(OffloadConfig(cpu_bytes=4096 * 8, num_blocks=5), config) == 5
+
+
+# ----------------------------------------------------------------- regions
+
+
+def layered_cache(layout: str, num_blocks: int = 8, page: int = 64) -> tuple[Any, dict, Any]:
+    """Two layers placed layer-outermost (LB..) or block-outermost (BL..)."""
+    size = 2 * num_blocks * page
+    raw = torch.arange(size, dtype=torch.int64).remainder(251).to(torch.uint8)
+    if layout.startswith("L"):
+        layer_stride, block_stride = num_blocks * page, page
+    else:
+        layer_stride, block_stride = page, 2 * page
+    tensor = placement(["l0", "l1"], layer_stride, block_stride, size)
+    config = kv_config([group(["l0", "l1"], FullAttentionSpec(page_size_bytes=page))], [tensor])
+    config.num_blocks = num_blocks
+    views = {
+        name: raw.as_strided((num_blocks, page), (block_stride, 1), i * layer_stride).view(
+            torch.int16
+        )
+        for i, name in enumerate(["l0", "l1"])
+    }
+    return config, views, raw
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_placement_views_alias_each_layers_pages(layout: str) -> None:
+    config, tensors, raw = layered_cache(layout)
+    views = placement_block_views(config, tensors, layout)
+    assert set(views) == {"l0", "l1"}
+    for name, view in views.items():
+        assert (view.shape, view.dtype) == ((8, 64), torch.uint8)
+        assert torch.equal(view, tensors[name].view(torch.uint8))
+    views["l1"][3].fill_(7)  # writes land in the engine's allocation
+    assert int((raw == 7).sum()) >= 64
+
+
+def test_placement_refuses_what_cannot_be_copied_as_pages() -> None:
+    config, tensors, _ = layered_cache("LBNHC")
+    assert not is_block_compact("LHBNC")
+    with pytest.raises(PlacementError, match="LHBNC"):
+        placement_block_views(config, tensors, "LHBNC")
+    with pytest.raises(PlacementError, match="not resolved"):
+        placement_block_views(config, tensors, None)
+    shifted = dict(tensors, l1=tensors["l0"])
+    with pytest.raises(PlacementError, match=r"'l1'.*starts at byte 0"):
+        placement_block_views(config, shifted, "LBNHC")
+    config.kv_cache_tensors[0].layer_stride = 10**6
+    with pytest.raises(PlacementError, match="outside"):
+        placement_block_views(config, tensors, "LBNHC")
+    elsewhere = dict(tensors, l1=torch.zeros(8, 32, dtype=torch.int16))
+    with pytest.raises(PlacementError, match="outside the shared"):
+        placement_block_views(config, elsewhere, "LBNHC")
+
+
+# ----------------------------------------------------------------- events
+
+
+def recorder(kind: str) -> Any:
+    return lambda **fields: (kind, fields)
+
+
+TRANSLATOR = EventTranslator(
+    recorder("stored"), recorder("removed"), recorder("cleared"), lambda h: h[-2:], ("mamba",)
+)
+
+
+def test_events_keep_vllm_field_names_and_media() -> None:
+    kind, fields = TRANSLATOR.translate(
+        BlockStored(HASH, 0, 16, parent_block_hash=HASH[::-1], token_ids=(1, 2), medium="DISK")
+    )
+    assert kind == "stored"
+    assert fields["block_hashes"] == [HASH[-2:]]
+    assert fields["parent_block_hash"] == HASH[::-1][-2:]
+    assert (fields["medium"], fields["kv_cache_spec_kind"], fields["locality"]) == (
+        "STORAGE",
+        "mamba",
+        "LOCAL",
+    )
+    assert (fields["token_ids"], fields["group_idx"], fields["extra_keys"]) == ([1, 2], 0, None)
+    _, fields = TRANSLATOR.translate(BlockStored(HASH, 3, 8, group_kind="state", medium="CPU"))
+    assert (fields["kv_cache_spec_kind"], fields["medium"]) == ("state", "CPU")
+    assert TRANSLATOR.translate(BlockRemoved(HASH, 1, "CPU"))[1]["medium"] == "CPU"
+    assert TRANSLATOR.translate_all([AllCleared("CPU")]) == [("cleared", {})]
+    assert vllm_medium("GPU") == "GPU"
+    with pytest.raises(TypeError, match="not a kvtier KV event"):
+        TRANSLATOR.translate("BlockStored")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------- views
+
+
+def test_request_view_reads_through() -> None:
+    lora = SimpleNamespace(lora_int_id=3, lora_name="adapter")
+    request = SimpleNamespace(
+        request_id="r",
+        num_tokens=40,
+        num_prompt_tokens=38,
+        num_computed_tokens=16,
+        num_output_placeholders=1,
+        block_hashes=[HASH],
+        all_token_ids=list(range(40)),
+        lora_request=lora,
+        skip_reading_prefix_cache=True,
+    )
+    view = VllmRequestView(request)
+    assert (view.request_id, view.num_tokens, view.num_prompt_tokens) == ("r", 40, 38)
+    assert (view.num_computed_tokens, view.num_output_placeholders) == (16, 1)
+    assert view.lora is not None
+    assert (view.lora.lora_id, view.lora.lora_name) == (3, "adapter")
+    assert view.skip_prefix_cache
+    assert list(view.block_hashes) == [HASH]
+    request.num_computed_tokens = 32
+    assert view.num_computed_tokens == 32
+
+
+def test_pool_view_passes_keys_through_unchanged() -> None:
+    key, tail = make_key(HASH, 1), make_key(HASH[::-1], 1)
+    blocks = [
+        SimpleNamespace(
+            block_id=i, ref_cnt=0, block_hash=None, block_hash_num_tokens=None, is_null=i == 0
+        )
+        for i in range(4)
+    ]
+    blocks[2].block_hash, blocks[2].block_hash_num_tokens = key, 16
+    pool = SimpleNamespace(
+        blocks=blocks,
+        cached_block_hashes_by_block={2: {tail}},
+        cached_block_hash_to_block=SimpleNamespace(
+            get_one_block=lambda k: blocks[2] if k in (key, tail) else None
+        ),
+    )
+    view = VllmGpuPoolView(pool)
+    block = view.block(2)
+    assert (block.key, block.num_tokens, list(block.secondary_keys)) == (key, 16, [tail])
+    assert (view.cached_block(tail), view.cached_block(make_key(HASH, 0))) == (2, None)
+    assert (view.block(1).key, view.block(1).secondary_keys) == (None, [])
+    assert (view.key(2), view.num_tokens(2), list(view.secondary_keys(2))) == (key, 16, [tail])
+    assert (view.key(1), view.num_tokens(1), view.secondary_keys(1)) == (None, 0, [])

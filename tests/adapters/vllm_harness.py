@@ -1,0 +1,286 @@
+"""Drive a real vLLM v1 `Scheduler` on CPU with a fake model runner.
+
+Test helper only: import it after `pytest.importorskip("vllm")`. It needs the vLLM venv
+(`make test-vllm`) and these variables, which `mk/vllm.mk` sets: VLLM_TARGET_DEVICE=cpu,
+HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1, VLLM_NO_USAGE_STATS=1.
+
+What is real: vLLM's configs, `Scheduler`, KV cache manager, GPU block pool, request
+hashing and the scheduler role of whatever KV connector is configured. What is fake: the
+model runner. Each step it "computes" the scheduled tokens by writing a fingerprint of the
+token prefix into a CPU tensor per layer (`FakeKVCache`), checks the fingerprints of every
+position a newly scheduled request treats as already computed (local prefix hit or
+external load), samples one token per request that finished its prefill, and hands each
+rank's worker side (`vllm_workers`) output back to the scheduler, merged across ranks
+the way vLLM's executor merges it. A wrong block loaded, a block loaded from the wrong
+slot or a load that never happened raises `KVMismatchError`.
+
+Modules: `vllm_engine` (configs, scheduler, fake KV cache), `vllm_workers` (worker
+sides), this one (the step loop and workloads); the names tests need are re-exported here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_events import KVEventBatch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm_engine import (
+    SIMPLE_CPU_OFFLOAD,
+    FakeKVCache,
+    HarnessConfig,
+    KVMismatchError,
+    PrefixFingerprints,
+    build_scheduler,
+    write_tiny_llama,
+)
+from vllm_workers import (
+    ConnectorWorker,
+    FakeSimpleOffloadWorker,
+    NoWorker,
+    WorkerFactory,
+    WorkerSide,
+    connector_worker_factory,
+    simple_offload_worker_factory,
+)
+
+__all__ = [
+    "SIMPLE_CPU_OFFLOAD",
+    "ConnectorWorker",
+    "FakeKVCache",
+    "FakeSimpleOffloadWorker",
+    "HarnessConfig",
+    "KVMismatchError",
+    "NoWorker",
+    "StepRecord",
+    "VllmHarness",
+    "WorkerFactory",
+    "WorkerSide",
+    "connector_worker_factory",
+    "flatten_events",
+    "shared_prefix_prompts",
+    "simple_offload_worker_factory",
+    "timed",
+]
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did."""
+
+    scheduler_output: SchedulerOutput
+    outputs: dict[int, EngineCoreOutputs]
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: set[str]
+
+
+class VllmHarness:
+    """A real vLLM scheduler, a fake model runner and one worker side per rank."""
+
+    def __init__(
+        self,
+        cfg: HarnessConfig,
+        worker_factory: WorkerFactory | None = None,
+        check_kv: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        # The fake cache's tensors are tiny; extra intra-op threads only contend for
+        # the (shared) CPUs and made steps several times slower.
+        torch.set_num_threads(1)
+        self._model_dir = tempfile.TemporaryDirectory(prefix="kvtier-vllm-")
+        write_tiny_llama(self._model_dir.name, cfg)
+        init_none_hash(sha256)
+        self.scheduler, self.vllm_config, self.kv_cache_config = build_scheduler(
+            cfg, self._model_dir.name
+        )
+        self._block_hasher = get_request_block_hasher(cfg.block_size, sha256)
+        self.check_kv = check_kv
+        self.caches = [FakeKVCache(self.kv_cache_config) for _ in range(cfg.num_ranks)]
+        factory = worker_factory or (lambda harness, cache: NoWorker())
+        self.workers: list[WorkerSide] = [factory(self, cache) for cache in self.caches]
+        self._aggregator = KVOutputAggregator(expected_finished_count=cfg.num_ranks)
+        self._fingerprints = PrefixFingerprints()
+        self.requests: dict[str, Request] = {}
+        # request id -> (local hit tokens, external hit tokens) at first admission
+        self.admissions: dict[str, tuple[int, int]] = {}
+        self._unadmitted: set[str] = set()
+        self.finished: set[str] = set()
+        self.event_batches: list[KVEventBatch] = []
+        self.num_steps = 0
+        publisher = self.scheduler.kv_event_publisher
+        publish = publisher.publish
+
+        def record(batch: KVEventBatch) -> None:
+            self.event_batches.append(batch)
+            publish(batch)
+
+        publisher.publish = record  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        """Remove the temporary model directory."""
+        self._model_dir.cleanup()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 4, **sampling: Any
+    ) -> Request:
+        """Create a hashed request and add it to the scheduler's waiting queue."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self._block_hasher,
+        )
+        self.requests[request_id] = request
+        self._unadmitted.add(request_id)
+        self.scheduler.add_request(request)
+        return request
+
+    def external_hit_tokens(self, request_id: str) -> int:
+        """Return the tokens this request's first admission took from the connector."""
+        return self.admissions[request_id][1]
+
+    def local_hit_tokens(self, request_id: str) -> int:
+        """Return the tokens this request's first admission took from the GPU cache."""
+        return self.admissions[request_id][0]
+
+    def _record_admissions(self) -> None:
+        # The scheduler fills `prefill_stats` at a request's first admission and
+        # drops it with the request's first output, so read it right after schedule().
+        for req_id in list(self._unadmitted):
+            stats = self.requests[req_id].prefill_stats
+            if stats is not None and stats.num_prompt_tokens > 0:
+                self.admissions[req_id] = (
+                    stats.num_local_cached_tokens,
+                    stats.num_external_cached_tokens,
+                )
+                self._unadmitted.discard(req_id)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> StepRecord:
+        """Run one engine step: schedule, fake forward, worker sides, update."""
+        scheduler_output = self.scheduler.schedule()
+        self._record_admissions()
+        for worker in self.workers:
+            worker.before_forward(scheduler_output)
+        sampled = self._forward(scheduler_output)
+        runner_outputs = []
+        for worker in self.workers:
+            runner_outputs.append(
+                ModelRunnerOutput(
+                    req_ids=list(sampled),
+                    req_id_to_index={req_id: i for i, req_id in enumerate(sampled)},
+                    sampled_token_ids=list(sampled.values()),
+                    kv_connector_output=worker.after_forward(scheduler_output),
+                )
+            )
+        runner_output = (
+            runner_outputs[0]
+            if len(runner_outputs) == 1
+            else self._aggregator.aggregate(runner_outputs)
+        )
+        assert runner_output is not None
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        finished = {
+            out.request_id
+            for eco in outputs.values()
+            for out in eco.outputs
+            if out.finish_reason is not None
+        }
+        for req_id in finished:
+            self._fingerprints.forget(req_id)
+        self.finished |= finished
+        self.num_steps += 1
+        return StepRecord(
+            scheduler_output, outputs, dict(scheduler_output.num_scheduled_tokens), finished
+        )
+
+    def run(self, max_steps: int = 1000) -> int:
+        """Step until the scheduler has nothing left to do; return the steps taken."""
+        for num_steps in range(max_steps):
+            if not self.scheduler.has_requests():
+                return num_steps
+            self.step()
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def run_requests(
+        self, prompts: Mapping[str, Sequence[int]], max_tokens: int = 4, max_steps: int = 1000
+    ) -> int:
+        """Add `prompts`, run until idle, and return the steps taken."""
+        for request_id, prompt in prompts.items():
+            self.add_request(request_id, prompt, max_tokens)
+        return self.run(max_steps)
+
+    def _forward(self, scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
+        fresh = {data.req_id for data in scheduler_output.scheduled_new_reqs}
+        fresh |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        sampled: dict[str, list[int]] = {}
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            end = request.num_computed_tokens  # already advanced by schedule()
+            start = end - num_new
+            if self.check_kv:
+                (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+                prints = self._fingerprints.upto(request, end)
+                for cache in self.caches:
+                    if req_id in fresh:
+                        cache.check(req_id, block_ids, prints, start)
+                    cache.write(block_ids, start, prints)
+            # A request still inside its prompt samples nothing this step.
+            sampled[req_id] = [] if request.is_prefill_chunk else [_next_token(request)]
+        return sampled
+
+
+def _next_token(request: Request) -> int:
+    """A deterministic, request-specific next token (so outputs diverge per request)."""
+    return 100 + (zlib.crc32(request.request_id.encode()) + request.num_tokens) % 1000
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def shared_prefix_prompts(
+    num_requests: int, prefix_len: int, suffix_len: int, num_prefixes: int = 1, seed: int = 0
+) -> dict[str, list[int]]:
+    """Return prompts where request i shares prefix `i % num_prefixes` with others."""
+    gen = torch.Generator().manual_seed(seed)
+    prefixes = [
+        torch.randint(1000, 30000, (prefix_len,), generator=gen).tolist()
+        for _ in range(num_prefixes)
+    ]
+    return {
+        f"req-{i}": prefixes[i % num_prefixes]
+        + torch.randint(1000, 30000, (suffix_len,), generator=gen).tolist()
+        for i in range(num_requests)
+    }
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """Return `fn()` and the seconds it took."""
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def flatten_events(batches: Iterable[KVEventBatch]) -> list[Any]:
+    """Return every event of `batches`, in order."""
+    return [event for batch in batches for event in batch.events]

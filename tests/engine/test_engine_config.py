@@ -1,0 +1,133 @@
+"""ModelConfig validation, presets, KV groups and reading HF config.json files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.engine.config import AttentionKind, CacheConfig, ModelConfig
+
+FULL, SLIDING = AttentionKind.FULL, AttentionKind.SLIDING
+
+
+def _write(tmp_path: Path, **overrides: Any) -> Path:
+    hf: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+        "eos_token_id": [5, 7],
+    }
+    hf.update(overrides)
+    hf = {k: v for k, v in hf.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return tmp_path
+
+
+def test_presets_are_valid_and_grouped() -> None:
+    assert [g.kind for g in ModelConfig.tiny().layer_groups()] == [FULL]
+    full, sliding = ModelConfig.tiny_hybrid().layer_groups()
+    assert (full.group_id, full.layer_ids, full.sliding_window) == (0, (0,), None)
+    assert (sliding.group_id, sliding.layer_ids, sliding.sliding_window) == (1, (1,), 8)
+    demo = ModelConfig.demo()
+    assert demo.kv_bytes_per_token() == 2 * demo.num_layers * 2 * 32 * 4
+
+
+def test_all_sliding_model_has_one_group() -> None:
+    config = dataclasses.replace(ModelConfig.tiny(), layer_kinds=(SLIDING,) * 2, sliding_window=4)
+    (group,) = config.layer_groups()
+    assert (group.group_id, group.kind, group.layer_ids) == (0, SLIDING, (0, 1))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"hidden_size": 0}, "hidden_size must be a positive int, got 0"),
+        ({"num_kv_heads": 3}, "num_heads=4 is not a multiple of num_kv_heads=3"),
+        ({"head_dim": 15}, "head_dim=15 must be even"),
+        ({"layer_kinds": (FULL,)}, "layer_kinds has 1 entries for num_layers=2"),
+        ({"layer_kinds": (FULL, SLIDING)}, "positive int sliding_window, got None"),
+        ({"sliding_window": 4}, "sliding_window=4 but no layer is SLIDING"),
+        ({"rope_theta": 0.0}, "rope_theta=0.0"),
+    ],
+)
+def test_invalid_model_config_names_the_value(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(ModelConfig.tiny(), **changes)
+
+
+def test_invalid_cache_config() -> None:
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+        CacheConfig(block_size=0)
+    with pytest.raises(ValueError, match="num_blocks=1 leaves no block"):
+        CacheConfig(num_blocks=1)
+
+
+def test_qwen2_sliding_layers_from_max_window_layers(tmp_path: Path) -> None:
+    path = _write(tmp_path, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    config = ModelConfig.from_hf_config(path)
+    assert config.layer_kinds == (FULL, FULL, SLIDING, SLIDING)
+    assert config.sliding_window == 16
+    assert config.qkv_bias
+    assert not config.o_proj_bias
+    assert config.head_dim == 16
+    assert config.rope_theta == 1e6
+    assert config.eos_token_ids == (5, 7)
+
+
+def test_layer_types_take_precedence(tmp_path: Path) -> None:
+    types = ["sliding_attention", "full_attention"] * 2
+    path = _write(tmp_path, sliding_window=8, max_window_layers=0, layer_types=types)
+    assert ModelConfig.from_hf_config(path / "config.json").layer_kinds == (SLIDING, FULL) * 2
+
+
+def test_disabled_sliding_window_means_full_attention(tmp_path: Path) -> None:
+    path = _write(tmp_path, use_sliding_window=False, sliding_window=4096, max_window_layers=2)
+    config = ModelConfig.from_hf_config(path)
+    assert config.layer_kinds == (FULL,) * 4
+    assert config.sliding_window is None
+
+
+def test_llama_with_old_style_rope_theta(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        architectures=["LlamaForCausalLM"],
+        rope_parameters=None,
+        rope_theta=500000.0,
+        head_dim=32,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+    )
+    config = ModelConfig.from_hf_config(path)
+    assert config.rope_theta == 500000.0
+    assert config.head_dim == 32
+    assert config.qkv_bias
+    assert config.o_proj_bias
+    assert config.tie_word_embeddings
+    assert config.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, r"architectures=\['GPT2LMHeadModel'\]"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
+    ],
+)
+def test_unsupported_hf_configs_are_rejected(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(_write(tmp_path, **overrides))

@@ -1,0 +1,82 @@
+"""Checkpoint loading: name mapping, sharded files and clear failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.model import build_model
+from kvtier.engine.weights import checkpoint_files, load_model, parameter_name
+
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def _save_checkpoint(path: Path, drop: str | None = None, extra: str | None = None) -> None:
+    """Save a random tiny model in HF naming, split over two shards with an index."""
+    model = build_model(ModelConfig.tiny(), seed=3)
+    tensors = {
+        name if name == "lm_head.weight" else f"model.{name}": p.detach().clone()
+        for name, p in model.named_parameters()
+    }
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    if drop:
+        del tensors[drop]
+    if extra:
+        tensors[extra] = torch.zeros(1)
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, str(path / file))
+    weight_map = {n: file for file, shard_names in shards.items() for n in shard_names}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(HF_CONFIG))
+
+
+def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:
+    _save_checkpoint(tmp_path)
+    assert [f.name for f in checkpoint_files(tmp_path)] == ["a.safetensors", "b.safetensors"]
+    loaded = load_model(tmp_path)
+    original = build_model(ModelConfig.tiny(), seed=3)
+    for (name, a), (_, b) in zip(
+        loaded.named_parameters(), original.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_name_mapping() -> None:
+    assert parameter_name("model.layers.3.mlp.up_proj.weight") == "layers.3.mlp.up_proj.weight"
+    assert parameter_name("lm_head.weight") == "lm_head.weight"
+    assert parameter_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+
+
+def test_missing_parameter_is_named(tmp_path: Path) -> None:
+    _save_checkpoint(tmp_path, drop="model.norm.weight")
+    with pytest.raises(ValueError, match=r"lacks parameters: \['norm.weight'\]"):
+        load_model(tmp_path)
+
+
+def test_unknown_tensor_is_named(tmp_path: Path) -> None:
+    _save_checkpoint(tmp_path, extra="model.layers.0.mystery")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mystery' has no model parameter"):
+        load_model(tmp_path)
+
+
+def test_never_downloads(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model("Qwen/Qwen2-0.5B")
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_model(tmp_path)

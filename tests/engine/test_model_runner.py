@@ -1,0 +1,148 @@
+"""ModelRunner: chunked prefill, decode, batching and sliding-window null blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import dense_logits, make_runner, shuffled_tables, step
+
+from kvtier.engine.config import AttentionKind, CacheConfig, ModelConfig
+from kvtier.engine.model import build_model
+from kvtier.engine.runner import BatchInput, LogitsSelection, ModelRunner
+
+CONFIGS = {"full": ModelConfig.tiny(), "hybrid": ModelConfig.tiny_hybrid()}
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _slots(runner: ModelRunner, table: tuple[int, ...], num_tokens: int) -> list[int]:
+    size = runner.block_size
+    return [table[p // size] * size + p % size for p in range(num_tokens)]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_chunked_prefill_equals_one_shot(name: str) -> None:
+    tokens = _tokens(37, seed=1)
+    one_shot, chunked = make_runner(CONFIGS[name]), make_runner(CONFIGS[name])
+    tables = shuffled_tables(one_shot, [len(tokens)], _gen())[0]
+    expected = one_shot.run(BatchInput((step(tokens, 0, tables),)))
+    start = 0
+    for size in (5, 11, 1, 16, 4):
+        logits = chunked.run(BatchInput((step(tokens[start : start + size], start, tables),)))
+        start += size
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    for group in one_shot.layer_groups:
+        slots = _slots(one_shot, tables[group.group_id], len(tokens))
+        for layer in group.layer_ids:
+            kv_a = one_shot.kv_tensors[layer].view(2, -1, 2, 16)[:, slots]
+            kv_b = chunked.kv_tensors[layer].view(2, -1, 2, 16)[:, slots]
+            torch.testing.assert_close(kv_b, kv_a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prefill_and_decode_equal_dense_forward(name: str) -> None:
+    runner = make_runner(CONFIGS[name])
+    tokens = _tokens(30, seed=2)
+    tables = shuffled_tables(runner, [len(tokens)], _gen(1))[0]
+    all_logits = runner.run(BatchInput((step(tokens[:22], 0, tables),)), LogitsSelection.ALL)
+    expected = dense_logits(runner.model, tokens)
+    torch.testing.assert_close(all_logits, expected[:22], atol=1e-5, rtol=1e-5)
+    for pos in range(22, 30):
+        logits = runner.run(BatchInput((step(tokens[pos : pos + 1], pos, tables),)))
+        torch.testing.assert_close(logits[0], expected[pos], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_mixed_batch_equals_sequences_alone(name: str) -> None:
+    config = CONFIGS[name]
+    batched, alone = make_runner(config), make_runner(config)
+    spans = [(0, 9), (12, 1), (7, 13), (20, 1)]  # prefills, decodes and a chunk together
+    all_tables = shuffled_tables(batched, [c + n for c, n in spans], _gen(3))
+    seqs = []
+    for i, ((num_cached, num_new), tables) in enumerate(zip(spans, all_tables, strict=True)):
+        tokens = _tokens(num_cached + num_new, seed=10 + i)
+        if num_cached:  # both runners must start from the same cached prefix
+            batched.run(BatchInput((step(tokens[:num_cached], 0, tables),)))
+            alone.run(BatchInput((step(tokens[:num_cached], 0, tables),)))
+        seqs.append(step(tokens[num_cached:], num_cached, tables))
+    logits = batched.run(BatchInput(tuple(seqs)))
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[i], alone.run(BatchInput((seq,)))[0])
+
+
+def test_sliding_null_blocks_with_nan_garbage_change_nothing() -> None:
+    config = ModelConfig.tiny_hybrid()  # window 8, block size 4
+    kept, nulled = make_runner(config), make_runner(config)
+    tokens = _tokens(40, seed=4)
+    tables = shuffled_tables(kept, [len(tokens)], _gen(2))[0]
+    prefill = BatchInput((step(tokens[:25], 0, tables),))
+    kept.run(prefill)
+    nulled.run(prefill)
+    sliding = next(g for g in config.layer_groups() if g.kind is AttentionKind.SLIDING)
+    expected = dense_logits(kept.model, tokens)
+    for pos in range(25, 40):
+        # Drop blocks wholly out of the window, as the engine does; poison what it frees.
+        first_block = max(0, pos - config.sliding_window + 1) // kept.block_size
+        table = list(tables[sliding.group_id])
+        for layer in sliding.layer_ids:
+            nulled.kv_tensors[layer][:, [0, *table[:first_block]]] = torch.nan
+        table[:first_block] = [0] * first_block
+        null_tables = (tables[0], tuple(table))
+        got = nulled.run(BatchInput((step(tokens[pos : pos + 1], pos, null_tables),)))
+        want = kept.run(BatchInput((step(tokens[pos : pos + 1], pos, tables),)))
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got[0], expected[pos], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_tensors_layout_and_bytes_per_block() -> None:
+    runner = make_runner(ModelConfig.tiny_hybrid(), CacheConfig(block_size=4, num_blocks=10))
+    assert [g.layer_ids for g in runner.layer_groups] == [(0,), (1,)]
+    assert len(runner.kv_tensors) == 2
+    assert runner.kv_tensors[1].shape == (2, 10, 4, 2, 16)
+    assert runner.group_kv_tensors(1) == [runner.kv_tensors[1]]
+    assert runner.bytes_per_block(0) == runner.bytes_per_block(1) == 2 * 4 * 2 * 16 * 4
+    full = make_runner(ModelConfig.tiny(), CacheConfig(block_size=4, num_blocks=10))
+    assert full.bytes_per_block(0) == 2 * (2 * 4 * 2 * 16 * 4)
+
+
+def test_invalid_batches_are_rejected() -> None:
+    runner = make_runner(ModelConfig.tiny_hybrid())
+    good = ((1, 2), (3, 4))
+    cases = [
+        (step([1, 2], 0, ((1,), (3,), (5,))), "3 block tables for 2 KV groups"),
+        (step([1] * 5, 0, ((1,), (3, 4))), "block table has 1 blocks, 5 tokens need 2"),
+        (step([1], 4, ((1, 2), (0, 4))), r"null block in blocks 0\.\.1"),
+        (step([1], 4, ((0, 2), (3, 4))), r"group 0: null block"),
+        (step([], 0, good), "0 new tokens"),
+        (step([999], 0, good), "outside the vocab"),
+        (step([1], 0, ((1, 99), (3, 4))), "block ids outside"),
+    ]
+    for seq, message in cases:
+        with pytest.raises(ValueError, match=message):
+            runner.run(BatchInput((seq,)))
+    # A sliding window of 8 at position 12 only needs blocks 1..3: block 0 may be null.
+    runner.run(BatchInput((step([1], 12, ((1, 2, 5, 6), (0, 4, 7, 8))),)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cuda_runner_matches_cpu(name: str) -> None:
+    config, cache = CONFIGS[name], CacheConfig(block_size=4, num_blocks=64)
+    tokens = _tokens(28, seed=5)
+    results = []
+    for device in ("cpu", "cuda"):
+        runner = ModelRunner(build_model(config, device), cache)
+        assert all(t.device.type == device for t in runner.kv_tensors)
+        tables = shuffled_tables(runner, [len(tokens)], _gen(4))[0]
+        logits = [runner.run(BatchInput((step(tokens[:20], 0, tables),)), LogitsSelection.ALL)]
+        for pos in range(20, 28):
+            logits.append(runner.run(BatchInput((step(tokens[pos : pos + 1], pos, tables),))))
+        results.append(torch.cat(logits).cpu())
+    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,99 @@
+"""Paged attention against dense attention on random caches and block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import reference_attention
+
+from kvtier.engine.paged_attention import (
+    AttentionMetadata,
+    first_key_position,
+    kv_cache_shape,
+    paged_attention,
+    write_kv,
+)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 48
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 8
+# (num_cached_tokens, num_new_tokens): prefill, decode, suffix prefill, chunk, aligned edges
+SPANS = [(0, 7), (5, 1), (13, 6), (32, 1), (9, 20), (8, 8), (0, 1), (3, 1)]
+
+
+def _random_case(seed: int, sliding_window: int | None) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.full(kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), torch.nan)
+    perm = (torch.randperm(NUM_BLOCKS - 1, generator=gen) + 1).tolist()
+    tables, slots, queries, expected = [], [], [], []
+    for num_cached, num_new in SPANS:
+        total = num_cached + num_new
+        table = [perm.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        key = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        value = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        seq_slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                                  for p in range(total)])  # fmt: skip
+        # The cached part was written by earlier steps; the new part is written per step.
+        write_kv(cache, key[:num_cached], value[:num_cached], seq_slots[:num_cached])
+        first_key = first_key_position(num_cached, sliding_window)
+        for block in range(first_key // BLOCK_SIZE):
+            table[block] = 0  # out of the window: the engine replaced it by the null block
+        flat = cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
+        dead = seq_slots[(first_key // BLOCK_SIZE) * BLOCK_SIZE : first_key]
+        flat[:, dead] = torch.nan  # stale garbage in the first block of the window
+        query = torch.randn(num_new, NUM_HEADS, HEAD_DIM, generator=gen)
+        positions = torch.arange(num_cached, total)
+        expected.append(reference_attention(query, key, value, positions, sliding_window))
+        tables.append(table + [0] * (12 - len(table)))
+        slots.append(seq_slots[num_cached:])
+        queries.append((query, key[num_cached:], value[num_cached:]))
+    return cache, tables, slots, queries, expected
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 3, 4, 8, 13])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_attention_equals_dense(seed: int, sliding_window: int | None) -> None:
+    cache, tables, slots, queries, expected = _random_case(seed, sliding_window)
+    cache[:, 0] = torch.nan  # the null block holds garbage
+    slot_mapping = torch.cat(slots)
+    write_kv(
+        cache, torch.cat([q[1] for q in queries]), torch.cat([q[2] for q in queries]), slot_mapping
+    )
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=torch.tensor(tables),
+        num_cached_tokens=tuple(c for c, _ in SPANS),
+        num_new_tokens=tuple(n for _, n in SPANS),
+    )
+    query = torch.cat([q[0] for q in queries])
+    out = paged_attention(query, cache, metadata, sliding_window, scale=HEAD_DIM**-0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_fills_exactly_the_slots() -> None:
+    cache = torch.zeros(kv_cache_shape(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM))
+    key = torch.ones(3, NUM_KV_HEADS, HEAD_DIM)
+    write_kv(cache, key, 2 * key, torch.tensor([5, 6, 12]))
+    written = cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM).sum(dim=(2, 3))
+    assert written[0].nonzero().flatten().tolist() == [5, 6, 12]
+    assert cache[1, 1, 1].eq(2).all()
+    assert cache[1, 3, 0].eq(2).all()
+
+
+def test_short_block_table_is_rejected() -> None:
+    cache = torch.zeros(kv_cache_shape(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([8]),
+        block_tables=torch.tensor([[1, 2]]),
+        num_cached_tokens=(8,),
+        num_new_tokens=(1,),
+    )
+    query = torch.zeros(1, NUM_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="cannot hold 9 tokens"):
+        paged_attention(query, cache, metadata, None, scale=1.0)
+
+
+def test_metadata_checks_lengths() -> None:
+    with pytest.raises(ValueError, match="3 slots for 2 new tokens"):
+        AttentionMetadata(torch.zeros(3, dtype=torch.int64), torch.zeros(1, 1), (0,), (2,))

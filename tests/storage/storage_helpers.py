@@ -1,0 +1,52 @@
+"""Helpers for disk tier tests: a directory where O_DIRECT works, and a faulty FileIO."""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+import pytest
+
+
+def direct_io_dir(base: str) -> str:
+    """Return `base` if O_DIRECT works there; skip the test otherwise."""
+    probe = os.path.join(base, ".kvtier-odirect-probe")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        pytest.skip(f"O_DIRECT is not supported under {base}")
+    os.close(fd)
+    os.unlink(probe)
+    return base
+
+
+@dataclass(slots=True)
+class ShortIO:
+    """A FileIO that moves one byte less than asked, without touching the file."""
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        return data.nbytes - 1
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int:
+        return into.nbytes - 1
+
+
+@dataclass(slots=True)
+class FlakyIO:
+    """Real I/O unless a fault is armed: `write_errno` / `read_errno` raise that OSError."""
+
+    write_errno: int | None = None
+    read_errno: int | None = None
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        if self.write_errno is not None:
+            raise OSError(self.write_errno, os.strerror(self.write_errno))
+        return os.pwrite(fd, data, offset)
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int:
+        if self.read_errno is not None:
+            raise OSError(self.read_errno, os.strerror(self.read_errno))
+        return os.preadv(fd, [into], offset)

@@ -1,0 +1,123 @@
+"""The disk tier: batched slot I/O with per-slot checksums on its own I/O threads."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from storage_helpers import FlakyIO, direct_io_dir
+
+from kvtier.storage import DiskIOError, DiskIOMode, DiskTier, DiskTierConfig, StagingBuffer
+
+SLOT = 8192
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_tier(tmp_path: Path, mode: DiskIOMode, io: FlakyIO | None = None) -> DiskTier:
+    base = direct_io_dir(str(tmp_path)) if mode is DiskIOMode.DIRECT else str(tmp_path)
+    config = DiskTierConfig(
+        os.path.join(base, "rank0.slots"),
+        num_slots=16,
+        bytes_per_slot=SLOT,
+        io_mode=mode,
+        batch_bytes=4 * SLOT,
+    )
+    tier = DiskTier(config, io)
+    tier.check_invariants()
+    return tier
+
+
+def fill(buffer: StagingBuffer, rows: int, seed: int) -> list[bytes]:
+    gen = torch.Generator().manual_seed(seed)
+    buffer.tensor[:rows] = torch.randint(0, 256, (rows, SLOT), dtype=torch.uint8, generator=gen)
+    return [buffer.tensor[i].numpy().tobytes() for i in range(rows)]
+
+
+def ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+@pytest.mark.parametrize("mode", [DiskIOMode.DIRECT, DiskIOMode.PAGE_CACHE])
+def test_write_then_read_returns_the_same_bytes(tmp_path: Path, mode: DiskIOMode) -> None:
+    """Rows written to scattered slots read back in another order into another buffer."""
+    tier = make_tier(tmp_path, mode)
+    images = fill(tier.store_buffers[0], 4, seed=1)
+    tier.write_slots(tier.store_buffers[0], ids(3, 4, 9, 15)).result()
+    out = tier.load_buffers[1]
+    tier.read_slots(out, ids(15, 3, 9)).result()
+    assert [out.tensor[i].numpy().tobytes() for i in range(3)] == [images[3], images[0], images[2]]
+    tier.check_invariants()
+    tier.close()
+    tier.close()
+    assert not os.path.exists(tier.path)
+
+
+def test_corrupted_slot_fails_its_checksum(tmp_path: Path) -> None:
+    """A byte flipped in the file behind the tier's back makes that slot's read fail."""
+    tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE)
+    fill(tier.store_buffers[0], 2, seed=2)
+    tier.write_slots(tier.store_buffers[0], ids(5, 6)).result()
+    with open(tier.path, "r+b") as raw:
+        raw.seek(6 * SLOT + 100)
+        byte = raw.read(1)
+        raw.seek(6 * SLOT + 100)
+        raw.write(bytes([byte[0] ^ 0x01]))
+    tier.read_slots(tier.load_buffers[0], ids(5)).result()
+    with pytest.raises(DiskIOError, match="checksum mismatch in slot 6"):
+        tier.read_slots(tier.load_buffers[0], ids(5, 6)).result()
+    tier.close()
+
+
+def test_unwritten_and_failed_slots_do_not_load(tmp_path: Path) -> None:
+    """A never-written slot, and one whose rewrite failed, hold no valid data."""
+    io = FlakyIO()
+    tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE, io)
+    with pytest.raises(DiskIOError, match="slot 0 holds no valid data"):
+        tier.read_slots(tier.load_buffers[0], ids(0)).result()
+    fill(tier.store_buffers[0], 1, seed=3)
+    tier.write_slots(tier.store_buffers[0], ids(1)).result()
+    io.write_errno = errno.ENOSPC
+    with pytest.raises(DiskIOError, match="No space left"):
+        tier.write_slots(tier.store_buffers[0], ids(1)).result()
+    io.write_errno = None
+    with pytest.raises(DiskIOError, match="slot 1 holds no valid data"):
+        tier.read_slots(tier.load_buffers[0], ids(1)).result()
+    io.read_errno = errno.EIO
+    fill(tier.store_buffers[1], 1, seed=4)
+    tier.write_slots(tier.store_buffers[1], ids(2)).result()
+    with pytest.raises(DiskIOError, match="Input/output error"):
+        tier.read_slots(tier.load_buffers[0], ids(2)).result()
+    io.read_errno = None
+    tier.read_slots(tier.load_buffers[0], ids(2)).result()  # the thread lives on
+    tier.close()
+
+
+def test_buffers_are_aligned_and_batches_are_whole_slots(tmp_path: Path) -> None:
+    """Staging buffers hold batch_bytes // slot bytes slots, 4096-aligned, per direction."""
+    tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE)
+    assert tier.batch_slots == 4
+    assert len(tier.store_buffers) == len(tier.load_buffers) == 2
+    assert all(b.tensor.data_ptr() % 4096 == 0 for b in (*tier.store_buffers, *tier.load_buffers))
+    with pytest.raises(ValueError, match="do not fit a 4-slot buffer"):
+        tier.write_slots(tier.store_buffers[0], ids(0, 1, 2, 3, 4))
+    with pytest.raises(ValueError, match="outside"):
+        tier.read_slots(tier.load_buffers[0], ids(16))
+    tier.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.write_slots(tier.store_buffers[0], ids(0))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_slots", 0), ("bytes_per_slot", -1), ("batch_bytes", 0), ("num_buffers", 0)],
+)
+def test_config_rejects_non_positive_sizes(field: str, value: int) -> None:
+    """Every size of the disk tier config must be positive; the message names the field."""
+    kwargs = {"path": "x", "num_slots": 4, "bytes_per_slot": 4096, field: value}
+    with pytest.raises(ValueError, match=field):
+        DiskTierConfig(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,115 @@
+"""The disk tier's slot file: creation rules, sizing, alignment, short I/O (SPEC §7)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from storage_helpers import ShortIO, direct_io_dir
+
+from kvtier.storage import DiskIOError, DiskIOMode, SlotFile
+
+MODES = [DiskIOMode.DIRECT, DiskIOMode.PAGE_CACHE]
+
+
+def aligned(nbytes: int, fill: int) -> memoryview:
+    """Return a 4096-aligned writable buffer of `nbytes` filled with `fill`."""
+    raw = np.full(nbytes + 4096, fill, dtype=np.uint8)
+    shift = -raw.ctypes.data % 4096
+    return memoryview(raw[shift : shift + nbytes].data)
+
+
+def base_dir(tmp_path: Path, mode: DiskIOMode) -> str:
+    return direct_io_dir(str(tmp_path)) if mode is DiskIOMode.DIRECT else str(tmp_path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_file_is_fresh_0600_sized_and_removed_on_close(tmp_path: Path, mode: DiskIOMode) -> None:
+    """Exclusive create, mode 0600 whatever the umask, slots x bytes, removed at close."""
+    path = os.path.join(base_dir(tmp_path, mode), "rank0.slots")
+    old_umask = os.umask(0)
+    try:
+        slot_file = SlotFile(path, 5, 8192, mode)
+    finally:
+        os.umask(old_umask)
+    info = os.stat(path)
+    assert stat.S_IMODE(info.st_mode) == 0o600
+    assert info.st_size == slot_file.file_size() == 5 * 8192
+    with pytest.raises(FileExistsError, match="existing file"):
+        SlotFile(path, 5, 8192, mode)
+    slot_file.close()
+    slot_file.close()
+    assert not os.path.exists(path)
+
+
+def test_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """A symlink at the path (even to a writable file) is never followed."""
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep me")
+    link = tmp_path / "rank0.slots"
+    link.symlink_to(target)
+    with pytest.raises(FileExistsError, match="symlink"):
+        SlotFile(str(link), 2, 4096, DiskIOMode.PAGE_CACHE)
+    assert target.read_bytes() == b"keep me"
+
+
+def test_direct_io_requires_4096_aligned_slots(tmp_path: Path) -> None:
+    """SPEC scenario 28: direct I/O rejects 1000-byte slots naming the value; page cache
+    accepts them, and no file is left behind by the rejected attempt."""
+    path = str(tmp_path / "rank0.slots")
+    with pytest.raises(ValueError, match="bytes_per_slot=1000"):
+        SlotFile(path, 4, 1000, DiskIOMode.DIRECT)
+    assert not os.path.exists(path)
+    slot_file = SlotFile(path, 4, 1000, DiskIOMode.PAGE_CACHE)
+    slot_file.write(memoryview(bytes(range(250)) * 8), 1)
+    out = bytearray(2000)
+    slot_file.read(memoryview(out), 1)
+    assert bytes(out) == bytes(range(250)) * 8
+    slot_file.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_slots_land_at_k_times_slot_bytes(tmp_path: Path, mode: DiskIOMode) -> None:
+    """Slot k lives at byte k x bytes_per_slot of the file."""
+    path = os.path.join(base_dir(tmp_path, mode), "rank0.slots")
+    slot_file = SlotFile(path, 4, 4096, mode)
+    slot_file.write(aligned(8192, 0xAB), 2)
+    with open(path, "rb") as raw:
+        content = raw.read()
+    assert content[: 2 * 4096] == bytes(2 * 4096)
+    assert content[2 * 4096 :] == b"\xab" * 8192
+    slot_file.close()
+
+
+def test_short_io_and_out_of_range_are_errors(tmp_path: Path) -> None:
+    """A short write or read raises DiskIOError; slots past the end raise ValueError."""
+    slot_file = SlotFile(str(tmp_path / "f"), 4, 4096, DiskIOMode.PAGE_CACHE, ShortIO())
+    with pytest.raises(DiskIOError, match="short write"):
+        slot_file.write(memoryview(bytes(4096)), 0)
+    with pytest.raises(DiskIOError, match="short read"):
+        slot_file.read(memoryview(bytearray(4096)), 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        slot_file.write(memoryview(bytes(8192)), 3)
+    slot_file.close()
+    with pytest.raises(DiskIOError, match="closed"):
+        slot_file.write(memoryview(bytes(4096)), 0)
+
+
+def test_filesystem_without_o_direct_gets_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EINVAL at open with O_DIRECT (tmpfs on older kernels) suggests page-cache mode."""
+    real_open = os.open
+
+    def refuse_direct(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    with pytest.raises(OSError, match="PAGE_CACHE"):
+        SlotFile(str(tmp_path / "f"), 2, 4096, DiskIOMode.DIRECT)

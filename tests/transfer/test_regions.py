@@ -1,0 +1,158 @@
+"""Region discovery from engine KV tensors (SPEC §7 register)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transfer_helpers import block_bytes, fill_random
+
+from kvtier.transfer.regions import RegionSet, TensorLayout, discover_regions
+
+NB = 6  # blocks
+
+
+def expected_slot(parts: list[torch.Tensor], block_id: int) -> bytes:
+    """Return the bytes of `block_id` as the concatenation of per-tensor block slices."""
+    return b"".join(p[block_id].contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+
+
+def assert_addresses(regions: RegionSet, parts: list[torch.Tensor]) -> None:
+    """Every block's slot image equals the concatenation of `parts[i][block]`."""
+    for block_id in range(regions.num_blocks):
+        assert block_bytes(regions, block_id) == expected_slot(parts, block_id)
+
+
+def test_kv_first_per_layer_gives_k_and_v_regions() -> None:
+    """[2, num_blocks, ...] per layer: two regions (K rows, V rows) per tensor."""
+    kv = [torch.zeros(2, NB, 4, 2, 8, dtype=torch.float16) for _ in range(3)]
+    fill_random(kv, seed=1)
+    regions = discover_regions(kv)
+    assert len(regions.regions) == 6
+    assert regions.num_blocks == NB
+    assert regions.bytes_per_slot == 3 * 2 * 4 * 2 * 8 * 2
+    assert [r.name for r in regions.regions[:2]] == ["kv[0][K]", "kv[0][V]"]
+    assert_addresses(regions, [t[i] for t in kv for i in (0, 1)])
+
+
+def test_blocks_first_layout_is_one_region_per_tensor() -> None:
+    """[num_blocks, 2, ...] per layer (FlashInfer style): K and V of a block are adjacent."""
+    kv = {f"layer{i}": torch.zeros(NB, 2, 4, 2, 8, dtype=torch.bfloat16) for i in range(2)}
+    fill_random(list(kv.values()), seed=2)
+    regions = discover_regions(kv)
+    assert [r.name for r in regions.regions] == ["layer0", "layer1"]
+    assert all(r.bytes_per_block == 2 * 4 * 2 * 8 * 2 for r in regions.regions)
+    assert_addresses(regions, list(kv.values()))
+
+
+def test_separate_k_and_v_tensors() -> None:
+    """K and V in separate [num_blocks, block_size, heads, dim] tensors: one region each."""
+    kv = [torch.zeros(NB, 4, 2, 8, dtype=torch.float32) for _ in range(4)]
+    fill_random(kv, seed=3)
+    regions = discover_regions(kv)
+    assert len(regions.regions) == 4
+    assert_addresses(regions, kv)
+
+
+def test_packed_allocation_shared_by_layers_merges_into_one_region() -> None:
+    """Per-layer views into one [num_blocks, layers, 2, ...] allocation merge into one region."""
+    packed = torch.zeros(NB, 5, 2, 4, 8, dtype=torch.float16)
+    fill_random([packed], seed=4)
+    views = [packed[:, layer] for layer in range(5)]
+    regions = discover_regions(views)
+    assert len(regions.regions) == 1
+    assert regions.bytes_per_slot == packed[0].nbytes
+    assert "5 views" in regions.regions[0].name
+    assert_addresses(regions, [packed])
+    assert block_bytes(discover_regions([packed]), 3) == block_bytes(regions, 3)
+
+
+def test_groups_overlaying_the_same_memory_are_deduplicated() -> None:
+    """The same tensor under two names (two groups sharing memory) is copied once."""
+    shared = torch.zeros(2, NB, 4, 2, 8, dtype=torch.float16)
+    other = torch.zeros(2, NB, 4, 2, 8, dtype=torch.float16)
+    alias = shared.view(torch.int16)  # another view of the same bytes
+    regions = discover_regions({"g0.l0": shared, "g1.l0": alias, "g0.l1": other})
+    assert len(regions.regions) == 4
+    assert regions.bytes_per_slot == 2 * shared[:, 0].nbytes
+
+
+def test_regions_may_differ_in_bytes_per_block() -> None:
+    """A slot concatenates regions of different widths (e.g. MLA + a state group)."""
+    mla = torch.zeros(NB, 4, 24, dtype=torch.float16)
+    state = torch.zeros(NB, 3, 40, dtype=torch.float32)
+    fill_random([mla, state], seed=5)
+    regions = discover_regions([mla, state])
+    assert [r.bytes_per_block for r in regions.regions] == [4 * 24 * 2, 3 * 40 * 4]
+    assert regions.slot_columns() == ((0, 192), (192, 672))
+    assert_addresses(regions, [mla, state])
+
+
+def test_permuted_inner_dims_are_still_one_dense_block() -> None:
+    """An HND view of an NHD allocation: the block's bytes are dense, only permuted."""
+    base = torch.zeros(2, NB, 2, 4, 8, dtype=torch.float16)  # physical [2, nb, heads, bs, dim]
+    fill_random([base], seed=6)
+    logical = base.permute(0, 1, 3, 2, 4)  # logical [2, nb, bs, heads, dim]
+    regions = discover_regions([logical])
+    assert len(regions.regions) == 2
+    assert_addresses(regions, [base[0], base[1]])
+
+
+def test_explicit_blocks_first_for_two_blocks() -> None:
+    """AUTO reads a leading 2 as K/V; BLOCKS_FIRST addresses a 2-block cache."""
+    cache = torch.zeros(2, 3, 4, dtype=torch.float16)
+    assert len(discover_regions([cache]).regions) == 2
+    regions = discover_regions([cache], TensorLayout.BLOCKS_FIRST)
+    assert regions.num_blocks == 2
+    assert len(regions.regions) == 1
+
+
+def test_region_views_alias_engine_memory() -> None:
+    """Writing through a region view changes the engine tensor (no copies)."""
+    kv = torch.zeros(2, NB, 4, dtype=torch.float32)
+    regions = discover_regions([kv])
+    regions.block_views()[1][2].fill_(0xFF)  # V of block 2
+    assert torch.isnan(kv[1, 2]).all()
+    assert not torch.isnan(kv[0]).any()
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ([torch.zeros(2, NB, 4, 8)[:, :, :, ::2]], "not contiguous"),
+        ([torch.zeros(NB, 4, 8), torch.zeros(NB + 1, 4, 8)], "disagree on the number of blocks"),
+        ([torch.zeros(16)], "at least"),
+        ([torch.zeros(NB, 0, 4)], "zero-sized"),
+        ([], "no KV tensors"),
+        ([torch.zeros(64).as_strided((NB, 16), (8, 1))], "block stride"),
+    ],
+)
+def test_unaddressable_layouts_are_rejected(tensors: list[torch.Tensor], message: str) -> None:
+    """Layouts that cannot be copied block by block fail with a message naming the problem."""
+    with pytest.raises(ValueError, match=message):
+        discover_regions(tensors)
+
+
+def test_overlay_with_different_geometry_is_rejected() -> None:
+    """Two views mapping the same bytes to different block ids cannot be addressed."""
+    flat = torch.zeros(NB * 64, dtype=torch.uint8)
+    a = flat.view(NB, 64)
+    b = flat.view(NB * 2, 32)[:NB]  # block i of b is half of block i // 2 of a
+    with pytest.raises(ValueError, match="different block geometry"):
+        discover_regions([a, b])
+
+
+def test_shifted_overlay_is_rejected() -> None:
+    """Same stride but shifted by half a block: block b of one overlaps block b+1 of the other."""
+    flat = torch.zeros((NB + 1) * 64, dtype=torch.uint8)
+    a = flat[: NB * 64].view(NB, 64)
+    b = flat[32 : 32 + NB * 64].view(NB, 64)
+    with pytest.raises(ValueError, match="different block geometry"):
+        discover_regions([a, b])
+
+
+def test_wrong_explicit_layout_and_non_tensors_are_rejected() -> None:
+    """KV_FIRST on a tensor without a leading 2, and a non-tensor, name the culprit."""
+    with pytest.raises(ValueError, match=r"not \[2, \.\.\.\]"):
+        discover_regions({"odd": torch.zeros(3, NB, 4)}, TensorLayout.KV_FIRST)
+    with pytest.raises(TypeError, match="'x' is a list"):
+        discover_regions({"x": [1, 2]})  # type: ignore[dict-item]
