@@ -1,0 +1,42 @@
+"""Admission policies: which missing blocks a tier stores at all.
+
+Most blocks of real traces are never reused: storing them costs a transfer and evicts a
+block that might have been. `door` admits a block on its second sighting within a
+window, remembered by a two-generation Bloom filter (`Doorkeeper`).
+"""
+
+from __future__ import annotations
+
+from kvtier.core.keys import Key
+from kvtier.core.policies.sketch import Doorkeeper
+
+DOORKEEPER_WINDOW_PER_BLOCK = 2
+
+
+class DoorkeeperAdmission:
+    """Admit a key the second time it is offered within about 2-4 x capacity offers.
+
+    A first sighting is remembered and rejected. Parameter: the window, 2 x the tier's
+    usable blocks per Bloom generation (a reuse must come back before about that many
+    other blocks were offered). Memory: about 5 bytes per tier block. O(1) per call.
+    """
+
+    name = "door"
+
+    def __init__(self, num_blocks: int, window_per_block: int = DOORKEEPER_WINDOW_PER_BLOCK):
+        if window_per_block < 1:
+            raise ValueError(f"window_per_block must be >= 1, got {window_per_block}")
+        self._doorkeeper = Doorkeeper(max(1, num_blocks - 1) * window_per_block)
+        self.num_rejected = 0
+
+    def admit(self, key: Key) -> bool:
+        """Return True when `key` was offered recently; otherwise remember it and say no."""
+        if self._doorkeeper.contains(key):
+            return True
+        self._doorkeeper.insert(key)
+        self.num_rejected += 1
+        return False
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on inconsistent filter state."""
+        self._doorkeeper.check_invariants()

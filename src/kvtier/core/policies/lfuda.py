@@ -1,0 +1,142 @@
+"""`lfuda`: frequency-aware eviction — LFU with dynamic aging, capped, in F+1 LRU buckets.
+
+Each free cached block has a priority `K = L + min(f, F)`, where `f` is the key's recent
+access count (a count-min sketch, aged TinyLFU-style every `10 x capacity` accesses) and
+`L` is the priority of the last evicted block (dynamic aging: a block that stops being
+used is overtaken by fresher ones after at most F evictions of its level). The victim is
+the least recently freed block of the lowest priority. Accesses are stores (`note_key`)
+and hits (a touch of a free cached block).
+
+Because every priority lies in [L, L + F], the free blocks fit in F + 1 LRU lists
+indexed by `K mod (F + 1)`; `pop_victim` scans at most F + 1 list heads, so every
+operation is O(1). With F = 1 the policy is exactly LRU. Parents are accessed at least as
+often as their children (every use of a block is a use of its prefix), and blocks of one
+request are freed tail-first, so within a priority prefix tails go before their roots.
+
+Parameters (docs/policies.md shows how they were chosen):
+- F = `max_frequency`, default 2: a block used at least twice within the aging window
+  outlives a block used once by one eviction level. Larger F helps the Mooncake trace a
+  little at 1-3 M tokens but lets finished conversations linger in chat workloads.
+- the aging period, 10 x capacity accesses (TinyLFU's sample size);
+- the sketch width, 8 x capacity counters per row (4 rows): narrower sketches
+  over-count at small capacities, where ~10 x capacity distinct keys share them.
+Memory per block: 9 bytes of links, 8 bytes of priority, 1 byte of frequency, an 8-byte
+key reference and 32 bytes of sketch (about 60 bytes).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+
+from kvtier.core.keys import Key
+from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
+from kvtier.core.policies.sketch import CountMinSketch
+
+DEFAULT_MAX_FREQUENCY = 2
+AGING_PERIOD_PER_BLOCK = 10
+SKETCH_WIDTH_PER_BLOCK = 8
+
+
+class LFUDAPolicy:
+    """Capped LFU with dynamic aging for a pool of `num_blocks` blocks."""
+
+    name = "lfuda"
+
+    def __init__(self, num_blocks: int, max_frequency: int = DEFAULT_MAX_FREQUENCY) -> None:
+        if not 1 <= max_frequency <= 15:
+            raise ValueError(f"max_frequency must be in [1, 15], got {max_frequency}")
+        capacity = max(1, num_blocks - 1)
+        self._max_f = max_frequency
+        self._num_levels = max_frequency + 1
+        self._reusable = self._num_levels  # list id of unhashed blocks
+        self._lists = BlockLists(num_blocks, self._num_levels + 1)
+        self._keys: list[Key | None] = [None] * num_blocks
+        self._freq = array("b", [1]) * num_blocks  # estimate at the block's last access
+        self._priority = array("q", [0]) * num_blocks
+        self._sketch = CountMinSketch(
+            SKETCH_WIDTH_PER_BLOCK * capacity, AGING_PERIOD_PER_BLOCK * capacity
+        )
+        self.level = 0  # L: the priority of the last evicted block
+
+    def __len__(self) -> int:
+        return self._lists.total()
+
+    def note_key(self, block_id: int, key: Key) -> None:
+        """Count the store as an access of `key`."""
+        if self._keys[block_id] == key:
+            return  # already noted (idempotent: the pool and its owner may both call it)
+        self._keys[block_id] = key
+        self._freq[block_id] = min(self._sketch.add(key), self._max_f)
+
+    def push_reusable(self, block_id: int) -> None:
+        """Queue an unhashed block: reused before any cached block."""
+        self._keys[block_id] = None
+        self._lists.push_head(self._reusable, block_id)
+
+    def push_cached(self, block_id: int) -> None:
+        """Queue a cached block at the MRU end of its priority's list."""
+        priority = self.level + max(1, self._freq[block_id])
+        self._priority[block_id] = priority
+        self._lists.push_tail(priority % self._num_levels, block_id)
+
+    def remove(self, block_id: int) -> None:
+        """Take a touched block out; a cached one counts as an access."""
+        if self._lists.unlink(block_id) != self._reusable:
+            key = self._keys[block_id]
+            if key is not None:
+                self._freq[block_id] = min(self._sketch.add(key), self._max_f)
+
+    def pop_victim(self) -> int:
+        """Return an unhashed block if any, else the LRU block of the lowest priority."""
+        lists = self._lists
+        if lists.length(self._reusable):
+            return lists.pop_head(self._reusable)
+        for priority in range(self.level, self.level + self._num_levels):
+            list_id = priority % self._num_levels
+            if lists.length(list_id):
+                self.level = priority
+                victim = lists.pop_head(list_id)
+                self._keys[victim] = None
+                self._freq[victim] = 1
+                return victim
+        raise IndexError("free queue is empty")
+
+    def _levels_in_order(self) -> list[int]:
+        return [p % self._num_levels for p in range(self.level, self.level + self._num_levels)]
+
+    def iter_after(self, cursor: int | None) -> Iterator[int]:
+        """Yield free blocks in eviction order: unhashed, then by priority, LRU first."""
+        order = [self._reusable, *self._levels_in_order()]
+        start = 0
+        after = None
+        if cursor is not None:
+            where = self._lists.where(cursor)
+            if where == NOT_LISTED:
+                raise KeyError(f"block {cursor} is not queued")
+            start, after = order.index(where), cursor
+        for list_id in order[start:]:
+            yield from self._lists.iter_list(list_id, after)
+            after = None
+
+    def clear_and_fill(self, block_ids: range) -> None:
+        """Queue exactly `block_ids` as unhashed blocks, reused in that order; keep the sketch."""
+        self._lists.clear()
+        for block_id in block_ids:
+            self._keys[block_id] = None
+            self._lists.push_tail(self._reusable, block_id)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when a priority is outside [L, L + F] or lists disagree."""
+        self._lists.check_invariants()
+        self._sketch.check_invariants()
+        for list_id in range(self._num_levels):
+            for block_id in self._lists.iter_list(list_id):
+                priority = self._priority[block_id]
+                assert self.level <= priority <= self.level + self._max_f, (
+                    f"block {block_id}: priority {priority} outside "
+                    f"[{self.level}, {self.level + self._max_f}]"
+                )
+                assert priority % self._num_levels == list_id, f"block {block_id} misfiled"
+        for block_id in self._lists.iter_list(self._reusable):
+            assert self._keys[block_id] is None, f"unhashed block {block_id} has a key"

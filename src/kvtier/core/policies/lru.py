@@ -1,0 +1,28 @@
+"""`lru`: today's eviction order, with the policy hooks (no-ops)."""
+
+from __future__ import annotations
+
+from kvtier.core.free_queue import LRUFreeQueue
+from kvtier.core.keys import Key
+
+
+class LRUPolicy(LRUFreeQueue):
+    """`LRUFreeQueue` unchanged: evict the least recently freed cached block.
+
+    Cost: O(1) per operation, 8 bytes per block (the queue's links).
+    """
+
+    __slots__ = ()
+    name = "lru"
+
+    def note_key(self, block_id: int, key: Key) -> None:
+        """Ignore keys: recency alone decides."""
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the links and the length disagree."""
+        seen = set()
+        for block_id in self.iter_after(None):
+            assert block_id not in seen, f"block {block_id} queued twice"
+            seen.add(block_id)
+            assert len(seen) <= len(self), "free queue longer than its length"
+        assert len(seen) == len(self), "free queue shorter than its length"

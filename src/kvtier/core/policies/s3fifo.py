@@ -1,0 +1,142 @@
+"""`s3fifo`: S3-FIFO (Yang et al., SOSP '23) over a block pool.
+
+A small FIFO S (10 % of the pool) is the probation area for newly stored blocks; a main
+FIFO M holds blocks that proved useful; a ghost FIFO G remembers keys evicted from S
+(as many as M can hold). A store whose key is in G goes straight to M. Eviction takes
+from S while S holds at least its share, else from M, where a block with its frequency
+bit set is moved to the tail with the bit cleared (one more round) instead of evicted.
+
+Pool adaptation: a block cannot stay queued while pinned, so a hit re-queues it when it
+is freed: a block hit while in S moves to M (the algorithm would move it there when it
+reached S's head anyway); a block hit while in M goes to M's tail with its frequency
+bit set. Sizes count free blocks only.
+
+Cost: amortised O(1) per operation (each re-queue in M clears a bit). Memory per block:
+9 bytes of links, 2 bytes of state and an 8-byte key reference; per ghost key about
+100 bytes.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from kvtier.core.keys import Key
+from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
+
+_REUSABLE, _SMALL, _MAIN = 0, 1, 2
+_ORDER = (_REUSABLE, _SMALL, _MAIN)
+SMALL_FRACTION = 0.1
+
+
+class S3FIFOPolicy:
+    """S3-FIFO eviction order for a pool of `num_blocks` blocks."""
+
+    name = "s3fifo"
+
+    def __init__(self, num_blocks: int) -> None:
+        self._lists = BlockLists(num_blocks, 3)
+        capacity = max(1, num_blocks - 1)
+        self._small_target = max(1, int(capacity * SMALL_FRACTION))
+        self._ghost_capacity = max(1, capacity - self._small_target)
+        self._keys: list[Key | None] = [None] * num_blocks
+        self._dest = array("b", [_SMALL]) * num_blocks  # where the block goes when freed
+        self._freq = array("b", [0]) * num_blocks
+        self._ghost: OrderedDict[Key, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._lists.total()
+
+    def note_key(self, block_id: int, key: Key) -> None:
+        """Send the block to M if its key is a ghost, else to S."""
+        if self._keys[block_id] == key:
+            return  # already noted (idempotent: the pool and its owner may both call it)
+        self._keys[block_id] = key
+        self._freq[block_id] = 0
+        ghost = self._ghost
+        if key in ghost:
+            del ghost[key]
+            self._dest[block_id] = _MAIN
+        else:
+            self._dest[block_id] = _SMALL
+        while len(ghost) > self._ghost_capacity:
+            ghost.popitem(last=False)
+
+    def push_reusable(self, block_id: int) -> None:
+        """Queue an unhashed block: reused before any cached block."""
+        self._keys[block_id] = None
+        self._lists.push_head(_REUSABLE, block_id)
+
+    def push_cached(self, block_id: int) -> None:
+        """Queue a cached block at the tail of S or M."""
+        self._lists.push_tail(self._dest[block_id], block_id)
+
+    def remove(self, block_id: int) -> None:
+        """Take a touched block out; a cached one counts as a hit (→ M when freed)."""
+        where = self._lists.unlink(block_id)
+        if where == _SMALL:
+            self._dest[block_id] = _MAIN
+        elif where == _MAIN:
+            self._freq[block_id] = 1
+
+    def pop_victim(self) -> int:
+        """Return an unhashed block if any, else S-3FIFO's victim."""
+        lists = self._lists
+        if lists.length(_REUSABLE):
+            return lists.pop_head(_REUSABLE)
+        if lists.length(_SMALL) >= self._small_target or not lists.length(_MAIN):
+            if not lists.length(_SMALL):
+                raise IndexError("free queue is empty")
+            victim = lists.pop_head(_SMALL)
+            key = self._keys[victim]
+            if key is not None:
+                self._ghost[key] = None  # trimmed at the next store, after its look-up
+                if len(self._ghost) > 2 * self._ghost_capacity:
+                    self._ghost.popitem(last=False)
+        else:
+            freq = self._freq
+            while True:
+                victim = lists.pop_head(_MAIN)
+                if not freq[victim]:
+                    break
+                freq[victim] = 0
+                lists.push_tail(_MAIN, victim)
+        self._keys[victim] = None
+        self._dest[victim] = _SMALL
+        self._freq[victim] = 0
+        return victim
+
+    def iter_after(self, cursor: int | None) -> Iterator[int]:
+        """Yield free blocks: unhashed, then S, then M, each from its head.
+
+        Exact for unhashed blocks and S; M blocks with the frequency bit set get one
+        more round before the policy evicts them.
+        """
+        start = 0
+        after = None
+        if cursor is not None:
+            where = self._lists.where(cursor)
+            if where == NOT_LISTED:
+                raise KeyError(f"block {cursor} is not queued")
+            start, after = _ORDER.index(where), cursor
+        for list_id in _ORDER[start:]:
+            yield from self._lists.iter_list(list_id, after)
+            after = None
+
+    def clear_and_fill(self, block_ids: range) -> None:
+        """Queue exactly `block_ids` as unhashed blocks, reused in that order; keep the ghost."""
+        self._lists.clear()
+        for block_id in block_ids:
+            self._keys[block_id] = None
+            self._freq[block_id] = 0
+            self._dest[block_id] = _SMALL
+            self._lists.push_tail(_REUSABLE, block_id)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on inconsistent lists, state or ghost."""
+        self._lists.check_invariants()
+        assert len(self._ghost) <= 2 * self._ghost_capacity, "ghost FIFO too large"
+        assert all(f in (0, 1) for f in self._freq), "frequency bit out of range"
+        for block_id in self._lists.iter_list(_REUSABLE):
+            assert self._keys[block_id] is None, f"unhashed block {block_id} has a key"

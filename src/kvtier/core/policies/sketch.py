@@ -1,0 +1,143 @@
+"""Compact, aging summaries of which keys were seen: a count-min sketch and a doorkeeper.
+
+Both hash a key by its first 8 bytes (block hashes are uniformly distributed; keys made
+from small integers are spread by the multiplicative hash), so the same key always lands
+in the same counters across processes — replays are reproducible. Both age: without it a
+key popular an hour ago would look popular forever.
+"""
+
+from __future__ import annotations
+
+from kvtier.core.keys import Key
+
+_MASK64 = (1 << 64) - 1
+# Odd 64-bit multipliers (golden ratio and other well-mixed constants), one per row/probe.
+_MULTIPLIERS = (
+    0x9E3779B97F4A7C15,
+    0xC2B2AE3D27D4EB4F,
+    0x165667B19E3779F9,
+    0xD6E8FEB86659FD93,
+)
+_HALVE = bytes(i >> 1 for i in range(256))
+_MAX_COUNT = 15
+
+
+def _log2_at_least(value: int) -> int:
+    return max(6, (max(1, value) - 1).bit_length())
+
+
+def _key_int(key: Key) -> int:
+    return int.from_bytes(key[:8], "little")
+
+
+class CountMinSketch:
+    """Approximate access counts (never under-estimated) with conservative update.
+
+    `width` rounds up to a power of two; `depth` rows of one byte per counter, counts
+    saturate at 15. Every `aging_period` additions all counters are halved, so a count
+    measures recent popularity (TinyLFU's reset). Memory: `depth x width` bytes.
+    """
+
+    __slots__ = ("_adds", "_depth", "_muls", "_period", "_shift", "_table", "_width")
+
+    def __init__(self, width: int, aging_period: int, depth: int = 4) -> None:
+        if not 1 <= depth <= len(_MULTIPLIERS):
+            raise ValueError(f"depth must be in [1, {len(_MULTIPLIERS)}], got {depth}")
+        if aging_period < 1:
+            raise ValueError(f"aging_period must be >= 1, got {aging_period}")
+        bits = _log2_at_least(width)
+        self._width = 1 << bits
+        self._shift = 64 - bits
+        self._depth = depth
+        self._muls = _MULTIPLIERS[:depth]
+        self._table = bytearray(depth * self._width)
+        self._period = aging_period
+        self._adds = 0
+
+    @property
+    def width(self) -> int:
+        """Return the number of counters per row."""
+        return self._width
+
+    def _slots(self, key: Key) -> list[int]:
+        x = _key_int(key)
+        w, s = self._width, self._shift
+        return [row * w + (((x * m) & _MASK64) >> s) for row, m in enumerate(self._muls)]
+
+    def add(self, key: Key) -> int:
+        """Count one access of `key`; return its new estimated count."""
+        table = self._table
+        slots = self._slots(key)
+        low = min(table[i] for i in slots)
+        if low < _MAX_COUNT:
+            for i in slots:
+                if table[i] == low:
+                    table[i] = low + 1
+            low += 1
+        self._adds += 1
+        if self._adds >= self._period:
+            self._adds = 0
+            self._table = bytearray(self._table.translate(_HALVE))
+        return low
+
+    def estimate(self, key: Key) -> int:
+        """Return the estimated recent access count of `key`."""
+        table = self._table
+        return min(table[i] for i in self._slots(key))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on a corrupt table."""
+        assert len(self._table) == self._depth * self._width, "sketch table size"
+        assert max(self._table, default=0) <= _MAX_COUNT, "sketch counter overflow"
+        assert 0 <= self._adds < self._period, "sketch aging counter out of range"
+
+
+class Doorkeeper:
+    """ "Was this key seen recently?" as two generations of a Bloom filter.
+
+    Keys go into the current generation; after `window` insertions the current one
+    becomes the previous one and a fresh one starts, so a key is remembered for between
+    `window` and `2 x window` insertions. ~10 bits per remembered key, 3 probes
+    (about 2 % false positives). Memory: 2 x 10 x `window` bits, rounded up.
+    """
+
+    __slots__ = ("_current", "_inserted", "_muls", "_previous", "_shift", "_window")
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        bits = _log2_at_least(10 * window)
+        self._shift = 64 - bits
+        self._current = bytearray(1 << (bits - 3))
+        self._previous = bytearray(1 << (bits - 3))
+        self._muls = _MULTIPLIERS[:3]
+        self._window = window
+        self._inserted = 0
+
+    def _bits(self, key: Key) -> list[int]:
+        x = _key_int(key)
+        return [((x * m) & _MASK64) >> self._shift for m in self._muls]
+
+    def contains(self, key: Key) -> bool:
+        """Return True when `key` was (probably) inserted within the last two generations."""
+        bits = self._bits(key)
+        for table in (self._current, self._previous):
+            if all(table[b >> 3] & (1 << (b & 7)) for b in bits):
+                return True
+        return False
+
+    def insert(self, key: Key) -> None:
+        """Remember `key`, rotating generations every `window` insertions."""
+        table = self._current
+        for b in self._bits(key):
+            table[b >> 3] |= 1 << (b & 7)
+        self._inserted += 1
+        if self._inserted >= self._window:
+            self._inserted = 0
+            self._previous = self._current
+            self._current = bytearray(len(table))
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError on inconsistent generations."""
+        assert len(self._current) == len(self._previous), "doorkeeper generations differ"
+        assert 0 <= self._inserted < self._window, "doorkeeper insert counter out of range"

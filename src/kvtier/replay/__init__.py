@@ -1,0 +1,36 @@
+"""Trace replay: kvtier's tier index and policies under a recorded or generated workload.
+
+| module | holds |
+|---|---|
+| `trace` | Mooncake-format records: read (validated, errors name the line), write, summarize |
+| `config` | `ReplayConfig`, `TierConfig`, `ReleaseOrder` and the frozen results |
+| `tier_replay` | `TierReplay`: one pass through a GPU pool and the lower tiers' `BlockPool`s |
+| `belady` | offline policies reading the future: `belady`, `oracle-lfu` (`FutureOracle`) |
+| `cost` | the TTFT cost model |
+| `sweep` | many (policy, capacity) passes; CSV, JSON, plot |
+| `generate` | the multi-turn chat workload generator |
+| `cli` | `kvtier replay` / `python -m kvtier.replay` |
+"""
+
+from kvtier.replay.config import (
+    ReleaseOrder,
+    ReplayConfig,
+    ReplayError,
+    ReplayResult,
+    TierConfig,
+)
+from kvtier.replay.tier_replay import TierReplay, replay_trace
+from kvtier.replay.trace import TraceError, TraceRecord, read_trace
+
+__all__ = [
+    "ReleaseOrder",
+    "ReplayConfig",
+    "ReplayError",
+    "ReplayResult",
+    "TierConfig",
+    "TierReplay",
+    "TraceError",
+    "TraceRecord",
+    "read_trace",
+    "replay_trace",
+]

@@ -1,0 +1,117 @@
+"""What a replay is configured with and what it reports (frozen records)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvtier.core.policies import PolicySpec
+from kvtier.replay.belady import OFFLINE_POLICIES
+from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
+from kvtier.replay.trace import DEFAULT_BLOCK_SIZE
+
+
+class ReplayError(ValueError):
+    """The replay cannot model this configuration or trace."""
+
+
+class ReleaseOrder(enum.Enum):
+    """When and in which order a request's tier blocks are freed (= their recency order).
+
+    TAIL_FIRST: hit blocks stay pinned until the request's stores are registered, then
+    all of the request's tier blocks are freed last position first (SPEC §4's intent:
+    prefix tails are evicted before their roots). The README's reference model.
+    SCHEDULER: what `OffloadScheduler` does today: a finished load frees its blocks in
+    position order before the request's stores allocate their slots; the stores are
+    freed in position order when they complete.
+    SCHEDULER_TAIL_FIRST: the same timing with each free last position first (the
+    scheduler with the proposed two-line fix, docs/policies.md).
+    """
+
+    TAIL_FIRST = "tail_first"
+    SCHEDULER = "scheduler"
+    SCHEDULER_TAIL_FIRST = "scheduler_tail_first"
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One lower tier: its name, capacity in tokens and load link in GB/s."""
+
+    name: str
+    capacity_tokens: int
+    link_gbps: float
+
+    def __post_init__(self) -> None:
+        if self.capacity_tokens <= 0:
+            raise ReplayError(f"tier {self.name}: capacity must be > 0 tokens")
+        if not self.link_gbps > 0:
+            raise ReplayError(f"tier {self.name}: link_gbps must be > 0, got {self.link_gbps}")
+
+    @staticmethod
+    def named(name: str, capacity_tokens: int) -> TierConfig:
+        """Return a tier with the default link of `name` (CPU 25 GB/s, DISK 5 GB/s)."""
+        return TierConfig(name, capacity_tokens, DEFAULT_LINK_GBPS[name])
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """What to replay: tiers, the policy of the lower tiers, the model's choices."""
+
+    tiers: tuple[TierConfig, ...]
+    policy: str = "lru"  # a PolicySpec name, or "belady" / "oracle-lfu" (offline)
+    gpu_capacity_tokens: int = 0  # 0: no GPU prefix cache in front
+    block_size: int = DEFAULT_BLOCK_SIZE
+    release_order: ReleaseOrder = ReleaseOrder.TAIL_FIRST
+    cost: CostModel = field(default_factory=CostModel)
+    check_every: int = 0  # call every check_invariants() each N requests (tests)
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ReplayError("at least one lower tier is needed")
+        if self.policy not in OFFLINE_POLICIES:
+            PolicySpec.parse(self.policy)  # raises ValueError naming a bad name
+        for tier in self.tiers:
+            if tier.capacity_tokens < self.block_size:
+                raise ReplayError(
+                    f"tier {tier.name}: capacity {tier.capacity_tokens} tokens holds no "
+                    f"{self.block_size}-token block"
+                )
+        if self.gpu_capacity_tokens < 0 or 0 < self.gpu_capacity_tokens < self.block_size:
+            raise ReplayError(
+                f"gpu capacity must be 0 (no GPU tier) or at least one {self.block_size}-token "
+                f"block, got {self.gpu_capacity_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class TierResult:
+    """What one tier did over the replay."""
+
+    name: str
+    capacity_tokens: int
+    num_blocks: int  # usable blocks
+    hit_tokens: int
+    token_hit_ratio: float  # hit tokens / all prompt tokens
+    num_hit_blocks: int
+    num_stored_blocks: int
+    num_evicted_blocks: int
+    num_rejected_blocks: int  # refused by the admission policy
+    num_dropped_blocks: int  # no free slot (every slot pinned by the request)
+    bytes_stored: int
+    bytes_loaded: int
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Per-tier results, the lower tiers' combined hit ratio and the TTFT estimate."""
+
+    policy: str
+    num_requests: int
+    num_prompt_tokens: int
+    gpu: TierResult | None
+    tiers: tuple[TierResult, ...]
+    token_hit_ratio: float  # lower tiers together
+    total_token_hit_ratio: float  # GPU + lower tiers
+    mean_ttft_s: float
+    mean_ttft_no_cache_s: float
+    runtime_s: float

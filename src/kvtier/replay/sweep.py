@@ -1,0 +1,179 @@
+"""Run many (policy, capacity) replays of one trace; tabulate, write CSV, JSON and a plot.
+
+Each point is one pass over the trace (`TierReplay`); keys and the Belady oracle are
+built once and shared. The capacity of a point is the first lower tier's; a GPU tier and
+further lower tiers keep the capacities of the base configuration.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.replay.belady import BELADY, OFFLINE_POLICIES, FutureOracle
+from kvtier.replay.config import ReplayConfig, ReplayResult
+from kvtier.replay.tier_replay import TierReplay, trace_keys
+from kvtier.replay.trace import TraceRecord, TraceSummary
+
+DEFAULT_SWEEP_TOKENS = (
+    100_000,
+    200_000,
+    300_000,
+    500_000,
+    1_000_000,
+    2_000_000,
+    3_000_000,
+    5_000_000,
+    10_000_000,
+    20_000_000,
+    30_000_000,
+)
+LRU = "lru"
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One replay of the sweep."""
+
+    policy: str
+    capacity_tokens: int
+    result: ReplayResult
+
+
+def run_sweep(
+    records: Sequence[TraceRecord],
+    base: ReplayConfig,
+    policies: Sequence[str],
+    capacities: Sequence[int],
+    on_request_batch: Callable[[int], None] | None = None,
+) -> list[SweepPoint]:
+    """Replay every (policy, capacity) pair, policies outermost."""
+    keys = trace_keys(records)
+    oracle = FutureOracle(keys) if set(policies) & set(OFFLINE_POLICIES) else None
+    points = []
+    for policy in policies:
+        for capacity in capacities:
+            first = dataclasses.replace(base.tiers[0], capacity_tokens=capacity)
+            config = dataclasses.replace(base, policy=policy, tiers=(first, *base.tiers[1:]))
+            result = TierReplay(records, config, keys, oracle).run(on_request_batch)
+            points.append(SweepPoint(policy, capacity, result))
+    return points
+
+
+def hit_ratio_table(points: Sequence[SweepPoint]) -> dict[str, dict[int, float]]:
+    """Return {policy: {capacity: lower-tier token hit ratio}}."""
+    table: dict[str, dict[int, float]] = {}
+    for p in points:
+        table.setdefault(p.policy, {})[p.capacity_tokens] = p.result.token_hit_ratio
+    return table
+
+
+def _ratio(value: float, reference: float | None) -> float | None:
+    if reference is None or reference <= 0:
+        return None
+    return value / reference
+
+
+def point_row(point: SweepPoint, table: dict[str, dict[int, float]]) -> dict[str, Any]:
+    """Return one flat row (CSV / JSON) describing `point`."""
+    r = point.result
+    row: dict[str, Any] = {
+        "policy": point.policy,
+        "capacity_tokens": point.capacity_tokens,
+        "token_hit_ratio": round(r.token_hit_ratio, 6),
+        "total_token_hit_ratio": round(r.total_token_hit_ratio, 6),
+        "gpu_token_hit_ratio": round(r.gpu.token_hit_ratio, 6) if r.gpu else 0.0,
+    }
+    for tier in r.tiers:
+        row[f"{tier.name.lower()}_token_hit_ratio"] = round(tier.token_hit_ratio, 6)
+    ratio_belady = _ratio(r.token_hit_ratio, table.get(BELADY, {}).get(point.capacity_tokens))
+    ratio_lru = _ratio(r.token_hit_ratio, table.get(LRU, {}).get(point.capacity_tokens))
+    row.update(
+        {
+            "x_belady": None if ratio_belady is None else round(ratio_belady, 4),
+            "x_lru": None if ratio_lru is None else round(ratio_lru, 4),
+            "blocks_stored": sum(t.num_stored_blocks for t in r.tiers),
+            "blocks_evicted": sum(t.num_evicted_blocks for t in r.tiers),
+            "blocks_rejected": sum(t.num_rejected_blocks for t in r.tiers),
+            "blocks_dropped_full": sum(t.num_dropped_blocks for t in r.tiers),
+            "bytes_stored": sum(t.bytes_stored for t in r.tiers),
+            "bytes_loaded": sum(t.bytes_loaded for t in r.tiers),
+            "mean_ttft_s": round(r.mean_ttft_s, 6),
+            "mean_ttft_no_cache_s": round(r.mean_ttft_no_cache_s, 6),
+            "runtime_s": round(r.runtime_s, 3),
+        }
+    )
+    return row
+
+
+def write_csv(path: str | Path, points: Sequence[SweepPoint]) -> None:
+    """Write one row per point."""
+    table = hit_ratio_table(points)
+    rows = [point_row(p, table) for p in points]
+    with open(path, "w", newline="", encoding="utf-8") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_json(
+    path: str | Path,
+    points: Sequence[SweepPoint],
+    trace: str,
+    summary: TraceSummary,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write every point's row, the hit-ratio table and the trace summary as JSON."""
+    table = hit_ratio_table(points)
+    payload = {
+        "trace": trace,
+        "summary": dataclasses.asdict(summary),
+        "token_hit_ratio": {p: {str(c): v for c, v in caps.items()} for p, caps in table.items()},
+        "points": [point_row(p, table) for p in points],
+        **(extra or {}),
+    }
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def plot_sweep(
+    path: str | Path, points: Sequence[SweepPoint], title: str, infinite_hit_ratio: float
+) -> None:
+    """Plot hit ratio vs capacity per policy; LRU dashed, Belady as the bound (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = hit_ratio_table(points)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for policy, caps in table.items():
+        xs = sorted(caps)
+        ys = [caps[x] for x in xs]
+        if policy == BELADY:
+            ax.plot(xs, ys, "k-", linewidth=2.5, label="Belady (offline optimum)")
+        elif policy == LRU:
+            ax.plot(xs, ys, "k--", marker="o", markersize=3, label="LRU (peers' policy)")
+        elif policy in OFFLINE_POLICIES:
+            ax.plot(xs, ys, color="grey", linestyle="-.", label=f"{policy} (offline)")
+        else:
+            ax.plot(xs, ys, marker="o", markersize=3, label=policy)
+    if BELADY in table:
+        xs = sorted(table[BELADY])
+        target = [0.8 * table[BELADY][x] for x in xs]
+        ax.plot(xs, target, color="black", linewidth=0.8, linestyle=":", label="0.8 x Belady")
+    ax.axhline(infinite_hit_ratio, color="grey", linestyle=":", label="infinite cache")
+    ax.set_xscale("log")
+    ax.set_xlabel("lower-tier capacity (tokens)")
+    ax.set_ylabel("token hit ratio")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,335 @@
+"""Replay a trace through kvtier's tier index: `BlockPool`s with policy free queues.
+
+The model (docs/policies.md has the full statement). Per request, in trace order:
+
+1. GPU tier (optional, LRU): prefix lookup; the hit blocks are pinned.
+2. Each lower tier, in order, continues the prefix lookup where the previous tier
+   stopped (prefix hits only); its hit blocks are pinned (the scheduler's lookup pin,
+   then its load pin).
+3. GPU: allocate the missed blocks (evicting LRU), register their keys, free the
+   request's blocks tail-first.
+4. Eager stores into each lower tier, exactly as `StoreSelector.select_request` does:
+   positions in order; skip a key cached when the selection starts; ask the admission
+   policy; stop when no slot can be allocated; `allocate` evicts per the eviction policy.
+5. "Store complete": `insert_key` (+ the policy's `note_key`); the pins of loads and
+   stores are released (`free`) as the `ReleaseOrder` says: by default all together,
+   last position first; or as the scheduler does today (loads before the stores'
+   allocation, each in position order).
+
+A lower-tier hit therefore refreshes the block (touch, then free to the MRU end), as a
+load does; blocks served by the GPU are not touched in the lower tiers. Keys are
+`make_key(hash_id.to_bytes(8, "little"), 0)`. Token hits count each block's tokens (the
+trace's last block of a prompt may be partial).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.keys import Key, make_key
+from kvtier.core.policies import AdmissionPolicy, EvictionPolicy, PolicySpec, RequestObserver
+from kvtier.replay.belady import OFFLINE_POLICIES, FutureOracle, make_oracle_policies
+from kvtier.replay.config import (
+    ReleaseOrder,
+    ReplayConfig,
+    ReplayError,
+    ReplayResult,
+    TierConfig,
+    TierResult,
+)
+from kvtier.replay.trace import TraceRecord
+
+__all__ = [
+    "ReleaseOrder",
+    "ReplayConfig",
+    "ReplayError",
+    "ReplayResult",
+    "TierConfig",
+    "TierReplay",
+    "TierResult",
+    "replay_trace",
+    "trace_keys",
+]
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class _Tier:
+    config: TierConfig
+    pool: BlockPool
+    eviction: EvictionPolicy
+    admission: AdmissionPolicy
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+    stored: int = 0
+    rejected: int = 0
+    dropped: int = 0
+
+
+def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
+    """Return each request's keys: `make_key(hash_id.to_bytes(8, "little"), 0)`, interned."""
+    interned: dict[int, Key] = {}
+    out = []
+    for record in records:
+        row = []
+        for hash_id in record.hash_ids:
+            key = interned.get(hash_id)
+            if key is None:
+                key = interned[hash_id] = make_key(hash_id.to_bytes(8, "little"), 0)
+            row.append(key)
+        out.append(row)
+    return out
+
+
+def _make_policies(
+    name: str, num_blocks: int, oracle: Callable[[], FutureOracle]
+) -> tuple[EvictionPolicy, AdmissionPolicy]:
+    if name in OFFLINE_POLICIES:
+        return make_oracle_policies(name, num_blocks, oracle())
+    spec = PolicySpec.parse(name)
+    return spec.make_eviction(num_blocks), spec.make_admission(num_blocks)
+
+
+class TierReplay:
+    """One pass of a trace through a GPU pool (optional) and the lower tiers."""
+
+    def __init__(
+        self,
+        records: Sequence[TraceRecord],
+        config: ReplayConfig,
+        keys: Sequence[Sequence[Key]] | None = None,
+        oracle: FutureOracle | None = None,
+    ) -> None:
+        self.records = records
+        self.config = config
+        self.keys = keys if keys is not None else trace_keys(records)
+        bs = config.block_size
+        self._tokens = [
+            [min(bs, r.input_length - j * bs) for j in range(len(r.hash_ids))] for r in records
+        ]
+        self._oracle = oracle
+
+        def get_oracle() -> FutureOracle:
+            if self._oracle is None:
+                self._oracle = FutureOracle(self.keys)
+            return self._oracle
+
+        self.gpu_pool: BlockPool | None = None
+        if config.gpu_capacity_tokens:
+            self.gpu_pool = BlockPool(config.gpu_capacity_tokens // bs + 1, medium="GPU")
+        self.tiers: list[_Tier] = []
+        for tier in config.tiers:
+            num_blocks = tier.capacity_tokens // bs + 1
+            eviction, admission = _make_policies(config.policy, num_blocks, get_oracle)
+            pool = BlockPool(num_blocks, free_queue=eviction, medium=tier.name)
+            self.tiers.append(_Tier(tier, pool, eviction, admission))
+        self._observers = [
+            p
+            for t in self.tiers
+            for p in (t.eviction, t.admission)
+            if isinstance(p, RequestObserver)
+        ]
+        self._gpu_hit_tokens = 0
+        self._ttft_s = 0.0
+        self._next = 0
+
+    # ------------------------------------------------------------------ replay
+
+    def run(self, progress: ProgressFn | None = None, progress_every: int = 256) -> ReplayResult:
+        """Replay every remaining request; call `progress(n)` every `progress_every`."""
+        start = time.perf_counter()
+        done = 0
+        while self._next < len(self.records):
+            self.step()
+            done += 1
+            if progress is not None and done % progress_every == 0:
+                progress(progress_every)
+        if progress is not None and done % progress_every:
+            progress(done % progress_every)
+        return self.result(time.perf_counter() - start)
+
+    def step(self) -> None:
+        """Replay the next request."""
+        i = self._next
+        self._next += 1
+        for observer in self._observers:
+            observer.on_request(i)
+        keys = self.keys[i]
+        tokens = self._tokens[i]
+        n = len(keys)
+        cost = self.config.cost
+        bytes_per_block = self.config.block_size * cost.bytes_per_token
+        g = 0
+        gpu_hits: list[int] = []
+        if self.gpu_pool is not None:
+            gpu_hits = self.gpu_pool.lookup(keys)
+            self.gpu_pool.touch(gpu_hits)
+            g = len(gpu_hits)
+            self._gpu_hit_tokens += sum(tokens[:g])
+        start = g
+        loads: list[tuple[int, list[int]]] = []  # (first position, hit blocks) per tier
+        ttft = 0.0
+        for tier in self.tiers:
+            hits = tier.pool.lookup(keys[start:]) if start < n else []
+            tier.pool.touch(hits)
+            end = start + len(hits)
+            hit_tokens = sum(tokens[start:end])
+            tier.hit_tokens += hit_tokens
+            tier.hit_blocks += len(hits)
+            ttft += cost.load_s(len(hits) * bytes_per_block, tier.config.link_gbps)
+            loads.append((start, hits))
+            start = end
+        self._ttft_s += ttft + cost.prefill_s(sum(tokens[start:]))
+        if self.gpu_pool is not None:
+            self._compute_on_gpu(i, keys, tokens, gpu_hits)
+        for tier, (hit_start, hits) in zip(self.tiers, loads, strict=True):
+            self._store(tier, keys, tokens, hit_start, hits)
+        if self.config.check_every and (i + 1) % self.config.check_every == 0:
+            self.check_invariants()
+
+    def _compute_on_gpu(
+        self, index: int, keys: Sequence[Key], tokens: Sequence[int], hits: list[int]
+    ) -> None:
+        pool = self.gpu_pool
+        assert pool is not None
+        need = len(keys) - len(hits)
+        if need > pool.num_free():
+            raise ReplayError(
+                f"request {index}: needs {len(keys)} GPU blocks, the GPU tier holds "
+                f"{pool.num_usable_blocks}; raise the GPU capacity to at least "
+                f"{len(keys) * self.config.block_size} tokens"
+            )
+        new = pool.allocate(need)
+        first = len(hits)
+        for j, block_id in enumerate(new):
+            pool.insert_key(keys[first + j], block_id, tokens[first + j])
+        table = hits + new
+        table.reverse()
+        pool.free(table)
+
+    def _store(
+        self,
+        tier: _Tier,
+        keys: Sequence[Key],
+        tokens: Sequence[int],
+        hit_start: int,
+        hits: list[int],
+    ) -> None:
+        pool = tier.pool
+        order = self.config.release_order
+        if order is not ReleaseOrder.TAIL_FIRST:  # the load completed before the compute
+            pool.free(hits if order is ReleaseOrder.SCHEDULER else hits[::-1])
+        cached_block = pool.cached_block
+        admit = tier.admission.admit
+        stored: list[tuple[int, int]] = []
+        n = len(keys)
+        # Candidates are the keys missing when the selection starts, as in the scheduler's
+        # batched `_select_run`: a key evicted by this request's own stores is not re-stored.
+        candidates = [j for j in range(n) if cached_block(keys[j]) is None]
+        for k, j in enumerate(candidates):
+            if not admit(keys[j]):
+                tier.rejected += 1
+                continue
+            if not pool.can_allocate(1):
+                tier.dropped += len(candidates) - k
+                break
+            stored.append((j, pool.allocate(1)[0]))
+        note_key = tier.eviction.note_key
+        for j, block_id in stored:
+            pool.insert_key(keys[j], block_id, tokens[j])
+            note_key(block_id, keys[j])  # the proposed BlockPool hook; idempotent
+        tier.stored += len(stored)
+        if order is not ReleaseOrder.TAIL_FIRST:
+            new = [block_id for _, block_id in stored]
+            pool.free(new if order is ReleaseOrder.SCHEDULER else new[::-1])
+            return
+        by_position: list[int] = [0] * n
+        for k, block_id in enumerate(hits):
+            by_position[hit_start + k] = block_id
+        for j, block_id in stored:
+            by_position[j] = block_id
+        pool.free([b for b in reversed(by_position) if b])
+
+    # ------------------------------------------------------------------ results
+
+    def result(self, runtime_s: float = 0.0) -> ReplayResult:
+        """Return the results of the requests replayed so far."""
+        replayed = self.records[: self._next]
+        total_tokens = sum(r.input_length for r in replayed) or 1
+        cost = self.config.cost
+        bytes_per_block = self.config.block_size * cost.bytes_per_token
+        tiers = tuple(self._tier_result(t, total_tokens, bytes_per_block) for t in self.tiers)
+        gpu = None
+        if self.gpu_pool is not None:
+            gpu = TierResult(
+                name="GPU",
+                capacity_tokens=self.config.gpu_capacity_tokens,
+                num_blocks=self.gpu_pool.num_usable_blocks,
+                hit_tokens=self._gpu_hit_tokens,
+                token_hit_ratio=self._gpu_hit_tokens / total_tokens,
+                num_hit_blocks=0,
+                num_stored_blocks=0,
+                num_evicted_blocks=0,
+                num_rejected_blocks=0,
+                num_dropped_blocks=0,
+                bytes_stored=0,
+                bytes_loaded=0,
+            )
+        lower = sum(t.hit_tokens for t in tiers)
+        num = max(1, len(replayed))
+        return ReplayResult(
+            policy=self.config.policy,
+            num_requests=len(replayed),
+            num_prompt_tokens=total_tokens,
+            gpu=gpu,
+            tiers=tiers,
+            token_hit_ratio=lower / total_tokens,
+            total_token_hit_ratio=(lower + self._gpu_hit_tokens) / total_tokens,
+            mean_ttft_s=self._ttft_s / num,
+            mean_ttft_no_cache_s=cost.prefill_s(total_tokens) / num,
+            runtime_s=runtime_s,
+        )
+
+    @staticmethod
+    def _tier_result(tier: _Tier, total_tokens: int, bytes_per_block: int) -> TierResult:
+        pool = tier.pool
+        num_cached = sum(1 for b in range(1, pool.num_blocks) if pool.is_cached(b))
+        return TierResult(
+            name=tier.config.name,
+            capacity_tokens=tier.config.capacity_tokens,
+            num_blocks=pool.num_usable_blocks,
+            hit_tokens=tier.hit_tokens,
+            token_hit_ratio=tier.hit_tokens / total_tokens,
+            num_hit_blocks=tier.hit_blocks,
+            num_stored_blocks=tier.stored,
+            num_evicted_blocks=tier.stored - num_cached,
+            num_rejected_blocks=tier.rejected,
+            num_dropped_blocks=tier.dropped,
+            bytes_stored=tier.stored * bytes_per_block,
+            bytes_loaded=tier.hit_blocks * bytes_per_block,
+        )
+
+    def check_invariants(self) -> None:
+        """Check every pool and policy (O(pool size): for tests)."""
+        if self.gpu_pool is not None:
+            self.gpu_pool.check_invariants()
+        for tier in self.tiers:
+            tier.pool.check_invariants()
+            tier.eviction.check_invariants()
+            tier.admission.check_invariants()
+            assert tier.pool.num_free() == tier.pool.num_usable_blocks, "a tier block stays pinned"
+
+
+def replay_trace(
+    records: Sequence[TraceRecord],
+    config: ReplayConfig,
+    keys: Sequence[Sequence[Key]] | None = None,
+    oracle: FutureOracle | None = None,
+    progress: ProgressFn | None = None,
+) -> ReplayResult:
+    """Replay `records` once under `config` and return the results."""
+    return TierReplay(records, config, keys, oracle).run(progress)

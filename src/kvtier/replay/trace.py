@@ -1,0 +1,140 @@
+"""Mooncake-format request traces: reading, validating and writing (one JSON object a line).
+
+A record holds `timestamp` (ms from the start of the trace), `input_length` and
+`output_length` (tokens) and `hash_ids`: one id per `block_size`-token block of the
+prompt, the last one possibly partial. Ids are chained prefix hashes: equal ids at the
+same position mean an equal prompt prefix up to the end of that block.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_BLOCK_SIZE = 512
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+class TraceError(ValueError):
+    """A trace record is malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One request of a trace."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def block_tokens(self, index: int, block_size: int) -> int:
+        """Return how many prompt tokens block `index` covers (the last may be partial)."""
+        return min(block_size, self.input_length - index * block_size)
+
+
+def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
+    """Parse and validate one JSON line; raise `TraceError` naming `where` on any problem."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(raw, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    missing = [name for name in _FIELDS if name not in raw]
+    if missing:
+        raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
+    for name in _FIELDS[:3]:
+        value = raw[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TraceError(f"{where}: {name} must be an int >= 0, got {value!r}")
+    hash_ids = raw["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+    ):
+        raise TraceError(f"{where}: hash_ids must be a list of ints >= 0")
+    expected = math.ceil(raw["input_length"] / block_size)
+    if len(hash_ids) != expected:
+        raise TraceError(
+            f"{where}: {len(hash_ids)} hash_ids for input_length={raw['input_length']}, "
+            f"expected {expected} at block size {block_size}"
+        )
+    return TraceRecord(raw["timestamp"], raw["input_length"], raw["output_length"], tuple(hash_ids))
+
+
+def read_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> list[TraceRecord]:
+    """Read and validate a whole trace; blank lines are skipped.
+
+    Raises `TraceError` naming `path:line` for the first malformed record, and when
+    timestamps go backwards.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    records: list[TraceRecord] = []
+    last_timestamp = 0
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            record = parse_record(line, block_size, where)
+            if record.timestamp_ms < last_timestamp:
+                raise TraceError(
+                    f"{where}: timestamp {record.timestamp_ms} is before the previous "
+                    f"record's {last_timestamp}"
+                )
+            last_timestamp = record.timestamp_ms
+            records.append(record)
+    if not records:
+        raise TraceError(f"{path}: no records")
+    return records
+
+
+def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
+    """Write records as Mooncake-format JSON lines."""
+    with open(path, "w", encoding="utf-8") as file:
+        for record in records:
+            row = {
+                "timestamp": record.timestamp_ms,
+                "input_length": record.input_length,
+                "output_length": record.output_length,
+                "hash_ids": list(record.hash_ids),
+            }
+            file.write(json.dumps(row) + "\n")
+
+
+@dataclass(frozen=True)
+class TraceSummary:
+    """Size of a trace and its hit ratio with an infinite cache (prefix hits only)."""
+
+    num_requests: int
+    num_block_refs: int
+    num_distinct_blocks: int
+    num_prompt_tokens: int
+    infinite_token_hit_ratio: float
+    duration_s: float
+
+
+def summarize(records: Sequence[TraceRecord], block_size: int) -> TraceSummary:
+    """Return the trace's size and its infinite-cache token hit ratio."""
+    seen: set[int] = set()
+    hit_tokens = 0
+    for record in records:
+        ids = record.hash_ids
+        n = 0
+        while n < len(ids) and ids[n] in seen:
+            n += 1
+        hit_tokens += min(n * block_size, record.input_length)
+        seen.update(ids)
+    total = sum(r.input_length for r in records)
+    return TraceSummary(
+        num_requests=len(records),
+        num_block_refs=sum(len(r.hash_ids) for r in records),
+        num_distinct_blocks=len(seen),
+        num_prompt_tokens=total,
+        infinite_token_hit_ratio=hit_tokens / total if total else 0.0,
+        duration_s=(records[-1].timestamp_ms - records[0].timestamp_ms) / 1000,
+    )

@@ -1,0 +1,254 @@
+"""Eviction and admission policies (kvtier.core.policies): behaviour of each one."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.free_queue import LRUFreeQueue
+from kvtier.core.keys import Key, make_key
+from kvtier.core.policies import (
+    ARCPolicy,
+    DoorkeeperAdmission,
+    EvictionPolicy,
+    LFUDAPolicy,
+    PolicySpec,
+    S3FIFOPolicy,
+)
+from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
+from kvtier.core.policies.sketch import CountMinSketch, Doorkeeper
+
+
+def key(i: int) -> Key:
+    return make_key(i.to_bytes(8, "little"), 0)
+
+
+def store(pool: BlockPool, policy: EvictionPolicy, k: Key) -> int:
+    """Store `k` the way a tier does: allocate, register, note, free."""
+    (block_id,) = pool.allocate(1)
+    pool.insert_key(k, block_id, 16)
+    policy.note_key(block_id, k)
+    pool.free([block_id])
+    return block_id
+
+
+def hit(pool: BlockPool, k: Key) -> None:
+    block_id = pool.cached_block(k)
+    assert block_id is not None, "expected a hit"
+    pool.touch([block_id])
+    pool.free([block_id])
+
+
+def cached(pool: BlockPool, keys: list[Key]) -> list[bool]:
+    return [pool.cached_block(k) is not None for k in keys]
+
+
+# ----------------------------------------------------------------- block lists
+
+
+def test_block_lists_push_pop_unlink() -> None:
+    lists = BlockLists(6, 2)
+    for b in (1, 2, 3):
+        lists.push_tail(0, b)
+    lists.push_head(0, 4)
+    lists.push_tail(1, 5)
+    assert list(lists.iter_list(0)) == [4, 1, 2, 3]
+    assert list(lists.iter_list(0, after=1)) == [2, 3]
+    assert lists.unlink(2) == 0
+    assert lists.where(2) == NOT_LISTED
+    assert lists.pop_head(0) == 4
+    assert lists.head(1) == 5
+    assert (lists.length(0), lists.length(1), lists.total()) == (2, 1, 3)
+    lists.check_invariants()
+    with pytest.raises(KeyError, match="block 2 is in no list"):
+        lists.unlink(2)
+    lists.clear()
+    assert lists.total() == 0
+    assert lists.head(0) is None
+    lists.check_invariants()
+
+
+# ----------------------------------------------------------------- LFU-DA
+
+
+def test_lfuda_with_max_frequency_one_is_lru() -> None:
+    rng = random.Random(7)
+    pools = [BlockPool(9), BlockPool(9, free_queue=LFUDAPolicy(9, max_frequency=1))]
+    policy = pools[1]._free
+    assert isinstance(policy, LFUDAPolicy)
+    for _ in range(400):
+        k = key(rng.randrange(20))
+        if pools[0].cached_block(k) is not None:
+            for pool in pools:
+                hit(pool, k)
+        else:
+            ids = [pools[0].allocate(1)[0], pools[1].allocate(1)[0]]
+            assert ids[0] == ids[1], "LFU-DA with F=1 evicted a different block than LRU"
+            for pool, block_id in zip(pools, ids, strict=True):
+                pool.insert_key(k, block_id, 16)
+                pool.free([block_id])
+            policy.note_key(ids[1], k)
+    policy.check_invariants()
+
+
+def test_lfuda_keeps_a_reused_block_through_a_scan() -> None:
+    policy = LFUDAPolicy(5)
+    pool = BlockPool(5, free_queue=policy)
+    hot = key(0)
+    store(pool, policy, hot)
+    hit(pool, hot)
+    for i in range(1, 4):  # a scan of one-time blocks that just fills the pool
+        store(pool, policy, key(i))
+    store(pool, policy, key(10))
+    assert cached(pool, [hot, key(1)]) == [True, False]
+    assert policy.level == 1
+    policy.check_invariants()
+
+
+def test_lfuda_ages_a_formerly_hot_block_out() -> None:
+    policy = LFUDAPolicy(4)
+    pool = BlockPool(4, free_queue=policy)
+    hot = key(0)
+    store(pool, policy, hot)
+    hit(pool, hot)
+    for i in range(1, 12):  # enough evictions to lift L past the hot block's priority
+        store(pool, policy, key(i))
+    assert not cached(pool, [hot])[0]
+
+
+# ----------------------------------------------------------------- ARC
+
+
+def test_arc_scan_resistance_and_ghost_promotion() -> None:
+    policy = ARCPolicy(5)
+    pool = BlockPool(5, free_queue=policy)
+    hot = key(0)
+    store(pool, policy, hot)
+    hit(pool, hot)  # -> T2
+    for i in range(1, 8):  # a scan through T1
+        store(pool, policy, key(i))
+    assert cached(pool, [hot])[0], "a block hit once must survive a one-time scan"
+    assert policy.target_t1 == 0.0
+    store(pool, policy, key(1))  # key(1) was evicted from T1: ghost hit in B1
+    assert policy.target_t1 > 0.0
+    policy.check_invariants()
+
+
+def test_arc_iterates_unhashed_then_t1_then_t2() -> None:
+    policy = ARCPolicy(6)
+    pool = BlockPool(6, free_queue=policy)
+    a = store(pool, policy, key(1))
+    b = store(pool, policy, key(2))
+    hit(pool, key(1))
+    order = list(pool.iter_free_after(None))
+    assert order[-2:] == [b, a]
+    assert list(pool.iter_free_after(order[0])) == order[1:]
+
+
+# ----------------------------------------------------------------- S3-FIFO
+
+
+def test_s3fifo_one_hit_wonders_leave_first_and_ghosts_return_to_main() -> None:
+    policy = S3FIFOPolicy(11)  # 10 usable blocks: S holds 1
+    pool = BlockPool(11, free_queue=policy)
+    reused = [key(i) for i in range(5)]
+    for k in reused:
+        store(pool, policy, k)
+        hit(pool, k)  # -> M
+    for i in range(100, 120):
+        store(pool, policy, key(i))
+    assert all(cached(pool, reused)), "blocks hit in S must move to M and stay"
+    assert not cached(pool, [key(110)])[0]
+    block_id = store(pool, policy, key(110))  # evicted from S, still a ghost: goes to M
+    policy.check_invariants()
+    assert list(pool.iter_free_after(None))[-1] == block_id
+
+
+# ----------------------------------------------------------------- admission, sketches
+
+
+def test_doorkeeper_admits_on_second_sighting_and_forgets() -> None:
+    admission = DoorkeeperAdmission(3, window_per_block=1)  # window: 2 insertions
+    assert not admission.admit(key(1))
+    assert admission.admit(key(1))
+    for i in range(10, 15):
+        admission.admit(key(i))
+    assert not admission.admit(key(1)), "a key older than two windows is forgotten"
+    assert admission.num_rejected == 7
+    admission.check_invariants()
+
+
+def test_count_min_sketch_never_underestimates_and_ages() -> None:
+    sketch = CountMinSketch(width=64, aging_period=1000)
+    rng = random.Random(1)
+    truth: dict[Key, int] = {}
+    for _ in range(500):
+        k = key(rng.randrange(200))
+        truth[k] = truth.get(k, 0) + 1
+        sketch.add(k)
+    for k, count in truth.items():
+        assert sketch.estimate(k) >= min(count, 15)
+    aging = CountMinSketch(width=64, aging_period=4)
+    for _ in range(3):
+        aging.add(key(5))
+    assert aging.estimate(key(5)) == 3
+    aging.add(key(5))  # the 4th addition halves every counter
+    assert aging.estimate(key(5)) == 2
+    aging.check_invariants()
+
+
+def test_doorkeeper_filter_is_deterministic() -> None:
+    a, b = Doorkeeper(100), Doorkeeper(100)
+    for i in range(50):
+        a.insert(key(i))
+        b.insert(key(i))
+    assert [a.contains(key(i)) for i in range(100)] == [b.contains(key(i)) for i in range(100)]
+    assert all(a.contains(key(i)) for i in range(50))
+
+
+# ----------------------------------------------------------------- names
+
+
+def test_policy_spec_parses_names() -> None:
+    assert PolicySpec.parse("LRU").name == "lru"
+    assert PolicySpec.parse("lfuda+door") == PolicySpec("lfuda", "door")
+    assert PolicySpec.parse("arc+all").name == "arc"
+    assert isinstance(PolicySpec.parse("lru").make_eviction(4), LRUFreeQueue)
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
+        PolicySpec.parse("fifo")
+    with pytest.raises(ValueError, match="unknown admission policy 'bloom'"):
+        PolicySpec.parse("lru+bloom")
+    with pytest.raises(ValueError, match="missing admission policy"):
+        PolicySpec.parse("lru+")
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "lfuda"])
+def test_every_policy_reuses_unhashed_blocks_first(name: str) -> None:
+    policy = PolicySpec.parse(name).make_eviction(6)
+    pool = BlockPool(6, free_queue=policy)
+    store(pool, policy, key(1))
+    (scratch,) = pool.allocate(1)
+    pool.free([scratch])  # unhashed: back at the head
+    assert pool.allocate(1) == [scratch]
+    policy.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "lfuda"])
+def test_note_key_twice_is_a_no_op(name: str) -> None:
+    """The pool (proposed hook) and the replay may both report a stored key."""
+    once, twice = PolicySpec.parse(name).make_eviction(4), PolicySpec.parse(name).make_eviction(4)
+    pools = [BlockPool(4, free_queue=once), BlockPool(4, free_queue=twice)]
+    for i in [1, 2, 3, 4, 1, 5, 2, 1, 6, 3]:
+        k = key(i)
+        for pool, policy, calls in ((pools[0], once, 1), (pools[1], twice, 2)):
+            if pool.cached_block(k) is not None:
+                hit(pool, k)
+                continue
+            (block_id,) = pool.allocate(1)
+            pool.insert_key(k, block_id, 16)
+            for _ in range(calls):
+                policy.note_key(block_id, k)
+            pool.free([block_id])
+    assert list(pools[0].iter_free_after(None)) == list(pools[1].iter_free_after(None))

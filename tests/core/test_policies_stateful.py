@@ -1,0 +1,102 @@
+"""Every eviction policy keeps the pool correct: random operations on a `BlockPool`.
+
+A referenced block is never handed out by `allocate` (pins are respected), a pinned
+cached block keeps its key, and the pool's and the policy's `check_invariants()` hold
+after every operation. `note_key` is called as the proposed `BlockPool.insert_key`
+change would call it (for a new primary key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvtier.core.keys import Key, make_key
+from kvtier.core.policies import EVICTION_POLICIES, EvictionPolicy
+
+KEYS: list[Key] = [make_key(hashlib.sha256(bytes([i])).digest(), 0) for i in range(12)]
+
+
+class PolicyPoolMachine(RuleBasedStateMachine):
+    """Drive a BlockPool whose free queue is a policy; track references independently."""
+
+    pool: BlockPool
+    policy: EvictionPolicy
+    refs: list[int]
+
+    @initialize(name=st.sampled_from(sorted(EVICTION_POLICIES)), num_blocks=st.integers(2, 10))
+    def make(self, name: str, num_blocks: int) -> None:
+        self.policy = EVICTION_POLICIES[name](num_blocks)
+        self.pool = BlockPool(num_blocks, free_queue=self.policy)
+        self.refs = [0] * num_blocks
+
+    def referenced(self) -> list[int]:
+        return [b for b in range(1, self.pool.num_blocks) if self.refs[b] > 0]
+
+    @rule(data=st.data())
+    def allocate(self, data: st.DataObject) -> None:
+        num_free = self.refs[1:].count(0)
+        num = data.draw(st.integers(0, num_free), label="num")
+        taken = self.pool.allocate(num)
+        assert len(set(taken)) == num
+        for block_id in taken:
+            assert block_id != NULL_BLOCK_ID
+            assert self.refs[block_id] == 0, f"allocate handed out pinned block {block_id}"
+            assert self.pool.key(block_id) is None, "an allocated block kept its key"
+            self.refs[block_id] = 1
+
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.integers(0, self.pool.num_blocks - 1), max_size=4))
+        self.pool.touch(ids)
+        for block_id in ids:
+            if block_id != NULL_BLOCK_ID:
+                self.refs[block_id] += 1
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        held = self.referenced()
+        if not held:
+            return
+        ids = data.draw(st.lists(st.sampled_from(held), max_size=4, unique=True))
+        self.pool.free(ids)
+        for block_id in ids:
+            self.refs[block_id] -= 1
+
+    @rule(data=st.data(), key=st.sampled_from(KEYS))
+    def store(self, data: st.DataObject, key: Key) -> None:
+        held = self.referenced()
+        if not held:
+            return
+        block_id = data.draw(st.sampled_from(held))
+        had_primary = self.pool.key(block_id) is not None
+        self.pool.insert_key(key, block_id, 16)
+        if not had_primary:
+            self.policy.note_key(block_id, key)
+
+    @rule()
+    def reset(self) -> None:
+        ok = self.pool.reset()
+        assert ok == (not self.referenced())
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        self.pool.check_invariants()
+        self.policy.check_invariants()
+        for block_id in range(1, self.pool.num_blocks):
+            assert self.pool.ref_count(block_id) == self.refs[block_id]
+        assert len(self.policy) == self.refs[1:].count(0)
+        free = list(self.pool.iter_free_after(None))
+        assert sorted(free) == [b for b in range(1, self.pool.num_blocks) if not self.refs[b]]
+
+
+PolicyPoolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+TestPolicyPool = PolicyPoolMachine.TestCase

@@ -1,0 +1,89 @@
+"""`kvtier replay` as a command: options, table, JSON, sweep files, errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from replay_helpers import BLOCK, doc_trace
+
+from kvtier.replay.cli import add_parser, main, parse_tokens
+from kvtier.replay.trace import write_trace
+
+
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [("300k", 300_000), ("1M", 1_000_000), ("1.5m", 1_500_000), ("4096", 4096), ("2G", 2 * 10**9)],
+)
+def test_parse_tokens(text: str, tokens: int) -> None:
+    assert parse_tokens(text) == tokens
+
+
+def test_parse_tokens_rejects_garbage() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="invalid token count '3X'"):
+        parse_tokens("3X")
+
+
+def trace_file(tmp_path: Path) -> Path:
+    path = tmp_path / "doc.jsonl"
+    write_trace(path, doc_trace(seed=5, num_requests=60))
+    return path
+
+
+def test_json_has_every_policy_and_capacity(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.json"
+    argv = [str(trace_file(tmp_path)), "--block-size", str(BLOCK), "--quiet"]
+    argv += ["--policy", "ARC"]  # --json adds lru and belady
+    argv += ["--capacity", "40", "--capacity", "0.2k", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert set(data["token_hit_ratio"]) == {"lru", "arc", "belady"}
+    assert set(data["token_hit_ratio"]["lru"]) == {"40", "200"}
+    assert len(data["points"]) == 6
+    bound = data["token_hit_ratio"]["belady"]
+    for row in data["points"]:
+        assert row["token_hit_ratio"] <= bound[str(row["capacity_tokens"])] + 1e-6
+    table = capsys.readouterr().out
+    assert "xBelady" in table
+    assert "arc" in table
+
+
+def test_sweep_writes_csv_and_plot_with_lru_and_belady(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = [str(trace_file(tmp_path)), "--block-size", str(BLOCK), "--quiet", "--sweep"]
+    argv += ["--policy", "s3fifo", "--capacity", "24", "--capacity", "80", "--out", str(out)]
+    argv += ["--gpu-capacity", "400", "--disk-capacity", "160"]
+    assert main(argv) == 0
+    rows = (out / "sweep.csv").read_text().splitlines()
+    assert rows[0].startswith("policy,capacity_tokens,token_hit_ratio")
+    assert {r.split(",")[0] for r in rows[1:]} == {"s3fifo", "lru", "belady"}
+    assert "disk_token_hit_ratio" in rows[0]
+    assert (out / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_malformed_trace_is_an_error_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1]}\n{\n')
+    assert main([str(path), "--block-size", "8", "--capacity", "64", "--quiet"]) == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_bad_policy_and_capacity_are_usage_errors(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "x.jsonl"), "--policy", "mru"])
+    assert main([str(trace_file(tmp_path)), "--capacity", "100", "--quiet"]) == 2
+
+
+def test_add_parser_mounts_the_command() -> None:
+    parser = argparse.ArgumentParser(prog="kvtier")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["replay", "t.jsonl", "--policy", "lfuda+door", "--capacity", "1M"])
+    assert args.policy == ["lfuda+door"]
+    assert args.capacity == [1_000_000]
+    assert callable(args.run)

@@ -1,0 +1,132 @@
+"""The replay's SCHEDULER release order is exactly what the real `OffloadScheduler` does.
+
+Drives the real scheduler (eager stores, a GPU pool, a worker that finishes every event
+at once) over small traces, with each eviction policy swapped into the tier pool, and
+checks that every request hits exactly as many tier blocks as in `TierReplay`, and that
+both tiers end up holding the same keys. The tier pool is swapped through the scheduler's
+public `tier_pool` attribute before `bind_gpu_pool` (the documented hook until the
+proposed `free_queue` factory lands); `_NotingPool` stands in for the proposed
+`BlockPool.insert_key -> FreeQueue.note_key` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+from replay_helpers import BLOCK, chat_trace, doc_trace
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.events import BlockStored
+from kvtier.core.keys import Key, make_key
+from kvtier.core.kv_groups import KVLayout
+from kvtier.core.policies import EVICTION_POLICIES, EvictionPolicy
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.plan import TransferPlan, WorkerReport
+from kvtier.offload.protocols import LoRAInfo, ScheduledRequest, StepInput, TableUpdate
+from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
+from kvtier.replay.tier_replay import ReleaseOrder, ReplayConfig, TierConfig, TierReplay
+from kvtier.replay.trace import TraceRecord
+
+BYTES_PER_BLOCK = 64
+# How today's OffloadScheduler frees tier blocks. With the proposed release-order fix
+# (docs/policies.md) applied to offload/scheduler.py this becomes SCHEDULER_TAIL_FIRST.
+SCHEDULER_ORDER = ReleaseOrder.SCHEDULER
+
+
+class _NotingPool(BlockPool):
+    """A BlockPool that tells its policy a primary key (the proposed one-line change)."""
+
+    def __init__(self, num_blocks: int, policy: EvictionPolicy) -> None:
+        super().__init__(num_blocks, free_queue=policy, medium="CPU")
+        self.policy = policy
+
+    def insert_key(
+        self, key: Key, block_id: int, num_tokens: int, stored: BlockStored | None = None
+    ) -> None:
+        had_primary = self.key(block_id) is not None
+        super().insert_key(key, block_id, num_tokens, stored)
+        if not had_primary:
+            self.policy.note_key(block_id, key)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_hashes: tuple[bytes, ...]
+    num_output_placeholders: int = 0
+    token_ids: tuple[int, ...] = ()
+    lora: LoRAInfo | None = None
+    skip_prefix_cache: bool = False
+
+
+def _complete(scheduler: OffloadScheduler, plan: TransferPlan) -> None:
+    scheduler.apply_report(WorkerReport(done={job.event_id: 1 for job in plan.jobs}))
+
+
+def _drive_scheduler(
+    records: Sequence[TraceRecord], policy: str, num_tier_blocks: int
+) -> tuple[list[int], set[Key]]:
+    layout = KVLayout.single(BLOCK, BYTES_PER_BLOCK)
+    config = OffloadConfig(cpu_bytes=num_tier_blocks * BYTES_PER_BLOCK, num_blocks=num_tier_blocks)
+    scheduler = OffloadScheduler(config, SchedulerSetup(layout, num_tier_blocks))
+    scheduler.tier_pool = _NotingPool(num_tier_blocks, EVICTION_POLICIES[policy](num_tier_blocks))
+    gpu = BlockPool(1 + 2 * max(len(r.hash_ids) for r in records))
+    scheduler.bind_gpu_pool(gpu)
+    hits = []
+    for i, record in enumerate(records):
+        n = len(record.hash_ids)
+        hashes = tuple(h.to_bytes(8, "little") for h in record.hash_ids)
+        # Every trace block is a full hash block here; +1 so the last-token cap never bites.
+        request = _Request(f"r{i}", n * BLOCK + 1, n * BLOCK + 1, 0, hashes)
+        external = scheduler.lookup(request, 0)
+        table = gpu.allocate(n)
+        request.num_computed_tokens = external
+        scheduler.on_allocated(request, [table], external)
+        scheduled = ScheduledRequest(request, (tuple(table),), n * BLOCK, TableUpdate.REPLACE)
+        _complete(scheduler, scheduler.build_plan(StepInput(scheduled=(scheduled,))))
+        for j, block_id in enumerate(table):  # the forward pass computed every block
+            gpu.insert_key(make_key(hashes[j], 0), block_id, BLOCK)
+        request.num_computed_tokens = n * BLOCK
+        scheduler.on_finished(request, [table])
+        finished = StepInput(finished_request_ids=frozenset({request.request_id}))
+        _complete(scheduler, scheduler.build_plan(finished))
+        gpu.free(table[::-1])
+        scheduler.check_invariants()
+        hits.append(external // BLOCK)
+    pool = scheduler.tier_pool
+    keys = {k for b in range(1, pool.num_blocks) if (k := pool.key(b)) is not None}
+    return hits, keys
+
+
+def _drive_replay(
+    records: Sequence[TraceRecord], policy: str, num_tier_blocks: int
+) -> tuple[list[int], set[Key]]:
+    tier = TierConfig("CPU", (num_tier_blocks - 1) * BLOCK, 25.0)
+    config = ReplayConfig(
+        tiers=(tier,), policy=policy, block_size=BLOCK, release_order=SCHEDULER_ORDER
+    )
+    replay = TierReplay(records, config)
+    hits = []
+    for _ in records:
+        before = replay.tiers[0].hit_blocks
+        replay.step()
+        hits.append(replay.tiers[0].hit_blocks - before)
+    pool = replay.tiers[0].pool
+    keys = {k for b in range(1, pool.num_blocks) if (k := pool.key(b)) is not None}
+    return hits, keys
+
+
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+@pytest.mark.parametrize(("trace", "num_tier_blocks"), [("chat", 12), ("chat", 40), ("doc", 25)])
+def test_replay_matches_the_real_scheduler(policy: str, trace: str, num_tier_blocks: int) -> None:
+    records = chat_trace(seed=1) if trace == "chat" else doc_trace(seed=2)
+    expected_hits, expected_keys = _drive_scheduler(records, policy, num_tier_blocks)
+    hits, keys = _drive_replay(records, policy, num_tier_blocks)
+    assert sum(expected_hits) > 0, "the trace must exercise hits"
+    assert hits == expected_hits
+    assert keys == expected_keys

@@ -1,0 +1,190 @@
+"""`TierReplay` against tiny independent references: an OrderedDict LRU, a brute-force Belady.
+
+The references restate the replay model (docs/policies.md) directly on keys: prefix
+lookup, the request's hit and newly stored blocks pinned until it ends, the keys missing
+when the selection starts stored in position order, then every touched block refreshed
+last position first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import pytest
+from replay_helpers import BLOCK, chat_trace, doc_trace
+
+from kvtier.core.policies import EVICTION_POLICIES
+from kvtier.replay.tier_replay import (
+    ReplayConfig,
+    ReplayError,
+    TierConfig,
+    TierReplay,
+    replay_trace,
+)
+from kvtier.replay.trace import TraceRecord
+
+NEVER = float("inf")
+
+
+def tokens_of(record: TraceRecord, n: int) -> int:
+    return min(n * BLOCK, record.input_length)
+
+
+def reference_lru(records: Sequence[TraceRecord], capacity: int) -> float:
+    cache: OrderedDict[int, None] = OrderedDict()  # LRU first
+    hit_tokens = 0
+    for record in records:
+        ids = record.hash_ids
+        n = 0
+        while n < len(ids) and ids[n] in cache:
+            n += 1
+        hit_tokens += tokens_of(record, n)
+        pinned = set(ids[:n])
+        touched = list(ids[:n])
+        for h in [h for h in ids if h not in cache]:  # missing when the selection starts
+            if len(cache) >= capacity:
+                victim = next((k for k in cache if k not in pinned), None)
+                if victim is None:
+                    break  # every slot is pinned by this request
+                del cache[victim]
+            cache[h] = None
+            pinned.add(h)
+            touched.append(h)
+        position = {h: j for j, h in enumerate(ids)}
+        for h in sorted(touched, key=position.__getitem__, reverse=True):
+            cache.move_to_end(h)
+    return hit_tokens / sum(r.input_length for r in records)
+
+
+def reference_belady(records: Sequence[TraceRecord], capacity: int) -> float:
+    flat = [h for r in records for h in r.hash_ids]
+
+    def next_use(h: int, after: int) -> float:
+        for p in range(after + 1, len(flat)):
+            if flat[p] == h:
+                return p
+        return NEVER
+
+    cache: set[int] = set()
+    hit_tokens = 0
+    end = -1
+    for record in records:
+        ids = record.hash_ids
+        end += len(ids)
+        n = 0
+        while n < len(ids) and ids[n] in cache:
+            n += 1
+        hit_tokens += tokens_of(record, n)
+        pinned = set(ids[:n])
+        for h in [h for h in ids if h not in cache]:
+            mine = next_use(h, end)
+            if mine == NEVER:
+                continue
+            if len(cache) >= capacity:
+                candidates = [k for k in cache if k not in pinned]
+                if not candidates:
+                    break
+                victim = max(candidates, key=lambda k: next_use(k, end))
+                if next_use(victim, end) <= mine:
+                    continue  # storing it would evict a block needed sooner
+                cache.remove(victim)
+            cache.add(h)
+            pinned.add(h)
+    return hit_tokens / sum(r.input_length for r in records)
+
+
+def replay(records: Sequence[TraceRecord], policy: str, capacity: int, **kw: object) -> float:
+    tier = TierConfig("CPU", capacity * BLOCK, 25.0)
+    config = ReplayConfig(tiers=(tier,), policy=policy, block_size=BLOCK, check_every=7, **kw)  # type: ignore[arg-type]
+    return replay_trace(records, config).token_hit_ratio
+
+
+TRACES = {"chat": chat_trace(seed=3), "doc": doc_trace(seed=4)}
+
+
+@pytest.mark.parametrize("trace", sorted(TRACES))
+@pytest.mark.parametrize("capacity", [3, 10, 30, 100])
+def test_lru_matches_an_ordered_dict(trace: str, capacity: int) -> None:
+    records = TRACES[trace]
+    assert replay(records, "lru", capacity) == pytest.approx(reference_lru(records, capacity))
+
+
+@pytest.mark.parametrize("trace", sorted(TRACES))
+@pytest.mark.parametrize("capacity", [3, 10, 30])
+def test_belady_matches_brute_force(trace: str, capacity: int) -> None:
+    records = TRACES[trace]
+    assert replay(records, "belady", capacity) == pytest.approx(reference_belady(records, capacity))
+
+
+@pytest.mark.parametrize("policy", [*EVICTION_POLICIES, "lru+door", "lfuda+door"])
+def test_no_policy_beats_belady_and_invariants_hold(policy: str) -> None:
+    records = TRACES["doc"]
+    for capacity in (4, 20):
+        assert replay(records, policy, capacity) <= replay(records, "belady", capacity) + 1e-9
+
+
+def test_infinite_capacity_reaches_every_reuse() -> None:
+    records = TRACES["chat"]
+    distinct = len({h for r in records for h in r.hash_ids})
+    for policy in EVICTION_POLICIES:
+        assert replay(records, policy, distinct) == pytest.approx(reference_lru(records, distinct))
+
+
+def test_gpu_tier_serves_first_and_lower_tier_continues() -> None:
+    records = TRACES["chat"]
+    cpu = TierConfig("CPU", 40 * BLOCK, 25.0)
+    with_gpu = ReplayConfig(tiers=(cpu,), gpu_capacity_tokens=60 * BLOCK, block_size=BLOCK)
+    result = replay_trace(records, with_gpu)
+    assert result.gpu is not None
+    assert result.gpu.token_hit_ratio > 0
+    assert result.total_token_hit_ratio == pytest.approx(
+        result.gpu.token_hit_ratio + result.token_hit_ratio
+    )
+    alone = replay_trace(records, ReplayConfig(tiers=(cpu,), block_size=BLOCK))
+    # The GPU in front can only add hits: the CPU tier still receives every block.
+    assert result.total_token_hit_ratio >= alone.token_hit_ratio - 1e-9
+
+
+def test_disk_tier_continues_after_cpu() -> None:
+    records = TRACES["doc"]
+    cpu = TierConfig("CPU", 5 * BLOCK, 25.0)
+    disk = TierConfig("DISK", 50 * BLOCK, 5.0)
+    result = replay_trace(records, ReplayConfig(tiers=(cpu, disk), block_size=BLOCK))
+    cpu_result, disk_result = result.tiers
+    assert disk_result.hit_tokens > 0
+    assert result.token_hit_ratio == pytest.approx(
+        cpu_result.token_hit_ratio + disk_result.token_hit_ratio
+    )
+    assert disk_result.bytes_loaded == disk_result.num_hit_blocks * BLOCK * 131072
+
+
+def test_counts_and_ttft_are_consistent() -> None:
+    records = TRACES["doc"]
+    result = replay_trace(
+        records, ReplayConfig(tiers=(TierConfig("CPU", 10 * BLOCK, 25.0),), block_size=BLOCK)
+    )
+    (tier,) = result.tiers
+    assert tier.num_stored_blocks >= tier.num_evicted_blocks >= 0
+    assert tier.num_stored_blocks - tier.num_evicted_blocks <= tier.num_blocks
+    assert 0 < result.mean_ttft_s < result.mean_ttft_no_cache_s
+
+
+def test_gpu_too_small_for_a_request_names_it() -> None:
+    records = TRACES["doc"]
+    config = ReplayConfig(
+        tiers=(TierConfig("CPU", 10 * BLOCK, 25.0),), gpu_capacity_tokens=BLOCK, block_size=BLOCK
+    )
+    with pytest.raises(ReplayError, match="request 0: needs"):
+        TierReplay(records, config).run()
+
+
+def test_bad_configuration_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown eviction policy 'nope'"):
+        ReplayConfig(tiers=(TierConfig("CPU", 1000, 25.0),), policy="nope")
+    with pytest.raises(ReplayError, match="holds no 512-token block"):
+        ReplayConfig(tiers=(TierConfig("CPU", 100, 25.0),))
+    with pytest.raises(ReplayError, match="capacity must be > 0"):
+        TierConfig("CPU", 0, 25.0)
+    with pytest.raises(ReplayError, match="gpu capacity must be 0"):
+        ReplayConfig(tiers=(TierConfig("CPU", 1000, 25.0),), gpu_capacity_tokens=100)

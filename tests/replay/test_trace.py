@@ -1,0 +1,84 @@
+"""Trace reading (errors name the line), writing, summaries and the chat generator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
+from kvtier.replay.generate import main as generate_main
+from kvtier.replay.trace import TraceError, TraceRecord, read_trace, summarize, write_trace
+
+GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}
+
+
+def write_lines(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ([1, 2], "expected a JSON object"),
+        ({**GOOD, "hash_ids": None}, "hash_ids must be a list of ints"),
+        ({k: v for k, v in GOOD.items() if k != "timestamp"}, "missing field"),
+        ({**GOOD, "input_length": -1}, "input_length must be an int >= 0"),
+        ({**GOOD, "hash_ids": [1, 2, 3]}, "3 hash_ids for input_length=1000, expected 2"),
+        ({**GOOD, "timestamp": -5}, "timestamp must be an int"),
+    ],
+)
+def test_malformed_record_names_its_line(tmp_path: Path, bad: object, message: str) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [GOOD, "", bad])
+    with pytest.raises(TraceError, match=rf"t\.jsonl:3: .*{message}"):
+        read_trace(path, 512)
+
+
+def test_timestamps_must_not_go_backwards(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [{**GOOD, "timestamp": 10}, GOOD])
+    with pytest.raises(TraceError, match=":2: timestamp 0 is before"):
+        read_trace(path, 512)
+
+
+def test_write_read_round_trip_and_summary(tmp_path: Path) -> None:
+    records = [
+        TraceRecord(0, 1000, 5, (1, 2)),
+        TraceRecord(7, 1100, 6, (1, 2, 3)),
+        TraceRecord(9, 600, 1, (1, 9)),
+    ]
+    write_trace(tmp_path / "t.jsonl", records)
+    assert read_trace(tmp_path / "t.jsonl", 512) == records
+    summary = summarize(records, 512)
+    assert (summary.num_requests, summary.num_block_refs, summary.num_distinct_blocks) == (3, 7, 4)
+    # hits: request 2 reuses 2 blocks (1024 tokens), request 3 one block (512 tokens)
+    assert summary.infinite_token_hit_ratio == pytest.approx((1024 + 512) / 2700)
+    assert records[1].block_tokens(2, 512) == 76
+
+
+def test_chat_generator_is_deterministic_and_chains_prefixes() -> None:
+    config = ChatWorkloadConfig(num_conversations=20, block_size=64)
+    first, again = generate_chat_trace(config), generate_chat_trace(config)
+    assert first == again
+    assert [r.timestamp_ms for r in first] == sorted(r.timestamp_ms for r in first)
+    parents: dict[int, tuple[int, ...]] = {}
+    for record in first:
+        ids = record.hash_ids
+        assert len(ids) == -(-record.input_length // 64)
+        for j, hash_id in enumerate(ids):  # an id determines its whole prefix (chaining)
+            assert parents.setdefault(hash_id, ids[:j]) == ids[:j]
+    all_ids = [h for r in first for h in r.hash_ids]
+    assert len(set(all_ids)) < len(all_ids), "turns must share their conversation's prefix"
+    assert generate_chat_trace(ChatWorkloadConfig(seed=1, num_conversations=20)) != first
+
+
+def test_chat_generator_validates_and_writes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mean_turns must be > 0"):
+        ChatWorkloadConfig(mean_turns=0)
+    with pytest.raises(ValueError, match="system_prompt_tokens must be a range"):
+        ChatWorkloadConfig(system_prompt_tokens=(10, 5))
+    out = tmp_path / "chat.jsonl"
+    assert generate_main([str(out), "--conversations", "5", "--seed", "3"]) == 0
+    assert len(read_trace(out)) >= 5
