@@ -1,12 +1,10 @@
-"""The replay's SCHEDULER release order is exactly what the real `OffloadScheduler` does.
+"""The replay's SCHEDULER_TAIL_FIRST release order is exactly what `OffloadScheduler` does.
 
 Drives the real scheduler (eager stores, a GPU pool, a worker that finishes every event
-at once) over small traces, with each eviction policy swapped into the tier pool, and
-checks that every request hits exactly as many tier blocks as in `TierReplay`, and that
-both tiers end up holding the same keys. The tier pool is swapped through the scheduler's
-public `tier_pool` attribute before `bind_gpu_pool` (the documented hook until the
-proposed `free_queue` factory lands); `_NotingPool` stands in for the proposed
-`BlockPool.insert_key -> FreeQueue.note_key` call.
+at once) over small traces, configured with each eviction and admission policy
+(`OffloadConfig.eviction_policy` / `admission_policy`), and checks that every request
+hits exactly as many tier blocks as in `TierReplay`, and that both tiers end up holding
+the same keys.
 """
 
 from __future__ import annotations
@@ -18,10 +16,9 @@ import pytest
 from replay_helpers import BLOCK, chat_trace, doc_trace
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import KVLayout
-from kvtier.core.policies import EVICTION_POLICIES, EvictionPolicy
+from kvtier.core.policies import EVICTION_POLICIES, PolicySpec
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import TransferPlan, WorkerReport
 from kvtier.offload.protocols import LoRAInfo, ScheduledRequest, StepInput, TableUpdate
@@ -30,25 +27,7 @@ from kvtier.replay.tier_replay import ReleaseOrder, ReplayConfig, TierConfig, Ti
 from kvtier.replay.trace import TraceRecord
 
 BYTES_PER_BLOCK = 64
-# How today's OffloadScheduler frees tier blocks. With the proposed release-order fix
-# (docs/policies.md) applied to offload/scheduler.py this becomes SCHEDULER_TAIL_FIRST.
-SCHEDULER_ORDER = ReleaseOrder.SCHEDULER
-
-
-class _NotingPool(BlockPool):
-    """A BlockPool that tells its policy a primary key (the proposed one-line change)."""
-
-    def __init__(self, num_blocks: int, policy: EvictionPolicy) -> None:
-        super().__init__(num_blocks, free_queue=policy, medium="CPU")
-        self.policy = policy
-
-    def insert_key(
-        self, key: Key, block_id: int, num_tokens: int, stored: BlockStored | None = None
-    ) -> None:
-        had_primary = self.key(block_id) is not None
-        super().insert_key(key, block_id, num_tokens, stored)
-        if not had_primary:
-            self.policy.note_key(block_id, key)
+POLICIES = [*sorted(EVICTION_POLICIES), "lru+door", "lfuda+door"]
 
 
 @dataclass
@@ -72,9 +51,14 @@ def _drive_scheduler(
     records: Sequence[TraceRecord], policy: str, num_tier_blocks: int
 ) -> tuple[list[int], set[Key]]:
     layout = KVLayout.single(BLOCK, BYTES_PER_BLOCK)
-    config = OffloadConfig(cpu_bytes=num_tier_blocks * BYTES_PER_BLOCK, num_blocks=num_tier_blocks)
+    spec = PolicySpec.parse(policy)
+    config = OffloadConfig(
+        cpu_bytes=num_tier_blocks * BYTES_PER_BLOCK,
+        num_blocks=num_tier_blocks,
+        eviction_policy=spec.eviction,
+        admission_policy=spec.admission,
+    )
     scheduler = OffloadScheduler(config, SchedulerSetup(layout, num_tier_blocks))
-    scheduler.tier_pool = _NotingPool(num_tier_blocks, EVICTION_POLICIES[policy](num_tier_blocks))
     gpu = BlockPool(1 + 2 * max(len(r.hash_ids) for r in records))
     scheduler.bind_gpu_pool(gpu)
     hits = []
@@ -108,7 +92,10 @@ def _drive_replay(
 ) -> tuple[list[int], set[Key]]:
     tier = TierConfig("CPU", (num_tier_blocks - 1) * BLOCK, 25.0)
     config = ReplayConfig(
-        tiers=(tier,), policy=policy, block_size=BLOCK, release_order=SCHEDULER_ORDER
+        tiers=(tier,),
+        policy=policy,
+        block_size=BLOCK,
+        release_order=ReleaseOrder.SCHEDULER_TAIL_FIRST,
     )
     replay = TierReplay(records, config)
     hits = []
@@ -121,7 +108,7 @@ def _drive_replay(
     return hits, keys
 
 
-@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize(("trace", "num_tier_blocks"), [("chat", 12), ("chat", 40), ("doc", 25)])
 def test_replay_matches_the_real_scheduler(policy: str, trace: str, num_tier_blocks: int) -> None:
     records = chat_trace(seed=1) if trace == "chat" else doc_trace(seed=2)

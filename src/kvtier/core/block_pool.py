@@ -229,6 +229,7 @@ class BlockPool:
         if primary is None:
             self._keys[block_id] = key
             self._num_tokens[block_id] = num_tokens
+            self._free.note_key(block_id, key)
         elif primary == key or key in self._secondary.get(block_id, ()):
             return
         else:

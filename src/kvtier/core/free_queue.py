@@ -12,6 +12,8 @@ from array import array
 from collections.abc import Iterator
 from typing import Protocol
 
+from kvtier.core.keys import Key
+
 
 class FreeQueue(Protocol):
     """Eviction order over free block ids. The pool calls it; it never calls the pool."""
@@ -43,6 +45,15 @@ class FreeQueue(Protocol):
 
     def clear_and_fill(self, block_ids: range) -> None:
         """Make the queue hold exactly `block_ids`, in that order."""
+        ...
+
+    def note_key(self, block_id: int, key: Key) -> None:
+        """Learn that `block_id` (allocated, not yet freed) now holds `key` as primary key.
+
+        Called by `BlockPool.insert_key`. Policies that remember keys (ghost lists,
+        frequency sketches: kvtier.core.policies) use it; idempotent until the block is
+        reused.
+        """
         ...
 
 
@@ -109,6 +120,9 @@ class LRUFreeQueue:
         while node != self._sentinel:
             yield node
             node = self._next[node]
+
+    def note_key(self, block_id: int, key: Key) -> None:
+        """Ignore keys: recency alone decides."""
 
     def clear_and_fill(self, block_ids: range) -> None:
         """Link `block_ids` in order, dropping whatever was queued."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.hashing import HashAlgo
+from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvtier.offload.plan import Tier
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class OffloadConfig:
     events: bool = False
     max_batched_tokens: int = 8192
     fine_grained_hits: bool = False
+    eviction_policy: str = "lru"  # kvtier.core.policies.EVICTION_POLICIES
+    admission_policy: str = "all"  # kvtier.core.policies.ADMISSION_POLICIES
 
     def __post_init__(self) -> None:
         for name, kind in _FIELD_TYPES.items():
@@ -70,6 +73,12 @@ class OffloadConfig:
         _require(self.disk_bytes >= 0, "disk_bytes", self.disk_bytes, "must be >= 0")
         _require(self.disk_buffer_slots >= 1, "disk_buffer_slots", self.disk_buffer_slots, ">= 1")
         _require(self.max_batched_tokens > 0, "max_batched_tokens", self.max_batched_tokens, "> 0")
+        for key, registry in (
+            ("eviction_policy", EVICTION_POLICIES),
+            ("admission_policy", ADMISSION_POLICIES),
+        ):
+            value = getattr(self, key)
+            _require(value in registry, key, value, f"choose one of {', '.join(registry)}")
         if self.num_blocks is not None:
             _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2")
         if self.cpu_bytes == 0 and self.disk_bytes == 0:
@@ -171,6 +180,8 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "events": bool,
     "max_batched_tokens": int,
     "fine_grained_hits": bool,
+    "eviction_policy": str,
+    "admission_policy": str,
 }
 _OPTIONAL = {"disk_path", "num_blocks", "hash_seed"}
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {

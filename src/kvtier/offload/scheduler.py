@@ -21,9 +21,10 @@ from dataclasses import dataclass, field, replace
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored, KVEvent
-from kvtier.core.keys import key_block_hash, key_group_id
+from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
+from kvtier.core.policies import PolicySpec
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput, TableUpdate
@@ -77,8 +78,14 @@ class OffloadScheduler:
         self.config = config
         self.layout = setup.layout
         self.tier = config.tier
+        policy = PolicySpec(config.eviction_policy, config.admission_policy)
+        self._eviction = policy.make_eviction(setup.num_tier_blocks)
+        self._admission = policy.make_admission(setup.num_tier_blocks)
         self.tier_pool = BlockPool(
-            setup.num_tier_blocks, medium=self.tier.value, record_events=config.events
+            setup.num_tier_blocks,
+            free_queue=self._eviction,
+            medium=self.tier.value,
+            record_events=config.events,
         )
         self._gpu_pool = setup.gpu_pool
         self._granularity = (
@@ -107,6 +114,7 @@ class OffloadScheduler:
             counters=self._counters,
             record_payload=self.config.events and self.config.store_mode is StoreMode.EAGER,
             fine_grained=self.config.fine_grained_hits,
+            admission=self._admission,
         )
 
     @property
@@ -283,8 +291,9 @@ class OffloadScheduler:
         failed = self._book.take_unissued_failures()
         for transfer in self._book.complete(report):
             for load in transfer.loads:
-                self.tier_pool.free(load.tier_block_ids)
-                self.gpu_pool.free(load.gpu_block_ids)
+                # Tail first (SPEC §4), so a prefix's tail is evicted before its root.
+                self.tier_pool.free(load.tier_block_ids[::-1])
+                self.gpu_pool.free(load.gpu_block_ids[::-1])
                 if transfer.succeeded:
                     finished.append(load.request_id)
                     self._counters.num_loaded_blocks += len(load.tier_block_ids)
@@ -307,19 +316,15 @@ class OffloadScheduler:
             self._register(item)
             self.selector.in_flight_keys.discard(item.key)
         self._counters.num_stored_blocks += len(transfer.stores)
-        self.gpu_pool.free([item.gpu_block_id for item in transfer.stores])
-        self.tier_pool.free([item.tier_block_id for item in transfer.stores])
+        # Tail first (SPEC §4): these pins may be the blocks' last references.
+        stores = transfer.stores[::-1]
+        self.gpu_pool.free([item.gpu_block_id for item in stores])
+        self.tier_pool.free([item.tier_block_id for item in stores])
 
     def _register(self, item: StoreItem) -> None:
         tier_block = item.tier_block_id
-        medium = self.tier.value
         if item.is_partial_tail:
-            event = BlockStored(
-                key_block_hash(item.key),
-                key_group_id(item.key),
-                item.tail_num_tokens,
-                medium=medium,
-            )
+            event = self._event(item.key, item.tail_num_tokens)
             self.tier_pool.insert_key(item.key, tier_block, item.tail_num_tokens, event)
             return
         gpu_pool = self.gpu_pool
@@ -327,30 +332,36 @@ class OffloadScheduler:
         key = gpu_pool.key(gpu_block_id)
         if key is None:
             key = item.key
+        num_tokens = gpu_pool.num_tokens(gpu_block_id)
+        if not num_tokens:
+            num_tokens = self.layout.groups[key_group_id(key)].block_size
         if not self.config.events:
-            num_tokens = gpu_pool.num_tokens(gpu_block_id)
-            if not num_tokens:
-                num_tokens = self.layout.groups[key_group_id(key)].block_size
             self.tier_pool.insert_key(key, tier_block, num_tokens)
             for secondary in gpu_pool.secondary_keys(gpu_block_id):
                 self.tier_pool.insert_key(secondary, tier_block, num_tokens)
             return
-        gpu_block = gpu_pool.block(gpu_block_id)
         stored = item.stored
-        if stored is not None and stored.block_hash != key_block_hash(key):
-            stored = None
-        num_tokens = gpu_block.num_tokens or self.layout.groups[key_group_id(key)].block_size
-        event = (
-            replace(stored, medium=medium)
-            if stored is not None
-            else BlockStored(key_block_hash(key), key_group_id(key), num_tokens, medium=medium)
-        )
+        if stored is not None and stored.block_hash == key_block_hash(key):
+            event = replace(stored, medium=self.tier.value)
+        else:
+            event = self._event(key, num_tokens)
         self.tier_pool.insert_key(key, tier_block, num_tokens, event)
-        for secondary in gpu_block.secondary_keys:
-            event = BlockStored(
-                key_block_hash(secondary), key_group_id(secondary), num_tokens, medium=medium
-            )
+        for secondary in gpu_pool.secondary_keys(gpu_block_id):
+            event = self._event(secondary, num_tokens)
             self.tier_pool.insert_key(secondary, tier_block, num_tokens, event)
+
+    def _event(self, key: Key, num_tokens: int) -> BlockStored:
+        """Return the payload-free `BlockStored` of `key`, with its group's kind and window."""
+        group_id = key_group_id(key)
+        group = self.layout.groups[group_id]
+        return BlockStored(
+            key_block_hash(key),
+            group_id,
+            num_tokens,
+            medium=self.tier.value,
+            group_kind=group.kind.value,
+            sliding_window=group.sliding_window,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -364,6 +375,10 @@ class OffloadScheduler:
         """
         request_id = request.request_id
         self._release_pin(request_id)
+        # Blocks a load has not filled yet hold no valid KV: store nothing of this request.
+        loading = any(load.request_id == request_id for load in self._queued_loads) or any(
+            load.request_id == request_id for transfer in self._book for load in transfer.loads
+        )
         keep = []
         for load in self._queued_loads:
             if load.request_id == request_id:
@@ -374,12 +389,12 @@ class OffloadScheduler:
         self._queued_loads = keep
         selector = self.selector
         state = selector.tracked.get(request_id)
-        if state is not None:
+        if state is not None and not loading:
             state.block_ids = [list(ids) for ids in block_ids_per_group]
             selector.select_request(request, state)
             if self.config.fine_grained_hits:
                 selector.select_partial_tail(request, state)
-            selector.untrack(request_id)
+        selector.untrack(request_id)
 
     def has_pending_stores(self) -> bool:
         """Return True while any store is queued, in flight or abandoned."""
@@ -445,6 +460,8 @@ class OffloadScheduler:
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""
         self.tier_pool.check_invariants()
+        self._eviction.check_invariants()
+        self._admission.check_invariants()
         tier_refs: Counter[int] = Counter()
         gpu_refs: Counter[int] = Counter()
         for pin in self._pins.values():

@@ -17,6 +17,7 @@ class StoreOutcome(enum.Enum):
     REQUEST_GONE = "dropped_request_gone"
     NULL = "dropped_null"
     UNHASHED = "dropped_unhashed"
+    NOT_ADMITTED = "dropped_not_admitted"  # the tier's admission policy refused it
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.offload.protocols import (
     GpuPoolView,
     Handoff,
@@ -68,6 +69,7 @@ class StoreSelector:
     in_flight_keys: set[Key] = field(default_factory=set)
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     lazy_cursor: int | None = None
+    admission: AdmissionPolicy = field(default_factory=AdmitAll)
 
     # ------------------------------------------------------------ request tracking
 
@@ -147,7 +149,12 @@ class StoreSelector:
         room = self.tier_pool.num_free()
         gpu_ids: list[int] = []
         keys: list[Key] = []
-        skipped = {StoreOutcome.UNHASHED: 0, StoreOutcome.IN_FLIGHT: 0}
+        admit = self.admission.admit
+        skipped = {
+            StoreOutcome.UNHASHED: 0,
+            StoreOutcome.IN_FLIGHT: 0,
+            StoreOutcome.NOT_ADMITTED: 0,
+        }
         num_cached = 0
         while pos < end:
             gpu_block_id = table[pos]
@@ -160,6 +167,8 @@ class StoreSelector:
                 skipped[StoreOutcome.IN_FLIGHT] += 1
             elif tier_get(key) is not None:
                 num_cached += 1
+            elif not admit(key):
+                skipped[StoreOutcome.NOT_ADMITTED] += 1
             elif len(gpu_ids) == room:
                 self.counters.count_store(StoreOutcome.TIER_FULL)
                 break
@@ -202,15 +211,13 @@ class StoreSelector:
             visited.append(block_id)
             if len(visited) >= target:
                 break
-        cursor = None if visited else self.lazy_cursor  # nothing new: stay at the tail
-        for block_id in visited:
-            outcome = self.try_select(block_id)
-            self.counters.count_store(outcome)
-            if outcome is StoreOutcome.TIER_FULL:
-                break
-            if outcome is not StoreOutcome.STORED:
-                cursor = block_id  # still in the free queue: resume after it
-        self.lazy_cursor = cursor
+        if not visited:
+            return  # nothing new since the cursor: stay where we are
+        num_queued = len(self.queued)
+        end = self._select_run(visited, 0, len(visited))
+        selected = {item.gpu_block_id for item in self.queued[num_queued:]}
+        # Resume after the last visited block still in the free queue (not pinned now).
+        self.lazy_cursor = next((b for b in reversed(visited[:end]) if b not in selected), None)
 
     def select_handoffs(
         self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
@@ -260,6 +267,8 @@ class StoreSelector:
             return StoreOutcome.IN_FLIGHT
         if self.tier_pool.cached_block(key) is not None:
             return StoreOutcome.ALREADY_CACHED
+        if not self.admission.admit(key):
+            return StoreOutcome.NOT_ADMITTED
         if not self.tier_pool.can_allocate(1):
             return StoreOutcome.TIER_FULL
         self.gpu_pool.touch([gpu_block_id])

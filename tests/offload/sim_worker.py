@@ -1,0 +1,136 @@
+"""A fake offload worker for tests: N workers that copy only when told, with a byte model.
+
+Per worker, a dict GPU block -> content and tier slot -> content (content: see
+`sim_request.block_content`). A worker copies when it finishes its job, after checking that
+the source did not change while the job was in flight (a missing pin would let it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.core.keys import Key
+from kvtier.offload.plan import TransferJob, TransferPlan, WorkerReport
+
+GARBAGE = "garbage"  # what a failed copy leaves in its destination
+
+Content = Key | str | None
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+@dataclass(slots=True)
+class _InFlight:
+    job: TransferJob
+    waiting: set[int]
+    sources: list[list[Content]]  # per worker: source contents at submission
+    failed: bool = False  # some worker failed it
+
+
+class FakeWorker:
+    """N offload workers that copy only when told, with a byte model per worker."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self.num_workers = num_workers
+        self.gpu: list[dict[int, Content]] = [{} for _ in range(num_workers)]
+        self.tier: list[dict[int, Content]] = [{} for _ in range(num_workers)]
+        self.plans: list[TransferPlan] = []
+        self.jobs: dict[int, TransferJob] = {}
+        self.in_flight: dict[int, _InFlight] = {}
+        self.reported: dict[int, _InFlight] = {}  # events every worker reported, in order
+        self._done: Counter[int] = Counter()
+        self._failed: Counter[int] = Counter()
+
+    def write_gpu(self, block_id: int, content: Content) -> None:
+        """Record that the forward pass wrote `content` into a GPU block (every worker)."""
+        for gpu in self.gpu:
+            gpu[block_id] = content
+
+    def submit(self, plan: TransferPlan) -> None:
+        """Accept a plan; its jobs stay in flight until completed or failed."""
+        self.plans.append(plan)
+        for job in plan.jobs:
+            assert job.event_id not in self.jobs, f"event id {job.event_id} repeated"
+            assert max(self.jobs, default=0) < job.event_id, "event ids must increase"
+            assert NULL_BLOCK_ID not in job.src_block_ids + job.dst_block_ids, "null in a plan"
+            self.jobs[job.event_id] = job
+            sources = [self._read(w, job.src_tier.value, job.src_block_ids) for w in self.workers]
+            self.in_flight[job.event_id] = _InFlight(job, set(self.workers), sources)
+
+    @property
+    def workers(self) -> range:
+        return range(self.num_workers)
+
+    def complete(self, event_id: int, workers: Iterable[int] | None = None) -> None:
+        """Let `workers` (default: all still waiting) copy and report `event_id` done."""
+        self._finish(event_id, workers, ok=True)
+
+    def fail(self, event_id: int, workers: Iterable[int] | None = None) -> None:
+        """Let `workers` report `event_id` failed, leaving garbage in its destinations."""
+        self._finish(event_id, workers, ok=False)
+
+    def complete_all(self) -> None:
+        """Complete every in-flight job on every worker (what `flush()` waits for)."""
+        for event_id in list(self.in_flight):
+            self.complete(event_id)
+
+    def duplicate(self, event_id: int) -> None:
+        """Report an already fully reported event once more (e.g. across a reset)."""
+        assert event_id in self.reported
+        self._done[event_id] += 1
+
+    def take_report(self) -> WorkerReport:
+        """Return everything reported since the last call, merged over workers."""
+        report = WorkerReport(done=dict(self._done), failed=dict(self._failed))
+        self._done.clear()
+        self._failed.clear()
+        return report
+
+    def in_flight_refs(self, tier_name: str) -> Counter[int]:
+        """Count, per block of `tier_name` ("GPU" or the tier), the in-flight jobs using it."""
+        refs: Counter[int] = Counter()
+        for flight in self.in_flight.values():
+            job = flight.job
+            if job.src_tier.value == tier_name:
+                refs.update(job.src_block_ids)
+            if job.dst_tier.value == tier_name:
+                refs.update(job.dst_block_ids)
+        return refs
+
+    def stores(self) -> list[TransferJob]:
+        """Return every store job submitted so far."""
+        return [job for job in self.jobs.values() if job.is_store]
+
+    def loads(self) -> list[TransferJob]:
+        """Return every load job submitted so far."""
+        return [job for job in self.jobs.values() if job.is_load]
+
+    def _space(self, worker: int, tier_name: str) -> dict[int, Content]:
+        return self.gpu[worker] if tier_name == "GPU" else self.tier[worker]
+
+    def _read(self, worker: int, tier_name: str, block_ids: Sequence[int]) -> list[Content]:
+        space = self._space(worker, tier_name)
+        return [space.get(b) for b in block_ids]
+
+    def _finish(self, event_id: int, workers: Iterable[int] | None, ok: bool) -> None:
+        flight = self.in_flight[event_id]
+        chosen = sorted(flight.waiting) if workers is None else sorted(workers)
+        job = flight.job
+        for worker in chosen:
+            assert worker in flight.waiting, f"worker {worker} reports event {event_id} twice"
+            now = self._read(worker, job.src_tier.value, job.src_block_ids)
+            assert now == flight.sources[worker], (
+                f"event {event_id}: a source block changed while the copy was in flight"
+            )
+            dst = self._space(worker, job.dst_tier.value)
+            for src_content, dst_block in zip(now, job.dst_block_ids, strict=True):
+                dst[dst_block] = src_content if ok else GARBAGE
+            flight.waiting.discard(worker)
+            flight.failed |= not ok
+            (self._done if ok else self._failed)[event_id] += 1
+        if not flight.waiting:
+            self.reported[event_id] = self.in_flight.pop(event_id)

@@ -1,0 +1,194 @@
+"""SPEC §9 scenarios 27 (configuration errors) and 29 (KV events)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sim import SimEngine, SimRequest, config, full_layout, make_request
+
+from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.offload.config import ConfigError, OffloadConfig, StoreMode, agree_num_tier_blocks
+from kvtier.offload.plan import Tier
+from kvtier.offload.protocols import LoRAInfo
+from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
+
+# ---------------------------------------------------------------------------- scenario 27
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        ({"disk_bytes": -1, "disk_path": "/x"}, r"disk_bytes=-1"),
+        ({"disk_bytes": 0, "disk_path": "/x"}, r"disk_bytes"),
+        ({"cpu_bytes": -64}, r"cpu_bytes=-64"),
+        ({"cpu_bytes": 640, "num_blocks": 0}, r"num_blocks=0"),
+        ({"cpu_bytes": 640, "num_blocks": -3}, r"num_blocks=-3"),
+        ({"cpu_bytes": 640, "num_blocks": 4.0}, r"num_blocks.*4\.0"),
+        ({"cpu_bytes": 640, "num_blocks": "4"}, r"num_blocks.*'4'"),
+        ({"cpu_bytes": 640, "num_blocks": True}, r"num_blocks.*True"),
+        ({"cpu_bytes": "1GiB"}, r"cpu_bytes.*'1GiB'"),
+        ({"cpu_bytes": 640, "store_mode": "eagerly"}, r"store_mode.*'eagerly'"),
+    ],
+)
+def test_scenario_27_invalid_values_raise_a_config_error_naming_key_and_value(
+    values: dict[str, object], match: str
+) -> None:
+    """Scenario 27: an invalid value raises ConfigError naming the key and the value."""
+    with pytest.raises(ConfigError, match=match):
+        OffloadConfig.from_dict(values)
+
+
+def test_scenario_27_unknown_key_is_rejected_by_name() -> None:
+    """Scenario 27: an unknown key raises ConfigError naming it."""
+    with pytest.raises(ConfigError, match="cpu_byte"):
+        OffloadConfig.from_dict({"cpu_bytes": 640, "cpu_byte": 640})
+
+
+def test_scenario_27_disk_capacity_below_two_blocks_is_rejected() -> None:
+    """Scenario 27: a disk budget holding fewer than 2 blocks raises, naming disk_bytes."""
+    cfg = OffloadConfig(disk_bytes=100, disk_path="/x")
+    with pytest.raises(ConfigError, match=r"disk_bytes=100"):
+        cfg.num_tier_blocks(64)
+
+
+def test_scenario_27_explicit_block_count_must_fit_the_budget() -> None:
+    """Scenario 27: num_blocks above what the bytes hold raises; at or below it is used."""
+    with pytest.raises(ConfigError, match=r"num_blocks=11.*cpu_bytes=640"):
+        OffloadConfig(cpu_bytes=640, num_blocks=11).num_tier_blocks(64)
+    assert OffloadConfig(cpu_bytes=640, num_blocks=10).num_tier_blocks(64) == 10
+    assert OffloadConfig(cpu_bytes=640, num_blocks=3).num_tier_blocks(64) == 3
+    assert OffloadConfig(cpu_bytes=640).num_tier_blocks(64) == 10
+
+
+def test_scenario_27_workers_agree_on_the_smallest_tier() -> None:
+    """Scenario 27 (SPEC §6.1): with several workers the minimum tier size wins."""
+    assert agree_num_tier_blocks([12, 9, 10]) == 9
+    with pytest.raises(ConfigError):
+        agree_num_tier_blocks([])
+
+
+def test_scenario_27_scheduler_rejects_zero_workers_before_allocating() -> None:
+    """Scenario 27: a scheduler with no worker is refused at construction."""
+    with pytest.raises(ValueError, match="num_workers"):
+        OffloadScheduler(config(), SchedulerSetup(full_layout(), 8, num_workers=0))
+
+
+# ---------------------------------------------------------------------------- scenario 29
+
+
+def stored_events(events: list[KVEvent]) -> list[BlockStored]:
+    return [e for e in events if isinstance(e, BlockStored)]
+
+
+def test_scenario_29_events_off_records_nothing() -> None:
+    """Scenario 29: with events off, stores, evictions and reset emit no event."""
+    engine = SimEngine(full_layout(), num_tier_blocks=3)
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.run(make_request("b", range(100, 108)))  # evicts a's slots
+    engine.drain()
+    assert engine.scheduler.reset() is True
+    assert engine.scheduler.take_events() == []
+
+
+def three_group_layout() -> KVLayout:
+    return KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 8),
+            KVGroupSpec(GroupKind.STATE, 4, 64),
+        )
+    )
+
+
+def run_with_handoff(engine: SimEngine, request: SimRequest) -> None:
+    """Compute the request's prompt, hand off its last state block, decode once, finish."""
+    engine.admit(request, accept=0)
+    engine.schedule(request.request_id)
+    engine.step()
+    state = engine.tables[request.request_id][2]
+    engine.handoff(request.request_id, 2, state[request.num_prompt_tokens // 4 - 1])
+    engine.schedule(request.request_id)
+    engine.step()
+    engine.finish(request.request_id)
+    engine.drain()
+
+
+def test_scenario_29_block_stored_fields_follow_the_group_kind() -> None:
+    """Scenario 29: eager BlockStored events carry token payload, kind and window per group."""
+    engine = SimEngine(three_group_layout(), config(events=True), num_gpu_blocks=32)
+    a = make_request("a", range(8), outputs=[5, 6])
+    run_with_handoff(engine, a)
+    events = {(e.group_id, e.block_hash): e for e in stored_events(engine.scheduler.take_events())}
+    for group_id, kind, window in ((0, "full_attention", None), (1, "sliding_window", 8)):
+        for pos in (0, 1):
+            event = events[(group_id, a.block_hashes[pos])]
+            assert event.group_kind == kind
+            assert event.sliding_window == window
+            assert event.block_size == 4
+            assert event.token_ids == tuple(range(4 * pos, 4 * pos + 4))
+            assert event.parent_block_hash == (a.block_hashes[0] if pos else None)
+            assert (event.lora_id, event.lora_name, event.medium) == (None, None, "CPU")
+    handed_off = events[(2, a.block_hashes[1])]
+    assert handed_off.token_ids == ()  # hand-offs carry no token payload
+    assert handed_off.medium == "CPU"
+
+
+def test_scenario_29_events_without_payload_still_name_their_group_kind() -> None:
+    """Scenario 29: hand-off, partial-tail and lazy BlockStored events keep group kind/window."""
+    engine = SimEngine(three_group_layout(), config(events=True), num_gpu_blocks=32)
+    run_with_handoff(engine, make_request("a", range(8), outputs=[5, 6]))
+    lazy = SimEngine(
+        full_layout(),
+        config(events=True, store_mode=StoreMode.LAZY, max_batched_tokens=8),
+        num_gpu_blocks=5,
+    )
+    lazy.run(make_request("a", range(8)))
+    lazy.drain()
+    lazy.step()
+    events = stored_events(engine.scheduler.take_events() + lazy.scheduler.take_events())
+    assert len(events) == 2 + 2 + 1 + 2
+    kinds = ["full_attention", "sliding_window", "state"]
+    for event in events:
+        assert event.group_kind == kinds[event.group_id]
+
+
+def test_scenario_29_lora_fields_are_carried() -> None:
+    """Scenario 29: a LoRA request's events carry its adapter id and name."""
+    engine = SimEngine(full_layout(), config(events=True))
+    lora = LoRAInfo(7, "sql-adapter")
+    a = make_request("a", range(8), lora=lora)
+    engine.run(a)
+    engine.drain()
+    events = stored_events(engine.scheduler.take_events())
+    assert len(events) == 2
+    assert {(e.lora_id, e.lora_name) for e in events} == {(7, "sql-adapter")}
+    plain = make_request("plain", [*range(8), 9])
+    assert engine.scheduler.lookup(plain, 0) == 0  # the adapter is part of the hash
+
+
+@pytest.mark.parametrize("medium", ["CPU", "DISK"])
+def test_scenario_29_events_carry_the_tier_medium(medium: str, tmp_path: Path) -> None:
+    """Scenario 29: BlockStored, BlockRemoved and AllCleared are labelled with the tier."""
+    if medium == "DISK":
+        cfg = OffloadConfig(disk_bytes=1 << 20, disk_path=str(tmp_path / "tier"), events=True)
+    else:
+        cfg = config(events=True)
+    engine = SimEngine(full_layout(), cfg, num_tier_blocks=3)
+    assert engine.scheduler.tier is Tier(medium)
+    a = make_request("a", range(8))
+    engine.run(a)
+    engine.drain()
+    engine.run(make_request("b", range(100, 104)))  # evicts one of a's two slots
+    engine.drain()
+    assert {job.dst_tier for job in engine.worker.stores()} == {Tier(medium)}
+    assert engine.scheduler.reset() is True
+    events = engine.scheduler.take_events()
+    assert {e.medium for e in events} == {medium}
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert len(removed) == 1
+    assert removed[0].block_hash in a.block_hashes
+    assert events[-1] == AllCleared(medium)
+    assert len(stored_events(events)) == 3

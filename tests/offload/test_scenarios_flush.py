@@ -1,0 +1,326 @@
+"""SPEC §9 scenarios 9-16: finish-time flushes, deduplication and LRU."""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, SimRequest, block_key, config, full_layout, make_request
+
+from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.core.keys import Key, make_key
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.offload.config import StoreMode
+
+
+def keys_of(
+    engine: SimEngine, request: SimRequest, num_blocks: int, group_id: int = 0
+) -> list[Key]:
+    return [block_key(engine.layout, request, group_id, pos) for pos in range(num_blocks)]
+
+
+def in_tier(engine: SimEngine, keys: list[Key]) -> list[bool]:
+    return [engine.scheduler.tier_pool.cached_block(k) is not None for k in keys]
+
+
+def num_cached_slots(engine: SimEngine) -> int:
+    tier = engine.scheduler.tier_pool
+    return sum(tier.is_cached(b) for b in range(1, tier.num_blocks))
+
+
+def computed(engine: SimEngine, request: SimRequest, accept: int | None = None) -> SimRequest:
+    """Admit a request and compute its whole prompt in one step (it stays running)."""
+    assert engine.admit(request, accept) is not None
+    engine.schedule(request.request_id)
+    engine.step()
+    return request
+
+
+def test_scenario_09_flushes_finishing_in_one_step_share_one_store_event() -> None:
+    """Scenario 9: the finish flushes of two requests finishing together form one store event."""
+    engine = SimEngine(full_layout())
+    a = computed(engine, make_request("a", range(8)))
+    b = computed(engine, make_request("b", range(100, 108)))
+    tables = {*engine.tables["a"][0], *engine.tables["b"][0]}
+    engine.finish("a")
+    engine.finish("b")
+    plan = engine.step()
+    (store,) = plan.jobs
+    assert store.is_store
+    assert set(store.src_block_ids) == tables
+    assert in_tier(engine, keys_of(engine, a, 2) + keys_of(engine, b, 2)) == [True] * 4
+    engine.check()
+
+
+def test_scenario_10_keys_already_in_the_tier_cost_no_transfer_and_no_capacity() -> None:
+    """Scenario 10: a flush skips keys already in the tier: no copy, no extra slot."""
+    engine = SimEngine(full_layout())
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.evict_gpu()  # "b" computes its own blocks with a's keys
+    assert num_cached_slots(engine) == 2
+    engine.scheduler.take_stats()
+    b = computed(engine, make_request("b", [*range(8), 50, 51, 52, 53]), accept=0)
+    third = engine.tables["b"][0][2]
+    engine.finish("b")
+    (store,) = engine.step().jobs
+    assert store.src_block_ids == (third,)
+    stats = engine.scheduler.take_stats()
+    assert stats.store_outcomes == {"skipped_already_cached": 2, "stored": 1}
+    assert num_cached_slots(engine) == 3
+    assert in_tier(engine, keys_of(engine, b, 3)) == [True] * 3
+    engine.check()
+
+
+def test_scenario_11_has_pending_stores_from_finish_until_the_store_completes() -> None:
+    """Scenario 11: has_pending_stores() holds from finish (queued, in flight) to completion."""
+    engine = SimEngine(full_layout())
+    engine.auto_complete = False
+    computed(engine, make_request("a", range(8)))
+    assert not engine.scheduler.has_pending_stores()
+    engine.finish("a")
+    assert engine.scheduler.has_pending_stores()  # queued
+    plan = engine.step()
+    assert engine.scheduler.has_pending_stores()  # in flight
+    engine.worker.complete(plan.jobs[0].event_id)
+    engine.poll()
+    assert not engine.scheduler.has_pending_stores()
+    engine.check()
+
+
+def three_kinds_layout(window: int = 8) -> KVLayout:
+    return KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, window),
+            KVGroupSpec(GroupKind.SCRATCH, 4, 64),
+        )
+    )
+
+
+def test_scenario_12_every_cacheable_group_is_flushed() -> None:
+    """Scenario 12: a finish flush covers every cacheable group and never the scratch group."""
+    engine = SimEngine(three_kinds_layout(), num_gpu_blocks=16, num_tier_blocks=8)
+    a = computed(engine, make_request("a", range(8)))
+    full, sliding, scratch = engine.tables["a"]
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    assert sorted(store.src_block_ids) == sorted(full + sliding)
+    assert not set(store.src_block_ids) & set(scratch)
+    assert in_tier(engine, keys_of(engine, a, 2, 0) + keys_of(engine, a, 2, 1)) == [True] * 4
+    engine.check()
+
+
+def test_scenario_12_flush_never_exceeds_free_tier_capacity() -> None:
+    """Scenario 12: a flush larger than the free tier stores only what fits."""
+    engine = SimEngine(three_kinds_layout(), num_gpu_blocks=16, num_tier_blocks=4)
+    computed(engine, make_request("a", range(8)))
+    engine.scheduler.take_stats()
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    assert store.num_blocks == 3 == engine.scheduler.tier_pool.num_usable_blocks
+    assert engine.scheduler.take_stats().store_outcomes["dropped_tier_full"] >= 1
+    engine.check()
+
+
+def test_scenario_13_nulled_sliding_window_blocks_are_stored_from_the_gpu_cache() -> None:
+    """Scenario 13: sliding-window blocks nulled in the table are recovered from the GPU cache."""
+    engine = SimEngine(three_kinds_layout(window=4), num_gpu_blocks=24, num_tier_blocks=16)
+    a = computed(engine, make_request("a", range(12)))
+    sliding = list(engine.tables["a"][1])
+    engine.drop_blocks("a", 1, [0, 1])  # window of 1 block: positions 0, 1 are out of it
+    assert engine.tables["a"][1][:2] == [NULL_BLOCK_ID, NULL_BLOCK_ID]
+    # Evict position 0 from the GPU cache (it was freed first, so it is the older).
+    num_never_used = engine.gpu.num_free() - 2
+    engine.gpu.free(engine.gpu.allocate(num_never_used + 1))
+    assert engine.gpu.cached_block(block_key(engine.layout, a, 1, 0)) is None
+    assert engine.gpu.cached_block(block_key(engine.layout, a, 1, 1)) == sliding[1]
+
+    engine.scheduler.take_stats()
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    assert sliding[1] in store.src_block_ids
+    assert sliding[0] not in store.src_block_ids
+    assert NULL_BLOCK_ID not in store.src_block_ids
+    assert in_tier(engine, keys_of(engine, a, 3, 1)) == [False, True, True]
+    assert engine.scheduler.take_stats().store_outcomes == {"stored": 5, "dropped_null": 1}
+    engine.check()
+
+
+def fine_layout() -> KVLayout:
+    return full_layout(block_size=8, hash_block_size=4)
+
+
+def test_scenario_14_partial_tail_is_flushed_once_and_later_hit_whole() -> None:
+    """Scenario 14: the fine-grained partial tail is stored once; a later prompt hits it all."""
+    engine = SimEngine(fine_layout(), config(fine_grained_hits=True))
+    a = make_request("a", range(12), outputs=[40, 41])
+    engine.run(a)
+    engine.drain()
+    src = [b for job in engine.worker.stores() for b in job.src_block_ids]
+    assert len(src) == len(set(src)) == 2  # block 0 while decoding, the tail at finish
+    tail_key = make_key(a.block_hashes[2], 0)
+    assert engine.tier_content(block_key(engine.layout, a, 0, 0)) == [
+        block_key(engine.layout, a, 0, 0)
+    ]
+    assert engine.tier_content(tail_key) == [tail_key]
+    tier = engine.scheduler.tier_pool
+    assert tier.num_tokens(tier.cached_block(tail_key)) == 4
+    engine.evict_gpu()
+
+    b = make_request("b", [*range(12), 99])
+    admission = engine.admit(b)
+    assert admission is not None
+    assert admission.num_accepted_tokens == 12
+    (load,) = engine.step().jobs
+    assert load.dst_block_ids == tuple(engine.tables["b"][0][:2])
+    assert engine.loading == {}
+    engine.check_kv(b)
+    engine.check()
+
+
+@pytest.mark.parametrize("issued", [False, True])
+def test_partial_tail_of_a_request_finished_during_its_load_is_not_stored(issued: bool) -> None:
+    """A request finished before its load landed must not flush the load's destinations."""
+    engine = SimEngine(fine_layout(), config(fine_grained_hits=True))
+    engine.run(make_request("a", range(16), outputs=[5]))  # stores two whole blocks
+    engine.drain()
+    engine.evict_gpu()
+    engine.auto_complete = False
+    y = make_request("y", range(16))
+    admission = engine.admit(y)  # the hit ends inside block 1: 12 of 16 tokens
+    assert admission is not None
+    assert admission.num_accepted_tokens == 12
+    destinations = set(engine.tables["y"][0])
+    if issued:
+        assert engine.step().jobs[0].is_load
+    engine.finish("y")
+    plan = engine.step()
+    stored = {b for job in plan.jobs if job.is_store for b in job.src_block_ids}
+    assert not stored & destinations
+
+
+def test_scenario_15_same_hashes_store_nothing_again_across_steps() -> None:
+    """Scenario 15: a second request with the same hashes stores nothing, in flight or done."""
+    engine = SimEngine(full_layout())
+    engine.auto_complete = False
+    a = make_request("a", range(8))
+    b = make_request("b", range(8))
+    assert engine.admit(a) is not None
+    assert engine.admit(b) is not None  # admitted together: distinct GPU blocks, same keys
+    engine.schedule("a")
+    engine.schedule("b")
+    engine.step()
+    assert set(engine.tables["a"][0]).isdisjoint(engine.tables["b"][0])
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    assert store.num_blocks == 2
+    engine.scheduler.take_stats()
+    engine.finish("b")
+    assert engine.step().jobs == ()  # a's copies are still in flight
+    assert engine.scheduler.take_stats().store_outcomes == {"skipped_in_flight": 2}
+    engine.worker.complete(store.event_id)
+    engine.poll()
+
+    engine.evict_gpu()
+    engine.auto_complete = True
+    engine.run(make_request("c", range(8)), accept=0)
+    assert engine.step().jobs == ()
+    assert engine.scheduler.take_stats().store_outcomes == {"skipped_already_cached": 2}
+    engine.check()
+
+
+def test_scenario_15_lazy_mode_skips_keys_already_stored() -> None:
+    """Scenario 15: lazy mode does not store a free GPU block whose key is in the tier."""
+    cfg = config(store_mode=StoreMode.LAZY, max_batched_tokens=8)
+    engine = SimEngine(full_layout(), cfg, num_gpu_blocks=5)
+    engine.run(make_request("a", range(8)))
+    (store,) = engine.step().jobs
+    assert store.num_blocks == 2
+    engine.scheduler.take_stats()
+    assert engine.step().jobs == ()
+    assert engine.scheduler.take_stats().store_outcomes.get("skipped_already_cached", 0) >= 1
+    engine.check()
+
+
+def one_block_requests(engine: SimEngine, *names: str) -> dict[str, SimRequest]:
+    """Run one 4-token request per name, each stored and drained before the next."""
+    requests = {}
+    for name in names:
+        first = 100 * ord(name[0])
+        requests[name] = make_request(name, range(first, first + 4))
+        engine.run(requests[name])
+        engine.drain()
+    return requests
+
+
+@pytest.mark.parametrize("touch_a", [False, True])
+def test_scenario_16_full_tier_evicts_the_least_recently_used(touch_a: bool) -> None:
+    """Scenario 16: storing C into a full tier evicts LRU of A, B; touching A makes B the victim."""
+    engine = SimEngine(full_layout(), num_tier_blocks=3)
+    requests = one_block_requests(engine, "a", "b")
+    a, b = requests["a"], requests["b"]
+    if touch_a:
+        engine.evict_gpu()
+        reader = make_request("reader", [*a.token_ids, 7])
+        engine.run(reader)  # loads A from the tier
+        engine.drain()
+        assert engine.worker.loads()
+    one_block_requests(engine, "c")
+    a_in, b_in = in_tier(engine, keys_of(engine, a, 1) + keys_of(engine, b, 1))
+    assert (a_in, b_in) == ((True, False) if touch_a else (False, True))
+    engine.check()
+
+
+def test_scenario_16_a_stored_prefix_loses_its_tail_before_its_root() -> None:
+    """Scenario 16: under tier pressure a stored prefix is evicted tail-first (SPEC §4)."""
+    engine = SimEngine(full_layout(), num_tier_blocks=4)
+    a = make_request("a", range(12))
+    engine.run(a)
+    engine.drain()
+    one_block_requests(engine, "x")  # needs one slot: evicts one of a's
+    assert in_tier(engine, keys_of(engine, a, 3)) == [True, True, False]
+
+
+def test_scenario_16_a_loaded_prefix_loses_its_tail_before_its_root() -> None:
+    """Scenario 16: after a tier hit, the hit prefix is evicted tail-first (SPEC §4)."""
+    engine = SimEngine(full_layout(), num_tier_blocks=4)
+    a = make_request("a", range(12))
+    engine.run(a)
+    engine.drain()
+    engine.evict_gpu()
+    engine.run(make_request("reader", [*range(12), 7]))  # loads all three blocks
+    engine.drain()
+    assert engine.worker.loads()[-1].num_blocks == 3
+    one_block_requests(engine, "x")  # needs one slot: evicts one of a's
+    assert in_tier(engine, keys_of(engine, a, 3)) == [True, True, False]
+
+
+def test_confirmed_tokens_exclude_output_placeholders() -> None:
+    """Eager mode stores only blocks whose KV is confirmed: computed minus placeholders."""
+    engine = SimEngine(full_layout())
+    a = make_request("a", range(8), outputs=range(10))
+    engine.admit(a)
+    engine.schedule("a")
+    engine.step()
+    for _ in range(4):  # decode four tokens: block 2 (tokens 8..11) is computed
+        engine.schedule("a")
+        engine.step()
+    table = engine.tables["a"][0]
+    a.num_output_placeholders = 1  # ... but one of its tokens is not confirmed yet
+    engine.schedule("a")
+    assert engine.step().jobs == ()
+    a.num_output_placeholders = 0
+    engine.schedule("a")
+    (store,) = engine.step().jobs
+    assert store.src_block_ids == (table[2],)
+
+
+def test_finished_request_blocks_keep_tail_first_gpu_eviction_after_their_store() -> None:
+    """The engine frees blocks tail-first; a flush's pins must not turn that into root-first."""
+    engine = SimEngine(full_layout(), num_gpu_blocks=8)
+    a = make_request("a", range(12))
+    engine.run(a)
+    engine.drain()
+    num_never_used = engine.gpu.num_free() - 3
+    engine.gpu.free(engine.gpu.allocate(num_never_used + 1))  # evict one of a's blocks
+    cached = [engine.gpu.cached_block(k) is not None for k in keys_of(engine, a, 3)]
+    assert cached == [True, True, False]
