@@ -39,10 +39,6 @@ HASH_BLOCK = 4
 FAMILIES = [[1000 * f + i for i in range(12)] for f in range(2)]
 MAX_LIVE_REQUESTS = 4
 SEEDS = st.integers(0, 2**32 - 1)
-# Known bug (xfail test_partial_tail_of_a_request_finished_during_its_load_is_not_stored):
-# with fine-grained hits, finishing a request while its load is in flight stores the
-# not-yet-loaded block as a partial tail. Set to False once the scheduler is fixed.
-SKIP_ABORT_DURING_FINE_LOAD = False
 WORKER_ACTIONS = ["done"] * 6 + ["wait"] * 3 + ["fail"]
 
 
@@ -236,19 +232,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def incident(self, incident: int, rng: random.Random) -> None:
         """Sometimes abort a request, reset the scheduler or report between steps."""
-        if incident == 0 and self.abortable_ids():
-            self.abort(rng.choice(self.abortable_ids()))
+        if incident == 0 and self.live_ids():
+            self.abort(rng.choice(self.live_ids()))
         elif incident == 1:
             self.reset()
         elif incident in (2, 3):
             self.work(rng)
-
-    def abortable_ids(self) -> list[str]:
-        """Return the live requests an abort may pick (see SKIP_ABORT_DURING_FINE_LOAD)."""
-        fine = self.engine.scheduler.config.fine_grained_hits
-        if SKIP_ABORT_DURING_FINE_LOAD and fine:
-            return [r for r in self.live_ids() if r not in self.engine.loading]
-        return self.live_ids()
 
     def abort(self, request_id: str) -> None:
         """Finish a live request early, whatever it is doing (waiting, loading, running)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -124,14 +125,8 @@ class ModelConfig:
     @staticmethod
     def tiny_hybrid() -> ModelConfig:
         """Return a 2-layer model with one full and one sliding-window (8 tokens) layer."""
-        return ModelConfig(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
+        return dataclasses.replace(
+            ModelConfig.tiny(),
             layer_kinds=(AttentionKind.FULL, AttentionKind.SLIDING),
             sliding_window=8,
         )

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from kvtier.core.keys import Key
-from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
+from kvtier.core.policies.block_lists import BlockLists
 
 _REUSABLE, _T1, _T2 = 0, 1, 2
 _ORDER = (_REUSABLE, _T1, _T2)
@@ -114,16 +114,7 @@ class ARCPolicy:
         The order matches `pop_victim` for unhashed blocks; between T1 and T2 the
         policy's choice depends on `p` at eviction time.
         """
-        start = 0
-        after = None
-        if cursor is not None:
-            where = self._lists.where(cursor)
-            if where == NOT_LISTED:
-                raise KeyError(f"block {cursor} is not queued")
-            start, after = _ORDER.index(where), cursor
-        for list_id in _ORDER[start:]:
-            yield from self._lists.iter_list(list_id, after)
-            after = None
+        yield from self._lists.iter_lists_after(_ORDER, cursor)
 
     def clear_and_fill(self, block_ids: range) -> None:
         """Queue exactly `block_ids` as unhashed blocks, reused in that order; keep ghosts."""

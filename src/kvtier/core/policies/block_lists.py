@@ -9,7 +9,7 @@ per block. Node `num_blocks + i` is the sentinel of list i (`_next[s]` is the he
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 NOT_LISTED = -1
 
@@ -107,6 +107,22 @@ class BlockLists:
         while node != s:
             yield node
             node = self._next[node]
+
+    def iter_lists_after(self, order: Sequence[int], cursor: int | None) -> Iterator[int]:
+        """Yield the lists of `order` one after another, starting after block `cursor`.
+
+        `cursor` must be queued in one of the lists of `order` (KeyError otherwise).
+        """
+        start = 0
+        after = None
+        if cursor is not None:
+            where = self.where(cursor)
+            if where == NOT_LISTED or where not in order:
+                raise KeyError(f"block {cursor} is not queued")
+            start, after = list(order).index(where), cursor
+        for list_id in order[start:]:
+            yield from self.iter_list(list_id, after)
+            after = None
 
     def check_invariants(self) -> None:
         """Raise AssertionError when links, lengths and list ids disagree."""

@@ -30,7 +30,7 @@ from array import array
 from collections.abc import Iterator
 
 from kvtier.core.keys import Key
-from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
+from kvtier.core.policies.block_lists import BlockLists
 from kvtier.core.policies.sketch import CountMinSketch
 
 DEFAULT_MAX_FREQUENCY = 2
@@ -108,16 +108,7 @@ class LFUDAPolicy:
     def iter_after(self, cursor: int | None) -> Iterator[int]:
         """Yield free blocks in eviction order: unhashed, then by priority, LRU first."""
         order = [self._reusable, *self._levels_in_order()]
-        start = 0
-        after = None
-        if cursor is not None:
-            where = self._lists.where(cursor)
-            if where == NOT_LISTED:
-                raise KeyError(f"block {cursor} is not queued")
-            start, after = order.index(where), cursor
-        for list_id in order[start:]:
-            yield from self._lists.iter_list(list_id, after)
-            after = None
+        yield from self._lists.iter_lists_after(order, cursor)
 
     def clear_and_fill(self, block_ids: range) -> None:
         """Queue exactly `block_ids` as unhashed blocks, reused in that order; keep the sketch."""
