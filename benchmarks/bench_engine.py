@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=2, help="repetitions (median reported)")
     parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--gpu-blocks", type=int, default=96)
     parser.add_argument("--disk", action="store_true", help="also run the disk tier")
     parser.add_argument("--json", type=Path, help="write every number here")
@@ -57,7 +57,7 @@ def main() -> None:
             )
             configs.append(("disk", disk))
         with LLM(model, engine=engine) as warm:  # warm up kernels and allocator
-            run_chat(warm, ChatWorkload(2, 2, vocab_size=model.vocab_size), "warm-up")
+            run_chat(warm, ChatWorkload(2, 2, 64, 64, vocab_size=model.vocab_size), "warm-up")
         for rep in range(args.reps):
             for name, offload in configs:
                 with LLM(model, kv_offload=offload, engine=engine) as llm:

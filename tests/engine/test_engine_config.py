@@ -38,7 +38,7 @@ def test_presets_are_valid_and_grouped() -> None:
     assert (full.group_id, full.layer_ids, full.sliding_window) == (0, (0,), None)
     assert (sliding.group_id, sliding.layer_ids, sliding.sliding_window) == (1, (1,), 8)
     demo = ModelConfig.demo()
-    assert demo.kv_bytes_per_token() == 2 * demo.num_layers * 2 * 32 * 4
+    assert demo.kv_bytes_per_token() == 2 * demo.num_layers * demo.num_kv_heads * demo.head_dim * 4
 
 
 def test_all_sliding_model_has_one_group() -> None:

@@ -34,9 +34,12 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--model-dir", help="local HF checkpoint dir (default: random demo model)")
     parser.add_argument("--conversations", type=int, default=8, help="conversations (default 8)")
-    parser.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
+    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
     parser.add_argument("--system-tokens", type=int, default=256, help="shared system prompt")
-    parser.add_argument("--user-tokens", type=int, default=128, help="tokens per user message")
+    parser.add_argument(
+        "--document-tokens", type=int, default=512, help="per-conversation document"
+    )
+    parser.add_argument("--user-tokens", type=int, default=64, help="tokens per user message")
     parser.add_argument("--answer-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--gpu-blocks", type=int, default=96, help="GPU pool size in blocks")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
@@ -63,6 +66,7 @@ def run_demo(args: argparse.Namespace) -> int:
         num_conversations=args.conversations,
         num_turns=args.turns,
         num_system_tokens=args.system_tokens,
+        num_document_tokens=args.document_tokens,
         num_user_tokens=args.user_tokens,
         num_answer_tokens=args.answer_tokens,
         vocab_size=vocab or 1000,
@@ -84,7 +88,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with LLM(model, engine=engine) as warm:  # warm up kernels and allocator first
             run_chat(
                 warm,
-                ChatWorkload(2, 1, num_system_tokens=64, vocab_size=workload.vocab_size),
+                ChatWorkload(2, 1, 64, 64, vocab_size=workload.vocab_size),
                 "warm-up",
             )
         with Progress(console=console, transient=True) as progress:

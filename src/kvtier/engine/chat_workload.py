@@ -1,4 +1,4 @@
-"""A multi-turn chat workload: conversations sharing a system prompt, turns interleaved."""
+"""A multi-turn chat workload: conversations sharing a system prompt, turns round-robin."""
 
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ from kvtier.engine.sampling import SamplingParams
 
 @dataclass(frozen=True)
 class ChatWorkload:
-    """Shape of the workload. Token counts are per message; ids are drawn from a seed."""
+    """Shape of the workload. Token counts are per message; ids are drawn from a seed.
+
+    Every conversation starts with the shared system prompt, then a document of its own
+    (an uploaded file or retrieved context), then alternating user and answer turns.
+    """
 
     num_conversations: int = 8
-    num_turns: int = 5
+    num_turns: int = 6
     num_system_tokens: int = 256
-    num_user_tokens: int = 128
+    num_document_tokens: int = 512
+    num_user_tokens: int = 64
     num_answer_tokens: int = 16
     vocab_size: int = 1024
     seed: int = 0
@@ -93,22 +98,26 @@ def percentile(values: list[float], q: float) -> float:
 def run_chat(
     llm: LLM, workload: ChatWorkload, name: str, on_turn: Callable[[], None] | None = None
 ) -> RunResult:
-    """Serve the workload on `llm`: every turn of all conversations goes in one batch."""
+    """Serve the workload on `llm`, one request at a time, conversations round-robin.
+
+    Each user waits for the answer before the next turn, and the conversations take
+    turns, so by a conversation's next turn the others have pushed its history out of
+    a small GPU pool. TTFT is then the request's own prefill (or load) time.
+    """
     rng = random.Random(workload.seed)
     system = [rng.randrange(workload.vocab_size) for _ in range(workload.num_system_tokens)]
-    histories = [list(system) for _ in range(workload.num_conversations)]
+    histories = [
+        system + [rng.randrange(workload.vocab_size) for _ in range(workload.num_document_tokens)]
+        for _ in range(workload.num_conversations)
+    ]
     params = SamplingParams(max_tokens=workload.num_answer_tokens, ignore_eos=True)
     turns = []
     start = time.perf_counter()
     for turn in range(workload.num_turns):
-        prompts = []
-        for history in histories:
-            history.extend(
-                rng.randrange(workload.vocab_size) for _ in range(workload.num_user_tokens)
-            )
-            prompts.append(list(history))
-        outputs = llm.generate(prompts, params)
-        for conversation, (history, output) in enumerate(zip(histories, outputs, strict=True)):
+        for conversation, history in enumerate(histories):
+            user = [rng.randrange(workload.vocab_size) for _ in range(workload.num_user_tokens)]
+            history.extend(user)
+            (output,) = llm.generate([list(history)], params)
             history.extend(output.output_token_ids)
             turns.append(
                 TurnResult(

@@ -157,10 +157,11 @@ class LLM:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(step.preempted_ids)
         if self.offload is not None:
+            # The plan only stores blocks computed by earlier steps and loads into blocks
+            # no running request uses, so its copies may overlap this step's forward.
             self.offload.prepare(step)
-        sampled = self._forward(step) if step.work else []
-        if self.offload is not None:
             self.offload.submit()
+        sampled = self._forward(step) if step.work else []
         finished = self.scheduler.complete(step, sampled, time.perf_counter())
         if self.offload is not None:
             self.offload.finish_step(finished)

@@ -83,7 +83,7 @@ class OffloadSide:
             self.worker.flush()
 
     def submit(self) -> None:
-        """Hand this step's plan to the worker (after the forward pass was launched)."""
+        """Hand this step's plan to the worker; its copies run beside the forward pass."""
         if self._plan is not None and self._plan.jobs:
             self.worker.submit(self._plan)
         self._plan = None
@@ -117,10 +117,11 @@ class OffloadSide:
 
 def _worker_config(config: OffloadConfig, num_tier_blocks: int) -> WorkerConfig:
     if config.tier is Tier.CPU:
-        return WorkerConfig(cpu_num_slots=num_tier_blocks)
+        return WorkerConfig(cpu_num_slots=num_tier_blocks, copy_threads=1)
     return WorkerConfig(
         disk_num_slots=num_tier_blocks,
         disk_path=config.disk_path,
         disk_io_mode=config.disk_io_mode,
         disk_buffer_slots=config.disk_buffer_slots,
+        copy_threads=1,
     )
