@@ -18,18 +18,18 @@ Target (BENCHMARKS.md): >= 0.8x.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from bench_common import write_json
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.storage import DiskIOMode
 from kvtier.transfer import OffloadWorker, TensorLayout, WorkerConfig
@@ -263,17 +263,7 @@ def main() -> None:
                 )
     summary = summarize(rows, time.perf_counter() - started)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(
-                {
-                    "machine": machine,
-                    "args": vars(args),
-                    "summary": summary,
-                    "rows": [asdict(r) for r in rows],
-                },
-                out,
-                indent=2,
-            )
+        write_json(args.json, machine, args, summary, rows)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,16 @@ transfer time (= GB/s ratio). Target (BENCHMARKS.md): >= 0.7x at >= 64 KiB block
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from bench_common import write_json
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.transfer import OffloadWorker, TensorLayout, WorkerConfig
 
@@ -217,17 +217,7 @@ def main() -> None:
             print(f"{block_kib:>5}Ki {regions:>3} {row.blocks:>6} {row.copy_gbs:>9.2f} {cells}")
     summary = summarize(rows, args.device, time.perf_counter() - started)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(
-                {
-                    "machine": machine,
-                    "args": vars(args),
-                    "summary": summary,
-                    "rows": [asdict(r) for r in rows],
-                },
-                out,
-                indent=2,
-            )
+        write_json(args.json, machine, args, summary, rows)
 
 
 if __name__ == "__main__":
