@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,7 +59,7 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since the engine started."""
+    """Counters since the engine started; transfer totals are in `LLM.offload.totals`."""
 
     num_steps: int = 0
     num_preemptions: int = 0
@@ -67,10 +67,6 @@ class EngineStats:
     num_computed_tokens: int = 0
     num_local_hit_tokens: int = 0
     num_external_hit_tokens: int = 0
-    num_bytes_loaded: int = 0
-    num_bytes_stored: int = 0
-    num_failed_loads: int = 0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class LLM:
