@@ -38,7 +38,7 @@ from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import find_longest_hit
 from kvtier.offload.config import OffloadConfig
-from kvtier.offload.plan import TransferPlan
+from kvtier.offload.plan import Tier, TransferPlan
 from kvtier.offload.protocols import Handoff, ScheduledRequest, StepInput, TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.transfers import ReportOutcome
@@ -94,14 +94,20 @@ class SimEngine:
         num_gpu_blocks: int = 16,
         num_tier_blocks: int = 8,
         num_workers: int = 1,
+        num_disk_blocks: int = 0,
     ) -> None:
-        """Build the engine; the tier has `num_tier_blocks` blocks, null block included."""
+        """Build the engine; the tier has `num_tier_blocks` blocks, null block included.
+
+        `num_disk_blocks` sizes the disk tier of a CPU+disk cascade config.
+        """
         self.layout = layout
         self.gpu = BlockPool(num_gpu_blocks)
         offload_config = config() if offload_config is None else offload_config
-        setup = SchedulerSetup(layout, num_tier_blocks, num_workers, self.gpu)
+        setup = SchedulerSetup(
+            layout, num_tier_blocks, num_workers, self.gpu, num_disk_blocks=num_disk_blocks
+        )
         self.scheduler = OffloadScheduler(offload_config, setup)
-        self.worker = FakeWorker(num_workers)
+        self.worker = FakeWorker(num_workers, offload_config.tier.value)
         self.auto_complete = True  # step() completes every in-flight job before polling
         self.requests: dict[str, SimRequest] = {}  # admitted: they hold GPU blocks
         self.tables: dict[str, list[list[int]]] = {}
@@ -411,8 +417,12 @@ class SimEngine:
         self.scheduler.check_invariants()
         self.gpu.check_invariants()
 
-    def tier_content(self, key: Key) -> list[Content]:
-        """Return what every worker holds in the tier slot of `key` (the key must be cached)."""
-        slot = self.scheduler.tier_pool.cached_block(key)
-        assert slot is not None, "key not in the tier"
-        return [tier.get(slot) for tier in self.worker.tier]
+    def tier_content(self, key: Key, tier: Tier | None = None) -> list[Content]:
+        """Return what every worker holds in the slot of `key` (cached in `tier`).
+
+        `tier` defaults to the tier GPU blocks are stored into.
+        """
+        tier = self.scheduler.tier if tier is None else tier
+        slot = self.scheduler.index.pools[tier].cached_block(key)
+        assert slot is not None, f"key not in the {tier.value} tier"
+        return [space.get(slot) for space in self.worker.lower[tier.value]]

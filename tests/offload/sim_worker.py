@@ -1,6 +1,6 @@
 """A fake offload worker for tests: N workers that copy only when told, with a byte model.
 
-Per worker, a dict GPU block -> content and tier slot -> content (content: see
+Per worker, a dict GPU block -> content and, per lower tier, slot -> content (content: see
 `sim_request.block_content`). A worker copies when it finishes its job, after checking that
 the source did not change while the job was in flight (a missing pin would let it).
 """
@@ -34,10 +34,13 @@ class _InFlight:
 class FakeWorker:
     """N offload workers that copy only when told, with a byte model per worker."""
 
-    def __init__(self, num_workers: int = 1) -> None:
+    def __init__(self, num_workers: int = 1, first_tier: str = "CPU") -> None:
         self.num_workers = num_workers
         self.gpu: list[dict[int, Content]] = [{} for _ in range(num_workers)]
-        self.tier: list[dict[int, Content]] = [{} for _ in range(num_workers)]
+        self.lower: dict[str, list[dict[int, Content]]] = {
+            name: [{} for _ in range(num_workers)] for name in ("CPU", "DISK")
+        }
+        self.tier = self.lower[first_tier]  # the tier GPU blocks are stored into
         self.plans: list[TransferPlan] = []
         self.jobs: dict[int, TransferJob] = {}
         self.in_flight: dict[int, _InFlight] = {}
@@ -110,7 +113,7 @@ class FakeWorker:
         return [job for job in self.jobs.values() if job.is_load]
 
     def _space(self, worker: int, tier_name: str) -> dict[int, Content]:
-        return self.gpu[worker] if tier_name == "GPU" else self.tier[worker]
+        return self.gpu[worker] if tier_name == "GPU" else self.lower[tier_name][worker]
 
     def _read(self, worker: int, tier_name: str, block_ids: Sequence[int]) -> list[Content]:
         space = self._space(worker, tier_name)

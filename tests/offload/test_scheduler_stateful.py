@@ -33,7 +33,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sim import SimEngine, SimRequest, config, full_layout, make_request
 
 from kvtier.core.keys import Key
-from kvtier.offload.config import StoreMode
+from kvtier.offload.config import CascadeMode, OffloadConfig, StoreMode
+from kvtier.offload.plan import Tier
 
 HASH_BLOCK = 4
 FAMILIES = [[1000 * f + i for i in range(12)] for f in range(2)]
@@ -46,6 +47,13 @@ def refs(pool_refs: list[int]) -> Counter[int]:
     return Counter({b: r for b, r in enumerate(pool_refs) if r})
 
 
+Slot = tuple[str, int]  # (lower tier name, block id)
+
+
+def tagged(tier_name: str, counts: Counter[int]) -> Counter[Slot]:
+    return Counter({(tier_name, b): n for b, n in counts.items()})
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Drive a `SimEngine` at random; subclasses pick the store mode.
 
@@ -54,15 +62,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     """
 
     mode = StoreMode.EAGER
+    cascade: CascadeMode | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.engine: SimEngine
         self.waiting: dict[str, SimRequest] = {}  # new or preempted: no GPU blocks
-        self.lookup_pins: dict[str, Counter[int]] = {}  # tier slots a lookup pinned
-        self.queued_loads: dict[str, tuple[Counter[int], Counter[int]]] = {}  # tier, GPU
-        self.abandoned: set[int] = set()  # store events in flight at a reset
-        self.legit: set[Key] = set()  # keys a completed, kept store holds
+        self.lookup_pins: dict[str, Counter[Slot]] = {}  # tier slots a lookup pinned
+        self.queued_loads: dict[str, tuple[Counter[Slot], Counter[int]]] = {}  # tier, GPU
+        self.abandoned: set[int] = set()  # store and demotion events in flight at a reset
+        self.legit: set[tuple[str, Key]] = set()  # (tier, key) a completed, kept copy holds
         self.expect_failed: set[str] = set()  # queued loads a reset dropped
         self.num_seen_reports = 0
         self.next_id = 0
@@ -72,20 +81,40 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_gpu_blocks=st.integers(8, 16),
         num_tier_blocks=st.integers(3, 8),
         fine=st.booleans(),
+        num_disk_blocks=st.integers(3, 10),
     )
     def setup(
-        self, num_workers: int, num_gpu_blocks: int, num_tier_blocks: int, fine: bool
+        self,
+        num_workers: int,
+        num_gpu_blocks: int,
+        num_tier_blocks: int,
+        fine: bool,
+        num_disk_blocks: int,
     ) -> None:
-        """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits)."""
+        """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits).
+
+        A cascade machine puts a disk tier of `num_disk_blocks` behind the CPU tier.
+        """
         fine = fine and self.mode is StoreMode.EAGER
         layout = full_layout(8, HASH_BLOCK) if fine else full_layout(4)
         cfg = config(store_mode=self.mode, max_batched_tokens=8, fine_grained_hits=fine)
+        if self.cascade is not None:
+            cfg = OffloadConfig(
+                cpu_bytes=1 << 20,
+                disk_bytes=1 << 21,
+                disk_path="unused-by-the-fake-worker",
+                cascade=self.cascade,
+                store_mode=self.mode,
+                max_batched_tokens=8,
+                fine_grained_hits=fine,
+            )
         self.engine = SimEngine(
             layout,
             cfg,
             num_gpu_blocks=num_gpu_blocks,
             num_tier_blocks=num_tier_blocks,
             num_workers=num_workers,
+            num_disk_blocks=num_disk_blocks if self.cascade is not None else 0,
         )
         self.engine.auto_complete = False
 
@@ -204,9 +233,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         (plan,) = engine.worker.plans[num_plans:]
         note(f"plan: {plan}")
         loads = [job for job in plan.jobs if job.is_load]
-        want_tier = sum((q[0] for q in queued.values()), Counter())
-        want_gpu = sum((q[1] for q in queued.values()), Counter())
-        got_tier = Counter(b for job in loads for b in job.src_block_ids)
+        want_tier: Counter[Slot] = sum((q[0] for q in queued.values()), Counter())
+        want_gpu: Counter[int] = sum((q[1] for q in queued.values()), Counter())
+        got_tier = Counter((job.src_tier.value, b) for job in loads for b in job.src_block_ids)
         got_gpu = Counter(b for job in loads for b in job.dst_block_ids)
         assert (got_tier, got_gpu) == (want_tier, want_gpu), "the plan's loads differ from queued"
         self.queued_loads = {}
@@ -249,7 +278,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         """Reset the scheduler: pins dropped, queued loads failed, in-flight stores abandoned."""
         worker = self.engine.worker
-        self.abandoned |= {e for e, flight in worker.in_flight.items() if flight.job.is_store}
+        self.abandoned |= {
+            e for e, flight in worker.in_flight.items() if flight.job.dst_tier is not Tier.GPU
+        }
         self.expect_failed = set(self.queued_loads)
         self.lookup_pins.clear()
         self.queued_loads = {}
@@ -269,12 +300,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.learn_reports()
 
     def learn_reports(self) -> None:
-        """Add the keys held by stores every worker finished (not failed, not abandoned)."""
+        """Add the keys of stores and demotions every worker finished (not failed/abandoned).
+
+        A demotion copies whatever its CPU source held; it counts only if that was legit.
+        """
         reported = list(self.engine.worker.reported.items())
         for event_id, flight in reported[self.num_seen_reports :]:
-            if flight.job.is_store and not flight.failed and event_id not in self.abandoned:
-                for content in flight.sources[0]:
-                    self.legit.update(self.engine.covered.get(content, ()))
+            job = flight.job
+            if job.dst_tier is Tier.GPU or flight.failed or event_id in self.abandoned:
+                continue
+            dst = job.dst_tier.value
+            for content in flight.sources[0]:
+                for key in self.engine.covered.get(content, ()):
+                    if job.src_tier is Tier.GPU or (job.src_tier.value, key) in self.legit:
+                        self.legit.add((dst, key))
         self.num_seen_reports = len(reported)
 
     # ------------------------------------------------------------ checks
@@ -286,9 +325,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def live_ids(self) -> list[str]:
         return sorted([*self.waiting, *self.engine.requests])
 
-    def tier_refs(self) -> Counter[int]:
-        tier = self.engine.scheduler.tier_pool
-        return refs([tier.ref_count(b) for b in range(tier.num_blocks)])
+    def tier_refs(self) -> Counter[Slot]:
+        counts: Counter[Slot] = Counter()
+        for tier, pool in self.engine.scheduler.index.pools.items():
+            counts += tagged(tier.value, refs([pool.ref_count(b) for b in range(pool.num_blocks)]))
+        return counts
 
     def gpu_refs(self) -> Counter[int]:
         gpu = self.engine.gpu
@@ -302,9 +343,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     def every_pin_is_explained(self) -> None:
         engine = self.engine
         worker = engine.worker
-        queued_stores = engine.scheduler.selector.queued
-        want_tier = worker.in_flight_refs(engine.scheduler.tier.value)
-        want_tier.update(item.tier_block_id for item in queued_stores)
+        scheduler = engine.scheduler
+        queued_stores = scheduler.selector.queued
+        want_tier: Counter[Slot] = Counter()
+        for tier in scheduler.index.tiers:
+            want_tier += tagged(tier.value, worker.in_flight_refs(tier.value))
+        want_tier.update((scheduler.tier.value, item.tier_block_id) for item in queued_stores)
+        if scheduler.cascade is not None:
+            for move in scheduler.cascade.queued:
+                want_tier.update([("CPU", move.cpu_block_id), ("DISK", move.disk_block_id)])
         want_gpu = worker.in_flight_refs("GPU") + engine.engine_refs()
         want_gpu.update(item.gpu_block_id for item in queued_stores)
         for pin in self.lookup_pins.values():
@@ -318,15 +365,19 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def visible_keys_were_stored_by_every_worker(self) -> None:
         engine = self.engine
-        tier = engine.scheduler.tier_pool
-        for key in engine.covered:
-            slot = tier.cached_block(key)
-            if slot is None:
-                continue
-            assert key in self.legit, "a key is visible without a completed store"
-            for worker_tier in engine.worker.tier:
-                content = worker_tier.get(slot)
-                assert key in engine.covered.get(content, ()), "a visible key's bytes are wrong"
+        for tier, pool in engine.scheduler.index.pools.items():
+            for key in engine.covered:
+                slot = pool.cached_block(key)
+                if slot is None:
+                    continue
+                assert (tier.value, key) in self.legit, (
+                    f"a key is visible in {tier.value} without a completed copy"
+                )
+                for space in engine.worker.lower[tier.value]:
+                    content = space.get(slot)
+                    assert key in engine.covered.get(content, ()), (
+                        f"a visible key's bytes are wrong in {tier.value}"
+                    )
 
     def teardown(self) -> None:
         """Drain: finish everything, complete every transfer; nothing may stay pinned."""
@@ -344,8 +395,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not engine.scheduler.has_pending_stores()
         self.every_pin_is_explained()
         self.visible_keys_were_stored_by_every_worker()
-        tier = engine.scheduler.tier_pool
-        assert tier.num_free() == tier.num_usable_blocks, "tier slots leaked"
+        for tier, pool in engine.scheduler.index.pools.items():
+            assert pool.num_free() == pool.num_usable_blocks, f"{tier.value} slots leaked"
         assert self.gpu_refs() == Counter(), "GPU blocks still pinned"
         engine.check()
 
@@ -356,13 +407,39 @@ class LazySchedulerMachine(SchedulerMachine):
     mode = StoreMode.LAZY
 
 
+class WriteThroughMachine(SchedulerMachine):
+    """The same runs with a CPU+disk cascade, write-through."""
+
+    cascade = CascadeMode.WRITE_THROUGH
+
+
+class WriteBackLazyMachine(SchedulerMachine):
+    """The same runs with a CPU+disk cascade, write-back, lazy store selection."""
+
+    mode = StoreMode.LAZY
+    cascade = CascadeMode.WRITE_BACK
+
+
+class WriteBackMachine(SchedulerMachine):
+    """The same runs with a CPU+disk cascade, write-back, eager store selection."""
+
+    cascade = CascadeMode.WRITE_BACK
+
+
 STATEFUL_SETTINGS = settings(
     max_examples=1000,
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+CASCADE_SETTINGS = settings(STATEFUL_SETTINGS, max_examples=400)
 SchedulerMachine.TestCase.settings = STATEFUL_SETTINGS
 LazySchedulerMachine.TestCase.settings = STATEFUL_SETTINGS
+WriteThroughMachine.TestCase.settings = CASCADE_SETTINGS
+WriteBackMachine.TestCase.settings = CASCADE_SETTINGS
+WriteBackLazyMachine.TestCase.settings = CASCADE_SETTINGS
 test_eager_scheduler_runs_match_the_model = SchedulerMachine.TestCase
 test_lazy_scheduler_runs_match_the_model = LazySchedulerMachine.TestCase
+test_write_through_cascade_runs_match_the_model = WriteThroughMachine.TestCase
+test_write_back_cascade_runs_match_the_model = WriteBackMachine.TestCase
+test_write_back_lazy_cascade_runs_match_the_model = WriteBackLazyMachine.TestCase

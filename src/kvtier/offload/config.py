@@ -34,17 +34,34 @@ class DiskIOMode(enum.Enum):
     PAGE_CACHE = "page_cache"
 
 
-_DISK_KEYS = ("disk_path", "disk_io_mode", "disk_buffer_slots")
+class CascadeMode(enum.Enum):
+    """How the CPU tier hands blocks down to the disk tier when both are configured.
+
+    WRITE_THROUGH: every block stored in the CPU tier is copied on to disk right after
+    (inclusive tiers: the disk holds everything the CPU holds, so a restart with a
+    persistent disk keeps it all; one disk write per stored block; capacity = disk).
+    WRITE_BACK: a CPU block is copied to disk only when it nears eviction, then leaves
+    the CPU tier (exclusive tiers: capacity = CPU + disk, fewer disk writes; a burst of
+    stores larger than the demotion reserve evicts some blocks before their copy).
+    """
+
+    WRITE_THROUGH = "write_through"
+    WRITE_BACK = "write_back"
+
+
+_DISK_KEYS = ("disk_path", "disk_io_mode", "disk_buffer_slots", "disk_persist")
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     """Everything that shapes the offload scheduler and worker. Byte budgets are per rank.
 
-    `disk_path` is a directory; each rank creates its own file in it. Exactly one lower
-    tier is used: CPU when `cpu_bytes` > 0, else DISK when
-    `disk_bytes` > 0. `num_blocks` sets the tier size explicitly (it must fit the
-    budget); it counts every block of the tier pool, the null block included.
+    `disk_path` is a directory; each rank creates its own file in it. With `cpu_bytes`
+    and `disk_bytes` both set the tiers form a cascade GPU → CPU → DISK (`cascade` says
+    how blocks reach the disk); otherwise the one tier configured is used. `num_blocks`
+    sets the size of the first lower tier explicitly (it must fit the budget); it counts
+    every block of the tier pool, the null block included. `disk_persist` keeps the disk
+    tier's file and a manifest across restarts (same model, layout and hash seed only).
     """
 
     cpu_bytes: int = 0
@@ -61,6 +78,8 @@ class OffloadConfig:
     fine_grained_hits: bool = False
     eviction_policy: str = "lru"  # kvtier.core.policies.EVICTION_POLICIES
     admission_policy: str = "all"  # kvtier.core.policies.ADMISSION_POLICIES
+    cascade: CascadeMode = CascadeMode.WRITE_THROUGH
+    disk_persist: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in _FIELD_TYPES.items():
@@ -83,24 +102,46 @@ class OffloadConfig:
             _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2")
         if self.cpu_bytes == 0 and self.disk_bytes == 0:
             raise ConfigError("no lower tier: set cpu_bytes or disk_bytes to a positive size")
-        if self.cpu_bytes > 0 and self.disk_bytes > 0:
-            raise ConfigError(
-                f"cpu_bytes={self.cpu_bytes} and disk_bytes={self.disk_bytes} are both set: "
-                "choose one lower tier (the CPU+disk cascade is not available yet)"
-            )
         if self.disk_bytes > 0 and not self.disk_path:
             raise ConfigError(f"disk_bytes={self.disk_bytes} needs disk_path")
+        if (
+            self.is_cascade
+            and self.cascade is CascadeMode.WRITE_THROUGH
+            and self.disk_bytes < self.cpu_bytes
+        ):
+            raise ConfigError(
+                f"disk_bytes={self.disk_bytes} is smaller than cpu_bytes={self.cpu_bytes}: "
+                "with cascade='write_through' the disk keeps a copy of every CPU block; "
+                "give the disk at least cpu_bytes, or use cascade='write_back'"
+            )
+        if self.disk_persist and self.disk_bytes == 0:
+            raise ConfigError("disk_persist=True needs a disk tier (disk_bytes > 0)")
+        if self.disk_persist and self.hash_algo is HashAlgo.XXHASH and self.hash_seed is None:
+            raise ConfigError(
+                "disk_persist=True with hash_algo='xxhash' needs a fixed hash_seed: a random "
+                "seed per process would make every restart's keys differ"
+            )
         if self.fine_grained_hits and self.store_mode is StoreMode.LAZY:
             raise ConfigError("fine_grained_hits=True needs store_mode='eager'")
 
     @property
+    def is_cascade(self) -> bool:
+        """Return True when CPU and disk tiers are both configured."""
+        return self.cpu_bytes > 0 and self.disk_bytes > 0
+
+    @property
     def tier(self) -> Tier:
-        """Return the lower tier this configuration uses."""
+        """Return the first lower tier: the one GPU blocks are stored into."""
         return Tier.CPU if self.cpu_bytes > 0 else Tier.DISK
 
     @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """Return the lower tiers, fastest first."""
+        return (Tier.CPU, Tier.DISK) if self.is_cascade else (self.tier,)
+
+    @property
     def tier_bytes(self) -> int:
-        """Return the byte budget of the lower tier (per rank)."""
+        """Return the byte budget of the first lower tier (per rank)."""
         return self.cpu_bytes if self.tier is Tier.CPU else self.disk_bytes
 
     @staticmethod
@@ -137,24 +178,31 @@ class OffloadConfig:
                 logger.warning("no disk tier (disk_bytes unset): ignoring %s", ", ".join(ignored))
                 for key in ignored:
                     del kwargs[key]
+        if "cascade" in kwargs and not (kwargs.get("cpu_bytes") and kwargs.get("disk_bytes")):
+            logger.warning("cascade needs both cpu_bytes and disk_bytes: ignoring it")
+            del kwargs["cascade"]
         return OffloadConfig(**kwargs)
 
-    def num_tier_blocks(self, bytes_per_block: int) -> int:
-        """Return the tier pool size for blocks of `bytes_per_block` bytes (SPEC §6.1)."""
+    def num_tier_blocks(self, bytes_per_block: int, tier: Tier | None = None) -> int:
+        """Return the pool size of `tier` (default: the first lower tier) (SPEC §6.1)."""
         if bytes_per_block <= 0:
             raise ConfigError(f"bytes_per_block must be > 0, got {bytes_per_block}")
-        capacity = self.tier_bytes // bytes_per_block
-        name = "cpu_bytes" if self.tier is Tier.CPU else "disk_bytes"
-        if self.num_blocks is not None:
+        tier = self.tier if tier is None else tier
+        if tier not in self.tiers:
+            raise ConfigError(f"tier {tier.value} is not configured")
+        budget = self.cpu_bytes if tier is Tier.CPU else self.disk_bytes
+        capacity = budget // bytes_per_block
+        name = "cpu_bytes" if tier is Tier.CPU else "disk_bytes"
+        if self.num_blocks is not None and tier is self.tier:
             if self.num_blocks > capacity:
                 raise ConfigError(
-                    f"num_blocks={self.num_blocks} exceeds what {name}={self.tier_bytes} "
+                    f"num_blocks={self.num_blocks} exceeds what {name}={budget} "
                     f"holds at {bytes_per_block} bytes per block ({capacity})"
                 )
             return self.num_blocks
         if capacity < 2:
             raise ConfigError(
-                f"{name}={self.tier_bytes} holds {capacity} block(s) of {bytes_per_block} "
+                f"{name}={budget} holds {capacity} block(s) of {bytes_per_block} "
                 "bytes; the tier needs at least 2 (block 0 is the null block)"
             )
         return capacity
@@ -182,12 +230,15 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "fine_grained_hits": bool,
     "eviction_policy": str,
     "admission_policy": str,
+    "cascade": CascadeMode,
+    "disk_persist": bool,
 }
 _OPTIONAL = {"disk_path", "num_blocks", "hash_seed"}
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "disk_io_mode": DiskIOMode,
     "store_mode": StoreMode,
     "hash_algo": HashAlgo,
+    "cascade": CascadeMode,
 }
 
 

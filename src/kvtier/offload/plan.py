@@ -10,6 +10,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvtier.core.keys import Key
+
 
 class Tier(enum.Enum):
     """Where bytes live."""
@@ -20,12 +22,22 @@ class Tier(enum.Enum):
 
 
 @dataclass(frozen=True)
+class SlotRecord:
+    """What a persistent tier's slot holds once a job wrote it: its primary key and tokens."""
+
+    key: Key
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class TransferJob:
     """Copy whole blocks from one tier to another as one batched transfer.
 
     `src_block_ids[i]` is copied to `dst_block_ids[i]`; both are in their tier's block id
     space (GPU block ids for the engine's cache, slot ids for a lower tier). Null block
     ids never appear. `event_id` is unique over the scheduler's lifetime, across kinds.
+    `dst_records` is set only for jobs into a persistent disk tier: one per destination,
+    what the slot will hold, for the tier's manifest.
     """
 
     event_id: int
@@ -33,11 +45,17 @@ class TransferJob:
     dst_tier: Tier
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
+    dst_records: tuple[SlotRecord, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
             raise ValueError(
                 f"event {self.event_id}: {len(self.src_block_ids)} source blocks but "
+                f"{len(self.dst_block_ids)} destination blocks"
+            )
+        if self.dst_records and len(self.dst_records) != len(self.dst_block_ids):
+            raise ValueError(
+                f"event {self.event_id}: {len(self.dst_records)} slot records for "
                 f"{len(self.dst_block_ids)} destination blocks"
             )
         if self.src_tier is self.dst_tier:

@@ -10,61 +10,57 @@ Pins, so nothing is evicted or reused under a transfer:
     lookup          tier blocks of the hit       until on_allocated (or the next lookup)
     on_allocated    used tier blocks + GPU dsts  until the load completes or fails
     store select    GPU src + fresh tier slot    until the store completes or fails
+    demotion        CPU src + fresh disk slot    until the move completes or fails
+
+With CPU and disk tiers both configured, GPU blocks are stored into the CPU tier, a
+`Cascade` demotes CPU blocks to disk, and a lookup serves each block from the fastest
+tier holding it; a request's load then has one part per tier (one job per tier).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
-from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import BlockStored, KVEvent
 from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.core.kv_groups import KVLayout
-from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
+from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
+from kvtier.offload.cascade import Cascade
 from kvtier.offload.config import OffloadConfig, StoreMode
-from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
+from kvtier.offload.load_planner import LoadPlanner
+from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan, WorkerReport
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput, TableUpdate
 from kvtier.offload.stats import OffloadStats, StepCounters
 from kvtier.offload.store_selection import StoreItem, StoreSelector, lazy_target
-from kvtier.offload.transfers import (
-    FailedLoad,
-    IssuedTransfer,
-    LoadItem,
-    ReportOutcome,
-    TransferBook,
-)
+from kvtier.offload.tier_index import TierIndex
+from kvtier.offload.transfers import IssuedTransfer, ReportOutcome, TransferBook
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _LookupPin:
-    """A lookup's hit, pinned until `on_allocated` consumes or releases it."""
-
-    num_local_tokens: int
-    hit: LongestHit
-    pinned: list[int]
-
-
 @dataclass(frozen=True)
 class SchedulerSetup:
-    """What the offload scheduler is built from, besides its config."""
+    """What the offload scheduler is built from, besides its config.
+
+    `num_tier_blocks` sizes the first lower tier; `num_disk_blocks` the disk tier
+    behind it when the config is a CPU+disk cascade.
+    """
 
     layout: KVLayout
     num_tier_blocks: int
     num_workers: int = 1
     gpu_pool: GpuPoolView | None = None
+    num_disk_blocks: int = 0
 
 
 @dataclass(slots=True)
 class _Totals:
-    hit_tokens: int = 0
-    warned_misaligned: bool = False
-    events: list[KVEvent] = field(default_factory=list)
+    num_promoted_blocks: int = 0
 
 
 class OffloadScheduler:
@@ -87,6 +83,31 @@ class OffloadScheduler:
             medium=self.tier.value,
             record_events=config.events,
         )
+        pools = [(self.tier, self.tier_pool)]
+        self.cascade: Cascade | None = None
+        if config.is_cascade:
+            if setup.num_disk_blocks < 2:
+                raise ValueError(
+                    f"a CPU+disk cascade needs num_disk_blocks >= 2, got {setup.num_disk_blocks}"
+                )
+            disk_pool = BlockPool(
+                setup.num_disk_blocks,
+                free_queue=policy.make_eviction(setup.num_disk_blocks),
+                medium=Tier.DISK.value,
+                record_events=config.events,
+            )
+            reserve = min(
+                lazy_target(setup.layout, config.max_batched_tokens), setup.num_tier_blocks - 1
+            )
+            self.cascade = Cascade(
+                self.tier_pool,
+                disk_pool,
+                config.cascade,
+                reserve,
+                event=lambda key, num_tokens: self._event(key, num_tokens, Tier.DISK),
+            )
+            pools.append((Tier.DISK, disk_pool))
+        self.index = TierIndex(pools)
         self._gpu_pool = setup.gpu_pool
         self._granularity = (
             HitGranularity.HASH_BLOCK
@@ -96,8 +117,7 @@ class OffloadScheduler:
         self._counters = StepCounters()
         self._selector: StoreSelector | None = None
         self._book = TransferBook(setup.num_workers)
-        self._pins: dict[str, _LookupPin] = {}
-        self._queued_loads: list[LoadItem] = []
+        self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book)
         self._totals = _Totals()
         self._next_step_id = 0
         self._lazy_target = lazy_target(self.layout, config.max_batched_tokens)
@@ -107,6 +127,7 @@ class OffloadScheduler:
     def bind_gpu_pool(self, gpu_pool: GpuPoolView) -> None:
         """Attach the engine's GPU pool (once, before the first lookup)."""
         self._gpu_pool = gpu_pool
+        self.loads.gpu_pool = gpu_pool
         self._selector = StoreSelector(
             layout=self.layout,
             gpu_pool=gpu_pool,
@@ -132,33 +153,8 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, request: RequestView, num_local_tokens: int) -> int:
-        """Return how many tokens past the local prefix the tier can serve, and pin them."""
-        self._release_pin(request.request_id)
-        if request.skip_prefix_cache:
-            return 0
-        if num_local_tokens % self.layout.scheduler_block_size:
-            if not self._totals.warned_misaligned:
-                logger.warning(
-                    "local prefix of %d tokens is not a multiple of the scheduler block (%d): "
-                    "no external hit (warned once)",
-                    num_local_tokens,
-                    self.layout.scheduler_block_size,
-                )
-                self._totals.warned_misaligned = True
-            return 0
-        hashes = request.block_hashes[num_local_tokens // self.layout.hash_block_size :]
-        max_tokens = request.num_tokens - 1 - num_local_tokens  # the last token is recomputed
-        if not hashes or max_tokens <= 0:
-            return 0
-        hit = find_longest_hit(
-            self.layout, hashes, max_tokens, self.tier_pool.cached_block, self._granularity
-        )
-        if hit.num_tokens == 0:
-            return 0
-        pinned = [b for ids in hit.block_ids for b in ids if b != NULL_BLOCK_ID]
-        self.tier_pool.touch(pinned)
-        self._pins[request.request_id] = _LookupPin(num_local_tokens, hit, pinned)
-        return hit.num_tokens
+        """Return how many tokens past the local prefix the tiers can serve, and pin them."""
+        return self.loads.lookup(request, num_local_tokens)
 
     def on_allocated(
         self,
@@ -173,61 +169,7 @@ class OffloadScheduler:
         """
         if self.config.store_mode is StoreMode.EAGER:
             self.selector.track(request.request_id)
-        pin = self._pins.pop(request.request_id, None)
-        if num_external_tokens == 0:
-            if pin is not None:
-                logger.warning("request %s accepted 0 of its tier hit", request.request_id)
-                self.tier_pool.free(pin.pinned)
-            return
-        start = pin.num_local_tokens if pin is not None else request.num_computed_tokens
-        end = start + num_external_tokens
-        if pin is None or num_external_tokens > pin.hit.num_tokens:
-            logger.warning(
-                "request %s: %d external tokens without a matching lookup pin; not loading",
-                request.request_id,
-                num_external_tokens,
-            )
-            if pin is not None:
-                self.tier_pool.free(pin.pinned)
-            self._book.fail_unissued(FailedLoad(request.request_id, start, end))
-            return
-        if num_external_tokens % self.layout.hash_block_size:
-            self.tier_pool.free(pin.pinned)
-            raise ValueError(
-                f"num_external_tokens={num_external_tokens} is not a multiple of the hash "
-                f"block ({self.layout.hash_block_size})"
-            )
-        tier_ids, gpu_ids = self._pair_load(pin, block_ids_per_group, num_external_tokens)
-        self.tier_pool.touch(tier_ids)
-        self.gpu_pool.touch(gpu_ids)
-        self.tier_pool.free(pin.pinned)
-        self._queued_loads.append(LoadItem(request.request_id, tier_ids, gpu_ids, start, end))
-        self._totals.hit_tokens += num_external_tokens
-
-    def _pair_load(
-        self, pin: _LookupPin, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int
-    ) -> tuple[list[int], list[int]]:
-        tier_ids: list[int] = []
-        gpu_ids: list[int] = []
-        for group_id in self.layout.cacheable_group_ids:
-            block_size = self.layout.groups[group_id].block_size
-            first = pin.num_local_tokens // block_size
-            table = block_ids_per_group[group_id]
-            num_blocks = -(-num_tokens // block_size)
-            for i, tier_block in enumerate(pin.hit.block_ids[group_id][:num_blocks]):
-                if tier_block == NULL_BLOCK_ID:
-                    continue
-                gpu_block = table[first + i]
-                if gpu_block == NULL_BLOCK_ID:
-                    raise ValueError(f"group {group_id}: load destination {first + i} is null")
-                tier_ids.append(tier_block)
-                gpu_ids.append(gpu_block)
-        return tier_ids, gpu_ids
-
-    def _release_pin(self, request_id: str) -> None:
-        pin = self._pins.pop(request_id, None)
-        if pin is not None:
-            self.tier_pool.free(pin.pinned)
+        self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
 
     # ------------------------------------------------------------------ plan
 
@@ -261,20 +203,37 @@ class OffloadScheduler:
                 self.tier,
                 tuple(item.gpu_block_id for item in stores),
                 tuple(item.tier_block_id for item in stores),
+                self._store_records(stores),
             )
             self._book.issue(IssuedTransfer(job, stores=stores))
             jobs.append(job)
-        if self._queued_loads:
-            loads, self._queued_loads = self._queued_loads, []
-            job = TransferJob(
-                self._book.next_event_id(),
-                self.tier,
-                Tier.GPU,
-                tuple(b for item in loads for b in item.tier_block_ids),
-                tuple(b for item in loads for b in item.gpu_block_ids),
-            )
-            self._book.issue(IssuedTransfer(job, loads=loads))
-            jobs.append(job)
+        loads = self.loads.take_queued()
+        for tier in self.index.tiers:
+            parts = [item for item in loads if item.tier is tier]
+            if parts:
+                job = TransferJob(
+                    self._book.next_event_id(),
+                    tier,
+                    Tier.GPU,
+                    tuple(b for item in parts for b in item.tier_block_ids),
+                    tuple(b for item in parts for b in item.gpu_block_ids),
+                )
+                self._book.issue(IssuedTransfer(job, loads=parts))
+                jobs.append(job)
+        if self.cascade is not None:
+            self.cascade.select_write_back()
+            moves = self.cascade.take_queued()
+            if moves:
+                job = TransferJob(
+                    self._book.next_event_id(),
+                    Tier.CPU,
+                    Tier.DISK,
+                    tuple(item.cpu_block_id for item in moves),
+                    tuple(item.disk_block_id for item in moves),
+                    Cascade.records(moves) if self.config.disk_persist else (),
+                )
+                self._book.issue(IssuedTransfer(job, moves=moves))
+                jobs.append(job)
         self._next_step_id += 1
         return TransferPlan(
             step_id=self._next_step_id,
@@ -282,6 +241,19 @@ class OffloadScheduler:
             load_request_ids=self._book.load_request_ids(),
             need_flush=bool(step.preempted_request_ids),
         )
+
+    def _store_records(self, stores: Sequence[StoreItem]) -> tuple[SlotRecord, ...]:
+        """Return the slot records of stores into a persistent disk tier, else ()."""
+        if not self.config.disk_persist or self.tier is not Tier.DISK:
+            return ()
+        gpu_pool = self.gpu_pool
+        records = []
+        for item in stores:
+            num_tokens = item.tail_num_tokens or gpu_pool.num_tokens(item.gpu_block_id)
+            if not num_tokens:
+                num_tokens = self.layout.groups[key_group_id(item.key)].block_size
+            records.append(SlotRecord(item.key, num_tokens))
+        return tuple(records)
 
     # ------------------------------------------------------------------ report
 
@@ -291,19 +263,29 @@ class OffloadScheduler:
         failed = self._book.take_unissued_failures()
         for transfer in self._book.complete(report):
             for load in transfer.loads:
+                pool = self.index.pools[load.tier]
                 # Tail first (SPEC §4), so a prefix's tail is evicted before its root.
-                self.tier_pool.free(load.tier_block_ids[::-1])
+                pool.free(load.tier_block_ids[::-1])
                 self.gpu_pool.free(load.gpu_block_ids[::-1])
+                progress = load.progress
+                progress.num_pending -= 1
                 if transfer.succeeded:
-                    finished.append(load.request_id)
                     self._counters.num_loaded_blocks += len(load.tier_block_ids)
                 else:
-                    failed.append(FailedLoad(load.request_id, load.start_token, load.end_token))
-                    self._counters.num_failed_loads += 1
+                    progress.failed = True
                     for block_id in load.tier_block_ids:  # never serve a suspect copy again
-                        self.tier_pool.discard_keys(block_id)
+                        pool.discard_keys(block_id)
+                if progress.num_pending == 0:
+                    if progress.failed:
+                        failed.append(progress.failure())
+                        self._counters.num_failed_loads += 1
+                    else:
+                        finished.append(progress.request_id)
             if transfer.stores:
                 self._complete_stores(transfer)
+            if transfer.moves:
+                assert self.cascade is not None
+                self.cascade.complete(transfer.moves, transfer.succeeded, transfer.abandoned)
         return ReportOutcome(tuple(finished), tuple(failed))
 
     def _complete_stores(self, transfer: IssuedTransfer) -> None:
@@ -316,6 +298,12 @@ class OffloadScheduler:
             self._register(item)
             self.selector.in_flight_keys.discard(item.key)
         self._counters.num_stored_blocks += len(transfer.stores)
+        if self.cascade is not None:
+            disk_get = self.cascade.disk_pool.cached_block
+            self._totals.num_promoted_blocks += sum(
+                1 for item in transfer.stores if disk_get(item.key) is not None
+            )
+            self.cascade.after_stores([item.tier_block_id for item in transfer.stores])
         # Tail first (SPEC §4): these pins may be the blocks' last references.
         stores = transfer.stores[::-1]
         self.gpu_pool.free([item.gpu_block_id for item in stores])
@@ -350,7 +338,7 @@ class OffloadScheduler:
             event = self._event(secondary, num_tokens)
             self.tier_pool.insert_key(secondary, tier_block, num_tokens, event)
 
-    def _event(self, key: Key, num_tokens: int) -> BlockStored:
+    def _event(self, key: Key, num_tokens: int, tier: Tier | None = None) -> BlockStored:
         """Return the payload-free `BlockStored` of `key`, with its group's kind and window."""
         group_id = key_group_id(key)
         group = self.layout.groups[group_id]
@@ -358,7 +346,7 @@ class OffloadScheduler:
             key_block_hash(key),
             group_id,
             num_tokens,
-            medium=self.tier.value,
+            medium=(tier or self.tier).value,
             group_kind=group.kind.value,
             sliding_window=group.sliding_window,
         )
@@ -374,19 +362,10 @@ class OffloadScheduler:
         Issued transfers keep their pins until the workers report them.
         """
         request_id = request.request_id
-        self._release_pin(request_id)
         # Blocks a load has not filled yet hold no valid KV: store nothing of this request.
-        loading = any(load.request_id == request_id for load in self._queued_loads) or any(
+        loading = self.loads.drop_request(request_id) or any(
             load.request_id == request_id for transfer in self._book for load in transfer.loads
         )
-        keep = []
-        for load in self._queued_loads:
-            if load.request_id == request_id:
-                self.tier_pool.free(load.tier_block_ids)
-                self.gpu_pool.free(load.gpu_block_ids)
-            else:
-                keep.append(load)
-        self._queued_loads = keep
         selector = self.selector
         state = selector.tracked.get(request_id)
         if state is not None and not loading:
@@ -397,8 +376,9 @@ class OffloadScheduler:
         selector.untrack(request_id)
 
     def has_pending_stores(self) -> bool:
-        """Return True while any store is queued, in flight or abandoned."""
-        return bool(self.selector.queued) or self._book.has_stores()
+        """Return True while any store or demotion is queued, in flight or abandoned."""
+        queued_moves = self.cascade is not None and bool(self.cascade.queued)
+        return bool(self.selector.queued) or queued_moves or self._book.has_stores()
 
     def reset(self) -> bool:
         """Drop all tier contents; return False while issued transfers are outstanding.
@@ -406,35 +386,67 @@ class OffloadScheduler:
         Never-issued transfers are dropped at once (their loads come back as failed
         loads in the next report); issued stores are abandoned and never become visible.
         """
-        for request_id in list(self._pins):
-            self._release_pin(request_id)
-        for load in self._queued_loads:
-            self.tier_pool.free(load.tier_block_ids)
-            self.gpu_pool.free(load.gpu_block_ids)
-            self._book.fail_unissued(FailedLoad(load.request_id, load.start_token, load.end_token))
-        self._queued_loads = []
+        self.loads.fail_all()
         selector = self.selector
         selector.release(selector.take_queued())
         selector.tracked.clear()
         selector.lazy_cursor = None
+        if self.cascade is not None:
+            self.cascade.release(self.cascade.take_queued())
         self._book.abandon_stores()
         if len(self._book):
             return False
-        cleared = self.tier_pool.reset()
-        assert cleared, "tier blocks referenced with no transfer outstanding"
+        for pool in self.index.pools.values():
+            cleared = pool.reset()
+            assert cleared, "tier blocks referenced with no transfer outstanding"
         return True
+
+    def restore(self, tier: Tier, slots: Iterable[tuple[int, SlotRecord]]) -> int:
+        """Index what a persistent tier kept from an earlier run; return the blocks indexed.
+
+        Call once, before the first lookup. A slot out of range, or a key of a group
+        that is not cached, is skipped with a warning.
+        """
+        pool = self.index.pools.get(tier)
+        if pool is None:
+            raise ValueError(f"tier {tier.value} is not configured")
+        groups = self.layout.groups
+        num_restored = 0
+        for slot, record in slots:
+            group_id = key_group_id(record.key)
+            valid_group = group_id < len(groups) and groups[group_id].is_cacheable
+            if not 0 < slot < pool.num_blocks or not valid_group or pool.is_cached(slot):
+                logger.warning("%s slot %d: cannot restore %r; skipped", tier.value, slot, record)
+                continue
+            pool.touch([slot])
+            event = self._event(record.key, record.num_tokens, tier)
+            pool.insert_key(record.key, slot, record.num_tokens, event)
+            pool.free([slot])
+            num_restored += 1
+        return num_restored
 
     # ------------------------------------------------------------------ observability
 
     def take_events(self) -> list[KVEvent]:
-        """Return and forget the tier's events (medium = the tier), oldest first."""
-        return self.tier_pool.take_events()
+        """Return and forget the tiers' events (medium = the tier), oldest first per tier."""
+        return [event for pool in self.index.pools.values() for event in pool.take_events()]
 
     def take_stats(self) -> OffloadStats:
         """Return this step's counters (then reset them), the gauges and the totals."""
         counters = self._counters
         bytes_per_block = self.layout.bytes_per_block
         pending = len(self.selector.queued) + sum(len(t.stores) for t in self._book)
+        cascade = self.cascade.take_counters() if self.cascade is not None else None
+        promoted, self._totals.num_promoted_blocks = self._totals.num_promoted_blocks, 0
+        info = {
+            "tier": self.tier.value,
+            "store_mode": self.config.store_mode.value,
+            "num_tier_blocks": str(self.tier_pool.num_blocks),
+            "disk_io_mode": self.config.disk_io_mode.value,
+        }
+        if self.cascade is not None:
+            info["cascade"] = self.config.cascade.value
+            info["num_disk_blocks"] = str(self.cascade.disk_pool.num_blocks)
         stats = OffloadStats(
             store_outcomes=dict(counters.store_outcomes),
             handoff_outcomes=dict(counters.handoff_outcomes),
@@ -446,42 +458,50 @@ class OffloadScheduler:
             num_bytes_stored=counters.num_stored_blocks * bytes_per_block,
             num_tier_blocks_in_use=self.tier_pool.num_usable_blocks - self.tier_pool.num_free(),
             num_blocks_pending_store=pending,
-            hit_tokens={self.tier.value: self._totals.hit_tokens},
-            info={
-                "tier": self.tier.value,
-                "store_mode": self.config.store_mode.value,
-                "num_tier_blocks": str(self.tier_pool.num_blocks),
-                "disk_io_mode": self.config.disk_io_mode.value,
-            },
+            hit_tokens={tier.value: self.loads.hit_tokens[tier.value] for tier in self.index.tiers},
+            num_demoted_blocks=cascade.num_demoted_blocks if cascade else 0,
+            num_failed_demotions=cascade.num_failed_demotions if cascade else 0,
+            num_promoted_blocks=promoted,
+            info=info,
         )
         counters.clear()
         return stats
 
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""
-        self.tier_pool.check_invariants()
+        for pool in self.index.pools.values():
+            pool.check_invariants()
         self._eviction.check_invariants()
         self._admission.check_invariants()
-        tier_refs: Counter[int] = Counter()
+        refs = {tier: Counter[int]() for tier in self.index.tiers}
         gpu_refs: Counter[int] = Counter()
-        for pin in self._pins.values():
-            tier_refs.update(pin.pinned)
-        loads = list(self._queued_loads)
+        for pin in self.loads.pins.values():
+            for tier, ids in self.index.split(pin.pinned):
+                refs[tier].update(ids)
+        loads = list(self.loads.queued)
         stores = list(self.selector.queued)
+        moves = list(self.cascade.queued) if self.cascade is not None else []
         for transfer in self._book:
             loads.extend(transfer.loads)
             stores.extend(transfer.stores)
+            moves.extend(transfer.moves)
         for load in loads:
-            tier_refs.update(load.tier_block_ids)
+            refs[load.tier].update(load.tier_block_ids)
             gpu_refs.update(load.gpu_block_ids)
         for item in stores:
-            tier_refs[item.tier_block_id] += 1
+            refs[self.tier][item.tier_block_id] += 1
             gpu_refs[item.gpu_block_id] += 1
-        for block_id in range(1, self.tier_pool.num_blocks):
-            assert self.tier_pool.ref_count(block_id) == tier_refs[block_id], (
-                f"tier block {block_id}: ref {self.tier_pool.ref_count(block_id)}, "
-                f"pins {tier_refs[block_id]}"
-            )
+        for move in moves:
+            refs[Tier.CPU][move.cpu_block_id] += 1
+            refs[Tier.DISK][move.disk_block_id] += 1
+        for tier, pool in self.index.pools.items():
+            for block_id in range(1, pool.num_blocks):
+                assert pool.ref_count(block_id) == refs[tier][block_id], (
+                    f"{tier.value} block {block_id}: ref {pool.ref_count(block_id)}, "
+                    f"pins {refs[tier][block_id]}"
+                )
         for block_id, count in gpu_refs.items():
             assert self.gpu_pool.block(block_id).ref_count >= count, f"GPU block {block_id}"
         assert self.selector.in_flight_keys == {item.key for item in stores}, "in-flight keys"
+        if self.cascade is not None:
+            assert self.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"

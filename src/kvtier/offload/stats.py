@@ -25,7 +25,8 @@ class OffloadStats:
     """One step's counters (reset by `take_stats`) plus gauges and cumulative totals.
 
     `store_outcomes` counts eager, lazy and finish-time candidates; `handoff_outcomes`
-    counts hand-offs alone. `hit_tokens` is cumulative per tier medium.
+    counts hand-offs alone. `hit_tokens` is cumulative per tier medium; the other
+    counters are this step's.
     """
 
     store_outcomes: Mapping[str, int] = field(default_factory=dict)
@@ -39,6 +40,9 @@ class OffloadStats:
     num_tier_blocks_in_use: int = 0
     num_blocks_pending_store: int = 0
     hit_tokens: Mapping[str, int] = field(default_factory=dict)
+    num_demoted_blocks: int = 0  # CPU → DISK copies registered (cascade)
+    num_failed_demotions: int = 0
+    num_promoted_blocks: int = 0  # disk-held blocks stored into the CPU tier (cascade)
     info: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from kvtier.offload.plan import TransferJob, WorkerReport
+from kvtier.offload.cascade import MoveItem
+from kvtier.offload.plan import Tier, TransferJob, WorkerReport
 from kvtier.offload.store_selection import StoreItem
 
 
@@ -27,14 +28,33 @@ class ReportOutcome:
 
 
 @dataclass(slots=True)
-class LoadItem:
-    """One request's load: tier blocks copied into GPU blocks, serving tokens [start, end)."""
+class LoadProgress:
+    """One request's load over one or more tiers: parts still to finish, any failure."""
 
     request_id: str
-    tier_block_ids: list[int]
-    gpu_block_ids: list[int]
     start_token: int
     end_token: int
+    num_pending: int
+    failed: bool = False
+
+    def failure(self) -> FailedLoad:
+        """Return the failed load of the whole range (conservative across tiers)."""
+        return FailedLoad(self.request_id, self.start_token, self.end_token)
+
+
+@dataclass(slots=True)
+class LoadItem:
+    """The part of a request's load that one tier serves: its blocks into GPU blocks."""
+
+    tier: Tier
+    tier_block_ids: list[int]
+    gpu_block_ids: list[int]
+    progress: LoadProgress
+
+    @property
+    def request_id(self) -> str:
+        """Return the id of the request this part loads for."""
+        return self.progress.request_id
 
 
 @dataclass(slots=True)
@@ -44,6 +64,7 @@ class IssuedTransfer:
     job: TransferJob
     loads: list[LoadItem] = field(default_factory=list)
     stores: list[StoreItem] = field(default_factory=list)
+    moves: list[MoveItem] = field(default_factory=list)
     num_done: int = 0
     num_failed: int = 0
     abandoned: bool = False
@@ -106,9 +127,9 @@ class TransferBook:
         return completed
 
     def abandon_stores(self) -> None:
-        """Mark every issued store abandoned: it will never become visible."""
+        """Mark every issued store and demotion abandoned: it will never become visible."""
         for transfer in self._issued.values():
-            if transfer.stores:
+            if transfer.stores or transfer.moves:
                 transfer.abandoned = True
 
     def load_request_ids(self) -> dict[int, tuple[str, ...]]:
@@ -126,5 +147,5 @@ class TransferBook:
         return len(self._issued)
 
     def has_stores(self) -> bool:
-        """Return True while any store (abandoned ones included) is in flight."""
-        return any(transfer.stores for transfer in self._issued.values())
+        """Return True while any store or demotion (abandoned ones too) is in flight."""
+        return any(transfer.stores or transfer.moves for transfer in self._issued.values())

@@ -1,0 +1,166 @@
+"""The CPU → DISK half of the tier cascade GPU → CPU → DISK (SPEC §7, Beyond).
+
+`Cascade` owns the disk tier's index (a second `BlockPool`) and chooses demotions:
+copies of cached CPU blocks down to disk. `OffloadScheduler` issues them as CPU → DISK
+jobs and reports their completion here. Everything else is the scheduler's as for one
+tier: GPU stores go to the CPU tier, and a lookup serves each block from the CPU tier,
+else from disk (a DISK → GPU load).
+
+    write-through   every block the CPU tier registers is demoted right away
+    write-back      a cached CPU block is demoted when it is among the next `reserve`
+                    victims of the CPU free queue; once on disk it leaves the CPU tier
+
+Promotion (DISK → CPU, SPEC §1) reuses the GPU copy a disk hit leaves behind: the
+block is on the GPU after its load and the CPU tier lacks it, so store selection picks
+it like any other block (the CPU tier's admission policy decides whether it is worth
+keeping). That costs one host copy instead of a second disk read.
+
+Pins, as for GPU ↔ CPU transfers: the CPU source is pinned and the disk destination is
+freshly allocated, both until every worker reported the move. The destination's keys
+are registered only when every worker succeeded and the CPU block still holds them; a
+failed or abandoned move registers nothing (the disk copy is lost, never corrupt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.events import BlockStored
+from kvtier.core.keys import Key
+from kvtier.offload.config import CascadeMode
+from kvtier.offload.plan import SlotRecord
+
+
+@dataclass(slots=True)
+class MoveItem:
+    """One cached CPU block being copied to one disk slot."""
+
+    cpu_block_id: int
+    disk_block_id: int
+    key: Key
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class CascadeCounters:
+    """Demotions since the last `take_counters`."""
+
+    num_demoted_blocks: int = 0
+    num_failed_demotions: int = 0
+    num_dropped_demotions: int = 0  # no disk slot could be allocated
+
+
+class Cascade:
+    """Choose CPU → DISK demotions and register them when they complete."""
+
+    def __init__(
+        self,
+        cpu_pool: BlockPool,
+        disk_pool: BlockPool,
+        mode: CascadeMode,
+        reserve: int,
+        event: Callable[[Key, int], BlockStored] | None = None,
+    ) -> None:
+        if reserve < 1:
+            raise ValueError(f"reserve must be >= 1, got {reserve}")
+        self.cpu_pool = cpu_pool
+        self.disk_pool = disk_pool
+        self.mode = mode
+        self.reserve = reserve
+        self.queued: list[MoveItem] = []
+        self.in_flight_keys: set[Key] = set()
+        self.counters = CascadeCounters()
+        self._event = event
+
+    # ------------------------------------------------------------ selection
+
+    def after_stores(self, cpu_block_ids: Sequence[int]) -> None:
+        """Write-through: demote blocks the CPU tier has just registered (still pinned)."""
+        if self.mode is CascadeMode.WRITE_THROUGH:
+            self._demote(cpu_block_ids)
+
+    def select_write_back(self) -> None:
+        """Write-back: demote the cached blocks among the CPU tier's next victims."""
+        if self.mode is not CascadeMode.WRITE_BACK:
+            return
+        key = self.cpu_pool.key
+        victims = [
+            b
+            for b in islice(self.cpu_pool.iter_free_after(None), self.reserve)
+            if key(b) is not None
+        ]
+        self._demote(victims)
+
+    def _demote(self, cpu_block_ids: Iterable[int]) -> None:
+        cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
+        chosen: list[tuple[int, Key]] = []
+        for block_id in cpu_block_ids:
+            key = cpu_pool.key(block_id)
+            if key is None or key in self.in_flight_keys:
+                continue
+            if disk_pool.cached_block(key) is not None:
+                continue
+            chosen.append((block_id, key))
+        if not chosen:
+            return
+        room = min(len(chosen), disk_pool.num_free())
+        self.counters.num_dropped_demotions += len(chosen) - room
+        chosen = chosen[:room]
+        cpu_pool.touch(block_id for block_id, _ in chosen)
+        disk_ids = disk_pool.allocate(len(chosen))
+        for (block_id, key), disk_id in zip(chosen, disk_ids, strict=True):
+            self.in_flight_keys.add(key)
+            self.queued.append(MoveItem(block_id, disk_id, key, cpu_pool.num_tokens(block_id)))
+
+    def take_queued(self) -> list[MoveItem]:
+        """Return and forget the demotions selected since the last call."""
+        queued, self.queued = self.queued, []
+        return queued
+
+    # ------------------------------------------------------------ completion
+
+    def complete(self, items: Sequence[MoveItem], succeeded: bool, abandoned: bool) -> None:
+        """Register finished demotions on disk (or drop failed ones) and release pins."""
+        if not succeeded:
+            self.counters.num_failed_demotions += len(items)
+        registered = succeeded and not abandoned
+        cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
+        for item in items:
+            self.in_flight_keys.discard(item.key)
+            # A failed load may have discarded the CPU copy's keys since: then the bytes
+            # read are suspect too, and nothing is registered.
+            if registered and cpu_pool.key(item.cpu_block_id) == item.key:
+                self._register(item)
+        # Tail first, as every release: the pins may be the blocks' last references.
+        disk_pool.free([item.disk_block_id for item in items[::-1]])
+        cpu_pool.free([item.cpu_block_id for item in items[::-1]])
+        if registered and self.mode is CascadeMode.WRITE_BACK:
+            for item in items:  # the block moved: drop the CPU copy unless it is in use
+                if cpu_pool.ref_count(item.cpu_block_id) == 0:
+                    cpu_pool.discard_keys(item.cpu_block_id)
+
+    def _register(self, item: MoveItem) -> None:
+        keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]
+        for key in keys:
+            event = None if self._event is None else self._event(key, item.num_tokens)
+            self.disk_pool.insert_key(key, item.disk_block_id, item.num_tokens, event)
+        self.counters.num_demoted_blocks += 1
+
+    def release(self, items: Iterable[MoveItem]) -> None:
+        """Drop the pins and in-flight keys of demotions that will register nothing."""
+        self.complete(list(items), succeeded=True, abandoned=True)
+
+    # ------------------------------------------------------------ queries
+
+    @staticmethod
+    def records(items: Sequence[MoveItem]) -> tuple[SlotRecord, ...]:
+        """Return what each demotion's disk slot will hold, for a persistent disk tier."""
+        return tuple(SlotRecord(item.key, item.num_tokens) for item in items)
+
+    def take_counters(self) -> CascadeCounters:
+        """Return the counters since the last call and reset them."""
+        counters, self.counters = self.counters, CascadeCounters()
+        return counters

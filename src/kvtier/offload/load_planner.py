@@ -1,0 +1,185 @@
+"""Lookups and loads of the offload scheduler (SPEC §6.2, §6.3).
+
+`LoadPlanner` finds the longest hit across the lower tiers, pins it until the engine
+allocates (or looks up again), pairs the accepted tier blocks with the request's GPU
+blocks and queues one `LoadItem` per tier the hit spans, until `build_plan` issues them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.core.kv_groups import KVLayout
+from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
+from kvtier.offload.protocols import GpuPoolView, RequestView
+from kvtier.offload.tier_index import TierIndex
+from kvtier.offload.transfers import FailedLoad, LoadItem, LoadProgress, TransferBook
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LookupPin:
+    """A lookup's hit, pinned until `on_allocated` consumes or releases it."""
+
+    num_local_tokens: int
+    hit: LongestHit
+    pinned: list[int]  # ids in the tier index's shared space
+
+
+class LoadPlanner:
+    """Lookup pins and queued loads; `hit_tokens` counts accepted hit tokens per tier."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        index: TierIndex,
+        granularity: HitGranularity,
+        book: TransferBook,
+    ) -> None:
+        self.layout = layout
+        self.index = index
+        self.granularity = granularity
+        self.book = book
+        self.gpu_pool: GpuPoolView | None = None
+        self.pins: dict[str, LookupPin] = {}
+        self.queued: list[LoadItem] = []
+        self.hit_tokens: Counter[str] = Counter()
+        self._warned_misaligned = False
+
+    def lookup(self, request: RequestView, num_local_tokens: int) -> int:
+        """Return how many tokens past the local prefix the tiers can serve, and pin them."""
+        self.release_pin(request.request_id)
+        if request.skip_prefix_cache:
+            return 0
+        if num_local_tokens % self.layout.scheduler_block_size:
+            if not self._warned_misaligned:
+                logger.warning(
+                    "local prefix of %d tokens is not a multiple of the scheduler block (%d): "
+                    "no external hit (warned once)",
+                    num_local_tokens,
+                    self.layout.scheduler_block_size,
+                )
+                self._warned_misaligned = True
+            return 0
+        hashes = request.block_hashes[num_local_tokens // self.layout.hash_block_size :]
+        max_tokens = request.num_tokens - 1 - num_local_tokens  # the last token is recomputed
+        if not hashes or max_tokens <= 0:
+            return 0
+        hit = find_longest_hit(
+            self.layout, hashes, max_tokens, self.index.cached_block, self.granularity
+        )
+        if hit.num_tokens == 0:
+            return 0
+        pinned = [b for ids in hit.block_ids for b in ids if b != NULL_BLOCK_ID]
+        self.index.touch(pinned)
+        self.pins[request.request_id] = LookupPin(num_local_tokens, hit, pinned)
+        return hit.num_tokens
+
+    def on_allocated(
+        self,
+        request: RequestView,
+        block_ids_per_group: Sequence[Sequence[int]],
+        num_external_tokens: int,
+    ) -> None:
+        """Queue the load of the accepted tokens; a load that cannot be queued fails."""
+        assert self.gpu_pool is not None, "no GPU pool bound"
+        pin = self.pins.pop(request.request_id, None)
+        if num_external_tokens == 0:
+            if pin is not None:
+                logger.warning("request %s accepted 0 of its tier hit", request.request_id)
+                self.index.free(pin.pinned)
+            return
+        start = pin.num_local_tokens if pin is not None else request.num_computed_tokens
+        end = start + num_external_tokens
+        if pin is None or num_external_tokens > pin.hit.num_tokens:
+            logger.warning(
+                "request %s: %d external tokens without a matching lookup pin; not loading",
+                request.request_id,
+                num_external_tokens,
+            )
+            if pin is not None:
+                self.index.free(pin.pinned)
+            self.book.fail_unissued(FailedLoad(request.request_id, start, end))
+            return
+        if num_external_tokens % self.layout.hash_block_size:
+            self.index.free(pin.pinned)
+            raise ValueError(
+                f"num_external_tokens={num_external_tokens} is not a multiple of the hash "
+                f"block ({self.layout.hash_block_size})"
+            )
+        tier_ids, gpu_ids = self._pair(pin, block_ids_per_group, num_external_tokens)
+        self.index.touch(tier_ids)
+        self.gpu_pool.touch(gpu_ids)
+        self.index.free(pin.pinned)
+        parts = self.index.split_pairs(tier_ids, gpu_ids)
+        progress = LoadProgress(request.request_id, start, end, len(parts))
+        # Hit tokens per tier in proportion to its blocks (exact for one KV group).
+        shares = [num_external_tokens * len(ids) // len(tier_ids) for _, ids, _ in parts]
+        shares[0] += num_external_tokens - sum(shares)
+        for (tier, ids, gpus), share in zip(parts, shares, strict=True):
+            self.queued.append(LoadItem(tier, ids, gpus, progress))
+            self.hit_tokens[tier.value] += share
+
+    def _pair(
+        self, pin: LookupPin, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int
+    ) -> tuple[list[int], list[int]]:
+        tier_ids: list[int] = []
+        gpu_ids: list[int] = []
+        for group_id in self.layout.cacheable_group_ids:
+            block_size = self.layout.groups[group_id].block_size
+            first = pin.num_local_tokens // block_size
+            table = block_ids_per_group[group_id]
+            num_blocks = -(-num_tokens // block_size)
+            for i, tier_block in enumerate(pin.hit.block_ids[group_id][:num_blocks]):
+                if tier_block == NULL_BLOCK_ID:
+                    continue
+                gpu_block = table[first + i]
+                if gpu_block == NULL_BLOCK_ID:
+                    raise ValueError(f"group {group_id}: load destination {first + i} is null")
+                tier_ids.append(tier_block)
+                gpu_ids.append(gpu_block)
+        return tier_ids, gpu_ids
+
+    def release_pin(self, request_id: str) -> None:
+        """Drop a request's lookup pin, if any."""
+        pin = self.pins.pop(request_id, None)
+        if pin is not None:
+            self.index.free(pin.pinned)
+
+    def take_queued(self) -> list[LoadItem]:
+        """Return and forget the queued loads."""
+        queued, self.queued = self.queued, []
+        return queued
+
+    def drop_request(self, request_id: str) -> bool:
+        """Drop a finished request's pin and queued loads; return True if it had loads."""
+        assert self.gpu_pool is not None, "no GPU pool bound"
+        self.release_pin(request_id)
+        keep = []
+        dropped = False
+        for load in self.queued:
+            if load.request_id == request_id:
+                self.index.pools[load.tier].free(load.tier_block_ids)
+                self.gpu_pool.free(load.gpu_block_ids)
+                dropped = True
+            else:
+                keep.append(load)
+        self.queued = keep
+        return dropped
+
+    def fail_all(self) -> None:
+        """Drop every pin and queued load; the loads come back as failed (reset)."""
+        assert self.gpu_pool is not None, "no GPU pool bound"
+        for request_id in list(self.pins):
+            self.release_pin(request_id)
+        for load in self.take_queued():
+            self.index.pools[load.tier].free(load.tier_block_ids)
+            self.gpu_pool.free(load.gpu_block_ids)
+            load.progress.num_pending -= 1
+            if load.progress.num_pending == 0:  # every part of a load is queued together
+                self.book.fail_unissued(load.progress.failure())
