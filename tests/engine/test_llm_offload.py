@@ -13,7 +13,7 @@ import torch
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
 from kvtier.engine.sampling import SamplingParams
-from kvtier.offload.config import DiskIOMode, OffloadConfig
+from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 from kvtier.offload.plan import TransferPlan, WorkerReport
 
 MIB = 1 << 20
@@ -37,6 +37,7 @@ def serve(
     model: ModelConfig,
     offload: OffloadConfig | None,
     wrap: Callable[[Any], Any] | None = None,
+    inspect: Callable[[LLM], None] | None = None,
 ) -> list[RequestOutput]:
     """Serve three turns of four conversations, feeding each answer into the history."""
     engine = EngineConfig(
@@ -57,6 +58,9 @@ def serve(
                 answers[i] = answers[i] + list(result.output_token_ids)
             outputs.extend(results)
         assert llm.stats.num_preemptions > 0, "the tiny pool should force preemptions"
+        if inspect is not None:
+            llm.drain()
+            inspect(llm)
     return outputs
 
 
@@ -89,6 +93,40 @@ def test_outputs_identical_through_tiers(model: ModelConfig, tier: str, tmp_path
     through_tier = serve(model, tier_configs(tmp_path)[tier])
     assert sum(o.num_external_hit_tokens for o in through_tier) > 0, "the tier was never hit"
     assert_same(reference, through_tier)
+
+
+@pytest.mark.parametrize(
+    "model", [ModelConfig.tiny(), ModelConfig.tiny_hybrid()], ids=["full", "hybrid"]
+)
+@pytest.mark.parametrize("mode", list(CascadeMode), ids=lambda m: m.value)
+def test_outputs_identical_through_the_cascade(
+    model: ModelConfig, mode: CascadeMode, tmp_path: Path
+) -> None:
+    """Scenario 31 over CPU+disk: a small CPU tier demotes to disk; disk hits serve too."""
+    bytes_per_block = 2048  # the tiny models, both layouts (checked below)
+    cascade = OffloadConfig(
+        cpu_bytes=20 * bytes_per_block,
+        disk_bytes=8 * MIB,
+        disk_path=str(tmp_path),
+        disk_io_mode=DiskIOMode.PAGE_CACHE,
+        cascade=mode,
+    )
+    totals: dict[str, int] = {}
+
+    def inspect(llm: LLM) -> None:
+        assert llm.offload is not None
+        assert llm.layout.bytes_per_block == bytes_per_block
+        totals.update(llm.offload.totals.hit_tokens)
+        totals["demoted"] = llm.offload.totals.num_demoted_blocks
+        totals["promoted"] = llm.offload.totals.num_promoted_blocks
+
+    reference = serve(model, None)
+    through = serve(model, cascade, inspect=inspect)
+    assert totals["CPU"] > 0, totals
+    assert totals["DISK"] > 0, totals
+    assert totals["demoted"] > 0, totals
+    assert totals["promoted"] > 0, totals
+    assert_same(reference, through)
 
 
 class FailingLoads:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.engine.config import CacheConfig, ModelConfig
+from kvtier.engine.fingerprint import kv_fingerprint
 from kvtier.engine.model import build_model
 from kvtier.engine.offload_side import OffloadSide, layout_of
 from kvtier.engine.request import Request
@@ -93,10 +94,17 @@ class LLM:
         self.runner = ModelRunner(network, cache)
         self.layout = layout_of(self.runner)
         self.pool = BlockPool(engine.num_gpu_blocks)
-        self.offload = (
-            None if kv_offload is None else OffloadSide(kv_offload, self.runner, self.pool)
-        )
-        self._hasher = BlockHasher(self.layout.hash_block_size)
+        if kv_offload is None:
+            self._hasher = BlockHasher(self.layout.hash_block_size)
+            self.offload = None
+        else:
+            self._hasher = BlockHasher(
+                self.layout.hash_block_size, kv_offload.hash_algo, kv_offload.hash_seed
+            )
+            fingerprint = kv_fingerprint(
+                model, self.model_config, engine.seed, self.layout, self._hasher
+            )
+            self.offload = OffloadSide(kv_offload, self.runner, self.pool, fingerprint)
         limits = SchedulerLimits(engine.max_num_seqs, engine.max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.layout,

@@ -49,19 +49,39 @@ class OffloadTotals:
     num_failed_loads: int = 0
     num_failed_stores: int = 0
     hit_tokens: dict[str, int] = field(default_factory=dict)
+    num_demoted_blocks: int = 0
+    num_promoted_blocks: int = 0
+    num_failed_demotions: int = 0
 
 
 class OffloadSide:
-    """Drive one `OffloadScheduler` and one `OffloadWorker` from the engine's step loop."""
+    """Drive one `OffloadScheduler` and one `OffloadWorker` from the engine's step loop.
 
-    def __init__(self, config: OffloadConfig, runner: ModelRunner, pool: BlockPool) -> None:
+    `fingerprint` names what the KV bytes depend on (model, weights, layout, hashing);
+    a persistent disk tier is reused only by an engine with the same one.
+    """
+
+    def __init__(
+        self, config: OffloadConfig, runner: ModelRunner, pool: BlockPool, fingerprint: str = ""
+    ) -> None:
         layout = layout_of(runner)
-        num_tier_blocks = config.num_tier_blocks(layout.bytes_per_block)
-        self.scheduler = OffloadScheduler(
-            config, SchedulerSetup(layout, num_tier_blocks, num_workers=1, gpu_pool=pool)
+        sizes = {
+            tier: config.num_tier_blocks(layout.bytes_per_block, tier) for tier in config.tiers
+        }
+        setup = SchedulerSetup(
+            layout,
+            sizes[config.tier],
+            num_workers=1,
+            gpu_pool=pool,
+            num_disk_blocks=sizes.get(Tier.DISK, 0) if config.is_cascade else 0,
         )
-        self.worker = OffloadWorker(_worker_config(config, num_tier_blocks))
+        self.scheduler = OffloadScheduler(config, setup)
+        self.worker = OffloadWorker(_worker_config(config, sizes, fingerprint))
         self.worker.register(runner.kv_tensors)
+        self.num_restored_blocks = 0
+        if config.disk_persist:
+            recovered = self.worker.recovered_slots()
+            self.num_restored_blocks = self.scheduler.restore(Tier.DISK, recovered)
         self.totals = OffloadTotals()
         self._plan: TransferPlan | None = None
         self._finished_ids: frozenset[str] = frozenset()
@@ -105,6 +125,9 @@ class OffloadSide:
         totals.num_failed_loads += stats.num_failed_loads
         totals.num_failed_stores += stats.num_failed_stores
         totals.hit_tokens = dict(stats.hit_tokens)
+        totals.num_demoted_blocks += stats.num_demoted_blocks
+        totals.num_promoted_blocks += stats.num_promoted_blocks
+        totals.num_failed_demotions += stats.num_failed_demotions
 
     def has_pending_work(self) -> bool:
         """Return True while finish-time stores are queued or in flight."""
@@ -115,13 +138,16 @@ class OffloadSide:
         self.worker.shutdown()
 
 
-def _worker_config(config: OffloadConfig, num_tier_blocks: int) -> WorkerConfig:
-    if config.tier is Tier.CPU:
-        return WorkerConfig(cpu_num_slots=num_tier_blocks, copy_threads=1)
+def _worker_config(config: OffloadConfig, sizes: dict[Tier, int], fingerprint: str) -> WorkerConfig:
+    if Tier.DISK not in sizes:
+        return WorkerConfig(cpu_num_slots=sizes[Tier.CPU], copy_threads=1)
     return WorkerConfig(
-        disk_num_slots=num_tier_blocks,
+        cpu_num_slots=sizes.get(Tier.CPU, 0),
+        disk_num_slots=sizes[Tier.DISK],
         disk_path=config.disk_path,
         disk_io_mode=config.disk_io_mode,
         disk_buffer_slots=config.disk_buffer_slots,
         copy_threads=1,
+        disk_persist=config.disk_persist,
+        disk_fingerprint=fingerprint if config.disk_persist else "",
     )

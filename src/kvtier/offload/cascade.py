@@ -97,13 +97,18 @@ class Cascade:
     def _demote(self, cpu_block_ids: Iterable[int]) -> None:
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
         chosen: list[tuple[int, Key]] = []
+        on_disk: list[int] = []
         for block_id in cpu_block_ids:
             key = cpu_pool.key(block_id)
             if key is None or key in self.in_flight_keys:
                 continue
-            if disk_pool.cached_block(key) is not None:
+            disk_block = disk_pool.cached_block(key)
+            if disk_block is not None:
+                on_disk.append(disk_block)
                 continue
             chosen.append((block_id, key))
+        if self.mode is CascadeMode.WRITE_THROUGH:
+            self._refresh(on_disk)
         if not chosen:
             return
         room = min(len(chosen), disk_pool.num_free())
@@ -114,6 +119,24 @@ class Cascade:
         for (block_id, key), disk_id in zip(chosen, disk_ids, strict=True):
             self.in_flight_keys.add(key)
             self.queued.append(MoveItem(block_id, disk_id, key, cpu_pool.num_tokens(block_id)))
+
+    def after_cpu_loads(self, cpu_block_ids: Sequence[int]) -> None:
+        """Write-through: a CPU hit refreshes the block's disk copy too.
+
+        Otherwise a block the CPU keeps hot would age out of the disk, and the disk
+        would stop holding what the CPU holds (what a restart relies on).
+        """
+        if self.mode is not CascadeMode.WRITE_THROUGH:
+            return
+        key, disk_get = self.cpu_pool.key, self.disk_pool.cached_block
+        found = (disk_get(k) for k in map(key, cpu_block_ids) if k is not None)
+        self._refresh([b for b in found if b is not None])
+
+    def _refresh(self, disk_block_ids: list[int]) -> None:
+        """Move free disk blocks to the most-recently-used end (pinned ones stay put)."""
+        if disk_block_ids:
+            self.disk_pool.touch(disk_block_ids)
+            self.disk_pool.free(disk_block_ids[::-1])
 
     def take_queued(self) -> list[MoveItem]:
         """Return and forget the demotions selected since the last call."""

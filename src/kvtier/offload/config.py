@@ -37,9 +37,10 @@ class DiskIOMode(enum.Enum):
 class CascadeMode(enum.Enum):
     """How the CPU tier hands blocks down to the disk tier when both are configured.
 
-    WRITE_THROUGH: every block stored in the CPU tier is copied on to disk right after
-    (inclusive tiers: the disk holds everything the CPU holds, so a restart with a
-    persistent disk keeps it all; one disk write per stored block; capacity = disk).
+    WRITE_THROUGH: every block stored in the CPU tier is copied on to disk right after,
+    and CPU hits refresh the disk copy (inclusive tiers: the disk keeps a copy of what
+    the CPU holds, so a restart with a persistent disk keeps nearly all of it; one disk
+    write per stored block; capacity = disk, which must be at least the CPU tier).
     WRITE_BACK: a CPU block is copied to disk only when it nears eviction, then leaves
     the CPU tier (exclusive tiers: capacity = CPU + disk, fewer disk writes; a burst of
     stores larger than the demotion reserve evicts some blocks before their copy).

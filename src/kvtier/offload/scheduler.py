@@ -96,8 +96,11 @@ class OffloadScheduler:
                 medium=Tier.DISK.value,
                 record_events=config.events,
             )
+            # Write-back demotes ahead of the next steps' evictions, within a quarter of
+            # the CPU tier (demoted blocks leave it).
             reserve = min(
-                lazy_target(setup.layout, config.max_batched_tokens), setup.num_tier_blocks - 1
+                lazy_target(setup.layout, config.max_batched_tokens),
+                max(1, (setup.num_tier_blocks - 1) // 4),
             )
             self.cascade = Cascade(
                 self.tier_pool,
@@ -271,6 +274,8 @@ class OffloadScheduler:
                 progress.num_pending -= 1
                 if transfer.succeeded:
                     self._counters.num_loaded_blocks += len(load.tier_block_ids)
+                    if self.cascade is not None and load.tier is Tier.CPU:
+                        self.cascade.after_cpu_loads(load.tier_block_ids)
                 else:
                     progress.failed = True
                     for block_id in load.tier_block_ids:  # never serve a suspect copy again
