@@ -7,6 +7,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def direct_dir(tmp_path: Path) -> Iterator[Path]:
         yield Path(path)
 
 
-def config(directory: Path, mode: DiskIOMode, **extra: int) -> WorkerConfig:
+def config(directory: Path, mode: DiskIOMode, **extra: Any) -> WorkerConfig:
     return WorkerConfig(
         cpu_num_slots=8, disk_num_slots=16, disk_path=str(directory), disk_io_mode=mode, **extra
     )

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ JOIN_S = 10
 pytestmark = pytest.mark.timeout(60)
 
 
-def disk_config(tmp_path: Path, **extra: int) -> WorkerConfig:
+def disk_config(tmp_path: Path, **extra: Any) -> WorkerConfig:
     return WorkerConfig(
         cpu_num_slots=8,
         disk_num_slots=8,

@@ -13,6 +13,14 @@ written, fails to load. Failures surface as `DiskIOError` from the future; the I
 themselves never die from them. Checksums are computed by the thread that filled a store
 buffer and verified by the thread that consumes a load buffer (the data is hot in their
 caches, and the I/O threads keep the device busy with nothing but reads and writes).
+
+A persistent tier (`DiskTierConfig.fingerprint` set) keeps its slot file and a manifest
+(see `manifest`) across runs: at open it recovers the checksums and records of the live
+slots, and it appends to the manifest as it goes. A write with records appends one put
+record per slot after the slot's data is written, and tombstones the slots if the write
+fails (their old bytes may be partly overwritten). A write without records tombstones
+the slots' earlier records *before* writing, so a restart cannot offer them. A read that
+fails verification tombstones the slot.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import errno
 import functools
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,6 +37,8 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage.manifest import ManifestIdentity, ManifestLog, check_record, open_manifest
 from kvtier.storage.slot_file import (
     DIRECT_IO_ALIGNMENT,
     DiskIOError,
@@ -42,7 +52,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DiskTierConfig:
-    """Shape of one rank's disk tier. `path` is the slot file to create."""
+    """Shape of one rank's disk tier. `path` is the slot file to create.
+
+    `fingerprint` set makes the tier persistent: the slot file and its manifest are kept
+    at close and reused at the next open when the fingerprint and the geometry
+    (`num_slots`, `bytes_per_slot`, `region_layout`) match.
+    """
 
     path: str
     num_slots: int
@@ -50,6 +65,8 @@ class DiskTierConfig:
     io_mode: DiskIOMode = DiskIOMode.DIRECT
     num_buffers: int = 2  # staging buffers per direction; 2 = double buffering
     batch_bytes: int = 4 << 20  # bytes per staging buffer, rounded down to whole slots
+    fingerprint: str | None = None  # None: a fresh file, removed at close
+    region_layout: str = ""  # "name:bytes;..." per region; part of the persistent identity
 
     def __post_init__(self) -> None:
         for name in ("num_slots", "bytes_per_slot", "batch_bytes"):
@@ -57,6 +74,17 @@ class DiskTierConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_buffers < 1:
             raise ValueError(f"num_buffers must be at least 1, got {self.num_buffers}")
+        if self.fingerprint is not None and not self.fingerprint:
+            raise ValueError("fingerprint must be None or a non-empty string, got ''")
+
+    @property
+    def identity(self) -> ManifestIdentity | None:
+        """Return what a persistent tier's manifest must match, or None when not persistent."""
+        if self.fingerprint is None:
+            return None
+        return ManifestIdentity(
+            self.fingerprint, self.num_slots, self.bytes_per_slot, self.region_layout
+        )
 
     @property
     def batch_slots(self) -> int:
@@ -110,15 +138,31 @@ class DiskTier:
 
     def __init__(self, config: DiskTierConfig, file_io: FileIO | None = None) -> None:
         self.config = config
+        identity = config.identity
         self._file = SlotFile(
-            config.path, config.num_slots, config.bytes_per_slot, config.io_mode, file_io
+            config.path,
+            config.num_slots,
+            config.bytes_per_slot,
+            config.io_mode,
+            file_io,
+            persistent=identity is not None,
         )
         self._checksums = np.zeros(config.num_slots, dtype=np.uint64)
         self._valid = np.zeros(config.num_slots, dtype=np.bool_)
+        self._log: ManifestLog | None = None
+        self._recovered: list[tuple[int, SlotRecord]] = []
         try:
+            if identity is not None:
+                self._log, live = open_manifest(self._file, identity)
+                for slot in sorted(live):
+                    self._checksums[slot] = live[slot].checksum
+                    self._valid[slot] = True
+                    self._recovered.append((slot, live[slot].record))
             self.store_buffers = self._allocate_buffers()
             self.load_buffers = self._allocate_buffers()
         except BaseException:
+            if self._log is not None:
+                self._log.close()
             self._file.close()
             raise
         self._store_io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-store")
@@ -147,15 +191,44 @@ class DiskTier:
         """Return the slots per staging buffer."""
         return self.config.batch_slots
 
-    def write_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> Future[None]:
+    @property
+    def persistent(self) -> bool:
+        """Return True when the tier keeps its file and manifest across runs."""
+        return self.config.fingerprint is not None
+
+    def recovered_slots(self) -> list[tuple[int, SlotRecord]]:
+        """Return the `(slot, record)` pairs a persistent tier recovered at open, by slot."""
+        return list(self._recovered)
+
+    def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
+        """Raise ValueError (message prefixed by `context`) for a record a persistent tier
+        cannot write to its manifest; a non-persistent tier ignores records."""
+        if self._log is None:
+            return
+        for record in records:
+            try:
+                check_record(record)
+            except ValueError as exc:
+                raise ValueError(f"{context}{exc}") from exc
+
+    def write_slots(
+        self,
+        buffer: StagingBuffer,
+        slot_ids: np.ndarray,
+        records: Sequence[SlotRecord] | None = None,
+    ) -> Future[None]:
         """Queue writing rows `0..len(slot_ids)` of `buffer` to `slot_ids` (store I/O thread).
 
         The checksums are computed here, in the caller's thread, while the rows are still
         hot in its cache; the I/O thread only writes. The future raises DiskIOError on an
         I/O error or a short write; the slots are then invalid (a later load of them
-        fails). Sorted slot ids make fewer, larger writes.
+        fails). Sorted slot ids make fewer, larger writes. `records` (one per slot) are
+        appended to a persistent tier's manifest once the data is written; a
+        non-persistent tier ignores them.
         """
         self._check_batch(buffer, slot_ids)
+        if records is not None and len(records) != len(slot_ids):
+            raise ValueError(f"{len(records)} records for {len(slot_ids)} slots")
         size = self.config.bytes_per_slot
         sums = np.array(
             [
@@ -164,7 +237,8 @@ class DiskTier:
             ],
             dtype=np.uint64,
         )
-        return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums)
+        kept = tuple(records) if records is not None and self._log is not None else None
+        return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
 
     def read_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> SlotRead:
         """Queue reading `slot_ids` into rows `0..len(slot_ids)` of `buffer` (load I/O thread).
@@ -186,13 +260,30 @@ class DiskTier:
         if len(slot_ids) and (slot_ids.min() < 0 or slot_ids.max() >= self.num_slots):
             raise ValueError(f"slot ids outside [0, {self.num_slots}): {slot_ids.tolist()}")
 
-    def _write(self, buffer: StagingBuffer, slot_ids: np.ndarray, sums: np.ndarray) -> None:
+    def _write(
+        self,
+        buffer: StagingBuffer,
+        slot_ids: np.ndarray,
+        sums: np.ndarray,
+        records: tuple[SlotRecord, ...] | None,
+    ) -> None:
         size = self.config.bytes_per_slot
+        log = self._log
+        slots = slot_ids.tolist()
+        if log is not None and records is None:
+            log.forget(slots)  # no record will describe the new bytes: drop the old ones
         self._valid[slot_ids] = False
-        for a, b in _consecutive_runs(slot_ids):
-            self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
+        try:
+            for a, b in _consecutive_runs(slot_ids):
+                self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
+        except BaseException:
+            if log is not None:
+                log.forget(slots)  # the old bytes may be partly overwritten
+            raise
         self._checksums[slot_ids] = sums
         self._valid[slot_ids] = True
+        if log is not None and records is not None:
+            log.put(slots, sums.tolist(), records)
 
     def _read(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         size = self.config.bytes_per_slot
@@ -206,6 +297,8 @@ class DiskTier:
                 raise DiskIOError(errno.EIO, f"slot {slot} holds no valid data", self.path)
             actual = xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
             if actual != int(self._checksums[slot]):
+                if self._log is not None:
+                    self._log.forget([slot])  # a restart must not offer it again
                 raise DiskIOError(errno.EIO, f"checksum mismatch in slot {slot}", self.path)
 
     def check_invariants(self) -> None:
@@ -213,7 +306,10 @@ class DiskTier:
         cfg = self.config
         if self._closed:
             assert not self._file.is_open, "closed disk tier still holds its file"
+            assert self._log is None or not self._log.is_open, "closed tier's manifest is open"
             return
+        assert (self._log is not None) == self.persistent, "manifest without persistence"
+        assert self._log is None or self._log.is_open, "open persistent tier without manifest"
         assert self._file.file_size() == cfg.num_slots * cfg.bytes_per_slot, "file size drifted"
         assert self._checksums.shape == self._valid.shape == (cfg.num_slots,)
         for buffer in (*self.store_buffers, *self.load_buffers):
@@ -222,13 +318,21 @@ class DiskTier:
             assert buffer.memory.nbytes == buffer.tensor.numel()
 
     def close(self) -> None:
-        """Finish queued I/O, then close and remove the file; idempotent."""
+        """Finish queued I/O, then close the file and remove it (a persistent tier syncs
+        the slot file, then the manifest, and keeps both); idempotent."""
         if self._closed:
             return
         self._closed = True
         self._store_io.shutdown(wait=True)
         self._load_io.shutdown(wait=True)
-        self._file.close()
+        try:
+            if self._log is not None:
+                try:
+                    self._file.sync()
+                finally:
+                    self._log.close()
+        finally:
+            self._file.close()
 
 
 def _consecutive_runs(ids: np.ndarray) -> list[tuple[int, int]]:

@@ -1,21 +1,37 @@
 """The disk tier's backing file: one per rank, slot k at byte `k * bytes_per_slot`.
 
-The file is created fresh (exclusive create, mode 0600, never through a symlink) and
-removed by `close()`. All I/O goes through a `FileIO` object so tests can inject faults
-(a refused write, a short write, a full disk). A short read or write is an error, never
-retried: on a regular file it means the device ran out of space or the file shrank.
+By default the file is created fresh (exclusive create, mode 0600, never through a
+symlink) and removed by `close()`. A persistent file (`persistent=True`) reuses an
+existing regular file at the path (opened without truncation, never through a symlink;
+`reused` says so, and the caller checks its size and contents) or creates a fresh one, and
+is kept by `close()`. Either way the open file holds an advisory lock (`flock`, exclusive,
+non-blocking) for its lifetime: a second process opening it gets `DiskTierBusyError`.
+All I/O goes through a `FileIO` object so tests can inject faults (a refused write, a
+short write, a full disk). A short read or write is an error, never retried: on a regular
+file it means the device ran out of space or the file shrank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
+import stat
 from typing import Protocol
 
 from kvtier.offload.config import DiskIOMode
 
-__all__ = ["DIRECT_IO_ALIGNMENT", "DiskIOError", "DiskIOMode", "FileIO", "OsFileIO", "SlotFile"]
+__all__ = [
+    "DIRECT_IO_ALIGNMENT",
+    "DiskIOError",
+    "DiskIOMode",
+    "DiskTierBusyError",
+    "FileIO",
+    "OsFileIO",
+    "SlotFile",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +40,11 @@ DIRECT_IO_ALIGNMENT = 4096
 
 class DiskIOError(OSError):
     """A disk tier transfer failed (I/O error, short read/write, checksum mismatch)."""
+
+
+class DiskTierBusyError(OSError):
+    """The slot file is locked by another open file (another engine on the same directory
+    and rank, or a second worker of this process)."""
 
 
 class FileIO(Protocol):
@@ -47,13 +68,15 @@ class OsFileIO:
 
 
 class SlotFile:
-    """The rank's slot file: `num_slots * bytes_per_slot` bytes, created and sized at once.
+    """The rank's slot file: `num_slots * bytes_per_slot` bytes, created and sized at once
+    (or, when `persistent`, an existing file reused as it is: see `reused`).
 
-    Raises FileExistsError when the path exists (a leftover of a crashed run, another
-    process, or a symlink), ValueError for direct I/O with slot bytes that are not a
-    multiple of 4096 (SPEC scenario 28), and OSError with a hint when the filesystem
-    refuses O_DIRECT. Reads and writes may run from any thread; `close()` must not race
-    them.
+    Raises FileExistsError when the path exists and the file is not persistent (a
+    leftover of a crashed run, another process), or when it is a symlink; ValueError for
+    direct I/O with slot bytes that are not a multiple of 4096 (SPEC scenario 28); OSError
+    with a hint when the filesystem refuses O_DIRECT; DiskTierBusyError when another open
+    file holds the lock. Reads and writes may run from any thread; `close()` and
+    `recreate()` must not race them.
     """
 
     def __init__(
@@ -63,6 +86,8 @@ class SlotFile:
         bytes_per_slot: int,
         mode: DiskIOMode,
         file_io: FileIO | None = None,
+        *,
+        persistent: bool = False,
     ) -> None:
         if num_slots <= 0 or bytes_per_slot <= 0:
             raise ValueError(
@@ -77,18 +102,52 @@ class SlotFile:
         self.num_slots = num_slots
         self.bytes_per_slot = bytes_per_slot
         self.mode = mode
+        self.persistent = persistent
         self._io: FileIO = file_io if file_io is not None else OsFileIO()
-        self._fd: int | None = _create(path, mode)
+        self._fd: int | None = None
+        if persistent:
+            fd, self.reused = _open_or_create(path, mode)
+        else:
+            fd, self.reused = _create(path, mode), False
+        self._adopt(fd, created=not self.reused)
+
+    def _adopt(self, fd: int, created: bool) -> None:
+        """Lock `fd` and make it the open file, sizing it when this object `created` it.
+
+        On failure close it (and remove the file if sizing a created file failed)."""
         try:
-            _reserve(self._fd, num_slots * bytes_per_slot)
-        except OSError as exc:
-            self.close()
-            raise OSError(
-                exc.errno,
-                f"cannot size the disk tier file to {num_slots} slots x "
-                f"{bytes_per_slot} B: {exc.strerror or exc}",
-                path,
-            ) from exc
+            _lock(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if created:
+            try:
+                _reserve(fd, self.num_slots * self.bytes_per_slot)
+            except OSError as exc:
+                os.close(fd)
+                unlink_quietly(self.path)
+                raise OSError(
+                    exc.errno,
+                    f"cannot size the disk tier file to {self.num_slots} slots x "
+                    f"{self.bytes_per_slot} B: {exc.strerror or exc}",
+                    self.path,
+                ) from exc
+        self._fd = fd
+
+    def recreate(self) -> None:
+        """Replace a persistent file by a fresh, sized one (its contents are discarded).
+
+        The lock on the old file is held until the new one is created and locked."""
+        if not self.persistent:
+            raise RuntimeError("recreate() is only for a persistent slot file")
+        old, self._fd = self._fd, None
+        try:
+            unlink_quietly(self.path)
+            self._adopt(_create(self.path, self.mode), created=True)
+        finally:
+            if old is not None:
+                os.close(old)
+        self.reused = False
 
     @property
     def is_open(self) -> bool:
@@ -136,16 +195,55 @@ class SlotFile:
             raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
         return os.fstat(self._fd).st_size
 
+    def sync(self) -> None:
+        """Flush the file's data to the device (`fsync`)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
     def close(self) -> None:
-        """Close and remove the file; idempotent."""
+        """Close the file and remove it unless it is persistent; idempotent."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
         os.close(fd)
+        if self.persistent:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             logger.warning("disk tier file %s vanished before shutdown", self.path)
+
+
+def _open_or_create(path: str, mode: DiskIOMode) -> tuple[int, bool]:
+    """Open the regular file at `path` without truncation, or create it; refuse symlinks.
+
+    Return the descriptor and whether an existing file was opened."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    if mode is DiskIOMode.DIRECT:
+        flags |= os.O_DIRECT
+    for _ in range(2):  # a file created or removed by a racing process: one retry
+        try:
+            fd = _open(path, flags, mode)
+        except FileNotFoundError:
+            try:
+                return _create(path, mode), False
+            except FileExistsError:
+                if os.path.islink(path):
+                    raise
+                continue
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "disk tier file is a symlink; refusing to follow it, remove it first",
+                    path,
+                ) from exc
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "disk tier path is not a regular file", path)
+        return fd, True
+    raise OSError(errno.EAGAIN, "disk tier file keeps appearing and vanishing", path)
 
 
 def _create(path: str, mode: DiskIOMode) -> int:
@@ -154,7 +252,7 @@ def _create(path: str, mode: DiskIOMode) -> int:
     if mode is DiskIOMode.DIRECT:
         flags |= os.O_DIRECT
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = _open(path, flags, mode)
     except FileExistsError as exc:
         what = "a symlink" if os.path.islink(path) else "an existing file"
         raise FileExistsError(
@@ -163,6 +261,19 @@ def _create(path: str, mode: DiskIOMode) -> int:
             "process); refusing to reuse it, remove it first",
             path,
         ) from exc
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have narrowed it; make it exact
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+def _open(path: str, flags: int, mode: DiskIOMode) -> int:
+    """`os.open` with mode 0600 and a hint when the filesystem refuses O_DIRECT."""
+    try:
+        return os.open(path, flags, 0o600)
     except OSError as exc:
         if mode is DiskIOMode.DIRECT and exc.errno == errno.EINVAL:
             raise OSError(
@@ -172,13 +283,25 @@ def _create(path: str, mode: DiskIOMode) -> int:
                 path,
             ) from exc
         raise
+
+
+def _lock(fd: int, path: str) -> None:
+    """Take the exclusive advisory lock of `fd` without waiting; DiskTierBusyError if held."""
     try:
-        os.fchmod(fd, 0o600)  # the umask may have narrowed it; make it exact
-    except BaseException:
-        os.close(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        raise DiskTierBusyError(
+            exc.errno,
+            "disk tier file is locked by another process or worker (two engines must not "
+            "share a disk tier directory for the same rank)",
+            path,
+        ) from exc
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove `path` (a symlink itself, never its target) if it exists."""
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-        raise
-    return fd
 
 
 def _reserve(fd: int, nbytes: int) -> None:

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from kvtier.offload.plan import SlotRecord
 from kvtier.storage.disk_tier import DiskTier, SlotRead
 from kvtier.transfer.copiers import BlockCopier, StagingRows
 
@@ -47,10 +48,15 @@ class DiskMover:
         src: Sequence[torch.Tensor],
         src_ids: np.ndarray,
         slot_ids: np.ndarray,
+        records: Sequence[SlotRecord] | None = None,
     ) -> None:
-        """Write blocks `src[·][src_ids]` to `slot_ids`; raise DiskIOError on failure."""
+        """Write blocks `src[·][src_ids]` to `slot_ids`; raise DiskIOError on failure.
+
+        `records[i]` describes `slot_ids[i]` for a persistent tier's manifest (None: no
+        records, the slots' earlier records are dropped)."""
         order = np.argsort(slot_ids, kind="stable")
         src_ids, slot_ids = src_ids[order], slot_ids[order]
+        ordered = [records[i] for i in order.tolist()] if records is not None else None
         buffers = self.disk.store_buffers
         inflight: deque[Future[None]] = deque()
         try:
@@ -59,7 +65,8 @@ class DiskMover:
                     inflight.popleft().result()
                 k = i % len(buffers)
                 copier.store_to_staging(src, src_ids[a:b], self._store_rows[k])
-                inflight.append(self.disk.write_slots(buffers[k], slot_ids[a:b]))
+                batch = ordered[a:b] if ordered is not None else None
+                inflight.append(self.disk.write_slots(buffers[k], slot_ids[a:b], batch))
             while inflight:
                 inflight.popleft().result()
         finally:

@@ -14,6 +14,11 @@ it. `submit()` records a compute-done event on the caller's current stream (call
 after launching the forward) unless `record_compute_done()` was called since the previous
 submit; the store stream waits on that event before reading. Loads do not wait: their
 destination blocks are not used until the load is reported done.
+
+Persistent disk tier (`WorkerConfig.disk_persist`, see `kvtier.storage.manifest`): a job
+into DISK with `dst_records` records each slot once its data is written; one without them
+drops the slots' earlier records first; a failed write leaves none. `recovered_slots()`
+lists what the previous run left (never slot 0, the pool's null block).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
+from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan, WorkerReport
 from kvtier.storage.disk_tier import DiskTier, DiskTierConfig
 from kvtier.storage.slot_file import FileIO
 from kvtier.transfer.block_copy import row_dtype
@@ -81,6 +86,7 @@ class _Task:
     src_ids: np.ndarray
     dst_ids: np.ndarray
     marker: torch.cuda.Event | None
+    records: tuple[SlotRecord, ...] | None = None  # for a persistent disk tier's manifest
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,8 @@ class OffloadWorker:
         """Discover the engine's KV regions and allocate the tiers (once).
 
         Raises ValueError for KV layouts that cannot be addressed by block id, and the
-        disk tier's errors (existing file, unaligned slots for direct I/O, no O_DIRECT).
+        disk tier's errors (existing file, lock held by another worker (DiskTierBusyError),
+        unaligned slots for direct I/O, no O_DIRECT).
         """
         if self.state is not WorkerState.CREATED:
             raise RuntimeError(f"register() on a worker that is {self.state.value}")
@@ -162,6 +169,8 @@ class OffloadWorker:
                 io_mode=cfg.disk_io_mode,
                 num_buffers=cfg.disk_buffer_slots,
                 batch_bytes=cfg.disk_batch_bytes,
+                fingerprint=cfg.disk_fingerprint if cfg.disk_persist else None,
+                region_layout=";".join(f"{r.name}:{r.bytes_per_block}" for r in regions.regions),
             )
             disk = self._disk_tier = DiskTier(disk_config, self._file_io)
             if on_cuda:
@@ -210,6 +219,14 @@ class OffloadWorker:
         """Return the slot file's path, or None without a disk tier."""
         return self._disk.disk.path if self._disk else None
 
+    def recovered_slots(self) -> list[tuple[int, SlotRecord]]:
+        """Return the `(slot id, record)` pairs a persistent disk tier recovered from the
+        previous run, by slot id (after `register()`; empty without any)."""
+        self._require_regions()
+        if self._disk_tier is None:
+            return []
+        return [(slot, rec) for slot, rec in self._disk_tier.recovered_slots() if slot != 0]
+
     def _require_regions(self) -> RegionSet:
         if self._regions is None:
             raise RuntimeError("the worker has no KV tensors yet; call register() first")
@@ -247,7 +264,9 @@ class OffloadWorker:
             prepared.append((job, *self._validate(job)))
         marker = self._take_compute_marker(any(job.src_tier is Tier.GPU for job in plan.jobs))
         for job, route, src_ids, dst_ids in prepared:
-            task = _Task(route, src_ids, dst_ids, marker if job.src_tier is Tier.GPU else None)
+            records = job.dst_records if job.dst_tier is Tier.DISK and job.dst_records else None
+            job_marker = marker if job.src_tier is Tier.GPU else None
+            task = _Task(route, src_ids, dst_ids, job_marker, records)
             direction = _Direction.STORE if route in _STORE_ROUTES else _Direction.LOAD
             run = functools.partial(self._run, task, self._copiers[direction])
             self._lanes[direction].submit(job.event_id, run)
@@ -278,6 +297,8 @@ class OffloadWorker:
             raise ValueError(
                 f"event {job.event_id}: repeated destination ids {sorted(job.dst_block_ids)}"
             )
+        if job.dst_tier is Tier.DISK and self._disk_tier is not None:
+            self._disk_tier.check_records(job.dst_records, f"event {job.event_id}: ")
         return route, src_ids, dst_ids
 
     def _tier_size(self, tier: Tier, event_id: int) -> int:
@@ -303,11 +324,11 @@ class OffloadWorker:
             return copiers.engine.finish()
         assert self._disk is not None
         if route is _Route.DISK_STORE:
-            self._disk.store(copiers.engine, engine, src, dst)
+            self._disk.store(copiers.engine, engine, src, dst, task.records)
         elif route is _Route.DISK_LOAD:
             self._disk.load(copiers.engine, src, engine, dst)
         elif route is _Route.DEMOTE:
-            self._disk.store(copiers.host, host, src, dst)
+            self._disk.store(copiers.host, host, src, dst, task.records)
         else:
             self._disk.load(copiers.host, src, host, dst)
         return None
@@ -332,7 +353,8 @@ class OffloadWorker:
 
     def shutdown(self) -> None:
         """Finish outstanding transfers, stop the threads, free the tiers, remove the disk
-        file; idempotent. Finished events can still be polled afterwards."""
+        file (a persistent one is synced and kept, with its manifest); idempotent.
+        Finished events can still be polled afterwards."""
         if self.state is WorkerState.SHUT_DOWN:
             return
         self.state = WorkerState.SHUT_DOWN

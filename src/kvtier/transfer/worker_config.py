@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from kvtier.offload.config import DiskIOMode
+from kvtier.storage.manifest import manifest_path_for
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,11 @@ class WorkerConfig:
 
     A tier with 0 slots does not exist. `disk_path` is the directory that receives the
     rank's slot file `kvtier-rank{rank}.slots`.
+
+    `disk_persist` keeps the slot file and its manifest `kvtier-rank{rank}.manifest` at
+    shutdown and reuses them at the next `register` when `disk_fingerprint` (an opaque
+    string from the engine: model, KV layout, hash algorithm and seed) and the worker's
+    slot geometry match; otherwise they are discarded and recreated.
     """
 
     cpu_num_slots: int = 0
@@ -28,6 +34,8 @@ class WorkerConfig:
     # setting (best bandwidth on a quiet machine). 1: one core per transfer thread, which is
     # steadier on small or busy machines and leaves the engine's cores alone.
     copy_threads: int | None = None
+    disk_persist: bool = False
+    disk_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,12 +68,36 @@ class WorkerConfig:
             )
         if self.disk_num_slots and not self.disk_path:
             raise ValueError(f"WorkerConfig.disk_num_slots={self.disk_num_slots} needs a disk_path")
+        self._check_persistence()
+
+    def _check_persistence(self) -> None:
+        if not isinstance(self.disk_persist, bool):
+            raise ValueError(f"WorkerConfig.disk_persist must be a bool, got {self.disk_persist!r}")
+        if not isinstance(self.disk_fingerprint, str):
+            raise ValueError(
+                f"WorkerConfig.disk_fingerprint must be a str, got {self.disk_fingerprint!r}"
+            )
+        if self.disk_persist and not self.disk_fingerprint:
+            raise ValueError(
+                "WorkerConfig.disk_persist=True needs a non-empty disk_fingerprint, "
+                f"got disk_fingerprint={self.disk_fingerprint!r}"
+            )
+        try:
+            self.disk_fingerprint.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"WorkerConfig.disk_fingerprint is not valid text: {self.disk_fingerprint!r}"
+            ) from exc
 
     def disk_file(self) -> str:
         """Return the path of this rank's slot file."""
         if not self.disk_path:
             raise ValueError("WorkerConfig has no disk_path")
         return os.path.join(self.disk_path, f"kvtier-rank{self.rank}.slots")
+
+    def disk_manifest_file(self) -> str:
+        """Return the path of this rank's manifest (used when `disk_persist`)."""
+        return manifest_path_for(self.disk_file())
 
 
 class WorkerState(enum.Enum):

@@ -1,0 +1,279 @@
+"""The manifest of a persistent disk tier: byte format, replay rules, open and compaction."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage import (
+    DiskIOMode,
+    DiskTierBusyError,
+    ManifestIdentity,
+    SlotFile,
+    manifest_path_for,
+)
+from kvtier.storage.manifest import ManifestLog, open_manifest, read_manifest
+
+SLOT = 4096
+IDENTITY = ManifestIdentity("model-a|kv|sha256:0", 8, SLOT, "kv[0][K]:2048;kv[0][V]:2048")
+KEY_BYTES = 36
+RECORD_BYTES = 19 + KEY_BYTES + 8
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rec(i: int) -> SlotRecord:
+    return SlotRecord(bytes([i]) * KEY_BYTES, 16 * i)
+
+
+def open_tier_files(
+    tmp_path: Path, identity: ManifestIdentity = IDENTITY
+) -> tuple[SlotFile, ManifestLog, dict[int, tuple[int, SlotRecord]]]:
+    slot_file = SlotFile(
+        str(tmp_path / "kvtier-rank0.slots"),
+        identity.num_slots,
+        identity.bytes_per_slot,
+        DiskIOMode.PAGE_CACHE,
+        persistent=True,
+    )
+    log, live = open_manifest(slot_file, identity)
+    return slot_file, log, {s: (e.checksum, e.record) for s, e in live.items()}
+
+
+def close(slot_file: SlotFile, log: ManifestLog) -> None:
+    log.close()
+    slot_file.close()
+
+
+def manifest_of(tmp_path: Path) -> Path:
+    return Path(manifest_path_for(str(tmp_path / "kvtier-rank0.slots")))
+
+
+def test_header_and_record_layout_match_the_documented_format(tmp_path: Path) -> None:
+    """Header: magic, version, geometry, layout, fingerprint, checksum; records: kind,
+    slot, tokens, data checksum, key, checksum; all little-endian."""
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {}
+    assert manifest_of(tmp_path).name == "kvtier-rank0.manifest"
+    log.put([3], [0xABCDEF], [rec(7)])
+    log.forget([3])
+    close(slot_file, log)
+    data = manifest_of(tmp_path).read_bytes()
+    layout, fingerprint = IDENTITY.region_layout.encode(), IDENTITY.fingerprint.encode()
+    head = struct.pack("<8sIQQII", b"KVTMANI1", 1, 8, SLOT, len(layout), len(fingerprint))
+    head += layout + fingerprint
+    assert data[: len(head)] == head
+    assert data[len(head) : len(head) + 8] == struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+    records = data[len(head) + 8 :]
+    assert len(records) == RECORD_BYTES + 27  # a put with a 36-byte key, a tombstone
+    body = struct.pack("<BIIQH", 1, 3, 112, 0xABCDEF, KEY_BYTES) + rec(7).key
+    assert records[:RECORD_BYTES] == body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    assert records[RECORD_BYTES] == 2  # tombstone kind
+    assert read_manifest(str(manifest_of(tmp_path)), IDENTITY) == {}
+
+
+def test_reopen_recovers_the_last_record_per_slot_and_compacts(tmp_path: Path) -> None:
+    """Last record wins, tombstones forget; the reopened manifest holds live records only."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1, 2, 3], [11, 22, 33], [rec(1), rec(2), rec(3)])
+    log.put([2], [222], [rec(9)])
+    log.forget([3, 5])  # slot 5 has no record: no tombstone is written for it
+    close(slot_file, log)
+    header = len(IDENTITY.encode())
+    assert manifest_of(tmp_path).stat().st_size == header + 4 * RECORD_BYTES + 27
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (11, rec(1)), 2: (222, rec(9))}
+    assert slot_file.reused
+    assert manifest_of(tmp_path).stat().st_size == header + 2 * RECORD_BYTES
+    assert not Path(str(manifest_of(tmp_path)) + ".tmp").exists()
+    close(slot_file, log)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"fingerprint": "model-b|kv|sha256:0"}, "fingerprint 'model-a"),
+        ({"num_slots": 16}, "geometry changed: num_slots 8 != 16"),
+        ({"bytes_per_slot": 2 * SLOT}, "bytes_per_slot 4096 != 8192"),
+        ({"region_layout": "kv[0]:4096"}, "region layout"),
+    ],
+)
+def test_identity_mismatch_discards_both_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, change: dict[str, object], reason: str
+) -> None:
+    """Another fingerprint or geometry: a warning naming the reason and path, nothing
+    recovered, a fresh slot file of the new size."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    slot_file.write(memoryview(b"\x5a" * SLOT), 1)
+    log.put([1], [1], [rec(1)])
+    close(slot_file, log)
+    other = dataclasses.replace(IDENTITY, **change)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING):
+        slot_file, log, live = open_tier_files(tmp_path, other)
+    assert live == {}
+    assert not slot_file.reused
+    assert reason in caplog.text
+    assert str(tmp_path / "kvtier-rank0.slots") in caplog.text
+    assert slot_file.file_size() == other.num_slots * other.bytes_per_slot
+    out = bytearray(other.bytes_per_slot)
+    slot_file.read(memoryview(out), 1)
+    assert not any(out)  # the old bytes are gone
+    close(slot_file, log)
+    assert read_manifest(str(manifest_of(tmp_path)), other) == {}
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("magic", "bad magic"),
+        ("version", "format version 7"),
+        ("header_sum", "header checksum"),
+        ("short_header", "shorter than its header"),
+        ("missing", "manifest is missing"),
+        ("slot_file_size", "slot file is"),
+    ],
+)
+def test_damaged_files_are_discarded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str, reason: str
+) -> None:
+    """Bad magic, version or header checksum, a cut header, no manifest, or a slot file of
+    the wrong size: warning, nothing recovered, fresh files."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1], [1], [rec(1)])
+    close(slot_file, log)
+    path = manifest_of(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "magic":
+        data[0] ^= 0xFF
+    elif damage == "version":
+        data[8:12] = struct.pack("<I", 7)
+    elif damage == "header_sum":
+        data[40] ^= 0x01  # inside the region layout
+    elif damage == "short_header":
+        data = data[:20]
+    if damage == "missing":
+        path.unlink()
+    else:
+        path.write_bytes(bytes(data))
+    if damage == "slot_file_size":
+        os.truncate(tmp_path / "kvtier-rank0.slots", 5 * SLOT)
+    with caplog.at_level(logging.WARNING):
+        slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {}
+    assert reason in caplog.text
+    assert slot_file.file_size() == 8 * SLOT
+    close(slot_file, log)
+
+
+def test_corrupt_record_ends_the_replay(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A flipped byte in the middle record: the records before it count, later ones do not."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    for slot in (1, 2, 3):
+        log.put([slot], [slot], [rec(slot)])
+    close(slot_file, log)
+    path = manifest_of(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(data) - 2 * RECORD_BYTES + 25] ^= 0x04  # inside the key of the middle record
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (1, rec(1))}
+    assert "corrupt record" in caplog.text
+    close(slot_file, log)
+
+
+@pytest.mark.parametrize("cut", [1, 8, RECORD_BYTES - 1])
+def test_torn_last_record_is_ignored(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cut: int
+) -> None:
+    """A short tail (a record cut anywhere) is ignored with a warning."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1, 2], [1, 2], [rec(1), rec(2)])
+    close(slot_file, log)
+    path = manifest_of(tmp_path)
+    os.truncate(path, path.stat().st_size - cut)
+    with caplog.at_level(logging.WARNING):
+        slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (1, rec(1))}
+    assert "torn record" in caplog.text
+    close(slot_file, log)
+
+
+def test_failed_append_is_cut_off_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short append is truncated away; the log keeps working and replays cleanly."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1], [1], [rec(1)])
+    size = manifest_of(tmp_path).stat().st_size
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:10]))
+    log.put([2], [2], [rec(2)])
+    monkeypatch.undo()
+    assert manifest_of(tmp_path).stat().st_size == size
+    log.put([3], [3], [rec(3)])
+    close(slot_file, log)
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (1, rec(1)), 3: (3, rec(3))}
+    close(slot_file, log)
+
+
+def test_lock_refuses_a_second_opener_and_touches_nothing(tmp_path: Path) -> None:
+    """While one SlotFile holds the lock, another (persistent or not) fails; files stay."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1], [1], [rec(1)])
+    before = manifest_of(tmp_path).read_bytes()
+    other = ManifestIdentity("model-b", 8, SLOT)
+    with pytest.raises(DiskTierBusyError, match="locked by another") as info:
+        open_tier_files(tmp_path, other)
+    assert info.value.filename == str(tmp_path / "kvtier-rank0.slots")
+    assert manifest_of(tmp_path).read_bytes() == before
+    log.put([2], [2], [rec(2)])  # the holder is unaffected
+    close(slot_file, log)
+    assert (tmp_path / "kvtier-rank0.slots").exists()
+
+
+def test_symlinks_are_never_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A symlinked slot file is refused; a symlinked manifest is discarded, its target kept."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    link = tmp_path / "kvtier-rank0.slots"
+    link.symlink_to(victim)
+    with pytest.raises(FileExistsError, match="symlink"):
+        open_tier_files(tmp_path)
+    link.unlink()
+    slot_file, log, _ = open_tier_files(tmp_path)
+    close(slot_file, log)
+    manifest_of(tmp_path).unlink()
+    manifest_of(tmp_path).symlink_to(victim)
+    with caplog.at_level(logging.WARNING):
+        slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {}
+    assert "cannot open the manifest" in caplog.text
+    assert victim.read_bytes() == b"keep me"
+    assert not manifest_of(tmp_path).is_symlink()
+    close(slot_file, log)
+
+
+def test_leftover_temporary_file_is_replaced(tmp_path: Path) -> None:
+    """A `.tmp` left by a crash during compaction does not block the next open."""
+    Path(str(manifest_of(tmp_path)) + ".tmp").write_bytes(b"junk")
+    slot_file, log, _ = open_tier_files(tmp_path)
+    assert not Path(str(manifest_of(tmp_path)) + ".tmp").exists()
+    close(slot_file, log)
+
+
+def test_non_persistent_slot_file_is_unchanged(tmp_path: Path) -> None:
+    """Without persistence the file is still fresh, exclusive and removed at close."""
+    path = str(tmp_path / "kvtier-rank0.slots")
+    slot_file = SlotFile(path, 4, SLOT, DiskIOMode.PAGE_CACHE)
+    assert not slot_file.reused
+    with pytest.raises(DiskTierBusyError):
+        SlotFile(path, 4, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
+    slot_file.close()
+    assert os.listdir(tmp_path) == []
