@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint types pytest setup line-budget clean
+.PHONY: demo test lint types pytest setup line-budget clean bench-cascade
 
 include mk/vllm.mk
 
@@ -35,6 +35,11 @@ line-budget:
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q
+
+# CPU-only vs DISK-only vs the CPU -> DISK cascade at equal bytes (trace replay, ~1 min
+# on 2 cores; BENCH_ARGS=--json PATH).
+bench-cascade: $(STAMP)
+	$(BIN)/python benchmarks/bench_cascade.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .mypy_cache .pytest_cache .ruff_cache

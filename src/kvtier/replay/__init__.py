@@ -3,8 +3,10 @@
 | module | holds |
 |---|---|
 | `trace` | Mooncake-format records: read (validated, errors name the line), write, summarize |
-| `config` | `ReplayConfig`, `TierConfig`, `ReleaseOrder` and the frozen results |
+| `config` | `ReplayConfig`, `TierConfig`, `ReleaseOrder`, `CascadeMode` and the frozen results |
 | `tier_replay` | `TierReplay`: one pass through a GPU pool and the lower tiers' `BlockPool`s |
+| `tier_store` | one lower tier's state; store selection and release (shared) |
+| `cascade` | the CPU → DISK cascade: mixed lookup, write-through, write-back demotion |
 | `belady` | offline policies reading the future: `belady`, `oracle-lfu` (`FutureOracle`) |
 | `cost` | the TTFT cost model |
 | `sweep` | many (policy, capacity) passes; CSV, JSON, plot |
@@ -13,6 +15,7 @@
 """
 
 from kvtier.replay.config import (
+    CascadeMode,
     ReleaseOrder,
     ReplayConfig,
     ReplayError,
@@ -23,6 +26,7 @@ from kvtier.replay.tier_replay import TierReplay, replay_trace
 from kvtier.replay.trace import TraceError, TraceRecord, read_trace
 
 __all__ = [
+    "CascadeMode",
     "ReleaseOrder",
     "ReplayConfig",
     "ReplayError",

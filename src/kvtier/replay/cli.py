@@ -15,7 +15,13 @@ from typing import Any
 
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from kvtier.replay.belady import BELADY, OFFLINE_POLICIES
-from kvtier.replay.config import ReleaseOrder, ReplayConfig, ReplayError, TierConfig
+from kvtier.replay.config import (
+    CascadeMode,
+    ReleaseOrder,
+    ReplayConfig,
+    ReplayError,
+    TierConfig,
+)
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.sweep import (
     DEFAULT_SWEEP_TOKENS,
@@ -77,6 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--capacity",
+        "--cpu",
         action="append",
         type=parse_tokens,
         metavar="TOKENS",
@@ -92,10 +99,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--disk-capacity",
+        "--disk",
         type=parse_tokens,
         default=0,
         metavar="TOKENS",
-        help="a DISK tier behind the CPU tier, same policy (default 0: none)",
+        help="a DISK tier behind the CPU tier, same policy (default 0: none); without "
+        "--cascade it is fed independently (every block the CPU lacks is offered to both)",
+    )
+    parser.add_argument(
+        "--cascade",
+        choices=[m.value for m in CascadeMode],
+        help="CPU -> DISK cascade (needs --disk-capacity; online policies only): stores go "
+        "to the CPU tier, a lookup takes each block from CPU, else DISK. write_through: "
+        "every block stored in CPU is copied to DISK at once (inclusive, capacity = max; "
+        "restart-safe; one disk write per store). write_back: only blocks the CPU evicts "
+        "move to DISK (exclusive, capacity = CPU + DISK; fewer disk writes; a crash loses "
+        "the CPU-only blocks)",
     )
     parser.add_argument(
         "--block-size",
@@ -106,13 +125,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="capacity sweep: adds lru and belady, writes sweep.csv and sweep.png to --out",
+        help="capacity sweep: adds lru and belady (not with --cascade), writes sweep.csv and "
+        "sweep.png to --out",
     )
     parser.add_argument("--out", default="replay_out", help="folder for the sweep CSV and plot")
     parser.add_argument(
         "--json",
         metavar="PATH",
-        help="write every result as JSON (adds lru and belady: the reference lines)",
+        help="write every result as JSON (adds lru and belady, the reference lines; "
+        "belady not with --cascade)",
     )
     parser.add_argument(
         "--release-order",
@@ -168,17 +189,22 @@ Each request looks up its prompt's block hashes (prefix hits only) in the GPU ti
 in each lower tier from where the previous one stopped; then its blocks are offered for
 storing (eager, admission policy first) into every lower tier, whose BlockPool evicts
 per the eviction policy. Reports per-tier token hit ratios, blocks stored and evicted,
-bytes that would move and an estimated TTFT. See docs/policies.md.
+bytes that would move and an estimated TTFT. With --cascade the CPU and DISK tiers form
+a cascade instead (stores into CPU; DISK fed write-through or write-back). See
+docs/policies.md.
 
 examples:
   kvtier replay trace.jsonl --policy lru --policy lfuda --capacity 1M --capacity 3M
   kvtier replay trace.jsonl --sweep --policy arc --policy s3fifo --out out/ --json r.json
+  kvtier replay trace.jsonl --cpu 1M --disk 4M --cascade write_back
   python -m kvtier.replay.generate chat.jsonl     # the multi-turn chat workload
 """
 
 
 def build_config(args: argparse.Namespace) -> ReplayConfig:
     """Return the base replay configuration described by the parsed arguments."""
+    if args.cascade and not args.disk_capacity:
+        raise ReplayError(f"--cascade {args.cascade} needs a DISK tier: add --disk-capacity")
     tiers = [TierConfig("CPU", (args.capacity or [1_000_000])[0], args.cpu_link_gbps)]
     if args.disk_capacity:
         tiers.append(TierConfig("DISK", args.disk_capacity, args.disk_link_gbps))
@@ -188,6 +214,7 @@ def build_config(args: argparse.Namespace) -> ReplayConfig:
         block_size=args.block_size,
         release_order=ReleaseOrder(args.release_order),
         cost=CostModel(args.prefill_tokens_per_s, args.bytes_per_token),
+        cascade=CascadeMode(args.cascade) if args.cascade else None,
     )
 
 
@@ -207,6 +234,9 @@ def format_table(points: Sequence[SweepPoint]) -> str:
         gpu = point.result.gpu
         if gpu is not None:
             hits = f"GPU:{gpu.token_hit_ratio:.3f} " + hits
+        if point.result.cascade is not None:
+            cpu = point.result.tiers[0]
+            hits += f" to-disk:{cpu.num_demoted_blocks} promoted:{cpu.num_promoted_blocks}"
         lines.append(
             f"{point.policy:<14}{format_tokens(point.capacity_tokens):>9}"
             f"{point.result.token_hit_ratio:>8.3f}{xb:>9}{xl:>7}{row['blocks_stored']:>9}"
@@ -225,11 +255,14 @@ def run(args: argparse.Namespace) -> int:
         capacities = list(dict.fromkeys(args.capacity or [1_000_000]))
         if args.sweep and not args.capacity:
             capacities = list(DEFAULT_SWEEP_TOKENS)
-        if args.sweep or args.json:  # the reference lines
-            policies = [p for p in policies if p not in (LRU, BELADY)] + [LRU, BELADY]
-        for capacity in capacities:  # validate every capacity before the long run
+        if args.sweep or args.json:  # the reference lines (a cascade cannot run Belady)
+            references = [LRU] if base.cascade else [LRU, BELADY]
+            policies = [p for p in policies if p not in (LRU, BELADY)] + references
+        for capacity in capacities:  # validate every configuration before the long run
             first = TierConfig("CPU", capacity, args.cpu_link_gbps)
             dataclasses.replace(base, tiers=(first, *base.tiers[1:]))
+        for policy in policies:
+            dataclasses.replace(base, policy=policy)
     except (OSError, TraceError, ReplayError, ValueError) as exc:
         print(f"kvtier replay: error: {exc}", file=sys.stderr)
         return 2

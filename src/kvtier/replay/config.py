@@ -33,6 +33,23 @@ class ReleaseOrder(enum.Enum):
     SCHEDULER_TAIL_FIRST = "scheduler_tail_first"
 
 
+class CascadeMode(enum.Enum):
+    """How a CPU tier hands blocks down to a DISK tier behind it (`ReplayConfig.cascade`).
+
+    Stores go to the CPU tier; a lookup serves each block from the CPU tier, else from
+    DISK; a DISK-served block is offered to the CPU tier like any block it lacks
+    (promotion; the disk copy stays).
+    WRITE_THROUGH: every block that becomes cached in the CPU tier is written to DISK at
+    once unless DISK holds it (inclusive: capacity = max(CPU, DISK), one disk write per
+    stored block, restart-safe with a persistent disk).
+    WRITE_BACK: a block reaches DISK only when the CPU tier evicts it (exclusive:
+    capacity = CPU + DISK, fewer disk writes, a crash loses the CPU-only blocks).
+    """
+
+    WRITE_THROUGH = "write_through"
+    WRITE_BACK = "write_back"
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """One lower tier: its name, capacity in tokens and load link in GB/s."""
@@ -64,12 +81,15 @@ class ReplayConfig:
     release_order: ReleaseOrder = ReleaseOrder.TAIL_FIRST
     cost: CostModel = field(default_factory=CostModel)
     check_every: int = 0  # call every check_invariants() each N requests (tests)
+    cascade: CascadeMode | None = None  # None: independent lower tiers (see TierReplay)
 
     def __post_init__(self) -> None:
         if not self.tiers:
             raise ReplayError("at least one lower tier is needed")
         if self.policy not in OFFLINE_POLICIES:
             PolicySpec.parse(self.policy)  # raises ValueError naming a bad name
+        if self.cascade is not None:
+            self._check_cascade()
         for tier in self.tiers:
             if tier.capacity_tokens < self.block_size:
                 raise ReplayError(
@@ -80,6 +100,29 @@ class ReplayConfig:
             raise ReplayError(
                 f"gpu capacity must be 0 (no GPU tier) or at least one {self.block_size}-token "
                 f"block, got {self.gpu_capacity_tokens}"
+            )
+
+    def _check_cascade(self) -> None:
+        if isinstance(self.cascade, str):  # accept the value, e.g. "write_back"
+            choices = ", ".join(m.value for m in CascadeMode)
+            try:
+                object.__setattr__(self, "cascade", CascadeMode(self.cascade))
+            except ValueError:
+                raise ReplayError(
+                    f"unknown cascade mode {self.cascade!r}; choose one of {choices}"
+                ) from None
+        assert isinstance(self.cascade, CascadeMode)
+        names = tuple(tier.name for tier in self.tiers)
+        if names != ("CPU", "DISK"):
+            raise ReplayError(
+                f"cascade={self.cascade.value} needs exactly two lower tiers, CPU then DISK; "
+                f"got {len(names)}: {', '.join(names)}"
+            )
+        if self.policy in OFFLINE_POLICIES:
+            raise ReplayError(
+                f"cascade={self.cascade.value} works with online policies only: "
+                f"{self.policy!r} ranks the current request's blocks, and a demotion moves "
+                "another request's block"
             )
 
 
@@ -99,6 +142,11 @@ class TierResult:
     num_dropped_blocks: int  # no free slot (every slot pinned by the request)
     bytes_stored: int
     bytes_loaded: int
+    # Cascade only (0 otherwise), on the CPU tier's result: blocks it wrote down to DISK
+    # (write-through copies, write-back moves of evicted blocks; = DISK's stored blocks)
+    # and DISK-served blocks it stored (promotions).
+    num_demoted_blocks: int = 0
+    num_promoted_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,3 +163,4 @@ class ReplayResult:
     mean_ttft_s: float
     mean_ttft_no_cache_s: float
     runtime_s: float
+    cascade: CascadeMode | None = None

@@ -2,7 +2,8 @@
 
 Each point is one pass over the trace (`TierReplay`); keys and the Belady oracle are
 built once and shared. The capacity of a point is the first lower tier's; a GPU tier and
-further lower tiers keep the capacities of the base configuration.
+further lower tiers (a cascade's DISK tier too) keep the capacities of the base
+configuration.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def point_row(point: SweepPoint, table: dict[str, dict[int, float]]) -> dict[str
             "blocks_evicted": sum(t.num_evicted_blocks for t in r.tiers),
             "blocks_rejected": sum(t.num_rejected_blocks for t in r.tiers),
             "blocks_dropped_full": sum(t.num_dropped_blocks for t in r.tiers),
+            "cascade": None if r.cascade is None else r.cascade.value,
+            "blocks_demoted": sum(t.num_demoted_blocks for t in r.tiers),
+            "blocks_promoted": sum(t.num_promoted_blocks for t in r.tiers),
             "bytes_stored": sum(t.bytes_stored for t in r.tiers),
             "bytes_loaded": sum(t.bytes_loaded for t in r.tiers),
             "mean_ttft_s": round(r.mean_ttft_s, 6),

@@ -20,19 +20,24 @@ A lower-tier hit therefore refreshes the block (touch, then free to the MRU end)
 load does; blocks served by the GPU are not touched in the lower tiers. Keys are
 `make_key(hash_id.to_bytes(8, "little"), 0)`. Token hits count each block's tokens (the
 trace's last block of a prompt may be partial).
+
+With `ReplayConfig.cascade` the tiers CPU and DISK form a cascade instead of steps 2
+and 4-5 (`kvtier.replay.cascade`): one lookup serves each block from CPU or else DISK,
+stores go to the CPU tier, DISK is fed write-through or by write-back demotion.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
-from kvtier.core.policies import AdmissionPolicy, EvictionPolicy, PolicySpec, RequestObserver
-from kvtier.replay.belady import OFFLINE_POLICIES, FutureOracle, make_oracle_policies
+from kvtier.core.policies import RequestObserver
+from kvtier.replay.belady import FutureOracle
+from kvtier.replay.cascade import Cascade
 from kvtier.replay.config import (
+    CascadeMode,
     ReleaseOrder,
     ReplayConfig,
     ReplayError,
@@ -40,9 +45,11 @@ from kvtier.replay.config import (
     TierConfig,
     TierResult,
 )
+from kvtier.replay.tier_store import Placed, TierState, make_tier, store_missing
 from kvtier.replay.trace import TraceRecord
 
 __all__ = [
+    "CascadeMode",
     "ReleaseOrder",
     "ReplayConfig",
     "ReplayError",
@@ -55,19 +62,6 @@ __all__ = [
 ]
 
 ProgressFn = Callable[[int], None]
-
-
-@dataclass(slots=True)
-class _Tier:
-    config: TierConfig
-    pool: BlockPool
-    eviction: EvictionPolicy
-    admission: AdmissionPolicy
-    hit_tokens: int = 0
-    hit_blocks: int = 0
-    stored: int = 0
-    rejected: int = 0
-    dropped: int = 0
 
 
 def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
@@ -83,15 +77,6 @@ def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
             row.append(key)
         out.append(row)
     return out
-
-
-def _make_policies(
-    name: str, num_blocks: int, oracle: Callable[[], FutureOracle]
-) -> tuple[EvictionPolicy, AdmissionPolicy]:
-    if name in OFFLINE_POLICIES:
-        return make_oracle_policies(name, num_blocks, oracle())
-    spec = PolicySpec.parse(name)
-    return spec.make_eviction(num_blocks), spec.make_admission(num_blocks)
 
 
 class TierReplay:
@@ -121,18 +106,16 @@ class TierReplay:
         self.gpu_pool: BlockPool | None = None
         if config.gpu_capacity_tokens:
             self.gpu_pool = BlockPool(config.gpu_capacity_tokens // bs + 1, medium="GPU")
-        self.tiers: list[_Tier] = []
-        for tier in config.tiers:
-            num_blocks = tier.capacity_tokens // bs + 1
-            eviction, admission = _make_policies(config.policy, num_blocks, get_oracle)
-            pool = BlockPool(num_blocks, free_queue=eviction, medium=tier.name)
-            self.tiers.append(_Tier(tier, pool, eviction, admission))
-        self._observers = [
-            p
-            for t in self.tiers
-            for p in (t.eviction, t.admission)
-            if isinstance(p, RequestObserver)
+        self.tiers: list[TierState] = [
+            make_tier(tier, config.policy, bs, get_oracle) for tier in config.tiers
         ]
+        self.cascade: Cascade | None = None
+        if config.cascade is not None:
+            cpu, disk = self.tiers
+            self.cascade = Cascade(config.cascade, cpu, disk, config.release_order)
+        policies: list[object] = [t.eviction for t in self.tiers]
+        policies += [t.admission for t in self.tiers[: 1 if self.cascade else None]]
+        self._observers = [p for p in policies if isinstance(p, RequestObserver)]
         self._gpu_hit_tokens = 0
         self._ttft_s = 0.0
         self._next = 0
@@ -160,7 +143,6 @@ class TierReplay:
             observer.on_request(i)
         keys = self.keys[i]
         tokens = self._tokens[i]
-        n = len(keys)
         cost = self.config.cost
         bytes_per_block = self.config.block_size * cost.bytes_per_token
         g = 0
@@ -170,26 +152,38 @@ class TierReplay:
             self.gpu_pool.touch(gpu_hits)
             g = len(gpu_hits)
             self._gpu_hit_tokens += sum(tokens[:g])
-        start = g
-        loads: list[tuple[int, list[int]]] = []  # (first position, hit blocks) per tier
+        if self.cascade is not None:
+            loads = list(self.cascade.lookup(keys, g))
+        else:
+            loads = self._lookup(keys, g)
         ttft = 0.0
-        for tier in self.tiers:
-            hits = tier.pool.lookup(keys[start:]) if start < n else []
-            tier.pool.touch(hits)
-            end = start + len(hits)
-            hit_tokens = sum(tokens[start:end])
-            tier.hit_tokens += hit_tokens
+        for tier, hits in zip(self.tiers, loads, strict=True):
+            tier.pool.touch([block_id for _, block_id in hits])  # the load pin
+            tier.hit_tokens += sum(tokens[j] for j, _ in hits)
             tier.hit_blocks += len(hits)
             ttft += cost.load_s(len(hits) * bytes_per_block, tier.config.link_gbps)
-            loads.append((start, hits))
-            start = end
-        self._ttft_s += ttft + cost.prefill_s(sum(tokens[start:]))
+        end = g + sum(len(hits) for hits in loads)
+        self._ttft_s += ttft + cost.prefill_s(sum(tokens[end:]))
         if self.gpu_pool is not None:
             self._compute_on_gpu(i, keys, tokens, gpu_hits)
-        for tier, (hit_start, hits) in zip(self.tiers, loads, strict=True):
-            self._store(tier, keys, tokens, hit_start, hits)
+        if self.cascade is not None:
+            cpu_hits, disk_hits = loads
+            self.cascade.store(keys, tokens, cpu_hits, disk_hits)
+        else:
+            order = self.config.release_order
+            for tier, hits in zip(self.tiers, loads, strict=True):
+                store_missing(tier, keys, tokens, hits, order)
         if self.config.check_every and (i + 1) % self.config.check_every == 0:
             self.check_invariants()
+
+    def _lookup(self, keys: Sequence[Key], start: int) -> list[list[Placed]]:
+        """Independent tiers: each continues the prefix where the previous one stopped."""
+        loads = []
+        for tier in self.tiers:
+            hits = tier.pool.lookup(keys[start:]) if start < len(keys) else []
+            loads.append(list(enumerate(hits, start)))
+            start += len(hits)
+        return loads
 
     def _compute_on_gpu(
         self, index: int, keys: Sequence[Key], tokens: Sequence[int], hits: list[int]
@@ -210,49 +204,6 @@ class TierReplay:
         table = hits + new
         table.reverse()
         pool.free(table)
-
-    def _store(
-        self,
-        tier: _Tier,
-        keys: Sequence[Key],
-        tokens: Sequence[int],
-        hit_start: int,
-        hits: list[int],
-    ) -> None:
-        pool = tier.pool
-        order = self.config.release_order
-        if order is not ReleaseOrder.TAIL_FIRST:  # the load completed before the compute
-            pool.free(hits if order is ReleaseOrder.SCHEDULER else hits[::-1])
-        cached_block = pool.cached_block
-        admit = tier.admission.admit
-        stored: list[tuple[int, int]] = []
-        n = len(keys)
-        # Candidates are the keys missing when the selection starts, as in the scheduler's
-        # batched `_select_run`: a key evicted by this request's own stores is not re-stored.
-        candidates = [j for j in range(n) if cached_block(keys[j]) is None]
-        for k, j in enumerate(candidates):
-            if not admit(keys[j]):
-                tier.rejected += 1
-                continue
-            if not pool.can_allocate(1):
-                tier.dropped += len(candidates) - k
-                break
-            stored.append((j, pool.allocate(1)[0]))
-        note_key = tier.eviction.note_key
-        for j, block_id in stored:
-            pool.insert_key(keys[j], block_id, tokens[j])
-            note_key(block_id, keys[j])  # the proposed BlockPool hook; idempotent
-        tier.stored += len(stored)
-        if order is not ReleaseOrder.TAIL_FIRST:
-            new = [block_id for _, block_id in stored]
-            pool.free(new if order is ReleaseOrder.SCHEDULER else new[::-1])
-            return
-        by_position: list[int] = [0] * n
-        for k, block_id in enumerate(hits):
-            by_position[hit_start + k] = block_id
-        for j, block_id in stored:
-            by_position[j] = block_id
-        pool.free([b for b in reversed(by_position) if b])
 
     # ------------------------------------------------------------------ results
 
@@ -292,10 +243,11 @@ class TierReplay:
             mean_ttft_s=self._ttft_s / num,
             mean_ttft_no_cache_s=cost.prefill_s(total_tokens) / num,
             runtime_s=runtime_s,
+            cascade=self.config.cascade,
         )
 
     @staticmethod
-    def _tier_result(tier: _Tier, total_tokens: int, bytes_per_block: int) -> TierResult:
+    def _tier_result(tier: TierState, total_tokens: int, bytes_per_block: int) -> TierResult:
         pool = tier.pool
         num_cached = sum(1 for b in range(1, pool.num_blocks) if pool.is_cached(b))
         return TierResult(
@@ -311,6 +263,8 @@ class TierReplay:
             num_dropped_blocks=tier.dropped,
             bytes_stored=tier.stored * bytes_per_block,
             bytes_loaded=tier.hit_blocks * bytes_per_block,
+            num_demoted_blocks=tier.demoted,
+            num_promoted_blocks=tier.promoted,
         )
 
     def check_invariants(self) -> None:

@@ -1,0 +1,113 @@
+"""The CPU → DISK cascade of `TierReplay` (`ReplayConfig.cascade`), every transfer instant.
+
+What the offload scheduler's cascade does, synchronously (docs/policies.md):
+
+- **Lookup:** the longest prefix (after the GPU's hits) where each block is in the CPU
+  tier or, if the CPU lacks it, on DISK; hits may interleave the two tiers. Each hit is
+  pinned in its tier and counted (tokens, TTFT at that tier's link).
+- **Stores** go to the CPU tier only, exactly as an independent tier's: the keys the
+  CPU lacks (DISK-served blocks included: that is the **promotion**, the disk copy
+  stays), CPU admission, eviction per the policy.
+- **write_through:** then every block that became cached in the CPU tier is written to
+  DISK unless DISK holds it (no admission on DISK; DISK evicts per its own policy). A
+  CPU eviction only drops the CPU copy.
+- **write_back:** before the CPU tier allocates each slot, the block that allocation
+  would evict (the first of its free queue, `iter_free_after(None)`; the request's own
+  pinned blocks are never there), if cached, is **demoted**: inserted into DISK unless
+  DISK holds the key, then dropped from the CPU tier (`discard_keys`), so the slot is
+  taken from it. Slot by slot equals "the first victims of a batch allocation".
+
+Both tiers evict per `ReplayConfig.policy`; admission applies to the CPU tier only.
+Releases follow `ReplayConfig.release_order` in each tier; a demoted block is freed on
+DISK at once (so victims enter DISK's recency order oldest first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.core.keys import Key
+from kvtier.replay.config import CascadeMode, ReleaseOrder
+from kvtier.replay.tier_store import (
+    Placed,
+    TierState,
+    release_loads,
+    release_request,
+    store_missing,
+)
+
+
+class Cascade:
+    """Lookup and stores of a CPU tier with a DISK tier behind it."""
+
+    def __init__(
+        self, mode: CascadeMode, cpu: TierState, disk: TierState, order: ReleaseOrder
+    ) -> None:
+        self.mode = mode
+        self.cpu = cpu
+        self.disk = disk
+        self.order = order
+
+    def lookup(self, keys: Sequence[Key], start: int) -> tuple[list[Placed], list[Placed]]:
+        """Return the CPU and DISK hits of the prefix from `start` (not pinned yet)."""
+        in_cpu = self.cpu.pool.cached_block
+        in_disk = self.disk.pool.cached_block
+        cpu_hits: list[Placed] = []
+        disk_hits: list[Placed] = []
+        for j in range(start, len(keys)):
+            block_id = in_cpu(keys[j])
+            if block_id is not None:
+                cpu_hits.append((j, block_id))
+                continue
+            block_id = in_disk(keys[j])
+            if block_id is None:
+                break
+            disk_hits.append((j, block_id))
+        return cpu_hits, disk_hits
+
+    def store(
+        self,
+        keys: Sequence[Key],
+        tokens: Sequence[int],
+        cpu_hits: Sequence[Placed],
+        disk_hits: Sequence[Placed],
+    ) -> None:
+        """Store the request's blocks into the CPU tier and feed DISK per the mode."""
+        cpu, disk, order = self.cpu, self.disk, self.order
+        if self.mode is CascadeMode.WRITE_BACK:
+            release_loads(disk, disk_hits, order)
+            stored = store_missing(cpu, keys, tokens, cpu_hits, order, make_room=self._demote)
+            release_request(disk, disk_hits, (), order)
+        else:
+            stored = store_missing(cpu, keys, tokens, cpu_hits, order)
+            written = store_missing(
+                disk,
+                keys,
+                tokens,
+                disk_hits,
+                order,
+                positions=[j for j, _ in stored],
+                use_admission=False,
+            )
+            cpu.demoted += len(written)
+        if disk_hits:
+            served = {j for j, _ in disk_hits}
+            cpu.promoted += sum(1 for j, _ in stored if j in served)
+
+    def _demote(self) -> None:
+        """Move the CPU tier's next victim, if cached, to DISK (before it is allocated)."""
+        cpu_pool, disk_pool = self.cpu.pool, self.disk.pool
+        block_id = next(cpu_pool.iter_free_after(None))
+        key = cpu_pool.key(block_id)
+        if key is None:
+            return
+        if disk_pool.cached_block(key) is None:
+            if disk_pool.can_allocate(1):
+                (disk_id,) = disk_pool.allocate(1)
+                disk_pool.insert_key(key, disk_id, cpu_pool.num_tokens(block_id))
+                disk_pool.free([disk_id])
+                self.disk.stored += 1
+                self.cpu.demoted += 1
+            else:  # every DISK slot is pinned by this request's hits
+                self.disk.dropped += 1
+        cpu_pool.discard_keys(block_id)
