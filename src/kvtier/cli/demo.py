@@ -14,7 +14,7 @@ from rich.table import Table
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
-from kvtier.offload.config import DiskIOMode, OffloadConfig
+from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 
 MIB = 1 << 20
 
@@ -23,11 +23,12 @@ def add_parser(subparsers: Any) -> None:
     """Register `kvtier demo`."""
     parser = subparsers.add_parser(
         "demo",
-        help="multi-turn chat on the reference engine: offload off, CPU tier, disk tier",
+        help="multi-turn chat on the reference engine: offload off, CPU, disk, CPU+disk",
         description=(
             "Serve interleaved multi-turn conversations that share a system prompt on the "
             "reference engine, with a GPU pool too small to keep their histories. Runs the "
-            "workload with offload off, through the CPU tier and through the disk tier; "
+            "workload with offload off, through the CPU tier, the disk tier, and a small CPU "
+            "tier in front of the disk tier (the cascade); "
             "prints TTFT, throughput and tokens served per tier, plots TTFT per turn, and "
             "checks that every configuration produced identical tokens."
         ),
@@ -45,6 +46,20 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--cpu-mib", type=int, default=256, help="CPU tier size (MiB)")
     parser.add_argument("--disk-mib", type=int, default=256, help="disk tier size (MiB)")
+    parser.add_argument(
+        "--cascade-cpu-mib",
+        type=int,
+        default=32,
+        help="CPU tier size in front of the disk tier in the CPU+disk run (MiB, default 32: "
+        "smaller than the demo's KV, so CPU evictions are demoted and served from disk)",
+    )
+    parser.add_argument(
+        "--cascade",
+        choices=[m.value for m in CascadeMode],
+        default=CascadeMode.WRITE_THROUGH.value,
+        help="how CPU blocks reach the disk: write_through (copy every block at once) or "
+        "write_back (copy a block when the CPU tier is about to evict it)",
+    )
     parser.add_argument("--disk-dir", help="directory for the disk tier file (default: a temp dir)")
     parser.add_argument(
         "--disk-io",
@@ -83,6 +98,16 @@ def run_demo(args: argparse.Namespace) -> int:
                     disk_io_mode=DiskIOMode(args.disk_io),
                 ),
             ),
+            (
+                "CPU+disk",
+                OffloadConfig(
+                    cpu_bytes=args.cascade_cpu_mib * MIB,
+                    disk_bytes=args.disk_mib * MIB,
+                    disk_path=disk_dir,
+                    disk_io_mode=DiskIOMode(args.disk_io),
+                    cascade=CascadeMode(args.cascade),
+                ),
+            ),
         ]
         results = []
         with LLM(model, engine=engine) as warm:  # warm up kernels and allocator first
@@ -98,7 +123,6 @@ def run_demo(args: argparse.Namespace) -> int:
                 with LLM(model, kv_offload=offload, engine=engine) as llm:
                     on_turn = lambda: progress.advance(task)  # noqa: E731
                     results.append(run_chat(llm, workload, name, on_turn))
-    console.print("CPU+disk cascade: not available yet (tracked separately); skipped.")
     _print_table(console, results)
     plot = _plot(results, Path(args.out))
     console.print(f"TTFT per turn plotted to {plot}")
@@ -135,11 +159,20 @@ def _print_table(console: Console, results: list[RunResult]) -> None:
             f"{off_gpu * 1e3:.0f} ms{ratio}",
             f"{r.tokens_per_s:.0f}",
             str(sum(t.num_local_hit_tokens for t in r.turns)),
-            str(sum(t.num_external_hit_tokens for t in r.turns)),
+            _tier_hits(r),
             f"{r.num_bytes_loaded / MIB:.1f}",
             f"{r.num_bytes_stored / MIB:.1f}",
         )
     console.print(table)
+
+
+def _tier_hits(result: RunResult) -> str:
+    """Return the tier hit tokens, per tier when several tiers served them."""
+    total = sum(t.num_external_hit_tokens for t in result.turns)
+    by_tier = result.hit_tokens_by_tier
+    if len(by_tier) < 2:
+        return str(total)
+    return f"{total} (" + ", ".join(f"{tier} {n}" for tier, n in by_tier.items()) + ")"
 
 
 def _plot(results: list[RunResult], out: Path) -> Path:

@@ -1,0 +1,96 @@
+"""A persistent disk tier across engine restarts (SPEC §7 Beyond): hits again, or is discarded."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
+from kvtier.engine.sampling import SamplingParams
+from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
+
+MIB = 1 << 20
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+PROMPTS = [[(7 * i + j) % 120 for j in range(40)] for i in range(3)]
+
+
+def persistent(tmp_path: Path, cascade: bool = False) -> OffloadConfig:
+    """A persistent disk tier (page cache: tmpfs may refuse O_DIRECT), maybe behind a CPU tier."""
+    return OffloadConfig(
+        cpu_bytes=MIB if cascade else 0,
+        disk_bytes=4 * MIB,
+        disk_path=str(tmp_path),
+        disk_io_mode=DiskIOMode.PAGE_CACHE,
+        disk_persist=True,
+        cascade=CascadeMode.WRITE_THROUGH,
+    )
+
+
+def run(offload: OffloadConfig | None, seed: int = 0) -> tuple[list[RequestOutput], int]:
+    """Serve PROMPTS on a fresh engine; return outputs and the disk blocks it restored."""
+    engine = EngineConfig(block_size=4, num_gpu_blocks=64, seed=seed)
+    with LLM(ModelConfig.tiny(), kv_offload=offload, engine=engine) as llm:
+        restored = 0 if llm.offload is None else llm.offload.num_restored_blocks
+        return llm.generate(PROMPTS, PARAMS), restored
+
+
+def tokens(outputs: list[RequestOutput]) -> list[list[int]]:
+    return [list(o.output_token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("cascade", [False, True], ids=["disk", "cpu+disk"])
+def test_a_restarted_engine_hits_the_disk_cache(tmp_path: Path, cascade: bool) -> None:
+    reference, _ = run(None)
+    first, restored = run(persistent(tmp_path, cascade))
+    assert restored == 0
+    assert sum(o.num_external_hit_tokens for o in first) == 0
+    second, restored = run(persistent(tmp_path, cascade))
+    assert restored > 0
+    assert sum(o.num_external_hit_tokens for o in second) > 0, "the restart did not hit"
+    assert tokens(second) == tokens(reference) == tokens(first)
+
+
+def test_another_model_discards_the_disk_cache(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run(persistent(tmp_path))
+    reference, _ = run(None, seed=1)
+    with caplog.at_level(logging.WARNING):
+        other, restored = run(persistent(tmp_path), seed=1)  # other random weights
+    assert restored == 0
+    assert sum(o.num_external_hit_tokens for o in other) == 0
+    assert "fingerprint" in caplog.text.lower()
+    assert tokens(other) == tokens(reference)
+
+
+def test_a_truncated_slot_file_is_discarded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference, _ = run(None)
+    run(persistent(tmp_path))
+    (slot_file,) = tmp_path.glob("*.slots")
+    os.truncate(slot_file, slot_file.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING):
+        again, restored = run(persistent(tmp_path))
+    assert restored == 0
+    assert caplog.text
+    assert tokens(again) == tokens(reference)
+
+
+def test_corrupted_slot_bytes_are_recomputed_not_served(tmp_path: Path) -> None:
+    """Bytes changed behind the manifest's back fail their checksum: recompute, same tokens."""
+    reference, _ = run(None)
+    run(persistent(tmp_path))
+    (slot_file,) = tmp_path.glob("*.slots")
+    data = bytearray(slot_file.read_bytes())
+    for i in range(0, len(data), 512):
+        data[i] ^= 0xFF
+    slot_file.write_bytes(bytes(data))
+    again, restored = run(persistent(tmp_path))
+    assert restored > 0
+    assert sum(o.num_external_hit_tokens for o in again) == 0
+    assert tokens(again) == tokens(reference)
