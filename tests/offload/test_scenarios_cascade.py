@@ -8,8 +8,8 @@ import pytest
 from sim import SimEngine, block_key, full_layout, make_request
 
 from kvtier.core.events import BlockStored
-from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig, StoreMode
 from kvtier.core.hashing import HashAlgo
+from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig, StoreMode
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 
@@ -212,9 +212,7 @@ def test_events_carry_each_tiers_medium() -> None:
 @pytest.mark.parametrize("mode", [StoreMode.EAGER, StoreMode.LAZY])
 def test_restore_indexes_a_persistent_tiers_slots(mode: StoreMode) -> None:
     layout = full_layout()
-    config = OffloadConfig(
-        disk_bytes=MIB, disk_path="unused", disk_persist=True, store_mode=mode
-    )
+    config = OffloadConfig(disk_bytes=MIB, disk_path="unused", disk_persist=True, store_mode=mode)
     scheduler = OffloadScheduler(config, SchedulerSetup(layout, 8))
     key = keys_of(range(8), 1)[0]
     bad_group = key[:-4] + (7).to_bytes(4, "big")
