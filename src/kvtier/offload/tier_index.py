@@ -8,7 +8,7 @@ the pool's own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key
@@ -16,7 +16,10 @@ from kvtier.offload.plan import Tier
 
 
 class TierIndex:
-    """One or two lower-tier pools, fastest first, behind one id space."""
+    """One or two lower-tier pools, fastest first, behind one id space.
+
+    `cached_block(key)`, `touch(ids)` and `free(ids)` take ids in the shared space.
+    """
 
     def __init__(self, pools: Sequence[tuple[Tier, BlockPool]]) -> None:
         if not 1 <= len(pools) <= 2:
@@ -26,21 +29,30 @@ class TierIndex:
         self.first = pools[0][1]
         self._offset = self.first.num_blocks
         self._second = pools[1][1] if len(pools) == 2 else None
+        # With one tier these are the pool's own methods: no extra call per key.
+        self.cached_block: Callable[[Key], int | None] = self.first.cached_block
+        self.touch: Callable[[Iterable[int]], None] = self.first.touch
+        self.free: Callable[[Iterable[int]], None] = self.first.free
+        if self._second is not None:
+            self.cached_block = self._cached_across
+            self.touch = self._touch_split
+            self.free = self._free_split
 
-    def cached_block(self, key: Key) -> int | None:
+    def _cached_across(self, key: Key) -> int | None:
         """Return the id of a block holding `key` in the fastest tier that has it."""
         block_id = self.first.cached_block(key)
-        if block_id is not None or self._second is None:
+        if block_id is not None:
             return block_id
+        assert self._second is not None
         block_id = self._second.cached_block(key)
         return None if block_id is None else block_id + self._offset
 
-    def touch(self, ids: Iterable[int]) -> None:
+    def _touch_split(self, ids: Iterable[int]) -> None:
         """Pin each block (ids in the shared space)."""
         for tier, local in self.split(ids):
             self.pools[tier].touch(local)
 
-    def free(self, ids: Iterable[int]) -> None:
+    def _free_split(self, ids: Iterable[int]) -> None:
         """Unpin each block (ids in the shared space), in order per tier."""
         for tier, local in self.split(ids):
             self.pools[tier].free(local)
