@@ -91,14 +91,17 @@ def check_quiescent(harness: VllmHarness) -> None:
     """Assert nothing leaked once idle: pins, tracked requests, GPU blocks, in-flight work."""
     side = scheduler_side(harness)
     side.offload.check_invariants()
-    tier = side.offload.tier_pool
-    assert all(tier.ref_count(b) == 0 for b in range(1, tier.num_blocks)), "tier pin leaked"
+    for tier in side.offload.index.pools.values():  # the disk tier too, in a cascade
+        assert all(tier.ref_count(b) == 0 for b in range(1, tier.num_blocks)), "tier pin leaked"
     assert side.num_tracked_requests == 0
     assert not side.has_pending_stores()
     pool = harness.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == harness.cfg.num_gpu_blocks - 1, "GPU block leaked"
     for rank in range(harness.cfg.num_ranks):
         offload_worker(harness, rank).check_invariants()
+        worker = harness.workers[rank]
+        assert isinstance(worker, ConnectorWorker)
+        assert worker.connector.worker_side.loads.is_idle(), "load tracker leaked"  # type: ignore[attr-defined]
 
 
 class PollGate:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.adapters.vllm.config import offload_config_from_vllm
-from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig, StoreMode
+from kvtier.offload.config import CascadeMode, ConfigError, DiskIOMode, OffloadConfig, StoreMode
 from kvtier.offload.plan import Tier
 
 GIB = 1024**3
@@ -24,6 +24,54 @@ def test_kvtier_keys_pass_through_with_vllm_owned_settings() -> None:
 
 def test_lru_policy_is_accepted() -> None:
     assert convert({"cpu_bytes": GIB, "policy": " LRU "}).cpu_bytes == GIB
+
+
+@pytest.mark.parametrize(
+    ("policy", "eviction", "admission"),
+    [("arc", "arc", "all"), ("S3FIFO", "s3fifo", "all"), ("lfuda+door", "lfuda", "door")],
+)
+def test_any_kvtier_policy_maps_to_eviction_and_admission(
+    policy: str, eviction: str, admission: str
+) -> None:
+    config = convert({"cpu_bytes": GIB, "policy": policy})
+    assert (config.eviction_policy, config.admission_policy) == (eviction, admission)
+    split = convert({"cpu_bytes": GIB, "eviction_policy": eviction, "admission_policy": admission})
+    assert (split.eviction_policy, split.admission_policy) == (eviction, admission)
+
+
+@pytest.mark.parametrize("mode", ["write_through", "write_back"])
+def test_cpu_and_disk_bytes_form_a_cascade(mode: str) -> None:
+    extra = {"cpu_bytes": GIB, "disk_bytes": 4 * GIB, "disk_path": "/tmp/kv", "cascade": mode}
+    config = convert(extra)
+    assert config.is_cascade
+    assert config.tiers == (Tier.CPU, Tier.DISK)
+    assert config.cascade is CascadeMode(mode)
+    default = convert({"cpu_bytes": GIB, "disk_bytes": GIB, "disk_path": "/tmp/kv"})
+    assert default.cascade is CascadeMode.WRITE_THROUGH
+
+
+@pytest.mark.parametrize("backend", ["cascade", "cpu+disk"])
+def test_simple_offload_cascade_backend_sizes_both_tiers(backend: str) -> None:
+    extra = {
+        "kv_offload_backend": backend,
+        "cpu_bytes_to_use": 8 * GIB,
+        "disk_capacity_bytes": 16 * GIB,
+        "disk_path": "/tmp/kv",
+        "use_page_cache": True,
+        "cascade": "write_back",
+    }
+    config = convert(extra, world_size=2)
+    assert (config.cpu_bytes, config.disk_bytes) == (4 * GIB, 16 * GIB)
+    assert (config.cascade, config.disk_io_mode) == (CascadeMode.WRITE_BACK, DiskIOMode.PAGE_CACHE)
+    per_rank = convert({**extra, "cpu_bytes_to_use_per_rank": 3 * GIB}, world_size=2)
+    assert per_rank.cpu_bytes == 3 * GIB
+    defaults = convert({"kv_offload_backend": backend, "disk_path": "/tmp/kv"})
+    assert (defaults.cpu_bytes, defaults.disk_bytes) == (8 * GIB, 100 * GIB)
+
+
+def test_disk_persist_false_is_accepted() -> None:
+    extra = {"disk_bytes": GIB, "disk_path": "/tmp/kv", "disk_persist": False}
+    assert not convert(extra).disk_persist
 
 
 def test_simple_offload_cpu_budget_is_split_over_ranks() -> None:
@@ -48,17 +96,29 @@ def test_simple_offload_keys_map_to_kvtier_settings() -> None:
         ({"cpu_bytes": GIB, "events": True}, "events"),
         ({"cpu_bytes": GIB, "max_batched_tokens": 8}, "max_batched_tokens"),
         ({"cpu_bytes": GIB, "cpu_bytes_to_use": GIB}, "use one spelling"),
-        ({"kv_offload_backend": "tape"}, "kv_offload_backend"),
+        ({"kv_offload_backend": "tape"}, "kv_offload_backend must be one of"),
         ({"lazy_offload": "yes"}, "lazy_offload"),
         ({"cpu_bytes_to_use": "8G"}, "cpu_bytes_to_use"),
         ({"cpu_bytes": GIB, "bogus": 1}, "bogus"),
-        ({"cpu_bytes": GIB, "policy": "arc"}, "policy='arc' is not available"),
         ({"cpu_bytes": GIB, "policy": "lru+"}, "missing admission"),
         ({"cpu_bytes": GIB, "policy": "mru"}, "unknown eviction policy 'mru'"),
+        ({"cpu_bytes": GIB, "policy": "lru+bouncer"}, "unknown admission policy 'bouncer'"),
         ({"cpu_bytes": GIB, "policy": 1}, "policy must be a string"),
-        ({"cpu_bytes": GIB, "cascade": True}, "cascade is not available yet"),
-        ({"kv_offload_backend": "cpu+disk"}, "cascade is not available yet"),
-        ({"cpu_bytes": GIB, "disk_bytes": GIB, "disk_path": "/tmp"}, "cascade"),
+        ({"cpu_bytes": GIB, "policy": "arc", "eviction_policy": "lru"}, "use one spelling"),
+        ({"cpu_bytes": GIB, "eviction_policy": "mru"}, "eviction_policy='mru' is invalid"),
+        ({"cpu_bytes": GIB, "cascade": True}, "cascade must be one of"),
+        ({"cpu_bytes": GIB, "cascade": "write_around"}, "cascade must be one of"),
+        (
+            {"cpu_bytes": 2 * GIB, "disk_bytes": GIB, "disk_path": "/tmp"},
+            "disk_bytes=1073741824 is smaller than cpu_bytes",
+        ),
+        ({"cpu_bytes": GIB, "disk_bytes": GIB}, "needs disk_path"),
+        ({"kv_offload_backend": "cascade"}, "needs disk_path"),
+        (
+            {"cpu_bytes": GIB, "disk_bytes": GIB, "disk_path": "/tmp", "disk_persist": True},
+            "disk_persist=True is not supported by the vLLM connector.*reference engine only",
+        ),
+        ({"disk_bytes": GIB, "disk_path": "/tmp", "disk_persist": 1}, "disk_persist must be"),
         ({"cpu_bytes": GIB, "store_mode": "sometimes"}, "store_mode"),
     ],
 )

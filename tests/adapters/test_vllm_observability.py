@@ -115,6 +115,8 @@ def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
         "store_mode": "eager",
         "num_tier_blocks": "256",
         "disk_io_mode": "direct",
+        "cascade": "",
+        "num_disk_blocks": "",
     }
     lines: list[str] = []
     logging = KVConnectorLogging(harness.vllm_config.kv_transfer_config)
@@ -148,8 +150,11 @@ def test_prometheus_metrics_build_and_observe() -> None:
         "store_mode": "eager",
         "num_tier_blocks": "256",
         "disk_io_mode": "direct",
+        "cascade": "",
+        "num_disk_blocks": "",
     }
     assert value("kvtier:info", info) == 1
+    assert value("kvtier:tier_hit_tokens_total", {**labels, "tier": "CPU"}) == 4 * 48
     names = {m.name for m in registry.collect()}
     assert names
     assert all(name.startswith("kvtier:") for name in names)

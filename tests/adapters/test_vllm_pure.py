@@ -20,6 +20,7 @@ from kvtier.adapters.vllm.layout import (
     group_kind,
     kv_layout,
     num_tier_blocks,
+    tier_sizes,
 )
 from kvtier.adapters.vllm.regions import PlacementError, is_block_compact, placement_block_views
 from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
@@ -27,6 +28,7 @@ from kvtier.core.events import AllCleared, BlockRemoved, BlockStored
 from kvtier.core.keys import make_key
 from kvtier.core.kv_groups import GroupKind
 from kvtier.offload.config import OffloadConfig
+from kvtier.offload.plan import Tier
 
 HASH = bytes(range(32))
 
@@ -124,6 +126,11 @@ def test_tier_size_is_one_slot_per_block_id() -> None:
     config = kv_config([group(["a"], FullAttentionSpec())], tensors, num_blocks=10)
     assert num_tier_blocks(OffloadConfig(cpu_bytes=100 * 4096 + 4095), config) == 100
     assert num_tier_blocks(OffloadConfig(cpu_bytes=4096 * 8, num_blocks=5), config) == 5
+    cascade = OffloadConfig(
+        cpu_bytes=4096 * 8, disk_bytes=4096 * 20, disk_path="/tmp", num_blocks=5
+    )
+    assert tier_sizes(cascade, config) == {Tier.CPU: 5, Tier.DISK: 20}
+    assert tier_sizes(OffloadConfig(cpu_bytes=4096 * 8), config) == {Tier.CPU: 8}
 
 
 # ----------------------------------------------------------------- regions

@@ -19,7 +19,8 @@ from kvtier_vllm import SLOT_BYTES, PollGate, kvtier_config
 from vllm_harness import ConnectorWorker, FakeKVCache, VllmHarness
 
 from kvtier.adapters.vllm.metadata import KVTierMetadata
-from kvtier.offload.plan import Tier, TransferJob, TransferPlan
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
+from kvtier.transfer.worker import OffloadWorker
 
 SRC = (1, 2, 3, 7)
 SLOTS = (5, 6, 7, 8)
@@ -101,6 +102,98 @@ def test_store_evict_load_round_trip_is_byte_exact(
         now, then = tensor[untouched].view(torch.int16), before[untouched].view(torch.int16)
         assert torch.equal(now, then), "bytes outside DST changed"  # bits: NaNs are data
     worker.connector.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["write_through", "write_back"])
+def test_cascade_load_split_over_cpu_and_disk_is_byte_exact(mode: str, tmp_path: Path) -> None:
+    extra = {
+        "disk_bytes": 32 * SLOT_BYTES,
+        "disk_path": str(tmp_path),
+        "disk_io_mode": "page_cache",
+        "cascade": mode,
+    }
+    harness = VllmHarness(kvtier_config(num_cpu_blocks=16, extra=extra))
+    cache = FakeKVCache(harness.kv_cache_config)
+    worker = ConnectorWorker.create(harness.vllm_config, harness.kv_cache_config, cache)
+    offload = worker.connector.worker_side.worker
+    assert (offload.config.cpu_num_slots, offload.config.disk_num_slots) == (16, 32)
+    gen = torch.Generator().manual_seed(2)
+
+    def scramble() -> None:
+        cache.raw.copy_(torch.randint(-128, 128, cache.raw.shape, dtype=torch.int8, generator=gen))
+
+    scramble()
+    original = page_bytes(cache, SRC)
+    disk_slots = (20, 3)
+    until_done(worker, TransferPlan(1, (TransferJob(1, Tier.GPU, Tier.CPU, SRC, SLOTS),)), 1)
+    demote = TransferJob(2, Tier.CPU, Tier.DISK, SLOTS[2:], disk_slots)  # neither load nor store
+    until_done(worker, TransferPlan(2, (demote,)), 2)
+    scramble()  # evicted from the GPU; the CPU slots of the demoted half get other data
+    until_done(
+        worker, TransferPlan(3, (TransferJob(3, Tier.GPU, Tier.CPU, SRC[2:], SLOTS[2:]),)), 3
+    )
+
+    scramble()
+    before_load = cache.raw.clone()
+    held = HoldEvent(offload, event_id=5, polls=2)  # the disk half is reported last
+    loads = (
+        TransferJob(4, Tier.CPU, Tier.GPU, SLOTS[:2], DST[:2]),
+        TransferJob(5, Tier.DISK, Tier.GPU, disk_slots, DST[2:]),
+    )
+    plan = TransferPlan(4, loads, load_request_ids={4: ("r",), 5: ("r",)})
+    finished_at: dict[str, int] = {}
+    done_at: dict[int, int] = {}
+    for step in range(10_000):
+        finished, done = run_step(worker, plan)
+        finished_at.update(dict.fromkeys(finished, step))
+        done_at.update({event_id: step for event_id in done if event_id not in done_at})
+        if len(done_at) == 2 and "r" in finished_at:
+            break
+        plan = TransferPlan(plan.step_id + 1, load_request_ids=plan.load_request_ids)
+        time.sleep(0.001)
+    assert held.num_held > 0
+    assert done_at[4] < done_at[5] == finished_at["r"], "r finished before both halves landed"
+
+    loaded = page_bytes(cache, DST)
+    for name in cache.tensors:
+        assert torch.equal(loaded[name], original[name]), f"layer {name} changed in transit"
+    untouched = [b for b in range(harness.kv_cache_config.num_blocks) if b not in DST]
+    for tensor, before in zip(cache.tensors.values(), _views(cache, before_load), strict=True):
+        now, then = tensor[untouched].view(torch.int16), before[untouched].view(torch.int16)
+        assert torch.equal(now, then), "bytes outside DST changed"
+    assert worker.connector.worker_side.loads.is_idle()
+    worker.connector.shutdown()
+
+
+class HoldEvent:
+    """Report one event `polls` polls later than the worker finished it."""
+
+    def __init__(self, worker: OffloadWorker, event_id: int, polls: int) -> None:
+        self._poll = worker.poll
+        self._event_id = event_id
+        self._polls = polls
+        self._held: WorkerReport | None = None
+        self.num_held = 0
+        worker.poll = self.poll  # type: ignore[method-assign]
+
+    def poll(self) -> WorkerReport:
+        report = self._poll()
+        if self._event_id in report.done or self._event_id in report.failed:
+            self._held = WorkerReport(
+                {k: v for k, v in report.done.items() if k == self._event_id},
+                {k: v for k, v in report.failed.items() if k == self._event_id},
+            )
+            report = WorkerReport(
+                {k: v for k, v in report.done.items() if k != self._event_id},
+                {k: v for k, v in report.failed.items() if k != self._event_id},
+            )
+        if self._held is not None:
+            if self._polls == 0:
+                report, self._held = WorkerReport.merge([report, self._held]), None
+            else:
+                self._polls -= 1
+                self.num_held += 1
+        return report
 
 
 def _views(cache: FakeKVCache, raw: torch.Tensor) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
+from kvtier.offload.plan import Tier
 from kvtier.offload.protocols import GpuPoolView, RequestView
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.transfers import FailedLoad, LoadItem, LoadProgress, TransferBook
@@ -85,15 +86,18 @@ class LoadPlanner:
         request: RequestView,
         block_ids_per_group: Sequence[Sequence[int]],
         num_external_tokens: int,
-    ) -> None:
-        """Queue the load of the accepted tokens; a load that cannot be queued fails."""
+    ) -> dict[Tier, int]:
+        """Queue the load of the accepted tokens; a load that cannot be queued fails.
+
+        Returns the tokens each tier serves (empty when nothing is loaded).
+        """
         assert self.gpu_pool is not None, "no GPU pool bound"
         pin = self.pins.pop(request.request_id, None)
         if num_external_tokens == 0:
             if pin is not None:
                 logger.warning("request %s accepted 0 of its tier hit", request.request_id)
                 self.index.free(pin.pinned)
-            return
+            return {}
         start = pin.num_local_tokens if pin is not None else request.num_computed_tokens
         end = start + num_external_tokens
         if pin is None or num_external_tokens > pin.hit.num_tokens:
@@ -105,7 +109,7 @@ class LoadPlanner:
             if pin is not None:
                 self.index.free(pin.pinned)
             self.book.fail_unissued(FailedLoad(request.request_id, start, end))
-            return
+            return {}
         if num_external_tokens % self.layout.hash_block_size:
             self.index.free(pin.pinned)
             raise ValueError(
@@ -124,6 +128,7 @@ class LoadPlanner:
         for (tier, ids, gpus), share in zip(parts, shares, strict=True):
             self.queued.append(LoadItem(tier, ids, gpus, progress))
             self.hit_tokens[tier.value] += share
+        return {tier: share for (tier, _, _), share in zip(parts, shares, strict=True)}
 
     def _pair(
         self, pin: LookupPin, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int

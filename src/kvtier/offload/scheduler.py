@@ -164,15 +164,16 @@ class OffloadScheduler:
         request: RequestView,
         block_ids_per_group: Sequence[Sequence[int]],
         num_external_tokens: int,
-    ) -> None:
+    ) -> dict[Tier, int]:
         """Queue the load of `num_external_tokens` accepted tokens into the request's blocks.
 
         `block_ids_per_group` is the request's whole GPU block table per group. If the
         load cannot be queued, the next `apply_report` returns it as a failed load.
+        Returns how many of the tokens each tier serves (empty when none is loaded).
         """
         if self.config.store_mode is StoreMode.EAGER:
             self.selector.track(request.request_id)
-        self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
+        return self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
 
     # ------------------------------------------------------------------ plan
 

@@ -7,6 +7,7 @@ importable without vLLM. Modules:
 - `connector`: `KVTierConnector`, dispatching to the two roles (imports vLLM).
 - `scheduler_side` / `worker_side`: the scheduler and worker roles as calls of kvtier's
   `OffloadScheduler` / `OffloadWorker` (import vLLM).
+- `load_tracker`: which requests' (possibly multi-event) loads are complete on a worker.
 - `metadata`, `stats`: what crosses between the roles; stats and Prometheus metrics.
 - `views`: vLLM's `Request` and GPU `BlockPool` as kvtier's `RequestView` / `GpuPoolView`.
 - `layout`: vLLM's `KVCacheConfig` as kvtier's `KVLayout`; tier sizing.
@@ -14,7 +15,7 @@ importable without vLLM. Modules:
 - `events`: kvtier's KV events as vLLM's KV event classes.
 - `config`: `kv_connector_extra_config` as an `OffloadConfig`.
 
-`views`, `layout`, `regions`, `events` and `config` import without vLLM.
+`views`, `layout`, `regions`, `events`, `config` and `load_tracker` import without vLLM.
 """
 
 from __future__ import annotations

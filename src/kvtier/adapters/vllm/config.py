@@ -5,22 +5,25 @@ Two spellings are accepted, never mixed for one setting:
 - kvtier's own keys (SPEC §8, `OffloadConfig.from_dict`): `cpu_bytes`, `disk_bytes`,
   `disk_path` (a directory; each rank creates its own file in it), `disk_io_mode` /
   `disk_direct_io`, `disk_buffer_slots`, `num_blocks`, `store_mode`, `fine_grained_hits`,
-  and `policy` (the tier's eviction order; only `"lru"` so far). Byte budgets are per
-  rank.
+  `cascade`, and `policy` (`"EVICTION[+ADMISSION]"`, e.g. `"arc"` or `"lru+door"`; or
+  the two halves as `eviction_policy` / `admission_policy`). Byte budgets are per rank.
 - vLLM SimpleCPUOffloadConnector's keys, so a deployment can swap connectors without
   touching its config: `cpu_bytes_to_use` (whole server, divided by the world size),
   `cpu_bytes_to_use_per_rank`, `num_cpu_blocks`, `lazy_offload`, `kv_offload_backend`
-  (`"cpu"` | `"disk"`), `disk_capacity_bytes` (per rank), `use_page_cache`, and the
-  shared `disk_path`, `disk_buffer_slots`.
+  (`"cpu"` | `"disk"` | `"cascade"` / `"cpu+disk"`), `disk_capacity_bytes` (per rank),
+  `use_page_cache`, and the shared `disk_path`, `disk_buffer_slots`, `cascade`.
+
+CPU and disk together (`cpu_bytes` and `disk_bytes` both set, or `kv_offload_backend`
+`"cascade"`) form the cascade GPU → CPU → DISK; `cascade` (`"write_through"`, the
+default, or `"write_back"`) says how blocks reach the disk.
 
 Settings vLLM owns are taken from vLLM and rejected as keys: `events` (vLLM's
 `kv_events_config.enable_kv_cache_events`), `max_batched_tokens`
 (`scheduler_config.max_num_batched_tokens`), `hash_algo` / `hash_seed` (vLLM hashes the
-blocks: `--prefix-caching-hash-algo`, `PYTHONHASHSEED`).
-
-One lower tier at a time: the CPU+disk cascade (`"cascade"`, `kv_offload_backend` of
-`"cascade"`/`"cpu+disk"`, or both `cpu_bytes` and `disk_bytes`) is rejected with a message
-saying it is not available yet.
+blocks: `--prefix-caching-hash-algo`, `PYTHONHASHSEED`). `disk_persist=True` is rejected
+too: vLLM's block hashes are seeded per process unless PYTHONHASHSEED is set, and the
+adapter cannot fingerprint the model's weights cheaply, so a kept disk tier could serve
+another model's KV; persistence is available in kvtier's reference engine only.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.core.policies import PolicySpec
-from kvtier.offload.config import ConfigError, OffloadConfig
+from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig
 
 # SimpleCPUOffloadConnector's defaults, for configs written in its spelling.
 _DEFAULT_SERVER_CPU_BYTES = 8 * 1024**3
@@ -41,10 +44,8 @@ _OWNED_BY_VLLM = {
     "hash_seed": "vLLM hashes the blocks: set PYTHONHASHSEED",
 }
 _NATIVE_SIZING_KEYS = ("cpu_bytes", "disk_bytes", "num_blocks", "store_mode")
-_CASCADE_MESSAGE = (
-    "the CPU+disk cascade is not available yet: configure one lower tier (cpu_bytes or disk_bytes)"
-)
-_SUPPORTED_POLICIES = ("lru",)
+_POLICY_KEYS = ("eviction_policy", "admission_policy")
+_BACKENDS = ("cpu", "disk", "cascade", "cpu+disk")
 _ALIASES = (
     "cpu_bytes_to_use",
     "cpu_bytes_to_use_per_rank",
@@ -64,10 +65,11 @@ def offload_config_from_vllm(
     for key, reason in _OWNED_BY_VLLM.items():
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
+    _check_persistence(values)
     if "cascade" in values:
-        raise ConfigError(f"cascade={values['cascade']!r}: {_CASCADE_MESSAGE}")
+        _check_cascade(values["cascade"])
     if "policy" in values:
-        _check_policy(values.pop("policy"))
+        values.update(_policy(values.pop("policy"), values))
     if any(key in values for key in _ALIASES):
         values = _from_simple_offload_keys(values, world_size)
     values["max_batched_tokens"] = max_batched_tokens
@@ -83,19 +85,19 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
             f"{', '.join(clash)} mixed with SimpleCPUOffloadConnector keys: use one spelling"
         )
     backend = values.pop("kv_offload_backend", "cpu")
-    if backend in ("cascade", "cpu+disk"):
-        raise ConfigError(f"kv_offload_backend={backend!r}: {_CASCADE_MESSAGE}")
-    if backend not in ("cpu", "disk"):
-        raise ConfigError(f"kv_offload_backend must be 'cpu' or 'disk', got {backend!r}")
+    if backend not in _BACKENDS:
+        choices = ", ".join(repr(b) for b in _BACKENDS)
+        raise ConfigError(f"kv_offload_backend must be one of {choices}, got {backend!r}")
     server_bytes = values.pop("cpu_bytes_to_use", _DEFAULT_SERVER_CPU_BYTES)
     per_rank = values.pop("cpu_bytes_to_use_per_rank", None)
     disk_bytes = values.pop("disk_capacity_bytes", _DEFAULT_DISK_BYTES)
-    if backend == "disk":
+    if backend != "cpu":  # "disk", or the cascade's disk tier
         values["disk_bytes"] = _int_key("disk_capacity_bytes", disk_bytes)
-    elif per_rank is not None:
-        values["cpu_bytes"] = _int_key("cpu_bytes_to_use_per_rank", per_rank)
-    else:
-        values["cpu_bytes"] = _int_key("cpu_bytes_to_use", server_bytes) // world_size
+    if backend != "disk":  # "cpu", or the cascade's CPU tier
+        if per_rank is not None:
+            values["cpu_bytes"] = _int_key("cpu_bytes_to_use_per_rank", per_rank)
+        else:
+            values["cpu_bytes"] = _int_key("cpu_bytes_to_use", server_bytes) // world_size
     if "num_cpu_blocks" in values:
         values["num_blocks"] = values.pop("num_cpu_blocks")
     if "lazy_offload" in values:
@@ -111,19 +113,43 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
     return values
 
 
-def _check_policy(value: object) -> None:
-    """Accept the tier policy the offload scheduler implements; name anything else."""
+def _check_persistence(values: dict[str, Any]) -> None:
+    """Refuse `disk_persist=True`: the adapter cannot tell whose KV a kept tier holds."""
+    if "disk_persist" not in values:
+        return
+    persist = values.pop("disk_persist")
+    if persist is True:
+        raise ConfigError(
+            "disk_persist=True is not supported by the vLLM connector: vLLM's block hashes "
+            "are seeded per process unless PYTHONHASHSEED is set, and the connector cannot "
+            "fingerprint the model's weights, so a kept disk tier could serve stale KV; "
+            "persistence is available in kvtier's reference engine only (remove disk_persist)"
+        )
+    if persist is not False:
+        raise ConfigError(f"disk_persist must be a bool, got {persist!r}")
+
+
+def _check_cascade(value: object) -> None:
+    """Name a bad `cascade` value even when no cascade is configured."""
+    choices = tuple(mode.value for mode in CascadeMode)
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(
+            f"cascade must be one of {', '.join(repr(c) for c in choices)}, got {value!r}"
+        )
+
+
+def _policy(value: object, values: Mapping[str, Any]) -> dict[str, str]:
+    """Return `policy` (`EVICTION[+ADMISSION]`) as `OffloadConfig`'s two policy keys."""
+    clash = sorted(k for k in _POLICY_KEYS if k in values)
+    if clash:
+        raise ConfigError(f"policy mixed with {', '.join(clash)}: use one spelling")
     if not isinstance(value, str):
-        raise ConfigError(f"policy must be a string such as 'lru', got {value!r}")
+        raise ConfigError(f"policy must be a string such as 'lru' or 'arc+door', got {value!r}")
     try:
-        name = PolicySpec.parse(value).name
+        spec = PolicySpec.parse(value)
     except ValueError as error:
         raise ConfigError(f"policy={value!r} is invalid: {error}") from None
-    if name not in _SUPPORTED_POLICIES:
-        raise ConfigError(
-            f"policy={value!r} is not available in the offload scheduler yet; "
-            f"choose one of {', '.join(repr(p) for p in _SUPPORTED_POLICIES)}"
-        )
+    return {"eviction_policy": spec.eviction, "admission_policy": spec.admission}
 
 
 def _int_key(key: str, value: object) -> int:

@@ -9,6 +9,12 @@ The class only dispatches: `SchedulerSide` translates the scheduler role for kvt
 `OffloadScheduler`, `WorkerSide` the worker role for kvtier's `OffloadWorker`. Whole
 blocks move asynchronously, so the per-layer hooks (`wait_for_layer_load`,
 `save_kv_layer`) do nothing.
+
+Hit sources (`vllm:prompt_tokens_cached_by_source`): a CPU tier's hits are `host`, a disk
+tier's `disk`. With the CPU+disk cascade each request's hit is split by the tier that
+serves each block (`get_external_cache_hit_sources`): blocks loaded from the CPU tier count
+as `host`, those loaded from disk as `disk`; without a split the first tier (`host`) is
+reported.
 """
 
 from __future__ import annotations
@@ -50,16 +56,14 @@ def connector_config(vllm_config: Any) -> OffloadConfig:
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
-    """Offload vLLM's prefix cache to kvtier's CPU or disk tier; translation only."""
+    """Offload vLLM's prefix cache to kvtier's CPU tier, disk tier or both; translation only."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("KVTierConnector needs prefix caching (--enable-prefix-caching)")
         self.offload_config = connector_config(vllm_config)
-        self._cache_hit_source = (
-            CacheHitSource.HOST if self.offload_config.tier is Tier.CPU else CacheHitSource.DISK
-        )
+        self._cache_hit_source = _HIT_SOURCES[self.offload_config.tier]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -177,6 +181,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Queue the load of the accepted external tokens into the allocated blocks."""
         self.scheduler_side.on_allocated(request, blocks, num_external_tokens)
 
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """Split the request's accepted hit by the tier serving it (host / disk)."""
+        if num_external_tokens == 0:
+            return {}
+        split = self.scheduler_side.hit_split(request.request_id, num_external_tokens)
+        if split is None:
+            return {self._cache_hit_source: num_external_tokens}
+        return {_HIT_SOURCES[tier]: n for tier, n in split.items() if n}
+
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
         """Return this step's transfer plan for every worker."""
         return self.scheduler_side.build_metadata(scheduler_output)
@@ -232,6 +247,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool:
         """Drop the tier's contents; False while issued transfers are outstanding."""
         return self.scheduler_side.reset()
+
+
+_HIT_SOURCES = {Tier.CPU: CacheHitSource.HOST, Tier.DISK: CacheHitSource.DISK}
 
 
 def _metadata(metadata: KVConnectorMetadata) -> KVTierMetadata:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import OffloadConfig
+from kvtier.offload.plan import Tier
 
 # Exact class names: a subclass may change which positions it keeps (e.g. R-SWA drops
 # decode gaps) and must be mapped deliberately, not inherited by accident.
@@ -91,3 +92,12 @@ def num_tier_blocks(config: OffloadConfig, kv_cache_config: Any) -> int:
     as many as the per-rank budget holds (or the explicit `num_blocks`).
     """
     return config.num_tier_blocks(bytes_per_block_id(kv_cache_config))
+
+
+def tier_sizes(config: OffloadConfig, kv_cache_config: Any) -> dict[Tier, int]:
+    """Return the size in blocks of every configured lower tier (CPU and disk in a cascade).
+
+    Derived like `num_tier_blocks`, identically by the scheduler and every worker.
+    """
+    bytes_per_block = bytes_per_block_id(kv_cache_config)
+    return {tier: config.num_tier_blocks(bytes_per_block, tier) for tier in config.tiers}

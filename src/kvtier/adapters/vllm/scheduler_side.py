@@ -11,6 +11,10 @@ Translation only; every decision is the offload scheduler's. vLLM call → kvtie
     has_pending_push_work          has_pending_stores
     reset_cache                    reset
     take_events / stats            take_events / take_stats
+    get_external_cache_hit_sources hit tokens per tier of the last on_allocated
+
+With CPU and disk tiers both configured (the cascade), both tiers are sized here the way
+every worker sizes them, and a request's load may be split into one job per tier.
 
 Load failures reach vLLM through the workers, because vLLM reads `failed_recving`
 from the workers' output before it calls `update_connector_output`: an issued load that
@@ -30,12 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from kvtier.adapters.vllm.events import EventTranslator
-from kvtier.adapters.vllm.layout import kv_layout, num_tier_blocks
+from kvtier.adapters.vllm.layout import kv_layout, tier_sizes
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.stats import GAUGES, KVTierStats, stats_payload
 from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
 from kvtier.offload.config import OffloadConfig
-from kvtier.offload.plan import WorkerReport
+from kvtier.offload.plan import Tier, WorkerReport
 from kvtier.offload.protocols import Handoff, ScheduledRequest, StepInput, TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 
@@ -60,16 +64,23 @@ class SchedulerSide:
             )
         _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         self.layout = kv_layout(kv_cache_config, hash_block_size)
-        self.num_tier_blocks = num_tier_blocks(config, kv_cache_config)
+        self.tier_sizes = tier_sizes(config, kv_cache_config)
+        self.num_tier_blocks = self.tier_sizes[config.tier]
         self.offload = OffloadScheduler(
             config,
-            SchedulerSetup(self.layout, self.num_tier_blocks, num_workers=parallel.world_size),
+            SchedulerSetup(
+                self.layout,
+                self.num_tier_blocks,
+                num_workers=parallel.world_size,
+                num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
+            ),
         )
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
-        self._num_hit_tokens = 0
+        self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
+        self._last_split: tuple[str, dict[Tier, int]] | None = None
         self._last_gauges: dict[str, int] | None = None
 
     # ------------------------------------------------------------------ admission
@@ -92,9 +103,22 @@ class SchedulerSide:
 
     def on_allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Hand the request's whole block table and accepted external tokens to kvtier."""
-        self.offload.on_allocated(
+        split = self.offload.on_allocated(
             self.add_request(request), blocks.get_block_ids(), num_external_tokens
         )
+        self._last_split = (request.request_id, {t: n for t, n in split.items() if n})
+
+    def hit_split(self, request_id: str, num_tokens: int) -> dict[Tier, int] | None:
+        """Return the tiers serving `request_id`'s accepted hit, by tokens, or None.
+
+        vLLM asks right after `update_state_after_alloc` for the same request, so only
+        the last allocation's split is kept (nothing to leak); None when it is another
+        request's or does not add up to `num_tokens`.
+        """
+        last, self._last_split = self._last_split, None
+        if last is None or last[0] != request_id or sum(last[1].values()) != num_tokens:
+            return None
+        return last[1]
 
     # ------------------------------------------------------------------ steps
 
@@ -177,9 +201,11 @@ class SchedulerSide:
     def take_stats(self) -> KVTierStats | None:
         """Return this step's stats, or None when nothing changed since the last ones."""
         stats = self.offload.take_stats()
-        total = sum(stats.hit_tokens.values())
-        payload = stats_payload(stats, total - self._num_hit_tokens)
-        self._num_hit_tokens = total
+        new_hits = {
+            tier: count - self._hit_tokens.get(tier, 0) for tier, count in stats.hit_tokens.items()
+        }
+        self._hit_tokens = dict(stats.hit_tokens)
+        payload = stats_payload(stats, new_hits)
         gauges = payload[GAUGES]
         if not payload["counters"] and gauges == self._last_gauges:
             return None

@@ -8,10 +8,12 @@ front-end process:
      "info":     {label: str}}        deployment facts (tier, mode, capacity)
 
 Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stores`,
-`bytes_stored`, `bytes_loaded`, `hit_tokens`, and `store_outcome.<outcome>` /
-`handoff_outcome.<outcome>` (kvtier's `StoreOutcome` values). Prometheus exposes them as
-`kvtier:<name>_total` (outcomes as one metric with an `outcome` label), gauges as
-`kvtier:<name>`, and the info labels on `kvtier:info` (value 1).
+`bytes_stored`, `bytes_loaded`, `hit_tokens`, the cascade's `demoted_blocks`,
+`failed_demotions`, `promoted_blocks`, and the labelled `store_outcome.<outcome>` /
+`handoff_outcome.<outcome>` (kvtier's `StoreOutcome` values) and `tier_hit_tokens.<tier>`
+(`CPU` / `DISK`). Prometheus exposes them as `kvtier:<name>_total` (a labelled family as
+one metric with an `outcome` or `tier` label), gauges as `kvtier:<name>`, and the info
+labels on `kvtier:info` (value 1).
 """
 
 from __future__ import annotations
@@ -31,8 +33,28 @@ PREFIX = "kvtier:"
 COUNTERS = "counters"
 GAUGES = "gauges"
 INFO = "info"
-INFO_LABELS = ("tier", "store_mode", "num_tier_blocks", "disk_io_mode")
-_OUTCOME_COUNTERS = {"store_outcome": "store_outcomes", "handoff_outcome": "handoff_outcomes"}
+INFO_LABELS = (
+    "tier",
+    "store_mode",
+    "num_tier_blocks",
+    "disk_io_mode",
+    "cascade",
+    "num_disk_blocks",
+)
+# payload prefix -> (metric name, label name, documentation)
+_LABELLED_COUNTERS = {
+    "store_outcome": ("store_outcomes", "outcome", "store outcomes of kvtier's store selection"),
+    "handoff_outcome": (
+        "handoff_outcomes",
+        "outcome",
+        "handoff outcomes of kvtier's store selection",
+    ),
+    "tier_hit_tokens": (
+        "tier_hit_tokens",
+        "tier",
+        "prompt tokens served from kvtier, by the tier that served them",
+    ),
+}
 _PLAIN_COUNTERS = {
     "stored_blocks": "KV blocks copied down to the tier (store completed on every rank)",
     "loaded_blocks": "KV blocks loaded back from the tier into the GPU cache",
@@ -41,6 +63,9 @@ _PLAIN_COUNTERS = {
     "bytes_stored": "bytes copied down to the tier, per rank",
     "bytes_loaded": "bytes loaded from the tier, per rank",
     "hit_tokens": "prompt tokens served from the tier instead of recomputed",
+    "demoted_blocks": "KV blocks copied from the CPU tier down to the disk tier (cascade)",
+    "failed_demotions": "CPU to disk copies that failed; nothing was registered (cascade)",
+    "promoted_blocks": "disk-held KV blocks stored into the CPU tier again (cascade)",
 }
 _GAUGES = {
     "tier_blocks_in_use": "tier blocks pinned by transfers or lookups (capacity minus free)",
@@ -48,8 +73,12 @@ _GAUGES = {
 }
 
 
-def stats_payload(stats: OffloadStats, num_hit_tokens: int) -> dict[str, Any]:
-    """Return the payload of one step's `OffloadStats` (`num_hit_tokens`: this step's)."""
+def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dict[str, Any]:
+    """Return the payload of one step's `OffloadStats`.
+
+    `new_hit_tokens` are the hit tokens per tier since the last payload (`stats.hit_tokens`
+    is cumulative).
+    """
     counters: dict[str, int] = {
         "stored_blocks": stats.num_stored_blocks,
         "loaded_blocks": stats.num_loaded_blocks,
@@ -57,12 +86,17 @@ def stats_payload(stats: OffloadStats, num_hit_tokens: int) -> dict[str, Any]:
         "failed_stores": stats.num_failed_stores,
         "bytes_stored": stats.num_bytes_stored,
         "bytes_loaded": stats.num_bytes_loaded,
-        "hit_tokens": num_hit_tokens,
+        "hit_tokens": sum(new_hit_tokens.values()),
+        "demoted_blocks": stats.num_demoted_blocks,
+        "failed_demotions": stats.num_failed_demotions,
+        "promoted_blocks": stats.num_promoted_blocks,
     }
     for outcome, count in stats.store_outcomes.items():
         counters[f"store_outcome.{outcome}"] = count
     for outcome, count in stats.handoff_outcomes.items():
         counters[f"handoff_outcome.{outcome}"] = count
+    for tier, count in new_hit_tokens.items():
+        counters[f"tier_hit_tokens.{tier}"] = count
     gauges = {
         "tier_blocks_in_use": stats.num_tier_blocks_in_use,
         "blocks_pending_store": stats.num_blocks_pending_store,
@@ -122,13 +156,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in _PLAIN_COUNTERS.items()
         }
-        self._outcomes = {
+        self._labelled = {
             prefix: self._counter_cls(
-                name=f"{PREFIX}{metric}_total",
-                documentation=f"{prefix.replace('_', ' ')}s of kvtier's store selection",
-                labelnames=[*labels, "outcome"],
+                name=f"{PREFIX}{metric}_total", documentation=doc, labelnames=[*labels, label]
             )
-            for prefix, metric in _OUTCOME_COUNTERS.items()
+            for prefix, (metric, label, doc) in _LABELLED_COUNTERS.items()
         }
         self._gauges = {
             name: self._gauge_cls(
@@ -150,9 +182,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         """Record one payload for engine `engine_idx`; unknown names raise KeyError."""
         engine = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
         for name, value in transfer_stats_data.get(COUNTERS, {}).items():
-            prefix, dot, outcome = name.partition(".")
+            prefix, dot, label = name.partition(".")
             if dot:
-                self._outcomes[prefix].labels(*engine, outcome).inc(value)
+                self._labelled[prefix].labels(*engine, label).inc(value)
             else:
                 self._counters[name].labels(*engine).inc(value)
         for name, value in transfer_stats_data.get(GAUGES, {}).items():

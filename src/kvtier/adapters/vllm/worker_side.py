@@ -5,12 +5,16 @@ Per step, in vLLM's order:
     handle_preemptions     flush() when the plan says a request was preempted
     bind metadata          remember the plan; the load-event → request-id map
     start_load_kv          submit the plan's load jobs (right after the forward launch)
+                           and its CPU → DISK demotions (cascade; no GPU memory touched)
     wait_for_save          record the compute-done marker, submit the store jobs
-    get_transfer_results   poll(): finished loads → finished_recving; failed loads (and
-                           the scheduler's never-issued ones) → failed_recving too
+    get_transfer_results   poll(): requests whose every load event finished →
+                           finished_recving; those with a failed event (and the
+                           scheduler's never-issued ones) → failed_recving too
     worker metadata        the polled `WorkerReport` for the scheduler role
 
-The worker holds no policy and never blocks except in `flush()`.
+The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
+cascade a request's load may be split into one event per tier; `LoadTracker` reports
+the request once all of them finished.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from kvtier.adapters.vllm.layout import num_tier_blocks
+from kvtier.adapters.vllm.layout import tier_sizes
+from kvtier.adapters.vllm.load_tracker import LoadTracker
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.regions import KVCacheValue, placement_block_views
 from kvtier.offload.config import OffloadConfig
@@ -31,12 +36,13 @@ from kvtier.transfer.worker import OffloadWorker, WorkerConfig
 logger = logging.getLogger(__name__)
 
 
-def worker_config(config: OffloadConfig, num_slots: int, rank: int) -> WorkerConfig:
-    """Return the `WorkerConfig` of one rank: `num_slots` slots of the configured tier."""
-    if config.tier is Tier.CPU:
-        return WorkerConfig(cpu_num_slots=num_slots, rank=rank)
+def worker_config(config: OffloadConfig, sizes: Mapping[Tier, int], rank: int) -> WorkerConfig:
+    """Return the `WorkerConfig` of one rank: `sizes[tier]` slots of each configured tier."""
+    if Tier.DISK not in sizes:
+        return WorkerConfig(cpu_num_slots=sizes[Tier.CPU], rank=rank)
     return WorkerConfig(
-        disk_num_slots=num_slots,
+        cpu_num_slots=sizes.get(Tier.CPU, 0),
+        disk_num_slots=sizes[Tier.DISK],
         disk_path=config.disk_path,
         disk_io_mode=config.disk_io_mode,
         disk_buffer_slots=config.disk_buffer_slots,
@@ -52,7 +58,8 @@ class WorkerSide:
 
     def __init__(self, kv_cache_config: Any, config: OffloadConfig, layout_name: str | None):
         self.config = config
-        self.num_tier_blocks = num_tier_blocks(config, kv_cache_config)
+        self.tier_sizes = tier_sizes(config, kv_cache_config)
+        self.num_tier_blocks = self.tier_sizes[config.tier]
         self._kv_cache_config = kv_cache_config
         self._layout_name = layout_name
         self._worker: OffloadWorker | None = None
@@ -60,7 +67,7 @@ class WorkerSide:
         self._echo_failed: tuple[str, ...] = ()
         self._loads_submitted = False
         self._stores_submitted = False
-        self._load_request_ids: Mapping[int, tuple[str, ...]] = {}
+        self.loads = LoadTracker()
         self._report = WorkerReport()
 
     @property
@@ -77,14 +84,13 @@ class WorkerSide:
         views = placement_block_views(self._kv_cache_config, kv_caches, self._layout_name)
         device = next(iter(views.values())).device
         rank = device.index or 0  # one process per device: unique per node, names the file
-        worker = OffloadWorker(worker_config(self.config, self.num_tier_blocks, rank))
+        worker = OffloadWorker(worker_config(self.config, self.tier_sizes, rank))
         worker.register(views, TensorLayout.BLOCKS_FIRST)
         self._worker = worker
         logger.info(
-            "kvtier worker on %s: %d %s slots of %d B",
+            "kvtier worker on %s: %s slots of %d B",
             device,
-            self.num_tier_blocks,
-            self.config.tier.value,
+            ", ".join(f"{n} {tier.value}" for tier, n in self.tier_sizes.items()),
             worker.bytes_per_slot,
         )
 
@@ -99,7 +105,7 @@ class WorkerSide:
         """Take this step's plan; its load map covers every outstanding load event."""
         self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
         self._echo_failed = metadata.unissued_failed_request_ids
-        self._load_request_ids = metadata.plan.load_request_ids
+        self.loads.update(metadata.plan.load_request_ids)
         self._loads_submitted = self._stores_submitted = False
 
     def clear(self) -> None:
@@ -108,11 +114,15 @@ class WorkerSide:
         self._echo_failed = ()
 
     def start_loads(self) -> None:
-        """Submit this step's loads (they run in the background)."""
+        """Submit this step's loads and demotions (they run in the background).
+
+        Demotions (CPU → DISK) read only the CPU tier, whose source blocks the scheduler
+        pinned once their stores had completed: they need not wait for the forward.
+        """
         if self._plan is None or self._loads_submitted:
             return
         self._loads_submitted = True
-        jobs = tuple(job for job in self._plan.jobs if job.is_load)
+        jobs = tuple(job for job in self._plan.jobs if not job.is_store)
         if jobs:
             self.worker.submit(replace(self._plan, jobs=jobs))
 
@@ -133,21 +143,18 @@ class WorkerSide:
     def take_results(self) -> tuple[set[str], set[str]]:
         """Poll the worker; return (finished_recving, failed_recving) request ids.
 
-        A failed request is also finished: vLLM releases it from waiting for its load.
+        A request is finished once every load event listing it finished on this rank,
+        and failed if any of them failed. A failed request is also finished: vLLM
+        releases it from waiting for its load.
         """
         report = self.worker.poll()
         self._report = WorkerReport.merge([self._report, report])
-        finished: set[str] = set(self._echo_failed)
-        failed: set[str] = set(self._echo_failed)
+        finished, failed = self.loads.complete(report.done, report.failed)
+        if failed:
+            logger.warning("kvtier loads failed for requests %s", sorted(failed))
+        finished.update(self._echo_failed)
+        failed.update(self._echo_failed)
         self._echo_failed = ()
-        for event_id in report.done:
-            finished.update(self._load_request_ids.get(event_id, ()))
-        for event_id in report.failed:
-            request_ids = self._load_request_ids.get(event_id, ())
-            if request_ids:
-                logger.warning("kvtier load event %d failed: %s", event_id, list(request_ids))
-            finished.update(request_ids)
-            failed.update(request_ids)
         return finished, failed
 
     def take_worker_metadata(self) -> KVTierWorkerMetadata | None:

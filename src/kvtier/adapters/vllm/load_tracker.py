@@ -1,0 +1,77 @@
+"""Which requests' loads are complete on one worker, across events and steps.
+
+With the CPU+disk cascade one request's load may be two load events (a CPU → GPU job and
+a DISK → GPU job), and they may finish in different steps. vLLM must hear of the request
+once, when every event listing it is done on this worker: earlier, its tokens would be
+computed (or recomputed, after a failure) while a copy still writes its blocks. If any
+of its events failed, the request is failed (and finished).
+
+`TransferPlan.load_request_ids` lists every load event the scheduler still waits for,
+so an event this worker finished may be listed again until every worker reported it;
+the tracker remembers those, and forgets them once the scheduler stops listing them.
+No vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+
+class LoadTracker:
+    """Turn finished load events into finished and failed request ids."""
+
+    def __init__(self) -> None:
+        self._listed: Mapping[int, tuple[str, ...]] = {}
+        self._waiting: dict[str, set[int]] = {}  # request id -> its events not yet finished
+        self._failed: set[str] = set()  # requests with a failed event, still waiting
+        self._finished: set[int] = set()  # events finished here, still listed
+
+    def update(self, load_request_ids: Mapping[int, tuple[str, ...]]) -> None:
+        """Take the scheduler's map of outstanding load events (every step's plan)."""
+        self._finished.intersection_update(load_request_ids)
+        self._listed = load_request_ids
+        for event_id, request_ids in load_request_ids.items():
+            if event_id in self._finished:
+                continue
+            for request_id in request_ids:
+                self._waiting.setdefault(request_id, set()).add(event_id)
+
+    def complete(self, done: Iterable[int], failed: Iterable[int]) -> tuple[set[str], set[str]]:
+        """Record finished events; return (finished, failed) request ids now complete.
+
+        Events the map does not list (stores, demotions) are ignored. A failed request
+        is also in the finished set.
+        """
+        touched: set[str] = set()
+        for event_ids, is_failure in ((done, False), (failed, True)):
+            for event_id in event_ids:
+                request_ids = self._listed.get(event_id)
+                if request_ids is None or event_id in self._finished:
+                    continue
+                self._finished.add(event_id)
+                for request_id in request_ids:
+                    waiting = self._waiting.get(request_id)
+                    if waiting is not None:
+                        waiting.discard(event_id)
+                    if is_failure:
+                        self._failed.add(request_id)
+                    touched.add(request_id)
+        finished: set[str] = set()
+        failed_ids: set[str] = set()
+        for request_id in touched:
+            if self._waiting.get(request_id):
+                continue
+            self._waiting.pop(request_id, None)
+            finished.add(request_id)
+            if request_id in self._failed:
+                self._failed.discard(request_id)
+                failed_ids.add(request_id)
+        return finished, failed_ids
+
+    def __len__(self) -> int:
+        """Return how many requests wait for a load event (tests: no leaks)."""
+        return len(self._waiting)
+
+    def is_idle(self) -> bool:
+        """Return True when nothing is waiting, failed or remembered (tests: no leaks)."""
+        return not self._waiting and not self._failed
