@@ -10,7 +10,11 @@ What the offload scheduler's cascade does, synchronously (docs/policies.md):
   stays), CPU admission, eviction per the policy.
 - **write_through:** then every block that became cached in the CPU tier is written to
   DISK unless DISK holds it (no admission on DISK; DISK evicts per its own policy). A
-  CPU eviction only drops the CPU copy.
+  CPU eviction only drops the CPU copy. Before those writes, the DISK copies of the
+  request's CPU hits and of the stored blocks DISK already holds are refreshed (moved
+  to DISK's most-recently-used end, tail first), as the scheduler does when a CPU load
+  completes and when a demotion finds the disk copy present: DISK keeps what the CPU
+  serves.
 - **write_back:** before the CPU tier allocates each slot, the block that allocation
   would evict (the first of its free queue, `iter_free_after(None)`; the request's own
   pinned blocks are never there), if cached, is **demoted**: inserted into DISK unless
@@ -80,6 +84,7 @@ class Cascade:
             release_request(disk, disk_hits, (), order)
         else:
             stored = store_missing(cpu, keys, tokens, cpu_hits, order)
+            self._refresh_disk(keys, [j for j, _ in cpu_hits] + [j for j, _ in stored])
             written = store_missing(
                 disk,
                 keys,
@@ -93,6 +98,15 @@ class Cascade:
         if disk_hits:
             served = {j for j, _ in disk_hits}
             cpu.promoted += sum(1 for j, _ in stored if j in served)
+
+    def _refresh_disk(self, keys: Sequence[Key], positions: list[int]) -> None:
+        """Move the free DISK copies of `keys[positions]` to the MRU end, tail first."""
+        pool = self.disk.pool
+        found = [pool.cached_block(keys[j]) for j in sorted(positions)]
+        ids = [b for b in found if b is not None and pool.ref_count(b) == 0]
+        if ids:
+            pool.touch(ids)
+            pool.free(ids[::-1])
 
     def _demote(self) -> None:
         """Move the CPU tier's next victim, if cached, to DISK (before it is allocated)."""
