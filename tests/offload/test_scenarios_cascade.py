@@ -257,3 +257,39 @@ def test_cascade_config_validation(caplog: pytest.LogCaptureFixture) -> None:
     assert both.num_tier_blocks(1024, Tier.DISK) == 8
     with pytest.raises(ValueError, match="num_disk_blocks >= 2"):
         OffloadScheduler(both, SchedulerSetup(full_layout(), 4))
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk"])
+@pytest.mark.parametrize("mode", list(CascadeMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("store_mode", list(StoreMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("persist", [False, True], ids=["volatile", "persistent"])
+def test_every_tier_combination_builds_and_serves(
+    tiers: str, mode: CascadeMode, store_mode: StoreMode, persist: bool
+) -> None:
+    """Each valid combination builds and round-trips a prefix; invalid ones say why."""
+    values: dict[str, object] = {"store_mode": store_mode, "disk_persist": persist}
+    if "cpu" in tiers:
+        values["cpu_bytes"] = MIB
+    if "disk" in tiers:
+        values.update(disk_bytes=2 * MIB, disk_path="unused")
+    if tiers == "cpu+disk":
+        values["cascade"] = mode
+    if persist and "disk" not in tiers:
+        with pytest.raises(ConfigError, match="disk_persist=True needs a disk tier"):
+            OffloadConfig(**values)  # type: ignore[arg-type]
+        return
+    config = OffloadConfig(**values)  # type: ignore[arg-type]
+    engine = SimEngine(
+        full_layout(),
+        config,
+        num_tier_blocks=8,
+        num_disk_blocks=12 if config.is_cascade else 0,
+    )
+    engine.run(make_request("a", range(12)))
+    for _ in range(3):  # lazy mode stores blocks once they wait in the GPU free queue
+        engine.step()
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.run(make_request("b", [*range(12), 1])).num_accepted_tokens == 12
+    engine.drain()
+    engine.check()
