@@ -58,11 +58,6 @@ class SchedulerSetup:
     num_disk_blocks: int = 0
 
 
-@dataclass(slots=True)
-class _Totals:
-    num_promoted_blocks: int = 0
-
-
 class OffloadScheduler:
     """Plan stores and loads between the engine's GPU pool and one lower tier."""
 
@@ -121,7 +116,7 @@ class OffloadScheduler:
         self._selector: StoreSelector | None = None
         self._book = TransferBook(setup.num_workers)
         self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book)
-        self._totals = _Totals()
+        self._num_promoted = 0  # disk-held blocks stored into the CPU tier, this step
         self._next_step_id = 0
         self._lazy_target = lazy_target(self.layout, config.max_batched_tokens)
         if setup.gpu_pool is not None:
@@ -306,7 +301,7 @@ class OffloadScheduler:
         self._counters.num_stored_blocks += len(transfer.stores)
         if self.cascade is not None:
             disk_get = self.cascade.disk_pool.cached_block
-            self._totals.num_promoted_blocks += sum(
+            self._num_promoted += sum(
                 1 for item in transfer.stores if disk_get(item.key) is not None
             )
             self.cascade.after_stores([item.tier_block_id for item in transfer.stores])
@@ -443,7 +438,7 @@ class OffloadScheduler:
         bytes_per_block = self.layout.bytes_per_block
         pending = len(self.selector.queued) + sum(len(t.stores) for t in self._book)
         cascade = self.cascade.take_counters() if self.cascade is not None else None
-        promoted, self._totals.num_promoted_blocks = self._totals.num_promoted_blocks, 0
+        promoted, self._num_promoted = self._num_promoted, 0
         info = {
             "tier": self.tier.value,
             "store_mode": self.config.store_mode.value,
