@@ -293,3 +293,21 @@ def test_every_tier_combination_builds_and_serves(
     assert engine.run(make_request("b", [*range(12), 1])).num_accepted_tokens == 12
     engine.drain()
     engine.check()
+
+
+def test_lost_blocks_count_cpu_evictions_without_a_disk_copy() -> None:
+    """Write-through never loses a block while the disk keeps up; a write-back burst larger
+    than the demotion reserve evicts dirty blocks, and each one is counted."""
+    through = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=5, num_disk=40)
+    back = cascade_engine(CascadeMode.WRITE_BACK, num_cpu=9, num_disk=40)
+    lost = {}
+    for name, engine in (("through", through), ("back", back)):
+        total = 0
+        for i in range(4):  # 6 blocks each: every request overflows the CPU tier at once
+            engine.run(make_request(f"r{i}", range(100 * i, 100 * i + 24)))
+            engine.drain()
+            total += engine.scheduler.take_stats().num_lost_blocks
+        lost[name] = total
+        engine.check()
+    assert lost["through"] == 0
+    assert lost["back"] > 0

@@ -8,7 +8,7 @@ cached block costs about 150 bytes even at 10 M blocks.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.core.free_queue import FreeQueue, LRUFreeQueue
@@ -85,6 +85,8 @@ class BlockPool:
         self._free: FreeQueue = free_queue if free_queue is not None else LRUFreeQueue(num_blocks)
         self._free.clear_and_fill(range(1, num_blocks))
         self._events: list[KVEvent] = []
+        # Called with (block id, primary key) just before `allocate` evicts a cached block.
+        self.on_evict: Callable[[int, Key], None] | None = None
 
     # ----------------------------------------------------------------- queries
 
@@ -170,9 +172,13 @@ class BlockPool:
         pop_victim = self._free.pop_victim
         keys = self._keys
         refs = self._refs
+        on_evict = self.on_evict
         for _ in range(num_blocks):
             block_id = pop_victim()
-            if keys[block_id] is not None:
+            key = keys[block_id]
+            if key is not None:
+                if on_evict is not None:
+                    on_evict(block_id, key)
                 self._drop_keys(block_id)
             refs[block_id] = 1
             taken.append(block_id)

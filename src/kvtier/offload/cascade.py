@@ -51,6 +51,7 @@ class CascadeCounters:
     num_demoted_blocks: int = 0
     num_failed_demotions: int = 0
     num_dropped_demotions: int = 0  # no disk slot could be allocated
+    num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (nor one coming)
 
 
 class Cascade:
@@ -74,6 +75,7 @@ class Cascade:
         self.in_flight_keys: set[Key] = set()
         self.counters = CascadeCounters()
         self._event = event
+        cpu_pool.on_evict = self._on_cpu_evict
 
     # ------------------------------------------------------------ selection
 
@@ -137,6 +139,11 @@ class Cascade:
         if disk_block_ids:
             self.disk_pool.touch(disk_block_ids)
             self.disk_pool.free(disk_block_ids[::-1])
+
+    def _on_cpu_evict(self, block_id: int, key: Key) -> None:
+        """Count a CPU eviction that loses the block: no disk copy, none in flight."""
+        if key not in self.in_flight_keys and self.disk_pool.cached_block(key) is None:
+            self.counters.num_lost_blocks += 1
 
     def take_queued(self) -> list[MoveItem]:
         """Return and forget the demotions selected since the last call."""

@@ -463,6 +463,7 @@ class OffloadScheduler:
             num_demoted_blocks=cascade.num_demoted_blocks if cascade else 0,
             num_failed_demotions=cascade.num_failed_demotions if cascade else 0,
             num_promoted_blocks=promoted,
+            num_lost_blocks=cascade.num_lost_blocks if cascade else 0,
             info=info,
         )
         counters.clear()

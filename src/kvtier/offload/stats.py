@@ -43,6 +43,7 @@ class OffloadStats:
     num_demoted_blocks: int = 0  # CPU → DISK copies registered (cascade)
     num_failed_demotions: int = 0
     num_promoted_blocks: int = 0  # disk-held blocks stored into the CPU tier (cascade)
+    num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (cascade)
     info: Mapping[str, str] = field(default_factory=dict)
 
 

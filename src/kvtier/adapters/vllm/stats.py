@@ -9,7 +9,7 @@ front-end process:
 
 Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stores`,
 `bytes_stored`, `bytes_loaded`, `hit_tokens`, the cascade's `demoted_blocks`,
-`failed_demotions`, `promoted_blocks`, and the labelled `store_outcome.<outcome>` /
+`failed_demotions`, `promoted_blocks`, `lost_blocks`, and the labelled `store_outcome.<outcome>` /
 `handoff_outcome.<outcome>` (kvtier's `StoreOutcome` values) and `tier_hit_tokens.<tier>`
 (`CPU` / `DISK`). Prometheus exposes them as `kvtier:<name>_total` (a labelled family as
 one metric with an `outcome` or `tier` label), gauges as `kvtier:<name>`, and the info
@@ -66,6 +66,7 @@ _PLAIN_COUNTERS = {
     "demoted_blocks": "KV blocks copied from the CPU tier down to the disk tier (cascade)",
     "failed_demotions": "CPU to disk copies that failed; nothing was registered (cascade)",
     "promoted_blocks": "disk-held KV blocks stored into the CPU tier again (cascade)",
+    "lost_blocks": "KV blocks evicted from the CPU tier with no disk copy (cascade)",
 }
 _GAUGES = {
     "tier_blocks_in_use": "tier blocks pinned by transfers or lookups (capacity minus free)",
@@ -90,6 +91,7 @@ def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dic
         "demoted_blocks": stats.num_demoted_blocks,
         "failed_demotions": stats.num_failed_demotions,
         "promoted_blocks": stats.num_promoted_blocks,
+        "lost_blocks": stats.num_lost_blocks,
     }
     for outcome, count in stats.store_outcomes.items():
         counters[f"store_outcome.{outcome}"] = count
