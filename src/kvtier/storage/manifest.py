@@ -31,6 +31,14 @@ At open (`open_manifest`) the header must match the identity exactly and the slo
 must have its exact size; otherwise both files are discarded and recreated (with a
 warning naming the reason). A reused manifest is compacted at once: the live records are
 written to a temporary file in the same directory, fsynced, and renamed over it.
+
+During a run the log compacts itself the same way, under the lock that serializes the
+appends, right after an append that leaves it holding more than 4 records per live slot
+and more than 4096 records (`manifest_compaction.compaction_due`); later records go to
+the new file. The file at the manifest path is always a complete log, old or compacted,
+so a crash at any point recovers a consistent state (a leftover `.tmp` is ignored and
+removed by the next rewrite). A failed compaction is logged and the log keeps appending
+to the old file.
 """
 
 from __future__ import annotations
@@ -40,13 +48,13 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import xxhash
 
 from kvtier.offload.plan import SlotRecord
+from kvtier.storage.manifest_compaction import COMPACT_FLOOR, compaction_due, rewrite_manifest
 from kvtier.storage.slot_file import SlotFile, unlink_quietly
 
 __all__ = [
@@ -240,16 +248,36 @@ class ManifestLog:
     Appends are best effort: an append that fails is cut off the file again (or, when even
     that fails, the log stops appending for the rest of the run, with a warning). Either
     way a read never returns wrong bytes; at worst a restart misses or fails a slot.
+
+    The log keeps the encoded put record of every live slot (about 180 B of memory per
+    live slot with 36-byte keys: ~90 MB for 500k) and counts the records in its file; an
+    append after which `compaction_due` holds rewrites the file with the live records
+    (see `manifest_compaction`; `compactions` counts these). The rewrite runs under the lock
+    that serializes appends, so no record is lost or lands in the replaced file; the cost
+    is that an I/O thread appending meanwhile waits for one write and fsync of the
+    compacted file (100k live slots: ~6 MB, typically tens of milliseconds on an SSD),
+    which happens only after the log has grown to several times its compacted size. A
+    failed rewrite is logged, and retried once the log has doubled in records.
     """
 
-    def __init__(self, path: str, fd: int, size: int, live: Iterable[int], num_slots: int):
+    def __init__(
+        self,
+        path: str,
+        header: bytes,
+        live: Mapping[int, ManifestEntry],
+        compact_floor: int = COMPACT_FLOOR,
+    ) -> None:
+        """Write the manifest at `path` anew (header and one put record per `live` slot,
+        atomically) and open it for appending; raise OSError when that fails."""
         self.path = path
-        self._fd: int | None = fd
-        self._size = size
+        self._header = header
+        self._live = {slot: _put(slot, live[slot]) for slot in sorted(live)}
+        self._compact_floor = compact_floor
+        self._fd: int | None = None
+        self._size = self._records = self._retry_at = self.compactions = 0
         self._broken = False
         self._lock = threading.Lock()
-        self._recorded = np.zeros(num_slots, dtype=np.bool_)  # the last record is a put
-        self._recorded[list(live)] = True
+        self._rewrite()
 
     @property
     def is_open(self) -> bool:
@@ -260,35 +288,38 @@ class ManifestLog:
         self, slots: Sequence[int], checksums: Sequence[int], records: Sequence[SlotRecord]
     ) -> None:
         """Append one put record per slot (call after the slots' data was written)."""
-        data = b"".join(
-            _put(int(slot), ManifestEntry(int(checksum), record))
+        encoded = [
+            (int(slot), _put(int(slot), ManifestEntry(int(checksum), record)))
             for slot, checksum, record in zip(slots, checksums, records, strict=True)
-        )
-        self._append(data, [int(s) for s in slots], recorded=True)
+        ]
+        data = b"".join(record for _, record in encoded)
+        with self._lock:
+            if self._append_locked(data, len(encoded)):
+                self._live.update(encoded)  # in order: the last record of a slot wins
+                self._compact_if_due()
 
     def forget(self, slots: Iterable[int]) -> None:
         """Append a tombstone for each slot whose last record is a put."""
         with self._lock:
-            dead = [int(s) for s in slots if self._recorded[int(s)]]
-            if dead:
-                self._append_locked(b"".join(_tombstone(s) for s in dead), dead, False)
+            dead = [s for s in dict.fromkeys(int(s) for s in slots) if s in self._live]
+            if dead and self._append_locked(b"".join(map(_tombstone, dead)), len(dead)):
+                for slot in dead:
+                    del self._live[slot]
+                self._compact_if_due()
 
-    def _append(self, data: bytes, slots: list[int], recorded: bool) -> None:
-        with self._lock:
-            self._append_locked(data, slots, recorded)
-
-    def _append_locked(self, data: bytes, slots: list[int], recorded: bool) -> None:
+    def _append_locked(self, data: bytes, num_records: int) -> bool:
         if self._fd is None or self._broken:
-            return
+            return False
         try:
             written = os.write(self._fd, data)
             if written != len(data):
                 raise OSError(errno.ENOSPC, f"short write: {written} of {len(data)} B")
         except OSError as exc:
             self._undo(exc)
-            return
+            return False
         self._size += len(data)
-        self._recorded[slots] = recorded
+        self._records += num_records
+        return True
 
     def _undo(self, exc: OSError) -> None:
         assert self._fd is not None
@@ -306,6 +337,32 @@ class ManifestLog:
             return
         logger.warning("disk tier manifest %s: append failed (%s); record dropped", self.path, exc)
 
+    def _compact_if_due(self) -> None:
+        if self._records < self._retry_at or not compaction_due(
+            self._records, len(self._live), self._compact_floor
+        ):
+            return
+        try:
+            self._rewrite()
+        except OSError as exc:
+            self._retry_at = 2 * self._records
+            logger.warning(
+                "disk tier manifest %s: compaction failed (%s); appending to the old log",
+                self.path,
+                exc,
+            )
+
+    def _rewrite(self) -> None:
+        """Replace the file with the header and the live records and append to it from
+        now on (the caller holds the lock, or is the constructor)."""
+        content = self._header + b"".join(self._live.values())
+        fd = rewrite_manifest(self.path, content)
+        old, self._fd = self._fd, fd
+        self._size, self._records = len(content), len(self._live)
+        if old is not None:
+            self.compactions += 1
+            os.close(old)  # the replaced log: no longer reachable by its path
+
     def close(self) -> None:
         """Flush the log to the device and close it; idempotent."""
         with self._lock:
@@ -319,7 +376,7 @@ class ManifestLog:
 
 
 def open_manifest(
-    slot_file: SlotFile, identity: ManifestIdentity
+    slot_file: SlotFile, identity: ManifestIdentity, compact_floor: int = COMPACT_FLOOR
 ) -> tuple[ManifestLog, dict[int, ManifestEntry]]:
     """Open the manifest of the persistent, locked `slot_file` and return it with the live
     slots it recovered.
@@ -327,6 +384,8 @@ def open_manifest(
     A reused slot file is kept when the manifest matches `identity` and the file has its
     exact size; otherwise both are discarded with a warning and the slot file is
     recreated. The manifest is then rewritten atomically with the live records only.
+    `compact_floor` is the fewest records at which the log compacts itself during the run
+    (see `compaction_due`).
     """
     path = manifest_path_for(slot_file.path)
     live: dict[int, ManifestEntry] = {}
@@ -348,36 +407,4 @@ def open_manifest(
             live = {}
             unlink_quietly(path)
             slot_file.recreate()
-    content = identity.encode() + b"".join(_put(slot, live[slot]) for slot in sorted(live))
-    _replace_atomically(path, content)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-    return ManifestLog(path, fd, len(content), live, identity.num_slots), live
-
-
-def _replace_atomically(path: str, content: bytes) -> None:
-    """Write `content` to a temporary file beside `path`, fsync it, rename it over `path`,
-    and fsync the directory."""
-    tmp = path + ".tmp"
-    unlink_quietly(tmp)  # a leftover of a crash; the slot file's lock makes it ours
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        view = memoryview(content)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        unlink_quietly(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return ManifestLog(path, identity.encode(), live, compact_floor), live

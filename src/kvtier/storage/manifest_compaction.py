@@ -1,0 +1,70 @@
+"""Compaction of a manifest (see `manifest`): when to do it, and the atomic rewrite.
+
+A compaction replaces the manifest with its header and one put record per live slot. The
+new content goes to `<manifest>.tmp` in the same directory, is fsynced, and is renamed
+over the manifest, after which the directory is fsynced: at every instant the file at the
+manifest path is either the complete old log or the complete new one. A leftover `.tmp`
+(a crash between writing it and the rename) is never read; the next rewrite removes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvtier.storage.slot_file import unlink_quietly
+
+__all__ = ["COMPACT_FLOOR", "COMPACT_RATIO", "compaction_due", "rewrite_manifest"]
+
+logger = logging.getLogger(__name__)
+
+COMPACT_RATIO = 4  # compact when the log holds more than this many records per live slot
+COMPACT_FLOOR = 4096  # ... and more than this many records (~256 KiB with 36-byte keys)
+
+
+def compaction_due(records: int, live: int, floor: int = COMPACT_FLOOR) -> bool:
+    """Return True when a log of `records` records describing `live` live slots should be
+    compacted: it holds more than `COMPACT_RATIO` records per live slot and more than
+    `floor` records.
+
+    The ratio bounds the file at about `COMPACT_RATIO` times its compacted size and makes
+    the cost of rewriting amortized O(1) per appended record (each compaction rewrites at
+    most a `1 / COMPACT_RATIO` share of the records appended since the last one); the
+    floor keeps a small cache from rewriting its manifest every few stores.
+    """
+    return records > max(COMPACT_RATIO * live, floor)
+
+
+def rewrite_manifest(path: str, content: bytes) -> int:
+    """Atomically replace the file at `path` with `content`; return a descriptor that
+    appends to the new file (O_APPEND, the one the content was written through).
+
+    Raises OSError (after removing the temporary file) when the content cannot be written,
+    synced or renamed; the file at `path` is then unchanged. A failed fsync of the
+    directory after the rename is only logged: the new file is complete and in place, and
+    should the rename be lost in a crash the old log is back, which is consistent too.
+    """
+    tmp = path + ".tmp"
+    unlink_quietly(tmp)  # a leftover of a crash; the slot file's lock makes it ours
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        view = memoryview(content)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        unlink_quietly(tmp)
+        raise
+    directory = os.path.dirname(path) or "."
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        logger.warning("disk tier manifest %s: cannot sync its directory: %s", path, exc)
+    return fd
