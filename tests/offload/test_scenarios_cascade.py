@@ -159,7 +159,8 @@ def test_write_back_demotes_only_the_next_victims_and_then_drops_the_cpu_copy() 
     engine.check()
 
 
-def test_a_failed_demotion_loses_the_disk_copy_and_keeps_the_cpu_one() -> None:
+def demotion_in_flight() -> tuple[SimEngine, TransferJob]:
+    """Return a write-through engine whose request "a" is in the CPU tier, being demoted."""
     engine = cascade_engine(CascadeMode.WRITE_THROUGH)
     engine.auto_complete = False
     engine.admit(make_request("a", range(8)))
@@ -170,6 +171,11 @@ def test_a_failed_demotion_loses_the_disk_copy_and_keeps_the_cpu_one() -> None:
     engine.worker.complete(store.event_id)
     engine.poll()
     demotion = next_job(engine, Tier.CPU, Tier.DISK)
+    return engine, demotion
+
+
+def test_a_failed_demotion_loses_the_disk_copy_and_keeps_the_cpu_one() -> None:
+    engine, demotion = demotion_in_flight()
     engine.worker.fail(demotion.event_id)
     engine.poll()
     key = keys_of(range(8), 1)[0]
@@ -182,16 +188,7 @@ def test_a_failed_demotion_loses_the_disk_copy_and_keeps_the_cpu_one() -> None:
 
 
 def test_reset_during_a_demotion_abandons_it() -> None:
-    engine = cascade_engine(CascadeMode.WRITE_THROUGH)
-    engine.auto_complete = False
-    engine.admit(make_request("a", range(8)))
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")  # selects its blocks for storing
-    store = next_job(engine, Tier.GPU, Tier.CPU)
-    engine.worker.complete(store.event_id)
-    engine.poll()
-    demotion = next_job(engine, Tier.CPU, Tier.DISK)
+    engine, demotion = demotion_in_flight()
     assert engine.scheduler.reset() is False  # the demotion is still in flight
     engine.worker.complete(demotion.event_id)
     engine.poll()
