@@ -19,14 +19,12 @@ tier holding it; a request's load then has one part per tier (one job per tier).
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.events import BlockStored, KVEvent
-from kvtier.core.keys import Key, key_block_hash, key_group_id
+from kvtier.core.events import KVEvent
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
@@ -35,12 +33,11 @@ from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan, WorkerReport
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput, TableUpdate
+from kvtier.offload.registration import Registrar
 from kvtier.offload.stats import OffloadStats, StepCounters
 from kvtier.offload.store_selection import StoreItem, StoreSelector, lazy_target
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.transfers import IssuedTransfer, ReportOutcome, TransferBook
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +75,7 @@ class OffloadScheduler:
             medium=self.tier.value,
             record_events=config.events,
         )
+        self.registrar = Registrar(self.layout, self.tier, self.tier_pool, config.events)
         pools = [(self.tier, self.tier_pool)]
         self.cascade: Cascade | None = None
         if config.is_cascade:
@@ -102,7 +100,7 @@ class OffloadScheduler:
                 disk_pool,
                 config.cascade,
                 reserve,
-                event=lambda key, num_tokens: self._event(key, num_tokens, Tier.DISK),
+                event=lambda key, num_tokens: self.registrar.event(key, num_tokens, Tier.DISK),
             )
             pools.append((Tier.DISK, disk_pool))
         self.index = TierIndex(pools)
@@ -245,14 +243,7 @@ class OffloadScheduler:
         """Return the slot records of stores into a persistent disk tier, else ()."""
         if not self.config.disk_persist or self.tier is not Tier.DISK:
             return ()
-        gpu_pool = self.gpu_pool
-        records = []
-        for item in stores:
-            num_tokens = item.tail_num_tokens or gpu_pool.num_tokens(item.gpu_block_id)
-            if not num_tokens:
-                num_tokens = self.layout.groups[key_group_id(item.key)].block_size
-            records.append(SlotRecord(item.key, num_tokens))
-        return tuple(records)
+        return self.registrar.records(stores, self.gpu_pool)
 
     # ------------------------------------------------------------------ report
 
@@ -295,8 +286,9 @@ class OffloadScheduler:
                 self._counters.num_failed_stores += len(transfer.stores)
             self.selector.release(transfer.stores)
             return
+        gpu_pool = self.gpu_pool
         for item in transfer.stores:
-            self._register(item)
+            self.registrar.register(item, gpu_pool)
             self.selector.in_flight_keys.discard(item.key)
         self._counters.num_stored_blocks += len(transfer.stores)
         if self.cascade is not None:
@@ -309,48 +301,6 @@ class OffloadScheduler:
         stores = transfer.stores[::-1]
         self.gpu_pool.free([item.gpu_block_id for item in stores])
         self.tier_pool.free([item.tier_block_id for item in stores])
-
-    def _register(self, item: StoreItem) -> None:
-        tier_block = item.tier_block_id
-        if item.is_partial_tail:
-            event = self._event(item.key, item.tail_num_tokens)
-            self.tier_pool.insert_key(item.key, tier_block, item.tail_num_tokens, event)
-            return
-        gpu_pool = self.gpu_pool
-        gpu_block_id = item.gpu_block_id
-        key = gpu_pool.key(gpu_block_id)
-        if key is None:
-            key = item.key
-        num_tokens = gpu_pool.num_tokens(gpu_block_id)
-        if not num_tokens:
-            num_tokens = self.layout.groups[key_group_id(key)].block_size
-        if not self.config.events:
-            self.tier_pool.insert_key(key, tier_block, num_tokens)
-            for secondary in gpu_pool.secondary_keys(gpu_block_id):
-                self.tier_pool.insert_key(secondary, tier_block, num_tokens)
-            return
-        stored = item.stored
-        if stored is not None and stored.block_hash == key_block_hash(key):
-            event = replace(stored, medium=self.tier.value)
-        else:
-            event = self._event(key, num_tokens)
-        self.tier_pool.insert_key(key, tier_block, num_tokens, event)
-        for secondary in gpu_pool.secondary_keys(gpu_block_id):
-            event = self._event(secondary, num_tokens)
-            self.tier_pool.insert_key(secondary, tier_block, num_tokens, event)
-
-    def _event(self, key: Key, num_tokens: int, tier: Tier | None = None) -> BlockStored:
-        """Return the payload-free `BlockStored` of `key`, with its group's kind and window."""
-        group_id = key_group_id(key)
-        group = self.layout.groups[group_id]
-        return BlockStored(
-            key_block_hash(key),
-            group_id,
-            num_tokens,
-            medium=(tier or self.tier).value,
-            group_kind=group.kind.value,
-            sliding_window=group.sliding_window,
-        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -411,20 +361,7 @@ class OffloadScheduler:
         pool = self.index.pools.get(tier)
         if pool is None:
             raise ValueError(f"tier {tier.value} is not configured")
-        groups = self.layout.groups
-        num_restored = 0
-        for slot, record in slots:
-            group_id = key_group_id(record.key)
-            valid_group = group_id < len(groups) and groups[group_id].is_cacheable
-            if not 0 < slot < pool.num_blocks or not valid_group or pool.is_cached(slot):
-                logger.warning("%s slot %d: cannot restore %r; skipped", tier.value, slot, record)
-                continue
-            pool.touch([slot])
-            event = self._event(record.key, record.num_tokens, tier)
-            pool.insert_key(record.key, slot, record.num_tokens, event)
-            pool.free([slot])
-            num_restored += 1
-        return num_restored
+        return self.registrar.restore(tier, pool, slots)
 
     # ------------------------------------------------------------------ observability
 
