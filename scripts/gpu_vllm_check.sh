@@ -17,7 +17,11 @@
 # KVTIER_BATCH_INVARIANT (default 1: VLLM_BATCH_INVARIANT=1, so recomputed and loaded KV
 # are bitwise equal and outputs must match exactly; 0: require KVTIER_MIN_MATCH, default
 # 0.9, of the outputs to match), KVTIER_CONVERSATIONS (12), KVTIER_TURNS (4),
-# KVTIER_GPU_BLOCKS (GPU KV blocks, 640), KVTIER_RUN_TIMEOUT (seconds per run, 240).
+# KVTIER_GPU_BLOCKS (GPU KV blocks, 640), KVTIER_RUN_TIMEOUT (seconds per run, 240),
+# KVTIER_EXTRA_CONFIG (the connector's kv_connector_extra_config as JSON, default
+# {"cpu_bytes": 8589934592}; e.g. the CPU+disk cascade: {"cpu_bytes": 1073741824,
+# "disk_bytes": 8589934592, "disk_path": "/tmp/kvtier-gpu-check-disk", "cascade":
+# "write_back"}; a disk tier needs an existing directory).
 # One run takes a few minutes once the venv exists (the first pip install adds ~3-5).
 set -euo pipefail
 
@@ -90,7 +94,7 @@ fi
 # ------------------------------------------------------------------ workload
 cat >"$WORK/run_chat.py" <<'EOF'
 """One multi-turn chat run through vLLM's offline API; writes outputs and TTFTs as JSON."""
-import argparse, json, random, sys, time
+import argparse, json, os, random, sys, time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
@@ -115,7 +119,9 @@ if args.mode == "kvtier":
     engine_args["kv_transfer_config"] = KVTransferConfig(
         kv_connector="KVTierConnector", kv_connector_module_path="kvtier.adapters.vllm",
         kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"cpu_bytes": 8 << 30},
+        kv_connector_extra_config=json.loads(
+            os.environ.get("KVTIER_EXTRA_CONFIG") or '{"cpu_bytes": 8589934592}'
+        ),
     )
 llm = LLM(**engine_args)
 vocab = min(llm.llm_engine.model_config.get_vocab_size(), 32000)
