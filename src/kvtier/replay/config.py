@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvtier.core.policies import PolicySpec
+from kvtier.offload.config import CascadeMode  # the modes the offload scheduler runs
 from kvtier.replay.belady import OFFLINE_POLICIES
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE
@@ -31,23 +32,6 @@ class ReleaseOrder(enum.Enum):
     TAIL_FIRST = "tail_first"
     SCHEDULER = "scheduler"
     SCHEDULER_TAIL_FIRST = "scheduler_tail_first"
-
-
-class CascadeMode(enum.Enum):
-    """How a CPU tier hands blocks down to a DISK tier behind it (`ReplayConfig.cascade`).
-
-    Stores go to the CPU tier; a lookup serves each block from the CPU tier, else from
-    DISK; a DISK-served block is offered to the CPU tier like any block it lacks
-    (promotion; the disk copy stays).
-    WRITE_THROUGH: every block that becomes cached in the CPU tier is written to DISK at
-    once unless DISK holds it (inclusive: capacity = max(CPU, DISK), one disk write per
-    stored block, restart-safe with a persistent disk).
-    WRITE_BACK: a block reaches DISK only when the CPU tier evicts it (exclusive:
-    capacity = CPU + DISK, fewer disk writes, a crash loses the CPU-only blocks).
-    """
-
-    WRITE_THROUGH = "write_through"
-    WRITE_BACK = "write_back"
 
 
 @dataclass(frozen=True)
