@@ -127,6 +127,25 @@ def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
     assert "loaded_blocks=12" in lines[0]
 
 
+def test_connector_stats_are_none_until_something_changes() -> None:
+    """A quiet step returns no stats; the next count or gauge change is reported in full."""
+    harness, payloads = collect_stats()
+    assert payloads
+    connector = harness.scheduler.connector
+    assert connector.get_kv_connector_stats() is None
+    assert connector.get_kv_connector_stats() is None
+    assert harness.scheduler.reset_prefix_cache()  # the GPU's copy goes; the tier's stays
+    harness.add_request("late", [*PROMPTS["req-0"], 7], max_tokens=3)
+    late = drain_collecting_stats(harness)
+    total = KVTierConnector.build_kv_connector_stats()
+    for payload in late:
+        total = total.aggregate(KVTierConnector.build_kv_connector_stats(payload))
+    flat = total.reduce()
+    assert flat["hit_tokens"] == 48  # the prefix, served from the tier again
+    assert flat["tier_blocks_in_use"] == 0
+    assert connector.get_kv_connector_stats() is None
+
+
 def test_prometheus_metrics_build_and_observe() -> None:
     harness, payloads = collect_stats()
     registry = CollectorRegistry()

@@ -75,6 +75,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expect_failed: set[str] = set()  # queued loads a reset dropped
         self.num_seen_reports = 0
         self.next_id = 0
+        self.hits_reported = 0  # cumulative hit tokens at the last take_stats
 
     @initialize(
         num_workers=st.integers(1, 4),
@@ -378,6 +379,33 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert key in engine.covered.get(content, ()), (
                         f"a visible key's bytes are wrong in {tier.value}"
                     )
+
+    @invariant()
+    def quiet_stats_have_nothing_to_report(self) -> None:
+        """`has_new_counts` and `stats_gauges` (the adapters' skip test) agree with `take_stats`."""
+        scheduler = self.engine.scheduler
+        quiet = not scheduler.has_new_counts()
+        gauges = scheduler.stats_gauges()
+        stats = scheduler.take_stats()
+        assert gauges == (stats.num_tier_blocks_in_use, stats.num_blocks_pending_store)
+        hits = sum(stats.hit_tokens.values())
+        counts = (
+            stats.store_outcomes,
+            stats.handoff_outcomes,
+            stats.num_loaded_blocks,
+            stats.num_stored_blocks,
+            stats.num_failed_loads,
+            stats.num_failed_stores,
+            stats.num_demoted_blocks,
+            stats.num_failed_demotions,
+            stats.num_promoted_blocks,
+            stats.num_lost_blocks,
+        )
+        if quiet:
+            assert not any(counts), "a quiet step had counts"
+            assert hits == self.hits_reported, "a quiet step had new hit tokens"
+        self.hits_reported = hits
+        assert not scheduler.has_new_counts(), "take_stats left counts behind"
 
     def teardown(self) -> None:
         """Drain: finish everything, complete every transfer; nothing may stay pinned."""

@@ -61,6 +61,28 @@ class Registrar:
                 secondary, tier_block, num_tokens, self.event(secondary, num_tokens)
             )
 
+    def register_all(self, items: Sequence[StoreItem], gpu_pool: GpuPoolView) -> None:
+        """`register` each item; with events off, in one loop (the hot path of a step)."""
+        if self.events:
+            for item in items:
+                self.register(item, gpu_pool)
+            return
+        insert_key = self.tier_pool.insert_key
+        gpu_key, gpu_num_tokens = gpu_pool.key, gpu_pool.num_tokens
+        secondary_keys = gpu_pool.secondary_keys
+        for item in items:
+            if item.tail_num_tokens:
+                insert_key(item.key, item.tier_block_id, item.tail_num_tokens)
+                continue
+            gpu_block_id = item.gpu_block_id
+            key = gpu_key(gpu_block_id)
+            if key is None:
+                key = item.key
+            num_tokens = gpu_num_tokens(gpu_block_id) or self.block_size(key)
+            insert_key(key, item.tier_block_id, num_tokens)
+            for secondary in secondary_keys(gpu_block_id):
+                insert_key(secondary, item.tier_block_id, num_tokens)
+
     def event(self, key: Key, num_tokens: int, tier: Tier | None = None) -> BlockStored:
         """Return the payload-free `BlockStored` of `key`, with its group's kind and window."""
         group_id = key_group_id(key)

@@ -28,7 +28,7 @@ from kvtier.core.events import KVEvent
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
-from kvtier.offload.cascade import Cascade
+from kvtier.offload.cascade import Cascade, CascadeCounters
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan, WorkerReport
@@ -115,6 +115,7 @@ class OffloadScheduler:
         self._book = TransferBook(setup.num_workers)
         self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book)
         self._num_promoted = 0  # disk-held blocks stored into the CPU tier, this step
+        self._hit_tokens_taken = 0  # total hit tokens at the last take_stats
         self._next_step_id = 0
         self._lazy_target = lazy_target(self.layout, config.max_batched_tokens)
         if setup.gpu_pool is not None:
@@ -286,10 +287,8 @@ class OffloadScheduler:
                 self._counters.num_failed_stores += len(transfer.stores)
             self.selector.release(transfer.stores)
             return
-        gpu_pool = self.gpu_pool
-        for item in transfer.stores:
-            self.registrar.register(item, gpu_pool)
-            self.selector.in_flight_keys.discard(item.key)
+        self.registrar.register_all(transfer.stores, self.gpu_pool)
+        self.selector.in_flight_keys.difference_update([item.key for item in transfer.stores])
         self._counters.num_stored_blocks += len(transfer.stores)
         if self.cascade is not None:
             disk_get = self.cascade.disk_pool.cached_block
@@ -369,11 +368,28 @@ class OffloadScheduler:
         """Return and forget the tiers' events (medium = the tier), oldest first per tier."""
         return [event for pool in self.index.pools.values() for event in pool.take_events()]
 
+    def stats_gauges(self) -> tuple[int, int]:
+        """Return (tier blocks in use, blocks pending store): `take_stats`'s gauges."""
+        pool = self.tier_pool
+        pending = len(self.selector.queued) + self._book.num_store_blocks
+        return pool.num_usable_blocks - pool.num_free(), pending
+
+    def has_new_counts(self) -> bool:
+        """Return True when `take_stats` would report a non-zero counter or new hit tokens."""
+        cascade = self.cascade
+        return (
+            not self._counters.is_zero()
+            or self._num_promoted > 0
+            or sum(self.loads.hit_tokens.values()) != self._hit_tokens_taken
+            or (cascade is not None and cascade.counters != CascadeCounters())
+        )
+
     def take_stats(self) -> OffloadStats:
         """Return this step's counters (then reset them), the gauges and the totals."""
         counters = self._counters
         bytes_per_block = self.layout.bytes_per_block
-        pending = len(self.selector.queued) + sum(len(t.stores) for t in self._book)
+        in_use, pending = self.stats_gauges()
+        self._hit_tokens_taken = sum(self.loads.hit_tokens.values())
         cascade = self.cascade.take_counters() if self.cascade is not None else None
         promoted, self._num_promoted = self._num_promoted, 0
         info = {
@@ -394,7 +410,7 @@ class OffloadScheduler:
             num_failed_stores=counters.num_failed_stores,
             num_bytes_loaded=counters.num_loaded_blocks * bytes_per_block,
             num_bytes_stored=counters.num_stored_blocks * bytes_per_block,
-            num_tier_blocks_in_use=self.tier_pool.num_usable_blocks - self.tier_pool.num_free(),
+            num_tier_blocks_in_use=in_use,
             num_blocks_pending_store=pending,
             hit_tokens={tier.value: self.loads.hit_tokens[tier.value] for tier in self.index.tiers},
             num_demoted_blocks=cascade.num_demoted_blocks if cascade else 0,
@@ -412,6 +428,7 @@ class OffloadScheduler:
             pool.check_invariants()
         self._eviction.check_invariants()
         self._admission.check_invariants()
+        self._book.check_invariants()
         refs = {tier: Counter[int]() for tier in self.index.tiers}
         gpu_refs: Counter[int] = Counter()
         for pin in self.loads.pins.values():

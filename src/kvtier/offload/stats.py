@@ -75,6 +75,17 @@ class StepCounters:
         name = outcome._value_
         self.handoff_outcomes[name] = self.handoff_outcomes.get(name, 0) + 1
 
+    def is_zero(self) -> bool:
+        """Return True when nothing was counted since the last `clear`."""
+        return not (
+            self.store_outcomes
+            or self.handoff_outcomes
+            or self.num_loaded_blocks
+            or self.num_stored_blocks
+            or self.num_failed_loads
+            or self.num_failed_stores
+        )
+
     def clear(self) -> None:
         """Reset every counter to zero."""
         self.store_outcomes.clear()

@@ -83,6 +83,10 @@ class TransferBook:
         self._issued: dict[int, IssuedTransfer] = {}
         self._last_event_id = 0
         self._unissued_failures: list[FailedLoad] = []
+        # Kept as transfers are issued and completed, so a step never scans `_issued`.
+        self._load_request_ids: dict[int, tuple[str, ...]] = {}
+        self._num_store_events = 0  # issued events carrying stores or demotions
+        self.num_store_blocks = 0  # store items of issued events
 
     def next_event_id(self) -> int:
         """Return a new event id; ids never repeat, not even after a reset."""
@@ -91,7 +95,13 @@ class TransferBook:
 
     def issue(self, transfer: IssuedTransfer) -> None:
         """Record an issued event."""
-        self._issued[transfer.job.event_id] = transfer
+        event_id = transfer.job.event_id
+        self._issued[event_id] = transfer
+        if transfer.loads:
+            self._load_request_ids[event_id] = tuple(item.request_id for item in transfer.loads)
+        if transfer.stores or transfer.moves:
+            self._num_store_events += 1
+            self.num_store_blocks += len(transfer.stores)
 
     def fail_unissued(self, failure: FailedLoad) -> None:
         """Queue a load failure that never reached a worker, for the next report."""
@@ -123,8 +133,16 @@ class TransferBook:
             event_id = transfer.job.event_id
             num_reported = transfer.num_done + transfer.num_failed
             if event_id in self._issued and num_reported >= self.num_workers:
-                completed.append(self._issued.pop(event_id))
+                completed.append(self._forget(event_id))
         return completed
+
+    def _forget(self, event_id: int) -> IssuedTransfer:
+        transfer = self._issued.pop(event_id)
+        self._load_request_ids.pop(event_id, None)
+        if transfer.stores or transfer.moves:
+            self._num_store_events -= 1
+            self.num_store_blocks -= len(transfer.stores)
+        return transfer
 
     def abandon_stores(self) -> None:
         """Mark every issued store and demotion abandoned: it will never become visible."""
@@ -134,11 +152,20 @@ class TransferBook:
 
     def load_request_ids(self) -> dict[int, tuple[str, ...]]:
         """Return every outstanding load event with the request ids it serves."""
-        return {
+        return dict(self._load_request_ids)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the running aggregates disagree with the issued events."""
+        issued = self._issued
+        loads = {
             event_id: tuple(item.request_id for item in transfer.loads)
-            for event_id, transfer in self._issued.items()
-            if transfer.job.is_load
+            for event_id, transfer in issued.items()
+            if transfer.loads
         }
+        assert self._load_request_ids == loads, "outstanding load events"
+        with_stores = [t for t in issued.values() if t.stores or t.moves]
+        assert self._num_store_events == len(with_stores), "store events in flight"
+        assert self.num_store_blocks == sum(len(t.stores) for t in with_stores), "store blocks"
 
     def __iter__(self) -> Iterator[IssuedTransfer]:
         return iter(self._issued.values())
@@ -148,4 +175,4 @@ class TransferBook:
 
     def has_stores(self) -> bool:
         """Return True while any store or demotion (abandoned ones too) is in flight."""
-        return any(transfer.stores or transfer.moves for transfer in self._issued.values())
+        return self._num_store_events > 0

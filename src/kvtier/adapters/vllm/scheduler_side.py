@@ -82,6 +82,7 @@ class SchedulerSide:
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
         self._last_gauges: dict[str, int] | None = None
+        self._last_gauge_values: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ admission
 
@@ -200,7 +201,12 @@ class SchedulerSide:
 
     def take_stats(self) -> KVTierStats | None:
         """Return this step's stats, or None when nothing changed since the last ones."""
-        stats = self.offload.take_stats()
+        offload = self.offload
+        gauges_now = offload.stats_gauges()
+        if gauges_now == self._last_gauge_values and not offload.has_new_counts():
+            return None  # the common decode step: skip building the payload
+        self._last_gauge_values = gauges_now
+        stats = offload.take_stats()
         new_hits = {
             tier: count - self._hit_tokens.get(tier, 0) for tier, count in stats.hit_tokens.items()
         }
