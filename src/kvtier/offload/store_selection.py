@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored
@@ -206,11 +207,7 @@ class StoreSelector:
 
     def select_lazy(self, target: int) -> None:
         """Walk the GPU free queue from the cursor and select up to `target` visited blocks."""
-        visited = []
-        for block_id in self.gpu_pool.iter_free_after(self.lazy_cursor):
-            visited.append(block_id)
-            if len(visited) >= target:
-                break
+        visited = list(islice(self.gpu_pool.iter_free_after(self.lazy_cursor), target))
         if not visited:
             return  # nothing new since the cursor: stay where we are
         num_queued = len(self.queued)
