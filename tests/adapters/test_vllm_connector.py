@@ -8,6 +8,8 @@ wrong load, a load into the wrong block or a load that never happened fails the 
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
@@ -23,10 +25,11 @@ from kvtier_vllm import (
     offload_worker,
     scheduler_side,
 )
+from vllm.config import ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm_harness import HarnessConfig, VllmHarness, shared_prefix_prompts
 
-from kvtier.adapters.vllm import KVTierConnector
+from kvtier.adapters.vllm import KVTierConnector, worker_side
 from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
 from kvtier.offload.config import ConfigError
 from kvtier.offload.plan import WorkerReport
@@ -214,3 +217,18 @@ def test_bad_config_fails_at_start_up(extra: dict[str, object], message: str) ->
     cfg = HarnessConfig(connector=CONNECTOR, connector_module=MODULE, extra_config=extra)
     with pytest.raises(ConfigError, match=message):
         VllmHarness(cfg)
+
+
+def test_tier_file_rank_is_unique_per_worker_process() -> None:
+    # Outside vLLM's distributed state (this process) the device index names the file.
+    assert worker_side.distributed_rank() is None
+    assert worker_side.file_rank(ParallelConfig(), None) == 0
+    assert worker_side.file_rank(ParallelConfig(), 3) == 3
+    # Inside it: the global rank, offset by the data-parallel rank, whatever the device.
+    names = set()
+    for dp_rank in range(2):
+        for rank in range(4):
+            with mock.patch.object(worker_side, "distributed_rank", return_value=(rank, 4)):
+                config = SimpleNamespace(data_parallel_rank=dp_rank)
+                names.add(worker_side.file_rank(config, 0))
+    assert names == set(range(8))

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+from unittest import mock
 
 import torch
 from vllm.config import VllmConfig
@@ -25,6 +26,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm_engine import FakeKVCache
+
+from kvtier.adapters.vllm import worker_side
 
 if TYPE_CHECKING:
     from vllm_harness import VllmHarness
@@ -215,5 +218,11 @@ def simple_offload_worker_factory(load_delay: int = 0, store_delay: int = 0) -> 
 
 
 def connector_worker_factory(harness: VllmHarness, cache: FakeKVCache) -> WorkerSide:
-    """Build the configured connector in the worker role (one per rank)."""
-    return ConnectorWorker.create(harness.vllm_config, harness.kv_cache_config, cache)
+    """Build the configured connector in the worker role (one per rank).
+
+    Every rank lives in this one process, so each is given the distributed rank its own
+    worker process would see (it names the rank's disk tier file).
+    """
+    rank, world_size = harness.caches.index(cache), len(harness.caches)
+    with mock.patch.object(worker_side, "distributed_rank", return_value=(rank, world_size)):
+        return ConnectorWorker.create(harness.vllm_config, harness.kv_cache_config, cache)

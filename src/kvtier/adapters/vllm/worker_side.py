@@ -50,14 +50,48 @@ def worker_config(config: OffloadConfig, sizes: Mapping[Tier, int], rank: int) -
     )
 
 
+def distributed_rank() -> tuple[int, int] | None:
+    """Return (global rank, world size) of vLLM's world group, or None before it exists."""
+    from vllm.distributed import parallel_state
+
+    try:
+        world = parallel_state.get_world_group()
+    except AssertionError:  # "world group is not initialized" (single-process tests)
+        return None
+    return None if world is None else (int(world.rank), int(world.world_size))
+
+
+def file_rank(parallel_config: Any, device_index: int | None) -> int:
+    """Return the number in this worker's tier file names (`kvtier-rank{N}.slots`).
+
+    It must differ between every worker process that may share a disk path. With vLLM's
+    distributed state up it is data-parallel rank * world size + global rank, unique
+    across tensor, pipeline and data parallelism whatever `CUDA_VISIBLE_DEVICES` says;
+    without it (one process), the device index.
+    """
+    found = distributed_rank()
+    if found is None:
+        return device_index or 0
+    rank, world_size = found
+    dp_rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    return dp_rank * world_size + rank
+
+
 class WorkerSide:
     """Drive one rank's `OffloadWorker` from vLLM's worker-role connector calls.
 
     Thread affinity: the model runner's thread. The worker's copies run on its own lanes.
     """
 
-    def __init__(self, kv_cache_config: Any, config: OffloadConfig, layout_name: str | None):
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        config: OffloadConfig,
+        layout_name: str | None,
+        parallel_config: Any = None,
+    ):
         self.config = config
+        self._parallel_config = parallel_config
         self.tier_sizes = tier_sizes(config, kv_cache_config)
         self.num_tier_blocks = self.tier_sizes[config.tier]
         self._kv_cache_config = kv_cache_config
@@ -83,7 +117,7 @@ class WorkerSide:
             raise RuntimeError("register_kv_caches called twice")
         views = placement_block_views(self._kv_cache_config, kv_caches, self._layout_name)
         device = next(iter(views.values())).device
-        rank = device.index or 0  # one process per device: unique per node, names the file
+        rank = file_rank(self._parallel_config, device.index)
         worker = OffloadWorker(worker_config(self.config, self.tier_sizes, rank))
         worker.register(views, TensorLayout.BLOCKS_FIRST)
         self._worker = worker
