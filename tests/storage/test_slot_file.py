@@ -12,6 +12,7 @@ import pytest
 from storage_helpers import ShortIO, direct_io_dir
 
 from kvtier.storage import DiskIOError, DiskIOMode, SlotFile
+from kvtier.storage.slot_file import DiskTierBusyError
 
 MODES = [DiskIOMode.DIRECT, DiskIOMode.PAGE_CACHE]
 
@@ -39,11 +40,32 @@ def test_file_is_fresh_0600_sized_and_removed_on_close(tmp_path: Path, mode: Dis
     info = os.stat(path)
     assert stat.S_IMODE(info.st_mode) == 0o600
     assert info.st_size == slot_file.file_size() == 5 * 8192
-    with pytest.raises(FileExistsError, match="existing file"):
+    with pytest.raises(DiskTierBusyError, match="locked by another"):
         SlotFile(path, 5, 8192, mode)
     slot_file.close()
     slot_file.close()
     assert not os.path.exists(path)
+
+
+def test_a_stale_file_is_replaced_by_a_fresh_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file nobody holds (a crashed run's, or a persistent run's) is removed and created
+    afresh with a warning naming it: right size, mode 0600, none of the old bytes."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"\xab" * 20000)
+    path.chmod(0o644)
+    old_inode = path.stat().st_ino
+    with caplog.at_level("WARNING", logger="kvtier.storage.slot_file"):
+        slot_file = SlotFile(str(path), 2, 4096, DiskIOMode.PAGE_CACHE)
+    assert "left by an earlier run" in caplog.text
+    assert str(path) in caplog.text
+    info = path.stat()
+    assert (info.st_size, stat.S_IMODE(info.st_mode)) == (2 * 4096, 0o600)
+    assert info.st_ino != old_inode or not path.read_bytes().strip(b"\0")
+    assert path.read_bytes() == bytes(2 * 4096)
+    slot_file.close()
+    assert not path.exists()
 
 
 def test_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:

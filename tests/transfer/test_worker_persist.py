@@ -259,7 +259,9 @@ def test_slot_zero_and_other_tiers_records(tmp_path: Path) -> None:
 
 def test_persist_off_keeps_todays_behaviour(tmp_path: Path) -> None:
     """Without persistence: records are ignored, no manifest, the file is removed at
-    shutdown, nothing is recovered, and a leftover file is still refused."""
+    shutdown, nothing is recovered, and a persistent run's file is replaced by a fresh
+    one. Its manifest is left; a later persistent run, finding no slot file to go with
+    it, recovers nothing."""
     cfg = config(tmp_path, disk_persist=False)
     with make_worker(cfg, new_kv(seed=1)) as worker:
         assert dict(run_plan(worker, store(1, [1], [3])).done) == {1: 1}
@@ -267,8 +269,12 @@ def test_persist_off_keeps_todays_behaviour(tmp_path: Path) -> None:
         assert os.listdir(tmp_path) == ["kvtier-rank0.slots"]
     assert os.listdir(tmp_path) == []
     first_run(tmp_path)
-    with pytest.raises(FileExistsError, match="existing file"):
-        make_worker(cfg, new_kv(seed=2))
+    with make_worker(cfg, new_kv(seed=2)) as worker:
+        assert worker.recovered_slots() == []
+        assert not os.path.getsize(tmp_path / "kvtier-rank0.slots") % worker.bytes_per_slot
+    assert os.listdir(tmp_path) == ["kvtier-rank0.manifest"]
+    with make_worker(config(tmp_path), new_kv(seed=1)) as worker:
+        assert worker.recovered_slots() == []
 
 
 def test_second_worker_on_the_same_files_is_refused(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ class SlotFile:
         if persistent:
             fd, self.reused = _open_or_create(path, mode)
         else:
-            fd, self.reused = _create(path, mode), False
+            fd, self.reused = _create_replacing_stale(path, mode), False
         self._adopt(fd, created=not self.reused)
 
     def _adopt(self, fd: int, created: bool) -> None:
@@ -244,6 +244,35 @@ def _open_or_create(path: str, mode: DiskIOMode) -> tuple[int, bool]:
             raise OSError(errno.EINVAL, "disk tier path is not a regular file", path)
         return fd, True
     raise OSError(errno.EAGAIN, "disk tier file keeps appearing and vanishing", path)
+
+
+def _create_replacing_stale(path: str, mode: DiskIOMode) -> int:
+    """Create `path` fresh; first remove a regular file there that no process holds.
+
+    Such a file was left by a run that crashed, or that kept it (persistence on); a
+    non-persistent tier never reads what it did not write in this run, so nothing of it
+    is used. A file another process holds raises `DiskTierBusyError`; a symlink is
+    refused and left alone.
+    """
+    try:
+        return _create(path, mode)
+    except FileExistsError:
+        if os.path.islink(path):
+            raise
+    fd, existed = _open_or_create(path, mode)
+    if not existed:
+        return fd  # it vanished meanwhile and this call created it
+    try:
+        _lock(fd, path)
+        logger.warning(
+            "disk tier file %s was left by an earlier run (crashed, or persistent); "
+            "replacing it with a fresh one",
+            path,
+        )
+        unlink_quietly(path)
+        return _create(path, mode)
+    finally:
+        os.close(fd)  # drops the old file's lock once its replacement exists
 
 
 def _create(path: str, mode: DiskIOMode) -> int:
