@@ -112,6 +112,11 @@ class BlockPool:
         """Return the reference count of `block_id`."""
         return self._refs[block_id]
 
+    def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
+        """Return each block's primary key (None when it holds none), in order."""
+        keys = self._keys
+        return [keys[block_id] for block_id in block_ids]
+
     def key(self, block_id: int) -> Key | None:
         """Return the primary key of `block_id`, or None."""
         return self._keys[block_id]

@@ -73,6 +73,10 @@ class GpuPoolView(Protocol):
         """Return the primary key of block `block_id`, or None (hot path: no view object)."""
         ...
 
+    def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
+        """Return each block's primary key (None when not cached), in order."""
+        ...
+
     def num_tokens(self, block_id: int) -> int:
         """Return how many tokens the primary key of block `block_id` covers."""
         ...

@@ -141,52 +141,49 @@ class StoreSelector:
     def _select_run(self, table: Sequence[int], pos: int, end: int) -> int:
         """Select positions from `pos` up to the first null block, `end`, or a full tier.
 
-        The hot path of eager mode: the same rules as `try_select` over a run of plain
-        blocks, with one batched touch and allocation. Returns the first unvisited position.
+        The hot path of eager and lazy mode: the same rules as `try_select` over a run of
+        plain blocks, with one batched key read, touch and allocation. Returns the first
+        unvisited position.
         """
-        gpu_key = self.gpu_pool.key
+        run = table[pos:end]
+        if NULL_BLOCK_ID in run:
+            run = run[: run.index(NULL_BLOCK_ID)]
         in_flight = self.in_flight_keys
         tier_get = self.tier_pool.cached_block
         room = self.tier_pool.num_free()
+        admit = self.admission.admit
         gpu_ids: list[int] = []
         keys: list[Key] = []
-        admit = self.admission.admit
-        skipped = {
-            StoreOutcome.UNHASHED: 0,
-            StoreOutcome.IN_FLIGHT: 0,
-            StoreOutcome.NOT_ADMITTED: 0,
-        }
-        num_cached = 0
-        while pos < end:
-            gpu_block_id = table[pos]
-            if gpu_block_id == NULL_BLOCK_ID:
-                break
-            key = gpu_key(gpu_block_id)
+        num_unhashed = num_in_flight = num_refused = num_cached = 0
+        num_visited = len(run)
+        for i, (gpu_block_id, key) in enumerate(zip(run, self.gpu_pool.keys(run), strict=True)):
             if key is None:
-                skipped[StoreOutcome.UNHASHED] += 1
+                num_unhashed += 1
             elif key in in_flight:
-                skipped[StoreOutcome.IN_FLIGHT] += 1
+                num_in_flight += 1
             elif tier_get(key) is not None:
                 num_cached += 1
             elif not admit(key):
-                skipped[StoreOutcome.NOT_ADMITTED] += 1
+                num_refused += 1
             elif len(gpu_ids) == room:
                 self.counters.count_store(StoreOutcome.TIER_FULL)
+                num_visited = i
                 break
             else:
                 in_flight.add(key)
                 gpu_ids.append(gpu_block_id)
                 keys.append(key)
-            pos += 1
         if gpu_ids:
             self.gpu_pool.touch(gpu_ids)
             tier_ids = self.tier_pool.allocate(len(gpu_ids))
             self.queued.extend(map(StoreItem, gpu_ids, tier_ids, keys))
-        self.counters.count_many(StoreOutcome.STORED, len(gpu_ids))
-        self.counters.count_many(StoreOutcome.ALREADY_CACHED, num_cached)
-        for outcome, count in skipped.items():
-            self.counters.count_many(outcome, count)
-        return pos
+        count_many = self.counters.count_many
+        count_many(StoreOutcome.STORED, len(gpu_ids))
+        count_many(StoreOutcome.ALREADY_CACHED, num_cached)
+        count_many(StoreOutcome.UNHASHED, num_unhashed)
+        count_many(StoreOutcome.IN_FLIGHT, num_in_flight)
+        count_many(StoreOutcome.NOT_ADMITTED, num_refused)
+        return pos + num_visited
 
     def _select_position(
         self, request: RequestView, group_id: int, table: Sequence[int], pos: int

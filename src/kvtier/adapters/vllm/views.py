@@ -137,6 +137,11 @@ class VllmGpuPoolView:
         key: Key | None = self._blocks[block_id].block_hash
         return key
 
+    def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
+        """Return each block's primary key (None when not cached), in order."""
+        blocks = self._blocks
+        return [blocks[block_id].block_hash for block_id in block_ids]
+
     def num_tokens(self, block_id: int) -> int:
         """Return the tokens the primary key covers; 0 when vLLM recorded no count."""
         return int(self._blocks[block_id].block_hash_num_tokens or 0)
