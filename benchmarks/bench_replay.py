@@ -49,7 +49,7 @@ from kvtier.replay.sweep import (
 from kvtier.replay.trace import TraceRecord, read_trace, summarize, write_trace
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-CANDIDATES = ("arc", "s3fifo", "lfuda", "lru+door", "lfuda+door")
+CANDIDATES = ("arc", "s3fifo", "lfuda", "duel", "lru+door", "lfuda+door")
 LRU, BELADY, ORACLE_LFU = "lru", "belady", "oracle-lfu"
 KEY_CAPACITIES = (1_000_000, 3_000_000)
 QUICK_CAPACITIES = (300_000, 1_000_000, 3_000_000, 10_000_000)

@@ -12,6 +12,7 @@ from kvtier.core.keys import Key, make_key
 from kvtier.core.policies import (
     ARCPolicy,
     DoorkeeperAdmission,
+    DuelingPolicy,
     EvictionPolicy,
     LFUDAPolicy,
     PolicySpec,
@@ -116,6 +117,73 @@ def test_lfuda_ages_a_formerly_hot_block_out() -> None:
     for i in range(1, 12):  # enough evictions to lift L past the hot block's priority
         store(pool, policy, key(i))
     assert not cached(pool, [hot])[0]
+
+
+# ----------------------------------------------------------------- duel (set dueling)
+
+
+def access(pool: BlockPool, policy: EvictionPolicy | None, k: Key) -> bool:
+    """Hit `k` or store it (noting the key when a policy is given); return True on a hit."""
+    block_id = pool.cached_block(k)
+    if block_id is not None:
+        pool.touch([block_id])
+        pool.free([block_id])
+        return True
+    (block_id,) = pool.allocate(1)
+    pool.insert_key(k, block_id, 16)
+    if policy is not None:
+        policy.note_key(block_id, k)
+    pool.free([block_id])
+    return False
+
+
+def test_duel_is_exactly_lru_while_frequency_does_not_pay() -> None:
+    rng = random.Random(3)
+    policy = DuelingPolicy(9)
+    pool, lru = BlockPool(9, free_queue=policy), BlockPool(9)
+    recent: list[Key] = []
+    for step in range(2000):  # new keys and re-uses of the last three: recency is all
+        k = rng.choice(recent[-3:]) if recent and rng.random() < 0.5 else key(1000 + step)
+        recent.append(k)
+        assert access(pool, policy, k) == access(lru, None, k)
+        assert list(pool.iter_free_after(None)) == list(lru.iter_free_after(None)), step
+    assert not policy.lfu_order
+    policy.check_invariants()
+
+
+def test_duel_switches_to_lfuda_when_its_shadow_hits_more() -> None:
+    policy = DuelingPolicy(9)  # 8 usable blocks
+    pool, lru = BlockPool(9, free_queue=policy), BlockPool(9)
+    hot = [key(i) for i in range(4)]
+    hits = [0, 0]
+    for r in range(40):  # 4 hot keys, then 5 fresh ones: LRU always misses the hot keys
+        for k in hot + [key(100 + 5 * r + i) for i in range(5)]:
+            hits[0] += access(pool, policy, k)
+            hits[1] += access(lru, None, k)
+    assert policy.lfu_order
+    assert hits[1] == 0
+    assert hits[0] > 100
+    assert all(cached(pool, hot))
+    policy.check_invariants()
+
+
+@pytest.mark.parametrize("rounds", [0, 40])  # LRU order, then LFU-DA order
+def test_duel_iterates_in_the_order_it_evicts(rounds: int) -> None:
+    policy = DuelingPolicy(9)
+    pool = BlockPool(9, free_queue=policy)
+    for r in range(rounds):
+        for k in [key(i) for i in range(4)] + [key(100 + 5 * r + i) for i in range(5)]:
+            access(pool, policy, k)
+    assert policy.lfu_order == bool(rounds)
+    for i in range(500, 503):
+        access(pool, policy, key(i))
+    (scratch,) = pool.allocate(1)
+    pool.free([scratch])  # unhashed: first
+    order = list(pool.iter_free_after(None))
+    assert order[0] == scratch
+    assert list(pool.iter_free_after(order[2])) == order[3:]
+    assert pool.allocate(3) == order[:3]
+    policy.check_invariants()
 
 
 # ----------------------------------------------------------------- ARC
@@ -224,7 +292,7 @@ def test_policy_spec_parses_names() -> None:
         PolicySpec.parse("lru+")
 
 
-@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "lfuda"])
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "lfuda", "duel"])
 def test_every_policy_reuses_unhashed_blocks_first(name: str) -> None:
     policy = PolicySpec.parse(name).make_eviction(6)
     pool = BlockPool(6, free_queue=policy)
@@ -235,7 +303,7 @@ def test_every_policy_reuses_unhashed_blocks_first(name: str) -> None:
     policy.check_invariants()
 
 
-@pytest.mark.parametrize("name", ["arc", "s3fifo", "lfuda"])
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "lfuda", "duel"])
 def test_note_key_twice_is_a_no_op(name: str) -> None:
     """The pool (proposed hook) and the replay may both report a stored key."""
     once, twice = PolicySpec.parse(name).make_eviction(4), PolicySpec.parse(name).make_eviction(4)

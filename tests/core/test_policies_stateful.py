@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
-from kvtier.core.policies import EVICTION_POLICIES, EvictionPolicy
+from kvtier.core.policies import EVICTION_POLICIES, DuelingPolicy, EvictionPolicy
 
 KEYS: list[Key] = [make_key(hashlib.sha256(bytes([i])).digest(), 0) for i in range(12)]
 
@@ -28,9 +28,15 @@ class PolicyPoolMachine(RuleBasedStateMachine):
     policy: EvictionPolicy
     refs: list[int]
 
-    @initialize(name=st.sampled_from(sorted(EVICTION_POLICIES)), num_blocks=st.integers(2, 10))
-    def make(self, name: str, num_blocks: int) -> None:
+    @initialize(
+        name=st.sampled_from(sorted(EVICTION_POLICIES)),
+        num_blocks=st.integers(2, 10),
+        lfu_order=st.booleans(),
+    )
+    def make(self, name: str, num_blocks: int, lfu_order: bool) -> None:
         self.policy = EVICTION_POLICIES[name](num_blocks)
+        if isinstance(self.policy, DuelingPolicy):
+            self.policy.lfu_order = lfu_order  # exercise both of its orders
         self.pool = BlockPool(num_blocks, free_queue=self.policy)
         self.refs = [0] * num_blocks
 

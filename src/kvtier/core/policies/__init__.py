@@ -8,6 +8,7 @@ A policy name is `EVICTION` or `EVICTION+ADMISSION`, e.g. `lru`, `lfuda`, `lru+d
 | `arc` | eviction | Adaptive Replacement Cache: recency vs frequency, tuned by ghost hits |
 | `s3fifo` | eviction | small probation FIFO + main FIFO + ghost (SOSP '23) |
 | `lfuda` | eviction | capped LFU with dynamic aging in F+1 LRU buckets (count-min sketch) |
+| `duel` | eviction | LRU, or LFU-DA while sampled shadow caches show it hits significantly more |
 | `door` | admission | store a block on its second sighting (aging Bloom filter) |
 
 See docs/policies.md for costs and measurements.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from kvtier.core.policies.admission import DoorkeeperAdmission
 from kvtier.core.policies.arc import ARCPolicy
 from kvtier.core.policies.base import AdmissionPolicy, AdmitAll, EvictionPolicy, RequestObserver
+from kvtier.core.policies.dueling import DuelingPolicy
 from kvtier.core.policies.lfuda import LFUDAPolicy
 from kvtier.core.policies.lru import LRUPolicy
 from kvtier.core.policies.s3fifo import S3FIFOPolicy
@@ -33,6 +35,7 @@ __all__ = [
     "AdmissionPolicy",
     "AdmitAll",
     "DoorkeeperAdmission",
+    "DuelingPolicy",
     "EvictionPolicy",
     "LFUDAPolicy",
     "LRUPolicy",
@@ -46,6 +49,7 @@ EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
     "lfuda": LFUDAPolicy,
+    "duel": DuelingPolicy,
 }
 ADMISSION_POLICIES: dict[str, Callable[[int], AdmissionPolicy]] = {
     "all": lambda num_blocks: AdmitAll(),

@@ -89,18 +89,41 @@ class LFUDAPolicy:
 
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else the LRU block of the lowest priority."""
+        victim = self.peek_victim()
+        if self._lists.where(victim) != self._reusable:
+            self.level = self._priority[victim]
+        self.discard(victim)
+        return victim
+
+    def peek_victim(self) -> int:
+        """Return the block `pop_victim` would return, leaving it queued."""
         lists = self._lists
-        if lists.length(self._reusable):
-            return lists.pop_head(self._reusable)
+        unhashed = lists.head(self._reusable)
+        if unhashed is not None:
+            return unhashed
         for priority in range(self.level, self.level + self._num_levels):
-            list_id = priority % self._num_levels
-            if lists.length(list_id):
-                self.level = priority
-                victim = lists.pop_head(list_id)
-                self._keys[victim] = None
-                self._freq[victim] = 1
-                return victim
+            head = lists.head(priority % self._num_levels)
+            if head is not None:
+                return head
         raise IndexError("free queue is empty")
+
+    def discard(self, block_id: int) -> None:
+        """Take a free block out for reuse without counting an access or aging (`L` stays)."""
+        self._lists.unlink(block_id)
+        self._keys[block_id] = None
+        self._freq[block_id] = 1
+
+    def noted_key(self, block_id: int) -> Key | None:
+        """Return the key `note_key` recorded for `block_id` (None for an unhashed block)."""
+        return self._keys[block_id]
+
+    def is_reusable(self, block_id: int) -> bool:
+        """Return True when `block_id` is queued as an unhashed block."""
+        return self._lists.where(block_id) == self._reusable
+
+    def iter_reusable_after(self, cursor: int | None) -> Iterator[int]:
+        """Yield the queued unhashed blocks in reuse order, after `cursor` (one of them)."""
+        yield from self._lists.iter_list(self._reusable, cursor)
 
     def _levels_in_order(self) -> list[int]:
         return [p % self._num_levels for p in range(self.level, self.level + self._num_levels)]
