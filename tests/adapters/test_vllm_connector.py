@@ -25,7 +25,7 @@ from kvtier_vllm import (
     offload_worker,
     scheduler_side,
 )
-from vllm.config import ParallelConfig
+from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm_harness import HarnessConfig, VllmHarness, shared_prefix_prompts
 
@@ -219,16 +219,14 @@ def test_bad_config_fails_at_start_up(extra: dict[str, object], message: str) ->
         VllmHarness(cfg)
 
 
-def test_tier_file_rank_is_unique_per_worker_process() -> None:
+def test_tier_file_rank_is_the_global_rank_or_the_device_index() -> None:
     # Outside vLLM's distributed state (this process) the device index names the file.
     assert worker_side.distributed_rank() is None
-    assert worker_side.file_rank(ParallelConfig(), None) == 0
-    assert worker_side.file_rank(ParallelConfig(), 3) == 3
-    # Inside it: the global rank, offset by the data-parallel rank, whatever the device.
-    names = set()
-    for dp_rank in range(2):
-        for rank in range(4):
-            with mock.patch.object(worker_side, "distributed_rank", return_value=(rank, 4)):
-                config = SimpleNamespace(data_parallel_rank=dp_rank)
-                names.add(worker_side.file_rank(config, 0))
-    assert names == set(range(8))
+    assert worker_side.file_rank(None) == 0
+    assert worker_side.file_rank(3) == 3
+    # Inside it: vLLM's global rank (data parallelism folded in), whatever the device.
+    for rank in range(8):
+        world = SimpleNamespace(rank=rank, world_size=8)
+        with mock.patch.object(parallel_state, "get_world_group", return_value=world):
+            assert worker_side.distributed_rank() == rank
+            assert worker_side.file_rank(0) == rank

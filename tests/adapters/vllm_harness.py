@@ -90,7 +90,13 @@ class StepRecord:
     finished_request_ids: set[str]
 
 
-SWITCH_INTERVAL_S = 0.0002  # the GIL handoff interval while a harness exists
+# The harness's engine loop is pure Python: unlike a GPU engine it never waits on a device
+# with the GIL released, so the worker's copy threads would get the GIL only every switch
+# interval (5 ms by default), per handoff (measured: 512 KiB copies taking 20-60 ms, and
+# ten times the steps of vLLM's synchronous stand-in worker). Set for the whole process
+# that imports this module: the adapter tests (`make test-vllm`) and the vLLM benchmark.
+SWITCH_INTERVAL_S = 0.0002
+sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
 
 class VllmHarness:
@@ -106,11 +112,6 @@ class VllmHarness:
         # The fake cache's tensors are tiny; extra intra-op threads only contend for
         # the (shared) CPUs and made steps several times slower.
         torch.set_num_threads(1)
-        # This fake engine loop is pure Python: unlike a GPU engine it never waits on a
-        # device with the GIL released, so the worker's copy threads would get the GIL
-        # only every switch interval (5 ms), per handoff (measured: 512 KiB copies taking
-        # 20-60 ms, and ten times the steps of vLLM's synchronous stand-in worker).
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._model_dir = tempfile.TemporaryDirectory(prefix="kvtier-vllm-")
         write_tiny_llama(self._model_dir.name, cfg)
         init_none_hash(sha256)

@@ -223,6 +223,6 @@ def connector_worker_factory(harness: VllmHarness, cache: FakeKVCache) -> Worker
     Every rank lives in this one process, so each is given the distributed rank its own
     worker process would see (it names the rank's disk tier file).
     """
-    rank, world_size = harness.caches.index(cache), len(harness.caches)
-    with mock.patch.object(worker_side, "distributed_rank", return_value=(rank, world_size)):
+    rank = harness.caches.index(cache)
+    with mock.patch.object(worker_side, "distributed_rank", return_value=rank):
         return ConnectorWorker.create(harness.vllm_config, harness.kv_cache_config, cache)

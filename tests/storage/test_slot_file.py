@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from storage_helpers import ShortIO, direct_io_dir
 
 from kvtier.storage import DiskIOError, DiskIOMode, SlotFile
+from kvtier.storage import slot_file as slot_file_module
 from kvtier.storage.slot_file import DiskTierBusyError
 
 MODES = [DiskIOMode.DIRECT, DiskIOMode.PAGE_CACHE]
@@ -66,6 +68,41 @@ def test_a_stale_file_is_replaced_by_a_fresh_one(
     assert path.read_bytes() == bytes(2 * 4096)
     slot_file.close()
     assert not path.exists()
+
+
+def test_a_file_replaced_while_opening_is_refused_and_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the holder of the lock on the file the path names may replace it: a file
+    another process put at the path between this one's create and lock is never removed,
+    and this one fails naming the path (two engines on one directory and rank)."""
+    path = tmp_path / "rank0.slots"
+    create = slot_file_module._create
+
+    def create_then_lose_the_race(name: str, mode: DiskIOMode) -> int:
+        fd = create(name, mode)
+        os.unlink(name)  # a rival took the unlocked new file for stale and replaced it
+        path.write_bytes(b"rival")
+        return fd
+
+    monkeypatch.setattr(slot_file_module, "_create", create_then_lose_the_race)
+    with pytest.raises(DiskTierBusyError, match="replaced by another process"):
+        SlotFile(str(path), 2, 4096, DiskIOMode.PAGE_CACHE)
+    assert path.read_bytes() == b"rival"
+
+
+def test_a_stale_file_locked_meanwhile_is_not_replaced(tmp_path: Path) -> None:
+    """A leftover that another process opened and locked first is refused, untouched."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"\xab" * 8192)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(DiskTierBusyError, match="locked by another"):
+            SlotFile(str(path), 2, 4096, DiskIOMode.PAGE_CACHE)
+        assert path.read_bytes() == b"\xab" * 8192
+    finally:
+        os.close(fd)
 
 
 def test_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:

@@ -259,22 +259,35 @@ def test_slot_zero_and_other_tiers_records(tmp_path: Path) -> None:
 
 def test_persist_off_keeps_todays_behaviour(tmp_path: Path) -> None:
     """Without persistence: records are ignored, no manifest, the file is removed at
-    shutdown, nothing is recovered, and a persistent run's file is replaced by a fresh
-    one. Its manifest is left; a later persistent run, finding no slot file to go with
-    it, recovers nothing."""
+    shutdown, nothing is recovered; a persistent run's cache is refused (naming its
+    manifest) and left intact, so a later persistent run still recovers it."""
     cfg = config(tmp_path, disk_persist=False)
     with make_worker(cfg, new_kv(seed=1)) as worker:
         assert dict(run_plan(worker, store(1, [1], [3])).done) == {1: 1}
         assert worker.recovered_slots() == []
         assert os.listdir(tmp_path) == ["kvtier-rank0.slots"]
     assert os.listdir(tmp_path) == []
-    first_run(tmp_path)
-    with make_worker(cfg, new_kv(seed=2)) as worker:
-        assert worker.recovered_slots() == []
-        assert not os.path.getsize(tmp_path / "kvtier-rank0.slots") % worker.bytes_per_slot
-    assert os.listdir(tmp_path) == ["kvtier-rank0.manifest"]
+    images = first_run(tmp_path)
+    with pytest.raises(FileExistsError, match="persistent disk tier is at this path"):
+        make_worker(cfg, new_kv(seed=2))
     with make_worker(config(tmp_path), new_kv(seed=1)) as worker:
-        assert worker.recovered_slots() == []
+        assert [slot for slot, _ in worker.recovered_slots()] == sorted(images)
+
+
+def test_persist_off_replaces_leftovers_that_no_process_holds(tmp_path: Path) -> None:
+    """A crashed non-persistent run's slot file is replaced by a fresh one; a manifest
+    whose slot file is gone is removed, so no later persistent run trusts it."""
+    cfg = config(tmp_path, disk_persist=False)
+    slots = tmp_path / "kvtier-rank0.slots"
+    slots.write_bytes(b"\xff" * 4096)
+    with make_worker(cfg, new_kv(seed=1)) as worker:
+        assert os.path.getsize(slots) == worker.config.disk_num_slots * worker.bytes_per_slot
+        assert os.listdir(tmp_path) == ["kvtier-rank0.slots"]
+    first_run(tmp_path)
+    os.unlink(slots)  # a persistent cache whose slot file was lost
+    with make_worker(cfg, new_kv(seed=1)) as worker:
+        assert os.listdir(tmp_path) == ["kvtier-rank0.slots"]
+    assert os.listdir(tmp_path) == []
 
 
 def test_second_worker_on_the_same_files_is_refused(tmp_path: Path) -> None:

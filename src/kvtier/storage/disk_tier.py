@@ -29,6 +29,7 @@ import errno
 import functools
 import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,13 +39,20 @@ import torch
 import xxhash
 
 from kvtier.offload.plan import SlotRecord
-from kvtier.storage.manifest import ManifestIdentity, ManifestLog, check_record, open_manifest
+from kvtier.storage.manifest import (
+    ManifestIdentity,
+    ManifestLog,
+    check_record,
+    manifest_path_for,
+    open_manifest,
+)
 from kvtier.storage.slot_file import (
     DIRECT_IO_ALIGNMENT,
     DiskIOError,
     DiskIOMode,
     FileIO,
     SlotFile,
+    unlink_quietly,
 )
 
 logger = logging.getLogger(__name__)
@@ -139,6 +147,14 @@ class DiskTier:
     def __init__(self, config: DiskTierConfig, file_io: FileIO | None = None) -> None:
         self.config = config
         identity = config.identity
+        manifest = manifest_path_for(config.path)
+        if identity is None and os.path.exists(manifest) and os.path.lexists(config.path):
+            raise FileExistsError(
+                errno.EEXIST,
+                f"a persistent disk tier is at this path (manifest {manifest}); turn "
+                "disk_persist on to use it, or remove both files to start without it",
+                config.path,
+            )
         self._file = SlotFile(
             config.path,
             config.num_slots,
@@ -152,7 +168,11 @@ class DiskTier:
         self._log: ManifestLog | None = None
         self._recovered: list[tuple[int, SlotRecord]] = []
         try:
-            if identity is not None:
+            if identity is None:
+                # A manifest whose slot file was gone describes nothing: remove it (under
+                # the new file's lock) so that no later persistent run trusts it.
+                unlink_quietly(manifest)
+            else:
                 self._log, live = open_manifest(self._file, identity)
                 for slot in sorted(live):
                     self._checksums[slot] = live[slot].checksum

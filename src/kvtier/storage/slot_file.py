@@ -71,11 +71,13 @@ class SlotFile:
     """The rank's slot file: `num_slots * bytes_per_slot` bytes, created and sized at once
     (or, when `persistent`, an existing file reused as it is: see `reused`).
 
-    Raises FileExistsError when the path exists and the file is not persistent (a
-    leftover of a crashed run, another process), or when it is a symlink; ValueError for
-    direct I/O with slot bytes that are not a multiple of 4096 (SPEC scenario 28); OSError
-    with a hint when the filesystem refuses O_DIRECT; DiskTierBusyError when another open
-    file holds the lock. Reads and writes may run from any thread; `close()` and
+    A non-persistent file is created fresh: a regular file no process holds at the path
+    (left by a crashed or persistent run) is replaced, with a warning. Raises
+    FileExistsError when the path is a symlink (or a file appears there while this one is
+    created); ValueError for direct I/O with slot bytes that are not a multiple of 4096
+    (SPEC scenario 28); OSError with a hint when the filesystem refuses O_DIRECT;
+    DiskTierBusyError when another open file holds the lock, or replaced the file while
+    this one opened it. Reads and writes may run from any thread; `close()` and
     `recreate()` must not race them.
     """
 
@@ -263,7 +265,7 @@ def _create_replacing_stale(path: str, mode: DiskIOMode) -> int:
     if not existed:
         return fd  # it vanished meanwhile and this call created it
     try:
-        _lock(fd, path)
+        _lock(fd, path)  # held by a live process, or already replaced: DiskTierBusyError
         logger.warning(
             "disk tier file %s was left by an earlier run (crashed, or persistent); "
             "replacing it with a fresh one",
@@ -315,7 +317,12 @@ def _open(path: str, flags: int, mode: DiskIOMode) -> int:
 
 
 def _lock(fd: int, path: str) -> None:
-    """Take the exclusive advisory lock of `fd` without waiting; DiskTierBusyError if held."""
+    """Take the exclusive advisory lock of `fd` without waiting; DiskTierBusyError if held,
+    or if `path` no longer names the locked file (another process replaced it meanwhile).
+
+    Only the holder of the lock on the file `path` names may remove or replace it, so a
+    file held by a live process is never removed.
+    """
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
@@ -325,6 +332,18 @@ def _lock(fd: int, path: str) -> None:
             "share a disk tier directory for the same rank)",
             path,
         ) from exc
+    locked = os.fstat(fd)
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        named = None
+    if named is None or (named.st_dev, named.st_ino) != (locked.st_dev, locked.st_ino):
+        raise DiskTierBusyError(
+            errno.EBUSY,
+            "disk tier file was replaced by another process while this one opened it (two "
+            "engines must not share a disk tier directory for the same rank)",
+            path,
+        )
 
 
 def unlink_quietly(path: str) -> None:

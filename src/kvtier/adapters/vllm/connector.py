@@ -76,9 +76,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 )
         else:
             layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
-            self._worker = WorkerSide(
-                kv_cache_config, self.offload_config, layout, vllm_config.parallel_config
-            )
+            self._worker = WorkerSide(kv_cache_config, self.offload_config, layout)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -50,31 +50,31 @@ def worker_config(config: OffloadConfig, sizes: Mapping[Tier, int], rank: int) -
     )
 
 
-def distributed_rank() -> tuple[int, int] | None:
-    """Return (global rank, world size) of vLLM's world group, or None before it exists."""
+def distributed_rank() -> int | None:
+    """Return this process's rank in vLLM's world group, or None before it exists.
+
+    vLLM makes it global: with data parallelism (or several nodes) the data-parallel rank
+    is already folded in (`init_distributed_environment`), so it is unique per worker.
+    """
     from vllm.distributed import parallel_state
 
     try:
         world = parallel_state.get_world_group()
     except AssertionError:  # "world group is not initialized" (single-process tests)
         return None
-    return None if world is None else (int(world.rank), int(world.world_size))
+    return None if world is None else int(world.rank)
 
 
-def file_rank(parallel_config: Any, device_index: int | None) -> int:
+def file_rank(device_index: int | None) -> int:
     """Return the number in this worker's tier file names (`kvtier-rank{N}.slots`).
 
-    It must differ between every worker process that may share a disk path. With vLLM's
-    distributed state up it is data-parallel rank * world size + global rank, unique
-    across tensor, pipeline and data parallelism whatever `CUDA_VISIBLE_DEVICES` says;
-    without it (one process), the device index.
+    It must differ between every worker process that may share a disk path: vLLM's global
+    rank (unique across tensor, pipeline and data parallelism whatever
+    `CUDA_VISIBLE_DEVICES` says) or, without vLLM's distributed state (one process), the
+    device index.
     """
-    found = distributed_rank()
-    if found is None:
-        return device_index or 0
-    rank, world_size = found
-    dp_rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
-    return dp_rank * world_size + rank
+    rank = distributed_rank()
+    return (device_index or 0) if rank is None else rank
 
 
 class WorkerSide:
@@ -88,10 +88,8 @@ class WorkerSide:
         kv_cache_config: Any,
         config: OffloadConfig,
         layout_name: str | None,
-        parallel_config: Any = None,
     ):
         self.config = config
-        self._parallel_config = parallel_config
         self.tier_sizes = tier_sizes(config, kv_cache_config)
         self.num_tier_blocks = self.tier_sizes[config.tier]
         self._kv_cache_config = kv_cache_config
@@ -117,7 +115,7 @@ class WorkerSide:
             raise RuntimeError("register_kv_caches called twice")
         views = placement_block_views(self._kv_cache_config, kv_caches, self._layout_name)
         device = next(iter(views.values())).device
-        rank = file_rank(self._parallel_config, device.index)
+        rank = file_rank(device.index)
         worker = OffloadWorker(worker_config(self.config, self.tier_sizes, rank))
         worker.register(views, TensorLayout.BLOCKS_FIRST)
         self._worker = worker
