@@ -270,3 +270,7 @@ def test_pool_view_passes_keys_through_unchanged() -> None:
     assert (view.block(1).key, view.block(1).secondary_keys) == (None, [])
     assert (view.key(2), view.num_tokens(2), list(view.secondary_keys(2))) == (key, 16, [tail])
     assert (view.key(1), view.num_tokens(1), view.secondary_keys(1)) == (None, 0, [])
+    assert view.token_counts([2, 1, 2]) == [16, 0, 16]
+    assert view.secondary_keys_of([1, 2, 3]) == {2: [tail]}
+    pool.cached_block_hashes_by_block = {}
+    assert view.secondary_keys_of([1, 2, 3]) == {}

@@ -323,6 +323,41 @@ def test_a_key_held_by_several_blocks_stays_visible_until_the_last_goes() -> Non
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("events", [False, True])
+def test_insert_keys_equals_insert_key_one_by_one(events: bool) -> None:
+    k = [make_test_key(i) for i in range(5)]
+    # New keys; a key already held by another block; a second key for a block; a repeat.
+    batch = [(k[0], 1, 16), (k[1], 2, 16), (k[0], 3, 8), (k[2], 1, 4), (k[1], 2, 16)]
+    pools = [make_pool(events=events), make_pool(events=events)]
+    for pool in pools:
+        pool.allocate(3)
+    for key, block_id, num_tokens in batch:
+        pools[0].insert_key(key, block_id, num_tokens)
+    keys, block_ids, counts = map(list, zip(*batch, strict=True))
+    pools[1].insert_keys(keys, block_ids, counts)
+    for pool in pools:
+        pool.check_invariants()
+    one, many = pools
+    for block_id in range(1, 4):
+        assert many.key(block_id) == one.key(block_id)
+        assert many.num_tokens(block_id) == one.num_tokens(block_id)
+        assert many.secondary_keys(block_id) == one.secondary_keys(block_id)
+    assert many.cached_blocks(k[0]) == one.cached_blocks(k[0])
+    assert many.take_events() == one.take_events()
+    assert many.token_counts([1, 2, 3]) == [16, 16, 8]
+    assert many.secondary_keys_of([1, 2, 3]) == {1: (k[2],)}
+
+
+def test_insert_keys_rejects_unequal_lengths_and_bad_ids() -> None:
+    pool = make_pool()
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="2 keys, 1 blocks and 2 token counts"):
+        pool.insert_keys([make_test_key(0), make_test_key(1)], [1], [16, 16])
+    with pytest.raises(PoolError, match="block 0 cannot hold a key"):
+        pool.insert_keys([make_test_key(0)], [NULL_BLOCK_ID], [16])
+    assert pool.secondary_keys_of([1, 2]) == {}
+
+
 def test_cached_blocks_of_an_unknown_key_is_empty() -> None:
     """An absent key maps to no block."""
     pool = make_pool()

@@ -129,6 +129,18 @@ class BlockPool:
         """Return the secondary keys of `block_id` (empty when none)."""
         return tuple(self._secondary.get(block_id, ()))
 
+    def token_counts(self, block_ids: Sequence[int]) -> list[int]:
+        """Return how many tokens each block's primary key covers, in order."""
+        counts = self._num_tokens
+        return [counts[block_id] for block_id in block_ids]
+
+    def secondary_keys_of(self, block_ids: Sequence[int]) -> dict[int, Sequence[Key]]:
+        """Return the secondary keys of those of `block_ids` that hold any."""
+        secondary = self._secondary
+        if not secondary:
+            return {}
+        return {b: tuple(secondary[b]) for b in block_ids if b in secondary}
+
     def is_cached(self, block_id: int) -> bool:
         """Return True when `block_id` holds a key."""
         return self._keys[block_id] is not None
@@ -255,6 +267,39 @@ class BlockPool:
                     key_block_hash(key), key_group_id(key), num_tokens, medium=self.medium
                 )
             self._events.append(stored)
+
+    def insert_keys(
+        self, keys: Sequence[Key], block_ids: Sequence[int], num_tokens: Sequence[int]
+    ) -> None:
+        """`insert_key` each (key, block, num_tokens) in order, without events' payloads.
+
+        The hot path of registering a step's stores: a key new to the pool going to a
+        block without one is inserted inline; anything else goes through `insert_key`.
+        """
+        if len(keys) != len(block_ids) or len(keys) != len(num_tokens):
+            raise ValueError(
+                f"insert_keys needs equal lengths, got {len(keys)} keys, {len(block_ids)}"
+                f" blocks and {len(num_tokens)} token counts"
+            )
+        block_keys = self._keys
+        counts = self._num_tokens
+        index = self._index
+        note_key = self._free.note_key
+        limit = self.num_blocks
+        inline = not self._record_events
+        for key, block_id, count in zip(keys, block_ids, num_tokens, strict=True):
+            if (
+                inline
+                and 0 < block_id < limit
+                and block_keys[block_id] is None
+                and key not in index
+            ):
+                block_keys[block_id] = key
+                counts[block_id] = count
+                note_key(block_id, key)
+                index[key] = block_id
+            else:
+                self.insert_key(key, block_id, count)
 
     def discard_keys(self, block_id: int) -> None:
         """Drop every key of `block_id` (its content is no longer trusted).

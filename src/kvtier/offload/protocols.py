@@ -85,6 +85,14 @@ class GpuPoolView(Protocol):
         """Return the keys block `block_id` holds besides the primary one."""
         ...
 
+    def token_counts(self, block_ids: Sequence[int]) -> list[int]:
+        """Return `num_tokens` of each block, in order (hot path: one call per batch)."""
+        ...
+
+    def secondary_keys_of(self, block_ids: Sequence[int]) -> dict[int, Sequence[Key]]:
+        """Return the secondary keys of those of `block_ids` that hold any."""
+        ...
+
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one reference on each block (a ref-0 block leaves the free queue)."""
         ...

@@ -62,26 +62,33 @@ class Registrar:
             )
 
     def register_all(self, items: Sequence[StoreItem], gpu_pool: GpuPoolView) -> None:
-        """`register` each item; with events off, in one loop (the hot path of a step)."""
+        """`register` each item; with events off, with batched reads (a step's hot path)."""
         if self.events:
             for item in items:
                 self.register(item, gpu_pool)
             return
-        insert_key = self.tier_pool.insert_key
-        gpu_key, gpu_num_tokens = gpu_pool.key, gpu_pool.num_tokens
-        secondary_keys = gpu_pool.secondary_keys
-        for item in items:
+        gpu_ids = [item.gpu_block_id for item in items]
+        gpu_keys = gpu_pool.keys(gpu_ids)
+        counts = gpu_pool.token_counts(gpu_ids)
+        keys: list[Key] = []
+        num_tokens: list[int] = []
+        for item, key, count in zip(items, gpu_keys, counts, strict=True):
             if item.tail_num_tokens:
-                insert_key(item.key, item.tier_block_id, item.tail_num_tokens)
+                keys.append(item.key)
+                num_tokens.append(item.tail_num_tokens)
                 continue
-            gpu_block_id = item.gpu_block_id
-            key = gpu_key(gpu_block_id)
             if key is None:
                 key = item.key
-            num_tokens = gpu_num_tokens(gpu_block_id) or self.block_size(key)
-            insert_key(key, item.tier_block_id, num_tokens)
-            for secondary in secondary_keys(gpu_block_id):
-                insert_key(secondary, item.tier_block_id, num_tokens)
+            keys.append(key)
+            num_tokens.append(count or self.block_size(key))
+        tier_ids = [item.tier_block_id for item in items]
+        self.tier_pool.insert_keys(keys, tier_ids, num_tokens)
+        extra = gpu_pool.secondary_keys_of(gpu_ids)
+        if extra:
+            for item, count in zip(items, num_tokens, strict=True):
+                if not item.tail_num_tokens:
+                    for secondary in extra.get(item.gpu_block_id, ()):
+                        self.tier_pool.insert_key(secondary, item.tier_block_id, count)
 
     def event(self, key: Key, num_tokens: int, tier: Tier | None = None) -> BlockStored:
         """Return the payload-free `BlockStored` of `key`, with its group's kind and window."""

@@ -151,6 +151,18 @@ class VllmGpuPoolView:
         extra = self.pool.cached_block_hashes_by_block.get(block_id)
         return list(extra) if extra else []
 
+    def token_counts(self, block_ids: Sequence[int]) -> list[int]:
+        """Return `num_tokens` of each block, in order."""
+        blocks = self._blocks
+        return [int(blocks[block_id].block_hash_num_tokens or 0) for block_id in block_ids]
+
+    def secondary_keys_of(self, block_ids: Sequence[int]) -> dict[int, Sequence[Key]]:
+        """Return the other keys of those of `block_ids` that hold any."""
+        extra = self.pool.cached_block_hashes_by_block
+        if not extra:
+            return {}
+        return {b: list(extra[b]) for b in block_ids if extra.get(b)}
+
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one reference on each block; a free block leaves vLLM's free queue."""
         blocks = self._blocks
