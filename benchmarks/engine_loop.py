@@ -2,13 +2,13 @@
 
 Two separable parts:
 
-- `Workload` / `WorkloadConfig`: a seeded request stream (prompts of about 2 k tokens,
-  half of them starting with one of several shared system prefixes of Zipf popularity,
-  32-256 output tokens). Request `i` depends only on the seed and `i`, so every mode
-  (offload off, eager, lazy) and any other engine driven by the same stream (e.g. vLLM's
-  Scheduler) sees the same requests. Prompt block hashes are computed here, outside any
-  timed region: an engine hashes a prompt when the request arrives (vLLM: in
-  `Request.__init__`), not in its scheduler step.
+- `Workload` / `WorkloadConfig` (`engine_workload`): a seeded request stream (prompts of
+  about 2 k tokens, half of them starting with one of several shared system prefixes of
+  Zipf popularity, 32-256 output tokens). Request `i` depends only on the seed and `i`,
+  so every mode (offload off, eager, lazy) and any other engine driven by the same
+  stream (e.g. vLLM's Scheduler) sees the same requests. Prompt block hashes are
+  computed here, outside any timed region: an engine hashes a prompt when the request
+  arrives (vLLM: in `Request.__init__`), not in its scheduler step.
 - `EngineLoop`: what an engine's scheduler does every step, modelled on vLLM v1's
   `Scheduler.schedule()` + `update_from_output()`: running requests first (token budget,
   chunked prefill, slot allocation, preemption of the newest request when the pool is
@@ -16,7 +16,8 @@ Two separable parts:
   scheduler output, "compute" (advance counters, register the keys of newly full blocks in
   the GPU pool), sampling (hashing each newly full output block), finishes. The GPU pool
   is kvtier's `BlockPool`; the closed loop keeps `max_num_seqs + waiting_depth` requests
-  in the system.
+  in the system. Its data (`Request`, `EngineConfig`, `LoopTimes`, `LoopCounters`) is in
+  `engine_loop_types`; this module re-exports them and the workload.
 
 Timing (`clock`, ns; `time.perf_counter_ns` by default): every kvtier call, and building
 its `StepInput` (an adapter's job), is charged to `kvtier`; the fake worker to `worker`;
@@ -25,151 +26,39 @@ request arrival to `frontend`; everything else the step does to `engine`.
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from array import array
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from time import perf_counter_ns
 
-import numpy as np
-
+from engine_loop_types import (
+    GROUP_ID,
+    KV_CALLS,
+    EngineConfig,
+    LoopCounters,
+    LoopTimes,
+    Request,
+)
+from engine_workload import RequestSpec, Workload, WorkloadConfig
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.hashing import BlockHasher
-from kvtier.core.keys import BlockHash, Key, make_key
+from kvtier.core.keys import make_key
 from kvtier.offload.plan import TransferPlan, WorkerReport
-from kvtier.offload.protocols import LoRAInfo, ScheduledRequest, StepInput, TableUpdate
+from kvtier.offload.protocols import ScheduledRequest, StepInput, TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.stats import OffloadStats
 
-GROUP_ID = 0
-
-# ----------------------------------------------------------------------------- workload
-
-
-@dataclass(frozen=True)
-class WorkloadConfig:
-    """Shape of the request stream. Token counts are per request."""
-
-    seed: int = 0
-    block_size: int = 16
-    prompt_tokens: int = 2048
-    prompt_jitter_tokens: int = 256  # prompt length uniform in prompt_tokens ± this
-    shared_fraction: float = 0.5  # share of requests starting with a system prefix
-    system_prefix_tokens: int = 1024
-    num_system_prefixes: int = 32
-    prefix_zipf: float = 1.0  # popularity of system prefix k ∝ 1 / (k + 1) ** zipf
-    min_output_tokens: int = 32
-    max_output_tokens: int = 256
-    vocab_size: int = 32000
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request as it arrives: prompt, its block hashes, the tokens it will sample."""
-
-    request_id: str
-    prompt: array  # token ids, array('i')
-    prompt_block_hashes: tuple[BlockHash, ...]
-    output: array  # the tokens it samples; its length is the number of output tokens
-
-
-class Workload:
-    """Deterministic request specs: spec `i` depends only on the seed and `i` (memoised)."""
-
-    def __init__(self, config: WorkloadConfig, hasher: BlockHasher) -> None:
-        if config.system_prefix_tokens % config.block_size:
-            raise ValueError("system_prefix_tokens must be a multiple of block_size")
-        self.config = config
-        self.hasher = hasher
-        weights = [(k + 1) ** -config.prefix_zipf for k in range(config.num_system_prefixes)]
-        self._prefix_cdf = list(itertools.accumulate(w / sum(weights) for w in weights))
-        self._prefixes: dict[int, tuple[array, list[BlockHash]]] = {}
-        self._specs: dict[int, RequestSpec] = {}
-
-    def spec(self, index: int) -> RequestSpec:
-        """Return request `index` of the stream."""
-        spec = self._specs.get(index)
-        if spec is None:
-            spec = self._specs[index] = self._make(index)
-        return spec
-
-    def _tokens(self, rng: np.random.Generator, num_tokens: int) -> array:
-        return array("i", rng.integers(0, self.config.vocab_size, num_tokens).tolist())
-
-    def _hash(self, tokens: array, hashes: list[BlockHash]) -> list[BlockHash]:
-        """Extend `hashes` (the chain of the first blocks of `tokens`) to every full block."""
-        bs = self.config.block_size
-        parent = hashes[-1] if hashes else None
-        for j in range(len(hashes), len(tokens) // bs):
-            parent = self.hasher.hash_block(parent, tokens[j * bs : (j + 1) * bs])
-            hashes.append(parent)
-        return hashes
-
-    def _system_prefix(self, k: int) -> tuple[array, list[BlockHash]]:
-        found = self._prefixes.get(k)
-        if found is None:
-            rng = np.random.default_rng([self.config.seed, 1, k])
-            tokens = self._tokens(rng, self.config.system_prefix_tokens)
-            found = self._prefixes[k] = (tokens, self._hash(tokens, []))
-        return found
-
-    def _make(self, index: int) -> RequestSpec:
-        cfg = self.config
-        rng = np.random.default_rng([cfg.seed, 2, index])
-        jitter = cfg.prompt_jitter_tokens
-        num_prompt = cfg.prompt_tokens + int(rng.integers(-jitter, jitter + 1))
-        if rng.random() < cfg.shared_fraction:
-            k = min(bisect.bisect(self._prefix_cdf, rng.random()), cfg.num_system_prefixes - 1)
-            prefix, prefix_hashes = self._system_prefix(k)
-            prompt = prefix + self._tokens(rng, num_prompt - len(prefix))
-            hashes = self._hash(prompt, list(prefix_hashes))
-        else:
-            prompt = self._tokens(rng, num_prompt)
-            hashes = self._hash(prompt, [])
-        num_output = int(rng.integers(cfg.min_output_tokens, cfg.max_output_tokens + 1))
-        return RequestSpec(f"req-{index}", prompt, tuple(hashes), self._tokens(rng, num_output))
-
-
-# ----------------------------------------------------------------------------- requests
-
-
-class Request:
-    """A request as the engine tracks it; satisfies kvtier's `RequestView`."""
-
-    __slots__ = (
-        "block_hashes",
-        "block_keys",
-        "blocks",
-        "num_cached_blocks",
-        "num_computed_tokens",
-        "num_output_placeholders",
-        "num_prompt_tokens",
-        "output",
-        "request_id",
-        "token_ids",
-    )
-
-    lora: LoRAInfo | None = None
-    skip_prefix_cache: bool = False
-
-    def __init__(self, spec: RequestSpec) -> None:
-        self.request_id = spec.request_id
-        self.token_ids: list[int] = spec.prompt.tolist()
-        self.num_prompt_tokens = len(self.token_ids)
-        self.block_hashes: list[BlockHash] = list(spec.prompt_block_hashes)
-        self.block_keys: list[Key] = [make_key(h, GROUP_ID) for h in self.block_hashes]
-        self.output = spec.output
-        self.num_computed_tokens = 0
-        self.num_output_placeholders = 0
-        self.blocks: list[int] = []  # the GPU block table (one full-attention group)
-        self.num_cached_blocks = 0  # leading blocks whose keys are in the GPU pool
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
+__all__ = [
+    "GROUP_ID",
+    "KV_CALLS",
+    "EngineConfig",
+    "EngineLoop",
+    "FakeWorker",
+    "LoopCounters",
+    "LoopTimes",
+    "Request",
+    "RequestSpec",
+    "Workload",
+    "WorkloadConfig",
+]
 
 # ----------------------------------------------------------------------------- worker
 
@@ -190,60 +79,6 @@ class FakeWorker:
 
 
 # ----------------------------------------------------------------------------- loop
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's scheduling limits and GPU pool size."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    num_gpu_blocks: int
-    block_size: int = 16
-    waiting_depth: int = 8  # closed loop: requests kept waiting beyond max_num_seqs
-
-
-KV_CALLS = (
-    "lookup",
-    "on_allocated",
-    "step_input",
-    "build_plan",
-    "apply_report",
-    "on_finished",
-    "take_stats",
-)
-
-
-@dataclass(slots=True)
-class LoopTimes:
-    """Accumulated nanoseconds per category, and steps."""
-
-    num_steps: int = 0
-    engine_ns: int = 0
-    worker_ns: int = 0
-    frontend_ns: int = 0
-    kvtier_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_CALLS, 0))
-
-    @property
-    def kvtier_total_ns(self) -> int:
-        return sum(self.kvtier_ns.values())
-
-
-@dataclass(slots=True)
-class LoopCounters:
-    """What the loop did (tokens, hits, tier traffic) — cumulative."""
-
-    num_scheduled_tokens: int = 0
-    num_local_hit_tokens: int = 0
-    num_external_hit_tokens: int = 0
-    num_admitted: int = 0
-    num_loads: int = 0
-    num_finished: int = 0
-    num_preemptions: int = 0
-    num_chunked_prefills: int = 0  # prefill chunks cut short by the token budget
-    num_stored_blocks: int = 0
-    num_loaded_blocks: int = 0
-    store_outcomes: dict[str, int] = field(default_factory=dict)
 
 
 class EngineLoop:

@@ -1,0 +1,323 @@
+"""The random engine runs of the offload scheduler's stateful test (SPEC §6).
+
+`SchedulerDriver` drives a `SimEngine` at random: arrivals from two prefix families,
+admissions taking all, none or part of their tier hit, chunked scheduling, preemption,
+aborts, GPU cache eviction, scheduler resets, and 1-4 fake workers that complete, delay,
+fail or re-report transfers. On the way it records what the model checks in
+`test_scheduler_stateful` need: lookup pins, queued loads, abandoned events and the
+(tier, key) pairs a completed, kept copy holds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+from sim import SimEngine, SimRequest, config, full_layout, make_request
+
+from kvtier.core.keys import Key
+from kvtier.offload.config import CascadeMode, OffloadConfig, StoreMode
+from kvtier.offload.plan import Tier
+
+HASH_BLOCK = 4
+FAMILIES = [[1000 * f + i for i in range(12)] for f in range(2)]
+MAX_LIVE_REQUESTS = 4
+SEEDS = st.integers(0, 2**32 - 1)
+WORKER_ACTIONS = ["done"] * 6 + ["wait"] * 3 + ["fail"]
+
+
+def refs(pool_refs: list[int]) -> Counter[int]:
+    return Counter({b: r for b, r in enumerate(pool_refs) if r})
+
+
+Slot = tuple[str, int]  # (lower tier name, block id)
+
+
+def tagged(tier_name: str, counts: Counter[int]) -> Counter[Slot]:
+    return Counter({(tier_name, b): n for b, n in counts.items()})
+
+
+class SchedulerDriver(RuleBasedStateMachine):
+    """Drive a `SimEngine` at random; subclasses add the checks and pick the store mode.
+
+    There is one rule, `step`, so that no example is wasted on rules Hypothesis
+    switched off (it disables rules at random per example).
+    """
+
+    mode = StoreMode.EAGER
+    cascade: CascadeMode | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: SimEngine
+        self.waiting: dict[str, SimRequest] = {}  # new or preempted: no GPU blocks
+        self.lookup_pins: dict[str, Counter[Slot]] = {}  # tier slots a lookup pinned
+        self.queued_loads: dict[str, tuple[Counter[Slot], Counter[int]]] = {}  # tier, GPU
+        self.abandoned: set[int] = set()  # store and demotion events in flight at a reset
+        self.legit: set[tuple[str, Key]] = set()  # (tier, key) a completed, kept copy holds
+        self.expect_failed: set[str] = set()  # queued loads a reset dropped
+        self.num_seen_reports = 0
+        self.next_id = 0
+        self.hits_reported = 0  # cumulative hit tokens at the last take_stats
+
+    @initialize(
+        num_workers=st.integers(1, 4),
+        num_gpu_blocks=st.integers(8, 16),
+        num_tier_blocks=st.integers(3, 8),
+        fine=st.booleans(),
+        num_disk_blocks=st.integers(3, 10),
+    )
+    def setup(
+        self,
+        num_workers: int,
+        num_gpu_blocks: int,
+        num_tier_blocks: int,
+        fine: bool,
+        num_disk_blocks: int,
+    ) -> None:
+        """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits).
+
+        A cascade machine puts a disk tier of `num_disk_blocks` behind the CPU tier.
+        """
+        fine = fine and self.mode is StoreMode.EAGER
+        layout = full_layout(8, HASH_BLOCK) if fine else full_layout(4)
+        cfg = config(store_mode=self.mode, max_batched_tokens=8, fine_grained_hits=fine)
+        if self.cascade is not None:
+            cfg = OffloadConfig(
+                cpu_bytes=1 << 20,
+                disk_bytes=1 << 21,
+                disk_path="unused-by-the-fake-worker",
+                cascade=self.cascade,
+                store_mode=self.mode,
+                max_batched_tokens=8,
+                fine_grained_hits=fine,
+            )
+        self.engine = SimEngine(
+            layout,
+            cfg,
+            num_gpu_blocks=num_gpu_blocks,
+            num_tier_blocks=num_tier_blocks,
+            num_workers=num_workers,
+            num_disk_blocks=num_disk_blocks if self.cascade is not None else 0,
+        )
+        self.engine.auto_complete = False
+
+    # ------------------------------------------------------------ the rule
+
+    @rule(seed=SEEDS)
+    def step(self, seed: int) -> None:
+        """One engine step, with incidents around it.
+
+        Arrivals, sometimes a GPU cache eviction (so hits must come from the tier),
+        admissions, and before or after them sometimes an abort, a reset or a report;
+        then preempt, schedule chunks, plan, compute, let the workers act, report, finish.
+        """
+        rng = random.Random(seed)
+        engine = self.engine
+        while len(self.live_ids()) < MAX_LIVE_REQUESTS and rng.randrange(3) == 0:
+            self.arrive(rng)
+        incident, after_admission = rng.randrange(10), rng.randrange(2)
+        if not after_admission:
+            self.incident(incident, rng)
+        if rng.randrange(3) == 0:
+            note("evict the GPU cache")
+            engine.evict_gpu()
+        for request_id in sorted(self.waiting):
+            if rng.randrange(4):
+                self.admit(request_id, rng)
+        if after_admission:  # queued loads and lookup pins exist only now
+            self.incident(incident, rng)
+        preempted = []
+        for request_id in sorted(engine.requests):
+            if not engine.is_runnable(request_id):
+                continue
+            if rng.randrange(10) == 0:
+                note(f"preempt {request_id}")
+                preempted.append(engine.preempt(request_id))
+                continue
+            request = engine.requests[request_id]
+            chunk = min(request.num_tokens - request.num_computed_tokens, rng.randint(1, 12))
+            if engine.gpu.can_allocate(engine.num_blocks_to_schedule(request_id, chunk)):
+                note(f"schedule {chunk} tokens of {request_id}")
+                engine.schedule(request_id, chunk)
+        self.run_step()
+        self.work(rng)
+        for request in preempted:
+            self.waiting[request.request_id] = request
+        for request_id in sorted(engine.requests):
+            if engine.is_runnable(request_id) and engine.requests[request_id].is_done:
+                note(f"finish {request_id}")
+                engine.finish(request_id)
+
+    # ------------------------------------------------------------ actions
+
+    def arrive(self, rng: random.Random) -> None:
+        """A request arrives: part of a family prefix, a suffix, outputs to sample."""
+        family = FAMILIES[rng.randrange(len(FAMILIES))]
+        prefix = family[: HASH_BLOCK * rng.choice([0, 1, 2, 2, 3, 3])]
+        tokens = prefix + [rng.randrange(3) for _ in range(rng.randrange(6))] or [7]
+        outputs = [rng.randrange(3) for _ in range(rng.randrange(4))]
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        note(f"arrive {request_id}: {tokens} then {outputs}")
+        self.waiting[request_id] = make_request(request_id, tokens, HASH_BLOCK, outputs=outputs)
+
+    def admit(self, request_id: str, rng: random.Random) -> None:
+        """Admit a waiting request, taking all, none or part of its tier hit.
+
+        The tier and GPU references `lookup` and `on_allocated` add are recorded as the
+        request's lookup pin or queued load, after checking they match the hit.
+        """
+        request = self.waiting[request_id]
+        engine = self.engine
+        old_pin = self.lookup_pins.pop(request_id, Counter())
+        before = self.tier_refs()
+        found = engine.lookup(request)
+        pin = self.tier_refs()
+        pin.subtract(before)
+        pin.update(old_pin)
+        pin = +pin
+        offered = found.num_offered_tokens
+        assert found.num_local_tokens + offered <= request.num_tokens - 1
+        assert offered % HASH_BLOCK == 0
+        accepted = rng.choice(
+            [offered, offered, 0, rng.randint(0, offered // self.block_size) * self.block_size]
+        )
+        note(f"admit {request_id}: {found.num_local_tokens} local + {accepted} of {offered}")
+        tier_before, gpu_before = self.tier_refs(), self.gpu_refs()
+        out_of_budget = rng.randrange(8) == 0  # the engine stops admitting after lookup
+        if out_of_budget or engine.allocate(request, found, accepted) is None:
+            note(f"{request_id} not allocated: its lookup pin stays")
+            if pin:
+                self.lookup_pins[request_id] = pin
+            return
+        del self.waiting[request_id]
+        load_tier = self.tier_refs()
+        load_tier.subtract(tier_before)
+        load_tier.update(pin)
+        load_gpu = self.gpu_refs()
+        load_gpu.subtract(gpu_before)
+        load_gpu.subtract(b for b in engine.tables[request_id][0] if b)
+        assert all(n >= 0 for n in load_tier.values()), "on_allocated released a pin twice"
+        load_tier, load_gpu = +load_tier, +load_gpu
+        first = found.num_local_tokens // self.block_size
+        num_blocks = -(-accepted // self.block_size)
+        assert load_gpu == Counter(engine.tables[request_id][0][first : first + num_blocks])
+        assert sum(load_tier.values()) == num_blocks
+        assert not load_tier - pin, "a load reads a slot its lookup did not pin"
+        if accepted:
+            self.queued_loads[request_id] = (load_tier, load_gpu)
+
+    def run_step(self) -> None:
+        """Plan, submit, compute; the plan must load exactly the queued loads."""
+        engine = self.engine
+        queued = self.queued_loads
+        num_plans = len(engine.worker.plans)
+        engine.step()
+        (plan,) = engine.worker.plans[num_plans:]
+        note(f"plan: {plan}")
+        loads = [job for job in plan.jobs if job.is_load]
+        want_tier: Counter[Slot] = sum((q[0] for q in queued.values()), Counter())
+        want_gpu: Counter[int] = sum((q[1] for q in queued.values()), Counter())
+        got_tier = Counter((job.src_tier.value, b) for job in loads for b in job.src_block_ids)
+        got_gpu = Counter(b for job in loads for b in job.dst_block_ids)
+        assert (got_tier, got_gpu) == (want_tier, want_gpu), "the plan's loads differ from queued"
+        self.queued_loads = {}
+        self.learn_reports()
+
+    def work(self, rng: random.Random) -> None:
+        """Workers complete, delay or fail in-flight jobs, maybe re-report one; then report."""
+        worker = self.engine.worker
+        if worker.reported and rng.randrange(8) == 0:
+            event_id = rng.choice(sorted(worker.reported))
+            note(f"re-report event {event_id}")
+            worker.duplicate(event_id)
+        for event_id in sorted(worker.in_flight):
+            for w in sorted(worker.in_flight[event_id].waiting):
+                action = rng.choice(WORKER_ACTIONS)
+                if action != "wait":
+                    note(f"worker {w}: event {event_id} {action}")
+                if action == "done":
+                    worker.complete(event_id, [w])
+                elif action == "fail":
+                    worker.fail(event_id, [w])
+        self.poll()
+
+    def incident(self, incident: int, rng: random.Random) -> None:
+        """Sometimes abort a request, reset the scheduler or report between steps."""
+        if incident == 0 and self.live_ids():
+            self.abort(rng.choice(self.live_ids()))
+        elif incident == 1:
+            self.reset()
+        elif incident in (2, 3):
+            self.work(rng)
+
+    def abort(self, request_id: str) -> None:
+        """Finish a live request early, whatever it is doing (waiting, loading, running)."""
+        note(f"abort {request_id}")
+        self.engine.finish(request_id, self.waiting.pop(request_id, None))
+        self.lookup_pins.pop(request_id, None)
+        self.queued_loads.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Reset the scheduler: pins dropped, queued loads failed, in-flight stores abandoned."""
+        worker = self.engine.worker
+        self.abandoned |= {
+            e for e, flight in worker.in_flight.items() if flight.job.dst_tier is not Tier.GPU
+        }
+        self.expect_failed = set(self.queued_loads)
+        self.lookup_pins.clear()
+        self.queued_loads = {}
+        cleared = self.engine.scheduler.reset()
+        note(f"reset -> {cleared}")
+        assert cleared == (not worker.in_flight)
+        if cleared:
+            self.legit.clear()
+        self.poll()
+
+    def poll(self) -> None:
+        """Apply the workers' report; loads a reset dropped must come back failed."""
+        outcome = self.engine.poll()
+        failed = {f.request_id for f in outcome.failed_loads}
+        assert self.expect_failed <= failed, "a load dropped by reset was not reported failed"
+        self.expect_failed = set()
+        self.learn_reports()
+
+    def learn_reports(self) -> None:
+        """Add the keys of stores and demotions every worker finished (not failed/abandoned).
+
+        A demotion copies whatever its CPU source held; it counts only if that was legit.
+        """
+        reported = list(self.engine.worker.reported.items())
+        for event_id, flight in reported[self.num_seen_reports :]:
+            job = flight.job
+            if job.dst_tier is Tier.GPU or flight.failed or event_id in self.abandoned:
+                continue
+            dst = job.dst_tier.value
+            for content in flight.sources[0]:
+                for key in self.engine.covered.get(content, ()):
+                    if job.src_tier is Tier.GPU or (job.src_tier.value, key) in self.legit:
+                        self.legit.add((dst, key))
+        self.num_seen_reports = len(reported)
+
+    # ------------------------------------------------------------ views
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.layout.groups[0].block_size
+
+    def live_ids(self) -> list[str]:
+        return sorted([*self.waiting, *self.engine.requests])
+
+    def tier_refs(self) -> Counter[Slot]:
+        counts: Counter[Slot] = Counter()
+        for tier, pool in self.engine.scheduler.index.pools.items():
+            counts += tagged(tier.value, refs([pool.ref_count(b) for b in range(pool.num_blocks)]))
+        return counts
+
+    def gpu_refs(self) -> Counter[int]:
+        gpu = self.engine.gpu
+        return refs([gpu.ref_count(b) for b in range(gpu.num_blocks)])
