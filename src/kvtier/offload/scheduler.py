@@ -15,6 +15,9 @@ Pins, so nothing is evicted or reused under a transfer:
 With CPU and disk tiers both configured, GPU blocks are stored into the CPU tier, a
 `Cascade` demotes CPU blocks to disk, and a lookup serves each block from the fastest
 tier holding it; a request's load then has one part per tier (one job per tier).
+
+This module wires the tier state and owns the requests' lifecycle and observability;
+`PlanAssembler` builds each step's plan and `TransferCompletion` applies the reports.
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
 from kvtier.offload.cascade import Cascade, CascadeCounters
+from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.load_planner import LoadPlanner
-from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan, WorkerReport
-from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput, TableUpdate
+from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
+from kvtier.offload.plan_assembly import PlanAssembler
+from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.stats import OffloadStats, StepCounters
-from kvtier.offload.store_selection import StoreItem, StoreSelector, lazy_target
+from kvtier.offload.store_selection import StoreSelector, lazy_target
 from kvtier.offload.tier_index import TierIndex
-from kvtier.offload.transfers import IssuedTransfer, ReportOutcome, TransferBook
+from kvtier.offload.transfers import ReportOutcome, TransferBook
 
 
 @dataclass(frozen=True)
@@ -114,10 +119,19 @@ class OffloadScheduler:
         self._selector: StoreSelector | None = None
         self._book = TransferBook(setup.num_workers)
         self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book)
-        self._num_promoted = 0  # disk-held blocks stored into the CPU tier, this step
+        self._plans = PlanAssembler(
+            config,
+            self.registrar,
+            self.index,
+            self.loads,
+            self._book,
+            self.cascade,
+            lazy_target(self.layout, config.max_batched_tokens),
+        )
+        self._completion = TransferCompletion(
+            self.tier_pool, self.index, self.registrar, self._book, self._counters, self.cascade
+        )
         self._hit_tokens_taken = 0  # total hit tokens at the last take_stats
-        self._next_step_id = 0
-        self._lazy_target = lazy_target(self.layout, config.max_batched_tokens)
         if setup.gpu_pool is not None:
             self.bind_gpu_pool(setup.gpu_pool)
 
@@ -134,6 +148,7 @@ class OffloadScheduler:
             fine_grained=self.config.fine_grained_hits,
             admission=self._admission,
         )
+        self._completion.selector = self._selector
 
     @property
     def selector(self) -> StoreSelector:
@@ -176,130 +191,13 @@ class OffloadScheduler:
 
         Request views must not yet count this step's scheduled tokens as computed.
         """
-        selector = self.selector
-        for request_id in step.preempted_request_ids:
-            selector.reset_request(request_id)
-        eager = self.config.store_mode is StoreMode.EAGER
-        if eager:
-            for scheduled in step.scheduled:
-                resumed = scheduled.table_update is TableUpdate.REPLACE
-                if scheduled.request.request_id in step.preempted_request_ids and not resumed:
-                    continue
-                state = selector.update_table(scheduled)
-                if state is not None:
-                    selector.select_request(scheduled.request, state)
-        gone = step.finished_request_ids | step.preempted_request_ids
-        selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
-        if not eager:
-            selector.select_lazy(self._lazy_target)
-        jobs = []
-        stores = selector.take_queued()
-        if stores:
-            job = TransferJob(
-                self._book.next_event_id(),
-                Tier.GPU,
-                self.tier,
-                tuple(item.gpu_block_id for item in stores),
-                tuple(item.tier_block_id for item in stores),
-                self._store_records(stores),
-            )
-            self._book.issue(IssuedTransfer(job, stores=stores))
-            jobs.append(job)
-        loads = self.loads.take_queued()
-        for tier in self.index.tiers:
-            parts = [item for item in loads if item.tier is tier]
-            if parts:
-                job = TransferJob(
-                    self._book.next_event_id(),
-                    tier,
-                    Tier.GPU,
-                    tuple(b for item in parts for b in item.tier_block_ids),
-                    tuple(b for item in parts for b in item.gpu_block_ids),
-                )
-                self._book.issue(IssuedTransfer(job, loads=parts))
-                jobs.append(job)
-        if self.cascade is not None:
-            self.cascade.select_write_back()
-            moves = self.cascade.take_queued()
-            if moves:
-                job = TransferJob(
-                    self._book.next_event_id(),
-                    Tier.CPU,
-                    Tier.DISK,
-                    tuple(item.cpu_block_id for item in moves),
-                    tuple(item.disk_block_id for item in moves),
-                    Cascade.records(moves) if self.config.disk_persist else (),
-                )
-                self._book.issue(IssuedTransfer(job, moves=moves))
-                jobs.append(job)
-        self._next_step_id += 1
-        return TransferPlan(
-            step_id=self._next_step_id,
-            jobs=tuple(jobs),
-            load_request_ids=self._book.load_request_ids(),
-            need_flush=bool(step.preempted_request_ids),
-        )
-
-    def _store_records(self, stores: Sequence[StoreItem]) -> tuple[SlotRecord, ...]:
-        """Return the slot records of stores into a persistent disk tier, else ()."""
-        if not self.config.disk_persist or self.tier is not Tier.DISK:
-            return ()
-        return self.registrar.records(stores, self.gpu_pool)
+        return self._plans.build(step, self.selector)
 
     # ------------------------------------------------------------------ report
 
     def apply_report(self, report: WorkerReport) -> ReportOutcome:
         """Apply worker completions: register stored keys, release pins, finish loads."""
-        finished: list[str] = []
-        failed = self._book.take_unissued_failures()
-        for transfer in self._book.complete(report):
-            for load in transfer.loads:
-                pool = self.index.pools[load.tier]
-                # Tail first (SPEC §4), so a prefix's tail is evicted before its root.
-                pool.free(load.tier_block_ids[::-1])
-                self.gpu_pool.free(load.gpu_block_ids[::-1])
-                progress = load.progress
-                progress.num_pending -= 1
-                if transfer.succeeded:
-                    self._counters.num_loaded_blocks += len(load.tier_block_ids)
-                    if self.cascade is not None and load.tier is Tier.CPU:
-                        self.cascade.after_cpu_loads(load.tier_block_ids)
-                else:
-                    progress.failed = True
-                    for block_id in load.tier_block_ids:  # never serve a suspect copy again
-                        pool.discard_keys(block_id)
-                if progress.num_pending == 0:
-                    if progress.failed:
-                        failed.append(progress.failure())
-                        self._counters.num_failed_loads += 1
-                    else:
-                        finished.append(progress.request_id)
-            if transfer.stores:
-                self._complete_stores(transfer)
-            if transfer.moves:
-                assert self.cascade is not None
-                self.cascade.complete(transfer.moves, transfer.succeeded, transfer.abandoned)
-        return ReportOutcome(tuple(finished), tuple(failed))
-
-    def _complete_stores(self, transfer: IssuedTransfer) -> None:
-        if not transfer.succeeded or transfer.abandoned:
-            if not transfer.succeeded:
-                self._counters.num_failed_stores += len(transfer.stores)
-            self.selector.release(transfer.stores)
-            return
-        self.registrar.register_all(transfer.stores, self.gpu_pool)
-        self.selector.in_flight_keys.difference_update([item.key for item in transfer.stores])
-        self._counters.num_stored_blocks += len(transfer.stores)
-        if self.cascade is not None:
-            disk_get = self.cascade.disk_pool.cached_block
-            self._num_promoted += sum(
-                1 for item in transfer.stores if disk_get(item.key) is not None
-            )
-            self.cascade.after_stores([item.tier_block_id for item in transfer.stores])
-        # Tail first (SPEC §4): these pins may be the blocks' last references.
-        stores = transfer.stores[::-1]
-        self.gpu_pool.free([item.gpu_block_id for item in stores])
-        self.tier_pool.free([item.tier_block_id for item in stores])
+        return self._completion.apply(report)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -379,7 +277,7 @@ class OffloadScheduler:
         cascade = self.cascade
         return (
             not self._counters.is_zero()
-            or self._num_promoted > 0
+            or self._completion.num_promoted > 0
             or sum(self.loads.hit_tokens.values()) != self._hit_tokens_taken
             or (cascade is not None and cascade.counters != CascadeCounters())
         )
@@ -391,7 +289,8 @@ class OffloadScheduler:
         in_use, pending = self.stats_gauges()
         self._hit_tokens_taken = sum(self.loads.hit_tokens.values())
         cascade = self.cascade.take_counters() if self.cascade is not None else None
-        promoted, self._num_promoted = self._num_promoted, 0
+        completion = self._completion
+        promoted, completion.num_promoted = completion.num_promoted, 0
         info = {
             "tier": self.tier.value,
             "store_mode": self.config.store_mode.value,

@@ -1,0 +1,105 @@
+"""Completion of issued transfers: worker reports into visible keys and finished loads.
+
+`TransferCompletion` takes the events every worker has reported from the `TransferBook`
+and releases what they pinned, tail first (SPEC §4):
+
+    load        tier blocks + GPU dsts freed; the request's load finishes once every
+                tier's part did, or fails as a whole (the failed copy's keys dropped)
+    store       keys registered, GPU src + tier slot freed; a failed or abandoned
+                store registers nothing
+    demotion    handed to the `Cascade`
+"""
+
+from __future__ import annotations
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.offload.cascade import Cascade
+from kvtier.offload.plan import Tier, WorkerReport
+from kvtier.offload.registration import Registrar
+from kvtier.offload.stats import StepCounters
+from kvtier.offload.store_selection import StoreSelector
+from kvtier.offload.tier_index import TierIndex
+from kvtier.offload.transfers import IssuedTransfer, ReportOutcome, TransferBook
+
+
+class TransferCompletion:
+    """Apply worker reports to the transfers they complete.
+
+    `selector` is set once a GPU pool is bound (no transfer is issued before).
+    `num_promoted` counts disk-held blocks stored into the CPU tier until its reader
+    resets it.
+    """
+
+    def __init__(
+        self,
+        tier_pool: BlockPool,
+        index: TierIndex,
+        registrar: Registrar,
+        book: TransferBook,
+        counters: StepCounters,
+        cascade: Cascade | None,
+    ) -> None:
+        self._tier_pool = tier_pool
+        self._index = index
+        self._registrar = registrar
+        self._book = book
+        self._counters = counters
+        self._cascade = cascade
+        self.selector: StoreSelector | None = None
+        self.num_promoted = 0
+
+    def apply(self, report: WorkerReport) -> ReportOutcome:
+        """Apply worker completions: register stored keys, release pins, finish loads."""
+        finished: list[str] = []
+        failed = self._book.take_unissued_failures()
+        for transfer in self._book.complete(report):
+            selector = self.selector
+            assert selector is not None, "no GPU pool bound"
+            for load in transfer.loads:
+                pool = self._index.pools[load.tier]
+                # Tail first (SPEC §4), so a prefix's tail is evicted before its root.
+                pool.free(load.tier_block_ids[::-1])
+                selector.gpu_pool.free(load.gpu_block_ids[::-1])
+                progress = load.progress
+                progress.num_pending -= 1
+                if transfer.succeeded:
+                    self._counters.num_loaded_blocks += len(load.tier_block_ids)
+                    if self._cascade is not None and load.tier is Tier.CPU:
+                        self._cascade.after_cpu_loads(load.tier_block_ids)
+                else:
+                    progress.failed = True
+                    for block_id in load.tier_block_ids:  # never serve a suspect copy again
+                        pool.discard_keys(block_id)
+                if progress.num_pending == 0:
+                    if progress.failed:
+                        failed.append(progress.failure())
+                        self._counters.num_failed_loads += 1
+                    else:
+                        finished.append(progress.request_id)
+            if transfer.stores:
+                self._complete_stores(transfer, selector)
+            if transfer.moves:
+                assert self._cascade is not None
+                self._cascade.complete(transfer.moves, transfer.succeeded, transfer.abandoned)
+        return ReportOutcome(tuple(finished), tuple(failed))
+
+    def _complete_stores(self, transfer: IssuedTransfer, selector: StoreSelector) -> None:
+        if not transfer.succeeded or transfer.abandoned:
+            if not transfer.succeeded:
+                self._counters.num_failed_stores += len(transfer.stores)
+            selector.release(transfer.stores)
+            return
+        gpu_pool = selector.gpu_pool
+        self._registrar.register_all(transfer.stores, gpu_pool)
+        selector.in_flight_keys.difference_update([item.key for item in transfer.stores])
+        self._counters.num_stored_blocks += len(transfer.stores)
+        if self._cascade is not None:
+            disk_get = self._cascade.disk_pool.cached_block
+            self.num_promoted += sum(
+                1 for item in transfer.stores if disk_get(item.key) is not None
+            )
+            self._cascade.after_stores([item.tier_block_id for item in transfer.stores])
+        # Tail first (SPEC §4): these pins may be the blocks' last references.
+        stores = transfer.stores[::-1]
+        gpu_pool.free([item.gpu_block_id for item in stores])
+        self._tier_pool.free([item.tier_block_id for item in stores])

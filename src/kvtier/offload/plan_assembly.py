@@ -1,0 +1,118 @@
+"""Assembly of each step's `TransferPlan`: the step's stores, loads and demotions as jobs.
+
+`PlanAssembler` runs the step's store selection (preemptions, eager table updates,
+hand-offs, lazy stores), then issues one `TransferJob` (one event) for the queued
+stores, one per tier for the queued loads and one for the cascade's demotions, each
+recorded in the `TransferBook` until every worker reported it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtier.offload.cascade import Cascade
+from kvtier.offload.config import OffloadConfig, StoreMode
+from kvtier.offload.load_planner import LoadPlanner
+from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
+from kvtier.offload.protocols import GpuPoolView, StepInput, TableUpdate
+from kvtier.offload.registration import Registrar
+from kvtier.offload.store_selection import StoreItem, StoreSelector
+from kvtier.offload.tier_index import TierIndex
+from kvtier.offload.transfers import IssuedTransfer, TransferBook
+
+
+class PlanAssembler:
+    """Build and issue each step's plan; `lazy_target` is lazy mode's per-step visit count."""
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        registrar: Registrar,
+        index: TierIndex,
+        loads: LoadPlanner,
+        book: TransferBook,
+        cascade: Cascade | None,
+        lazy_target: int,
+    ) -> None:
+        self._config = config
+        self._tier = config.tier
+        self._registrar = registrar
+        self._index = index
+        self._loads = loads
+        self._book = book
+        self._cascade = cascade
+        self._lazy_target = lazy_target
+        self._next_step_id = 0
+
+    def build(self, step: StepInput, selector: StoreSelector) -> TransferPlan:
+        """Select this step's stores, issue them and every queued load as one event each."""
+        for request_id in step.preempted_request_ids:
+            selector.reset_request(request_id)
+        eager = self._config.store_mode is StoreMode.EAGER
+        if eager:
+            for scheduled in step.scheduled:
+                resumed = scheduled.table_update is TableUpdate.REPLACE
+                if scheduled.request.request_id in step.preempted_request_ids and not resumed:
+                    continue
+                state = selector.update_table(scheduled)
+                if state is not None:
+                    selector.select_request(scheduled.request, state)
+        gone = step.finished_request_ids | step.preempted_request_ids
+        selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
+        if not eager:
+            selector.select_lazy(self._lazy_target)
+        jobs = []
+        stores = selector.take_queued()
+        if stores:
+            job = TransferJob(
+                self._book.next_event_id(),
+                Tier.GPU,
+                self._tier,
+                tuple(item.gpu_block_id for item in stores),
+                tuple(item.tier_block_id for item in stores),
+                self._store_records(stores, selector.gpu_pool),
+            )
+            self._book.issue(IssuedTransfer(job, stores=stores))
+            jobs.append(job)
+        loads = self._loads.take_queued()
+        for tier in self._index.tiers:
+            parts = [item for item in loads if item.tier is tier]
+            if parts:
+                job = TransferJob(
+                    self._book.next_event_id(),
+                    tier,
+                    Tier.GPU,
+                    tuple(b for item in parts for b in item.tier_block_ids),
+                    tuple(b for item in parts for b in item.gpu_block_ids),
+                )
+                self._book.issue(IssuedTransfer(job, loads=parts))
+                jobs.append(job)
+        if self._cascade is not None:
+            self._cascade.select_write_back()
+            moves = self._cascade.take_queued()
+            if moves:
+                job = TransferJob(
+                    self._book.next_event_id(),
+                    Tier.CPU,
+                    Tier.DISK,
+                    tuple(item.cpu_block_id for item in moves),
+                    tuple(item.disk_block_id for item in moves),
+                    Cascade.records(moves) if self._config.disk_persist else (),
+                )
+                self._book.issue(IssuedTransfer(job, moves=moves))
+                jobs.append(job)
+        self._next_step_id += 1
+        return TransferPlan(
+            step_id=self._next_step_id,
+            jobs=tuple(jobs),
+            load_request_ids=self._book.load_request_ids(),
+            need_flush=bool(step.preempted_request_ids),
+        )
+
+    def _store_records(
+        self, stores: Sequence[StoreItem], gpu_pool: GpuPoolView
+    ) -> tuple[SlotRecord, ...]:
+        """Return the slot records of stores into a persistent disk tier, else ()."""
+        if not self._config.disk_persist or self._tier is not Tier.DISK:
+            return ()
+        return self._registrar.records(stores, gpu_pool)
