@@ -3,7 +3,7 @@
 The worker owns the bytes — the engine's KV regions, the host tier, the disk tier — and
 no policy: the scheduler decides what moves where, the worker moves it and says when.
 
-Jobs by tier pair and the lane (background thread, FIFO) that runs them:
+Jobs by tier pair and the lane (background thread, FIFO) that runs them (see `routes`):
 
     GPU → CPU    store    host tier          CPU → GPU    load     host tier
     GPU → DISK   store    disk via staging   DISK → GPU   load     disk via staging
@@ -23,11 +23,9 @@ lists what the previous run left (never slot 0, the pool's null block).
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
@@ -37,62 +35,27 @@ from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan, Wor
 from kvtier.storage.disk_tier import DiskTier, DiskTierConfig
 from kvtier.storage.slot_file import FileIO
 from kvtier.transfer.block_copy import row_dtype
-from kvtier.transfer.copiers import BlockCopier, CpuCopier, CudaCopier
-from kvtier.transfer.device import Completion, pin_host_memory, record_compute_marker
+from kvtier.transfer.copiers import CpuCopier, CudaCopier
+from kvtier.transfer.device import pin_host_memory, record_compute_marker
 from kvtier.transfer.device import unpin_host_memory as unpin
 from kvtier.transfer.disk_mover import DiskMover
 from kvtier.transfer.host_tier import HostTier
 from kvtier.transfer.lanes import TransferLane
 from kvtier.transfer.regions import RegionSet, TensorLayout, discover_regions
+from kvtier.transfer.routes import (
+    ROUTES,
+    STORE_ROUTES,
+    Direction,
+    LaneCopiers,
+    Route,
+    Task,
+    run_task,
+)
 from kvtier.transfer.worker_config import WorkerConfig, WorkerState
 
 __all__ = ["OffloadWorker", "WorkerConfig", "WorkerState"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Route(enum.Enum):
-    HOST_STORE = "host_store"
-    HOST_LOAD = "host_load"
-    DISK_STORE = "disk_store"
-    DISK_LOAD = "disk_load"
-    DEMOTE = "demote"
-    PROMOTE = "promote"
-
-
-_ROUTES = {
-    (Tier.GPU, Tier.CPU): _Route.HOST_STORE,
-    (Tier.CPU, Tier.GPU): _Route.HOST_LOAD,
-    (Tier.GPU, Tier.DISK): _Route.DISK_STORE,
-    (Tier.DISK, Tier.GPU): _Route.DISK_LOAD,
-    (Tier.CPU, Tier.DISK): _Route.DEMOTE,
-    (Tier.DISK, Tier.CPU): _Route.PROMOTE,
-}
-
-
-class _Direction(enum.Enum):
-    STORE = "store"  # down the tiers
-    LOAD = "load"  # up the tiers
-
-
-_STORE_ROUTES = frozenset({_Route.HOST_STORE, _Route.DISK_STORE, _Route.DEMOTE})
-
-
-@dataclass(frozen=True)
-class _Task:
-    """One validated job, ready for a lane."""
-
-    route: _Route
-    src_ids: np.ndarray
-    dst_ids: np.ndarray
-    marker: torch.cuda.Event | None
-    records: tuple[SlotRecord, ...] | None = None  # for a persistent disk tier's manifest
-
-
-@dataclass(frozen=True)
-class _LaneCopiers:
-    engine: BlockCopier  # engine regions ↔ host memory
-    host: BlockCopier  # host tier ↔ disk staging (always CPU)
 
 
 class OffloadWorker:
@@ -114,8 +77,8 @@ class OffloadWorker:
         self._disk_tier: DiskTier | None = None
         self._disk: DiskMover | None = None
         self._pinned_staging: list[torch.Tensor] = []
-        self._lanes = {d: TransferLane(d.value, config.copy_threads) for d in _Direction}
-        self._copiers: dict[_Direction, _LaneCopiers] = {}
+        self._lanes = {d: TransferLane(d.value, config.copy_threads) for d in Direction}
+        self._copiers: dict[Direction, LaneCopiers] = {}
         self._in_flight: set[int] = set()
         self._compute_marker: torch.cuda.Event | None = None
 
@@ -142,10 +105,10 @@ class OffloadWorker:
             self._release_tiers()
             raise
         self._regions = regions
-        for direction in _Direction:
+        for direction in Direction:
             host = CpuCopier()
             engine = CudaCopier(regions.device) if on_cuda else host
-            self._copiers[direction] = _LaneCopiers(engine=engine, host=host)
+            self._copiers[direction] = LaneCopiers(engine=engine, host=host)
         self.state = WorkerState.REGISTERED
         logger.info(
             "offload worker rank %d: %d regions, %d blocks, %d B per slot",
@@ -266,9 +229,16 @@ class OffloadWorker:
         for job, route, src_ids, dst_ids in prepared:
             records = job.dst_records if job.dst_tier is Tier.DISK and job.dst_records else None
             job_marker = marker if job.src_tier is Tier.GPU else None
-            task = _Task(route, src_ids, dst_ids, job_marker, records)
-            direction = _Direction.STORE if route in _STORE_ROUTES else _Direction.LOAD
-            run = functools.partial(self._run, task, self._copiers[direction])
+            task = Task(route, src_ids, dst_ids, job_marker, records)
+            direction = Direction.STORE if route in STORE_ROUTES else Direction.LOAD
+            run = functools.partial(
+                run_task,
+                task,
+                self._copiers[direction],
+                self._engine_rows,
+                self._host_rows,
+                self._disk,
+            )
             self._lanes[direction].submit(job.event_id, run)
             self._in_flight.add(job.event_id)
 
@@ -278,8 +248,8 @@ class OffloadWorker:
             marker = record_compute_marker(self._require_regions().device)
         return marker
 
-    def _validate(self, job: TransferJob) -> tuple[_Route, np.ndarray, np.ndarray]:
-        route = _ROUTES.get((job.src_tier, job.dst_tier))
+    def _validate(self, job: TransferJob) -> tuple[Route, np.ndarray, np.ndarray]:
+        route = ROUTES.get((job.src_tier, job.dst_tier))
         if route is None:
             raise ValueError(
                 f"event {job.event_id}: no route {job.src_tier.value} → {job.dst_tier.value}"
@@ -308,30 +278,6 @@ class OffloadWorker:
         if not size:
             raise ValueError(f"event {event_id}: this worker has no {tier.value} tier")
         return size
-
-    def _run(self, task: _Task, copiers: _LaneCopiers) -> Completion | None:
-        """Execute one task on its lane thread; raise on failure."""
-        if len(task.src_ids) == 0:
-            return None
-        route, src, dst = task.route, task.src_ids, task.dst_ids
-        engine, host = self._engine_rows, self._host_rows
-        copiers.engine.wait_for_compute(task.marker)
-        if route is _Route.HOST_STORE:
-            copiers.engine.store(engine, src, host, dst)
-            return copiers.engine.finish()
-        if route is _Route.HOST_LOAD:
-            copiers.engine.load(host, src, engine, dst)
-            return copiers.engine.finish()
-        assert self._disk is not None
-        if route is _Route.DISK_STORE:
-            self._disk.store(copiers.engine, engine, src, dst, task.records)
-        elif route is _Route.DISK_LOAD:
-            self._disk.load(copiers.engine, src, engine, dst)
-        elif route is _Route.DEMOTE:
-            self._disk.store(copiers.host, host, src, dst, task.records)
-        else:
-            self._disk.load(copiers.host, src, host, dst)
-        return None
 
     def poll(self) -> WorkerReport:
         """Return the events finished since the last poll (FIFO per lane); never blocks."""

@@ -1,0 +1,117 @@
+"""The byte format of a manifest (see `manifest`): the header and record layouts, their
+encoding, and the identity a header must match.
+
+Integers are little-endian, checksums are xxh3-64.
+
+    header   magic      8 B   b"KVTMANI1"
+             version    u32   1
+             num_slots  u64   slots of the slot file        } the worker's geometry
+             slot_bytes u64   bytes per slot                }
+             layout_len u32,  layout   utf-8: "name:bytes;..." per region, in slot order
+             fp_len     u32,  fingerprint  utf-8, the engine's (model, KV layout, hashing)
+             checksum   u64   xxh3-64 of every header byte before it
+
+    record   kind       u8    1 = put, 2 = tombstone (the slot holds nothing)
+             slot       u32   slot id, < num_slots
+             num_tokens u32   tokens of the block (0 in a tombstone)
+             data_sum   u64   xxh3-64 of the slot's bytes (0 in a tombstone)
+             key_len    u16,  key  key_len bytes (empty in a tombstone)
+             checksum   u64   xxh3-64 of every record byte before it
+
+Decoding (replay) is in `manifest`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvtier.offload.plan import SlotRecord
+
+__all__ = [
+    "CHECKSUM",
+    "HEADER",
+    "MAGIC",
+    "MANIFEST_VERSION",
+    "PUT",
+    "RECORD",
+    "TOMBSTONE",
+    "ManifestEntry",
+    "ManifestError",
+    "ManifestIdentity",
+    "check_record",
+    "encode_put",
+    "encode_tombstone",
+]
+
+MAGIC = b"KVTMANI1"
+MANIFEST_VERSION = 1
+HEADER = struct.Struct("<8sIQQII")  # magic, version, num_slots, slot_bytes, lengths
+RECORD = struct.Struct("<BIIQH")  # kind, slot, num_tokens, data_sum, key_len
+CHECKSUM = struct.Struct("<Q")
+PUT, TOMBSTONE = 1, 2
+_MAX_KEY = (1 << 16) - 1
+_MAX_TOKENS = (1 << 32) - 1
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used for this tier; the message says why."""
+
+
+@dataclass(frozen=True)
+class ManifestIdentity:
+    """What a manifest must match to be reused: the engine's fingerprint and the worker's
+    slot geometry (the I/O mode does not matter)."""
+
+    fingerprint: str
+    num_slots: int
+    bytes_per_slot: int
+    region_layout: str = ""  # "name:bytes;..." of the regions, in slot order
+
+    def encode(self) -> bytes:
+        """Return the header bytes, checksum included."""
+        layout, fingerprint = self.region_layout.encode(), self.fingerprint.encode()
+        body = HEADER.pack(
+            MAGIC,
+            MANIFEST_VERSION,
+            self.num_slots,
+            self.bytes_per_slot,
+            len(layout),
+            len(fingerprint),
+        )
+        body += layout + fingerprint
+        return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """A live slot: the checksum of its bytes and what they are."""
+
+    checksum: int
+    record: SlotRecord
+
+
+def check_record(record: SlotRecord) -> None:
+    """Raise ValueError unless `record` fits the record layout."""
+    if not isinstance(record.key, bytes) or len(record.key) > _MAX_KEY:
+        raise ValueError(f"slot record key must be bytes of at most {_MAX_KEY} B: {record!r}")
+    if not 0 <= record.num_tokens <= _MAX_TOKENS:
+        raise ValueError(f"slot record num_tokens out of range: {record.num_tokens}")
+
+
+def _encode_record(kind: int, slot: int, checksum: int, key: bytes, num_tokens: int) -> bytes:
+    body = RECORD.pack(kind, slot, num_tokens, checksum, len(key)) + key
+    return body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def encode_put(slot: int, entry: ManifestEntry) -> bytes:
+    """Return the put record of `slot` holding `entry`, checksum included."""
+    record = entry.record
+    return _encode_record(PUT, slot, entry.checksum, record.key, record.num_tokens)
+
+
+def encode_tombstone(slot: int) -> bytes:
+    """Return the tombstone record of `slot` (it holds nothing), checksum included."""
+    return _encode_record(TOMBSTONE, slot, 0, b"", 0)

@@ -1,0 +1,152 @@
+"""The open manifest (see `manifest`): an append-only log of put and tombstone records,
+written from any thread, that compacts itself when it has grown (see
+`manifest_compaction`)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage.manifest_compaction import COMPACT_FLOOR, compaction_due, rewrite_manifest
+from kvtier.storage.manifest_format import ManifestEntry, encode_put, encode_tombstone
+
+__all__ = ["ManifestLog"]
+
+logger = logging.getLogger(__name__)
+
+
+class ManifestLog:
+    """The open manifest, appended to from any thread.
+
+    Appends are best effort: an append that fails is cut off the file again (or, when even
+    that fails, the log stops appending for the rest of the run, with a warning). Either
+    way a read never returns wrong bytes; at worst a restart misses or fails a slot.
+
+    The log keeps the encoded put record of every live slot (about 180 B of memory per
+    live slot with 36-byte keys: ~90 MB for 500k) and counts the records in its file; an
+    append after which `compaction_due` holds rewrites the file with the live records
+    (see `manifest_compaction`; `compactions` counts these). The rewrite runs under the lock
+    that serializes appends, so no record is lost or lands in the replaced file; the cost
+    is that an I/O thread appending meanwhile waits for one write and fsync of the
+    compacted file (100k live slots: ~6 MB, typically tens of milliseconds on an SSD),
+    which happens only after the log has grown to several times its compacted size. A
+    failed rewrite is logged, and retried once the log has doubled in records.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        header: bytes,
+        live: Mapping[int, ManifestEntry],
+        compact_floor: int = COMPACT_FLOOR,
+    ) -> None:
+        """Write the manifest at `path` anew (header and one put record per `live` slot,
+        atomically) and open it for appending; raise OSError when that fails."""
+        self.path = path
+        self._header = header
+        self._live = {slot: encode_put(slot, live[slot]) for slot in sorted(live)}
+        self._compact_floor = compact_floor
+        self._fd: int | None = None
+        self._size = self._records = self._retry_at = self.compactions = 0
+        self._broken = False
+        self._lock = threading.Lock()
+        self._rewrite()
+
+    @property
+    def is_open(self) -> bool:
+        """Return True until `close()`."""
+        return self._fd is not None
+
+    def put(
+        self, slots: Sequence[int], checksums: Sequence[int], records: Sequence[SlotRecord]
+    ) -> None:
+        """Append one put record per slot (call after the slots' data was written)."""
+        encoded = [
+            (int(slot), encode_put(int(slot), ManifestEntry(int(checksum), record)))
+            for slot, checksum, record in zip(slots, checksums, records, strict=True)
+        ]
+        data = b"".join(record for _, record in encoded)
+        with self._lock:
+            if self._append_locked(data, len(encoded)):
+                self._live.update(encoded)  # in order: the last record of a slot wins
+                self._compact_if_due()
+
+    def forget(self, slots: Iterable[int]) -> None:
+        """Append a tombstone for each slot whose last record is a put."""
+        with self._lock:
+            dead = [s for s in dict.fromkeys(int(s) for s in slots) if s in self._live]
+            if dead and self._append_locked(b"".join(map(encode_tombstone, dead)), len(dead)):
+                for slot in dead:
+                    del self._live[slot]
+                self._compact_if_due()
+
+    def _append_locked(self, data: bytes, num_records: int) -> bool:
+        if self._fd is None or self._broken:
+            return False
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"short write: {written} of {len(data)} B")
+        except OSError as exc:
+            self._undo(exc)
+            return False
+        self._size += len(data)
+        self._records += num_records
+        return True
+
+    def _undo(self, exc: OSError) -> None:
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as undo_exc:
+            self._broken = True
+            logger.warning(
+                "disk tier manifest %s: append failed (%s) and cannot be undone (%s); "
+                "recording nothing more in this run",
+                self.path,
+                exc,
+                undo_exc,
+            )
+            return
+        logger.warning("disk tier manifest %s: append failed (%s); record dropped", self.path, exc)
+
+    def _compact_if_due(self) -> None:
+        if self._records < self._retry_at or not compaction_due(
+            self._records, len(self._live), self._compact_floor
+        ):
+            return
+        try:
+            self._rewrite()
+        except OSError as exc:
+            self._retry_at = 2 * self._records
+            logger.warning(
+                "disk tier manifest %s: compaction failed (%s); appending to the old log",
+                self.path,
+                exc,
+            )
+
+    def _rewrite(self) -> None:
+        """Replace the file with the header and the live records and append to it from
+        now on (the caller holds the lock, or is the constructor)."""
+        content = self._header + b"".join(self._live.values())
+        fd = rewrite_manifest(self.path, content)
+        old, self._fd = self._fd, fd
+        self._size, self._records = len(content), len(self._live)
+        if old is not None:
+            self.compactions += 1
+            os.close(old)  # the replaced log: no longer reachable by its path
+
+    def close(self) -> None:
+        """Flush the log to the device and close it; idempotent."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
