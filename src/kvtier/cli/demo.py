@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 
+PIPE_WIDTH = 160  # columns of the table when output is not a terminal
 MIB = 1 << 20
 
 
@@ -73,7 +75,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run every configuration, print the comparison, write the plot."""
-    console = Console()
+    console = _console()
     model: str | ModelConfig = args.model_dir or ModelConfig.demo()
     vocab = ModelConfig.demo().vocab_size if args.model_dir is None else None
     engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
@@ -132,6 +134,18 @@ def run_demo(args: argparse.Namespace) -> int:
         "identical tokens across configurations: " + ("yes" if identical else "NO — a bug")
     )
     return 0 if identical else 1
+
+
+def _console() -> Console:
+    """Return the demo's console; wide enough for the table when output is not a terminal.
+
+    Rich sizes a console that writes to a pipe or file (`make demo | tee`, CI logs) at 80
+    columns unless COLUMNS says otherwise, which truncates every cell of the table.
+    """
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=PIPE_WIDTH)
+    return console
 
 
 def _print_table(console: Console, results: list[RunResult]) -> None:
