@@ -39,3 +39,51 @@ def test_demo_runs_every_configuration(
     assert "…" not in out
     assert "identical tokens across configurations: yes" in out
     assert (tmp_path / "out" / "demo_ttft.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--turns=0", "--turns must be >= 1, got 0"),
+        ("--cpu-mib=-1", "--cpu-mib must be >= 1, got -1"),
+        ("--system-tokens=-3", "--system-tokens must be >= 0, got -3"),
+        ("--block-size=0", "--block-size must be >= 1, got 0"),
+        (
+            "--gpu-blocks=24",
+            "last turn holds 848 tokens (53 blocks of 16), more than --gpu-blocks=24 can hold"
+            " (23 usable blocks): raise --gpu-blocks to at least 54",
+        ),
+    ],
+)
+def test_demo_names_a_bad_option_before_serving(
+    option: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--conversations=1", "--turns=1", option]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kvtier demo: error: ")
+    assert message in captured.err
+    assert "serving" not in captured.out
+
+
+def test_demo_runs_when_the_last_turn_exactly_fills_the_gpu_pool(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 32 + 32 + 16 + 16 = 96 tokens = 6 blocks of 16: 7 blocks with the null block.
+    status = main(
+        [
+            "demo",
+            "--conversations=1",
+            "--turns=1",
+            "--system-tokens=32",
+            "--document-tokens=32",
+            "--user-tokens=16",
+            "--answer-tokens=16",
+            "--gpu-blocks=7",
+            "--cpu-mib=4",
+            "--disk-mib=4",
+            "--cascade-cpu-mib=1",
+            f"--disk-dir={tmp_path}",
+            f"--out={tmp_path / 'out'}",
+        ]
+    )
+    assert status == 0, capsys.readouterr().out

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,20 @@ from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 
 PIPE_WIDTH = 160  # columns of the table when output is not a terminal
 MIB = 1 << 20
+# The least value of each numeric option (message lengths may be 0).
+_OPTION_MINIMUMS = {
+    "conversations": 1,
+    "turns": 1,
+    "system_tokens": 0,
+    "document_tokens": 0,
+    "user_tokens": 0,
+    "answer_tokens": 1,
+    "gpu_blocks": 2,
+    "block_size": 1,
+    "cpu_mib": 1,
+    "disk_mib": 1,
+    "cascade_cpu_mib": 1,
+}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -76,48 +92,15 @@ def add_parser(subparsers: Any) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run every configuration, print the comparison, write the plot."""
     console = _console()
-    model: str | ModelConfig = args.model_dir or ModelConfig.demo()
-    vocab = ModelConfig.demo().vocab_size if args.model_dir is None else None
-    engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
-    workload = ChatWorkload(
-        num_conversations=args.conversations,
-        num_turns=args.turns,
-        num_system_tokens=args.system_tokens,
-        num_document_tokens=args.document_tokens,
-        num_user_tokens=args.user_tokens,
-        num_answer_tokens=args.answer_tokens,
-        vocab_size=vocab or 1000,
-    )
     with tempfile.TemporaryDirectory(dir=args.disk_dir, prefix="kvtier-demo-") as disk_dir:
-        configs: list[tuple[str, OffloadConfig | None]] = [
-            ("offload off", None),
-            ("CPU tier", OffloadConfig(cpu_bytes=args.cpu_mib * MIB)),
-            (
-                "disk tier",
-                OffloadConfig(
-                    disk_bytes=args.disk_mib * MIB,
-                    disk_path=disk_dir,
-                    disk_io_mode=DiskIOMode(args.disk_io),
-                ),
-            ),
-            (
-                "CPU+disk",
-                OffloadConfig(
-                    cpu_bytes=args.cascade_cpu_mib * MIB,
-                    disk_bytes=args.disk_mib * MIB,
-                    disk_path=disk_dir,
-                    disk_io_mode=DiskIOMode(args.disk_io),
-                    cascade=CascadeMode(args.cascade),
-                ),
-            ),
-        ]
+        try:
+            model, engine, workload, configs = _setup(args, disk_dir)
+        except ValueError as exc:  # a bad option value, named by the message
+            print(f"kvtier demo: error: {exc}", file=sys.stderr)
+            return 2
         results = []
         with LLM(model, engine=engine) as warm:  # warm up kernels and allocator first
-            run_chat(
-                warm,
-                ChatWorkload(2, 1, 64, 64, vocab_size=workload.vocab_size),
-                "warm-up",
-            )
+            run_chat(warm, replace(workload, num_conversations=1, num_turns=1), "warm-up")
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("serving", total=len(configs) * workload.num_turns)
             for name, offload in configs:
@@ -134,6 +117,60 @@ def run_demo(args: argparse.Namespace) -> int:
         "identical tokens across configurations: " + ("yes" if identical else "NO — a bug")
     )
     return 0 if identical else 1
+
+
+def _setup(
+    args: argparse.Namespace, disk_dir: str
+) -> tuple[str | ModelConfig, EngineConfig, ChatWorkload, list[tuple[str, OffloadConfig | None]]]:
+    """Return the model, engine, workload and configurations; ValueError on a bad option."""
+    for option, least in _OPTION_MINIMUMS.items():
+        value = getattr(args, option)
+        if value < least:
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    model: str | ModelConfig = args.model_dir or ModelConfig.demo()
+    vocab = ModelConfig.demo().vocab_size if args.model_dir is None else None
+    engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
+    workload = ChatWorkload(
+        num_conversations=args.conversations,
+        num_turns=args.turns,
+        num_system_tokens=args.system_tokens,
+        num_document_tokens=args.document_tokens,
+        num_user_tokens=args.user_tokens,
+        num_answer_tokens=args.answer_tokens,
+        vocab_size=vocab or 1000,
+    )
+    needed = -(-workload.max_sequence_tokens // args.block_size)
+    if needed > args.gpu_blocks - 1:  # block 0 is the null block
+        raise ValueError(
+            f"a conversation's last turn holds {workload.max_sequence_tokens} tokens"
+            f" ({needed} blocks of {args.block_size}), more than --gpu-blocks={args.gpu_blocks}"
+            f" can hold ({args.gpu_blocks - 1} usable blocks): raise --gpu-blocks to at least"
+            f" {needed + 1}, or use fewer --turns or shorter messages"
+        )
+    configs: list[tuple[str, OffloadConfig | None]] = [
+        ("offload off", None),
+        ("CPU tier", OffloadConfig(cpu_bytes=args.cpu_mib * MIB)),
+        (
+            "disk tier",
+            OffloadConfig(
+                disk_bytes=args.disk_mib * MIB,
+                disk_path=disk_dir,
+                disk_io_mode=DiskIOMode(args.disk_io),
+            ),
+        ),
+        (
+            "CPU+disk",
+            OffloadConfig(
+                cpu_bytes=args.cascade_cpu_mib * MIB,
+                disk_bytes=args.disk_mib * MIB,
+                disk_path=disk_dir,
+                disk_io_mode=DiskIOMode(args.disk_io),
+                cascade=CascadeMode(args.cascade),
+            ),
+        ),
+    ]
+    return model, engine, workload, configs
 
 
 def _console() -> Console:

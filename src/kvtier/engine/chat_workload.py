@@ -30,9 +30,18 @@ class ChatWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_conversations", "num_turns", "num_answer_tokens"):
+        for name in ("num_conversations", "num_turns", "num_answer_tokens", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("num_system_tokens", "num_document_tokens", "num_user_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Return the tokens of the longest sequence: a last turn's prompt and its answer."""
+        per_turn = self.num_user_tokens + self.num_answer_tokens
+        return self.num_system_tokens + self.num_document_tokens + self.num_turns * per_turn
 
 
 @dataclass(frozen=True)
