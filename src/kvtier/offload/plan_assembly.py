@@ -14,7 +14,7 @@ from kvtier.offload.cascade import Cascade
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
-from kvtier.offload.protocols import GpuPoolView, StepInput, TableUpdate
+from kvtier.offload.protocols import GpuPoolView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.store_selection import StoreItem, StoreSelector
 from kvtier.offload.tier_index import TierIndex
@@ -50,13 +50,7 @@ class PlanAssembler:
             selector.reset_request(request_id)
         eager = self._config.store_mode is StoreMode.EAGER
         if eager:
-            for scheduled in step.scheduled:
-                resumed = scheduled.table_update is TableUpdate.REPLACE
-                if scheduled.request.request_id in step.preempted_request_ids and not resumed:
-                    continue
-                state = selector.update_table(scheduled)
-                if state is not None:
-                    selector.select_request(scheduled.request, state)
+            selector.select_scheduled(step.scheduled, step.preempted_request_ids)
         gone = step.finished_request_ids | step.preempted_request_ids
         selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
         if not eager:

@@ -122,10 +122,12 @@ class ScheduledRequest(NamedTuple):
 
     A NamedTuple, not a frozen dataclass: the engine builds one per running request per
     step, and a NamedTuple is built ~2.5x faster (0.5 µs instead of 1.2 µs).
+    `block_ids` is read during `build_plan` only (copied into kvtier's own table), so the
+    engine may pass its own lists.
     """
 
     request: RequestView
-    block_ids: tuple[tuple[int, ...], ...]
+    block_ids: Sequence[Sequence[int]]
     num_scheduled_tokens: int
     table_update: TableUpdate = TableUpdate.APPEND
 

@@ -92,33 +92,59 @@ class StoreSelector:
         num_groups = len(self.layout.groups)
         return _Tracked([[] for _ in range(num_groups)], [0] * num_groups)
 
-    def update_table(self, scheduled: ScheduledRequest) -> _Tracked | None:
-        """Apply a step's block ids to the request's table; None for an unknown request."""
-        request_id = scheduled.request.request_id
-        if scheduled.table_update is TableUpdate.REPLACE:
-            self.tracked[request_id] = state = self._empty()
-        else:
-            found = self.tracked.get(request_id)
-            if found is None:
-                return None
-            state = found
-        for table, new_ids in zip(state.block_ids, scheduled.block_ids, strict=True):
-            table.extend(new_ids)
-        return state
-
     # ------------------------------------------------------------ selection
 
     def confirmed_tokens(self, request: RequestView) -> int:
         """Return the tokens whose KV is confirmed computed, rounded down to the unit."""
-        unit = (
-            self.layout.hash_block_size if self.fine_grained else self.layout.scheduler_block_size
-        )
+        unit = self._confirm_unit()
         confirmed = request.num_computed_tokens - request.num_output_placeholders
         return max(0, confirmed) // unit * unit
 
+    def _confirm_unit(self) -> int:
+        return (
+            self.layout.hash_block_size if self.fine_grained else self.layout.scheduler_block_size
+        )
+
+    def select_scheduled(
+        self, scheduled: Iterable[ScheduledRequest], preempted: frozenset[str]
+    ) -> None:
+        """Apply each scheduled request's new block ids, then select as `select_request` does.
+
+        The eager hot path of a step, in one loop: a request preempted this step and not
+        resumed, or not tracked, is skipped; one with no newly confirmed block (most
+        decode steps) costs a table update and one comparison per group.
+        """
+        tracked = self.tracked
+        positional = self.layout.positional_groups
+        unit = self._confirm_unit()
+        for item in scheduled:
+            request = item.request
+            request_id = request.request_id
+            if item.table_update is TableUpdate.REPLACE:
+                state = tracked[request_id] = self._empty()
+            elif request_id in preempted:
+                continue
+            else:
+                found = tracked.get(request_id)
+                if found is None:
+                    continue
+                state = found
+            for table, new_ids in zip(state.block_ids, item.block_ids, strict=True):
+                if new_ids:
+                    table.extend(new_ids)
+            confirmed = request.num_computed_tokens - request.num_output_placeholders
+            ready_tokens = max(0, confirmed) // unit * unit
+            cursors = state.cursors
+            for group_id, block_size in positional:
+                if (cursors[group_id] + 1) * block_size <= ready_tokens:
+                    self._select_ready(request, state, ready_tokens)
+                    break
+
     def select_request(self, request: RequestView, state: _Tracked) -> None:
         """Select a request's confirmed, positionally stable blocks from its cursors on."""
-        ready_tokens = self.confirmed_tokens(request)
+        self._select_ready(request, state, self.confirmed_tokens(request))
+
+    def _select_ready(self, request: RequestView, state: _Tracked, ready_tokens: int) -> None:
         cursors = state.cursors
         for group_id, block_size in self.layout.positional_groups:
             pos = cursors[group_id]

@@ -132,7 +132,8 @@ class SchedulerSide:
             view = self._requests.get(req_id)
             if view is None:
                 continue  # not admitted through this connector (cannot happen in vLLM)
-            ids = self._no_new_blocks if block_ids is None else tuple(map(tuple, block_ids))
+            # vLLM's lists pass as they are: kvtier copies them into its table at once.
+            ids = self._no_new_blocks if block_ids is None else block_ids
             update = TableUpdate.REPLACE if is_full_table else TableUpdate.APPEND
             scheduled.append(ScheduledRequest(view, ids, num_scheduled[req_id], update))
         plan = self.offload.build_plan(
