@@ -185,20 +185,28 @@ class BlockPool:
             raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > len(self._free):
             raise PoolError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
-        taken = []
         pop_victim = self._free.pop_victim
+        taken = [pop_victim() for _ in range(num_blocks)]
         keys = self._keys
         refs = self._refs
         on_evict = self.on_evict
-        for _ in range(num_blocks):
-            block_id = pop_victim()
-            key = keys[block_id]
-            if key is not None:
-                if on_evict is not None:
-                    on_evict(block_id, key)
-                self._drop_keys(block_id)
+        # The common eviction inline: one key, held by this block only, no events.
+        simple = not self._secondary and not self._record_events and not self._more_blocks
+        index = self._index
+        num_tokens = self._num_tokens
+        for block_id in taken:
             refs[block_id] = 1
-            taken.append(block_id)
+            key = keys[block_id]
+            if key is None:
+                continue
+            if on_evict is not None:
+                on_evict(block_id, key)
+            if simple:
+                keys[block_id] = None
+                num_tokens[block_id] = 0
+                del index[key]
+            else:
+                self._drop_keys(block_id)
         return taken
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -228,14 +236,17 @@ class BlockPool:
                 if block_id == NULL_BLOCK_ID:
                     continue
                 self._check_id(block_id)  # raises: a negative id aliases another block
-            if refs[block_id] <= 0:
-                raise PoolError(f"block {block_id} freed more often than referenced")
-            refs[block_id] -= 1
-            if refs[block_id] == 0:
+            left = refs[block_id] - 1
+            if left > 0:
+                refs[block_id] = left
+            elif left == 0:
+                refs[block_id] = 0
                 if keys[block_id] is None:
                     self._free.push_reusable(block_id)
                 else:
                     push_cached(block_id)
+            else:
+                raise PoolError(f"block {block_id} freed more often than referenced")
 
     def insert_key(
         self, key: Key, block_id: int, num_tokens: int, stored: BlockStored | None = None

@@ -74,7 +74,7 @@ class GpuPoolView(Protocol):
         ...
 
     def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
-        """Return each block's primary key (None when not cached), in order."""
+        """Return each block's primary key (None when not cached), in order, in a new list."""
         ...
 
     def num_tokens(self, block_id: int) -> int:
@@ -86,7 +86,7 @@ class GpuPoolView(Protocol):
         ...
 
     def token_counts(self, block_ids: Sequence[int]) -> list[int]:
-        """Return `num_tokens` of each block, in order (hot path: one call per batch)."""
+        """Return `num_tokens` of each block, in order, in a new list (one call per batch)."""
         ...
 
     def secondary_keys_of(self, block_ids: Sequence[int]) -> dict[int, Sequence[Key]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import cast
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import BlockStored
@@ -68,21 +69,21 @@ class Registrar:
                 self.register(item, gpu_pool)
             return
         gpu_ids = [item.gpu_block_id for item in items]
-        gpu_keys = gpu_pool.keys(gpu_ids)
-        counts = gpu_pool.token_counts(gpu_ids)
-        keys: list[Key] = []
-        num_tokens: list[int] = []
-        for item, key, count in zip(items, gpu_keys, counts, strict=True):
-            if item.tail_num_tokens:
-                keys.append(item.key)
-                num_tokens.append(item.tail_num_tokens)
-                continue
-            if key is None:
-                key = item.key
-            keys.append(key)
-            num_tokens.append(count or self.block_size(key))
+        keys: list[Key | None] = gpu_pool.keys(gpu_ids)
+        num_tokens = gpu_pool.token_counts(gpu_ids)
+        tails = [i for i, item in enumerate(items) if item.tail_num_tokens]
+        for i in tails:  # a partial tail registers its own key and token count
+            keys[i] = items[i].key
+            num_tokens[i] = items[i].tail_num_tokens
+        if None in keys or 0 in num_tokens:  # a pinned block lost its key (vLLM moved it)
+            for i, item in enumerate(items):
+                key = keys[i]
+                if key is None:
+                    keys[i] = key = item.key
+                if not num_tokens[i]:
+                    num_tokens[i] = self.block_size(key)
         tier_ids = [item.tier_block_id for item in items]
-        self.tier_pool.insert_keys(keys, tier_ids, num_tokens)
+        self.tier_pool.insert_keys(cast("list[Key]", keys), tier_ids, num_tokens)
         extra = gpu_pool.secondary_keys_of(gpu_ids)
         if extra:
             for item, count in zip(items, num_tokens, strict=True):

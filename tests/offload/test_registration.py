@@ -1,0 +1,74 @@
+"""Registration of completed stores: the batched `register_all` equals `register` per item."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from sim_request import full_layout
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.keys import Key, make_key
+from kvtier.offload.plan import Tier
+from kvtier.offload.registration import Registrar
+from kvtier.offload.store_selection import StoreItem
+
+
+def key(i: int) -> Key:
+    return make_key(hashlib.sha256(b"reg%d" % i).digest(), 0)
+
+
+def gpu_pool_and_items() -> tuple[BlockPool, list[StoreItem]]:
+    """Return a GPU pool and store items covering every registration case.
+
+    Block 1: a plain cached block. Block 2: a cached block with a secondary key. Block 3:
+    a block that lost its key while pinned (the item's key and the group's block size
+    are used). Block 4: a block whose item registers a 3-token partial tail.
+    """
+    gpu = BlockPool(8)
+    gpu.allocate(4)
+    gpu.insert_key(key(1), 1, 4)
+    gpu.insert_key(key(2), 2, 4)
+    gpu.insert_key(key(20), 2, 4)  # secondary
+    gpu.insert_key(key(4), 4, 4)
+    items = [
+        StoreItem(1, 1, key(1)),
+        StoreItem(2, 2, key(2)),
+        StoreItem(3, 3, key(3)),
+        StoreItem(4, 4, key(40), tail_num_tokens=3),
+    ]
+    return gpu, items
+
+
+def tier_state(pool: BlockPool) -> list[tuple[Key | None, int, tuple[Key, ...]]]:
+    return [
+        (pool.key(b), pool.num_tokens(b), tuple(pool.secondary_keys(b)))
+        for b in range(1, pool.num_blocks)
+    ]
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_register_all_equals_register_per_item(events: bool) -> None:
+    layout = full_layout(block_size=4)
+    tiers = []
+    for batched in (False, True):
+        gpu, items = gpu_pool_and_items()
+        tier = BlockPool(8, record_events=events, medium="CPU")
+        tier.allocate(4)
+        registrar = Registrar(layout, Tier.CPU, tier, events=events)
+        if batched:
+            registrar.register_all(items, gpu)
+        else:
+            for item in items:
+                registrar.register(item, gpu)
+        tier.check_invariants()
+        tiers.append(tier)
+    per_item, batch = tiers
+    assert tier_state(batch) == tier_state(per_item)
+    assert tier_state(batch)[:4] == [
+        (key(1), 4, ()),
+        (key(2), 4, (key(20),)),
+        (key(3), 4, ()),
+        (key(40), 3, ()),
+    ]
+    assert batch.take_events() == per_item.take_events()
