@@ -42,12 +42,20 @@ def test_demo_runs_every_configuration(
 
 
 @pytest.mark.parametrize(
-    ("option", "message"),
+    ("options", "message"),
     [
         ("--turns=0", "--turns must be >= 1, got 0"),
         ("--cpu-mib=-1", "--cpu-mib must be >= 1, got -1"),
         ("--system-tokens=-3", "--system-tokens must be >= 0, got -3"),
         ("--block-size=0", "--block-size must be >= 1, got 0"),
+        (
+            "--system-tokens=0 --document-tokens=0 --user-tokens=0",
+            "--system-tokens, --document-tokens and --user-tokens are all 0",
+        ),
+        (
+            "--block-size=256 --gpu-blocks=8 --cpu-mib=1",
+            "--cpu-mib is too small for the CPU tier run: cpu_bytes=1048576 holds 0 block(s)",
+        ),
         (
             "--gpu-blocks=24",
             "last turn holds 848 tokens (53 blocks of 16), more than --gpu-blocks=24 can hold"
@@ -56,9 +64,9 @@ def test_demo_runs_every_configuration(
     ],
 )
 def test_demo_names_a_bad_option_before_serving(
-    option: str, message: str, capsys: pytest.CaptureFixture[str]
+    options: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["demo", "--conversations=1", "--turns=1", option]) == 2
+    assert main(["demo", "--conversations=1", "--turns=1", *options.split()]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("kvtier demo: error: ")
     assert message in captured.err

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvtier.cli.demo_checks import check_options, check_sizes
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -21,20 +22,6 @@ from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 
 PIPE_WIDTH = 160  # columns of the table when output is not a terminal
 MIB = 1 << 20
-# The least value of each numeric option (message lengths may be 0).
-_OPTION_MINIMUMS = {
-    "conversations": 1,
-    "turns": 1,
-    "system_tokens": 0,
-    "document_tokens": 0,
-    "user_tokens": 0,
-    "answer_tokens": 1,
-    "gpu_blocks": 2,
-    "block_size": 1,
-    "cpu_mib": 1,
-    "disk_mib": 1,
-    "cascade_cpu_mib": 1,
-}
 
 
 def add_parser(subparsers: Any) -> None:
@@ -94,13 +81,21 @@ def run_demo(args: argparse.Namespace) -> int:
     console = _console()
     with tempfile.TemporaryDirectory(dir=args.disk_dir, prefix="kvtier-demo-") as disk_dir:
         try:
+            check_options(args)
             model, engine, workload, configs = _setup(args, disk_dir)
+            warm = LLM(model, engine=engine)
         except ValueError as exc:  # a bad option value, named by the message
             print(f"kvtier demo: error: {exc}", file=sys.stderr)
             return 2
+        with warm:  # the sizes, then warm up kernels and allocator (two prompts share one)
+            try:
+                check_sizes(workload, configs, warm.layout, args.gpu_blocks)
+            except ValueError as exc:
+                print(f"kvtier demo: error: {exc}", file=sys.stderr)
+                return 2
+            warm_up = replace(workload, num_conversations=2, num_turns=1)
+            run_chat(warm, warm_up, "warm-up")
         results = []
-        with LLM(model, engine=engine) as warm:  # warm up kernels and allocator first
-            run_chat(warm, replace(workload, num_conversations=1, num_turns=1), "warm-up")
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("serving", total=len(configs) * workload.num_turns)
             for name, offload in configs:
@@ -122,12 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _setup(
     args: argparse.Namespace, disk_dir: str
 ) -> tuple[str | ModelConfig, EngineConfig, ChatWorkload, list[tuple[str, OffloadConfig | None]]]:
-    """Return the model, engine, workload and configurations; ValueError on a bad option."""
-    for option, least in _OPTION_MINIMUMS.items():
-        value = getattr(args, option)
-        if value < least:
-            flag = "--" + option.replace("_", "-")
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    """Return the model, engine, workload and configurations (options already checked)."""
     model: str | ModelConfig = args.model_dir or ModelConfig.demo()
     vocab = ModelConfig.demo().vocab_size if args.model_dir is None else None
     engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
@@ -140,14 +130,6 @@ def _setup(
         num_answer_tokens=args.answer_tokens,
         vocab_size=vocab or 1000,
     )
-    needed = -(-workload.max_sequence_tokens // args.block_size)
-    if needed > args.gpu_blocks - 1:  # block 0 is the null block
-        raise ValueError(
-            f"a conversation's last turn holds {workload.max_sequence_tokens} tokens"
-            f" ({needed} blocks of {args.block_size}), more than --gpu-blocks={args.gpu_blocks}"
-            f" can hold ({args.gpu_blocks - 1} usable blocks): raise --gpu-blocks to at least"
-            f" {needed + 1}, or use fewer --turns or shorter messages"
-        )
     configs: list[tuple[str, OffloadConfig | None]] = [
         ("offload off", None),
         ("CPU tier", OffloadConfig(cpu_bytes=args.cpu_mib * MIB)),
