@@ -206,7 +206,7 @@ class PrefixFingerprints:
         for pos in range(len(values), num_tokens):
             prev = (prev * _FINGERPRINT_MUL + token_ids[pos] + 1) % _FINGERPRINT_MOD
             values.append(prev)
-        return values
+        return values[:num_tokens]
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's fingerprints."""

@@ -142,6 +142,31 @@ def test_a_failed_disk_part_fails_the_whole_load_and_drops_only_the_disk_copy() 
     engine.check()
 
 
+def test_a_request_whose_load_failed_is_offered_no_hit_until_reallocated() -> None:
+    """SPEC §6.8: the engine recomputes, even where another tier still holds a copy."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=5, num_disk=12)
+    engine.run(make_request("a", range(12)))
+    engine.drain()
+    keys = keys_of(range(12), 3)
+    assert all(holds(engine, Tier.CPU, k) and holds(engine, Tier.DISK, k) for k in keys)
+    engine.evict_gpu()
+    engine.auto_complete = False
+    b = make_request("b", [*range(12), 5])
+    assert engine.admit(b) is not None
+    (load,) = [job for job in engine.step().jobs if job.is_load]
+    assert load.src_tier is Tier.CPU
+    engine.worker.fail(load.event_id)
+    assert [f.request_id for f in engine.poll().failed_loads] == ["b"]
+    assert all(holds(engine, Tier.DISK, k) and not holds(engine, Tier.CPU, k) for k in keys)
+    assert engine.lookup(b).num_offered_tokens == 0  # the disk copy is not offered to b
+    assert engine.lookup(make_request("c", [*range(12), 6])).num_offered_tokens == 12
+    engine.scheduler.loads.release_pin("c")
+    engine.scheduler.on_allocated(b, [[]], 0)  # the engine recomputes b
+    assert engine.lookup(b).num_offered_tokens == 12  # a later admission may load again
+    engine.scheduler.loads.release_pin("b")
+    engine.check()
+
+
 def test_write_back_demotes_only_the_next_victims_and_then_drops_the_cpu_copy() -> None:
     engine = cascade_engine(CascadeMode.WRITE_BACK, num_cpu=9, num_disk=12)
     engine.run(make_request("a", range(8)))  # 2 blocks stored, far from eviction at first

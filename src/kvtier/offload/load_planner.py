@@ -33,7 +33,14 @@ class LookupPin:
 
 
 class LoadPlanner:
-    """Lookup pins and queued loads; `hit_tokens` counts accepted hit tokens per tier."""
+    """Lookup pins and queued loads; `hit_tokens` counts accepted hit tokens per tier.
+
+    `recompute_next` holds requests whose load failed: their lookups return 0 until the
+    engine allocates them again, so the retry is a plain recompute. Offering a hit again
+    (from another copy) would make the engine wait for a second load; vLLM 0.33 admits
+    such a load only beside the blocks reserved for the requests queued behind it, which
+    may be waiting on the same failed load, and then never makes progress.
+    """
 
     def __init__(
         self,
@@ -50,12 +57,13 @@ class LoadPlanner:
         self.pins: dict[str, LookupPin] = {}
         self.queued: list[LoadItem] = []
         self.hit_tokens: Counter[str] = Counter()
+        self.recompute_next: set[str] = set()
         self._warned_misaligned = False
 
     def lookup(self, request: RequestView, num_local_tokens: int) -> int:
         """Return how many tokens past the local prefix the tiers can serve, and pin them."""
         self.release_pin(request.request_id)
-        if request.skip_prefix_cache:
+        if request.skip_prefix_cache or request.request_id in self.recompute_next:
             return 0
         if num_local_tokens % self.layout.scheduler_block_size:
             if not self._warned_misaligned:
@@ -92,6 +100,7 @@ class LoadPlanner:
         Returns the tokens each tier serves (empty when nothing is loaded).
         """
         assert self.gpu_pool is not None, "no GPU pool bound"
+        self.recompute_next.discard(request.request_id)
         pin = self.pins.pop(request.request_id, None)
         if num_external_tokens == 0:
             if pin is not None:
@@ -165,6 +174,7 @@ class LoadPlanner:
         """Drop a finished request's pin and queued loads; return True if it had loads."""
         assert self.gpu_pool is not None, "no GPU pool bound"
         self.release_pin(request_id)
+        self.recompute_next.discard(request_id)
         keep = []
         dropped = False
         for load in self.queued:

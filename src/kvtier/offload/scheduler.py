@@ -196,8 +196,14 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ report
 
     def apply_report(self, report: WorkerReport) -> ReportOutcome:
-        """Apply worker completions: register stored keys, release pins, finish loads."""
-        return self._completion.apply(report)
+        """Apply worker completions: register stored keys, release pins, finish loads.
+
+        A request whose load failed is offered no hit until the engine allocates it
+        again: it recomputes (SPEC §6.8), even where another copy of its blocks exists.
+        """
+        outcome = self._completion.apply(report)
+        self.loads.recompute_next.update(failed.request_id for failed in outcome.failed_loads)
+        return outcome
 
     # ------------------------------------------------------------------ lifecycle
 
