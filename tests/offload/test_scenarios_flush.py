@@ -241,6 +241,28 @@ def test_scenario_15_lazy_mode_skips_keys_already_stored() -> None:
     engine.check()
 
 
+def test_lazy_mode_does_not_copy_round_in_circles_through_a_small_tier() -> None:
+    """Lazy stores into a tier smaller than the GPU cache stop once every block is copied.
+
+    A stored block's unpin puts it at the GPU free queue's MRU end; once the tier evicted
+    its copy, storing it again would evict another, forever, with no request left. A
+    request using the block again makes it a candidate again.
+    """
+    cfg = config(store_mode=StoreMode.LAZY, max_batched_tokens=4)  # walks 2 blocks a step
+    engine = SimEngine(full_layout(), cfg, num_gpu_blocks=13, num_tier_blocks=4)
+    for name in ("a", "again"):  # "again" hits every block on the GPU: used again
+        engine.run(make_request(name, range(48)))  # 12 cached GPU blocks, a 3-slot tier
+        engine.scheduler.take_stats()
+        for _ in range(20):  # idle steps
+            engine.step()
+        assert not engine.scheduler.has_pending_stores()
+        outcomes = engine.scheduler.take_stats().store_outcomes
+        # Each block at most once ("again": all but those the 3-slot tier still holds).
+        assert (12 if name == "a" else 9) <= outcomes["stored"] <= 12
+        assert outcomes["skipped_stored_before"] > 0
+        engine.check()
+
+
 def one_block_requests(engine: SimEngine, *names: str) -> dict[str, SimRequest]:
     """Run one 4-token request per name, each stored and drained before the next."""
     requests = {}

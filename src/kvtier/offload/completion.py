@@ -38,6 +38,7 @@ class TransferCompletion:
         book: TransferBook,
         counters: StepCounters,
         cascade: Cascade | None,
+        lazy: bool,
     ) -> None:
         self._tier_pool = tier_pool
         self._index = index
@@ -45,6 +46,7 @@ class TransferCompletion:
         self._book = book
         self._counters = counters
         self._cascade = cascade
+        self._lazy = lazy  # lazy store mode: remember what completed stores copied
         self.selector: StoreSelector | None = None
         self.num_promoted = 0
 
@@ -91,6 +93,8 @@ class TransferCompletion:
             return
         gpu_pool = selector.gpu_pool
         self._registrar.register_all(transfer.stores, gpu_pool)
+        if self._lazy:
+            selector.note_lazy_stores(transfer.stores)
         selector.in_flight_keys.difference_update([item.key for item in transfer.stores])
         self._counters.num_stored_blocks += len(transfer.stores)
         if self._cascade is not None:

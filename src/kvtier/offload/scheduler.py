@@ -129,7 +129,13 @@ class OffloadScheduler:
             lazy_target(self.layout, config.max_batched_tokens),
         )
         self._completion = TransferCompletion(
-            self.tier_pool, self.index, self.registrar, self._book, self._counters, self.cascade
+            self.tier_pool,
+            self.index,
+            self.registrar,
+            self._book,
+            self._counters,
+            self.cascade,
+            lazy=config.store_mode is StoreMode.LAZY,
         )
         self._hit_tokens_taken = 0  # total hit tokens at the last take_stats
         if setup.gpu_pool is not None:
@@ -182,6 +188,8 @@ class OffloadScheduler:
         """
         if self.config.store_mode is StoreMode.EAGER:
             self.selector.track(request.request_id)
+        else:
+            self.selector.note_blocks_in_use(block_ids_per_group)
         return self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
 
     # ------------------------------------------------------------------ plan
@@ -245,6 +253,7 @@ class OffloadScheduler:
         selector.release(selector.take_queued())
         selector.tracked.clear()
         selector.lazy_cursor = None
+        selector.lazy_stored.clear()
         if self.cascade is not None:
             self.cascade.release(self.cascade.take_queued())
         self._book.abandon_stores()

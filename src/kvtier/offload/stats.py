@@ -12,6 +12,7 @@ class StoreOutcome(enum.Enum):
 
     STORED = "stored"
     ALREADY_CACHED = "skipped_already_cached"
+    STORED_BEFORE = "skipped_stored_before"  # lazy: copied from this GPU block before
     IN_FLIGHT = "skipped_in_flight"
     TIER_FULL = "dropped_tier_full"
     REQUEST_GONE = "dropped_request_gone"

@@ -70,6 +70,11 @@ class StoreSelector:
     in_flight_keys: set[Key] = field(default_factory=set)
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     lazy_cursor: int | None = None
+    # Lazy mode: GPU block -> the key a completed store copied from it, until a request
+    # uses the block again (`note_blocks_in_use`). Unpinning a stored block puts it at the
+    # free queue's MRU end, where the walk meets it again; once a tier smaller than the
+    # GPU cache evicted the copy, storing it again would copy blocks round in circles.
+    lazy_stored: dict[int, Key] = field(default_factory=dict)
     admission: AdmissionPolicy = field(default_factory=AdmitAll)
 
     # ------------------------------------------------------------ request tracking
@@ -233,11 +238,44 @@ class StoreSelector:
         visited = list(islice(self.gpu_pool.iter_free_after(self.lazy_cursor), target))
         if not visited:
             return  # nothing new since the cursor: stay where we are
+        candidates = visited
+        stored_before = self.lazy_stored
+        if stored_before:  # skip a copy the tier has evicted since (not one it still holds)
+            held = self.tier_pool.cached_block
+            keys = self.gpu_pool.keys(visited)
+            candidates = [
+                b
+                for b, k in zip(visited, keys, strict=True)
+                if k is None or stored_before.get(b) != k or held(k) is not None
+            ]
+            self.counters.count_many(StoreOutcome.STORED_BEFORE, len(visited) - len(candidates))
         num_queued = len(self.queued)
-        end = self._select_run(visited, 0, len(visited))
+        end = self._select_run(candidates, 0, len(candidates))
+        if end < len(candidates):  # the tier is full: the walk stopped there
+            visited = visited[: visited.index(candidates[end])]
         selected = {item.gpu_block_id for item in self.queued[num_queued:]}
         # Resume after the last visited block still in the free queue (not pinned now).
-        self.lazy_cursor = next((b for b in reversed(visited[:end]) if b not in selected), None)
+        self.lazy_cursor = next((b for b in reversed(visited) if b not in selected), None)
+
+    def note_lazy_stores(self, items: Sequence[StoreItem]) -> None:
+        """Remember the GPU blocks completed lazy stores copied, with their keys."""
+        self.lazy_stored.update((item.gpu_block_id, item.key) for item in items)
+
+    def note_blocks_in_use(self, block_ids_per_group: Iterable[Iterable[int]]) -> None:
+        """Note GPU blocks a request now uses (lazy mode).
+
+        Freed again, they are fresh candidates, and they sit at the free queue's MRU end:
+        a walk must not resume after one of them (it would skip every block queued before
+        it), so a cursor among them restarts the next walk from the head.
+        """
+        stored_before = self.lazy_stored
+        cursor = self.lazy_cursor
+        for block_ids in block_ids_per_group:
+            for block_id in block_ids:
+                if block_id == cursor:
+                    self.lazy_cursor = cursor = None
+                if stored_before:
+                    stored_before.pop(block_id, None)
 
     def select_handoffs(
         self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
