@@ -183,9 +183,10 @@ class StoreSelector:
         tier_get = self.tier_pool.cached_block
         room = self.tier_pool.num_free()
         admit = self.admission.admit
+        stored_before = self.lazy_stored  # empty in eager mode
         gpu_ids: list[int] = []
         keys: list[Key] = []
-        num_unhashed = num_in_flight = num_refused = num_cached = 0
+        num_unhashed = num_in_flight = num_refused = num_cached = num_stored_before = 0
         num_visited = len(run)
         for i, (gpu_block_id, key) in enumerate(zip(run, self.gpu_pool.keys(run), strict=True)):
             if key is None:
@@ -194,6 +195,8 @@ class StoreSelector:
                 num_in_flight += 1
             elif tier_get(key) is not None:
                 num_cached += 1
+            elif stored_before and stored_before.get(gpu_block_id) == key:
+                num_stored_before += 1  # the tier evicted this block's copy: not again
             elif not admit(key):
                 num_refused += 1
             elif len(gpu_ids) == room:
@@ -214,6 +217,7 @@ class StoreSelector:
         count_many(StoreOutcome.UNHASHED, num_unhashed)
         count_many(StoreOutcome.IN_FLIGHT, num_in_flight)
         count_many(StoreOutcome.NOT_ADMITTED, num_refused)
+        count_many(StoreOutcome.STORED_BEFORE, num_stored_before)
         return pos + num_visited
 
     def _select_position(
@@ -238,24 +242,11 @@ class StoreSelector:
         visited = list(islice(self.gpu_pool.iter_free_after(self.lazy_cursor), target))
         if not visited:
             return  # nothing new since the cursor: stay where we are
-        candidates = visited
-        stored_before = self.lazy_stored
-        if stored_before:  # skip a copy the tier has evicted since (not one it still holds)
-            held = self.tier_pool.cached_block
-            keys = self.gpu_pool.keys(visited)
-            candidates = [
-                b
-                for b, k in zip(visited, keys, strict=True)
-                if k is None or stored_before.get(b) != k or held(k) is not None
-            ]
-            self.counters.count_many(StoreOutcome.STORED_BEFORE, len(visited) - len(candidates))
         num_queued = len(self.queued)
-        end = self._select_run(candidates, 0, len(candidates))
-        if end < len(candidates):  # the tier is full: the walk stopped there
-            visited = visited[: visited.index(candidates[end])]
+        end = self._select_run(visited, 0, len(visited))
         selected = {item.gpu_block_id for item in self.queued[num_queued:]}
         # Resume after the last visited block still in the free queue (not pinned now).
-        self.lazy_cursor = next((b for b in reversed(visited) if b not in selected), None)
+        self.lazy_cursor = next((b for b in reversed(visited[:end]) if b not in selected), None)
 
     def note_lazy_stores(self, items: Sequence[StoreItem]) -> None:
         """Remember the GPU blocks completed lazy stores copied, with their keys."""
