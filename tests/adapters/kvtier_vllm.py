@@ -94,6 +94,8 @@ def check_quiescent(harness: VllmHarness) -> None:
     for tier in side.offload.index.pools.values():  # the disk tier too, in a cascade
         assert all(tier.ref_count(b) == 0 for b in range(1, tier.num_blocks)), "tier pin leaked"
     assert side.num_tracked_requests == 0
+    assert not side.offload.loads.allocated, "finished requests still held"
+    assert not side.offload.loads.recompute_next, "failed-load marks leaked"
     assert not side.has_pending_stores()
     pool = harness.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == harness.cfg.num_gpu_blocks - 1, "GPU block leaked"

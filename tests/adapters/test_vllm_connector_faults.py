@@ -137,3 +137,29 @@ def test_reset_prefix_cache_with_connector_empties_the_tier() -> None:
     harness.run_requests(AGAIN, max_tokens=3)
     assert all(harness.external_hit_tokens(r) == 0 for r in AGAIN)
     check_quiescent(harness)
+
+
+def test_a_load_failing_under_the_fail_policy_leaves_no_state() -> None:
+    # vLLM ends the request (FINISHED_ERROR) before it hands kvtier the report that
+    # carries the failure: kvtier must not hold the finished request for a recompute.
+    harness = stored_then_gpu_reset(kv_load_failure_policy="fail")
+    PollGate(offload_worker(harness)).fail_loads(zero_blocks(harness))
+    harness.add_request("x", AGAIN["again-req-0"], max_tokens=3)
+    drain(harness)
+    assert harness.requests["x"].status == RequestStatus.FINISHED_ERROR
+    check_quiescent(harness)
+
+
+def test_a_request_aborted_during_a_load_that_then_fails_leaves_no_state() -> None:
+    harness = stored_then_gpu_reset()
+    gate = PollGate(offload_worker(harness))
+    gate.hold("load")
+    gate.fail_loads(zero_blocks(harness))
+    harness.add_request("b", AGAIN["again-req-1"], max_tokens=3)
+    for _ in range(3):
+        harness.step()
+    assert harness.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    harness.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    gate.release()
+    drain(harness)
+    check_quiescent(harness)

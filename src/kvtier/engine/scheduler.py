@@ -175,18 +175,20 @@ class Scheduler:
             num_external = self.offload.lookup(request, num_local)
         num_hit = num_local + num_external
         num_new = 0 if num_external else min(request.num_tokens - num_hit, budget)
-        tables: list[list[int]] = []
-        for group_id in range(len(self.layout.groups)):
-            hit_ids = list(local.block_ids[group_id])
-            self.pool.touch(hit_ids)
-            tables.append(hit_ids)
+        tables = [list(local.block_ids[group_id]) for group_id in range(len(self.layout.groups))]
         num_fresh = self._num_hit_blocks(num_local, num_hit) + self._num_blocks_after(
             num_hit, num_new
         )
-        if not self.pool.can_allocate(num_fresh):
-            for table in tables:
-                self.pool.free(reversed(table))
+        # Hit blocks still in the free queue leave it when touched: count them first, so a
+        # request that does not fit leaves the queue's order (and a lazy walk) untouched.
+        ref_count = self.pool.ref_count
+        num_free_hits = sum(
+            1 for table in tables for b in table if b != NULL_BLOCK_ID and ref_count(b) == 0
+        )
+        if not self.pool.can_allocate(num_fresh + num_free_hits):
             return None
+        for table in tables:
+            self.pool.touch(table)
         for group_id, group in enumerate(self.layout.groups):
             first_needed = self._first_needed_block(group_id, num_hit)
             for pos in range(num_local // group.block_size, num_hit // group.block_size):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
@@ -36,7 +36,9 @@ class LoadPlanner:
     """Lookup pins and queued loads; `hit_tokens` counts accepted hit tokens per tier.
 
     `recompute_next` holds requests whose load failed: their lookups return 0 until the
-    engine allocates them again, so the retry is a plain recompute. Offering a hit again
+    engine allocates them again, so the retry is a plain recompute. Only requests in
+    `allocated` (allocated and not finished) are held, so a failure reported after its
+    request finished leaves nothing behind. Offering a hit again
     (from another copy) would make the engine wait for a second load; vLLM 0.33 admits
     such a load only beside the blocks reserved for the requests queued behind it, which
     may be waiting on the same failed load, and then never makes progress.
@@ -58,6 +60,7 @@ class LoadPlanner:
         self.queued: list[LoadItem] = []
         self.hit_tokens: Counter[str] = Counter()
         self.recompute_next: set[str] = set()
+        self.allocated: set[str] = set()
         self._warned_misaligned = False
 
     def lookup(self, request: RequestView, num_local_tokens: int) -> int:
@@ -100,6 +103,7 @@ class LoadPlanner:
         Returns the tokens each tier serves (empty when nothing is loaded).
         """
         assert self.gpu_pool is not None, "no GPU pool bound"
+        self.allocated.add(request.request_id)
         self.recompute_next.discard(request.request_id)
         pin = self.pins.pop(request.request_id, None)
         if num_external_tokens == 0:
@@ -165,6 +169,10 @@ class LoadPlanner:
         if pin is not None:
             self.index.free(pin.pinned)
 
+    def note_failed(self, request_ids: Iterable[str]) -> None:
+        """Hold the live ones of requests whose load failed in `recompute_next`."""
+        self.recompute_next.update(r for r in request_ids if r in self.allocated)
+
     def take_queued(self) -> list[LoadItem]:
         """Return and forget the queued loads."""
         queued, self.queued = self.queued, []
@@ -174,6 +182,7 @@ class LoadPlanner:
         """Drop a finished request's pin and queued loads; return True if it had loads."""
         assert self.gpu_pool is not None, "no GPU pool bound"
         self.release_pin(request_id)
+        self.allocated.discard(request_id)
         self.recompute_next.discard(request_id)
         keep = []
         dropped = False

@@ -54,6 +54,8 @@ class PlanAssembler:
         gone = step.finished_request_ids | step.preempted_request_ids
         selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
         if not eager:
+            if step.preempted_request_ids:  # its freed blocks may have held the cursor
+                selector.lazy_cursor = None
             for scheduled in step.scheduled:  # blocks allocated to running requests
                 selector.note_blocks_in_use(scheduled.block_ids)
             selector.select_lazy(self._lazy_target)

@@ -210,7 +210,7 @@ class OffloadScheduler:
         again: it recomputes (SPEC §6.8), even where another copy of its blocks exists.
         """
         outcome = self._completion.apply(report)
-        self.loads.recompute_next.update(failed.request_id for failed in outcome.failed_loads)
+        self.loads.note_failed(failed.request_id for failed in outcome.failed_loads)
         return outcome
 
     # ------------------------------------------------------------------ lifecycle
@@ -343,6 +343,7 @@ class OffloadScheduler:
         self._eviction.check_invariants()
         self._admission.check_invariants()
         self._book.check_invariants()
+        assert self.loads.recompute_next <= self.loads.allocated, "recompute of a finished request"
         refs = {tier: Counter[int]() for tier in self.index.tiers}
         gpu_refs: Counter[int] = Counter()
         for pin in self.loads.pins.values():
