@@ -13,47 +13,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.core.free_queue import FreeQueue, LRUFreeQueue
 from kvtier.core.keys import Key, key_block_hash, key_group_id
-
-NULL_BLOCK_ID = 0
+from kvtier.core.pool_block import NULL_BLOCK_ID as NULL_BLOCK_ID
+from kvtier.core.pool_block import PoolBlock
 
 
 class PoolError(RuntimeError):
     """A pool operation was asked for something the pool cannot do."""
-
-
-class PoolBlock:
-    """A read-only view of one block of a `BlockPool` (satisfies `GpuBlockView`)."""
-
-    __slots__ = ("_pool", "block_id")
-
-    def __init__(self, pool: BlockPool, block_id: int) -> None:
-        self._pool = pool
-        self.block_id = block_id
-
-    @property
-    def is_null(self) -> bool:
-        """Return True for the null block."""
-        return self.block_id == NULL_BLOCK_ID
-
-    @property
-    def ref_count(self) -> int:
-        """Return the block's reference count."""
-        return self._pool.ref_count(self.block_id)
-
-    @property
-    def key(self) -> Key | None:
-        """Return the primary key, or None when the block is not cached."""
-        return self._pool.key(self.block_id)
-
-    @property
-    def num_tokens(self) -> int:
-        """Return the number of tokens the primary key covers (0 when not cached)."""
-        return self._pool.num_tokens(self.block_id)
-
-    @property
-    def secondary_keys(self) -> Sequence[Key]:
-        """Return the keys held besides the primary one."""
-        return self._pool.secondary_keys(self.block_id)
 
 
 class BlockPool:
