@@ -1,0 +1,399 @@
+"""Operations, `FaultyWorker` and the example driver `Run` of `test_vllm_random_ops`.
+
+Test helper only: import it after `pytest.importorskip("vllm")`. `Run` is one example: a
+`kvtier_harness` engine with a `FaultyWorker` per rank (the test's docstring says more).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvtier_vllm import SLOT_BYTES, check_quiescent, kvtier_harness, offload_worker, scheduler_side
+from vllm.v1.request import RequestStatus
+from vllm_engine import PrefixFingerprints
+from vllm_harness import ConnectorWorker
+
+from kvtier.core.keys import key_block_hash
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
+from kvtier.transfer.worker import OffloadWorker
+
+BLOCK = 16
+NUM_FAMILIES = 5
+MAX_PREFIX_BLOCKS = 4
+FAMILIES = [
+    [random.Random(family).randrange(1000, 30000) for _ in range(MAX_PREFIX_BLOCKS * BLOCK)]
+    for family in range(NUM_FAMILIES)
+]
+KINDS = ("load", "store", "move")  # move: a CPU -> DISK demotion (the cascade)
+MAX_DRAIN_STEPS = 600
+AUDIT_EVENT_ID = 10**9  # event ids of the tier audit's copies, far above kvtier's
+
+
+# --------------------------------------------------------------------------- faults
+def job_kind(job: TransferJob) -> str:
+    if job.is_load:
+        return "load"
+    return "store" if job.is_store else "move"
+
+
+@dataclass
+class _Job:
+    start: int  # the poll at which it starts
+    hold: int  # polls between its end and its report
+    plan: TransferPlan  # this one job
+    fail: bool
+
+
+class FaultyWorker:
+    """Wrap one rank's `OffloadWorker`: run jobs late, report them late, fail some.
+
+    `delay[kind]` polls pass between a job's submission and its start, `hold[kind]`
+    between its end and its report. Each direction (loads; stores and moves: the
+    worker's two lanes) starts and reports its jobs in submission order. Every poll
+    first waits for the jobs started, so runs are deterministic. `fail[kind]` jobs of
+    that kind from now on never run and are reported failed; a failed load also zeroes
+    its GPU destination blocks (the copy half landed). `flush` (vLLM preempted a
+    request) starts every queued job and waits for it; reports may still be held.
+    """
+
+    def __init__(self, worker: OffloadWorker, scribble: Callable[[tuple[int, ...]], None]):
+        self._submit = worker.submit
+        self._poll = worker.poll
+        self._flush = worker.flush
+        self._scribble = scribble
+        self.delay = dict.fromkeys(KINDS, 0)
+        self.hold = dict.fromkeys(KINDS, 0)
+        self.fail: collections.Counter[str] = collections.Counter()
+        self.num_failed: collections.Counter[str] = collections.Counter()
+        self.num_run = 0
+        self.num_late = 0  # jobs started or reported at least one poll late
+        self._queues: dict[bool, list[_Job]] = {True: [], False: []}  # by is_load
+        self._holds: dict[int, tuple[bool, int]] = {}  # running event -> direction, hold
+        self._reports: dict[bool, list[tuple[int, int, bool]]] = {True: [], False: []}
+        self._polls = 0
+        worker.submit = self.submit  # type: ignore[method-assign]
+        worker.poll = self.poll  # type: ignore[method-assign]
+        worker.flush = self.flush  # type: ignore[method-assign]
+
+    def submit(self, plan: TransferPlan) -> None:
+        if plan.need_flush:
+            self.flush()
+        for job in plan.jobs:
+            kind = job_kind(job)
+            queue = self._queues[job.is_load]
+            start = max(self._polls + self.delay[kind], queue[-1].start if queue else 0)
+            fail = self.fail[kind] > 0
+            self.fail[kind] -= fail
+            self.num_late += start > self._polls or self.hold[kind] > 0
+            queue.append(_Job(start, self.hold[kind], replace(plan, jobs=(job,)), fail))
+        self._start(self._polls)
+
+    def poll(self) -> WorkerReport:
+        now = self._polls
+        self._start(now)
+        self._flush()
+        ended = self._poll()
+        outcomes = [(e, False) for e in ended.done] + [(e, True) for e in ended.failed]
+        for event_id, failed in outcomes:
+            is_load, hold = self._holds.pop(event_id)
+            self._report_at(is_load, now + hold, event_id, failed)
+        self._polls += 1
+        done: dict[int, int] = {}
+        failed_now: dict[int, int] = {}
+        for reports in self._reports.values():
+            while reports and reports[0][0] <= now:
+                _, event_id, failed = reports.pop(0)
+                (failed_now if failed else done)[event_id] = 1
+        return WorkerReport(done, failed_now)
+
+    def flush(self) -> None:
+        self._start(None)
+        self._flush()
+
+    def _start(self, now: int | None) -> None:
+        for is_load, queue in self._queues.items():
+            while queue and (now is None or queue[0].start <= now):
+                item = queue.pop(0)
+                (job,) = item.plan.jobs
+                if not item.fail:
+                    self._holds[job.event_id] = (is_load, item.hold)
+                    self._submit(replace(item.plan, need_flush=False))
+                    self.num_run += 1
+                    continue
+                if job.is_load:
+                    self._scribble(job.dst_block_ids)
+                self._report_at(is_load, self._polls + item.hold, job.event_id, True)
+                self.num_failed[job_kind(job)] += 1
+
+    def _report_at(self, is_load: bool, poll: int, event_id: int, failed: bool) -> None:
+        reports = self._reports[is_load]
+        reports.append((max(poll, reports[-1][0] if reports else 0), event_id, failed))
+
+    @property
+    def is_idle(self) -> bool:
+        return not any(self._queues.values()) and not any(self._reports.values())
+
+    def copy_now(self, job: TransferJob) -> None:
+        """Run `job` past kvtier (idle worker only): start it, wait, swallow its report."""
+        assert self.is_idle
+        self._submit(TransferPlan(step_id=0, jobs=(job,)))
+        self._flush()
+        assert self._poll() == WorkerReport(done={job.event_id: 1})
+
+
+# --------------------------------------------------------------------------- operations
+@dataclass(frozen=True)
+class Add:
+    """Add `count` requests: `num_blocks` whole blocks of a family's prefix, then a tail."""
+
+    count: int
+    family: int
+    num_blocks: int
+    tail_len: int
+    tail_seed: int  # few seeds: equal tails (and so whole equal prompts) recur
+    max_tokens: int
+
+    def prompts(self) -> list[list[int]]:
+        prefix = FAMILIES[self.family][: self.num_blocks * BLOCK]
+        prompts = []
+        for i in range(self.count):
+            tail = random.Random(self.tail_seed + i)
+            prompts.append(prefix + [tail.randrange(1000, 30000) for _ in range(self.tail_len)])
+        return prompts
+
+
+@dataclass(frozen=True)
+class Step:
+    num_steps: int
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Step until vLLM is idle (bounded): what came before is finished and stored."""
+
+
+@dataclass(frozen=True)
+class Abort:
+    pick: int  # index into the live requests, sorted by id (mod their number)
+
+
+@dataclass(frozen=True)
+class Reset:
+    what: str  # gpu | gpu_running | connector | both
+
+
+@dataclass(frozen=True)
+class Delay:
+    """From now on start `kind` jobs `start` polls late and report them `hold` polls late."""
+
+    kind: str
+    start: int
+    hold: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    kind: str
+    rank: int
+
+
+# --------------------------------------------------------------------------- one run
+@dataclass(frozen=True)
+class Engine:
+    """One engine configuration the examples of a test run on."""
+
+    name: str
+    store_mode: str = "eager"
+    cascade: str | None = None
+    num_ranks: int = 1
+
+
+class Run:
+    """One example: a harness with a `FaultyWorker` per rank, and its bookkeeping."""
+
+    def __init__(self, engine: Engine, totals: collections.Counter[str], disk_dir: str) -> None:
+        extra: dict[str, Any] = {"store_mode": engine.store_mode}
+        num_cpu_blocks = 25
+        if engine.cascade is not None:
+            num_cpu_blocks = 7
+            extra.update(
+                disk_bytes=41 * SLOT_BYTES,
+                disk_path=disk_dir,
+                disk_io_mode="page_cache",
+                cascade=engine.cascade,
+            )
+        self.harness = kvtier_harness(
+            num_cpu_blocks=num_cpu_blocks,
+            num_gpu_blocks=16,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            num_ranks=engine.num_ranks,
+            extra=extra,
+        )
+        self.side = scheduler_side(self.harness)
+        self.workers = [
+            FaultyWorker(offload_worker(self.harness, rank), self._zeroer(rank))
+            for rank in range(engine.num_ranks)
+        ]
+        self.totals = totals
+        self.prompts: dict[str, list[int]] = {}
+        self.num_audits = 0
+
+    def _zeroer(self, rank: int) -> Callable[[tuple[int, ...]], None]:
+        def scribble(block_ids: tuple[int, ...]) -> None:
+            for tensor in self.harness.caches[rank].tensors.values():
+                tensor[list(block_ids)] = 0
+
+        return scribble
+
+    def close(self) -> None:
+        for worker in self.harness.workers:
+            assert isinstance(worker, ConnectorWorker)
+            worker.connector.shutdown()
+        self.harness.close()
+
+    # ------------------------------------------------------------------ operations
+    def apply(self, op: object) -> None:
+        scheduler = self.harness.scheduler
+        if isinstance(op, Add):
+            for prompt in op.prompts():
+                request_id = f"r{len(self.prompts)}"
+                self.prompts[request_id] = prompt or [7]
+                self.harness.add_request(request_id, self.prompts[request_id], op.max_tokens)
+        elif isinstance(op, Step):
+            for _ in range(op.num_steps):
+                self.step()
+        elif isinstance(op, Drain):
+            self.drain_steps()
+        elif isinstance(op, Abort):
+            live = sorted(r for r, req in scheduler.requests.items() if not req.is_finished())
+            if live:
+                scheduler.finish_requests(live[op.pick % len(live)], RequestStatus.FINISHED_ABORTED)
+                self.totals["aborts"] += 1
+        elif isinstance(op, Reset):
+            self.reset(op.what)
+        elif isinstance(op, Delay):
+            worker = self.workers[op.rank % len(self.workers)]
+            worker.delay[op.kind] = op.start
+            worker.hold[op.kind] = op.hold
+        elif isinstance(op, Fail):
+            self.workers[op.rank % len(self.workers)].fail[op.kind] += 1
+        self.check()
+
+    def step(self) -> None:
+        record = self.harness.step()
+        self.totals["preemptions"] += len(record.scheduler_output.preempted_req_ids or ())
+        self.check(workers=False)  # the workers' after every operation: they cost more
+
+    def reset(self, what: str) -> None:
+        scheduler = self.harness.scheduler
+        if what == "gpu":
+            done = scheduler.reset_prefix_cache()
+        elif what == "gpu_running":
+            # vLLM raises when a block is still referenced after it preempted every
+            # running request: a request waiting for its load, or a store kvtier pins.
+            try:
+                done = scheduler.reset_prefix_cache(reset_running_requests=True)
+            except RuntimeError as error:
+                if "Failed to reset KV cache" not in str(error):
+                    raise
+                done = False
+        elif what == "connector":
+            done = scheduler.reset_connector_cache()
+        else:
+            done = scheduler.reset_prefix_cache(reset_connector=True)
+        self.totals[f"reset_{what}_{'done' if done else 'refused'}"] += 1
+
+    def check(self, workers: bool = True) -> None:
+        """Check kvtier's scheduler (and, unless told not to, its workers') invariants."""
+        self.side.offload.check_invariants()
+        requests = self.harness.scheduler.requests.values()
+        live = sum(not request.is_finished() for request in requests)
+        assert self.side.num_tracked_requests == live, "connector and vLLM disagree on requests"
+        for rank in range(len(self.workers) if workers else 0):
+            offload_worker(self.harness, rank).check_invariants()
+
+    # ------------------------------------------------------------------ the end
+    def finish(self, abort: bool) -> None:
+        """End every request (abort or run to completion), drain, check for leaks."""
+        scheduler = self.harness.scheduler
+        if abort:
+            live = [r for r, req in scheduler.requests.items() if not req.is_finished()]
+            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        self.drain()
+
+    def drain_steps(self) -> None:
+        """Step until vLLM is idle; fail if it is still busy after `MAX_DRAIN_STEPS`."""
+        scheduler = self.harness.scheduler
+        for _ in range(MAX_DRAIN_STEPS):
+            if not scheduler.has_requests():
+                return
+            self.step()
+        raise AssertionError(f"engine still busy after {MAX_DRAIN_STEPS} steps")
+
+    def drain(self) -> None:
+        self.drain_steps()
+        assert all(worker.is_idle for worker in self.workers)
+        check_quiescent(self.harness)
+
+    def audit_tier(self) -> None:
+        """Copy every block a tier indexes to the GPU cache of every rank and check it there.
+
+        Each must hold the KV of the token prefix its key hashes (of some request of the
+        run), whether or not a later request asks for it. Call when vLLM is idle and its
+        GPU cache reset: every GPU block is scratch.
+        """
+        blocks = {}  # vLLM block hash -> (request, block index)
+        for request in self.harness.requests.values():
+            for index, block_hash in enumerate(request.block_hashes):
+                blocks.setdefault(block_hash, (request, index))
+        fingerprints = PrefixFingerprints()
+        scratch = range(1, self.harness.cfg.num_gpu_blocks)
+        for tier, pool in self.side.offload.index.pools.items():
+            keys = {slot: pool.key(slot) for slot in range(1, pool.num_blocks)}
+            slots = [slot for slot, key in keys.items() if key is not None]
+            for start in range(0, len(slots), len(scratch)):
+                batch = tuple(slots[start : start + len(scratch)])
+                self.num_audits += 1
+                event_id = AUDIT_EVENT_ID + self.num_audits
+                job = TransferJob(event_id, tier, Tier.GPU, batch, tuple(scratch[: len(batch)]))
+                for worker in self.workers:
+                    worker.copy_now(job)
+                for slot, gpu_block in zip(batch, scratch, strict=False):
+                    request, index = blocks[key_block_hash(keys[slot])]
+                    prints = fingerprints.upto(request, (index + 1) * BLOCK)[index * BLOCK :]
+                    for cache in self.harness.caches:
+                        cache.check(f"{tier.value} slot {slot}", [gpu_block], prints, BLOCK)
+                self.totals["audited_tier_blocks"] += len(batch)
+
+    def replay(self) -> None:
+        """Serve every prompt again from an empty, zeroed GPU cache: tier blocks must be right."""
+        assert self.harness.scheduler.reset_prefix_cache(), "idle, yet the GPU reset failed"
+        self.audit_tier()
+        for cache in self.harness.caches:
+            cache.raw.zero_()
+        distinct = {tuple(prompt): request_id for request_id, prompt in self.prompts.items()}
+        for prompt, request_id in distinct.items():
+            self.harness.add_request(f"again-{request_id}", prompt, max_tokens=1)
+        self.drain()
+        admissions = self.harness.admissions
+        self.totals["replay_hit_tokens"] += sum(
+            admissions[f"again-{r}"][1] for r in distinct.values() if f"again-{r}" in admissions
+        )
+
+    def record_totals(self) -> None:
+        admissions = self.harness.admissions
+        self.totals["random_hit_tokens"] += sum(
+            external for r, (_, external) in admissions.items() if not r.startswith("again-")
+        )
+        for tier, tokens in self.side.offload.take_stats().hit_tokens.items():
+            self.totals[f"hit_tokens_{tier}"] += tokens
+        for worker in self.workers:
+            self.totals.update({f"failed_{k}": n for k, n in worker.num_failed.items()})
+            self.totals["jobs_run"] += worker.num_run
+            self.totals["jobs_late"] += worker.num_late
