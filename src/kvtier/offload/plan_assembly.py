@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.offload.cascade import Cascade
+from kvtier.offload.cascade import Cascade, MoveItem
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
@@ -18,7 +18,7 @@ from kvtier.offload.protocols import GpuPoolView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.store_selection import StoreItem, StoreSelector
 from kvtier.offload.tier_index import TierIndex
-from kvtier.offload.transfers import IssuedTransfer, TransferBook
+from kvtier.offload.transfers import IssuedTransfer, LoadItem, TransferBook
 
 
 class PlanAssembler:
@@ -62,43 +62,29 @@ class PlanAssembler:
         jobs = []
         stores = selector.take_queued()
         if stores:
-            job = TransferJob(
-                self._book.next_event_id(),
-                Tier.GPU,
-                self._tier,
-                tuple(item.gpu_block_id for item in stores),
-                tuple(item.tier_block_id for item in stores),
-                self._store_records(stores, selector.gpu_pool),
+            gpu_ids = tuple(item.gpu_block_id for item in stores)
+            tier_ids = tuple(item.tier_block_id for item in stores)
+            records = self._store_records(stores, selector.gpu_pool)
+            jobs.append(
+                self._issue(Tier.GPU, self._tier, gpu_ids, tier_ids, records, stores=stores)
             )
-            self._book.issue(IssuedTransfer(job, stores=stores))
-            jobs.append(job)
         loads = self._loads.take_queued()
         for tier in self._index.tiers:
             parts = [item for item in loads if item.tier is tier]
             if parts:
-                job = TransferJob(
-                    self._book.next_event_id(),
-                    tier,
-                    Tier.GPU,
-                    tuple(b for item in parts for b in item.tier_block_ids),
-                    tuple(b for item in parts for b in item.gpu_block_ids),
-                )
-                self._book.issue(IssuedTransfer(job, loads=parts))
-                jobs.append(job)
+                tier_ids = tuple(b for item in parts for b in item.tier_block_ids)
+                gpu_ids = tuple(b for item in parts for b in item.gpu_block_ids)
+                jobs.append(self._issue(tier, Tier.GPU, tier_ids, gpu_ids, loads=parts))
         if self._cascade is not None:
             self._cascade.select_write_back()
             moves = self._cascade.take_queued()
             if moves:
-                job = TransferJob(
-                    self._book.next_event_id(),
-                    Tier.CPU,
-                    Tier.DISK,
-                    tuple(item.cpu_block_id for item in moves),
-                    tuple(item.disk_block_id for item in moves),
-                    Cascade.records(moves) if self._config.disk_persist else (),
+                cpu_ids = tuple(item.cpu_block_id for item in moves)
+                disk_ids = tuple(item.disk_block_id for item in moves)
+                records = Cascade.records(moves) if self._config.disk_persist else ()
+                jobs.append(
+                    self._issue(Tier.CPU, Tier.DISK, cpu_ids, disk_ids, records, moves=moves)
                 )
-                self._book.issue(IssuedTransfer(job, moves=moves))
-                jobs.append(job)
         self._next_step_id += 1
         return TransferPlan(
             step_id=self._next_step_id,
@@ -106,6 +92,25 @@ class PlanAssembler:
             load_request_ids=self._book.load_request_ids(),
             need_flush=bool(step.preempted_request_ids),
         )
+
+    def _issue(
+        self,
+        src: Tier,
+        dst: Tier,
+        src_ids: tuple[int, ...],
+        dst_ids: tuple[int, ...],
+        records: tuple[SlotRecord, ...] = (),
+        *,
+        loads: list[LoadItem] | None = None,
+        stores: list[StoreItem] | None = None,
+        moves: list[MoveItem] | None = None,
+    ) -> TransferJob:
+        """Record one event copying `src_ids` to `dst_ids` in the book; return its job."""
+        job = TransferJob(self._book.next_event_id(), src, dst, src_ids, dst_ids, records)
+        self._book.issue(
+            IssuedTransfer(job, loads=loads or [], stores=stores or [], moves=moves or [])
+        )
+        return job
 
     def _store_records(
         self, stores: Sequence[StoreItem], gpu_pool: GpuPoolView
