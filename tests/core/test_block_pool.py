@@ -224,6 +224,31 @@ def test_free_of_an_unreferenced_block_raises() -> None:
     pool.check_invariants()
 
 
+def test_free_stopped_by_an_error_still_queues_the_blocks_before_it() -> None:
+    """Cached blocks freed before the bad id are queued (batched, then flushed), in order."""
+    pool = make_pool(6)
+    blocks = cache_blocks(pool, [make_test_key(i) for i in range(3)])
+    pool.touch(blocks)
+    with pytest.raises(PoolError, match="block 5"):
+        pool.free([blocks[2], blocks[0], 5, blocks[1]])
+    assert free_order(pool)[-2:] == [blocks[2], blocks[0]]
+    assert pool.ref_count(blocks[1]) == 1
+    pool.check_invariants()
+
+
+def test_free_keeps_the_order_of_mixed_cached_and_unhashed_blocks() -> None:
+    """Unhashed blocks go to the head and cached ones to the tail, each in call order."""
+    pool = make_pool(8)
+    cached = cache_blocks(pool, [make_test_key(i) for i in range(3)])
+    pool.touch(cached)
+    scratch = pool.allocate(2)
+    pool.free([cached[1], scratch[0], cached[2], scratch[1], cached[0]])
+    order = free_order(pool)
+    assert order[:2] == [scratch[1], scratch[0]]
+    assert order[-3:] == [cached[1], cached[2], cached[0]]
+    pool.check_invariants()
+
+
 def test_num_free_counts_cached_blocks() -> None:
     """Evictable cached blocks count as free."""
     pool = make_pool(4)

@@ -80,6 +80,14 @@ def test_iter_after_starts_after_the_cursor() -> None:
     assert list(queue.iter_after(5)) == []
 
 
+def test_pop_victims_refuses_more_than_queued() -> None:
+    """Popping a run longer than the queue raises and leaves the queue as it was."""
+    queue = make_queue(fill=range(1, 4))
+    with pytest.raises(IndexError, match="cannot pop 4 blocks from a queue of 3"):
+        queue.pop_victims(4)
+    assert queued(queue) == [1, 2, 3]
+
+
 def test_removed_block_can_be_pushed_again() -> None:
     """A block taken out and pushed back appears exactly once, at its new place."""
     queue = make_queue(fill=range(1, 5))
@@ -90,7 +98,10 @@ def test_removed_block_can_be_pushed_again() -> None:
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["reusable", "cached", "remove", "pop"]), st.integers(1, 9)),
+    st.tuples(
+        st.sampled_from(["reusable", "cached", "remove", "pop", "pop_many", "cached_many"]),
+        st.integers(1, 9),
+    ),
     max_size=40,
 )
 
@@ -105,6 +116,14 @@ def test_matches_a_list_model(ops: list[tuple[str, int]]) -> None:
         if op == "pop":
             if model:
                 assert queue.pop_victim() == model.pop(0)
+        elif op == "pop_many":
+            count = min(block_id % 4, len(model))
+            assert queue.pop_victims(count) == model[:count]
+            del model[:count]
+        elif op == "cached_many":
+            run = [b for b in range(block_id, 10) if b not in model][:3]
+            queue.push_cached_many(run)
+            model.extend(run)
         elif op == "remove":
             if block_id in model:
                 queue.remove(block_id)

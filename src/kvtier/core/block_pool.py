@@ -8,7 +8,7 @@ cached block costs about 150 bytes even at 10 M blocks.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.core.free_queue import FreeQueue, LRUFreeQueue
@@ -110,6 +110,14 @@ class BlockPool:
         """Return True when `block_id` holds a key."""
         return self._keys[block_id] is not None
 
+    @property
+    def index(self) -> Mapping[Key, int]:
+        """Return the live key index (key -> a block holding it); read it, never change it.
+
+        For hot loops: `key in pool.index` is `cached_block(key) is not None` without a call.
+        """
+        return self._index
+
     def cached_block(self, key: Key) -> int | None:
         """Return a block holding `key`, or None."""
         return self._index.get(key)
@@ -150,8 +158,7 @@ class BlockPool:
             raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > len(self._free):
             raise PoolError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
-        pop_victim = self._free.pop_victim
-        taken = [pop_victim() for _ in range(num_blocks)]
+        taken = self._free.pop_victims(num_blocks)
         keys = self._keys
         refs = self._refs
         on_evict = self.on_evict
@@ -195,23 +202,31 @@ class BlockPool:
         """
         refs = self._refs
         keys = self._keys
-        push_cached = self._free.push_cached
-        for block_id in block_ids:
-            if block_id <= NULL_BLOCK_ID:
-                if block_id == NULL_BLOCK_ID:
-                    continue
-                self._check_id(block_id)  # raises: a negative id aliases another block
-            left = refs[block_id] - 1
-            if left > 0:
-                refs[block_id] = left
-            elif left == 0:
-                refs[block_id] = 0
-                if keys[block_id] is None:
-                    self._free.push_reusable(block_id)
+        queue = self._free
+        cached: list[int] = []  # queued in one batch, flushed before any other push
+        try:
+            for block_id in block_ids:
+                if block_id <= NULL_BLOCK_ID:
+                    if block_id == NULL_BLOCK_ID:
+                        continue
+                    self._check_id(block_id)  # raises: a negative id aliases another block
+                left = refs[block_id] - 1
+                if left > 0:
+                    refs[block_id] = left
+                elif left == 0:
+                    refs[block_id] = 0
+                    if keys[block_id] is not None:
+                        cached.append(block_id)
+                        continue
+                    if cached:
+                        queue.push_cached_many(cached)
+                        cached = []
+                    queue.push_reusable(block_id)
                 else:
-                    push_cached(block_id)
-            else:
-                raise PoolError(f"block {block_id} freed more often than referenced")
+                    raise PoolError(f"block {block_id} freed more often than referenced")
+        finally:
+            if cached:
+                queue.push_cached_many(cached)
 
     def insert_key(
         self, key: Key, block_id: int, num_tokens: int, stored: BlockStored | None = None

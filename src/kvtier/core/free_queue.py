@@ -9,7 +9,7 @@ operation is O(1) and no Python object exists per block.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from kvtier.core.keys import Key
@@ -36,6 +36,17 @@ class FreeQueue(Protocol):
         """Remove and return the block to reuse next. The queue is not empty."""
         ...
 
+    def pop_victims(self, num_blocks: int) -> list[int]:
+        """Remove and return the next `num_blocks` victims, as `pop_victim` would, in order.
+
+        The queue holds at least `num_blocks` blocks.
+        """
+        ...
+
+    def push_cached_many(self, block_ids: Sequence[int]) -> None:
+        """`push_cached` each of `block_ids`, in order."""
+        ...
+
     def iter_after(self, cursor: int | None) -> Iterator[int]:
         """Yield free blocks in eviction order, starting after `cursor` (head if None).
 
@@ -55,6 +66,26 @@ class FreeQueue(Protocol):
         reused.
         """
         ...
+
+
+class OneByOne:
+    """`pop_victims` and `push_cached_many` as loops over the one-block operations.
+
+    A mixin for eviction policies whose order has no cheaper batched form.
+    """
+
+    __slots__ = ()
+
+    def pop_victims(self: FreeQueue, num_blocks: int) -> list[int]:
+        """Pop `num_blocks` victims one at a time."""
+        pop_victim = self.pop_victim
+        return [pop_victim() for _ in range(num_blocks)]
+
+    def push_cached_many(self: FreeQueue, block_ids: Sequence[int]) -> None:
+        """Push each block one at a time."""
+        push_cached = self.push_cached
+        for block_id in block_ids:
+            push_cached(block_id)
 
 
 class LRUFreeQueue:
@@ -113,6 +144,39 @@ class LRUFreeQueue:
             raise IndexError("free queue is empty")
         self.remove(head)
         return head
+
+    def pop_victims(self, num_blocks: int) -> list[int]:
+        """Unlink and return the first `num_blocks` blocks (one relink for the run)."""
+        if num_blocks > self._len:
+            raise IndexError(f"cannot pop {num_blocks} blocks from a queue of {self._len}")
+        sentinel = self._sentinel
+        nxt = self._next
+        taken = []
+        node = sentinel
+        for _ in range(num_blocks):
+            node = nxt[node]
+            taken.append(node)
+        after = nxt[node]
+        nxt[sentinel] = after
+        self._prev[after] = sentinel
+        self._len -= num_blocks
+        return taken
+
+    def push_cached_many(self, block_ids: Sequence[int]) -> None:
+        """Append `block_ids` at the tail, in order (one relink for the run)."""
+        if not block_ids:
+            return
+        sentinel = self._sentinel
+        nxt = self._next
+        prv = self._prev
+        tail = prv[sentinel]
+        for block_id in block_ids:
+            nxt[tail] = block_id
+            prv[block_id] = tail
+            tail = block_id
+        nxt[tail] = sentinel
+        prv[sentinel] = tail
+        self._len += len(block_ids)
 
     def iter_after(self, cursor: int | None) -> Iterator[int]:
         """Yield from after `cursor` (or the head) to the tail."""

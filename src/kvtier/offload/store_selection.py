@@ -180,7 +180,7 @@ class StoreSelector:
         if NULL_BLOCK_ID in run:
             run = run[: run.index(NULL_BLOCK_ID)]
         in_flight = self.in_flight_keys
-        tier_get = self.tier_pool.cached_block
+        tier_index = self.tier_pool.index
         room = self.tier_pool.num_free()
         admit = self.admission.admit
         stored_before = self.lazy_stored  # empty in eager mode
@@ -193,7 +193,7 @@ class StoreSelector:
                 num_unhashed += 1
             elif key in in_flight:
                 num_in_flight += 1
-            elif tier_get(key) is not None:
+            elif key in tier_index:
                 num_cached += 1
             elif stored_before and stored_before.get(gpu_block_id) == key:
                 num_stored_before += 1  # the tier evicted this block's copy: not again

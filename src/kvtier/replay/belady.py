@@ -15,6 +15,7 @@ import heapq
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
+from kvtier.core.free_queue import OneByOne
 from kvtier.core.keys import Key
 
 NEVER = 1 << 62
@@ -91,7 +92,7 @@ class FutureOracle:
 Rank = Callable[[Key], int]
 
 
-class OraclePolicy:
+class OraclePolicy(OneByOne):
     """Evict the free block of highest rank (ties: the least recently freed); unhashed first.
 
     `rank` reads the future of a key of the current request: `FutureOracle.belady_rank`

@@ -21,6 +21,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from kvtier.core.free_queue import OneByOne
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 
@@ -28,7 +29,7 @@ _REUSABLE, _T1, _T2 = 0, 1, 2
 _ORDER = (_REUSABLE, _T1, _T2)
 
 
-class ARCPolicy:
+class ARCPolicy(OneByOne):
     """ARC eviction order for a pool of `num_blocks` blocks (block 0, the null block, unused)."""
 
     name = "arc"

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.free_queue import FreeQueue, LRUFreeQueue
+from kvtier.core.free_queue import FreeQueue, LRUFreeQueue, OneByOne
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
 from kvtier.core.policies.lfuda import DEFAULT_MAX_FREQUENCY, LFUDAPolicy
@@ -72,7 +72,7 @@ class ShadowCache:
         self._pool.check_invariants()
 
 
-class DuelingPolicy:
+class DuelingPolicy(OneByOne):
     """LRU or LFU-DA order for a pool of `num_blocks` blocks, chosen by set dueling."""
 
     name = "duel"

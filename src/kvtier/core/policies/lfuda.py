@@ -29,6 +29,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator
 
+from kvtier.core.free_queue import OneByOne
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 from kvtier.core.policies.sketch import CountMinSketch
@@ -38,7 +39,7 @@ AGING_PERIOD_PER_BLOCK = 10
 SKETCH_WIDTH_PER_BLOCK = 8
 
 
-class LFUDAPolicy:
+class LFUDAPolicy(OneByOne):
     """Capped LFU with dynamic aging for a pool of `num_blocks` blocks."""
 
     name = "lfuda"

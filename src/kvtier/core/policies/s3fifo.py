@@ -22,6 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from kvtier.core.free_queue import OneByOne
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 
@@ -30,7 +31,7 @@ _ORDER = (_REUSABLE, _SMALL, _MAIN)
 SMALL_FRACTION = 0.1
 
 
-class S3FIFOPolicy:
+class S3FIFOPolicy(OneByOne):
     """S3-FIFO eviction order for a pool of `num_blocks` blocks."""
 
     name = "s3fifo"
