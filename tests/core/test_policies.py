@@ -305,7 +305,7 @@ def test_every_policy_reuses_unhashed_blocks_first(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["arc", "s3fifo", "lfuda", "duel"])
 def test_note_key_twice_is_a_no_op(name: str) -> None:
-    """The pool (proposed hook) and the replay may both report a stored key."""
+    """The pool (`insert_key`) and the replay may both report a stored key."""
     once, twice = PolicySpec.parse(name).make_eviction(4), PolicySpec.parse(name).make_eviction(4)
     pools = [BlockPool(4, free_queue=once), BlockPool(4, free_queue=twice)]
     for i in [1, 2, 3, 4, 1, 5, 2, 1, 6, 3]:

@@ -1,15 +1,14 @@
 """What an eviction policy and an admission policy of a tier are (protocols).
 
 An **eviction policy** is a `FreeQueue` (core/free_queue.py): the pool calls it to queue
-and pick free blocks. Policies that remember keys (ghost lists, frequency sketches) need
-one more hook, `note_key`, telling them which key a freshly stored block holds. It is
-the proposed extension of the `FreeQueue` protocol: `BlockPool.insert_key` would call it
-for a block's primary key (a no-op in `LRUFreeQueue`); until then the owner of the pool
-calls it right after `insert_key`.
+and pick free blocks, and tells it which primary key a freshly stored block holds
+(`note_key`, called by `BlockPool.insert_key`), which policies that remember keys (ghost
+lists, frequency sketches) use. Policies with no cheaper batched form inherit
+`pop_victims` and `push_cached_many` from `OneByOne`.
 
 An **admission policy** decides whether a block that is not in the tier is stored at all.
-The offload scheduler would ask it in `StoreSelector.try_select` after the "already
-cached" check and before allocating a slot.
+The offload scheduler asks it during store selection, after the "already cached" check
+and before allocating a slot.
 
 Neither calls the pool back. Both are single-threaded, owned by whoever owns the pool.
 """
