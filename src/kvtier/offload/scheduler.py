@@ -254,6 +254,7 @@ class OffloadScheduler:
         selector.tracked.clear()
         selector.lazy_cursor = None
         selector.lazy_stored.clear()
+        selector.lazy_copying.clear()
         if self.cascade is not None:
             self.cascade.release(self.cascade.take_queued())
         self._book.abandon_stores()
@@ -374,5 +375,7 @@ class OffloadScheduler:
         for block_id, count in gpu_refs.items():
             assert self.gpu_pool.block(block_id).ref_count >= count, f"GPU block {block_id}"
         assert self.selector.in_flight_keys == {item.key for item in stores}, "in-flight keys"
+        copied = {item.gpu_block_id for item in stores}
+        assert self.selector.lazy_copying <= copied, "a lazy copy is tracked but not in flight"
         if self.cascade is not None:
             assert self.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"

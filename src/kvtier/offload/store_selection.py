@@ -75,6 +75,9 @@ class StoreSelector:
     # free queue's MRU end, where the walk meets it again; once a tier smaller than the
     # GPU cache evicted the copy, storing it again would copy blocks round in circles.
     lazy_stored: dict[int, Key] = field(default_factory=dict)
+    # Lazy mode: GPU blocks being copied that no request used since they were selected;
+    # only those are remembered in `lazy_stored` once their copy completes.
+    lazy_copying: set[int] = field(default_factory=set)
     admission: AdmissionPolicy = field(default_factory=AdmitAll)
 
     # ------------------------------------------------------------ request tracking
@@ -245,12 +248,21 @@ class StoreSelector:
         num_queued = len(self.queued)
         end = self._select_run(visited, 0, len(visited))
         selected = {item.gpu_block_id for item in self.queued[num_queued:]}
+        self.lazy_copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
         self.lazy_cursor = next((b for b in reversed(visited[:end]) if b not in selected), None)
 
     def note_lazy_stores(self, items: Sequence[StoreItem]) -> None:
-        """Remember the GPU blocks completed lazy stores copied, with their keys."""
-        self.lazy_stored.update((item.gpu_block_id, item.key) for item in items)
+        """Remember the GPU blocks completed lazy stores copied, with their keys.
+
+        A block a request used while its copy was in flight is not remembered: it is a
+        fresh candidate again once freed, like any block a request used.
+        """
+        copying = self.lazy_copying
+        self.lazy_stored.update(
+            (item.gpu_block_id, item.key) for item in items if item.gpu_block_id in copying
+        )
+        copying.difference_update([item.gpu_block_id for item in items])
 
     def note_blocks_in_use(self, block_ids_per_group: Iterable[Iterable[int]]) -> None:
         """Note GPU blocks a request now uses (lazy mode).
@@ -260,6 +272,7 @@ class StoreSelector:
         it), so a cursor among them restarts the next walk from the head.
         """
         stored_before = self.lazy_stored
+        copying = self.lazy_copying
         cursor = self.lazy_cursor
         for block_ids in block_ids_per_group:
             for block_id in block_ids:
@@ -267,6 +280,8 @@ class StoreSelector:
                     self.lazy_cursor = cursor = None
                 if stored_before:
                     stored_before.pop(block_id, None)
+                if copying:
+                    copying.discard(block_id)
 
     def select_handoffs(
         self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
@@ -330,6 +345,8 @@ class StoreSelector:
         """Drop the pins and in-flight keys of items that will register nothing."""
         items = list(items)
         self.gpu_pool.free([item.gpu_block_id for item in items])
+        if self.lazy_copying:
+            self.lazy_copying.difference_update([item.gpu_block_id for item in items])
         self.tier_pool.free([item.tier_block_id for item in items])
         for item in items:
             self.in_flight_keys.discard(item.key)
