@@ -17,12 +17,12 @@ def key(i: int) -> Key:
 
 
 def lazy_selector(num_cached: int) -> StoreSelector:
-    """Return a selector over a GPU pool whose `num_cached` free blocks hold keys."""
-    gpu = BlockPool(8)
+    """Return a selector over a GPU pool of `num_cached` free blocks holding keys 0, 1, ..."""
+    gpu = BlockPool(num_cached + 1)
     blocks = gpu.allocate(num_cached)
     for i, block_id in enumerate(blocks):
         gpu.insert_key(key(i), block_id, 4)
-    gpu.free(blocks[::-1])
+    gpu.free(blocks)  # queued in key order
     return StoreSelector(
         full_layout(block_size=4),
         gpu,
@@ -62,3 +62,23 @@ def test_released_lazy_copies_are_forgotten() -> None:
     selector.release(selector.take_queued())
     assert not selector.lazy_copying
     assert not selector.lazy_stored
+
+
+def test_a_walk_that_selects_every_visited_block_keeps_the_cursor() -> None:
+    """The next walk resumes after the last block still free, not from the head.
+
+    Walk 1 visits A and B (already in the tier), walk 2 selects C and D: the cursor stays
+    at B, so walk 3 finds nothing new instead of visiting A and B again.
+    """
+    selector = lazy_selector(4)
+    _a, b, c, d = selector.gpu_pool.iter_free_after(None)
+    tier = selector.tier_pool
+    for i, block_id in enumerate(tier.allocate(2)):
+        tier.insert_key(key(i), block_id, 4)  # A's and B's keys
+    selector.select_lazy(2)
+    assert selector.lazy_cursor == b
+    selector.select_lazy(2)
+    assert [item.gpu_block_id for item in selector.queued] == [c, d]
+    assert selector.lazy_cursor == b
+    selector.select_lazy(2)
+    assert selector.counters.store_outcomes == {"stored": 2, "skipped_already_cached": 2}

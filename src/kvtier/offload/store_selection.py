@@ -250,7 +250,9 @@ class StoreSelector:
         selected = {item.gpu_block_id for item in self.queued[num_queued:]}
         self.lazy_copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
-        self.lazy_cursor = next((b for b in reversed(visited[:end]) if b not in selected), None)
+        self.lazy_cursor = next(
+            (b for b in reversed(visited[:end]) if b not in selected), self.lazy_cursor
+        )
 
     def note_lazy_stores(self, items: Sequence[StoreItem]) -> None:
         """Remember the GPU blocks completed lazy stores copied, with their keys.
