@@ -13,8 +13,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+from safetensors import SafetensorError
 
-from kvtier.cli.demo_checks import check_options, check_sizes
+from kvtier.cli.demo_checks import check_options, check_paths, check_sizes
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -22,6 +23,9 @@ from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 
 PIPE_WIDTH = 160  # columns of the table when output is not a terminal
 MIB = 1 << 20
+# Prompt ids stay below this (and the model's vocab): the demo model's whole vocab, and
+# ordinary tokens of a real checkpoint's vocab, whose special tokens sit at the top.
+PROMPT_VOCAB_SIZE = 1024
 
 
 def add_parser(subparsers: Any) -> None:
@@ -77,22 +81,30 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Run every configuration, print the comparison, write the plot."""
+    """Run every configuration, print the comparison, write the plot.
+
+    Returns 0 when every configuration produced identical tokens, 1 when they differ and
+    2 for a bad option (the message, on stderr, names it).
+    """
     console = _console()
+    try:
+        check_options(args)
+        check_paths(args)
+    except ValueError as exc:
+        return _report(exc)
     with tempfile.TemporaryDirectory(dir=args.disk_dir, prefix="kvtier-demo-") as disk_dir:
+        model: str | ModelConfig = args.model_dir or ModelConfig.demo()
+        engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
         try:
-            check_options(args)
-            model, engine, workload, configs = _setup(args, disk_dir)
-            warm = LLM(model, engine=engine)
-        except ValueError as exc:  # a bad option value, named by the message
-            print(f"kvtier demo: error: {exc}", file=sys.stderr)
-            return 2
+            warm = _load_engine(model, engine)
+        except ValueError as exc:
+            return _report(exc)
         with warm:  # the sizes, then warm up kernels and allocator (two prompts share one)
             try:
+                workload, configs = _setup(args, warm.model_config.vocab_size, disk_dir)
                 check_sizes(workload, configs, warm.layout, args.gpu_blocks)
             except ValueError as exc:
-                print(f"kvtier demo: error: {exc}", file=sys.stderr)
-                return 2
+                return _report(exc)
             warm_up = replace(workload, num_conversations=2, num_turns=1)
             run_chat(warm, warm_up, "warm-up")
         results = []
@@ -114,13 +126,33 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
+def _report(exc: ValueError) -> int:
+    """Print a bad option's message the way argparse does; return the exit status 2."""
+    print(f"kvtier demo: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _load_engine(model: str | ModelConfig, engine: EngineConfig) -> LLM:
+    """Return the warm-up engine (no offload) on `model`, a ModelConfig or --model-dir.
+
+    A checkpoint whose weights cannot be read raises ValueError naming --model-dir.
+    """
+    if isinstance(model, ModelConfig):
+        return LLM(model, engine=engine)
+    try:
+        return LLM(model, engine=engine)
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise ValueError(f"--model-dir={model}: {exc}") from None
+
+
 def _setup(
-    args: argparse.Namespace, disk_dir: str
-) -> tuple[str | ModelConfig, EngineConfig, ChatWorkload, list[tuple[str, OffloadConfig | None]]]:
-    """Return the model, engine, workload and configurations (options already checked)."""
-    model: str | ModelConfig = args.model_dir or ModelConfig.demo()
-    vocab = ModelConfig.demo().vocab_size if args.model_dir is None else None
-    engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
+    args: argparse.Namespace, model_vocab_size: int, disk_dir: str
+) -> tuple[ChatWorkload, list[tuple[str, OffloadConfig | None]]]:
+    """Return the workload and configurations (options already checked).
+
+    Prompt token ids are drawn below `model_vocab_size` (the loaded model's) and below
+    PROMPT_VOCAB_SIZE.
+    """
     workload = ChatWorkload(
         num_conversations=args.conversations,
         num_turns=args.turns,
@@ -128,7 +160,7 @@ def _setup(
         num_document_tokens=args.document_tokens,
         num_user_tokens=args.user_tokens,
         num_answer_tokens=args.answer_tokens,
-        vocab_size=vocab or 1000,
+        vocab_size=min(model_vocab_size, PROMPT_VOCAB_SIZE),
     )
     configs: list[tuple[str, OffloadConfig | None]] = [
         ("offload off", None),
@@ -152,7 +184,7 @@ def _setup(
             ),
         ),
     ]
-    return model, engine, workload, configs
+    return workload, configs
 
 
 def _console() -> Console:

@@ -1,4 +1,4 @@
-"""What `kvtier demo` checks before serving: option ranges, and that everything fits.
+"""What `kvtier demo` checks before serving: option ranges, paths, and that everything fits.
 
 Each check raises ValueError with a message naming the option to change, so a bad value
 stops the demo at once with that message instead of a traceback minutes into a run.
@@ -7,11 +7,18 @@ stops the demo at once with that message instead of a traceback minutes into a r
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+from pathlib import Path
 
 from kvtier.core.kv_groups import KVLayout
 from kvtier.engine.chat_workload import ChatWorkload
-from kvtier.offload.config import ConfigError, OffloadConfig
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.weights import checkpoint_files
+from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
 from kvtier.offload.plan import Tier
+from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
 # The least value of each numeric option (message lengths may be 0, not all of them).
 OPTION_MINIMUMS = {
@@ -50,13 +57,65 @@ def check_options(args: argparse.Namespace) -> None:
         )
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """Raise ValueError when --disk-dir, --out or --model-dir cannot serve their purpose.
+
+    Runs before any engine starts, so that a bad path does not surface as a traceback
+    (or, for --out, only after every run has been served).
+    """
+    if args.disk_dir is not None:
+        disk_dir = Path(args.disk_dir)
+        if not disk_dir.exists():  # the demo makes its temporary directory inside it
+            raise ValueError(f"--disk-dir={disk_dir} does not exist")
+        _check_writable_dir("--disk-dir", disk_dir)
+    _check_writable_dir("--out", Path(args.out))
+    if args.model_dir is not None:
+        check_model_dir(args.model_dir)
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Raise ValueError naming --model-dir when it holds no weights or a config we cannot read.
+
+    Reads config.json and lists the safetensors files; the weights themselves are read
+    (and checked against the config) when the engine loads them.
+    """
+    flag = f"--model-dir={model_dir}"
+    path = Path(model_dir)
+    if not path.is_dir():
+        state = "is not a directory" if path.exists() else "does not exist"
+        raise ValueError(f"{flag} {state} (a local HF checkpoint directory is needed)")
+    try:
+        checkpoint_files(path)
+        ModelConfig.from_hf_config(path)
+    except KeyError as exc:
+        raise ValueError(f"{flag}: config.json lacks the key {exc}") from None
+    except (OSError, ValueError, TypeError) as exc:  # missing file, bad JSON, bad value
+        if isinstance(exc, json.JSONDecodeError):
+            raise ValueError(f"{flag}: config.json is not valid JSON ({exc})") from None
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def _check_writable_dir(flag: str, path: Path) -> None:
+    """Raise ValueError unless `path` is, or mkdir(parents=True) can make, a writable folder."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag}={path} is a file, not a directory")
+    existing = path
+    while not existing.exists():  # the folder mkdir(parents=True) would create it in
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag}={path} cannot be created: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}={path}: {existing} is not writable")
+
+
 def check_sizes(
     workload: ChatWorkload,
     configs: list[tuple[str, OffloadConfig | None]],
     layout: KVLayout,
     gpu_blocks: int,
 ) -> None:
-    """Raise ValueError when a last turn cannot fit the GPU pool or a tier is too small.
+    """Raise ValueError when a last turn cannot fit the GPU pool, a tier is too small, or
+    direct disk I/O cannot write the blocks.
 
     The reference engine gives every KV group its own blocks of the one pool, so a
     sequence needs its block count once per group.
@@ -83,3 +142,30 @@ def check_sizes(
                 budget = "cpu_bytes" if tier is Tier.CPU else "disk_bytes"
                 option = TIER_OPTIONS[(name, budget)]
                 raise ValueError(f"{option} is too small for the {name} run: {exc}") from None
+
+    _check_direct_io(configs, layout)
+
+
+def _check_direct_io(configs: list[tuple[str, OffloadConfig | None]], layout: KVLayout) -> None:
+    """Raise ValueError when a disk run uses direct I/O with blocks it cannot write.
+
+    O_DIRECT writes whole 4096-byte pages: a block (one disk tier slot) must be a
+    multiple of DIRECT_IO_ALIGNMENT bytes.
+    """
+    bytes_per_block = layout.bytes_per_block
+    is_direct = any(
+        config is not None
+        and Tier.DISK in config.tiers
+        and config.disk_io_mode is DiskIOMode.DIRECT
+        for _, config in configs
+    )
+    if not is_direct or bytes_per_block % DIRECT_IO_ALIGNMENT == 0:
+        return
+    block_size = layout.scheduler_block_size
+    bytes_per_token = bytes_per_block // block_size
+    aligned = DIRECT_IO_ALIGNMENT // math.gcd(DIRECT_IO_ALIGNMENT, bytes_per_token)
+    raise ValueError(
+        f"--disk-io=direct writes whole {DIRECT_IO_ALIGNMENT}-byte pages, but --block-size="
+        f"{block_size} gives blocks of {bytes_per_block} bytes: use --disk-io page_cache, or a"
+        f" --block-size that is a multiple of {aligned}"
+    )

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from kvtier.cli import demo
 from kvtier.replay import cli as replay_cli
+
+# The status of a command whose reader went away (`kvtier replay t.jsonl | head -1`): what
+# a shell reports for a process killed by SIGPIPE, 128 + 13.
+BROKEN_PIPE_STATUS = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,14 +30,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the `kvtier` command line; return the exit status."""
+    """Run the `kvtier` command line; return the exit status.
+
+    Output piped into a reader that stops early (`| head -1`) ends the command quietly
+    with BROKEN_PIPE_STATUS instead of a BrokenPipeError traceback.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    status: int = args.run(args)
+    try:
+        status: int = args.run(args)
+        sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
+    except BrokenPipeError:
+        _discard_stdout()
+        return BROKEN_PIPE_STATUS
     return status
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at os.devnull.
+
+    Output still buffered in sys.stdout is then flushed there when the interpreter exits,
+    instead of raising BrokenPipeError a second time.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+        pass
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,191 @@
+"""`kvtier demo` on a small checkpoint, and bad paths named before anything is served."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from kvtier.cli.demo_checks import check_sizes
+from kvtier.cli.main import main
+from kvtier.core.kv_groups import KVLayout
+from kvtier.engine.chat_workload import ChatWorkload
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.model import build_model
+from kvtier.offload.config import DiskIOMode, OffloadConfig
+
+TINY_HF_CONFIG = {  # ModelConfig.tiny() in HF terms: a vocab of 128
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+SMALL_RUN = [  # one short conversation: 16 + 8 + 2 tokens, 2 blocks of 16
+    "--conversations=1",
+    "--turns=1",
+    "--system-tokens=16",
+    "--document-tokens=0",
+    "--user-tokens=8",
+    "--answer-tokens=2",
+    "--gpu-blocks=8",
+    "--cpu-mib=1",
+    "--disk-mib=1",
+    "--cascade-cpu-mib=1",
+]
+
+
+def save_tiny_checkpoint(path: Path, config: dict[str, object] = TINY_HF_CONFIG) -> Path:
+    """Write ModelConfig.tiny() with random weights as a one-file HF checkpoint at `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    model = build_model(ModelConfig.tiny(), seed=3)
+    tensors = {
+        name if name == "lm_head.weight" else f"model.{name}": p.detach().clone()
+        for name, p in model.named_parameters()
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def run_demo(tmp_path: Path, *options: str) -> int:
+    """Run `kvtier demo` on the small run with its disk tier and plot under `tmp_path`."""
+    return main(
+        ["demo", *SMALL_RUN, f"--disk-dir={tmp_path}", f"--out={tmp_path / 'out'}", *options]
+    )
+
+
+def test_demo_serves_a_checkpoint_with_a_small_vocab(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression: prompt ids were drawn below 1000 whatever the checkpoint's vocab.
+    model_dir = save_tiny_checkpoint(tmp_path / "ckpt")
+    status = run_demo(tmp_path, f"--model-dir={model_dir}", "--disk-io=page_cache")
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "identical tokens across configurations: yes" in captured.out
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _with_config(model_dir: Path, **changes: object) -> None:
+    """Save the tiny checkpoint, then rewrite its config.json with `changes` (None drops)."""
+    save_tiny_checkpoint(model_dir)
+    config = {**TINY_HF_CONFIG, **changes}
+    _write(model_dir / "config.json", json.dumps({k: v for k, v in config.items() if v}))
+
+
+BAD_MODEL_DIRS = {  # case -> (how to make the directory, what the error says)
+    "missing": (lambda d: None, "does not exist"),
+    "a file": (lambda d: _write(d, "not a checkpoint"), "is not a directory"),
+    "no weights": (
+        lambda d: _write(d / "config.json", json.dumps(TINY_HF_CONFIG)),
+        "no *.safetensors files in",
+    ),
+    "no config": (
+        lambda d: (save_tiny_checkpoint(d) / "config.json").unlink(),
+        "No such file or directory",
+    ),
+    "config not JSON": (
+        lambda d: (save_tiny_checkpoint(d), _write(d / "config.json", "{vocab_size: 128")),
+        "config.json is not valid JSON",
+    ),
+    "config lacks a key": (
+        lambda d: _with_config(d, hidden_size=None),
+        "config.json lacks the key 'hidden_size'",
+    ),
+    "architecture": (
+        lambda d: _with_config(d, architectures=["GPT2LMHeadModel"]),
+        "architectures=['GPT2LMHeadModel'] not supported",
+    ),
+    "weights of another shape": (
+        lambda d: _with_config(d, hidden_size=32),
+        "has shape (128, 64), the model expects (128, 32)",
+    ),
+    "weights not safetensors": (
+        lambda d: (save_tiny_checkpoint(d) / "model.safetensors").write_bytes(bytes(64)),
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MODEL_DIRS))
+def test_demo_names_a_bad_model_dir(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression: only ValueError was caught; a missing directory gave a traceback.
+    model_dir = tmp_path / "ckpt"
+    make, message = BAD_MODEL_DIRS[case]
+    make(model_dir)
+    assert run_demo(tmp_path, f"--model-dir={model_dir}") == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"kvtier demo: error: --model-dir={model_dir}")
+    assert message in captured.err
+    assert "serving" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--disk-dir={tmp}/missing", "--disk-dir={tmp}/missing does not exist"),
+        ("--disk-dir={tmp}/afile", "--disk-dir={tmp}/afile is a file, not a directory"),
+        ("--out={tmp}/afile", "--out={tmp}/afile is a file, not a directory"),
+        (
+            "--out={tmp}/afile/plots",
+            "--out={tmp}/afile/plots cannot be created: {tmp}/afile is not a directory",
+        ),
+    ],
+)
+def test_demo_names_a_bad_path_before_serving(
+    option: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression: a traceback, or for --out exit 1 after every run with no verdict.
+    _write(tmp_path / "afile", "")
+    assert run_demo(tmp_path, option.format(tmp=tmp_path)) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"kvtier demo: error: {message.format(tmp=tmp_path)}\n"
+    assert "serving" not in captured.out
+
+
+def test_demo_names_disk_io_for_unaligned_blocks_before_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression: the error came when the disk run started, naming DiskIOMode.PAGE_CACHE.
+    # The demo model holds 6 KiB of K/V per token: blocks of 1 token are not 4096-aligned.
+    assert run_demo(tmp_path, "--block-size=1", "--gpu-blocks=64") == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kvtier demo: error: --disk-io=direct writes whole 4096")
+    assert "--block-size=1 gives blocks of 6144 bytes: use --disk-io page_cache" in captured.err
+    assert "a --block-size that is a multiple of 2" in captured.err
+    assert "serving" not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("block_size", "mode", "is_accepted"),
+    [
+        (16, DiskIOMode.DIRECT, True),  # 8192 bytes
+        (8, DiskIOMode.DIRECT, True),  # 4096 bytes
+        (4, DiskIOMode.DIRECT, False),  # 2048 bytes
+        (4, DiskIOMode.PAGE_CACHE, True),
+    ],
+)
+def test_check_sizes_needs_4096_byte_blocks_for_direct_io(
+    block_size: int, mode: DiskIOMode, is_accepted: bool, tmp_path: Path
+) -> None:
+    workload = ChatWorkload(num_conversations=1, num_turns=1, num_answer_tokens=1)
+    layout = KVLayout.single(block_size, 512 * block_size)  # ModelConfig.tiny(): 512 B/token
+    disk = OffloadConfig(disk_bytes=1 << 20, disk_path=str(tmp_path), disk_io_mode=mode)
+    configs: list[tuple[str, OffloadConfig | None]] = [("offload off", None), ("disk tier", disk)]
+    if is_accepted:
+        check_sizes(workload, configs, layout, gpu_blocks=1024)
+    else:
+        with pytest.raises(ValueError, match="a --block-size that is a multiple of 8"):
+            check_sizes(workload, configs, layout, gpu_blocks=1024)

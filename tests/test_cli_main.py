@@ -1,0 +1,79 @@
+"""The `kvtier` command: output piped into a reader that stops early ends it quietly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import BROKEN_PIPE_STATUS, main
+
+KVTIER = [sys.executable, "-m", "kvtier.cli.main"]  # what the `kvtier` script runs
+
+
+def write_trace(path: Path, num_requests: int = 20) -> Path:
+    """Write a small Mooncake-format trace: requests sharing a two-block prefix."""
+    lines = [
+        json.dumps(
+            {
+                "timestamp": 100 * i,
+                "input_length": 2048,
+                "output_length": 8,
+                "hash_ids": [1, 2, 100 + 2 * i, 101 + 2 * i],
+            }
+        )
+        for i in range(num_requests)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_replay_into_a_closed_pipe_exits_without_a_traceback(tmp_path: Path) -> None:
+    # Regression: `kvtier replay t.jsonl | head -1` printed a BrokenPipeError traceback.
+    # The read end is closed before the command writes, so every write meets EPIPE.
+    trace = write_trace(tmp_path / "trace.jsonl")
+    command = [*KVTIER, "replay", str(trace), "--quiet"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode()
+        status = proc.wait(timeout=120)
+    assert status == BROKEN_PIPE_STATUS, stderr
+    assert stderr == ""
+
+
+def test_replay_piped_into_head_prints_its_first_line(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "trace.jsonl")
+    command = " ".join([*KVTIER, "replay", str(trace), "--quiet", "| head -1"])
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode in (0, BROKEN_PIPE_STATUS), done.stderr  # 0: all fit the pipe
+    assert done.stdout.startswith(f"{trace}: 20 requests")
+    assert done.stdout.count("\n") == 1
+    assert "Traceback" not in done.stderr
+
+
+class ClosedPipe:
+    """A stdout whose reader has gone, and which has no file descriptor."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        raise OSError("no file descriptor")
+
+
+def test_main_returns_the_broken_pipe_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = write_trace(tmp_path / "trace.jsonl")
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["replay", str(trace), "--quiet"]) == BROKEN_PIPE_STATUS
