@@ -8,6 +8,7 @@ last position first.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -16,11 +17,14 @@ from replay_helpers import BLOCK, chat_trace, doc_trace
 
 from kvtier.core.policies import EVICTION_POLICIES
 from kvtier.replay.tier_replay import (
+    CascadeMode,
     ReplayConfig,
     ReplayError,
     TierConfig,
     TierReplay,
+    max_blocks_held,
     replay_trace,
+    trace_keys,
 )
 from kvtier.replay.trace import TraceRecord
 
@@ -170,13 +174,19 @@ def test_counts_and_ttft_are_consistent() -> None:
     assert 0 < result.mean_ttft_s < result.mean_ttft_no_cache_s
 
 
-def test_gpu_too_small_for_a_request_names_it() -> None:
+def test_gpu_too_small_for_a_request_names_it_before_the_replay() -> None:
     records = TRACES["doc"]
+    sizes = [len(r.hash_ids) for r in records]
+    largest = sizes.index(max(sizes))
     config = ReplayConfig(
-        tiers=(TierConfig("CPU", 10 * BLOCK, 25.0),), gpu_capacity_tokens=BLOCK, block_size=BLOCK
+        tiers=(TierConfig("CPU", 10 * BLOCK, 25.0),),
+        gpu_capacity_tokens=(max(sizes) - 1) * BLOCK,
+        block_size=BLOCK,
     )
-    with pytest.raises(ReplayError, match="request 0: needs"):
-        TierReplay(records, config).run()
+    with pytest.raises(ReplayError, match=rf"request {largest} \(0-based\) needs {max(sizes)} GPU"):
+        TierReplay(records, config)  # the constructor checks: no request is replayed
+    fits = dataclasses.replace(config, gpu_capacity_tokens=max(sizes) * BLOCK)
+    TierReplay(records, fits).run()
 
 
 def test_bad_configuration_is_rejected() -> None:
@@ -184,7 +194,70 @@ def test_bad_configuration_is_rejected() -> None:
         ReplayConfig(tiers=(TierConfig("CPU", 1000, 25.0),), policy="nope")
     with pytest.raises(ReplayError, match="holds no 512-token block"):
         ReplayConfig(tiers=(TierConfig("CPU", 100, 25.0),))
-    with pytest.raises(ReplayError, match="capacity must be > 0"):
+    with pytest.raises(ReplayError, match="capacity must be > 0 tokens, got 0"):
         TierConfig("CPU", 0, 25.0)
+    with pytest.raises(ReplayError, match=r"'belady' is offline.*no admission filter"):
+        ReplayConfig(tiers=(TierConfig("CPU", 1000, 25.0),), policy="belady+door")
     with pytest.raises(ReplayError, match="gpu capacity must be 0"):
         ReplayConfig(tiers=(TierConfig("CPU", 1000, 25.0),), gpu_capacity_tokens=100)
+
+
+def test_blocks_held_counts_distinct_keys_and_repeats_within_a_request() -> None:
+    records = [TraceRecord(0, 24, 1, (1, 2, 3)), TraceRecord(1, 16, 1, (1, 4))]
+    assert max_blocks_held(trace_keys(records)) == 4
+    repeats = [TraceRecord(0, 24, 1, (5, 5, 5)), TraceRecord(1, 16, 1, (5, 5))]
+    assert max_blocks_held(trace_keys(repeats)) == 3
+
+
+CAPPED_POLICIES = [*EVICTION_POLICIES, "lru+door", "belady", "oracle-lfu"]
+CAPPED_CASES = [("cpu", p) for p in CAPPED_POLICIES] + [
+    ("gpu+cpu+disk", p) for p in CAPPED_POLICIES
+]
+CAPPED_CASES += [(mode.value, p) for mode in CascadeMode for p in CAPPED_POLICIES[:-2]]
+
+
+def capped_config(setup: str, policy: str, num_blocks: int) -> ReplayConfig:
+    big = num_blocks * BLOCK
+    cpu, disk = TierConfig("CPU", big, 25.0), TierConfig("DISK", big, 5.0)
+    if setup == "cpu":
+        return ReplayConfig(tiers=(cpu,), policy=policy, block_size=BLOCK, check_every=11)
+    if setup == "gpu+cpu+disk":
+        small_cpu = TierConfig("CPU", 5 * BLOCK, 25.0)  # evicts: only DISK and GPU are capped
+        return ReplayConfig(
+            tiers=(small_cpu, disk), policy=policy, gpu_capacity_tokens=big, block_size=BLOCK
+        )
+    small_cpu = TierConfig("CPU", 7 * BLOCK, 25.0)
+    mode = CascadeMode(setup)
+    return ReplayConfig(tiers=(small_cpu, disk), policy=policy, block_size=BLOCK, cascade=mode)
+
+
+@pytest.mark.parametrize(("setup", "policy"), CAPPED_CASES)
+def test_a_tier_larger_than_the_trace_is_capped_with_identical_results(
+    setup: str, policy: str
+) -> None:
+    records = TRACES["chat"] + [TraceRecord(10**9, 24, 1, (90, 90, 91))]  # a repeated id
+    cap = max_blocks_held(trace_keys(records))
+    config = capped_config(setup, policy, 5 * cap)
+    capped = TierReplay(records, config)
+    full = TierReplay(records, config, max_tier_blocks=10 * cap)  # no cap: 5 x cap blocks
+    assert max(t.pool.num_usable_blocks for t in capped.tiers) == cap
+    assert max(t.pool.num_usable_blocks for t in full.tiers) == 5 * cap
+    if capped.gpu_pool is not None:
+        assert capped.gpu_pool.num_usable_blocks == cap
+    a = dataclasses.replace(capped.run(), runtime_s=0.0)
+    b = dataclasses.replace(full.run(), runtime_s=0.0)
+    assert a == b
+    assert max(t.num_blocks for t in a.tiers) == 5 * cap  # the configured size is reported
+
+
+def test_a_huge_capacity_allocates_what_the_trace_holds() -> None:
+    records = TRACES["doc"]
+    huge = TierConfig("CPU", 10**18, 25.0)
+    config = ReplayConfig(tiers=(huge,), gpu_capacity_tokens=10**18, block_size=BLOCK)
+    replay = TierReplay(records, config)
+    cap = max_blocks_held(replay.keys)
+    assert replay.tiers[0].pool.num_usable_blocks == cap
+    result = replay.run()
+    assert result.tiers[0].num_blocks == 10**18 // BLOCK
+    assert result.gpu is not None
+    assert result.gpu.num_blocks == 10**18 // BLOCK

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -9,7 +10,15 @@ import pytest
 
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.generate import main as generate_main
-from kvtier.replay.trace import TraceError, TraceRecord, read_trace, summarize, write_trace
+from kvtier.replay.tier_replay import trace_keys
+from kvtier.replay.trace import (
+    TraceError,
+    TraceRecord,
+    read_numbered_trace,
+    read_trace,
+    summarize,
+    write_trace,
+)
 
 GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}
 
@@ -29,6 +38,10 @@ def write_lines(path: Path, rows: list[object]) -> Path:
         ({**GOOD, "input_length": -1}, "input_length must be an int >= 0"),
         ({**GOOD, "hash_ids": [1, 2, 3]}, "3 hash_ids for input_length=1000, expected 2"),
         ({**GOOD, "timestamp": -5}, "timestamp must be an int"),
+        ({**GOOD, "hash_ids": [1, 2**64]}, f"hash id {2**64} does not fit in 64 bits"),
+        ({**GOOD, "hash_ids": [7, 7]}, "hash id 7 repeats within the record"),
+        ("[" * 100_000, r"not valid JSON \(nested too deeply\)"),
+        ('{"hash_ids": [' + "9" * 5000 + "]}", "not valid JSON"),
     ],
 )
 def test_malformed_record_names_its_line(tmp_path: Path, bad: object, message: str) -> None:
@@ -82,3 +95,32 @@ def test_chat_generator_validates_and_writes(tmp_path: Path) -> None:
     out = tmp_path / "chat.jsonl"
     assert generate_main([str(out), "--conversations", "5", "--seed", "3"]) == 0
     assert len(read_trace(out)) >= 5
+
+
+def test_largest_64_bit_hash_id_is_accepted_and_keyed(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [{**GOOD, "hash_ids": [0, 2**64 - 1]}])
+    records = read_trace(path, 512)
+    assert len(trace_keys(records)[0]) == 2
+
+
+def test_non_utf8_line_is_an_error_naming_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"timestamp": \xff}\n')
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: not UTF-8 text \(byte 0xff at column 15\)"):
+        read_trace(path, 512)
+
+
+def test_gzip_trace_is_read_as_is_and_a_truncated_one_names_the_file(tmp_path: Path) -> None:
+    records = [TraceRecord(i, 1000, 5, (i, 100 + i)) for i in range(200)]
+    write_trace(tmp_path / "t.jsonl", records)
+    packed = gzip.compress((tmp_path / "t.jsonl").read_bytes())
+    (tmp_path / "t.jsonl.gz").write_bytes(packed)
+    assert read_trace(tmp_path / "t.jsonl.gz", 512) == records
+    (tmp_path / "cut.gz").write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(TraceError, match=r"cut\.gz:\d+: corrupt gzip data"):
+        read_trace(tmp_path / "cut.gz", 512)
+
+
+def test_numbered_trace_gives_each_record_its_file_line(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [GOOD, "", "  ", {**GOOD, "timestamp": 3}])
+    assert [number for number, _ in read_numbered_trace(path, 512)] == [1, 4]

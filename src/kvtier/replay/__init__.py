@@ -12,6 +12,9 @@
 | `sweep` | many (policy, capacity) passes; CSV, JSON, plot |
 | `generate` | the multi-turn chat workload generator |
 | `cli` | `kvtier replay` / `python -m kvtier.replay` |
+| `plan` | the CLI's options, output paths and trace checked into a `ReplayPlan` before a run |
+| `outputs` | checks that `--json` / `--out` can be written |
+| `report` | exact capacity labels (`1000001`, `1M`, `10G`) and the results table |
 """
 
 from kvtier.replay.config import (

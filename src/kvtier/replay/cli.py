@@ -6,62 +6,63 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import os
 import re
 import sys
 from collections.abc import Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
-from kvtier.replay.belady import BELADY, OFFLINE_POLICIES
-from kvtier.replay.config import (
-    CascadeMode,
-    ReleaseOrder,
-    ReplayConfig,
-    ReplayError,
-    TierConfig,
-)
+from kvtier.replay.belady import OFFLINE_POLICIES
+from kvtier.replay.config import CascadeMode, ReleaseOrder, ReplayError
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
-from kvtier.replay.sweep import (
-    DEFAULT_SWEEP_TOKENS,
-    LRU,
-    SweepPoint,
-    hit_ratio_table,
-    plot_sweep,
-    point_row,
-    run_sweep,
-    write_csv,
-    write_json,
-)
-from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceError, read_trace, summarize
+from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
+from kvtier.replay.report import format_table
+from kvtier.replay.sweep import SweepPoint, plot_sweep, run_sweep, write_csv, write_json
+from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceError, TraceSummary, summarize
+
+__all__ = ["add_parser", "configure", "format_table", "main", "parse_tokens", "run"]
 
 _SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader that went away
 
 
 def parse_tokens(text: str) -> int:
-    """Parse a token count like `300k`, `1M`, `1.5M` or `2000000`."""
+    """Parse a whole token count like `300k`, `1M`, `1.5M` or `2000000`."""
     match = _CAPACITY.match(text)
     if match is None:
         raise argparse.ArgumentTypeError(
             f"invalid token count {text!r}: use e.g. 300k, 1M, 1.5M or 2000000"
         )
-    value = float(match.group(1)) * _SUFFIXES[match.group(2).lower()]
-    return round(value)
-
-
-def format_tokens(num_tokens: int) -> str:
-    """Return `num_tokens` as 300k / 1M / 1.5M."""
-    for suffix, unit in (("M", 1_000_000), ("k", 1_000)):
-        if num_tokens >= unit:
-            return f"{num_tokens / unit:g}{suffix}"
-    return str(num_tokens)
+    value = Fraction(match.group(1)) * _SUFFIXES[match.group(2).lower()]
+    if value.denominator != 1:
+        raise argparse.ArgumentTypeError(
+            f"invalid token count {text!r}: {float(value)} is not a whole number of tokens"
+        )
+    return int(value)
 
 
 def _policy_name(text: str) -> str:
-    if text.strip().lower() in OFFLINE_POLICIES:
-        return text.strip().lower()
+    name = text.strip().lower()
+    if name in OFFLINE_POLICIES:
+        return name
+    eviction, _, admission = name.partition("+")
+    if eviction in OFFLINE_POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {eviction!r} is an offline policy with its own admission rule (store "
+            f"only what is used again), so it takes no admission filter such as "
+            f"'+{admission}'; use {eviction!r}"
+        )
+    if eviction not in EVICTION_POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {text!r}: use EVICTION[+ADMISSION] with eviction one of "
+            f"{', '.join(EVICTION_POLICIES)} and admission one of "
+            f"{', '.join(a for a in ADMISSION_POLICIES if a != 'all')}; or an offline "
+            f"policy: {', '.join(OFFLINE_POLICIES)}"
+        )
     try:
         return PolicySpec.parse(text).name
     except ValueError as exc:
@@ -128,7 +129,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="capacity sweep: adds lru and belady (not with --cascade), writes sweep.csv and "
         "sweep.png to --out",
     )
-    parser.add_argument("--out", default="replay_out", help="folder for the sweep CSV and plot")
+    parser.add_argument(
+        "--out", help=f"with --sweep: folder for the sweep CSV and plot (default {DEFAULT_OUT})"
+    )
     parser.add_argument(
         "--json",
         metavar="PATH",
@@ -166,8 +169,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disk-link-gbps",
         type=float,
-        default=DEFAULT_LINK_GBPS["DISK"],
-        help=f"DISK -> GPU load link in GB/s (default {DEFAULT_LINK_GBPS['DISK']:g})",
+        help=f"with --disk-capacity: DISK -> GPU load link in GB/s (default "
+        f"{DEFAULT_LINK_GBPS['DISK']:g})",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)
@@ -201,73 +204,64 @@ examples:
 """
 
 
-def build_config(args: argparse.Namespace) -> ReplayConfig:
-    """Return the base replay configuration described by the parsed arguments."""
-    if args.cascade and not args.disk_capacity:
-        raise ReplayError(f"--cascade {args.cascade} needs a DISK tier: add --disk-capacity")
-    tiers = [TierConfig("CPU", (args.capacity or [1_000_000])[0], args.cpu_link_gbps)]
-    if args.disk_capacity:
-        tiers.append(TierConfig("DISK", args.disk_capacity, args.disk_link_gbps))
-    return ReplayConfig(
-        tiers=tuple(tiers),
-        gpu_capacity_tokens=args.gpu_capacity,
-        block_size=args.block_size,
-        release_order=ReleaseOrder(args.release_order),
-        cost=CostModel(args.prefill_tokens_per_s, args.bytes_per_token),
-        cascade=CascadeMode(args.cascade) if args.cascade else None,
-    )
-
-
-def format_table(points: Sequence[SweepPoint]) -> str:
-    """Return the results as an aligned text table."""
-    table = hit_ratio_table(points)
-    header = (
-        f"{'policy':<14}{'capacity':>9}{'hit':>8}{'xBelady':>9}{'xLRU':>7}{'stored':>9}"
-        f"{'evicted':>9}{'GB stored':>10}{'GB loaded':>10}{'TTFT s':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for point in points:
-        row = point_row(point, table)
-        xb = "-" if row["x_belady"] is None else f"{row['x_belady']:.2f}"
-        xl = "-" if row["x_lru"] is None else f"{row['x_lru']:.2f}"
-        hits = " ".join(f"{t.name}:{t.token_hit_ratio:.3f}" for t in point.result.tiers)
-        gpu = point.result.gpu
-        if gpu is not None:
-            hits = f"GPU:{gpu.token_hit_ratio:.3f} " + hits
-        if point.result.cascade is not None:
-            cpu = point.result.tiers[0]
-            hits += f" to-disk:{cpu.num_demoted_blocks} promoted:{cpu.num_promoted_blocks}"
-        lines.append(
-            f"{point.policy:<14}{format_tokens(point.capacity_tokens):>9}"
-            f"{point.result.token_hit_ratio:>8.3f}{xb:>9}{xl:>7}{row['blocks_stored']:>9}"
-            f"{row['blocks_evicted']:>9}{row['bytes_stored'] / 1e9:>10.1f}"
-            f"{row['bytes_loaded'] / 1e9:>10.1f}{row['mean_ttft_s']:>8.3f}  {hits}"
-        )
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run the replay described by parsed arguments; return the exit status."""
+    """Run the replay described by parsed arguments; return the exit status.
+
+    A reader that closes the output early (`| head`) does not stop the run: the files
+    asked for are still written, and the command ends quietly with status 141, as a
+    shell reports for SIGPIPE.
+    """
+    stdout = StdoutLines()
+    status = _run(args, stdout)
+    stdout.flush()
+    return EXIT_BROKEN_PIPE if stdout.is_closed else status
+
+
+class StdoutLines:
+    """Print lines to stdout; once its reader has gone (a broken pipe), drop them quietly."""
+
+    def __init__(self) -> None:
+        self.is_closed = False
+
+    def print(self, text: str) -> None:
+        """Print `text` and a newline, unless the reader has gone."""
+        if not self.is_closed:
+            try:
+                print(text)
+            except BrokenPipeError:
+                self._close()
+
+    def flush(self) -> None:
+        """Flush stdout (a closed pipe shows here, not at interpreter exit)."""
+        if not self.is_closed:
+            try:
+                sys.stdout.flush()
+            except BrokenPipeError:
+                self._close()
+
+    def _close(self) -> None:
+        """Point stdout at the null device so that no later flush fails again."""
+        self.is_closed = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # no real file descriptor (captured output)
+            pass
+
+
+def _error(message: object) -> int:
+    print(f"kvtier replay: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
     try:
-        records = read_trace(args.trace, args.block_size)
-        base = build_config(args)
-        policies = list(dict.fromkeys(args.policy or [LRU]))
-        capacities = list(dict.fromkeys(args.capacity or [1_000_000]))
-        if args.sweep and not args.capacity:
-            capacities = list(DEFAULT_SWEEP_TOKENS)
-        if args.sweep or args.json:  # the reference lines (a cascade cannot run Belady)
-            references = [LRU] if base.cascade else [LRU, BELADY]
-            policies = [p for p in policies if p not in (LRU, BELADY)] + references
-        for capacity in capacities:  # validate every configuration before the long run
-            first = TierConfig("CPU", capacity, args.cpu_link_gbps)
-            dataclasses.replace(base, tiers=(first, *base.tiers[1:]))
-        for policy in policies:
-            dataclasses.replace(base, policy=policy)
+        plan = plan_replay(args)
     except (OSError, TraceError, ReplayError, ValueError) as exc:
-        print(f"kvtier replay: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
+    records = plan.records
     summary = summarize(records, args.block_size)
-    print(
+    stdout.print(
         f"{args.trace}: {summary.num_requests} requests, {summary.num_block_refs} block refs, "
         f"{summary.num_distinct_blocks} distinct blocks, infinite-cache token hit ratio "
         f"{summary.infinite_token_hit_ratio:.3f}"
@@ -277,33 +271,51 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(policies) * len(capacities) * len(records), unit="req", leave=False)
+        total = len(plan.policies) * len(plan.capacities) * len(records)
+        bar = tqdm(total=total, unit="req", leave=False)
         progress = bar.update
     try:
-        points = run_sweep(records, base, policies, capacities, progress)
+        points = run_sweep(records, plan.base, plan.policies, plan.capacities, progress)
     except ReplayError as exc:
-        print(f"kvtier replay: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     finally:
         if bar is not None:
             bar.close()
-    print(format_table(points))
-    print(
+    failure: OSError | None = None
+    try:  # the files first: a reader closing stdout early must not lose them
+        written = _write_outputs(args, plan, points, summary)
+    except OSError as exc:  # the paths were checked before the run; a disk may still fill up
+        written, failure = [], exc
+    stdout.print(format_table(points))
+    stdout.print(
         f"hit: lower-tier token hit ratio; TTFT s: mean estimated TTFT "
         f"(without any cache: {points[0].result.mean_ttft_no_cache_s:.3f} s)"
     )
-    if args.sweep:
-        out = Path(args.out)
+    for path in written:
+        stdout.print(f"wrote {path}")
+    if failure is not None:
+        print(f"kvtier replay: error: writing the results failed: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_outputs(
+    args: argparse.Namespace, plan: ReplayPlan, points: list[SweepPoint], summary: TraceSummary
+) -> list[Path]:
+    """Write the sweep's CSV and plot and the JSON results asked for; return their paths."""
+    written = []
+    if plan.out is not None:
+        out = plan.out
         out.mkdir(parents=True, exist_ok=True)
         write_csv(out / "sweep.csv", points)
         plot_sweep(
             out / "sweep.png", points, Path(args.trace).name, summary.infinite_token_hit_ratio
         )
-        print(f"wrote {out / 'sweep.csv'} and {out / 'sweep.png'}")
+        written += [out / "sweep.csv", out / "sweep.png"]
     if args.json:
         write_json(args.json, points, args.trace, summary)
-        print(f"wrote {args.json}")
-    return 0
+        written.append(Path(args.json))
+    return written
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,7 +44,9 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         if self.capacity_tokens <= 0:
-            raise ReplayError(f"tier {self.name}: capacity must be > 0 tokens")
+            raise ReplayError(
+                f"tier {self.name}: capacity must be > 0 tokens, got {self.capacity_tokens}"
+            )
         if not self.link_gbps > 0:
             raise ReplayError(f"tier {self.name}: link_gbps must be > 0, got {self.link_gbps}")
 
@@ -71,6 +73,12 @@ class ReplayConfig:
         if not self.tiers:
             raise ReplayError("at least one lower tier is needed")
         if self.policy not in OFFLINE_POLICIES:
+            offline = self.policy.partition("+")[0]
+            if offline in OFFLINE_POLICIES:
+                raise ReplayError(
+                    f"policy {self.policy!r}: {offline!r} is offline, with its own admission "
+                    "rule; it takes no admission filter"
+                )
             PolicySpec.parse(self.policy)  # raises ValueError naming a bad name
         if self.cascade is not None:
             self._check_cascade()

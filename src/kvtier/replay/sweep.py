@@ -14,12 +14,15 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.replay.belady import BELADY, OFFLINE_POLICIES, FutureOracle
 from kvtier.replay.config import ReplayConfig, ReplayResult
 from kvtier.replay.tier_replay import TierReplay, trace_keys
 from kvtier.replay.trace import TraceRecord, TraceSummary
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DEFAULT_SWEEP_TOKENS = (
     100_000,
@@ -148,6 +151,20 @@ def plot_sweep(
     path: str | Path, points: Sequence[SweepPoint], title: str, infinite_hit_ratio: float
 ) -> None:
     """Plot hit ratio vs capacity per policy; LRU dashed, Belady as the bound (PNG)."""
+    fig = sweep_figure(points, title, infinite_hit_ratio)
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def sweep_figure(points: Sequence[SweepPoint], title: str, infinite_hit_ratio: float) -> Figure:
+    """Return the sweep plot; the caller closes it (`plt.close`).
+
+    Every policy's line carries markers, so a sweep of a single capacity still shows
+    each policy (a point of a line without markers is invisible). Selects the Agg
+    backend (files, no display).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,17 +176,42 @@ def plot_sweep(
         xs = sorted(caps)
         ys = [caps[x] for x in xs]
         if policy == BELADY:
-            ax.plot(xs, ys, "k-", linewidth=2.5, label="Belady (offline optimum)")
+            ax.plot(
+                xs,
+                ys,
+                "k-",
+                marker="s",
+                markersize=5,
+                linewidth=2.5,
+                label="Belady (offline optimum)",
+            )
         elif policy == LRU:
             ax.plot(xs, ys, "k--", marker="o", markersize=3, label="LRU (peers' policy)")
         elif policy in OFFLINE_POLICIES:
-            ax.plot(xs, ys, color="grey", linestyle="-.", label=f"{policy} (offline)")
+            ax.plot(
+                xs,
+                ys,
+                color="grey",
+                linestyle="-.",
+                marker="^",
+                markersize=5,
+                label=f"{policy} (offline)",
+            )
         else:
             ax.plot(xs, ys, marker="o", markersize=3, label=policy)
     if BELADY in table:
         xs = sorted(table[BELADY])
         target = [0.8 * table[BELADY][x] for x in xs]
-        ax.plot(xs, target, color="black", linewidth=0.8, linestyle=":", label="0.8 x Belady")
+        ax.plot(
+            xs,
+            target,
+            color="black",
+            linewidth=0.8,
+            linestyle=":",
+            marker="_",
+            markersize=8,
+            label="0.8 x Belady",
+        )
     ax.axhline(infinite_hit_ratio, color="grey", linestyle=":", label="infinite cache")
     ax.set_xscale("log")
     ax.set_xlabel("lower-tier capacity (tokens)")
@@ -179,5 +221,4 @@ def plot_sweep(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig

@@ -29,6 +29,7 @@ stores go to the CPU tier, DISK is fed write-through or by write-back demotion.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.core.block_pool import BlockPool
@@ -57,6 +58,7 @@ __all__ = [
     "TierConfig",
     "TierReplay",
     "TierResult",
+    "max_blocks_held",
     "replay_trace",
     "trace_keys",
 ]
@@ -79,8 +81,31 @@ def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
     return out
 
 
+def max_blocks_held(keys: Sequence[Sequence[Key]]) -> int:
+    """Return the most blocks a tier (or the GPU pool) can ever hold for these requests.
+
+    That is the number of distinct keys, a key repeated within one request counted as
+    often as it repeats there (`read_trace` rejects such records). A pool of at least
+    that many usable blocks never evicts: the request's pinned blocks are among them.
+    """
+    most: dict[Key, int] = {}
+    for row in keys:
+        if len(set(row)) == len(row):
+            for key in row:
+                most.setdefault(key, 1)
+        else:
+            for key, count in Counter(row).items():
+                most[key] = max(most.get(key, 0), count)
+    return sum(most.values())
+
+
 class TierReplay:
-    """One pass of a trace through a GPU pool (optional) and the lower tiers."""
+    """One pass of a trace through a GPU pool (optional) and the lower tiers.
+
+    A tier or GPU pool larger than the trace can fill allocates only `max_tier_blocks`
+    usable blocks (default `max_blocks_held(keys)`); it never evicts either way, so the
+    results (which report the configured sizes) are those of the full size.
+    """
 
     def __init__(
         self,
@@ -88,11 +113,13 @@ class TierReplay:
         config: ReplayConfig,
         keys: Sequence[Sequence[Key]] | None = None,
         oracle: FutureOracle | None = None,
+        max_tier_blocks: int | None = None,
     ) -> None:
         self.records = records
         self.config = config
         self.keys = keys if keys is not None else trace_keys(records)
         bs = config.block_size
+        cap = max_tier_blocks if max_tier_blocks is not None else max_blocks_held(self.keys)
         self._tokens = [
             [min(bs, r.input_length - j * bs) for j in range(len(r.hash_ids))] for r in records
         ]
@@ -105,9 +132,11 @@ class TierReplay:
 
         self.gpu_pool: BlockPool | None = None
         if config.gpu_capacity_tokens:
-            self.gpu_pool = BlockPool(config.gpu_capacity_tokens // bs + 1, medium="GPU")
+            self._check_gpu_fits(config.gpu_capacity_tokens // bs)
+            num_gpu_blocks = min(config.gpu_capacity_tokens // bs, max(1, cap)) + 1
+            self.gpu_pool = BlockPool(num_gpu_blocks, medium="GPU")
         self.tiers: list[TierState] = [
-            make_tier(tier, config.policy, bs, get_oracle) for tier in config.tiers
+            make_tier(tier, config.policy, bs, get_oracle, max(1, cap)) for tier in config.tiers
         ]
         self.cascade: Cascade | None = None
         if config.cascade is not None:
@@ -119,6 +148,17 @@ class TierReplay:
         self._gpu_hit_tokens = 0
         self._ttft_s = 0.0
         self._next = 0
+
+    def _check_gpu_fits(self, num_gpu_blocks: int) -> None:
+        """Raise `ReplayError` naming the largest request if the GPU tier cannot hold it."""
+        sizes = [len(record.hash_ids) for record in self.records]
+        largest = max(range(len(sizes)), key=sizes.__getitem__, default=None)
+        if largest is not None and sizes[largest] > num_gpu_blocks:
+            raise ReplayError(
+                f"request {largest} (0-based) needs {sizes[largest]} GPU blocks, the GPU "
+                f"tier holds {num_gpu_blocks}; raise the GPU capacity to at least "
+                f"{sizes[largest] * self.config.block_size} tokens"
+            )
 
     # ------------------------------------------------------------------ replay
 
@@ -165,7 +205,7 @@ class TierReplay:
         end = g + sum(len(hits) for hits in loads)
         self._ttft_s += ttft + cost.prefill_s(sum(tokens[end:]))
         if self.gpu_pool is not None:
-            self._compute_on_gpu(i, keys, tokens, gpu_hits)
+            self._compute_on_gpu(keys, tokens, gpu_hits)
         if self.cascade is not None:
             cpu_hits, disk_hits = loads
             self.cascade.store(keys, tokens, cpu_hits, disk_hits)
@@ -185,19 +225,10 @@ class TierReplay:
             start += len(hits)
         return loads
 
-    def _compute_on_gpu(
-        self, index: int, keys: Sequence[Key], tokens: Sequence[int], hits: list[int]
-    ) -> None:
+    def _compute_on_gpu(self, keys: Sequence[Key], tokens: Sequence[int], hits: list[int]) -> None:
         pool = self.gpu_pool
         assert pool is not None
-        need = len(keys) - len(hits)
-        if need > pool.num_free():
-            raise ReplayError(
-                f"request {index}: needs {len(keys)} GPU blocks, the GPU tier holds "
-                f"{pool.num_usable_blocks}; raise the GPU capacity to at least "
-                f"{len(keys) * self.config.block_size} tokens"
-            )
-        new = pool.allocate(need)
+        new = pool.allocate(len(keys) - len(hits))  # fits: checked by `_check_gpu_fits`
         first = len(hits)
         for j, block_id in enumerate(new):
             pool.insert_key(keys[first + j], block_id, tokens[first + j])
@@ -212,14 +243,13 @@ class TierReplay:
         replayed = self.records[: self._next]
         total_tokens = sum(r.input_length for r in replayed) or 1
         cost = self.config.cost
-        bytes_per_block = self.config.block_size * cost.bytes_per_token
-        tiers = tuple(self._tier_result(t, total_tokens, bytes_per_block) for t in self.tiers)
+        tiers = tuple(self._tier_result(t, total_tokens) for t in self.tiers)
         gpu = None
         if self.gpu_pool is not None:
             gpu = TierResult(
                 name="GPU",
                 capacity_tokens=self.config.gpu_capacity_tokens,
-                num_blocks=self.gpu_pool.num_usable_blocks,
+                num_blocks=self.config.gpu_capacity_tokens // self.config.block_size,
                 hit_tokens=self._gpu_hit_tokens,
                 token_hit_ratio=self._gpu_hit_tokens / total_tokens,
                 num_hit_blocks=0,
@@ -246,14 +276,15 @@ class TierReplay:
             cascade=self.config.cascade,
         )
 
-    @staticmethod
-    def _tier_result(tier: TierState, total_tokens: int, bytes_per_block: int) -> TierResult:
-        pool = tier.pool
+    def _tier_result(self, tier: TierState, total_tokens: int) -> TierResult:
+        pool = tier.pool  # at most `max_tier_blocks` blocks: the loop is bounded by the trace
         num_cached = sum(1 for b in range(1, pool.num_blocks) if pool.is_cached(b))
+        block_size = self.config.block_size
+        bytes_per_block = block_size * self.config.cost.bytes_per_token
         return TierResult(
             name=tier.config.name,
             capacity_tokens=tier.config.capacity_tokens,
-            num_blocks=pool.num_usable_blocks,
+            num_blocks=tier.config.capacity_tokens // block_size,
             hit_tokens=tier.hit_tokens,
             token_hit_ratio=tier.hit_tokens / total_tokens,
             num_hit_blocks=tier.hit_blocks,

@@ -18,6 +18,9 @@ from kvtier.replay.config import ReleaseOrder, TierConfig
 
 Placed = tuple[int, int]  # (position in the request, block id in the tier's pool)
 MakeRoom = Callable[[], None]  # called before each slot is allocated
+# Up to this many usable blocks an admission policy is built at the tier's full size
+# (`door`: about 130 MB of Bloom filter); beyond, at the most the trace can hold.
+ADMISSION_FULL_SIZE_BLOCKS = 1 << 24
 
 
 @dataclass(slots=True)
@@ -38,17 +41,34 @@ class TierState:
 
 
 def make_tier(
-    config: TierConfig, policy: str, block_size: int, oracle: Callable[[], FutureOracle]
+    config: TierConfig,
+    policy: str,
+    block_size: int,
+    oracle: Callable[[], FutureOracle],
+    max_blocks: int | None = None,
 ) -> TierState:
-    """Return a fresh tier of `config.capacity_tokens // block_size` usable blocks."""
-    num_blocks = config.capacity_tokens // block_size + 1
+    """Return a fresh tier of `config.capacity_tokens // block_size` usable blocks.
+
+    With `max_blocks` (what the trace can ever hold: `TierReplay`) the pool and the
+    eviction policy get at most that many usable blocks: a tier that large never evicts
+    (every allocation finds an unhashed block, which every policy reuses first), so the
+    results are those of the full size. An admission policy sized by the tier (`door`'s
+    Bloom filter) keeps the full size up to `ADMISSION_FULL_SIZE_BLOCKS`, so its false
+    positives stay those of the configured tier wherever that fits in memory.
+    """
+    usable = config.capacity_tokens // block_size
+    num_blocks = usable + 1 if max_blocks is None else min(usable, max_blocks) + 1
+    admission_blocks = num_blocks
+    if max_blocks is not None:
+        admission_blocks = min(usable, max(max_blocks, ADMISSION_FULL_SIZE_BLOCKS)) + 1
     eviction: EvictionPolicy
     admission: AdmissionPolicy
     if policy in OFFLINE_POLICIES:
         eviction, admission = make_oracle_policies(policy, num_blocks, oracle())
     else:
         spec = PolicySpec.parse(policy)
-        eviction, admission = spec.make_eviction(num_blocks), spec.make_admission(num_blocks)
+        eviction = spec.make_eviction(num_blocks)
+        admission = spec.make_admission(admission_blocks)
     pool = BlockPool(num_blocks, free_queue=eviction, medium=config.name)
     return TierState(config, pool, eviction, admission)
 

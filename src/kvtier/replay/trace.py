@@ -3,18 +3,25 @@
 A record holds `timestamp` (ms from the start of the trace), `input_length` and
 `output_length` (tokens) and `hash_ids`: one id per `block_size`-token block of the
 prompt, the last one possibly partial. Ids are chained prefix hashes: equal ids at the
-same position mean an equal prompt prefix up to the end of that block.
+same position mean an equal prompt prefix up to the end of that block, so an id never
+repeats within a record. Ids must fit in 64 bits (the replay's keys are their 8 bytes).
+A gzip-compressed trace is read as is.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 DEFAULT_BLOCK_SIZE = 512
+MAX_HASH_ID = 1 << 64  # ids become 8-byte little-endian keys
+_GZIP_MAGIC = b"\x1f\x8b"
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
@@ -40,8 +47,11 @@ def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
     """Parse and validate one JSON line; raise `TraceError` naming `where` on any problem."""
     try:
         raw = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of too many digits
+        message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise TraceError(f"{where}: not valid JSON ({message})") from None
     if not isinstance(raw, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     missing = [name for name in _FIELDS if name not in raw]
@@ -51,35 +61,66 @@ def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
         value = raw[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise TraceError(f"{where}: {name} must be an int >= 0, got {value!r}")
-    hash_ids = raw["hash_ids"]
-    if not isinstance(hash_ids, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
-    ):
-        raise TraceError(f"{where}: hash_ids must be a list of ints >= 0")
+    hash_ids = _check_hash_ids(raw["hash_ids"], where)
     expected = math.ceil(raw["input_length"] / block_size)
     if len(hash_ids) != expected:
         raise TraceError(
             f"{where}: {len(hash_ids)} hash_ids for input_length={raw['input_length']}, "
             f"expected {expected} at block size {block_size}"
         )
-    return TraceRecord(raw["timestamp"], raw["input_length"], raw["output_length"], tuple(hash_ids))
+    return TraceRecord(raw["timestamp"], raw["input_length"], raw["output_length"], hash_ids)
+
+
+def _check_hash_ids(hash_ids: object, where: str) -> tuple[int, ...]:
+    """Return `hash_ids` as a tuple: distinct ints in [0, 2**64) (the replay's 8-byte keys)."""
+    if not isinstance(hash_ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
+    ):
+        raise TraceError(f"{where}: hash_ids must be a list of ints >= 0")
+    too_large = next((h for h in hash_ids if h >= MAX_HASH_ID), None)
+    if too_large is not None:
+        raise TraceError(f"{where}: hash id {too_large} does not fit in 64 bits (must be < 2**64)")
+    if len(set(hash_ids)) != len(hash_ids):
+        first: dict[int, int] = {}
+        for j, h in enumerate(hash_ids):
+            if h in first:
+                raise TraceError(
+                    f"{where}: hash id {h} repeats within the record (positions {first[h]} "
+                    f"and {j}); chained prefix hashes cannot repeat in one prompt"
+                )
+            first[h] = j
+    return tuple(hash_ids)
 
 
 def read_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> list[TraceRecord]:
     """Read and validate a whole trace; blank lines are skipped.
 
     Raises `TraceError` naming `path:line` for the first malformed record, and when
-    timestamps go backwards.
+    timestamps go backwards. A gzip-compressed file is read as its decompressed text.
     """
+    return [record for _, record in read_numbered_trace(path, block_size)]
+
+
+def read_numbered_trace(
+    path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE
+) -> list[tuple[int, TraceRecord]]:
+    """Return `(line number, record)` for every record of the trace, as `read_trace` reads."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
-    records: list[TraceRecord] = []
+    records: list[tuple[int, TraceRecord]] = []
     last_timestamp = 0
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
+    with _open_binary(path) as file:
+        for number, data in _numbered_lines(file, path):
+            where = f"{path}:{number}"
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(
+                    f"{where}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
+                    f"{exc.start + 1}); a binary or compressed file? (gzip is read as is)"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             record = parse_record(line, block_size, where)
             if record.timestamp_ms < last_timestamp:
                 raise TraceError(
@@ -87,10 +128,29 @@ def read_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> list[T
                     f"record's {last_timestamp}"
                 )
             last_timestamp = record.timestamp_ms
-            records.append(record)
+            records.append((number, record))
     if not records:
         raise TraceError(f"{path}: no records")
     return records
+
+
+def _open_binary(path: str | Path) -> BinaryIO | gzip.GzipFile:
+    """Open `path` for reading bytes, decompressing it if it starts with gzip's magic."""
+    with open(path, "rb") as file:
+        magic = file.read(len(_GZIP_MAGIC))
+    if magic == _GZIP_MAGIC:
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _numbered_lines(file: Iterable[bytes], path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """Yield `(line number, line)`; a corrupt gzip stream is a `TraceError` naming `path`."""
+    number = 0
+    try:
+        for number, data in enumerate(file, start=1):
+            yield number, data
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise TraceError(f"{path}:{number + 1}: corrupt gzip data ({exc})") from None
 
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:

@@ -1,0 +1,44 @@
+"""Check where `kvtier replay` will write (`--json`, `--sweep --out`) before a long run.
+
+Each check raises `ReplayError` naming the option and the path; nothing is created.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.replay.config import ReplayError
+
+
+def check_file_path(option: str, path: Path) -> None:
+    """Raise `ReplayError` unless a file can be written at `path` (its folder exists)."""
+    if path.is_dir():
+        raise ReplayError(f"{option} {path}: is a directory, give a file name")
+    folder = path.parent
+    if not folder.exists():
+        raise ReplayError(f"{option} {path}: no such directory {folder}")
+    if not folder.is_dir():
+        raise ReplayError(f"{option} {path}: {folder} is not a directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ReplayError(f"{option} {path}: the file is not writable")
+    if not path.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise ReplayError(f"{option} {path}: cannot create files in {folder}")
+
+
+def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:
+    """Raise `ReplayError` unless `folder` is, or can be made, a folder to write `names` in."""
+    if folder.exists():
+        if not folder.is_dir():
+            raise ReplayError(f"{option} {folder}: is not a directory (it is a file)")
+        for name in names:
+            check_file_path(option, folder / name)
+        return
+    ancestor = folder.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ReplayError(f"{option} {folder}: cannot create it, {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ReplayError(f"{option} {folder}: cannot create it in {ancestor}")

@@ -1,0 +1,114 @@
+"""`kvtier replay`'s parsed options, checked into a `ReplayPlan` before the first pass.
+
+Every check that can fail (option combinations, configurations, output paths, the trace,
+a request larger than the GPU tier) runs here, so a mistake is reported before a long run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.replay.belady import BELADY
+from kvtier.replay.config import (
+    CascadeMode,
+    ReleaseOrder,
+    ReplayConfig,
+    ReplayError,
+    TierConfig,
+)
+from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
+from kvtier.replay.outputs import check_file_path, check_folder_path
+from kvtier.replay.report import format_tokens
+from kvtier.replay.sweep import DEFAULT_SWEEP_TOKENS, LRU
+from kvtier.replay.trace import TraceRecord, read_numbered_trace
+
+DEFAULT_OUT = "replay_out"
+
+
+def build_config(args: argparse.Namespace) -> ReplayConfig:
+    """Return the base replay configuration described by the parsed arguments.
+
+    Raises `ReplayError` for options that need another one (`--cascade`, `--out`,
+    `--disk-link-gbps`), rather than ignoring them.
+    """
+    if args.cascade and not args.disk_capacity:
+        raise ReplayError(f"--cascade {args.cascade} needs a DISK tier: add --disk-capacity")
+    if args.disk_link_gbps is not None and not args.disk_capacity:
+        raise ReplayError("--disk-link-gbps needs a DISK tier: add --disk-capacity")
+    if args.out is not None and not args.sweep:
+        raise ReplayError(
+            "--out is the folder of --sweep's CSV and plot: add --sweep (or write the "
+            "results with --json PATH)"
+        )
+    tiers = [TierConfig("CPU", (args.capacity or [1_000_000])[0], args.cpu_link_gbps)]
+    if args.disk_capacity:
+        disk_link = args.disk_link_gbps
+        if disk_link is None:
+            disk_link = DEFAULT_LINK_GBPS["DISK"]
+        tiers.append(TierConfig("DISK", args.disk_capacity, disk_link))
+    return ReplayConfig(
+        tiers=tuple(tiers),
+        gpu_capacity_tokens=args.gpu_capacity,
+        block_size=args.block_size,
+        release_order=ReleaseOrder(args.release_order),
+        cost=CostModel(args.prefill_tokens_per_s, args.bytes_per_token),
+        cascade=CascadeMode(args.cascade) if args.cascade else None,
+    )
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Everything `kvtier replay` runs, checked before the first pass."""
+
+    records: list[TraceRecord]
+    base: ReplayConfig
+    policies: list[str]
+    capacities: list[int]
+    out: Path | None  # the sweep's folder
+
+
+def plan_replay(args: argparse.Namespace) -> ReplayPlan:
+    """Check the options, the output paths and the trace; return what to run.
+
+    Raises `ReplayError`, `TraceError`, `OSError` or `ValueError` with a message for the
+    user, before any long work.
+    """
+    base = build_config(args)
+    policies = list(dict.fromkeys(args.policy or [LRU]))
+    capacities = list(dict.fromkeys(args.capacity or [1_000_000]))
+    if args.sweep and not args.capacity:
+        capacities = list(DEFAULT_SWEEP_TOKENS)
+    if args.sweep or args.json:  # the reference lines (a cascade cannot run Belady)
+        references = [LRU] if base.cascade else [LRU, BELADY]
+        policies = [p for p in policies if p not in (LRU, BELADY)] + references
+    for capacity in capacities:  # validate every configuration before the long run
+        first = TierConfig("CPU", capacity, args.cpu_link_gbps)
+        dataclasses.replace(base, tiers=(first, *base.tiers[1:]))
+    for policy in policies:
+        dataclasses.replace(base, policy=policy)
+    out = Path(args.out or DEFAULT_OUT) if args.sweep else None
+    if out is not None:
+        check_folder_path("--out", out, ("sweep.csv", "sweep.png"))
+    if args.json:
+        check_file_path("--json", Path(args.json))
+    numbered = read_numbered_trace(args.trace, args.block_size)
+    if base.gpu_capacity_tokens:
+        _check_gpu_fits(args, numbered)
+    return ReplayPlan([record for _, record in numbered], base, policies, capacities, out)
+
+
+def _check_gpu_fits(args: argparse.Namespace, numbered: list[tuple[int, TraceRecord]]) -> None:
+    """Raise `ReplayError` naming the trace line of a request larger than the GPU tier."""
+    num_gpu_blocks = args.gpu_capacity // args.block_size
+    line, largest = max(numbered, key=lambda item: len(item[1].hash_ids))
+    num_blocks = len(largest.hash_ids)
+    if num_blocks > num_gpu_blocks:
+        raise ReplayError(
+            f"{args.trace}:{line}: the request needs {num_blocks} GPU blocks "
+            f"(input_length {largest.input_length}), --gpu-capacity "
+            f"{format_tokens(args.gpu_capacity)} holds {num_gpu_blocks}; raise it to at "
+            f"least {num_blocks * args.block_size} tokens"
+        )

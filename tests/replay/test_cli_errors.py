@@ -1,0 +1,141 @@
+"""`kvtier replay` reports mistakes before the run, naming what is wrong; it survives huge
+capacities and a reader that closes the pipe."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from replay_helpers import BLOCK, doc_trace
+
+from kvtier.replay.cli import EXIT_BROKEN_PIPE, main, parse_tokens
+from kvtier.replay.trace import write_trace
+
+
+def trace_file(tmp_path: Path) -> Path:
+    path = tmp_path / "doc.jsonl"
+    write_trace(path, doc_trace(seed=5, num_requests=40))
+    return path
+
+
+def replay(tmp_path: Path, *options: str) -> int:
+    argv = [str(trace_file(tmp_path)), "--block-size", str(BLOCK), "--quiet", *options]
+    return main(argv)
+
+
+def assert_error_before_the_run(capsys: pytest.CaptureFixture[str], *parts: str) -> None:
+    out, err = capsys.readouterr()
+    assert out == "", "the error must come before the run prints anything"
+    assert err.startswith("kvtier replay: error: ")
+    for part in parts:
+        assert part in err
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        (["--json", "{tmp}/missing/r.json"], ["--json", "missing/r.json", "no such directory"]),
+        (["--json", "{tmp}"], ["--json", "is a directory"]),
+        (["--sweep", "--out", "{tmp}/doc.jsonl"], ["--out", "doc.jsonl", "not a directory"]),
+        (["--sweep", "--out", "{tmp}/doc.jsonl/sub"], ["--out", "doc.jsonl is not a directory"]),
+    ],
+)
+def test_unwritable_output_paths_are_errors_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], parts: list[str]
+) -> None:
+    options = [o.format(tmp=tmp_path) for o in options]
+    assert replay(tmp_path, "--capacity", "80", *options) == 2
+    assert_error_before_the_run(capsys, *parts)
+
+
+def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "folder"
+    assert replay(tmp_path, "--capacity", "80", "--sweep", "--out", str(out)) == 0
+    assert (out / "sweep.csv").exists()
+    assert replay(tmp_path, "--capacity", "80", "--json", str(tmp_path / "r.json")) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["points"]
+
+
+@pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        (["--out", "somewhere"], ["--out", "--sweep"]),
+        (["--disk-link-gbps", "3"], ["--disk-link-gbps", "--disk-capacity"]),
+        (["--capacity", "0"], ["capacity must be > 0 tokens, got 0"]),
+    ],
+)
+def test_options_that_would_be_ignored_or_are_zero_are_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], parts: list[str]
+) -> None:
+    assert replay(tmp_path, *options) == 2
+    assert_error_before_the_run(capsys, *parts)
+
+
+@pytest.mark.parametrize("text", ["0.4", "1.5", "1.0000001M"])
+def test_fractional_token_counts_are_rejected_naming_the_value(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=f"'{text}'.*not a whole number"):
+        parse_tokens(text)
+
+
+@pytest.mark.parametrize(
+    ("policy", "parts"),
+    [
+        ("belady+door", ["'belady' is an offline policy", "no admission filter"]),
+        ("oracle-lfu+door", ["'oracle-lfu' is an offline policy"]),
+        ("foo", ["unknown policy 'foo'", "lru", "door", "belady", "oracle-lfu"]),
+    ],
+)
+def test_policy_errors_say_what_exists(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], policy: str, parts: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        replay(tmp_path, "--policy", policy)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    for part in parts:
+        assert part in err
+
+
+def test_a_request_larger_than_the_gpu_names_its_line_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = doc_trace(seed=5, num_requests=40)
+    sizes = [len(r.hash_ids) for r in records]
+    line = sizes.index(max(sizes)) + 1
+    gpu = (max(sizes) - 1) * BLOCK
+    assert replay(tmp_path, "--capacity", "80", "--gpu-capacity", str(gpu)) == 2
+    assert_error_before_the_run(
+        capsys, f"doc.jsonl:{line}: the request needs {max(sizes)} GPU blocks"
+    )
+
+
+def test_huge_capacities_run_on_what_the_trace_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = "999999999G"
+    assert replay(tmp_path, "--capacity", huge, "--gpu-capacity", huge, "--disk", huge) == 0
+    assert f" {huge} " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_closed_pipe_ends_quietly_and_keeps_the_files(tmp_path: Path, unbuffered: bool) -> None:
+    argv = [sys.executable, "-m", "kvtier.replay", str(trace_file(tmp_path))]
+    argv += ["--block-size", str(BLOCK), "--quiet", "--capacity", "80"]
+    argv += ["--json", str(tmp_path / "r.json")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:  # every print writes at once: the first one finds the pipe closed
+        env["PYTHONUNBUFFERED"] = "1"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line (`| head -0`)
+    try:
+        done = subprocess.run(argv, stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.stderr.decode() == ""
+    assert done.returncode == EXIT_BROKEN_PIPE
+    assert json.loads((tmp_path / "r.json").read_text())["points"]

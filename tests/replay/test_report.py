@@ -1,0 +1,82 @@
+"""`kvtier replay`'s text output: exact capacity labels, a table whose columns never touch,
+and a sweep plot that shows every policy even at a single capacity."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pytest
+from replay_helpers import BLOCK, doc_trace
+
+from kvtier.replay.cli import main, parse_tokens
+from kvtier.replay.config import ReplayConfig, TierConfig
+from kvtier.replay.report import format_table, format_tokens
+from kvtier.replay.sweep import SweepPoint, run_sweep, sweep_figure
+from kvtier.replay.trace import write_trace
+
+NUM_COLUMNS = 10  # policy ... TTFT s; the per-tier hit ratios follow
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "label"),
+    [
+        (512, "512"),
+        (2048, "2048"),
+        (300_000, "300k"),
+        (999_990, "999.99k"),
+        (1_000_000, "1M"),
+        (1_000_001, "1000001"),
+        (1_000_010, "1000010"),
+        (1_500_000, "1.5M"),
+        (10**10, "10G"),
+        (1_500_000_000, "1.5G"),
+        (999_999_999 * 10**9, "999999999G"),
+    ],
+)
+def test_capacity_labels_are_exact_and_read_back(num_tokens: int, label: str) -> None:
+    assert format_tokens(num_tokens) == label
+    assert parse_tokens(label) == num_tokens
+
+
+def sweep_points(policies: list[str], capacities: list[int]) -> list[SweepPoint]:
+    base = ReplayConfig(tiers=(TierConfig("CPU", 40, 25.0),), block_size=BLOCK)
+    return run_sweep(doc_trace(seed=2, num_requests=40), base, policies, capacities)
+
+
+def test_columns_never_touch_even_for_huge_ratios() -> None:
+    points = sweep_points(["lru", "belady"], [40])
+    lru = points[0]
+    tiny = dataclasses.replace(lru.result, token_hit_ratio=points[1].result.token_hit_ratio / 1302)
+    points[0] = dataclasses.replace(lru, result=tiny)  # x LRU of Belady: 1302.00
+    lines = format_table(points).splitlines()
+    assert len(re.split(r"\s{2,}", lines[0].strip())) == NUM_COLUMNS
+    for line in lines[2:]:
+        cells = re.split(r"\s{2,}", line.strip())
+        assert len(cells) == NUM_COLUMNS + 1, line
+    assert "1302.00" in lines[3]
+
+
+def test_table_labels_tell_capacities_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, doc_trace(seed=5, num_requests=30))
+    argv = [str(trace), "--block-size", str(BLOCK), "--quiet", "--capacity", "1000001"]
+    assert main([*argv, "--capacity", "1M", "--capacity", "10G"]) == 0
+    rows = capsys.readouterr().out.splitlines()[3:6]
+    assert [row.split()[1] for row in rows] == ["1000001", "1M", "10G"]
+
+
+def test_sweep_plot_marks_every_policy_at_a_single_capacity() -> None:
+    points = sweep_points(["arc", "oracle-lfu", "lru", "belady"], [40])
+    fig = sweep_figure(points, "one capacity", 0.5)
+    try:
+        lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+        for label in ("arc", "oracle-lfu (offline)", "LRU (peers' policy)", "0.8 x Belady"):
+            assert lines[label].get_marker() not in (None, "", "None"), label
+        assert lines["Belady (offline optimum)"].get_marker() not in (None, "", "None")
+    finally:
+        plt.close(fig)
