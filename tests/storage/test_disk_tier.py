@@ -119,7 +119,7 @@ def test_buffers_are_aligned_and_batches_are_whole_slots(tmp_path: Path) -> None
 )
 def test_config_rejects_non_positive_sizes(field: str, value: int) -> None:
     """Every size of the disk tier config must be positive; the message names the field."""
-    kwargs = {"path": "x", "num_slots": 4, "bytes_per_slot": 4096, field: value}
+    kwargs = {"path": "x.slots", "num_slots": 4, "bytes_per_slot": 4096, field: value}
     with pytest.raises(ValueError, match=field):
         DiskTierConfig(**kwargs)  # type: ignore[arg-type]
 
@@ -149,4 +149,4 @@ def test_persistent_tier_recovers_checksums_and_records(tmp_path: Path) -> None:
     assert [tier.load_buffers[0].tensor[i].numpy().tobytes() for i in range(2)] == images[::-1]
     tier.close()
     with pytest.raises(ValueError, match="fingerprint must be None or a non-empty"):
-        DiskTierConfig("x", num_slots=4, bytes_per_slot=4096, fingerprint="")
+        DiskTierConfig("x.slots", num_slots=4, bytes_per_slot=4096, fingerprint="")

@@ -172,3 +172,19 @@ def test_filesystem_without_o_direct_gets_a_clear_error(
     monkeypatch.setattr(os, "open", refuse_direct)
     with pytest.raises(OSError, match="PAGE_CACHE"):
         SlotFile(str(tmp_path / "f"), 2, 4096, DiskIOMode.DIRECT)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fifo_at_the_path_is_not_a_regular_file(tmp_path: Path, mode: DiskIOMode) -> None:
+    """A FIFO at the path is refused as not a regular file, never waited on, and left
+    alone; in direct mode too, where Linux answers EINVAL to O_DIRECT on a FIFO: that is
+    not blamed on the filesystem's O_DIRECT support."""
+    path = tmp_path / "rank0.slots"
+    os.mkfifo(path)
+    for persistent in (False, True):
+        with pytest.raises(OSError, match="not a regular file") as info:
+            SlotFile(str(path), 2, 4096, mode, persistent=persistent)
+        assert "O_DIRECT" not in str(info.value)
+        assert info.value.filename == str(path)
+    assert stat.S_ISFIFO(path.lstat().st_mode)

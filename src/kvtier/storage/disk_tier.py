@@ -29,7 +29,6 @@ import errno
 import functools
 import itertools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from kvtier.offload.plan import SlotRecord
 from kvtier.storage.manifest import (
     ManifestIdentity,
     ManifestLog,
+    check_no_persistent_tier,
     check_record,
     manifest_path_for,
     open_manifest,
@@ -64,7 +64,8 @@ class DiskTierConfig:
 
     `fingerprint` set makes the tier persistent: the slot file and its manifest are kept
     at close and reused at the next open when the fingerprint and the geometry
-    (`num_slots`, `bytes_per_slot`, `region_layout`) match.
+    (`num_slots`, `bytes_per_slot`, `region_layout`) match. `path` must end in `.slots`
+    (see `manifest_path_for`), persistent or not.
     """
 
     path: str
@@ -84,6 +85,7 @@ class DiskTierConfig:
             raise ValueError(f"num_buffers must be at least 1, got {self.num_buffers}")
         if self.fingerprint is not None and not self.fingerprint:
             raise ValueError("fingerprint must be None or a non-empty string, got ''")
+        manifest_path_for(self.path)  # raises ValueError unless it ends in ".slots"
 
     @property
     def identity(self) -> ManifestIdentity | None:
@@ -145,16 +147,14 @@ class DiskTier:
     different threads; `close()` waits for queued I/O."""
 
     def __init__(self, config: DiskTierConfig, file_io: FileIO | None = None) -> None:
+        """Open the tier's files (see `SlotFile`, `open_manifest`); every error names the
+        file. A persistent tier whose manifest cannot be rewritten (a full disk) raises
+        OSError and leaves the manifest as it was, so a later open still recovers it."""
         self.config = config
         identity = config.identity
         manifest = manifest_path_for(config.path)
-        if identity is None and os.path.exists(manifest) and os.path.lexists(config.path):
-            raise FileExistsError(
-                errno.EEXIST,
-                f"a persistent disk tier is at this path (manifest {manifest}); turn "
-                "disk_persist on to use it, or remove both files to start without it",
-                config.path,
-            )
+        if identity is None:
+            check_no_persistent_tier(config.path)
         self._file = SlotFile(
             config.path,
             config.num_slots,
@@ -339,7 +339,13 @@ class DiskTier:
 
     def close(self) -> None:
         """Finish queued I/O, then close the file and remove it (a persistent tier syncs
-        the slot file, then the manifest, and keeps both); idempotent."""
+        the slot file, then the manifest, and keeps both); idempotent.
+
+        A failed sync does not raise: it is logged as an error naming the file, the
+        manifest is removed (the next run starts empty instead of offering slots whose
+        bytes may not have reached the device), and both files are closed and the lock
+        released all the same.
+        """
         if self._closed:
             return
         self._closed = True
@@ -347,12 +353,33 @@ class DiskTier:
         self._load_io.shutdown(wait=True)
         try:
             if self._log is not None:
-                try:
-                    self._file.sync()
-                finally:
-                    self._log.close()
+                self._sync_and_close_log(self._log)
         finally:
             self._file.close()
+
+    def _sync_and_close_log(self, log: ManifestLog) -> None:
+        failure: OSError | None = None
+        try:
+            self._file.sync()
+        except OSError as exc:
+            failure = exc
+        try:
+            log.close()
+        except OSError as exc:
+            failure = failure or exc
+        if failure is None:
+            return
+        try:
+            unlink_quietly(log.path)  # still under the slot file's lock
+        except OSError as exc:
+            logger.error("%s; cannot remove the manifest either: %s", failure, exc)
+            return  # its records stay checksummed: a bad slot fails to load, never served
+        logger.error(
+            "%s; removed the manifest %s: the next run of this persistent disk tier "
+            "starts with an empty cache",
+            failure,
+            log.path,
+        )
 
 
 def _consecutive_runs(ids: np.ndarray) -> list[tuple[int, int]]:

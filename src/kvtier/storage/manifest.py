@@ -16,10 +16,14 @@ against `data_sum`, so a stale record whose slot was rewritten since (a crash be
 data write and its record, power loss) fails verification instead. Tombstones keep a
 restart from offering a slot that is known to be bad or overwritten.
 
-At open (`open_manifest`) the header must match the identity exactly and the slot file
-must have its exact size; otherwise both files are discarded and recreated (with a
-warning naming the reason). A reused manifest is compacted at once: the live records are
-written to a temporary file in the same directory, fsynced, and renamed over it.
+At open (`open_manifest`) the manifest must be a regular file whose header matches the
+identity exactly, and the slot file must have its exact size; otherwise both files are
+discarded and recreated (with a warning naming the reason). A reused manifest is
+compacted at once: the live records are written to a temporary file in the same
+directory, fsynced, and renamed over it. When that rewrite fails (a full disk, an I/O
+error) the open fails with an OSError naming the file and the manifest is left as it
+was: the disk tier needs its disk space to start, and a later open, once there is space,
+still recovers the cache.
 
 During a run the log compacts itself the same way, under the lock that serializes the
 appends, right after an append that leaves it holding more than 4 records per live slot
@@ -32,8 +36,11 @@ to the old file.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
+from typing import BinaryIO
 
 import xxhash
 
@@ -53,14 +60,16 @@ from kvtier.storage.manifest_format import (
     check_record,
 )
 from kvtier.storage.manifest_log import ManifestLog
-from kvtier.storage.slot_file import SlotFile, unlink_quietly
+from kvtier.storage.slot_file import DiskTierBusyError, SlotFile, is_locked, unlink_quietly
 
 __all__ = [
     "MANIFEST_VERSION",
+    "SLOTS_SUFFIX",
     "ManifestEntry",
     "ManifestError",
     "ManifestIdentity",
     "ManifestLog",
+    "check_no_persistent_tier",
     "check_record",
     "manifest_path_for",
     "open_manifest",
@@ -69,51 +78,83 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+SLOTS_SUFFIX = ".slots"
+_READ_BUFFER = 1 << 20  # bytes read from the manifest at a time
+
 
 def manifest_path_for(slot_path: str) -> str:
-    """Return the manifest path beside the slot file `slot_path`."""
-    stem = slot_path[: -len(".slots")] if slot_path.endswith(".slots") else slot_path
-    return stem + ".manifest"
+    """Return the manifest path of the slot file `slot_path`: its name with `.slots`
+    replaced by `.manifest` (`kvtier-rank0.slots` -> `kvtier-rank0.manifest`).
+
+    Raises ValueError naming the path unless it ends in `.slots`. That keeps the mapping
+    one to one (no two slot files share a manifest: with any name allowed, `x` and
+    `x.slots` would) and keeps slot files apart from manifests and their `.tmp` files.
+    """
+    if not slot_path.endswith(SLOTS_SUFFIX):
+        raise ValueError(
+            f"a disk tier slot file's name must end in {SLOTS_SUFFIX!r} (its manifest is "
+            f"the same name ending in '.manifest'), got {slot_path!r}"
+        )
+    return slot_path[: -len(SLOTS_SUFFIX)] + ".manifest"
 
 
 def read_manifest(path: str, identity: ManifestIdentity) -> dict[int, ManifestEntry]:
     """Replay the manifest at `path` and return its live slots.
 
-    Raises ManifestError when it cannot be read or its header does not match `identity`.
-    A torn or corrupt record ends the replay with a warning.
+    Raises ManifestError when it is missing, not a regular file (it is opened without
+    waiting, so a FIFO there cannot block), unreadable, or its header does not match
+    `identity`. A torn or corrupt record ends the replay with a warning. The file is read
+    record by record: memory stays within one read buffer and the live records, however
+    large the file.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise ManifestError("the manifest is missing") from exc
     except OSError as exc:
         raise ManifestError(f"cannot open the manifest: {exc.strerror or exc}") from exc
+    file = None
     try:
-        with os.fdopen(fd, "rb") as file:
-            data = memoryview(file.read())
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ManifestError("the manifest is not a regular file")
+        os.set_blocking(fd, True)
+        file = os.fdopen(fd, "rb", buffering=_READ_BUFFER)
+        offset = _check_header(file, info.st_size, identity)
+        return _replay(file, info.st_size, offset, identity.num_slots, path)
     except OSError as exc:
         raise ManifestError(f"cannot read the manifest: {exc.strerror or exc}") from exc
-    offset = _check_header(data, identity)
-    return _replay(data, offset, identity.num_slots, path)
+    finally:
+        if file is not None:
+            file.close()
+        else:
+            os.close(fd)
 
 
-def _check_header(data: memoryview, identity: ManifestIdentity) -> int:
+def _check_header(file: BinaryIO, size: int, identity: ManifestIdentity) -> int:
     """Return the offset of the first record; raise ManifestError naming the mismatch."""
-    if len(data) < HEADER.size:
-        raise ManifestError(f"the manifest is {len(data)} B, shorter than its header")
-    magic, version, num_slots, slot_bytes, layout_len, fp_len = HEADER.unpack_from(data)
+    head = file.read(HEADER.size)
+    if len(head) < HEADER.size:
+        raise ManifestError(f"the manifest is {size} B, shorter than its header")
+    magic, version, num_slots, slot_bytes, layout_len, fp_len = HEADER.unpack(head)
     if magic != MAGIC:
         raise ManifestError(f"bad magic {bytes(magic)!r}, not a kvtier manifest")
     if version != MANIFEST_VERSION:
         raise ManifestError(f"format version {version}, expected {MANIFEST_VERSION}")
-    end = HEADER.size + layout_len + fp_len
-    if len(data) < end + CHECKSUM.size:
+    header_size = HEADER.size + layout_len + fp_len + CHECKSUM.size
+    expected_size = len(identity.encode())
+    if header_size > max(expected_size, _READ_BUFFER):  # cannot match; do not read it
+        raise ManifestError(f"the header claims {header_size} B, this tier's is {expected_size} B")
+    rest = file.read(header_size - HEADER.size)
+    if len(rest) < header_size - HEADER.size:
         raise ManifestError("the manifest header is cut short")
+    data = head + rest
+    end = header_size - CHECKSUM.size
     (stored_sum,) = CHECKSUM.unpack_from(data, end)
     if stored_sum != xxhash.xxh3_64_intdigest(data[:end]):
         raise ManifestError("the header checksum does not match")
-    layout = bytes(data[HEADER.size : HEADER.size + layout_len])
-    fingerprint = bytes(data[HEADER.size + layout_len : end])
+    layout = data[HEADER.size : HEADER.size + layout_len]
+    fingerprint = data[HEADER.size + layout_len : end]
     if fingerprint != identity.fingerprint.encode():
         raise ManifestError(
             f"fingerprint {_short(fingerprint)} differs from {_short(identity.fingerprint)}"
@@ -125,7 +166,7 @@ def _check_header(data: memoryview, identity: ManifestIdentity) -> int:
     ):
         if stored != expected:
             raise ManifestError(f"geometry changed: {name} {_short(stored)} != {_short(expected)}")
-    return end + CHECKSUM.size
+    return header_size
 
 
 def _short(value: object) -> str:
@@ -135,41 +176,69 @@ def _short(value: object) -> str:
     return repr(text if len(text) <= 80 else text[:77] + "...")
 
 
-def _replay(data: memoryview, offset: int, num_slots: int, path: str) -> dict[int, ManifestEntry]:
+def _replay(
+    file: BinaryIO, size: int, offset: int, num_slots: int, path: str
+) -> dict[int, ManifestEntry]:
     live: dict[int, ManifestEntry] = {}
     problem = None
-    while offset < len(data):
-        if len(data) - offset < RECORD.size:
+    while head := file.read(RECORD.size):
+        if len(head) < RECORD.size:
             problem = "torn record at the end"
             break
-        kind, slot, num_tokens, data_sum, key_len = RECORD.unpack_from(data, offset)
-        end = offset + RECORD.size + key_len
-        if len(data) < end + CHECKSUM.size:
+        kind, slot, num_tokens, data_sum, key_len = RECORD.unpack(head)
+        tail = file.read(key_len + CHECKSUM.size)
+        if len(tail) < key_len + CHECKSUM.size:
             problem = "torn record at the end"
             break
-        (stored_sum,) = CHECKSUM.unpack_from(data, end)
+        key = tail[:key_len]
+        (stored_sum,) = CHECKSUM.unpack_from(tail, key_len)
         valid_kind = kind in (PUT, TOMBSTONE)
-        if not valid_kind or stored_sum != xxhash.xxh3_64_intdigest(data[offset:end]):
+        if not valid_kind or stored_sum != xxhash.xxh3_64_intdigest(head + key):
             problem = "corrupt record"
             break
         if slot >= num_slots:
             problem = f"record for slot {slot} outside [0, {num_slots})"
             break
         if kind == PUT:
-            key = bytes(data[offset + RECORD.size : end])
             live[slot] = ManifestEntry(data_sum, SlotRecord(key, num_tokens))
         else:
             live.pop(slot, None)
-        offset = end + CHECKSUM.size
+        offset += len(head) + len(tail)
     if problem is not None:
         logger.warning(
             "disk tier manifest %s: %s at byte %d of %d; ignoring it and every later record",
             path,
             problem,
             offset,
-            len(data),
+            size,
         )
     return live
+
+
+def check_no_persistent_tier(slot_path: str) -> None:
+    """Raise unless a non-persistent tier may create its slot file at `slot_path`.
+
+    DiskTierBusyError when a persistent tier there is in use by another process or
+    worker; FileExistsError when a persistent tier's files are at rest there (starting
+    without persistence would replace them).
+    """
+    manifest = manifest_path_for(slot_path)
+    if not (os.path.exists(manifest) and os.path.lexists(slot_path)):
+        return
+    if is_locked(slot_path):
+        raise DiskTierBusyError(
+            errno.EBUSY,
+            f"a persistent disk tier at this path (manifest {manifest}) is in use by "
+            "another process or worker; do not remove its files, give this engine its own "
+            "disk path (two engines must not share a disk tier directory for the same rank)",
+            slot_path,
+        )
+    raise FileExistsError(
+        errno.EEXIST,
+        f"a persistent disk tier is at this path (manifest {manifest}); turn "
+        "disk_persist on to use it, or remove both files to start without it",
+        slot_path,
+    )
 
 
 def open_manifest(
@@ -180,7 +249,8 @@ def open_manifest(
 
     A reused slot file is kept when the manifest matches `identity` and the file has its
     exact size; otherwise both are discarded with a warning and the slot file is
-    recreated. The manifest is then rewritten atomically with the live records only.
+    recreated. The manifest is then rewritten atomically with the live records only; an
+    OSError naming the file (a full disk, an I/O error) leaves it as it was and is raised.
     `compact_floor` is the fewest records at which the log compacts itself during the run
     (see `compaction_due`).
     """

@@ -9,6 +9,7 @@ manifest path is either the complete old log or the complete new one. A leftover
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -39,8 +40,10 @@ def rewrite_manifest(path: str, content: bytes) -> int:
     """Atomically replace the file at `path` with `content`; return a descriptor that
     appends to the new file (O_APPEND, the one the content was written through).
 
-    Raises OSError (after removing the temporary file) when the content cannot be written,
-    synced or renamed; the file at `path` is then unchanged. A failed fsync of the
+    Raises OSError naming the file (after removing the temporary file) when the content
+    cannot be written, synced or renamed; the file at `path` is then unchanged. The
+    temporary file is created exclusively (never opened when something is already there),
+    so nothing at its path can make this wait. A failed fsync of the
     directory after the rename is only logged: the new file is complete and in place, and
     should the rename be lost in a crash the old log is back, which is consistent too.
     """
@@ -49,11 +52,8 @@ def rewrite_manifest(path: str, content: bytes) -> int:
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o600)
     try:
-        view = memoryview(content)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.replace(tmp, path)
+        _write_all(fd, content, tmp)
+        os.replace(tmp, path)  # its OSError names both paths
     except BaseException:
         os.close(fd)
         unlink_quietly(tmp)
@@ -68,3 +68,19 @@ def rewrite_manifest(path: str, content: bytes) -> int:
     except OSError as exc:
         logger.warning("disk tier manifest %s: cannot sync its directory: %s", path, exc)
     return fd
+
+
+def _write_all(fd: int, content: bytes, path: str) -> None:
+    """Write `content` to `fd` and fsync it; raise OSError naming `path` on failure."""
+    try:
+        view = memoryview(content)
+        while view:
+            written = os.write(fd, view)
+            if written <= 0:  # never spin on a write that makes no progress
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            view = view[written:]
+        os.fsync(fd)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot write the new manifest: {exc.strerror or exc}", path
+        ) from exc

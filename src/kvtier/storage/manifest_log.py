@@ -45,7 +45,8 @@ class ManifestLog:
         compact_floor: int = COMPACT_FLOOR,
     ) -> None:
         """Write the manifest at `path` anew (header and one put record per `live` slot,
-        atomically) and open it for appending; raise OSError when that fails."""
+        atomically) and open it for appending; raise OSError naming the file when that
+        fails (see `rewrite_manifest`)."""
         self.path = path
         self._header = header
         self._live = {slot: encode_put(slot, live[slot]) for slot in sorted(live)}
@@ -141,12 +142,19 @@ class ManifestLog:
             os.close(old)  # the replaced log: no longer reachable by its path
 
     def close(self) -> None:
-        """Flush the log to the device and close it; idempotent."""
+        """Flush the log to the device and close it; idempotent.
+
+        Raises OSError naming the manifest when the flush fails; the log is closed anyway.
+        """
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
             os.fsync(fd)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot sync the manifest: {exc.strerror or exc}", self.path
+            ) from exc
         finally:
             os.close(fd)

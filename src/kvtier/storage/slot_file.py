@@ -31,11 +31,14 @@ __all__ = [
     "FileIO",
     "OsFileIO",
     "SlotFile",
+    "is_locked",
+    "unlink_quietly",
 ]
 
 logger = logging.getLogger(__name__)
 
 DIRECT_IO_ALIGNMENT = 4096
+_NOT_REGULAR = "disk tier path is not a regular file (a FIFO, socket, device or directory?)"
 
 
 class DiskIOError(OSError):
@@ -75,7 +78,8 @@ class SlotFile:
     (left by a crashed or persistent run) is replaced, with a warning. Raises
     FileExistsError when the path is a symlink (or a file appears there while this one is
     created); ValueError for direct I/O with slot bytes that are not a multiple of 4096
-    (SPEC scenario 28); OSError with a hint when the filesystem refuses O_DIRECT;
+    (SPEC scenario 28); OSError when the path holds something other than a regular file,
+    or with a hint when the filesystem refuses O_DIRECT;
     DiskTierBusyError when another open file holds the lock, or replaced the file while
     this one opened it. Reads and writes may run from any thread; `close()` and
     `recreate()` must not race them.
@@ -198,9 +202,15 @@ class SlotFile:
         return os.fstat(self._fd).st_size
 
     def sync(self) -> None:
-        """Flush the file's data to the device (`fsync`)."""
-        if self._fd is not None:
+        """Flush the file's data to the device (`fsync`); raise OSError naming the file."""
+        if self._fd is None:
+            return
+        try:
             os.fsync(self._fd)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot sync the disk tier file: {exc.strerror or exc}", self.path
+            ) from exc
 
     def close(self) -> None:
         """Close the file and remove it unless it is persistent; idempotent."""
@@ -220,7 +230,8 @@ def _open_or_create(path: str, mode: DiskIOMode) -> tuple[int, bool]:
     """Open the regular file at `path` without truncation, or create it; refuse symlinks.
 
     Return the descriptor and whether an existing file was opened."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    # O_NONBLOCK: never wait on a FIFO at the path (no effect on a regular file).
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     if mode is DiskIOMode.DIRECT:
         flags |= os.O_DIRECT
     for _ in range(2):  # a file created or removed by a racing process: one retry
@@ -243,7 +254,8 @@ def _open_or_create(path: str, mode: DiskIOMode) -> tuple[int, bool]:
             raise
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise OSError(errno.EINVAL, "disk tier path is not a regular file", path)
+            raise OSError(errno.EINVAL, _NOT_REGULAR, path)
+        os.set_blocking(fd, True)
         return fd, True
     raise OSError(errno.EAGAIN, "disk tier file keeps appearing and vanishing", path)
 
@@ -302,18 +314,44 @@ def _create(path: str, mode: DiskIOMode) -> int:
 
 
 def _open(path: str, flags: int, mode: DiskIOMode) -> int:
-    """`os.open` with mode 0600 and a hint when the filesystem refuses O_DIRECT."""
+    """`os.open` with mode 0600 and a hint when the filesystem refuses O_DIRECT.
+
+    Linux also answers EINVAL to O_DIRECT on a FIFO or socket: the hint is given only
+    when the path holds a regular file or nothing, otherwise the error says what is wrong.
+    """
     try:
         return os.open(path, flags, 0o600)
     except OSError as exc:
-        if mode is DiskIOMode.DIRECT and exc.errno == errno.EINVAL:
-            raise OSError(
-                exc.errno,
-                "this filesystem does not support O_DIRECT (tmpfs?); use "
-                "DiskIOMode.PAGE_CACHE or a directory on a block device",
-                path,
-            ) from exc
-        raise
+        if mode is not DiskIOMode.DIRECT or exc.errno != errno.EINVAL:
+            raise
+        with contextlib.suppress(FileNotFoundError):  # nothing there: refused to create it
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                raise OSError(exc.errno, _NOT_REGULAR, path) from exc
+        raise OSError(
+            exc.errno,
+            "the filesystem refused O_DIRECT (it has no direct I/O, e.g. tmpfs on older "
+            "kernels); use disk_io_mode=DiskIOMode.PAGE_CACHE ('page_cache') or a "
+            "directory on a block device",
+            path,
+        ) from exc
+
+
+def is_locked(path: str) -> bool:
+    """Return True when another open file holds the lock of the file at `path`; never
+    blocks or follows a symlink (a path that cannot be opened is not locked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a holder's LOCK_EX
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also drops the probe's own lock
 
 
 def _lock(fd: int, path: str) -> None:
