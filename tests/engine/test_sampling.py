@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,40 @@ def test_finish_reason() -> None:
     assert finish_reason(1, 3, params, eos_token_ids=(2,)) is FinishReason.LENGTH
     ignoring = SamplingParams(max_tokens=3, ignore_eos=True)
     assert finish_reason(2, 1, ignoring, eos_token_ids=(2,)) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"temperature": float("nan")}, ValueError, "temperature must be >= 0 and finite, got nan"),
+        ({"temperature": float("inf")}, ValueError, "temperature must be >= 0 and finite, got inf"),
+        ({"temperature": "0.5"}, TypeError, "temperature must be a float >= 0, got '0.5'"),
+        ({"temperature": None}, TypeError, "temperature must be a float >= 0, got None"),
+        ({"max_tokens": True}, TypeError, "max_tokens must be a positive int, got True"),
+        ({"max_tokens": 2.0}, TypeError, "max_tokens must be a positive int, got 2.0"),
+        ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*63\), got -1"),
+        ({"seed": 2**70}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+        ({"seed": "x"}, TypeError, "seed must be an int or None, got 'x'"),
+        ({"seed": 1.0}, TypeError, "seed must be an int or None, got 1.0"),
+        ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a sequence of token ids, got 5"),
+        ({"stop_token_ids": "ab"}, TypeError, "stop_token_ids must be a sequence"),
+        ({"stop_token_ids": (1, 2.5)}, TypeError, "stop_token_ids must hold int token ids"),
+        ({"stop_token_ids": (True,)}, TypeError, "stop_token_ids must hold int token ids"),
+        ({"stop_token_ids": (-1,)}, ValueError, r"stop_token_ids must be >= 0, got \(-1,\)"),
+        ({"ignore_eos": 1}, TypeError, "ignore_eos must be a bool, got 1"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(
+    changes: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """Regression: these were accepted and failed later inside a step (or never)."""
+    with pytest.raises(error, match=message):
+        SamplingParams(**changes)  # type: ignore[arg-type]
+
+
+def test_stop_token_ids_may_be_any_int_sequence() -> None:
+    params = SamplingParams(stop_token_ids=[5, np.int64(7)])  # type: ignore[arg-type]
+    assert params.stop_token_ids == (5, 7)
+    assert all(type(t) is int for t in params.stop_token_ids)
+    assert finish_reason(7, 1, params, eos_token_ids=()) is FinishReason.STOP
+    assert SamplingParams(temperature=1, seed=2**63 - 1).make_generator() is not None

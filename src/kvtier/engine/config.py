@@ -1,4 +1,4 @@
-"""Model and KV cache configuration of the reference engine, with presets and HF import."""
+"""Model, KV cache and engine configuration of the reference engine, with presets and HF import."""
 
 from __future__ import annotations
 
@@ -256,3 +256,47 @@ class CacheConfig:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks={self.num_blocks} leaves no block besides the null block")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and limits of the reference engine. `num_gpu_blocks` includes the null block.
+
+    A value of the wrong type raises TypeError, one out of range ValueError, both naming
+    the field.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int = 256
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    device: str = "cpu"
+    seed: int = 0
+    keep_logits: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.num_gpu_blocks < 2:
+            raise ValueError(
+                f"EngineConfig.num_gpu_blocks={self.num_gpu_blocks} leaves no block besides "
+                "the null block"
+            )
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise TypeError(f"EngineConfig.seed must be an int, got {self.seed!r}")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed accepts
+            raise ValueError(f"EngineConfig.seed must be in [-2**63, 2**64), got {self.seed}")
+        if not isinstance(self.keep_logits, bool):
+            raise TypeError(f"EngineConfig.keep_logits must be a bool, got {self.keep_logits!r}")
+        if not isinstance(self.device, str):
+            raise TypeError(f"EngineConfig.device must be a str, got {self.device!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"EngineConfig.device={self.device!r} is not a torch device") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device={self.device!r}, but CUDA is not available")

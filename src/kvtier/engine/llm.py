@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from kvtier.core.block_pool import BlockPool
+from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.hashing import BlockHasher, RequestHasher
-from kvtier.engine.config import CacheConfig, ModelConfig
+from kvtier.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
 from kvtier.engine.model import build_model
 from kvtier.engine.offload_side import OffloadSide, layout_of
@@ -20,23 +20,17 @@ from kvtier.engine.request import Request
 from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
 from kvtier.engine.sampling import SamplingParams, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
+from kvtier.engine.validation import (
+    RequestLimits,
+    as_params_list,
+    as_prompt_list,
+    as_token_ids,
+    check_request,
+)
 from kvtier.engine.weights import load_model
 from kvtier.offload.config import OffloadConfig
 
 _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Sizes and limits of the reference engine. `num_gpu_blocks` includes the null block."""
-
-    block_size: int = 16
-    num_gpu_blocks: int = 256
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    device: str = "cpu"
-    seed: int = 0
-    keep_logits: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +69,7 @@ class LLM:
 
     `model` is a local HF-format checkpoint directory, a `ModelConfig` (random weights
     with `engine.seed`), or None for `ModelConfig.tiny()`. Nothing is ever downloaded.
+    After `shutdown()` (or leaving a `with` block) the engine refuses new work.
     """
 
     def __init__(
@@ -83,6 +78,9 @@ class LLM:
         kv_offload: OffloadConfig | None = None,
         engine: EngineConfig | None = None,
     ) -> None:
+        _check_arguments(model, kv_offload, engine)
+        if kv_offload is not None:
+            kv_offload.prepare_host()  # before anything is allocated
         self.engine_config = engine = engine or EngineConfig()
         device = torch.device(engine.device)
         if isinstance(model, (str, Path)):
@@ -114,8 +112,15 @@ class LLM:
             self.model_config.eos_token_ids,
         )
         self.stats = EngineStats()
+        self._limits = RequestLimits(
+            self.model_config.vocab_size,
+            self.model_config.max_position,
+            self.layout,
+            self.pool.num_usable_blocks,
+        )
         self._next_id = 0
         self._logits: dict[str, list[torch.Tensor]] = {}
+        self._is_shut_down = False
 
     # ------------------------------------------------------------------ API
 
@@ -125,60 +130,86 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         show_progress: bool = False,
     ) -> list[RequestOutput]:
-        """Run `prompts` (token id lists) to completion; outputs come in prompt order."""
-        if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        """Run `prompts` (token id lists) to completion; outputs come in prompt order.
+
+        Every prompt is checked as in `add_request` before any is queued: one bad prompt
+        rejects the whole call (the error names its index) and nothing runs. If a step
+        fails anyway, this call's unfinished requests are aborted and their blocks freed
+        before the error propagates, so the engine stays usable.
+        """
+        self._require_running()
+        prompt_list = as_prompt_list(prompts)
+        params_list = as_params_list(params, len(prompt_list))
+        checked = [
+            self._checked(prompt, sp, f"prompt {index}")
+            for index, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True))
+        ]
+        requests = [self._enqueue(token_ids, sp) for token_ids, sp in checked]
         pending = {r.request_id for r in requests}
-        with tqdm(total=len(requests), disable=not show_progress, unit="req") as bar:
-            while pending:
-                for request in self.step():
-                    if request.request_id in pending:
-                        pending.discard(request.request_id)
-                        bar.update()
+        try:
+            with tqdm(total=len(requests), disable=not show_progress, unit="req") as bar:
+                while pending:
+                    for request in self.step():
+                        if request.request_id in pending:
+                            pending.discard(request.request_id)
+                            bar.update()
+        except BaseException:
+            for request in requests:
+                if request.request_id in pending:
+                    self._abort(request)
+            raise
         return [self._output(r) for r in requests]
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
-        """Queue one prompt; `step` runs it."""
-        if not prompt:
-            raise ValueError("empty prompt")
-        request = Request(
-            request_id=f"req-{self._next_id}",
-            prompt_token_ids=list(prompt),
-            params=params,
-            hasher=RequestHasher(self._hasher),
-        )
-        self._next_id += 1
-        self.stats.num_prompt_tokens += len(prompt)
-        self.scheduler.add(request)
-        return request
+        """Queue one prompt; `step` runs it.
+
+        `prompt` is a sequence of ints or a 1-D integer numpy array / torch tensor.
+        Raises TypeError for a prompt or params of the wrong type, and ValueError for an
+        empty prompt, token ids outside the vocab, or a prompt plus `max_tokens` that
+        would exceed the model's `max_position` or the whole GPU pool; nothing is queued.
+        """
+        self._require_running()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {params!r}")
+        token_ids, params = self._checked(prompt, params, f"request req-{self._next_id}")
+        return self._enqueue(token_ids, params)
 
     def step(self) -> list[Request]:
-        """Run one engine step (SPEC §2.2); return the requests that finished in it."""
+        """Run one engine step (SPEC §2.2); return the requests that finished in it.
+
+        Raises RuntimeError when no step could ever run the first waiting request (it is
+        aborted first). If the forward pass or sampling fails, the step's requests are
+        aborted before the error propagates.
+        """
+        self._require_running()
         step = self.scheduler.schedule()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(step.preempted_ids)
+        if self._is_stalled(step):
+            head = self.scheduler.waiting[0]
+            self._abort(head)
+            raise RuntimeError(
+                f"no progress possible: {head.request_id} ({head.num_tokens} tokens) does not "
+                f"fit the GPU pool of {self.pool.num_usable_blocks} blocks of "
+                f"{self.engine_config.block_size} tokens; it was aborted"
+            )
         if self.offload is not None:
             # The plan only stores blocks computed by earlier steps and loads into blocks
             # no running request uses, so its copies may overlap this step's forward.
             self.offload.prepare(step)
             self.offload.submit()
-        sampled = self._forward(step) if step.work else []
-        finished = self.scheduler.complete(step, sampled, time.perf_counter())
+        try:
+            sampled = self._forward(step) if step.work else []
+            finished = self.scheduler.complete(step, sampled, time.perf_counter())
+        except Exception:
+            for work in step.work:
+                self._abort(work.request)
+            raise
         if self.offload is not None:
             self.offload.finish_step(finished)
             self.scheduler.apply_offload(self.offload.poll())
             if not step.work:
                 time.sleep(_IDLE_WAIT_S)
-        elif not step.work and self.scheduler.has_unfinished():
-            head = self.scheduler.waiting[0]
-            raise RuntimeError(
-                f"no progress possible: {head.request_id} ({head.num_tokens} tokens) does not "
-                f"fit the GPU pool of {self.pool.num_usable_blocks} blocks of "
-                f"{self.engine_config.block_size} tokens"
-            )
         return finished
 
     def drain(self) -> None:
@@ -187,10 +218,18 @@ class LLM:
             self.step()
 
     def shutdown(self) -> None:
-        """Drain pending stores and stop the offload worker (idempotent)."""
-        if self.offload is not None:
+        """Drain pending stores and stop the offload worker (idempotent).
+
+        Afterwards `generate`, `add_request` and `step` raise RuntimeError.
+        """
+        if self._is_shut_down:
+            return
+        try:
             self.drain()
-            self.offload.shutdown()
+        finally:
+            self._is_shut_down = True
+            if self.offload is not None:
+                self.offload.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -199,6 +238,52 @@ class LLM:
         self.shutdown()
 
     # ------------------------------------------------------------------ internals
+
+    def _require_running(self) -> None:
+        if self._is_shut_down:
+            raise RuntimeError(
+                "LLM is shut down (shutdown() was called or its `with` block ended); "
+                "create a new LLM"
+            )
+
+    def _checked(
+        self, prompt: object, params: SamplingParams, where: str
+    ) -> tuple[list[int], SamplingParams]:
+        token_ids = as_token_ids(prompt, where)
+        check_request(token_ids, params, self._limits, where)
+        return token_ids, params
+
+    def _enqueue(self, token_ids: list[int], params: SamplingParams) -> Request:
+        request = Request(
+            request_id=f"req-{self._next_id}",
+            prompt_token_ids=token_ids,
+            params=params,
+            hasher=RequestHasher(self._hasher),
+        )
+        self._next_id += 1
+        self.stats.num_prompt_tokens += len(token_ids)
+        self.scheduler.add(request)
+        return request
+
+    def _abort(self, request: Request) -> None:
+        self.scheduler.abort(request)
+        self._logits.pop(request.request_id, None)
+
+    def _is_stalled(self, step: SchedulerStep) -> bool:
+        """Return True when no later step can run anything: the waiting head never fits.
+
+        Nothing ran, was preempted or is loading, and every GPU block but the head's
+        own is free: no request and no transfer (which pins its GPU blocks) can release
+        more, so the pool the head failed to fit in cannot grow.
+        """
+        scheduler = self.scheduler
+        if step.work or step.preempted_ids or scheduler.running or scheduler.loading:
+            return False
+        if not scheduler.waiting:
+            return False
+        head_blocks = {b for table in scheduler.waiting[0].block_tables for b in table}
+        head_blocks.discard(NULL_BLOCK_ID)
+        return self.pool.num_free() + len(head_blocks) >= self.pool.num_usable_blocks
 
     def _forward(self, step: SchedulerStep) -> list[int | None]:
         sequences = []
@@ -243,4 +328,24 @@ class LLM:
             num_local_hit_tokens=request.num_local_tokens_total,
             num_external_hit_tokens=request.num_external_tokens_total,
             logits=None if rows is None else torch.stack(rows),
+        )
+
+
+def _check_arguments(model: object, kv_offload: object, engine: object) -> None:
+    if model is not None and not isinstance(model, (str, Path, ModelConfig)):
+        raise TypeError(
+            "model must be a local checkpoint directory (str or Path), a ModelConfig or "
+            f"None, got {model!r}"
+        )
+    if kv_offload is not None and not isinstance(kv_offload, OffloadConfig):
+        hint = (
+            " (build one with OffloadConfig.from_dict)" if isinstance(kv_offload, Mapping) else ""
+        )
+        raise TypeError(
+            f"kv_offload must be an OffloadConfig or None, got {type(kv_offload).__name__}{hint}"
+        )
+    if engine is not None and not isinstance(engine, EngineConfig):
+        hint = " (build one with EngineConfig(**values))" if isinstance(engine, Mapping) else ""
+        raise TypeError(
+            f"engine must be an EngineConfig or None, got {type(engine).__name__}{hint}"
         )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -14,6 +16,7 @@ class FinishReason(enum.Enum):
 
     LENGTH = "length"  # produced max_tokens
     STOP = "stop"  # produced a stop token or, unless ignored, an EOS token
+    ABORT = "abort"  # dropped before finishing (its `generate` call or step failed)
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,9 @@ class SamplingParams:
 
     `temperature == 0` is greedy. With a temperature, `seed` makes the request's tokens
     reproducible whatever else is in the batch; without a seed the generator is seeded
-    from torch's global RNG.
+    from torch's global RNG. A value of the wrong type raises TypeError, one out of range
+    ValueError, both naming the field; `stop_token_ids` may be any sequence of ints and
+    is stored as a tuple.
     """
 
     max_tokens: int = 16
@@ -32,10 +37,30 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens):
+            raise TypeError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise TypeError(f"temperature must be a float >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            if not 0 <= self.seed < 2**63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {stop!r}")
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in stop):
+            raise TypeError(f"stop_token_ids must hold int token ids, got {stop!r}")
+        if any(t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids must be >= 0, got {stop!r}")
+        # Frozen, but a list given by the caller is stored as a tuple (hashable, immutable).
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
 
     @property
     def is_greedy(self) -> bool:
@@ -52,6 +77,10 @@ class SamplingParams:
         else:
             generator.manual_seed(self.seed)
         return generator
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sample(

@@ -19,7 +19,7 @@ from kvtier.core.keys import make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.longest_hit import find_longest_hit
 from kvtier.engine.request import Request, RequestStatus
-from kvtier.engine.sampling import finish_reason
+from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.offload.protocols import TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.transfers import ReportOutcome
@@ -82,6 +82,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Return True while any request is waiting, loading or running."""
         return bool(self.waiting or self.running or self.loading)
+
+    def abort(self, request: Request) -> None:
+        """Drop an unfinished request: free its GPU blocks and its offload state.
+
+        Its transfers already issued keep their own pins until the worker reports them
+        (SPEC §6.7); a load finishing later is ignored. A finished request is left as is.
+        """
+        if request.status is RequestStatus.FINISHED:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.loading.pop(request.request_id, None)
+        if self.offload is not None:
+            self.offload.on_finished(request, request.block_tables)
+        self._free_blocks(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT
 
     # ------------------------------------------------------------------ schedule
 

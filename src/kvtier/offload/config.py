@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.core.hashing import HashAlgo
@@ -184,6 +187,31 @@ class OffloadConfig:
             del kwargs["cascade"]
         return OffloadConfig(**kwargs)
 
+    def prepare_host(self) -> None:
+        """Check this machine can hold the tiers; create a missing `disk_path` directory.
+
+        Call where the tiers are built, before allocating them: the config itself is
+        plain data and may be built on another machine. Raises ConfigError naming the
+        key and value when `cpu_bytes` exceeds the machine's memory, when `disk_path` is
+        not a writable directory (a missing one is created only if its parent exists),
+        or when `disk_bytes` exceeds the size of the filesystem holding `disk_path` (a
+        budget above its free space fails when the tier's file is sized).
+        """
+        if self.cpu_bytes > 0:
+            memory = _total_memory_bytes()
+            if memory is not None and self.cpu_bytes > memory:
+                raise ConfigError(
+                    f"cpu_bytes={self.cpu_bytes} exceeds this machine's memory ({memory} bytes)"
+                )
+        if self.disk_bytes > 0 and self.disk_path:
+            _prepare_directory(self.disk_path)
+            size = shutil.disk_usage(self.disk_path).total
+            if self.disk_bytes > size:
+                raise ConfigError(
+                    f"disk_bytes={self.disk_bytes} exceeds the size of the filesystem holding "
+                    f"disk_path={self.disk_path!r} ({size} bytes)"
+                )
+
     def num_tier_blocks(self, bytes_per_block: int, tier: Tier | None = None) -> int:
         """Return the pool size of `tier` (default: the first lower tier) (SPEC §6.1)."""
         if bytes_per_block <= 0:
@@ -254,3 +282,35 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
 def _require(ok: bool, key: str, value: object, rule: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}")
+
+
+def _total_memory_bytes() -> int | None:
+    """Return the machine's physical memory, or None where the OS does not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return total if total > 0 else None
+
+
+def _prepare_directory(disk_path: str) -> None:
+    path = Path(disk_path)
+    if not path.exists() and not path.is_symlink():
+        if not path.parent.is_dir():
+            raise ConfigError(
+                f"disk_path={disk_path!r} does not exist, nor does its parent directory"
+            )
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # created meanwhile by another process
+        except OSError as exc:
+            raise ConfigError(
+                f"disk_path={disk_path!r}: cannot create the directory ({exc.strerror})"
+            ) from exc
+        else:
+            logger.info("created the disk tier directory %s", disk_path)
+    if not path.is_dir():
+        raise ConfigError(f"disk_path={disk_path!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"disk_path={disk_path!r} is not a writable directory")

@@ -1,0 +1,144 @@
+"""Checks on what callers hand the reference engine, made before anything is queued.
+
+A request that could never run (a token id outside the vocab, more positions than the
+model has, more KV blocks than the whole GPU pool) is refused here with a message that
+names it, instead of failing inside a step after compute was spent on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral
+
+import numpy as np
+import torch
+
+from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may use: its vocab, its positions and the usable GPU pool."""
+
+    vocab_size: int
+    max_position: int
+    layout: KVLayout
+    num_usable_blocks: int
+
+
+def as_token_ids(prompt: object, where: str) -> list[int]:
+    """Return `prompt` as a list of ints; raise TypeError naming `where` otherwise.
+
+    Accepts a sequence of ints (numpy integers included) or a 1-D integer numpy array
+    or torch tensor. A str is refused: the engine has no tokenizer.
+    """
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError(
+            f"{where} is a {type(prompt).__name__}: the engine takes token ids, not text "
+            "(it has no tokenizer)"
+        )
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        return _array_token_ids(prompt, where)
+    if not isinstance(prompt, Sequence):
+        raise TypeError(f"{where} must be a sequence of token ids, got {prompt!r}")
+    for position, token in enumerate(prompt):
+        if not isinstance(token, Integral) or isinstance(token, bool):
+            raise TypeError(f"{where}: token {position} is {token!r}, not an int token id")
+    return [int(token) for token in prompt]
+
+
+def _array_token_ids(prompt: np.ndarray | torch.Tensor, where: str) -> list[int]:
+    if isinstance(prompt, torch.Tensor):
+        dtype = prompt.dtype
+        is_integer = not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    else:
+        is_integer = bool(np.issubdtype(prompt.dtype, np.integer))
+    if prompt.ndim != 1 or not is_integer:
+        raise TypeError(
+            f"{where} must be a 1-D integer array of token ids, got {prompt.ndim}-D {prompt.dtype}"
+        )
+    return [int(token) for token in prompt.tolist()]
+
+
+def as_prompt_list(prompts: object) -> Sequence[object]:
+    """Return `prompts` if it is a sequence of prompts; raise TypeError otherwise.
+
+    A flat list of ints is refused (it would be read as many one-token prompts).
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
+    if prompts and all(isinstance(p, Integral) for p in prompts):
+        raise TypeError(
+            "prompts must be a list of token id lists, got a flat list of ints: "
+            "pass one prompt as generate([[1, 2, 3]])"
+        )
+    return prompts
+
+
+def as_params_list(params: object, num_prompts: int) -> list[SamplingParams]:
+    """Return one `SamplingParams` per prompt from None, one params, or a sequence of them."""
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(
+            "params must be a SamplingParams, a sequence of them (one per prompt) or None, "
+            f"got {params!r}"
+        )
+    for index, item in enumerate(params):
+        if not isinstance(item, SamplingParams):
+            raise TypeError(f"params[{index}] must be a SamplingParams, got {item!r}")
+    if len(params) != num_prompts:
+        raise ValueError(f"{num_prompts} prompts but {len(params)} sampling params")
+    return list(params)
+
+
+def check_request(
+    token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits, where: str
+) -> None:
+    """Raise ValueError, naming `where`, if the request could never run to `max_tokens`.
+
+    The request's last sampled token is never fed back, so it computes
+    `len(token_ids) + max_tokens - 1` positions; their KV blocks (over every group) at
+    its last step must fit the usable GPU pool.
+    """
+    if not token_ids:
+        raise ValueError(f"{where}: empty prompt")
+    bad = [t for t in token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValueError(f"{where}: token ids {bad[:5]} outside the vocab [0, {limits.vocab_size})")
+    num_prompt = len(token_ids)
+    num_positions = num_prompt + params.max_tokens - 1
+    sizes = f"prompt of {num_prompt} tokens + max_tokens={params.max_tokens}"
+    if num_positions > limits.max_position:
+        raise ValueError(
+            f"{where}: {sizes} needs {num_positions} positions, more than the model's "
+            f"max_position={limits.max_position}"
+        )
+    num_blocks = num_peak_blocks(limits.layout, num_positions)
+    if num_blocks > limits.num_usable_blocks:
+        raise ValueError(
+            f"{where}: {sizes} needs at least {num_blocks} KV blocks at its last step, more "
+            f"than the GPU pool's {limits.num_usable_blocks} usable blocks (raise "
+            "EngineConfig.num_gpu_blocks or lower max_tokens)"
+        )
+
+
+def num_peak_blocks(layout: KVLayout, num_tokens: int) -> int:
+    """Return a lower bound of the GPU blocks a request holds when computing `num_tokens`.
+
+    That is what the step computing its last token needs at least: every block of a
+    full-attention group, the blocks a sliding-window group's last window spans.
+    """
+    total = 0
+    for group in layout.groups:
+        end = -(-num_tokens // group.block_size)
+        first = 0
+        if group.kind is GroupKind.SLIDING_WINDOW and group.sliding_window is not None:
+            # The scheduler dropped the blocks before the previous token's window.
+            first = max(0, num_tokens - group.sliding_window) // group.block_size
+        total += end - first
+    return total

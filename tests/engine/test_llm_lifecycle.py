@@ -1,0 +1,189 @@
+"""The engine's life around failures: stalls, failed steps and shutdown.
+
+Regressions: with offload on, a request that could never be scheduled made `generate`
+spin forever; a request failing inside a step stayed queued and failed every later call;
+after `shutdown()` the engine kept serving (offload off) or failed deep in the worker.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from random_workloads import with_watchdog
+
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.runner import BatchInput
+from kvtier.engine.sampling import SamplingParams
+from kvtier.offload.config import OffloadConfig, StoreMode
+from kvtier.offload.plan import WorkerReport
+
+MIB = 1 << 20
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+OFFLOADS: dict[str, OffloadConfig | None] = {
+    "off": None,
+    "eager": OffloadConfig(cpu_bytes=4 * MIB),
+    "lazy": OffloadConfig(cpu_bytes=4 * MIB, store_mode=StoreMode.LAZY),
+}
+
+
+def fresh_outputs(
+    model: ModelConfig | None, engine: EngineConfig, prompts: list[list[int]]
+) -> list[tuple[int, ...]]:
+    """Return the tokens an engine without offloading produces for `prompts`."""
+    return [o.output_token_ids for o in LLM(model, engine=engine).generate(prompts, PARAMS)]
+
+
+def assert_idle(llm: LLM) -> None:
+    """Check no request is left and, once transfers drained, every GPU block is free."""
+    assert not llm.scheduler.has_unfinished()
+    llm.drain()
+    for _ in range(2000):  # aborted loads still in flight release their pins when done
+        if llm.pool.num_free() == llm.pool.num_usable_blocks:
+            break
+        llm.step()
+    assert llm.pool.num_free() == llm.pool.num_usable_blocks
+    llm.pool.check_invariants()
+    if llm.offload is not None:
+        llm.offload.scheduler.check_invariants()
+
+
+# ---------------------------------------------------------------- stalls
+
+
+@pytest.mark.parametrize("offload", list(OFFLOADS), ids=str)
+def test_a_request_that_never_fits_raises_instead_of_hanging(offload: str) -> None:
+    """Up-front checks pass (the sliding window's last step needs 7 blocks), but the
+    prefill holds every block of both groups: 10 > 7. It used to spin with offload on."""
+    engine = EngineConfig(block_size=4, num_gpu_blocks=8)
+    model = ModelConfig.tiny_hybrid()
+    llm = LLM(model, kv_offload=OFFLOADS[offload], engine=engine)
+    arm = with_watchdog(llm, 500)  # a hang fails the test instead of blocking pytest
+    arm()
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"no progress possible: req-1 \(20 tokens\).*aborted"):
+        llm.generate([[1, 2, 3], list(range(20))], params)
+    assert_idle(llm)
+    arm()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
+    outputs = [o.output_token_ids for o in llm.generate(prompts, PARAMS)]
+    assert outputs == fresh_outputs(model, engine, prompts)
+    llm.shutdown()
+
+
+class DelayedReports:
+    """Wrap a worker: report completions only every `num_polls`-th poll."""
+
+    def __init__(self, worker: Any, num_polls: int) -> None:
+        self.worker = worker
+        self.num_polls = num_polls
+        self.num_calls = 0
+        self.done: Counter[int] = Counter()
+        self.failed: Counter[int] = Counter()
+
+    def poll(self) -> WorkerReport:
+        report = self.worker.poll()
+        self.done.update(report.done)
+        self.failed.update(report.failed)
+        self.num_calls += 1
+        if self.num_calls % self.num_polls:
+            return WorkerReport()
+        done, failed = dict(self.done), dict(self.failed)
+        self.done.clear()
+        self.failed.clear()
+        return WorkerReport(done=done, failed=failed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+def test_waiting_for_stores_that_pin_gpu_blocks_is_not_a_stall() -> None:
+    """The finish-time stores of A pin 2 of 4 GPU blocks; B needs all 4 and must wait."""
+    engine = EngineConfig(block_size=4, num_gpu_blocks=5)
+    llm = LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine)
+    assert llm.offload is not None
+    llm.offload.worker = DelayedReports(llm.offload.worker, num_polls=40)
+    llm.generate([list(range(8))], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert llm.pool.num_free() == 2, "A's stores should pin its 2 full blocks"
+    steps_before = llm.stats.num_steps
+    prompt = list(range(100, 113))
+    (output,) = llm.generate([prompt], PARAMS)
+    assert llm.stats.num_steps - steps_before > 20, "B should have waited for the stores"
+    assert [output.output_token_ids] == fresh_outputs(None, engine, [prompt])
+    llm.shutdown()
+
+
+# ---------------------------------------------------------------- failed steps
+
+
+def failing_forward(llm: LLM, fail_on_call: int) -> Callable[[], int]:
+    """Make the `fail_on_call`-th forward pass raise; return a counter of forward calls."""
+    run = llm.runner.run
+    calls = [0]
+
+    def flaky(batch: BatchInput, *args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == fail_on_call:
+            raise RuntimeError("injected forward failure")
+        return run(batch, *args)
+
+    llm.runner.run = flaky  # type: ignore[method-assign]
+    return lambda: calls[0]
+
+
+def chat_prompts(num: int, length: int, offset: int = 0) -> list[list[int]]:
+    """Return `num` distinct prompts of `length` tokens."""
+    return [[(offset + 7 * i + j) % 128 for j in range(length)] for i in range(num)]
+
+
+@pytest.mark.parametrize("offload", list(OFFLOADS), ids=str)
+def test_a_failed_step_aborts_the_call_and_leaves_the_engine_usable(offload: str) -> None:
+    """Requests of a failed call used to stay queued (and re-fail every later call)."""
+    engine = EngineConfig(block_size=4, num_gpu_blocks=20, max_num_batched_tokens=24)
+    llm = LLM(None, kv_offload=OFFLOADS[offload], engine=engine)
+    first = chat_prompts(4, 24)
+    second = [[*p, 1, 2, 3, 4] for p in first]  # tier hits: loads in flight at the failure
+    llm.generate(first, PARAMS)
+    num_calls = failing_forward(llm, fail_on_call=1)
+    with pytest.raises(RuntimeError, match="injected forward failure"):
+        llm.generate(second, PARAMS)
+    assert num_calls() == 1
+    assert_idle(llm)
+    outputs = [o.output_token_ids for o in llm.generate(second, PARAMS)]
+    assert outputs == fresh_outputs(None, engine, second)
+    assert_idle(llm)
+    llm.shutdown()
+
+
+def test_a_failure_mid_decode_frees_the_blocks_of_every_request_of_the_call() -> None:
+    engine = EngineConfig(block_size=4, num_gpu_blocks=32)
+    llm = LLM(None, engine=engine)
+    failing_forward(llm, fail_on_call=3)
+    with pytest.raises(RuntimeError, match="injected forward failure"):
+        llm.generate(chat_prompts(3, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+    assert_idle(llm)
+
+
+# ---------------------------------------------------------------- shutdown
+
+
+@pytest.mark.parametrize("offload", list(OFFLOADS), ids=str)
+def test_a_shut_down_engine_refuses_work(offload: str) -> None:
+    llm = LLM(None, kv_offload=OFFLOADS[offload], engine=EngineConfig(block_size=4))
+    llm.generate([[1, 2, 3]], PARAMS)
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+    message = r"LLM is shut down \(shutdown\(\) was called or its `with` block ended\)"
+    with pytest.raises(RuntimeError, match=message):
+        llm.generate([[1, 2, 3]], PARAMS)
+    with pytest.raises(RuntimeError, match=message):
+        llm.add_request([1, 2, 3], PARAMS)
+    with pytest.raises(RuntimeError, match=message):
+        llm.step()
+    with LLM(None, kv_offload=OFFLOADS[offload], engine=EngineConfig(block_size=4)) as other:
+        pass
+    with pytest.raises(RuntimeError, match=message):
+        other.generate([[1, 2, 3]], PARAMS)

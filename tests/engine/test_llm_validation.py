@@ -1,0 +1,220 @@
+"""What `LLM` refuses up front: bad configs, arguments, prompts and impossible requests.
+
+Regressions: each of these used to be accepted and then fail deep inside a step (after
+compute was spent), poison the engine for later calls, or hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.validation import num_peak_blocks
+from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
+
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+SMALL = EngineConfig(block_size=4, num_gpu_blocks=5)  # 4 usable blocks: 16 tokens
+
+
+def small_llm(model: ModelConfig | None = None, engine: EngineConfig = SMALL) -> LLM:
+    """Return an engine without offloading over a tiny random model."""
+    return LLM(model, engine=engine)
+
+
+def assert_untouched(llm: LLM) -> None:
+    """Check nothing was queued or computed, and the engine still serves."""
+    assert llm.stats.num_steps == 0
+    assert not llm.scheduler.has_unfinished()
+    assert llm.generate([[1, 2, 3]], PARAMS)[0].output_token_ids == (57, 76, 2)
+
+
+# ---------------------------------------------------------------- EngineConfig
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"max_num_seqs": 0}, ValueError, "max_num_seqs must be a positive int, got 0$"),
+        ({"max_num_seqs": 2.0}, TypeError, "EngineConfig.max_num_seqs must be a positive int"),
+        ({"max_num_batched_tokens": -5}, ValueError, "max_num_batched_tokens must be a positive"),
+        ({"max_num_batched_tokens": "8"}, TypeError, "max_num_batched_tokens must be a positive"),
+        ({"block_size": True}, TypeError, "EngineConfig.block_size must be a positive int"),
+        ({"num_gpu_blocks": 1}, ValueError, "num_gpu_blocks=1 leaves no block besides the null"),
+        ({"seed": "x"}, TypeError, "EngineConfig.seed must be an int, got 'x'"),
+        ({"seed": 2**64}, ValueError, "EngineConfig.seed must be in"),
+        ({"keep_logits": "no"}, TypeError, "EngineConfig.keep_logits must be a bool, got 'no'"),
+        ({"device": "bogus"}, ValueError, "EngineConfig.device='bogus' is not a torch device"),
+        ({"device": 0}, TypeError, "EngineConfig.device must be a str, got 0"),
+    ],
+)
+def test_invalid_engine_config_names_the_field(
+    changes: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        EngineConfig(**changes)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"EngineConfig\.device='cuda', but CUDA is not available"):
+        EngineConfig(device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": 123}, "model must be a local checkpoint directory .* got 123"),
+        ({"kv_offload": {"cpu_bytes": 1 << 20}}, "kv_offload must be an OffloadConfig .*from_dict"),
+        ({"engine": {"block_size": 4}}, "engine must be an EngineConfig or None, got dict"),
+    ],
+)
+def test_llm_arguments_of_the_wrong_type(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        LLM(**kwargs)
+
+
+def test_disk_path_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
+    """It used to fail in the storage layer with a raw NotADirectoryError."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    config = OffloadConfig(
+        disk_bytes=1 << 20, disk_path=str(afile), disk_io_mode=DiskIOMode.PAGE_CACHE
+    )
+    with pytest.raises(ConfigError, match=r"disk_path=.*afile' is not a directory"):
+        LLM(None, kv_offload=config, engine=SMALL)
+
+
+# ---------------------------------------------------------------- prompts and params
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [np.array([1, 2, 3]), torch.tensor([1, 2, 3]), (1, 2, 3), [np.int64(1), 2, np.int32(3)]],
+    ids=["numpy", "torch", "tuple", "numpy-ints"],
+)
+def test_prompts_may_be_integer_arrays(prompt: Any) -> None:
+    (output,) = small_llm().generate([prompt], PARAMS)
+    assert output.prompt_token_ids == (1, 2, 3)
+    assert output.output_token_ids == (57, 76, 2)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([1, 2, 3], "got a flat list of ints: pass one prompt as generate"),
+        ("abc", "prompts must be a list of token id lists, got str"),
+        (["abc"], "prompt 0 is a str: the engine takes token ids, not text"),
+        ([[1, 2], None], "prompt 1 must be a sequence of token ids, got None"),
+        ([[1, 1.5, 3]], "prompt 0: token 1 is 1.5, not an int token id"),
+        ([[True, False]], "prompt 0: token 0 is True, not an int token id"),
+        ([np.array([[1, 2]])], "prompt 0 must be a 1-D integer array of token ids, got 2-D"),
+        ([torch.tensor([1.0, 2.0])], "prompt 0 must be a 1-D integer array .* torch.float32"),
+    ],
+)
+def test_prompts_of_the_wrong_type(prompts: Any, message: str) -> None:
+    llm = small_llm()
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompts, PARAMS)
+    assert_untouched(llm)
+
+
+@pytest.mark.parametrize(
+    ("params", "error", "message"),
+    [
+        (5, TypeError, "params must be a SamplingParams, a sequence of them .* got 5"),
+        ({"max_tokens": 2}, TypeError, "params must be a SamplingParams"),
+        ([PARAMS, "x"], TypeError, r"params\[1\] must be a SamplingParams, got 'x'"),
+        ([PARAMS], ValueError, "2 prompts but 1 sampling params"),
+    ],
+)
+def test_params_of_the_wrong_type(params: Any, error: type[Exception], message: str) -> None:
+    llm = small_llm()
+    with pytest.raises(error, match=message):
+        llm.generate([[1, 2, 3], [4, 5]], params)
+    assert_untouched(llm)
+
+
+def test_add_request_checks_its_params() -> None:
+    llm = small_llm()
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got None"):
+        llm.add_request([1, 2, 3], None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="request req-0: token ids \\[200\\] outside the vocab"):
+        llm.add_request([1, 200], PARAMS)
+    assert_untouched(llm)
+
+
+# ---------------------------------------------------------------- impossible requests
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "message"),
+    [
+        ([[1, 2, 128]], PARAMS, r"prompt 0: token ids \[128\] outside the vocab \[0, 128\)"),
+        ([[1, -1]], PARAMS, r"prompt 0: token ids \[-1\] outside the vocab"),
+        ([[1, 2, 3], []], PARAMS, "prompt 1: empty prompt"),
+        (
+            [[1, 2, 3], list(range(40))],
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            "prompt 1: prompt of 40 tokens \\+ max_tokens=4 needs at least 11 KV blocks at its "
+            "last step, more than the GPU pool's 4 usable blocks",
+        ),
+        (
+            [list(range(14))],
+            SamplingParams(max_tokens=8, ignore_eos=True),
+            "prompt 0: prompt of 14 tokens \\+ max_tokens=8 needs at least 6 KV blocks",
+        ),
+    ],
+)
+def test_a_call_with_an_impossible_prompt_runs_nothing(
+    prompts: list[list[int]], params: SamplingParams, message: str
+) -> None:
+    """The whole call is refused before any request is queued; the engine stays usable."""
+    llm = small_llm()
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params)
+    assert_untouched(llm)
+
+
+def test_prompt_plus_max_tokens_beyond_max_position() -> None:
+    model = dataclasses.replace(ModelConfig.tiny(), max_position=16)
+    llm = small_llm(model, EngineConfig(block_size=4, num_gpu_blocks=64))
+    with pytest.raises(
+        ValueError,
+        match="prompt 1: prompt of 14 tokens \\+ max_tokens=4 needs 17 positions, more than "
+        "the model's max_position=16",
+    ):
+        llm.generate([[1, 2], list(range(14))], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert_untouched(llm)
+    # The last sampled token takes no position: 13 + 4 - 1 = 16 positions fit exactly.
+    (output,) = llm.generate([list(range(13))], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(output.output_token_ids) == 4
+
+
+def test_requests_that_exactly_fill_the_pool_still_run() -> None:
+    """The up-front pool check is a lower bound: it never refuses a request that fits."""
+    full = small_llm().generate([list(range(13))], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(full[0].output_token_ids) == 4  # 16 tokens in 4 blocks
+    # Hybrid (window 8): at the last step the full group holds 6 blocks, the sliding 3.
+    hybrid = ModelConfig.tiny_hybrid()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    tight = small_llm(hybrid, EngineConfig(block_size=4, num_gpu_blocks=10))
+    roomy = small_llm(hybrid, EngineConfig(block_size=4, num_gpu_blocks=64))
+    expected = roomy.generate([[1, 2, 3, 4]], params)[0].output_token_ids
+    assert tight.generate([[1, 2, 3, 4]], params)[0].output_token_ids == expected
+
+
+def test_num_peak_blocks_per_group_kind() -> None:
+    full = KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64)
+    sliding = KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, sliding_window=8)
+    assert num_peak_blocks(KVLayout((full,)), 23) == 6
+    assert num_peak_blocks(KVLayout((full, sliding)), 23) == 6 + 3
+    assert num_peak_blocks(KVLayout((full, sliding)), 5) == 2 + 2  # window not yet full

@@ -1,0 +1,68 @@
+"""`OffloadConfig.prepare_host`: the tiers' budgets and disk path against this machine.
+
+Regressions: a `disk_path` that was a file or missing failed with a raw OS error in the
+storage layer; a disk budget of 10**14 bytes raised MemoryError building the tier index,
+a CPU budget of 10**13 bytes got the process killed for lack of memory.
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvtier.offload.config import ConfigError, OffloadConfig
+
+MIB = 1 << 20
+
+
+def disk_config(path: Path | str, disk_bytes: int = MIB) -> OffloadConfig:
+    """Return a disk-only config over `path`."""
+    return OffloadConfig(disk_bytes=disk_bytes, disk_path=str(path))
+
+
+def test_a_file_is_not_a_disk_path(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=f"disk_path='{afile}' is not a directory"):
+        disk_config(afile).prepare_host()
+
+
+def test_a_missing_directory_is_created_when_its_parent_exists(tmp_path: Path) -> None:
+    config = disk_config(tmp_path / "tier")
+    assert not (tmp_path / "tier").exists(), "building the config touches no filesystem"
+    config.prepare_host()
+    assert (tmp_path / "tier").is_dir()
+    assert stat.S_IMODE((tmp_path / "tier").stat().st_mode) & 0o077 == 0  # private, as its files
+    config.prepare_host()  # already there: fine
+
+
+def test_a_missing_parent_is_an_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "tier"
+    with pytest.raises(ConfigError, match=r"disk_path=.*nope/tier' does not exist, nor does its"):
+        disk_config(missing).prepare_host()
+    assert not (tmp_path / "nope").exists()
+
+
+def test_a_dangling_symlink_is_not_a_directory(tmp_path: Path) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match="link' is not a directory"):
+        disk_config(link).prepare_host()
+
+
+def test_budgets_beyond_the_machine_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"cpu_bytes={1 << 60} exceeds this machine's memory"):
+        OffloadConfig(cpu_bytes=1 << 60).prepare_host()
+    with pytest.raises(
+        ConfigError,
+        match=f"disk_bytes={1 << 62} exceeds the size of the filesystem holding disk_path=",
+    ):
+        disk_config(tmp_path, disk_bytes=1 << 62).prepare_host()
+
+
+def test_sensible_budgets_pass(tmp_path: Path) -> None:
+    OffloadConfig(cpu_bytes=4 * MIB).prepare_host()
+    disk_config(tmp_path).prepare_host()
+    OffloadConfig(cpu_bytes=MIB, disk_bytes=2 * MIB, disk_path=str(tmp_path)).prepare_host()
