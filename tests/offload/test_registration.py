@@ -11,15 +11,15 @@ from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.offload.plan import Tier
 from kvtier.offload.registration import Registrar
-from kvtier.offload.store_selection import StoreItem
+from kvtier.offload.store_batch import StoreBatch
 
 
 def key(i: int) -> Key:
     return make_key(hashlib.sha256(b"reg%d" % i).digest(), 0)
 
 
-def gpu_pool_and_items() -> tuple[BlockPool, list[StoreItem]]:
-    """Return a GPU pool and store items covering every registration case.
+def gpu_pool_and_items() -> tuple[BlockPool, StoreBatch]:
+    """Return a GPU pool and stores covering every registration case.
 
     Block 1: a plain cached block. Block 2: a cached block with a secondary key. Block 3:
     a block that lost its key while pinned (the item's key and the group's block size
@@ -31,13 +31,10 @@ def gpu_pool_and_items() -> tuple[BlockPool, list[StoreItem]]:
     gpu.insert_key(key(2), 2, 4)
     gpu.insert_key(key(20), 2, 4)  # secondary
     gpu.insert_key(key(4), 4, 4)
-    items = [
-        StoreItem(1, 1, key(1)),
-        StoreItem(2, 2, key(2)),
-        StoreItem(3, 3, key(3)),
-        StoreItem(4, 4, key(40), tail_num_tokens=3),
-    ]
-    return gpu, items
+    stores = StoreBatch()
+    stores.extend([1, 2, 3], [1, 2, 3], [key(1), key(2), key(3)])
+    stores.add(4, 4, key(40), tail_num_tokens=3)
+    return gpu, stores
 
 
 def tier_state(pool: BlockPool) -> list[tuple[Key | None, int, tuple[Key, ...]]]:
@@ -52,15 +49,15 @@ def test_register_all_equals_register_per_item(events: bool) -> None:
     layout = full_layout(block_size=4)
     tiers = []
     for batched in (False, True):
-        gpu, items = gpu_pool_and_items()
+        gpu, stores = gpu_pool_and_items()
         tier = BlockPool(8, record_events=events, medium="CPU")
         tier.allocate(4)
         registrar = Registrar(layout, Tier.CPU, tier, events=events)
         if batched:
-            registrar.register_all(items, gpu)
+            registrar.register_all(stores, gpu)
         else:
-            for item in items:
-                registrar.register(item, gpu)
+            for index in range(len(stores)):
+                registrar.register(stores, index, gpu)
         tier.check_invariants()
         tiers.append(tier)
     per_item, batch = tiers

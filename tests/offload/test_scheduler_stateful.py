@@ -54,12 +54,12 @@ class SchedulerMachine(SchedulerDriver):
         want_tier: Counter[Slot] = Counter()
         for tier in scheduler.index.tiers:
             want_tier += tagged(tier.value, worker.in_flight_refs(tier.value))
-        want_tier.update((scheduler.tier.value, item.tier_block_id) for item in queued_stores)
+        want_tier.update((scheduler.tier.value, b) for b in queued_stores.tier_block_ids)
         if scheduler.cascade is not None:
             for move in scheduler.cascade.queued:
                 want_tier.update([("CPU", move.cpu_block_id), ("DISK", move.disk_block_id)])
         want_gpu = worker.in_flight_refs("GPU") + engine.engine_refs()
-        want_gpu.update(item.gpu_block_id for item in queued_stores)
+        want_gpu.update(queued_stores.gpu_block_ids)
         for pin in self.lookup_pins.values():
             want_tier.update(pin)
         for load_tier, load_gpu in self.queued_loads.values():

@@ -37,10 +37,10 @@ def test_completed_lazy_copies_are_remembered_with_their_keys() -> None:
     """A copied block is skipped later (until a request uses it) by its block -> key entry."""
     selector = lazy_selector(2)
     selector.select_lazy(8)
-    items = selector.take_queued()
-    assert selector.lazy_copying == {item.gpu_block_id for item in items}
-    selector.note_lazy_stores(items)
-    assert selector.lazy_stored == {item.gpu_block_id: item.key for item in items}
+    stores = selector.take_queued()
+    assert selector.lazy_copying == set(stores.gpu_block_ids)
+    selector.note_lazy_stores(stores)
+    assert selector.lazy_stored == dict(zip(stores.gpu_block_ids, stores.keys, strict=True))
     assert not selector.lazy_copying
 
 
@@ -48,10 +48,11 @@ def test_a_block_used_while_its_copy_is_in_flight_is_not_remembered() -> None:
     """A request hitting a block mid-copy makes it a fresh candidate once freed again."""
     selector = lazy_selector(2)
     selector.select_lazy(8)
-    used, other = selector.take_queued()
-    selector.note_blocks_in_use([[used.gpu_block_id]])
-    selector.note_lazy_stores([used, other])
-    assert selector.lazy_stored == {other.gpu_block_id: other.key}
+    stores = selector.take_queued()
+    (used, other), (_, other_key) = stores.gpu_block_ids, stores.keys
+    selector.note_blocks_in_use([[used]])
+    selector.note_lazy_stores(stores)
+    assert selector.lazy_stored == {other: other_key}
     assert not selector.lazy_copying
 
 
@@ -78,7 +79,7 @@ def test_a_walk_that_selects_every_visited_block_keeps_the_cursor() -> None:
     selector.select_lazy(2)
     assert selector.lazy_cursor == b
     selector.select_lazy(2)
-    assert [item.gpu_block_id for item in selector.queued] == [c, d]
+    assert selector.queued.gpu_block_ids == [c, d]
     assert selector.lazy_cursor == b
     selector.select_lazy(2)
     assert selector.counters.store_outcomes == {"stored": 2, "skipped_already_cached": 2}

@@ -92,18 +92,16 @@ class TransferCompletion:
             selector.release(transfer.stores)
             return
         gpu_pool = selector.gpu_pool
-        self._registrar.register_all(transfer.stores, gpu_pool)
+        stores = transfer.stores
+        self._registrar.register_all(stores, gpu_pool)
         if self._lazy:
-            selector.note_lazy_stores(transfer.stores)
-        selector.in_flight_keys.difference_update([item.key for item in transfer.stores])
-        self._counters.num_stored_blocks += len(transfer.stores)
+            selector.note_lazy_stores(stores)
+        selector.in_flight_keys.difference_update(stores.keys)
+        self._counters.num_stored_blocks += len(stores)
         if self._cascade is not None:
-            disk_get = self._cascade.disk_pool.cached_block
-            self.num_promoted += sum(
-                1 for item in transfer.stores if disk_get(item.key) is not None
-            )
-            self._cascade.after_stores([item.tier_block_id for item in transfer.stores])
+            disk_index = self._cascade.disk_pool.index
+            self.num_promoted += sum(1 for key in stores.keys if key in disk_index)
+            self._cascade.after_stores(stores.tier_block_ids)
         # Tail first (SPEC §4): these pins may be the blocks' last references.
-        stores = transfer.stores[::-1]
-        gpu_pool.free([item.gpu_block_id for item in stores])
-        self._tier_pool.free([item.tier_block_id for item in stores])
+        gpu_pool.free(stores.gpu_block_ids[::-1])
+        self._tier_pool.free(stores.tier_block_ids[::-1])

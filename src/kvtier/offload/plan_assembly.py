@@ -8,15 +8,14 @@ recorded in the `TransferBook` until every worker reported it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from kvtier.offload.cascade import Cascade, MoveItem
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
 from kvtier.offload.protocols import GpuPoolView, StepInput
 from kvtier.offload.registration import Registrar
-from kvtier.offload.store_selection import StoreItem, StoreSelector
+from kvtier.offload.store_batch import StoreBatch
+from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.transfers import IssuedTransfer, LoadItem, TransferBook
 
@@ -62,8 +61,8 @@ class PlanAssembler:
         jobs = []
         stores = selector.take_queued()
         if stores:
-            gpu_ids = tuple(item.gpu_block_id for item in stores)
-            tier_ids = tuple(item.tier_block_id for item in stores)
+            gpu_ids = tuple(stores.gpu_block_ids)
+            tier_ids = tuple(stores.tier_block_ids)
             records = self._store_records(stores, selector.gpu_pool)
             jobs.append(
                 self._issue(Tier.GPU, self._tier, gpu_ids, tier_ids, records, stores=stores)
@@ -102,19 +101,17 @@ class PlanAssembler:
         records: tuple[SlotRecord, ...] = (),
         *,
         loads: list[LoadItem] | None = None,
-        stores: list[StoreItem] | None = None,
+        stores: StoreBatch | None = None,
         moves: list[MoveItem] | None = None,
     ) -> TransferJob:
         """Record one event copying `src_ids` to `dst_ids` in the book; return its job."""
         job = TransferJob(self._book.next_event_id(), src, dst, src_ids, dst_ids, records)
         self._book.issue(
-            IssuedTransfer(job, loads=loads or [], stores=stores or [], moves=moves or [])
+            IssuedTransfer(job, loads=loads or [], stores=stores or StoreBatch(), moves=moves or [])
         )
         return job
 
-    def _store_records(
-        self, stores: Sequence[StoreItem], gpu_pool: GpuPoolView
-    ) -> tuple[SlotRecord, ...]:
+    def _store_records(self, stores: StoreBatch, gpu_pool: GpuPoolView) -> tuple[SlotRecord, ...]:
         """Return the slot records of stores into a persistent disk tier, else ()."""
         if not self._config.disk_persist or self._tier is not Tier.DISK:
             return ()

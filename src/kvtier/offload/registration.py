@@ -9,7 +9,7 @@ re-indexes the slots a persistent tier kept from an earlier run.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import cast
 
@@ -19,7 +19,7 @@ from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.core.kv_groups import KVLayout
 from kvtier.offload.plan import SlotRecord, Tier
 from kvtier.offload.protocols import GpuPoolView
-from kvtier.offload.store_selection import StoreItem
+from kvtier.offload.store_batch import StoreBatch
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +33,25 @@ class Registrar:
         self.tier_pool = tier_pool
         self.events = events
 
-    def register(self, item: StoreItem, gpu_pool: GpuPoolView) -> None:
-        """Make the item's tier slot hold what its GPU block held."""
+    def register(self, stores: StoreBatch, index: int, gpu_pool: GpuPoolView) -> None:
+        """Make store `index`'s tier slot hold what its GPU block held."""
         tier_pool = self.tier_pool
-        tier_block = item.tier_block_id
-        if item.is_partial_tail:
-            event = self.event(item.key, item.tail_num_tokens)
-            tier_pool.insert_key(item.key, tier_block, item.tail_num_tokens, event)
+        tier_block = stores.tier_block_ids[index]
+        own_key = stores.keys[index]
+        tail_num_tokens = stores.tails.get(index, 0)
+        if tail_num_tokens:
+            event = self.event(own_key, tail_num_tokens)
+            tier_pool.insert_key(own_key, tier_block, tail_num_tokens, event)
             return
-        gpu_block_id = item.gpu_block_id
-        key = gpu_pool.key(gpu_block_id)
-        if key is None:
-            key = item.key
+        gpu_block_id = stores.gpu_block_ids[index]
+        key = gpu_pool.key(gpu_block_id) or own_key
         num_tokens = gpu_pool.num_tokens(gpu_block_id) or self.block_size(key)
         if not self.events:
             tier_pool.insert_key(key, tier_block, num_tokens)
             for secondary in gpu_pool.secondary_keys(gpu_block_id):
                 tier_pool.insert_key(secondary, tier_block, num_tokens)
             return
-        stored = item.stored
+        stored = stores.payloads.get(index)
         if stored is not None and stored.block_hash == key_block_hash(key):
             event = replace(stored, medium=self.tier.value)
         else:
@@ -62,34 +62,34 @@ class Registrar:
                 secondary, tier_block, num_tokens, self.event(secondary, num_tokens)
             )
 
-    def register_all(self, items: Sequence[StoreItem], gpu_pool: GpuPoolView) -> None:
-        """`register` each item; with events off, with batched reads (a step's hot path)."""
+    def register_all(self, stores: StoreBatch, gpu_pool: GpuPoolView) -> None:
+        """`register` each store; with events off, with batched reads (a step's hot path)."""
         if self.events:
-            for item in items:
-                self.register(item, gpu_pool)
+            for index in range(len(stores)):
+                self.register(stores, index, gpu_pool)
             return
-        gpu_ids = [item.gpu_block_id for item in items]
+        gpu_ids = stores.gpu_block_ids
         keys: list[Key | None] = gpu_pool.keys(gpu_ids)
         num_tokens = gpu_pool.token_counts(gpu_ids)
-        tails = [i for i, item in enumerate(items) if item.tail_num_tokens]
-        for i in tails:  # a partial tail registers its own key and token count
-            keys[i] = items[i].key
-            num_tokens[i] = items[i].tail_num_tokens
+        for i, count in stores.tails.items():  # a partial tail registers its own key
+            keys[i] = stores.keys[i]
+            num_tokens[i] = count
         if None in keys or 0 in num_tokens:  # a pinned block lost its key (vLLM moved it)
-            for i, item in enumerate(items):
+            for i, own_key in enumerate(stores.keys):
                 key = keys[i]
                 if key is None:
-                    keys[i] = key = item.key
+                    keys[i] = key = own_key
                 if not num_tokens[i]:
                     num_tokens[i] = self.block_size(key)
-        tier_ids = [item.tier_block_id for item in items]
+        tier_ids = stores.tier_block_ids
         self.tier_pool.insert_keys(cast("list[Key]", keys), tier_ids, num_tokens)
         extra = gpu_pool.secondary_keys_of(gpu_ids)
         if extra:
-            for item, count in zip(items, num_tokens, strict=True):
-                if not item.tail_num_tokens:
-                    for secondary in extra.get(item.gpu_block_id, ()):
-                        self.tier_pool.insert_key(secondary, item.tier_block_id, count)
+            tails = stores.tails
+            for i, (gpu_block_id, count) in enumerate(zip(gpu_ids, num_tokens, strict=True)):
+                if i not in tails:
+                    for secondary in extra.get(gpu_block_id, ()):
+                        self.tier_pool.insert_key(secondary, tier_ids[i], count)
 
     def event(self, key: Key, num_tokens: int, tier: Tier | None = None) -> BlockStored:
         """Return the payload-free `BlockStored` of `key`, with its group's kind and window."""
@@ -108,12 +108,15 @@ class Registrar:
         """Return the block size of the group `key` belongs to."""
         return self.layout.groups[key_group_id(key)].block_size
 
-    def records(self, stores: Sequence[StoreItem], gpu_pool: GpuPoolView) -> tuple[SlotRecord, ...]:
+    def records(self, stores: StoreBatch, gpu_pool: GpuPoolView) -> tuple[SlotRecord, ...]:
         """Return what each store's slot will hold, for a persistent disk tier's manifest."""
         records = []
-        for item in stores:
-            num_tokens = item.tail_num_tokens or gpu_pool.num_tokens(item.gpu_block_id)
-            records.append(SlotRecord(item.key, num_tokens or self.block_size(item.key)))
+        tails = stores.tails
+        for i, (gpu_block_id, key) in enumerate(
+            zip(stores.gpu_block_ids, stores.keys, strict=True)
+        ):
+            num_tokens = tails.get(i) or gpu_pool.num_tokens(gpu_block_id)
+            records.append(SlotRecord(key, num_tokens or self.block_size(key)))
         return tuple(records)
 
     def restore(self, tier: Tier, pool: BlockPool, slots: Iterable[tuple[int, SlotRecord]]) -> int:

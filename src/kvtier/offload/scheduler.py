@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import KVEvent
+from kvtier.core.keys import Key
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
@@ -351,18 +352,22 @@ class OffloadScheduler:
             for tier, ids in self.index.split(pin.pinned):
                 refs[tier].update(ids)
         loads = list(self.loads.queued)
-        stores = list(self.selector.queued)
+        store_batches = [self.selector.queued]
         moves = list(self.cascade.queued) if self.cascade is not None else []
         for transfer in self._book:
             loads.extend(transfer.loads)
-            stores.extend(transfer.stores)
+            store_batches.append(transfer.stores)
             moves.extend(transfer.moves)
         for load in loads:
             refs[load.tier].update(load.tier_block_ids)
             gpu_refs.update(load.gpu_block_ids)
-        for item in stores:
-            refs[self.tier][item.tier_block_id] += 1
-            gpu_refs[item.gpu_block_id] += 1
+        store_keys: set[Key] = set()
+        for stores in store_batches:
+            assert len(stores.gpu_block_ids) == len(stores.tier_block_ids) == len(stores)
+            assert all(0 <= i < len(stores) for i in [*stores.tails, *stores.payloads])
+            refs[self.tier].update(stores.tier_block_ids)
+            gpu_refs.update(stores.gpu_block_ids)
+            store_keys.update(stores.keys)
         for move in moves:
             refs[Tier.CPU][move.cpu_block_id] += 1
             refs[Tier.DISK][move.disk_block_id] += 1
@@ -374,8 +379,8 @@ class OffloadScheduler:
                 )
         for block_id, count in gpu_refs.items():
             assert self.gpu_pool.block(block_id).ref_count >= count, f"GPU block {block_id}"
-        assert self.selector.in_flight_keys == {item.key for item in stores}, "in-flight keys"
-        copied = {item.gpu_block_id for item in stores}
+        assert self.selector.in_flight_keys == store_keys, "in-flight keys"
+        copied = {b for stores in store_batches for b in stores.gpu_block_ids}
         assert self.selector.lazy_copying <= copied, "a lazy copy is tracked but not in flight"
         if self.cascade is not None:
             assert self.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"

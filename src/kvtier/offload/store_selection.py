@@ -1,7 +1,7 @@
 """Choosing GPU blocks to copy down to the tier (SPEC §6.5 eager, §6.6 lazy, §6.7 finish).
 
 `StoreSelector` decides; every accepted candidate is pinned on the GPU, given a freshly
-allocated tier slot and queued as a `StoreItem` until `build_plan` issues it. Keys whose
+allocated tier slot and queued in a `StoreBatch` until `build_plan` issues it. Keys whose
 store is queued or in flight are tracked so no block is stored twice.
 """
 
@@ -25,27 +25,7 @@ from kvtier.offload.protocols import (
     TableUpdate,
 )
 from kvtier.offload.stats import StepCounters, StoreOutcome
-
-
-@dataclass(slots=True)
-class StoreItem:
-    """One GPU block being copied to one tier slot.
-
-    `tail_key` is set for a fine-grained partial tail: that key (covering
-    `tail_num_tokens` tokens) is registered instead of the GPU block's own keys.
-    `stored` is the event payload captured at selection time (events on, eager only).
-    """
-
-    gpu_block_id: int
-    tier_block_id: int
-    key: Key
-    tail_num_tokens: int = 0
-    stored: BlockStored | None = None
-
-    @property
-    def is_partial_tail(self) -> bool:
-        """Return True when this item registers a partial-tail key."""
-        return self.tail_num_tokens > 0
+from kvtier.offload.store_batch import StoreBatch
 
 
 @dataclass(slots=True)
@@ -66,7 +46,7 @@ class StoreSelector:
     counters: StepCounters
     record_payload: bool
     fine_grained: bool
-    queued: list[StoreItem] = field(default_factory=list)
+    queued: StoreBatch = field(default_factory=StoreBatch)
     in_flight_keys: set[Key] = field(default_factory=set)
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     lazy_cursor: int | None = None
@@ -213,7 +193,7 @@ class StoreSelector:
         if gpu_ids:
             self.gpu_pool.touch(gpu_ids)
             tier_ids = self.tier_pool.allocate(len(gpu_ids))
-            self.queued.extend(map(StoreItem, gpu_ids, tier_ids, keys))
+            self.queued.extend(gpu_ids, tier_ids, keys)
         count_many = self.counters.count_many
         count_many(StoreOutcome.STORED, len(gpu_ids))
         count_many(StoreOutcome.ALREADY_CACHED, num_cached)
@@ -247,14 +227,14 @@ class StoreSelector:
             return  # nothing new since the cursor: stay where we are
         num_queued = len(self.queued)
         end = self._select_run(visited, 0, len(visited))
-        selected = {item.gpu_block_id for item in self.queued[num_queued:]}
+        selected = set(self.queued.gpu_block_ids[num_queued:])
         self.lazy_copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
         self.lazy_cursor = next(
             (b for b in reversed(visited[:end]) if b not in selected), self.lazy_cursor
         )
 
-    def note_lazy_stores(self, items: Sequence[StoreItem]) -> None:
+    def note_lazy_stores(self, stores: StoreBatch) -> None:
         """Remember the GPU blocks completed lazy stores copied, with their keys.
 
         A block a request used while its copy was in flight is not remembered: it is a
@@ -262,9 +242,11 @@ class StoreSelector:
         """
         copying = self.lazy_copying
         self.lazy_stored.update(
-            (item.gpu_block_id, item.key) for item in items if item.gpu_block_id in copying
+            (gpu_block_id, key)
+            for gpu_block_id, key in zip(stores.gpu_block_ids, stores.keys, strict=True)
+            if gpu_block_id in copying
         )
-        copying.difference_update([item.gpu_block_id for item in items])
+        copying.difference_update(stores.gpu_block_ids)
 
     def note_blocks_in_use(self, block_ids_per_group: Iterable[Iterable[int]]) -> None:
         """Note GPU blocks a request now uses (lazy mode).
@@ -340,22 +322,20 @@ class StoreSelector:
         self.gpu_pool.touch([gpu_block_id])
         (tier_block_id,) = self.tier_pool.allocate(1)
         self.in_flight_keys.add(key)
-        self.queued.append(StoreItem(gpu_block_id, tier_block_id, key, tail_num_tokens, stored))
+        self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored)
         return StoreOutcome.STORED
 
-    def release(self, items: Iterable[StoreItem]) -> None:
-        """Drop the pins and in-flight keys of items that will register nothing."""
-        items = list(items)
-        self.gpu_pool.free([item.gpu_block_id for item in items])
+    def release(self, stores: StoreBatch) -> None:
+        """Drop the pins and in-flight keys of stores that will register nothing."""
+        self.gpu_pool.free(stores.gpu_block_ids)
         if self.lazy_copying:
-            self.lazy_copying.difference_update([item.gpu_block_id for item in items])
-        self.tier_pool.free([item.tier_block_id for item in items])
-        for item in items:
-            self.in_flight_keys.discard(item.key)
+            self.lazy_copying.difference_update(stores.gpu_block_ids)
+        self.tier_pool.free(stores.tier_block_ids)
+        self.in_flight_keys.difference_update(stores.keys)
 
-    def take_queued(self) -> list[StoreItem]:
-        """Return and forget the items selected since the last call."""
-        queued, self.queued = self.queued, []
+    def take_queued(self) -> StoreBatch:
+        """Return and forget the stores selected since the last call."""
+        queued, self.queued = self.queued, StoreBatch()
         return queued
 
     # ------------------------------------------------------------ helpers

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvtier.offload.cascade import MoveItem
 from kvtier.offload.plan import Tier, TransferJob, WorkerReport
-from kvtier.offload.store_selection import StoreItem
+from kvtier.offload.store_batch import StoreBatch
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class IssuedTransfer:
 
     job: TransferJob
     loads: list[LoadItem] = field(default_factory=list)
-    stores: list[StoreItem] = field(default_factory=list)
+    stores: StoreBatch = field(default_factory=StoreBatch)
     moves: list[MoveItem] = field(default_factory=list)
     num_done: int = 0
     num_failed: int = 0

@@ -1,0 +1,59 @@
+"""GPU blocks being copied down to tier slots, as index-parallel lists.
+
+A step stores thousands of blocks; one Python object per block cost more than the rest
+of its selection. A `StoreBatch` keeps the i-th store as `gpu_block_ids[i]` copied to
+`tier_block_ids[i]` under `keys[i]`, with the rare extras in sparse maps by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvtier.core.events import BlockStored
+from kvtier.core.keys import Key
+
+
+@dataclass(slots=True)
+class StoreBatch:
+    """Stores selected together (one step's queue) or issued together (one event).
+
+    `tails` maps an index to the token count of a fine-grained partial tail: that store
+    registers its `keys` entry instead of the GPU block's own keys. `payloads` maps an
+    index to the `BlockStored` payload captured at selection time (events on, eager).
+    """
+
+    gpu_block_ids: list[int] = field(default_factory=list)
+    tier_block_ids: list[int] = field(default_factory=list)
+    keys: list[Key] = field(default_factory=list)
+    tails: dict[int, int] = field(default_factory=dict)
+    payloads: dict[int, BlockStored] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(
+        self,
+        gpu_block_id: int,
+        tier_block_id: int,
+        key: Key,
+        tail_num_tokens: int = 0,
+        payload: BlockStored | None = None,
+    ) -> None:
+        """Append one store."""
+        index = len(self.keys)
+        self.gpu_block_ids.append(gpu_block_id)
+        self.tier_block_ids.append(tier_block_id)
+        self.keys.append(key)
+        if tail_num_tokens:
+            self.tails[index] = tail_num_tokens
+        if payload is not None:
+            self.payloads[index] = payload
+
+    def extend(
+        self, gpu_block_ids: Iterable[int], tier_block_ids: Iterable[int], keys: Iterable[Key]
+    ) -> None:
+        """Append plain stores (no partial tail, no payload), index-parallel."""
+        self.gpu_block_ids.extend(gpu_block_ids)
+        self.tier_block_ids.extend(tier_block_ids)
+        self.keys.extend(keys)
