@@ -248,7 +248,7 @@ class StoreSelector:
         )
         copying.difference_update(stores.gpu_block_ids)
 
-    def note_blocks_in_use(self, block_ids_per_group: Iterable[Iterable[int]]) -> None:
+    def note_blocks_in_use(self, block_ids_per_group: Iterable[Sequence[int]]) -> None:
         """Note GPU blocks a request now uses (lazy mode).
 
         Freed again, they are fresh candidates, and they sit at the free queue's MRU end:
@@ -257,15 +257,14 @@ class StoreSelector:
         """
         stored_before = self.lazy_stored
         copying = self.lazy_copying
-        cursor = self.lazy_cursor
         for block_ids in block_ids_per_group:
-            for block_id in block_ids:
-                if block_id == cursor:
-                    self.lazy_cursor = cursor = None
-                if stored_before:
+            if self.lazy_cursor is not None and self.lazy_cursor in block_ids:
+                self.lazy_cursor = None
+            if stored_before and not stored_before.keys().isdisjoint(block_ids):
+                for block_id in block_ids:
                     stored_before.pop(block_id, None)
-                if copying:
-                    copying.discard(block_id)
+            if copying:
+                copying.difference_update(block_ids)
 
     def select_handoffs(
         self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
