@@ -1,9 +1,13 @@
-"""Helpers for disk tier tests: a directory where O_DIRECT works, and a faulty FileIO."""
+"""Helpers for disk tier tests: a directory where O_DIRECT works, faulty FileIOs, and
+descriptor and garbage collection checks."""
 
 from __future__ import annotations
 
 import errno
+import gc
 import os
+import time
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -50,3 +54,18 @@ class FlakyIO:
         if self.read_errno is not None:
             raise OSError(self.read_errno, os.strerror(self.read_errno))
         return os.preadv(fd, [into], offset)
+
+
+def num_open_fds() -> int:
+    """Return the number of descriptors this process holds open."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def collect(ref: weakref.ref[object], timeout_s: float = 10.0) -> None:
+    """Collect garbage until `ref` is dead (an I/O thread may still hold its referent for
+    a moment after the future it completed resolved); fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while ref() is not None:
+        assert time.monotonic() < deadline, "the object was never collected"
+        gc.collect()
+        time.sleep(0.01)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from storage_helpers import FlakyIO, direct_io_dir
+from storage_helpers import FlakyIO, collect, direct_io_dir, num_open_fds
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOError, DiskIOMode, DiskTier, DiskTierConfig, StagingBuffer
@@ -150,3 +152,60 @@ def test_persistent_tier_recovers_checksums_and_records(tmp_path: Path) -> None:
     tier.close()
     with pytest.raises(ValueError, match="fingerprint must be None or a non-empty"):
         DiskTierConfig("x.slots", num_slots=4, bytes_per_slot=4096, fingerprint="")
+
+
+def test_a_dropped_tier_releases_its_file(tmp_path: Path) -> None:
+    """Regression: a tier dropped without close() kept its descriptor, lock and file, so
+    a new tier on the same path got DiskTierBusyError. Collection now closes it."""
+    num_fds = num_open_fds()
+    tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE)
+    fill(tier.store_buffers[0], 2, seed=6)
+    tier.write_slots(tier.store_buffers[0], ids(0, 1)).result()
+    path, ref = tier.path, weakref.ref(tier)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del tier
+        collect(ref)  # the store thread may hold the tier until its task is dropped
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == [
+        f"disk tier {path} was not closed; closed it at collection"
+    ]
+    assert num_open_fds() == num_fds
+    assert not os.path.exists(path)
+    make_tier(tmp_path, DiskIOMode.PAGE_CACHE).close()
+
+
+def test_a_dropped_persistent_tier_is_kept_as_close_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A persistent tier collected without close() syncs the slot file and the manifest
+    and keeps both, as close() does; the next tier recovers every slot."""
+    config = DiskTierConfig(
+        str(tmp_path / "rank0.slots"), 16, SLOT, DiskIOMode.PAGE_CACHE, fingerprint="fp"
+    )
+    num_fds = num_open_fds()
+    tier = DiskTier(config)
+    images = fill(tier.store_buffers[0], 2, seed=7)
+    records = [SlotRecord(b"k1", 16), SlotRecord(b"k2", 7)]
+    tier.write_slots(tier.store_buffers[0], ids(2, 3), records).result()
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ref = weakref.ref(tier)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del tier
+        collect(ref)
+    monkeypatch.undo()
+    assert [w.category for w in caught] == [ResourceWarning]
+    assert synced == [os.stat(config.path).st_ino, os.stat(tmp_path / "rank0.manifest").st_ino]
+    assert num_open_fds() == num_fds
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == [(2, records[0]), (3, records[1])]
+    tier.read_slots(tier.load_buffers[0], ids(2, 3)).result()
+    assert [tier.load_buffers[0].tensor[i].numpy().tobytes() for i in range(2)] == images
+    tier.close()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import gc
 import os
 import stat
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from storage_helpers import ShortIO, direct_io_dir
+from storage_helpers import ShortIO, direct_io_dir, num_open_fds
 
 from kvtier.storage import DiskIOError, DiskIOMode, SlotFile
 from kvtier.storage import slot_file as slot_file_module
@@ -188,3 +190,43 @@ def test_a_fifo_at_the_path_is_not_a_regular_file(tmp_path: Path, mode: DiskIOMo
         assert "O_DIRECT" not in str(info.value)
         assert info.value.filename == str(path)
     assert stat.S_ISFIFO(path.lstat().st_mode)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_dropped_slot_file_is_closed_as_close_would(tmp_path: Path, persistent: bool) -> None:
+    """Regression: a SlotFile dropped without close() kept its descriptor, lock and file
+    until the process exited. Collection now closes it like close() (removing a
+    non-persistent file, keeping a persistent one), with a ResourceWarning."""
+    path = str(tmp_path / "rank0.slots")
+    num_fds = num_open_fds()
+    held = [SlotFile(path, 2, 4096, DiskIOMode.PAGE_CACHE, persistent=persistent)]
+    held[0].write(memoryview(b"\xab" * 4096), 1)
+    with pytest.warns(ResourceWarning, match="not closed"):
+        held.clear()
+    assert num_open_fds() == num_fds
+    assert os.path.exists(path) == persistent
+    reopened = SlotFile(path, 2, 4096, DiskIOMode.PAGE_CACHE, persistent=persistent)
+    assert reopened.reused == persistent
+    out = bytearray(4096)
+    reopened.read(memoryview(out), 1)
+    assert out == (b"\xab" if persistent else b"\0") * 4096
+    reopened.close()
+
+
+def test_close_runs_the_cleanup_once(tmp_path: Path) -> None:
+    """close() detaches the finalizer: collecting a closed SlotFile does nothing more (no
+    warning, no second close of a descriptor number that may be reused meanwhile)."""
+    path = str(tmp_path / "rank0.slots")
+    slot_file = SlotFile(path, 2, 4096, DiskIOMode.PAGE_CACHE)
+    slot_file.close()
+    successor = SlotFile(path, 2, 4096, DiskIOMode.PAGE_CACHE)  # may reuse the fd number
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        slot_file.close()
+        del slot_file
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert successor.is_open
+    assert os.path.exists(path)
+    successor.write(memoryview(bytes(4096)), 0)
+    successor.close()

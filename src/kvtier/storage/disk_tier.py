@@ -29,12 +29,13 @@ import errno
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+import warnings
+import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import xxhash
 
 from kvtier.offload.plan import SlotRecord
@@ -54,6 +55,9 @@ from kvtier.storage.slot_file import (
     SlotFile,
     unlink_quietly,
 )
+from kvtier.storage.staging import SlotRead, StagingBuffer
+
+__all__ = ["DiskTier", "DiskTierConfig", "SlotRead", "StagingBuffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,45 +104,6 @@ class DiskTierConfig:
     def batch_slots(self) -> int:
         """Return the slots one staging buffer holds (at least one)."""
         return max(1, min(self.num_slots, self.batch_bytes // self.bytes_per_slot))
-
-
-@dataclass(frozen=True, eq=False)
-class StagingBuffer:
-    """A page-aligned host buffer of `capacity` slots: `tensor` and `memory` alias it."""
-
-    tensor: torch.Tensor  # uint8 [capacity, bytes_per_slot]
-    memory: memoryview  # the same bytes, flat, for the file I/O
-
-    @property
-    def capacity(self) -> int:
-        """Return the number of slots the buffer holds."""
-        return int(self.tensor.shape[0])
-
-    @staticmethod
-    def allocate(capacity: int, bytes_per_slot: int) -> StagingBuffer:
-        """Return a zeroed (pre-touched) buffer aligned to 4096 bytes."""
-        nbytes = capacity * bytes_per_slot
-        raw = torch.zeros(nbytes + DIRECT_IO_ALIGNMENT, dtype=torch.uint8)
-        shift = -raw.data_ptr() % DIRECT_IO_ALIGNMENT
-        flat = raw[shift : shift + nbytes]
-        return StagingBuffer(flat.view(capacity, bytes_per_slot), memoryview(flat.numpy().data))
-
-
-class SlotRead:
-    """A queued read of slots into a staging buffer."""
-
-    def __init__(self, future: Future[None], verify: Callable[[], None]) -> None:
-        self._future = future
-        self._verify = verify
-
-    def result(self) -> None:
-        """Wait for the read, then verify every slot's checksum; raise DiskIOError."""
-        self._future.result()
-        self._verify()
-
-    def wait(self) -> None:
-        """Wait for the read to finish, ignoring its outcome (the buffer is free again)."""
-        self._future.exception()
 
 
 class DiskTier:
@@ -188,6 +153,9 @@ class DiskTier:
         self._store_io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-store")
         self._load_io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-load")
         self._closed = False
+        # Collection without close() closes the files as close() does. Queued I/O holds
+        # this object, so none is left by then, and idle I/O threads exit with their pool.
+        self._finalizer = weakref.finalize(self, _close_dropped, self._file, self._log)
 
     def _allocate_buffers(self) -> tuple[StagingBuffer, ...]:
         cfg = self.config
@@ -339,7 +307,8 @@ class DiskTier:
 
     def close(self) -> None:
         """Finish queued I/O, then close the file and remove it (a persistent tier syncs
-        the slot file, then the manifest, and keeps both); idempotent.
+        the slot file, then the manifest, and keeps both); idempotent. A tier collected
+        without `close()` closes its files the same way, with a `ResourceWarning`.
 
         A failed sync does not raise: it is logged as an error naming the file, the
         manifest is removed (the next run starts empty instead of offering slots whose
@@ -351,35 +320,53 @@ class DiskTier:
         self._closed = True
         self._store_io.shutdown(wait=True)
         self._load_io.shutdown(wait=True)
-        try:
-            if self._log is not None:
-                self._sync_and_close_log(self._log)
-        finally:
-            self._file.close()
+        if self._finalizer.detach() is not None:
+            _close_files(self._file, self._log)
 
-    def _sync_and_close_log(self, log: ManifestLog) -> None:
-        failure: OSError | None = None
-        try:
-            self._file.sync()
-        except OSError as exc:
-            failure = exc
-        try:
-            log.close()
-        except OSError as exc:
-            failure = failure or exc
-        if failure is None:
-            return
-        try:
-            unlink_quietly(log.path)  # still under the slot file's lock
-        except OSError as exc:
-            logger.error("%s; cannot remove the manifest either: %s", failure, exc)
-            return  # its records stay checksummed: a bad slot fails to load, never served
-        logger.error(
-            "%s; removed the manifest %s: the next run of this persistent disk tier "
-            "starts with an empty cache",
-            failure,
-            log.path,
-        )
+
+def _close_files(file: SlotFile, log: ManifestLog | None) -> None:
+    """Close a tier's files as `DiskTier.close` describes; the slot file (and its lock)
+    last, so that the manifest is synced, or removed, while the lock is held."""
+    try:
+        if log is not None:
+            _sync_and_close_log(file, log)
+    finally:
+        file.close()
+
+
+def _close_dropped(file: SlotFile, log: ManifestLog | None) -> None:
+    """Close the files of a tier collected without `close()`, then warn."""
+    _close_files(file, log)
+    warnings.warn(
+        f"disk tier {file.path} was not closed; closed it at collection",
+        ResourceWarning,
+        stacklevel=2,
+    )
+
+
+def _sync_and_close_log(file: SlotFile, log: ManifestLog) -> None:
+    failure: OSError | None = None
+    try:
+        file.sync()
+    except OSError as exc:
+        failure = exc
+    try:
+        log.close()
+    except OSError as exc:
+        failure = failure or exc
+    if failure is None:
+        return
+    try:
+        unlink_quietly(log.path)  # still under the slot file's lock
+    except OSError as exc:
+        logger.error("%s; cannot remove the manifest either: %s", failure, exc)
+        return  # its records stay checksummed: a bad slot fails to load, never served
+    logger.error(
+        "%s; removed the manifest %s: the next run of this persistent disk tier "
+        "starts with an empty cache",
+        failure,
+        log.path,
+    )
 
 
 def _consecutive_runs(ids: np.ndarray) -> list[tuple[int, int]]:

@@ -45,6 +45,7 @@ from typing import BinaryIO
 import xxhash
 
 from kvtier.offload.plan import SlotRecord
+from kvtier.storage.file_lock import DiskTierBusyError, is_locked, unlink_quietly
 from kvtier.storage.manifest_compaction import COMPACT_FLOOR
 from kvtier.storage.manifest_format import (
     CHECKSUM,
@@ -60,7 +61,7 @@ from kvtier.storage.manifest_format import (
     check_record,
 )
 from kvtier.storage.manifest_log import ManifestLog
-from kvtier.storage.slot_file import DiskTierBusyError, SlotFile, is_locked, unlink_quietly
+from kvtier.storage.slot_file import SlotFile
 
 __all__ = [
     "MANIFEST_VERSION",

@@ -13,7 +13,7 @@ import errno
 import logging
 import os
 
-from kvtier.storage.slot_file import unlink_quietly
+from kvtier.storage.file_lock import unlink_quietly
 
 __all__ = ["COMPACT_FLOOR", "COMPACT_RATIO", "compaction_due", "rewrite_manifest"]
 

@@ -5,7 +5,9 @@ symlink) and removed by `close()`. A persistent file (`persistent=True`) reuses 
 existing regular file at the path (opened without truncation, never through a symlink;
 `reused` says so, and the caller checks its size and contents) or creates a fresh one, and
 is kept by `close()`. Either way the open file holds an advisory lock (`flock`, exclusive,
-non-blocking) for its lifetime: a second process opening it gets `DiskTierBusyError`.
+non-blocking) for its lifetime: a second process opening it gets `DiskTierBusyError` (the
+protocol is in `file_lock`). A `SlotFile` collected without `close()` is closed (and
+removed) all the same, with a `ResourceWarning`, as a Python file object is.
 All I/O goes through a `FileIO` object so tests can inject faults (a refused write, a
 short write, a full disk). A short read or write is an error, never retried: on a regular
 file it means the device ran out of space or the file shrank.
@@ -15,13 +17,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import stat
+import warnings
+import weakref
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.offload.config import DiskIOMode
+from kvtier.storage.file_lock import (
+    DiskTierBusyError,
+    LockedFileRemovedError,
+    is_locked,
+    lock_exclusive,
+    lock_or_close,
+    remove_held_file,
+    unlink_quietly,
+)
 
 __all__ = [
     "DIRECT_IO_ALIGNMENT",
@@ -39,15 +52,11 @@ logger = logging.getLogger(__name__)
 
 DIRECT_IO_ALIGNMENT = 4096
 _NOT_REGULAR = "disk tier path is not a regular file (a FIFO, socket, device or directory?)"
+_OPEN_ATTEMPTS = 3  # opens that find the file removed by its closing holder: start over
 
 
 class DiskIOError(OSError):
     """A disk tier transfer failed (I/O error, short read/write, checksum mismatch)."""
-
-
-class DiskTierBusyError(OSError):
-    """The slot file is locked by another open file (another engine on the same directory
-    and rank, or a second worker of this process)."""
 
 
 class FileIO(Protocol):
@@ -81,8 +90,8 @@ class SlotFile:
     (SPEC scenario 28); OSError when the path holds something other than a regular file,
     or with a hint when the filesystem refuses O_DIRECT;
     DiskTierBusyError when another open file holds the lock, or replaced the file while
-    this one opened it. Reads and writes may run from any thread; `close()` and
-    `recreate()` must not race them.
+    this one opened it. A file its holder removes while this one opens it is opened anew.
+    Reads and writes may run from any thread; `close()` and `recreate()` must not race them.
     """
 
     def __init__(
@@ -110,35 +119,43 @@ class SlotFile:
         self.mode = mode
         self.persistent = persistent
         self._io: FileIO = file_io if file_io is not None else OsFileIO()
-        self._fd: int | None = None
-        if persistent:
-            fd, self.reused = _open_or_create(path, mode)
+        self._handle = _OpenFile(path, persistent)
+        self._handle.fd, self.reused = self._open()
+        self._finalizer = weakref.finalize(self, _release_dropped, self._handle)
+
+    def _open(self) -> tuple[int, bool]:
+        """Return the locked descriptor and whether it is an existing file, reused."""
+        for _ in range(_OPEN_ATTEMPTS - 1):
+            with contextlib.suppress(LockedFileRemovedError):
+                return self._open_once()
+        return self._open_once()
+
+    def _open_once(self) -> tuple[int, bool]:
+        if self.persistent:
+            fd, reused = _open_or_create(self.path, self.mode)
         else:
-            fd, self.reused = _create_replacing_stale(path, mode), False
-        self._adopt(fd, created=not self.reused)
+            fd, reused = _create_replacing_stale(self.path, self.mode), False
+        lock_or_close(fd, self.path)
+        if not reused:
+            self._size_or_remove(fd)
+        return fd, reused
 
-    def _adopt(self, fd: int, created: bool) -> None:
-        """Lock `fd` and make it the open file, sizing it when this object `created` it.
-
-        On failure close it (and remove the file if sizing a created file failed)."""
+    def _size_or_remove(self, fd: int) -> None:
+        """Size the locked file `fd` that this object created; on failure remove it (while
+        still holding its lock), close it and raise OSError naming it."""
         try:
-            _lock(fd, self.path)
-        except BaseException:
-            os.close(fd)
-            raise
-        if created:
+            _reserve(fd, self.num_slots * self.bytes_per_slot)
+        except OSError as exc:
             try:
-                _reserve(fd, self.num_slots * self.bytes_per_slot)
-            except OSError as exc:
+                remove_held_file(fd, self.path)
+            finally:
                 os.close(fd)
-                unlink_quietly(self.path)
-                raise OSError(
-                    exc.errno,
-                    f"cannot size the disk tier file to {self.num_slots} slots x "
-                    f"{self.bytes_per_slot} B: {exc.strerror or exc}",
-                    self.path,
-                ) from exc
-        self._fd = fd
+            raise OSError(
+                exc.errno,
+                f"cannot size the disk tier file to {self.num_slots} slots x "
+                f"{self.bytes_per_slot} B: {exc.strerror or exc}",
+                self.path,
+            ) from exc
 
     def recreate(self) -> None:
         """Replace a persistent file by a fresh, sized one (its contents are discarded).
@@ -146,10 +163,13 @@ class SlotFile:
         The lock on the old file is held until the new one is created and locked."""
         if not self.persistent:
             raise RuntimeError("recreate() is only for a persistent slot file")
-        old, self._fd = self._fd, None
+        old, self._handle.fd = self._handle.fd, None
         try:
             unlink_quietly(self.path)
-            self._adopt(_create(self.path, self.mode), created=True)
+            fd = _create(self.path, self.mode)
+            lock_or_close(fd, self.path)
+            self._size_or_remove(fd)
+            self._handle.fd = fd
         finally:
             if old is not None:
                 os.close(old)
@@ -158,7 +178,7 @@ class SlotFile:
     @property
     def is_open(self) -> bool:
         """Return True until `close()`."""
-        return self._fd is not None
+        return self._handle.fd is not None
 
     def write(self, data: memoryview, first_slot: int) -> None:
         """Write whole slots starting at `first_slot`; raise DiskIOError on any failure."""
@@ -169,7 +189,7 @@ class SlotFile:
         self._transfer(into, first_slot, is_write=False)
 
     def _transfer(self, buf: memoryview, first_slot: int, is_write: bool) -> None:
-        fd = self._fd
+        fd = self._handle.fd
         if fd is None:
             raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
         num_slots, rest = divmod(buf.nbytes, self.bytes_per_slot)
@@ -197,33 +217,65 @@ class SlotFile:
 
     def file_size(self) -> int:
         """Return the current size of the file in bytes."""
-        if self._fd is None:
+        fd = self._handle.fd
+        if fd is None:
             raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
-        return os.fstat(self._fd).st_size
+        return os.fstat(fd).st_size
 
     def sync(self) -> None:
         """Flush the file's data to the device (`fsync`); raise OSError naming the file."""
-        if self._fd is None:
+        fd = self._handle.fd
+        if fd is None:
             return
         try:
-            os.fsync(self._fd)
+            os.fsync(fd)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"cannot sync the disk tier file: {exc.strerror or exc}", self.path
             ) from exc
 
     def close(self) -> None:
-        """Close the file and remove it unless it is persistent; idempotent."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
+        """Remove the file unless it is persistent, then close it (releasing the lock only
+        once the file is gone); idempotent, and what collection does without `close()`.
+
+        Only the process that opened the file removes it: a forked child only closes."""
+        if self._finalizer.detach() is not None:
+            _release(self._handle)
+
+
+@dataclass(slots=True)
+class _OpenFile:
+    """What a `SlotFile`'s finalizer releases: shared with it so that the finalizer never
+    holds the `SlotFile` itself. `fd` is None once closed."""
+
+    path: str
+    persistent: bool
+    fd: int | None = None
+    owner_pid: int = field(default_factory=os.getpid)  # the process that opened it
+
+
+def _release(handle: _OpenFile) -> None:
+    """Close the file of `handle`, first removing it unless it is persistent."""
+    fd, handle.fd = handle.fd, None
+    if fd is None:
+        return
+    try:
+        if not handle.persistent and os.getpid() == handle.owner_pid:
+            remove_held_file(fd, handle.path)  # under the lock: see `file_lock`
+    finally:
         os.close(fd)
-        if self.persistent:
-            return
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            logger.warning("disk tier file %s vanished before shutdown", self.path)
+
+
+def _release_dropped(handle: _OpenFile) -> None:
+    """Release the file of a `SlotFile` collected without `close()`, then warn."""
+    was_open = handle.fd is not None
+    _release(handle)
+    if was_open:
+        warnings.warn(
+            f"disk tier file {handle.path} was not closed; closed it at collection",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
 
 def _open_or_create(path: str, mode: DiskIOMode) -> tuple[int, bool]:
@@ -277,7 +329,9 @@ def _create_replacing_stale(path: str, mode: DiskIOMode) -> int:
     if not existed:
         return fd  # it vanished meanwhile and this call created it
     try:
-        _lock(fd, path)  # held by a live process, or already replaced: DiskTierBusyError
+        # Held by a live process, or already replaced: DiskTierBusyError. Removed by its
+        # holder at close: LockedFileRemovedError, and the caller opens the path anew.
+        lock_exclusive(fd, path)
         logger.warning(
             "disk tier file %s was left by an earlier run (crashed, or persistent); "
             "replacing it with a fresh one",
@@ -334,60 +388,6 @@ def _open(path: str, flags: int, mode: DiskIOMode) -> int:
             "directory on a block device",
             path,
         ) from exc
-
-
-def is_locked(path: str) -> bool:
-    """Return True when another open file holds the lock of the file at `path`; never
-    blocks or follows a symlink (a path that cannot be opened is not locked)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # conflicts with a holder's LOCK_EX
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # also drops the probe's own lock
-
-
-def _lock(fd: int, path: str) -> None:
-    """Take the exclusive advisory lock of `fd` without waiting; DiskTierBusyError if held,
-    or if `path` no longer names the locked file (another process replaced it meanwhile).
-
-    Only the holder of the lock on the file `path` names may remove or replace it, so a
-    file held by a live process is never removed.
-    """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        raise DiskTierBusyError(
-            exc.errno,
-            "disk tier file is locked by another process or worker (two engines must not "
-            "share a disk tier directory for the same rank)",
-            path,
-        ) from exc
-    locked = os.fstat(fd)
-    try:
-        named = os.lstat(path)
-    except FileNotFoundError:
-        named = None
-    if named is None or (named.st_dev, named.st_ino) != (locked.st_dev, locked.st_ino):
-        raise DiskTierBusyError(
-            errno.EBUSY,
-            "disk tier file was replaced by another process while this one opened it (two "
-            "engines must not share a disk tier directory for the same rank)",
-            path,
-        )
-
-
-def unlink_quietly(path: str) -> None:
-    """Remove `path` (a symlink itself, never its target) if it exists."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _reserve(fd: int, nbytes: int) -> None:

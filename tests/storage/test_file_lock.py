@@ -1,0 +1,167 @@
+"""The slot file's lock protocol: a file is removed before its lock is released, and an
+opener never holds a file that its previous holder is about to remove."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from storage_helpers import num_open_fds
+
+from kvtier.storage import DiskIOMode, SlotFile
+from kvtier.storage import slot_file as slot_file_module
+from kvtier.storage.file_lock import DiskTierBusyError
+
+SLOT = 4096
+
+
+def open_slot_file(path: str, persistent: bool = False) -> SlotFile:
+    return SlotFile(path, 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=persistent)
+
+
+def file_id(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
+
+
+def assert_owns_path(slot_file: SlotFile, path: str) -> None:
+    """Assert that `path` names `slot_file`'s file and that nobody else can open it."""
+    pattern = bytes(range(256)) * (SLOT // 256)
+    slot_file.write(memoryview(pattern), 1)
+    with open(path, "rb") as raw:
+        assert raw.read()[SLOT:] == pattern
+    with pytest.raises(DiskTierBusyError, match="locked by another"):
+        open_slot_file(path)
+
+
+@pytest.mark.parametrize(
+    ("moment", "second_opens"), [("before_unlink", False), ("after_close", True)]
+)
+def test_an_opener_during_close_never_loses_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str, second_opens: bool
+) -> None:
+    """Regression: close() released the lock before removing the file. A second opener in
+    that gap took the file for stale and replaced it, and the first one's unlink then
+    removed the second one's fresh file (a third opener got the path while the second
+    lived). Now the file is removed under the lock: an opener before the removal is
+    refused, one after the release creates a file that survives the close, locked."""
+    path = str(tmp_path / "rank0.slots")
+    first = open_slot_file(path)
+    first_id = file_id(os.stat(path))
+    armed = [True]
+    opened: list[SlotFile | DiskTierBusyError] = []
+
+    def open_second() -> None:
+        armed[0] = False
+        try:
+            opened.append(open_slot_file(path))
+        except DiskTierBusyError as exc:
+            opened.append(exc)
+
+    real_unlink, real_close = os.unlink, os.close
+
+    def unlink(name: str, *args: Any, **kwargs: Any) -> None:
+        if armed[0] and moment == "before_unlink" and name == path:
+            open_second()
+        real_unlink(name, *args, **kwargs)
+
+    def close(fd: int) -> None:
+        closes_first = armed[0] and file_id(os.fstat(fd)) == first_id
+        real_close(fd)
+        if closes_first and moment == "after_close":
+            open_second()
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "close", close)
+    first.close()
+    monkeypatch.undo()
+    (second,) = opened
+    if not second_opens:
+        assert isinstance(second, DiskTierBusyError)
+        assert "locked by another" in str(second)
+        assert not os.path.exists(path)
+        second = open_slot_file(path)  # the path is free once the close returned
+    assert isinstance(second, SlotFile)
+    assert_owns_path(second, path)
+    second.close()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_file_its_holder_removes_while_opening_is_opened_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: bool
+) -> None:
+    """An opener that opened the file of a holder which then closed (removing it) gets the
+    lock of a file that is no longer at the path: it starts over and creates a fresh file,
+    instead of failing as if another process had taken the path."""
+    path = str(tmp_path / "rank0.slots")
+    first = open_slot_file(path)
+    open_or_create = slot_file_module._open_or_create
+
+    def open_then_holder_closes(name: str, mode: DiskIOMode) -> tuple[int, bool]:
+        fd, existed = open_or_create(name, mode)
+        if existed and first.is_open:
+            first.close()
+        return fd, existed
+
+    monkeypatch.setattr(slot_file_module, "_open_or_create", open_then_holder_closes)
+    num_fds = num_open_fds()
+    second = open_slot_file(path, persistent)
+    assert not first.is_open
+    assert not second.reused
+    assert os.path.getsize(path) == 2 * SLOT
+    assert_owns_path(second, path)
+    second.close()
+    assert os.path.exists(path) == persistent
+    assert num_open_fds() == num_fds - 1  # first's descriptor, and the retried one's, closed
+
+
+def test_the_sizing_failure_removes_the_file_before_unlocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A created file that cannot be sized is removed while its lock is still held."""
+    path = str(tmp_path / "rank0.slots")
+    events: list[str] = []
+    real_unlink, real_close = os.unlink, os.close
+
+    def unlink(name: str, *args: Any, **kwargs: Any) -> None:
+        events.append("unlink" if name == path else "other")
+        real_unlink(name, *args, **kwargs)
+
+    def close(fd: int) -> None:
+        events.append("close")
+        real_close(fd)
+
+    def no_space(fd: int, nbytes: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(slot_file_module, "_reserve", no_space)
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "close", close)
+    with pytest.raises(OSError, match="cannot size the disk tier file"):
+        open_slot_file(path)
+    monkeypatch.undo()
+    assert events == ["unlink", "close"]
+    assert not os.path.exists(path)
+
+
+def test_a_forked_child_never_removes_the_parents_file(tmp_path: Path) -> None:
+    """A child forked while a SlotFile is open shares its descriptor and lock; the child's
+    close (or collection, or exit) closes only its copy: the file stays, locked."""
+    path = str(tmp_path / "rank0.slots")
+    slot_file = open_slot_file(path)
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery, only the close and a raw exit
+        code = 1
+        try:
+            slot_file.close()
+            code = 0 if os.path.exists(path) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert_owns_path(slot_file, path)
+    slot_file.close()
+    assert not os.path.exists(path)
