@@ -109,3 +109,23 @@ def test_rejects_mismatched_rows_and_dtypes() -> None:
         )
     with pytest.raises(ValueError, match="rows differ"):
         copy_blocks(torch.zeros(2, 8, dtype=torch.uint8), ids, torch.zeros(2, 8), ids)
+
+
+@pytest.mark.parametrize(
+    ("src_id", "dst_id", "message"),
+    [
+        (3, 9, r"destination id 9 outside \[0, 4\)"),
+        (3, -1, r"destination id -1 outside \[0, 4\)"),
+        (100, 1, r"source id 100 outside \[0, 8\)"),
+        (-20, 0, r"source id -20 outside \[0, 8\)"),
+    ],
+)
+def test_rejects_ids_outside_the_rows(src_id: int, dst_id: int, message: str) -> None:
+    """Regression: destination id 9 of 4 rows silently reallocated `dst`'s storage."""
+    src = random_rows(8, 16, seed=3)
+    dst = torch.zeros(4, 16, dtype=torch.uint8)
+    ptr, nbytes = dst.data_ptr(), dst.untyped_storage().nbytes()
+    with pytest.raises(ValueError, match=message):
+        copy_blocks(src, np.array([0, src_id]), dst, np.array([2, dst_id]))
+    assert (dst.data_ptr(), dst.untyped_storage().nbytes()) == (ptr, nbytes)
+    assert not dst.any(), "nothing is copied when an id is out of range"

@@ -156,3 +156,17 @@ def test_wrong_explicit_layout_and_non_tensors_are_rejected() -> None:
         discover_regions({"odd": torch.zeros(3, NB, 4)}, TensorLayout.KV_FIRST)
     with pytest.raises(TypeError, match="'x' is a list"):
         discover_regions({"x": [1, 2]})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("tensor", "message"),
+    [
+        (torch.zeros(NB, 8, device="meta"), r"'kv\[0\]' is on meta: need a cpu or cuda"),
+        (torch.zeros(NB, 8).to_sparse(), r"'kv\[0\]' has layout torch.sparse_coo"),
+    ],
+)
+def test_tensors_without_addressable_bytes_are_rejected(tensor: torch.Tensor, message: str) -> None:
+    """Regression: a meta tensor was accepted (every job then failed) and a sparse one gave a
+    bare NotImplementedError; both now fail up front naming the tensor."""
+    with pytest.raises(ValueError, match=message):
+        discover_regions([tensor])

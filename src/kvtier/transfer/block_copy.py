@@ -43,7 +43,8 @@ class CopyPlan:
 
     DST_RUNS: `index` holds source ids sorted by destination; SRC_RUNS: destination ids
     sorted by source; `runs` are `(a, b, first row)` of the consecutive side. SCRATCH:
-    `index` and `other_index` are the source and destination ids as given.
+    `index` and `other_index` are the source and destination ids as given. `src_span` and
+    `dst_span` are the lowest and highest id of each side (`(0, -1)` when empty).
     """
 
     strategy: CopyStrategy
@@ -51,6 +52,8 @@ class CopyPlan:
     index: torch.Tensor
     other_index: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
+    src_span: tuple[int, int]
+    dst_span: tuple[int, int]
 
 
 def runs_of(sorted_ids: np.ndarray) -> np.ndarray:
@@ -83,6 +86,7 @@ def plan_copy(src_ids: np.ndarray, dst_ids: np.ndarray, row_bytes: int) -> CopyP
     `dst_ids` must not repeat (the last write would win arbitrarily).
     """
     num = len(src_ids)
+    spans = _span(src_ids), _span(dst_ids)
     for strategy, ordered, other in (
         (CopyStrategy.DST_RUNS, dst_ids, src_ids),
         (CopyStrategy.SRC_RUNS, src_ids, dst_ids),
@@ -94,8 +98,8 @@ def plan_copy(src_ids: np.ndarray, dst_ids: np.ndarray, row_bytes: int) -> CopyP
         if num_runs <= 2 or num * row_bytes >= num_runs * MIN_RUN_BYTES:
             runs = tuple((a, b, int(sorted_ids[a])) for a, b in itertools.pairwise(cuts))
             index = _index(other[order])
-            return CopyPlan(strategy, num, index, index, runs)
-    return CopyPlan(CopyStrategy.SCRATCH, num, _index(src_ids), _index(dst_ids), ())
+            return CopyPlan(strategy, num, index, index, runs, *spans)
+    return CopyPlan(CopyStrategy.SCRATCH, num, _index(src_ids), _index(dst_ids), (), *spans)
 
 
 def run_copy(
@@ -103,8 +107,10 @@ def run_copy(
 ) -> None:
     """Apply `plan` to one region: 2-D CPU tensors of one dtype and row width.
 
-    Ids are trusted to be in range. `scratch` (`[rows, row width]`, same dtype) is reused
-    by SCRATCH plans instead of a fresh allocation; not thread-safe when shared.
+    Raises ValueError, copying nothing, when an id is outside its tensor's rows (torch
+    would silently reallocate an out-of-range destination slice). `scratch` (`[rows, row
+    width]`, same dtype) is reused by SCRATCH plans instead of a fresh allocation; not
+    thread-safe when shared.
     """
     if src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
         raise ValueError(
@@ -112,6 +118,8 @@ def run_copy(
         )
     if plan.num == 0:
         return
+    _check_span("source", plan.src_span, src.shape[0])
+    _check_span("destination", plan.dst_span, dst.shape[0])
     if plan.strategy is CopyStrategy.SCRATCH:
         _copy_through_scratch(plan, src, dst, scratch)
     elif plan.strategy is CopyStrategy.DST_RUNS:
@@ -139,6 +147,17 @@ def copy_blocks(
         src, dst = src.view(dtype), dst.view(dtype)
         scratch = scratch.view(dtype) if scratch is not None else None
     run_copy(plan_copy(src_ids, dst_ids, row_bytes), src, dst, scratch)
+
+
+def _span(ids: np.ndarray) -> tuple[int, int]:
+    return (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
+
+
+def _check_span(side: str, span: tuple[int, int], num_rows: int) -> None:
+    low, high = span
+    if low < 0 or high >= num_rows:
+        bad = low if low < 0 else high
+        raise ValueError(f"{side} id {bad} outside [0, {num_rows})")
 
 
 def _index(ids: np.ndarray) -> torch.Tensor:

@@ -18,7 +18,8 @@ class HostTier:
     Memory is zeroed (which also pre-touches every page) and, with `pin`, page-locked in
     place with `cudaHostRegister`, so memory use is exactly `num_slots * bytes_per_slot`.
     Holds no policy: which slot holds what is the scheduler's business. `close()` unpins;
-    it must run before the tensors are dropped.
+    it must run before the tensors are dropped. Raises MemoryError naming the slot count
+    and bytes when the memory cannot be allocated.
     """
 
     def __init__(self, bytes_per_block: Sequence[int], num_slots: int, pin: bool) -> None:
@@ -27,9 +28,7 @@ class HostTier:
         if not bytes_per_block or min(bytes_per_block) <= 0:
             raise ValueError(f"host tier needs positive region sizes, got {list(bytes_per_block)}")
         self.num_slots = num_slots
-        self.views: tuple[torch.Tensor, ...] = tuple(
-            torch.zeros((num_slots, size), dtype=torch.uint8) for size in bytes_per_block
-        )
+        self.views: tuple[torch.Tensor, ...] = _allocate(bytes_per_block, num_slots)
         self._pinned: list[torch.Tensor] = []
         if pin:
             try:
@@ -70,3 +69,17 @@ class HostTier:
         """Unpin the memory (idempotent); the tensors stay usable as plain memory."""
         while self._pinned:
             unpin_host_memory(self._pinned.pop())
+
+
+def _allocate(bytes_per_block: Sequence[int], num_slots: int) -> tuple[torch.Tensor, ...]:
+    """Return one zeroed `[num_slots, size]` tensor per region size."""
+    try:
+        return tuple(torch.zeros((num_slots, size), dtype=torch.uint8) for size in bytes_per_block)
+    except (RuntimeError, MemoryError) as exc:  # torch's allocator raises RuntimeError
+        per_slot = sum(bytes_per_block)
+        total = num_slots * per_slot
+        raise MemoryError(
+            f"cannot allocate the host tier: cpu_num_slots={num_slots} slots x {per_slot} B "
+            f"per slot = {total} B ({total / 2**30:.1f} GiB); lower the CPU tier size "
+            f"(cpu_bytes / cpu_num_slots): {exc}"
+        ) from exc

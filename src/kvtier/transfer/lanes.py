@@ -88,7 +88,7 @@ class TransferLane:
         """
         wait_futures([p.future for p in self._pending])
         for pending in self._pending:
-            if pending.future.exception() is None:
+            if not pending.future.cancelled() and pending.future.exception() is None:
                 completion = pending.future.result()
                 if completion is not None:
                     try:
@@ -99,16 +99,24 @@ class TransferLane:
                         )
 
     def close(self) -> None:
-        """Finish queued jobs and stop the thread; idempotent. Unreported jobs stay
+        """Finish queued jobs and stop the thread; idempotent, and a call interrupted while
+        waiting (KeyboardInterrupt) is finished by the next one. Unreported jobs stay
         available to `take_finished`."""
-        if self._closed:
-            return
         self._closed = True
         self._executor.shutdown(wait=True)
+
+    def cancel_queued(self) -> None:
+        """Drop the jobs not yet started and refuse new ones; never blocks. The job
+        running, if any, carries on (`close` waits for it); dropped jobs report failed."""
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _outcome(lane: str, pending: _Pending) -> bool | None:
     """Return True (done), False (failed) or None (device work still running)."""
+    if pending.future.cancelled():
+        logger.warning("lane %s: transfer event %d was cancelled", lane, pending.event_id)
+        return False
     error = pending.future.exception()
     if error is None:
         completion = pending.future.result()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 _ONE_BLOCK_STRIDE = 1 << 62
+_DEVICE_TYPES = ("cpu", "cuda")  # devices whose bytes the worker can copy
 
 
 class TensorLayout(enum.Enum):
@@ -114,9 +115,10 @@ def discover_regions(
     """Return the deduplicated, merged regions of `kv_tensors` (a list, or name → tensor).
 
     Raises ValueError naming the tensor for a layout that cannot be addressed by block id:
-    fewer than 2 dims, zero size, a block whose bytes are not one dense run, a block stride
-    smaller than the block, overlays with different geometry, or tensors that disagree on
-    the number of blocks or the device.
+    a sparse (non-strided) tensor, a device other than cpu or cuda (e.g. meta), fewer than
+    2 dims, zero size, a block whose bytes are not one dense run, a block stride smaller
+    than the block, overlays with different geometry, or tensors that disagree on the
+    number of blocks or the device.
     """
     named = _named(kv_tensors)
     if not named:
@@ -156,6 +158,15 @@ def _named(
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"KV tensor {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.layout is not torch.strided:
+            raise ValueError(
+                f"KV tensor {name!r} has layout {tensor.layout}: need a dense (strided) tensor"
+            )
+        if tensor.device.type not in _DEVICE_TYPES:
+            raise ValueError(
+                f"KV tensor {name!r} is on {tensor.device}: need a cpu or cuda device "
+                "(the worker copies its bytes)"
+            )
     return items
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
@@ -37,9 +39,9 @@ from kvtier.storage.slot_file import FileIO
 from kvtier.transfer.block_copy import row_dtype
 from kvtier.transfer.copiers import CpuCopier, CudaCopier
 from kvtier.transfer.device import pin_host_memory, record_compute_marker
-from kvtier.transfer.device import unpin_host_memory as unpin
 from kvtier.transfer.disk_mover import DiskMover
 from kvtier.transfer.host_tier import HostTier
+from kvtier.transfer.job_checks import block_id_array, check_distinct, check_job_fields
 from kvtier.transfer.lanes import TransferLane
 from kvtier.transfer.regions import RegionSet, TensorLayout, discover_regions
 from kvtier.transfer.routes import (
@@ -52,6 +54,7 @@ from kvtier.transfer.routes import (
     run_task,
 )
 from kvtier.transfer.worker_config import WorkerConfig, WorkerState
+from kvtier.transfer.worker_resources import WorkerResources, release_dropped
 
 __all__ = ["OffloadWorker", "WorkerConfig", "WorkerState"]
 
@@ -61,9 +64,12 @@ logger = logging.getLogger(__name__)
 class OffloadWorker:
     """Execute transfer plans on one rank; see the module docstring for routes and ordering.
 
-    Call every method from one thread (the engine's). Transfer failures (I/O error, short
-    read/write, checksum mismatch) become `WorkerReport.failed` entries; contract
-    violations (unknown tier, ids out of range, repeated event ids) raise ValueError.
+    Call every method from one thread (the engine's, the one that creates the worker).
+    Transfer failures (I/O error, short read/write, checksum mismatch) become
+    `WorkerReport.failed` entries; contract violations (unknown tier, block ids that are
+    not ints or out of range, repeated event ids, fields of the wrong type) raise
+    ValueError. Call `shutdown()` (or use the worker as a context manager); a worker
+    dropped without it is released by a finalizer (see `worker_resources`), with a warning.
     """
 
     def __init__(self, config: WorkerConfig, file_io: FileIO | None = None) -> None:
@@ -73,11 +79,13 @@ class OffloadWorker:
         self._regions: RegionSet | None = None
         self._engine_rows: tuple[torch.Tensor, ...] = ()  # per region, in the row dtype
         self._host_rows: tuple[torch.Tensor, ...] = ()
-        self._host: HostTier | None = None
-        self._disk_tier: DiskTier | None = None
         self._disk: DiskMover | None = None
-        self._pinned_staging: list[torch.Tensor] = []
         self._lanes = {d: TransferLane(d.value, config.copy_threads) for d in Direction}
+        # Everything to release; never references the worker, so the finalizer can run.
+        self._held = WorkerResources(
+            config.rank, tuple(self._lanes.values()), threading.current_thread()
+        )
+        self._finalizer = weakref.finalize(self, release_dropped, self._held)
         self._copiers: dict[Direction, LaneCopiers] = {}
         self._in_flight: set[int] = set()
         self._compute_marker: torch.cuda.Event | None = None
@@ -102,7 +110,8 @@ class OffloadWorker:
         try:
             self._allocate_tiers(regions, on_cuda)
         except BaseException:
-            self._release_tiers()
+            self._drop_tier_views()
+            self._held.release_tiers()
             raise
         self._regions = regions
         for direction in Direction:
@@ -123,7 +132,7 @@ class OffloadWorker:
         disk: DiskTier | None = None
         if cfg.cpu_num_slots:
             sizes = [r.bytes_per_block for r in regions.regions]
-            self._host = HostTier(sizes, cfg.cpu_num_slots, pin=on_cuda)
+            self._held.host = HostTier(sizes, cfg.cpu_num_slots, pin=on_cuda)
         if cfg.disk_num_slots:
             disk_config = DiskTierConfig(
                 path=cfg.disk_file(),
@@ -135,17 +144,17 @@ class OffloadWorker:
                 fingerprint=cfg.disk_fingerprint if cfg.disk_persist else None,
                 region_layout=";".join(f"{r.name}:{r.bytes_per_block}" for r in regions.regions),
             )
-            disk = self._disk_tier = DiskTier(disk_config, self._file_io)
+            disk = self._held.disk_tier = DiskTier(disk_config, self._file_io)
             if on_cuda:
                 for buffer in (*disk.store_buffers, *disk.load_buffers):
                     pin_host_memory(buffer.tensor)
-                    self._pinned_staging.append(buffer.tensor)
+                    self._held.pinned_staging.append(buffer.tensor)
         self._view_rows(regions, disk)
 
     def _view_rows(self, regions: RegionSet, disk: DiskTier | None) -> None:
         """View every byte region as rows of one dtype (int64 when all allow it)."""
         engine = regions.block_views()
-        host = self._host.views if self._host else ()
+        host = self._held.host.views if self._held.host else ()
         columns = regions.slot_columns()
         staging = [b.tensor for b in (*disk.store_buffers, *disk.load_buffers)] if disk else []
         cuts = [t[:, a:b] for t in staging for a, b in columns]
@@ -174,21 +183,23 @@ class OffloadWorker:
 
     @property
     def host_tier(self) -> HostTier | None:
-        """Return the host tier, or None without one (read-only use: tests, metrics)."""
-        return self._host
+        """Return the host tier, or None without one or after shutdown (read-only use:
+        tests, metrics)."""
+        return self._held.host
 
     @property
     def disk_path(self) -> str | None:
-        """Return the slot file's path, or None without a disk tier."""
+        """Return the slot file's path, or None without a disk tier or after shutdown."""
         return self._disk.disk.path if self._disk else None
 
     def recovered_slots(self) -> list[tuple[int, SlotRecord]]:
         """Return the `(slot id, record)` pairs a persistent disk tier recovered from the
         previous run, by slot id (after `register()`; empty without any)."""
         self._require_regions()
-        if self._disk_tier is None:
+        disk = self._held.disk_tier
+        if disk is None:
             return []
-        return [(slot, rec) for slot, rec in self._disk_tier.recovered_slots() if slot != 0]
+        return [(slot, rec) for slot, rec in disk.recovered_slots() if slot != 0]
 
     def _require_regions(self) -> RegionSet:
         if self._regions is None:
@@ -221,10 +232,11 @@ class OffloadWorker:
         seen: set[int] = set()
         prepared = []
         for job in plan.jobs:
+            checked = self._validate(job)
             if job.event_id in self._in_flight or job.event_id in seen:
                 raise ValueError(f"event {job.event_id} is already in flight")
             seen.add(job.event_id)
-            prepared.append((job, *self._validate(job)))
+            prepared.append((job, *checked))
         marker = self._take_compute_marker(any(job.src_tier is Tier.GPU for job in plan.jobs))
         for job, route, src_ids, dst_ids in prepared:
             records = job.dst_records if job.dst_tier is Tier.DISK and job.dst_records else None
@@ -249,26 +261,17 @@ class OffloadWorker:
         return marker
 
     def _validate(self, job: TransferJob) -> tuple[Route, np.ndarray, np.ndarray]:
-        route = ROUTES.get((job.src_tier, job.dst_tier))
+        check_job_fields(job)
+        event_id, src, dst = job.event_id, job.src_tier, job.dst_tier
+        route = ROUTES.get((src, dst))
         if route is None:
-            raise ValueError(
-                f"event {job.event_id}: no route {job.src_tier.value} → {job.dst_tier.value}"
-            )
-        src_ids = np.asarray(job.src_block_ids, dtype=np.int64)
-        dst_ids = np.asarray(job.dst_block_ids, dtype=np.int64)
-        for tier, ids in ((job.src_tier, src_ids), (job.dst_tier, dst_ids)):
-            size = self._tier_size(tier, job.event_id)
-            if len(ids) and (ids.min() < 0 or ids.max() >= size):
-                bad = ids[(ids < 0) | (ids >= size)][:8].tolist()
-                raise ValueError(
-                    f"event {job.event_id}: {tier.value} ids {bad} outside [0, {size})"
-                )
-        if len(np.unique(dst_ids)) != len(dst_ids):
-            raise ValueError(
-                f"event {job.event_id}: repeated destination ids {sorted(job.dst_block_ids)}"
-            )
-        if job.dst_tier is Tier.DISK and self._disk_tier is not None:
-            self._disk_tier.check_records(job.dst_records, f"event {job.event_id}: ")
+            raise ValueError(f"event {event_id}: no route {src.value} → {dst.value}")
+        src_size, dst_size = self._tier_size(src, event_id), self._tier_size(dst, event_id)
+        src_ids = block_id_array(event_id, f"{src.value} ids", job.src_block_ids, src_size)
+        dst_ids = block_id_array(event_id, f"{dst.value} ids", job.dst_block_ids, dst_size)
+        check_distinct(event_id, "destination ids", dst_ids)
+        if dst is Tier.DISK and self._held.disk_tier is not None:
+            self._held.disk_tier.check_records(job.dst_records, f"event {event_id}: ")
         return route, src_ids, dst_ids
 
     def _tier_size(self, tier: Tier, event_id: int) -> int:
@@ -300,22 +303,25 @@ class OffloadWorker:
     def shutdown(self) -> None:
         """Finish outstanding transfers, stop the threads, free the tiers, remove the disk
         file (a persistent one is synced and kept, with its manifest); idempotent.
-        Finished events can still be polled afterwards."""
+
+        The worker is SHUTTING_DOWN (refusing new work) until the release completes: a
+        shutdown interrupted while waiting for a transfer (KeyboardInterrupt), or one where
+        a tier's close raised (the other tiers are released all the same; the first error
+        is re-raised), is finished by calling shutdown() again. Finished events can still
+        be polled afterwards.
+        """
         if self.state is WorkerState.SHUT_DOWN:
             return
+        self.state = WorkerState.SHUTTING_DOWN
+        self._drop_tier_views()
+        self._held.release()
+        self._finalizer.detach()
         self.state = WorkerState.SHUT_DOWN
-        for lane in self._lanes.values():
-            lane.wait_all()
-            lane.close()
-        self._release_tiers()
 
-    def _release_tiers(self) -> None:
-        if self._host is not None:
-            self._host.close()
-        while self._pinned_staging:
-            unpin(self._pinned_staging.pop())
-        if self._disk_tier is not None:
-            self._disk_tier.close()
+    def _drop_tier_views(self) -> None:
+        """Forget the worker's own views of the tiers (the lanes' queued jobs keep theirs)."""
+        self._disk = None
+        self._engine_rows = self._host_rows = ()
 
     def __enter__(self) -> OffloadWorker:
         return self
@@ -333,19 +339,23 @@ class OffloadWorker:
         pending = [e for lane in self._lanes.values() for e in lane.pending_event_ids()]
         assert len(pending) == len(set(pending)), f"an event is pending twice: {pending}"
         assert set(pending) == self._in_flight, "in-flight events disagree with the lanes"
+        host = self._held.host
         if self.state is WorkerState.CREATED:
             assert self._regions is None, "regions before register()"
-            assert self._host is None, "host tier before register()"
-            assert self._disk_tier is None, "disk tier before register()"
+        if self._regions is None:  # never registered (or register() failed)
+            assert self.state is not WorkerState.REGISTERED, "registered without regions"
+            assert not self._held.has_tiers, "tiers held without regions"
             return
-        regions = self._require_regions()
+        if self.state is WorkerState.SHUT_DOWN:
+            assert not self._held.has_tiers, "tiers held after shutdown()"
+        regions = self._regions
         assert regions.regions, "no regions"
         assert all(r.num_blocks == regions.num_blocks for r in regions.regions)
-        if self._host is not None:
-            self._host.check_invariants()
-            widths = [v.shape[1] for v in self._host.views]
+        if host is not None:
+            host.check_invariants()
+            widths = [v.shape[1] for v in host.views]
             assert widths == [r.bytes_per_block for r in regions.regions], "host tier layout"
-            assert self._host.num_slots == self.config.cpu_num_slots
+            assert host.num_slots == self.config.cpu_num_slots
         if self._disk is not None:
             self._disk.disk.check_invariants()
             assert self._disk.disk.config.bytes_per_slot == regions.bytes_per_slot

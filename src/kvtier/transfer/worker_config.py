@@ -105,4 +105,5 @@ class WorkerState(enum.Enum):
 
     CREATED = "created"
     REGISTERED = "registered"
+    SHUTTING_DOWN = "shutting_down"  # shutdown() began and has not completed (retry it)
     SHUT_DOWN = "shut_down"

@@ -1,0 +1,102 @@
+"""Job and registration checks of the worker: clear ValueErrors instead of coercion."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transfer_helpers import fill_random, kv_per_layer, make_worker, run_plan
+
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan
+from kvtier.transfer import OffloadWorker, WorkerConfig, WorkerState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def submit_one(bad: TransferJob) -> None:
+    """Submit `bad` after a valid job in one plan; nothing of the plan may run."""
+    kv = kv_per_layer(1, 16)
+    fill_random(kv, seed=1)
+    with make_worker(WorkerConfig(cpu_num_slots=8), kv) as worker:
+        good = TransferJob(2, Tier.GPU, Tier.CPU, (1,), (1,))
+        try:
+            worker.submit(TransferPlan(1, jobs=(good, bad)))
+        finally:
+            worker.flush()
+            assert worker.poll().is_empty
+            worker.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "message"),
+    [
+        ((1.7,), (2,), r"event 7: GPU ids hold 1\.7 \(float\), not an int"),
+        ((1,), (2.9,), r"event 7: CPU ids hold 2\.9 \(float\), not an int"),
+        (("3",), (1,), r"event 7: GPU ids hold '3' \(str\)"),
+        ((True,), (1,), r"event 7: GPU ids hold True \(bool\)"),
+        ((1,), (np.bool_(False),), r"event 7: CPU ids hold .*False_? \(bool_?\)"),
+        (((1, 2),), (0,), r"event 7: GPU ids hold \(1, 2\) \(tuple\)"),
+        ((2**70,), (0,), r"event 7: GPU ids \[1180591620717411303424\] outside \[0, 16\)"),
+        ((-(2**70),), (0,), r"event 7: GPU ids \[-1180591620717411303424\] outside"),
+        ((np.uint64(2**64 - 1),), (0,), r"event 7: GPU ids \[18446744073709551615\] outside"),
+        ((1,), (np.uint64(8),), r"event 7: CPU ids \[8\] outside \[0, 8\)"),
+        (np.array([1.0]), (0,), r"event 7: GPU ids must be a 1-D integer array, got float64"),
+        (np.array([2**64 - 1], dtype=np.uint64), (0,), r"GPU ids \[18446744073709551615\]"),
+        (np.array([1]), np.array([-1]), r"event 7: CPU ids \[-1\] outside \[0, 8\)"),
+        (3, 4, r"event 7: GPU ids must be a tuple of ints, got int"),
+    ],
+)
+def test_block_ids_must_be_ints_in_range(src: object, dst: object, message: str) -> None:
+    """Regression: 1.7 / "3" / True were coerced (1.7 copied block 1) and reported done;
+    2**70 and uint64 max raised a bare OverflowError without the event id."""
+    bad = TransferJob.__new__(TransferJob)  # bypass __post_init__'s len() on non-sequences
+    for name, value in zip(
+        ("event_id", "src_tier", "dst_tier", "src_block_ids", "dst_block_ids", "dst_records"),
+        (7, Tier.GPU, Tier.CPU, src, dst, ()),
+        strict=True,
+    ):
+        object.__setattr__(bad, name, value)
+    with pytest.raises(ValueError, match=message):
+        submit_one(bad)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ((3, "GPU", Tier.CPU), r"event 3: src_tier must be a Tier, got 'GPU'"),
+        ((3, Tier.GPU, "CPU"), r"event 3: dst_tier must be a Tier, got 'CPU'"),
+        (("3", Tier.GPU, Tier.CPU), r"event_id must be an int, got '3'"),
+        ((True, Tier.GPU, Tier.CPU), r"event_id must be an int, got True"),
+    ],
+)
+def test_job_fields_of_the_wrong_type_are_named(fields: tuple[object, ...], message: str) -> None:
+    """Regression: a tier given as a string raised AttributeError ('str' has no 'value')."""
+    bad = TransferJob(*fields, (1,), (0,))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        submit_one(bad)
+
+
+def test_numpy_integer_ids_are_accepted() -> None:
+    """numpy integers (scalars in a tuple, or an integer array) are valid block ids."""
+    kv = kv_per_layer(1, 16)
+    fill_random(kv, seed=2)
+    with make_worker(WorkerConfig(cpu_num_slots=8), kv) as worker:
+        jobs = (
+            TransferJob(1, Tier.GPU, Tier.CPU, (np.int64(3), np.int32(4)), (np.uint8(0), 1)),
+            TransferJob(2, Tier.CPU, Tier.GPU, np.array([0, 1]), np.array([5, 6], np.uint16)),
+        )
+        assert dict(run_plan(worker, *jobs).done) == {1: 1, 2: 1}
+        views = worker.regions.block_views()
+        assert all(torch.equal(v[3], v[5]) and torch.equal(v[4], v[6]) for v in views)
+
+
+def test_unallocatable_host_tier_names_the_slots_and_bytes() -> None:
+    """Regression: a too large cpu_num_slots gave a raw DefaultCPUAllocator error. 2**41
+    slots of 1 KiB exceed any address space, so the allocation fails at once."""
+    worker = OffloadWorker(WorkerConfig(cpu_num_slots=2**41))
+    kv = [torch.zeros(4, 1024, dtype=torch.uint8)]
+    with pytest.raises(MemoryError, match=r"cpu_num_slots=2199023255552 .* 1024 B per slot"):
+        worker.register(kv)
+    assert worker.state is WorkerState.CREATED
+    assert worker.host_tier is None
+    worker.check_invariants()
