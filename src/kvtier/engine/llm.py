@@ -31,6 +31,9 @@ from kvtier.engine.weights import load_model
 from kvtier.offload.config import OffloadConfig
 
 _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
+# Idle steps after a worker flush before `drain` gives up: a real worker reports every
+# flushed event at once; the margin covers wrappers that hold reports back a few polls.
+_MAX_STALLED_STEPS = 100
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,9 @@ class LLM:
         """Run one engine step (SPEC §2.2); return the requests that finished in it.
 
         Raises RuntimeError when no step could ever run the first waiting request (it is
-        aborted first). If the forward pass or sampling fails, the step's requests are
-        aborted before the error propagates.
+        aborted first). If handing the transfers to the worker, the forward pass or
+        sampling fails (or is interrupted), the step's requests are aborted before the
+        error propagates; transfers the worker never took are reported failed.
         """
         self._require_running()
         step = self.scheduler.schedule()
@@ -193,15 +197,15 @@ class LLM:
                 f"fit the GPU pool of {self.pool.num_usable_blocks} blocks of "
                 f"{self.engine_config.block_size} tokens; it was aborted"
             )
-        if self.offload is not None:
-            # The plan only stores blocks computed by earlier steps and loads into blocks
-            # no running request uses, so its copies may overlap this step's forward.
-            self.offload.prepare(step)
-            self.offload.submit()
         try:
+            if self.offload is not None:
+                # The plan only stores blocks computed by earlier steps and loads into
+                # blocks no running request uses, so its copies may overlap the forward.
+                self.offload.prepare(step)
+                self.offload.submit()
             sampled = self._forward(step) if step.work else []
             finished = self.scheduler.complete(step, sampled, time.perf_counter())
-        except Exception:
+        except BaseException:
             for work in step.work:
                 self._abort(work.request)
             raise
@@ -213,14 +217,36 @@ class LLM:
         return finished
 
     def drain(self) -> None:
-        """Step until every finish-time store has completed."""
-        while self.offload is not None and self.offload.has_pending_work():
+        """Step until every finish-time store has completed.
+
+        Raises RuntimeError, naming what is pending, when the stores can never complete:
+        `_MAX_STALLED_STEPS` steps in a row computed nothing, preempted nothing, issued
+        no transfer and got no report, though the worker was flushed before each one (so
+        it had nothing left to report). Slow transfers are waited for, however slow.
+        """
+        offload = self.offload
+        num_stalled = 0
+        while offload is not None and offload.has_pending_work():
+            mark = self._progress_mark()
+            if num_stalled:
+                offload.flush()  # its poll then reports everything submitted before
             self.step()
+            if self._progress_mark() != mark:
+                num_stalled = 0
+                continue
+            num_stalled += 1
+            if num_stalled > _MAX_STALLED_STEPS:
+                raise RuntimeError(
+                    f"drain() made no progress in {_MAX_STALLED_STEPS} steps with an idle "
+                    f"offload worker: {offload.describe_pending()} will never complete; "
+                    f"{self._describe_unfinished()}"
+                )
 
     def shutdown(self) -> None:
         """Drain pending stores and stop the offload worker (idempotent).
 
-        Afterwards `generate`, `add_request` and `step` raise RuntimeError.
+        Afterwards `generate`, `add_request` and `step` raise RuntimeError. A drain that
+        can never finish raises its RuntimeError; the worker is stopped all the same.
         """
         if self._is_shut_down:
             return
@@ -268,6 +294,25 @@ class LLM:
     def _abort(self, request: Request) -> None:
         self.scheduler.abort(request)
         self._logits.pop(request.request_id, None)
+
+    def _progress_mark(self) -> tuple[int, ...]:
+        """Return counters that change whenever a step does anything."""
+        stats = self.stats
+        marks = (stats.num_computed_tokens, stats.num_preemptions)
+        if self.offload is None:
+            return marks
+        totals = self.offload.totals
+        return (*marks, totals.num_issued_events, totals.num_reported_events)
+
+    def _describe_unfinished(self) -> str:
+        scheduler = self.scheduler
+        groups = (
+            ("waiting", [r.request_id for r in scheduler.waiting]),
+            ("running", [r.request_id for r in scheduler.running]),
+            ("loading", list(scheduler.loading)),
+        )
+        parts = [f"{name}: {', '.join(ids)}" for name, ids in groups if ids]
+        return "requests " + "; ".join(parts) if parts else "no request is unfinished"
 
     def _is_stalled(self, step: SchedulerStep) -> bool:
         """Return True when no later step can run anything: the waiting head never fits.

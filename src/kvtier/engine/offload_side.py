@@ -12,7 +12,7 @@ from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import SchedulerStep
 from kvtier.offload.config import OffloadConfig
-from kvtier.offload.plan import Tier, TransferPlan
+from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.offload.protocols import ScheduledRequest, StepInput
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.stats import OffloadStats
@@ -53,6 +53,8 @@ class OffloadTotals:
     num_promoted_blocks: int = 0
     num_failed_demotions: int = 0
     num_lost_blocks: int = 0  # CPU evictions with no disk copy (write-back bursts, failures)
+    num_issued_events: int = 0  # transfer events planned (jobs)
+    num_reported_events: int = 0  # events reported done or failed
 
 
 class OffloadSide:
@@ -86,28 +88,65 @@ class OffloadSide:
         self.totals = OffloadTotals()
         self._plan: TransferPlan | None = None
         self._finished_ids: frozenset[str] = frozenset()
+        self._owes_flush = False  # a preemption's flush failed: retry it before the next plan
+        # Reports made up for plans the worker never took, applied by the next `poll`.
+        self._held_reports: list[WorkerReport] = []
 
     def prepare(self, step: SchedulerStep) -> None:
-        """Build this step's plan; flush the worker first if a request was preempted."""
+        """Build this step's plan; flush the worker first if a request was preempted.
+
+        If the flush fails, the plan's events are failed (see `submit`) and the error
+        propagates; the flush is retried before the next step's plan.
+        """
         scheduled = tuple(
             ScheduledRequest(w.request, w.new_block_ids, w.num_new_tokens, w.table_update)
             for w in step.work
         )
-        self._plan = self.scheduler.build_plan(
+        plan = self.scheduler.build_plan(
             StepInput(
                 scheduled=scheduled,
                 finished_request_ids=self._finished_ids,
                 preempted_request_ids=frozenset(step.preempted_ids),
             )
         )
-        if self._plan.need_flush:
-            self.worker.flush()
+        self._finished_ids = frozenset()
+        self.totals.num_issued_events += len(plan.jobs)
+        self._owes_flush = self._owes_flush or plan.need_flush
+        if self._owes_flush:
+            try:
+                self.worker.flush()
+            except BaseException:
+                self._fail_unsubmitted(plan, WorkerReport())  # none of it reached the worker
+                raise
+            self._owes_flush = False
+        self._plan = plan
 
     def submit(self) -> None:
-        """Hand this step's plan to the worker; its copies run beside the forward pass."""
-        if self._plan is not None and self._plan.jobs:
-            self.worker.submit(self._plan)
-        self._plan = None
+        """Hand this step's plan to the worker; its copies run beside the forward pass.
+
+        If the worker refuses the plan (or is interrupted), every event of it the worker
+        did not take is reported failed at the next `poll` (SPEC §6.8: loads recompute,
+        stores register nothing) and the error propagates. Jobs the worker started are
+        waited for first, so no event is failed while its copy still runs.
+        """
+        plan, self._plan = self._plan, None
+        if plan is None or not plan.jobs:
+            return
+        try:
+            self.worker.submit(plan)
+        except BaseException:
+            # If this flush fails too, the plan's events stay in flight for good and
+            # `LLM.drain` reports them instead of waiting forever.
+            self.worker.flush()
+            self._fail_unsubmitted(plan, self.worker.poll())
+            raise
+
+    def _fail_unsubmitted(self, plan: TransferPlan, started: WorkerReport) -> None:
+        """Hold `started` and a failure of each event of `plan` it lacks, for `poll`."""
+        reported = {*started.done, *started.failed}
+        # One count per event: this engine runs one worker.
+        failed = {job.event_id: 1 for job in plan.jobs if job.event_id not in reported}
+        self._held_reports += [started, WorkerReport(failed=failed)]
 
     def finish_step(self, finished: Sequence[Request]) -> None:
         """Remember which requests finished, for the next step's hand-off filtering."""
@@ -115,7 +154,10 @@ class OffloadSide:
 
     def poll(self) -> ReportOutcome:
         """Apply whatever the worker finished; return loads finished or failed."""
-        outcome = self.scheduler.apply_report(self.worker.poll())
+        reports, self._held_reports = [*self._held_reports, self.worker.poll()], []
+        report = WorkerReport.merge(reports)
+        self.totals.num_reported_events += len(report.done) + len(report.failed)
+        outcome = self.scheduler.apply_report(report)
         self._account(self.scheduler.take_stats())
         return outcome
 
@@ -134,6 +176,19 @@ class OffloadSide:
     def has_pending_work(self) -> bool:
         """Return True while finish-time stores are queued or in flight."""
         return self.scheduler.has_pending_stores()
+
+    def describe_pending(self) -> str:
+        """Return what keeps `has_pending_work()` true, for error messages."""
+        scheduler = self.scheduler
+        _, num_pending_blocks = scheduler.stats_gauges()
+        text = f"{num_pending_blocks} blocks queued or in flight to the {scheduler.tier.value} tier"
+        if scheduler.cascade is not None:
+            text += f", {len(scheduler.cascade.in_flight_keys)} demotions queued or in flight"
+        return text
+
+    def flush(self) -> None:
+        """Block until every transfer handed to the worker finished (done or failed)."""
+        self.worker.flush()
 
     def shutdown(self) -> None:
         """Stop the worker (idempotent)."""
