@@ -46,6 +46,24 @@ def test_scenario_27_unknown_key_is_rejected_by_name() -> None:
         OffloadConfig.from_dict({"cpu_bytes": 640, "cpu_byte": 640})
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"disk_path": 5}, "disk_path must be a str, got 5"),
+        ({"disk_buffer_slots": "8"}, "disk_buffer_slots must be an int, got '8'"),
+        ({"disk_io_mode": "fast"}, "disk_io_mode must be one of"),
+        ({"cascade": "write_sideways"}, "cascade must be one of"),
+        ({"cascade": 1}, "cascade must be one of .*, got 1"),
+    ],
+)
+def test_scenario_27_ignored_keys_are_still_checked(
+    values: dict[str, object], message: str
+) -> None:
+    """Keys a CPU-only config ignores keep their checks: a typo is an error, not a warning."""
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig.from_dict({"cpu_bytes": 640, **values})
+
+
 def test_scenario_27_disk_capacity_below_two_blocks_is_rejected() -> None:
     """Scenario 27: a disk budget holding fewer than 2 blocks raises, naming disk_bytes."""
     cfg = OffloadConfig(disk_bytes=100, disk_path="/x")

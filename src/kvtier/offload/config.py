@@ -86,12 +86,8 @@ class OffloadConfig:
     disk_persist: bool = False
 
     def __post_init__(self) -> None:
-        for name, kind in _FIELD_TYPES.items():
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL:
-                continue
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise ConfigError(f"{name} must be {_type_name(kind)}, got {value!r}")
+        for name in _FIELD_TYPES:
+            _check_type(name, getattr(self, name))
         _require(self.cpu_bytes >= 0, "cpu_bytes", self.cpu_bytes, "must be >= 0")
         _require(self.disk_bytes >= 0, "disk_bytes", self.disk_bytes, "must be >= 0")
         _require(self.disk_buffer_slots >= 1, "disk_buffer_slots", self.disk_buffer_slots, ">= 1")
@@ -153,8 +149,9 @@ class OffloadConfig:
         """Build a config from plain values (e.g. JSON); unknown keys are rejected.
 
         Enum fields accept their string values; `disk_direct_io` (bool) is accepted as
-        the SPEC's spelling of `disk_io_mode`. Disk-only keys without a disk tier are
-        ignored with a warning.
+        the SPEC's spelling of `disk_io_mode`. Disk-only keys without a disk tier, and
+        `cascade` without both tiers, are ignored with a warning, but their values are
+        still checked: a typo there is an error, not a silent default.
         """
         values = dict(values)
         if "disk_direct_io" in values:  # SPEC §8 spelling
@@ -178,11 +175,14 @@ class OffloadConfig:
             kwargs[key] = value
         if not kwargs.get("disk_bytes"):
             ignored = sorted(k for k in _DISK_KEYS if k in kwargs)
+            for key in ignored:
+                _check_type(key, kwargs[key])
             if ignored:
                 logger.warning("no disk tier (disk_bytes unset): ignoring %s", ", ".join(ignored))
                 for key in ignored:
                     del kwargs[key]
         if "cascade" in kwargs and not (kwargs.get("cpu_bytes") and kwargs.get("disk_bytes")):
+            _check_type("cascade", kwargs["cascade"])
             logger.warning("cascade needs both cpu_bytes and disk_bytes: ignoring it")
             del kwargs["cascade"]
         return OffloadConfig(**kwargs)
@@ -263,6 +263,17 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "disk_persist": bool,
 }
 _OPTIONAL = {"disk_path", "num_blocks", "hash_seed"}
+
+
+def _check_type(name: str, value: object) -> None:
+    """Raise ConfigError naming `name` when `value` is not of the field's type."""
+    kind = _FIELD_TYPES[name]
+    if value is None and name in _OPTIONAL:
+        return
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{name} must be {_type_name(kind)}, got {value!r}")
+
+
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
     "disk_io_mode": DiskIOMode,
     "store_mode": StoreMode,
