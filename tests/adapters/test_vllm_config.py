@@ -125,3 +125,44 @@ def test_simple_offload_keys_map_to_kvtier_settings() -> None:
 def test_bad_keys_are_rejected_by_name(extra: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         convert(extra)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"disk_io_mode": "page_cache", "disk_direct_io": True}, "disk_direct_io=True"),
+        ({"disk_io_mode": "direct", "disk_direct_io": False}, "disk_direct_io=False"),
+        ({"use_page_cache": True, "disk_io_mode": "direct"}, "use_page_cache=True"),
+        ({"use_page_cache": False, "disk_direct_io": False}, "disk_direct_io=False"),
+    ],
+)
+def test_two_disk_io_keys_are_refused_naming_both(extra: dict[str, object], message: str) -> None:
+    disk = {"kv_offload_backend": "disk"} if "use_page_cache" in extra else {"disk_bytes": GIB}
+    with pytest.raises(ConfigError, match=f"{message}.* both set the disk I/O mode"):
+        convert({**disk, "disk_path": "/tmp/kv", **extra})
+    mixed = {"kv_offload_backend": "disk", "disk_path": "/tmp/kv", "disk_io_mode": "page_cache"}
+    assert convert(mixed).disk_io_mode is DiskIOMode.PAGE_CACHE  # one key, either spelling
+
+
+@pytest.mark.parametrize(
+    ("extra", "message", "translated"),
+    [
+        ({"cpu_bytes_to_use": -8}, "cpu_bytes_to_use=-8 is invalid", "cpu_bytes="),
+        ({"cpu_bytes_to_use": 3}, "cpu_bytes_to_use=3 is invalid.* 4 ranks", "no lower tier"),
+        ({"cpu_bytes_to_use_per_rank": 0}, "cpu_bytes_to_use_per_rank=0 is invalid", "cpu_bytes="),
+        ({"num_cpu_blocks": 0}, "num_cpu_blocks=0 is invalid", "num_blocks"),
+        ({"num_cpu_blocks": "7"}, "num_cpu_blocks must be an int, got '7'", "num_blocks"),
+        (
+            {"kv_offload_backend": "disk", "disk_path": "/tmp", "disk_capacity_bytes": -1},
+            "disk_capacity_bytes=-1 is invalid",
+            "disk_bytes",
+        ),
+        ({"disk_capacity_bytes": 1.5}, "disk_capacity_bytes must be an int", "disk_bytes"),
+    ],
+)
+def test_simple_offload_values_are_refused_under_their_own_names(
+    extra: dict[str, object], message: str, translated: str
+) -> None:
+    with pytest.raises(ConfigError, match=message) as error:
+        convert(extra, world_size=4)
+    assert translated not in str(error.value)  # kvtier's name for the setting

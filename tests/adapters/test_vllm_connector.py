@@ -8,6 +8,7 @@ wrong load, a load into the wrong block or a load that never happened fails the 
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -21,18 +22,20 @@ from kvtier_vllm import (
     PollGate,
     check_quiescent,
     drain,
+    kvtier_config,
     kvtier_harness,
     offload_worker,
     scheduler_side,
 )
 from vllm.distributed import parallel_state
-from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
 from vllm_harness import HarnessConfig, VllmHarness, shared_prefix_prompts
 
 from kvtier.adapters.vllm import KVTierConnector, worker_side
 from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
 from kvtier.offload.config import ConfigError
-from kvtier.offload.plan import WorkerReport
+from kvtier.offload.plan import Tier, WorkerReport
 
 
 def run_waves(
@@ -217,6 +220,29 @@ def test_bad_config_fails_at_start_up(extra: dict[str, object], message: str) ->
     cfg = HarnessConfig(connector=CONNECTOR, connector_module=MODULE, extra_config=extra)
     with pytest.raises(ConfigError, match=message):
         VllmHarness(cfg)
+
+
+def test_direct_io_with_unaligned_blocks_fails_at_start_up(tmp_path: Path) -> None:
+    # 3 layers of 2048-byte pages: a block id spans 6144 B, not whole 4096-byte pages.
+    disk = {"cpu_bytes": 0, "disk_bytes": 1 << 22, "disk_path": str(tmp_path)}
+    with pytest.raises(ConfigError, match='"disk_io_mode": "page_cache"'):
+        VllmHarness(kvtier_config(num_layers=3, extra=disk))  # the scheduler role
+    page_cache = kvtier_config(num_layers=3, extra={**disk, "disk_io_mode": "page_cache"})
+    assert scheduler_side(VllmHarness(page_cache)).tier_sizes == {Tier.DISK: (1 << 22) // 6144}
+
+
+@pytest.mark.parametrize("problem", ["missing", "a file"])
+def test_a_bad_disk_path_fails_when_the_worker_role_starts(problem: str, tmp_path: Path) -> None:
+    path = tmp_path / "no" / "dir"
+    if problem == "a file":
+        path = tmp_path / "file"
+        path.touch()
+    extra = {"cpu_bytes": 0, "disk_bytes": 1 << 22, "disk_path": str(path)}
+    harness = VllmHarness(kvtier_config(extra=extra))  # the scheduler holds no tier
+    with pytest.raises(ConfigError, match=f"disk_path={str(path)!r}"):
+        KVConnectorFactory.create_connector(
+            harness.vllm_config, KVConnectorRole.WORKER, harness.kv_cache_config
+        )  # before any tier is allocated
 
 
 def test_tier_file_rank_is_the_global_rank_or_the_device_index() -> None:

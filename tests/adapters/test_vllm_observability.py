@@ -15,11 +15,16 @@ from kvtier_vllm import (
     kvtier_config,
     kvtier_harness,
 )
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm_harness import (
+    ConnectorWorker,
+    HarnessConfig,
     VllmHarness,
     connector_worker_factory,
     flatten_events,
@@ -27,7 +32,8 @@ from vllm_harness import (
 )
 
 from kvtier.adapters.vllm import KVTierConnector
-from kvtier.adapters.vllm.stats import KVTierStats
+from kvtier.adapters.vllm.connector import register_with_vllm
+from kvtier.adapters.vllm.stats import KVTierStats, unregister_kvtier_metrics
 
 PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
 AGAIN = {f"again-{r}": [*p, 9] for r, p in PROMPTS.items()}
@@ -177,3 +183,55 @@ def test_prometheus_metrics_build_and_observe() -> None:
     names = {m.name for m in registry.collect()}
     assert names
     assert all(name.startswith("kvtier:") for name in names)
+
+
+def test_prometheus_metrics_can_be_built_twice_in_one_process() -> None:
+    """vLLM rebuilds its Prometheus logger in one process (a second engine, a scale-up)."""
+    harness, payloads = collect_stats()
+    labels = {"model_name": "tiny", "engine": "0"}
+    default_registry = {kind: kind for kind in (Counter, Gauge, Histogram)}  # as vLLM's logger
+    try:
+        for _ in range(2):
+            metrics = KVTierConnector.build_prom_metrics(
+                harness.vllm_config, default_registry, list(labels), {0: list(labels.values())}
+            )
+        for payload in payloads:
+            metrics.observe(payload, engine_idx=0)
+        assert REGISTRY.get_sample_value("kvtier:hit_tokens_total", labels) == 4 * 48
+    finally:
+        unregister_kvtier_metrics()
+    assert REGISTRY.get_sample_value("kvtier:hit_tokens_total", labels) is None
+
+
+def test_stats_of_a_multi_connector_child_survive_the_front_end() -> None:
+    """MultiConnector rebuilds each child's stats in the front-end by registered name."""
+    assert KVConnectorFactory.get_connector_class_by_name("KVTierConnector") is KVTierConnector
+    register_with_vllm()  # a second registration is a no-op
+    child = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.adapters.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes": 256 * SLOT_BYTES},
+    }
+    cfg = HarnessConfig(connector="MultiConnector", extra_config={"connectors": [child]})
+    harness = VllmHarness(cfg, connector_worker_factory)
+    logging = KVConnectorLogging(harness.vllm_config.kv_transfer_config)
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    for request_id, prompt in PROMPTS.items():
+        harness.add_request(request_id, prompt, max_tokens=3)
+    num_payloads = 0
+    while harness.scheduler.has_requests():
+        for outputs in harness.step().outputs.values():
+            stats = decoder.decode(encoder.encode(outputs)).scheduler_stats  # the IPC
+            if stats is not None and stats.kv_connector_stats:
+                logging.observe(stats.kv_connector_stats)
+                num_payloads += 1
+    assert num_payloads
+    lines: list[str] = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    (line,) = lines
+    assert "KVTierConnector={" in line
+    assert "'stored_blocks': 12" in line  # 4 prompts of 3 full blocks
+    for worker in harness.workers:
+        assert isinstance(worker, ConnectorWorker)
+        worker.connector.shutdown()

@@ -17,9 +17,11 @@ from kvtier.adapters.vllm.events import EventTranslator, vllm_medium
 from kvtier.adapters.vllm.layout import (
     UnsupportedLayoutError,
     bytes_per_block_id,
+    check_direct_io,
     group_kind,
     kv_layout,
     num_tier_blocks,
+    stage_slot_bytes,
     tier_sizes,
 )
 from kvtier.adapters.vllm.regions import PlacementError, is_block_compact, placement_block_views
@@ -27,7 +29,7 @@ from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored
 from kvtier.core.keys import make_key
 from kvtier.core.kv_groups import GroupKind
-from kvtier.offload.config import OffloadConfig
+from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
 from kvtier.offload.plan import Tier
 
 HASH = bytes(range(32))
@@ -131,6 +133,44 @@ def test_tier_size_is_one_slot_per_block_id() -> None:
     )
     assert tier_sizes(cascade, config) == {Tier.CPU: 5, Tier.DISK: 20}
     assert tier_sizes(OffloadConfig(cpu_bytes=4096 * 8), config) == {Tier.CPU: 8}
+
+
+def stage_config(layers: list[str], page: int = 1024, num_blocks: int = 8) -> Any:
+    """One pipeline stage's config: its layers' pages of a block placed side by side."""
+    tensor = placement(layers, num_blocks * page, page, len(layers) * num_blocks * page)
+    spec = FullAttentionSpec(page_size_bytes=page)
+    return kv_config([group(layers, spec)], [tensor], num_blocks=num_blocks)
+
+
+def test_pipeline_stages_all_size_their_tier_for_the_largest_stage() -> None:
+    stages = (2, 3)  # hidden layers per stage; stage 0's config is the scheduler's
+    configs = [stage_config(["l0", "l1"]), stage_config(["l2", "l3", "l4"])]
+    budget = OffloadConfig(cpu_bytes=40 * 2 * 1024)  # 40 of stage 0's blocks, 26 of stage 1's
+    assert tier_sizes(budget, configs[0]) == {Tier.CPU: 40}  # each stage on its own
+    assert [tier_sizes(budget, c, stages) for c in configs] == [{Tier.CPU: 26}] * 2
+    with pytest.raises(ConfigError, match="num_blocks=30 exceeds"):
+        tier_sizes(OffloadConfig(cpu_bytes=40 * 2 * 1024, num_blocks=30), configs[0], stages)
+
+
+def test_a_stage_larger_than_its_layer_count_fails_at_start_up() -> None:
+    budget = OffloadConfig(cpu_bytes=1 << 20)
+    four_kv_layers = stage_config(["a", "b", "c", "d"])  # more KV layers than hidden ones
+    with pytest.raises(UnsupportedLayoutError, match="4096 B, more than the 3072 B"):
+        tier_sizes(budget, four_kv_layers, (3, 3))
+    specs = {"a": FullAttentionSpec(), "b": FullAttentionSpec(page_size_bytes=2048)}
+    mixed = kv_config([group(["a", "b"], UniformTypeKVCacheSpecs(specs))], [])
+    with pytest.raises(UnsupportedLayoutError, match="pipeline parallelism"):
+        stage_slot_bytes(mixed, (2, 2))
+
+
+def test_direct_disk_io_needs_page_aligned_blocks() -> None:
+    disk = {"disk_bytes": 1 << 20, "disk_path": "/tmp"}
+    unaligned = stage_config(["a", "b", "c"], page=2048)  # 6144 B per block id
+    with pytest.raises(ConfigError, match='set "disk_io_mode": "page_cache"'):
+        tier_sizes(OffloadConfig(**disk), unaligned)
+    page_cache = OffloadConfig(**disk, disk_io_mode=DiskIOMode.PAGE_CACHE)
+    assert tier_sizes(page_cache, unaligned) == {Tier.DISK: (1 << 20) // 6144}
+    check_direct_io(OffloadConfig(cpu_bytes=1 << 20), 6144)  # no disk tier: nothing to align
 
 
 # ----------------------------------------------------------------- regions

@@ -11,7 +11,11 @@ Two spellings are accepted, never mixed for one setting:
   touching its config: `cpu_bytes_to_use` (whole server, divided by the world size),
   `cpu_bytes_to_use_per_rank`, `num_cpu_blocks`, `lazy_offload`, `kv_offload_backend`
   (`"cpu"` | `"disk"` | `"cascade"` / `"cpu+disk"`), `disk_capacity_bytes` (per rank),
-  `use_page_cache`, and the shared `disk_path`, `disk_buffer_slots`, `cascade`.
+  `use_page_cache`, and the shared `disk_path`, `disk_buffer_slots`, `cascade`. Their
+  values are checked under these names, before translation.
+
+One key per setting: `disk_io_mode`, `disk_direct_io` and `use_page_cache` all set the
+disk I/O mode, so any two of them together are refused.
 
 CPU and disk together (`cpu_bytes` and `disk_bytes` both set, or `kv_offload_backend`
 `"cascade"`) form the cascade GPU → CPU → DISK; `cascade` (`"write_through"`, the
@@ -45,6 +49,7 @@ _OWNED_BY_VLLM = {
 }
 _NATIVE_SIZING_KEYS = ("cpu_bytes", "disk_bytes", "num_blocks", "store_mode")
 _POLICY_KEYS = ("eviction_policy", "admission_policy")
+_DISK_IO_KEYS = ("disk_io_mode", "disk_direct_io", "use_page_cache")
 _BACKENDS = ("cpu", "disk", "cascade", "cpu+disk")
 _ALIASES = (
     "cpu_bytes_to_use",
@@ -66,6 +71,7 @@ def offload_config_from_vllm(
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
     _check_persistence(values)
+    _check_one_disk_io_key(values)
     if "cascade" in values:
         _check_cascade(values["cascade"])
     if "policy" in values:
@@ -78,7 +84,11 @@ def offload_config_from_vllm(
 
 
 def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """Rewrite SimpleCPUOffloadConnector's keys as kvtier keys."""
+    """Rewrite SimpleCPUOffloadConnector's keys as kvtier keys.
+
+    Every value is checked under the key the user wrote before it is translated, so an
+    error never names a kvtier key the config does not contain.
+    """
     clash = sorted(k for k in _NATIVE_SIZING_KEYS if k in values)
     if clash:
         raise ConfigError(
@@ -88,18 +98,26 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
     if backend not in _BACKENDS:
         choices = ", ".join(repr(b) for b in _BACKENDS)
         raise ConfigError(f"kv_offload_backend must be one of {choices}, got {backend!r}")
+    for key in ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "disk_capacity_bytes"):
+        if key in values:
+            _positive_int(key, values[key], minimum=1)
     server_bytes = values.pop("cpu_bytes_to_use", _DEFAULT_SERVER_CPU_BYTES)
     per_rank = values.pop("cpu_bytes_to_use_per_rank", None)
     disk_bytes = values.pop("disk_capacity_bytes", _DEFAULT_DISK_BYTES)
     if backend != "cpu":  # "disk", or the cascade's disk tier
-        values["disk_bytes"] = _int_key("disk_capacity_bytes", disk_bytes)
+        values["disk_bytes"] = disk_bytes
     if backend != "disk":  # "cpu", or the cascade's CPU tier
         if per_rank is not None:
-            values["cpu_bytes"] = _int_key("cpu_bytes_to_use_per_rank", per_rank)
+            values["cpu_bytes"] = per_rank
+        elif server_bytes < world_size:
+            raise ConfigError(
+                f"cpu_bytes_to_use={server_bytes} is invalid: it is divided over "
+                f"{world_size} ranks, which leaves each less than one byte"
+            )
         else:
-            values["cpu_bytes"] = _int_key("cpu_bytes_to_use", server_bytes) // world_size
+            values["cpu_bytes"] = server_bytes // world_size
     if "num_cpu_blocks" in values:
-        values["num_blocks"] = values.pop("num_cpu_blocks")
+        values["num_blocks"] = _positive_int("num_cpu_blocks", values.pop("num_cpu_blocks"), 2)
     if "lazy_offload" in values:
         lazy = values.pop("lazy_offload")
         if not isinstance(lazy, bool):
@@ -111,6 +129,17 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
             raise ConfigError(f"use_page_cache must be a bool, got {page_cache!r}")
         values["disk_io_mode"] = "page_cache" if page_cache else "direct"
     return values
+
+
+def _check_one_disk_io_key(values: Mapping[str, Any]) -> None:
+    """Refuse two keys for the disk I/O mode: a silent winner would hide the other."""
+    given = [key for key in _DISK_IO_KEYS if key in values]
+    if len(given) > 1:
+        first, second = given[:2]
+        raise ConfigError(
+            f"{first}={values[first]!r} and {second}={values[second]!r} both set the disk "
+            "I/O mode: use one of them"
+        )
 
 
 def _check_persistence(values: dict[str, Any]) -> None:
@@ -152,7 +181,10 @@ def _policy(value: object, values: Mapping[str, Any]) -> dict[str, str]:
     return {"eviction_policy": spec.eviction, "admission_policy": spec.admission}
 
 
-def _int_key(key: str, value: object) -> int:
+def _positive_int(key: str, value: object, minimum: int) -> int:
+    """Return `value` if it is an int of at least `minimum`; raise naming `key` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key} must be an int, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{key}={value!r} is invalid: must be >= {minimum}")
     return value

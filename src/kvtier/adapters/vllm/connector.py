@@ -15,6 +15,9 @@ tier's `disk`. With the CPU+disk cascade each request's hit is split by the tier
 serves each block (`get_external_cache_hit_sources`): blocks loaded from the CPU tier count
 as `host`, those loaded from disk as `disk`; without a split the first tier (`host`) is
 reported.
+
+Importing this module registers `KVTierConnector` with vLLM's `KVConnectorFactory`
+(`register_with_vllm`), which `MultiConnector` needs to rebuild its stats.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -30,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.utils import get_pp_indices
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.adapters.vllm.config import offload_config_from_vllm
@@ -41,6 +46,20 @@ from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier
 
 logger = logging.getLogger(__name__)
+
+
+def pipeline_stage_layers(vllm_config: Any) -> tuple[int, ...]:
+    """Return the hidden layers of each pipeline stage as vLLM splits them (empty: no PP).
+
+    The same split vLLM's models use (`get_pp_indices`, `VLLM_PP_LAYER_PARTITION` included),
+    so every process of one engine computes the same tuple.
+    """
+    num_stages = vllm_config.parallel_config.pipeline_parallel_size
+    if num_stages == 1:
+        return ()
+    num_layers = vllm_config.model_config.get_total_num_hidden_layers()
+    bounds = (get_pp_indices(num_layers, stage, num_stages) for stage in range(num_stages))
+    return tuple(end - start for start, end in bounds)
 
 
 def connector_config(vllm_config: Any) -> OffloadConfig:
@@ -66,8 +85,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._cache_hit_source = _HIT_SOURCES[self.offload_config.tier]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        stages = pipeline_stage_layers(vllm_config)
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.offload_config)
+            self._scheduler = SchedulerSide(
+                vllm_config, kv_cache_config, self.offload_config, stages
+            )
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "kvtier: kv_load_failure_policy=%r fails a request whose tier load "
@@ -76,7 +98,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 )
         else:
             layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
-            self._worker = WorkerSide(kv_cache_config, self.offload_config, layout)
+            self._worker = WorkerSide(kv_cache_config, self.offload_config, layout, stages)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -250,9 +272,27 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 _HIT_SOURCES = {Tier.CPU: CacheHitSource.HOST, Tier.DISK: CacheHitSource.DISK}
+CONNECTOR_NAME = "KVTierConnector"
+
+
+def register_with_vllm() -> None:
+    """Register `KVTierConnector` by name in vLLM's connector factory (idempotent).
+
+    vLLM loads the connector from `kv_connector_module_path`, but `MultiConnector`
+    rebuilds its children's stats in the front-end process by registered name
+    (`KVConnectorFactory.get_connector_class_by_name`). A name already registered (this
+    module imported again, or another registration) is left as it is.
+    """
+    try:
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, __name__, "KVTierConnector")
+    except ValueError:  # the factory's only refusal: the name is already registered
+        logger.debug("%s is already registered with vLLM's connector factory", CONNECTOR_NAME)
 
 
 def _metadata(metadata: KVConnectorMetadata) -> KVTierMetadata:
     if not isinstance(metadata, KVTierMetadata):
         raise TypeError(f"expected KVTierMetadata, got {type(metadata).__name__}")
     return metadata
+
+
+register_with_vllm()

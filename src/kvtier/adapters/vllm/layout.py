@@ -4,7 +4,9 @@ vLLM places every KV cache group in one backing allocation; groups alias the sam
 (a block id belongs to one group at a time). One tier slot must therefore hold every
 byte one block id spans in that allocation: `bytes_per_block_id`, not the sum of the
 groups' pages. `KVGroupSpec.bytes_per_block` is filled with each group's own page bytes
-(its layers' pages), which is what the group's KV occupies.
+(its layers' pages), which is what the group's KV occupies. Under pipeline parallelism
+each stage holds its own layers, so its block ids span different bytes: every rank sizes
+its tiers for the largest stage (`tier_sizes`), so all agree on the slot count.
 
 No vLLM import: specs are recognised by their exact class name, so this module (and the
 main test suite) runs without vLLM.
@@ -12,11 +14,13 @@ main test suite) runs without vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
-from kvtier.offload.config import OffloadConfig
+from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig, agree_num_tier_blocks
 from kvtier.offload.plan import Tier
+from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
 # Exact class names: a subclass may change which positions it keeps (e.g. R-SWA drops
 # decode gaps) and must be mapped deliberately, not inherited by accident.
@@ -85,19 +89,80 @@ def bytes_per_block_id(kv_cache_config: Any) -> int:
 
 
 def num_tier_blocks(config: OffloadConfig, kv_cache_config: Any) -> int:
-    """Return the tier size both connector roles derive from the same inputs.
-
-    vLLM asks workers for a tier size only for its own offload connector, so the
-    scheduler and every worker compute it identically: one slot per GPU block id's bytes,
-    as many as the per-rank budget holds (or the explicit `num_blocks`).
-    """
-    return config.num_tier_blocks(bytes_per_block_id(kv_cache_config))
+    """Return the size of the first lower tier (see `tier_sizes`; no pipeline stages)."""
+    return tier_sizes(config, kv_cache_config)[config.tier]
 
 
-def tier_sizes(config: OffloadConfig, kv_cache_config: Any) -> dict[Tier, int]:
+def tier_sizes(
+    config: OffloadConfig, kv_cache_config: Any, stage_layers: Sequence[int] = ()
+) -> dict[Tier, int]:
     """Return the size in blocks of every configured lower tier (CPU and disk in a cascade).
 
-    Derived like `num_tier_blocks`, identically by the scheduler and every worker.
+    vLLM asks workers for a tier size only for its own offload connector, so the
+    scheduler and every worker derive it identically, each from its own
+    `kv_cache_config`: one slot per GPU block id's bytes, as many as the per-rank budget
+    holds (or the explicit `num_blocks`).
+
+    `stage_layers` holds the hidden layers of each pipeline stage as vLLM splits them
+    (empty without pipeline parallelism). The stages' block ids span different bytes,
+    and the scheduler sees only stage 0's config, so every rank then sizes the tiers for
+    the largest stage (`stage_slot_bytes`): the same slot count everywhere, within every
+    rank's budget. Raises `ConfigError` / `UnsupportedLayoutError` at start-up when this
+    rank's blocks cannot be stored as configured.
     """
-    bytes_per_block = bytes_per_block_id(kv_cache_config)
-    return {tier: config.num_tier_blocks(bytes_per_block, tier) for tier in config.tiers}
+    own_bytes = bytes_per_block_id(kv_cache_config)
+    check_direct_io(config, own_bytes)
+    per_stage = [own_bytes]
+    if len(stage_layers) > 1:
+        per_stage = stage_slot_bytes(kv_cache_config, stage_layers)
+        if own_bytes > max(per_stage):
+            raise UnsupportedLayoutError(
+                f"a KV block id of this pipeline stage spans {own_bytes} B, more than the "
+                f"{max(per_stage)} B kvtier sizes tier slots for (the largest stage's "
+                f"{max(stage_layers)} layers x one layer's page): kvtier cannot size its "
+                "tier for this model under pipeline parallelism"
+            )
+    return {
+        tier: agree_num_tier_blocks([config.num_tier_blocks(b, tier) for b in per_stage])
+        for tier in config.tiers
+    }
+
+
+def stage_slot_bytes(kv_cache_config: Any, stage_layers: Sequence[int]) -> list[int]:
+    """Return the most bytes a block id can span on each pipeline stage.
+
+    Every rank computes the same list: vLLM gives all stages the same KV cache groups
+    and specs (only the layer names differ), so one layer's page is the same everywhere,
+    and a stage holds at most one KV layer per hidden layer. Exact for models with one
+    kind of attention; an upper bound for hybrid models, whose groups share pages.
+    """
+    pages = []
+    for group in kv_cache_config.kv_cache_groups:
+        if getattr(group, "host_resident", False):
+            continue
+        spec = group.kv_cache_spec
+        if type(spec).__name__ == _UNIFORM_SPECS:
+            # The scheduler sees only stage 0's first layer spec: the stages could differ.
+            raise UnsupportedLayoutError(
+                "layers with different KV page sizes (UniformTypeKVCacheSpecs) are not "
+                "supported by kvtier under pipeline parallelism"
+            )
+        pages.append(int(spec.page_size_bytes))
+    if not pages:
+        raise UnsupportedLayoutError("the model has no KV cache groups on the device")
+    return [num_layers * max(pages) for num_layers in stage_layers]
+
+
+def check_direct_io(config: OffloadConfig, bytes_per_block: int) -> None:
+    """Raise `ConfigError` when the disk tier's direct I/O cannot hold `bytes_per_block`.
+
+    O_DIRECT moves whole 4096-byte pages, so a slot must be a multiple of them; checked
+    at start-up in both roles rather than when the worker opens its file.
+    """
+    disk_io = config.disk_bytes > 0 and config.disk_io_mode is DiskIOMode.DIRECT
+    if disk_io and bytes_per_block % DIRECT_IO_ALIGNMENT:
+        raise ConfigError(
+            f"the disk tier's direct I/O needs blocks of a multiple of {DIRECT_IO_ALIGNMENT} "
+            f"bytes, but one KV block id spans {bytes_per_block} B: set "
+            '"disk_io_mode": "page_cache" in kv_connector_extra_config'
+        )

@@ -54,7 +54,18 @@ class SchedulerSide:
     Thread affinity: vLLM's scheduler thread (engine core), like every call it receives.
     """
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, config: OffloadConfig) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        config: OffloadConfig,
+        stage_layers: Sequence[int],
+    ) -> None:
+        """Size the tiers and build the offload scheduler.
+
+        `stage_layers`: hidden layers per pipeline stage (`layout.tier_sizes`); this
+        config is stage 0's, as vLLM gives the scheduler the first worker's.
+        """
         parallel = vllm_config.parallel_config
         if parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1:
             raise ValueError(
@@ -64,7 +75,7 @@ class SchedulerSide:
             )
         _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         self.layout = kv_layout(kv_cache_config, hash_block_size)
-        self.tier_sizes = tier_sizes(config, kv_cache_config)
+        self.tier_sizes = tier_sizes(config, kv_cache_config, stage_layers)
         self.num_tier_blocks = self.tier_sizes[config.tier]
         self.offload = OffloadScheduler(
             config,

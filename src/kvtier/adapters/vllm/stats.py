@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import REGISTRY, CollectorRegistry
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -140,8 +141,25 @@ class KVTierStats(KVConnectorStats):
         return not any(self.data[section] for section in (COUNTERS, GAUGES, INFO))
 
 
+def unregister_kvtier_metrics(registry: CollectorRegistry = REGISTRY) -> None:
+    """Remove every `kvtier:` collector from `registry`.
+
+    vLLM rebuilds its Prometheus logger in one process (a second engine, an elastic
+    scale-up) after removing only its own `vllm:` collectors; kvtier's must go too, or
+    registering them again fails with a duplicated time series.
+    """
+    # prometheus_client has no public listing; vLLM's own clean-up reads the same map.
+    for collector in list(registry._collector_to_names):
+        if getattr(collector, "_name", "").startswith(PREFIX):
+            registry.unregister(collector)
+
+
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """Register kvtier's metrics under the `kvtier:` prefix and record payloads into them."""
+    """Register kvtier's metrics under the `kvtier:` prefix and record payloads into them.
+
+    Building it again in one process replaces the `kvtier:` metrics in the default
+    registry (`unregister_kvtier_metrics`), as vLLM does for its own.
+    """
 
     def __init__(
         self,
@@ -151,6 +169,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        unregister_kvtier_metrics()
         labels = list(self._labelnames)
         self._counters = {
             name: self._counter_cls(

@@ -20,7 +20,7 @@ the request once all of them finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -88,9 +88,17 @@ class WorkerSide:
         kv_cache_config: Any,
         config: OffloadConfig,
         layout_name: str | None,
+        stage_layers: Sequence[int],
     ):
+        """Size this rank's tiers exactly as the scheduler role sizes them.
+
+        `stage_layers`: hidden layers per pipeline stage (`layout.tier_sizes`). Raises
+        at start-up when this rank's blocks cannot be stored as configured, or this
+        machine cannot hold the tiers (`OffloadConfig.prepare_host`: memory, `disk_path`).
+        """
         self.config = config
-        self.tier_sizes = tier_sizes(config, kv_cache_config)
+        self.tier_sizes = tier_sizes(config, kv_cache_config, stage_layers)
+        config.prepare_host()  # this rank's machine holds its tiers, not the scheduler's
         self.num_tier_blocks = self.tier_sizes[config.tier]
         self._kv_cache_config = kv_cache_config
         self._layout_name = layout_name
