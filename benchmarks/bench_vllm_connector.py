@@ -240,6 +240,8 @@ def run_pair(
             "external_hit_tokens": sum(h.external_hit_tokens(r) for r, _, _ in requests),
             "local_hit_tokens": sum(h.local_hit_tokens(r) for r, _, _ in requests),
         }
+    for run in runs.values():
+        run.harness.close()
     result["ratio_total"] = (
         result["kvtier"]["connector_us_per_step"] / result["vllm"]["connector_us_per_step"]
     )

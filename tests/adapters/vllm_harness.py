@@ -142,7 +142,11 @@ class VllmHarness:
         publisher.publish = record  # type: ignore[method-assign]
 
     def close(self) -> None:
-        """Remove the temporary model directory."""
+        """Shut down the workers' connectors (idempotent) and remove the model directory."""
+        for worker in self.workers:
+            connector = getattr(worker, "connector", None)
+            if connector is not None:
+                connector.shutdown()
         self._model_dir.cleanup()
 
     # ------------------------------------------------------------------ requests
