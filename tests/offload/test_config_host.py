@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import kvtier.offload.config as offload_config
 from kvtier.offload.config import ConfigError, OffloadConfig
 
 MIB = 1 << 20
@@ -60,6 +61,21 @@ def test_budgets_beyond_the_machine_are_refused(tmp_path: Path) -> None:
         match=f"disk_bytes={1 << 62} exceeds the size of the filesystem holding disk_path=",
     ):
         disk_config(tmp_path, disk_bytes=1 << 62).prepare_host()
+
+
+@pytest.mark.parametrize(("limit", "refused"), [("max\n", False), ("8388608\n", True)])
+def test_a_container_memory_limit_is_the_memory(
+    limit: str, refused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    v2, v1 = tmp_path / "memory.max", tmp_path / "missing"
+    v2.write_text(limit)
+    monkeypatch.setattr(offload_config, "CGROUP_MEMORY_LIMITS", (v2, v1))
+    budget = OffloadConfig(cpu_bytes=16 * MIB)  # more than 8 MiB, less than any machine
+    if refused:
+        with pytest.raises(ConfigError, match="container's limit \\(8388608 bytes\\)"):
+            budget.prepare_host()
+    else:
+        budget.prepare_host()  # "max": no limit
 
 
 def test_sensible_budgets_pass(tmp_path: Path) -> None:

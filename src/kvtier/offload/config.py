@@ -192,16 +192,18 @@ class OffloadConfig:
 
         Call where the tiers are built, before allocating them: the config itself is
         plain data and may be built on another machine. Raises ConfigError naming the
-        key and value when `cpu_bytes` exceeds the machine's memory, when `disk_path` is
-        not a writable directory (a missing one is created only if its parent exists),
-        or when `disk_bytes` exceeds the size of the filesystem holding `disk_path` (a
-        budget above its free space fails when the tier's file is sized).
+        key and value when `cpu_bytes` exceeds the machine's memory (or its container's
+        limit), when `disk_path` is not a writable directory (a missing one is created
+        only if its parent exists), or when `disk_bytes` exceeds the size of the
+        filesystem holding `disk_path` (a budget above its free space fails when the
+        tier's file is sized).
         """
         if self.cpu_bytes > 0:
             memory = _total_memory_bytes()
             if memory is not None and self.cpu_bytes > memory:
                 raise ConfigError(
-                    f"cpu_bytes={self.cpu_bytes} exceeds this machine's memory ({memory} bytes)"
+                    f"cpu_bytes={self.cpu_bytes} exceeds this machine's memory, or its "
+                    f"container's limit ({memory} bytes)"
                 )
         if self.disk_bytes > 0 and self.disk_path:
             _prepare_directory(self.disk_path)
@@ -295,13 +297,35 @@ def _require(ok: bool, key: str, value: object, rule: str) -> None:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}")
 
 
+# A container's memory limit: cgroup v2, then v1 (which reports "no limit" as a huge number).
+CGROUP_MEMORY_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
 def _total_memory_bytes() -> int | None:
-    """Return the machine's physical memory, or None where the OS does not say."""
+    """Return the memory this process may use: the machine's, or its container's limit.
+
+    None where the OS does not say. A budget above a container's limit would not fail
+    here but get the process killed once the tier is filled.
+    """
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
+        total = 0
+    limits = [limit for limit in map(_cgroup_limit, CGROUP_MEMORY_LIMITS) if limit]
+    candidates = [total, *limits] if total > 0 else limits
+    return min(candidates) if candidates else None
+
+
+def _cgroup_limit(path: Path) -> int | None:
+    """Return the byte limit in a cgroup file, or None: no file, "max", or unreadable."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
         return None
-    return total if total > 0 else None
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
 def _prepare_directory(disk_path: str) -> None:
