@@ -57,6 +57,10 @@ def test_demo_runs_every_configuration(
             "--cpu-mib is too small for the CPU tier run: cpu_bytes=1048576 holds 0 block(s)",
         ),
         (
+            "--cascade-cpu-mib=600 --disk-mib=100",
+            "--cascade-cpu-mib=600 is larger than --disk-mib=100: with --cascade write_through",
+        ),
+        (
             "--gpu-blocks=24",
             "last turn holds 848 tokens (53 blocks of 16), more than --gpu-blocks=24 can hold"
             " (23 usable blocks): raise --gpu-blocks to at least 54",

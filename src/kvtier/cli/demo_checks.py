@@ -55,6 +55,12 @@ def check_options(args: argparse.Namespace) -> None:
             "--system-tokens, --document-tokens and --user-tokens are all 0: the first"
             " prompt would be empty"
         )
+    if args.cascade == "write_through" and args.cascade_cpu_mib > args.disk_mib:
+        raise ValueError(
+            f"--cascade-cpu-mib={args.cascade_cpu_mib} is larger than --disk-mib="
+            f"{args.disk_mib}: with --cascade write_through the disk keeps a copy of every"
+            " CPU block; raise --disk-mib, lower --cascade-cpu-mib, or use --cascade write_back"
+        )
 
 
 def check_paths(args: argparse.Namespace) -> None:
