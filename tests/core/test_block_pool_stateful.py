@@ -92,16 +92,22 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool.free(block_ids)
 
     def do_insert_key(self, key: Key, block_id: int, num_tokens: int) -> None:
+        self.model_insert_key(key, block_id, num_tokens)
+        self.pool.insert_key(key, block_id, num_tokens)
+
+    def model_insert_key(self, key: Key, block_id: int, num_tokens: int) -> None:
         model = self.model
         held = model.keys.setdefault(block_id, [])
         if key not in held:
             if not held:
                 model.num_tokens[block_id] = num_tokens
+                if model.refs[block_id] == 0:  # a free block, once cached, is queued as MRU
+                    model.free.remove(block_id)
+                    model.free.append(block_id)
             held.append(key)
             model.record(
                 BlockStored(key_block_hash(key), GROUP_OF[key], num_tokens, medium=model.medium)
             )
-        self.pool.insert_key(key, block_id, num_tokens)
 
     # --------------------------------------------------------------- operations
 
@@ -162,6 +168,52 @@ class BlockPoolMachine(RuleBasedStateMachine):
                 self.pool.insert_key(key, block_id, num_tokens)
         else:
             self.do_insert_key(key, block_id, num_tokens)
+
+    @rule(data=st.data())
+    def insert_keys(self, data: st.DataObject) -> None:
+        """The batched insert equals insert_key one by one (any blocks, free ones too)."""
+        entries = data.draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(KEYS),
+                    st.integers(1, self.model.num_blocks - 1),
+                    st.sampled_from([4, 16]),
+                ),
+                max_size=4,
+            ),
+            label="entries",
+        )
+        for key, block_id, num_tokens in entries:
+            self.model_insert_key(key, block_id, num_tokens)
+        keys = [key for key, _, _ in entries]
+        block_ids = [block_id for _, block_id, _ in entries]
+        counts = [num_tokens for _, _, num_tokens in entries]
+        self.pool.insert_keys(keys, block_ids, counts)
+
+    @rule(data=st.data())
+    def discard_keys(self, data: st.DataObject) -> None:
+        """Dropping a block's keys: a free one moves to the head, to be reused first."""
+        model = self.model
+        block_id = data.draw(st.integers(0, model.num_blocks - 1), label="block_id")
+        if model.keys.get(block_id):
+            model.drop_keys(block_id)
+            if model.refs[block_id] == 0:
+                model.free.remove(block_id)
+                model.free.insert(0, block_id)
+        model.keys.pop(block_id, None)
+        self.pool.discard_keys(block_id)
+
+    @rule(data=st.data())
+    def bad_block_ids_raise_and_change_nothing(self, data: st.DataObject) -> None:
+        """Ids past the end, negative or not ints: touch, free and insert_key refuse them."""
+        n = self.model.num_blocks
+        bad = data.draw(st.sampled_from([n, n + 3, -1, 1.5, "1", None]), label="bad")
+        with pytest.raises(PoolError):
+            self.pool.touch([bad])
+        with pytest.raises(PoolError):
+            self.pool.free([bad])
+        with pytest.raises(PoolError):
+            self.pool.insert_key(KEYS[0], bad, 16)
 
     @rule(keys=st.lists(st.sampled_from(KEYS), max_size=4))
     def lookup(self, keys: list[Key]) -> None:

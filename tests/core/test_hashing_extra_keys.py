@@ -182,6 +182,44 @@ def test_multimodal_items_must_be_sorted_and_disjoint() -> None:
         MultiModalItem("a", -1, 2)
 
 
+@pytest.mark.parametrize(
+    ("identifier", "offset", "length", "named"),
+    [
+        ("a", 1.0, 2, "offset 1.0"),
+        ("a", True, 2, "offset True"),
+        ("a", 0, 2.5, "length 2.5"),
+        (b"digest", 0, 2, "identifier b'digest'"),
+        (7, 0, 2, "identifier 7"),
+    ],
+)
+def test_multimodal_item_fields_must_have_their_types(
+    identifier: object, offset: object, length: object, named: str
+) -> None:
+    """A float offset used to pass and fail later, at hashing, without naming the item."""
+    with pytest.raises(TypeError, match=named):
+        MultiModalItem(identifier, offset, length)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lora_name", 7), ("cache_salt", b"salt"), ("prompt_embeds_digest", "digest")],
+)
+def test_request_extras_fields_must_have_their_types(field: str, value: object) -> None:
+    """An int LoRA name would hash unlike its str; every field's type is checked."""
+    with pytest.raises(TypeError, match=f"{field} {value!r}"):
+        RequestExtras(**{field: value})  # type: ignore[arg-type]
+
+
+def test_request_extras_mm_items_become_a_tuple_of_items() -> None:
+    """A list of items is kept as a tuple (extras stay hashable); other entries are refused."""
+    item = MultiModalItem("a", 0, 2)
+    extras = RequestExtras(mm_items=[item])  # type: ignore[arg-type]
+    assert extras.mm_items == (item,)
+    assert hash(extras) == hash(RequestExtras(mm_items=(item,)))
+    with pytest.raises(TypeError, match="'a', not a MultiModalItem"):
+        RequestExtras(mm_items=("a",))  # type: ignore[arg-type]
+
+
 def test_prompt_embeds_digest_applies_to_every_block() -> None:
     hasher = make_hasher()
     tokens = list(range(12))

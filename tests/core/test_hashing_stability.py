@@ -125,6 +125,33 @@ def test_xxhash_random_seed_differs_between_processes() -> None:
     assert not set(result.stdout.split()) & set(mine)
 
 
+def test_seeded_xxhash_is_stable_across_processes_and_extras_separate_keys() -> None:
+    """A configured xxhash seed gives every process the same hashes (a shared tier needs
+    it); LoRA, multimodal items and salt still give different hashes there."""
+    code = (
+        "from kvtier.core.hashing import BlockHasher, HashAlgo, hash_request, RequestExtras\n"
+        "hasher = BlockHasher(4, HashAlgo.XXHASH, seed='shared-secret')\n"
+        "print(' '.join(h.hex() for h in hash_request(hasher, range(12))))\n"
+    )
+    result = run_python(code)
+    assert "random per-process seed" not in result.stderr
+    hasher = make_hasher(algo=HashAlgo.XXHASH, seed="shared-secret")
+    plain = hash_request(hasher, range(12))
+    assert result.stdout.split() == [h.hex() for h in plain]
+    variants = [
+        RequestExtras(lora_name="adapter"),
+        RequestExtras(mm_items=(MultiModalItem("img", 2, 3),)),
+        RequestExtras(cache_salt="tenant"),
+        RequestExtras(prompt_embeds_digest=b"embeds"),
+    ]
+    seen = {tuple(plain)}
+    for extras in variants:
+        hashes = tuple(hash_request(hasher, range(12), extras))
+        assert not set(hashes) & set(plain)
+        seen.add(hashes)
+    assert len(seen) == len(variants) + 1
+
+
 def test_xxhash_and_sha256_hashes_do_not_chain_into_each_other() -> None:
     xx = make_hasher(algo=HashAlgo.XXHASH, seed="k")
     with pytest.raises(ValueError, match="parent hash has 32 bytes"):

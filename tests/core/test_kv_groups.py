@@ -72,6 +72,26 @@ def test_bool_values_are_rejected(field: str) -> None:
         KVGroupSpec(SLIDING, **values)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("kind", list(GroupKind))
+def test_a_kind_given_by_its_value_is_that_kind(kind: GroupKind) -> None:
+    """KVGroupSpec("full_attention", ...) is a full-attention group.
+
+    A str kind used to be kept as is: it matched no kind, so the group was neither
+    positional nor full attention, and the longest hit judged it as a state group.
+    """
+    window = 64 if kind is SLIDING else None
+    spec = KVGroupSpec(kind.value, 16, 1024, window)  # type: ignore[arg-type]
+    assert spec.kind is kind
+    assert spec == KVGroupSpec(kind, 16, 1024, window)
+
+
+@pytest.mark.parametrize("kind", ["full", "FULL_ATTENTION", 3, None])
+def test_an_unknown_kind_is_rejected_and_named(kind: object) -> None:
+    """A kind that is no GroupKind (nor one's value) raises, naming it and the choices."""
+    with pytest.raises(ValueError, match=rf"unknown group kind {kind!r}.*full_attention"):
+        KVGroupSpec(kind, 16, 1024)  # type: ignore[arg-type]
+
+
 def test_group_kind_properties() -> None:
     """Scratch is the only non-cacheable kind; full and sliding are positional."""
     assert [group(k).is_cacheable for k in (FULL, SLIDING, STATE, SCRATCH)] == [
@@ -116,6 +136,18 @@ def test_empty_layout_is_rejected() -> None:
     """A layout needs at least one group."""
     with pytest.raises(ValueError, match="at least one group"):
         KVLayout(())
+
+
+def test_layout_groups_become_a_tuple_and_must_be_group_specs() -> None:
+    """A list of groups is kept as a tuple (the layout stays hashable); others are refused."""
+    spec = group()
+    listed = KVLayout([spec])  # type: ignore[arg-type]
+    assert listed.groups == (spec,)
+    assert hash(listed) == hash(layout(spec))
+    with pytest.raises(TypeError, match="group 1 is 'x', not a KVGroupSpec"):
+        KVLayout((spec, "x"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="groups must be a tuple"):
+        KVLayout(spec)  # type: ignore[arg-type]
 
 
 def test_single_layout() -> None:

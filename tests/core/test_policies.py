@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -215,6 +216,26 @@ def test_arc_iterates_unhashed_then_t1_then_t2() -> None:
     assert list(pool.iter_free_after(order[0])) == order[1:]
 
 
+def test_arc_a_key_held_by_two_blocks_is_a_ghost_of_one_list_only() -> None:
+    """Evicting two copies of one key, from T1 and from T2, leaves it in B2 only.
+
+    The pool keeps a key on several blocks; the key used to end up in both ghost lists.
+    """
+    policy = ARCPolicy(4)
+    pool = BlockPool(4, free_queue=policy)
+    first, second = pool.allocate(2)
+    pool.insert_key(key(0), first, 16)
+    pool.insert_key(key(0), second, 16)
+    pool.free([second])
+    pool.touch([second])  # `second` is hit: T2
+    pool.free([second])
+    pool.free([first])  # `first` was never hit: T1
+    pool.allocate(3)  # evicts both copies
+    policy.check_invariants()
+    assert key(0) in policy._b2
+    assert key(0) not in policy._b1
+
+
 # ----------------------------------------------------------------- S3-FIFO
 
 
@@ -292,6 +313,25 @@ def test_policy_spec_parses_names() -> None:
         PolicySpec.parse("lru+")
 
 
+@pytest.mark.parametrize("name", [3, None, ["lru"]])
+def test_policy_spec_names_a_name_that_is_not_a_str(name: object) -> None:
+    """A non-str policy name is a TypeError naming it, not an AttributeError."""
+    with pytest.raises(TypeError, match=re.escape(f"policy {name!r} is not a name")):
+        PolicySpec.parse(name)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=re.escape(f"eviction policy {name!r} is not a name")):
+        PolicySpec(name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "lfuda", "duel", "lru+door"])
+@pytest.mark.parametrize("num_blocks", [0, 1, -3, 4.0, True])
+def test_policies_refuse_a_pool_size_below_two_blocks(name: str, num_blocks: object) -> None:
+    """A policy for fewer than 2 blocks or a non-int size is refused, naming the size."""
+    spec = PolicySpec.parse(name)
+    make = spec.make_eviction if spec.admission == "all" else spec.make_admission
+    with pytest.raises(ValueError, match=f"got {num_blocks!r}"):
+        make(num_blocks)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "lfuda", "duel"])
 def test_every_policy_reuses_unhashed_blocks_first(name: str) -> None:
     policy = PolicySpec.parse(name).make_eviction(6)
@@ -301,6 +341,29 @@ def test_every_policy_reuses_unhashed_blocks_first(name: str) -> None:
     pool.free([scratch])  # unhashed: back at the head
     assert pool.allocate(1) == [scratch]
     policy.check_invariants()
+
+
+def test_discard_keys_counts_no_access_in_lfuda_or_the_duel_shadows() -> None:
+    """Dropping a free block's keys (a demoted or failed copy) is not a hit.
+
+    `discard_keys` used to take the block out with `remove`, the touch of a hit: LFU-DA
+    counted an access of the dropped key and the duel's shadows replayed one.
+    """
+    lfuda = LFUDAPolicy(6)
+    lfuda_pool = BlockPool(6, free_queue=lfuda)
+    block_id = store(lfuda_pool, lfuda, key(1))
+    before = lfuda._sketch.estimate(key(1))
+    lfuda_pool.discard_keys(block_id)
+    assert lfuda._sketch.estimate(key(1)) == before
+    duel = DuelingPolicy(6)
+    duel_pool = BlockPool(6, free_queue=duel)
+    block_id = store(duel_pool, duel, key(1))
+    hits = (duel._shadow_lru.hits, duel._shadow_lfu.hits, duel._sampled)
+    duel_pool.discard_keys(block_id)
+    assert (duel._shadow_lru.hits, duel._shadow_lfu.hits, duel._sampled) == hits
+    for pool in (lfuda_pool, duel_pool):
+        assert next(pool.iter_free_after(None)) == block_id
+        pool.check_invariants()
 
 
 @pytest.mark.parametrize("name", ["arc", "s3fifo", "lfuda", "duel"])

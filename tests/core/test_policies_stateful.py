@@ -2,19 +2,21 @@
 
 A referenced block is never handed out by `allocate` (pins are respected), a pinned
 cached block keeps its key, and the pool's and the policy's `check_invariants()` hold
-after every operation. `note_key` is called as the proposed `BlockPool.insert_key`
-change would call it (for a new primary key).
+after every operation (the pool's check runs the policy's). Besides the pool's plain
+operations: keys given to free blocks, `discard_keys`, iteration from any cursor, and
+calls that must fail (too many blocks, double free, bad ids) without changing anything.
 """
 
 from __future__ import annotations
 
 import hashlib
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolError
 from kvtier.core.keys import Key, make_key
 from kvtier.core.policies import EVICTION_POLICIES, DuelingPolicy, EvictionPolicy
 
@@ -83,6 +85,49 @@ class PolicyPoolMachine(RuleBasedStateMachine):
         self.pool.insert_key(key, block_id, 16)
         if not had_primary:
             self.policy.note_key(block_id, key)
+
+    @rule(data=st.data(), key=st.sampled_from(KEYS))
+    def store_on_any_block(self, data: st.DataObject, key: Key) -> None:
+        """A key given to any block, free ones included (the pool re-queues those)."""
+        block_id = data.draw(st.integers(1, self.pool.num_blocks - 1), label="block_id")
+        self.pool.insert_key(key, block_id, 16)
+
+    @rule(data=st.data())
+    def discard_keys(self, data: st.DataObject) -> None:
+        """A block's copy is no longer trusted: its keys go, a free one is reused first."""
+        block_id = data.draw(st.integers(0, self.pool.num_blocks - 1), label="block_id")
+        had_key = self.pool.key(block_id) is not None
+        self.pool.discard_keys(block_id)
+        assert self.pool.key(block_id) is None
+        if had_key and not self.refs[block_id]:
+            assert next(self.pool.iter_free_after(None)) == block_id
+
+    @rule(data=st.data())
+    def iter_free_after(self, data: st.DataObject) -> None:
+        """Iterating from any cursor yields free blocks only, each once."""
+        cursor = data.draw(st.none() | st.integers(0, self.pool.num_blocks - 1), label="cursor")
+        blocks = list(self.pool.iter_free_after(cursor))
+        assert len(set(blocks)) == len(blocks)
+        assert all(self.refs[b] == 0 and b != NULL_BLOCK_ID for b in blocks)
+
+    @rule(extra=st.integers(1, 2))
+    def allocate_too_many_raises(self, extra: int) -> None:
+        with pytest.raises(PoolError, match="only"):
+            self.pool.allocate(self.refs[1:].count(0) + extra)
+
+    @rule(data=st.data())
+    def free_of_a_free_block_raises(self, data: st.DataObject) -> None:
+        free = [b for b in range(1, self.pool.num_blocks) if not self.refs[b]]
+        if free:
+            with pytest.raises(PoolError, match="freed more often"):
+                self.pool.free([data.draw(st.sampled_from(free), label="block_id")])
+
+    @rule(bad=st.sampled_from([-1, 1.5, None, 99]))
+    def bad_block_ids_raise(self, bad: object) -> None:
+        with pytest.raises(PoolError):
+            self.pool.touch([bad])  # type: ignore[list-item]
+        with pytest.raises(PoolError):
+            self.pool.free([bad])  # type: ignore[list-item]
 
     @rule()
     def reset(self) -> None:

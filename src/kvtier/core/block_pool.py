@@ -10,6 +10,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
+from kvtier.core import pool_checks
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.core.free_queue import FreeQueue, LRUFreeQueue
 from kvtier.core.keys import Key, key_block_hash, key_group_id
@@ -48,7 +49,13 @@ class BlockPool:
         self._index: dict[Key, int] = {}
         self._more_blocks: dict[Key, list[int]] = {}  # a key held by several blocks
         self._free: FreeQueue = free_queue if free_queue is not None else LRUFreeQueue(num_blocks)
-        self._free.clear_and_fill(range(1, num_blocks))
+        try:
+            self._free.clear_and_fill(range(1, num_blocks))
+        except IndexError:
+            raise ValueError(
+                f"free queue {type(self._free).__name__} is smaller than the pool's "
+                f"{num_blocks} blocks; make it for num_blocks={num_blocks}"
+            ) from None
         self._events: list[KVEvent] = []
         # Called with (block id, primary key) just before `allocate` evicts a cached block.
         self.on_evict: Callable[[int, Key], None] | None = None
@@ -142,8 +149,10 @@ class BlockPool:
 
     def iter_free_after(self, cursor: int | None) -> Iterator[int]:
         """Yield free blocks in eviction order after `cursor`; from the head if None or busy."""
-        if cursor is not None and (cursor == NULL_BLOCK_ID or self._refs[cursor] != 0):
-            cursor = None
+        if cursor is not None:
+            self._check_id(cursor)
+            if cursor == NULL_BLOCK_ID or self._refs[cursor] != 0:
+                cursor = None
         return self._free.iter_after(cursor)
 
     # ----------------------------------------------------------------- changes
@@ -152,10 +161,12 @@ class BlockPool:
         """Take `num_blocks` blocks from the head of the free queue with ref count 1.
 
         A cached block taken this way loses its keys (one `BlockRemoved` per key).
-        Raises `PoolError` when fewer than `num_blocks` are free.
+        Raises `PoolError` when fewer than `num_blocks` are free, TypeError for a non-int.
         """
-        if num_blocks < 0:
-            raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            num_blocks = pool_checks.as_block_count(num_blocks)
+            if num_blocks < 0:
+                raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > len(self._free):
             raise PoolError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
         taken = self._free.pop_victims(num_blocks)
@@ -184,14 +195,19 @@ class BlockPool:
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block; a free block leaves the free queue."""
         refs = self._refs
-        for block_id in block_ids:
-            if block_id <= NULL_BLOCK_ID:
-                if block_id == NULL_BLOCK_ID:
-                    continue
-                self._check_id(block_id)  # raises: a negative id aliases another block
-            if refs[block_id] == 0:
-                self._free.remove(block_id)
-            refs[block_id] += 1
+        block_id = NULL_BLOCK_ID
+        try:
+            for block_id in block_ids:
+                if block_id <= NULL_BLOCK_ID:
+                    if block_id == NULL_BLOCK_ID:
+                        continue
+                    self._check_id(block_id)  # raises: a negative id aliases another block
+                if refs[block_id] == 0:
+                    self._free.remove(block_id)
+                refs[block_id] += 1
+        except (IndexError, TypeError):
+            self._check_id(block_id)  # raises PoolError naming the id
+            raise
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in order.
@@ -204,6 +220,7 @@ class BlockPool:
         keys = self._keys
         queue = self._free
         cached: list[int] = []  # queued in one batch, flushed before any other push
+        block_id = NULL_BLOCK_ID
         try:
             for block_id in block_ids:
                 if block_id <= NULL_BLOCK_ID:
@@ -224,6 +241,9 @@ class BlockPool:
                     queue.push_reusable(block_id)
                 else:
                     raise PoolError(f"block {block_id} freed more often than referenced")
+        except (IndexError, TypeError):
+            self._check_id(block_id)  # raises PoolError naming the id
+            raise
         finally:
             if cached:
                 queue.push_cached_many(cached)
@@ -235,15 +255,25 @@ class BlockPool:
 
         `num_tokens` is recorded for a primary key. `stored` is the event to record
         (when events are on); a minimal one is made when it is None. Inserting a key
-        the block already holds does nothing.
+        the block already holds does nothing. A free block given its primary key is
+        queued as most recently used. Raises PoolError for the null block or an id out of
+        range, TypeError for a key that is not bytes, ValueError for a bad `num_tokens`.
         """
-        if not 0 < block_id < self.num_blocks:
-            raise PoolError(f"block {block_id} cannot hold a key (null or out of range)")
+        self._check_id(block_id)
+        if block_id == NULL_BLOCK_ID:
+            raise PoolError(f"block {block_id} cannot hold a key (the null block)")
+        pool_checks.check_key(key, num_tokens)
         primary = self._keys[block_id]
         if primary is None:
-            self._keys[block_id] = key
             self._num_tokens[block_id] = num_tokens
-            self._free.note_key(block_id, key)
+            self._keys[block_id] = key
+            if self._refs[block_id] == 0:
+                # Free and unhashed, it sat among blocks reused first; cached, it is MRU.
+                self._free.remove(block_id)
+                self._free.note_key(block_id, key)
+                self._free.push_cached(block_id)
+            else:
+                self._free.note_key(block_id, key)
         elif primary == key or key in self._secondary.get(block_id, ()):
             return
         else:
@@ -278,11 +308,15 @@ class BlockPool:
         note_key = self._free.note_key
         limit = self.num_blocks
         inline = not self._record_events
+        refs = self._refs
+        max_count = pool_checks.MAX_NUM_TOKENS
         for key, block_id, count in zip(keys, block_ids, num_tokens, strict=True):
             if (
                 inline
                 and 0 < block_id < limit
                 and block_keys[block_id] is None
+                and refs[block_id]
+                and 0 <= count <= max_count
                 and key not in index
             ):
                 block_keys[block_id] = key
@@ -302,7 +336,8 @@ class BlockPool:
             return
         self._drop_keys(block_id)
         if block_id != NULL_BLOCK_ID and self._refs[block_id] == 0:
-            self._free.remove(block_id)
+            # `remove` would count a hit; policies that count one offer `discard`.
+            getattr(self._free, "discard", self._free.remove)(block_id)
             self._free.push_reusable(block_id)
 
     def reset(self) -> bool:
@@ -327,6 +362,8 @@ class BlockPool:
     # ----------------------------------------------------------------- internals
 
     def _check_id(self, block_id: int) -> None:
+        if isinstance(block_id, bool) or not hasattr(block_id, "__index__"):
+            raise PoolError(f"block id {block_id!r} is not an int")
         if not 0 <= block_id < self.num_blocks:
             raise PoolError(f"block id {block_id} out of range [0, {self.num_blocks})")
 
@@ -359,25 +396,5 @@ class BlockPool:
             del self._more_blocks[key]
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when the pool's bookkeeping is inconsistent."""
-        free_blocks = list(self._free.iter_after(None))
-        assert len(free_blocks) == len(self._free), "free queue length disagrees with its links"
-        assert len(set(free_blocks)) == len(free_blocks), "a block is queued twice"
-        assert NULL_BLOCK_ID not in free_blocks, "the null block is in the free queue"
-        assert self._refs[NULL_BLOCK_ID] == 0, "the null block is referenced"
-        assert min(self._refs) >= 0, "negative ref count"
-        num_zero = sum(1 for b in range(1, self.num_blocks) if self._refs[b] == 0)
-        assert num_zero == len(free_blocks), "free queue differs from the ref-0 blocks"
-        assert all(self._refs[b] == 0 for b in free_blocks), "a referenced block is free"
-        assert self._keys[NULL_BLOCK_ID] is None, "the null block holds a key"
-        for key, first in self._index.items():
-            for block_id in [first, *self._more_blocks.get(key, ())]:
-                held = [self._keys[block_id], *self._secondary.get(block_id, ())]
-                assert key in held, f"index maps a key to block {block_id}, which lacks it"
-        for block_id in self._secondary:
-            assert self._keys[block_id] is not None, "secondary keys without a primary key"
-        num_held = sum(k is not None for k in self._keys) + sum(
-            len(v) for v in self._secondary.values()
-        )
-        num_indexed = len(self._index) + sum(len(v) for v in self._more_blocks.values())
-        assert num_held == num_indexed, "a key held by a block is missing from the index"
+        """Raise AssertionError when the pool's or its free queue's bookkeeping is inconsistent."""
+        pool_checks.check_pool_invariants(self)

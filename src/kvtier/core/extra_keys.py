@@ -29,6 +29,13 @@ class MultiModalItem:
     length: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.identifier, str):
+            raise TypeError(f"multimodal item identifier {self.identifier!r} is not a str")
+        for name, value in (("offset", self.offset), ("length", self.length)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"multimodal item {self.identifier!r}: {name} {value!r} is not an int"
+                )
         if self.offset < 0:
             raise ValueError(f"multimodal item {self.identifier!r}: offset {self.offset} < 0")
         if self.length < 1:
@@ -55,6 +62,19 @@ class RequestExtras:
     prompt_embeds_digest: bytes | None = None
 
     def __post_init__(self) -> None:
+        for name, value, kind in (
+            ("lora_name", self.lora_name, str),
+            ("cache_salt", self.cache_salt, str),
+            ("prompt_embeds_digest", self.prompt_embeds_digest, bytes),
+        ):
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"{name} {value!r} is not a {kind.__name__} or None")
+        if not isinstance(self.mm_items, tuple | list):
+            raise TypeError(f"mm_items must be a tuple of MultiModalItem, got {self.mm_items!r}")
+        object.__setattr__(self, "mm_items", tuple(self.mm_items))  # frozen and hashable
+        for item in self.mm_items:
+            if not isinstance(item, MultiModalItem):
+                raise TypeError(f"mm_items holds {item!r}, not a MultiModalItem")
         for before, after in pairwise(self.mm_items):
             if after.offset < before.end:
                 raise ValueError(

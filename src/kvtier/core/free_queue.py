@@ -68,6 +68,14 @@ class FreeQueue(Protocol):
         ...
 
 
+def check_num_blocks(num_blocks: int, owner: str) -> None:
+    """Raise ValueError naming `num_blocks` unless it is an int >= 2 (block 0 is null)."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+        raise ValueError(
+            f"{owner} needs num_blocks to be an int >= 2 (block 0 is null), got {num_blocks!r}"
+        )
+
+
 class OneByOne:
     """`pop_victims` and `push_cached_many` as loops over the one-block operations.
 
@@ -94,6 +102,7 @@ class LRUFreeQueue:
     __slots__ = ("_len", "_next", "_prev", "_sentinel")
 
     def __init__(self, num_blocks: int) -> None:
+        check_num_blocks(num_blocks, type(self).__name__)
         # Node `num_blocks` is the sentinel of a circular list: _next[s] is the head and
         # _prev[s] the tail. A block not in the queue has undefined links.
         self._sentinel = num_blocks

@@ -38,6 +38,14 @@ class KVGroupSpec:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        try:
+            # A kind given by its value ("full_attention") must not pass as another kind.
+            object.__setattr__(self, "kind", GroupKind(self.kind))
+        except ValueError:
+            choices = ", ".join(k.value for k in GroupKind)
+            raise ValueError(
+                f"unknown group kind {self.kind!r}; expected one of {choices}"
+            ) from None
         if not _is_int(self.block_size) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if not _is_int(self.bytes_per_block) or self.bytes_per_block < 0:
@@ -78,8 +86,14 @@ class KVLayout:
     configured_hash_block_size: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.groups, tuple | list):
+            raise TypeError(f"groups must be a tuple of KVGroupSpec, got {self.groups!r}")
+        object.__setattr__(self, "groups", tuple(self.groups))  # frozen and hashable
         if not self.groups:
             raise ValueError("a KV layout needs at least one group")
+        for group_id, group in enumerate(self.groups):
+            if not isinstance(group, KVGroupSpec):
+                raise TypeError(f"group {group_id} is {group!r}, not a KVGroupSpec")
         hbs = self.configured_hash_block_size
         if hbs is not None:
             if not _is_int(hbs) or hbs <= 0:

@@ -66,6 +66,9 @@ class PolicySpec:
     admission: str = "all"
 
     def __post_init__(self) -> None:
+        for part, value in (("eviction", self.eviction), ("admission", self.admission)):
+            if not isinstance(value, str):
+                raise TypeError(f"{part} policy {value!r} is not a name (str)")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(
                 f"unknown eviction policy {self.eviction!r}; "
@@ -80,6 +83,8 @@ class PolicySpec:
     @staticmethod
     def parse(name: str) -> PolicySpec:
         """Parse `EVICTION[+ADMISSION]`; raise ValueError naming a bad part."""
+        if not isinstance(name, str):
+            raise TypeError(f"policy {name!r} is not a name (str) like 'lru' or 'lru+door'")
         eviction, plus, admission = name.strip().lower().partition("+")
         if plus and not admission:
             raise ValueError(f"policy {name!r}: missing admission policy after '+'")

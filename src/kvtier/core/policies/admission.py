@@ -7,6 +7,7 @@ window, remembered by a two-generation Bloom filter (`Doorkeeper`).
 
 from __future__ import annotations
 
+from kvtier.core.free_queue import check_num_blocks
 from kvtier.core.keys import Key
 from kvtier.core.policies.sketch import Doorkeeper
 
@@ -24,6 +25,7 @@ class DoorkeeperAdmission:
     name = "door"
 
     def __init__(self, num_blocks: int, window_per_block: int = DOORKEEPER_WINDOW_PER_BLOCK):
+        check_num_blocks(num_blocks, type(self).__name__)
         if window_per_block < 1:
             raise ValueError(f"window_per_block must be >= 1, got {window_per_block}")
         self._doorkeeper = Doorkeeper(max(1, num_blocks - 1) * window_per_block)

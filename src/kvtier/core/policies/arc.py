@@ -21,7 +21,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from kvtier.core.free_queue import OneByOne
+from kvtier.core.free_queue import OneByOne, check_num_blocks
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 
@@ -35,6 +35,7 @@ class ARCPolicy(OneByOne):
     name = "arc"
 
     def __init__(self, num_blocks: int) -> None:
+        check_num_blocks(num_blocks, type(self).__name__)
         self._lists = BlockLists(num_blocks, 3)
         self._capacity = max(1, num_blocks - 1)
         self._keys: list[Key | None] = [None] * num_blocks
@@ -78,6 +79,12 @@ class ARCPolicy(OneByOne):
         if self._lists.unlink(block_id) != _REUSABLE:
             self._dest[block_id] = _T2
 
+    def discard(self, block_id: int) -> None:
+        """Take a free block out whose keys the pool dropped: no hit, no ghost."""
+        self._lists.unlink(block_id)
+        self._keys[block_id] = None
+        self._dest[block_id] = _T1
+
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else ARC's replacement victim."""
         lists = self._lists
@@ -94,6 +101,8 @@ class ARCPolicy(OneByOne):
         self._keys[victim] = None
         self._dest[victim] = _T1
         if key is not None:
+            # A key several blocks held may already be a ghost of the other list.
+            (self._b2 if ghost is self._b1 else self._b1).pop(key, None)
             ghost[key] = None
             ghost.move_to_end(key)
             # Trim to the directory size at the next store, after its ghost look-up: the

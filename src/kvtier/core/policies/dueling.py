@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.free_queue import FreeQueue, LRUFreeQueue, OneByOne
+from kvtier.core.free_queue import FreeQueue, LRUFreeQueue, OneByOne, check_num_blocks
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
 from kvtier.core.policies.lfuda import DEFAULT_MAX_FREQUENCY, LFUDAPolicy
@@ -84,6 +84,7 @@ class DuelingPolicy(OneByOne):
         z: float = DEFAULT_Z,
         max_shadow_blocks: int = DEFAULT_MAX_SHADOW_BLOCKS,
     ) -> None:
+        check_num_blocks(num_blocks, type(self).__name__)
         if z < 0:
             raise ValueError(f"z must be >= 0, got {z}")
         if max_shadow_blocks < 1:
@@ -146,6 +147,12 @@ class DuelingPolicy(OneByOne):
             if key is not None:
                 self._observe(key)
         self._lfu.remove(block_id)
+
+    def discard(self, block_id: int) -> None:
+        """Take a free block out whose keys the pool dropped, counting no access."""
+        if self._lru.where(block_id) != NOT_LISTED:
+            self._lru.unlink(block_id)
+        self._lfu.discard(block_id)
 
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else the victim of the current order."""

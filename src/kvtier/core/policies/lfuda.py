@@ -29,7 +29,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator
 
-from kvtier.core.free_queue import OneByOne
+from kvtier.core.free_queue import OneByOne, check_num_blocks
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 from kvtier.core.policies.sketch import CountMinSketch
@@ -45,6 +45,9 @@ class LFUDAPolicy(OneByOne):
     name = "lfuda"
 
     def __init__(self, num_blocks: int, max_frequency: int = DEFAULT_MAX_FREQUENCY) -> None:
+        check_num_blocks(num_blocks, type(self).__name__)
+        if isinstance(max_frequency, bool) or not isinstance(max_frequency, int):
+            raise ValueError(f"max_frequency must be an int in [1, 15], got {max_frequency!r}")
         if not 1 <= max_frequency <= 15:
             raise ValueError(f"max_frequency must be in [1, 15], got {max_frequency}")
         capacity = max(1, num_blocks - 1)

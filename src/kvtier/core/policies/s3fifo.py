@@ -22,7 +22,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from kvtier.core.free_queue import OneByOne
+from kvtier.core.free_queue import OneByOne, check_num_blocks
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 
@@ -37,6 +37,7 @@ class S3FIFOPolicy(OneByOne):
     name = "s3fifo"
 
     def __init__(self, num_blocks: int) -> None:
+        check_num_blocks(num_blocks, type(self).__name__)
         self._lists = BlockLists(num_blocks, 3)
         capacity = max(1, num_blocks - 1)
         self._small_target = max(1, int(capacity * SMALL_FRACTION))
@@ -80,6 +81,13 @@ class S3FIFOPolicy(OneByOne):
             self._dest[block_id] = _MAIN
         elif where == _MAIN:
             self._freq[block_id] = 1
+
+    def discard(self, block_id: int) -> None:
+        """Take a free block out whose keys the pool dropped: no hit, no ghost."""
+        self._lists.unlink(block_id)
+        self._keys[block_id] = None
+        self._dest[block_id] = _SMALL
+        self._freq[block_id] = 0
 
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else S-3FIFO's victim."""

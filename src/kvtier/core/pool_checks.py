@@ -1,0 +1,87 @@
+"""What a `BlockPool` checks: arguments (`insert_key`'s key and count, `allocate`'s count)
+and, in `check_invariants`, what must hold between any two operations.
+
+Kept apart from `block_pool` so the pool's file holds its operations only; the invariant
+checks read the pool's internal arrays and dicts directly, as its own method would.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.core.keys import Key
+from kvtier.core.pool_block import NULL_BLOCK_ID
+
+if TYPE_CHECKING:
+    from kvtier.core.block_pool import BlockPool
+
+
+MAX_NUM_TOKENS = 2**31 - 1  # the token counts live in an array('i')
+
+
+def check_key(key: Key, num_tokens: int) -> None:
+    """Raise naming the bad value when `key` is not a key or `num_tokens` not a count."""
+    if not isinstance(key, bytes):
+        raise TypeError(f"key {key!r} has type {type(key).__name__}; expected bytes")
+    if (
+        isinstance(num_tokens, bool)
+        or not isinstance(num_tokens, int)
+        or not 0 <= num_tokens <= MAX_NUM_TOKENS
+    ):
+        raise ValueError(f"num_tokens must be an int in [0, {MAX_NUM_TOKENS}], got {num_tokens!r}")
+
+
+def as_block_count(value: object) -> int:
+    """Return `value` as an int (a numpy integer too); raise TypeError naming it otherwise."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"cannot allocate {value!r} blocks: not an int")
+    return int(value.__index__())
+
+
+def check_pool_invariants(pool: BlockPool) -> None:
+    """Raise AssertionError when `pool`'s bookkeeping is inconsistent."""
+    _check_free_queue(pool)
+    _check_keys(pool)
+    queue_check = getattr(pool._free, "check_invariants", None)
+    if queue_check is not None:
+        queue_check()  # an eviction policy's own lists, ghosts and sketches
+
+
+def _check_free_queue(pool: BlockPool) -> None:
+    refs = pool._refs
+    free_blocks = list(pool._free.iter_after(None))
+    assert len(free_blocks) == len(pool._free), "free queue length disagrees with its links"
+    assert len(set(free_blocks)) == len(free_blocks), "a block is queued twice"
+    assert NULL_BLOCK_ID not in free_blocks, "the null block is in the free queue"
+    assert refs[NULL_BLOCK_ID] == 0, "the null block is referenced"
+    assert min(refs) >= 0, "negative ref count"
+    num_zero = sum(1 for b in range(1, pool.num_blocks) if refs[b] == 0)
+    assert num_zero == len(free_blocks), "free queue differs from the ref-0 blocks"
+    assert all(refs[b] == 0 for b in free_blocks), "a referenced block is free"
+
+
+def _check_keys(pool: BlockPool) -> None:
+    keys, secondary, index, more = pool._keys, pool._secondary, pool._index, pool._more_blocks
+    assert keys[NULL_BLOCK_ID] is None, "the null block holds a key"
+    for key, first in index.items():
+        others = more.get(key, [])
+        holders = [first, *others]
+        assert len(set(holders)) == len(holders), f"index lists block {first} twice for a key"
+        for block_id in holders:
+            held = [keys[block_id], *secondary.get(block_id, ())]
+            assert key in held, f"index maps a key to block {block_id}, which lacks it"
+    assert all(more.values()), "an empty list of further blocks is kept for a key"
+    assert more.keys() <= index.keys(), "further blocks of a key missing from the index"
+    for block_id, primary in enumerate(keys):
+        if primary is None:
+            assert block_id not in secondary, f"block {block_id}: secondary keys, no primary"
+            assert pool._num_tokens[block_id] == 0, f"uncached block {block_id} counts tokens"
+            continue
+        held = [primary, *secondary.get(block_id, ())]
+        assert len(set(held)) == len(held), f"block {block_id} holds a key twice"
+        for key in held:
+            indexed = index.get(key)
+            assert indexed is not None, f"block {block_id} holds a key missing from the index"
+            assert indexed == block_id or block_id in more.get(key, ()), (
+                f"block {block_id} holds a key the index maps elsewhere only"
+            )

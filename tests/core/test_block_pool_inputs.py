@@ -1,0 +1,149 @@
+"""Tests for kvtier.core.block_pool: bad arguments are refused clearly and change nothing;
+a key given to a free block keeps the free queue (and its policy) consistent."""
+
+from __future__ import annotations
+
+import pytest
+from pool_helpers import cache_blocks, free_order, make_pool, make_test_key
+
+from kvtier.core.block_pool import BlockPool, PoolError
+from kvtier.core.free_queue import LRUFreeQueue
+from kvtier.core.policies import EVICTION_POLICIES
+
+# --- block ids ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_id", [8, 99])
+def test_touch_and_free_name_an_id_past_the_end(block_id: int) -> None:
+    """An id >= num_blocks raises PoolError naming it, not a bare IndexError."""
+    pool = make_pool(8)
+    with pytest.raises(PoolError, match=f"block id {block_id} out of range"):
+        pool.touch([block_id])
+    with pytest.raises(PoolError, match=f"block id {block_id} out of range"):
+        pool.free([block_id])
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("block_id", [1.0, "1", None])
+def test_touch_and_free_name_a_block_id_that_is_not_an_int(block_id: object) -> None:
+    """A float, str or None block id raises PoolError naming it."""
+    pool = make_pool(8)
+    pool.allocate(2)
+    with pytest.raises(PoolError, match="not an int"):
+        pool.touch([block_id])  # type: ignore[list-item]
+    with pytest.raises(PoolError, match="not an int"):
+        pool.free([block_id])  # type: ignore[list-item]
+    assert [pool.ref_count(b) for b in (1, 2)] == [1, 1]
+    pool.check_invariants()
+
+
+def test_touch_and_free_of_a_non_iterable_keep_their_type_error() -> None:
+    """touch(5) is a TypeError about the argument, not about a block id."""
+    pool = make_pool(8)
+    with pytest.raises(TypeError, match="not iterable"):
+        pool.touch(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not iterable"):
+        pool.free(5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cursor", [8, -1])
+def test_iter_free_after_rejects_an_out_of_range_cursor(cursor: int) -> None:
+    """A cursor outside the pool raises PoolError (a negative one used to alias a block)."""
+    with pytest.raises(PoolError, match="out of range"):
+        list(make_pool(8).iter_free_after(cursor))
+
+
+@pytest.mark.parametrize("num_blocks", [1.5, "2", None])
+def test_allocate_names_a_count_that_is_not_an_int(num_blocks: object) -> None:
+    """allocate refuses a non-int count with a TypeError naming it."""
+    pool = make_pool(8)
+    with pytest.raises(TypeError, match=f"cannot allocate {num_blocks!r}"):
+        pool.allocate(num_blocks)  # type: ignore[arg-type]
+    assert pool.num_free() == 7
+
+
+# --- insert_key arguments -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", [-1, 2**31, 2**40, 1.5, True])
+def test_insert_key_rejects_a_bad_token_count_and_changes_nothing(num_tokens: object) -> None:
+    """A token count that is negative, not an int or beyond int32 names itself.
+
+    A count too large for the token array used to leave the key on the block but missing
+    from the index.
+    """
+    pool = make_pool(8)
+    [block_id] = pool.allocate(1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        pool.insert_key(make_test_key(1), block_id, num_tokens)  # type: ignore[arg-type]
+    assert pool.key(block_id) is None
+    assert pool.cached_block(make_test_key(1)) is None
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("key", ["abc", 5, None, bytearray(b"k" * 36)])
+def test_insert_key_rejects_a_key_that_is_not_bytes(key: object) -> None:
+    """Keys are bytes; anything else is refused, naming it."""
+    pool = make_pool(8)
+    [block_id] = pool.allocate(1)
+    with pytest.raises(TypeError, match="expected bytes"):
+        pool.insert_key(key, block_id, 16)  # type: ignore[arg-type]
+    assert pool.key(block_id) is None
+    pool.check_invariants()
+
+
+def test_insert_keys_with_a_bad_count_leaves_nothing_half_done() -> None:
+    """The batched insert refuses a bad count like insert_key, before changing the block."""
+    pool = make_pool(8)
+    block_ids = pool.allocate(2)
+    keys = [make_test_key(1), make_test_key(2)]
+    with pytest.raises(ValueError, match="num_tokens"):
+        pool.insert_keys(keys, block_ids, [16, 2**40])
+    assert pool.key(block_ids[0]) == keys[0]
+    assert pool.key(block_ids[1]) is None
+    assert pool.cached_block(keys[1]) is None
+    pool.check_invariants()
+
+
+# --- free queue size ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["lru-queue", *sorted(EVICTION_POLICIES)])
+def test_a_free_queue_made_for_fewer_blocks_is_refused(name: str) -> None:
+    """A queue or policy sized for a smaller pool is a ValueError naming the size."""
+    queue = LRUFreeQueue(4) if name == "lru-queue" else EVICTION_POLICIES[name](4)
+    with pytest.raises(ValueError, match="num_blocks=10"):
+        BlockPool(10, free_queue=queue)
+
+
+# --- a key given to a free block ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
+def test_a_free_block_given_a_key_is_queued_as_most_recently_used(name: str) -> None:
+    """insert_key on a free, unhashed block moves it behind the unhashed blocks.
+
+    It used to stay among the unhashed blocks, where every policy but LRU holds no key:
+    their check_invariants failed and the block was reused before older unhashed ones.
+    """
+    policy = EVICTION_POLICIES[name](8)
+    pool = BlockPool(8, free_queue=policy)
+    cache_blocks(pool, [make_test_key(1)])  # block 1, cached and free
+    pool.insert_key(make_test_key(2), 3, 16)  # block 3: free and unhashed until now
+    pool.check_invariants()
+    assert free_order(pool)[:4] == [2, 4, 5, 6]
+    assert set(free_order(pool)[-2:]) == {1, 3}
+    assert pool.allocate(5) == [2, 4, 5, 6, 7]
+    pool.check_invariants()
+    assert pool.cached_block(make_test_key(2)) == 3
+
+
+def test_a_free_cached_block_given_another_key_stays_in_place() -> None:
+    """A secondary key on a free cached block does not move it."""
+    pool = make_pool(6)
+    cache_blocks(pool, [make_test_key(1), make_test_key(2)])
+    before = free_order(pool)
+    pool.insert_key(make_test_key(3), 1, 16)
+    assert free_order(pool) == before
+    assert pool.secondary_keys(1) == (make_test_key(3),)
+    pool.check_invariants()
