@@ -3,7 +3,9 @@
 `SchedulerDriver` drives a `SimEngine` at random: arrivals from two prefix families,
 admissions taking all, none or part of their tier hit, chunked scheduling, preemption,
 aborts, GPU cache eviction, scheduler resets, and 1-4 fake workers that complete, delay,
-fail or re-report transfers. On the way it records what the model checks in
+fail or re-report transfers, or report events never issued. The layout may add a sliding
+window (blocks nulled as they leave it) or a state group (stored from hand-offs) to the
+full-attention group. On the way it records what the model checks in
 `test_scheduler_stateful` need: lookup pins, queued loads, abandoned events and the
 (tier, key) pairs a completed, kept copy holds.
 """
@@ -16,9 +18,18 @@ from collections import Counter
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
-from sim import SimEngine, SimRequest, config, full_layout, make_request
+from sim import (
+    BYTES_PER_BLOCK,
+    SimEngine,
+    SimRequest,
+    config,
+    full_layout,
+    make_request,
+    needed_positions,
+)
 
 from kvtier.core.keys import Key
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import CascadeMode, OffloadConfig, StoreMode
 from kvtier.offload.plan import Tier
 
@@ -69,6 +80,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         num_tier_blocks=st.integers(3, 8),
         fine=st.booleans(),
         num_disk_blocks=st.integers(3, 10),
+        second=st.sampled_from([None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE]),
     )
     def setup(
         self,
@@ -77,13 +89,20 @@ class SchedulerDriver(RuleBasedStateMachine):
         num_tier_blocks: int,
         fine: bool,
         num_disk_blocks: int,
+        second: GroupKind | None,
     ) -> None:
         """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits).
 
-        A cascade machine puts a disk tier of `num_disk_blocks` behind the CPU tier.
+        `second` adds a group of 4: a sliding window of 8 tokens (the engine nulls blocks
+        that left it) or a recurrent state (stored from hand-offs). A cascade machine
+        puts a disk tier of `num_disk_blocks` behind the CPU tier.
         """
         fine = fine and self.mode is StoreMode.EAGER
         layout = full_layout(8, HASH_BLOCK) if fine else full_layout(4)
+        if second is not None:
+            window = 8 if second is GroupKind.SLIDING_WINDOW else None
+            groups = (*layout.groups, KVGroupSpec(second, HASH_BLOCK, BYTES_PER_BLOCK, window))
+            layout = KVLayout(groups, HASH_BLOCK)
         cfg = config(store_mode=self.mode, max_batched_tokens=8, fine_grained_hits=fine)
         if self.cascade is not None:
             cfg = OffloadConfig(
@@ -143,8 +162,10 @@ class SchedulerDriver(RuleBasedStateMachine):
             if engine.gpu.can_allocate(engine.num_blocks_to_schedule(request_id, chunk)):
                 note(f"schedule {chunk} tokens of {request_id}")
                 engine.schedule(request_id, chunk)
+        self.offer_handoffs(rng)
         self.run_step()
         self.work(rng)
+        self.drop_window_blocks(rng)
         for request in preempted:
             self.waiting[request.request_id] = request
         for request_id in sorted(engine.requests):
@@ -200,16 +221,33 @@ class SchedulerDriver(RuleBasedStateMachine):
         load_tier.update(pin)
         load_gpu = self.gpu_refs()
         load_gpu.subtract(gpu_before)
-        load_gpu.subtract(b for b in engine.tables[request_id][0] if b)
+        load_gpu.subtract(b for ids in engine.tables[request_id] for b in ids if b)
         assert all(n >= 0 for n in load_tier.values()), "on_allocated released a pin twice"
         load_tier, load_gpu = +load_tier, +load_gpu
-        first = found.num_local_tokens // self.block_size
-        num_blocks = -(-accepted // self.block_size)
-        assert load_gpu == Counter(engine.tables[request_id][0][first : first + num_blocks])
-        assert sum(load_tier.values()) == num_blocks
-        assert not load_tier - pin, "a load reads a slot its lookup did not pin"
+        want_gpu = self.load_destinations(request_id, found.num_local_tokens, accepted)
+        assert load_gpu == want_gpu, "a load writes other GPU blocks than the request reads"
+        assert sum(load_tier.values()) == want_gpu.total()
+        if accepted == offered or len(engine.layout.groups) == 1:
+            assert not load_tier - pin, "a load reads a slot its lookup did not pin"
         if accepted:
             self.queued_loads[request_id] = (load_tier, load_gpu)
+
+    def load_destinations(self, request_id: str, num_local: int, accepted: int) -> Counter[int]:
+        """Return the GPU blocks a queued load must fill: those read after `accepted`.
+
+        Empty when no load is queued (none accepted, or none could be: the load fails).
+        """
+        engine = self.engine
+        if not any(item.request_id == request_id for item in engine.scheduler.loads.queued):
+            return Counter()
+        want: Counter[int] = Counter()
+        for group_id in engine.layout.cacheable_group_ids:
+            group = engine.layout.groups[group_id]
+            first = num_local // group.block_size
+            table = engine.tables[request_id][group_id]
+            positions = needed_positions(group, num_local + accepted)
+            want.update(table[pos] for pos in positions if pos >= first)
+        return want
 
     def run_step(self) -> None:
         """Plan, submit, compute; the plan must load exactly the queued loads."""
@@ -235,6 +273,9 @@ class SchedulerDriver(RuleBasedStateMachine):
             event_id = rng.choice(sorted(worker.reported))
             note(f"re-report event {event_id}")
             worker.duplicate(event_id)
+        if rng.randrange(16) == 0:
+            note("report an event never issued")
+            worker.report_unknown(max(worker.jobs, default=0) + 1000)
         for event_id in sorted(worker.in_flight):
             for w in sorted(worker.in_flight[event_id].waiting):
                 action = rng.choice(WORKER_ACTIONS)
@@ -245,6 +286,35 @@ class SchedulerDriver(RuleBasedStateMachine):
                 elif action == "fail":
                     worker.fail(event_id, [w])
         self.poll()
+
+    def offer_handoffs(self, rng: random.Random) -> None:
+        """Hand off some computed state blocks of running requests (state layouts)."""
+        engine = self.engine
+        groups = engine.layout.groups
+        if len(groups) == 1 or groups[1].kind is not GroupKind.STATE:
+            return
+        for request_id in sorted(engine.requests):
+            num_full = engine.requests[request_id].num_computed_tokens // HASH_BLOCK
+            if engine.is_runnable(request_id) and num_full and rng.randrange(2):
+                block_id = engine.tables[request_id][1][rng.randrange(num_full)]
+                note(f"hand off state block {block_id} of {request_id}")
+                engine.handoff(request_id, 1, block_id)
+
+    def drop_window_blocks(self, rng: random.Random) -> None:
+        """Null blocks that left the sliding window of running requests (window layouts)."""
+        engine = self.engine
+        groups = engine.layout.groups
+        if len(groups) == 1 or groups[1].kind is not GroupKind.SLIDING_WINDOW:
+            return
+        for request_id in sorted(engine.requests):
+            if not engine.is_runnable(request_id) or rng.randrange(3):
+                continue
+            whole = engine.requests[request_id].num_computed_tokens // HASH_BLOCK
+            table = engine.tables[request_id][1]
+            gone = [p for p in range(whole - groups[1].num_window_blocks) if table[p]]
+            if gone:
+                note(f"{request_id}: sliding window drops blocks {gone}")
+                engine.drop_blocks(request_id, 1, gone)
 
     def incident(self, incident: int, rng: random.Random) -> None:
         """Sometimes abort a request, reset the scheduler or report between steps."""

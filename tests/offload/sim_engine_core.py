@@ -118,11 +118,11 @@ class SimEngineCore:
         num_free_hits = sum(1 for b in hit_blocks if self.gpu.ref_count(b) == 0)
         if not self.gpu.can_allocate(sum(new_per_group) + num_free_hits):
             return None
+        for ids in found.local_ids:  # every hit first: allocating must not evict one
+            self.gpu.touch(ids)
         tables = []
         for group_id, num_new in enumerate(new_per_group):
-            ids = list(found.local_ids[group_id])
-            self.gpu.touch(ids)
-            tables.append(ids + self.gpu.allocate(num_new))
+            tables.append(list(found.local_ids[group_id]) + self.gpu.allocate(num_new))
         self.scheduler.on_allocated(request, tables, accepted)
         request.num_computed_tokens = end
         admission = Admission(found.num_local_tokens, found.num_offered_tokens, accepted)
@@ -158,7 +158,12 @@ class SimEngineCore:
             request.append_output()
 
     def cache_full_blocks(self, request: SimRequest) -> None:
-        """Register the key of every computed full block of the request (no-op if held)."""
+        """Register the key of every computed full block of the request (no-op if held).
+
+        A block that does not hold its KV on every worker is skipped: a position a load
+        left out (before a sliding window or a state) was never written.
+        """
+        self.learn_chain(request)
         table = self.tables[request.request_id]
         for group_id in self.layout.cacheable_group_ids:
             group = self.layout.groups[group_id]
@@ -166,7 +171,8 @@ class SimEngineCore:
                 block_id = table[group_id][pos]
                 if block_id != NULL_BLOCK_ID and self.gpu.key(block_id) is None:
                     key = block_key(self.layout, request, group_id, pos)
-                    self.gpu.insert_key(key, block_id, group.block_size)
+                    if all(key in self.covered.get(g.get(block_id), ()) for g in self.worker.gpu):
+                        self.gpu.insert_key(key, block_id, group.block_size)
 
     def learn_chain(self, request: SimRequest) -> None:
         """Record, for each key of the request, every key whose KV a block holding it holds.

@@ -86,6 +86,11 @@ class FakeWorker:
         assert event_id in self.reported
         self._done[event_id] += 1
 
+    def report_unknown(self, event_id: int) -> None:
+        """Report an event this worker was never given (the scheduler must ignore it)."""
+        assert event_id not in self.jobs
+        self._failed[event_id] += 1
+
     def take_report(self) -> WorkerReport:
         """Return everything reported since the last call, merged over workers."""
         report = WorkerReport(done=dict(self._done), failed=dict(self._failed))

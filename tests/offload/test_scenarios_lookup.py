@@ -202,7 +202,7 @@ def test_scenario_08_misaligned_local_prefix_gets_no_hit_and_warns_once(
     engine.drain()
     engine.evict_gpu()
     b = make_request("b", [*range(16), 99])
-    with caplog.at_level(logging.WARNING, logger="kvtier.offload.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.offload.load_planner"):
         assert engine.scheduler.lookup(b, 4) == 0
         assert engine.scheduler.lookup(b, 12) == 0
     assert len([r for r in caplog.records if "scheduler block" in r.getMessage()]) == 1

@@ -3,7 +3,8 @@
 Requests share prefixes (two families), are admitted taking all, none or part of their
 tier hit, run in chunks, decode, finish, are preempted or aborted; the GPU cache is
 evicted and the scheduler reset at random; 1-4 fake workers complete, delay, fail or
-re-report transfers in any order. Eager mode runs with and without fine-grained hits.
+re-report transfers in any order, or report events never issued. Eager mode runs with
+and without fine-grained hits; a sliding-window or state group may join full attention.
 After every step:
 
 - the scheduler's and the GPU pool's own invariants hold;

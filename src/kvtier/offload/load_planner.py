@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
-from kvtier.core.kv_groups import KVLayout
+from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
 from kvtier.offload.plan import Tier
 from kvtier.offload.protocols import GpuPoolView, RequestView
@@ -62,6 +62,10 @@ class LoadPlanner:
         self.recompute_next: set[str] = set()
         self.allocated: set[str] = set()
         self._warned_misaligned = False
+        # The first blocks of a hit serve any shorter prefix of it (SPEC §6.3).
+        self._prefix_only = all(
+            layout.groups[g].kind is GroupKind.FULL_ATTENTION for g in layout.cacheable_group_ids
+        )
 
     def lookup(self, request: RequestView, num_local_tokens: int) -> int:
         """Return how many tokens past the local prefix the tiers can serve, and pin them."""
@@ -129,7 +133,23 @@ class LoadPlanner:
                 f"num_external_tokens={num_external_tokens} is not a multiple of the hash "
                 f"block ({self.layout.hash_block_size})"
             )
-        tier_ids, gpu_ids = self._pair(pin, block_ids_per_group, num_external_tokens)
+        hit = self._accepted_hit(request, pin, num_external_tokens)
+        if hit is None:
+            logger.warning(
+                "request %s: no tier hit of exactly the %d accepted tokens; not loading",
+                request.request_id,
+                num_external_tokens,
+            )
+            self.index.free(pin.pinned)
+            self.book.fail_unissued(FailedLoad(request.request_id, start, end))
+            return {}
+        try:
+            tier_ids, gpu_ids = self._pair(
+                pin.num_local_tokens, hit, block_ids_per_group, num_external_tokens
+            )
+        except ValueError:
+            self.index.free(pin.pinned)  # the engine's error must not leak the pin
+            raise
         self.index.touch(tier_ids)
         self.gpu_pool.touch(gpu_ids)
         self.index.free(pin.pinned)
@@ -143,17 +163,44 @@ class LoadPlanner:
             self.hit_tokens[tier.value] += share
         return {tier: share for (tier, _, _), share in zip(parts, shares, strict=True)}
 
+    def _accepted_hit(
+        self, request: RequestView, pin: LookupPin, num_tokens: int
+    ) -> LongestHit | None:
+        """Return the hit serving exactly the accepted `num_tokens`, or None if none does.
+
+        The first blocks of a longer hit serve a shorter prefix only in full-attention
+        groups: a sliding window or a state needs the blocks just before the shorter
+        end, which the longer hit left null. Those are looked up again.
+        """
+        hit = pin.hit
+        if num_tokens == hit.num_tokens or self._prefix_only:
+            return hit
+        hashes = request.block_hashes[pin.num_local_tokens // self.layout.hash_block_size :]
+        shorter = find_longest_hit(
+            self.layout, hashes, num_tokens, self.index.cached_block, self.granularity
+        )
+        return shorter if shorter.num_tokens == num_tokens else None
+
     def _pair(
-        self, pin: LookupPin, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int
+        self,
+        num_local_tokens: int,
+        hit: LongestHit,
+        block_ids_per_group: Sequence[Sequence[int]],
+        num_tokens: int,
     ) -> tuple[list[int], list[int]]:
         tier_ids: list[int] = []
         gpu_ids: list[int] = []
         for group_id in self.layout.cacheable_group_ids:
             block_size = self.layout.groups[group_id].block_size
-            first = pin.num_local_tokens // block_size
+            first = num_local_tokens // block_size
             table = block_ids_per_group[group_id]
             num_blocks = -(-num_tokens // block_size)
-            for i, tier_block in enumerate(pin.hit.block_ids[group_id][:num_blocks]):
+            if len(table) < first + num_blocks:
+                raise ValueError(
+                    f"group {group_id}: a block table of {len(table)} blocks cannot hold "
+                    f"{num_local_tokens} local + {num_tokens} external tokens"
+                )
+            for i, tier_block in enumerate(hit.block_ids[group_id][:num_blocks]):
                 if tier_block == NULL_BLOCK_ID:
                     continue
                 gpu_block = table[first + i]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvtier.offload.cascade import MoveItem
 from kvtier.offload.plan import Tier, TransferJob, WorkerReport
 from kvtier.offload.store_batch import StoreBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -115,24 +118,41 @@ class TransferBook:
     def complete(self, report: WorkerReport) -> list[IssuedTransfer]:
         """Add a report's worker counts; return the events that are now complete.
 
-        Unknown event ids (from before a reset, or reported twice) are ignored.
+        A count that is not an int >= 0 refuses the whole report (ValueError, nothing
+        applied). Event ids not in flight (reported before, or never issued) are ignored
+        with a warning. An event reported by more workers than there are was reported
+        twice by some worker: it completes as failed, since which workers really copied
+        it is unknown (a failed store registers nothing, a failed load is recomputed).
         """
+        _check_counts(report)
         touched: list[IssuedTransfer] = []
+        unknown: list[int] = []
         for counts, failed in ((report.done, False), (report.failed, True)):
             for event_id, count in counts.items():
                 transfer = self._issued.get(event_id)
                 if transfer is None:
+                    unknown.append(event_id)
                     continue
                 if failed:
                     transfer.num_failed += count
                 else:
                     transfer.num_done += count
                 touched.append(transfer)
+        if unknown:
+            logger.warning("worker report names events not in flight, ignored: %s", unknown)
         completed = []
         for transfer in touched:
             event_id = transfer.job.event_id
             num_reported = transfer.num_done + transfer.num_failed
             if event_id in self._issued and num_reported >= self.num_workers:
+                if num_reported > self.num_workers:
+                    logger.warning(
+                        "event %d reported by %d workers of %d: taken as failed",
+                        event_id,
+                        num_reported,
+                        self.num_workers,
+                    )
+                    transfer.num_failed = max(transfer.num_failed, 1)
                 completed.append(self._forget(event_id))
         return completed
 
@@ -176,3 +196,14 @@ class TransferBook:
     def has_stores(self) -> bool:
         """Return True while any store or demotion (abandoned ones too) is in flight."""
         return self._num_store_events > 0
+
+
+def _check_counts(report: WorkerReport) -> None:
+    """Raise ValueError naming the first event whose worker count is not an int >= 0."""
+    for name, counts in (("done", report.done), ("failed", report.failed)):
+        for event_id, count in counts.items():
+            if type(count) is not int or count < 0:
+                raise ValueError(
+                    f"worker report: {name}[{event_id!r}] = {count!r} is not a worker "
+                    "count (an int >= 0); report refused"
+                )

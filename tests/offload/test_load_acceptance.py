@@ -1,0 +1,89 @@
+"""Regressions of `on_allocated` (SPEC §6.3): what a load pairs when the engine accepts less.
+
+A hit's first blocks serve a shorter prefix only in full-attention groups; a sliding
+window or a state needs the blocks just before the accepted end.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, block_key, config, make_request
+
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.offload.transfers import FailedLoad
+
+FULL = GroupKind.FULL_ATTENTION
+
+
+def stored_engine(second: KVGroupSpec, tokens: range) -> SimEngine:
+    """Return an engine whose tier holds every block of a request of `tokens`."""
+    layout = KVLayout((KVGroupSpec(FULL, 4, 64), second))
+    engine = SimEngine(layout, config(), num_gpu_blocks=32, num_tier_blocks=16)
+    engine.run(make_request("a", tokens))
+    engine.drain()
+    engine.evict_gpu()
+    return engine
+
+
+def test_a_shorter_acceptance_loads_the_sliding_window_before_its_end() -> None:
+    """Accepting 8 of 20 offered tokens loads sliding-window block 1, not nothing."""
+    engine = stored_engine(KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4), range(20))
+    b = make_request("b", [*range(20), 7])
+    found = engine.lookup(b)
+    assert found.num_offered_tokens == 20
+    engine.allocate(b, found, 8)
+    (load,) = engine.step().jobs  # poll() checks the loaded content
+    full, sliding = engine.tables["b"]
+    tier = engine.scheduler.tier_pool
+    pairs = dict(zip(load.dst_block_ids, load.src_block_ids, strict=True))
+    assert pairs == {
+        full[0]: tier.cached_block(block_key(engine.layout, b, 0, 0)),
+        full[1]: tier.cached_block(block_key(engine.layout, b, 0, 1)),
+        sliding[1]: tier.cached_block(block_key(engine.layout, b, 1, 1)),
+    }
+    engine.schedule("b")
+    engine.step()  # check_kv before the forward pass: every block b reads is right
+    engine.check()
+
+
+def test_a_shorter_acceptance_without_a_state_at_its_end_is_recomputed() -> None:
+    """A state group needs the state at the accepted end: absent, the load fails."""
+    layout = KVLayout((KVGroupSpec(FULL, 4, 64), KVGroupSpec(GroupKind.STATE, 4, 64)))
+    engine = SimEngine(layout, config(), num_gpu_blocks=32, num_tier_blocks=16)
+    a = make_request("a", range(16), outputs=[1])
+    engine.admit(a)
+    engine.schedule("a")
+    engine.step()
+    engine.handoff("a", 1, engine.tables["a"][1][3])  # only the state after 16 tokens
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")
+    engine.drain()
+    engine.evict_gpu()
+    b = make_request("b", [*range(16), 7])
+    found = engine.lookup(b)
+    assert found.num_offered_tokens == 16
+    engine.allocate(b, found, 8)  # the state after 8 tokens was never stored
+    plan = engine.step()
+    assert not [job for job in plan.jobs if job.is_load]
+    assert engine.outcomes[-1].failed_loads == (FailedLoad("b", 0, 8),)
+    assert "b" not in engine.loading
+    engine.schedule("b")
+    engine.step()
+    engine.check()
+
+
+@pytest.mark.parametrize("table_end", [0, 1])
+def test_a_bad_block_table_raises_and_leaves_no_pin(table_end: int) -> None:
+    """A table too short (or with a null destination) raises; the lookup pin is released."""
+    engine = stored_engine(KVGroupSpec(FULL, 4, 64), range(12))
+    b = make_request("b", [*range(12), 7])
+    assert engine.scheduler.lookup(b, 0) == 12
+    tables = [engine.gpu.allocate(3), engine.gpu.allocate(3)]
+    tables[1] = tables[1][:table_end] + [0] * (3 - table_end) if table_end else []
+    with pytest.raises(ValueError, match="group 1"):
+        engine.scheduler.on_allocated(b, tables, 12)
+    pool = engine.scheduler.tier_pool
+    assert all(pool.ref_count(block) == 0 for block in range(1, pool.num_blocks))
+    engine.gpu.free([block for table in tables for block in table])
+    engine.check()
