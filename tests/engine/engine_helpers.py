@@ -10,6 +10,18 @@ from kvtier.engine.config import CacheConfig, ModelConfig
 from kvtier.engine.model import DecoderModel, apply_rotary, build_model, rotary_cos_sin
 from kvtier.engine.runner import ModelRunner, SequenceInput
 
+# ModelConfig.tiny() as a Hugging Face config.json: what a local checkpoint directory holds.
+TINY_HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
 
 def reference_attention(
     query: torch.Tensor,

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from engine_helpers import TINY_HF_CONFIG
 from safetensors.torch import save_file
 
 from kvtier.cli.demo_checks import check_sizes
@@ -16,16 +17,6 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import build_model
 from kvtier.offload.config import DiskIOMode, OffloadConfig
 
-TINY_HF_CONFIG = {  # ModelConfig.tiny() in HF terms: a vocab of 128
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 SMALL_RUN = [  # one short conversation: 16 + 8 + 2 tokens, 2 blocks of 16
     "--conversations=1",
     "--turns=1",

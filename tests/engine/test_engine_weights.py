@@ -7,21 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import TINY_HF_CONFIG
 from safetensors.torch import save_file
 
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import build_model
 from kvtier.engine.weights import checkpoint_files, load_model, parameter_name
-
-HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 def _save_checkpoint(path: Path, drop: str | None = None, extra: str | None = None) -> None:
@@ -42,7 +33,7 @@ def _save_checkpoint(path: Path, drop: str | None = None, extra: str | None = No
         save_file({n: tensors[n] for n in shard_names}, str(path / file))
     weight_map = {n: file for file, shard_names in shards.items() for n in shard_names}
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(HF_CONFIG))
+    (path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
 
 
 def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:
@@ -77,6 +68,6 @@ def test_unknown_tensor_is_named(tmp_path: Path) -> None:
 def test_never_downloads(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="never downloads"):
         load_model("Qwen/Qwen2-0.5B")
-    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         load_model(tmp_path)
