@@ -223,6 +223,30 @@ def test_scenario_22_never_issued_finish_flushes_are_dropped_by_reset() -> None:
     assert_all_released(engine)
 
 
+def test_reset_stores_nothing_a_request_running_across_it_computes() -> None:
+    """Eager mode: KV computed before a reset (e.g. before a weight update), and all built
+    on it, stays out of the emptied tier; a request arriving after the reset is stored."""
+    engine = SimEngine(full_layout())
+    a = make_request("a", range(16))
+    engine.admit(a)
+    engine.schedule("a", 8)
+    engine.step()  # the first 8 tokens
+    assert engine.scheduler.reset() is True
+    engine.schedule("a")
+    engine.step()  # the last 8, computed on the pre-reset KV
+    engine.finish("a")
+    engine.drain()
+    engine.evict_gpu()
+    tier = engine.scheduler.tier_pool
+    assert [tier.cached_block(block_key(engine.layout, a, 0, p)) for p in range(4)] == [None] * 4
+    b = make_request("b", range(100, 108))
+    engine.run(b)
+    engine.drain()
+    engine.evict_gpu()
+    assert all(tier.cached_block(block_key(engine.layout, b, 0, p)) for p in range(2))
+    engine.check()
+
+
 def test_reset_fails_queued_loads_in_the_next_report() -> None:
     """A load queued but not yet issued is dropped by reset and reported as failed."""
     engine, b = loading_engine()

@@ -248,6 +248,9 @@ class OffloadScheduler:
 
         Never-issued transfers are dropped at once (their loads come back as failed
         loads in the next report); issued stores are abandoned and never become visible.
+        Requests running across the reset are no longer stored: their KV, and all they
+        compute from it, predates the reset (e.g. a weight update), so none of it may
+        reach the emptied tier. A request preempted and resumed starts afresh.
         """
         self.loads.fail_all()
         selector = self.selector
