@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import shuffled_tables, step
+from engine_helpers import TINY_HF_CONFIG, shuffled_tables, step
 
 from kvtier.engine.config import AttentionKind, CacheConfig
 from kvtier.engine.runner import BatchInput, LogitsSelection, ModelRunner
@@ -17,13 +17,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4
-SHAPE = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+SHAPE = {  # ModelConfig.tiny()'s shape; head_dim and biases are passed where it is built
+    **{k: v for k, v in TINY_HF_CONFIG.items() if k not in ("architectures", "head_dim")},
     "initializer_range": 0.1,  # larger than the default, so differences would show
 }
 
