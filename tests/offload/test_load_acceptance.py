@@ -26,7 +26,7 @@ def stored_engine(second: KVGroupSpec, tokens: range) -> SimEngine:
 
 
 def test_a_shorter_acceptance_loads_the_sliding_window_before_its_end() -> None:
-    """Accepting 8 of 20 offered tokens loads sliding-window block 1, not nothing."""
+    """Scenario 6, hybrid: accepting 8 of 20 offered tokens loads sliding-window block 1."""
     engine = stored_engine(KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4), range(20))
     b = make_request("b", [*range(20), 7])
     found = engine.lookup(b)
@@ -47,7 +47,8 @@ def test_a_shorter_acceptance_loads_the_sliding_window_before_its_end() -> None:
 
 
 def test_a_shorter_acceptance_without_a_state_at_its_end_is_recomputed() -> None:
-    """A state group needs the state at the accepted end: absent, the load fails."""
+    """Scenario 6, hybrid: a state group needs the state at the accepted end; absent, the
+    load fails and the engine recomputes."""
     layout = KVLayout((KVGroupSpec(FULL, 4, 64), KVGroupSpec(GroupKind.STATE, 4, 64)))
     engine = SimEngine(layout, config(), num_gpu_blocks=32, num_tier_blocks=16)
     a = make_request("a", range(16), outputs=[1])
