@@ -33,7 +33,8 @@ from vllm_harness import (
 
 from kvtier.adapters.vllm import KVTierConnector
 from kvtier.adapters.vllm.connector import register_with_vllm
-from kvtier.adapters.vllm.stats import KVTierStats, unregister_kvtier_metrics
+from kvtier.adapters.vllm.stats import KVTierStats, stats_payload, unregister_kvtier_metrics
+from kvtier.offload.stats import OffloadStats
 
 PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
 AGAIN = {f"again-{r}": [*p, 9] for r, p in PROMPTS.items()}
@@ -183,6 +184,25 @@ def test_prometheus_metrics_build_and_observe() -> None:
     names = {m.name for m in registry.collect()}
     assert names
     assert all(name.startswith("kvtier:") for name in names)
+
+
+def test_every_cascade_counter_reaches_the_payload() -> None:
+    """Demotions copied, failed, dropped (no disk slot), promotions and losses."""
+    stats = OffloadStats(
+        num_demoted_blocks=5,
+        num_failed_demotions=1,
+        num_dropped_demotions=3,
+        num_promoted_blocks=2,
+        num_lost_blocks=4,
+    )
+    counters = stats_payload(stats, {})["counters"]
+    assert counters == {
+        "demoted_blocks": 5,
+        "failed_demotions": 1,
+        "dropped_demotions": 3,
+        "promoted_blocks": 2,
+        "lost_blocks": 4,
+    }
 
 
 def test_prometheus_metrics_can_be_built_twice_in_one_process() -> None:

@@ -104,6 +104,7 @@ class SchedulerMachine(SchedulerDriver):
             stats.num_failed_stores,
             stats.num_demoted_blocks,
             stats.num_failed_demotions,
+            stats.num_dropped_demotions,
             stats.num_promoted_blocks,
             stats.num_lost_blocks,
         )

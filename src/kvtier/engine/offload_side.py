@@ -52,6 +52,7 @@ class OffloadTotals:
     num_demoted_blocks: int = 0
     num_promoted_blocks: int = 0
     num_failed_demotions: int = 0
+    num_dropped_demotions: int = 0  # no disk slot was free (cascade)
     num_lost_blocks: int = 0  # CPU evictions with no disk copy (write-back bursts, failures)
     num_issued_events: int = 0  # transfer events planned (jobs)
     num_reported_events: int = 0  # events reported done or failed
@@ -171,6 +172,7 @@ class OffloadSide:
         totals.num_demoted_blocks += stats.num_demoted_blocks
         totals.num_promoted_blocks += stats.num_promoted_blocks
         totals.num_failed_demotions += stats.num_failed_demotions
+        totals.num_dropped_demotions += stats.num_dropped_demotions
         totals.num_lost_blocks += stats.num_lost_blocks
 
     def has_pending_work(self) -> bool:

@@ -12,6 +12,8 @@ and releases what they pinned, tail first (SPEC §4):
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvtier.core.block_pool import BlockPool
 from kvtier.offload.cascade import Cascade
 from kvtier.offload.plan import Tier, WorkerReport
@@ -27,7 +29,8 @@ class TransferCompletion:
 
     `selector` is set once a GPU pool is bound (no transfer is issued before).
     `num_promoted` counts disk-held blocks stored into the CPU tier until its reader
-    resets it.
+    resets it. `hit_tokens` (tier value -> tokens, cumulative) gains a load's tokens once
+    the whole load succeeded.
     """
 
     def __init__(
@@ -39,6 +42,7 @@ class TransferCompletion:
         counters: StepCounters,
         cascade: Cascade | None,
         lazy: bool,
+        hit_tokens: Counter[str],
     ) -> None:
         self._tier_pool = tier_pool
         self._index = index
@@ -49,11 +53,13 @@ class TransferCompletion:
         self._lazy = lazy  # lazy store mode: remember what completed stores copied
         self.selector: StoreSelector | None = None
         self.num_promoted = 0
+        self._hit_tokens = hit_tokens
 
     def apply(self, report: WorkerReport) -> ReportOutcome:
         """Apply worker completions: register stored keys, release pins, finish loads."""
         finished: list[str] = []
         failed = self._book.take_unissued_failures()
+        self._counters.num_failed_loads += len(failed)
         for transfer in self._book.complete(report):
             selector = self.selector
             assert selector is not None, "no GPU pool bound"
@@ -78,6 +84,7 @@ class TransferCompletion:
                         self._counters.num_failed_loads += 1
                     else:
                         finished.append(progress.request_id)
+                        self._hit_tokens.update(progress.tier_tokens)
             if transfer.stores:
                 self._complete_stores(transfer, selector)
             if transfer.moves:

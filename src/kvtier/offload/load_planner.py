@@ -33,7 +33,10 @@ class LookupPin:
 
 
 class LoadPlanner:
-    """Lookup pins and queued loads; `hit_tokens` counts accepted hit tokens per tier.
+    """Lookup pins and queued loads; `hit_tokens` counts served hit tokens per tier.
+
+    A load's tokens count in `hit_tokens` once it completed on every tier it reads from
+    (`TransferCompletion` adds them); a load that fails, or is dropped, counts nothing.
 
     `recompute_next` holds requests whose load failed: their lookups return 0 until the
     engine allocates them again, so the retry is a plain recompute. Only requests in
@@ -154,13 +157,13 @@ class LoadPlanner:
         self.gpu_pool.touch(gpu_ids)
         self.index.free(pin.pinned)
         parts = self.index.split_pairs(tier_ids, gpu_ids)
-        progress = LoadProgress(request.request_id, start, end, len(parts))
-        # Hit tokens per tier in proportion to its blocks (exact for one KV group).
+        # Tokens per tier in proportion to its blocks (exact for one KV group).
         shares = [num_external_tokens * len(ids) // len(tier_ids) for _, ids, _ in parts]
         shares[0] += num_external_tokens - sum(shares)
-        for (tier, ids, gpus), share in zip(parts, shares, strict=True):
+        tier_tokens = {tier.value: share for (tier, _, _), share in zip(parts, shares, strict=True)}
+        progress = LoadProgress(request.request_id, start, end, len(parts), False, tier_tokens)
+        for tier, ids, gpus in parts:
             self.queued.append(LoadItem(tier, ids, gpus, progress))
-            self.hit_tokens[tier.value] += share
         return {tier: share for (tier, _, _), share in zip(parts, shares, strict=True)}
 
     def _accepted_hit(

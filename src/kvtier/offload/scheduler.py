@@ -137,6 +137,7 @@ class OffloadScheduler:
             self._counters,
             self.cascade,
             lazy=config.store_mode is StoreMode.LAZY,
+            hit_tokens=self.loads.hit_tokens,
         )
         self._hit_tokens_taken = 0  # total hit tokens at the last take_stats
         if setup.gpu_pool is not None:
@@ -334,6 +335,7 @@ class OffloadScheduler:
             hit_tokens={tier.value: self.loads.hit_tokens[tier.value] for tier in self.index.tiers},
             num_demoted_blocks=cascade.num_demoted_blocks if cascade else 0,
             num_failed_demotions=cascade.num_failed_demotions if cascade else 0,
+            num_dropped_demotions=cascade.num_dropped_demotions if cascade else 0,
             num_promoted_blocks=promoted,
             num_lost_blocks=cascade.num_lost_blocks if cascade else 0,
             info=info,

@@ -26,8 +26,10 @@ class OffloadStats:
     """One step's counters (reset by `take_stats`) plus gauges and cumulative totals.
 
     `store_outcomes` counts eager, lazy and finish-time candidates; `handoff_outcomes`
-    counts hand-offs alone. `hit_tokens` is cumulative per tier medium; the other
-    counters are this step's.
+    counts hand-offs alone. `hit_tokens` is cumulative per tier medium and counts the
+    tokens of loads that completed (a failed load's tokens were recomputed); the other
+    counters are this step's. `num_failed_loads` counts requests whose load failed,
+    whether its copy failed or it was never issued (e.g. dropped by a reset).
     """
 
     store_outcomes: Mapping[str, int] = field(default_factory=dict)
@@ -43,6 +45,7 @@ class OffloadStats:
     hit_tokens: Mapping[str, int] = field(default_factory=dict)
     num_demoted_blocks: int = 0  # CPU → DISK copies registered (cascade)
     num_failed_demotions: int = 0
+    num_dropped_demotions: int = 0  # chosen for demotion, no disk slot free (cascade)
     num_promoted_blocks: int = 0  # disk-held blocks stored into the CPU tier (cascade)
     num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (cascade)
     info: Mapping[str, str] = field(default_factory=dict)

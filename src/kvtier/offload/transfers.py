@@ -32,13 +32,18 @@ class ReportOutcome:
 
 @dataclass(slots=True)
 class LoadProgress:
-    """One request's load over one or more tiers: parts still to finish, any failure."""
+    """One request's load over one or more tiers: parts still to finish, any failure.
+
+    `tier_tokens`: the accepted tokens each tier serves (tier value -> tokens), counted as
+    hit tokens once every part finished and none failed.
+    """
 
     request_id: str
     start_token: int
     end_token: int
     num_pending: int
     failed: bool = False
+    tier_tokens: dict[str, int] = field(default_factory=dict)
 
     def failure(self) -> FailedLoad:
         """Return the failed load of the whole range (conservative across tiers)."""

@@ -9,11 +9,11 @@ front-end process:
 
 Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stores`,
 `bytes_stored`, `bytes_loaded`, `hit_tokens`, the cascade's `demoted_blocks`,
-`failed_demotions`, `promoted_blocks`, `lost_blocks`, and the labelled `store_outcome.<outcome>` /
-`handoff_outcome.<outcome>` (kvtier's `StoreOutcome` values) and `tier_hit_tokens.<tier>`
-(`CPU` / `DISK`). Prometheus exposes them as `kvtier:<name>_total` (a labelled family as
-one metric with an `outcome` or `tier` label), gauges as `kvtier:<name>`, and the info
-labels on `kvtier:info` (value 1).
+`failed_demotions`, `dropped_demotions`, `promoted_blocks`, `lost_blocks`, and the
+labelled `store_outcome.<outcome>` / `handoff_outcome.<outcome>` (kvtier's
+`StoreOutcome` values) and `tier_hit_tokens.<tier>` (`CPU` / `DISK`). Prometheus exposes
+them as `kvtier:<name>_total` (a labelled family as one metric with an `outcome` or
+`tier` label), gauges as `kvtier:<name>`, and the info labels on `kvtier:info` (value 1).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ _PLAIN_COUNTERS = {
     "hit_tokens": "prompt tokens served from the tier instead of recomputed",
     "demoted_blocks": "KV blocks copied from the CPU tier down to the disk tier (cascade)",
     "failed_demotions": "CPU to disk copies that failed; nothing was registered (cascade)",
+    "dropped_demotions": "CPU blocks chosen for demotion that found no free disk slot (cascade)",
     "promoted_blocks": "disk-held KV blocks stored into the CPU tier again (cascade)",
     "lost_blocks": "KV blocks evicted from the CPU tier with no disk copy (cascade)",
 }
@@ -91,6 +92,7 @@ def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dic
         "hit_tokens": sum(new_hit_tokens.values()),
         "demoted_blocks": stats.num_demoted_blocks,
         "failed_demotions": stats.num_failed_demotions,
+        "dropped_demotions": stats.num_dropped_demotions,
         "promoted_blocks": stats.num_promoted_blocks,
         "lost_blocks": stats.num_lost_blocks,
     }

@@ -1,0 +1,94 @@
+"""What `take_stats` counts (SPEC §6.10): served hit tokens, failed loads, dropped demotions."""
+
+from __future__ import annotations
+
+from sim import Admission, SimEngine, config, full_layout, make_request
+from test_scenarios_cascade import cascade_engine
+
+from kvtier.offload.config import CascadeMode
+from kvtier.offload.plan import Tier
+from kvtier.offload.transfers import FailedLoad
+
+
+def loading_engine() -> SimEngine:
+    """Return an engine whose tier holds "a" (8 tokens) and a request "b" admitted to load it."""
+    engine = SimEngine(full_layout(), config())
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.evict_gpu()
+    engine.auto_complete = False
+    engine.scheduler.take_stats()
+    assert engine.admit(make_request("b", [*range(8), 99])) == Admission(0, 8, 8)
+    return engine
+
+
+def test_hit_tokens_count_once_the_load_completed() -> None:
+    """Accepted tokens are not hit tokens yet; they count when the load completes."""
+    engine = loading_engine()
+    (load,) = engine.step().jobs
+    assert engine.scheduler.take_stats().hit_tokens == {"CPU": 0}
+    assert not engine.scheduler.has_new_counts()
+    engine.worker.complete(load.event_id)
+    assert engine.poll().finished_loads == ("b",)
+    assert engine.scheduler.has_new_counts()
+    stats = engine.scheduler.take_stats()
+    assert stats.hit_tokens == {"CPU": 8}
+    assert stats.num_failed_loads == 0
+
+
+def test_a_failed_load_counts_as_failed_and_serves_no_hit_tokens() -> None:
+    """The engine recomputes a failed load's tokens: they are not hit tokens."""
+    engine = loading_engine()
+    (load,) = engine.step().jobs
+    engine.worker.fail(load.event_id)
+    assert engine.poll().failed_loads == (FailedLoad("b", 0, 8),)
+    stats = engine.scheduler.take_stats()
+    assert stats.num_failed_loads == 1
+    assert stats.hit_tokens == {"CPU": 0}
+
+
+def test_a_load_dropped_before_it_was_issued_counts_as_failed() -> None:
+    """A reset drops a queued load; it comes back failed and is counted as such."""
+    engine = loading_engine()
+    assert engine.scheduler.reset() is True
+    assert engine.poll().failed_loads == (FailedLoad("b", 0, 8),)
+    stats = engine.scheduler.take_stats()
+    assert stats.num_failed_loads == 1
+    assert stats.hit_tokens == {"CPU": 0}
+
+
+def test_accepting_more_than_offered_counts_a_failed_load() -> None:
+    """A load refused at allocation (more tokens than the lookup pinned) counts as failed."""
+    engine = SimEngine(full_layout())
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.evict_gpu()
+    engine.scheduler.take_stats()
+    b = make_request("b", [*range(12), 99])
+    found = engine.lookup(b)
+    assert engine.allocate(b, found, accept=12) == Admission(0, 8, 12)
+    engine.step()
+    assert engine.outcomes[-1].failed_loads == (FailedLoad("b", 0, 12),)
+    assert engine.scheduler.take_stats().num_failed_loads == 1
+
+
+def test_demotions_without_a_free_disk_slot_are_counted_as_dropped() -> None:
+    """Write-through over a 2-slot disk: of 4 stored blocks, 2 demote and 2 are dropped."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=5, num_disk=3)
+    engine.auto_complete = False
+    engine.admit(make_request("a", range(16)))
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    engine.worker.complete(store.event_id)
+    engine.poll()
+    stats = engine.scheduler.take_stats()
+    assert (stats.num_stored_blocks, stats.num_dropped_demotions) == (4, 2)
+    (demotion,) = engine.step().jobs
+    assert (demotion.src_tier, demotion.dst_tier, len(demotion.src_block_ids)) == (
+        Tier.CPU,
+        Tier.DISK,
+        2,
+    )
+    assert engine.scheduler.take_stats().num_dropped_demotions == 0
