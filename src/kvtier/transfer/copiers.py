@@ -9,13 +9,15 @@ are int64 numpy arrays, validated by the worker.
 - `CudaCopier`: engine tensors on a GPU, host tensors page-locked. Work is queued on the
   lane's lowest-priority stream: a gather/scatter kernel on the device side plus one DMA
   per run of consecutive host rows; `finish()` returns a completion event. Copies into or
-  out of a staging buffer synchronize before returning, because the buffer is reused.
+  out of a staging buffer synchronize before returning, because the buffer is reused; so
+  does a copy that raises, so that a failed job has no work left running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,7 +148,7 @@ class CudaCopier:
         """Gather on the device, then one DMA per run of consecutive host rows."""
         order = np.argsort(dst_ids, kind="stable")
         host_rows = dst_ids[order]
-        with torch.cuda.stream(self._stream):
+        with self._queueing():
             index = self._to_device(src_ids[order])
             for view, host in zip(src, dst, strict=True):
                 for a, b in _chunks(len(order), view.shape[1] * view.element_size()):
@@ -158,7 +160,7 @@ class CudaCopier:
         """One DMA per run of consecutive host rows into device scratch, then scatter."""
         order = np.argsort(src_ids, kind="stable")
         host_rows = src_ids[order]
-        with torch.cuda.stream(self._stream):
+        with self._queueing():
             index = self._to_device(dst_ids[order])
             for host, view in zip(src, dst, strict=True):
                 for a, b in _chunks(len(order), view.shape[1] * view.element_size()):
@@ -172,7 +174,7 @@ class CudaCopier:
         """Assemble slots on the device, one DMA into the staging buffer, wait for it."""
         num = len(src_ids)
         rows = staging.rows
-        with torch.cuda.stream(self._stream):
+        with self._queueing():
             index = self._to_device(src_ids)
             slots = torch.empty((num, rows.shape[1]), dtype=rows.dtype, device=self._device)
             for view, (a, b) in zip(src, staging.spans, strict=True):
@@ -184,7 +186,7 @@ class CudaCopier:
         """One DMA of the staging rows to the device, scatter per region, wait for it."""
         num = len(dst_ids)
         rows = staging.rows
-        with torch.cuda.stream(self._stream):
+        with self._queueing():
             index = self._to_device(dst_ids)
             slots = torch.empty((num, rows.shape[1]), dtype=rows.dtype, device=self._device)
             slots.copy_(rows[:num], non_blocking=True)
@@ -195,6 +197,24 @@ class CudaCopier:
     def finish(self) -> Completion | None:
         """Return an event recorded after the queued work."""
         return CudaCompletion(self._stream)
+
+    @contextlib.contextmanager
+    def _queueing(self) -> Iterator[None]:
+        """Make the lane's device, then its stream, current on the calling (lane) thread.
+
+        A lane thread starts on device 0: without the device guard, leaving the stream
+        context would switch it back there, which creates a CUDA context on GPU 0 (CUDA 12+)
+        in every process whose GPU is another, e.g. vLLM's ranks 1 and up. If the work
+        raises, wait for what it already queued: the job is reported failed at once, and
+        its copies must not go on writing host slots or GPU blocks handed on since.
+        """
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            try:
+                yield
+            except BaseException:
+                with contextlib.suppress(Exception):  # the error to report is the first one
+                    self._stream.synchronize()
+                raise
 
     def _to_device(self, ids: np.ndarray) -> torch.Tensor:
         # From pinned memory the copy is asynchronous; from pageable memory CUDA would first
