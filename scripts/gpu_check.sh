@@ -5,28 +5,31 @@
 #
 # Needs a CUDA machine whose python (or $PYTHON) has a CUDA build of torch; the machine
 # may have no network. kvtier runs from src/ (no install step); only missing small
-# dependencies are installed, into a venv under out/. Writes logs, a JUnit XML and the
+# dependencies are installed, into out/gpu-deps. Writes logs, a JUnit XML and the
 # benchmark JSON to OUTPUT_DIR and ends with a summary; non-zero exit if a step failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
 mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
-# Only what the GPU tests and the benchmark import. When something is missing, add it in a
-# venv (under out/, ignored by git) that still sees the machine's own torch.
+# Only what the GPU tests and the benchmark import. When something is missing, install it
+# into out/gpu-deps (ignored by git) on PYTHONPATH, so the machine's own torch stays in use:
+# a venv would not do, since one made from a venv's python (as CUDA images often have)
+# sees only the base interpreter's packages. The install is bounded so that the whole
+# check still fits in 10 minutes when no package index answers.
 missing=""
 for module in torch numpy xxhash pytest pytest_timeout; do
     "$PY" -c "import $module" 2>/dev/null || missing="$missing ${module//_/-}"
 done
 if [ -n "$missing" ]; then
-    echo "missing:$missing; installing into out/.venv-gpu (needs a package index)"
-    [ -x out/.venv-gpu/bin/python ] || "$PY" -m venv --system-site-packages out/.venv-gpu
-    PY=out/.venv-gpu/bin/python
+    echo "missing:$missing; installing into out/gpu-deps (needs a package index)"
+    export PYTHONPATH="$PWD/out/gpu-deps:$PYTHONPATH"
     # shellcheck disable=SC2086
-    "$PY" -m pip install -q $missing || echo "could not install:$missing"
+    timeout 45 "$PY" -m pip install -q --target out/gpu-deps $missing \
+        || echo "could not install:$missing"
 fi
 
 {
