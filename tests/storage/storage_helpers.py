@@ -1,16 +1,22 @@
-"""Helpers for disk tier tests: a directory where O_DIRECT works, faulty FileIOs, and
-descriptor and garbage collection checks."""
+"""Helpers for disk tier tests: a directory where O_DIRECT works, faulty and gated FileIOs,
+descriptor and garbage collection checks, and threads parked at a known point."""
 
 from __future__ import annotations
 
 import errno
 import gc
 import os
+import sys
+import threading
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
 
 import pytest
+
+WAIT_S = 30.0  # how long a test waits for another thread before it fails: never reached
 
 
 def direct_io_dir(base: str) -> str:
@@ -54,6 +60,60 @@ class FlakyIO:
         if self.read_errno is not None:
             raise OSError(self.read_errno, os.strerror(self.read_errno))
         return os.preadv(fd, [into], offset)
+
+
+@dataclass(slots=True)
+class GatedIO:
+    """Real I/O, but each write first sets `writing` and waits for `release` to be set."""
+
+    writing: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self.writing.set()
+        if not self.release.wait(WAIT_S):
+            raise OSError(errno.ETIMEDOUT, "the test never released the write")
+        return os.pwrite(fd, data, offset)
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int:
+        return os.preadv(fd, [into], offset)
+
+
+def start_until_parked(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start `target` on a new thread; return once it has returned or has called a
+    `threading` wait or join (a `Condition`, an `Event`, a `Thread.join`).
+
+    From then on the thread is finished, or waits for something only another thread can
+    do: a test orders threads this way without sleeping. A profiler, set in that thread
+    only, spots the call, so the code under test needs no hook.
+    """
+    parked = threading.Event()
+
+    def spot_waits(frame: FrameType, event: str, arg: object) -> None:
+        code = frame.f_code
+        in_threading = code.co_filename == threading.__file__
+        if event == "call" and in_threading and code.co_name in ("wait", "join"):
+            parked.set()
+
+    def run() -> None:
+        sys.setprofile(spot_waits)
+        try:
+            target()
+        finally:
+            sys.setprofile(None)
+            parked.set()
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    assert parked.wait(WAIT_S), f"{name} neither returned nor waited"
+    return thread
+
+
+def join_all(*threads: threading.Thread) -> None:
+    """Join `threads`; fail if one is still running after `WAIT_S` (a deadlock)."""
+    for thread in threads:
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), f"{thread.name} never finished"
 
 
 def num_open_fds() -> int:

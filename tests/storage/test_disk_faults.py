@@ -89,6 +89,34 @@ def test_a_fifo_at_a_manifest_path_never_blocks(
     assert manifest(tmp_path).is_file()
 
 
+@pytest.mark.parametrize("suffix", [".manifest", ".manifest.tmp"])
+@pytest.mark.parametrize("fingerprint", ["fp", None])
+@pytest.mark.parametrize("at_rest", [False, True])
+def test_a_directory_at_a_manifest_path_is_refused_at_open(
+    tmp_path: Path, suffix: str, fingerprint: str | None, at_rest: bool
+) -> None:
+    """Regression: a directory where the manifest (or its temporary file) goes raised a
+    bare IsADirectoryError when the tier wrote or removed the manifest. The open now
+    fails first with an OSError naming the path and saying what to do, persistent or not,
+    beside a persistent tier's files at rest or none, and touches nothing."""
+    if at_rest:
+        tier_with_slot_3(tmp_path).close()
+    directory = tmp_path / f"kvtier-rank0{suffix}"
+    directory.unlink(missing_ok=True)
+    directory.mkdir()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(OSError, match="is a directory, not a regular file; remove it") as info:
+        DiskTier(config(tmp_path, fingerprint))
+    assert info.value.errno == errno.EINVAL
+    assert info.value.filename == str(directory)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert open_paths(tmp_path) == []
+    directory.rmdir()
+    tier = DiskTier(config(tmp_path))
+    assert tier.recovered_slots() == ([(3, RECORD)] if at_rest and suffix != ".manifest" else [])
+    tier.close()
+
+
 def test_a_huge_manifest_is_replayed_in_bounded_memory(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import warnings
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from storage_helpers import FlakyIO, collect, direct_io_dir, num_open_fds
+from storage_helpers import (
+    WAIT_S,
+    FlakyIO,
+    GatedIO,
+    collect,
+    direct_io_dir,
+    join_all,
+    num_open_fds,
+    start_until_parked,
+)
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOError, DiskIOMode, DiskTier, DiskTierConfig, StagingBuffer
@@ -21,7 +32,7 @@ SLOT = 8192
 pytestmark = pytest.mark.timeout(60)
 
 
-def make_tier(tmp_path: Path, mode: DiskIOMode, io: FlakyIO | None = None) -> DiskTier:
+def make_tier(tmp_path: Path, mode: DiskIOMode, io: FlakyIO | GatedIO | None = None) -> DiskTier:
     base = direct_io_dir(str(tmp_path)) if mode is DiskIOMode.DIRECT else str(tmp_path)
     config = DiskTierConfig(
         os.path.join(base, "rank0.slots"),
@@ -209,3 +220,84 @@ def test_a_dropped_persistent_tier_is_kept_as_close_keeps_it(
     tier.read_slots(tier.load_buffers[0], ids(2, 3)).result()
     assert [tier.load_buffers[0].tensor[i].numpy().tobytes() for i in range(2)] == images
     tier.close()
+
+
+def test_a_second_close_returns_only_once_the_first_finished(tmp_path: Path) -> None:
+    """Regression: close() marked the tier closed before its I/O threads finished, so a
+    second close() meanwhile (another thread, a finalizer) returned at once, its caller
+    believing the tier closed while the first was still writing and the file still there.
+    Now every close() returns once the tier is closed."""
+    io = GatedIO()
+    tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE, io)
+    fill(tier.store_buffers[0], 1, seed=8)
+    written = tier.write_slots(tier.store_buffers[0], ids(0))
+    assert io.writing.wait(WAIT_S)
+    file_left: dict[str, bool] = {}
+
+    def close(name: str) -> None:
+        tier.close()
+        file_left[name] = os.path.exists(tier.path)
+
+    first = start_until_parked(lambda: close("first"), "first")  # waits for the write
+    second = start_until_parked(lambda: close("second"), "second")  # waits for the first
+    assert file_left == {}
+    io.release.set()
+    join_all(first, second)
+    assert file_left == {"first": False, "second": False}
+    assert written.done()
+    assert written.exception() is None
+    tier.check_invariants()
+
+
+def test_close_from_an_io_thread_neither_waits_for_itself_nor_raises(tmp_path: Path) -> None:
+    """Regression: close() from a future's done-callback, which the I/O thread runs, joined
+    that very thread and raised RuntimeError, leaving the tier open. It now hands the
+    close to a new thread; a later close() returns once the tier is closed."""
+    io = GatedIO()
+    tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE, io)
+    fill(tier.store_buffers[0], 1, seed=9)
+    written = tier.write_slots(tier.store_buffers[0], ids(0))
+    assert io.writing.wait(WAIT_S)  # still pending: its callbacks run on the I/O thread
+    outcome: list[BaseException | None] = []
+    called_back = threading.Event()
+
+    def close_from_callback(_: Future[None]) -> None:
+        try:
+            tier.close()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            called_back.set()
+
+    written.add_done_callback(close_from_callback)
+    io.release.set()
+    assert called_back.wait(WAIT_S)
+    assert outcome == [None]
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.write_slots(tier.store_buffers[0], ids(1))
+    tier.close()
+    assert not os.path.exists(tier.path)
+    tier.check_invariants()
+
+
+def test_close_reentered_by_its_own_thread_returns_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close() re-entered by the thread running it (a finalizer run by a collection
+    inside it calls close() again) returns instead of waiting for itself."""
+    config = DiskTierConfig(
+        str(tmp_path / "rank0.slots"), 16, SLOT, DiskIOMode.PAGE_CACHE, fingerprint="fp"
+    )
+    tier = DiskTier(config)
+    real_fsync = os.fsync
+
+    def fsync_and_close_again(fd: int) -> None:
+        tier.close()
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_and_close_again)
+    tier.close()
+    monkeypatch.undo()
+    tier.check_invariants()
+    DiskTier(config).close()

@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 from storage_helpers import num_open_fds
 
-from kvtier.storage import DiskIOMode, SlotFile
-from kvtier.storage import slot_file as slot_file_module
+from kvtier.storage import DiskIOMode, SlotFile, slot_file_open
 from kvtier.storage.file_lock import DiskTierBusyError
 
 SLOT = 4096
@@ -98,7 +97,7 @@ def test_a_file_its_holder_removes_while_opening_is_opened_anew(
     instead of failing as if another process had taken the path."""
     path = str(tmp_path / "rank0.slots")
     first = open_slot_file(path)
-    open_or_create = slot_file_module._open_or_create
+    open_or_create = slot_file_open.open_or_create
 
     def open_then_holder_closes(name: str, mode: DiskIOMode) -> tuple[int, bool]:
         fd, existed = open_or_create(name, mode)
@@ -106,7 +105,7 @@ def test_a_file_its_holder_removes_while_opening_is_opened_anew(
             first.close()
         return fd, existed
 
-    monkeypatch.setattr(slot_file_module, "_open_or_create", open_then_holder_closes)
+    monkeypatch.setattr(slot_file_open, "open_or_create", open_then_holder_closes)
     num_fds = num_open_fds()
     second = open_slot_file(path, persistent)
     assert not first.is_open
@@ -137,7 +136,7 @@ def test_the_sizing_failure_removes_the_file_before_unlocking(
     def no_space(fd: int, nbytes: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(slot_file_module, "_reserve", no_space)
+    monkeypatch.setattr(slot_file_open, "reserve", no_space)
     monkeypatch.setattr(os, "unlink", unlink)
     monkeypatch.setattr(os, "close", close)
     with pytest.raises(OSError, match="cannot size the disk tier file"):

@@ -6,10 +6,12 @@ import dataclasses
 import logging
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
 import xxhash
+from storage_helpers import WAIT_S, join_all, start_until_parked
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import (
@@ -277,3 +279,38 @@ def test_non_persistent_slot_file_is_unchanged(tmp_path: Path) -> None:
         SlotFile(path, 4, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
     slot_file.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_second_close_returns_only_once_the_log_is_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: close() let go of the log's descriptor before syncing it, so a second
+    close() meanwhile returned at once, its caller believing the log durable while the
+    first was still syncing it. Now each returns once the log is synced and closed."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1], [11], [rec(1)])
+    release = threading.Event()
+    num_synced: list[int] = []
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        assert release.wait(WAIT_S)
+        real_fsync(fd)
+        num_synced.append(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    seen: dict[str, int] = {}
+
+    def close_log(name: str) -> None:
+        log.close()
+        seen[name] = len(num_synced)
+
+    first = start_until_parked(lambda: close_log("first"), "first")  # waits in fsync
+    second = start_until_parked(lambda: close_log("second"), "second")  # waits for it
+    assert seen == {}
+    release.set()
+    join_all(first, second)
+    monkeypatch.undo()
+    assert seen == {"first": 1, "second": 1}
+    assert not log.is_open
+    slot_file.close()

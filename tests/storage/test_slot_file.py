@@ -7,15 +7,23 @@ import fcntl
 import gc
 import os
 import stat
+import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from storage_helpers import ShortIO, direct_io_dir, num_open_fds
+from storage_helpers import (
+    WAIT_S,
+    ShortIO,
+    direct_io_dir,
+    join_all,
+    num_open_fds,
+    start_until_parked,
+)
 
-from kvtier.storage import DiskIOError, DiskIOMode, SlotFile
-from kvtier.storage import slot_file as slot_file_module
+from kvtier.storage import DiskIOError, DiskIOMode, SlotFile, slot_file_open
 from kvtier.storage.slot_file import DiskTierBusyError
 
 MODES = [DiskIOMode.DIRECT, DiskIOMode.PAGE_CACHE]
@@ -60,7 +68,7 @@ def test_a_stale_file_is_replaced_by_a_fresh_one(
     path.write_bytes(b"\xab" * 20000)
     path.chmod(0o644)
     old_inode = path.stat().st_ino
-    with caplog.at_level("WARNING", logger="kvtier.storage.slot_file"):
+    with caplog.at_level("WARNING", logger="kvtier.storage.slot_file_open"):
         slot_file = SlotFile(str(path), 2, 4096, DiskIOMode.PAGE_CACHE)
     assert "left by an earlier run" in caplog.text
     assert str(path) in caplog.text
@@ -79,7 +87,7 @@ def test_a_file_replaced_while_opening_is_refused_and_left_alone(
     another process put at the path between this one's create and lock is never removed,
     and this one fails naming the path (two engines on one directory and rank)."""
     path = tmp_path / "rank0.slots"
-    create = slot_file_module._create
+    create = slot_file_open.create_exclusive
 
     def create_then_lose_the_race(name: str, mode: DiskIOMode) -> int:
         fd = create(name, mode)
@@ -87,7 +95,7 @@ def test_a_file_replaced_while_opening_is_refused_and_left_alone(
         path.write_bytes(b"rival")
         return fd
 
-    monkeypatch.setattr(slot_file_module, "_create", create_then_lose_the_race)
+    monkeypatch.setattr(slot_file_open, "create_exclusive", create_then_lose_the_race)
     with pytest.raises(DiskTierBusyError, match="replaced by another process"):
         SlotFile(str(path), 2, 4096, DiskIOMode.PAGE_CACHE)
     assert path.read_bytes() == b"rival"
@@ -192,6 +200,22 @@ def test_a_fifo_at_the_path_is_not_a_regular_file(tmp_path: Path, mode: DiskIOMo
     assert stat.S_ISFIFO(path.lstat().st_mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_directory_at_the_path_is_not_a_regular_file(tmp_path: Path, mode: DiskIOMode) -> None:
+    """Regression: a directory at the path raised a bare IsADirectoryError; it is now
+    refused as not a regular file, naming the path and saying what to do, and left alone."""
+    path = tmp_path / "rank0.slots"
+    path.mkdir()
+    num_fds = num_open_fds()
+    for persistent in (False, True):
+        with pytest.raises(OSError, match=r"not a regular file .*; remove it") as info:
+            SlotFile(str(path), 2, 4096, mode, persistent=persistent)
+        assert info.value.errno == errno.EINVAL
+        assert info.value.filename == str(path)
+    assert path.is_dir()
+    assert num_open_fds() == num_fds
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_dropped_slot_file_is_closed_as_close_would(tmp_path: Path, persistent: bool) -> None:
     """Regression: a SlotFile dropped without close() kept its descriptor, lock and file
@@ -230,3 +254,35 @@ def test_close_runs_the_cleanup_once(tmp_path: Path) -> None:
     assert os.path.exists(path)
     successor.write(memoryview(bytes(4096)), 0)
     successor.close()
+
+
+def test_a_second_close_returns_only_once_the_file_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a second close() while the first was still removing the file returned
+    at once, its caller believing the path free while the file and its lock were still
+    there. Now each returns once the file is removed and unlocked."""
+    path = str(tmp_path / "rank0.slots")
+    slot_file = SlotFile(path, 2, 4096, DiskIOMode.PAGE_CACHE)
+    release = threading.Event()
+    real_unlink = os.unlink
+
+    def slow_unlink(name: str, *args: Any, **kwargs: Any) -> None:
+        assert release.wait(WAIT_S)
+        real_unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", slow_unlink)
+    file_left: dict[str, bool] = {}
+
+    def close(name: str) -> None:
+        slot_file.close()
+        file_left[name] = os.path.exists(path)
+
+    first = start_until_parked(lambda: close("first"), "first")  # waits in unlink
+    second = start_until_parked(lambda: close("second"), "second")  # waits for it
+    assert file_left == {}
+    release.set()
+    join_all(first, second)
+    monkeypatch.undo()
+    assert file_left == {"first": False, "second": False}
+    SlotFile(path, 2, 4096, DiskIOMode.PAGE_CACHE).close()

@@ -29,7 +29,7 @@ import errno
 import functools
 import itertools
 import logging
-import warnings
+import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,9 +39,12 @@ import numpy as np
 import xxhash
 
 from kvtier.offload.plan import SlotRecord
+from kvtier.storage.close_gate import CloseGate
+from kvtier.storage.disk_tier_close import close_dropped, close_files
 from kvtier.storage.manifest import (
     ManifestIdentity,
     ManifestLog,
+    check_manifest_paths,
     check_no_persistent_tier,
     check_record,
     manifest_path_for,
@@ -112,12 +115,14 @@ class DiskTier:
     different threads; `close()` waits for queued I/O."""
 
     def __init__(self, config: DiskTierConfig, file_io: FileIO | None = None) -> None:
-        """Open the tier's files (see `SlotFile`, `open_manifest`); every error names the
+        """Open the tier's files (see `SlotFile`, `open_manifest`; a directory where the
+        manifest goes is refused first, see `check_manifest_paths`); every error names the
         file. A persistent tier whose manifest cannot be rewritten (a full disk) raises
         OSError and leaves the manifest as it was, so a later open still recovers it."""
         self.config = config
         identity = config.identity
         manifest = manifest_path_for(config.path)
+        check_manifest_paths(config.path)
         if identity is None:
             check_no_persistent_tier(config.path)
         self._file = SlotFile(
@@ -150,12 +155,15 @@ class DiskTier:
                 self._log.close()
             self._file.close()
             raise
-        self._store_io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-store")
-        self._load_io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-load")
-        self._closed = False
+        # Idents of the I/O threads, recorded by each as it starts: close() from one of them
+        # (a future's done-callback) must not wait for it.
+        self._io_threads: set[int] = set()
+        self._store_io = _io_pool("store", self._io_threads)
+        self._load_io = _io_pool("load", self._io_threads)
+        self._closing = CloseGate()
         # Collection without close() closes the files as close() does. Queued I/O holds
         # this object, so none is left by then, and idle I/O threads exit with their pool.
-        self._finalizer = weakref.finalize(self, _close_dropped, self._file, self._log)
+        self._finalizer = weakref.finalize(self, close_dropped, self._file, self._log)
 
     def _allocate_buffers(self) -> tuple[StagingBuffer, ...]:
         cfg = self.config
@@ -241,7 +249,7 @@ class DiskTier:
         return SlotRead(future, functools.partial(self._verify, buffer, slot_ids))
 
     def _check_batch(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
-        if self._closed:
+        if self._closing.is_closing:
             raise RuntimeError("disk tier is closed")
         if len(slot_ids) > buffer.capacity:
             raise ValueError(f"{len(slot_ids)} slots do not fit a {buffer.capacity}-slot buffer")
@@ -292,7 +300,7 @@ class DiskTier:
     def check_invariants(self) -> None:
         """Raise AssertionError if the file or buffers disagree with the configuration."""
         cfg = self.config
-        if self._closed:
+        if self._closing.is_closed:
             assert not self._file.is_open, "closed disk tier still holds its file"
             assert self._log is None or not self._log.is_open, "closed tier's manifest is open"
             return
@@ -310,63 +318,51 @@ class DiskTier:
         the slot file, then the manifest, and keeps both); idempotent. A tier collected
         without `close()` closes its files the same way, with a `ResourceWarning`.
 
+        Any thread may call it, concurrently too: each call returns once the tier is
+        closed (see `CloseGate`), except a call from one of the tier's I/O threads (a
+        future's done-callback), which cannot wait for itself: it refuses new I/O, hands
+        the close to a new thread and returns at once.
+
         A failed sync does not raise: it is logged as an error naming the file, the
         manifest is removed (the next run starts empty instead of offering slots whose
         bytes may not have reached the device), and both files are closed and the lock
         released all the same.
         """
-        if self._closed:
+        if threading.get_ident() in self._io_threads:
+            self._close_elsewhere()
+        else:
+            self._closing.run(self._close_now)
+
+    def _close_elsewhere(self) -> None:
+        if self._closing.is_closed:
             return
-        self._closed = True
+        self._closing.mark_closing()
+        closer = threading.Thread(target=self.close, name="kvtier-disk-close")
+        try:
+            closer.start()
+        except RuntimeError:  # interpreter exiting: the finalizer closes the files at exit
+            logger.warning("disk tier %s: cannot close it from its own I/O thread", self.path)
+
+    def _close_now(self) -> None:
+        """Wait for the I/O threads, then close the files; safe to repeat."""
         self._store_io.shutdown(wait=True)
         self._load_io.shutdown(wait=True)
         if self._finalizer.detach() is not None:
-            _close_files(self._file, self._log)
+            close_files(self._file, self._log)
 
 
-def _close_files(file: SlotFile, log: ManifestLog | None) -> None:
-    """Close a tier's files as `DiskTier.close` describes; the slot file (and its lock)
-    last, so that the manifest is synced, or removed, while the lock is held."""
-    try:
-        if log is not None:
-            _sync_and_close_log(file, log)
-    finally:
-        file.close()
-
-
-def _close_dropped(file: SlotFile, log: ManifestLog | None) -> None:
-    """Close the files of a tier collected without `close()`, then warn."""
-    _close_files(file, log)
-    warnings.warn(
-        f"disk tier {file.path} was not closed; closed it at collection",
-        ResourceWarning,
-        stacklevel=2,
+def _io_pool(side: str, idents: set[int]) -> ThreadPoolExecutor:
+    """Return a one-thread pool whose thread adds its ident to `idents` as it starts."""
+    return ThreadPoolExecutor(
+        1,
+        thread_name_prefix=f"kvtier-disk-{side}",
+        initializer=_record_thread,
+        initargs=(idents,),
     )
 
 
-def _sync_and_close_log(file: SlotFile, log: ManifestLog) -> None:
-    failure: OSError | None = None
-    try:
-        file.sync()
-    except OSError as exc:
-        failure = exc
-    try:
-        log.close()
-    except OSError as exc:
-        failure = failure or exc
-    if failure is None:
-        return
-    try:
-        unlink_quietly(log.path)  # still under the slot file's lock
-    except OSError as exc:
-        logger.error("%s; cannot remove the manifest either: %s", failure, exc)
-        return  # its records stay checksummed: a bad slot fails to load, never served
-    logger.error(
-        "%s; removed the manifest %s: the next run of this persistent disk tier "
-        "starts with an empty cache",
-        failure,
-        log.path,
-    )
+def _record_thread(idents: set[int]) -> None:
+    idents.add(threading.get_ident())
 
 
 def _consecutive_runs(ids: np.ndarray) -> list[tuple[int, int]]:

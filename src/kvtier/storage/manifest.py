@@ -70,6 +70,7 @@ __all__ = [
     "ManifestError",
     "ManifestIdentity",
     "ManifestLog",
+    "check_manifest_paths",
     "check_no_persistent_tier",
     "check_record",
     "manifest_path_for",
@@ -214,6 +215,29 @@ def _replay(
             size,
         )
     return live
+
+
+def check_manifest_paths(slot_path: str) -> None:
+    """Raise OSError naming the path when a directory is where the manifest of `slot_path`,
+    or its temporary file, goes: the tier could neither write nor remove a file there.
+
+    Any other object at those paths is handled where it is met: a manifest that is not a
+    regular file is discarded (or, without persistence, removed) and a temporary file
+    replaced. A symlink is never followed, so one to a directory is no directory here.
+    """
+    manifest = manifest_path_for(slot_path)
+    for path in (manifest, manifest + ".tmp"):
+        try:
+            is_directory = stat.S_ISDIR(os.lstat(path).st_mode)
+        except FileNotFoundError:
+            continue
+        if is_directory:
+            raise OSError(  # EINVAL, as for a slot path that is not a regular file
+                errno.EINVAL,
+                "disk tier manifest path is a directory, not a regular file; remove it "
+                "(the tier writes its manifest there) or give the disk tier another path",
+                path,
+            )
 
 
 def check_no_persistent_tier(slot_path: str) -> None:

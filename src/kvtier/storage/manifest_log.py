@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.offload.plan import SlotRecord
+from kvtier.storage.close_gate import CloseGate
 from kvtier.storage.manifest_compaction import COMPACT_FLOOR, compaction_due, rewrite_manifest
 from kvtier.storage.manifest_format import ManifestEntry, encode_put, encode_tombstone
 
@@ -55,6 +56,7 @@ class ManifestLog:
         self._size = self._records = self._retry_at = self.compactions = 0
         self._broken = False
         self._lock = threading.Lock()
+        self._closing = CloseGate()
         self._rewrite()
 
     @property
@@ -142,10 +144,15 @@ class ManifestLog:
             os.close(old)  # the replaced log: no longer reachable by its path
 
     def close(self) -> None:
-        """Flush the log to the device and close it; idempotent.
+        """Flush the log to the device and close it; idempotent. Concurrent calls each
+        return once the log is flushed and closed (see `CloseGate`).
 
-        Raises OSError naming the manifest when the flush fails; the log is closed anyway.
+        Raises OSError naming the manifest when the flush fails; the log is closed anyway
+        (a later call returns quietly).
         """
+        self._closing.run(self._close_now)
+
+    def _close_now(self) -> None:
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is None:

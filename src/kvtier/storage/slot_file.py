@@ -6,8 +6,9 @@ existing regular file at the path (opened without truncation, never through a sy
 `reused` says so, and the caller checks its size and contents) or creates a fresh one, and
 is kept by `close()`. Either way the open file holds an advisory lock (`flock`, exclusive,
 non-blocking) for its lifetime: a second process opening it gets `DiskTierBusyError` (the
-protocol is in `file_lock`). A `SlotFile` collected without `close()` is closed (and
-removed) all the same, with a `ResourceWarning`, as a Python file object is.
+protocol is in `file_lock`; how the path is opened or created, in `slot_file_open`). A
+`SlotFile` collected without `close()` is closed (and removed) all the same, with a
+`ResourceWarning`, as a Python file object is.
 All I/O goes through a `FileIO` object so tests can inject faults (a refused write, a
 short write, a full disk). A short read or write is an error, never retried: on a regular
 file it means the device ran out of space or the file shrank.
@@ -17,20 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
-import stat
 import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.offload.config import DiskIOMode
+from kvtier.storage import slot_file_open
+from kvtier.storage.close_gate import CloseGate
 from kvtier.storage.file_lock import (
     DiskTierBusyError,
     LockedFileRemovedError,
     is_locked,
-    lock_exclusive,
     lock_or_close,
     remove_held_file,
     unlink_quietly,
@@ -48,10 +48,7 @@ __all__ = [
     "unlink_quietly",
 ]
 
-logger = logging.getLogger(__name__)
-
 DIRECT_IO_ALIGNMENT = 4096
-_NOT_REGULAR = "disk tier path is not a regular file (a FIFO, socket, device or directory?)"
 _OPEN_ATTEMPTS = 3  # opens that find the file removed by its closing holder: start over
 
 
@@ -121,6 +118,7 @@ class SlotFile:
         self._io: FileIO = file_io if file_io is not None else OsFileIO()
         self._handle = _OpenFile(path, persistent)
         self._handle.fd, self.reused = self._open()
+        self._closing = CloseGate()
         self._finalizer = weakref.finalize(self, _release_dropped, self._handle)
 
     def _open(self) -> tuple[int, bool]:
@@ -132,9 +130,9 @@ class SlotFile:
 
     def _open_once(self) -> tuple[int, bool]:
         if self.persistent:
-            fd, reused = _open_or_create(self.path, self.mode)
+            fd, reused = slot_file_open.open_or_create(self.path, self.mode)
         else:
-            fd, reused = _create_replacing_stale(self.path, self.mode), False
+            fd, reused = slot_file_open.create_replacing_stale(self.path, self.mode), False
         lock_or_close(fd, self.path)
         if not reused:
             self._size_or_remove(fd)
@@ -144,7 +142,7 @@ class SlotFile:
         """Size the locked file `fd` that this object created; on failure remove it (while
         still holding its lock), close it and raise OSError naming it."""
         try:
-            _reserve(fd, self.num_slots * self.bytes_per_slot)
+            slot_file_open.reserve(fd, self.num_slots * self.bytes_per_slot)
         except OSError as exc:
             try:
                 remove_held_file(fd, self.path)
@@ -166,7 +164,7 @@ class SlotFile:
         old, self._handle.fd = self._handle.fd, None
         try:
             unlink_quietly(self.path)
-            fd = _create(self.path, self.mode)
+            fd = slot_file_open.create_exclusive(self.path, self.mode)
             lock_or_close(fd, self.path)
             self._size_or_remove(fd)
             self._handle.fd = fd
@@ -237,8 +235,12 @@ class SlotFile:
     def close(self) -> None:
         """Remove the file unless it is persistent, then close it (releasing the lock only
         once the file is gone); idempotent, and what collection does without `close()`.
+        Concurrent calls each return once that is done (see `CloseGate`).
 
         Only the process that opened the file removes it: a forked child only closes."""
+        self._closing.run(self._close_now)
+
+    def _close_now(self) -> None:
         if self._finalizer.detach() is not None:
             _release(self._handle)
 
@@ -276,125 +278,3 @@ def _release_dropped(handle: _OpenFile) -> None:
             ResourceWarning,
             stacklevel=2,
         )
-
-
-def _open_or_create(path: str, mode: DiskIOMode) -> tuple[int, bool]:
-    """Open the regular file at `path` without truncation, or create it; refuse symlinks.
-
-    Return the descriptor and whether an existing file was opened."""
-    # O_NONBLOCK: never wait on a FIFO at the path (no effect on a regular file).
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    if mode is DiskIOMode.DIRECT:
-        flags |= os.O_DIRECT
-    for _ in range(2):  # a file created or removed by a racing process: one retry
-        try:
-            fd = _open(path, flags, mode)
-        except FileNotFoundError:
-            try:
-                return _create(path, mode), False
-            except FileExistsError:
-                if os.path.islink(path):
-                    raise
-                continue
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise FileExistsError(
-                    errno.EEXIST,
-                    "disk tier file is a symlink; refusing to follow it, remove it first",
-                    path,
-                ) from exc
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, _NOT_REGULAR, path)
-        os.set_blocking(fd, True)
-        return fd, True
-    raise OSError(errno.EAGAIN, "disk tier file keeps appearing and vanishing", path)
-
-
-def _create_replacing_stale(path: str, mode: DiskIOMode) -> int:
-    """Create `path` fresh; first remove a regular file there that no process holds.
-
-    Such a file was left by a run that crashed, or that kept it (persistence on); a
-    non-persistent tier never reads what it did not write in this run, so nothing of it
-    is used. A file another process holds raises `DiskTierBusyError`; a symlink is
-    refused and left alone.
-    """
-    try:
-        return _create(path, mode)
-    except FileExistsError:
-        if os.path.islink(path):
-            raise
-    fd, existed = _open_or_create(path, mode)
-    if not existed:
-        return fd  # it vanished meanwhile and this call created it
-    try:
-        # Held by a live process, or already replaced: DiskTierBusyError. Removed by its
-        # holder at close: LockedFileRemovedError, and the caller opens the path anew.
-        lock_exclusive(fd, path)
-        logger.warning(
-            "disk tier file %s was left by an earlier run (crashed, or persistent); "
-            "replacing it with a fresh one",
-            path,
-        )
-        unlink_quietly(path)
-        return _create(path, mode)
-    finally:
-        os.close(fd)  # drops the old file's lock once its replacement exists
-
-
-def _create(path: str, mode: DiskIOMode) -> int:
-    """Create `path` exclusively with mode 0600, refusing symlinks."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    if mode is DiskIOMode.DIRECT:
-        flags |= os.O_DIRECT
-    try:
-        fd = _open(path, flags, mode)
-    except FileExistsError as exc:
-        what = "a symlink" if os.path.islink(path) else "an existing file"
-        raise FileExistsError(
-            exc.errno,
-            f"disk tier file is {what} (left by a crashed run or in use by another "
-            "process); refusing to reuse it, remove it first",
-            path,
-        ) from exc
-    try:
-        os.fchmod(fd, 0o600)  # the umask may have narrowed it; make it exact
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    return fd
-
-
-def _open(path: str, flags: int, mode: DiskIOMode) -> int:
-    """`os.open` with mode 0600 and a hint when the filesystem refuses O_DIRECT.
-
-    Linux also answers EINVAL to O_DIRECT on a FIFO or socket: the hint is given only
-    when the path holds a regular file or nothing, otherwise the error says what is wrong.
-    """
-    try:
-        return os.open(path, flags, 0o600)
-    except OSError as exc:
-        if mode is not DiskIOMode.DIRECT or exc.errno != errno.EINVAL:
-            raise
-        with contextlib.suppress(FileNotFoundError):  # nothing there: refused to create it
-            if not stat.S_ISREG(os.lstat(path).st_mode):
-                raise OSError(exc.errno, _NOT_REGULAR, path) from exc
-        raise OSError(
-            exc.errno,
-            "the filesystem refused O_DIRECT (it has no direct I/O, e.g. tmpfs on older "
-            "kernels); use disk_io_mode=DiskIOMode.PAGE_CACHE ('page_cache') or a "
-            "directory on a block device",
-            path,
-        ) from exc
-
-
-def _reserve(fd: int, nbytes: int) -> None:
-    """Size the file to `nbytes`, allocating the blocks when the filesystem can."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise
-        os.ftruncate(fd, nbytes)

@@ -1,0 +1,62 @@
+"""How a disk tier's files are closed (see `disk_tier`), by `DiskTier.close` or, for a tier
+collected without it, by its finalizer: the slot file is synced, then the manifest, and a
+failed sync removes the manifest instead of raising.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from kvtier.storage.file_lock import unlink_quietly
+from kvtier.storage.manifest_log import ManifestLog
+from kvtier.storage.slot_file import SlotFile
+
+__all__ = ["close_dropped", "close_files"]
+
+logger = logging.getLogger(__name__)
+
+
+def close_files(file: SlotFile, log: ManifestLog | None) -> None:
+    """Close a tier's files as `DiskTier.close` describes; the slot file (and its lock)
+    last, so that the manifest is synced, or removed, while the lock is held."""
+    try:
+        if log is not None:
+            _sync_and_close_log(file, log)
+    finally:
+        file.close()
+
+
+def close_dropped(file: SlotFile, log: ManifestLog | None) -> None:
+    """Close the files of a tier collected without `close()`, then warn."""
+    close_files(file, log)
+    warnings.warn(
+        f"disk tier {file.path} was not closed; closed it at collection",
+        ResourceWarning,
+        stacklevel=2,
+    )
+
+
+def _sync_and_close_log(file: SlotFile, log: ManifestLog) -> None:
+    failure: OSError | None = None
+    try:
+        file.sync()
+    except OSError as exc:
+        failure = exc
+    try:
+        log.close()
+    except OSError as exc:
+        failure = failure or exc
+    if failure is None:
+        return
+    try:
+        unlink_quietly(log.path)  # still under the slot file's lock
+    except OSError as exc:
+        logger.error("%s; cannot remove the manifest either: %s", failure, exc)
+        return  # its records stay checksummed: a bad slot fails to load, never served
+    logger.error(
+        "%s; removed the manifest %s: the next run of this persistent disk tier "
+        "starts with an empty cache",
+        failure,
+        log.path,
+    )

@@ -1,0 +1,76 @@
+"""The close handshake: one thread runs the close, every other caller waits for it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from storage_helpers import WAIT_S, join_all, start_until_parked
+
+from kvtier.storage.close_gate import CloseGate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_caller_waits_for_the_close_running_in_another_thread() -> None:
+    """A second caller returns only once the first caller's action completed, and the
+    action runs once."""
+    gate = CloseGate()
+    release = threading.Event()
+    runs: list[str] = []
+    seen: dict[str, list[str]] = {}
+
+    def action() -> None:
+        assert release.wait(WAIT_S)
+        runs.append("closed")
+
+    def close(name: str) -> None:
+        gate.run(action)
+        seen[name] = list(runs)
+
+    first = start_until_parked(lambda: close("first"), "first")
+    assert gate.is_closing
+    assert not gate.is_closed
+    second = start_until_parked(lambda: close("second"), "second")
+    assert "second" not in seen
+    release.set()
+    join_all(first, second)
+    assert seen == {"first": ["closed"], "second": ["closed"]}
+    assert gate.is_closed
+    gate.run(action)
+    assert runs == ["closed"]
+
+
+def test_an_action_that_raises_is_run_again_by_the_next_caller() -> None:
+    """The error goes to the caller whose action raised; the gate stays closing (new work
+    refused) and the next call runs the action again."""
+    gate = CloseGate()
+    outcomes = iter([OSError("sync failed"), None])
+
+    def action() -> None:
+        error = next(outcomes)
+        if error is not None:
+            raise error
+
+    with pytest.raises(OSError, match="sync failed"):
+        gate.run(action)
+    assert gate.is_closing
+    assert not gate.is_closed
+    gate.run(action)
+    assert gate.is_closed
+
+
+def test_a_call_from_the_running_thread_returns_at_once() -> None:
+    """A close re-entered by the thread running it (a finalizer run by a garbage
+    collection inside the action) returns instead of waiting for itself."""
+    gate = CloseGate()
+    calls: list[str] = []
+
+    def action() -> None:
+        calls.append("outer")
+        gate.run(lambda: calls.append("inner"))
+        calls.append("outer done")
+
+    gate.run(action)
+    assert calls == ["outer", "outer done"]
+    assert gate.is_closed
