@@ -113,3 +113,42 @@ def test_without_the_compute_wait_the_race_is_real(monkeypatch: pytest.MonkeyPat
     kv = kv_per_layer(2, 8, (16, 8, 128), device="cuda")
     with make_worker(WorkerConfig(cpu_num_slots=4), kv) as worker:
         assert race_store_against_forward(worker, kv, 20, explicit_marker=False) > 0
+
+
+def race_load_against_forward(worker: OffloadWorker, kv: list[torch.Tensor], n: int) -> int:
+    """Per iteration: launch a long "forward" that ends by writing block 2 (its previous
+    owner's last write, still queued under asynchronous scheduling), then load a slot into
+    block 2 at once; return how many loads that write overwrote."""
+    fill_random(kv, seed=3)
+    run_plan(worker, job(1, Tier.GPU, Tier.CPU, [1], [0]))
+    expected = [t[:, 1].clone() for t in kv]
+    busy = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    corruptions = 0
+    for i in range(n):
+        out = busy
+        for _ in range(4):
+            out = out @ busy
+        for tensor in kv:
+            tensor[:, 2].fill_(float(i % 1000 + 1))
+        run_plan(worker, job(10 * i + 2, Tier.CPU, Tier.GPU, [0], [2]))
+        if not all(torch.equal(t[:, 2], e) for t, e in zip(kv, expected, strict=True)):
+            corruptions += 1
+    return corruptions
+
+
+def test_load_waits_for_the_previous_owners_forward_write() -> None:
+    """A load into a block whose previous owner's forward is still queued lands after it."""
+    kv = kv_per_layer(2, 8, (16, 8, 128), device="cuda")
+    with make_worker(WorkerConfig(cpu_num_slots=4), kv) as worker:
+        assert race_load_against_forward(worker, kv, 100) == 0
+
+
+def test_without_the_compute_wait_a_load_can_be_overwritten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control: with the wait disabled the same race corrupts loads, so the test above can
+    fail."""
+    monkeypatch.setattr(CudaCopier, "wait_for_compute", lambda self, marker: None)
+    kv = kv_per_layer(2, 8, (16, 8, 128), device="cuda")
+    with make_worker(WorkerConfig(cpu_num_slots=4), kv) as worker:
+        assert race_load_against_forward(worker, kv, 20) > 0

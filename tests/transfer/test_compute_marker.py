@@ -1,0 +1,63 @@
+"""Which jobs wait for the engine's compute-done marker (SPEC §7 ordering), on the CPU.
+
+A store reads GPU blocks the forward pass writes; a load writes GPU blocks whose previous
+owner's last forward pass may still be queued (vLLM's asynchronous scheduling frees a
+finished request's blocks while its last step runs): both must wait for the compute
+queued before them. CPU ↔ disk jobs touch no GPU memory and need not wait. The marker
+itself is a CUDA event; here a sentinel stands in for it and the copies run on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from transfer_helpers import job, kv_per_layer, make_worker, run_plan
+
+from kvtier.offload.plan import Tier
+from kvtier.transfer import WorkerConfig
+from kvtier.transfer import worker as worker_module
+from kvtier.transfer.routes import Route, Task
+
+MARKER = object()
+
+
+def test_every_job_that_touches_gpu_blocks_waits_for_the_compute_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kv = kv_per_layer(2, 8)
+    config = WorkerConfig(cpu_num_slots=8, disk_num_slots=8, disk_path=str(tmp_path))
+    with make_worker(config, kv) as worker:
+        asked: list[bool] = []
+
+        def take_marker(needed: bool) -> object | None:
+            asked.append(needed)
+            return MARKER if needed else None
+
+        markers: dict[Route, object | None] = {}
+        real_run_task = worker_module.run_task
+
+        def spy(task: Task, *args: object) -> object:
+            markers[task.route] = task.marker
+            return real_run_task(dataclasses.replace(task, marker=None), *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(worker, "_take_compute_marker", take_marker)
+        monkeypatch.setattr(worker_module, "run_task", spy)
+        run_plan(
+            worker, job(1, Tier.GPU, Tier.CPU, [1], [0]), job(2, Tier.GPU, Tier.DISK, [2], [0])
+        )
+        run_plan(worker, job(3, Tier.CPU, Tier.GPU, [0], [3]))
+        run_plan(worker, job(4, Tier.DISK, Tier.GPU, [0], [4]))
+        run_plan(
+            worker, job(5, Tier.CPU, Tier.DISK, [0], [1]), job(6, Tier.DISK, Tier.CPU, [0], [2])
+        )
+    assert asked == [True, True, True, False]
+    assert markers == {
+        Route.HOST_STORE: MARKER,
+        Route.DISK_STORE: MARKER,
+        Route.HOST_LOAD: MARKER,
+        Route.DISK_LOAD: MARKER,
+        Route.DEMOTE: None,
+        Route.PROMOTE: None,
+    }
