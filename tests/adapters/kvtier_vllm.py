@@ -28,6 +28,14 @@ CONNECTOR = "KVTierConnector"
 MODULE = "kvtier.adapters.vllm"
 # One block id of the harness model: 2 layers x 2048-byte pages.
 SLOT_BYTES = 2 * 2048
+# vLLM's scheduling as harness overrides: its plain `Scheduler`; the `AsyncScheduler`
+# (0.33's default) in lock-step; and overlapped like its engine core, step N+1 scheduled
+# before step N's output is processed.
+SCHEDULING: dict[str, dict[str, Any]] = {
+    "sync": {},
+    "async": {"async_scheduling": True},
+    "async_pipelined": {"async_scheduling": True, "batch_queue_size": 2},
+}
 
 
 def kvtier_config(num_cpu_blocks: int = 256, **overrides: Any) -> HarnessConfig:
@@ -68,7 +76,7 @@ def drain_collecting_stats(harness: VllmHarness, max_steps: int = 2000) -> list[
     """Step until idle; return every step's connector stats payload vLLM produced."""
     payloads = []
     for _ in range(max_steps):
-        if not harness.scheduler.has_requests():
+        if not harness.is_busy():
             return payloads
         for outputs in harness.step().outputs.values():
             stats = outputs.scheduler_stats

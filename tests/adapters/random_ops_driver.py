@@ -61,9 +61,7 @@ class FaultyWorker:
     """
 
     def __init__(self, worker: OffloadWorker, scribble: Callable[[tuple[int, ...]], None]):
-        self._submit = worker.submit
-        self._poll = worker.poll
-        self._flush = worker.flush
+        self._submit, self._poll, self._flush = worker.submit, worker.poll, worker.flush
         self._scribble = scribble
         self.delay = dict.fromkeys(KINDS, 0)
         self.hold = dict.fromkeys(KINDS, 0)
@@ -211,6 +209,7 @@ class Engine:
     store_mode: str = "eager"
     cascade: str | None = None
     num_ranks: int = 1
+    async_batches: int = 0  # 0: vLLM's Scheduler; else AsyncScheduler, steps in flight
 
 
 class Run:
@@ -233,6 +232,8 @@ class Run:
             max_num_seqs=4,
             max_num_batched_tokens=64,
             num_ranks=engine.num_ranks,
+            async_scheduling=engine.async_batches > 0,
+            batch_queue_size=max(1, engine.async_batches),
             extra=extra,
         )
         self.side = scheduler_side(self.harness)
@@ -329,9 +330,8 @@ class Run:
 
     def drain_steps(self) -> None:
         """Step until vLLM is idle; fail if it is still busy after `MAX_DRAIN_STEPS`."""
-        scheduler = self.harness.scheduler
         for _ in range(MAX_DRAIN_STEPS):
-            if not scheduler.has_requests():
+            if not self.harness.is_busy():
                 return
             self.step()
         raise AssertionError(f"engine still busy after {MAX_DRAIN_STEPS} steps")

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 from kvtier_vllm import (
     CONNECTOR,
     MODULE,
+    SCHEDULING,
     PollGate,
     check_quiescent,
     drain,
@@ -55,7 +56,7 @@ def run_waves(
     for start in range(0, len(items), wave):
         for request_id, prompt in items[start : start + wave]:
             harness.add_request(request_id, prompt, **kw)
-        while harness.scheduler.has_requests():
+        while harness.is_busy():
             record = harness.step()
             num_preempted += len(record.scheduler_output.preempted_req_ids or ())
             for outputs in record.outputs.values():
@@ -88,10 +89,13 @@ def test_metadata_survives_pickling_between_processes() -> None:
     assert pickle.loads(pickle.dumps(merged)).report == WorkerReport({3: 2}, {4: 2})
 
 
+@pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("store_mode", ["eager", "lazy"])
-def test_evicted_shared_prefixes_are_served_from_the_tier(store_mode: str) -> None:
+def test_evicted_shared_prefixes_are_served_from_the_tier(store_mode: str, scheduling: str) -> None:
     # 12 prefixes of 4 blocks over 3 waves: a 40-block GPU pool cannot keep them.
-    harness = kvtier_harness(num_gpu_blocks=40, extra={"store_mode": store_mode})
+    harness = kvtier_harness(
+        num_gpu_blocks=40, extra={"store_mode": store_mode}, **SCHEDULING[scheduling]
+    )
     prompts = shared_prefix_prompts(36, prefix_len=64, suffix_len=8, num_prefixes=12)
     hits: list[int] = []
     run_waves(harness, prompts, wave=12, hits=hits)
@@ -121,10 +125,18 @@ def test_gpu_prefix_cache_reset_is_served_entirely_from_the_tier(kv_cache_layout
     check_quiescent(harness)
 
 
+@pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("store_mode", ["eager", "lazy"])
-def test_preemption_flushes_and_resumed_requests_stay_correct(store_mode: str) -> None:
+def test_preemption_flushes_and_resumed_requests_stay_correct(
+    store_mode: str, scheduling: str
+) -> None:
     # 8 concurrent requests decoding 48 tokens each overflow a 30-block pool.
-    harness = kvtier_harness(num_gpu_blocks=30, max_num_seqs=8, extra={"store_mode": store_mode})
+    harness = kvtier_harness(
+        num_gpu_blocks=30,
+        max_num_seqs=8,
+        extra={"store_mode": store_mode},
+        **SCHEDULING[scheduling],
+    )
     prompts = shared_prefix_prompts(16, prefix_len=64, suffix_len=24, num_prefixes=4)
     num_preempted = run_waves(harness, prompts, wave=8, max_tokens=48)
     assert num_preempted > 0

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import (
+    SCHEDULING,
     PollGate,
     check_quiescent,
     drain,
@@ -88,8 +89,9 @@ def test_loads_dropped_before_issue_are_echoed_as_failed_by_every_worker() -> No
     check_quiescent(harness)
 
 
-def test_abort_during_load_frees_blocks_only_after_the_load() -> None:
-    harness = stored_then_gpu_reset()
+@pytest.mark.parametrize("scheduling", SCHEDULING)
+def test_abort_during_load_frees_blocks_only_after_the_load(scheduling: str) -> None:
+    harness = stored_then_gpu_reset(**SCHEDULING[scheduling])
     gate = PollGate(offload_worker(harness))
     gate.hold("load")
     harness.add_request("b", AGAIN["again-req-1"], max_tokens=3)
@@ -150,8 +152,9 @@ def test_a_load_failing_under_the_fail_policy_leaves_no_state() -> None:
     check_quiescent(harness)
 
 
-def test_a_request_aborted_during_a_load_that_then_fails_leaves_no_state() -> None:
-    harness = stored_then_gpu_reset()
+@pytest.mark.parametrize("scheduling", SCHEDULING)
+def test_a_request_aborted_during_a_load_that_then_fails_leaves_no_state(scheduling: str) -> None:
+    harness = stored_then_gpu_reset(**SCHEDULING[scheduling])
     gate = PollGate(offload_worker(harness))
     gate.hold("load")
     gate.fail_loads(zero_blocks(harness))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm_engine import PrefixFingerprints
 from vllm_harness import (
     SIMPLE_CPU_OFFLOAD,
     FakeKVCache,
@@ -54,8 +59,17 @@ def test_no_connector_shared_prefix_finishes_with_local_hits() -> None:
     assert all(harness.external_hit_tokens(r) == 0 for r in prompts)
 
 
-def test_fake_kv_cache_detects_wrong_contents() -> None:
-    harness = VllmHarness(HarnessConfig())
+# vLLM's plain Scheduler; its AsyncScheduler in lock-step; and overlapped (batch queue of 2).
+SCHEDULING = {
+    "sync": HarnessConfig(),
+    "async": HarnessConfig(async_scheduling=True),
+    "async_pipelined": HarnessConfig(async_scheduling=True, batch_queue_size=2),
+}
+
+
+@pytest.mark.parametrize("scheduling", SCHEDULING)
+def test_fake_kv_cache_detects_wrong_contents(scheduling: str) -> None:
+    harness = VllmHarness(SCHEDULING[scheduling])
     prompt = list(range(1000, 1040))
     harness.run_requests({"a": prompt}, max_tokens=1)
     for tensor in harness.caches[0].tensors.values():
@@ -151,3 +165,51 @@ def test_kv_events_are_captured_per_step() -> None:
     stored = [e for e in flatten_events(harness.event_batches) if type(e).__name__ == "BlockStored"]
     assert {e.medium for e in stored} == {"GPU", "CPU"}
     assert sum(e.medium == "CPU" for e in stored) == 2  # 41 computed tokens: 2 full blocks
+
+
+def record_placeholders(harness: VllmHarness) -> list[int]:
+    """Return a list that gets, after each schedule, the most placeholders of a request."""
+    schedule = harness.scheduler.schedule
+    placeholders: list[int] = []
+
+    def recording_schedule() -> SchedulerOutput:
+        output = schedule()
+        requests = harness.scheduler.requests.values()
+        placeholders.append(max((r.num_output_placeholders for r in requests), default=0))
+        return output
+
+    harness.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    return placeholders
+
+
+def test_async_scheduling_overlaps_steps_and_samples_the_same_tokens() -> None:
+    prompts = shared_prefix_prompts(6, prefix_len=32, suffix_len=7, num_prefixes=2)
+    outputs = {}
+    for name, cfg in SCHEDULING.items():
+        harness = VllmHarness(cfg)
+        assert isinstance(harness.scheduler, AsyncScheduler) == cfg.async_scheduling
+        placeholders = record_placeholders(harness)
+        harness.run_requests(prompts, max_tokens=6)
+        assert harness.finished == set(prompts)
+        outputs[name] = {r: list(harness.requests[r].output_token_ids) for r in prompts}
+        # Lock-step: one placeholder (this step's sample) at most; overlapped: a step is
+        # scheduled while the previous step's token is still a placeholder.
+        assert max(placeholders) == {"sync": 0, "async": 1, "async_pipelined": 2}[name]
+    assert outputs["async"] == outputs["sync"] == outputs["async_pipelined"]
+
+
+def test_overlapping_steps_need_async_scheduling() -> None:
+    with pytest.raises(ValueError, match="async_scheduling"):
+        HarnessConfig(batch_queue_size=2)
+
+
+def test_a_delivered_token_other_than_the_sampled_one_is_caught() -> None:
+    fingerprints = PrefixFingerprints()
+    request = SimpleNamespace(request_id="a", all_token_ids=[5, 6])
+    sampled = fingerprints.upto(request, 3, token_at=lambda pos: 7)  # type: ignore[arg-type]
+    request.all_token_ids.append(7)
+    assert fingerprints.upto(request, 3) == sampled  # type: ignore[arg-type]
+    fingerprints.upto(request, 4, token_at=lambda pos: 8)  # type: ignore[arg-type]
+    request.all_token_ids.append(9)
+    with pytest.raises(AssertionError, match="position 3 delivered another token"):
+        fingerprints.upto(request, 4)  # type: ignore[arg-type]

@@ -17,9 +17,10 @@ workers' invariants too; every position vLLM treats as computed (the harness rai
 `KVMismatchError`). At the end every request is finished or aborted and the engine
 drained: nothing pinned, tracked or allocated. Then every block a tier indexes is
 copied out and checked against its key, and every prompt replayed from a zeroed GPU
-cache. Per engine (eager, lazy, write-through cascade, two ranks with write-back) the
+cache. Per engine (eager, lazy, write-through cascade, two ranks with write-back; eager
+and lazy again under vLLM's asynchronous scheduling, overlapped and lock-step) the
 examples must add up to tier hits, failed transfers, late ones, preemptions, aborts
-and resets, so the test cannot pass by not exercising them. About 20 s on 2 cores.
+and resets, so the test cannot pass by not exercising them. 10-20 s an engine on 2 cores.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ ENGINES = [
     Engine("lazy", store_mode="lazy"),
     Engine("write_through", cascade="write_through"),
     Engine("two_ranks_write_back", cascade="write_back", num_ranks=2),
+    # vLLM 0.33's default, asynchronous scheduling: step N+1 scheduled before step N's
+    # output is processed (eager), and lock-step (lazy).
+    Engine("eager_async_pipelined", async_batches=2),
+    Engine("lazy_async", store_mode="lazy", async_batches=1),
 ]
 
 

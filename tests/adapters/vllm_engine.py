@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import (
@@ -57,6 +58,11 @@ class HarnessConfig:
     (LBNHC: layer-outermost, vLLM's usual; BLNHC: block-outermost). `num_ranks` is the
     tensor-parallel size: the world size connectors see, and one fake worker per rank.
     `kv_load_failure_policy` is vLLM's: "fail" (its default) or "recompute".
+    `async_scheduling` is vLLM's flag (its default in 0.33; off here): the harness builds
+    an `AsyncScheduler`, whose sampled tokens are placeholders until the step's output is
+    processed. `batch_queue_size` is the steps in flight at once, as in vLLM's engine
+    core (2 under asynchronous scheduling): the harness schedules step N+1 before it
+    processes step N's output. 1 runs lock-step; more needs `async_scheduling`.
     """
 
     connector: str | None = None
@@ -74,6 +80,12 @@ class HarnessConfig:
     enable_kv_events: bool = False
     num_ranks: int = 1
     kv_load_failure_policy: str = "fail"
+    async_scheduling: bool = False
+    batch_queue_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.batch_queue_size > 1 and not self.async_scheduling:
+            raise ValueError("overlapping steps need async_scheduling, as in vLLM")
 
     @property
     def layer_names(self) -> list[str]:
@@ -126,7 +138,7 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         max_model_len=cfg.max_model_len,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        async_scheduling=False,
+        async_scheduling=cfg.async_scheduling,
     )
     cache_config = CacheConfig(block_size=cfg.block_size, enable_prefix_caching=True)
     kv_transfer_config = None
@@ -151,6 +163,10 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_gpu_blocks
+    # vLLM's CPU platform turns asynchronous scheduling off; the harness stands in for a
+    # GPU engine, where it stays as configured (and makes the scheduler defer block
+    # frees for a KV consumer, `max_concurrent_batches` being 2).
+    vllm_config.scheduler_config.async_scheduling = cfg.async_scheduling
     return vllm_config
 
 
@@ -174,11 +190,16 @@ def build_kv_cache_config(cfg: HarnessConfig, vllm_config: VllmConfig) -> KVCach
 def build_scheduler(
     cfg: HarnessConfig, model_dir: str
 ) -> tuple[Scheduler, VllmConfig, KVCacheConfig]:
-    """Build a real vLLM `Scheduler` (and its scheduler-role connector) on CPU."""
+    """Build a real vLLM `Scheduler` (and its scheduler-role connector) on CPU.
+
+    An `AsyncScheduler` when `cfg.async_scheduling`, as vLLM's engine core picks it.
+    """
     vllm_config = build_vllm_config(cfg, model_dir)
+    assert vllm_config.scheduler_config.async_scheduling == cfg.async_scheduling
     kv_cache_config = build_kv_cache_config(cfg, vllm_config)
     register_all_kvcache_specs(vllm_config)
-    scheduler = Scheduler(
+    scheduler_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
+    scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -197,20 +218,40 @@ class PrefixFingerprints:
 
     def __init__(self) -> None:
         self._values: dict[str, list[int]] = {}
+        self._guessed: dict[str, dict[int, int]] = {}  # request id -> position -> token
 
-    def upto(self, request: Request, num_tokens: int) -> list[int]:
-        """Return fingerprints of the prefixes ending at positions `0..num_tokens-1`."""
-        values = self._values.setdefault(request.request_id, [])
+    def upto(
+        self, request: Request, num_tokens: int, token_at: Callable[[int], int] | None = None
+    ) -> list[int]:
+        """Return fingerprints of the prefixes ending at positions `0..num_tokens-1`.
+
+        A position past the request's tokens (an output placeholder of asynchronous
+        scheduling: sampled, not yet delivered) takes its token from `token_at`, what the
+        model runner sampled there; once vLLM delivers that position, the token must be
+        the same (AssertionError otherwise: vLLM and the runner disagree on the prefix).
+        """
+        request_id = request.request_id
+        values = self._values.setdefault(request_id, [])
         token_ids = request.all_token_ids
+        guessed = self._guessed.setdefault(request_id, {})
+        for pos in [pos for pos in guessed if pos < len(token_ids)]:
+            token = guessed.pop(pos)
+            assert token_ids[pos] == token, f"{request_id}: position {pos} delivered another token"
         prev = values[-1] if values else 0
         for pos in range(len(values), num_tokens):
-            prev = (prev * _FINGERPRINT_MUL + token_ids[pos] + 1) % _FINGERPRINT_MOD
+            if pos < len(token_ids):
+                token = token_ids[pos]
+            else:
+                assert token_at is not None, f"{request_id}: position {pos} has no token yet"
+                token = guessed[pos] = token_at(pos)
+            prev = (prev * _FINGERPRINT_MUL + token + 1) % _FINGERPRINT_MOD
             values.append(prev)
         return values[:num_tokens]
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's fingerprints."""
         self._values.pop(request_id, None)
+        self._guessed.pop(request_id, None)
 
 
 class FakeKVCache:

@@ -14,6 +14,17 @@ rank's worker side (`vllm_workers`) output back to the scheduler, merged across 
 the way vLLM's executor merges it. A wrong block loaded, a block loaded from the wrong
 slot or a load that never happened raises `KVMismatchError`.
 
+Asynchronous scheduling (`HarnessConfig.async_scheduling`, vLLM 0.33's default): an
+`AsyncScheduler`, lock-step by default. With `batch_queue_size=2` the harness overlaps
+steps like vLLM's engine core: it schedules step N+1 (and runs its fake forward and
+worker sides) before step N's output reaches the scheduler. The fake runner then samples
+tokens vLLM holds as placeholders; fingerprints use them and check them once delivered.
+The fake forward is synchronous: when step N+1 is launched, step N's KV is written, so
+the checks never blame a correct engine; but a GPU race (a load landing before an
+earlier, still queued forward writes the same block) cannot show up here. vLLM's
+deferred block frees and the worker's compute-done mark order those
+(`test_vllm_compute_order` and the GPU tests).
+
 Modules: `vllm_engine` (configs, scheduler, fake KV cache), `vllm_workers` (worker
 sides), this one (the step loop and workloads); the names tests need are re-exported here.
 """
@@ -24,8 +35,10 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -132,6 +145,8 @@ class VllmHarness:
         self.finished: set[str] = set()
         self.event_batches: list[KVEventBatch] = []
         self.num_steps = 0
+        # Launched steps awaiting `update_from_output`, oldest first (vLLM's batch queue).
+        self._in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         publisher = self.scheduler.kv_event_publisher
         publish = publisher.publish
 
@@ -191,7 +206,24 @@ class VllmHarness:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> StepRecord:
-        """Run one engine step: schedule, fake forward, worker sides, update."""
+        """Run one engine step: schedule, fake forward, worker sides, update.
+
+        With `batch_queue_size` > 1 this is one turn of vLLM's `step_with_batch_queue`
+        that processes an output: launch steps (schedule, forward, worker sides) until the
+        queue is full or nothing is left to schedule, then process the oldest step's
+        output. The record is that step's. An idle engine still runs an empty step.
+        """
+        if not self._in_flight:
+            self._in_flight.append(self._launch())
+        while len(self._in_flight) < self.cfg.batch_queue_size and self.scheduler.has_requests():
+            self._in_flight.append(self._launch())
+        return self._complete(*self._in_flight.popleft())
+
+    def is_busy(self) -> bool:
+        """Return True while vLLM has requests or a launched step awaits its output."""
+        return bool(self._in_flight) or self.scheduler.has_requests()
+
+    def _launch(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         scheduler_output = self.scheduler.schedule()
         self._record_admissions()
         for worker in self.workers:
@@ -213,6 +245,11 @@ class VllmHarness:
             else self._aggregator.aggregate(runner_outputs)
         )
         assert runner_output is not None
+        return scheduler_output, runner_output
+
+    def _complete(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> StepRecord:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         finished = {
             out.request_id
@@ -229,9 +266,9 @@ class VllmHarness:
         )
 
     def run(self, max_steps: int = 1000) -> int:
-        """Step until the scheduler has nothing left to do; return the steps taken."""
+        """Step until the engine is idle (`is_busy`); return the steps taken."""
         for num_steps in range(max_steps):
-            if not self.scheduler.has_requests():
+            if not self.is_busy():
                 return num_steps
             self.step()
         raise AssertionError(f"engine still busy after {max_steps} steps")
@@ -254,19 +291,21 @@ class VllmHarness:
             start = end - num_new
             if self.check_kv:
                 (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-                prints = self._fingerprints.upto(request, end)
+                prints = self._fingerprints.upto(request, end, partial(_token_at, req_id))
                 for cache in self.caches:
                     if req_id in fresh:
                         cache.check(req_id, block_ids, prints, start)
                     cache.write(block_ids, start, prints)
             # A request still inside its prompt samples nothing this step.
-            sampled[req_id] = [] if request.is_prefill_chunk else [_next_token(request)]
+            # A request still inside its prompt samples nothing this step; otherwise the
+            # token at `end` (past a placeholder not yet delivered under async scheduling).
+            sampled[req_id] = [] if request.is_prefill_chunk else [_token_at(req_id, end)]
         return sampled
 
 
-def _next_token(request: Request) -> int:
-    """A deterministic, request-specific next token (so outputs diverge per request)."""
-    return 100 + (zlib.crc32(request.request_id.encode()) + request.num_tokens) % 1000
+def _token_at(request_id: str, position: int) -> int:
+    """The output token at `position`: request-specific (outputs diverge), deterministic."""
+    return 100 + (zlib.crc32(request_id.encode()) + position) % 1000
 
 
 # --------------------------------------------------------------------------- workloads
