@@ -22,8 +22,9 @@ tokens vLLM holds as placeholders; fingerprints use them and check them once del
 The fake forward is synchronous: when step N+1 is launched, step N's KV is written, so
 the checks never blame a correct engine; but a GPU race (a load landing before an
 earlier, still queued forward writes the same block) cannot show up here. vLLM's
-deferred block frees and the worker's compute-done mark order those
-(`test_vllm_compute_order` and the GPU tests).
+scheduler rules it out: for a KV-consuming connector under overlapping steps it defers
+freeing a finished request's blocks until the steps that may write them completed
+(`Scheduler.defer_block_free`); stores wait for the worker's compute-done mark.
 
 Modules: `vllm_engine` (configs, scheduler, fake KV cache), `vllm_workers` (worker
 sides), this one (the step loop and workloads); the names tests need are re-exported here.

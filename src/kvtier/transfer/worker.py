@@ -12,11 +12,12 @@ Jobs by tier pair and the lane (background thread, FIFO) that runs them (see `ro
 Ordering on CUDA: a store must not read a GPU block before the forward pass that writes
 it. `submit()` records a compute-done event on the caller's current stream (call it right
 after launching the forward) unless `record_compute_done()` was called since the previous
-submit; the store stream waits on that event before reading. A load into GPU blocks waits
-on it too: its destination blocks were freed by their previous owner, and with
-asynchronous scheduling (vLLM's default) that owner's last forward pass may still be
-queued and would write into them after the load. Nothing reads a loaded block before the
-load is reported done.
+submit; the store stream waits on that event before reading. Loads do not wait: their
+destination blocks are not used until the load is reported done, and the engine must not
+give a load blocks that a forward still queued may write. vLLM 0.33 guarantees that: with
+overlapping steps (asynchronous scheduling, pipeline parallelism) its scheduler defers
+freeing a finished request's blocks for a KV-consuming connector until every step that
+may write them has completed; a synchronous engine's earlier forwards have finished.
 
 Persistent disk tier (`WorkerConfig.disk_persist`, see `kvtier.storage.manifest`): a job
 into DISK with `dst_records` records each slot once its data is written; one without them
@@ -240,11 +241,10 @@ class OffloadWorker:
                 raise ValueError(f"event {job.event_id} is already in flight")
             seen.add(job.event_id)
             prepared.append((job, *checked))
-        touches_gpu = [Tier.GPU in (job.src_tier, job.dst_tier) for job in plan.jobs]
-        marker = self._take_compute_marker(any(touches_gpu))
-        for (job, route, src_ids, dst_ids), on_gpu in zip(prepared, touches_gpu, strict=True):
+        marker = self._take_compute_marker(any(job.src_tier is Tier.GPU for job in plan.jobs))
+        for job, route, src_ids, dst_ids in prepared:
             records = job.dst_records if job.dst_tier is Tier.DISK and job.dst_records else None
-            job_marker = marker if on_gpu else None
+            job_marker = marker if job.src_tier is Tier.GPU else None
             task = Task(route, src_ids, dst_ids, job_marker, records)
             direction = Direction.STORE if route in STORE_ROUTES else Direction.LOAD
             run = functools.partial(

@@ -3,11 +3,9 @@
 Per step, in vLLM's order:
 
     handle_preemptions     flush() when the plan says a request was preempted
-    bind metadata          remember the plan; the load-event → request-id map; with
-                           loads, mark the compute queued so far (before the forward)
-    start_load_kv          submit the plan's load jobs (right after the forward launch),
-                           waiting for that mark, and its CPU → DISK demotions (cascade;
-                           no GPU memory touched)
+    bind metadata          remember the plan; the load-event → request-id map
+    start_load_kv          submit the plan's load jobs (right after the forward launch)
+                           and its CPU → DISK demotions (cascade; no GPU memory touched)
     wait_for_save          record the compute-done marker, submit the store jobs
     get_transfer_results   poll(): requests whose every load event finished →
                            finished_recving; those with a failed event (and the
@@ -149,11 +147,6 @@ class WorkerSide:
         self._echo_failed = metadata.unissued_failed_request_ids
         self.loads.update(metadata.plan.load_request_ids)
         self._loads_submitted = self._stores_submitted = False
-        if any(job.dst_tier is Tier.GPU for job in metadata.plan.jobs):
-            # A load's GPU blocks were freed by their previous owner, whose last forward
-            # may still be queued (asynchronous scheduling): the load waits for the compute
-            # queued before this step's forward, which never touches them.
-            self.worker.record_compute_done()
 
     def clear(self) -> None:
         """Forget this step's plan."""
