@@ -268,3 +268,15 @@ def test_tier_file_rank_is_the_global_rank_or_the_device_index() -> None:
         with mock.patch.object(parallel_state, "get_world_group", return_value=world):
             assert worker_side.distributed_rank() == rank
             assert worker_side.file_rank(0) == rank
+
+
+@pytest.mark.parametrize("scheduling", SCHEDULING)
+def test_vllm_defers_freeing_blocks_a_queued_step_may_write(scheduling: str) -> None:
+    """kvtier's loads do not wait for compute (`kvtier.transfer.worker`): under overlapping
+    steps vLLM must hold a finished request's blocks until the steps that may write them
+    completed, so that no load is handed a block a queued forward still writes."""
+    harness = VllmHarness(kvtier_config(**SCHEDULING[scheduling]))
+    overlapping = harness.vllm_config.max_concurrent_batches > 1
+    assert overlapping == (scheduling != "sync")
+    assert harness.scheduler.defer_block_free is overlapping
+    harness.close()
