@@ -25,6 +25,8 @@ MARKER = object()
 def test_stores_from_gpu_blocks_wait_for_the_compute_marker_and_nothing_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """SPEC scenario 30: stores out of GPU blocks (to CPU and to disk) get the step's
+    compute-done marker; loads and CPU ↔ disk moves do not."""
     kv = kv_per_layer(2, 8)
     config = WorkerConfig(cpu_num_slots=8, disk_num_slots=8, disk_path=str(tmp_path))
     with make_worker(config, kv) as worker:

@@ -178,8 +178,9 @@ def test_every_copy_is_queued_on_the_lane_stream(cuda: FakeCuda, kind: str) -> N
 
 
 def test_a_store_waits_for_compute_then_copies_then_records_completion(cuda: FakeCuda) -> None:
-    """SPEC §7 ordering: the wait on the compute-done marker is queued before any read of
-    an engine block, and the completion event after the last copy, on the same stream."""
+    """SPEC scenario 30 (§7 ordering): the wait on the compute-done marker is queued before
+    any read of an engine block, and the completion event after the last copy, on the same
+    stream."""
     copier = CudaCopier(ENGINE_DEVICE)
     marker = FakeEvent(cuda)
     copier.wait_for_compute(marker)  # type: ignore[arg-type]
