@@ -250,4 +250,6 @@ def test_cascade_events_carry_both_media(tmp_path: Path) -> None:
     events = flatten_events(harness.event_batches)
     media = {e.medium for e in events if isinstance(e, BlockStored)}
     assert media == {"GPU", "CPU", "STORAGE"}
+    # Every medium counts a block's own tokens (vLLM records a key's prefix tokens).
+    assert {e.block_size for e in events if isinstance(e, BlockStored)} == {16}
     check_quiescent(harness)

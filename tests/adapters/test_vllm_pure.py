@@ -25,7 +25,7 @@ from kvtier.adapters.vllm.layout import (
     tier_sizes,
 )
 from kvtier.adapters.vllm.regions import PlacementError, is_block_compact, placement_block_views
-from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
+from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView, tokens_in_block
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored
 from kvtier.core.keys import make_key
 from kvtier.core.kv_groups import GroupKind
@@ -287,6 +287,34 @@ def test_request_view_reads_through() -> None:
     assert view.num_computed_tokens == 32
 
 
+@pytest.mark.parametrize(
+    ("group_id", "end", "expected"),
+    [
+        (0, 64, 16),  # block 3 of 16-token blocks: vLLM counts 64 tokens of prefix
+        (0, 53, 5),  # a partial entry 5 tokens into its block
+        (0, 16, 16),
+        (1, 96, 32),  # group 1 has 32-token blocks
+        (1, 80, 16),
+        (0, None, 0),  # vLLM recorded no count
+    ],
+)
+def test_tokens_in_block_counts_the_blocks_own_tokens(
+    group_id: int, end: int | None, expected: int
+) -> None:
+    block = SimpleNamespace(block_hash=make_key(HASH, group_id), block_hash_num_tokens=end)
+    assert tokens_in_block(block, (16, 32)) == expected
+    if group_id == 0:
+        assert tokens_in_block(block, (16,)) == expected
+
+
+def test_pool_view_refuses_missing_block_sizes() -> None:
+    pool = SimpleNamespace(blocks=[])
+    with pytest.raises(ValueError, match="block_sizes"):
+        VllmGpuPoolView(pool, ())
+    with pytest.raises(ValueError, match="block_sizes"):
+        VllmGpuPoolView(pool, (16, 0))
+
+
 def test_pool_view_passes_keys_through_unchanged() -> None:
     key, tail = make_key(HASH, 1), make_key(HASH[::-1], 1)
     blocks = [
@@ -295,7 +323,7 @@ def test_pool_view_passes_keys_through_unchanged() -> None:
         )
         for i in range(4)
     ]
-    blocks[2].block_hash, blocks[2].block_hash_num_tokens = key, 16
+    blocks[2].block_hash, blocks[2].block_hash_num_tokens = key, 48  # vLLM: prefix tokens
     pool = SimpleNamespace(
         blocks=blocks,
         cached_block_hashes_by_block={2: {tail}},
@@ -303,7 +331,7 @@ def test_pool_view_passes_keys_through_unchanged() -> None:
             get_one_block=lambda k: blocks[2] if k in (key, tail) else None
         ),
     )
-    view = VllmGpuPoolView(pool)
+    view = VllmGpuPoolView(pool, (32, 16))  # group 1: 16-token blocks
     block = view.block(2)
     assert (block.key, block.num_tokens, list(block.secondary_keys)) == (key, 16, [tail])
     assert (view.cached_block(tail), view.cached_block(make_key(HASH, 0))) == (2, None)
@@ -311,6 +339,7 @@ def test_pool_view_passes_keys_through_unchanged() -> None:
     assert (view.key(2), view.num_tokens(2), list(view.secondary_keys(2))) == (key, 16, [tail])
     assert (view.key(1), view.num_tokens(1), view.secondary_keys(1)) == (None, 0, [])
     assert view.token_counts([2, 1, 2]) == [16, 0, 16]
+    assert VllmGpuPoolView(pool, (16,)).token_counts([2, 1]) == [16, 0]  # one-group path
     assert view.secondary_keys_of([1, 2, 3]) == {2: [tail]}
     pool.cached_block_hashes_by_block = {}
     assert view.secondary_keys_of([1, 2, 3]) == {}

@@ -56,7 +56,7 @@ def cached_pool() -> tuple[VllmBlockPool, list[int]]:
 
 def test_gpu_pool_view_reads_blocks_and_keys() -> None:
     pool, ids = cached_pool()
-    view = VllmGpuPoolView(pool)
+    view = VllmGpuPoolView(pool, (16, 16))
     block = view.block(ids[1])
     assert (block.block_id, block.ref_count, block.is_null) == (ids[1], 0, False)
     assert block.key == make_key(HASH[:-1] + bytes([1]), 1)
@@ -71,7 +71,7 @@ def test_gpu_pool_view_reads_blocks_and_keys() -> None:
 
 def test_gpu_pool_view_touch_free_and_free_queue_order() -> None:
     pool, ids = cached_pool()
-    view = VllmGpuPoolView(pool)
+    view = VllmGpuPoolView(pool, (16, 16))
     # Unhashed free blocks sit at the head, then the cached ones in the order freed.
     order = list(view.iter_free_after(None))
     assert order[-3:] == ids

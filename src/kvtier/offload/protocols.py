@@ -78,7 +78,10 @@ class GpuPoolView(Protocol):
         ...
 
     def num_tokens(self, block_id: int) -> int:
-        """Return how many tokens the primary key of block `block_id` covers."""
+        """Return how many of block `block_id`'s own tokens its primary key covers.
+
+        At most the group's block size (fewer for a partial entry); 0 when unknown.
+        """
         ...
 
     def secondary_keys(self, block_id: int) -> Sequence[Key]:

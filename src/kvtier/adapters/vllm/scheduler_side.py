@@ -99,7 +99,8 @@ class SchedulerSide:
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """Give the offload scheduler vLLM's GPU block pool (shared by every group)."""
-        self.offload.bind_gpu_pool(VllmGpuPoolView(gpu_block_pool))
+        block_sizes = [group.block_size for group in self.layout.groups]
+        self.offload.bind_gpu_pool(VllmGpuPoolView(gpu_block_pool, block_sizes))
 
     def add_request(self, request: Any) -> VllmRequestView:
         """Remember a vLLM request by id (its view is reused every step)."""

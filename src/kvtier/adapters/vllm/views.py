@@ -14,10 +14,24 @@ from collections.abc import Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
-from kvtier.core.keys import BlockHash, Key
+from kvtier.core.keys import BlockHash, Key, key_group_id
 from kvtier.offload.protocols import LoRAInfo
 
 _BLOCK_ID = attrgetter("block_id")
+
+
+def tokens_in_block(block: Any, block_sizes: Sequence[int]) -> int:
+    """Return how many of `block`'s own tokens its primary key covers; 0 when not recorded.
+
+    vLLM records the prefix a key covers, counted from the request's first token (block 3
+    of 16-token blocks: 64; a partial entry ending 5 tokens into it: 53); kvtier counts
+    the tokens inside the block (16; 5). `block_sizes`: the block size of each KV group.
+    """
+    end = block.block_hash_num_tokens
+    if not end:
+        return 0
+    size = block_sizes[key_group_id(block.block_hash)] if len(block_sizes) > 1 else block_sizes[0]
+    return int((end - 1) % size + 1)
 
 
 class VllmRequestView:
@@ -82,11 +96,12 @@ class VllmRequestView:
 class VllmGpuBlockView:
     """One block of vLLM's GPU pool as a kvtier `GpuBlockView`."""
 
-    __slots__ = ("_block", "_pool")
+    __slots__ = ("_block", "_block_sizes", "_pool")
 
-    def __init__(self, pool: Any, block: Any) -> None:
+    def __init__(self, pool: Any, block: Any, block_sizes: Sequence[int]) -> None:
         self._pool = pool
         self._block = block
+        self._block_sizes = block_sizes
 
     @property
     def block_id(self) -> int:
@@ -111,8 +126,8 @@ class VllmGpuBlockView:
 
     @property
     def num_tokens(self) -> int:
-        """Return the tokens the primary key covers; 0 when vLLM recorded no count."""
-        return int(self._block.block_hash_num_tokens or 0)
+        """Return the block's tokens the primary key covers; 0 when vLLM recorded no count."""
+        return tokens_in_block(self._block, self._block_sizes)
 
     @property
     def secondary_keys(self) -> Sequence[Key]:
@@ -122,15 +137,22 @@ class VllmGpuBlockView:
 
 
 class VllmGpuPoolView:
-    """vLLM's GPU `BlockPool` as a kvtier `GpuPoolView` (block ids in, block ids out)."""
+    """vLLM's GPU `BlockPool` as a kvtier `GpuPoolView` (block ids in, block ids out).
 
-    def __init__(self, pool: Any) -> None:
+    `block_sizes`: the block size of each KV group, to count a key's tokens inside its
+    block (`tokens_in_block`).
+    """
+
+    def __init__(self, pool: Any, block_sizes: Sequence[int]) -> None:
+        if not block_sizes or min(block_sizes) <= 0:
+            raise ValueError(f"block_sizes must be positive, one per KV group; got {block_sizes}")
         self.pool = pool
         self._blocks = pool.blocks
+        self._block_sizes = tuple(block_sizes)
 
     def block(self, block_id: int) -> VllmGpuBlockView:
         """Return a view of block `block_id`."""
-        return VllmGpuBlockView(self.pool, self._blocks[block_id])
+        return VllmGpuBlockView(self.pool, self._blocks[block_id], self._block_sizes)
 
     def key(self, block_id: int) -> Key | None:
         """Return the primary key of block `block_id`, or None when it is not cached."""
@@ -143,8 +165,8 @@ class VllmGpuPoolView:
         return [blocks[block_id].block_hash for block_id in block_ids]
 
     def num_tokens(self, block_id: int) -> int:
-        """Return the tokens the primary key covers; 0 when vLLM recorded no count."""
-        return int(self._blocks[block_id].block_hash_num_tokens or 0)
+        """Return the block's tokens the primary key covers; 0 when vLLM recorded no count."""
+        return tokens_in_block(self._blocks[block_id], self._block_sizes)
 
     def secondary_keys(self, block_id: int) -> Sequence[Key]:
         """Return the block's other keys (e.g. a partial tail), unordered."""
@@ -153,8 +175,14 @@ class VllmGpuPoolView:
 
     def token_counts(self, block_ids: Sequence[int]) -> list[int]:
         """Return `num_tokens` of each block, in order."""
-        blocks = self._blocks
-        return [int(blocks[block_id].block_hash_num_tokens or 0) for block_id in block_ids]
+        blocks, sizes = self._blocks, self._block_sizes
+        if len(sizes) > 1:
+            return [tokens_in_block(blocks[block_id], sizes) for block_id in block_ids]
+        size = sizes[0]  # one group: `tokens_in_block` inlined (a step's stores)
+        return [
+            (end - 1) % size + 1 if (end := blocks[block_id].block_hash_num_tokens) else 0
+            for block_id in block_ids
+        ]
 
     def secondary_keys_of(self, block_ids: Sequence[int]) -> dict[int, Sequence[Key]]:
         """Return the other keys of those of `block_ids` that hold any."""
