@@ -3,6 +3,9 @@ a key given to a free block keeps the free queue (and its policy) consistent."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import pytest
 from pool_helpers import cache_blocks, free_order, make_pool, make_test_key
 
@@ -60,6 +63,26 @@ def test_allocate_names_a_count_that_is_not_an_int(num_blocks: object) -> None:
     with pytest.raises(TypeError, match=f"cannot allocate {num_blocks!r}"):
         pool.allocate(num_blocks)  # type: ignore[arg-type]
     assert pool.num_free() == 7
+
+
+@pytest.mark.parametrize("block_id", [-1, 8])
+@pytest.mark.parametrize(
+    "getter", [BlockPool.ref_count, BlockPool.key, BlockPool.num_tokens], ids=lambda f: f.__name__
+)
+def test_block_getters_name_an_id_out_of_range(
+    getter: Callable[[BlockPool, int], object], block_id: int
+) -> None:
+    """ref_count, key and num_tokens raise PoolError naming the id and the valid range.
+
+    A negative id used to return another block's value (here block 7's: ref 1, a key, 16
+    tokens) and an id past the end raised a bare IndexError.
+    """
+    pool = make_pool(8)
+    pool.allocate(7)
+    pool.insert_key(make_test_key(1), 7, 16)
+    with pytest.raises(PoolError, match=re.escape(f"block id {block_id} out of range [0, 8)")):
+        getter(pool, block_id)
+    pool.check_invariants()
 
 
 # --- insert_key arguments -----------------------------------------------------------

@@ -81,7 +81,10 @@ class BlockPool:
         return PoolBlock(self, block_id)
 
     def ref_count(self, block_id: int) -> int:
-        """Return the reference count of `block_id`."""
+        """Return the reference count of `block_id`; raise PoolError for an id out of range."""
+        # The range test is inline: calling _check_id every time triples the getter's cost.
+        if not 0 <= block_id < self.num_blocks:
+            self._check_id(block_id)  # raises PoolError naming the id and the range
         return self._refs[block_id]
 
     def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
@@ -90,11 +93,18 @@ class BlockPool:
         return [keys[block_id] for block_id in block_ids]
 
     def key(self, block_id: int) -> Key | None:
-        """Return the primary key of `block_id`, or None."""
+        """Return the primary key of `block_id`, or None; raise PoolError for an id out of range."""
+        if not 0 <= block_id < self.num_blocks:
+            self._check_id(block_id)  # raises
         return self._keys[block_id]
 
     def num_tokens(self, block_id: int) -> int:
-        """Return how many tokens the primary key of `block_id` covers."""
+        """Return how many tokens the primary key of `block_id` covers.
+
+        Raises PoolError for an id out of range.
+        """
+        if not 0 <= block_id < self.num_blocks:
+            self._check_id(block_id)  # raises
         return self._num_tokens[block_id]
 
     def secondary_keys(self, block_id: int) -> Sequence[Key]:
