@@ -1,6 +1,7 @@
-"""Faults around a persistent disk tier's files: odd objects at its paths, a huge manifest,
+"""Faults around a disk tier's files: odd objects at its paths, a huge manifest,
 a full disk or an I/O error while the manifest is written or synced, slot paths that
-would share a manifest, and a second tier beside a live one."""
+would share a manifest, a second tier beside a live one, a directory made at a manifest
+path during the open, and a slot file that cannot be removed at close."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,8 +23,11 @@ from kvtier.storage import (
     DiskTier,
     DiskTierBusyError,
     DiskTierConfig,
+    SlotFile,
+    disk_tier,
     manifest_path_for,
 )
+from kvtier.storage.file_lock import is_locked
 from kvtier.storage.manifest import read_manifest
 
 SLOT = 4096
@@ -226,6 +231,128 @@ def test_a_non_persistent_tier_beside_a_live_persistent_one_is_told_it_is_in_use
     tier.close()
     with pytest.raises(FileExistsError, match="remove both files"):
         DiskTier(config(tmp_path, fingerprint=None))
+    tier = DiskTier(config(tmp_path))
+    assert tier.recovered_slots() == [(3, RECORD)]
+    tier.close()
+
+
+def make_directory_after_the_slot_file_opens(
+    monkeypatch: pytest.MonkeyPatch, directory: Path
+) -> None:
+    """Make a directory appear at `directory` (replacing a file there) once the tier's
+    slot file is open: after the open checked the manifest paths, before it writes or
+    removes the manifest."""
+
+    def open_then_make_directory(*args: Any, **kwargs: Any) -> SlotFile:
+        slot_file = SlotFile(*args, **kwargs)
+        directory.unlink(missing_ok=True)
+        directory.mkdir()
+        return slot_file
+
+    monkeypatch.setattr(disk_tier, "SlotFile", open_then_make_directory)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "fingerprint", "at_rest"),
+    [
+        (".manifest", None, False),  # a leftover manifest is removed
+        (".manifest", "fp", False),  # the new manifest is renamed over it
+        (".manifest", "fp", True),  # a manifest that is no regular file is discarded
+        (".manifest.tmp", "fp", False),  # the temporary file is removed, then created
+        (".manifest.tmp", "fp", True),
+    ],
+)
+def test_a_directory_made_at_a_manifest_path_after_the_check_is_named(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    suffix: str,
+    fingerprint: str | None,
+    at_rest: bool,
+) -> None:
+    """Regression: a directory made where the manifest or its temporary file goes after
+    the open checked those paths made the open fail with a bare IsADirectoryError. The
+    error is now the check's (naming the path, saying what to do), the slot file is
+    closed and unlocked, and once the directory is gone the tier opens at the same path."""
+    if at_rest:
+        tier_with_slot_3(tmp_path).close()
+    directory = tmp_path / f"kvtier-rank0{suffix}"
+    make_directory_after_the_slot_file_opens(monkeypatch, directory)
+    with pytest.raises(OSError, match="is a directory, not a regular file; remove it") as info:
+        DiskTier(config(tmp_path, fingerprint))
+    monkeypatch.undo()
+    assert info.value.errno == errno.EINVAL
+    assert info.value.filename == str(directory)
+    assert open_paths(tmp_path) == []
+    assert not is_locked(str(tmp_path / "kvtier-rank0.slots"))
+    directory.rmdir()
+    tier = DiskTier(config(tmp_path))
+    assert tier.recovered_slots() == ([(3, RECORD)] if at_rest and suffix != ".manifest" else [])
+    tier.close()
+
+
+def test_a_slot_file_that_cannot_be_removed_at_close_is_left_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: close() of a non-persistent tier raised when its slot file could not be
+    removed, although a close never raises for a failed sync. It now logs a warning
+    naming the file and the error, closes everything and releases the lock; the next open
+    replaces the leftover file."""
+    tier = DiskTier(config(tmp_path, fingerprint=None))
+    slots = str(tmp_path / "kvtier-rank0.slots")
+    real_unlink = os.unlink
+
+    def unlink(name: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(name) == slots:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), slots)
+        real_unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with caplog.at_level(logging.WARNING):
+        tier.close()
+    monkeypatch.undo()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert slots in caplog.text
+    assert "Permission denied" in caplog.text
+    tier.check_invariants()
+    tier.close()
+    assert open_paths(tmp_path) == []
+    assert not is_locked(slots)
+    assert os.listdir(tmp_path) == ["kvtier-rank0.slots"]
+    tier = DiskTier(config(tmp_path, fingerprint=None))
+    tier.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_open_leaves_nothing_open_even_when_closing_fails_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: staging buffers were allocated after the files were opened, and when
+    that failed the cleanup closed the manifest first: a failing fsync there raised its
+    own error in place of the allocation's and left the slot file open and locked. The
+    buffers are now allocated before any file is opened: the allocation's error is
+    raised, nothing is open, and the files at rest are as they were."""
+    tier_with_slot_3(tmp_path).close()
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)}
+
+    failed: list[str] = []
+    real_fsync = os.fsync
+
+    def no_memory(*args: Any, **kwargs: Any) -> None:
+        failed.append("allocate")
+        raise MemoryError("staging buffer")
+
+    def failing_fsync(fd: int) -> None:
+        if failed:  # only the cleanup's: the open itself goes well
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(disk_tier.StagingBuffer, "allocate", no_memory)
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(MemoryError, match="staging buffer"):
+        DiskTier(config(tmp_path))
+    monkeypatch.undo()
+    assert open_paths(tmp_path) == []
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
     tier = DiskTier(config(tmp_path))
     assert tier.recovered_slots() == [(3, RECORD)]
     tier.close()

@@ -49,6 +49,7 @@ from kvtier.storage.manifest import (
     check_record,
     manifest_path_for,
     open_manifest,
+    remove_manifest,
 )
 from kvtier.storage.slot_file import (
     DIRECT_IO_ALIGNMENT,
@@ -56,7 +57,6 @@ from kvtier.storage.slot_file import (
     DiskIOMode,
     FileIO,
     SlotFile,
-    unlink_quietly,
 )
 from kvtier.storage.staging import SlotRead, StagingBuffer
 
@@ -117,14 +117,22 @@ class DiskTier:
     def __init__(self, config: DiskTierConfig, file_io: FileIO | None = None) -> None:
         """Open the tier's files (see `SlotFile`, `open_manifest`; a directory where the
         manifest goes is refused first, see `check_manifest_paths`); every error names the
-        file. A persistent tier whose manifest cannot be rewritten (a full disk) raises
-        OSError and leaves the manifest as it was, so a later open still recovers it."""
+        file, a directory made at one of the tier's paths after that check included. A
+        failed open leaves nothing open: what it opened (the slot file and its lock, the
+        manifest) is closed as `close()` closes it. A persistent tier whose manifest cannot
+        be rewritten (a full disk) raises OSError and leaves the manifest as it was, so a
+        later open still recovers it."""
         self.config = config
         identity = config.identity
-        manifest = manifest_path_for(config.path)
         check_manifest_paths(config.path)
         if identity is None:
             check_no_persistent_tier(config.path)
+        self._checksums = np.zeros(config.num_slots, dtype=np.uint64)
+        self._valid = np.zeros(config.num_slots, dtype=np.bool_)
+        self._recovered: list[tuple[int, SlotRecord]] = []
+        # Allocated before the files are opened: a failure here has nothing to release.
+        self.store_buffers = self._allocate_buffers()
+        self.load_buffers = self._allocate_buffers()
         self._file = SlotFile(
             config.path,
             config.num_slots,
@@ -133,27 +141,18 @@ class DiskTier:
             file_io,
             persistent=identity is not None,
         )
-        self._checksums = np.zeros(config.num_slots, dtype=np.uint64)
-        self._valid = np.zeros(config.num_slots, dtype=np.bool_)
         self._log: ManifestLog | None = None
-        self._recovered: list[tuple[int, SlotRecord]] = []
         try:
             if identity is None:
-                # A manifest whose slot file was gone describes nothing: remove it (under
-                # the new file's lock) so that no later persistent run trusts it.
-                unlink_quietly(manifest)
+                remove_manifest(config.path)  # under the new file's lock
             else:
                 self._log, live = open_manifest(self._file, identity)
                 for slot in sorted(live):
                     self._checksums[slot] = live[slot].checksum
                     self._valid[slot] = True
                     self._recovered.append((slot, live[slot].record))
-            self.store_buffers = self._allocate_buffers()
-            self.load_buffers = self._allocate_buffers()
         except BaseException:
-            if self._log is not None:
-                self._log.close()
-            self._file.close()
+            close_files(self._file, self._log)  # never raises for a failed sync or removal
             raise
         # Idents of the I/O threads, recorded by each as it starts: close() from one of them
         # (a future's done-callback) must not wait for it.
@@ -326,7 +325,8 @@ class DiskTier:
         A failed sync does not raise: it is logged as an error naming the file, the
         manifest is removed (the next run starts empty instead of offering slots whose
         bytes may not have reached the device), and both files are closed and the lock
-        released all the same.
+        released all the same. Nor does a slot file that cannot be removed: it is left,
+        with a warning naming it (see `SlotFile.close`).
         """
         if threading.get_ident() in self._io_threads:
             self._close_elsewhere()

@@ -91,11 +91,15 @@ def remove_held_file(fd: int, path: str) -> None:
     """Remove `path` if it names the file `fd` holds the lock of; call it before closing
     `fd`, so that the file is gone before the lock is released.
 
-    A path that names nothing or another file (removed or replaced by a process that
-    ignored the lock) is left alone, with a warning.
+    Never raises: it runs in a close, which must release the lock and the descriptor
+    whatever happens here. A path that names nothing or another file (removed or replaced
+    by a process that ignored the lock) is left alone, and a file that cannot be removed (a
+    read-only directory, an I/O error) is left in place, each with a warning naming the
+    path. A file left there is stale once its lock is released: the next non-persistent
+    open of the path replaces it (see `slot_file_open.create_replacing_stale`).
     """
-    held = os.fstat(fd)
     try:
+        held = os.fstat(fd)
         named = os.lstat(path)
         if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
             logger.warning("disk tier file %s was replaced by another file; leaving it", path)
@@ -103,6 +107,13 @@ def remove_held_file(fd: int, path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         logger.warning("disk tier file %s vanished before shutdown", path)
+    except OSError as exc:
+        logger.warning(
+            "cannot remove disk tier file %s (%s); leaving it, the next open of this path "
+            "replaces it",
+            path,
+            exc.strerror or exc,
+        )
 
 
 def is_locked(path: str) -> bool:

@@ -36,10 +36,12 @@ to the old file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
+from collections.abc import Iterator
 from typing import BinaryIO
 
 import xxhash
@@ -76,6 +78,7 @@ __all__ = [
     "manifest_path_for",
     "open_manifest",
     "read_manifest",
+    "remove_manifest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -223,21 +226,54 @@ def check_manifest_paths(slot_path: str) -> None:
 
     Any other object at those paths is handled where it is met: a manifest that is not a
     regular file is discarded (or, without persistence, removed) and a temporary file
-    replaced. A symlink is never followed, so one to a directory is no directory here.
+    replaced. A symlink is never followed, so one to a directory is no directory here. A
+    directory made there after this check is named the same way by the step it makes
+    fail (`open_manifest`, `remove_manifest`).
     """
+    error = _directory_error(slot_path)
+    if error is not None:
+        raise error
+
+
+def _directory_error(slot_path: str) -> OSError | None:
+    """Return the error naming a directory at the manifest paths of `slot_path`, if any."""
     manifest = manifest_path_for(slot_path)
     for path in (manifest, manifest + ".tmp"):
         try:
             is_directory = stat.S_ISDIR(os.lstat(path).st_mode)
-        except FileNotFoundError:
+        except OSError:  # nothing there (or nothing to tell): the step's own error stands
             continue
         if is_directory:
-            raise OSError(  # EINVAL, as for a slot path that is not a regular file
+            return OSError(  # EINVAL, as for a slot path that is not a regular file
                 errno.EINVAL,
                 "disk tier manifest path is a directory, not a regular file; remove it "
                 "(the tier writes its manifest there) or give the disk tier another path",
                 path,
             )
+    return None
+
+
+@contextlib.contextmanager
+def _directories_named(slot_path: str) -> Iterator[None]:
+    """Replace an OSError raised inside by the error of `check_manifest_paths` when a
+    directory is now at the manifest paths of `slot_path`: one made there after that check
+    fails the removal, write or rename of the manifest with a bare IsADirectoryError or
+    FileExistsError that does not say what to do."""
+    try:
+        yield
+    except OSError as exc:
+        error = _directory_error(slot_path)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def remove_manifest(slot_path: str) -> None:
+    """Remove the manifest of `slot_path` if there is one (a non-persistent tier does, under
+    its new slot file's lock: a manifest whose slot file was gone describes nothing, and
+    no later persistent run may trust it); raise OSError naming the path on failure."""
+    with _directories_named(slot_path):
+        unlink_quietly(manifest_path_for(slot_path))
 
 
 def check_no_persistent_tier(slot_path: str) -> None:
@@ -275,10 +311,18 @@ def open_manifest(
     A reused slot file is kept when the manifest matches `identity` and the file has its
     exact size; otherwise both are discarded with a warning and the slot file is
     recreated. The manifest is then rewritten atomically with the live records only; an
-    OSError naming the file (a full disk, an I/O error) leaves it as it was and is raised.
-    `compact_floor` is the fewest records at which the log compacts itself during the run
-    (see `compaction_due`).
+    OSError naming the file (a full disk, an I/O error; a directory made at the manifest
+    paths after `check_manifest_paths`: its error) leaves it as it was and is raised, with
+    no manifest left open. `compact_floor` is the fewest records at which the log compacts
+    itself during the run (see `compaction_due`).
     """
+    with _directories_named(slot_file.path):
+        return _open_manifest(slot_file, identity, compact_floor)
+
+
+def _open_manifest(
+    slot_file: SlotFile, identity: ManifestIdentity, compact_floor: int
+) -> tuple[ManifestLog, dict[int, ManifestEntry]]:
     path = manifest_path_for(slot_file.path)
     live: dict[int, ManifestEntry] = {}
     if slot_file.reused:

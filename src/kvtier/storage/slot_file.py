@@ -116,9 +116,9 @@ class SlotFile:
         self.mode = mode
         self.persistent = persistent
         self._io: FileIO = file_io if file_io is not None else OsFileIO()
+        self._closing = CloseGate()
         self._handle = _OpenFile(path, persistent)
         self._handle.fd, self.reused = self._open()
-        self._closing = CloseGate()
         self._finalizer = weakref.finalize(self, _release_dropped, self._handle)
 
     def _open(self) -> tuple[int, bool]:
@@ -140,7 +140,8 @@ class SlotFile:
 
     def _size_or_remove(self, fd: int) -> None:
         """Size the locked file `fd` that this object created; on failure remove it (while
-        still holding its lock), close it and raise OSError naming it."""
+        still holding its lock; see `remove_held_file`), close it and raise OSError naming
+        it."""
         try:
             slot_file_open.reserve(fd, self.num_slots * self.bytes_per_slot)
         except OSError as exc:
@@ -158,12 +159,15 @@ class SlotFile:
     def recreate(self) -> None:
         """Replace a persistent file by a fresh, sized one (its contents are discarded).
 
-        The lock on the old file is held until the new one is created and locked."""
+        The lock on the old file is held until the new one is created and locked. Raises
+        OSError naming the path (one that holds a directory now: not a regular file) when
+        that fails; the old file is then closed, as `close()` would (a later `close()`
+        returns quietly)."""
         if not self.persistent:
             raise RuntimeError("recreate() is only for a persistent slot file")
         old, self._handle.fd = self._handle.fd, None
         try:
-            unlink_quietly(self.path)
+            slot_file_open.unlink_file(self.path)
             fd = slot_file_open.create_exclusive(self.path, self.mode)
             lock_or_close(fd, self.path)
             self._size_or_remove(fd)
@@ -237,7 +241,10 @@ class SlotFile:
         once the file is gone); idempotent, and what collection does without `close()`.
         Concurrent calls each return once that is done (see `CloseGate`).
 
-        Only the process that opened the file removes it: a forked child only closes."""
+        Only the process that opened the file removes it: a forked child only closes. A
+        file that cannot be removed (a read-only directory, an I/O error) does not raise:
+        it is left, with a warning naming it and the error, and the descriptor and lock
+        are released all the same (see `remove_held_file`)."""
         self._closing.run(self._close_now)
 
     def _close_now(self) -> None:

@@ -1,7 +1,9 @@
 """How a disk tier's slot file is opened or created at its path (see `slot_file`):
 exclusive create with mode 0600, never through a symlink, replacing a stale file no
 process holds, reusing a persistent one, a hint when the filesystem refuses O_DIRECT, and
-sizing. Every error names the path.
+sizing. Every error names the path; a directory (or another object that is not a regular
+file) at the path is refused as not a regular file wherever it is met, also when it
+appears there while the path is being opened.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import stat
 from kvtier.offload.config import DiskIOMode
 from kvtier.storage.file_lock import lock_exclusive, unlink_quietly
 
-__all__ = ["create_exclusive", "create_replacing_stale", "open_or_create", "reserve"]
+__all__ = ["create_exclusive", "create_replacing_stale", "open_or_create", "reserve", "unlink_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,27 +88,24 @@ def create_replacing_stale(path: str, mode: DiskIOMode) -> int:
             "replacing it with a fresh one",
             path,
         )
-        unlink_quietly(path)
+        unlink_file(path)
         return create_exclusive(path, mode)
     finally:
         os.close(fd)  # drops the old file's lock once its replacement exists
 
 
 def create_exclusive(path: str, mode: DiskIOMode) -> int:
-    """Create `path` exclusively with mode 0600, refusing symlinks."""
+    """Create `path` exclusively with mode 0600, refusing symlinks.
+
+    Raises FileExistsError when a file or symlink is at the path, and OSError (not a
+    regular file) when a directory or another object is."""
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     if mode is DiskIOMode.DIRECT:
         flags |= os.O_DIRECT
     try:
         fd = _open(path, flags, mode)
     except FileExistsError as exc:
-        what = "a symlink" if os.path.islink(path) else "an existing file"
-        raise FileExistsError(
-            exc.errno,
-            f"disk tier file is {what} (left by a crashed run or in use by another "
-            "process); refusing to reuse it, remove it first",
-            path,
-        ) from exc
+        raise _taken_error(path, exc) from exc
     try:
         os.fchmod(fd, 0o600)  # the umask may have narrowed it; make it exact
     except BaseException:
@@ -114,6 +113,42 @@ def create_exclusive(path: str, mode: DiskIOMode) -> int:
         os.unlink(path)
         raise
     return fd
+
+
+def unlink_file(path: str) -> None:
+    """Remove the file (or symlink) at `path` if there is one; raise OSError naming the
+    path, not a regular file, when a directory is there."""
+    try:
+        unlink_quietly(path)
+    except OSError as exc:
+        if not _is_directory(path):
+            raise
+        raise OSError(errno.EINVAL, _NOT_REGULAR, path) from exc
+
+
+def _taken_error(path: str, exc: FileExistsError) -> OSError:
+    """Return the error for `path` that an exclusive create found taken (`exc`)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # gone again, or cannot be looked at: report a file in the way
+        mode = stat.S_IFREG
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        return OSError(errno.EINVAL, _NOT_REGULAR, path)
+    what = "a symlink" if stat.S_ISLNK(mode) else "an existing file"
+    return FileExistsError(
+        exc.errno,
+        f"disk tier file is {what} (left by a crashed run or in use by another "
+        "process); refusing to reuse it, remove it first",
+        path,
+    )
+
+
+def _is_directory(path: str) -> bool:
+    """Return True when `path` itself (never a symlink's target) is a directory."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _open(path: str, flags: int, mode: DiskIOMode) -> int:
