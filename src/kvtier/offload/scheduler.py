@@ -23,8 +23,9 @@ This module wires the tier state and owns the requests' lifecycle and observabil
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import KVEvent
@@ -140,6 +141,8 @@ class OffloadScheduler:
             hit_tokens=self.loads.hit_tokens,
         )
         self._hit_tokens_taken = 0  # total hit tokens at the last take_stats
+        self._tier_names = tuple(tier.value for tier in self.index.tiers)
+        self._stats_info = self._info()
         if setup.gpu_pool is not None:
             self.bind_gpu_pool(setup.gpu_pool)
 
@@ -308,19 +311,11 @@ class OffloadScheduler:
         counters = self._counters
         bytes_per_block = self.layout.bytes_per_block
         in_use, pending = self.stats_gauges()
-        self._hit_tokens_taken = sum(self.loads.hit_tokens.values())
+        hit_tokens = self.loads.hit_tokens
+        self._hit_tokens_taken = sum(hit_tokens.values())
         cascade = self.cascade.take_counters() if self.cascade is not None else None
         completion = self._completion
         promoted, completion.num_promoted = completion.num_promoted, 0
-        info = {
-            "tier": self.tier.value,
-            "store_mode": self.config.store_mode.value,
-            "num_tier_blocks": str(self.tier_pool.num_blocks),
-            "disk_io_mode": self.config.disk_io_mode.value,
-        }
-        if self.cascade is not None:
-            info["cascade"] = self.config.cascade.value
-            info["num_disk_blocks"] = str(self.cascade.disk_pool.num_blocks)
         stats = OffloadStats(
             store_outcomes=dict(counters.store_outcomes),
             handoff_outcomes=dict(counters.handoff_outcomes),
@@ -332,16 +327,29 @@ class OffloadScheduler:
             num_bytes_stored=counters.num_stored_blocks * bytes_per_block,
             num_tier_blocks_in_use=in_use,
             num_blocks_pending_store=pending,
-            hit_tokens={tier.value: self.loads.hit_tokens[tier.value] for tier in self.index.tiers},
+            hit_tokens={name: hit_tokens[name] for name in self._tier_names},
             num_demoted_blocks=cascade.num_demoted_blocks if cascade else 0,
             num_failed_demotions=cascade.num_failed_demotions if cascade else 0,
             num_dropped_demotions=cascade.num_dropped_demotions if cascade else 0,
             num_promoted_blocks=promoted,
             num_lost_blocks=cascade.num_lost_blocks if cascade else 0,
-            info=info,
+            info=self._stats_info,
         )
         counters.clear()
         return stats
+
+    def _info(self) -> Mapping[str, str]:
+        """Return the stats' info labels (fixed for the scheduler's life, so shared)."""
+        info = {
+            "tier": self.tier.value,
+            "store_mode": self.config.store_mode.value,
+            "num_tier_blocks": str(self.tier_pool.num_blocks),
+            "disk_io_mode": self.config.disk_io_mode.value,
+        }
+        if self.cascade is not None:
+            info["cascade"] = self.config.cascade.value
+            info["num_disk_blocks"] = str(self.cascade.disk_pool.num_blocks)
+        return MappingProxyType(info)
 
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""
