@@ -21,7 +21,9 @@ a timer (lookup, allocation, metadata, output, finish, events, stats, push work,
 per engine step; the ratio kvtier / vLLM per window of steps (median, min-max); and the
 external hit tokens each connector served. Eager and lazy store modes are run as pairs.
 The default clock is this thread's CPU time (the scheduler side is single-threaded
-Python; the machines are shared and busy). The garbage collector is frozen after
+Python; the machines are shared and busy). Reading it costs microseconds on some VMs,
+so the cost one timed call of a no-op adds (measured at start, the least of 20 batches)
+is subtracted from every call on both sides. The garbage collector is frozen after
 set-up and off while stepping (`--gc on` keeps it on): a collection is paid by whichever
 call happens to allocate, so with two engines in one process its cost would land on
 either connector at random.
@@ -46,6 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "adapters"))
@@ -89,6 +92,7 @@ class CallTimer:
     """Nanoseconds spent inside wrapped methods, per method."""
 
     clock: Callable[[], int] = time.perf_counter_ns
+    overhead_ns: float = 0.0  # what timing one call adds by itself (`clock_overhead_ns`)
     ns: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
 
@@ -113,9 +117,27 @@ class CallTimer:
 
         return timed
 
+    def method_ns(self, name: str) -> float:
+        """Return the time inside method `name`, less the timing's own cost per call."""
+        return max(0.0, self.ns[name] - self.overhead_ns * self.calls[name])
+
     @property
-    def total_ns(self) -> int:
-        return sum(self.ns.values())
+    def total_ns(self) -> float:
+        return sum(self.method_ns(name) for name in self.ns)
+
+
+def clock_overhead_ns(clock: Callable[[], int]) -> float:
+    """Return the ns one timed call of a no-op records: the timing's own cost per call."""
+    timer = CallTimer(clock)
+    target = SimpleNamespace(noop=lambda: None)
+    timer.wrap(target, ("noop",))
+    best = float("inf")
+    for _ in range(20):
+        before = timer.ns["noop"]
+        for _ in range(200):
+            target.noop()
+        best = min(best, (timer.ns["noop"] - before) / 200)
+    return best
 
 
 @dataclass
@@ -178,7 +200,8 @@ def build(connector: str, mode: str, args: argparse.Namespace) -> Run:
         )
         harness = VllmHarness(cfg, simple_offload_worker_factory(), check_kv=False)
     clock = CLOCKS[args.clock]
-    connector_timer, scheduler_timer = CallTimer(clock), CallTimer(clock)
+    connector_timer = CallTimer(clock, args.clock_overhead_ns)
+    scheduler_timer = CallTimer(clock, args.clock_overhead_ns)
     connector_timer.wrap(harness.scheduler.connector, SCHEDULER_METHODS)
     scheduler_timer.wrap(harness.scheduler, ("schedule", "update_from_output"))
     return Run(harness, connector_timer, scheduler_timer)
@@ -197,7 +220,7 @@ def run_pair(
     if args.gc == "off":
         gc.disable()
     windows: list[dict[str, float]] = []
-    marks = dict.fromkeys(CONNECTORS, (0, 0))
+    marks: dict[str, tuple[float, int]] = dict.fromkeys(CONNECTORS, (0.0, 0))
     order = list(runs.values())
     step = 0
     t0 = time.perf_counter()
@@ -224,18 +247,21 @@ def run_pair(
         h = run.harness
         assert h.finished == {r for r, _, _ in requests}, f"{name}: requests left unfinished"
         connector_us = run.connector.total_ns / run.num_steps / 1e3
-        scheduler_us = run.scheduler.total_ns / run.num_steps / 1e3
+        # The scheduler's own time: less the connector calls inside it, timing included.
+        scheduler_us = (
+            (run.scheduler.total_ns - sum(run.connector.ns.values())) / run.num_steps / 1e3
+        )
         result[name] = {
             "num_steps": run.num_steps,
             "connector_us_per_step": connector_us,
-            "scheduler_us_per_step_excluding_connector": scheduler_us - connector_us,
+            "scheduler_us_per_step_excluding_connector": scheduler_us,
             "connector_us_per_call": {
-                m: run.connector.ns[m] / run.connector.calls[m] / 1e3
+                m: run.connector.method_ns(m) / run.connector.calls[m] / 1e3
                 for m in SCHEDULER_METHODS
                 if run.connector.calls[m]
             },
             "connector_us_per_step_by_method": {
-                m: run.connector.ns[m] / run.num_steps / 1e3 for m in SCHEDULER_METHODS
+                m: run.connector.method_ns(m) / run.num_steps / 1e3 for m in SCHEDULER_METHODS
             },
             "external_hit_tokens": sum(h.external_hit_tokens(r) for r, _, _ in requests),
             "local_hit_tokens": sum(h.local_hit_tokens(r) for r, _, _ in requests),
@@ -312,18 +338,21 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     torch.set_num_threads(1)
+    args.clock_overhead_ns = clock_overhead_ns(CLOCKS[args.clock])
     logging.getLogger("vllm").setLevel(logging.ERROR)  # per-engine start-up notes
     machine = {
         "cpus_usable": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "load_avg_at_start": os.getloadavg(),
+        "clock_overhead_ns_per_call": args.clock_overhead_ns,
     }
     print(
         f"bench_vllm_connector: {machine['cpus_usable']} cores, torch threads"
         f" {machine['torch_threads']}, load {machine['load_avg_at_start'][0]:.1f};"
         f" {args.num_requests} requests x {args.reps} runs per mode, seed {args.seed},"
-        f" clock {args.clock}, gc {args.gc}"
+        f" clock {args.clock} ({args.clock_overhead_ns:.0f} ns per timed call, subtracted),"
+        f" gc {args.gc}"
     )
     requests = workload(args.num_requests, args.seed)
     results: dict[str, list[dict]] = {}
