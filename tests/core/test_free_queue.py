@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,11 +57,16 @@ def test_push_reusable_goes_to_the_head() -> None:
     assert queue.pop_victim() == 5
 
 
+@pytest.mark.parametrize(
+    "take_out", [LRUFreeQueue.remove, LRUFreeQueue.discard], ids=lambda f: f.__name__
+)
 @pytest.mark.parametrize("victim", [1, 3, 5])
-def test_remove_unlinks_head_middle_or_tail(victim: int) -> None:
-    """`remove` takes one block out wherever it sits and keeps the rest in order."""
+def test_remove_and_discard_unlink_head_middle_or_tail(
+    victim: int, take_out: Callable[[LRUFreeQueue, int], None]
+) -> None:
+    """`remove` and `discard` take one block out wherever it sits, keeping the rest in order."""
     queue = make_queue(fill=range(1, 6))
-    queue.remove(victim)
+    take_out(queue, victim)
     assert queued(queue) == [b for b in range(1, 6) if b != victim]
     assert len(queue) == 4
 

@@ -346,8 +346,7 @@ class BlockPool:
             return
         self._drop_keys(block_id)
         if block_id != NULL_BLOCK_ID and self._refs[block_id] == 0:
-            # `remove` would count a hit; policies that count one offer `discard`.
-            getattr(self._free, "discard", self._free.remove)(block_id)
+            self._free.discard(block_id)  # not `remove`, which policies count as a hit
             self._free.push_reusable(block_id)
 
     def reset(self) -> bool:

@@ -32,6 +32,14 @@ class FreeQueue(Protocol):
         """Take a block out of the queue (it was touched). O(1)."""
         ...
 
+    def discard(self, block_id: int) -> None:
+        """Take a free block out whose keys the pool dropped (`BlockPool.discard_keys`).
+
+        Unlike `remove` this is no touch: a policy counts no hit and keeps no ghost for
+        it. The pool queues the block again with `push_reusable` right after.
+        """
+        ...
+
     def pop_victim(self) -> int:
         """Remove and return the block to reuse next. The queue is not empty."""
         ...
@@ -79,7 +87,8 @@ def check_num_blocks(num_blocks: int, owner: str) -> None:
 class OneByOne:
     """`pop_victims` and `push_cached_many` as loops over the one-block operations.
 
-    A mixin for eviction policies whose order has no cheaper batched form.
+    A mixin for eviction policies whose order has no cheaper batched form. Its `discard`
+    is `remove`: a policy whose `remove` counts a hit overrides it.
     """
 
     __slots__ = ()
@@ -94,6 +103,10 @@ class OneByOne:
         push_cached = self.push_cached
         for block_id in block_ids:
             push_cached(block_id)
+
+    def discard(self: FreeQueue, block_id: int) -> None:
+        """`remove` the block: this policy's `remove` counts no hit."""
+        self.remove(block_id)
 
 
 class LRUFreeQueue:
@@ -145,6 +158,10 @@ class LRUFreeQueue:
         self._next[prv] = nxt
         self._prev[nxt] = prv
         self._len -= 1
+
+    def discard(self, block_id: int) -> None:
+        """Unlink `block_id`, as `remove` does: recency counts no hits."""
+        self.remove(block_id)
 
     def pop_victim(self) -> int:
         """Unlink and return the head."""
