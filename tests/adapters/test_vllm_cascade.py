@@ -18,7 +18,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import SLOT_BYTES, check_quiescent, kvtier_harness, offload_worker, scheduler_side
+from kvtier_vllm import (
+    SCHEDULING,
+    SLOT_BYTES,
+    check_quiescent,
+    kvtier_harness,
+    offload_worker,
+    scheduler_side,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_events import BlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -83,11 +90,17 @@ class Observed:
                 self.add(harness.step())
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async_pipelined"])
 @pytest.mark.parametrize("mode", MODES)
-def test_prefixes_evicted_from_gpu_and_cpu_are_served_from_disk(mode: str, tmp_path: Path) -> None:
+def test_prefixes_evicted_from_gpu_and_cpu_are_served_from_disk(
+    mode: str, scheduling: str, tmp_path: Path
+) -> None:
     # 12 prefixes of 4 blocks over 3 waves: neither the 40-block GPU pool nor the 32-slot
-    # CPU tier keeps them all; the 256-slot disk tier does.
-    harness = cascade_harness(tmp_path, mode, num_cpu_blocks=33, num_gpu_blocks=40)
+    # CPU tier keeps them all; the 256-slot disk tier does. Also with vLLM's overlapped
+    # asynchronous scheduling (step N+1 scheduled before step N's output).
+    harness = cascade_harness(
+        tmp_path, mode, num_cpu_blocks=33, num_gpu_blocks=40, **SCHEDULING[scheduling]
+    )
     side = scheduler_side(harness)
     assert side.tier_sizes == {Tier.CPU: 33, Tier.DISK: 256}
     assert side.offload.cascade is not None

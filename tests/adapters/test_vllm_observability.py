@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import (
+    SCHEDULING,
     SLOT_BYTES,
     drain_collecting_stats,
     kvtier_config,
@@ -45,8 +46,9 @@ def tier_events(harness: VllmHarness, medium: str) -> list[object]:
     return [e for e in events if getattr(e, "medium", medium) == medium]
 
 
-def test_stored_blocks_are_published_with_medium_cpu() -> None:
-    harness = kvtier_harness(enable_kv_events=True)
+@pytest.mark.parametrize("scheduling", SCHEDULING)
+def test_stored_blocks_are_published_with_medium_cpu(scheduling: str) -> None:
+    harness = kvtier_harness(enable_kv_events=True, **SCHEDULING[scheduling])
     prompt = list(range(1000, 1041))
     harness.run_requests({"a": prompt}, max_tokens=2)
     stored = [e for e in tier_events(harness, "CPU") if isinstance(e, BlockStored)]
