@@ -63,6 +63,25 @@ def test_stored_blocks_are_published_with_medium_cpu(scheduling: str) -> None:
     assert sum(len(e.block_hashes) for e in gpu) == 2, "the GPU pool's own events come too"
 
 
+def test_tier_events_carry_the_extra_keys_vllm_publishes_for_the_same_block() -> None:
+    harness = kvtier_harness(enable_kv_events=True)
+    harness.add_request("salted", list(range(1000, 1041)), max_tokens=2, cache_salt="tenant-1")
+    harness.run()
+    stored = [e for e in flatten_events(harness.event_batches) if isinstance(e, BlockStored)]
+    gpu = {  # vLLM's own events: one per batch of blocks
+        h: keys
+        for e in stored
+        if e.medium == "GPU"
+        for h, keys in zip(
+            e.block_hashes, e.extra_keys or [None] * len(e.block_hashes), strict=True
+        )
+    }
+    cpu = {e.block_hashes[0]: (e.extra_keys or [None])[0] for e in stored if e.medium == "CPU"}
+    assert len(cpu) == 2
+    assert cpu == {h: gpu[h] for h in cpu}
+    assert list(cpu.values()) == [("tenant-1",), None]  # the salt is hashed into block 0 only
+
+
 def test_tier_evictions_and_resets_are_published() -> None:
     harness = kvtier_harness(num_cpu_blocks=3, enable_kv_events=True)  # 2 usable slots
     for request_id, prompt in PROMPTS.items():  # one at a time: each evicts the last

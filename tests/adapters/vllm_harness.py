@@ -168,7 +168,12 @@ class VllmHarness:
     # ------------------------------------------------------------------ requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int = 4, **sampling: Any
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int = 4,
+        cache_salt: str | None = None,
+        **sampling: Any,
     ) -> Request:
         """Create a hashed request and add it to the scheduler's waiting queue."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
@@ -178,6 +183,7 @@ class VllmHarness:
             sampling_params=params,
             pooling_params=None,
             block_hasher=self._block_hasher,
+            cache_salt=cache_salt,
         )
         self.requests[request_id] = request
         self._unadmitted.add(request_id)

@@ -11,7 +11,13 @@ from hashing_helpers import make_hasher
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.core.hashing import MultiModalItem, RequestExtras, extra_keys_for_block, hash_request
+from kvtier.core.hashing import (
+    MultiModalItem,
+    RequestExtras,
+    RequestHasher,
+    extra_keys_for_block,
+    hash_request,
+)
 
 # --- serialisation ------------------------------------------------------------------
 
@@ -228,3 +234,24 @@ def test_prompt_embeds_digest_applies_to_every_block() -> None:
     assert all(x != y for x, y in zip(a, b, strict=True))
     extras = RequestExtras(prompt_embeds_digest=b"a")
     assert all(extra_keys_for_block(extras, i, 4) == (("embeds", b"a"),) for i in range(3))
+
+
+# --- extra keys of a block, for events ---------------------------------------------
+
+
+def test_block_extra_keys_name_what_enters_each_block_of_any_size() -> None:
+    extras = RequestExtras(
+        lora_name="adapter", mm_items=(MultiModalItem("img", 20, 8),), cache_salt="tenant"
+    )
+    hasher = RequestHasher(make_hasher(4), extras)
+    assert hasher.block_extra_keys(0, 16) == (("lora", "adapter"), ("salt", "tenant"))
+    assert hasher.block_extra_keys(16, 32) == (("lora", "adapter"), ("mm", "img", 4))
+    assert hasher.block_extra_keys(24, 28) == (("lora", "adapter"), ("mm", "img", -4))
+    assert hasher.block_extra_keys(32, 48) == (("lora", "adapter"),)
+    assert RequestHasher(make_hasher(4)).block_extra_keys(0, 4) == ()
+
+
+@pytest.mark.parametrize(("start", "end"), [(4, 12), (8, 8), (-16, 0)])
+def test_block_extra_keys_refuse_a_range_that_is_not_a_block(start: int, end: int) -> None:
+    with pytest.raises(ValueError, match=rf"\[{start}, {end}\) are not a block"):
+        RequestHasher(make_hasher(4)).block_extra_keys(start, end)

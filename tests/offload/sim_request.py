@@ -59,6 +59,9 @@ class SimRequest:
     def block_hashes(self) -> Sequence[BlockHash]:
         return self.hasher.block_hashes
 
+    def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
+        return self.hasher.block_extra_keys(start, end)
+
     @property
     def is_done(self) -> bool:
         """Return True when no output is left to sample and the rest is computed.

@@ -42,6 +42,9 @@ class _Request:
     lora: LoRAInfo | None = None
     skip_prefix_cache: bool = False
 
+    def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
+        return ()
+
 
 def _complete(scheduler: OffloadScheduler, plan: TransferPlan) -> None:
     scheduler.apply_report(WorkerReport(done={job.event_id: 1 for job in plan.jobs}))

@@ -266,6 +266,14 @@ class RequestHasher:
         """Return the request's extras."""
         return self._extras
 
+    def block_extra_keys(self, start: int, end: int) -> tuple[ExtraKey, ...]:
+        """Return the extra keys of the tokens [start, end), a block of any size (`start`
+        a multiple of its length): what an event about that block reports."""
+        size = end - start
+        if size < 1 or start < 0 or start % size:
+            raise ValueError(f"tokens [{start}, {end}) are not a block")
+        return extra_keys_for_block(self._extras, start // size, size)
+
     @property
     def block_hashes(self) -> Sequence[BlockHash]:
         """Return the hashes of all full blocks so far (a live view; do not mutate)."""

@@ -93,6 +93,10 @@ class Request:
         """Return False: the reference engine never asks for prompt logprobs."""
         return False
 
+    def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
+        """Return the extra keys hashed into the block of tokens [start, end)."""
+        return self.hasher.block_extra_keys(start, end)
+
     # ------------------------------------------------------------ engine side
 
     def append_output(self, token_id: int, now: float) -> None:

@@ -43,6 +43,11 @@ class RequestView(Protocol):
     def lora(self) -> LoRAInfo | None: ...
     @property
     def skip_prefix_cache(self) -> bool: ...
+    def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
+        """Return the extra keys hashed into the block of tokens [start, end) (LoRA,
+        multimodal items, cache salt, prompt embeddings), in the engine's own form; empty
+        when there are none. Read only for stored-block events' payloads."""
+        ...
 
 
 class GpuBlockView(Protocol):

@@ -361,6 +361,7 @@ class StoreSelector:
             token_ids=tuple(request.token_ids[start : start + group.block_size]),
             lora_id=None if lora is None else lora.lora_id,
             lora_name=None if lora is None else lora.lora_name,
+            extra_keys=request.block_extra_keys(start, start + group.block_size),
             group_kind=group.kind.value,
             sliding_window=group.sliding_window,
         )

@@ -42,6 +42,8 @@ class EventTranslator:
 
     `block_stored`, `block_removed` and `all_cleared` are vLLM's event classes (called
     with keyword arguments); `convert_hash` is vLLM's `maybe_convert_block_hash`;
+    `convert_extra_keys` is vLLM's `to_event_extra_keys` (its hash-time extra keys, one
+    tuple per block, to the form events publish; by default they pass as they are);
     `group_spec_kinds[g]` is vLLM's `KVCacheSpecKind` value of group `g`, or None to
     fall back to kvtier's kind.
     """
@@ -51,12 +53,13 @@ class EventTranslator:
     all_cleared: Callable[..., Any]
     convert_hash: Callable[[BlockHash], Any]
     group_spec_kinds: tuple[str | None, ...] = ()
+    convert_extra_keys: Callable[[list[tuple[Any, ...]]], Any] = list
 
     @staticmethod
     def for_vllm(kv_cache_config: Any) -> EventTranslator:
         """Return a translator to vLLM's own classes for the groups of `kv_cache_config`."""
         from vllm.distributed import kv_events
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, to_event_extra_keys
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
         kinds = tuple(
@@ -68,6 +71,7 @@ class EventTranslator:
             block_removed=kv_events.BlockRemoved,
             all_cleared=kv_events.AllBlocksCleared,
             convert_hash=maybe_convert_block_hash,
+            convert_extra_keys=to_event_extra_keys,
             group_spec_kinds=kinds,
         )
 
@@ -102,7 +106,9 @@ class EventTranslator:
             lora_id=event.lora_id,
             medium=vllm_medium(event.medium),
             lora_name=event.lora_name,
-            extra_keys=[tuple(event.extra_keys)] if event.extra_keys else None,
+            extra_keys=(
+                self.convert_extra_keys([tuple(event.extra_keys)]) if event.extra_keys else None
+            ),
             group_idx=event.group_id,
             kv_cache_spec_kind=spec_kind if spec_kind is not None else event.group_kind,
             kv_cache_spec_sliding_window=event.sliding_window,

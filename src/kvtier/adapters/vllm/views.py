@@ -92,6 +92,16 @@ class VllmRequestView:
         """Return True when the request must not read any prefix cache."""
         return bool(self.request.skip_reading_prefix_cache)
 
+    def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
+        """Return vLLM's extra keys of the block of tokens [start, end), as its hash has them.
+
+        Imports vLLM on first use (stored-block events with payloads only).
+        """
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+        keys, _ = generate_block_hash_extra_keys(self.request, start, end, 0)
+        return tuple(keys) if keys else ()
+
 
 class VllmGpuBlockView:
     """One block of vLLM's GPU pool as a kvtier `GpuBlockView`."""
