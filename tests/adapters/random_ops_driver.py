@@ -16,9 +16,10 @@ from typing import Any
 from faulty_worker import KINDS as KINDS  # the kinds `Delay` and `Fail` name
 from faulty_worker import FaultyWorker
 from kvtier_vllm import SLOT_BYTES, check_quiescent, kvtier_harness, offload_worker, scheduler_side
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.request import RequestStatus
 from vllm_engine import PrefixFingerprints
-from vllm_harness import ConnectorWorker
+from vllm_harness import ConnectorWorker, flatten_events
 
 from kvtier.core.keys import key_block_hash
 from kvtier.offload.plan import Tier, TransferJob
@@ -101,6 +102,7 @@ class Engine:
     cascade: str | None = None
     num_ranks: int = 1
     async_batches: int = 0  # 0: vLLM's Scheduler; else AsyncScheduler, steps in flight
+    events: bool = False  # publish KV events (stored-block payloads in eager mode)
 
 
 class Run:
@@ -125,6 +127,7 @@ class Run:
             num_ranks=engine.num_ranks,
             async_scheduling=engine.async_batches > 0,
             batch_queue_size=max(1, engine.async_batches),
+            enable_kv_events=engine.events,
             extra=extra,
         )
         self.side = scheduler_side(self.harness)
@@ -277,6 +280,16 @@ class Run:
             admissions[f"again-{r}"][1] for r in distinct.values() if f"again-{r}" in admissions
         )
 
+    def _check_tier_events(self) -> None:
+        """Check the tier's stored-block events: whole blocks, payloads of one block."""
+        block_size = self.harness.cfg.block_size
+        for event in flatten_events(self.harness.event_batches):
+            if isinstance(event, BlockStored) and event.medium in ("CPU", "STORAGE"):
+                assert event.block_size == block_size, event
+                assert len(event.token_ids) in (0, block_size), event
+                self.totals[f"stored_events_{event.medium}"] += 1
+                self.totals["stored_events_with_tokens"] += bool(event.token_ids)
+
     def record_totals(self) -> None:
         admissions = self.harness.admissions
         self.totals["random_hit_tokens"] += sum(
@@ -284,6 +297,7 @@ class Run:
         )
         for tier, tokens in self.side.offload.take_stats().hit_tokens.items():
             self.totals[f"hit_tokens_{tier}"] += tokens
+        self._check_tier_events()
         for worker in self.workers:
             self.totals.update({f"failed_{k}": n for k, n in worker.num_failed.items()})
             self.totals["jobs_run"] += worker.num_run

@@ -18,7 +18,8 @@ workers' invariants too; every position vLLM treats as computed (the harness rai
 drained: nothing pinned, tracked or allocated. Then every block a tier indexes is
 copied out and checked against its key, and every prompt replayed from a zeroed GPU
 cache. Per engine (eager, lazy, write-through cascade, two ranks with write-back; eager
-and lazy again under vLLM's asynchronous scheduling, overlapped and lock-step) the
+and lazy again under vLLM's asynchronous scheduling, overlapped and lock-step; write-back
+with KV events on, each tier event checked to describe one whole block) the
 examples must add up to tier hits, failed transfers, late ones, preemptions, aborts
 and resets, so the test cannot pass by not exercising them. 10-20 s an engine on 2 cores.
 """
@@ -83,6 +84,8 @@ ENGINES = [
     # output is processed (eager), and lock-step (lazy).
     Engine("eager_async_pipelined", async_batches=2),
     Engine("lazy_async", store_mode="lazy", async_batches=1),
+    # KV events on: stored-block payloads (eager) and demotion events (cascade).
+    Engine("write_back_events", cascade="write_back", events=True),
 ]
 
 
@@ -129,6 +132,9 @@ def test_random_operations_serve_correct_kv_and_leak_nothing(engine: Engine) -> 
     assert totals["reset_both_done"] + totals["reset_connector_done"] > 0
     if engine.cascade is not None:
         assert totals["hit_tokens_DISK"] > 0, "nothing came back from disk"
+    if engine.events:
+        assert totals["stored_events_with_tokens"] > 0, "no stored-block payload published"
+        assert totals["stored_events_STORAGE"] > 0, "no demotion published"
 
 
 def test_a_load_retried_after_a_failure_recomputes_and_finishes() -> None:
