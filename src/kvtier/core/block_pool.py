@@ -8,22 +8,21 @@ cached block costs about 150 bytes even at 10 M blocks.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.core import pool_checks
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.core.free_queue import FreeQueue, LRUFreeQueue
 from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.core.pool_block import NULL_BLOCK_ID as NULL_BLOCK_ID
-from kvtier.core.pool_block import PoolBlock
+from kvtier.core.pool_checks import PoolError as PoolError
+from kvtier.core.pool_queries import PoolQueries
 
 
-class PoolError(RuntimeError):
-    """A pool operation was asked for something the pool cannot do."""
-
-
-class BlockPool:
+class BlockPool(PoolQueries):
     """Blocks `0..num_blocks-1`; block 0 is the null block and is never handed out.
+
+    The read-only queries (`ref_count`, `keys`, `lookup`, ...) come from `PoolQueries`.
 
     Not thread-safe: one owner (the engine's scheduler or the offload scheduler) calls it.
     """
@@ -59,111 +58,6 @@ class BlockPool:
         self._events: list[KVEvent] = []
         # Called with (block id, primary key) just before `allocate` evicts a cached block.
         self.on_evict: Callable[[int, Key], None] | None = None
-
-    # ----------------------------------------------------------------- queries
-
-    @property
-    def num_usable_blocks(self) -> int:
-        """Return the number of blocks that can ever be handed out (all but the null block)."""
-        return self.num_blocks - 1
-
-    def num_free(self) -> int:
-        """Return the number of blocks with ref count 0, cached ones included."""
-        return len(self._free)
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        """Return True when `allocate(num_blocks)` would succeed."""
-        return num_blocks <= len(self._free)
-
-    def block(self, block_id: int) -> PoolBlock:
-        """Return a view of block `block_id`."""
-        self._check_id(block_id)
-        return PoolBlock(self, block_id)
-
-    def ref_count(self, block_id: int) -> int:
-        """Return the reference count of `block_id`; raise PoolError for an id out of range."""
-        # The range test is inline: calling _check_id every time triples the getter's cost.
-        if not 0 <= block_id < self.num_blocks:
-            self._check_id(block_id)  # raises PoolError naming the id and the range
-        return self._refs[block_id]
-
-    def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
-        """Return each block's primary key (None when it holds none), in order."""
-        keys = self._keys
-        return [keys[block_id] for block_id in block_ids]
-
-    def key(self, block_id: int) -> Key | None:
-        """Return the primary key of `block_id`, or None; raise PoolError for an id out of range."""
-        if not 0 <= block_id < self.num_blocks:
-            self._check_id(block_id)  # raises
-        return self._keys[block_id]
-
-    def num_tokens(self, block_id: int) -> int:
-        """Return how many tokens the primary key of `block_id` covers.
-
-        Raises PoolError for an id out of range.
-        """
-        if not 0 <= block_id < self.num_blocks:
-            self._check_id(block_id)  # raises
-        return self._num_tokens[block_id]
-
-    def secondary_keys(self, block_id: int) -> Sequence[Key]:
-        """Return the secondary keys of `block_id` (empty when none)."""
-        return tuple(self._secondary.get(block_id, ()))
-
-    def token_counts(self, block_ids: Sequence[int]) -> list[int]:
-        """Return how many tokens each block's primary key covers, in order."""
-        counts = self._num_tokens
-        return [counts[block_id] for block_id in block_ids]
-
-    def secondary_keys_of(self, block_ids: Sequence[int]) -> dict[int, Sequence[Key]]:
-        """Return the secondary keys of those of `block_ids` that hold any."""
-        secondary = self._secondary
-        if not secondary:
-            return {}
-        return {b: tuple(secondary[b]) for b in block_ids if b in secondary}
-
-    def is_cached(self, block_id: int) -> bool:
-        """Return True when `block_id` holds a key."""
-        return self._keys[block_id] is not None
-
-    @property
-    def index(self) -> Mapping[Key, int]:
-        """Return the live key index (key -> a block holding it); read it, never change it.
-
-        For hot loops: `key in pool.index` is `cached_block(key) is not None` without a call.
-        """
-        return self._index
-
-    def cached_block(self, key: Key) -> int | None:
-        """Return a block holding `key`, or None."""
-        return self._index.get(key)
-
-    def cached_blocks(self, key: Key) -> list[int]:
-        """Return every block holding `key`."""
-        first = self._index.get(key)
-        if first is None:
-            return []
-        return [first, *self._more_blocks.get(key, ())]
-
-    def lookup(self, keys: Iterable[Key]) -> list[int]:
-        """Return the blocks of the leading run of `keys` that are cached."""
-        found: list[int] = []
-        index = self._index
-        for key in keys:
-            block_id = index.get(key)
-            if block_id is None:
-                break
-            found.append(block_id)
-        return found
-
-    def iter_free_after(self, cursor: int | None) -> Iterator[int]:
-        """Yield free blocks in eviction order after `cursor`; from the head if None or busy."""
-        if cursor is not None:
-            self._check_id(cursor)
-            if cursor == NULL_BLOCK_ID or self._refs[cursor] != 0:
-                cursor = None
-        return self._free.iter_after(cursor)
 
     # ----------------------------------------------------------------- changes
 
@@ -369,12 +263,6 @@ class BlockPool:
         return events
 
     # ----------------------------------------------------------------- internals
-
-    def _check_id(self, block_id: int) -> None:
-        if isinstance(block_id, bool) or not hasattr(block_id, "__index__"):
-            raise PoolError(f"block id {block_id!r} is not an int")
-        if not 0 <= block_id < self.num_blocks:
-            raise PoolError(f"block id {block_id} out of range [0, {self.num_blocks})")
 
     def _drop_keys(self, block_id: int) -> None:
         primary = self._keys[block_id]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kvtier.core.keys import Key
 
 if TYPE_CHECKING:
-    from kvtier.core.block_pool import BlockPool
+    from kvtier.core.pool_queries import PoolQueries
 
 NULL_BLOCK_ID = 0  # never handed out; a null slot in a block table
 
@@ -18,7 +18,7 @@ class PoolBlock:
 
     __slots__ = ("_pool", "block_id")
 
-    def __init__(self, pool: BlockPool, block_id: int) -> None:
+    def __init__(self, pool: PoolQueries, block_id: int) -> None:
         self._pool = pool
         self.block_id = block_id
 

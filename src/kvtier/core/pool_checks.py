@@ -1,5 +1,6 @@
 """What a `BlockPool` checks: arguments (`insert_key`'s key and count, `allocate`'s count)
-and, in `check_invariants`, what must hold between any two operations.
+and, in `check_invariants`, what must hold between any two operations; and `PoolError`,
+what the pool raises (`kvtier.core.block_pool` re-exports it).
 
 Kept apart from `block_pool` so the pool's file holds its operations only; the invariant
 checks read the pool's internal arrays and dicts directly, as its own method would.
@@ -17,6 +18,10 @@ if TYPE_CHECKING:
 
 
 MAX_NUM_TOKENS = 2**31 - 1  # the token counts live in an array('i')
+
+
+class PoolError(RuntimeError):
+    """A pool operation was asked for something the pool cannot do."""
 
 
 def check_key(key: Key, num_tokens: int) -> None:
