@@ -65,21 +65,30 @@ def test_allocate_names_a_count_that_is_not_an_int(num_blocks: object) -> None:
     assert pool.num_free() == 7
 
 
+SINGLE_BLOCK_GETTERS = [
+    BlockPool.ref_count,
+    BlockPool.key,
+    BlockPool.num_tokens,
+    BlockPool.is_cached,
+    BlockPool.secondary_keys,
+]
+
+
 @pytest.mark.parametrize("block_id", [-1, 8])
-@pytest.mark.parametrize(
-    "getter", [BlockPool.ref_count, BlockPool.key, BlockPool.num_tokens], ids=lambda f: f.__name__
-)
+@pytest.mark.parametrize("getter", SINGLE_BLOCK_GETTERS, ids=lambda f: f.__name__)
 def test_block_getters_name_an_id_out_of_range(
     getter: Callable[[BlockPool, int], object], block_id: int
 ) -> None:
-    """ref_count, key and num_tokens raise PoolError naming the id and the valid range.
+    """Each single-block getter raises PoolError naming the id and the valid range.
 
     A negative id used to return another block's value (here block 7's: ref 1, a key, 16
-    tokens) and an id past the end raised a bare IndexError.
+    tokens, cached) or, for secondary_keys, an empty tuple; an id past the end raised a
+    bare IndexError (secondary_keys: an empty tuple again).
     """
     pool = make_pool(8)
     pool.allocate(7)
     pool.insert_key(make_test_key(1), 7, 16)
+    pool.insert_key(make_test_key(2), 7, 16)  # a secondary key
     with pytest.raises(PoolError, match=re.escape(f"block id {block_id} out of range [0, 8)")):
         getter(pool, block_id)
     pool.check_invariants()

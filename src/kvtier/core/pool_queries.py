@@ -54,7 +54,12 @@ class PoolQueries:
         return self._refs[block_id]
 
     def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
-        """Return each block's primary key (None when it holds none), in order."""
+        """Return each block's primary key (None when it holds none), in order.
+
+        The ids are not checked: a min/max test of a step's batch costs more than the
+        lookups themselves. A negative id reads a block counted from the end, as a list
+        index does; one past the end raises IndexError.
+        """
         keys = self._keys
         return [keys[block_id] for block_id in block_ids]
 
@@ -74,11 +79,19 @@ class PoolQueries:
         return self._num_tokens[block_id]
 
     def secondary_keys(self, block_id: int) -> Sequence[Key]:
-        """Return the secondary keys of `block_id` (empty when none)."""
+        """Return the secondary keys of `block_id` (empty when none).
+
+        Raises PoolError for an id out of range.
+        """
+        if not 0 <= block_id < self.num_blocks:
+            self._check_id(block_id)  # raises
         return tuple(self._secondary.get(block_id, ()))
 
     def token_counts(self, block_ids: Sequence[int]) -> list[int]:
-        """Return how many tokens each block's primary key covers, in order."""
+        """Return how many tokens each block's primary key covers, in order.
+
+        The ids are not checked, as in `keys`.
+        """
         counts = self._num_tokens
         return [counts[block_id] for block_id in block_ids]
 
@@ -90,7 +103,9 @@ class PoolQueries:
         return {b: tuple(secondary[b]) for b in block_ids if b in secondary}
 
     def is_cached(self, block_id: int) -> bool:
-        """Return True when `block_id` holds a key."""
+        """Return True when `block_id` holds a key; raise PoolError for an id out of range."""
+        if not 0 <= block_id < self.num_blocks:
+            self._check_id(block_id)  # raises
         return self._keys[block_id] is not None
 
     @property
