@@ -88,3 +88,18 @@ def test_a_bad_block_table_raises_and_leaves_no_pin(table_end: int) -> None:
     assert all(pool.ref_count(block) == 0 for block in range(1, pool.num_blocks))
     engine.gpu.free([block for table in tables for block in table])
     engine.check()
+
+
+def test_a_declined_hit_releases_its_pin_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """An engine may accept none of an offered hit (vLLM does on some hybrid paths): the
+    lookup pin goes, nothing loads, and no warning is logged for a normal outcome."""
+    engine = stored_engine(KVGroupSpec(FULL, 4, 64), range(16))
+    b = make_request("b", [*range(16), 7])
+    found = engine.lookup(b)
+    assert found.num_offered_tokens == 16
+    with caplog.at_level("WARNING", logger="kvtier"):
+        engine.allocate(b, found, 0)
+    assert not caplog.records
+    assert "b" not in engine.scheduler.loads.pins
+    assert engine.step().jobs == ()
+    engine.check()

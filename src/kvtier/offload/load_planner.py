@@ -114,8 +114,8 @@ class LoadPlanner:
         self.recompute_next.discard(request.request_id)
         pin = self.pins.pop(request.request_id, None)
         if num_external_tokens == 0:
-            if pin is not None:
-                logger.warning("request %s accepted 0 of its tier hit", request.request_id)
+            if pin is not None:  # the engine may decline a hit (e.g. vLLM's hybrid paths)
+                logger.debug("request %s accepted 0 of its tier hit", request.request_id)
                 self.index.free(pin.pinned)
             return {}
         start = pin.num_local_tokens if pin is not None else request.num_computed_tokens
