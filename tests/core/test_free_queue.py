@@ -104,6 +104,30 @@ def test_removed_block_can_be_pushed_again() -> None:
     assert len(queue) == 4
 
 
+@pytest.mark.parametrize(
+    ("length_error", "message"), [(1, "shorter than its length"), (-1, "longer than its length")]
+)
+def test_check_invariants_catches_a_wrong_length(length_error: int, message: str) -> None:
+    """A length that disagrees with the links fails the queue's own check.
+
+    LRUFreeQueue had no check_invariants (the pool looked it up with getattr and skipped
+    it); it is now part of the FreeQueue protocol.
+    """
+    queue = make_queue(fill=range(1, 6))
+    queue.check_invariants()
+    queue._len += length_error
+    with pytest.raises(AssertionError, match=message):
+        queue.check_invariants()
+
+
+def test_check_invariants_stops_at_a_cycle() -> None:
+    """A link pointing back into the queue fails the check instead of looping forever."""
+    queue = make_queue(fill=range(1, 6))
+    queue._next[3] = 2
+    with pytest.raises(AssertionError, match="block 2 queued twice"):
+        queue.check_invariants()
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["reusable", "cached", "remove", "pop", "pop_many", "cached_many"]),
@@ -144,3 +168,4 @@ def test_matches_a_list_model(ops: list[tuple[str, int]]) -> None:
                 model.append(block_id)
         assert queued(queue) == model
         assert len(queue) == len(model)
+        queue.check_invariants()

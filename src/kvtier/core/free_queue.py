@@ -75,6 +75,14 @@ class FreeQueue(Protocol):
         """
         ...
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the queue's own bookkeeping is inconsistent.
+
+        `BlockPool.check_invariants` calls it after checking the queue against the pool:
+        links and length, and a policy's lists, ghosts and sketches.
+        """
+        ...
+
 
 def check_num_blocks(num_blocks: int, owner: str) -> None:
     """Raise ValueError naming `num_blocks` unless it is an int >= 2 (block 0 is null)."""
@@ -213,6 +221,15 @@ class LRUFreeQueue:
 
     def note_key(self, block_id: int, key: Key) -> None:
         """Ignore keys: recency alone decides."""
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the links and the length disagree."""
+        seen = set()
+        for block_id in self.iter_after(None):
+            assert block_id not in seen, f"block {block_id} queued twice"
+            seen.add(block_id)
+            assert len(seen) <= len(self), "free queue longer than its length"
+        assert len(seen) == len(self), "free queue shorter than its length"
 
     def clear_and_fill(self, block_ids: range) -> None:
         """Link `block_ids` in order, dropping whatever was queued."""

@@ -47,9 +47,7 @@ def check_pool_invariants(pool: BlockPool) -> None:
     """Raise AssertionError when `pool`'s bookkeeping is inconsistent."""
     _check_free_queue(pool)
     _check_keys(pool)
-    queue_check = getattr(pool._free, "check_invariants", None)
-    if queue_check is not None:
-        queue_check()  # an eviction policy's own lists, ghosts and sketches
+    pool._free.check_invariants()  # links and length; a policy's lists, ghosts and sketches
 
 
 def _check_free_queue(pool: BlockPool) -> None:

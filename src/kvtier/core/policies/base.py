@@ -33,10 +33,6 @@ class EvictionPolicy(FreeQueue, Protocol):
         """
         ...
 
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the policy's bookkeeping is inconsistent."""
-        ...
-
 
 class AdmissionPolicy(Protocol):
     """Decide whether a block missing from the tier is worth storing."""

@@ -17,12 +17,3 @@ class LRUPolicy(LRUFreeQueue):
 
     def note_key(self, block_id: int, key: Key) -> None:
         """Ignore keys: recency alone decides."""
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the links and the length disagree."""
-        seen = set()
-        for block_id in self.iter_after(None):
-            assert block_id not in seen, f"block {block_id} queued twice"
-            seen.add(block_id)
-            assert len(seen) <= len(self), "free queue longer than its length"
-        assert len(seen) == len(self), "free queue shorter than its length"
