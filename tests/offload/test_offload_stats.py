@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import json
+import pickle
+
 from sim import Admission, SimEngine, config, full_layout, make_request
 from test_scenarios_cascade import cascade_engine
 
@@ -92,3 +97,13 @@ def test_demotions_without_a_free_disk_slot_are_counted_as_dropped() -> None:
         2,
     )
     assert engine.scheduler.take_stats().num_dropped_demotions == 0
+
+
+def test_stats_can_be_pickled_copied_and_logged() -> None:
+    """`OffloadStats` leave the process (vLLM ships stats between processes) and get
+    logged: every field is a plain value, the info labels a plain dict of strings."""
+    stats = loading_engine().scheduler.take_stats()
+    assert pickle.loads(pickle.dumps(stats)) == stats
+    assert copy.deepcopy(stats) == stats
+    json.dumps(dataclasses.asdict(stats))
+    assert stats.info["store_mode"] == "eager"

@@ -333,13 +333,13 @@ class OffloadScheduler:
             num_dropped_demotions=cascade.num_dropped_demotions if cascade else 0,
             num_promoted_blocks=promoted,
             num_lost_blocks=cascade.num_lost_blocks if cascade else 0,
-            info=self._stats_info,
+            info=dict(self._stats_info),  # a plain dict: stats are pickled, copied, logged
         )
         counters.clear()
         return stats
 
     def _info(self) -> Mapping[str, str]:
-        """Return the stats' info labels (fixed for the scheduler's life, so shared)."""
+        """Return the stats' info labels (fixed for the scheduler's life, built once)."""
         info = {
             "tier": self.tier.value,
             "store_mode": self.config.store_mode.value,
