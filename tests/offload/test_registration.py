@@ -9,7 +9,7 @@ from sim_request import full_layout
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
-from kvtier.offload.plan import Tier
+from kvtier.offload.plan import SlotRecord, Tier
 from kvtier.offload.registration import Registrar
 from kvtier.offload.store_batch import StoreBatch
 
@@ -69,3 +69,14 @@ def test_register_all_equals_register_per_item(events: bool) -> None:
         (key(40), 3, ()),
     ]
     assert batch.take_events() == per_item.take_events()
+
+
+def test_restore_counts_the_tokens_inside_each_block() -> None:
+    """Manifests written before the vLLM adapter counted a block's own tokens hold vLLM's
+    prefix counts (block 3 of 4-token blocks: 12); restored, each slot counts its own."""
+    tier = BlockPool(8, record_events=True, medium="DISK")
+    registrar = Registrar(full_layout(block_size=4), Tier.DISK, tier, events=True)
+    records = [(1, SlotRecord(key(1), 4)), (2, SlotRecord(key(2), 12)), (3, SlotRecord(key(3), 3))]
+    assert registrar.restore(Tier.DISK, tier, records) == 3
+    assert [tier.num_tokens(b) for b in (1, 2, 3)] == [4, 4, 3]
+    assert [e.block_size for e in tier.take_events()] == [4, 4, 3]

@@ -123,7 +123,8 @@ class Registrar:
         """Index what a persistent tier kept; return the blocks indexed.
 
         A slot out of range or already indexed, or a key of a group that is not cached,
-        is skipped with a warning.
+        is skipped with a warning. A token count above the group's block size (a vLLM
+        prefix count, which older manifests held) becomes the tokens inside the block.
         """
         groups = self.layout.groups
         num_restored = 0
@@ -133,9 +134,13 @@ class Registrar:
             if not 0 < slot < pool.num_blocks or not valid_group or pool.is_cached(slot):
                 logger.warning("%s slot %d: cannot restore %r; skipped", tier.value, slot, record)
                 continue
+            num_tokens = record.num_tokens
+            size = groups[group_id].block_size
+            if num_tokens > size:  # a vLLM prefix count, as manifests before 33c24ee held
+                num_tokens = (num_tokens - 1) % size + 1
             pool.touch([slot])
-            event = self.event(record.key, record.num_tokens, tier)
-            pool.insert_key(record.key, slot, record.num_tokens, event)
+            event = self.event(record.key, num_tokens, tier)
+            pool.insert_key(record.key, slot, num_tokens, event)
             pool.free([slot])
             num_restored += 1
         return num_restored
