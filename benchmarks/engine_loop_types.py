@@ -55,6 +55,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
+        """Return no extra keys: the benchmark's requests carry none."""
+        return ()
+
 
 # --------------------------------------------------------------- config and records
 
