@@ -256,6 +256,7 @@ def test_a_load_split_over_cpu_and_disk_finishes_when_both_parts_landed(
 
 
 def test_cascade_events_carry_both_media(tmp_path: Path) -> None:
+    """Scenario 29 through vLLM: CPU and STORAGE media, each event one whole block."""
     harness = cascade_harness(tmp_path, "write_back", num_cpu_blocks=7, enable_kv_events=True)
     prompts = shared_prefix_prompts(4, prefix_len=64, suffix_len=8, num_prefixes=4)
     for request_id, prompt in prompts.items():

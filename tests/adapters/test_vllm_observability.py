@@ -64,6 +64,8 @@ def test_stored_blocks_are_published_with_medium_cpu(scheduling: str) -> None:
 
 
 def test_tier_events_carry_the_extra_keys_vllm_publishes_for_the_same_block() -> None:
+    """Scenario 29 through vLLM: a salted request's CPU events carry the extra keys that
+    vLLM's own GPU events carry for the same hashes."""
     harness = kvtier_harness(enable_kv_events=True)
     harness.add_request("salted", list(range(1000, 1041)), max_tokens=2, cache_salt="tenant-1")
     harness.run()

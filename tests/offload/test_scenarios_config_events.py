@@ -187,6 +187,18 @@ def test_scenario_29_lora_fields_are_carried() -> None:
     assert engine.scheduler.lookup(plain, 0) == 0  # the adapter is part of the hash
 
 
+def test_scenario_29_extra_keys_are_carried() -> None:
+    """Scenario 29: eager BlockStored events carry the extra keys hashed into each block."""
+    engine = SimEngine(full_layout(), config(events=True))
+    engine.run(make_request("a", range(8), lora=LoRAInfo(7, "sql-adapter")))
+    engine.run(make_request("plain", range(100, 108)))
+    engine.drain()
+    events = stored_events(engine.scheduler.take_events())
+    assert len(events) == 4
+    assert [e.extra_keys for e in events if e.lora_id == 7] == [(("lora", "sql-adapter"),)] * 2
+    assert [e.extra_keys for e in events if e.lora_id is None] == [(), ()]
+
+
 @pytest.mark.parametrize("medium", ["CPU", "DISK"])
 def test_scenario_29_events_carry_the_tier_medium(medium: str, tmp_path: Path) -> None:
     """Scenario 29: BlockStored, BlockRemoved and AllCleared are labelled with the tier."""
