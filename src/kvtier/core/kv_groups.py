@@ -161,3 +161,9 @@ class KVLayout:
             g.block_size == hbs for g in cacheable if g.kind is not GroupKind.FULL_ATTENTION
         )
         return has_coarse_full and others_fine
+
+
+def tokens_inside_block(prefix_tokens: int, block_size: int) -> int:
+    """Return the tokens inside the block whose key covers a request's first
+    `prefix_tokens` tokens (vLLM's count): 64 with 16-token blocks is 16, 53 is 5."""
+    return (prefix_tokens - 1) % block_size + 1

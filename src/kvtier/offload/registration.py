@@ -16,7 +16,7 @@ from typing import cast
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, key_block_hash, key_group_id
-from kvtier.core.kv_groups import KVLayout
+from kvtier.core.kv_groups import KVLayout, tokens_inside_block
 from kvtier.offload.plan import SlotRecord, Tier
 from kvtier.offload.protocols import GpuPoolView
 from kvtier.offload.store_batch import StoreBatch
@@ -137,7 +137,7 @@ class Registrar:
             num_tokens = record.num_tokens
             size = groups[group_id].block_size
             if num_tokens > size:  # a vLLM prefix count, as manifests before 33c24ee held
-                num_tokens = (num_tokens - 1) % size + 1
+                num_tokens = tokens_inside_block(num_tokens, size)
             pool.touch([slot])
             event = self.event(record.key, num_tokens, tier)
             pool.insert_key(record.key, slot, num_tokens, event)

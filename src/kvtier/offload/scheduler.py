@@ -23,9 +23,8 @@ This module wires the tier state and owns the requests' lifecycle and observabil
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import KVEvent
@@ -338,7 +337,7 @@ class OffloadScheduler:
         counters.clear()
         return stats
 
-    def _info(self) -> Mapping[str, str]:
+    def _info(self) -> dict[str, str]:
         """Return the stats' info labels (fixed for the scheduler's life, built once)."""
         info = {
             "tier": self.tier.value,
@@ -349,7 +348,7 @@ class OffloadScheduler:
         if self.cascade is not None:
             info["cascade"] = self.config.cascade.value
             info["num_disk_blocks"] = str(self.cascade.disk_pool.num_blocks)
-        return MappingProxyType(info)
+        return info
 
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""

@@ -15,6 +15,7 @@ from operator import attrgetter
 from typing import Any
 
 from kvtier.core.keys import BlockHash, Key, key_group_id
+from kvtier.core.kv_groups import tokens_inside_block
 from kvtier.offload.protocols import LoRAInfo
 
 _BLOCK_ID = attrgetter("block_id")
@@ -31,7 +32,7 @@ def tokens_in_block(block: Any, block_sizes: Sequence[int]) -> int:
     if not end:
         return 0
     size = block_sizes[key_group_id(block.block_hash)] if len(block_sizes) > 1 else block_sizes[0]
-    return int((end - 1) % size + 1)
+    return tokens_inside_block(int(end), size)
 
 
 class VllmRequestView:
@@ -188,7 +189,7 @@ class VllmGpuPoolView:
         blocks, sizes = self._blocks, self._block_sizes
         if len(sizes) > 1:
             return [tokens_in_block(blocks[block_id], sizes) for block_id in block_ids]
-        size = sizes[0]  # one group: `tokens_in_block` inlined (a step's stores)
+        size = sizes[0]  # one group: `tokens_inside_block` inlined (a step's stores)
         return [
             (end - 1) % size + 1 if (end := blocks[block_id].block_hash_num_tokens) else 0
             for block_id in block_ids
