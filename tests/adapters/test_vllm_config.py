@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvtier.adapters.vllm.config import offload_config_from_vllm
@@ -89,6 +91,20 @@ def test_simple_offload_keys_map_to_kvtier_settings() -> None:
     assert disk.disk_io_mode is DiskIOMode.PAGE_CACHE
 
 
+@pytest.mark.parametrize("key", ["disk_capacity_bytes", "use_page_cache"])
+def test_simple_offload_disk_keys_without_a_disk_backend_are_named_when_ignored(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    value = {"disk_capacity_bytes": 500 * GIB, "use_page_cache": True}[key]
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        config = convert({"cpu_bytes_to_use": 8 * GIB, key: value})
+    assert (config.tier, config.disk_bytes) == (Tier.CPU, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f'kv_offload_backend="cpu" has no disk tier: ignoring {key} (set kv_offload_backend '
+        'to "disk" or "cascade" for one)'
+    ]  # not silent, and not under a kvtier name the config does not contain (disk_io_mode)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -98,6 +114,7 @@ def test_simple_offload_keys_map_to_kvtier_settings() -> None:
         ({"cpu_bytes": GIB, "cpu_bytes_to_use": GIB}, "use one spelling"),
         ({"kv_offload_backend": "tape"}, "kv_offload_backend must be one of"),
         ({"lazy_offload": "yes"}, "lazy_offload"),
+        ({"use_page_cache": "yes"}, "use_page_cache must be a bool"),
         ({"cpu_bytes_to_use": "8G"}, "cpu_bytes_to_use"),
         ({"cpu_bytes": GIB, "bogus": 1}, "bogus"),
         ({"cpu_bytes": GIB, "policy": "lru+"}, "missing admission"),

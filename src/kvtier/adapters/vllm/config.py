@@ -12,7 +12,8 @@ Two spellings are accepted, never mixed for one setting:
   `cpu_bytes_to_use_per_rank`, `num_cpu_blocks`, `lazy_offload`, `kv_offload_backend`
   (`"cpu"` | `"disk"` | `"cascade"` / `"cpu+disk"`), `disk_capacity_bytes` (per rank),
   `use_page_cache`, and the shared `disk_path`, `disk_buffer_slots`, `cascade`. Their
-  values are checked under these names, before translation.
+  values are checked under these names, before translation. With `kv_offload_backend`
+  `"cpu"` (its default) the disk-only ones are ignored with a warning, as vLLM does.
 
 One key per setting: `disk_io_mode`, `disk_direct_io` and `use_page_cache` all set the
 disk I/O mode, so any two of them together are refused.
@@ -32,11 +33,14 @@ another model's KV; persistence is available in kvtier's reference engine only.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from kvtier.core.policies import PolicySpec
 from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig
+
+logger = logging.getLogger(__name__)
 
 # SimpleCPUOffloadConnector's defaults, for configs written in its spelling.
 _DEFAULT_SERVER_CPU_BYTES = 8 * 1024**3
@@ -60,6 +64,7 @@ _ALIASES = (
     "disk_capacity_bytes",
     "use_page_cache",
 )
+_DISK_ONLY_ALIASES = ("disk_capacity_bytes", "use_page_cache")
 
 
 def offload_config_from_vllm(
@@ -101,6 +106,7 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
     for key in ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "disk_capacity_bytes"):
         if key in values:
             _positive_int(key, values[key], minimum=1)
+    ignored = [key for key in _DISK_ONLY_ALIASES if key in values] if backend == "cpu" else []
     server_bytes = values.pop("cpu_bytes_to_use", _DEFAULT_SERVER_CPU_BYTES)
     per_rank = values.pop("cpu_bytes_to_use_per_rank", None)
     disk_bytes = values.pop("disk_capacity_bytes", _DEFAULT_DISK_BYTES)
@@ -127,7 +133,14 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
         page_cache = values.pop("use_page_cache")
         if not isinstance(page_cache, bool):
             raise ConfigError(f"use_page_cache must be a bool, got {page_cache!r}")
-        values["disk_io_mode"] = "page_cache" if page_cache else "direct"
+        if backend != "cpu":
+            values["disk_io_mode"] = "page_cache" if page_cache else "direct"
+    if ignored:  # as vLLM's connector warns, under the names the user wrote
+        logger.warning(
+            'kv_offload_backend="cpu" has no disk tier: ignoring %s (set kv_offload_backend '
+            'to "disk" or "cascade" for one)',
+            ", ".join(ignored),
+        )
     return values
 
 
