@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -183,3 +184,30 @@ def test_simple_offload_values_are_refused_under_their_own_names(
     with pytest.raises(ConfigError, match=message) as error:
         convert(extra, world_size=4)
     assert translated not in str(error.value)  # kvtier's name for the setting
+
+
+@pytest.mark.parametrize(
+    ("extra", "sources"),
+    [
+        ({"kv_offload_backend": "disk"}, "(disk_bytes is disk_capacity_bytes's default)"),
+        (
+            {"kv_offload_backend": "cascade", "cpu_bytes_to_use_per_rank": 200 * GIB},
+            "(cpu_bytes is cpu_bytes_to_use_per_rank; disk_bytes is disk_capacity_bytes's default)",
+        ),
+        (
+            {
+                "kv_offload_backend": "cascade",
+                "cpu_bytes_to_use": 8 * GIB,
+                "disk_capacity_bytes": GIB,
+            },
+            "(cpu_bytes is cpu_bytes_to_use / 4 rank(s); disk_bytes is disk_capacity_bytes)",
+        ),
+        ({"lazy_offload": True, "fine_grained_hits": True}, "(store_mode is lazy_offload)"),
+    ],
+)
+def test_errors_on_translated_values_name_the_simple_offload_keys(
+    extra: dict[str, object], sources: str
+) -> None:
+    path = {"disk_path": "/tmp/kv"} if extra.get("kv_offload_backend") == "cascade" else {}
+    with pytest.raises(ConfigError, match=re.escape(sources) + "$"):
+        convert({**extra, **path}, world_size=4)

@@ -12,8 +12,9 @@ Two spellings are accepted, never mixed for one setting:
   `cpu_bytes_to_use_per_rank`, `num_cpu_blocks`, `lazy_offload`, `kv_offload_backend`
   (`"cpu"` | `"disk"` | `"cascade"` / `"cpu+disk"`), `disk_capacity_bytes` (per rank),
   `use_page_cache`, and the shared `disk_path`, `disk_buffer_slots`, `cascade`. Their
-  values are checked under these names, before translation. With `kv_offload_backend`
-  `"cpu"` (its default) the disk-only ones are ignored with a warning, as vLLM does.
+  values are checked under these names, before translation, and a later error on a
+  translated value names them too. With `kv_offload_backend` `"cpu"` (its default) the
+  disk-only ones are ignored with a warning, as vLLM does.
 
 One key per setting: `disk_io_mode`, `disk_direct_io` and `use_page_cache` all set the
 disk I/O mode, so any two of them together are refused.
@@ -81,18 +82,28 @@ def offload_config_from_vllm(
         _check_cascade(values["cascade"])
     if "policy" in values:
         values.update(_policy(values.pop("policy"), values))
+    sources: dict[str, str] = {}
     if any(key in values for key in _ALIASES):
-        values = _from_simple_offload_keys(values, world_size)
+        values, sources = _from_simple_offload_keys(values, world_size)
     values["max_batched_tokens"] = max_batched_tokens
     values["events"] = events
-    return OffloadConfig.from_dict(values)
+    try:
+        return OffloadConfig.from_dict(values)
+    except ConfigError as error:
+        named = [f"{key} is {source}" for key, source in sources.items() if f"{key}=" in str(error)]
+        if not named:
+            raise
+        raise ConfigError(f"{error} ({'; '.join(named)})") from None
 
 
-def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """Rewrite SimpleCPUOffloadConnector's keys as kvtier keys.
+def _from_simple_offload_keys(
+    values: dict[str, Any], world_size: int
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Rewrite SimpleCPUOffloadConnector's keys as kvtier keys; also return their sources.
 
-    Every value is checked under the key the user wrote before it is translated, so an
-    error never names a kvtier key the config does not contain.
+    Every value is checked under the key the user wrote before it is translated. The
+    sources (kvtier key -> what the user wrote) let a later error on a translated value
+    name the user's keys too.
     """
     clash = sorted(k for k in _NATIVE_SIZING_KEYS if k in values)
     if clash:
@@ -107,6 +118,12 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
         if key in values:
             _positive_int(key, values[key], minimum=1)
     ignored = [key for key in _DISK_ONLY_ALIASES if key in values] if backend == "cpu" else []
+    sources = {
+        "cpu_bytes": f"{_given_or_default('cpu_bytes_to_use', values)} / {world_size} rank(s)",
+        "disk_bytes": _given_or_default("disk_capacity_bytes", values),
+        "num_blocks": "num_cpu_blocks",
+        "store_mode": "lazy_offload",
+    }
     server_bytes = values.pop("cpu_bytes_to_use", _DEFAULT_SERVER_CPU_BYTES)
     per_rank = values.pop("cpu_bytes_to_use_per_rank", None)
     disk_bytes = values.pop("disk_capacity_bytes", _DEFAULT_DISK_BYTES)
@@ -115,6 +132,7 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
     if backend != "disk":  # "cpu", or the cascade's CPU tier
         if per_rank is not None:
             values["cpu_bytes"] = per_rank
+            sources["cpu_bytes"] = "cpu_bytes_to_use_per_rank"
         elif server_bytes < world_size:
             raise ConfigError(
                 f"cpu_bytes_to_use={server_bytes} is invalid: it is divided over "
@@ -141,7 +159,12 @@ def _from_simple_offload_keys(values: dict[str, Any], world_size: int) -> dict[s
             'to "disk" or "cascade" for one)',
             ", ".join(ignored),
         )
-    return values
+    return values, sources
+
+
+def _given_or_default(key: str, values: Mapping[str, Any]) -> str:
+    """Name `key` as the source of a translated value: the key itself, or its default."""
+    return key if key in values else f"{key}'s default"
 
 
 def _check_one_disk_io_key(values: Mapping[str, Any]) -> None:
