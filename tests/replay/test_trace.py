@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,23 @@ def test_gzip_trace_is_read_as_is_and_a_truncated_one_names_the_file(tmp_path: P
     (tmp_path / "cut.gz").write_bytes(packed[: len(packed) // 2])
     with pytest.raises(TraceError, match=r"cut\.gz:\d+: corrupt gzip data"):
         read_trace(tmp_path / "cut.gz", 512)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="needs /dev/fd")
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_trace_from_a_pipe_is_read_from_its_first_byte(tmp_path: Path, packed: bool) -> None:
+    """`kvtier replay <(zcat t.jsonl.gz)` or /dev/stdin: a pipe can be read only once."""
+    records = [TraceRecord(i, 1000, 5, (i, 100 + i)) for i in range(200)]
+    write_trace(tmp_path / "t.jsonl", records)
+    data = (tmp_path / "t.jsonl").read_bytes()
+    assert 8192 < len(data) < 65536  # past one read buffer, within the pipe's capacity
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, gzip.compress(data) if packed else data)
+        os.close(write_end)
+        assert read_trace(f"/dev/fd/{read_end}", 512) == records
+    finally:
+        os.close(read_end)
 
 
 def test_numbered_trace_gives_each_record_its_file_line(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import json
 import math
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -134,13 +135,19 @@ def read_numbered_trace(
     return records
 
 
-def _open_binary(path: str | Path) -> BinaryIO | gzip.GzipFile:
-    """Open `path` for reading bytes, decompressing it if it starts with gzip's magic."""
+@contextmanager
+def _open_binary(path: str | Path) -> Iterator[BinaryIO | gzip.GzipFile]:
+    """Open `path` for reading bytes, decompressing it if it starts with gzip's magic.
+
+    The file is opened once and its first bytes are peeked, not read: a pipe
+    (`<(zcat t.jsonl.gz)`, /dev/stdin) cannot be read a second time.
+    """
     with open(path, "rb") as file:
-        magic = file.read(len(_GZIP_MAGIC))
-    if magic == _GZIP_MAGIC:
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+        if file.peek(len(_GZIP_MAGIC))[: len(_GZIP_MAGIC)] == _GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=file, mode="rb") as unpacked:
+                yield unpacked
+        else:
+            yield file
 
 
 def _numbered_lines(file: Iterable[bytes], path: str | Path) -> Iterator[tuple[int, bytes]]:
