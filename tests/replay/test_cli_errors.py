@@ -53,6 +53,37 @@ def test_unwritable_output_paths_are_errors_before_the_run(
     assert_error_before_the_run(capsys, *parts)
 
 
+@pytest.mark.parametrize(
+    ("name", "options", "parts"),
+    [
+        ("doc.jsonl", ["--json", "{tmp}/doc.jsonl"], ["--json", "would overwrite the trace"]),
+        ("doc.jsonl", ["--json", "{tmp}/link.jsonl"], ["link.jsonl: would overwrite the trace"]),
+        (
+            "doc.jsonl",
+            ["--sweep", "--out", "{tmp}", "--json", "{tmp}/sweep.csv"],
+            ["--json", "sweep.csv: would overwrite --out's", "sweep.csv"],
+        ),
+        ("sweep.png", ["--sweep", "--out", "{tmp}"], ["--out", "png: would overwrite the trace"]),
+    ],
+)
+def test_an_output_that_would_overwrite_the_trace_or_another_output_is_an_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    options: list[str],
+    parts: list[str],
+) -> None:
+    trace = trace_file(tmp_path).rename(tmp_path / name)
+    (tmp_path / "link.jsonl").symlink_to(trace)
+    original = trace.read_bytes()
+    options = [o.format(tmp=tmp_path) for o in options]
+    argv = [str(trace), "--block-size", str(BLOCK), "--quiet", "--capacity", "80", *options]
+    assert main(argv) == 2
+    assert_error_before_the_run(capsys, *parts)
+    assert trace.read_bytes() == original
+    assert not (tmp_path / "sweep.csv").exists()
+
+
 def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
     out = tmp_path / "new" / "folder"
     assert replay(tmp_path, "--capacity", "80", "--sweep", "--out", str(out)) == 0

@@ -42,3 +42,26 @@ def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:
         raise ReplayError(f"{option} {folder}: cannot create it, {ancestor} is not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ReplayError(f"{option} {folder}: cannot create it in {ancestor}")
+
+
+def check_distinct_paths(trace: Path, outputs: Sequence[tuple[str, Path]]) -> None:
+    """Raise `ReplayError` when an output `(option, path)` is the trace or another output.
+
+    Paths are compared after resolving symbolic links, and existing files by identity
+    (a hard link), so no output overwrites the trace or one written before it.
+    """
+    written = [("the trace", trace)]
+    for option, path in outputs:
+        for other, other_path in written:
+            if _is_same_file(path, other_path):
+                what = other if other == "the trace" else f"{other}'s"
+                raise ReplayError(
+                    f"{option} {path}: would overwrite {what} {other_path}; give another path"
+                )
+        written.append((option, path))
+
+
+def _is_same_file(a: Path, b: Path) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):  # unlike Path.resolve, no error on a loop
+        return True
+    return a.exists() and b.exists() and os.path.samefile(a, b)

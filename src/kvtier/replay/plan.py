@@ -20,12 +20,13 @@ from kvtier.replay.config import (
     TierConfig,
 )
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
-from kvtier.replay.outputs import check_file_path, check_folder_path
+from kvtier.replay.outputs import check_distinct_paths, check_file_path, check_folder_path
 from kvtier.replay.report import format_tokens
 from kvtier.replay.sweep import DEFAULT_SWEEP_TOKENS, LRU
 from kvtier.replay.trace import TraceRecord, read_numbered_trace
 
 DEFAULT_OUT = "replay_out"
+SWEEP_FILES = ("sweep.csv", "sweep.png")  # what --sweep writes into --out
 
 
 def build_config(args: argparse.Namespace) -> ReplayConfig:
@@ -90,10 +91,14 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     for policy in policies:
         dataclasses.replace(base, policy=policy)
     out = Path(args.out or DEFAULT_OUT) if args.sweep else None
+    outputs: list[tuple[str, Path]] = []
     if out is not None:
-        check_folder_path("--out", out, ("sweep.csv", "sweep.png"))
+        check_folder_path("--out", out, SWEEP_FILES)
+        outputs += [("--out", out / name) for name in SWEEP_FILES]
     if args.json:
         check_file_path("--json", Path(args.json))
+        outputs.append(("--json", Path(args.json)))
+    check_distinct_paths(Path(args.trace), outputs)
     numbered = read_numbered_trace(args.trace, args.block_size)
     if base.gpu_capacity_tokens:
         _check_gpu_fits(args, numbered)
