@@ -84,6 +84,17 @@ def test_an_output_that_would_overwrite_the_trace_or_another_output_is_an_error(
     assert not (tmp_path / "sweep.csv").exists()
 
 
+@pytest.mark.parametrize("option", ["--json", "--out"])
+def test_an_empty_output_path_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    """`--json "$UNSET"` wrote no JSON and `--out ""` wrote to the default folder, silently."""
+    with pytest.raises(SystemExit) as exit_info:
+        replay(tmp_path, "--capacity", "80", "--sweep", option, "")
+    assert exit_info.value.code == 2
+    assert f"argument {option}: expected a path, got an empty string" in capsys.readouterr().err
+
+
 def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
     out = tmp_path / "new" / "folder"
     assert replay(tmp_path, "--capacity", "80", "--sweep", "--out", str(out)) == 0

@@ -69,6 +69,13 @@ def _policy_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _output_path(text: str) -> str:
+    """Refuse an empty path: `--json "$UNSET"` would otherwise write nothing, silently."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the replay options to `parser`."""
     parser.add_argument("trace", help="Mooncake-format .jsonl trace")
@@ -130,10 +137,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "sweep.png to --out",
     )
     parser.add_argument(
-        "--out", help=f"with --sweep: folder for the sweep CSV and plot (default {DEFAULT_OUT})"
+        "--out",
+        type=_output_path,
+        help=f"with --sweep: folder for the sweep CSV and plot (default {DEFAULT_OUT})",
     )
     parser.add_argument(
         "--json",
+        type=_output_path,
         metavar="PATH",
         help="write every result as JSON (adds lru and belady, the reference lines; "
         "belady not with --cascade)",
