@@ -34,7 +34,11 @@ def write_lines(path: Path, rows: list[object]) -> Path:
     [
         ("{not json", "not valid JSON"),
         ([1, 2], "expected a JSON object"),
-        ({**GOOD, "hash_ids": None}, "hash_ids must be a list of ints"),
+        ({**GOOD, "hash_ids": None}, "hash_ids must be a list of ints >= 0, got None"),
+        ({**GOOD, "hash_ids": [1, 2.0]}, r"hash_ids\[1\] must be an int >= 0, got 2\.0"),
+        ({**GOOD, "hash_ids": [-3, 2]}, r"hash_ids\[0\] must be an int >= 0, got -3"),
+        ({**GOOD, "hash_ids": [1, "2"]}, r"hash_ids\[1\] must be an int >= 0, got '2'"),
+        ({**GOOD, "hash_ids": [True, 2]}, r"hash_ids\[0\] must be an int >= 0, got True"),
         ({k: v for k, v in GOOD.items() if k != "timestamp"}, "missing field"),
         ({**GOOD, "input_length": -1}, "input_length must be an int >= 0"),
         ({**GOOD, "hash_ids": [1, 2, 3]}, "3 hash_ids for input_length=1000, expected 2"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import reprlib
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -74,10 +75,13 @@ def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
 
 def _check_hash_ids(hash_ids: object, where: str) -> tuple[int, ...]:
     """Return `hash_ids` as a tuple: distinct ints in [0, 2**64) (the replay's 8-byte keys)."""
-    if not isinstance(hash_ids, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids
-    ):
-        raise TraceError(f"{where}: hash_ids must be a list of ints >= 0")
+    if not isinstance(hash_ids, list):
+        raise TraceError(
+            f"{where}: hash_ids must be a list of ints >= 0, got {reprlib.repr(hash_ids)}"
+        )
+    for j, h in enumerate(hash_ids):
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise TraceError(f"{where}: hash_ids[{j}] must be an int >= 0, got {reprlib.repr(h)}")
     too_large = next((h for h in hash_ids if h >= MAX_HASH_ID), None)
     if too_large is not None:
         raise TraceError(f"{where}: hash id {too_large} does not fit in 64 bits (must be < 2**64)")
