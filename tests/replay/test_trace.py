@@ -102,6 +102,17 @@ def test_chat_generator_validates_and_writes(tmp_path: Path) -> None:
     assert len(read_trace(out)) >= 5
 
 
+@pytest.mark.parametrize("where", ["missing/chat.jsonl", "."])
+def test_chat_generator_names_an_output_path_it_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    out = tmp_path / where
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(out), "--conversations", "2"])
+    assert exit_info.value.code == 2
+    assert f"error: cannot write {out}: " in capsys.readouterr().err
+
+
 def test_largest_64_bit_hash_id_is_accepted_and_keyed(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [{**GOOD, "hash_ids": [0, 2**64 - 1]}])
     records = read_trace(path, 512)

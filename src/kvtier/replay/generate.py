@@ -172,7 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     records = generate_chat_trace(config)
-    write_trace(args.out, records)
+    try:
+        write_trace(args.out, records)
+    except OSError as exc:  # a missing folder, a directory, no permission
+        parser.error(f"cannot write {args.out}: {exc.strerror or exc}")
     print(f"wrote {len(records)} requests to {args.out}")
     return 0
 
