@@ -64,6 +64,16 @@ def test_scenario_27_ignored_keys_are_still_checked(
         OffloadConfig.from_dict({"cpu_bytes": 640, **values})
 
 
+@pytest.mark.parametrize("slots", [0, -1])
+def test_scenario_27_ignored_keys_keep_their_range_checks(slots: int) -> None:
+    """Regression: disk_buffer_slots=0 without a disk tier was accepted with a warning."""
+    message = f"disk_buffer_slots={slots} is invalid: must be >= 1"
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig.from_dict({"cpu_bytes": 640, "disk_buffer_slots": slots})
+    with pytest.raises(ConfigError, match=message):  # the same as with a disk tier
+        OffloadConfig.from_dict({"disk_bytes": 640, "disk_path": "/x", "disk_buffer_slots": slots})
+
+
 def test_scenario_27_disk_capacity_below_two_blocks_is_rejected() -> None:
     """Scenario 27: a disk budget holding fewer than 2 blocks raises, naming disk_bytes."""
     cfg = OffloadConfig(disk_bytes=100, disk_path="/x")

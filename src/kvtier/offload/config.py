@@ -87,19 +87,7 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         for name in _FIELD_TYPES:
-            _check_type(name, getattr(self, name))
-        _require(self.cpu_bytes >= 0, "cpu_bytes", self.cpu_bytes, "must be >= 0")
-        _require(self.disk_bytes >= 0, "disk_bytes", self.disk_bytes, "must be >= 0")
-        _require(self.disk_buffer_slots >= 1, "disk_buffer_slots", self.disk_buffer_slots, ">= 1")
-        _require(self.max_batched_tokens > 0, "max_batched_tokens", self.max_batched_tokens, "> 0")
-        for key, registry in (
-            ("eviction_policy", EVICTION_POLICIES),
-            ("admission_policy", ADMISSION_POLICIES),
-        ):
-            value = getattr(self, key)
-            _require(value in registry, key, value, f"choose one of {', '.join(registry)}")
-        if self.num_blocks is not None:
-            _require(self.num_blocks >= 2, "num_blocks", self.num_blocks, "must be >= 2")
+            _check_value(name, getattr(self, name))
         if self.cpu_bytes == 0 and self.disk_bytes == 0:
             raise ConfigError("no lower tier: set cpu_bytes or disk_bytes to a positive size")
         if self.disk_bytes > 0 and not self.disk_path:
@@ -176,7 +164,7 @@ class OffloadConfig:
         if not kwargs.get("disk_bytes"):
             ignored = sorted(k for k in _DISK_KEYS if k in kwargs)
             for key in ignored:
-                _check_type(key, kwargs[key])
+                _check_value(key, kwargs[key])
             if ignored:
                 logger.warning("no disk tier (disk_bytes unset): ignoring %s", ", ".join(ignored))
                 for key in ignored:
@@ -274,6 +262,30 @@ def _check_type(name: str, value: object) -> None:
         return
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ConfigError(f"{name} must be {_type_name(kind)}, got {value!r}")
+
+
+# The least value of each int field that has one (num_blocks: the null block and one more).
+_MINIMUMS = {
+    "cpu_bytes": 0,
+    "disk_bytes": 0,
+    "disk_buffer_slots": 1,
+    "num_blocks": 2,
+    "max_batched_tokens": 1,
+}
+_REGISTRIES: dict[str, Mapping[str, object]] = {
+    "eviction_policy": EVICTION_POLICIES,
+    "admission_policy": ADMISSION_POLICIES,
+}
+
+
+def _check_value(name: str, value: object) -> None:
+    """Raise ConfigError naming `name` when `value` is not a valid value of the field."""
+    _check_type(name, value)
+    if isinstance(value, int) and name in _MINIMUMS:
+        _require(value >= _MINIMUMS[name], name, value, f"must be >= {_MINIMUMS[name]}")
+    registry = _REGISTRIES.get(name)
+    if registry is not None:
+        _require(value in registry, name, value, f"choose one of {', '.join(registry)}")
 
 
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
