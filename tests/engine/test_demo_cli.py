@@ -99,3 +99,16 @@ def test_demo_runs_when_the_last_turn_exactly_fills_the_gpu_pool(
         ]
     )
     assert status == 0, capsys.readouterr().out
+
+
+def test_demo_help_states_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvtier demo --help` gives the default of every option that has one."""
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = text.split("options:", 1)[1].split(" --")[1:]
+    assert len(options) >= 15
+    for option in options:
+        name = option.split()[0]
+        if name not in ("help", "model-dir", "disk-dir") and "default" not in option:
+            raise AssertionError(f"--{name} does not state its default: --{option}")

@@ -45,16 +45,36 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--model-dir", help="local HF checkpoint dir (default: random demo model)")
     parser.add_argument("--conversations", type=int, default=8, help="conversations (default 8)")
     parser.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
-    parser.add_argument("--system-tokens", type=int, default=256, help="shared system prompt")
     parser.add_argument(
-        "--document-tokens", type=int, default=512, help="per-conversation document"
+        "--system-tokens",
+        type=int,
+        default=256,
+        help="tokens of the shared system prompt (default %(default)s)",
     )
-    parser.add_argument("--user-tokens", type=int, default=64, help="tokens per user message")
-    parser.add_argument("--answer-tokens", type=int, default=16, help="tokens per answer")
-    parser.add_argument("--gpu-blocks", type=int, default=96, help="GPU pool size in blocks")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--cpu-mib", type=int, default=256, help="CPU tier size (MiB)")
-    parser.add_argument("--disk-mib", type=int, default=256, help="disk tier size (MiB)")
+    parser.add_argument(
+        "--document-tokens",
+        type=int,
+        default=512,
+        help="tokens of each conversation's document (default %(default)s)",
+    )
+    parser.add_argument(
+        "--user-tokens", type=int, default=64, help="tokens per user message (default %(default)s)"
+    )
+    parser.add_argument(
+        "--answer-tokens", type=int, default=16, help="tokens per answer (default %(default)s)"
+    )
+    parser.add_argument(
+        "--gpu-blocks", type=int, default=96, help="GPU pool size in blocks (default %(default)s)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="tokens per block (default %(default)s)"
+    )
+    parser.add_argument(
+        "--cpu-mib", type=int, default=256, help="CPU tier size in MiB (default %(default)s)"
+    )
+    parser.add_argument(
+        "--disk-mib", type=int, default=256, help="disk tier size in MiB (default %(default)s)"
+    )
     parser.add_argument(
         "--cascade-cpu-mib",
         type=int,
@@ -67,7 +87,7 @@ def add_parser(subparsers: Any) -> None:
         choices=[m.value for m in CascadeMode],
         default=CascadeMode.WRITE_THROUGH.value,
         help="how CPU blocks reach the disk: write_through (copy every block at once) or "
-        "write_back (copy a block when the CPU tier is about to evict it)",
+        "write_back (copy a block when the CPU tier is about to evict it); default %(default)s",
     )
     parser.add_argument("--disk-dir", help="directory for the disk tier file (default: a temp dir)")
     parser.add_argument(
