@@ -42,6 +42,12 @@ def test_any_kvtier_policy_maps_to_eviction_and_admission(
     assert (split.eviction_policy, split.admission_policy) == (eviction, admission)
 
 
+def test_split_policy_keys_ignore_case_as_policy_does() -> None:
+    """Regression: "policy": "ARC" was accepted, "eviction_policy": "ARC" refused."""
+    config = convert({"cpu_bytes": GIB, "eviction_policy": "ARC", "admission_policy": " Door "})
+    assert (config.eviction_policy, config.admission_policy) == ("arc", "door")
+
+
 @pytest.mark.parametrize("mode", ["write_through", "write_back"])
 def test_cpu_and_disk_bytes_form_a_cascade(mode: str) -> None:
     extra = {"cpu_bytes": GIB, "disk_bytes": 4 * GIB, "disk_path": "/tmp/kv", "cascade": mode}

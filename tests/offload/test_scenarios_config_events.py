@@ -74,6 +74,16 @@ def test_scenario_27_ignored_keys_keep_their_range_checks(slots: int) -> None:
         OffloadConfig.from_dict({"disk_bytes": 640, "disk_path": "/x", "disk_buffer_slots": slots})
 
 
+def test_scenario_27_policy_names_ignore_case() -> None:
+    """Regression: eviction_policy='ARC' was refused, though the vLLM `policy` key ignores case."""
+    values = {"cpu_bytes": 640, "eviction_policy": " S3FIFO ", "admission_policy": "Door"}
+    config = OffloadConfig.from_dict(values)
+    assert (config.eviction_policy, config.admission_policy) == ("s3fifo", "door")
+    assert OffloadConfig(cpu_bytes=640, eviction_policy="LRU").eviction_policy == "lru"
+    with pytest.raises(ConfigError, match="eviction_policy='MRU' is invalid: choose one of lru"):
+        OffloadConfig(cpu_bytes=640, eviction_policy="MRU")
+
+
 def test_scenario_27_disk_capacity_below_two_blocks_is_rejected() -> None:
     """Scenario 27: a disk budget holding fewer than 2 blocks raises, naming disk_bytes."""
     cfg = OffloadConfig(disk_bytes=100, disk_path="/x")

@@ -86,8 +86,8 @@ class OffloadConfig:
     disk_persist: bool = False
 
     def __post_init__(self) -> None:
-        for name in _FIELD_TYPES:
-            _check_value(name, getattr(self, name))
+        for name in _FIELD_TYPES:  # frozen: a normalized value replaces the one given
+            object.__setattr__(self, name, _valid_value(name, getattr(self, name)))
         if self.cpu_bytes == 0 and self.disk_bytes == 0:
             raise ConfigError("no lower tier: set cpu_bytes or disk_bytes to a positive size")
         if self.disk_bytes > 0 and not self.disk_path:
@@ -164,7 +164,7 @@ class OffloadConfig:
         if not kwargs.get("disk_bytes"):
             ignored = sorted(k for k in _DISK_KEYS if k in kwargs)
             for key in ignored:
-                _check_value(key, kwargs[key])
+                _valid_value(key, kwargs[key])
             if ignored:
                 logger.warning("no disk tier (disk_bytes unset): ignoring %s", ", ".join(ignored))
                 for key in ignored:
@@ -278,14 +278,20 @@ _REGISTRIES: dict[str, Mapping[str, object]] = {
 }
 
 
-def _check_value(name: str, value: object) -> None:
-    """Raise ConfigError naming `name` when `value` is not a valid value of the field."""
+def _valid_value(name: str, value: object) -> object:
+    """Return `value` normalized for field `name`; raise ConfigError naming a bad one.
+
+    Policy names ignore case and surrounding spaces, as `PolicySpec.parse` does.
+    """
     _check_type(name, value)
     if isinstance(value, int) and name in _MINIMUMS:
         _require(value >= _MINIMUMS[name], name, value, f"must be >= {_MINIMUMS[name]}")
     registry = _REGISTRIES.get(name)
-    if registry is not None:
-        _require(value in registry, name, value, f"choose one of {', '.join(registry)}")
+    if registry is not None and isinstance(value, str):
+        ok = value.strip().lower() in registry
+        _require(ok, name, value, f"choose one of {', '.join(registry)}")
+        return value.strip().lower()
+    return value
 
 
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
