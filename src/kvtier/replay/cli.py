@@ -153,9 +153,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=[o.value for o in ReleaseOrder],
         default=ReleaseOrder.TAIL_FIRST.value,
         help="when/how a request's tier blocks are freed: tail_first (all at the end, last "
-        "position first: SPEC §4, default), scheduler (what OffloadScheduler does today: "
-        "loads freed in position order before the stores allocate, then the stores) or "
-        "scheduler_tail_first (the same, each freed last position first: the proposed fix)",
+        "position first: SPEC §4, default), scheduler_tail_first (what OffloadScheduler "
+        "does: loads freed before the stores allocate, then the stores, each last position "
+        "first) or scheduler (the same timing in position order: the scheduler's order "
+        "before it freed tail first, for comparison)",
     )
     defaults = CostModel()
     parser.add_argument(

@@ -13,8 +13,8 @@ The model (docs/policies.md has the full statement). Per request, in trace order
    policy; stop when no slot can be allocated; `allocate` evicts per the eviction policy.
 5. "Store complete": `insert_key` (+ the policy's `note_key`); the pins of loads and
    stores are released (`free`) as the `ReleaseOrder` says: by default all together,
-   last position first; or as the scheduler does today (loads before the stores'
-   allocation, each in position order).
+   last position first; or as the scheduler does (loads before the stores'
+   allocation, each last position first), or that timing in position order.
 
 A lower-tier hit therefore refreshes the block (touch, then free to the MRU end), as a
 load does; blocks served by the GPU are not touched in the lower tiers. Keys are
