@@ -41,9 +41,39 @@ def test_a_missing_directory_is_created_when_its_parent_exists(tmp_path: Path) -
 
 def test_a_missing_parent_is_an_error(tmp_path: Path) -> None:
     missing = tmp_path / "nope" / "tier"
-    with pytest.raises(ConfigError, match=r"disk_path=.*nope/tier' does not exist, nor does its"):
+    with pytest.raises(
+        ConfigError,
+        match=r"disk_path=.*nope/tier' does not exist and cannot be created: its parent "
+        r".*/nope' does not exist either",
+    ):
         disk_config(missing).prepare_host()
     assert not (tmp_path / "nope").exists()
+
+
+def test_a_parent_that_is_a_file_is_named_as_not_a_directory(tmp_path: Path) -> None:
+    """Regression: a path under a regular file was reported as a missing parent directory."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    message = f"its parent '{afile}' is not a directory"
+    with pytest.raises(ConfigError, match=message):
+        disk_config(afile / "tier").prepare_host()
+
+
+def test_home_and_relative_paths_are_made_absolute_when_the_config_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: "~/kvtier" failed as missing; a relative path followed later chdirs."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = OffloadConfig.from_dict({"disk_bytes": MIB, "disk_path": "~/kvtier"})
+    assert home.disk_path == str(tmp_path / "kvtier")
+    home.prepare_host()
+    assert (tmp_path / "kvtier").is_dir()
+    monkeypatch.chdir(tmp_path)
+    relative = disk_config("tiers/../rel")
+    monkeypatch.chdir("/")
+    assert relative.disk_path == str(tmp_path / "rel")
+    relative.prepare_host()
+    assert (tmp_path / "rel").is_dir()
 
 
 def test_a_dangling_symlink_is_not_a_directory(tmp_path: Path) -> None:

@@ -60,7 +60,9 @@ _DISK_KEYS = ("disk_path", "disk_io_mode", "disk_buffer_slots", "disk_persist")
 class OffloadConfig:
     """Everything that shapes the offload scheduler and worker. Byte budgets are per rank.
 
-    `disk_path` is a directory; each rank creates its own file in it. With `cpu_bytes`
+    `disk_path` is a directory; each rank creates its own file in it. It is made absolute
+    when the config is built (`~` expanded, a relative path resolved against the working
+    directory at that moment), so a later change of directory cannot move it. With `cpu_bytes`
     and `disk_bytes` both set the tiers form a cascade GPU → CPU → DISK (`cascade` says
     how blocks reach the disk); otherwise the one tier configured is used. `num_blocks`
     sets the size of the first lower tier explicitly (it must fit the budget); it counts
@@ -281,9 +283,12 @@ _REGISTRIES: dict[str, Mapping[str, object]] = {
 def _valid_value(name: str, value: object) -> object:
     """Return `value` normalized for field `name`; raise ConfigError naming a bad one.
 
-    Policy names ignore case and surrounding spaces, as `PolicySpec.parse` does.
+    Policy names ignore case and surrounding spaces, as `PolicySpec.parse` does; a
+    `disk_path` is made absolute.
     """
     _check_type(name, value)
+    if name == "disk_path" and isinstance(value, str) and value:
+        return os.path.abspath(os.path.expanduser(value))
     if isinstance(value, int) and name in _MINIMUMS:
         _require(value >= _MINIMUMS[name], name, value, f"must be >= {_MINIMUMS[name]}")
     registry = _REGISTRIES.get(name)
@@ -349,9 +354,12 @@ def _cgroup_limit(path: Path) -> int | None:
 def _prepare_directory(disk_path: str) -> None:
     path = Path(disk_path)
     if not path.exists() and not path.is_symlink():
-        if not path.parent.is_dir():
+        parent = path.parent
+        if not parent.is_dir():
+            problem = "is not a directory" if parent.exists() else "does not exist either"
             raise ConfigError(
-                f"disk_path={disk_path!r} does not exist, nor does its parent directory"
+                f"disk_path={disk_path!r} does not exist and cannot be created: its parent "
+                f"{str(parent)!r} {problem}"
             )
         try:
             path.mkdir(mode=0o700)
