@@ -152,6 +152,24 @@ def test_bad_keys_are_rejected_by_name(extra: dict[str, object], message: str) -
 
 
 @pytest.mark.parametrize(
+    ("key", "suggestion"),
+    [("cpu_byte", "cpu_bytes"), ("cpu_bytes_to_us", "cpu_bytes_to_use"), ("polcy", "policy")],
+)
+def test_an_unknown_key_names_its_origin_and_the_closest_key(key: str, suggestion: str) -> None:
+    """Regression: 'unknown offload config key(s): cpu_byte' named neither."""
+    with pytest.raises(ConfigError) as error:
+        convert({"num_cpu_blocks": 10, key: 1})
+    assert str(error.value) == (
+        f"unknown kv_connector_extra_config key(s): {key} (did you mean {suggestion!r}?)"
+    )
+
+
+def test_an_unknown_key_is_never_steered_to_a_setting_vllm_owns() -> None:
+    with pytest.raises(ConfigError, match=r"key\(s\): hash_sed$"):
+        convert({"cpu_bytes": GIB, "hash_sed": "0"})
+
+
+@pytest.mark.parametrize(
     ("extra", "message"),
     [
         ({"disk_io_mode": "page_cache", "disk_direct_io": True}, "disk_direct_io=True"),

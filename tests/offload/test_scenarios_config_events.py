@@ -41,9 +41,16 @@ def test_scenario_27_invalid_values_raise_a_config_error_naming_key_and_value(
 
 
 def test_scenario_27_unknown_key_is_rejected_by_name() -> None:
-    """Scenario 27: an unknown key raises ConfigError naming it."""
+    """Scenario 27: an unknown key raises ConfigError naming it, and the closest known key."""
     with pytest.raises(ConfigError, match="cpu_byte"):
         OffloadConfig.from_dict({"cpu_bytes": 640, "cpu_byte": 640})
+    values = {"cpu_bytes": 640, "disk_buffer_slot": 4, "zzz": 1, "disk_direct_i": True}
+    with pytest.raises(ConfigError) as error:
+        OffloadConfig.from_dict(values)
+    assert str(error.value) == (
+        "unknown offload config key(s): disk_buffer_slot (did you mean 'disk_buffer_slots'?), "
+        "disk_direct_i (did you mean 'disk_direct_io'?), zzz"
+    )
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import enum
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,15 +144,12 @@ class OffloadConfig:
         still checked: a typo there is an error, not a silent default.
         """
         values = dict(values)
+        check_known_keys(values, CONFIG_KEYS, "offload config")
         if "disk_direct_io" in values:  # SPEC §8 spelling
             direct = values.pop("disk_direct_io")
             if not isinstance(direct, bool):
                 raise ConfigError(f"disk_direct_io must be a bool, got {direct!r}")
             values["disk_io_mode"] = DiskIOMode.DIRECT if direct else DiskIOMode.PAGE_CACHE
-        known = {f.name for f in dataclasses.fields(OffloadConfig)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown offload config key(s): {', '.join(unknown)}")
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             enum_type = _ENUM_FIELDS.get(key)
@@ -229,6 +226,20 @@ class OffloadConfig:
         return capacity
 
 
+def check_known_keys(keys: Iterable[object], valid: Collection[str], where: str) -> None:
+    """Raise ConfigError naming every key not in `valid`, with the closest valid key.
+
+    `where` names the keys' origin in the message, e.g. "unknown offload config key(s)".
+    """
+    unknown = sorted({str(key) for key in keys} - set(valid))
+    if unknown:
+        named = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            named.append(f"{key} (did you mean {close[0]!r}?)" if close else key)
+        raise ConfigError(f"unknown {where} key(s): {', '.join(named)}")
+
+
 def agree_num_tier_blocks(per_worker: list[int]) -> int:
     """Return the tier size every worker can hold: the minimum over workers."""
     if not per_worker:
@@ -255,6 +266,8 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "disk_persist": bool,
 }
 _OPTIONAL = {"disk_path", "num_blocks", "hash_seed"}
+# The keys `OffloadConfig.from_dict` accepts: the fields and the SPEC's `disk_direct_io`.
+CONFIG_KEYS = frozenset({*_FIELD_TYPES, "disk_direct_io"})
 
 
 def _check_type(name: str, value: object) -> None:

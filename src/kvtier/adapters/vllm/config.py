@@ -39,7 +39,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.core.policies import PolicySpec
-from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig
+from kvtier.offload.config import (
+    CONFIG_KEYS,
+    CascadeMode,
+    ConfigError,
+    OffloadConfig,
+    check_known_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,8 @@ _ALIASES = (
     "use_page_cache",
 )
 _DISK_ONLY_ALIASES = ("disk_capacity_bytes", "use_page_cache")
+# Every key the connector takes; the ones vLLM owns are refused first, with the reason.
+_KEYS = (CONFIG_KEYS - _OWNED_BY_VLLM.keys()) | {"policy", *_ALIASES}
 
 
 def offload_config_from_vllm(
@@ -76,6 +84,7 @@ def offload_config_from_vllm(
     for key, reason in _OWNED_BY_VLLM.items():
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
+    check_known_keys(values, _KEYS, "kv_connector_extra_config")
     _check_persistence(values)
     _check_one_disk_io_key(values)
     if "cascade" in values:
