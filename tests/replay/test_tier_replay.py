@@ -150,6 +150,24 @@ def test_gpu_tier_serves_first_and_lower_tier_continues() -> None:
     assert result.total_token_hit_ratio >= alone.token_hit_ratio - 1e-9
 
 
+def test_belady_behind_a_gpu_tier_ranks_a_block_the_gpu_served_by_its_next_use() -> None:
+    """A GPU hit does not touch the lower tier, but Belady ranks the block by its next
+    use from there on: A, served by the GPU at request 1, is never used again, so C
+    (used again at request 5) replaces it; ranked by its use at request 1, A stayed and
+    B was the would-be victim, so C (needed after B) was refused and missed at 5."""
+    a, b, c = 1, 2, 3
+    records = [TraceRecord(i, BLOCK, 1, (h,)) for i, h in enumerate([a, a, b, c, b, c])]
+    cpu = TierConfig("CPU", 2 * BLOCK, 25.0)
+    config = ReplayConfig(
+        tiers=(cpu,), policy="belady", gpu_capacity_tokens=BLOCK, block_size=BLOCK, check_every=1
+    )
+    result = replay_trace(records, config)
+    assert result.gpu is not None
+    assert result.gpu.hit_tokens == BLOCK  # A at request 1
+    (tier,) = result.tiers
+    assert tier.hit_tokens == 2 * BLOCK  # B at request 4, C at request 5
+
+
 def test_disk_tier_continues_after_cpu() -> None:
     records = TRACES["doc"]
     cpu = TierConfig("CPU", 5 * BLOCK, 25.0)

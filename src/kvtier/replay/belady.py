@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvtier.core.free_queue import OneByOne
 from kvtier.core.keys import Key
@@ -70,6 +70,10 @@ class FutureOracle:
                 )
             )
 
+    def current_keys(self) -> Iterable[Key]:
+        """Return the keys the current request references."""
+        return self._current.keys()
+
     def next_use(self, key: Key) -> int:
         """Return where `key` (of the current request) is referenced next, or `NEVER`."""
         found = self._current.get(key)
@@ -96,7 +100,10 @@ class OraclePolicy(OneByOne):
     """Evict the free block of highest rank (ties: the least recently freed); unhashed first.
 
     `rank` reads the future of a key of the current request: `FutureOracle.belady_rank`
-    or `FutureOracle.oracle_lfu_rank`.
+    or `FutureOracle.oracle_lfu_rank`. A block is ranked when it is freed, and ranked
+    again whenever a request references its key without touching it (a tier in front
+    served it, or the prefix lookup stopped before it): a rank read at an earlier
+    reference would point into the past.
     """
 
     def __init__(self, num_blocks: int, oracle: FutureOracle, rank: Rank, name: str) -> None:
@@ -104,6 +111,7 @@ class OraclePolicy(OneByOne):
         self._oracle = oracle
         self._rank = rank
         self._keys: list[Key | None] = [None] * num_blocks
+        self._block_of: dict[Key, int] = {}
         self._stamp = array("q", [0]) * num_blocks  # > 0 while queued as cached
         self._next_stamp = 1
         self._heap: list[tuple[int, int, int]] = []  # (-next use, stamp, block)
@@ -115,16 +123,29 @@ class OraclePolicy(OneByOne):
         return self._num_cached + len(self._reusable)
 
     def on_request(self, index: int) -> None:
-        """Forward the current request to the oracle."""
+        """Forward the current request to the oracle; rank its queued blocks again."""
         self._oracle.on_request(index)
+        for key in self._oracle.current_keys():
+            block_id = self._block_of.get(key)
+            if block_id is not None and self._stamp[block_id]:
+                self._num_cached -= 1  # the old heap entry goes stale with its stamp
+                self.push_cached(block_id)
 
     def note_key(self, block_id: int, key: Key) -> None:
         """Remember the block's key."""
+        self._forget_key(block_id)
         self._keys[block_id] = key
+        self._block_of[key] = block_id
+
+    def _forget_key(self, block_id: int) -> None:
+        key = self._keys[block_id]
+        if key is not None and self._block_of.get(key) == block_id:
+            del self._block_of[key]
+        self._keys[block_id] = None
 
     def push_reusable(self, block_id: int) -> None:
         """Queue an unhashed block."""
-        self._keys[block_id] = None
+        self._forget_key(block_id)
         self._reusable.append(block_id)
         self._is_reusable[block_id] = 1
 
@@ -161,7 +182,7 @@ class OraclePolicy(OneByOne):
             if self._stamp[block_id] == stamp:
                 self._stamp[block_id] = 0
                 self._num_cached -= 1
-                self._keys[block_id] = None
+                self._forget_key(block_id)
                 return block_id
         raise IndexError("free queue is empty")
 
@@ -189,6 +210,7 @@ class OraclePolicy(OneByOne):
     def clear_and_fill(self, block_ids: range) -> None:
         """Queue exactly `block_ids` as unhashed blocks, reused in that order."""
         self._heap.clear()
+        self._block_of.clear()
         self._num_cached = 0
         for b in range(len(self._stamp)):
             self._stamp[b] = 0
@@ -204,6 +226,8 @@ class OraclePolicy(OneByOne):
         assert len(live) == len(set(live)) == self._num_cached, "heap and count disagree"
         assert all(self._is_reusable[b] for b in self._reusable), "reusable flags"
         assert sum(self._is_reusable) == len(self._reusable), "reusable count"
+        for key, block_id in self._block_of.items():
+            assert self._keys[block_id] == key, f"block {block_id} lost key {key!r}"
 
 
 class OracleAdmission:
