@@ -316,7 +316,10 @@ def test_cli_cascade(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     data = json.loads(out.read_text())
     assert set(data["token_hit_ratio"]) == {"lru"}  # no Belady line for a cascade
     assert data["points"][0]["cascade"] == "write_back"
-    assert "disk_token_hit_ratio" in data["points"][0]
+    point = data["points"][0]
+    assert "disk_token_hit_ratio" in point
+    for total in ("blocks_stored", "blocks_evicted", "bytes_stored", "bytes_loaded"):
+        assert point[total] == point[f"cpu_{total}"] + point[f"disk_{total}"] > 0, total
     assert main([*argv[:4], "--cpu", "40", "--cascade", "write_through"]) == 2
     assert "needs a DISK tier" in capsys.readouterr().err
     assert main([*argv, "--cascade", "write_through", "--policy", "belady"]) == 2

@@ -115,6 +115,12 @@ def point_row(point: SweepPoint, table: dict[str, dict[int, float]]) -> dict[str
             "runtime_s": round(r.runtime_s, 3),
         }
     )
+    for tier in r.tiers:  # the sums above, per lower tier
+        name = tier.name.lower()
+        row[f"{name}_blocks_stored"] = tier.num_stored_blocks
+        row[f"{name}_blocks_evicted"] = tier.num_evicted_blocks
+        row[f"{name}_bytes_stored"] = tier.bytes_stored
+        row[f"{name}_bytes_loaded"] = tier.bytes_loaded
     return row
 
 
