@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 import pytest
 
@@ -235,3 +236,14 @@ def test_errors_on_translated_values_name_the_simple_offload_keys(
     path = {"disk_path": "/tmp/kv"} if extra.get("kv_offload_backend") == "cascade" else {}
     with pytest.raises(ConfigError, match=re.escape(sources) + "$"):
         convert({**extra, **path}, world_size=4)
+
+
+def test_host_checks_name_the_simple_offload_keys(tmp_path: Path) -> None:
+    """Regression: 'cpu_bytes=... exceeds this machine's memory' named an unwritten key."""
+    with pytest.raises(ConfigError, match=r"memory.*\(cpu_bytes is cpu_bytes_to_use_per_rank\)$"):
+        convert({"cpu_bytes_to_use_per_rank": 1 << 60}).prepare_host()
+    disk = {"kv_offload_backend": "disk", "disk_capacity_bytes": 1 << 62}
+    with pytest.raises(ConfigError, match=r"filesystem.*\(disk_bytes is disk_capacity_bytes\)$"):
+        convert({**disk, "disk_path": str(tmp_path)}).prepare_host()
+    with pytest.raises(ConfigError, match=r"memory.*bytes\)$"):  # kvtier's own keys: as written
+        convert({"cpu_bytes": 1 << 60}).prepare_host()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvtier.adapters.vllm.config import offload_config_from_vllm
 from kvtier.adapters.vllm.events import EventTranslator, vllm_medium
 from kvtier.adapters.vllm.layout import (
     UnsupportedLayoutError,
@@ -133,6 +134,31 @@ def test_tier_size_is_one_slot_per_block_id() -> None:
     )
     assert tier_sizes(cascade, config) == {Tier.CPU: 5, Tier.DISK: 20}
     assert tier_sizes(OffloadConfig(cpu_bytes=4096 * 8), config) == {Tier.CPU: 8}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            {"cpu_bytes_to_use": 2 * 4096 * 8, "num_cpu_blocks": 9},
+            "num_blocks=9 exceeds what cpu_bytes=32768 holds at 4096 bytes per block (8) "
+            "(cpu_bytes is cpu_bytes_to_use / 2 rank(s); num_blocks is num_cpu_blocks)",
+        ),
+        (
+            {"cpu_bytes_to_use_per_rank": 4096},
+            "cpu_bytes=4096 holds 1 block(s) of 4096 bytes; the tier needs at least 2 (block 0 "
+            "is the null block) (cpu_bytes is cpu_bytes_to_use_per_rank)",
+        ),
+    ],
+)
+def test_tier_sizing_errors_name_the_simple_offload_keys(extra: dict, message: str) -> None:
+    """Regression: these named only kvtier keys the user had not written."""
+    tensors = [placement(["a"], 0, 4096, 10 * 4096)]
+    config = kv_config([group(["a"], FullAttentionSpec())], tensors, num_blocks=10)
+    translated = offload_config_from_vllm(extra, 2, max_batched_tokens=64, events=False)
+    with pytest.raises(ConfigError) as error:
+        tier_sizes(translated, config)
+    assert str(error.value) == message
 
 
 def stage_config(layers: list[str], page: int = 1024, num_blocks: int = 8) -> Any:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import logging
 import os
 import shutil
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvtier.core.hashing import HashAlgo
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
@@ -54,6 +55,30 @@ class CascadeMode(enum.Enum):
 
 
 _DISK_KEYS = ("disk_path", "disk_io_mode", "disk_buffer_slots", "disk_persist")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _naming_sources(
+    method: Callable[Concatenate[OffloadConfig, _P], _R],
+) -> Callable[Concatenate[OffloadConfig, _P], _R]:
+    """Make a ConfigError that `method` raises also name the sources of the keys it names."""
+
+    @functools.wraps(method)
+    def wrapper(config: OffloadConfig, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(config, *args, **kwargs)
+        except ConfigError as error:
+            named = [
+                f"{key} is {source}"
+                for key, source in config.key_sources
+                if f"{key}=" in str(error)
+            ]
+            if not named:
+                raise
+            raise ConfigError(f"{error} ({'; '.join(named)})") from None
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -68,6 +93,8 @@ class OffloadConfig:
     sets the size of the first lower tier explicitly (it must fit the budget); it counts
     every block of the tier pool, the null block included. `disk_persist` keeps the disk
     tier's file and a manifest across restarts (same model, layout and hash seed only).
+    `key_sources` pairs keys translated from another spelling with what the user wrote
+    (e.g. `("cpu_bytes", "cpu_bytes_to_use_per_rank")`): an error on such a key names it.
     """
 
     cpu_bytes: int = 0
@@ -86,7 +113,9 @@ class OffloadConfig:
     admission_policy: str = "all"  # kvtier.core.policies.ADMISSION_POLICIES
     cascade: CascadeMode = CascadeMode.WRITE_THROUGH
     disk_persist: bool = False
+    key_sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
+    @_naming_sources
     def __post_init__(self) -> None:
         for name in _FIELD_TYPES:  # frozen: a normalized value replaces the one given
             object.__setattr__(self, name, _valid_value(name, getattr(self, name)))
@@ -135,13 +164,16 @@ class OffloadConfig:
         return self.cpu_bytes if self.tier is Tier.CPU else self.disk_bytes
 
     @staticmethod
-    def from_dict(values: Mapping[str, Any]) -> OffloadConfig:
+    def from_dict(
+        values: Mapping[str, Any], key_sources: Mapping[str, str] | None = None
+    ) -> OffloadConfig:
         """Build a config from plain values (e.g. JSON); unknown keys are rejected.
 
         Enum fields accept their string values; `disk_direct_io` (bool) is accepted as
         the SPEC's spelling of `disk_io_mode`. Disk-only keys without a disk tier, and
         `cascade` without both tiers, are ignored with a warning, but their values are
-        still checked: a typo there is an error, not a silent default.
+        still checked: a typo there is an error, not a silent default. `key_sources`
+        becomes the config's `key_sources` (for values an adapter translated).
         """
         values = dict(values)
         check_known_keys(values, CONFIG_KEYS, "offload config")
@@ -172,8 +204,9 @@ class OffloadConfig:
             _check_type("cascade", kwargs["cascade"])
             logger.warning("cascade needs both cpu_bytes and disk_bytes: ignoring it")
             del kwargs["cascade"]
-        return OffloadConfig(**kwargs)
+        return OffloadConfig(**kwargs, key_sources=tuple((key_sources or {}).items()))
 
+    @_naming_sources
     def prepare_host(self) -> None:
         """Check this machine can hold the tiers; create a missing `disk_path` directory.
 
@@ -201,6 +234,7 @@ class OffloadConfig:
                     f"disk_path={self.disk_path!r} ({size} bytes)"
                 )
 
+    @_naming_sources
     def num_tier_blocks(self, bytes_per_block: int, tier: Tier | None = None) -> int:
         """Return the pool size of `tier` (default: the first lower tier) (SPEC §6.1)."""
         if bytes_per_block <= 0:

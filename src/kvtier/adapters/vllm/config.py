@@ -96,13 +96,7 @@ def offload_config_from_vllm(
         values, sources = _from_simple_offload_keys(values, world_size)
     values["max_batched_tokens"] = max_batched_tokens
     values["events"] = events
-    try:
-        return OffloadConfig.from_dict(values)
-    except ConfigError as error:
-        named = [f"{key} is {source}" for key, source in sources.items() if f"{key}=" in str(error)]
-        if not named:
-            raise
-        raise ConfigError(f"{error} ({'; '.join(named)})") from None
+    return OffloadConfig.from_dict(values, key_sources=sources)
 
 
 def _from_simple_offload_keys(
@@ -168,7 +162,7 @@ def _from_simple_offload_keys(
             'to "disk" or "cascade" for one)',
             ", ".join(ignored),
         )
-    return values, sources
+    return values, {key: source for key, source in sources.items() if key in values}
 
 
 def _given_or_default(key: str, values: Mapping[str, Any]) -> str:
