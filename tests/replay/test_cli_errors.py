@@ -109,6 +109,12 @@ def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
         (["--out", "somewhere"], ["--out", "--sweep"]),
         (["--disk-link-gbps", "3"], ["--disk-link-gbps", "--disk-capacity"]),
         (["--capacity", "0"], ["capacity must be > 0 tokens, got 0"]),
+        (
+            ["--prefill-tokens-per-s", "inf"],
+            ["prefill_tokens_per_s must be > 0 and finite, got inf"],
+        ),
+        (["--cpu-link-gbps", "inf"], ["link_gbps must be > 0 and finite, got inf"]),
+        (["--prefill-tokens-per-s", "nan"], ["prefill_tokens_per_s", "got nan"]),
     ],
 )
 def test_options_that_would_be_ignored_or_are_zero_are_errors(

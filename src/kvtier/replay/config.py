@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from kvtier.core.policies import PolicySpec
@@ -47,8 +48,10 @@ class TierConfig:
             raise ReplayError(
                 f"tier {self.name}: capacity must be > 0 tokens, got {self.capacity_tokens}"
             )
-        if not self.link_gbps > 0:
-            raise ReplayError(f"tier {self.name}: link_gbps must be > 0, got {self.link_gbps}")
+        if not 0 < self.link_gbps < math.inf:
+            raise ReplayError(
+                f"tier {self.name}: link_gbps must be > 0 and finite, got {self.link_gbps}"
+            )
 
     @staticmethod
     def named(name: str, capacity_tokens: int) -> TierConfig:

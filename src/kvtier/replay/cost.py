@@ -11,6 +11,7 @@ link of 25 GB/s (PCIe 4.0 x16 in practice) and a local NVMe disk at 5 GB/s.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 DEFAULT_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
@@ -26,8 +27,10 @@ class CostModel:
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
 
     def __post_init__(self) -> None:
-        if not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+        if not 0 < self.prefill_tokens_per_s < math.inf:
+            raise ValueError(
+                f"prefill_tokens_per_s must be > 0 and finite, got {self.prefill_tokens_per_s}"
+            )
         if self.bytes_per_token <= 0:
             raise ValueError(f"bytes_per_token must be > 0, got {self.bytes_per_token}")
 
