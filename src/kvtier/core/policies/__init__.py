@@ -4,7 +4,7 @@ A policy name is `EVICTION` or `EVICTION+ADMISSION`, e.g. `lru`, `lfuda`, `lru+d
 
 | name | kind | idea |
 |---|---|---|
-| `lru` | eviction | least recently freed first (today's behaviour, the default) |
+| `lru` | eviction | least recently freed first (the default) |
 | `arc` | eviction | Adaptive Replacement Cache: recency vs frequency, tuned by ghost hits |
 | `s3fifo` | eviction | small probation FIFO + main FIFO + ghost (SOSP '23) |
 | `lfuda` | eviction | capped LFU with dynamic aging in F+1 LRU buckets (count-min sketch) |

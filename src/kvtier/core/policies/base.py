@@ -58,7 +58,7 @@ class RequestObserver(Protocol):
 
 
 class AdmitAll:
-    """Store every candidate (what the offload scheduler does today)."""
+    """Store every candidate (`all`, the default admission policy)."""
 
     name = "all"
 

@@ -1,4 +1,4 @@
-"""`lru`: today's eviction order, with the policy hooks (no-ops)."""
+"""`lru`: the default eviction order, with the policy hooks (no-ops)."""
 
 from __future__ import annotations
 
