@@ -44,7 +44,7 @@ class PlanAssembler:
         self._next_step_id = 0
 
     def build(self, step: StepInput, selector: StoreSelector) -> TransferPlan:
-        """Select this step's stores, issue them and every queued load as one event each."""
+        """Select this step's stores; issue them as one event, the queued loads as one per tier."""
         for request_id in step.preempted_request_ids:
             selector.reset_request(request_id)
         eager = self._config.store_mode is StoreMode.EAGER

@@ -1,8 +1,8 @@
-"""The offload scheduler: the scheduler-side manager of one lower tier (SPEC §6).
+"""The offload scheduler: the scheduler-side manager of the lower tiers (SPEC §6).
 
-Single-threaded and tensor-free. It owns the tier's metadata (a `BlockPool` used as the
-tier index), decides each step what to store and what to load, and turns worker reports
-into visible keys and schedulable requests. The worker side sees only the
+Single-threaded and tensor-free. It owns the tiers' metadata (a `BlockPool` per tier,
+used as its index), decides each step what to store and what to load, and turns worker
+reports into visible keys and schedulable requests. The worker side sees only the
 `TransferPlan` it builds and answers with `WorkerReport`s.
 
 Pins, so nothing is evicted or reused under a transfer:
@@ -62,7 +62,7 @@ class SchedulerSetup:
 
 
 class OffloadScheduler:
-    """Plan stores and loads between the engine's GPU pool and one lower tier."""
+    """Plan stores and loads between the engine's GPU pool and the lower tiers."""
 
     def __init__(self, config: OffloadConfig, setup: SchedulerSetup) -> None:
         if setup.num_workers < 1:
@@ -199,7 +199,7 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ plan
 
     def build_plan(self, step: StepInput) -> TransferPlan:
-        """Select this step's stores, issue them and every queued load as one event each.
+        """Select this step's stores; issue them as one event, the queued loads as one per tier.
 
         Request views must not yet count this step's scheduled tokens as computed.
         """
