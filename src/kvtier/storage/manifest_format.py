@@ -7,8 +7,10 @@ Integers are little-endian, checksums are xxh3-64.
              version    u32   1
              num_slots  u64   slots of the slot file        } the worker's geometry
              slot_bytes u64   bytes per slot                }
-             layout_len u32,  layout   utf-8: "name:bytes;..." per region, in slot order
-             fp_len     u32,  fingerprint  utf-8, the engine's (model, KV layout, hashing)
+             layout_len u32   bytes of layout
+             fp_len     u32   bytes of fp
+             layout     utf-8 "name:bytes;..." per region, in slot order
+             fp         utf-8 the fingerprint: the engine's (model, KV layout, hashing)
              checksum   u64   xxh3-64 of every header byte before it
 
     record   kind       u8    1 = put, 2 = tombstone (the slot holds nothing)
