@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import kvtier.offload.config as offload_config
+import kvtier.offload.host as offload_host
 from kvtier.offload.config import ConfigError, OffloadConfig
 
 MIB = 1 << 20
@@ -99,7 +99,7 @@ def test_a_container_memory_limit_is_the_memory(
 ) -> None:
     v2, v1 = tmp_path / "memory.max", tmp_path / "missing"
     v2.write_text(limit)
-    monkeypatch.setattr(offload_config, "CGROUP_MEMORY_LIMITS", (v2, v1))
+    monkeypatch.setattr(offload_host, "CGROUP_MEMORY_LIMITS", (v2, v1))
     budget = OffloadConfig(cpu_bytes=16 * MIB)  # more than 8 MiB, less than any machine
     if refused:
         with pytest.raises(ConfigError, match="container's limit \\(8388608 bytes\\)"):

@@ -7,21 +7,17 @@ import enum
 import functools
 import logging
 import os
-import shutil
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvtier.core.hashing import HashAlgo
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
+from kvtier.offload.config_error import ConfigError
+from kvtier.offload.host import check_host
 from kvtier.offload.plan import Tier
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the key and the value."""
 
 
 class StoreMode(enum.Enum):
@@ -218,21 +214,7 @@ class OffloadConfig:
         filesystem holding `disk_path` (a budget above its free space fails when the
         tier's file is sized).
         """
-        if self.cpu_bytes > 0:
-            memory = _total_memory_bytes()
-            if memory is not None and self.cpu_bytes > memory:
-                raise ConfigError(
-                    f"cpu_bytes={self.cpu_bytes} exceeds this machine's memory, or its "
-                    f"container's limit ({memory} bytes)"
-                )
-        if self.disk_bytes > 0 and self.disk_path:
-            _prepare_directory(self.disk_path)
-            size = shutil.disk_usage(self.disk_path).total
-            if self.disk_bytes > size:
-                raise ConfigError(
-                    f"disk_bytes={self.disk_bytes} exceeds the size of the filesystem holding "
-                    f"disk_path={self.disk_path!r} ({size} bytes)"
-                )
+        check_host(self.cpu_bytes, self.disk_bytes, self.disk_path)
 
     @_naming_sources
     def num_tier_blocks(self, bytes_per_block: int, tier: Tier | None = None) -> int:
@@ -365,60 +347,3 @@ def _type_name(kind: type | tuple[type, ...]) -> str:
 def _require(ok: bool, key: str, value: object, rule: str) -> None:
     if not ok:
         raise ConfigError(f"{key}={value!r} is invalid: {rule}")
-
-
-# A container's memory limit: cgroup v2, then v1 (which reports "no limit" as a huge number).
-CGROUP_MEMORY_LIMITS = (
-    Path("/sys/fs/cgroup/memory.max"),
-    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
-)
-
-
-def _total_memory_bytes() -> int | None:
-    """Return the memory this process may use: the machine's, or its container's limit.
-
-    None where the OS does not say. A budget above a container's limit would not fail
-    here but get the process killed once the tier is filled.
-    """
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        total = 0
-    limits = [limit for limit in map(_cgroup_limit, CGROUP_MEMORY_LIMITS) if limit]
-    candidates = [total, *limits] if total > 0 else limits
-    return min(candidates) if candidates else None
-
-
-def _cgroup_limit(path: Path) -> int | None:
-    """Return the byte limit in a cgroup file, or None: no file, "max", or unreadable."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-def _prepare_directory(disk_path: str) -> None:
-    path = Path(disk_path)
-    if not path.exists() and not path.is_symlink():
-        parent = path.parent
-        if not parent.is_dir():
-            problem = "is not a directory" if parent.exists() else "does not exist either"
-            raise ConfigError(
-                f"disk_path={disk_path!r} does not exist and cannot be created: its parent "
-                f"{str(parent)!r} {problem}"
-            )
-        try:
-            path.mkdir(mode=0o700)
-        except FileExistsError:
-            pass  # created meanwhile by another process
-        except OSError as exc:
-            raise ConfigError(
-                f"disk_path={disk_path!r}: cannot create the directory ({exc.strerror})"
-            ) from exc
-        else:
-            logger.info("created the disk tier directory %s", disk_path)
-    if not path.is_dir():
-        raise ConfigError(f"disk_path={disk_path!r} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"disk_path={disk_path!r} is not a writable directory")

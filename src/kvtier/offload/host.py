@@ -1,0 +1,91 @@
+"""Checks that this machine can hold the configured tiers (`OffloadConfig.prepare_host`):
+host memory for the CPU tier, a writable directory and a large enough filesystem for the
+disk tier."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from kvtier.offload.config_error import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def check_host(cpu_bytes: int, disk_bytes: int, disk_path: str | None) -> None:
+    """Raise ConfigError naming the key and value when the tiers cannot fit this machine;
+    create a missing `disk_path` directory (see `OffloadConfig.prepare_host`)."""
+    if cpu_bytes > 0:
+        memory = _total_memory_bytes()
+        if memory is not None and cpu_bytes > memory:
+            raise ConfigError(
+                f"cpu_bytes={cpu_bytes} exceeds this machine's memory, or its "
+                f"container's limit ({memory} bytes)"
+            )
+    if disk_bytes > 0 and disk_path:
+        _prepare_directory(disk_path)
+        size = shutil.disk_usage(disk_path).total
+        if disk_bytes > size:
+            raise ConfigError(
+                f"disk_bytes={disk_bytes} exceeds the size of the filesystem holding "
+                f"disk_path={disk_path!r} ({size} bytes)"
+            )
+
+
+# A container's memory limit: cgroup v2, then v1 (which reports "no limit" as a huge number).
+CGROUP_MEMORY_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
+def _total_memory_bytes() -> int | None:
+    """Return the memory this process may use: the machine's, or its container's limit.
+
+    None where the OS does not say. A budget above a container's limit would not fail
+    here but get the process killed once the tier is filled.
+    """
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        total = 0
+    limits = [limit for limit in map(_cgroup_limit, CGROUP_MEMORY_LIMITS) if limit]
+    candidates = [total, *limits] if total > 0 else limits
+    return min(candidates) if candidates else None
+
+
+def _cgroup_limit(path: Path) -> int | None:
+    """Return the byte limit in a cgroup file, or None: no file, "max", or unreadable."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _prepare_directory(disk_path: str) -> None:
+    path = Path(disk_path)
+    if not path.exists() and not path.is_symlink():
+        parent = path.parent
+        if not parent.is_dir():
+            problem = "is not a directory" if parent.exists() else "does not exist either"
+            raise ConfigError(
+                f"disk_path={disk_path!r} does not exist and cannot be created: its parent "
+                f"{str(parent)!r} {problem}"
+            )
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # created meanwhile by another process
+        except OSError as exc:
+            raise ConfigError(
+                f"disk_path={disk_path!r}: cannot create the directory ({exc.strerror})"
+            ) from exc
+        else:
+            logger.info("created the disk tier directory %s", disk_path)
+    if not path.is_dir():
+        raise ConfigError(f"disk_path={disk_path!r} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"disk_path={disk_path!r} is not a writable directory")
