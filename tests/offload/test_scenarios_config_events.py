@@ -8,8 +8,16 @@ import pytest
 from sim import SimEngine, SimRequest, config, full_layout, make_request
 
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
+from kvtier.core.hashing import HashAlgo
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
-from kvtier.offload.config import ConfigError, OffloadConfig, StoreMode, agree_num_tier_blocks
+from kvtier.offload.config import (
+    CascadeMode,
+    ConfigError,
+    DiskIOMode,
+    OffloadConfig,
+    StoreMode,
+    agree_num_tier_blocks,
+)
 from kvtier.offload.plan import Tier
 from kvtier.offload.protocols import LoRAInfo
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
@@ -89,6 +97,20 @@ def test_scenario_27_policy_names_ignore_case() -> None:
     assert OffloadConfig(cpu_bytes=640, eviction_policy="LRU").eviction_policy == "lru"
     with pytest.raises(ConfigError, match="eviction_policy='MRU' is invalid: choose one of lru"):
         OffloadConfig(cpu_bytes=640, eviction_policy="MRU")
+
+
+def test_scenario_27_enum_values_ignore_case() -> None:
+    """Regression: store_mode='LAZY' was refused while policy names ignore case."""
+    values = {"cpu_bytes": 640, "disk_bytes": 640, "disk_path": "/x", "store_mode": "LAZY"}
+    config = OffloadConfig.from_dict(
+        {**values, "disk_io_mode": " Page_Cache", "cascade": "Write_Back", "hash_algo": "XXHASH"}
+    )
+    assert config.store_mode is StoreMode.LAZY
+    assert config.disk_io_mode is DiskIOMode.PAGE_CACHE
+    assert config.cascade is CascadeMode.WRITE_BACK
+    assert config.hash_algo is HashAlgo.XXHASH
+    with pytest.raises(ConfigError, match="store_mode must be one of 'eager', 'lazy', got 'Lazzy'"):
+        OffloadConfig.from_dict({"cpu_bytes": 640, "store_mode": "Lazzy"})
 
 
 def test_scenario_27_disk_capacity_below_two_blocks_is_rejected() -> None:

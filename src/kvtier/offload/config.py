@@ -165,7 +165,7 @@ class OffloadConfig:
     ) -> OffloadConfig:
         """Build a config from plain values (e.g. JSON); unknown keys are rejected.
 
-        Enum fields accept their string values; `disk_direct_io` (bool) is accepted as
+        Enum fields accept their string values in any case; `disk_direct_io` (bool) is accepted as
         the SPEC's spelling of `disk_io_mode`. Disk-only keys without a disk tier, and
         `cascade` without both tiers, are ignored with a warning, but their values are
         still checked: a typo there is an error, not a silent default. `key_sources`
@@ -182,8 +182,8 @@ class OffloadConfig:
         for key, value in values.items():
             enum_type = _ENUM_FIELDS.get(key)
             if enum_type is not None and isinstance(value, str):
-                try:
-                    value = enum_type(value)
+                try:  # like policy names: any case, surrounding spaces ignored
+                    value = enum_type(value.strip().lower())
                 except ValueError:
                     choices = ", ".join(repr(m.value) for m in enum_type)
                     raise ConfigError(f"{key} must be one of {choices}, got {value!r}") from None
