@@ -73,7 +73,8 @@ class TierIndex:
         return [(tier, *parts[tier]) for tier in self.tiers if tier in parts]
 
     def split(self, ids: Iterable[int]) -> list[tuple[Tier, list[int]]]:
-        """Split shared ids by tier into each tier's block ids (the null block dropped)."""
+        """Split shared ids by tier into each tier's block ids (with two tiers, the null
+        block dropped; with one, `ids` as they are: the pool skips the null block)."""
         if self._second is None:
             return [(self.tiers[0], list(ids))]
         first: list[int] = []
