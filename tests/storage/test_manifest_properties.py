@@ -45,6 +45,7 @@ class Model:
     live: dict[int, ManifestEntry] = field(default_factory=dict)
     compacted: dict[int, ManifestEntry] = field(default_factory=dict)
     appended: list[tuple[bytes, int, ManifestEntry | None]] = field(default_factory=list)
+    start: int = 0  # where the appended records begin in the file (set once it is written)
 
     def put(self, slot: int, entry: ManifestEntry) -> None:
         self.live[slot] = entry
@@ -59,6 +60,10 @@ class Model:
     def compact(self) -> None:
         self.compacted, self.appended = dict(self.live), []
 
+    def offset(self, num_records: int) -> int:
+        """Return where appended record `num_records` begins in the file."""
+        return self.start + sum(len(record) for record, _, _ in self.appended[:num_records])
+
     def after(self, num_records: int) -> dict[int, ManifestEntry]:
         """Return the live slots once the first `num_records` appended records apply."""
         state = dict(self.compacted)
@@ -70,9 +75,8 @@ class Model:
         return state
 
 
-def write_manifest(directory: Path, ops: list[tuple[str, list]]) -> tuple[Path, Model, int]:
-    """Run `ops` through a real log; return its file, the model, and where the records
-    appended since the last compaction start."""
+def write_manifest(directory: Path, ops: list[tuple[str, list]]) -> tuple[Path, Model]:
+    """Run `ops` through a real log; return its file and the model."""
     slot_file = SlotFile(
         str(directory / "kvtier-rank0.slots"),
         NUM_SLOTS,
@@ -99,11 +103,17 @@ def write_manifest(directory: Path, ops: list[tuple[str, list]]) -> tuple[Path, 
     log.close()
     slot_file.close()
     path = directory / "kvtier-rank0.manifest"
-    start = len(IDENTITY.encode()) + sum(
+    model.start = len(IDENTITY.encode()) + sum(
         len(encode_put(slot, model.compacted[slot])) for slot in model.compacted
     )
-    assert path.stat().st_size == start + sum(len(data) for data, _, _ in model.appended)
-    return path, model, start
+    assert path.stat().st_size == model.offset(len(model.appended))
+    return path, model
+
+
+def offset_inside(data: st.DataObject, model: Model, index: int, label: str) -> int:
+    """Draw a byte of appended record `index`; return its offset in the file."""
+    length = len(model.appended[index][0])
+    return model.offset(index) + data.draw(st.integers(0, length - 1), label=label)
 
 
 @settings(max_examples=150, deadline=None)
@@ -112,12 +122,12 @@ def test_any_cut_after_the_last_compaction_recovers_the_records_before_it(
     ops: list[tuple[str, list]], data: st.DataObject
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path, model, start = write_manifest(Path(tmp), ops)
+        path, model = write_manifest(Path(tmp), ops)
         assert read_manifest(str(path), IDENTITY) == model.live
         num_whole = data.draw(st.integers(0, len(model.appended)), label="whole records")
-        cut = start + sum(len(record) for record, _, _ in model.appended[:num_whole])
+        cut = model.offset(num_whole)
         if num_whole < len(model.appended):  # part of the next record may have landed too
-            cut += data.draw(st.integers(0, len(model.appended[num_whole][0]) - 1), label="torn")
+            cut = offset_inside(data, model, num_whole, "torn")
         with open(path, "r+b") as file:
             file.truncate(cut)
         assert read_manifest(str(path), IDENTITY) == model.after(num_whole)
@@ -129,12 +139,11 @@ def test_a_damaged_byte_ends_the_replay_at_its_record(
     ops: list[tuple[str, list]], data: st.DataObject
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path, model, start = write_manifest(Path(tmp), ops)
+        path, model = write_manifest(Path(tmp), ops)
         if not model.appended:
             return
         damaged = data.draw(st.integers(0, len(model.appended) - 1), label="damaged record")
-        offset = start + sum(len(record) for record, _, _ in model.appended[:damaged])
-        offset += data.draw(st.integers(0, len(model.appended[damaged][0]) - 1), label="byte")
+        offset = offset_inside(data, model, damaged, "byte")
         flip = data.draw(st.integers(1, 255), label="xor")
         raw = bytearray(path.read_bytes())
         raw[offset] ^= flip

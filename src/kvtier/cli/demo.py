@@ -28,6 +28,21 @@ MIB = 1 << 20
 PROMPT_VOCAB_SIZE = 1024
 
 
+# The workload and tier sizes: (option, default, what it sets).
+_SIZE_OPTIONS = (
+    ("--conversations", 8, "conversations"),
+    ("--turns", 6, "turns per conversation"),
+    ("--system-tokens", 256, "tokens of the shared system prompt"),
+    ("--document-tokens", 512, "tokens of each conversation's document"),
+    ("--user-tokens", 64, "tokens per user message"),
+    ("--answer-tokens", 16, "tokens per answer"),
+    ("--gpu-blocks", 96, "GPU pool size in blocks"),
+    ("--block-size", 16, "tokens per block"),
+    ("--cpu-mib", 256, "CPU tier size in MiB"),
+    ("--disk-mib", 256, "disk tier size in MiB"),
+)
+
+
 def add_parser(subparsers: Any) -> None:
     """Register `kvtier demo`."""
     parser = subparsers.add_parser(
@@ -43,38 +58,8 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("--model-dir", help="local HF checkpoint dir (default: random demo model)")
-    parser.add_argument("--conversations", type=int, default=8, help="conversations (default 8)")
-    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
-    parser.add_argument(
-        "--system-tokens",
-        type=int,
-        default=256,
-        help="tokens of the shared system prompt (default %(default)s)",
-    )
-    parser.add_argument(
-        "--document-tokens",
-        type=int,
-        default=512,
-        help="tokens of each conversation's document (default %(default)s)",
-    )
-    parser.add_argument(
-        "--user-tokens", type=int, default=64, help="tokens per user message (default %(default)s)"
-    )
-    parser.add_argument(
-        "--answer-tokens", type=int, default=16, help="tokens per answer (default %(default)s)"
-    )
-    parser.add_argument(
-        "--gpu-blocks", type=int, default=96, help="GPU pool size in blocks (default %(default)s)"
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=16, help="tokens per block (default %(default)s)"
-    )
-    parser.add_argument(
-        "--cpu-mib", type=int, default=256, help="CPU tier size in MiB (default %(default)s)"
-    )
-    parser.add_argument(
-        "--disk-mib", type=int, default=256, help="disk tier size in MiB (default %(default)s)"
-    )
+    for flag, default, what in _SIZE_OPTIONS:
+        parser.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
     parser.add_argument(
         "--cascade-cpu-mib",
         type=int,
