@@ -234,6 +234,20 @@ def test_bad_config_fails_at_start_up(extra: dict[str, object], message: str) ->
         VllmHarness(cfg)
 
 
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_consumer"])
+def test_a_kv_role_other_than_kv_both_fails_at_start_up(kv_role: str) -> None:
+    """With kv_producer vLLM frees blocks an overlapped step may still write, where a
+    load could fill them early: kvtier loads, so it runs only as kv_both."""
+    cfg = HarnessConfig(
+        connector=CONNECTOR,
+        connector_module=MODULE,
+        extra_config={"cpu_bytes": 1 << 20},
+        kv_role=kv_role,
+    )
+    with pytest.raises(ValueError, match=f"kv_role must be 'kv_both', got '{kv_role}'"):
+        VllmHarness(cfg)
+
+
 def test_direct_io_with_unaligned_blocks_fails_at_start_up(tmp_path: Path) -> None:
     # 3 layers of 2048-byte pages: a block id spans 6144 B, not whole 4096-byte pages.
     disk = {"cpu_bytes": 0, "disk_bytes": 1 << 22, "disk_path": str(tmp_path)}

@@ -63,6 +63,7 @@ class HarnessConfig:
     processed. `batch_queue_size` is the steps in flight at once, as in vLLM's engine
     core (2 under asynchronous scheduling): the harness schedules step N+1 before it
     processes step N's output. 1 runs lock-step; more needs `async_scheduling`.
+    `kv_role` is vLLM's.
     """
 
     connector: str | None = None
@@ -82,6 +83,7 @@ class HarnessConfig:
     kv_load_failure_policy: str = "fail"
     async_scheduling: bool = False
     batch_queue_size: int = 1
+    kv_role: str = "kv_both"
 
     def __post_init__(self) -> None:
         if self.batch_queue_size > 1 and not self.async_scheduling:
@@ -146,7 +148,7 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         kv_transfer_config = KVTransferConfig(
             kv_connector=cfg.connector,
             kv_connector_module_path=cfg.connector_module,
-            kv_role="kv_both",
+            kv_role=cfg.kv_role,
             kv_connector_extra_config=dict(cfg.extra_config),
             kv_load_failure_policy=cfg.kv_load_failure_policy,
         )

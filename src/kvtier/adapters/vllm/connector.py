@@ -81,6 +81,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("KVTierConnector needs prefix caching (--enable-prefix-caching)")
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role != "kv_both":
+            # A loading connector needs vLLM's consumer behaviour (under overlapped
+            # scheduling, blocks a step may still write are freed late, so no load fills
+            # them early) and stores need the producer's: only kv_both gives both.
+            raise ValueError(
+                f"KVTierConnector stores and loads KV: kv_role must be 'kv_both', got {kv_role!r}"
+            )
         self.offload_config = connector_config(vllm_config)
         self._cache_hit_source = _HIT_SOURCES[self.offload_config.tier]
         self._scheduler: SchedulerSide | None = None
