@@ -101,6 +101,11 @@ def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
     assert (out / "sweep.csv").exists()
     assert replay(tmp_path, "--capacity", "80", "--json", str(tmp_path / "r.json")) == 0
     assert json.loads((tmp_path / "r.json").read_text())["points"]
+    inside = tmp_path / "results"  # a JSON file in a --out folder the sweep creates
+    options = ["--capacity", "80", "--sweep", "--out", str(inside), "--json", f"{inside}/r.json"]
+    assert replay(tmp_path, *options) == 0
+    assert json.loads((inside / "r.json").read_text())["points"]
+    assert (inside / "sweep.csv").exists()
 
 
 @pytest.mark.parametrize(

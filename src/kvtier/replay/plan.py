@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,13 +97,20 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
         check_folder_path("--out", out, SWEEP_FILES)
         outputs += [("--out", out / name) for name in SWEEP_FILES]
     if args.json:
-        check_file_path("--json", Path(args.json))
-        outputs.append(("--json", Path(args.json)))
+        json_path = Path(args.json)
+        # A JSON file inside a new --out folder: the sweep creates the folder first.
+        if out is None or out.exists() or not _same_path(json_path.parent, out):
+            check_file_path("--json", json_path)
+        outputs.append(("--json", json_path))
     check_distinct_paths(Path(args.trace), outputs)
     numbered = read_numbered_trace(args.trace, args.block_size)
     if base.gpu_capacity_tokens:
         _check_gpu_fits(args, numbered)
     return ReplayPlan([record for _, record in numbered], base, policies, capacities, out)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _check_gpu_fits(args: argparse.Namespace, numbered: list[tuple[int, TraceRecord]]) -> None:
