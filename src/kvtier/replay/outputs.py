@@ -53,7 +53,7 @@ def check_distinct_paths(trace: Path, outputs: Sequence[tuple[str, Path]]) -> No
     written = [("the trace", trace)]
     for option, path in outputs:
         for other, other_path in written:
-            if _is_same_file(path, other_path):
+            if is_same_file(path, other_path):
                 what = other if other == "the trace" else f"{other}'s"
                 raise ReplayError(
                     f"{option} {path}: would overwrite {what} {other_path}; give another path"
@@ -61,7 +61,8 @@ def check_distinct_paths(trace: Path, outputs: Sequence[tuple[str, Path]]) -> No
         written.append((option, path))
 
 
-def _is_same_file(a: Path, b: Path) -> bool:
+def is_same_file(a: Path, b: Path) -> bool:
+    """Return True when `a` and `b` name the same file or folder (existing or not)."""
     if os.path.realpath(a) == os.path.realpath(b):  # unlike Path.resolve, no error on a loop
         return True
     return a.exists() and b.exists() and os.path.samefile(a, b)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,12 @@ from kvtier.replay.config import (
     TierConfig,
 )
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
-from kvtier.replay.outputs import check_distinct_paths, check_file_path, check_folder_path
+from kvtier.replay.outputs import (
+    check_distinct_paths,
+    check_file_path,
+    check_folder_path,
+    is_same_file,
+)
 from kvtier.replay.report import format_tokens
 from kvtier.replay.sweep import DEFAULT_SWEEP_TOKENS, LRU
 from kvtier.replay.trace import TraceRecord, read_numbered_trace
@@ -99,7 +103,7 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     if args.json:
         json_path = Path(args.json)
         # A JSON file inside a new --out folder: the sweep creates the folder first.
-        if out is None or out.exists() or not _same_path(json_path.parent, out):
+        if out is None or out.exists() or not is_same_file(json_path.parent, out):
             check_file_path("--json", json_path)
         outputs.append(("--json", json_path))
     check_distinct_paths(Path(args.trace), outputs)
@@ -107,10 +111,6 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     if base.gpu_capacity_tokens:
         _check_gpu_fits(args, numbered)
     return ReplayPlan([record for _, record in numbered], base, policies, capacities, out)
-
-
-def _same_path(a: Path, b: Path) -> bool:
-    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _check_gpu_fits(args: argparse.Namespace, numbered: list[tuple[int, TraceRecord]]) -> None:
