@@ -41,6 +41,8 @@ def assert_error_before_the_run(capsys: pytest.CaptureFixture[str], *parts: str)
     [
         (["--json", "{tmp}/missing/r.json"], ["--json", "missing/r.json", "no such directory"]),
         (["--json", "{tmp}"], ["--json", "is a directory"]),
+        (["--json", "{tmp}/loop.json"], ["--json", "loop.json: a loop of symbolic links"]),
+        (["--json", "{tmp}/doc.jsonl/r.json"], ["--json", "doc.jsonl is not a directory"]),
         (["--sweep", "--out", "{tmp}/doc.jsonl"], ["--out", "doc.jsonl", "not a directory"]),
         (["--sweep", "--out", "{tmp}/doc.jsonl/sub"], ["--out", "doc.jsonl is not a directory"]),
     ],
@@ -48,6 +50,7 @@ def assert_error_before_the_run(capsys: pytest.CaptureFixture[str], *parts: str)
 def test_unwritable_output_paths_are_errors_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], parts: list[str]
 ) -> None:
+    (tmp_path / "loop.json").symlink_to(tmp_path / "loop.json")
     options = [o.format(tmp=tmp_path) for o in options]
     assert replay(tmp_path, "--capacity", "80", *options) == 2
     assert_error_before_the_run(capsys, *parts)

@@ -55,6 +55,32 @@ def test_malformed_record_names_its_line(tmp_path: Path, bad: object, message: s
         read_trace(path, 512)
 
 
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([[1, 2], [3, 2]], r"hash_ids\[1\] = 2 follows id 3, but it follows id 1 at line 1"),
+        ([[1, 2], [2, 5]], r"hash_ids\[0\] = 2 starts the prompt, but it follows id 1 at line 1"),
+        ([[1, 2], [0, 1]], r"hash_ids\[1\] = 1 follows id 0, but it starts the prompt at line 1"),
+    ],
+)
+def test_hash_ids_that_are_not_chained_prefix_hashes_name_the_line(
+    tmp_path: Path, rows: list[list[int]], message: str
+) -> None:
+    """Independent block hashes would replay as false prefix hits: an id has one parent."""
+    path = write_lines(tmp_path / "t.jsonl", [{**GOOD, "hash_ids": ids} for ids in rows])
+    with pytest.raises(TraceError, match=rf"t\.jsonl:2: {message}; hash ids must be chained"):
+        read_trace(path, 512)
+
+
+def test_a_byte_order_mark_before_the_first_record_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\n")
+    assert read_trace(path, 512) == [TraceRecord(0, 1000, 5, (1, 2))]
+    path.write_bytes(path.read_bytes() * 2)  # a second mark is not at the file's start
+    with pytest.raises(TraceError, match=r"t\.jsonl:2: not valid JSON"):
+        read_trace(path, 512)
+
+
 def test_timestamps_must_not_go_backwards(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [{**GOOD, "timestamp": 10}, GOOD])
     with pytest.raises(TraceError, match=":2: timestamp 0 is before"):
@@ -127,7 +153,7 @@ def test_non_utf8_line_is_an_error_naming_the_line(tmp_path: Path) -> None:
 
 
 def test_gzip_trace_is_read_as_is_and_a_truncated_one_names_the_file(tmp_path: Path) -> None:
-    records = [TraceRecord(i, 1000, 5, (i, 100 + i)) for i in range(200)]
+    records = [TraceRecord(i, 1000, 5, (i, 1000 + i)) for i in range(200)]
     write_trace(tmp_path / "t.jsonl", records)
     packed = gzip.compress((tmp_path / "t.jsonl").read_bytes())
     (tmp_path / "t.jsonl.gz").write_bytes(packed)
@@ -141,7 +167,7 @@ def test_gzip_trace_is_read_as_is_and_a_truncated_one_names_the_file(tmp_path: P
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_trace_from_a_pipe_is_read_from_its_first_byte(tmp_path: Path, packed: bool) -> None:
     """`kvtier replay <(zcat t.jsonl.gz)` or /dev/stdin: a pipe can be read only once."""
-    records = [TraceRecord(i, 1000, 5, (i, 100 + i)) for i in range(200)]
+    records = [TraceRecord(i, 1000, 5, (i, 1000 + i)) for i in range(200)]
     write_trace(tmp_path / "t.jsonl", records)
     data = (tmp_path / "t.jsonl").read_bytes()
     assert 8192 < len(data) < 65536  # past one read buffer, within the pipe's capacity

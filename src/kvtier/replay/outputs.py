@@ -5,6 +5,7 @@ Each check raises `ReplayError` naming the option and the path; nothing is creat
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +15,11 @@ from kvtier.replay.config import ReplayError
 
 def check_file_path(option: str, path: Path) -> None:
     """Raise `ReplayError` unless a file can be written at `path` (its folder exists)."""
+    try:
+        path.stat()
+    except OSError as exc:  # a new file passes: the checks below apply to its folder
+        if exc.errno == errno.ELOOP:
+            raise ReplayError(f"{option} {path}: a loop of symbolic links") from None
     if path.is_dir():
         raise ReplayError(f"{option} {path}: is a directory, give a file name")
     folder = path.parent

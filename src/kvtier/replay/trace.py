@@ -4,7 +4,8 @@ A record holds `timestamp` (ms from the start of the trace), `input_length` and
 `output_length` (tokens) and `hash_ids`: one id per `block_size`-token block of the
 prompt, the last one possibly partial. Ids are chained prefix hashes: equal ids at the
 same position mean an equal prompt prefix up to the end of that block, so an id never
-repeats within a record. Ids must fit in 64 bits (the replay's keys are their 8 bytes).
+repeats within a record and always follows the same id (or always starts a prompt).
+Ids must fit in 64 bits (the replay's keys are their 8 bytes).
 A gzip-compressed trace is read as is.
 """
 
@@ -100,8 +101,11 @@ def _check_hash_ids(hash_ids: object, where: str) -> tuple[int, ...]:
 def read_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> list[TraceRecord]:
     """Read and validate a whole trace; blank lines are skipped.
 
-    Raises `TraceError` naming `path:line` for the first malformed record, and when
-    timestamps go backwards. A gzip-compressed file is read as its decompressed text.
+    Raises `TraceError` naming `path:line` for the first malformed record, when
+    timestamps go backwards, and when a hash id follows another id than where it was
+    first seen (ids that are not chained prefix hashes would replay as false prefix
+    hits). A gzip-compressed file is read as its decompressed text; a UTF-8 byte order
+    mark before the first record is skipped.
     """
     return [record for _, record in read_numbered_trace(path, block_size)]
 
@@ -114,11 +118,12 @@ def read_numbered_trace(
         raise ValueError(f"block_size must be > 0, got {block_size}")
     records: list[tuple[int, TraceRecord]] = []
     last_timestamp = 0
+    parents: dict[int, tuple[int, int]] = {}  # hash id -> (the id before it, line first seen)
     with _open_binary(path) as file:
         for number, data in _numbered_lines(file, path):
             where = f"{path}:{number}"
             try:
-                line = data.decode("utf-8")
+                line = data.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise TraceError(
                     f"{where}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
@@ -133,10 +138,33 @@ def read_numbered_trace(
                     f"record's {last_timestamp}"
                 )
             last_timestamp = record.timestamp_ms
+            _check_chain(record.hash_ids, parents, number, where)
             records.append((number, record))
     if not records:
         raise TraceError(f"{path}: no records")
     return records
+
+
+def _check_chain(
+    hash_ids: Sequence[int], parents: dict[int, tuple[int, int]], number: int, where: str
+) -> None:
+    """Raise `TraceError` unless each id follows the id it followed where first seen."""
+    parent = -1  # before the first block (ids are >= 0)
+    for position, hash_id in enumerate(hash_ids):
+        seen = parents.get(hash_id)
+        if seen is None:
+            parents[hash_id] = (parent, number)
+        elif seen[0] != parent:
+            raise TraceError(
+                f"{where}: hash_ids[{position}] = {hash_id} {_after(parent)}, but it "
+                f"{_after(seen[0])} at line {seen[1]}; hash ids must be chained prefix "
+                "hashes (equal ids, equal prefixes)"
+            )
+        parent = hash_id
+
+
+def _after(parent: int) -> str:
+    return "starts the prompt" if parent < 0 else f"follows id {parent}"
 
 
 @contextmanager
