@@ -77,15 +77,18 @@ def test_job_fields_of_the_wrong_type_are_named(fields: tuple[object, ...], mess
 
 
 def test_numpy_integer_ids_are_accepted() -> None:
-    """numpy integers (scalars in a tuple, or an integer array) are valid block ids."""
+    """numpy integers (scalars in a tuple, or an integer array) are valid block ids.
+
+    The load runs in a plan of its own: stores and loads run on two lanes, concurrently,
+    so a load in the store's plan could read the slots before they are written (a
+    scheduler only loads a slot once its store was reported)."""
     kv = kv_per_layer(1, 16)
     fill_random(kv, seed=2)
     with make_worker(WorkerConfig(cpu_num_slots=8), kv) as worker:
-        jobs = (
-            TransferJob(1, Tier.GPU, Tier.CPU, (np.int64(3), np.int32(4)), (np.uint8(0), 1)),
-            TransferJob(2, Tier.CPU, Tier.GPU, np.array([0, 1]), np.array([5, 6], np.uint16)),
-        )
-        assert dict(run_plan(worker, *jobs).done) == {1: 1, 2: 1}
+        store = TransferJob(1, Tier.GPU, Tier.CPU, (np.int64(3), np.int32(4)), (np.uint8(0), 1))
+        load = TransferJob(2, Tier.CPU, Tier.GPU, np.array([0, 1]), np.array([5, 6], np.uint16))
+        assert dict(run_plan(worker, store).done) == {1: 1}
+        assert dict(run_plan(worker, load).done) == {2: 1}
         views = worker.regions.block_views()
         assert all(torch.equal(v[3], v[5]) and torch.equal(v[4], v[6]) for v in views)
 
