@@ -64,6 +64,9 @@ def test_gpu_round_trips_through_host_and_disk(tmp_path: Path, mode: DiskIOMode)
         )
         assert dict(report.done) == {1: 1, 2: 1}
         fill_random(kv, seed=2)
+        # Loads do not wait for compute: the engine hands a load only blocks no queued
+        # kernel writes, so the overwrite above must finish before the loads start.
+        torch.cuda.synchronize()
         report = run_plan(
             worker,
             job(3, Tier.CPU, Tier.GPU, slots, list(range(50, 70))),
