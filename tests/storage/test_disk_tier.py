@@ -25,7 +25,14 @@ from storage_helpers import (
 )
 
 from kvtier.offload.plan import SlotRecord
-from kvtier.storage import DiskIOError, DiskIOMode, DiskTier, DiskTierConfig, StagingBuffer
+from kvtier.storage import (
+    DiskIOError,
+    DiskIOMode,
+    DiskTier,
+    DiskTierConfig,
+    SlotFile,
+    StagingBuffer,
+)
 
 SLOT = 8192
 
@@ -135,6 +142,26 @@ def test_config_rejects_non_positive_sizes(field: str, value: int) -> None:
     kwargs = {"path": "x.slots", "num_slots": 4, "bytes_per_slot": 4096, field: value}
     with pytest.raises(ValueError, match=field):
         DiskTierConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("io_mode", "direct"), ("num_slots", True), ("bytes_per_slot", 4096.0), ("num_buffers", 2.5)],
+)
+def test_config_rejects_values_of_the_wrong_type(field: str, value: object) -> None:
+    """Regression: io_mode="direct" (a string) was accepted and the tier silently did
+    page-cache I/O without the 4096-byte alignment check; True counted as 1 slot."""
+    kwargs = {"path": "x.slots", "num_slots": 4, "bytes_per_slot": 4096, field: value}
+    with pytest.raises(ValueError, match=f"{field} must be .* got {value!r}"):
+        DiskTierConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_slot_file_rejects_a_mode_that_is_not_a_disk_io_mode(tmp_path: Path) -> None:
+    """Regression: SlotFile(..., "direct") opened the file without O_DIRECT."""
+    path = str(tmp_path / "rank0.slots")
+    with pytest.raises(ValueError, match="must be a DiskIOMode, got 'direct'"):
+        SlotFile(path, 4, 100, "direct")  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == []
 
 
 def test_persistent_tier_recovers_checksums_and_records(tmp_path: Path) -> None:

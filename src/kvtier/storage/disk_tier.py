@@ -85,11 +85,12 @@ class DiskTierConfig:
     region_layout: str = ""  # "name:bytes;..." per region; part of the persistent identity
 
     def __post_init__(self) -> None:
-        for name in ("num_slots", "bytes_per_slot", "batch_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_buffers < 1:
-            raise ValueError(f"num_buffers must be at least 1, got {self.num_buffers}")
+        for name in ("num_slots", "bytes_per_slot", "batch_bytes", "num_buffers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.io_mode, DiskIOMode):  # "direct" would silently be page cache
+            raise ValueError(f"io_mode must be a DiskIOMode, got {self.io_mode!r}")
         if self.fingerprint is not None and not self.fingerprint:
             raise ValueError("fingerprint must be None or a non-empty string, got ''")
         manifest_path_for(self.path)  # raises ValueError unless it ends in ".slots"

@@ -105,6 +105,8 @@ class SlotFile:
             raise ValueError(
                 f"disk tier needs positive sizes, got {num_slots} slots of {bytes_per_slot} B"
             )
+        if not isinstance(mode, DiskIOMode):  # "direct" would silently be page-cache I/O
+            raise ValueError(f"disk I/O mode must be a DiskIOMode, got {mode!r}")
         if mode is DiskIOMode.DIRECT and bytes_per_slot % DIRECT_IO_ALIGNMENT:
             raise ValueError(
                 f"direct I/O needs slot bytes that are a multiple of {DIRECT_IO_ALIGNMENT}, "
