@@ -158,6 +158,14 @@ def test_wrong_explicit_layout_and_non_tensors_are_rejected() -> None:
         discover_regions({"x": [1, 2]})  # type: ignore[dict-item]
 
 
+@pytest.mark.parametrize("layout", ["kv_first", "auto", None])
+def test_a_layout_that_is_not_a_tensor_layout_is_rejected(layout: object) -> None:
+    """Regression: layout="kv_first" (a string) was read as BLOCKS_FIRST, so a
+    `[2, num_blocks, ...]` cache became 2 "blocks" each spanning all of K or all of V."""
+    with pytest.raises(ValueError, match=f"layout must be a TensorLayout, got {layout!r}"):
+        discover_regions([torch.zeros(2, NB, 4)], layout)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("tensor", "message"),
     [

@@ -114,12 +114,15 @@ def discover_regions(
 ) -> RegionSet:
     """Return the deduplicated, merged regions of `kv_tensors` (a list, or name → tensor).
 
-    Raises ValueError naming the tensor for a layout that cannot be addressed by block id:
+    Raises ValueError for a `layout` that is not a TensorLayout, and naming the tensor for
+    a layout that cannot be addressed by block id:
     a sparse (non-strided) tensor, a device other than cpu or cuda (e.g. meta), fewer than
     2 dims, zero size, a block whose bytes are not one dense run, a block stride smaller
     than the block, overlays with different geometry, or tensors that disagree on the
     number of blocks or the device.
     """
+    if not isinstance(layout, TensorLayout):  # "kv_first" would silently be BLOCKS_FIRST
+        raise ValueError(f"layout must be a TensorLayout, got {layout!r}")
     named = _named(kv_tensors)
     if not named:
         raise ValueError("no KV tensors to register")
