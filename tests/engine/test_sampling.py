@@ -37,6 +37,15 @@ def test_low_temperature_concentrates_on_argmax() -> None:
     assert tokens == _logits().argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 5e-324])
+def test_a_tiny_temperature_takes_the_argmax(temperature: float) -> None:
+    # Regression: logits / 1e-40 overflowed float32 to inf, the softmax gave NaN and
+    # torch.multinomial raised, aborting every request of the step.
+    params = [SamplingParams(temperature=temperature, seed=1)] * 3
+    tokens = sample(_logits(), params, [p.make_generator() for p in params])
+    assert tokens == _logits().argmax(-1).tolist()
+
+
 def test_sampling_checks_arguments() -> None:
     with pytest.raises(ValueError, match="needs a generator"):
         sample(_logits()[:1], [SamplingParams(temperature=0.5)], [None])

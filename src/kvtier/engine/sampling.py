@@ -106,7 +106,12 @@ def sample(
             continue
         if generator is None:
             raise ValueError("temperature sampling needs a generator (make_generator)")
-        probs = torch.softmax(row / param.temperature, dim=-1)
+        # Shift so the top logit scales to exactly 0 and the others to <= 0: a tiny
+        # temperature (1e-40; 1e-46 is 0 in float32) then sends them to -inf instead of
+        # overflowing to inf or dividing 0 by 0 (a NaN softmax).
+        top = row.max()
+        scaled = torch.where(row == top, 0.0, (row - top) / param.temperature)
+        probs = torch.softmax(scaled, dim=-1)
         tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
     return tokens
 
