@@ -60,6 +60,18 @@ def test_demo_runs_every_configuration(
             "--cascade-cpu-mib=600 --disk-mib=100",
             "--cascade-cpu-mib=600 is larger than --disk-mib=100: with --cascade write_through",
         ),
+        # Regression: these two failed with a ConfigError traceback once the "offload
+        # off" run had been served, naming cpu_bytes / disk_bytes, not the option.
+        (
+            "--cpu-mib=100000000",
+            "--cpu-mib is too large for the CPU tier run: cpu_bytes=104857600000000 exceeds"
+            " this machine's memory",
+        ),
+        (
+            "--disk-mib=100000000",
+            "--disk-mib is too large for the disk tier run: disk_bytes=104857600000000"
+            " exceeds the size of the filesystem",
+        ),
         (
             "--gpu-blocks=24",
             "last turn holds 848 tokens (53 blocks of 16), more than --gpu-blocks=24 can hold"

@@ -15,7 +15,7 @@ from rich.progress import Progress
 from rich.table import Table
 from safetensors import SafetensorError
 
-from kvtier.cli.demo_checks import check_options, check_paths, check_sizes
+from kvtier.cli.demo_checks import check_options, check_paths, check_positions, check_sizes
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -107,6 +107,7 @@ def run_demo(args: argparse.Namespace) -> int:
         with warm:  # the sizes, then warm up kernels and allocator (two prompts share one)
             try:
                 workload, configs = _setup(args, warm.model_config.vocab_size, disk_dir)
+                check_positions(workload, warm.model_config.max_position)
                 check_sizes(workload, configs, warm.layout, args.gpu_blocks)
             except ValueError as exc:
                 return _report(exc)

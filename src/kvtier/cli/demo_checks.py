@@ -17,6 +17,7 @@ from kvtier.engine.chat_workload import ChatWorkload
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.weights import checkpoint_files
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
+from kvtier.offload.host import check_host
 from kvtier.offload.plan import Tier
 from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
@@ -114,14 +115,28 @@ def _check_writable_dir(flag: str, path: Path) -> None:
         raise ValueError(f"{flag}={path}: {existing} is not writable")
 
 
+def check_positions(workload: ChatWorkload, max_position: int) -> None:
+    """Raise ValueError when a last turn needs more positions than the model has.
+
+    The last answer token is never fed back, so a sequence computes one position less
+    than it holds.
+    """
+    num_positions = workload.max_sequence_tokens - 1
+    if num_positions > max_position:
+        raise ValueError(
+            f"a conversation's last turn computes {num_positions} positions, more than the"
+            f" model's max_position={max_position}: use fewer --turns or shorter messages"
+        )
+
+
 def check_sizes(
     workload: ChatWorkload,
     configs: list[tuple[str, OffloadConfig | None]],
     layout: KVLayout,
     gpu_blocks: int,
 ) -> None:
-    """Raise ValueError when a last turn cannot fit the GPU pool, a tier is too small, or
-    direct disk I/O cannot write the blocks.
+    """Raise ValueError when a last turn cannot fit the GPU pool, a tier is too small or
+    too large for this machine, or direct disk I/O cannot write the blocks.
 
     The reference engine gives every KV group its own blocks of the one pool, so a
     sequence needs its block count once per group.
@@ -142,12 +157,18 @@ def check_sizes(
         if config is None:
             continue
         for tier in config.tiers:
+            option = TIER_OPTIONS[(name, "cpu_bytes" if tier is Tier.CPU else "disk_bytes")]
             try:
                 config.num_tier_blocks(layout.bytes_per_block, tier)
             except ConfigError as exc:
-                budget = "cpu_bytes" if tier is Tier.CPU else "disk_bytes"
-                option = TIER_OPTIONS[(name, budget)]
                 raise ValueError(f"{option} is too small for the {name} run: {exc}") from None
+            try:  # what `LLM` checks (prepare_host) when the run starts, minutes later
+                if tier is Tier.CPU:
+                    check_host(config.cpu_bytes, 0, None)
+                else:
+                    check_host(0, config.disk_bytes, config.disk_path)
+            except ConfigError as exc:
+                raise ValueError(f"{option} is too large for the {name} run: {exc}") from None
 
     _check_direct_io(configs, layout)
 
