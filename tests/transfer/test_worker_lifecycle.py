@@ -234,6 +234,11 @@ def test_empty_job_and_empty_plan() -> None:
         ({"disk_buffer_slots": 0}, "disk_buffer_slots"),
         ({"disk_io_mode": "direct"}, "DiskIOMode"),
         ({"copy_threads": 0}, "copy_threads"),
+        (
+            {"disk_batch_bytes": 2 << 30},
+            r"disk_batch_bytes must be at most 2147479552 .*2147483648",
+        ),
+        ({"disk_path": b"/tmp/x"}, r"disk_path must be a str, got b'/tmp/x'"),
     ],
 )
 def test_worker_config_rejects_bad_values(kwargs: dict[str, object], message: str) -> None:

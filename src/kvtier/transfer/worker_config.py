@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from kvtier.offload.config import DiskIOMode
 from kvtier.storage.manifest import manifest_path_for
 
+MAX_IO_BYTES = 0x7FFFF000  # the most one read or write call moves on Linux (2 GiB - 4 KiB)
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -53,6 +55,13 @@ class WorkerConfig:
                 "WorkerConfig.disk_buffer_slots and disk_batch_bytes must be "
                 f"positive, got {self.disk_buffer_slots} and {self.disk_batch_bytes}"
             )
+        if self.disk_batch_bytes > MAX_IO_BYTES:
+            raise ValueError(
+                f"WorkerConfig.disk_batch_bytes must be at most {MAX_IO_BYTES} (Linux moves "
+                f"at most that much per read or write call), got {self.disk_batch_bytes}"
+            )
+        if self.disk_path is not None and not isinstance(self.disk_path, str):
+            raise ValueError(f"WorkerConfig.disk_path must be a str, got {self.disk_path!r}")
         if self.copy_threads is not None and (
             not isinstance(self.copy_threads, int)
             or isinstance(self.copy_threads, bool)
