@@ -14,7 +14,7 @@ from sim import (
     make_request,
 )
 
-from kvtier.core.keys import make_key
+from kvtier.core.keys import key_block_hash, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 
@@ -80,25 +80,33 @@ def test_scenario_02_prompt_logprobs_request_gets_no_hit_and_leaves_no_pin() -> 
     engine.check()
 
 
-def test_scenario_03_secondary_keys_are_registered_on_the_tier_copy() -> None:
-    """Scenario 3: a GPU block's secondary keys reach its tier copy; its token count is kept."""
-    engine = SimEngine(full_layout(), num_gpu_blocks=8)
+@pytest.mark.parametrize("events", [False, True])
+def test_scenario_03_secondary_keys_are_registered_on_the_tier_copy(events: bool) -> None:
+    """Scenario 3: a GPU block's secondary keys reach its tier copy; the primary key's
+    token count is the GPU block's own (3 here, not the block size), with events on or off."""
+    engine = SimEngine(full_layout(), config(events=events), num_gpu_blocks=8)
     a = make_request("a", range(8))
     engine.admit(a)
     engine.schedule("a")
-    engine.step()
     block = engine.tables["a"][0][1]
+    primary = block_key(engine.layout, a, 0, 1)
+    engine.gpu.insert_key(primary, block, 3)  # the engine's own count, kept by the forward
+    engine.step()
     other = make_key(b"\x07" * 32, 0)
     engine.gpu.insert_key(other, block, 4)
+    engine.scheduler.take_events()
     engine.finish("a")
     engine.drain()
     tier = engine.scheduler.tier_pool
-    slot = tier.cached_block(block_key(engine.layout, a, 0, 1))
+    slot = tier.cached_block(primary)
     assert slot is not None
     assert tier.cached_block(other) == slot
-    assert tier.key(slot) == block_key(engine.layout, a, 0, 1)
+    assert tier.key(slot) == primary
     assert tier.secondary_keys(slot) == (other,)
-    assert tier.num_tokens(slot) == engine.gpu.num_tokens(block) == 4
+    assert tier.num_tokens(slot) == engine.gpu.num_tokens(block) == 3
+    stored = [(e.block_hash, e.group_id) for e in engine.scheduler.take_events()]
+    expected = [(a.block_hashes[0], 0), (a.block_hashes[1], 0), (key_block_hash(other), 0)]
+    assert sorted(stored) == (sorted(expected) if events else [])
     engine.check()
 
 
@@ -186,6 +194,38 @@ def test_scenario_07_pinned_hit_survives_allocation_pressure() -> None:
     engine.step()
     assert engine.loading == {}
     engine.check_kv(b)
+    engine.check()
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_full_tier_stops_the_cursor_and_the_block_is_stored_later(events: bool) -> None:
+    """Scenario 12 / SPEC §6.5: with no free tier block, selection stops without advancing
+    the cursor; the block is stored once a slot frees (events on: the per-block path)."""
+    engine = SimEngine(full_layout(), config(events=events), num_tier_blocks=4)
+    engine.auto_complete = False
+    a = make_request("a", range(16), outputs=[1, 2, 3])
+    engine.admit(a)
+    engine.schedule("a")
+    engine.step()
+    table = engine.tables["a"][0]
+    engine.scheduler.take_stats()
+    engine.schedule("a")
+    (store,) = engine.step().jobs  # 3 usable slots: blocks 0..2, block 3 waits
+    assert store.src_block_ids == tuple(table[:3])
+    engine.schedule("a")
+    assert engine.step().jobs == ()  # the 3 slots are still being written
+    stats = engine.scheduler.take_stats()
+    assert stats.store_outcomes == {"stored": 3, "dropped_tier_full": 2}
+    engine.worker.complete(store.event_id)
+    engine.poll()
+    engine.schedule("a")
+    (store,) = engine.step().jobs
+    assert store.src_block_ids == (table[3],)
+    engine.worker.complete(store.event_id)
+    engine.poll()
+    assert engine.tier_content(block_key(engine.layout, a, 0, 3)) == [
+        block_key(engine.layout, a, 0, 3)
+    ]
     engine.check()
 
 
