@@ -124,9 +124,12 @@ def test_scenario_19_second_prefill_chunk_stores_exactly_its_new_blocks() -> Non
     (first,) = engine.step().jobs
     table = engine.tables["a"][0]
     assert first.src_block_ids == (table[0], table[1])
+    engine.scheduler.take_stats()
     engine.schedule("a")
     (second,) = engine.step().jobs
     assert second.src_block_ids == (table[2], table[3])
+    # Only the new blocks were visited: the cursor is past the first chunk's.
+    assert engine.scheduler.take_stats().store_outcomes == {"stored": 2}
     engine.check()
 
 
@@ -152,6 +155,37 @@ def test_scenario_20_after_preemption_only_the_new_confirmed_tail_is_stored() ->
     new_stores = engine.worker.stores()[stored_before:]
     src = [b for job in new_stores for b in job.src_block_ids]
     assert src == [table[2], table[3], table[4]]
+    engine.check()
+
+
+def test_scenario_20_resume_rescans_the_table_and_restores_what_the_tier_lost() -> None:
+    """Scenario 20 (SPEC §6.5: a preempted request resets its cursors): blocks stored before
+    the preemption and evicted from the tier meanwhile are stored again after the resume."""
+    engine = SimEngine(full_layout(), num_gpu_blocks=16, num_tier_blocks=5)
+    a = make_request("a", range(16), outputs=[70, 71, 72])
+    engine.admit(a)
+    engine.schedule("a")
+    engine.step()
+    engine.schedule("a")
+    (store,) = engine.step().jobs  # blocks 0..3: the cursor is past them
+    assert store.num_blocks == 4
+    engine.preempt("a")
+    engine.step()
+    engine.run(make_request("c", range(100, 108)))  # evicts a's tail blocks 3, 2
+    engine.drain()
+    a_keys = [block_key(engine.layout, a, 0, pos) for pos in range(4)]
+    tier = engine.scheduler.tier_pool
+    assert [tier.cached_block(k) is not None for k in a_keys] == [True, True, False, False]
+    assert engine.admit(a) == Admission(16, 0, 0)
+    engine.scheduler.take_stats()
+    engine.schedule("a")
+    (store,) = engine.step().jobs
+    table = engine.tables["a"][0]
+    assert store.src_block_ids == (table[2], table[3])
+    assert engine.scheduler.take_stats().store_outcomes == {
+        "skipped_already_cached": 2,
+        "stored": 2,
+    }
     engine.check()
 
 
