@@ -109,15 +109,21 @@ def test_scenario_12_every_cacheable_group_is_flushed() -> None:
     engine.check()
 
 
-def test_scenario_12_flush_never_exceeds_free_tier_capacity() -> None:
-    """Scenario 12: a flush larger than the free tier stores only what fits."""
-    engine = SimEngine(three_kinds_layout(), num_gpu_blocks=16, num_tier_blocks=4)
+@pytest.mark.parametrize("events", [False, True])
+def test_scenario_12_flush_never_exceeds_free_tier_capacity(events: bool) -> None:
+    """Scenario 12: a flush larger than the free tier stores only what fits, in table order."""
+    engine = SimEngine(
+        three_kinds_layout(), config(events=events), num_gpu_blocks=16, num_tier_blocks=4
+    )
     computed(engine, make_request("a", range(8)))
+    full, sliding, _ = engine.tables["a"]
     engine.scheduler.take_stats()
     engine.finish("a")
     (store,) = engine.step().jobs
     assert store.num_blocks == 3 == engine.scheduler.tier_pool.num_usable_blocks
-    assert engine.scheduler.take_stats().store_outcomes["dropped_tier_full"] >= 1
+    assert store.src_block_ids == (*full, sliding[0])
+    outcomes = engine.scheduler.take_stats().store_outcomes
+    assert outcomes == {"stored": 3, "dropped_tier_full": 1}
     engine.check()
 
 
@@ -174,6 +180,26 @@ def test_scenario_14_partial_tail_is_flushed_once_and_later_hit_whole() -> None:
     assert load.dst_block_ids == tuple(engine.tables["b"][0][:2])
     assert engine.loading == {}
     engine.check_kv(b)
+    engine.check()
+
+
+def test_scenario_14_a_partial_tail_shared_by_two_flushes_is_stored_once() -> None:
+    """Scenario 14: two requests with one prompt finishing together store its tail once."""
+    engine = SimEngine(fine_layout(), config(fine_grained_hits=True))
+    a = make_request("a", range(12))
+    for request in (a, make_request("a2", range(12))):
+        assert engine.admit(request) is not None
+        engine.schedule(request.request_id)
+    engine.step()
+    block_0, tail_block = engine.tables["a"][0]
+    engine.scheduler.take_stats()
+    engine.finish("a")
+    engine.finish("a2")
+    (store,) = engine.step().jobs
+    assert store.src_block_ids == (block_0, tail_block)
+    assert engine.scheduler.take_stats().store_outcomes == {"stored": 2, "skipped_in_flight": 2}
+    tail_key = make_key(a.block_hashes[2], 0)
+    assert engine.tier_content(tail_key) == [tail_key]
     engine.check()
 
 
