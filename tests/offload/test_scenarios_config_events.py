@@ -204,22 +204,25 @@ def test_scenario_29_block_stored_fields_follow_the_group_kind() -> None:
 
 
 def test_scenario_29_events_without_payload_still_name_their_group_kind() -> None:
-    """Scenario 29: hand-off, partial-tail and lazy BlockStored events keep group kind/window."""
+    """Scenario 29: hand-off and lazy BlockStored events (no token payload) keep the group
+    kind and sliding window of their group."""
     engine = SimEngine(three_group_layout(), config(events=True), num_gpu_blocks=32)
     run_with_handoff(engine, make_request("a", range(8), outputs=[5, 6]))
     lazy = SimEngine(
-        full_layout(),
+        KVLayout(three_group_layout().groups[:2]),
         config(events=True, store_mode=StoreMode.LAZY, max_batched_tokens=8),
-        num_gpu_blocks=5,
+        num_gpu_blocks=9,
     )
     lazy.run(make_request("a", range(8)))
     lazy.drain()
     lazy.step()
-    events = stored_events(engine.scheduler.take_events() + lazy.scheduler.take_events())
-    assert len(events) == 2 + 2 + 1 + 2
-    kinds = ["full_attention", "sliding_window", "state"]
+    lazy_events = stored_events(lazy.scheduler.take_events())
+    assert all(event.token_ids == () for event in lazy_events)
+    events = stored_events(engine.scheduler.take_events()) + lazy_events
+    assert len(events) == 2 + 2 + 1 + 2 + 2
+    kinds = [("full_attention", None), ("sliding_window", 8), ("state", None)]
     for event in events:
-        assert event.group_kind == kinds[event.group_id]
+        assert (event.group_kind, event.sliding_window) == kinds[event.group_id]
 
 
 def test_scenario_29_lora_fields_are_carried() -> None:
