@@ -193,7 +193,9 @@ def test_scenario_20_resume_rescans_the_table_and_restores_what_the_tier_lost() 
 def test_scenario_21_reset_with_in_flight_stores_waits_and_hides_their_data(
     mode: StoreMode,
 ) -> None:
-    """Scenario 21: reset returns False while stores are in flight; they never become visible."""
+    """Scenario 21: reset returns False while stores are in flight; they never become visible.
+
+    Per-request state and the lazy cursor are cleared by the first reset (SPEC §6.9)."""
     engine = SimEngine(
         full_layout(), config(store_mode=mode, max_batched_tokens=8), num_gpu_blocks=5
     )
@@ -206,6 +208,8 @@ def test_scenario_21_reset_with_in_flight_stores_waits_and_hides_their_data(
     (store,) = engine.step().jobs
     assert store.num_blocks == 2
     assert engine.scheduler.reset() is False
+    assert engine.scheduler.selector.tracked == {}  # SPEC §6.9: cleared at once
+    assert engine.scheduler.selector.lazy_cursor is None
     assert engine.scheduler.reset() is False
     engine.worker.complete(store.event_id)
     engine.poll()
