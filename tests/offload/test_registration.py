@@ -8,7 +8,8 @@ import pytest
 from sim_request import full_layout
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.keys import Key, make_key
+from kvtier.core.events import BlockStored
+from kvtier.core.keys import Key, key_block_hash, make_key
 from kvtier.offload.plan import SlotRecord, Tier
 from kvtier.offload.registration import Registrar
 from kvtier.offload.store_batch import StoreBatch
@@ -80,3 +81,30 @@ def test_restore_counts_the_tokens_inside_each_block() -> None:
     assert registrar.restore(Tier.DISK, tier, records) == 3
     assert [tier.num_tokens(b) for b in (1, 2, 3)] == [4, 4, 3]
     assert [e.block_size for e in tier.take_events()] == [4, 4, 3]
+
+
+def test_a_payload_is_published_only_for_the_key_it_was_captured_for() -> None:
+    """A selection-time payload reaches the tier's event only if its hash is the key's.
+
+    Block 1 keeps the key its payload names: the event carries the payload's token ids,
+    with the tier's medium. Block 2's payload names another hash (a stale capture): its
+    event is payload-free, built from the key the GPU block holds at completion.
+    """
+    layout = full_layout(block_size=4)
+    gpu = BlockPool(8)
+    gpu.allocate(2)
+    gpu.insert_key(key(1), 1, 4)
+    gpu.insert_key(key(2), 2, 4)
+    tier = BlockPool(8, record_events=True, medium="CPU")
+    tier.allocate(2)
+    captured = BlockStored(key_block_hash(key(1)), 0, 4, token_ids=(5, 6, 7, 8), medium="GPU")
+    stale = BlockStored(key_block_hash(key(99)), 0, 4, token_ids=(9, 9, 9, 9), medium="GPU")
+    stores = StoreBatch()
+    stores.add(1, 1, key(1), payload=captured)
+    stores.add(2, 2, key(2), payload=stale)
+    Registrar(layout, Tier.CPU, tier, events=True).register_all(stores, gpu)
+    events = [e for e in tier.take_events() if isinstance(e, BlockStored)]
+    assert [(e.block_hash, e.token_ids, e.medium) for e in events] == [
+        (key_block_hash(key(1)), (5, 6, 7, 8), "CPU"),
+        (key_block_hash(key(2)), (), "CPU"),
+    ]
