@@ -187,3 +187,32 @@ def test_a_shut_down_engine_refuses_work(offload: str) -> None:
         pass
     with pytest.raises(RuntimeError, match=message):
         other.generate([[1, 2, 3]], PARAMS)
+
+
+# ---------------------------------------------------------------- loaded requests
+
+
+def test_requests_back_from_a_load_give_their_blocks_to_a_request_that_must_grow() -> None:
+    """Regression: A' and B' load 3 blocks each from the tier while Q runs (max_num_seqs=1
+    keeps them waiting). Q then needs 7 of the 8 blocks: it preempted itself, was admitted
+    again with its first chunk, and so on forever; `generate` never returned."""
+    engine = EngineConfig(block_size=4, num_gpu_blocks=9, max_num_seqs=1, max_num_batched_tokens=3)
+    llm = LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine)
+    arm = with_watchdog(llm, 2000)
+    arm()
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    first, second = list(range(12)), list(range(50, 62))
+    llm.generate([first, second], one)  # stored in the tier when they finish
+    llm.generate([list(range(70, 102))], one)  # 8 blocks: evicts both from the GPU
+    llm.drain()
+    prompts = [[*first, 1], [*second, 2], list(range(20, 40))]
+    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * 2 + [
+        SamplingParams(max_tokens=9, ignore_eos=True)
+    ]
+    arm()
+    outputs = llm.generate(prompts, params)
+    assert [o.num_external_hit_tokens > 0 for o in outputs[:2]] == [True, True]
+    reference = LLM(None, engine=engine).generate(prompts, params)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in reference]
+    assert_idle(llm)
+    llm.shutdown()

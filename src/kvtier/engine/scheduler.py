@@ -116,6 +116,8 @@ class Scheduler:
             while new_ids is None and self.running[-1] is not request:
                 self._preempt(self.running.pop(), step)
                 new_ids = self._grow(request, num_new)
+            if new_ids is None and self._release_idle_blocks(step, list(self.waiting)):
+                new_ids = self._grow(request, num_new)
             if new_ids is None:
                 self._preempt(self.running.pop(), step)
                 break
@@ -128,7 +130,11 @@ class Scheduler:
                 break
             request = self.waiting[0]
             admitted = self._admit(request, budget)
-            if admitted is None and not self.running and self._release_idle_blocks(step):
+            if (
+                admitted is None
+                and not self.running
+                and self._release_idle_blocks(step, list(self.waiting)[1:])
+            ):
                 admitted = self._admit(request, budget)
             if admitted is None:
                 break  # no room on the GPU: wait for blocks to free up
@@ -145,15 +151,17 @@ class Scheduler:
             budget -= num_new
         return step
 
-    def _release_idle_blocks(self, step: SchedulerStep) -> bool:
-        """Free the blocks of waiting requests behind the head, which cannot run.
+    def _release_idle_blocks(self, step: SchedulerStep, requests: Sequence[Request]) -> bool:
+        """Free the blocks that the waiting `requests` hold; return True if any had some.
 
-        Requests back from a load hold blocks while they wait; when nothing runs and the
-        head does not fit, they would wait for each other forever. Their KV stays cached
-        in the pool, so they find it again as a local hit.
+        Requests back from a load hold blocks while they wait. When nothing runs and the
+        head does not fit, or the last running request cannot grow, they would wait for
+        each other forever: the running one would preempt itself, be admitted again with
+        the same chunk, and fail to grow again. Their KV stays cached in the pool, so
+        they find it again as a local hit.
         """
         released = False
-        for request in list(self.waiting)[1:]:
+        for request in requests:
             if any(request.block_tables):
                 self._free_blocks(request)
                 request.num_computed_tokens = 0
