@@ -1,0 +1,133 @@
+"""Eviction and admission policies: the mechanics docs/policies.md describes, one by one.
+
+Each test pins down one rule of a policy (how ARC's target `p` moves, which ghost goes,
+S-3FIFO's second chance, ...) that the end-to-end hit-ratio checks do not tell apart.
+"""
+
+from __future__ import annotations
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.keys import Key, make_key
+from kvtier.core.policies import ARCPolicy, EvictionPolicy, S3FIFOPolicy
+
+
+def key(i: int) -> Key:
+    return make_key(i.to_bytes(8, "little"), 0)
+
+
+def store(pool: BlockPool, policy: EvictionPolicy, k: Key) -> int:
+    """Store `k` the way a tier does: allocate, register, note, free."""
+    (block_id,) = pool.allocate(1)
+    pool.insert_key(k, block_id, 16)
+    policy.note_key(block_id, k)
+    pool.free([block_id])
+    return block_id
+
+
+def hit(pool: BlockPool, k: Key) -> None:
+    block_id = pool.cached_block(k)
+    assert block_id is not None, "expected a hit"
+    pool.touch([block_id])
+    pool.free([block_id])
+
+
+def cached(pool: BlockPool, k: Key) -> bool:
+    return pool.cached_block(k) is not None
+
+
+# ----------------------------------------------------------------- ARC
+
+
+def arc_with_p_one() -> tuple[ARCPolicy, BlockPool, Key]:
+    """Return an ARC pool (4 blocks) whose `p` is 1 and whose B2 holds key 0."""
+    policy = ARCPolicy(5)
+    pool = BlockPool(5, free_queue=policy)
+    for i in range(4):  # four blocks hit once: T2 holds them all
+        store(pool, policy, key(i))
+        hit(pool, key(i))
+    store(pool, policy, key(10))  # T1 is empty: the victim comes from T2 (key 0 -> B2)
+    store(pool, policy, key(11))  # T1 holds key 10 > p = 0: key 10 -> B1
+    assert not cached(pool, key(0))
+    assert not cached(pool, key(10))
+    store(pool, policy, key(10))  # a B1 ghost: T1 was too small, p grows
+    assert policy.target_t1 == 1.0
+    return policy, pool, key(0)
+
+
+def test_arc_b1_ghost_hit_grows_p_and_the_block_joins_t2() -> None:
+    """A key re-stored from B1 goes to T2's MRU end (iterated after T1 and older T2 blocks)."""
+    policy, pool, _ = arc_with_p_one()
+    block_id = pool.cached_block(key(10))
+    order = list(pool.iter_free_after(None))
+    assert order[-1] == block_id, "a B1 ghost hit must join T2, not T1"
+    policy.check_invariants()
+
+
+def test_arc_b2_ghost_hit_shrinks_p() -> None:
+    """A key re-stored from B2 means T2 was too small: `p` drops (here from 1 to 0)."""
+    policy, pool, in_b2 = arc_with_p_one()
+    store(pool, policy, in_b2)
+    assert policy.target_t1 == 0.0
+    policy.check_invariants()
+
+
+def test_arc_trims_its_ghosts_to_the_pool_size_at_each_store_oldest_first() -> None:
+    """After a store the ghost directory holds at most as many keys as usable blocks, and
+    the keys it forgot are the oldest evicted ones (the newest ghost still steers `p`)."""
+    policy = ARCPolicy(5)  # 4 usable blocks
+    pool = BlockPool(5, free_queue=policy)
+    for i in range(12):  # a scan: keys 0..7 are evicted from T1 into B1
+        store(pool, policy, key(i))
+        assert len(policy._b1) + len(policy._b2) <= 4, i
+    assert list(policy._b1) == [key(4), key(5), key(6), key(7)]
+    store(pool, policy, key(7))  # the newest ghost: a B1 hit
+    assert policy.target_t1 == 1.0
+    store(pool, policy, key(0))  # long forgotten: no ghost hit
+    assert policy.target_t1 == 1.0
+    policy.check_invariants()
+
+
+# ----------------------------------------------------------------- S3-FIFO
+
+
+def test_s3fifo_a_block_hit_in_main_gets_one_more_round() -> None:
+    """A block hit while in M has its frequency bit set: at M's head it goes back to the
+    tail (bit cleared) instead of being evicted, so a block freed after it goes first."""
+    policy = S3FIFOPolicy(7)  # 6 usable blocks, S holds 1
+    pool = BlockPool(7, free_queue=policy)
+    for i in range(4):  # hit in S: all four move to M, in order
+        store(pool, policy, key(i))
+        hit(pool, key(i))
+    hit(pool, key(0))  # a hit in M: M's tail, frequency bit set
+    store(pool, policy, key(4))
+    hit(pool, key(4))  # M: keys 1, 2, 3, 0 (bit set), 4
+    pool.allocate(5)  # the unhashed block, then M's victims: 1, 2, 3, and 4 (0 gets a round)
+    assert [cached(pool, key(i)) for i in range(5)] == [True, False, False, False, False]
+    policy.check_invariants()
+
+
+def test_s3fifo_ghost_holds_as_many_keys_as_main_can_oldest_forgotten() -> None:
+    """G remembers S's evictions, at most as many as M can hold (usable blocks - S's
+    share), trimmed at each store: the oldest evicted keys are forgotten first."""
+    policy = S3FIFOPolicy(11)  # 10 usable blocks: S's share 1, M (and G) 9
+    pool = BlockPool(11, free_queue=policy)
+    for i in range(30):  # a scan: keys 0..19 are evicted from S
+        store(pool, policy, key(i))
+        assert len(policy._ghost) <= 9, i
+    assert list(policy._ghost) == [key(i) for i in range(11, 20)]
+    policy.check_invariants()
+
+
+def test_s3fifo_small_fifo_is_a_tenth_of_the_pool() -> None:
+    """S's share is 10 % of the usable blocks: with 20 blocks, S holding 2 is at its
+    share, so a store evicts S's head and not M's."""
+    policy = S3FIFOPolicy(21)
+    pool = BlockPool(21, free_queue=policy)
+    for i in range(18):  # 18 blocks in M
+        store(pool, policy, key(i))
+        hit(pool, key(i))
+    store(pool, policy, key(100))
+    store(pool, policy, key(101))  # S: keys 100, 101; the pool is full
+    store(pool, policy, key(102))
+    assert [cached(pool, key(0)), cached(pool, key(100))] == [True, False]
+    policy.check_invariants()
