@@ -7,11 +7,14 @@ after `shutdown()` the engine kept serving (offload off) or failed deep in the w
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from random_workloads import with_watchdog
 
 from kvtier.engine.config import ModelConfig
@@ -216,3 +219,27 @@ def test_requests_back_from_a_load_give_their_blocks_to_a_request_that_must_grow
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in reference]
     assert_idle(llm)
     llm.shutdown()
+
+
+def test_kept_logits_of_stepped_requests_are_theirs_and_go_with_them() -> None:
+    """With `keep_logits`, requests run by `add_request` + `step` hold their own logits.
+
+    One row per output token, equal to what `generate` returns for the same prompt; the
+    engine keeps no reference, so a dropped request's logits are freed (they used to
+    stay in the engine forever, out of the user's reach).
+    """
+    engine = EngineConfig(num_gpu_blocks=16, block_size=4, keep_logits=True)
+    llm = LLM(None, engine=engine)
+    prompts = chat_prompts(2, 9)
+    expected = [o.logits for o in LLM(None, engine=engine).generate(prompts, PARAMS)]
+    requests = [llm.add_request(prompt, PARAMS) for prompt in prompts]
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    for request, logits in zip(requests, expected, strict=True):
+        assert logits is not None
+        assert len(request.kept_logits) == len(request.output_token_ids)
+        assert torch.equal(torch.stack(request.kept_logits), logits)
+    rows = [weakref.ref(row) for request in requests for row in request.kept_logits]
+    del requests, request
+    gc.collect()
+    assert all(row() is None for row in rows)

@@ -122,7 +122,6 @@ class LLM:
             self.pool.num_usable_blocks,
         )
         self._next_id = 0
-        self._logits: dict[str, list[torch.Tensor]] = {}
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ API
@@ -293,7 +292,6 @@ class LLM:
 
     def _abort(self, request: Request) -> None:
         self.scheduler.abort(request)
-        self._logits.pop(request.request_id, None)
 
     def _progress_mark(self) -> tuple[int, ...]:
         """Return counters that change whenever a step does anything."""
@@ -355,14 +353,13 @@ class LLM:
         for index, work in enumerate(step.work):
             sampled.append(by_row.get(index))
             if index in by_row and self.engine_config.keep_logits:
-                row = logits[index].detach().float().cpu()
-                self._logits.setdefault(work.request.request_id, []).append(row)
+                work.request.kept_logits.append(logits[index].detach().float().cpu())
         return sampled
 
     def _output(self, request: Request) -> RequestOutput:
         self.stats.num_local_hit_tokens += request.num_local_tokens_total
         self.stats.num_external_hit_tokens += request.num_external_tokens_total
-        rows = self._logits.pop(request.request_id, None)
+        rows = request.kept_logits
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=tuple(request.prompt_token_ids),
@@ -372,7 +369,7 @@ class LLM:
             tpot_s=request.tpot or 0.0,
             num_local_hit_tokens=request.num_local_tokens_total,
             num_external_hit_tokens=request.num_external_tokens_total,
-            logits=None if rows is None else torch.stack(rows),
+            logits=torch.stack(rows) if rows else None,
         )
 
 

@@ -30,7 +30,9 @@ class Request:
 
     `num_computed_tokens` counts tokens whose KV is in the GPU cache (or is being loaded
     into it). `block_tables[g]` is the request's block table in KV group g; positions a
-    sliding-window group no longer needs hold the null block.
+    sliding-window group no longer needs hold the null block. `kept_logits` holds, when
+    `EngineConfig.keep_logits` is set, the float32 logits row each output token was
+    sampled from (kept on the request, so they go when it goes).
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class Request:
     finish_reason: FinishReason | None = None
     needs_full_table: bool = True
     skip_external: bool = False  # a tier load failed: recompute instead
+    kept_logits: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.hasher.extend(self.prompt_token_ids)
