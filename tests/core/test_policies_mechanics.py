@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
-from kvtier.core.policies import ARCPolicy, EvictionPolicy, S3FIFOPolicy
+from kvtier.core.policies import (
+    ARCPolicy,
+    DoorkeeperAdmission,
+    DuelingPolicy,
+    EvictionPolicy,
+    S3FIFOPolicy,
+)
 
 
 def key(i: int) -> Key:
@@ -29,6 +35,14 @@ def hit(pool: BlockPool, k: Key) -> None:
     assert block_id is not None, "expected a hit"
     pool.touch([block_id])
     pool.free([block_id])
+
+
+def access(pool: BlockPool, policy: EvictionPolicy, k: Key) -> None:
+    """Hit `k` if the pool holds it, else store it."""
+    if cached(pool, k):
+        hit(pool, k)
+    else:
+        store(pool, policy, k)
 
 
 def cached(pool: BlockPool, k: Key) -> bool:
@@ -130,4 +144,59 @@ def test_s3fifo_small_fifo_is_a_tenth_of_the_pool() -> None:
     store(pool, policy, key(101))  # S: keys 100, 101; the pool is full
     store(pool, policy, key(102))
     assert [cached(pool, key(0)), cached(pool, key(100))] == [True, False]
+    policy.check_invariants()
+
+
+# ----------------------------------------------------------------- door
+
+
+def test_door_remembers_a_first_sighting_for_two_generations_of_twice_the_pool() -> None:
+    """`door`'s Bloom generation is 2 x the usable blocks: with 4 blocks a key offered
+    once is still known after 7 other offers (one generation of 8), and forgotten after
+    16 (two generations)."""
+    admission = DoorkeeperAdmission(5)
+    assert not admission.admit(key(1))
+    for i in range(100, 107):
+        assert not admission.admit(key(i))
+    assert admission.admit(key(1)), "forgotten within one generation of 2 x 4 offers"
+    admission = DoorkeeperAdmission(5)
+    admission.admit(key(1))
+    for i in range(100, 116):
+        admission.admit(key(i))
+    assert not admission.admit(key(1))
+    admission.check_invariants()
+
+
+# ----------------------------------------------------------------- duel
+
+
+def test_duel_falls_back_to_lru_when_frequency_stops_paying() -> None:
+    """Once in LFU-DA order, the duel returns to LRU order when the LRU shadow leads:
+    here short-lived working sets (6 new keys, each used twice) after a hot phase whose
+    keys are never used again."""
+    policy = DuelingPolicy(9)  # 8 usable blocks
+    pool = BlockPool(9, free_queue=policy)
+    for r in range(40):  # 4 hot keys, then 5 fresh ones: LFU-DA wins (as in test_policies)
+        for k in [key(i) for i in range(4)] + [key(100 + 5 * r + i) for i in range(5)]:
+            access(pool, policy, k)
+    assert policy.lfu_order
+    for phase in range(10):
+        working_set = [key(10_000 + 8 * phase + i) for i in range(6)]
+        for k in working_set + working_set:
+            access(pool, policy, k)
+    assert not policy.lfu_order, "the duel never went back to LRU order"
+    policy.check_invariants()
+
+
+def test_duel_shadows_replay_hits_and_halve_their_counts_at_each_decision() -> None:
+    """Both shadows see every access of the tier, hits included (not only stores), and
+    their hit counts are halved after each decision (every shadow-size accesses)."""
+    policy = DuelingPolicy(9)  # 8 usable blocks: no sampling, shadows of 8, a window of 8
+    pool = BlockPool(9, free_queue=policy)
+    store(pool, policy, key(1))
+    for _ in range(6):
+        hit(pool, key(1))
+    assert (policy._shadow_lru.hits, policy._shadow_lfu.hits) == (6, 6)
+    hit(pool, key(1))  # the 8th access: a decision (a tie), then both counts halve
+    assert (policy._shadow_lru.hits, policy._shadow_lfu.hits) == (3.5, 3.5)
     policy.check_invariants()
