@@ -200,3 +200,25 @@ def test_duel_shadows_replay_hits_and_halve_their_counts_at_each_decision() -> N
     hit(pool, key(1))  # the 8th access: a decision (a tie), then both counts halve
     assert (policy._shadow_lru.hits, policy._shadow_lfu.hits) == (3.5, 3.5)
     policy.check_invariants()
+
+
+def test_duel_switches_only_on_a_lead_of_more_than_half_a_standard_deviation() -> None:
+    """z = 0.5: at a decision the LFU-DA shadow must lead by more than
+    0.5 * sqrt(hits_lru + hits_lfu); a lead of 1 in 19 hits is noise, 4 in 22 is not."""
+    for lfu_hits, switches in ((10.0, False), (13.0, True)):
+        policy = DuelingPolicy(9)  # decisions every 8 accesses
+        pool = BlockPool(9, free_queue=policy)
+        policy._shadow_lru.hits, policy._shadow_lfu.hits = 9.0, lfu_hits
+        for i in range(8):  # fresh keys: no shadow hits, one decision
+            store(pool, policy, key(i))
+        assert policy.lfu_order is switches, lfu_hits
+
+
+def test_duel_samples_the_shadows_above_4096_blocks() -> None:
+    """A tier of more than 4,096 blocks feeds its shadows one key in `capacity / 4096`
+    (here 2), chosen by key hash."""
+    policy = DuelingPolicy(8193)
+    pool = BlockPool(8193, free_queue=policy)
+    for i in range(200):
+        store(pool, policy, key(i))
+    assert 60 < policy._sampled < 140
