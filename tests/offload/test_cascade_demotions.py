@@ -1,0 +1,134 @@
+"""`Cascade` on its own (offload/cascade.py): which CPU blocks it demotes, how it keeps the
+disk's order, and what a finished demotion leaves in each tier (docs/vllm.md "CPU and
+disk together"; the cascade model of docs/policies.md; SPEC §4 tail-first release)."""
+
+from __future__ import annotations
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.keys import Key, make_key
+from kvtier.offload.cascade import Cascade
+from kvtier.offload.config import CascadeMode
+
+WT, WB = CascadeMode.WRITE_THROUGH, CascadeMode.WRITE_BACK
+
+
+def key(i: int) -> Key:
+    return make_key(i.to_bytes(8, "little"), 0)
+
+
+def cache(pool: BlockPool, keys: list[Key]) -> list[int]:
+    """Store one block per key and free them in order (the first is the next victim)."""
+    block_ids = pool.allocate(len(keys))
+    for k, block_id in zip(keys, block_ids, strict=True):
+        pool.insert_key(k, block_id, 16)
+    pool.free(block_ids)
+    return block_ids
+
+
+def free_keys(pool: BlockPool) -> list[Key | None]:
+    """The free blocks' keys in eviction order (None: an unhashed block)."""
+    return [pool.key(b) for b in pool.iter_free_after(None)]
+
+
+def make(mode: CascadeMode, reserve: int = 2) -> tuple[BlockPool, BlockPool, Cascade]:
+    cpu, disk = BlockPool(9), BlockPool(9)
+    return cpu, disk, Cascade(cpu, disk, mode, reserve)
+
+
+def finish(cascade: Cascade) -> list[Key]:
+    """Complete every queued demotion successfully; return their keys."""
+    items = cascade.take_queued()
+    cascade.complete(items, succeeded=True, abandoned=False)
+    return [item.key for item in items]
+
+
+def test_write_back_demotes_exactly_the_next_reserve_victims() -> None:
+    """Write-back copies the cached blocks among the CPU's next `reserve` victims, no more
+    and no fewer, in victim order; once on disk they leave the CPU tier. (Unhashed free
+    blocks, reused first, count among the victims: here the CPU tier has none.)"""
+    cpu, disk, cascade = make(WB, reserve=3)
+    cache(cpu, [key(i) for i in range(8)])
+    cascade.select_write_back()
+    assert finish(cascade) == [key(0), key(1), key(2)]
+    assert [disk.cached_block(key(i)) is not None for i in range(8)] == [True] * 3 + [False] * 5
+    assert [cpu.cached_block(key(i)) is not None for i in range(8)] == [False] * 3 + [True] * 5
+    assert cascade.take_counters().num_demoted_blocks == 3
+    cpu.check_invariants()
+    disk.check_invariants()
+
+
+def test_write_back_keeps_the_cpu_copy_of_a_block_in_use_when_its_demotion_lands() -> None:
+    """A demoted block someone pinned meanwhile (a load) keeps its CPU copy."""
+    cpu, _, cascade = make(WB, reserve=1)
+    block_id = cache(cpu, [key(i) for i in range(8)])[0]
+    cascade.select_write_back()
+    items = cascade.take_queued()
+    assert [item.key for item in items] == [key(0)]
+    cpu.touch([block_id])  # a lookup pins it while the copy is in flight
+    cascade.complete(items, succeeded=True, abandoned=False)
+    assert cpu.cached_block(key(0)) == block_id
+    cpu.free([block_id])
+    cpu.check_invariants()
+
+
+def test_a_key_whose_demotion_is_in_flight_is_not_demoted_again() -> None:
+    """Write-through: a block reported stored twice before its copy lands moves once."""
+    cpu, disk, cascade = make(WT)
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(key(0), block_id, 16)
+    cascade.after_stores([block_id])
+    cascade.after_stores([block_id])
+    assert [item.key for item in cascade.take_queued()] == [key(0)]
+    assert disk.num_free() == disk.num_usable_blocks - 1
+
+
+def test_a_demotion_registers_every_key_of_the_block_on_disk() -> None:
+    """Secondary keys (other KV groups' views of the block) go to disk with the primary."""
+    cpu, disk, cascade = make(WT)
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(key(0), block_id, 16)
+    cpu.insert_key(key(1), block_id, 16)
+    cascade.after_stores([block_id])
+    finish(cascade)
+    assert disk.cached_block(key(0)) is not None
+    assert disk.cached_block(key(0)) == disk.cached_block(key(1))
+
+
+def test_write_through_cpu_hits_refresh_the_disk_copies_tail_first() -> None:
+    """A CPU load moves the blocks' disk copies to the disk's MRU end, last position
+    first, so the disk keeps what the CPU keeps hot and evicts a prefix's tail first."""
+    cpu, disk, cascade = make(WT)
+    keys = [key(i) for i in range(4)]
+    cpu_ids = cache(cpu, keys)
+    cache(disk, keys)
+    cascade.after_cpu_loads(cpu_ids[:2])  # a request hit keys 0 and 1 in the CPU
+    assert free_keys(disk)[-4:] == [key(2), key(3), key(1), key(0)]
+    assert cascade.take_queued() == []
+
+
+def test_write_through_store_of_a_key_on_disk_refreshes_the_copy_and_moves_nothing() -> None:
+    """A block stored into the CPU that the disk already holds (a promotion) is not
+    copied again; its disk copy becomes most recently used."""
+    cpu, disk, cascade = make(WT)
+    cache(disk, [key(0), key(1)])
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(key(0), block_id, 16)
+    cascade.after_stores([block_id])
+    assert cascade.take_queued() == []
+    assert free_keys(disk)[-2:] == [key(1), key(0)]
+
+
+def test_a_demotion_whose_cpu_copy_was_discarded_meanwhile_registers_nothing() -> None:
+    """A failed load drops the CPU copy's keys while its demotion is in flight: the bytes
+    read are suspect, so the disk copy is not registered (lost, never corrupt)."""
+    cpu, disk, cascade = make(WT)
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(key(0), block_id, 16)
+    cascade.after_stores([block_id])
+    cpu.discard_keys(block_id)
+    finish(cascade)
+    assert disk.cached_block(key(0)) is None
+    assert disk.num_free() == disk.num_usable_blocks
+    cpu.free([block_id])
+    cpu.check_invariants()
+    disk.check_invariants()
