@@ -132,3 +132,41 @@ def test_a_demotion_whose_cpu_copy_was_discarded_meanwhile_registers_nothing() -
     cpu.free([block_id])
     cpu.check_invariants()
     disk.check_invariants()
+
+
+def test_a_finished_demotion_frees_the_disk_copies_tail_first() -> None:
+    """A request's blocks, demoted together in position order, enter the disk's order
+    last position first (SPEC §4): the root is the most recently used."""
+    cpu, disk, cascade = make(WT)
+    block_ids = cpu.allocate(2)
+    for i, block_id in enumerate(block_ids):
+        cpu.insert_key(key(i), block_id, 16)
+    cascade.after_stores(block_ids)
+    assert finish(cascade) == [key(0), key(1)]
+    assert free_keys(disk)[-2:] == [key(1), key(0)]
+
+
+def test_no_free_disk_slot_drops_the_demotion_and_counts_it() -> None:
+    """With every disk block pinned, a demotion is dropped (counted), nothing allocated."""
+    cpu, disk, cascade = make(WT)
+    pinned = disk.allocate(disk.num_usable_blocks)
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(key(0), block_id, 16)
+    cascade.after_stores([block_id])
+    assert cascade.take_queued() == []
+    assert cascade.take_counters().num_dropped_demotions == 1
+    disk.free(pinned)
+    cpu.free([block_id])
+    cpu.check_invariants()
+
+
+def test_a_failed_demotion_can_be_tried_again() -> None:
+    """A finished (here failed) demotion forgets its key: the next store copies it again."""
+    cpu, _, cascade = make(WT)
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(key(0), block_id, 16)
+    cascade.after_stores([block_id])
+    cascade.complete(cascade.take_queued(), succeeded=False, abandoned=False)
+    assert cascade.take_counters().num_failed_demotions == 1
+    cascade.after_stores([block_id])
+    assert [item.key for item in cascade.take_queued()] == [key(0)]
