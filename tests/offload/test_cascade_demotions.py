@@ -170,3 +170,16 @@ def test_a_failed_demotion_can_be_tried_again() -> None:
     assert cascade.take_counters().num_failed_demotions == 1
     cascade.after_stores([block_id])
     assert [item.key for item in cascade.take_queued()] == [key(0)]
+
+
+def test_write_through_selects_no_victims() -> None:
+    """Victim selection is write-back's: under write-through it neither demotes nor
+    refreshes the disk copies of the CPU's next victims."""
+    cpu, disk, cascade = make(WT)
+    keys = [key(i) for i in range(8)]
+    cache(cpu, keys)
+    cache(disk, keys)  # the CPU victims (keys 0, 1) are the disk's too
+    before = free_keys(disk)
+    cascade.select_write_back()
+    assert cascade.take_queued() == []
+    assert free_keys(disk) == before
