@@ -157,6 +157,16 @@ def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
     assert "loaded_blocks=12" in lines[0]
 
 
+def test_stats_aggregate_adds_counters_and_takes_the_newest_gauges() -> None:
+    first = KVTierConnector.build_kv_connector_stats(
+        {"counters": {"loaded_blocks": 3, "hit_tokens": 48}, "gauges": {"tier_blocks_in_use": 5}}
+    )
+    second = {"counters": {"loaded_blocks": 2}, "gauges": {"tier_blocks_in_use": 1}}
+    total = first.aggregate(KVTierConnector.build_kv_connector_stats(second))
+    assert total.reduce() == {"loaded_blocks": 5, "hit_tokens": 48, "tier_blocks_in_use": 1}
+    assert second["counters"] == {"loaded_blocks": 2}
+
+
 def test_connector_stats_are_none_until_something_changes() -> None:
     """A quiet step returns no stats; the next count or gauge change is reported in full."""
     harness, payloads = collect_stats()
@@ -174,6 +184,21 @@ def test_connector_stats_are_none_until_something_changes() -> None:
     assert flat["hit_tokens"] == 48  # the prefix, served from the tier again
     assert flat["tier_blocks_in_use"] == 0
     assert connector.get_kv_connector_stats() is None
+
+
+def test_a_gauge_only_change_is_reported() -> None:
+    """A lookup pins tier blocks: no counter moves, but the in-use gauge must."""
+    harness, _ = collect_stats()
+    connector = harness.scheduler.connector
+    assert connector.get_kv_connector_stats() is None
+    assert harness.scheduler.reset_prefix_cache()
+    harness.add_request("late", [*PROMPTS["req-0"], 7], max_tokens=3)
+    assert connector.get_num_new_matched_tokens(harness.requests["late"], 0) == (48, True)
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None
+    assert stats.data["counters"] == {}
+    assert stats.data["gauges"]["tier_blocks_in_use"] == 3
+    drain_collecting_stats(harness)
 
 
 def test_prometheus_metrics_build_and_observe() -> None:
@@ -209,23 +234,45 @@ def test_prometheus_metrics_build_and_observe() -> None:
     assert all(name.startswith("kvtier:") for name in names)
 
 
-def test_every_cascade_counter_reaches_the_payload() -> None:
-    """Demotions copied, failed, dropped (no disk slot), promotions and losses."""
+def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
+    """Each statistic has its own value, so a counter fed from another one shows."""
     stats = OffloadStats(
+        num_loaded_blocks=6,
+        num_stored_blocks=7,
+        num_failed_loads=8,
+        num_failed_stores=9,
+        num_bytes_loaded=10,
+        num_bytes_stored=11,
+        store_outcomes={"stored": 12},
+        handoff_outcomes={"null": 13},
+        num_tier_blocks_in_use=14,
+        num_blocks_pending_store=15,
         num_demoted_blocks=5,
         num_failed_demotions=1,
         num_dropped_demotions=3,
         num_promoted_blocks=2,
         num_lost_blocks=4,
     )
-    counters = stats_payload(stats, {})["counters"]
-    assert counters == {
+    payload = stats_payload(stats, {"CPU": 16, "DISK": 17})
+    assert payload["counters"] == {
+        "loaded_blocks": 6,
+        "stored_blocks": 7,
+        "failed_loads": 8,
+        "failed_stores": 9,
+        "bytes_loaded": 10,
+        "bytes_stored": 11,
+        "hit_tokens": 33,
+        "store_outcome.stored": 12,
+        "handoff_outcome.null": 13,
+        "tier_hit_tokens.CPU": 16,
+        "tier_hit_tokens.DISK": 17,
         "demoted_blocks": 5,
         "failed_demotions": 1,
         "dropped_demotions": 3,
         "promoted_blocks": 2,
         "lost_blocks": 4,
     }
+    assert payload["gauges"] == {"tier_blocks_in_use": 14, "blocks_pending_store": 15}
 
 
 def test_prometheus_metrics_can_be_built_twice_in_one_process() -> None:
