@@ -7,6 +7,7 @@ blocks on a real engine while the CPU harness still passes (copies there finish 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +19,9 @@ from test_vllm_connector import run_waves
 from vllm_harness import ConnectorWorker, shared_prefix_prompts
 
 from kvtier.adapters.vllm.metadata import KVTierMetadata
+from kvtier.adapters.vllm.scheduler_side import _handoffs
 from kvtier.offload.config import DiskIOMode
+from kvtier.offload.protocols import Handoff, StepInput
 
 
 def test_a_preemption_flushes_every_transfer_before_the_forward() -> None:
@@ -112,3 +115,42 @@ def test_the_worker_role_opens_its_disk_tier_as_configured(tmp_path: Path) -> No
     assert config.disk_io_mode is DiskIOMode.PAGE_CACHE
     assert config.disk_buffer_slots == 3
     assert config.disk_path == str(tmp_path)
+
+
+def test_finished_and_preempted_ids_reach_the_offload_scheduler() -> None:
+    # A lazy store takes hand-offs of untracked requests: only these sets keep it from
+    # reading blocks that a request finished or preempted this step gave up.
+    harness = kvtier_harness(num_gpu_blocks=30, max_num_seqs=8, extra={"store_mode": "lazy"})
+    side = scheduler_side(harness)
+    build_plan, build_metadata = side.offload.build_plan, side.build_metadata
+    steps: list[StepInput] = []
+    seen = {"finished": 0, "preempted": 0}
+
+    def capture(step: StepInput) -> Any:
+        steps.append(step)
+        return build_plan(step)
+
+    def checked(scheduler_output: Any) -> KVTierMetadata:
+        metadata = build_metadata(scheduler_output)
+        step = steps[-1]
+        assert step.finished_request_ids == scheduler_output.finished_req_ids
+        assert step.preempted_request_ids == set(scheduler_output.preempted_req_ids or ())
+        seen["finished"] += len(step.finished_request_ids)
+        seen["preempted"] += len(step.preempted_request_ids)
+        return metadata
+
+    side.offload.build_plan = capture  # type: ignore[method-assign]
+    side.build_metadata = checked  # type: ignore[method-assign]
+    prompts = shared_prefix_prompts(16, prefix_len=64, suffix_len=24, num_prefixes=4)
+    run_waves(harness, prompts, wave=8, max_tokens=48)
+    assert seen["finished"] == len(prompts)
+    assert seen["preempted"] > 0
+
+
+def test_boundary_state_hand_offs_become_kvtier_hand_offs() -> None:
+    offers = {"a": [(1, 7, 64), (2, 9, 64)], "b": [(1, 3, 128)]}
+    output = SimpleNamespace(
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offers)
+    )
+    assert _handoffs(output) == (Handoff("a", 1, 7), Handoff("a", 2, 9), Handoff("b", 1, 3))
+    assert _handoffs(SimpleNamespace(kv_connector_block_state=None)) == ()
