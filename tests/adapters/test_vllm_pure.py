@@ -244,6 +244,10 @@ def test_placement_refuses_what_cannot_be_copied_as_pages() -> None:
     shifted = dict(tensors, l1=tensors["l0"])
     with pytest.raises(PlacementError, match=r"'l1'.*starts at byte 0"):
         placement_block_views(config, shifted, "LBNHC")
+    config.kv_cache_tensors[0].block_stride = 32  # neighbouring blocks' pages would overlap
+    with pytest.raises(PlacementError, match="'l0': page of 64 B exceeds the block stride 32 B"):
+        placement_block_views(config, tensors, "LBNHC")
+    config.kv_cache_tensors[0].block_stride = 64
     config.kv_cache_tensors[0].layer_stride = 10**6
     with pytest.raises(PlacementError, match="outside"):
         placement_block_views(config, tensors, "LBNHC")
