@@ -6,10 +6,11 @@ import random
 import re
 
 import pytest
+from policy_helpers import hit, key, store
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.free_queue import LRUFreeQueue
-from kvtier.core.keys import Key, make_key
+from kvtier.core.keys import Key
 from kvtier.core.policies import (
     ARCPolicy,
     DoorkeeperAdmission,
@@ -21,26 +22,6 @@ from kvtier.core.policies import (
 )
 from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
 from kvtier.core.policies.sketch import CountMinSketch, Doorkeeper
-
-
-def key(i: int) -> Key:
-    return make_key(i.to_bytes(8, "little"), 0)
-
-
-def store(pool: BlockPool, policy: EvictionPolicy, k: Key) -> int:
-    """Store `k` the way a tier does: allocate, register, note, free."""
-    (block_id,) = pool.allocate(1)
-    pool.insert_key(k, block_id, 16)
-    policy.note_key(block_id, k)
-    pool.free([block_id])
-    return block_id
-
-
-def hit(pool: BlockPool, k: Key) -> None:
-    block_id = pool.cached_block(k)
-    assert block_id is not None, "expected a hit"
-    pool.touch([block_id])
-    pool.free([block_id])
 
 
 def cached(pool: BlockPool, keys: list[Key]) -> list[bool]:
