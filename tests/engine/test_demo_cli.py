@@ -73,6 +73,10 @@ def test_demo_runs_every_configuration(
             " exceeds the size of the filesystem",
         ),
         (
+            "--gpu-blocks=1000000000000",
+            "--gpu-blocks=1000000000000: the KV cache needs",
+        ),
+        (
             "--gpu-blocks=24",
             "last turn holds 848 tokens (53 blocks of 16), more than --gpu-blocks=24 can hold"
             " (23 usable blocks): raise --gpu-blocks to at least 54",

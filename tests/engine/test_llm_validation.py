@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.engine import runner as runner_module
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.runner import KVCacheTooLargeError
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.validation import num_peak_blocks
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
@@ -61,6 +63,25 @@ def test_invalid_engine_config_names_the_field(
 ) -> None:
     with pytest.raises(error, match=message):
         EngineConfig(**changes)
+
+
+def test_a_cpu_kv_cache_larger_than_memory_is_refused_before_allocating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU device the "GPU" pool is host memory: one above it names the field.
+
+    The tiny model's tokens take 2 layers x K,V x 2 heads x 16 dims x 4 bytes = 512 B, so
+    64 blocks of 4 tokens need 131072 B; the machine here reports 131071.
+    """
+    monkeypatch.setattr(runner_module, "total_memory_bytes", lambda: 131071)
+    with pytest.raises(
+        KVCacheTooLargeError,
+        match=r"EngineConfig\.num_gpu_blocks=64: the KV cache needs 131072 bytes \(64 blocks x 4 "
+        r"tokens x 512 bytes\), more than this machine's memory .*\(131071 bytes\)",
+    ):
+        LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=64))
+    monkeypatch.setattr(runner_module, "total_memory_bytes", lambda: 131072)
+    LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=64)).shutdown()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -19,6 +19,7 @@ from kvtier.cli.demo_checks import check_options, check_paths, check_positions, 
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.runner import KVCacheTooLargeError
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 
 PIPE_WIDTH = 160  # columns of the table when output is not a terminal
@@ -141,13 +142,16 @@ def _report(exc: ValueError) -> int:
 def _load_engine(model: str | ModelConfig, engine: EngineConfig) -> LLM:
     """Return the warm-up engine (no offload) on `model`, a ModelConfig or --model-dir.
 
-    A checkpoint whose weights cannot be read raises ValueError naming --model-dir.
+    A checkpoint whose weights cannot be read raises ValueError naming --model-dir; a
+    GPU pool this machine's memory cannot hold, one naming --gpu-blocks.
     """
-    if isinstance(model, ModelConfig):
-        return LLM(model, engine=engine)
     try:
         return LLM(model, engine=engine)
+    except KVCacheTooLargeError as exc:
+        raise ValueError(f"--gpu-blocks={exc.num_blocks}: {exc.detail}") from None
     except (OSError, ValueError, SafetensorError) as exc:
+        if isinstance(model, ModelConfig):
+            raise
         raise ValueError(f"--model-dir={model}: {exc}") from None
 
 

@@ -8,11 +8,42 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.engine.config import CacheConfig, LayerGroup
+from kvtier.engine.config import CacheConfig, LayerGroup, ModelConfig
 from kvtier.engine.model import DecoderModel
 from kvtier.engine.paged_attention import AttentionMetadata, first_key_position, kv_cache_shape
+from kvtier.offload.host import total_memory_bytes
 
 logger = logging.getLogger(__name__)
+
+
+class KVCacheTooLargeError(ValueError):
+    """The paged KV cache asked for cannot fit this machine's memory (on the CPU device)."""
+
+    def __init__(self, num_blocks: int, detail: str) -> None:
+        super().__init__(f"EngineConfig.num_gpu_blocks={num_blocks}: {detail}")
+        self.num_blocks = num_blocks
+        self.detail = detail
+
+
+def check_kv_cache_fits(config: ModelConfig, cache: CacheConfig, device: torch.device) -> None:
+    """Raise `KVCacheTooLargeError` when a CPU-device KV cache exceeds this machine's memory.
+
+    On the CPU device the engine's "GPU" pool is host memory: a pool above it would be
+    killed by the kernel while it is zeroed, or fail deep inside torch. A CUDA device
+    reports its own out-of-memory error, naming the device.
+    """
+    if device.type != "cpu":
+        return
+    need = cache.num_blocks * cache.block_size * config.kv_bytes_per_token()
+    memory = total_memory_bytes()
+    if memory is not None and need > memory:
+        raise KVCacheTooLargeError(
+            cache.num_blocks,
+            f"the KV cache needs {need} bytes ({cache.num_blocks} blocks x {cache.block_size} "
+            f"tokens x {config.kv_bytes_per_token()} bytes), more than this machine's memory "
+            f"or its container's limit ({memory} bytes); on the CPU device the GPU pool is "
+            "host memory",
+        )
 
 
 class LogitsSelection(enum.Enum):
@@ -63,6 +94,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.layer_groups: tuple[LayerGroup, ...] = self.config.layer_groups()
         self.device = next(model.parameters()).device
+        check_kv_cache_fits(self.config, cache_config, self.device)
         shape = kv_cache_shape(
             cache_config.num_blocks,
             cache_config.block_size,

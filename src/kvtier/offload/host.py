@@ -18,7 +18,7 @@ def check_host(cpu_bytes: int, disk_bytes: int, disk_path: str | None) -> None:
     """Raise ConfigError naming the key and value when the tiers cannot fit this machine;
     create a missing `disk_path` directory (see `OffloadConfig.prepare_host`)."""
     if cpu_bytes > 0:
-        memory = _total_memory_bytes()
+        memory = total_memory_bytes()
         if memory is not None and cpu_bytes > memory:
             raise ConfigError(
                 f"cpu_bytes={cpu_bytes} exceeds this machine's memory, or its "
@@ -41,7 +41,7 @@ CGROUP_MEMORY_LIMITS = (
 )
 
 
-def _total_memory_bytes() -> int | None:
+def total_memory_bytes() -> int | None:
     """Return the memory this process may use: the machine's, or its container's limit.
 
     None where the OS does not say. A budget above a container's limit would not fail
