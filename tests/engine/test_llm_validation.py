@@ -84,6 +84,15 @@ def test_a_cpu_kv_cache_larger_than_memory_is_refused_before_allocating(
     LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=64)).shutdown()
 
 
+def test_a_cuda_device_index_beyond_the_machine_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cuda:5` on a machine with 2 GPUs names the field instead of failing in torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"device='cuda:5', but this machine has 2 CUDA device"):
+        EngineConfig(device="cuda:5")
+    assert EngineConfig(device="cuda:1").device == "cuda:1"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_device_without_cuda_is_refused() -> None:
     with pytest.raises(ValueError, match=r"EngineConfig\.device='cuda', but CUDA is not available"):

@@ -300,3 +300,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device={self.device!r} is not a torch device") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device={self.device!r}, but CUDA is not available")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"EngineConfig.device={self.device!r}, but this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)"
+            )
