@@ -243,3 +243,22 @@ def test_kept_logits_of_stepped_requests_are_theirs_and_go_with_them() -> None:
     del requests, request
     gc.collect()
     assert all(row() is None for row in rows)
+
+
+def test_engine_hit_counters_count_stepped_requests_as_generated_ones() -> None:
+    """`EngineStats` hit tokens count requests finished by `step` as well as `generate`.
+
+    The same shared-prefix prompt runs twice on each engine, the second time hitting
+    the first's GPU blocks; `add_request` + `step` used to count no hit at all.
+    """
+    prompts = [[*range(12), 40], [*range(12), 41]]
+    engine = EngineConfig(num_gpu_blocks=16, block_size=4)
+    generated = LLM(None, engine=engine)
+    outputs = [generated.generate([prompt], PARAMS)[0] for prompt in prompts]
+    stepped = LLM(None, engine=engine)
+    for prompt in prompts:
+        stepped.add_request(prompt, PARAMS)
+        while stepped.scheduler.has_unfinished():
+            stepped.step()
+    assert outputs[1].num_local_hit_tokens == 12
+    assert stepped.stats.num_local_hit_tokens == generated.stats.num_local_hit_tokens == 12

@@ -57,7 +57,10 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class EngineStats:
-    """Counters since the engine started; transfer totals are in `LLM.offload.totals`."""
+    """Counters since the engine started; transfer totals are in `LLM.offload.totals`.
+
+    Hit tokens are those of finished requests (`generate`'s and `step`'s alike).
+    """
 
     num_steps: int = 0
     num_preemptions: int = 0
@@ -208,6 +211,9 @@ class LLM:
             for work in step.work:
                 self._abort(work.request)
             raise
+        for request in finished:  # `generate`'s requests and `add_request`'s alike
+            self.stats.num_local_hit_tokens += request.num_local_tokens_total
+            self.stats.num_external_hit_tokens += request.num_external_tokens_total
         if self.offload is not None:
             self.offload.finish_step(finished)
             self.scheduler.apply_offload(self.offload.poll())
@@ -357,8 +363,6 @@ class LLM:
         return sampled
 
     def _output(self, request: Request) -> RequestOutput:
-        self.stats.num_local_hit_tokens += request.num_local_tokens_total
-        self.stats.num_external_hit_tokens += request.num_external_tokens_total
         rows = request.kept_logits
         return RequestOutput(
             request_id=request.request_id,
