@@ -157,6 +157,22 @@ def test_policy_errors_say_what_exists(
         assert part in err
 
 
+@pytest.mark.parametrize(
+    "outputs", [["--sweep", "--out", "{tmp}/sweep"], ["--json", "{tmp}/r.json"]]
+)
+def test_belady_asked_for_with_a_cascade_is_an_error_with_sweep_or_json_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], outputs: list[str]
+) -> None:
+    """--sweep and --json drop belady from their reference lines under --cascade; one the
+    user asked for was dropped with them, silently, instead of being refused."""
+    options = ["--capacity", "80", "--disk", "160", "--cascade", "write_back"]
+    options += ["--policy", "belady", *(o.format(tmp=tmp_path) for o in outputs)]
+    assert replay(tmp_path, *options) == 2
+    assert_error_before_the_run(capsys, "'belady'", "online policies only")
+    assert not (tmp_path / "sweep").exists()
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_a_request_larger_than_the_gpu_names_its_line_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

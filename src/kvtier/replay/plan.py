@@ -84,6 +84,8 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     """
     base = build_config(args)
     policies = list(dict.fromkeys(args.policy or [LRU]))
+    for policy in policies:  # what was asked for, before the reference lines replace it
+        dataclasses.replace(base, policy=policy)
     capacities = list(dict.fromkeys(args.capacity or [1_000_000]))
     if args.sweep and not args.capacity:
         capacities = list(DEFAULT_SWEEP_TOKENS)
@@ -93,8 +95,6 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     for capacity in capacities:  # validate every configuration before the long run
         first = TierConfig("CPU", capacity, args.cpu_link_gbps)
         dataclasses.replace(base, tiers=(first, *base.tiers[1:]))
-    for policy in policies:
-        dataclasses.replace(base, policy=policy)
     out = Path(args.out or DEFAULT_OUT) if args.sweep else None
     outputs: list[tuple[str, Path]] = []
     if out is not None:
