@@ -116,13 +116,10 @@ def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
     [
         (["--out", "somewhere"], ["--out", "--sweep"]),
         (["--disk-link-gbps", "3"], ["--disk-link-gbps", "--disk-capacity"]),
-        (["--capacity", "0"], ["capacity must be > 0 tokens, got 0"]),
-        (
-            ["--prefill-tokens-per-s", "inf"],
-            ["prefill_tokens_per_s must be > 0 and finite, got inf"],
-        ),
-        (["--cpu-link-gbps", "inf"], ["link_gbps must be > 0 and finite, got inf"]),
-        (["--prefill-tokens-per-s", "nan"], ["prefill_tokens_per_s", "got nan"]),
+        (["--capacity", "0"], ["--capacity 0 holds no 8-token block (--block-size 8)"]),
+        (["--capacity", "1M", "--capacity", "7"], ["--capacity 7 holds no 8-token block"]),
+        (["--disk-capacity", "7"], ["--disk-capacity 7 holds no", "or 0 for none"]),
+        (["--gpu-capacity", "7"], ["--gpu-capacity 7 holds no", "or 0 for none"]),
     ],
 )
 def test_options_that_would_be_ignored_or_are_zero_are_errors(
@@ -130,6 +127,28 @@ def test_options_that_would_be_ignored_or_are_zero_are_errors(
 ) -> None:
     assert replay(tmp_path, *options) == 2
     assert_error_before_the_run(capsys, *parts)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--block-size", "0", "must be > 0, got 0"),
+        ("--bytes-per-token", "-3", "must be > 0, got -3"),
+        ("--bytes-per-token", "1.5", "invalid int value: '1.5'"),
+        ("--prefill-tokens-per-s", "inf", "must be > 0 and finite, got 'inf'"),
+        ("--prefill-tokens-per-s", "nan", "must be > 0 and finite, got 'nan'"),
+        ("--cpu-link-gbps", "0", "must be > 0 and finite, got '0'"),
+        ("--disk-link-gbps", "abc", "invalid number: 'abc'"),
+    ],
+)
+def test_numbers_out_of_range_are_usage_errors_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    """They were reported by the names of the fields they set (block_size, link_gbps)."""
+    with pytest.raises(SystemExit) as exit_info:
+        replay(tmp_path, "--disk", "1M", option, value)
+    assert exit_info.value.code == 2
+    assert f"error: argument {option}: {message}\n" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["0.4", "1.5", "1.0000001M"])

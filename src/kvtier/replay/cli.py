@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -69,6 +70,28 @@ def _policy_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_int(text: str) -> int:
+    """Parse a whole number > 0 (argparse names the option in the error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """Parse a finite number > 0 (argparse names the option in the error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text!r}")
+    return value
+
+
 def _output_path(text: str) -> str:
     """Refuse an empty path: `--json "$UNSET"` would otherwise write nothing, silently."""
     if not text:
@@ -126,7 +149,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--block-size",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help=f"tokens per trace hash block (default {DEFAULT_BLOCK_SIZE})",
     )
@@ -161,25 +184,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     defaults = CostModel()
     parser.add_argument(
         "--prefill-tokens-per-s",
-        type=float,
+        type=_positive_float,
         default=defaults.prefill_tokens_per_s,
         help=f"TTFT model: prefill speed (default {defaults.prefill_tokens_per_s:g})",
     )
     parser.add_argument(
         "--bytes-per-token",
-        type=int,
+        type=_positive_int,
         default=defaults.bytes_per_token,
         help=f"KV bytes per token (default {defaults.bytes_per_token}: Llama-3-8B bf16)",
     )
     parser.add_argument(
         "--cpu-link-gbps",
-        type=float,
+        type=_positive_float,
         default=DEFAULT_LINK_GBPS["CPU"],
         help=f"CPU -> GPU load link in GB/s (default {DEFAULT_LINK_GBPS['CPU']:g})",
     )
     parser.add_argument(
         "--disk-link-gbps",
-        type=float,
+        type=_positive_float,
         help=f"with --disk-capacity: DISK -> GPU load link in GB/s (default "
         f"{DEFAULT_LINK_GBPS['DISK']:g})",
     )

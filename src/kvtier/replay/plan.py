@@ -49,6 +49,7 @@ def build_config(args: argparse.Namespace) -> ReplayConfig:
             "--out is the folder of --sweep's CSV and plot: add --sweep (or write the "
             "results with --json PATH)"
         )
+    _check_capacities(args)
     tiers = [TierConfig("CPU", (args.capacity or [1_000_000])[0], args.cpu_link_gbps)]
     if args.disk_capacity:
         disk_link = args.disk_link_gbps
@@ -63,6 +64,21 @@ def build_config(args: argparse.Namespace) -> ReplayConfig:
         cost=CostModel(args.prefill_tokens_per_s, args.bytes_per_token),
         cascade=CascadeMode(args.cascade) if args.cascade else None,
     )
+
+
+def _check_capacities(args: argparse.Namespace) -> None:
+    """Raise `ReplayError` naming a capacity option too small to hold one block."""
+    block = args.block_size
+    sizes = [("--capacity", tokens) for tokens in args.capacity or []]
+    sizes += [("--disk-capacity", args.disk_capacity), ("--gpu-capacity", args.gpu_capacity)]
+    for option, tokens in sizes:
+        is_none = option != "--capacity" and tokens == 0  # no tier: 0 for the other two
+        if tokens < block and not is_none:
+            none = "" if option == "--capacity" else ", or 0 for none"
+            raise ReplayError(
+                f"{option} {format_tokens(tokens)} holds no {block}-token block "
+                f"(--block-size {block}): give at least {block} tokens{none}"
+            )
 
 
 @dataclass(frozen=True)
