@@ -139,6 +139,18 @@ def test_chat_generator_names_an_output_path_it_cannot_write(
     assert f"error: cannot write {out}: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("option", "value"), [("--conversations", "0"), ("--block-size", "-1")])
+def test_chat_generator_names_the_option_out_of_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    """They were reported by the config fields they set (num_conversations, block_size)."""
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main([str(tmp_path / "chat.jsonl"), option, value])
+    assert exit_info.value.code == 2
+    assert f"error: argument {option}: must be > 0, got {value}\n" in capsys.readouterr().err
+    assert not (tmp_path / "chat.jsonl").exists()
+
+
 def test_largest_64_bit_hash_id_is_accepted_and_keyed(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [{**GOOD, "hash_ids": [0, 2**64 - 1]}])
     records = read_trace(path, 512)

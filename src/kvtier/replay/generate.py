@@ -165,6 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"tokens per hash block (default {defaults.block_size})",
     )
     args = parser.parse_args(argv)
+    for option, value in (
+        ("--conversations", args.conversations),
+        ("--block-size", args.block_size),
+    ):
+        if value <= 0:  # named as the option, not as the config field it sets
+            parser.error(f"argument {option}: must be > 0, got {value}")
     try:
         config = ChatWorkloadConfig(
             seed=args.seed, num_conversations=args.conversations, block_size=args.block_size
