@@ -162,6 +162,21 @@ def test_demo_names_a_bad_path_before_serving(
     assert "serving" not in captured.out
 
 
+@pytest.mark.parametrize("option", ["--out", "--disk-dir", "--model-dir"])
+def test_demo_refuses_an_empty_path(
+    option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: `--out "$UNSET"` served every run and plotted into the current folder,
+    # `--disk-dir ""` put the disk tier there.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_demo(tmp_path, f"{option}=")
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert f"error: argument {option}: expected a path, got an empty string\n" in captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_demo_names_disk_io_for_unaligned_blocks_before_serving(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -44,6 +44,13 @@ _SIZE_OPTIONS = (
 )
 
 
+def _path(text: str) -> str:
+    """Refuse an empty path: `--out "$UNSET"` would plot into the current folder, silently."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def add_parser(subparsers: Any) -> None:
     """Register `kvtier demo`."""
     parser = subparsers.add_parser(
@@ -58,7 +65,9 @@ def add_parser(subparsers: Any) -> None:
             "checks that every configuration produced identical tokens."
         ),
     )
-    parser.add_argument("--model-dir", help="local HF checkpoint dir (default: random demo model)")
+    parser.add_argument(
+        "--model-dir", type=_path, help="local HF checkpoint dir (default: random demo model)"
+    )
     for flag, default, what in _SIZE_OPTIONS:
         parser.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
     parser.add_argument(
@@ -75,14 +84,18 @@ def add_parser(subparsers: Any) -> None:
         help="how CPU blocks reach the disk: write_through (copy every block at once) or "
         "write_back (copy a block when the CPU tier is about to evict it); default %(default)s",
     )
-    parser.add_argument("--disk-dir", help="directory for the disk tier file (default: a temp dir)")
+    parser.add_argument(
+        "--disk-dir", type=_path, help="directory for the disk tier file (default: a temp dir)"
+    )
     parser.add_argument(
         "--disk-io",
         choices=[m.value for m in DiskIOMode],
         default=DiskIOMode.DIRECT.value,
         help="disk tier I/O mode (default direct)",
     )
-    parser.add_argument("--out", default="out", help="folder for the plot (default ./out)")
+    parser.add_argument(
+        "--out", type=_path, default="out", help="folder for the plot (default ./out)"
+    )
     parser.set_defaults(run=run_demo)
 
 
