@@ -353,10 +353,13 @@ def test_on_allocated_without_a_lookup_pin_fails_the_load_in_the_next_report() -
     found = engine.lookup(b)
     assert found.num_offered_tokens == 8
     assert engine.scheduler.reset() is True  # drops the pin (and the tier)
+    assert not engine.scheduler.has_unissued_failures()
     assert engine.allocate(b, found) == Admission(0, 8, 8)
+    assert engine.scheduler.has_unissued_failures()  # engines may skip empty drains until then
     plan = engine.step()
     assert plan.jobs == ()
     assert engine.outcomes[-1].failed_loads == (FailedLoad("b", 0, 8),)
+    assert not engine.scheduler.has_unissued_failures()
     assert "b" not in engine.loading
     assert_all_released(engine)
 

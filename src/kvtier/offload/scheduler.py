@@ -217,6 +217,14 @@ class OffloadScheduler:
         self.loads.note_failed(failed.request_id for failed in outcome.failed_loads)
         return outcome
 
+    def has_unissued_failures(self) -> bool:
+        """Return True when the next `apply_report` returns loads dropped before issue.
+
+        An engine that drains them with an empty report each step can skip the call
+        while this is False (nothing else changes without a report).
+        """
+        return self._book.has_unissued_failures()
+
     # ------------------------------------------------------------------ lifecycle
 
     def on_finished(

@@ -115,6 +115,10 @@ class TransferBook:
         """Queue a load failure that never reached a worker, for the next report."""
         self._unissued_failures.append(failure)
 
+    def has_unissued_failures(self) -> bool:
+        """Return True while failures queued by `fail_unissued` await `take_unissued_failures`."""
+        return bool(self._unissued_failures)
+
     def take_unissued_failures(self) -> list[FailedLoad]:
         """Return and forget the queued failures."""
         failures, self._unissued_failures = self._unissued_failures, []

@@ -181,6 +181,8 @@ class SchedulerSide:
 
     def _take_unissued_failures(self) -> None:
         """Collect loads kvtier dropped before issuing them (an empty report drains them)."""
+        if not self.offload.has_unissued_failures():
+            return  # the common step: skip building an empty report's outcome
         for failed in self.offload.apply_report(_NOTHING_FINISHED).failed_loads:
             logger.warning(
                 "kvtier dropped the load of request %s before issuing it; it will be "
