@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 
-from sim_request import full_layout
+from sim_request import config, full_layout, make_request
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
+from kvtier.offload.config import StoreMode
+from kvtier.offload.protocols import ScheduledRequest, StepInput
+from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.stats import StepCounters
 from kvtier.offload.store_selection import StoreSelector
 
@@ -83,3 +86,36 @@ def test_a_walk_that_selects_every_visited_block_keeps_the_cursor() -> None:
     assert selector.lazy_cursor == b
     selector.select_lazy(2)
     assert selector.counters.store_outcomes == {"stored": 2, "skipped_already_cached": 2}
+
+
+def test_blocks_a_step_allocates_restart_the_walk_once_freed_again() -> None:
+    """The blocks of a step's scheduled requests are noted in use (SPEC §6.6).
+
+    The walk of step 1 leaves its cursor at X; step 2 allocates X to a request and its
+    walk selects every block it visits (so it moves no cursor). X is freed at the MRU end
+    before step 3: the walk must start from the head, not after X, or it skips E and F.
+    """
+    gpu = BlockPool(7)
+    a, x, c, d, e, f = gpu.allocate(6)
+    for i, block_id in enumerate((a, x, c, d, e, f)):
+        gpu.insert_key(key(i), block_id, 4)
+    gpu.free([a, x])
+    layout = full_layout(block_size=4)
+    scheduler = OffloadScheduler(
+        config(store_mode=StoreMode.LAZY, max_batched_tokens=4),  # walks 2 blocks a step
+        SchedulerSetup(layout, num_tier_blocks=16, gpu_pool=gpu),
+    )
+    tier = scheduler.tier_pool
+    for i, block_id in enumerate(tier.allocate(2)):
+        tier.insert_key(key(i), block_id, 4)  # A and X are in the tier already
+    tier.free(range(1, 3))
+    assert scheduler.build_plan(StepInput()).jobs == ()  # step 1 visits A and X
+    gpu.touch([a, x])  # step 2 allocates X to a request (and A to another)
+    gpu.free([c, d])
+    request = make_request("r", range(4))
+    step_2 = StepInput(scheduled=(ScheduledRequest(request, ([x],), 4),))
+    (store,) = scheduler.build_plan(step_2).jobs
+    assert store.src_block_ids == (c, d)
+    gpu.free([e, f, x])  # the request finished; X rejoins at the MRU end
+    (store,) = scheduler.build_plan(StepInput()).jobs
+    assert store.src_block_ids == (e, f)

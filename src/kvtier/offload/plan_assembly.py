@@ -55,8 +55,10 @@ class PlanAssembler:
         if not eager:
             if step.preempted_request_ids:  # its freed blocks may have held the cursor
                 selector.lazy_cursor = None
-            for scheduled in step.scheduled:  # blocks allocated to running requests
-                selector.note_blocks_in_use(scheduled.block_ids)
+            # Blocks allocated to running requests, as one batch.
+            selector.note_blocks_in_use(
+                ([b for scheduled in step.scheduled for ids in scheduled.block_ids for b in ids],)
+            )
             selector.select_lazy(self._lazy_target)
         jobs = []
         stores = selector.take_queued()
