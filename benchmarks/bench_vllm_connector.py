@@ -18,15 +18,17 @@ evicted and come back from the CPU tier (4x the GPU pool, the same for both).
 
 Measured: the time spent inside the connector's scheduler-role methods, each wrapped by
 a timer (lookup, allocation, metadata, output, finish, events, stats, push work, ...),
-per engine step; the ratio kvtier / vLLM per window of steps (median, min-max); and the
-external hit tokens each connector served. Eager and lazy store modes are run as pairs.
-The default clock is this thread's CPU time (the scheduler side is single-threaded
-Python; the machines are shared and busy). Reading it costs microseconds on some VMs,
-so the cost one timed call of a no-op adds (measured at start, the least of 20 batches)
-is subtracted from every call on both sides. The garbage collector is frozen after
-set-up and off while stepping (`--gc on` keeps it on): a collection is paid by whichever
-call happens to allocate, so with two engines in one process its cost would land on
-either connector at random.
+per engine step; the ratio kvtier / vLLM per window of steps (median, min-max); the
+external hit tokens each connector served; and the GPU blocks each chose to store, with
+its connector time per stored block (the modes store different amounts: kvtier's lazy
+walk resumes past blocks already in the tier, vLLM's restarts from the head). Eager and
+lazy store modes are run as pairs. The default clock is this thread's CPU time (the
+scheduler side is single-threaded Python; the machines are shared and busy). Reading it
+costs microseconds on some VMs, so the cost one timed call of a no-op adds (measured at
+start, the least of 20 batches) is subtracted from every call on both sides. The garbage
+collector is frozen after set-up and off while stepping (`--gc on` keeps it on): a
+collection is paid by whichever call happens to allocate, so with two engines in one
+process its cost would land on either connector at random.
 
 Run (the vLLM venv, see mk/vllm.mk):
 `VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -61,6 +63,8 @@ from vllm_harness import (
     connector_worker_factory,
     simple_offload_worker_factory,
 )
+
+from kvtier.offload.plan import Tier
 
 BLOCK_SIZE = 16
 SLOT_BYTES = 2 * 2048  # one block id of the harness model: 2 layers x 2048-byte pages
@@ -142,12 +146,17 @@ def clock_overhead_ns(clock: Callable[[], int]) -> float:
 
 @dataclass
 class Run:
-    """One engine with one connector, instrumented."""
+    """One engine with one connector, instrumented.
+
+    `stored_blocks` counts the GPU blocks the connector chose to copy down (one-element
+    list, added to by `count_stores`' wrapper).
+    """
 
     harness: VllmHarness
     connector: CallTimer
     scheduler: CallTimer
     num_steps: int = 0
+    stored_blocks: list[int] = field(default_factory=lambda: [0])
 
     @property
     def busy(self) -> bool:
@@ -204,7 +213,37 @@ def build(connector: str, mode: str, args: argparse.Namespace) -> Run:
     scheduler_timer = CallTimer(clock, args.clock_overhead_ns)
     connector_timer.wrap(harness.scheduler.connector, SCHEDULER_METHODS)
     scheduler_timer.wrap(harness.scheduler, ("schedule", "update_from_output"))
-    return Run(harness, connector_timer, scheduler_timer)
+    run = Run(harness, connector_timer, scheduler_timer)
+    count_stores(connector, harness.scheduler.connector, run.stored_blocks)
+    return run
+
+
+def count_stores(connector: str, instance: Any, total: list[int]) -> None:
+    """Add the GPU blocks each store selection of `instance` picks to `total[0]`.
+
+    kvtier: the blocks of its plan's GPU -> tier job; vLLM: the GPU ids its manager's
+    `prepare_store_specs` returns. One extra Python call per step on either side.
+    """
+    if connector == "kvtier":
+        offload = instance._scheduler.offload
+        build_plan = offload.build_plan
+
+        def counted_plan(step: Any) -> Any:
+            plan = build_plan(step)
+            total[0] += sum(len(job.src_block_ids) for job in plan.jobs if job.src_tier is Tier.GPU)
+            return plan
+
+        offload.build_plan = counted_plan
+    else:
+        manager = instance.scheduler_manager
+        prepare = manager.prepare_store_specs
+
+        def counted_specs(scheduler_output: Any) -> Any:
+            specs = prepare(scheduler_output)
+            total[0] += len(specs[0])
+            return specs
+
+        manager.prepare_store_specs = counted_specs
 
 
 def run_pair(
@@ -263,6 +302,8 @@ def run_pair(
             "connector_us_per_step_by_method": {
                 m: run.connector.method_ns(m) / run.num_steps / 1e3 for m in SCHEDULER_METHODS
             },
+            "stored_blocks": run.stored_blocks[0],
+            "connector_us_per_stored_block": run.connector.total_ns / run.stored_blocks[0] / 1e3,
             "external_hit_tokens": sum(h.external_hit_tokens(r) for r, _, _ in requests),
             "local_hit_tokens": sum(h.local_hit_tokens(r) for r, _, _ in requests),
         }
@@ -288,7 +329,8 @@ def print_mode(mode: str, reps: list[dict]) -> dict:
     print(f"\n{mode}: {len(reps)} runs, {len(ratios)} windows")
     print(
         f"  {'connector':9} {'µs/step':>9} {'sched µs/step':>13} {'steps':>6}"
-        f" {'external hit tokens':>20} {'local':>8}  top methods µs/step"
+        f" {'stored':>7} {'µs/stored':>9} {'external hit tokens':>20} {'local':>8}"
+        "  top methods µs/step"
     )
     for name in CONNECTORS:
         us = statistics.median(r[name]["connector_us_per_step"] for r in reps)
@@ -298,11 +340,18 @@ def print_mode(mode: str, reps: list[dict]) -> dict:
         ext = statistics.median(r[name]["external_hit_tokens"] for r in reps)
         local = statistics.median(r[name]["local_hit_tokens"] for r in reps)
         steps = statistics.median(r[name]["num_steps"] for r in reps)
+        stored = statistics.median(r[name]["stored_blocks"] for r in reps)
+        per_stored = statistics.median(r[name]["connector_us_per_stored_block"] for r in reps)
         by = reps[0][name]["connector_us_per_step_by_method"]
         top = sorted(by.items(), key=lambda kv: -kv[1])[:3]
         tops = " ".join(f"{m}={v:.0f}" for m, v in top)
-        print(f"  {name:9} {us:9.0f} {sched:13.0f} {steps:6.0f} {ext:20.0f} {local:8.0f}  {tops}")
+        print(
+            f"  {name:9} {us:9.0f} {sched:13.0f} {steps:6.0f} {stored:7.0f} {per_stored:9.1f}"
+            f" {ext:20.0f} {local:8.0f}  {tops}"
+        )
         summary[f"{name}_us_per_step"] = us
+        summary[f"{name}_stored_blocks"] = stored
+        summary[f"{name}_us_per_stored_block"] = per_stored
         summary[f"{name}_external_hit_tokens"] = ext
     w, t = summary["window_ratio"], summary["total_ratio"]
     print(
@@ -365,7 +414,8 @@ def main() -> None:
         parts.append(
             f"{mode} {s['window_ratio']['median']:.2f}x"
             f" (hit tokens kvtier {s['kvtier_external_hit_tokens']:.0f}"
-            f" / vLLM {s['vllm_external_hit_tokens']:.0f})"
+            f" / vLLM {s['vllm_external_hit_tokens']:.0f}; µs per stored block"
+            f" {s['kvtier_us_per_stored_block']:.1f} / {s['vllm_us_per_stored_block']:.1f})"
         )
     line = (
         "bench_vllm_connector: connector time kvtier/vLLM " + ", ".join(parts) + " (target <= 0.5x)"
