@@ -21,14 +21,15 @@ a timer (lookup, allocation, metadata, output, finish, events, stats, push work,
 per engine step; the ratio kvtier / vLLM per window of steps (median, min-max); the
 external hit tokens each connector served; and the GPU blocks each chose to store, with
 its connector time per stored block (the modes store different amounts: kvtier's lazy
-walk resumes past blocks already in the tier, vLLM's restarts from the head). Eager and
-lazy store modes are run as pairs. The default clock is this thread's CPU time (the
-scheduler side is single-threaded Python; the machines are shared and busy). Reading it
-costs microseconds on some VMs, so the cost one timed call of a no-op adds (measured at
-start, the least of 20 batches) is subtracted from every call on both sides. The garbage
-collector is frozen after set-up and off while stepping (`--gc on` keeps it on): a
-collection is paid by whichever call happens to allocate, so with two engines in one
-process its cost would land on either connector at random.
+walk resumes after the last block it visited and did not select, vLLM's after the last
+one it visited, which a completed store has moved to the free queue's MRU end:
+docs/vllm.md). Eager and lazy store modes are run as pairs. The default clock is this
+thread's CPU time (the scheduler side is single-threaded Python; the machines are shared
+and busy). Reading it costs microseconds on some VMs, so the cost one timed call of a
+no-op adds (measured at start, the least of 20 batches) is subtracted from every call on
+both sides. The garbage collector is frozen after set-up and off while stepping (`--gc
+on` keeps it on): a collection is paid by whichever call happens to allocate, so with
+two engines in one process its cost would land on either connector at random.
 
 Run (the vLLM venv, see mk/vllm.mk):
 `VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
