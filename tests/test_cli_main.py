@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli.main import BROKEN_PIPE_STATUS, main
+from kvtier.replay import cli as replay_cli
 
 KVTIER = [sys.executable, "-m", "kvtier.cli.main"]  # what the `kvtier` script runs
 
@@ -77,3 +78,28 @@ def test_main_returns_the_broken_pipe_status(
     trace = write_trace(tmp_path / "trace.jsonl")
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["replay", str(trace), "--quiet"]) == BROKEN_PIPE_STATUS
+
+
+def interrupt(*args: object, **kwargs: object) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("command", ["kvtier", "python -m kvtier.replay"])
+def test_ctrl_c_ends_replay_with_one_line_and_status_130(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    # Regression: Ctrl-C printed a KeyboardInterrupt traceback.
+    trace = write_trace(tmp_path / "trace.jsonl")
+    monkeypatch.setattr(replay_cli, "run_sweep", interrupt)
+    try:
+        if command == "kvtier":
+            status = main(["replay", str(trace), "--quiet"])
+        else:
+            status = replay_cli.main([str(trace), "--quiet"])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped: the user sees a traceback")
+    assert status == 130
+    assert capsys.readouterr().err == "\nkvtier replay: interrupted\n"

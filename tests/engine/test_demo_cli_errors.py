@@ -9,6 +9,7 @@ import pytest
 from engine_helpers import TINY_HF_CONFIG
 from safetensors.torch import save_file
 
+from kvtier.cli import demo
 from kvtier.cli.demo_checks import check_sizes
 from kvtier.cli.main import main
 from kvtier.core.kv_groups import KVLayout
@@ -175,6 +176,23 @@ def test_demo_refuses_an_empty_path(
     captured = capsys.readouterr()
     assert f"error: argument {option}: expected a path, got an empty string\n" in captured.err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_ends_the_demo_with_one_line_and_removes_its_disk_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: Ctrl-C printed a KeyboardInterrupt traceback.
+    def interrupt(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_chat", interrupt)  # Ctrl-C in the warm-up
+    try:
+        status = run_demo(tmp_path)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped: the user sees a traceback")
+    assert status == 130
+    assert capsys.readouterr().err == "\nkvtier demo: interrupted\n"
+    assert list(tmp_path.glob("kvtier-demo-*")) == []
 
 
 def test_demo_names_disk_io_for_unaligned_blocks_before_serving(

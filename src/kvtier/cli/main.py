@@ -14,6 +14,8 @@ from kvtier.replay import cli as replay_cli
 # The status of a command whose reader went away (`kvtier replay t.jsonl | head -1`): what
 # a shell reports for a process killed by SIGPIPE, 128 + 13.
 BROKEN_PIPE_STATUS = 141
+# The status of a command stopped with Ctrl-C: what a shell reports for SIGINT, 128 + 2.
+INTERRUPTED_STATUS = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the `kvtier` command line; return the exit status.
 
     Output piped into a reader that stops early (`| head -1`) ends the command quietly
-    with BROKEN_PIPE_STATUS instead of a BrokenPipeError traceback.
+    with BROKEN_PIPE_STATUS instead of a BrokenPipeError traceback; Ctrl-C ends it with
+    one line and INTERRUPTED_STATUS instead of a KeyboardInterrupt traceback.
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -46,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _discard_stdout()
         return BROKEN_PIPE_STATUS
+    except KeyboardInterrupt:  # temporary folders and engines were closed on the way out
+        print(f"\nkvtier {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
     return status
 
 

@@ -29,6 +29,7 @@ __all__ = ["add_parser", "configure", "format_table", "main", "parse_tokens", "r
 _SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader that went away
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 
 
 def parse_tokens(text: str) -> int:
@@ -361,5 +362,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     configure(parser)
     args = parser.parse_args(argv)
-    status: int = args.run(args)
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
+        print("\nkvtier replay: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return status
