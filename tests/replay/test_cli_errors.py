@@ -192,6 +192,17 @@ def test_belady_asked_for_with_a_cascade_is_an_error_with_sweep_or_json_too(
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.parametrize(("name", "reason"), [("missing.jsonl", "No such file"), ("", "Is a dir")])
+def test_a_trace_that_cannot_be_read_is_named_as_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, reason: str
+) -> None:
+    """It read `[Errno 2] No such file or directory: '...'`, Python's wording."""
+    trace = tmp_path / name
+    assert main([str(trace), "--quiet", "--json", str(tmp_path / "r.json")]) == 2
+    assert_error_before_the_run(capsys, f"error: cannot read the trace {trace}: {reason}")
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_a_request_larger_than_the_gpu_names_its_line_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

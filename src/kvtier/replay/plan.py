@@ -123,7 +123,10 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
             check_file_path("--json", json_path)
         outputs.append(("--json", json_path))
     check_distinct_paths(Path(args.trace), outputs)
-    numbered = read_numbered_trace(args.trace, args.block_size)
+    try:
+        numbered = read_numbered_trace(args.trace, args.block_size)
+    except OSError as exc:  # missing, a directory, no permission
+        raise ReplayError(f"cannot read the trace {args.trace}: {exc.strerror or exc}") from None
     if base.gpu_capacity_tokens:
         _check_gpu_fits(args, numbered)
     return ReplayPlan([record for _, record in numbered], base, policies, capacities, out)
