@@ -1,7 +1,8 @@
-"""The `kvtier` command: output piped into a reader that stops early ends it quietly."""
+"""The `kvtier` command: it ends quietly on a closed pipe or Ctrl-C; its help gives defaults."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import BROKEN_PIPE_STATUS, main
+from kvtier.cli.main import BROKEN_PIPE_STATUS, build_parser, main
 from kvtier.replay import cli as replay_cli
 
 KVTIER = [sys.executable, "-m", "kvtier.cli.main"]  # what the `kvtier` script runs
@@ -103,3 +104,16 @@ def test_ctrl_c_ends_replay_with_one_line_and_status_130(
         pytest.fail("KeyboardInterrupt escaped: the user sees a traceback")
     assert status == 130
     assert capsys.readouterr().err == "\nkvtier replay: interrupted\n"
+
+
+def test_every_option_of_every_command_states_its_default() -> None:
+    # Regression: `kvtier replay --help` gave no default for --cascade and --json.
+    subparsers = next(
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    for name, parser in subparsers.choices.items():
+        for action in parser._actions:
+            if action.option_strings and action.nargs != 0:  # an option taking a value
+                assert "default" in (action.help or "").lower(), (name, action.option_strings)

@@ -146,7 +146,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "every block stored in CPU is copied to DISK at once (inclusive, capacity = max; "
         "restart-safe; one disk write per store). write_back: only blocks the CPU evicts "
         "move to DISK (exclusive, capacity = CPU + DISK; fewer disk writes; a crash loses "
-        "the CPU-only blocks)",
+        "the CPU-only blocks). Default: none, the tiers are fed independently",
     )
     parser.add_argument(
         "--block-size",
@@ -170,7 +170,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_output_path,
         metavar="PATH",
         help="write every result as JSON (adds lru and belady, the reference lines; "
-        "belady not with --cascade)",
+        "belady not with --cascade); default: no JSON",
     )
     parser.add_argument(
         "--release-order",
