@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,24 @@ def test_every_option_of_every_command_states_its_default() -> None:
         for action in parser._actions:
             if action.option_strings and action.nargs != 0:  # an option taking a value
                 assert "default" in (action.help or "").lower(), (name, action.option_strings)
+
+
+def test_the_readme_shows_every_command_and_its_command_lines_parse() -> None:
+    # Regression: the README never showed `kvtier replay`, which `kvtier --help` lists.
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = readme.split("```")[1::2]  # the fenced code blocks
+    lines = [
+        line.split("#")[0]
+        for block in blocks
+        for line in block.splitlines()
+        if line.startswith("kvtier ")
+    ]
+    subparsers = next(
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    shown = {shlex.split(line)[1] for line in lines}
+    assert shown >= set(subparsers.choices) - {"demo"}  # the demo: `make demo`, --help
+    for line in lines:
+        build_parser().parse_args(shlex.split(line)[1:])  # a usage error exits
