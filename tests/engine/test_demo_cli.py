@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +131,25 @@ def test_demo_help_states_every_default(capsys: pytest.CaptureFixture[str]) -> N
         name = option.split()[0]
         if name not in ("help", "model-dir", "disk-dir") and "default" not in option:
             raise AssertionError(f"--{name} does not state its default: --{option}")
+
+
+def test_sigterm_stops_the_demo_and_removes_its_disk_tier_folder(tmp_path: Path) -> None:
+    # Regression: `timeout` or `kill` ended the demo on the spot, leaving its folder and
+    # the disk tier's preallocated slot file (256 MiB by default) in the temp directory.
+    options = ["--conversations=2", "--turns=2", "--system-tokens=32", "--user-tokens=16"]
+    options += ["--document-tokens=64", "--answer-tokens=4", "--gpu-blocks=24"]
+    options += ["--cpu-mib=8", "--disk-mib=8", "--cascade-cpu-mib=1", "--disk-io=page_cache"]
+    options += [f"--disk-dir={tmp_path}", f"--out={tmp_path / 'out'}"]
+    command = [sys.executable, "-m", "kvtier.cli.main", "demo", *options]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("kvtier-demo-*/*.slots")):  # the disk tier run
+            assert proc.poll() is None, "the demo ended before its disk tier run"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.terminate()
+        assert proc.stderr is not None
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 143, stderr
+    assert "Traceback" not in stderr
+    assert list(tmp_path.glob("kvtier-demo-*")) == []

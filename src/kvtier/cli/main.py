@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
 
 from kvtier.cli import demo
 from kvtier.replay import cli as replay_cli
@@ -16,6 +20,8 @@ from kvtier.replay import cli as replay_cli
 BROKEN_PIPE_STATUS = 141
 # The status of a command stopped with Ctrl-C: what a shell reports for SIGINT, 128 + 2.
 INTERRUPTED_STATUS = 130
+# The status of a command stopped by SIGTERM (`timeout`, `kill`), 128 + 15.
+TERMINATED_STATUS = 143
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Output piped into a reader that stops early (`| head -1`) ends the command quietly
     with BROKEN_PIPE_STATUS instead of a BrokenPipeError traceback; Ctrl-C ends it with
-    one line and INTERRUPTED_STATUS instead of a KeyboardInterrupt traceback.
+    one line and INTERRUPTED_STATUS instead of a KeyboardInterrupt traceback. SIGTERM
+    ends it with TERMINATED_STATUS once the command has cleaned up (the demo's disk tier
+    folder is removed), instead of killing it on the spot.
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -44,7 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        status: int = args.run(args)
+        with _sigterm_unwinds():
+            status: int = args.run(args)
         sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
     except BrokenPipeError:
         _discard_stdout()
@@ -53,6 +62,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nkvtier {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
     return status
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Make SIGTERM raise SystemExit(TERMINATED_STATUS) inside the block.
+
+    The exception unwinds the command's `with` blocks, so its temporary files go with it.
+    Outside the main thread (where no signal handler can be set) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(TERMINATED_STATUS)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _discard_stdout() -> None:
