@@ -1,0 +1,100 @@
+"""Lookup pins and queued loads across retries, aborts and resets (SPEC §6.2, §6.3, §6.7-§6.9)."""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, full_layout, make_request
+from test_scenarios_cascade import cascade_engine, holds, keys_of
+
+from kvtier.offload.config import CascadeMode
+from kvtier.offload.plan import Tier
+from kvtier.offload.transfers import FailedLoad
+
+
+def stored_engine() -> SimEngine:
+    """Return an engine whose tier holds the 3 blocks of a 12-token request (GPU evicted)."""
+    engine = SimEngine(full_layout())
+    engine.run(make_request("a", range(12)))
+    engine.drain()
+    engine.evict_gpu()
+    return engine
+
+
+def tier_refs(engine: SimEngine) -> list[int]:
+    pool = engine.scheduler.tier_pool
+    return [pool.ref_count(block) for block in range(1, pool.num_blocks)]
+
+
+def test_a_repeated_lookup_replaces_the_earlier_pin() -> None:
+    """SPEC §6.2 step 1: a lookup first drops the pin of an earlier lookup of the same
+    request (a retry after a failed allocation); otherwise that pin leaks and the hit's
+    tier blocks can never be evicted again."""
+    engine = stored_engine()
+    b = make_request("b", [*range(12), 7])
+    assert engine.scheduler.lookup(b, 0) == 12
+    assert engine.scheduler.lookup(b, 0) == 12  # the engine could not allocate: retry
+    assert engine.scheduler.on_allocated(b, [[]], 0) == {}  # then declined after all
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+    engine.check()
+
+
+def test_a_block_table_one_block_short_raises_and_leaves_no_pin() -> None:
+    """SPEC §6.3: a table without room for every accepted block is the engine's error
+    (ValueError naming the group), and the lookup pin does not leak."""
+    engine = stored_engine()
+    b = make_request("b", [*range(12), 7])
+    assert engine.scheduler.lookup(b, 0) == 12
+    table = engine.gpu.allocate(2)  # 12 tokens need 3 blocks
+    with pytest.raises(ValueError, match="group 0"):
+        engine.scheduler.on_allocated(b, [table], 12)
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+    engine.gpu.free(table)
+    engine.check()
+
+
+def test_finishing_a_request_whose_load_is_still_queued_frees_its_gpu_blocks() -> None:
+    """SPEC §6.7: nothing not yet issued is kept. A request aborted before its load was
+    issued releases the load's pins on its GPU destinations and tier blocks."""
+    engine = stored_engine()
+    num_free = engine.gpu.num_free()
+    b = make_request("b", [*range(12), 7])
+    assert engine.admit(b) is not None  # the load of 12 tokens is queued
+    engine.finish("b")
+    assert engine.gpu.num_free() == num_free
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+    assert engine.step().jobs == ()
+    engine.check()
+
+
+def test_a_load_failure_reported_after_its_request_finished_leaves_nothing_behind() -> None:
+    """SPEC §6.8 Beyond: a failed load's request recomputes; one that already finished
+    (aborted mid-load) is not remembered as waiting to recompute."""
+    engine = stored_engine()
+    engine.auto_complete = False
+    b = make_request("b", [*range(12), 7])
+    assert engine.admit(b) is not None
+    (load,) = engine.step().jobs
+    engine.finish("b")  # aborted while its load is in flight
+    engine.worker.fail(load.event_id)
+    assert engine.poll().failed_loads == (FailedLoad("b", 0, 12),)
+    assert "b" not in engine.scheduler.loads.recompute_next
+    assert "b" not in engine.scheduler.loads.allocated
+    engine.check()
+
+
+def test_reset_fails_a_queued_load_spanning_two_tiers_once() -> None:
+    """SPEC §6.9: a reset drops never-issued loads; a load with a CPU part and a disk part
+    comes back as one failed load of its whole range, counted once."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=4, num_disk=12)
+    engine.run(make_request("a", range(12)))
+    engine.drain()
+    first = keys_of(range(12), 1)[0]
+    pool = engine.scheduler.tier_pool
+    pool.discard_keys(pool.cached_block(first) or 0)  # block 0 is on disk only
+    assert holds(engine, Tier.DISK, first)
+    engine.evict_gpu()
+    assert engine.admit(make_request("b", [*range(12), 5])) is not None  # two parts queued
+    engine.scheduler.take_stats()
+    assert engine.scheduler.reset() is True
+    assert engine.poll().failed_loads == (FailedLoad("b", 0, 12),)
+    assert engine.scheduler.take_stats().num_failed_loads == 1
