@@ -7,7 +7,7 @@ import dataclasses
 import json
 import pickle
 
-from sim import Admission, SimEngine, config, full_layout, make_request
+from sim import BYTES_PER_BLOCK, Admission, SimEngine, config, full_layout, make_request
 from test_scenarios_cascade import cascade_engine
 
 from kvtier.offload.config import CascadeMode
@@ -39,6 +39,23 @@ def test_hit_tokens_count_once_the_load_completed() -> None:
     stats = engine.scheduler.take_stats()
     assert stats.hit_tokens == {"CPU": 8}
     assert stats.num_failed_loads == 0
+
+
+def test_a_completed_load_counts_its_blocks_and_bytes() -> None:
+    """SPEC §6.10: blocks loaded (and bytes moved) count when the load completes, not
+    when it is issued; a failed load moves nothing worth counting."""
+    engine = loading_engine()
+    (load,) = engine.step().jobs
+    assert engine.scheduler.take_stats().num_loaded_blocks == 0
+    engine.worker.complete(load.event_id)
+    engine.poll()
+    stats = engine.scheduler.take_stats()
+    assert (stats.num_loaded_blocks, stats.num_bytes_loaded) == (2, 2 * BYTES_PER_BLOCK)
+    failing = loading_engine()
+    (load,) = failing.step().jobs
+    failing.worker.fail(load.event_id)
+    failing.poll()
+    assert failing.scheduler.take_stats().num_loaded_blocks == 0
 
 
 def test_a_failed_load_counts_as_failed_and_serves_no_hit_tokens() -> None:
