@@ -139,3 +139,17 @@ def test_the_readme_shows_every_command_and_its_command_lines_parse() -> None:
     assert shown >= set(subparsers.choices) - {"demo"}  # the demo: `make demo`, --help
     for line in lines:
         build_parser().parse_args(shlex.split(line)[1:])  # a usage error exits
+
+
+def test_help_and_replay_do_not_import_the_engine(tmp_path: Path) -> None:
+    # Regression: building the parser imported the demo's engine (torch, rich), so
+    # `kvtier --help` and every `kvtier replay` spent ~4 s importing it first.
+    trace = write_trace(tmp_path / "trace.jsonl")
+    code = (
+        "import sys\nfrom kvtier.cli.main import main\n"
+        f"main(['replay', {str(trace)!r}, '--quiet'])\n"
+        "print(sorted({'torch', 'rich', 'kvtier.engine'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"

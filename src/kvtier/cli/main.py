@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
-from kvtier.cli import demo
+from kvtier.cli import demo_options
 from kvtier.replay import cli as replay_cli
 
 # The status of a command whose reader went away (`kvtier replay t.jsonl | head -1`): what
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo.add_parser(subparsers)
+    demo_options.add_parser(subparsers)
     replay_cli.add_parser(subparsers)
     return parser
 

@@ -1,0 +1,88 @@
+"""The options of `kvtier demo`, without importing the engine.
+
+`kvtier --help` and `kvtier replay` build every subcommand's parser; the demo itself
+(torch, the reference engine) is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier.offload.config import CascadeMode, DiskIOMode
+
+# The workload and tier sizes: (option, default, what it sets).
+_SIZE_OPTIONS = (
+    ("--conversations", 8, "conversations"),
+    ("--turns", 6, "turns per conversation"),
+    ("--system-tokens", 256, "tokens of the shared system prompt"),
+    ("--document-tokens", 512, "tokens of each conversation's document"),
+    ("--user-tokens", 64, "tokens per user message"),
+    ("--answer-tokens", 16, "tokens per answer"),
+    ("--gpu-blocks", 96, "GPU pool size in blocks"),
+    ("--block-size", 16, "tokens per block"),
+    ("--cpu-mib", 256, "CPU tier size in MiB"),
+    ("--disk-mib", 256, "disk tier size in MiB"),
+)
+
+
+def _path(text: str) -> str:
+    """Refuse an empty path: `--out "$UNSET"` would plot into the current folder, silently."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `kvtier demo`."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="multi-turn chat on the reference engine: offload off, CPU, disk, CPU+disk",
+        description=(
+            "Serve interleaved multi-turn conversations that share a system prompt on the "
+            "reference engine, with a GPU pool too small to keep their histories. Runs the "
+            "workload with offload off, through the CPU tier, the disk tier, and a small CPU "
+            "tier in front of the disk tier (the cascade); "
+            "prints TTFT, throughput and tokens served per tier, plots TTFT per turn, and "
+            "checks that every configuration produced identical tokens."
+        ),
+    )
+    parser.add_argument(
+        "--model-dir", type=_path, help="local HF checkpoint dir (default: random demo model)"
+    )
+    for flag, default, what in _SIZE_OPTIONS:
+        parser.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
+    parser.add_argument(
+        "--cascade-cpu-mib",
+        type=int,
+        default=32,
+        help="CPU tier size in front of the disk tier in the CPU+disk run (MiB, default 32: "
+        "smaller than the demo's KV, so CPU evictions are demoted and served from disk)",
+    )
+    parser.add_argument(
+        "--cascade",
+        choices=[m.value for m in CascadeMode],
+        default=CascadeMode.WRITE_THROUGH.value,
+        help="how CPU blocks reach the disk: write_through (copy every block at once) or "
+        "write_back (copy a block when the CPU tier is about to evict it); default %(default)s",
+    )
+    parser.add_argument(
+        "--disk-dir", type=_path, help="directory for the disk tier file (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--disk-io",
+        choices=[m.value for m in DiskIOMode],
+        default=DiskIOMode.DIRECT.value,
+        help="disk tier I/O mode (default direct)",
+    )
+    parser.add_argument(
+        "--out", type=_path, default="out", help="folder for the plot (default ./out)"
+    )
+    parser.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """Import the demo (torch and the engine) and run it."""
+    from kvtier.cli.demo import run_demo
+
+    return run_demo(args)
