@@ -98,3 +98,25 @@ def test_reset_fails_a_queued_load_spanning_two_tiers_once() -> None:
     assert engine.scheduler.reset() is True
     assert engine.poll().failed_loads == (FailedLoad("b", 0, 12),)
     assert engine.scheduler.take_stats().num_failed_loads == 1
+
+
+def test_a_load_event_names_every_request_it_serves() -> None:
+    """SPEC §6.4: every queued load joins one event per tier, and the plan maps each
+    outstanding load event to all the request ids it serves (the worker turns a finished
+    event into those requests)."""
+    engine = SimEngine(full_layout(), num_gpu_blocks=24, num_tier_blocks=16)
+    engine.run(make_request("a", range(8)))
+    engine.run(make_request("z", range(100, 108)))
+    engine.drain()
+    engine.evict_gpu()
+    engine.auto_complete = False
+    assert engine.admit(make_request("b", [*range(8), 1])) is not None
+    assert engine.admit(make_request("c", [*range(100, 108), 2])) is not None
+    plan = engine.step()
+    (load,) = [job for job in plan.jobs if job.is_load]
+    assert load.num_blocks == 4
+    assert plan.load_request_ids == {load.event_id: ("b", "c")}
+    assert engine.step().load_request_ids == {load.event_id: ("b", "c")}  # outstanding
+    engine.worker.complete(load.event_id)
+    assert set(engine.poll().finished_loads) == {"b", "c"}
+    assert engine.step().load_request_ids == {}

@@ -119,3 +119,32 @@ def test_blocks_a_step_allocates_restart_the_walk_once_freed_again() -> None:
     gpu.free([e, f, x])  # the request finished; X rejoins at the MRU end
     (store,) = scheduler.build_plan(StepInput()).jobs
     assert store.src_block_ids == (e, f)
+
+
+def test_a_preemption_restarts_the_walk() -> None:
+    """SPEC §6.6: a cursor block that left the free queue restarts the walk from the head.
+
+    Step 1 leaves the cursor at X. Before step 2 a running request grows into X and is
+    preempted in the same scheduling pass, so X is noted nowhere (the request is not
+    scheduled) but rejoins the free queue at the MRU end: a preemption must restart the
+    walk, or it would resume after X and skip C and D.
+    """
+    gpu = BlockPool(5)
+    a, x, c, d = gpu.allocate(4)
+    for i, block_id in enumerate((a, x, c, d)):
+        gpu.insert_key(key(i), block_id, 4)
+    gpu.free([a, x])
+    scheduler = OffloadScheduler(
+        config(store_mode=StoreMode.LAZY, max_batched_tokens=4),  # walks 2 blocks a step
+        SchedulerSetup(full_layout(block_size=4), num_tier_blocks=16, gpu_pool=gpu),
+    )
+    tier = scheduler.tier_pool
+    for i, block_id in enumerate(tier.allocate(2)):
+        tier.insert_key(key(i), block_id, 4)  # A and X are in the tier already
+    tier.free(range(1, 3))
+    assert scheduler.build_plan(StepInput()).jobs == ()  # step 1 visits A and X
+    gpu.touch([x])  # the running request r grows into X ...
+    gpu.free([c, d])  # (another request finished)
+    gpu.free([x])  # ... and is preempted: X rejoins at the MRU end
+    (store,) = scheduler.build_plan(StepInput(preempted_request_ids=frozenset({"r"}))).jobs
+    assert store.src_block_ids == (c,)  # the walk restarted: A (in the tier), then C
