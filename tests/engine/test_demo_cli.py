@@ -77,7 +77,11 @@ def test_demo_runs_every_configuration(
         ),
         (
             "--gpu-blocks=1000000000000",
-            "--gpu-blocks=1000000000000: the KV cache needs",
+            "--gpu-blocks=1000000000000 blocks of --block-size=16 tokens: the KV cache needs",
+        ),
+        (  # Regression: only --gpu-blocks=96 was named, though the blocks were too large.
+            "--block-size=100000",
+            "--gpu-blocks=96 blocks of --block-size=100000 tokens: the KV cache needs",
         ),
         (
             "--gpu-blocks=24",

@@ -85,12 +85,15 @@ def _load_engine(model: str | ModelConfig, engine: EngineConfig) -> LLM:
     """Return the warm-up engine (no offload) on `model`, a ModelConfig or --model-dir.
 
     A checkpoint whose weights cannot be read raises ValueError naming --model-dir; a
-    GPU pool this machine's memory cannot hold, one naming --gpu-blocks.
+    GPU pool this machine's memory cannot hold, one naming --gpu-blocks and --block-size.
     """
     try:
         return LLM(model, engine=engine)
     except KVCacheTooLargeError as exc:
-        raise ValueError(f"--gpu-blocks={exc.num_blocks}: {exc.detail}") from None
+        raise ValueError(
+            f"--gpu-blocks={exc.num_blocks} blocks of --block-size={engine.block_size} tokens:"
+            f" {exc.detail}"
+        ) from None
     except (OSError, ValueError, SafetensorError) as exc:
         if isinstance(model, ModelConfig):
             raise
