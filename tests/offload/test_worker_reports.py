@@ -13,7 +13,7 @@ import pytest
 from sim import SimEngine, block_key, full_layout, make_request
 
 from kvtier.offload.plan import WorkerReport
-from kvtier.offload.transfers import FailedLoad
+from kvtier.offload.transfers import FailedLoad, ReportOutcome
 
 
 def engine_with_a_store(num_workers: int = 1) -> tuple[SimEngine, int]:
@@ -90,4 +90,19 @@ def test_a_load_reported_by_more_workers_than_there_are_is_recomputed() -> None:
     assert outcome.finished_loads == ()
     assert outcome.failed_loads == (FailedLoad("b", 0, 8),)
     engine.worker.in_flight.clear()
+    engine.check()
+
+
+def test_one_report_with_a_done_and_a_failed_worker_completes_the_store_once_as_failed() -> None:
+    """SPEC §6.8: worker counts add up across the done and failed maps; with every worker
+    reported in one report (one copied, one failed), the store completes once, as failed:
+    it registers nothing and frees its slots."""
+    engine, event_id = engine_with_a_store(num_workers=2)
+    scheduler = engine.scheduler
+    outcome = scheduler.apply_report(WorkerReport(done={event_id: 1}, failed={event_id: 1}))
+    assert outcome == ReportOutcome()
+    assert not scheduler.has_pending_stores()
+    assert scheduler.tier_pool.num_free() == scheduler.tier_pool.num_usable_blocks
+    assert scheduler.take_stats().num_failed_stores == 2  # blocks
+    engine.worker.in_flight.clear()  # the fake workers' own view of the event is moot
     engine.check()
