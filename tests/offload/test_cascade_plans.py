@@ -1,13 +1,17 @@
-"""What the cascade's plans carry and how CPU hits keep the disk's order (SPEC §6.4, §7 Beyond)."""
+"""Cascade plans: slot records, disk order after CPU hits, split hit tokens (SPEC §6.4, §6.10)."""
 
 from __future__ import annotations
 
 import pytest
-from sim import SimEngine, full_layout, make_request
-from test_scenarios_cascade import MIB, cascade_engine, holds, keys_of
+from sim import SimEngine, block_key, full_layout, make_request
+from test_scenarios_cascade import MIB, cascade_config, cascade_engine, holds, keys_of
 
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import CascadeMode, OffloadConfig
 from kvtier.offload.plan import Tier, TransferJob
+
+FULL = GroupKind.FULL_ATTENTION
+SLIDING = GroupKind.SLIDING_WINDOW
 
 
 def jobs(engine: SimEngine, src: Tier, dst: Tier) -> list[TransferJob]:
@@ -72,3 +76,28 @@ def test_write_through_cpu_hits_keep_their_disk_copies_from_eviction() -> None:
     assert [holds(engine, Tier.DISK, k) for k in keys_of(range(8), 2)] == [True, True]
     assert [holds(engine, Tier.DISK, k) for k in keys_of(range(100, 108), 2)] == [False, False]
     engine.check()
+
+
+def test_a_hybrid_hit_spanning_both_tiers_counts_every_accepted_token_once() -> None:
+    """SPEC §6.10 Beyond (hit tokens per tier): a load's tokens are split between the
+    tiers in proportion to their blocks; with two groups the split does not divide evenly,
+    and the tiers' hit tokens must still add up to the accepted tokens."""
+    layout = KVLayout((KVGroupSpec(FULL, 4, 64), KVGroupSpec(SLIDING, 4, 64, 8)))
+    engine = SimEngine(
+        layout,
+        cascade_config(CascadeMode.WRITE_THROUGH),
+        num_gpu_blocks=32,
+        num_tier_blocks=16,
+        num_disk_blocks=16,
+    )
+    a = make_request("a", range(12))
+    engine.run(a)
+    engine.drain()
+    pool = engine.scheduler.tier_pool
+    pool.discard_keys(pool.cached_block(block_key(layout, a, 0, 0)) or 0)  # on disk only
+    engine.evict_gpu()
+    b = make_request("b", [*range(12), 5])
+    assert engine.run(b).num_accepted_tokens == 12  # 3 full + 2 window blocks: 4 CPU, 1 disk
+    hit_tokens = engine.scheduler.take_stats().hit_tokens
+    assert hit_tokens["DISK"] > 0
+    assert sum(hit_tokens.values()) == 12
