@@ -20,6 +20,7 @@ from kvtier.replay.belady import BELADY, OFFLINE_POLICIES, FutureOracle
 from kvtier.replay.config import ReplayConfig, ReplayResult
 from kvtier.replay.tier_replay import TierReplay, trace_keys
 from kvtier.replay.trace import TraceRecord, TraceSummary
+from kvtier.replay.whole_file import whole_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -125,10 +126,10 @@ def point_row(point: SweepPoint, table: dict[str, dict[int, float]]) -> dict[str
 
 
 def write_csv(path: str | Path, points: Sequence[SweepPoint]) -> None:
-    """Write one row per point."""
+    """Write one row per point (all of them, or `path` is untouched)."""
     table = hit_ratio_table(points)
     rows = [point_row(p, table) for p in points]
-    with open(path, "w", newline="", encoding="utf-8") as file:
+    with whole_file(path) as file:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
@@ -150,7 +151,8 @@ def write_json(
         "points": [point_row(p, table) for p in points],
         **(extra or {}),
     }
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    with whole_file(path) as file:
+        file.write(json.dumps(payload, indent=2) + "\n")
 
 
 def plot_sweep(
@@ -160,8 +162,11 @@ def plot_sweep(
     fig = sweep_figure(points, title, infinite_hit_ratio)
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with whole_file(path, binary=True) as file:
+            fig.savefig(file, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def sweep_figure(points: Sequence[SweepPoint], title: str, infinite_hit_ratio: float) -> Figure:

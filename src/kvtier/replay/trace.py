@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from kvtier.replay.whole_file import whole_file
+
 DEFAULT_BLOCK_SIZE = 512
 MAX_HASH_ID = 1 << 64  # ids become 8-byte little-endian keys
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -193,8 +195,8 @@ def _numbered_lines(file: Iterable[bytes], path: str | Path) -> Iterator[tuple[i
 
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
-    """Write records as Mooncake-format JSON lines."""
-    with open(path, "w", encoding="utf-8") as file:
+    """Write records as Mooncake-format JSON lines (all of them, or `path` is untouched)."""
+    with whole_file(path) as file:
         for record in records:
             row = {
                 "timestamp": record.timestamp_ms,
