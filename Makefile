@@ -3,6 +3,10 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Where pip finds no local CPU build of torch (plain PyPI serves the CUDA one for
+# torch==2.13.0 on Linux), e.g.: make test TORCH_PIP_ARGS="--extra-index-url
+# https://download.pytorch.org/whl/cpu" (2.13.0+cpu then wins over 2.13.0).
+TORCH_PIP_ARGS ?=
 
 .PHONY: demo test lint types pytest setup line-budget clean bench-cascade
 
@@ -14,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch: a bare `torch` would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 

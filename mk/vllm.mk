@@ -17,7 +17,7 @@ setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(VLLM_REQS) pyproject.toml
 	test -x $(VLLM_BIN)/python || $(VLLM_PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	echo torch==2.13.0 > $(VLLM_VENV)/pin.txt
 	$(VLLM_PIP) $(addprefix -r ,$(VLLM_REQS))
 	$(VLLM_PIP) vllm==0.33.0
