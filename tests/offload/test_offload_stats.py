@@ -8,7 +8,7 @@ import json
 import pickle
 
 from sim import BYTES_PER_BLOCK, Admission, SimEngine, config, full_layout, make_request
-from test_scenarios_cascade import cascade_engine
+from test_scenarios_cascade import cascade_engine, keys_of
 
 from kvtier.offload.config import CascadeMode
 from kvtier.offload.plan import Tier
@@ -124,3 +124,70 @@ def test_stats_can_be_pickled_copied_and_logged() -> None:
     assert copy.deepcopy(stats) == stats
     json.dumps(dataclasses.asdict(stats))
     assert stats.info["store_mode"] == "eager"
+
+
+def test_each_counter_alone_is_a_new_count_and_take_stats_clears_it() -> None:
+    """`has_new_counts` (the vLLM adapter skips publishing without one) is True when any
+    single counter moved: failed stores, hand-off outcomes, loaded blocks of a part of a
+    load (its hit tokens come later); `take_stats` reports each count once."""
+    stores = SimEngine(full_layout())
+    stores.auto_complete = False
+    stores.admit(make_request("a", range(8), outputs=[1]))
+    stores.schedule("a")
+    stores.step()
+    stores.finish("a")
+    (store,) = stores.step().jobs
+    stores.handoff("gone", 0, 1)
+    stores.step()
+    stores.scheduler.take_stats()
+    stores.worker.fail(store.event_id)
+    stores.poll()
+    assert stores.scheduler.has_new_counts()
+    assert stores.scheduler.take_stats().num_failed_stores == 2
+    assert not stores.scheduler.has_new_counts()
+    stores.handoff("gone", 0, 1)
+    stores.step()
+    assert stores.scheduler.has_new_counts()
+    assert stores.scheduler.take_stats().handoff_outcomes == {"dropped_request_gone": 1}
+    assert stores.scheduler.take_stats().handoff_outcomes == {}
+
+    loads = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=4, num_disk=12)
+    loads.run(make_request("a", range(12)))
+    loads.drain()
+    pool = loads.scheduler.tier_pool
+    pool.discard_keys(pool.cached_block(keys_of(range(12), 1)[0]) or 0)  # block 0: disk only
+    loads.evict_gpu()
+    loads.auto_complete = False
+    loads.admit(make_request("b", [*range(12), 5]))
+    by_tier = {job.src_tier: job for job in loads.step().jobs if job.is_load}
+    loads.scheduler.take_stats()
+    loads.worker.complete(by_tier[Tier.CPU].event_id)
+    assert loads.poll().finished_loads == ()
+    assert loads.scheduler.has_new_counts()
+    assert loads.scheduler.take_stats().num_loaded_blocks == 2
+
+
+def test_a_failed_load_is_reported_by_one_take_stats_only() -> None:
+    engine = loading_engine()
+    (load,) = engine.step().jobs
+    engine.worker.fail(load.event_id)
+    engine.poll()
+    assert engine.scheduler.take_stats().num_failed_loads == 1
+    assert engine.scheduler.take_stats().num_failed_loads == 0
+
+
+def test_blocks_pending_store_count_queued_and_in_flight_stores() -> None:
+    """SPEC §6.10 gauge: blocks pending store are those selected but not issued yet
+    (a finish flush waits for the next plan) plus those in flight."""
+    engine = SimEngine(full_layout())
+    engine.auto_complete = False
+    engine.admit(make_request("a", range(8)))
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")  # queues blocks 0 and 1
+    assert engine.scheduler.take_stats().num_blocks_pending_store == 2
+    (store,) = engine.step().jobs
+    assert engine.scheduler.take_stats().num_blocks_pending_store == 2
+    engine.worker.complete(store.event_id)
+    engine.poll()
+    assert engine.scheduler.take_stats().num_blocks_pending_store == 0

@@ -9,6 +9,7 @@ from sim_request import config, full_layout, make_request
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.offload.config import StoreMode
+from kvtier.offload.plan import WorkerReport
 from kvtier.offload.protocols import ScheduledRequest, StepInput
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.stats import StepCounters
@@ -148,3 +149,52 @@ def test_a_preemption_restarts_the_walk() -> None:
     gpu.free([x])  # ... and is preempted: X rejoins at the MRU end
     (store,) = scheduler.build_plan(StepInput(preempted_request_ids=frozenset({"r"}))).jobs
     assert store.src_block_ids == (c,)  # the walk restarted: A (in the tier), then C
+
+
+def one_block_lazy_scheduler() -> tuple[BlockPool, int, OffloadScheduler]:
+    """Return a GPU pool whose one free block Y holds key 0, Y, and a lazy scheduler."""
+    gpu = BlockPool(2)
+    (y,) = gpu.allocate(1)
+    gpu.insert_key(key(0), y, 4)
+    gpu.free([y])
+    scheduler = OffloadScheduler(
+        config(store_mode=StoreMode.LAZY, max_batched_tokens=4),
+        SchedulerSetup(full_layout(block_size=4), num_tier_blocks=8, gpu_pool=gpu),
+    )
+    return gpu, y, scheduler
+
+
+def evict_tier(scheduler: OffloadScheduler) -> None:
+    tier = scheduler.tier_pool
+    tier.free(tier.allocate(tier.num_free()))
+
+
+def test_a_block_a_new_request_takes_mid_copy_is_stored_again_once_its_copy_is_evicted() -> None:
+    """SPEC §6.6: `on_allocated` notes an admitted request's blocks in lazy mode too.
+
+    Y's copy is in flight when a request takes Y as a local hit (and, waiting for a load
+    or aborted, is not scheduled); freed again, Y is a fresh candidate: once the tier
+    evicted its copy, the walk stores it again instead of skipping it as stored before.
+    """
+    gpu, y, scheduler = one_block_lazy_scheduler()
+    (store,) = scheduler.build_plan(StepInput()).jobs
+    gpu.touch([y])  # a new request's local hit
+    assert scheduler.on_allocated(make_request("r", range(4)), [[y]], 0) == {}
+    scheduler.apply_report(WorkerReport(done={store.event_id: 1}))
+    gpu.free([y])  # the request is aborted
+    evict_tier(scheduler)
+    (again,) = scheduler.build_plan(StepInput()).jobs
+    assert again.src_block_ids == (y,)
+
+
+def test_after_a_reset_the_walk_stores_blocks_it_copied_before() -> None:
+    """SPEC §6.9: a reset empties the tier and clears lazy mode's memory of what it copied:
+    a block copied before the reset is stored again."""
+    _, y, scheduler = one_block_lazy_scheduler()
+    (store,) = scheduler.build_plan(StepInput()).jobs
+    scheduler.apply_report(WorkerReport(done={store.event_id: 1}))
+    assert scheduler.build_plan(StepInput()).jobs == ()  # in the tier
+    assert scheduler.reset() is True
+    (again,) = scheduler.build_plan(StepInput()).jobs
+    assert again.src_block_ids == (y,)
+    scheduler.check_invariants()
