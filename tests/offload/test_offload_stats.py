@@ -1,4 +1,4 @@
-"""What `take_stats` counts (SPEC §6.10): served hit tokens, failed loads, dropped demotions."""
+"""What `take_stats` counts and `has_new_counts` sees (SPEC §6.10): hits, loads, stores, gauges."""
 
 from __future__ import annotations
 
@@ -191,3 +191,47 @@ def test_blocks_pending_store_count_queued_and_in_flight_stores() -> None:
     engine.worker.complete(store.event_id)
     engine.poll()
     assert engine.scheduler.take_stats().num_blocks_pending_store == 0
+
+
+def test_served_hit_tokens_are_new_counts_until_taken_once() -> None:
+    engine = loading_engine()
+    (load,) = engine.step().jobs
+    engine.worker.complete(load.event_id)
+    engine.poll()
+    assert engine.scheduler.take_stats().hit_tokens == {"CPU": 8}
+    assert not engine.scheduler.has_new_counts()  # the cumulative total did not move since
+
+
+def test_stored_blocks_count_their_bytes() -> None:
+    engine = SimEngine(full_layout())
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    stats = engine.scheduler.take_stats()
+    assert (stats.num_stored_blocks, stats.num_bytes_stored) == (2, 2 * BYTES_PER_BLOCK)
+    assert stats.num_bytes_loaded == 0
+
+
+def test_a_completed_demotion_alone_is_a_new_count() -> None:
+    """The cascade's counters count as new: a report completing only demotions moves no
+    store or load counter, yet `take_stats` has demoted blocks to report."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH)
+    engine.auto_complete = False
+    engine.admit(make_request("a", range(8)))
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    engine.worker.complete(store.event_id)
+    engine.poll()
+    (demotion,) = engine.step().jobs
+    engine.scheduler.take_stats()
+    engine.worker.complete(demotion.event_id)
+    engine.poll()
+    assert engine.scheduler.has_new_counts()
+    assert engine.scheduler.take_stats().num_demoted_blocks == 2
+
+
+def test_a_cascade_names_its_mode_and_disk_size_in_the_info_labels() -> None:
+    info = cascade_engine(CascadeMode.WRITE_BACK, num_disk=9).scheduler.take_stats().info
+    assert (info["cascade"], info["num_disk_blocks"]) == ("write_back", "9")
+    assert "cascade" not in SimEngine(full_layout()).scheduler.take_stats().info
