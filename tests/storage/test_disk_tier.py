@@ -118,6 +118,31 @@ def test_unwritten_and_failed_slots_do_not_load(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_slot_ids_reused_by_the_caller_after_queueing_change_nothing(tmp_path: Path) -> None:
+    """`write_slots` and `read_slots` act on the slot ids as passed: a caller that reuses
+    its id array once the call returned (the I/O still queued) neither writes, validates
+    nor verifies other slots (SPEC §7: a load never returns wrong bytes)."""
+    io = GatedIO()
+    tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE, io)
+    images = fill(tier.store_buffers[0], 2, seed=11)
+    slots = ids(2, 3)
+    written = tier.write_slots(tier.store_buffers[0], slots)
+    assert io.writing.wait(WAIT_S)  # the I/O thread holds the write
+    slots[:] = ids(7, 8)
+    io.release.set()
+    written.result()
+    with pytest.raises(DiskIOError, match="slot 7 holds no valid data"):
+        tier.read_slots(tier.load_buffers[0], ids(7)).result()
+    fill(tier.store_buffers[1], 2, seed=12)
+    tier.write_slots(tier.store_buffers[1], ids(7, 8)).result()
+    out, wanted = tier.load_buffers[0], ids(2, 3)
+    read = tier.read_slots(out, wanted)
+    wanted[:] = ids(7, 8)
+    read.result()
+    assert [out.tensor[i].numpy().tobytes() for i in range(2)] == images
+    tier.close()
+
+
 def test_buffers_are_aligned_and_batches_are_whole_slots(tmp_path: Path) -> None:
     """Staging buffers hold batch_bytes // slot bytes slots, 4096-aligned, per direction."""
     tier = make_tier(tmp_path, DiskIOMode.PAGE_CACHE)
