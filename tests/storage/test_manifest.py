@@ -22,6 +22,7 @@ from kvtier.storage import (
     manifest_path_for,
 )
 from kvtier.storage.manifest import ManifestLog, open_manifest, read_manifest
+from kvtier.storage.manifest_format import ManifestEntry, encode_put
 
 SLOT = 4096
 IDENTITY = ManifestIdentity("model-a|kv|sha256:0", 8, SLOT, "kv[0][K]:2048;kv[0][V]:2048")
@@ -314,3 +315,23 @@ def test_a_second_close_returns_only_once_the_log_is_synced(
     assert seen == {"first": 1, "second": 1}
     assert not log.is_open
     slot_file.close()
+
+
+def test_record_for_a_slot_past_the_end_ends_the_replay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A well-formed record (valid checksum) naming slot `num_slots`, one past the last,
+    ends the replay with a warning like a corrupt one; the records before it count, later
+    ones do not (SPEC §7: recovery never trusts a record this geometry cannot hold)."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1, 7], [1, 7], [rec(1), rec(7)])
+    close(slot_file, log)
+    path = manifest_of(tmp_path)
+    with open(path, "ab") as raw:
+        raw.write(encode_put(IDENTITY.num_slots, ManifestEntry(9, rec(2))))
+        raw.write(encode_put(3, ManifestEntry(3, rec(3))))
+    with caplog.at_level(logging.WARNING):
+        slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (1, rec(1)), 7: (7, rec(7))}
+    assert "record for slot 8 outside [0, 8)" in caplog.text
+    close(slot_file, log)
