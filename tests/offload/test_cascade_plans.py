@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sim import SimEngine, block_key, full_layout, make_request
-from test_scenarios_cascade import MIB, cascade_config, cascade_engine, holds, keys_of
+from test_scenarios_cascade import MIB, cascade_config, cascade_engine, holds, keys_of, next_job
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import CascadeMode, OffloadConfig
@@ -123,3 +123,25 @@ def test_reset_drops_demotions_queued_but_not_yet_issued() -> None:
     for tier in (Tier.CPU, Tier.DISK):
         assert not any(holds(engine, tier, k) for k in keys_of(range(8), 2))
     engine.check()
+
+
+def test_write_back_demotes_a_quarter_of_the_cpu_tier_ahead_of_eviction() -> None:
+    """Write-back's reserve: each plan demotes the CPU tier's next victims, at most a
+    quarter of its usable blocks (8 here: 2) when that is below lazy mode's target."""
+    engine = cascade_engine(CascadeMode.WRITE_BACK, num_cpu=9, num_disk=12)
+    engine.run(make_request("a", range(32)))  # 8 blocks fill the CPU tier
+    demotion = next_job(engine, Tier.CPU, Tier.DISK)
+    assert demotion.num_blocks == 2
+
+
+def test_a_promotion_is_reported_by_one_take_stats_only() -> None:
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=4, num_disk=12)
+    engine.run(make_request("a", range(12)))
+    engine.drain()
+    engine.run(make_request("other", range(100, 112)))  # evicts "a" from the CPU tier
+    engine.drain()
+    engine.evict_gpu()
+    engine.run(make_request("b", [*range(12), 7]))  # served from disk, stored to the CPU
+    engine.drain()
+    assert engine.scheduler.take_stats().num_promoted_blocks == 3
+    assert engine.scheduler.take_stats().num_promoted_blocks == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+from sim import SimEngine
 from sim_request import config, full_layout, make_request
 
 from kvtier.core.block_pool import BlockPool
@@ -198,3 +199,14 @@ def test_after_a_reset_the_walk_stores_blocks_it_copied_before() -> None:
     (again,) = scheduler.build_plan(StepInput()).jobs
     assert again.src_block_ids == (y,)
     scheduler.check_invariants()
+
+
+def test_lazy_mode_does_not_flush_a_finished_request() -> None:
+    """SPEC §6.6/§6.7: lazy mode keeps no per-request state and has no finish flush; a
+    finished request's blocks wait in the GPU free queue until the walk reaches them."""
+    engine = SimEngine(
+        full_layout(), config(store_mode=StoreMode.LAZY, max_batched_tokens=4), num_gpu_blocks=32
+    )
+    engine.run(make_request("a", range(8)))  # the walk visits 2 never-used blocks a step
+    assert not engine.scheduler.has_pending_stores()
+    assert engine.step().jobs == ()
