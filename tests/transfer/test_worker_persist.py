@@ -190,13 +190,17 @@ def test_torn_last_record_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert "torn record" in caplog.text
 
 
-def test_truncated_slot_file_is_discarded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A slot file shorter than its geometry is discarded, manifest and all."""
+@pytest.mark.parametrize("num_slots", [6, 17])
+def test_truncated_slot_file_is_discarded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, num_slots: int
+) -> None:
+    """A slot file shorter, or longer, than its geometry is discarded, manifest and all
+    (SPEC §7: a reused slot file has its exact size)."""
     first_run(tmp_path)
-    os.truncate(paths(tmp_path)[0], 6 * 4096)
+    os.truncate(paths(tmp_path)[0], num_slots * 4096)
     with caplog.at_level(logging.WARNING), make_worker(config(tmp_path), new_kv(2)) as worker:
         assert worker.recovered_slots() == []
-    assert "slot file is 24576 B, expected 65536 B" in caplog.text
+    assert f"slot file is {num_slots * 4096} B, expected 65536 B" in caplog.text
     assert paths(tmp_path)[0].stat().st_size == 16 * 4096
 
 
