@@ -226,6 +226,32 @@ def test_failed_append_is_cut_off_again(tmp_path: Path, monkeypatch: pytest.Monk
     close(slot_file, log)
 
 
+def test_an_append_that_cannot_be_cut_off_stops_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A short append whose truncation fails too leaves a torn record in the file: the log
+    appends nothing more for the rest of the run (a record behind the torn one would be
+    ignored at replay, a tombstone included), and says so (SPEC §7)."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1], [1], [rec(1)])
+    real_write = os.write
+
+    def refuse(fd: int, length: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:10]))
+    monkeypatch.setattr(os, "ftruncate", refuse)
+    with caplog.at_level(logging.WARNING):
+        log.put([2], [2], [rec(2)])
+    monkeypatch.undo()
+    assert "cannot be undone" in caplog.text
+    size = manifest_of(tmp_path).stat().st_size
+    log.put([3], [3], [rec(3)])
+    log.forget([1])
+    assert manifest_of(tmp_path).stat().st_size == size
+    close(slot_file, log)
+
+
 def test_lock_refuses_a_second_opener_and_touches_nothing(tmp_path: Path) -> None:
     """While one SlotFile holds the lock, another (persistent or not) fails; files stay."""
     slot_file, log, _ = open_tier_files(tmp_path)
