@@ -127,6 +127,27 @@ def test_compaction_keeps_the_last_put_of_live_slots_only(tmp_path: Path) -> Non
     assert reopen(tmp_path) == expected
 
 
+def test_records_rewritten_at_open_count_towards_the_next_compaction(tmp_path: Path) -> None:
+    """The log counts the records of the file it appends to: the put records of the live
+    slots that the open rewrote count too, so with 8 live slots and a floor of 20 the 25th
+    append (33 records > 4 x 8) compacts, not the 33rd (SPEC §7: the file stays within
+    COMPACT_RATIO times its compacted size)."""
+    slot_file, log = open_log(tmp_path)
+    expected: Live = {}
+    for slot in range(8):
+        put(log, expected, slot, slot)
+    close(slot_file, log)
+    slot_file, log = open_log(tmp_path, compact_floor=20)
+    for i in range(24):
+        put(log, expected, 0, 100 + i)
+    assert log.compactions == 0
+    put(log, expected, 0, 124)
+    assert log.compactions == 1
+    assert manifest(tmp_path).stat().st_size == HEADER + 8 * RECORD_BYTES
+    close(slot_file, log)
+    assert reopen(tmp_path) == expected
+
+
 def test_failed_rename_keeps_appending_to_the_old_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
