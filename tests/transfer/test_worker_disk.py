@@ -159,6 +159,40 @@ def test_failure_in_a_later_batch_fails_the_whole_job(tmp_path: Path) -> None:
         ) == {2: 1}
 
 
+class FirstWriteFails:
+    """A FileIO whose first write raises EIO; every other call is real I/O."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self.writes += 1
+        if self.writes == 1:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return os.pwrite(fd, data, offset)
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int:
+        return os.preadv(fd, [into], offset)
+
+
+def test_failed_first_batch_of_a_long_store_fails_the_whole_job(tmp_path: Path) -> None:
+    """A store of more batches than staging buffers whose first batch fails to write is
+    reported failed, though the next batch was written meanwhile (SPEC §7: a failure is
+    never lost); the job stops there, the slot it failed on holds nothing, and the worker
+    lives on."""
+    kv = kv_per_layer(2, 16, SLOT_KV)
+    fill_random(kv, seed=8)
+    io = FirstWriteFails()
+    cfg = config(tmp_path, DiskIOMode.PAGE_CACHE, disk_batch_bytes=4096, disk_buffer_slots=2)
+    with make_worker(cfg, kv, io) as w:  # type: ignore[arg-type]
+        report = run_plan(w, job(1, Tier.GPU, Tier.DISK, [1, 2, 3, 4], [0, 1, 2, 3]))
+        assert (dict(report.done), dict(report.failed)) == ({}, {1: 1})
+        assert io.writes == 2  # batches 0 and 1: none is started after the failure
+        assert dict(run_plan(w, job(2, Tier.DISK, Tier.GPU, [0], [9])).failed) == {2: 1}
+        assert dict(run_plan(w, job(3, Tier.DISK, Tier.GPU, [1], [9])).done) == {3: 1}
+        assert block_bytes(w.regions, 9) == block_bytes(w.regions, 2)
+
+
 def test_direct_io_rejects_unaligned_slots_at_register(tmp_path: Path) -> None:
     """SPEC scenario 28 through the worker: 3 KiB slots need page-cache mode."""
     kv = [torch.zeros(2, 8, 16, 2, 24, dtype=torch.float16)]  # 2 x 1.5 KiB = 3 KiB slots
