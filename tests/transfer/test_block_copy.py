@@ -115,13 +115,16 @@ def test_rejects_mismatched_rows_and_dtypes() -> None:
     ("src_id", "dst_id", "message"),
     [
         (3, 9, r"destination id 9 outside \[0, 4\)"),
+        (3, 4, r"destination id 4 outside \[0, 4\)"),
+        (8, 1, r"source id 8 outside \[0, 8\)"),
         (3, -1, r"destination id -1 outside \[0, 4\)"),
         (100, 1, r"source id 100 outside \[0, 8\)"),
         (-20, 0, r"source id -20 outside \[0, 8\)"),
     ],
 )
 def test_rejects_ids_outside_the_rows(src_id: int, dst_id: int, message: str) -> None:
-    """Regression: destination id 9 of 4 rows silently reallocated `dst`'s storage."""
+    """Regression: destination id 9 of 4 rows silently reallocated `dst`'s storage. The
+    first id past the end is refused too."""
     src = random_rows(8, 16, seed=3)
     dst = torch.zeros(4, 16, dtype=torch.uint8)
     ptr, nbytes = dst.data_ptr(), dst.untyped_storage().nbytes()
@@ -129,3 +132,17 @@ def test_rejects_ids_outside_the_rows(src_id: int, dst_id: int, message: str) ->
         copy_blocks(src, np.array([0, src_id]), dst, np.array([2, dst_id]))
     assert (dst.data_ptr(), dst.untyped_storage().nbytes()) == (ptr, nbytes)
     assert not dst.any(), "nothing is copied when an id is out of range"
+
+
+def test_a_source_row_copied_twice_is_never_read_as_a_run() -> None:
+    """One source row copied into two destination rows (a slot loaded into two blocks):
+    the repeated id does not extend a run of consecutive source rows, so each destination
+    gets exactly its row (SPEC §7: a load never returns wrong bytes). Fragmented
+    destinations with two source runs make the copy go by source runs."""
+    src = random_rows(8, 16, seed=4)
+    dst = torch.zeros(8, 16, dtype=torch.uint8)
+    src_ids, dst_ids = np.array([5, 5, 6]), np.array([1, 3, 5])
+    expected = reference_copy(src, src_ids, dst, dst_ids)
+    copy_blocks(src, src_ids, dst, dst_ids)
+    assert torch.equal(dst, expected)
+    assert runs_of(np.array([5, 5, 6])).tolist() == [0, 1, 3]
