@@ -99,6 +99,31 @@ def test_lane_never_reports_past_an_unfinished_job() -> None:
     lane.close()
 
 
+def test_jobs_dropped_by_cancel_queued_are_reported_failed() -> None:
+    """`cancel_queued` lets the running job finish and drops the queued ones, which are
+    reported failed, never done (SPEC §7: a store that never ran must not be taken for
+    data in its slots); the lane refuses new jobs."""
+    lane = TransferLane("test")
+    started, release = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def running() -> None:
+        started.set()
+        assert release.wait(JOIN_S)
+        ran.append(1)
+
+    lane.submit(1, running)
+    lane.submit(2, lambda: ran.append(2))
+    assert started.wait(JOIN_S)
+    lane.cancel_queued()
+    with pytest.raises(RuntimeError, match="closed"):
+        lane.submit(3, lambda: None)
+    release.set()
+    lane.close()
+    assert ran == [1]
+    assert lane.take_finished() == ([1], [2])
+
+
 def test_copy_threads_bounds_only_the_lane_thread() -> None:
     """copy_threads=1 gives the lane's torch ops one thread; the caller's setting stays."""
     before = torch.get_num_threads()
