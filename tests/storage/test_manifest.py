@@ -22,7 +22,7 @@ from kvtier.storage import (
     manifest_path_for,
 )
 from kvtier.storage.manifest import ManifestLog, open_manifest, read_manifest
-from kvtier.storage.manifest_format import ManifestEntry, encode_put
+from kvtier.storage.manifest_format import ManifestEntry, check_record, encode_put
 
 SLOT = 4096
 IDENTITY = ManifestIdentity("model-a|kv|sha256:0", 8, SLOT, "kv[0][K]:2048;kv[0][V]:2048")
@@ -360,4 +360,17 @@ def test_record_for_a_slot_past_the_end_ends_the_replay(
         slot_file, log, live = open_tier_files(tmp_path)
     assert live == {1: (1, rec(1)), 7: (7, rec(7))}
     assert "record for slot 8 outside [0, 8)" in caplog.text
+    close(slot_file, log)
+
+
+def test_a_record_of_the_largest_key_and_token_count_round_trips(tmp_path: Path) -> None:
+    """A key of 65535 bytes and 2**32 - 1 tokens fit the record layout (u16, u32): such a
+    record is accepted, and a reopen recovers it exactly (SPEC §7)."""
+    biggest = SlotRecord(b"k" * 0xFFFF, 0xFFFFFFFF)
+    check_record(biggest)
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([4], [44], [biggest])
+    close(slot_file, log)
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {4: (44, biggest)}
     close(slot_file, log)
