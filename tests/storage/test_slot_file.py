@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import gc
+import logging
 import os
 import stat
 import threading
@@ -155,7 +156,8 @@ def test_slots_land_at_k_times_slot_bytes(tmp_path: Path, mode: DiskIOMode) -> N
 
 
 def test_short_io_and_out_of_range_are_errors(tmp_path: Path) -> None:
-    """A short write or read raises DiskIOError; slots past the end raise ValueError."""
+    """A short write or read raises DiskIOError; slots past the end, or before the
+    first, raise ValueError."""
     slot_file = SlotFile(str(tmp_path / "f"), 4, 4096, DiskIOMode.PAGE_CACHE, ShortIO())
     with pytest.raises(DiskIOError, match="short write"):
         slot_file.write(memoryview(bytes(4096)), 0)
@@ -163,6 +165,8 @@ def test_short_io_and_out_of_range_are_errors(tmp_path: Path) -> None:
         slot_file.read(memoryview(bytearray(4096)), 0)
     with pytest.raises(ValueError, match="do not fit"):
         slot_file.write(memoryview(bytes(8192)), 3)
+    with pytest.raises(ValueError, match=r"slots \[-1, 0\) .* do not fit"):
+        slot_file.read(memoryview(bytearray(4096)), -1)
     slot_file.close()
     with pytest.raises(DiskIOError, match="closed"):
         slot_file.write(memoryview(bytes(4096)), 0)
@@ -286,3 +290,19 @@ def test_a_second_close_returns_only_once_the_file_is_removed(
     monkeypatch.undo()
     assert file_left == {"first": False, "second": False}
     SlotFile(path, 2, 4096, DiskIOMode.PAGE_CACHE).close()
+
+
+def test_close_leaves_a_file_that_replaced_its_own_at_the_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A non-persistent file whose path now names another file (one that a process
+    ignoring the lock put there) closes without removing that file, with a warning
+    (SPEC §7: a tier removes only the file it holds)."""
+    path = tmp_path / "rank0.slots"
+    slot_file = SlotFile(str(path), 2, 4096, DiskIOMode.PAGE_CACHE)
+    path.unlink()
+    path.write_bytes(b"someone else's")
+    with caplog.at_level(logging.WARNING):
+        slot_file.close()
+    assert path.read_bytes() == b"someone else's"
+    assert "was replaced by another file" in caplog.text
