@@ -37,7 +37,7 @@ from sim_worker import GARBAGE, Content, FakeWorker
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.core.keys import Key
-from kvtier.offload.plan import Tier, TransferPlan
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.offload.protocols import Handoff, ScheduledRequest, StepInput, TableUpdate
 
 __all__ = [
@@ -102,6 +102,19 @@ class SimEngine(SimEngineCore):
             appended[group_id].extend(new)
         self._scheduled[request_id] = num_tokens
         return num_tokens
+
+    def store_of_finished(self, request: SimRequest) -> TransferJob:
+        """Run `request` in one step, finish it and return the store job of its blocks.
+
+        Turns `auto_complete` off first, so the store is left in flight.
+        """
+        self.auto_complete = False
+        self.admit(request)
+        self.schedule(request.request_id)
+        self.step()
+        self.finish(request.request_id)
+        (store,) = self.step().jobs
+        return store
 
     def handoff(self, request_id: str, group_id: int, gpu_block_id: int) -> None:
         """Offer a block of a group that is not positionally stable, with the next step."""

@@ -108,12 +108,7 @@ def test_reset_drops_demotions_queued_but_not_yet_issued() -> None:
     demotion queued by a store's completion does not keep its CPU and disk pins, so the
     reset empties both tiers and the next plan demotes nothing."""
     engine = cascade_engine(CascadeMode.WRITE_THROUGH)
-    engine.auto_complete = False
-    engine.admit(make_request("a", range(8)))
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
-    (store,) = engine.step().jobs
+    store = engine.store_of_finished(make_request("a", range(8)))
     engine.worker.complete(store.event_id)
     engine.poll()  # registered in the CPU tier; its demotion is queued
     assert engine.scheduler.has_pending_stores()

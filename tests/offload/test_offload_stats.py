@@ -97,12 +97,7 @@ def test_accepting_more_than_offered_counts_a_failed_load() -> None:
 def test_demotions_without_a_free_disk_slot_are_counted_as_dropped() -> None:
     """Write-through over a 2-slot disk: of 4 stored blocks, 2 demote and 2 are dropped."""
     engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=5, num_disk=3)
-    engine.auto_complete = False
-    engine.admit(make_request("a", range(16)))
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
-    (store,) = engine.step().jobs
+    store = engine.store_of_finished(make_request("a", range(16)))
     engine.worker.complete(store.event_id)
     engine.poll()
     stats = engine.scheduler.take_stats()
@@ -215,12 +210,7 @@ def test_a_completed_demotion_alone_is_a_new_count() -> None:
     """The cascade's counters count as new: a report completing only demotions moves no
     store or load counter, yet `take_stats` has demoted blocks to report."""
     engine = cascade_engine(CascadeMode.WRITE_THROUGH)
-    engine.auto_complete = False
-    engine.admit(make_request("a", range(8)))
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
-    (store,) = engine.step().jobs
+    store = engine.store_of_finished(make_request("a", range(8)))
     engine.worker.complete(store.event_id)
     engine.poll()
     (demotion,) = engine.step().jobs

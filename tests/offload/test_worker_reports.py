@@ -19,12 +19,7 @@ from kvtier.offload.transfers import FailedLoad, ReportOutcome
 def engine_with_a_store(num_workers: int = 1) -> tuple[SimEngine, int]:
     """Return an engine with one finish-time store in flight, and its event id."""
     engine = SimEngine(full_layout(), num_workers=num_workers)
-    engine.auto_complete = False
-    engine.admit(make_request("a", range(8)))
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
-    (store,) = engine.step().jobs
+    store = engine.store_of_finished(make_request("a", range(8)))
     return engine, store.event_id
 
 
