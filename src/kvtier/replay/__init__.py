@@ -15,6 +15,7 @@
 | `plan` | the CLI's options, output paths and trace checked into a `ReplayPlan` before a run |
 | `outputs` | checks that `--json` / `--out` can be written |
 | `report` | exact capacity labels (`1000001`, `1M`, `10G`) and the results table |
+| `store_once` | `StoreOnce`: a single-valued CLI option given twice is a usage error |
 """
 
 from kvtier.replay.config import (

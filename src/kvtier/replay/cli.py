@@ -21,6 +21,7 @@ from kvtier.replay.config import CascadeMode, ReleaseOrder, ReplayError
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
+from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.sweep import SweepPoint, plot_sweep, run_sweep, write_csv, write_json
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceError, TraceSummary, summarize
 
@@ -124,6 +125,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-capacity",
+        action=StoreOnce,
         type=parse_tokens,
         default=0,
         metavar="TOKENS",
@@ -132,6 +134,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--disk-capacity",
         "--disk",
+        action=StoreOnce,
         type=parse_tokens,
         default=0,
         metavar="TOKENS",
@@ -140,6 +143,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cascade",
+        action=StoreOnce,
         choices=[m.value for m in CascadeMode],
         help="CPU -> DISK cascade (needs --disk-capacity; online policies only): stores go "
         "to the CPU tier, a lookup takes each block from CPU, else DISK. write_through: "
@@ -150,6 +154,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--block-size",
+        action=StoreOnce,
         type=_positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help=f"tokens per trace hash block (default {DEFAULT_BLOCK_SIZE})",
@@ -162,11 +167,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
+        action=StoreOnce,
         type=_output_path,
         help=f"with --sweep: folder for the sweep CSV and plot (default {DEFAULT_OUT})",
     )
     parser.add_argument(
         "--json",
+        action=StoreOnce,
         type=_output_path,
         metavar="PATH",
         help="write every result as JSON (adds lru and belady, the reference lines; "
@@ -174,6 +181,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--release-order",
+        action=StoreOnce,
         choices=[o.value for o in ReleaseOrder],
         default=ReleaseOrder.TAIL_FIRST.value,
         help="when/how a request's tier blocks are freed: tail_first (all at the end, last "
@@ -185,24 +193,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     defaults = CostModel()
     parser.add_argument(
         "--prefill-tokens-per-s",
+        action=StoreOnce,
         type=_positive_float,
         default=defaults.prefill_tokens_per_s,
         help=f"TTFT model: prefill speed (default {defaults.prefill_tokens_per_s:g})",
     )
     parser.add_argument(
         "--bytes-per-token",
+        action=StoreOnce,
         type=_positive_int,
         default=defaults.bytes_per_token,
         help=f"KV bytes per token (default {defaults.bytes_per_token}: Llama-3-8B bf16)",
     )
     parser.add_argument(
         "--cpu-link-gbps",
+        action=StoreOnce,
         type=_positive_float,
         default=DEFAULT_LINK_GBPS["CPU"],
         help=f"CPU -> GPU load link in GB/s (default {DEFAULT_LINK_GBPS['CPU']:g})",
     )
     parser.add_argument(
         "--disk-link-gbps",
+        action=StoreOnce,
         type=_positive_float,
         help=f"with --disk-capacity: DISK -> GPU load link in GB/s (default "
         f"{DEFAULT_LINK_GBPS['DISK']:g})",

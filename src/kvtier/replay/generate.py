@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
 
 Segment = tuple[int, int]  # (segment id, length in tokens)
@@ -151,15 +152,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Mooncake-format trace for `kvtier replay`.",
     )
     parser.add_argument("out", help="output .jsonl path")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="random seed (default 0)")
+    parser.add_argument(
+        "--seed",
+        action=StoreOnce,
+        type=int,
+        default=defaults.seed,
+        help="random seed (default 0)",
+    )
     parser.add_argument(
         "--conversations",
+        action=StoreOnce,
         type=int,
         default=defaults.num_conversations,
         help=f"number of conversations (default {defaults.num_conversations})",
     )
     parser.add_argument(
         "--block-size",
+        action=StoreOnce,
         type=int,
         default=defaults.block_size,
         help=f"tokens per hash block (default {defaults.block_size})",

@@ -1,0 +1,111 @@
+"""A single-valued option of `kvtier replay` or of the trace generator given twice is a usage
+error naming it; argparse kept the last value, silently (`--json a --json b` wrote only b)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from replay_helpers import BLOCK, doc_trace
+
+from kvtier.replay import generate
+from kvtier.replay.cli import configure, main
+from kvtier.replay.store_once import StoreOnce
+from kvtier.replay.trace import write_trace
+
+# Every single-valued option of `kvtier replay`, with two values it accepts.
+REPLAY_OPTIONS = [
+    ("--json", "a.json", "b.json"),
+    ("--out", "a", "b"),
+    ("--gpu-capacity", "1M", "2M"),
+    ("--disk-capacity", "1M", "2M"),
+    ("--cascade", "write_back", "write_through"),
+    ("--block-size", "8", "16"),
+    ("--release-order", "scheduler", "tail_first"),
+    ("--prefill-tokens-per-s", "1000", "2000"),
+    ("--bytes-per-token", "100", "200"),
+    ("--cpu-link-gbps", "10", "20"),
+    ("--disk-link-gbps", "1", "2"),
+]
+
+
+def expect_usage_error(capsys: pytest.CaptureFixture[str], run: object, *parts: str) -> None:
+    assert callable(run)
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    for part in parts:
+        assert part in err
+
+
+@pytest.mark.parametrize(("option", "first", "second"), REPLAY_OPTIONS)
+def test_a_replay_option_given_twice_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, first: str, second: str
+) -> None:
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, doc_trace(seed=5, num_requests=10))
+    argv = [str(trace), "--quiet", "--capacity", "80", option, first, option, second]
+    expect_usage_error(capsys, lambda: main(argv), f"argument {option}", ": given twice (")
+
+
+def test_two_json_paths_write_neither(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, doc_trace(seed=5, num_requests=10))
+    argv = [str(trace), "--quiet", "--block-size", str(BLOCK), "--capacity", "80"]
+    argv += ["--json", str(tmp_path / "a.json"), "--json", str(tmp_path / "b.json")]
+    expect_usage_error(
+        capsys, lambda: main(argv), f"argument --json: given twice ('{tmp_path}/a.json', then"
+    )
+    assert list(tmp_path.iterdir()) == [trace]
+
+
+def test_an_alias_and_its_option_count_as_the_same_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    argv = ["t.jsonl", "--disk", "1M", "--disk-capacity", "2M"]
+    expect_usage_error(
+        capsys, lambda: parser.parse_args(argv), "argument --disk-capacity/--disk: given twice"
+    )
+
+
+def test_repeatable_options_stay_repeatable_and_a_parser_parses_many_times() -> None:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    argv = ["t.jsonl", "--policy", "lru", "--policy", "arc", "--capacity", "1M", "--cpu", "2M"]
+    for _ in range(2):  # what one parse recorded does not make the next one's --json a repeat
+        args = parser.parse_args([*argv, "--json", "r.json"])
+        assert args.policy == ["lru", "arc"]
+        assert args.capacity == [1_000_000, 2_000_000]
+        assert args.json == "r.json"
+
+
+def test_every_single_valued_replay_option_refuses_a_repeat() -> None:
+    """A new single-valued option must use StoreOnce too (and be listed above)."""
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    single = {
+        action.option_strings[0]
+        for action in parser._actions
+        if action.option_strings and action.nargs is None and not action.const
+    }
+    single -= {"--policy", "--capacity", "-h"}
+    assert single == {option for option, _, _ in REPLAY_OPTIONS}
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0] in single:
+            assert isinstance(action, StoreOnce), action.option_strings
+
+
+@pytest.mark.parametrize("option", ["--seed", "--conversations", "--block-size"])
+def test_a_generator_option_given_twice_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    out = tmp_path / "chat.jsonl"
+    argv = [str(out), option, "3", option, "4"]
+    expect_usage_error(
+        capsys, lambda: generate.main(argv), f"argument {option}: given twice (3, then 4)"
+    )
+    assert not out.exists()
