@@ -17,7 +17,7 @@ from kvtier.replay.report import format_table, format_tokens
 from kvtier.replay.sweep import SweepPoint, run_sweep, sweep_figure
 from kvtier.replay.trace import write_trace
 
-NUM_COLUMNS = 10  # policy ... TTFT s; the per-tier hit ratios follow
+NUM_COLUMNS = 11  # policy ... TTFT s, then the per-tier hit ratios (one cell)
 
 
 @pytest.mark.parametrize(
@@ -55,8 +55,31 @@ def test_columns_never_touch_even_for_huge_ratios() -> None:
     assert len(re.split(r"\s{2,}", lines[0].strip())) == NUM_COLUMNS
     for line in lines[2:]:
         cells = re.split(r"\s{2,}", line.strip())
-        assert len(cells) == NUM_COLUMNS + 1, line
+        assert len(cells) == NUM_COLUMNS, line
     assert "1302.00" in lines[3]
+
+
+@pytest.mark.parametrize(
+    ("options", "title", "cell"),
+    [
+        (["--gpu-capacity", "400", "--disk", "160"], "hit per tier", "GPU:"),
+        (["--disk", "160", "--cascade", "write_back"], "hit per tier, cascade blocks", "to-disk:"),
+    ],
+)
+def test_the_per_tier_column_has_a_header(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], title: str, cell: str
+) -> None:
+    """The per-tier hit ratios followed the last column without a header of their own."""
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, doc_trace(seed=5, num_requests=30))
+    argv = [str(trace), "--block-size", str(BLOCK), "--quiet", "--capacity", "80", *options]
+    assert main(argv) == 0
+    header, rule, row = capsys.readouterr().out.splitlines()[1:4]
+    assert re.split(r"\s{2,}", header)[-1] == title
+    assert rule == "-" * len(header)
+    tiers = re.split(r"\s{2,}", row)[-1]
+    assert row.index(tiers) == header.index(title), "the header starts where its cells do"
+    assert cell in tiers
 
 
 def test_table_labels_tell_capacities_apart(

@@ -19,6 +19,10 @@ _HEADER = (
     "GB loaded",
     "TTFT s",
 )
+# The last column: each tier's token hit ratio (GPU first, when there is one), then a
+# cascade's block counts; left-aligned, as wide as each row needs.
+_TIERS_HEADER = "hit per tier"
+_CASCADE_HEADER = "hit per tier, cascade blocks"
 _GAP = "  "  # between columns: columns never touch, whatever their widths
 
 
@@ -42,7 +46,8 @@ def format_table(points: Sequence[SweepPoint]) -> str:
     """Return the results as an aligned text table, one row per point.
 
     Each column is as wide as its widest cell and columns are two spaces apart; the
-    per-tier hit ratios follow at the end of each row.
+    last column, "hit per tier", holds each tier's hit ratio (and a cascade's blocks
+    moved to disk and promoted), as long as each row needs.
     """
     table = hit_ratio_table(points)
     rows = [_cells(point, table) for point in points]
@@ -55,7 +60,8 @@ def format_table(points: Sequence[SweepPoint]) -> str:
         rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
         return _GAP.join([first, *rest])
 
-    header = line(_HEADER)
+    has_cascade = any(point.result.cascade is not None for point in points)
+    header = line(_HEADER) + _GAP + (_CASCADE_HEADER if has_cascade else _TIERS_HEADER)
     lines = [header, "-" * len(header)]
     lines += [f"{line(cells)}{_GAP}{tiers}" for cells, tiers in rows]
     return "\n".join(lines)
