@@ -87,3 +87,33 @@ def test_add_parser_mounts_the_command() -> None:
     assert args.policy == ["lfuda+door"]
     assert args.capacity == [1_000_000]
     assert callable(args.run)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\u0661\u0660\u0660k",  # Arabic-Indic 100k
+        "\uff13M",  # full-width 3M
+        "1\u06f00000",  # an Extended Arabic-Indic zero among ASCII digits
+        "\uff11.\uff15M",  # full-width 1.5M
+        "2\u212a",  # 2 and the Kelvin sign, which case-folds to k
+    ],
+)
+@pytest.mark.parametrize(
+    ("option", "name"),
+    [
+        ("--capacity", "--capacity/--cpu"),
+        ("--cpu", "--capacity/--cpu"),
+        ("--gpu-capacity", "--gpu-capacity"),
+        ("--disk", "--disk-capacity/--disk"),
+    ],
+)
+def test_token_counts_take_ascii_digits_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, option: str, name: str
+) -> None:
+    """int() and Fraction read other scripts' digits, so Arabic-Indic 100k ran as 100k."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "t.jsonl"), option, text])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {name}: invalid token count {text!r}: use digits 0-9" in err

@@ -28,7 +28,9 @@ from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceError, TraceSummary, su
 __all__ = ["add_parser", "configure", "format_table", "main", "parse_tokens", "run"]
 
 _SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
-_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE)
+# ASCII only: `\d` alone also matches other scripts' digits (Arabic-Indic, full-width) and
+# IGNORECASE the Kelvin sign as k; Fraction and int() would read those digits as numbers.
+_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE | re.ASCII)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader that went away
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 
@@ -38,7 +40,8 @@ def parse_tokens(text: str) -> int:
     match = _CAPACITY.match(text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"invalid token count {text!r}: use e.g. 300k, 1M, 1.5M or 2000000"
+            f"invalid token count {text!r}: use digits 0-9 and an optional k, M or G, e.g. "
+            "300k, 1M, 1.5M or 2000000"
         )
     value = Fraction(match.group(1)) * _SUFFIXES[match.group(2).lower()]
     if value.denominator != 1:
