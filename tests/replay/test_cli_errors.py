@@ -130,6 +130,34 @@ def test_options_that_would_be_ignored_or_are_zero_are_errors(
 
 
 @pytest.mark.parametrize(
+    ("options", "parts"),
+    [
+        (
+            ["--sweep", "--block-size", "200000", "--out", "{tmp}/sweep"],
+            [
+                "--block-size 200000: --sweep's default capacities run 100k ... 30M, and 100k "
+                "holds no 200000-token block",
+                "give --capacity (at least 200000 tokens)",
+            ],
+        ),
+        (
+            ["--block-size", "2000000"],
+            ["--block-size 2000000: the default --capacity 1M holds no 2000000-token block"],
+        ),
+    ],
+)
+def test_a_block_larger_than_a_default_capacity_names_the_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], parts: list[str]
+) -> None:
+    """It read `tier CPU: capacity 100000 tokens holds no 200000-token block`, no flag."""
+    trace = trace_file(tmp_path)
+    argv = [str(trace), "--quiet", *(o.format(tmp=tmp_path) for o in options)]
+    assert main(argv) == 2
+    assert_error_before_the_run(capsys, *parts)
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize(
     ("option", "value", "message"),
     [
         ("--block-size", "0", "must be > 0, got 0"),

@@ -31,6 +31,7 @@ from kvtier.replay.sweep import DEFAULT_SWEEP_TOKENS, LRU
 from kvtier.replay.trace import TraceRecord, read_numbered_trace
 
 DEFAULT_OUT = "replay_out"
+DEFAULT_CAPACITY = 1_000_000  # the CPU tier's tokens without --capacity (and --sweep)
 SWEEP_FILES = ("sweep.csv", "sweep.png")  # what --sweep writes into --out
 
 
@@ -50,7 +51,7 @@ def build_config(args: argparse.Namespace) -> ReplayConfig:
             "results with --json PATH)"
         )
     _check_capacities(args)
-    tiers = [TierConfig("CPU", (args.capacity or [1_000_000])[0], args.cpu_link_gbps)]
+    tiers = [TierConfig("CPU", (args.capacity or [DEFAULT_CAPACITY])[0], args.cpu_link_gbps)]
     if args.disk_capacity:
         disk_link = args.disk_link_gbps
         if disk_link is None:
@@ -67,8 +68,14 @@ def build_config(args: argparse.Namespace) -> ReplayConfig:
 
 
 def _check_capacities(args: argparse.Namespace) -> None:
-    """Raise `ReplayError` naming a capacity option too small to hold one block."""
+    """Raise `ReplayError` naming a capacity option too small to hold one block.
+
+    Without --capacity, a --block-size larger than the default capacity (or than the
+    smallest of --sweep's) is named instead.
+    """
     block = args.block_size
+    if not args.capacity:
+        _check_default_capacities(args)
     sizes = [("--capacity", tokens) for tokens in args.capacity or []]
     sizes += [("--disk-capacity", args.disk_capacity), ("--gpu-capacity", args.gpu_capacity)]
     for option, tokens in sizes:
@@ -79,6 +86,23 @@ def _check_capacities(args: argparse.Namespace) -> None:
                 f"{option} {format_tokens(tokens)} holds no {block}-token block "
                 f"(--block-size {block}): give at least {block} tokens{none}"
             )
+
+
+def _check_default_capacities(args: argparse.Namespace) -> None:
+    """Raise `ReplayError` naming --block-size when a default capacity holds no block."""
+    block = args.block_size
+    defaults = DEFAULT_SWEEP_TOKENS if args.sweep else (DEFAULT_CAPACITY,)
+    if min(defaults) >= block:
+        return
+    smallest = format_tokens(min(defaults))
+    what = f"the default --capacity {smallest}"
+    if args.sweep:
+        largest = format_tokens(max(defaults))
+        what = f"--sweep's default capacities run {smallest} ... {largest}, and {smallest}"
+    raise ReplayError(
+        f"--block-size {block}: {what} holds no {block}-token block; give --capacity (at "
+        f"least {block} tokens) or a smaller --block-size"
+    )
 
 
 @dataclass(frozen=True)
@@ -102,7 +126,7 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     policies = list(dict.fromkeys(args.policy or [LRU]))
     for policy in policies:  # what was asked for, before the reference lines replace it
         dataclasses.replace(base, policy=policy)
-    capacities = list(dict.fromkeys(args.capacity or [1_000_000]))
+    capacities = list(dict.fromkeys(args.capacity or [DEFAULT_CAPACITY]))
     if args.sweep and not args.capacity:
         capacities = list(DEFAULT_SWEEP_TOKENS)
     if args.sweep or args.json:  # the reference lines (a cascade cannot run Belady)
