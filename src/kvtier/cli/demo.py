@@ -15,6 +15,7 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 from kvtier.cli.demo_checks import check_options, check_paths, check_positions, check_sizes
+from kvtier.cli.demo_plot import PLOT_NAME, write_ttft_plot
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -196,30 +197,16 @@ def _tier_hits(result: RunResult) -> str:
 
 
 def _plot(results: list[RunResult], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Write the TTFT-per-turn plot into `out` (created if missing); return its path."""
     out.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in results:
-        turns = sorted({t.turn for t in r.turns})
-        means = [
-            sum(t.ttft_s for t in r.turns if t.turn == turn)
-            / sum(1 for t in r.turns if t.turn == turn)
-            * 1e3
-            for turn in turns
-        ]
-        ax.plot(turns, means, marker="o", label=r.name)
-    ax.set_xticks(sorted({t.turn for t in results[0].turns}))
-    ax.set_xlabel("turn")
-    ax.set_ylabel("mean TTFT (ms)")
-    ax.set_title("kvtier demo: time to first token per turn")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path = out / "demo_ttft.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = out / PLOT_NAME
+    write_ttft_plot(path, {r.name: _mean_ttft_ms_by_turn(r) for r in results})
     return path
+
+
+def _mean_ttft_ms_by_turn(result: RunResult) -> dict[int, float]:
+    """Return {turn: mean TTFT in ms over the conversations}."""
+    ttfts: dict[int, list[float]] = {}
+    for t in result.turns:
+        ttfts.setdefault(t.turn, []).append(t.ttft_s)
+    return {turn: sum(values) / len(values) * 1e3 for turn, values in sorted(ttfts.items())}
