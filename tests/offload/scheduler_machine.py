@@ -81,6 +81,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         fine=st.booleans(),
         num_disk_blocks=st.integers(3, 10),
         second=st.sampled_from([None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE]),
+        token_check=st.booleans(),
     )
     def setup(
         self,
@@ -90,20 +91,28 @@ class SchedulerDriver(RuleBasedStateMachine):
         fine: bool,
         num_disk_blocks: int,
         second: GroupKind | None,
+        token_check: bool,
     ) -> None:
         """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits).
 
         `second` adds a group of 4: a sliding window of 8 tokens (the engine nulls blocks
         that left it) or a recurrent state (stored from hand-offs). A cascade machine
-        puts a disk tier of `num_disk_blocks` behind the CPU tier.
+        puts a disk tier of `num_disk_blocks` behind the CPU tier. `token_check` (eager
+        only) tags every store and checks every hit's tags.
         """
         fine = fine and self.mode is StoreMode.EAGER
+        token_check = token_check and self.mode is StoreMode.EAGER
         layout = full_layout(8, HASH_BLOCK) if fine else full_layout(4)
         if second is not None:
             window = 8 if second is GroupKind.SLIDING_WINDOW else None
             groups = (*layout.groups, KVGroupSpec(second, HASH_BLOCK, BYTES_PER_BLOCK, window))
             layout = KVLayout(groups, HASH_BLOCK)
-        cfg = config(store_mode=self.mode, max_batched_tokens=8, fine_grained_hits=fine)
+        cfg = config(
+            store_mode=self.mode,
+            max_batched_tokens=8,
+            fine_grained_hits=fine,
+            token_check=token_check,
+        )
         if self.cascade is not None:
             cfg = OffloadConfig(
                 cpu_bytes=1 << 20,
@@ -113,6 +122,7 @@ class SchedulerDriver(RuleBasedStateMachine):
                 store_mode=self.mode,
                 max_batched_tokens=8,
                 fine_grained_hits=fine,
+                token_check=token_check,
             )
         self.engine = SimEngine(
             layout,

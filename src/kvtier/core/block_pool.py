@@ -17,6 +17,7 @@ from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.core.pool_block import NULL_BLOCK_ID as NULL_BLOCK_ID
 from kvtier.core.pool_checks import PoolError as PoolError
 from kvtier.core.pool_queries import PoolQueries
+from kvtier.core.token_tags import Tag
 
 
 class BlockPool(PoolQueries):
@@ -45,6 +46,7 @@ class BlockPool(PoolQueries):
         self._num_tokens = array("i", bytes(4 * num_blocks))
         self._keys: list[Key | None] = [None] * num_blocks
         self._secondary: dict[int, list[Key]] = {}
+        self._tags: dict[int, Tag] = {}  # block -> the token tag of its primary key's KV
         self._index: dict[Key, int] = {}
         self._more_blocks: dict[Key, list[int]] = {}  # a key held by several blocks
         self._free: FreeQueue = free_queue if free_queue is not None else LRUFreeQueue(num_blocks)
@@ -78,7 +80,12 @@ class BlockPool(PoolQueries):
         refs = self._refs
         on_evict = self.on_evict
         # The common eviction inline: one key, held by this block only, no events.
-        simple = not self._secondary and not self._record_events and not self._more_blocks
+        simple = (
+            not self._secondary
+            and not self._record_events
+            and not self._more_blocks
+            and not self._tags
+        )
         index = self._index
         num_tokens = self._num_tokens
         for block_id in taken:
@@ -153,11 +160,17 @@ class BlockPool(PoolQueries):
                 queue.push_cached_many(cached)
 
     def insert_key(
-        self, key: Key, block_id: int, num_tokens: int, stored: BlockStored | None = None
+        self,
+        key: Key,
+        block_id: int,
+        num_tokens: int,
+        stored: BlockStored | None = None,
+        tag: Tag | None = None,
     ) -> None:
         """Make `block_id` hold `key`: primary if it has none, otherwise secondary.
 
-        `num_tokens` is recorded for a primary key. `stored` is the event to record
+        `num_tokens` and `tag` (the token tag of the block's KV, `token_tags`) are
+        recorded for a primary key only. `stored` is the event to record
         (when events are on); a minimal one is made when it is None. Inserting a key
         the block already holds does nothing. A free block given its primary key is
         queued as most recently used. Raises PoolError for the null block or an id out of
@@ -171,6 +184,8 @@ class BlockPool(PoolQueries):
         if primary is None:
             self._num_tokens[block_id] = num_tokens
             self._keys[block_id] = key
+            if tag is not None:
+                self._tags[block_id] = tag
             if self._refs[block_id] == 0:
                 # Free and unhashed, it sat among blocks reused first; cached, it is MRU.
                 self._free.remove(block_id)
@@ -194,10 +209,15 @@ class BlockPool(PoolQueries):
             self._events.append(stored)
 
     def insert_keys(
-        self, keys: Sequence[Key], block_ids: Sequence[int], num_tokens: Sequence[int]
+        self,
+        keys: Sequence[Key],
+        block_ids: Sequence[int],
+        num_tokens: Sequence[int],
+        tags: dict[int, Tag] | None = None,
     ) -> None:
         """`insert_key` each (key, block, num_tokens) in order, without events' payloads.
 
+        `tags` maps an index of the lists to the tag of that block's KV (absent: none).
         The hot path of registering a step's stores: a key new to the pool going to a
         block without one is inserted inline; anything else goes through `insert_key`.
         """
@@ -229,6 +249,18 @@ class BlockPool(PoolQueries):
                 index[key] = block_id
             else:
                 self.insert_key(key, block_id, count)
+        if tags:
+            self._set_tags(keys, block_ids, tags)
+
+    def _set_tags(
+        self, keys: Sequence[Key], block_ids: Sequence[int], tags: dict[int, Tag]
+    ) -> None:
+        """Record `tags[i]` for `block_ids[i]` where `keys[i]` became its primary key."""
+        block_keys = self._keys
+        for i, tag in tags.items():
+            block_id = block_ids[i]
+            if block_keys[block_id] == keys[i]:
+                self._tags[block_id] = tag
 
     def discard_keys(self, block_id: int) -> None:
         """Drop every key of `block_id` (its content is no longer trusted).
@@ -250,6 +282,7 @@ class BlockPool(PoolQueries):
         self._keys = [None] * self.num_blocks
         self._num_tokens = array("i", bytes(4 * self.num_blocks))
         self._secondary.clear()
+        self._tags.clear()
         self._index.clear()
         self._more_blocks.clear()
         self._free.clear_and_fill(range(1, self.num_blocks))
@@ -269,6 +302,8 @@ class BlockPool(PoolQueries):
         assert primary is not None
         self._keys[block_id] = None
         self._num_tokens[block_id] = 0
+        if self._tags:
+            self._tags.pop(block_id, None)
         secondary = self._secondary.pop(block_id, None) if self._secondary else None
         if secondary is None and not self._record_events and primary not in self._more_blocks:
             del self._index[primary]  # the common case: one key, held by this block only

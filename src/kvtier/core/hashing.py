@@ -68,6 +68,7 @@ __all__ = [
     "RequestExtras",
     "RequestHasher",
     "coarse_hashes",
+    "encode_extra_key",
     "extra_keys_for_block",
     "hash_request",
 ]
@@ -95,7 +96,11 @@ class HashAlgo(Enum):
     XXHASH = "xxhash"
 
 
-def _encode_extra_key(value: ExtraKey, out: bytearray) -> None:
+def encode_extra_key(value: ExtraKey, out: bytearray) -> None:
+    """Append the canonical encoding of one extra key to `out` (format in the module doc).
+
+    Raises TypeError for an unsupported type (bool included), ValueError outside int64.
+    """
     # bool is an int subclass; True and 1 would serialise alike, so refuse it.
     if isinstance(value, bool):
         raise TypeError(f"extra key {value!r}: bool is not a valid extra key")
@@ -117,7 +122,7 @@ def _encode_extra_key(value: ExtraKey, out: bytearray) -> None:
         out += b"t"
         out += _U64.pack(len(value))
         for item in value:
-            _encode_extra_key(item, out)
+            encode_extra_key(item, out)
     else:
         raise TypeError(
             f"extra key {value!r} has type {type(value).__name__}; "
@@ -136,7 +141,7 @@ def _seed_bytes(seed: str | bytes) -> bytes:
 
 def _derive(label: bytes, secret: bytes) -> bytes:
     out = bytearray(label)
-    _encode_extra_key(secret, out)
+    encode_extra_key(secret, out)
     return hashlib.sha256(out).digest()
 
 
@@ -228,7 +233,7 @@ class BlockHasher:
             raise ValueError(_bad_token_message(token_ids)) from exc
         message += _U64.pack(len(extra_keys))
         for key in extra_keys:
-            _encode_extra_key(key, message)
+            encode_extra_key(key, message)
         if self.algo is HashAlgo.SHA256:
             return hashlib.sha256(message).digest()
         return bytes(xxhash.xxh3_128_digest(message, seed=self._xxh3_seed))

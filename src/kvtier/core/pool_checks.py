@@ -75,6 +75,8 @@ def _check_keys(pool: BlockPool) -> None:
             assert key in held, f"index maps a key to block {block_id}, which lacks it"
     assert all(more.values()), "an empty list of further blocks is kept for a key"
     assert more.keys() <= index.keys(), "further blocks of a key missing from the index"
+    for block_id in pool._tags:
+        assert keys[block_id] is not None, f"block {block_id}: a token tag, no key"
     for block_id, primary in enumerate(keys):
         if primary is None:
             assert block_id not in secondary, f"block {block_id}: secondary keys, no primary"

@@ -24,6 +24,7 @@ class PoolQueries:
     _num_tokens: array[int]
     _keys: list[Key | None]
     _secondary: dict[int, list[Key]]
+    _tags: dict[int, bytes]
     _index: dict[Key, int]
     _more_blocks: dict[Key, list[int]]
     _free: FreeQueue
@@ -77,6 +78,10 @@ class PoolQueries:
         if not 0 <= block_id < self.num_blocks:
             self._check_id(block_id)  # raises
         return self._num_tokens[block_id]
+
+    def tag(self, block_id: int) -> bytes | None:
+        """Return the token tag recorded with the block's primary key, or None."""
+        return self._tags.get(block_id)
 
     def secondary_keys(self, block_id: int) -> Sequence[Key]:
         """Return the secondary keys of `block_id` (empty when none).

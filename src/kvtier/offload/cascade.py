@@ -174,9 +174,11 @@ class Cascade:
 
     def _register(self, item: MoveItem) -> None:
         keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]
+        tag = self.cpu_pool.tag(item.cpu_block_id)  # the CPU block's primary key is item.key
         for key in keys:
             event = None if self._event is None else self._event(key, item.num_tokens)
-            self.disk_pool.insert_key(key, item.disk_block_id, item.num_tokens, event)
+            self.disk_pool.insert_key(key, item.disk_block_id, item.num_tokens, event, tag)
+            tag = None  # a tag goes with the primary key only
         self.counters.num_demoted_blocks += 1
 
     def release(self, items: Iterable[MoveItem]) -> None:

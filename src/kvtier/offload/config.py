@@ -89,6 +89,9 @@ class OffloadConfig:
     sets the size of the first lower tier explicitly (it must fit the budget); it counts
     every block of the tier pool, the null block included. `disk_persist` keeps the disk
     tier's file and a manifest across restarts (same model, layout and hash seed only).
+    `token_check` records a second digest of each stored block's tokens (a token tag)
+    and serves a hit only where it matches the request's own, so a hash collision costs
+    a miss instead of wrong KV (SPEC §3 Beyond; eager stores only).
     `key_sources` pairs keys translated from another spelling with what the user wrote
     (e.g. `("cpu_bytes", "cpu_bytes_to_use_per_rank")`): an error on such a key names it.
     """
@@ -109,6 +112,7 @@ class OffloadConfig:
     admission_policy: str = "all"  # kvtier.core.policies.ADMISSION_POLICIES
     cascade: CascadeMode = CascadeMode.WRITE_THROUGH
     disk_persist: bool = False
+    token_check: bool = False
     key_sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     @_naming_sources
@@ -138,6 +142,11 @@ class OffloadConfig:
             )
         if self.fine_grained_hits and self.store_mode is StoreMode.LAZY:
             raise ConfigError("fine_grained_hits=True needs store_mode='eager'")
+        if self.token_check and self.store_mode is StoreMode.LAZY:
+            raise ConfigError(
+                "token_check=True needs store_mode='eager': a lazy store copies a block no "
+                "request names, so nothing gives the tokens to check its hits against"
+            )
 
     @property
     def is_cascade(self) -> bool:
@@ -280,6 +289,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "admission_policy": str,
     "cascade": CascadeMode,
     "disk_persist": bool,
+    "token_check": bool,
 }
 _OPTIONAL = {"disk_path", "num_blocks", "hash_seed"}
 # The keys `OffloadConfig.from_dict` accepts: the fields and the SPEC's `disk_direct_io`.

@@ -13,10 +13,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.core.keys import BlockHash, Key, key_block_hash
 from kvtier.core.kv_groups import GroupKind, KVLayout
-from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
+from kvtier.core.longest_hit import CachedBlockFn, HitGranularity, LongestHit, find_longest_hit
 from kvtier.offload.plan import Tier
 from kvtier.offload.protocols import GpuPoolView, RequestView
+from kvtier.offload.request_tags import RequestTags
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.transfers import FailedLoad, LoadItem, LoadProgress, TransferBook
 
@@ -45,6 +47,10 @@ class LoadPlanner:
     (from another copy) would make the engine wait for a second load; vLLM 0.33 admits
     such a load only beside the blocks reserved for the requests queued behind it, which
     may be waiting on the same failed load, and then never makes progress.
+
+    With `tags` (the token check on), a tier block counts as a hit only where its token
+    tag is the looking-up request's own; `num_tag_mismatches` counts tier blocks whose
+    key matched but whose tag did not (a hash collision, or a corrupted tag).
     """
 
     def __init__(
@@ -53,11 +59,14 @@ class LoadPlanner:
         index: TierIndex,
         granularity: HitGranularity,
         book: TransferBook,
+        tags: RequestTags | None = None,
     ) -> None:
         self.layout = layout
         self.index = index
         self.granularity = granularity
         self.book = book
+        self.tags = tags
+        self.num_tag_mismatches = 0
         self.gpu_pool: GpuPoolView | None = None
         self.pins: dict[str, LookupPin] = {}
         self.queued: list[LoadItem] = []
@@ -89,9 +98,8 @@ class LoadPlanner:
         max_tokens = request.num_tokens - 1 - num_local_tokens  # the last token is recomputed
         if not hashes or max_tokens <= 0:
             return 0
-        hit = find_longest_hit(
-            self.layout, hashes, max_tokens, self.index.cached_block, self.granularity
-        )
+        cached = self._cached_fn(request, hashes)
+        hit = find_longest_hit(self.layout, hashes, max_tokens, cached, self.granularity)
         if hit.num_tokens == 0:
             return 0
         pinned = [b for ids in hit.block_ids for b in ids if b != NULL_BLOCK_ID]
@@ -179,10 +187,39 @@ class LoadPlanner:
         if num_tokens == hit.num_tokens or self._prefix_only:
             return hit
         hashes = request.block_hashes[pin.num_local_tokens // self.layout.hash_block_size :]
-        shorter = find_longest_hit(
-            self.layout, hashes, num_tokens, self.index.cached_block, self.granularity
-        )
+        cached = self._cached_fn(request, hashes)
+        shorter = find_longest_hit(self.layout, hashes, num_tokens, cached, self.granularity)
         return shorter if shorter.num_tokens == num_tokens else None
+
+    def _cached_fn(self, request: RequestView, hashes: Sequence[BlockHash]) -> CachedBlockFn:
+        """Return the tier lookup of a hit: the index's own, or with the token check on,
+        one that also requires each block's tag to be the request's tag of its hash."""
+        if self.tags is None:
+            return self.index.cached_block
+        tags = self.tags.of(request)
+        first = len(request.block_hashes) - len(hashes)
+        expected = dict(zip(hashes, tags[first:], strict=True))
+        index = self.index
+
+        def checked(key: Key) -> int | None:
+            block_id = index.cached_block(key)
+            if block_id is None:
+                return None
+            tag = index.tag(block_id)
+            if tag is not None and tag == expected.get(key_block_hash(key)):
+                return block_id
+            if tag is not None:
+                self.num_tag_mismatches += 1
+                logger.warning(
+                    "request %s: tier block %d holds key %s with other tokens (a hash "
+                    "collision); not served",
+                    request.request_id,
+                    block_id,
+                    key.hex()[:16],
+                )
+            return None
+
+        return checked
 
     def _pair(
         self,

@@ -39,15 +39,18 @@ class Registrar:
         tier_block = stores.tier_block_ids[index]
         own_key = stores.keys[index]
         tail_num_tokens = stores.tails.get(index, 0)
+        tag = stores.tags.get(index)
         if tail_num_tokens:
             event = self.event(own_key, tail_num_tokens)
-            tier_pool.insert_key(own_key, tier_block, tail_num_tokens, event)
+            tier_pool.insert_key(own_key, tier_block, tail_num_tokens, event, tag)
             return
         gpu_block_id = stores.gpu_block_ids[index]
         key = gpu_pool.key(gpu_block_id) or own_key
+        if key != own_key:
+            tag = None  # computed for the key selected, which the block no longer holds
         num_tokens = gpu_pool.num_tokens(gpu_block_id) or self.block_size(key)
         if not self.events:
-            tier_pool.insert_key(key, tier_block, num_tokens)
+            tier_pool.insert_key(key, tier_block, num_tokens, tag=tag)
             for secondary in gpu_pool.secondary_keys(gpu_block_id):
                 tier_pool.insert_key(secondary, tier_block, num_tokens)
             return
@@ -56,7 +59,7 @@ class Registrar:
             event = replace(stored, medium=self.tier.value)
         else:
             event = self.event(key, num_tokens)
-        tier_pool.insert_key(key, tier_block, num_tokens, event)
+        tier_pool.insert_key(key, tier_block, num_tokens, event, tag)
         for secondary in gpu_pool.secondary_keys(gpu_block_id):
             tier_pool.insert_key(
                 secondary, tier_block, num_tokens, self.event(secondary, num_tokens)
@@ -82,7 +85,11 @@ class Registrar:
                 if not num_tokens[i]:
                     num_tokens[i] = self.block_size(key)
         tier_ids = stores.tier_block_ids
-        self.tier_pool.insert_keys(cast("list[Key]", keys), tier_ids, num_tokens)
+        tags = stores.tags
+        if tags:  # a tag names the KV of the key selected: dropped where the key changed
+            own = stores.keys
+            tags = {i: tag for i, tag in tags.items() if keys[i] == own[i]}
+        self.tier_pool.insert_keys(cast("list[Key]", keys), tier_ids, num_tokens, tags)
         extra = gpu_pool.secondary_keys_of(gpu_ids)
         if extra:
             tails = stores.tails

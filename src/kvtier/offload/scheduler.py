@@ -40,6 +40,7 @@ from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
 from kvtier.offload.plan_assembly import PlanAssembler
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
+from kvtier.offload.request_tags import RequestTags
 from kvtier.offload.stats import OffloadStats, StepCounters
 from kvtier.offload.store_selection import StoreSelector, lazy_target
 from kvtier.offload.tier_index import TierIndex
@@ -119,7 +120,9 @@ class OffloadScheduler:
         self._counters = StepCounters()
         self._selector: StoreSelector | None = None
         self._book = TransferBook(setup.num_workers)
-        self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book)
+        self.tags = RequestTags(self.layout.hash_block_size) if config.token_check else None
+        self._tag_mismatches_taken = 0  # total tag mismatches at the last take_stats
+        self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book, self.tags)
         self._plans = PlanAssembler(
             config,
             self.registrar,
@@ -157,6 +160,7 @@ class OffloadScheduler:
             record_payload=self.config.events and self.config.store_mode is StoreMode.EAGER,
             fine_grained=self.config.fine_grained_hits,
             admission=self._admission,
+            tags=self.tags,
         )
         self._completion.selector = self._selector
 
@@ -248,6 +252,8 @@ class OffloadScheduler:
             if self.config.fine_grained_hits:
                 selector.select_partial_tail(request, state)
         selector.untrack(request_id)
+        if self.tags is not None:
+            self.tags.drop(request_id)
 
     def has_pending_stores(self) -> bool:
         """Return True while any store or demotion is queued, in flight or abandoned."""
@@ -267,6 +273,8 @@ class OffloadScheduler:
         selector = self.selector
         selector.release(selector.take_queued())
         selector.tracked.clear()
+        if self.tags is not None:
+            self.tags.clear()
         selector.lazy_cursor = None
         selector.lazy_stored.clear()
         selector.lazy_copying.clear()
@@ -310,6 +318,7 @@ class OffloadScheduler:
             not self._counters.is_zero()
             or self._completion.num_promoted > 0
             or sum(self.loads.hit_tokens.values()) != self._hit_tokens_taken
+            or self.loads.num_tag_mismatches != self._tag_mismatches_taken
             or (cascade is not None and cascade.counters != CascadeCounters())
         )
 
@@ -323,6 +332,8 @@ class OffloadScheduler:
         cascade = self.cascade.take_counters() if self.cascade is not None else None
         completion = self._completion
         promoted, completion.num_promoted = completion.num_promoted, 0
+        mismatches = self.loads.num_tag_mismatches - self._tag_mismatches_taken
+        self._tag_mismatches_taken = self.loads.num_tag_mismatches
         stats = OffloadStats(
             store_outcomes=dict(counters.store_outcomes),
             handoff_outcomes=dict(counters.handoff_outcomes),
@@ -340,6 +351,7 @@ class OffloadScheduler:
             num_dropped_demotions=cascade.num_dropped_demotions if cascade else 0,
             num_promoted_blocks=promoted,
             num_lost_blocks=cascade.num_lost_blocks if cascade else 0,
+            num_tag_mismatches=mismatches,
             info=dict(self._stats_info),  # a plain dict: stats are pickled, copied, logged
         )
         counters.clear()
@@ -384,7 +396,9 @@ class OffloadScheduler:
         store_keys: set[Key] = set()
         for stores in store_batches:
             assert len(stores.gpu_block_ids) == len(stores.tier_block_ids) == len(stores)
-            assert all(0 <= i < len(stores) for i in [*stores.tails, *stores.payloads])
+            assert all(
+                0 <= i < len(stores) for i in [*stores.tails, *stores.payloads, *stores.tags]
+            )
             refs[self.tier].update(stores.tier_block_ids)
             gpu_refs.update(stores.gpu_block_ids)
             store_keys.update(stores.keys)

@@ -48,6 +48,7 @@ class OffloadStats:
     num_dropped_demotions: int = 0  # chosen for demotion, no disk slot free (cascade)
     num_promoted_blocks: int = 0  # disk-held blocks stored into the CPU tier (cascade)
     num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (cascade)
+    num_tag_mismatches: int = 0  # tier blocks not served: key matched, token tag did not
     info: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key
+from kvtier.core.token_tags import Tag
 
 
 @dataclass(slots=True)
@@ -21,6 +22,8 @@ class StoreBatch:
     `tails` maps an index to the token count of a fine-grained partial tail: that store
     registers its `keys` entry instead of the GPU block's own keys. `payloads` maps an
     index to the `BlockStored` payload captured at selection time (events on, eager).
+    `tags` maps an index to the token tag of the copied KV (the token check on), for
+    stores whose GPU key is the hash the tag was computed for.
     """
 
     gpu_block_ids: list[int] = field(default_factory=list)
@@ -28,6 +31,7 @@ class StoreBatch:
     keys: list[Key] = field(default_factory=list)
     tails: dict[int, int] = field(default_factory=dict)
     payloads: dict[int, BlockStored] = field(default_factory=dict)
+    tags: dict[int, Tag] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -39,6 +43,7 @@ class StoreBatch:
         key: Key,
         tail_num_tokens: int = 0,
         payload: BlockStored | None = None,
+        tag: Tag | None = None,
     ) -> None:
         """Append one store."""
         index = len(self.keys)
@@ -49,11 +54,21 @@ class StoreBatch:
             self.tails[index] = tail_num_tokens
         if payload is not None:
             self.payloads[index] = payload
+        if tag is not None:
+            self.tags[index] = tag
 
     def extend(
-        self, gpu_block_ids: Iterable[int], tier_block_ids: Iterable[int], keys: Iterable[Key]
+        self,
+        gpu_block_ids: Iterable[int],
+        tier_block_ids: Iterable[int],
+        keys: Iterable[Key],
+        tags: dict[int, Tag] | None = None,
     ) -> None:
-        """Append plain stores (no partial tail, no payload), index-parallel."""
+        """Append plain stores (no partial tail, no payload), index-parallel; `tags` maps
+        an index among the appended stores to its tag."""
+        if tags:
+            first = len(self.keys)
+            self.tags.update((first + i, tag) for i, tag in tags.items())
         self.gpu_block_ids.extend(gpu_block_ids)
         self.tier_block_ids.extend(tier_block_ids)
         self.keys.extend(keys)

@@ -8,15 +8,16 @@ store is queued or in flight are tracked so no block is stored twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored
-from kvtier.core.keys import Key, make_key
+from kvtier.core.keys import Key, key_block_hash, make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
+from kvtier.core.token_tags import Tag
 from kvtier.offload.protocols import (
     GpuPoolView,
     Handoff,
@@ -24,8 +25,12 @@ from kvtier.offload.protocols import (
     ScheduledRequest,
     TableUpdate,
 )
+from kvtier.offload.request_tags import RequestTags
 from kvtier.offload.stats import StepCounters, StoreOutcome
 from kvtier.offload.store_batch import StoreBatch
+
+# A block position's (key the request expects there, token tag), None when not hashed yet.
+TagOf = Callable[[int], "tuple[Key, Tag] | None"]
 
 
 @dataclass(slots=True)
@@ -59,6 +64,8 @@ class StoreSelector:
     # only those are remembered in `lazy_stored` once their copy completes.
     lazy_copying: set[int] = field(default_factory=set)
     admission: AdmissionPolicy = field(default_factory=AdmitAll)
+    # The token check on: the requests' tags, recorded with what their blocks' stores copy.
+    tags: RequestTags | None = None
 
     # ------------------------------------------------------------ request tracking
 
@@ -140,24 +147,27 @@ class StoreSelector:
                 continue  # nothing new is confirmed (most decode steps)
             table = state.block_ids[group_id]
             num_ready = min(ready_tokens // block_size, len(table))
+            tag_of = None if self.tags is None else self._tag_of(request, group_id)
             while pos < num_ready:
                 if not self.record_payload and table[pos] != NULL_BLOCK_ID:
-                    pos = self._select_run(table, pos, num_ready)
+                    pos = self._select_run(table, pos, num_ready, tag_of)
                     if pos < num_ready and table[pos] != NULL_BLOCK_ID:
                         break  # the tier is full: retry later, the cursor does not advance
                     continue
-                outcome = self._select_position(request, group_id, table, pos)
+                outcome = self._select_position(request, group_id, table, pos, tag_of)
                 if outcome is StoreOutcome.TIER_FULL:
                     break  # retry later: the cursor does not advance
                 pos += 1
             state.cursors[group_id] = pos
 
-    def _select_run(self, table: Sequence[int], pos: int, end: int) -> int:
+    def _select_run(
+        self, table: Sequence[int], pos: int, end: int, tag_of: TagOf | None = None
+    ) -> int:
         """Select positions from `pos` up to the first null block, `end`, or a full tier.
 
         The hot path of eager and lazy mode: the same rules as `try_select` over a run of
         plain blocks, with one batched key read, touch and allocation. Returns the first
-        unvisited position.
+        unvisited position. `tag_of` gives a position's tag (the token check on).
         """
         run = table[pos:end]
         if NULL_BLOCK_ID in run:
@@ -169,6 +179,7 @@ class StoreSelector:
         stored_before = self.lazy_stored  # empty in eager mode
         gpu_ids: list[int] = []
         keys: list[Key] = []
+        tags: dict[int, Tag] = {}
         num_unhashed = num_in_flight = num_refused = num_cached = num_stored_before = 0
         num_visited = len(run)
         for i, (gpu_block_id, key) in enumerate(zip(run, self.gpu_pool.keys(run), strict=True)):
@@ -188,12 +199,15 @@ class StoreSelector:
                 break
             else:
                 in_flight.add(key)
+                pair = None if tag_of is None else tag_of(pos + i)
+                if pair is not None and pair[0] == key:
+                    tags[len(keys)] = pair[1]
                 gpu_ids.append(gpu_block_id)
                 keys.append(key)
         if gpu_ids:
             self.gpu_pool.touch(gpu_ids)
             tier_ids = self.tier_pool.allocate(len(gpu_ids))
-            self.queued.extend(gpu_ids, tier_ids, keys)
+            self.queued.extend(gpu_ids, tier_ids, keys, tags)
         count_many = self.counters.count_many
         count_many(StoreOutcome.STORED, len(gpu_ids))
         count_many(StoreOutcome.ALREADY_CACHED, num_cached)
@@ -204,7 +218,12 @@ class StoreSelector:
         return pos + num_visited
 
     def _select_position(
-        self, request: RequestView, group_id: int, table: Sequence[int], pos: int
+        self,
+        request: RequestView,
+        group_id: int,
+        table: Sequence[int],
+        pos: int,
+        tag_of: TagOf | None = None,
     ) -> StoreOutcome:
         gpu_block_id = table[pos]
         if gpu_block_id == NULL_BLOCK_ID:
@@ -216,7 +235,8 @@ class StoreSelector:
                 return StoreOutcome.NULL
             gpu_block_id = recovered
         payload = self._payload(request, group_id, pos) if self.record_payload else None
-        outcome = self.try_select(gpu_block_id, stored=payload)
+        tag = None if tag_of is None else tag_of(pos)
+        outcome = self.try_select(gpu_block_id, stored=payload, tag=tag)
         self.counters.count_store(outcome)
         return outcome
 
@@ -277,7 +297,7 @@ class StoreSelector:
             elif not self.layout.groups[handoff.group_id].is_cacheable:
                 outcome = StoreOutcome.NULL
             else:
-                outcome = self.try_select(handoff.gpu_block_id)
+                outcome = self.try_select(handoff.gpu_block_id, tag=self._handoff_tag(handoff))
             self.counters.count_handoff(outcome)
 
     def select_partial_tail(self, request: RequestView, state: _Tracked) -> None:
@@ -294,7 +314,10 @@ class StoreSelector:
                 continue
             last_hash = confirmed // hbs - 1
             key = make_key(request.block_hashes[last_hash], group_id)
-            outcome = self.try_select(table[pos], tail_key=key, tail_num_tokens=rest)
+            tag = None
+            if self.tags is not None:
+                tag = (key, self.tags.of(request)[last_hash])
+            outcome = self.try_select(table[pos], tail_key=key, tail_num_tokens=rest, tag=tag)
             self.counters.count_store(outcome)
 
     def try_select(
@@ -303,8 +326,13 @@ class StoreSelector:
         tail_key: Key | None = None,
         tail_num_tokens: int = 0,
         stored: BlockStored | None = None,
+        tag: tuple[Key, Tag] | None = None,
     ) -> StoreOutcome:
-        """Pin `gpu_block_id`, allocate a tier slot and queue the copy, unless skipped."""
+        """Pin `gpu_block_id`, allocate a tier slot and queue the copy, unless skipped.
+
+        `tag` is (the key the tag was computed for, the tag): recorded when that key is
+        the block's.
+        """
         if gpu_block_id == NULL_BLOCK_ID:
             return StoreOutcome.NULL
         key = tail_key if tail_key is not None else self.gpu_pool.key(gpu_block_id)
@@ -321,7 +349,8 @@ class StoreSelector:
         self.gpu_pool.touch([gpu_block_id])
         (tier_block_id,) = self.tier_pool.allocate(1)
         self.in_flight_keys.add(key)
-        self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored)
+        own_tag = tag[1] if tag is not None and tag[0] == key else None
+        self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored, own_tag)
         return StoreOutcome.STORED
 
     def release(self, stores: StoreBatch) -> None:
@@ -338,6 +367,31 @@ class StoreSelector:
         return queued
 
     # ------------------------------------------------------------ helpers
+
+    def _tag_of(self, request: RequestView, group_id: int) -> TagOf:
+        """Return a lookup of (key, tag) by block position of one of the request's groups."""
+        assert self.tags is not None
+        tags = self.tags.of(request)
+        hashes = request.block_hashes
+        ratio = self.layout.blocks_per_hash(group_id)
+
+        def tag_of(pos: int) -> tuple[Key, Tag] | None:
+            index = (pos + 1) * ratio - 1
+            if index >= len(tags):
+                return None
+            return make_key(hashes[index], group_id), tags[index]
+
+        return tag_of
+
+    def _handoff_tag(self, handoff: Handoff) -> tuple[Key, Tag] | None:
+        """Return (key, tag) of a hand-off's block, if its request's tags know its hash."""
+        if self.tags is None:
+            return None
+        key = self.gpu_pool.key(handoff.gpu_block_id)
+        if key is None:
+            return None
+        tag = self.tags.for_hash(handoff.request_id, key_block_hash(key))
+        return None if tag is None else (key, tag)
 
     def _request_key(self, request: RequestView, group_id: int, pos: int) -> Key | None:
         ratio = self.layout.blocks_per_hash(group_id)

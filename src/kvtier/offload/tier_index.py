@@ -47,6 +47,12 @@ class TierIndex:
         block_id = self._second.cached_block(key)
         return None if block_id is None else block_id + self._offset
 
+    def tag(self, block_id: int) -> bytes | None:
+        """Return the token tag of a block (an id in the shared space), or None."""
+        if self._second is not None and block_id >= self._offset:
+            return self._second.tag(block_id - self._offset)
+        return self.first.tag(block_id)
+
     def _touch_split(self, ids: Iterable[int]) -> None:
         """Pin each block (ids in the shared space)."""
         for tier, local in self.split(ids):

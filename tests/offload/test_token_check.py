@@ -1,0 +1,213 @@
+"""SPEC §3 Beyond: the token check on hit. A tier block is served only where its token tag
+is the tag the looking-up request computes from its own tokens, so a hash collision costs
+a miss, never wrong KV."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from sim import Admission, SimEngine, SimRequest, block_key, config, full_layout, make_request
+from test_scenarios_cascade import cascade_engine, holds, keys_of
+from test_scenarios_hybrid import hybrid_engine
+
+from kvtier.core.hashing import BlockHasher, RequestHasher
+from kvtier.core.token_tags import token_tag
+from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig, StoreMode
+from kvtier.offload.plan import Tier
+
+
+def colliding(request_id: str, tokens: list[int], hashed_as: list[int]) -> SimRequest:
+    """Return a request of `tokens` whose block hashes are those of `hashed_as` (a forged
+    hash collision: same hashes, other tokens)."""
+    assert len(tokens) == len(hashed_as)
+    hasher = RequestHasher(BlockHasher(4))
+    hasher.extend(hashed_as)
+    return SimRequest(request_id, list(tokens), len(tokens), hasher)
+
+
+def checked_engine(token_check: bool = True, **kwargs: object) -> SimEngine:
+    """An engine whose tier holds request "a" (tokens 0..7), its GPU cache evicted."""
+    engine = SimEngine(
+        full_layout(),
+        config(token_check=token_check, **kwargs),
+        num_gpu_blocks=16,
+        num_tier_blocks=8,
+    )
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.evict_gpu()
+    return engine
+
+
+def expected_tags(tokens: list[int]) -> list[bytes]:
+    tags, parent = [], None
+    for start in range(0, len(tokens) - len(tokens) % 4, 4):
+        parent = token_tag(parent, tokens[start : start + 4], ())
+        tags.append(parent)
+    return tags
+
+
+def test_stored_blocks_carry_the_tags_of_their_tokens_and_hits_are_served() -> None:
+    engine = checked_engine()
+    tier = engine.scheduler.tier_pool
+    a = make_request("probe", range(8))
+    slots = [tier.cached_block(block_key(engine.layout, a, 0, pos)) for pos in range(2)]
+    assert [tier.tag(s) for s in slots if s is not None] == expected_tags(list(range(8)))
+
+    b = make_request("b", [*range(8), 99])
+    assert engine.admit(b) == Admission(0, 8, 8)
+    engine.step()
+    assert engine.loading == {}  # loaded; poll() checked every block's content
+    assert engine.scheduler.take_stats().num_tag_mismatches == 0
+    engine.check()
+
+
+def test_a_forged_hash_collision_is_a_miss_with_the_check_and_wrong_kv_without(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Same block hashes as "a", other tokens: without the check the tier serves a's KV."""
+    tokens = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    unchecked = checked_engine(token_check=False)
+    assert unchecked.admit(colliding("b", tokens, [*range(8), 58])) == Admission(0, 8, 8)
+
+    engine = checked_engine()
+    with caplog.at_level(logging.WARNING, logger="kvtier.offload.load_planner"):
+        admission = engine.admit(colliding("b", tokens, [*range(8), 58]))
+    assert admission == Admission(0, 0, 0)
+    assert engine.scheduler.take_stats().num_tag_mismatches >= 1
+    assert "hash collision" in caplog.text
+    engine.schedule("b")
+    engine.step()
+    engine.check()
+
+
+def test_a_collision_after_a_matching_prefix_ends_the_hit_there() -> None:
+    engine = checked_engine()
+    b = colliding("b", [0, 1, 2, 3, 70, 71, 72, 73, 9], [*range(8), 9])  # block 1 differs
+    assert engine.admit(b) == Admission(0, 4, 4)
+    engine.step()
+    engine.check()
+
+
+def test_untagged_tier_blocks_are_not_served() -> None:
+    engine = checked_engine()
+    tier = engine.scheduler.tier_pool
+    key = block_key(engine.layout, make_request("k", range(8)), 0, 0)
+    slot = tier.cached_block(key)
+    assert slot is not None
+    tier.discard_keys(slot)
+    tier.touch([slot])
+    tier.insert_key(key, slot, 4)  # the same key registered with no tag
+    tier.free([slot])
+    assert tier.tag(slot) is None
+    assert engine.admit(make_request("b", [*range(8), 9])) == Admission(0, 0, 0)
+    assert engine.scheduler.take_stats().num_tag_mismatches == 0  # untagged is no mismatch
+
+
+def test_demotions_carry_tags_and_disk_hits_are_checked() -> None:
+    engine = cascade_engine(CascadeMode.WRITE_BACK, num_cpu=9, num_disk=12, token_check=True)
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.run(make_request("b", range(200, 224)))  # pushes "a" down to disk
+    for _ in range(3):
+        engine.step()
+    engine.drain()
+    a_keys = keys_of(range(8), 2)
+    disk = engine.scheduler.index.pools[Tier.DISK]
+    on_disk = [k for k in a_keys if holds(engine, Tier.DISK, k)]
+    assert on_disk
+    want = dict(zip(a_keys, expected_tags(list(range(8))), strict=True))
+    for key in on_disk:
+        slot = disk.cached_block(key)
+        assert slot is not None
+        assert disk.tag(slot) == want[key]
+    engine.evict_gpu()
+    c = make_request("c", [*range(8), 5])
+    assert engine.admit(c) == Admission(0, 8, 8)
+    engine.drain()
+    engine.check()
+
+
+def test_fine_grained_tails_and_state_handoffs_carry_tags() -> None:
+    """Scenario 23 with the check on: the tail and the handed-off state block are served."""
+    engine = hybrid_engine(token_check=True)
+    a = make_request("a", range(48), 16, outputs=[90, 91])
+    engine.admit(a)
+    for _ in range(2):
+        engine.schedule("a")
+        engine.step()
+    engine.handoff("a", 1, engine.tables["a"][1][2])  # the state after 48 tokens
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")
+    engine.drain()
+    engine.evict_gpu()
+    b = make_request("b", [*range(48), 7], 16)
+    assert engine.admit(b) == Admission(0, 48, 48)
+    engine.step()
+    assert engine.loading == {}
+    engine.check()
+
+
+def test_request_tags_are_dropped_at_finish_and_reset() -> None:
+    engine = checked_engine()
+    tags = engine.scheduler.tags
+    assert tags is not None
+    assert len(tags) == 0
+    engine.admit(make_request("b", [*range(8), 9]))
+    assert len(tags) == 1
+    engine.drain()
+    assert engine.scheduler.reset()
+    assert len(tags) == 0
+
+
+def test_token_check_needs_eager_stores_and_is_a_config_key() -> None:
+    with pytest.raises(ConfigError, match="token_check=True needs store_mode='eager'"):
+        OffloadConfig(cpu_bytes=1 << 20, token_check=True, store_mode=StoreMode.LAZY)
+    assert OffloadConfig.from_dict({"cpu_bytes": 4096, "token_check": True}).token_check
+    with pytest.raises(ConfigError, match="token_check must be a bool, got 'yes'"):
+        OffloadConfig.from_dict({"cpu_bytes": 4096, "token_check": "yes"})
+
+
+OTHER_KEY = b"\x01" * 32 + (0).to_bytes(4, "big")
+
+
+def rekey(engine: SimEngine, block_id: int) -> None:
+    """Make a GPU block hold `OTHER_KEY` instead of its own (what vLLM may do to a block)."""
+    engine.gpu.discard_keys(block_id)
+    engine.gpu.insert_key(OTHER_KEY, block_id, 4)
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["batched", "events"])
+def test_a_block_whose_gpu_key_is_not_the_requests_is_stored_untagged(events: bool) -> None:
+    """With events on, stores take the per-block path (payloads); both must check the key."""
+    engine = SimEngine(full_layout(), config(token_check=True, events=events), num_tier_blocks=8)
+    engine.auto_complete = False
+    engine.admit(make_request("a", range(8)))
+    engine.schedule("a")
+    engine.step()  # computed; eager selection waits for the finish (one step)
+    rekey(engine, engine.tables["a"][0][0])
+    engine.finish("a")
+    engine.auto_complete = True
+    engine.drain()
+    tier = engine.scheduler.tier_pool
+    other = tier.cached_block(OTHER_KEY)
+    own = tier.cached_block(block_key(engine.layout, make_request("k", range(8)), 0, 1))
+    assert other is not None
+    assert own is not None
+    assert tier.tag(other) is None  # a's tag would name other KV than the block holds
+    assert tier.tag(own) == expected_tags(list(range(8)))[1]
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["batched", "events"])
+def test_a_block_rekeyed_while_its_copy_is_in_flight_registers_untagged(events: bool) -> None:
+    engine = SimEngine(full_layout(), config(token_check=True, events=events), num_tier_blocks=8)
+    store = engine.store_of_finished(make_request("a", range(8)))
+    rekey(engine, store.src_block_ids[0])
+    engine.auto_complete = True
+    engine.drain()
+    tier = engine.scheduler.tier_pool
+    other = tier.cached_block(OTHER_KEY)
+    assert other is not None
+    assert tier.tag(other) is None
