@@ -111,6 +111,20 @@ def test_evicted_shared_prefixes_are_served_from_the_tier(store_mode: str, sched
     check_quiescent(harness)
 
 
+def test_the_token_check_serves_vllms_hits_and_counts_no_mismatch() -> None:
+    """`token_check` (SPEC §3 Beyond) with vLLM's own hashes, tokens and extra keys."""
+    harness = kvtier_harness(num_gpu_blocks=40, extra={"token_check": True})
+    prompts = shared_prefix_prompts(36, prefix_len=64, suffix_len=8, num_prefixes=12)
+    run_waves(harness, prompts, wave=12)
+    assert harness.finished == set(prompts)
+    assert sum(harness.external_hit_tokens(r) for r in list(prompts)[12:]) > 0
+    offload = scheduler_side(harness).offload
+    assert offload.tags is not None
+    assert len(offload.tags) == 0, "every finished request's tags are dropped"
+    assert offload.take_stats().num_tag_mismatches == 0
+    check_quiescent(harness)
+
+
 @pytest.mark.parametrize("kv_cache_layout", ["LBNHC", "BLNHC"])
 def test_gpu_prefix_cache_reset_is_served_entirely_from_the_tier(kv_cache_layout: str) -> None:
     harness = kvtier_harness(kv_cache_layout=kv_cache_layout)
@@ -226,6 +240,7 @@ def test_no_hit_for_requests_that_skip_the_prefix_cache() -> None:
             "disk_persist",
         ),
         ({"cpu_bytes": 4096}, "at least 2"),
+        ({"cpu_bytes": 1 << 20, "token_check": True, "store_mode": "lazy"}, "token_check"),
     ],
 )
 def test_bad_config_fails_at_start_up(extra: dict[str, object], message: str) -> None:

@@ -252,6 +252,7 @@ def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
         num_dropped_demotions=3,
         num_promoted_blocks=2,
         num_lost_blocks=4,
+        num_tag_mismatches=18,
     )
     payload = stats_payload(stats, {"CPU": 16, "DISK": 17})
     assert payload["counters"] == {
@@ -271,6 +272,7 @@ def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
         "dropped_demotions": 3,
         "promoted_blocks": 2,
         "lost_blocks": 4,
+        "tag_mismatches": 18,
     }
     assert payload["gauges"] == {"tier_blocks_in_use": 14, "blocks_pending_store": 15}
 

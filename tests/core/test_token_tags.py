@@ -101,3 +101,11 @@ def test_insert_keys_tags_only_blocks_whose_primary_key_it_set() -> None:
     pool.insert_keys([key(5), key(6)], [1, 2], [4, 4], tags={0: b"t5", 1: b"t6"})
     assert (pool.tag(1), pool.tag(2)) == (None, b"t6")  # key(5) became block 1's secondary
     pool.check_invariants()
+
+
+def test_tags_are_stable_across_versions() -> None:
+    """Golden values: persistent manifests keep tags, so the format must never drift."""
+    first = token_tag(None, list(range(16)), ())
+    second = token_tag(first, list(range(16, 32)), ("lora-a", ("img", 3), b"\x01", -5))
+    assert first.hex() == "2205cfa39fee7b3f265f6dcdbad3d392"
+    assert second.hex() == "73dc17240134d0fc5df8c42dbe884d56"

@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 120 for j in range(40)] for i in range(3)]
 
 
-def persistent(tmp_path: Path, cascade: bool = False) -> OffloadConfig:
+def persistent(tmp_path: Path, cascade: bool = False, token_check: bool = False) -> OffloadConfig:
     """A persistent disk tier (page cache: tmpfs may refuse O_DIRECT), maybe behind a CPU tier."""
     return OffloadConfig(
         cpu_bytes=MIB if cascade else 0,
@@ -27,6 +27,7 @@ def persistent(tmp_path: Path, cascade: bool = False) -> OffloadConfig:
         disk_io_mode=DiskIOMode.PAGE_CACHE,
         disk_persist=True,
         cascade=CascadeMode.WRITE_THROUGH,
+        token_check=token_check,
     )
 
 
@@ -52,6 +53,26 @@ def test_a_restarted_engine_hits_the_disk_cache(tmp_path: Path, cascade: bool) -
     assert restored > 0
     assert sum(o.num_external_hit_tokens for o in second) > 0, "the restart did not hit"
     assert tokens(second) == tokens(reference) == tokens(first)
+
+
+@pytest.mark.parametrize("cascade", [False, True], ids=["disk", "cpu+disk"])
+def test_token_tags_survive_a_restart(tmp_path: Path, cascade: bool) -> None:
+    """With the token check on, the manifest keeps each slot's tag, so restored blocks
+    are served after a restart; blocks a run without the check kept have no tag and
+    are never served to a checking engine (a miss, not a risk)."""
+    reference, _ = run(None)
+    run(persistent(tmp_path, cascade, token_check=True))
+    second, restored = run(persistent(tmp_path, cascade, token_check=True))
+    assert restored > 0
+    assert sum(o.num_external_hit_tokens for o in second) > 0, "restored tags did not match"
+    assert tokens(second) == tokens(reference)
+
+    untagged = tmp_path / "untagged"
+    run(persistent(untagged, cascade))
+    third, restored = run(persistent(untagged, cascade, token_check=True))
+    assert restored > 0
+    assert sum(o.num_external_hit_tokens for o in third) == 0
+    assert tokens(third) == tokens(reference)
 
 
 def test_another_model_discards_the_disk_cache(

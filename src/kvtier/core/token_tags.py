@@ -17,6 +17,7 @@ deterministic for the str/int/bytes/tuple values engines use.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ Tag = bytes
 TAG_SIZE: Final = 16
 TAG_ROOT: Final = hashlib.blake2b(b"kvtier-tag-root-v1", digest_size=TAG_SIZE).digest()
 _PERSON: Final = b"kvtier-tag-v1"
+_BASE: Final = hashlib.blake2b(digest_size=TAG_SIZE, person=_PERSON)  # copied per tag
 _U64 = struct.Struct("<Q")
 
 
@@ -46,12 +48,18 @@ def token_tag(parent: Tag | None, token_ids: Sequence[int], extra_keys: Sequence
 
     Raises ValueError when a token id is not an int64.
     """
-    message = bytearray(TAG_ROOT if parent is None else parent)
     try:
-        message += struct.pack(f"<Q{len(token_ids)}q", len(token_ids), *token_ids)
+        tokens = _tokens_struct(len(token_ids)).pack(len(token_ids), *token_ids)
     except struct.error as error:
         raise ValueError(f"token ids {list(token_ids)[:8]!r}...: not int64 ({error})") from None
-    message += _U64.pack(len(extra_keys))
+    tail = bytearray(_U64.pack(len(extra_keys)))
     for key in extra_keys:
-        _encode_any(key, message)
-    return hashlib.blake2b(message, digest_size=TAG_SIZE, person=_PERSON).digest()
+        _encode_any(key, tail)
+    digest = _BASE.copy()
+    digest.update((TAG_ROOT if parent is None else parent) + tokens + tail)
+    return digest.digest()
+
+
+@functools.lru_cache(maxsize=8)
+def _tokens_struct(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<Q{num_tokens}q")

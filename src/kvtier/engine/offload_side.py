@@ -54,6 +54,7 @@ class OffloadTotals:
     num_failed_demotions: int = 0
     num_dropped_demotions: int = 0  # no disk slot was free (cascade)
     num_lost_blocks: int = 0  # CPU evictions with no disk copy (write-back bursts, failures)
+    num_tag_mismatches: int = 0  # tier blocks the token check refused (hash collisions)
     num_issued_events: int = 0  # transfer events planned (jobs)
     num_reported_events: int = 0  # events reported done or failed
 
@@ -174,6 +175,7 @@ class OffloadSide:
         totals.num_failed_demotions += stats.num_failed_demotions
         totals.num_dropped_demotions += stats.num_dropped_demotions
         totals.num_lost_blocks += stats.num_lost_blocks
+        totals.num_tag_mismatches += stats.num_tag_mismatches
 
     def has_pending_work(self) -> bool:
         """Return True while finish-time stores are queued or in flight."""

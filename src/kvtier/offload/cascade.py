@@ -187,10 +187,12 @@ class Cascade:
 
     # ------------------------------------------------------------ queries
 
-    @staticmethod
-    def records(items: Sequence[MoveItem]) -> tuple[SlotRecord, ...]:
+    def records(self, items: Sequence[MoveItem]) -> tuple[SlotRecord, ...]:
         """Return what each demotion's disk slot will hold, for a persistent disk tier."""
-        return tuple(SlotRecord(item.key, item.num_tokens) for item in items)
+        tag = self.cpu_pool.tag  # the CPU block's primary key is the item's while it moves
+        return tuple(
+            SlotRecord(item.key, item.num_tokens, tag(item.cpu_block_id)) for item in items
+        )
 
     def take_counters(self) -> CascadeCounters:
         """Return the counters since the last call and reset them."""

@@ -23,10 +23,12 @@ class Tier(enum.Enum):
 
 @dataclass(frozen=True)
 class SlotRecord:
-    """What a persistent tier's slot holds once a job wrote it: its primary key and tokens."""
+    """What a persistent tier's slot holds once a job wrote it: its primary key and tokens,
+    and the token tag of its KV when the token check is on (`kvtier.core.token_tags`)."""
 
     key: Key
     num_tokens: int
+    tag: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class PlanAssembler:
             if moves:
                 cpu_ids = tuple(item.cpu_block_id for item in moves)
                 disk_ids = tuple(item.disk_block_id for item in moves)
-                records = Cascade.records(moves) if self._config.disk_persist else ()
+                records = self._cascade.records(moves) if self._config.disk_persist else ()
                 jobs.append(
                     self._issue(Tier.CPU, Tier.DISK, cpu_ids, disk_ids, records, moves=moves)
                 )

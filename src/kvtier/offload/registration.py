@@ -123,7 +123,8 @@ class Registrar:
             zip(stores.gpu_block_ids, stores.keys, strict=True)
         ):
             num_tokens = tails.get(i) or gpu_pool.num_tokens(gpu_block_id)
-            records.append(SlotRecord(key, num_tokens or self.block_size(key)))
+            tag = stores.tags.get(i)
+            records.append(SlotRecord(key, num_tokens or self.block_size(key), tag))
         return tuple(records)
 
     def restore(self, tier: Tier, pool: BlockPool, slots: Iterable[tuple[int, SlotRecord]]) -> int:
@@ -147,7 +148,7 @@ class Registrar:
                 num_tokens = tokens_inside_block(num_tokens, size)
             pool.touch([slot])
             event = self.event(record.key, num_tokens, tier)
-            pool.insert_key(record.key, slot, num_tokens, event)
+            pool.insert_key(record.key, slot, num_tokens, event, record.tag)
             pool.free([slot])
             num_restored += 1
         return num_restored

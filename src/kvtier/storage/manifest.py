@@ -46,7 +46,6 @@ from typing import BinaryIO
 
 import xxhash
 
-from kvtier.offload.plan import SlotRecord
 from kvtier.storage.file_lock import DiskTierBusyError, is_locked, unlink_quietly
 from kvtier.storage.manifest_compaction import COMPACT_FLOOR
 from kvtier.storage.manifest_format import (
@@ -56,11 +55,13 @@ from kvtier.storage.manifest_format import (
     MANIFEST_VERSION,
     PUT,
     RECORD,
+    TAGGED_PUT,
     TOMBSTONE,
     ManifestEntry,
     ManifestError,
     ManifestIdentity,
     check_record,
+    decode_put,
 )
 from kvtier.storage.manifest_log import ManifestLog
 from kvtier.storage.slot_file import SlotFile
@@ -197,17 +198,21 @@ def _replay(
             break
         key = tail[:key_len]
         (stored_sum,) = CHECKSUM.unpack_from(tail, key_len)
-        valid_kind = kind in (PUT, TOMBSTONE)
+        valid_kind = kind in (PUT, TAGGED_PUT, TOMBSTONE)
         if not valid_kind or stored_sum != xxhash.xxh3_64_intdigest(head + key):
             problem = "corrupt record"
             break
         if slot >= num_slots:
             problem = f"record for slot {slot} outside [0, {num_slots})"
             break
-        if kind == PUT:
-            live[slot] = ManifestEntry(data_sum, SlotRecord(key, num_tokens))
-        else:
+        if kind == TOMBSTONE:
             live.pop(slot, None)
+        else:
+            record = decode_put(kind, key, num_tokens)
+            if record is None:
+                problem = "tagged record too short for its tag"
+                break
+            live[slot] = ManifestEntry(data_sum, record)
         offset += len(head) + len(tail)
     if problem is not None:
         logger.warning(

@@ -13,12 +13,17 @@ Integers are little-endian, checksums are xxh3-64.
              fp         utf-8 the fingerprint: the engine's (model, KV layout, hashing)
              checksum   u64   xxh3-64 of every header byte before it
 
-    record   kind       u8    1 = put, 2 = tombstone (the slot holds nothing)
+    record   kind       u8    1 = put, 2 = tombstone (the slot holds nothing),
+                              3 = tagged put (the token check on)
              slot       u32   slot id, < num_slots
              num_tokens u32   tokens of the block (0 in a tombstone)
              data_sum   u64   xxh3-64 of the slot's bytes (0 in a tombstone)
-             key_len    u16,  key  key_len bytes (empty in a tombstone)
+             key_len    u16,  key  key_len bytes (empty in a tombstone; in a tagged put,
+                              the key followed by its 16-byte token tag)
              checksum   u64   xxh3-64 of every record byte before it
+
+A reader that predates kind 3 stops its replay at the first tagged put (a corrupt
+record to it): the slots recorded after it are only misses.
 
 Decoding (replay) is in `manifest`.
 """
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvtier.core.token_tags import TAG_SIZE
 from kvtier.offload.plan import SlotRecord
 
 __all__ = [
@@ -38,6 +44,7 @@ __all__ = [
     "MAGIC",
     "MANIFEST_VERSION",
     "PUT",
+    "TAGGED_PUT",
     "RECORD",
     "TOMBSTONE",
     "ManifestEntry",
@@ -53,7 +60,7 @@ MANIFEST_VERSION = 1
 HEADER = struct.Struct("<8sIQQII")  # magic, version, num_slots, slot_bytes, lengths
 RECORD = struct.Struct("<BIIQH")  # kind, slot, num_tokens, data_sum, key_len
 CHECKSUM = struct.Struct("<Q")
-PUT, TOMBSTONE = 1, 2
+PUT, TOMBSTONE, TAGGED_PUT = 1, 2, 3
 _MAX_KEY = (1 << 16) - 1
 _MAX_TOKENS = (1 << 32) - 1
 
@@ -97,8 +104,13 @@ class ManifestEntry:
 
 def check_record(record: SlotRecord) -> None:
     """Raise ValueError unless `record` fits the record layout."""
-    if not isinstance(record.key, bytes) or len(record.key) > _MAX_KEY:
-        raise ValueError(f"slot record key must be bytes of at most {_MAX_KEY} B: {record!r}")
+    max_key = _MAX_KEY if record.tag is None else _MAX_KEY - TAG_SIZE
+    if not isinstance(record.key, bytes) or len(record.key) > max_key:
+        raise ValueError(f"slot record key must be bytes of at most {max_key} B: {record!r}")
+    if record.tag is not None and (
+        not isinstance(record.tag, bytes) or len(record.tag) != TAG_SIZE
+    ):
+        raise ValueError(f"slot record tag must be {TAG_SIZE} bytes: {record!r}")
     if not 0 <= record.num_tokens <= _MAX_TOKENS:
         raise ValueError(f"slot record num_tokens out of range: {record.num_tokens}")
 
@@ -111,7 +123,19 @@ def _encode_record(kind: int, slot: int, checksum: int, key: bytes, num_tokens: 
 def encode_put(slot: int, entry: ManifestEntry) -> bytes:
     """Return the put record of `slot` holding `entry`, checksum included."""
     record = entry.record
+    if record.tag is not None:
+        blob = record.key + record.tag
+        return _encode_record(TAGGED_PUT, slot, entry.checksum, blob, record.num_tokens)
     return _encode_record(PUT, slot, entry.checksum, record.key, record.num_tokens)
+
+
+def decode_put(kind: int, blob: bytes, num_tokens: int) -> SlotRecord | None:
+    """Return the record of a put of `kind` whose key field is `blob`; None if malformed."""
+    if kind == PUT:
+        return SlotRecord(blob, num_tokens)
+    if len(blob) < TAG_SIZE:
+        return None
+    return SlotRecord(blob[:-TAG_SIZE], num_tokens, blob[-TAG_SIZE:])
 
 
 def encode_tombstone(slot: int) -> bytes:

@@ -9,7 +9,8 @@ front-end process:
 
 Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stores`,
 `bytes_stored`, `bytes_loaded`, `hit_tokens`, the cascade's `demoted_blocks`,
-`failed_demotions`, `dropped_demotions`, `promoted_blocks`, `lost_blocks`, and the
+`failed_demotions`, `dropped_demotions`, `promoted_blocks`, `lost_blocks`, the token
+check's `tag_mismatches`, and the
 labelled `store_outcome.<outcome>` / `handoff_outcome.<outcome>` (kvtier's
 `StoreOutcome` values) and `tier_hit_tokens.<tier>` (`CPU` / `DISK`). Prometheus exposes
 them as `kvtier:<name>_total` (a labelled family as one metric with an `outcome` or
@@ -69,6 +70,7 @@ _PLAIN_COUNTERS = {
     "dropped_demotions": "CPU blocks chosen for demotion that found no free disk slot (cascade)",
     "promoted_blocks": "disk-held KV blocks stored into the CPU tier again (cascade)",
     "lost_blocks": "KV blocks evicted from the CPU tier with no disk copy (cascade)",
+    "tag_mismatches": "tier blocks not served: the key matched, the token check did not",
 }
 _GAUGES = {
     "tier_blocks_in_use": "tier blocks pinned by transfers or lookups (capacity minus free)",
@@ -95,6 +97,7 @@ def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dic
         "dropped_demotions": stats.num_dropped_demotions,
         "promoted_blocks": stats.num_promoted_blocks,
         "lost_blocks": stats.num_lost_blocks,
+        "tag_mismatches": stats.num_tag_mismatches,
     }
     for outcome, count in stats.store_outcomes.items():
         counters[f"store_outcome.{outcome}"] = count
