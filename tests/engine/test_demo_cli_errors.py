@@ -45,11 +45,23 @@ def save_tiny_checkpoint(path: Path, config: dict[str, object] = TINY_HF_CONFIG)
     return path
 
 
+def with_defaults(defaults: list[str], options: tuple[str, ...]) -> list[str]:
+    """Return `options` after each of `defaults` whose option they do not give.
+
+    A demo option given twice is a usage error, so a caller's value replaces the default
+    instead of following it.
+    """
+    given = {option.split("=", 1)[0] for option in options}
+    return [d for d in defaults if d.split("=", 1)[0] not in given] + list(options)
+
+
 def run_demo(tmp_path: Path, *options: str) -> int:
-    """Run `kvtier demo` on the small run with its disk tier and plot under `tmp_path`."""
-    return main(
-        ["demo", *SMALL_RUN, f"--disk-dir={tmp_path}", f"--out={tmp_path / 'out'}", *options]
-    )
+    """Run `kvtier demo` on the small run with its disk tier and plot under `tmp_path`.
+
+    `options` (each `--name=value`) replace the small run's values and the paths.
+    """
+    paths = [f"--disk-dir={tmp_path}", f"--out={tmp_path / 'out'}"]
+    return main(["demo", *with_defaults([*SMALL_RUN, *paths], options)])
 
 
 def test_demo_serves_a_checkpoint_with_a_small_vocab(

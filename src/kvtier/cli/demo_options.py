@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from kvtier.offload.config import CascadeMode, DiskIOMode
+from kvtier.replay.store_once import StoreOnce
 
 # The workload and tier sizes: (option, default, what it sets).
 _SIZE_OPTIONS = (
@@ -47,13 +48,21 @@ def add_parser(subparsers: Any) -> None:
             "checks that every configuration produced identical tokens."
         ),
     )
+    # Every option takes one value (StoreOnce): a repeat is a usage error naming it, not a
+    # silent last-one-wins (`--turns 2 ... --turns 20` from a copied command line).
     parser.add_argument(
-        "--model-dir", type=_path, help="local HF checkpoint dir (default: random demo model)"
+        "--model-dir",
+        action=StoreOnce,
+        type=_path,
+        help="local HF checkpoint dir (default: random demo model)",
     )
     for flag, default, what in _SIZE_OPTIONS:
-        parser.add_argument(flag, type=int, default=default, help=f"{what} (default %(default)s)")
+        parser.add_argument(
+            flag, action=StoreOnce, type=int, default=default, help=f"{what} (default %(default)s)"
+        )
     parser.add_argument(
         "--cascade-cpu-mib",
+        action=StoreOnce,
         type=int,
         default=32,
         help="CPU tier size in front of the disk tier in the CPU+disk run (MiB, default 32: "
@@ -61,22 +70,31 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--cascade",
+        action=StoreOnce,
         choices=[m.value for m in CascadeMode],
         default=CascadeMode.WRITE_THROUGH.value,
         help="how CPU blocks reach the disk: write_through (copy every block at once) or "
         "write_back (copy a block when the CPU tier is about to evict it); default %(default)s",
     )
     parser.add_argument(
-        "--disk-dir", type=_path, help="directory for the disk tier file (default: a temp dir)"
+        "--disk-dir",
+        action=StoreOnce,
+        type=_path,
+        help="directory for the disk tier file (default: a temp dir)",
     )
     parser.add_argument(
         "--disk-io",
+        action=StoreOnce,
         choices=[m.value for m in DiskIOMode],
         default=DiskIOMode.DIRECT.value,
         help="disk tier I/O mode (default direct)",
     )
     parser.add_argument(
-        "--out", type=_path, default="out", help="folder for the plot (default ./out)"
+        "--out",
+        action=StoreOnce,
+        type=_path,
+        default="out",
+        help="folder for the plot (default ./out)",
     )
     parser.set_defaults(run=_run_demo)
 

@@ -1,0 +1,65 @@
+"""A single-valued option of `kvtier demo` given twice is a usage error naming it; argparse
+kept the last value, silently (`--turns 2 ... --turns 20` served twenty turns)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvtier.cli.main import build_parser
+from kvtier.replay.store_once import StoreOnce
+
+# Every option of `kvtier demo`, with two values it accepts.
+DEMO_OPTIONS = [
+    ("--model-dir", "a", "b"),
+    ("--conversations", "2", "3"),
+    ("--turns", "2", "3"),
+    ("--system-tokens", "16", "32"),
+    ("--document-tokens", "16", "32"),
+    ("--user-tokens", "16", "32"),
+    ("--answer-tokens", "4", "8"),
+    ("--gpu-blocks", "8", "16"),
+    ("--block-size", "8", "16"),
+    ("--cpu-mib", "1", "2"),
+    ("--disk-mib", "1", "2"),
+    ("--cascade-cpu-mib", "1", "2"),
+    ("--cascade", "write_back", "write_through"),
+    ("--disk-dir", "a", "b"),
+    ("--disk-io", "direct", "page_cache"),
+    ("--out", "a", "b"),
+]
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    subparsers = next(
+        action
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    parser: argparse.ArgumentParser = subparsers.choices["demo"]
+    return parser
+
+
+@pytest.mark.parametrize(("option", "first", "second"), DEMO_OPTIONS)
+def test_a_demo_option_given_twice_is_a_usage_error_naming_it(
+    capsys: pytest.CaptureFixture[str], option: str, first: str, second: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        demo_parser().parse_args([f"{option}={first}", option, second])  # never serves
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"kvtier demo: error: argument {option}: given twice (" in err
+    assert f"then {second!r})" in err or f"then {second})" in err
+
+
+def test_every_demo_option_refuses_a_repeat() -> None:
+    """A new demo option must use StoreOnce too (and be listed above)."""
+    options = {
+        action.option_strings[0]: action
+        for action in demo_parser()._actions
+        if action.option_strings and action.option_strings[0] != "-h"
+    }
+    assert set(options) == {option for option, _, _ in DEMO_OPTIONS}
+    for option, action in options.items():
+        assert isinstance(action, StoreOnce), option
