@@ -229,6 +229,11 @@ def test_prometheus_metrics_build_and_observe() -> None:
     }
     assert value("kvtier:info", info) == 1
     assert value("kvtier:tier_hit_tokens_total", {**labels, "tier": "CPU"}) == 4 * 48
+    loaded = {**labels, "transfer_type": "CPU_to_GPU"}
+    assert value("kvtier:transfer_bytes_total", loaded) == 12 * 2 * 2048  # 12 blocks
+    assert value("kvtier:transfer_seconds_total", loaded) > 0
+    stored = {**labels, "transfer_type": "GPU_to_CPU"}
+    assert value("kvtier:transfer_bytes_total", stored) >= 12 * 2 * 2048
     names = {m.name for m in registry.collect()}
     assert names
     assert all(name.startswith("kvtier:") for name in names)
@@ -253,6 +258,8 @@ def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
         num_promoted_blocks=2,
         num_lost_blocks=4,
         num_tag_mismatches=18,
+        transfer_bytes={"GPU_to_CPU": 19, "CPU_to_GPU": 20},
+        transfer_seconds={"GPU_to_CPU": 0.25, "CPU_to_GPU": 0.5},
     )
     payload = stats_payload(stats, {"CPU": 16, "DISK": 17})
     assert payload["counters"] == {
@@ -273,6 +280,10 @@ def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
         "promoted_blocks": 2,
         "lost_blocks": 4,
         "tag_mismatches": 18,
+        "transfer_bytes.GPU_to_CPU": 19,
+        "transfer_bytes.CPU_to_GPU": 20,
+        "transfer_seconds.GPU_to_CPU": 0.25,
+        "transfer_seconds.CPU_to_GPU": 0.5,
     }
     assert payload["gauges"] == {"tier_blocks_in_use": 14, "blocks_pending_store": 15}
 

@@ -112,6 +112,7 @@ def test_outputs_identical_through_the_cascade(
         cascade=mode,
     )
     totals: dict[str, int] = {}
+    moved: dict[str, tuple[int, float]] = {}
 
     def inspect(llm: LLM) -> None:
         assert llm.offload is not None
@@ -119,6 +120,8 @@ def test_outputs_identical_through_the_cascade(
         totals.update(llm.offload.totals.hit_tokens)
         totals["demoted"] = llm.offload.totals.num_demoted_blocks
         totals["promoted"] = llm.offload.totals.num_promoted_blocks
+        seconds = llm.offload.totals.transfer_seconds
+        moved.update((k, (v, seconds[k])) for k, v in llm.offload.totals.transfer_bytes.items())
 
     reference = serve(model, None)
     # Finishing every copy within its step makes which tier serves what deterministic.
@@ -127,6 +130,10 @@ def test_outputs_identical_through_the_cascade(
     assert totals["DISK"] > 0, totals
     assert totals["demoted"] > 0, totals
     assert totals["promoted"] > 0, totals
+    # SPEC §6.10 Beyond: bytes and copy time per direction, every direction taken.
+    assert set(moved) == {"GPU_to_CPU", "CPU_to_GPU", "CPU_to_DISK", "DISK_to_GPU"}, moved
+    assert moved["CPU_to_DISK"][0] == totals["demoted"] * bytes_per_block
+    assert all(num_bytes > 0 and seconds > 0 for num_bytes, seconds in moved.values()), moved
     assert_same(reference, through)
 
 

@@ -16,6 +16,7 @@ from kvtier.core.keys import Key
 from kvtier.offload.plan import TransferJob, TransferPlan, WorkerReport
 
 GARBAGE = "garbage"  # what a failed copy leaves in its destination
+SECONDS_PER_BLOCK = 0.001  # the copy time every fake worker reports for a block it copied
 
 Content = Key | str | None
 
@@ -93,7 +94,10 @@ class FakeWorker:
 
     def take_report(self) -> WorkerReport:
         """Return everything reported since the last call, merged over workers."""
-        report = WorkerReport(done=dict(self._done), failed=dict(self._failed))
+        seconds = {
+            e: SECONDS_PER_BLOCK * self.jobs[e].num_blocks for e in self._done if e in self.jobs
+        }
+        report = WorkerReport(done=dict(self._done), failed=dict(self._failed), seconds=seconds)
         self._done.clear()
         self._failed.clear()
         return report

@@ -8,6 +8,7 @@ import json
 import pickle
 
 from sim import BYTES_PER_BLOCK, Admission, SimEngine, config, full_layout, make_request
+from sim_worker import SECONDS_PER_BLOCK
 from test_scenarios_cascade import cascade_engine, keys_of
 
 from kvtier.offload.config import CascadeMode
@@ -225,3 +226,57 @@ def test_a_cascade_names_its_mode_and_disk_size_in_the_info_labels() -> None:
     info = cascade_engine(CascadeMode.WRITE_BACK, num_disk=9).scheduler.take_stats().info
     assert (info["cascade"], info["num_disk_blocks"]) == ("write_back", "9")
     assert "cascade" not in SimEngine(full_layout()).scheduler.take_stats().info
+
+
+def test_transfers_count_bytes_and_copy_time_per_direction() -> None:
+    """SPEC §6.10 Beyond: bytes moved and transfer time per direction (vLLM's labels),
+    counted when a transfer completed on every worker; a failed one counts neither."""
+    engine = loading_engine()  # "a" stored (2 blocks), "b" admitted to load them
+    (load,) = engine.step().jobs
+    engine.worker.complete(load.event_id)
+    engine.poll()
+    stats = engine.scheduler.take_stats()
+    assert stats.transfer_bytes == {"CPU_to_GPU": 2 * BYTES_PER_BLOCK}
+    assert stats.transfer_seconds == {"CPU_to_GPU": 2 * SECONDS_PER_BLOCK}
+    stored = SimEngine(full_layout(), config())
+    stored.run(make_request("a", range(8)))
+    stored.drain()
+    totals = stored.scheduler.take_stats()
+    assert totals.transfer_bytes == {"GPU_to_CPU": 2 * BYTES_PER_BLOCK}
+    assert totals.transfer_seconds == {"GPU_to_CPU": 2 * SECONDS_PER_BLOCK}
+
+    failing = loading_engine()
+    (load,) = failing.step().jobs
+    failing.worker.fail(load.event_id)
+    failing.poll()
+    stats = failing.scheduler.take_stats()
+    assert (stats.transfer_bytes, stats.transfer_seconds) == ({}, {})
+
+
+def test_a_demotion_counts_as_cpu_to_disk() -> None:
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH)
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    seen: dict[str, int] = {}
+    for _ in range(3):
+        engine.step()
+        seen.update(engine.scheduler.take_stats().transfer_bytes)
+    engine.drain()
+    seen.update(engine.scheduler.take_stats().transfer_bytes)
+    assert seen.get("CPU_to_DISK") == 2 * BYTES_PER_BLOCK
+
+
+def test_an_event_takes_its_slowest_workers_time() -> None:
+    """Two workers report one store at different steps: the event's time is the larger."""
+    engine = SimEngine(full_layout(), config(), num_workers=2)
+    store = engine.store_of_finished(make_request("a", range(8)))
+    engine.worker.complete(store.event_id, [0])
+    engine.scheduler.apply_report(
+        dataclasses.replace(engine.worker.take_report(), seconds={store.event_id: 0.5})
+    )
+    assert engine.scheduler.take_stats().transfer_seconds == {}  # one worker of two
+    engine.worker.complete(store.event_id, [1])
+    engine.scheduler.apply_report(
+        dataclasses.replace(engine.worker.take_report(), seconds={store.event_id: 0.2})
+    )
+    assert engine.scheduler.take_stats().transfer_seconds == {"GPU_to_CPU": 0.5}

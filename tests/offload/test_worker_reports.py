@@ -62,6 +62,27 @@ def test_a_report_with_a_bad_count_is_refused_whole(count: object) -> None:
     engine.check()
 
 
+@pytest.mark.parametrize("seconds", [-0.5, float("nan"), float("inf"), "1", None, True])
+def test_a_report_with_a_bad_copy_time_is_refused_whole(seconds: object) -> None:
+    engine, event_id = engine_with_a_store()
+    scheduler = engine.scheduler
+    report = WorkerReport(done={event_id: 1}, seconds={event_id: seconds})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=rf"seconds\[{event_id}\]"):
+        scheduler.apply_report(report)
+    assert scheduler.has_pending_stores()
+    engine.check()
+
+
+def test_merged_reports_sum_worker_counts_and_keep_each_events_slowest_time() -> None:
+    merged = WorkerReport.merge(
+        [
+            WorkerReport(done={1: 1, 2: 1}, seconds={1: 0.3, 2: 0.1}),
+            WorkerReport(done={1: 1}, failed={3: 1}, seconds={1: 0.7}),
+        ]
+    )
+    assert merged == WorkerReport(done={1: 2, 2: 1}, failed={3: 1}, seconds={1: 0.7, 2: 0.1})
+
+
 def test_a_store_reported_by_more_workers_than_there_are_registers_nothing() -> None:
     engine, event_id = engine_with_a_store(num_workers=2)
     scheduler = engine.scheduler

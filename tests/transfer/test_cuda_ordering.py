@@ -80,9 +80,15 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, cuda: FakeCuda) -> None:
+    def __init__(self, cuda: FakeCuda, enable_timing: bool = False) -> None:
         self.cuda = cuda
         self.name = f"event{next(cuda.names)}"
+        self.enable_timing = enable_timing
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.enable_timing, "timing needs a timed start event"
+        assert end.enable_timing, "timing needs a timed end event"
+        return 2.5  # milliseconds
 
     def record(self, stream: FakeStream) -> None:
         self.cuda.log.append(("record", stream.name, self.name))
@@ -98,7 +104,7 @@ class FakeEvent:
 def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     fake = FakeCuda()
     monkeypatch.setattr(copiers, "lowest_priority_stream", lambda device: FakeStream(fake, "lane"))
-    monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(fake))
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent(fake, **kw))
     monkeypatch.setattr(torch.cuda, "stream", fake.stream_context)
     monkeypatch.setattr(torch.cuda, "device", fake.device_guard)
     monkeypatch.setattr(torch.cuda, "set_device", fake.set_device)
@@ -192,6 +198,27 @@ def test_a_store_waits_for_compute_then_copies_then_records_completion(cuda: Fak
     assert cuda.log[0] == ("wait", "lane", marker.name)
     assert cuda.log[-1][:2] == ("record", "lane")
     assert "sync" not in kinds, "a host-tier store must not block its lane"
+
+
+@pytest.mark.parametrize("kind", ["store", "load"])
+def test_a_timed_copy_starts_its_clock_after_the_compute_wait(cuda: FakeCuda, kind: str) -> None:
+    """SPEC §6.10 Beyond (transfer time): the start event is queued after the wait on the
+    compute marker and before the first copy, so the time is the copy's, not the forward
+    pass's; the completion measures device time from it (2.5 ms in the fake)."""
+    copier = CudaCopier(ENGINE_DEVICE)
+    marker = FakeEvent(cuda)
+    copier.wait_for_compute(marker)  # type: ignore[arg-type]
+    copier.begin()
+    run_copy(copier, kind)
+    completion = copier.finish()
+    assert completion is not None
+    assert completion.elapsed_s() == pytest.approx(0.0025)
+    assert cuda.log[0] == ("wait", "lane", marker.name)
+    assert cuda.log[1][:2] == ("record", "lane")
+    assert cuda.log[-1][:2] == ("record", "lane")
+    untimed = copier.finish()  # no begin(): nothing to time
+    assert untimed is not None
+    assert untimed.elapsed_s() is None
 
 
 @pytest.mark.parametrize("kind", ["store_to_staging", "load_from_staging"])

@@ -72,6 +72,9 @@ class SlowCompletion:
     def wait(self) -> None:
         assert self.finished.wait(JOIN_S)
 
+    def elapsed_s(self) -> float:
+        return 0.004  # the device time a CUDA completion measures
+
 
 def test_lane_never_reports_past_an_unfinished_job() -> None:
     """Finished jobs behind one whose device work still runs wait their turn; a job that
@@ -91,11 +94,25 @@ def test_lane_never_reports_past_an_unfinished_job() -> None:
     lane.submit(3, fail)
     lane.submit(4, last)
     assert ran_last.wait(JOIN_S)  # every job function has returned or raised
-    assert lane.take_finished() == ([], [])
+    assert lane.take_finished() == ({}, [])
     slow.finished.set()
     lane.wait_all()
-    assert lane.take_finished() == ([1, 2, 4], [3])
+    done, failed = lane.take_finished()
+    assert (list(done), failed) == ([1, 2, 4], [3])
+    assert done[1] == 0.004  # device work: its measured device time
     lane.close()
+    lane.close()
+
+
+def test_a_synchronous_job_reports_the_time_it_ran() -> None:
+    """SPEC §6.10 Beyond (transfer time): a job without device work (CPU copies, disk
+    I/O) is timed on the lane's thread."""
+    lane = TransferLane("test")
+    lane.submit(1, lambda: time.sleep(0.05))
+    lane.wait_all()
+    done, failed = lane.take_finished()
+    assert failed == []
+    assert 0.05 <= done[1] < 5
     lane.close()
 
 
@@ -121,7 +138,8 @@ def test_jobs_dropped_by_cancel_queued_are_reported_failed() -> None:
     release.set()
     lane.close()
     assert ran == [1]
-    assert lane.take_finished() == ([1], [2])
+    done, failed = lane.take_finished()
+    assert (list(done), failed) == ([1], [2])
 
 
 def test_copy_threads_bounds_only_the_lane_thread() -> None:

@@ -46,6 +46,9 @@ def test_random_plans_load_exactly_what_was_stored(tmp_path: Path, seed: int) ->
             worker.flush()
             report = worker.poll()
             assert not report.failed
+            # SPEC §6.10 Beyond: every done event comes with its copy time.
+            assert report.seconds.keys() == report.done.keys()
+            assert all(s >= 0 for s in report.seconds.values())
             assert shadow.on_report(report) == []
             worker.check_invariants()
         assert num_loads > 40

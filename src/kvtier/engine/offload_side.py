@@ -55,6 +55,9 @@ class OffloadTotals:
     num_dropped_demotions: int = 0  # no disk slot was free (cascade)
     num_lost_blocks: int = 0  # CPU evictions with no disk copy (write-back bursts, failures)
     num_tag_mismatches: int = 0  # tier blocks the token check refused (hash collisions)
+    # Per direction (`GPU_to_CPU`, ...): bytes and copy seconds of completed transfers.
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    transfer_seconds: dict[str, float] = field(default_factory=dict)
     num_issued_events: int = 0  # transfer events planned (jobs)
     num_reported_events: int = 0  # events reported done or failed
 
@@ -176,6 +179,10 @@ class OffloadSide:
         totals.num_dropped_demotions += stats.num_dropped_demotions
         totals.num_lost_blocks += stats.num_lost_blocks
         totals.num_tag_mismatches += stats.num_tag_mismatches
+        for kind, num_bytes in stats.transfer_bytes.items():
+            totals.transfer_bytes[kind] = totals.transfer_bytes.get(kind, 0) + num_bytes
+        for kind, seconds in stats.transfer_seconds.items():
+            totals.transfer_seconds[kind] = totals.transfer_seconds.get(kind, 0.0) + seconds
 
     def has_pending_work(self) -> bool:
         """Return True while finish-time stores are queued or in flight."""

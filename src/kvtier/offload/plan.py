@@ -110,10 +110,13 @@ class WorkerReport:
     `done[event_id]` and `failed[event_id]` count the workers that finished that event
     successfully or with an error (I/O error, short read/write, checksum mismatch). A
     worker reports each event it was given exactly once, in one of the two maps.
+    `seconds[event_id]` is how long a done event's copies took, from when the worker
+    started them until they finished (merged: the slowest worker's); it may be absent.
     """
 
     done: Mapping[int, int] = field(default_factory=dict)
     failed: Mapping[int, int] = field(default_factory=dict)
+    seconds: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -125,9 +128,12 @@ class WorkerReport:
         """Return one report that sums the worker counts of `reports`."""
         done: dict[int, int] = {}
         failed: dict[int, int] = {}
+        seconds: dict[int, float] = {}
         for report in reports:
+            for event_id, value in report.seconds.items():
+                seconds[event_id] = max(seconds.get(event_id, 0.0), value)
             for event_id, count in report.done.items():
                 done[event_id] = done.get(event_id, 0) + count
             for event_id, count in report.failed.items():
                 failed[event_id] = failed.get(event_id, 0) + count
-        return WorkerReport(done=done, failed=failed)
+        return WorkerReport(done=done, failed=failed, seconds=seconds)

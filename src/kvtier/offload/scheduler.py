@@ -352,6 +352,10 @@ class OffloadScheduler:
             num_promoted_blocks=promoted,
             num_lost_blocks=cascade.num_lost_blocks if cascade else 0,
             num_tag_mismatches=mismatches,
+            transfer_bytes={
+                kind: blocks * bytes_per_block for kind, blocks in counters.transfer_blocks.items()
+            },
+            transfer_seconds=dict(counters.transfer_seconds),
             info=dict(self._stats_info),  # a plain dict: stats are pickled, copied, logged
         )
         counters.clear()

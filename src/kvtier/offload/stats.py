@@ -49,6 +49,11 @@ class OffloadStats:
     num_promoted_blocks: int = 0  # disk-held blocks stored into the CPU tier (cascade)
     num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (cascade)
     num_tag_mismatches: int = 0  # tier blocks not served: key matched, token tag did not
+    # Per direction (`GPU_to_CPU`, `CPU_to_GPU`, `GPU_to_DISK`, `DISK_to_GPU`,
+    # `CPU_to_DISK`): bytes of the transfers that completed this step on every worker,
+    # and their copy time (each event's slowest worker). Failed transfers count neither.
+    transfer_bytes: Mapping[str, int] = field(default_factory=dict)
+    transfer_seconds: Mapping[str, float] = field(default_factory=dict)
     info: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -63,6 +68,17 @@ class StepCounters:
     num_stored_blocks: int = 0
     num_failed_loads: int = 0
     num_failed_stores: int = 0
+    transfer_blocks: dict[str, int] = field(default_factory=dict)
+    transfer_seconds: dict[str, float] = field(default_factory=dict)
+
+    def count_transfer(self, transfer_type: str, num_blocks: int, seconds: float) -> None:
+        """Count one completed transfer's blocks and copy time under its direction."""
+        self.transfer_blocks[transfer_type] = (
+            self.transfer_blocks.get(transfer_type, 0) + num_blocks
+        )
+        self.transfer_seconds[transfer_type] = (
+            self.transfer_seconds.get(transfer_type, 0.0) + seconds
+        )
 
     def count_many(self, outcome: StoreOutcome, count: int) -> None:
         """Count `count` store candidates with the same outcome."""
@@ -89,6 +105,7 @@ class StepCounters:
             or self.num_stored_blocks
             or self.num_failed_loads
             or self.num_failed_stores
+            or self.transfer_blocks
         )
 
     def clear(self) -> None:
@@ -99,3 +116,5 @@ class StepCounters:
         self.num_stored_blocks = 0
         self.num_failed_loads = 0
         self.num_failed_stores = 0
+        self.transfer_blocks.clear()
+        self.transfer_seconds.clear()

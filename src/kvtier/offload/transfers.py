@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -76,6 +77,12 @@ class IssuedTransfer:
     num_done: int = 0
     num_failed: int = 0
     abandoned: bool = False
+    seconds: float = 0.0  # the slowest worker's copy time so far
+
+    @property
+    def transfer_type(self) -> str:
+        """Return the direction as vLLM labels it, e.g. `GPU_to_CPU`."""
+        return f"{self.job.src_tier.value}_to_{self.job.dst_tier.value}"
 
     @property
     def succeeded(self) -> bool:
@@ -146,6 +153,8 @@ class TransferBook:
                     transfer.num_failed += count
                 else:
                     transfer.num_done += count
+                    seconds = report.seconds.get(event_id, 0.0)
+                    transfer.seconds = max(transfer.seconds, seconds)
                 touched.append(transfer)
         if unknown:
             logger.warning("worker report names events not in flight, ignored: %s", unknown)
@@ -208,7 +217,15 @@ class TransferBook:
 
 
 def _check_counts(report: WorkerReport) -> None:
-    """Raise ValueError naming the first event whose worker count is not an int >= 0."""
+    """Raise ValueError naming the first event whose worker count is not an int >= 0,
+    or whose copy time is not a finite number of seconds >= 0."""
+    for event_id, seconds in report.seconds.items():
+        valid = type(seconds) in (int, float) and math.isfinite(seconds) and seconds >= 0
+        if not valid:
+            raise ValueError(
+                f"worker report: seconds[{event_id!r}] = {seconds!r} is not a copy time "
+                "(a finite float >= 0); report refused"
+            )
     for name, counts in (("done", report.done), ("failed", report.failed)):
         for event_id, count in counts.items():
             if type(count) is not int or count < 0:

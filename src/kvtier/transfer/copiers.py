@@ -25,7 +25,12 @@ import numpy as np
 import torch
 
 from kvtier.transfer.block_copy import CopyPlan, new_scratch, plan_copy, run_copy, runs_of
-from kvtier.transfer.device import Completion, CudaCompletion, lowest_priority_stream
+from kvtier.transfer.device import (
+    Completion,
+    CudaCompletion,
+    lowest_priority_stream,
+    timing_event,
+)
 
 Views = Sequence[torch.Tensor]
 
@@ -58,6 +63,10 @@ class BlockCopier(Protocol):
         """Make later reads of engine blocks wait for the forward pass that `marker` ends."""
         ...
 
+    def begin(self) -> None:
+        """Mark the start of a job's copies (after `wait_for_compute`), for its timing."""
+        ...
+
     def store(self, src: Views, src_ids: np.ndarray, dst: Views, dst_ids: np.ndarray) -> None:
         """Copy engine blocks `src_ids` into host rows `dst_ids`, region by region."""
         ...
@@ -87,6 +96,9 @@ class CpuCopier:
 
     def wait_for_compute(self, marker: torch.cuda.Event | None) -> None:
         """Do nothing: a CPU forward pass has finished when the engine submits."""
+
+    def begin(self) -> None:
+        """Do nothing: CPU copies are synchronous, their lane times them."""
 
     def store(self, src: Views, src_ids: np.ndarray, dst: Views, dst_ids: np.ndarray) -> None:
         """Copy engine blocks into host rows."""
@@ -138,11 +150,17 @@ class CudaCopier:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._stream = lowest_priority_stream(device)
+        self._start: torch.cuda.Event | None = None
 
     def wait_for_compute(self, marker: torch.cuda.Event | None) -> None:
         """Make the lane's stream wait for the engine's compute-done event."""
         if marker is not None:
             self._stream.wait_event(marker)
+
+    def begin(self) -> None:
+        """Record a timing event on the lane's stream: the job's copies start there."""
+        with torch.cuda.device(self._device):
+            self._start = timing_event(self._stream)
 
     def store(self, src: Views, src_ids: np.ndarray, dst: Views, dst_ids: np.ndarray) -> None:
         """Gather on the device, then one DMA per run of consecutive host rows."""
@@ -195,8 +213,9 @@ class CudaCopier:
         self._stream.synchronize()
 
     def finish(self) -> Completion | None:
-        """Return an event recorded after the queued work."""
-        return CudaCompletion(self._stream)
+        """Return an event recorded after the queued work (timed from `begin`)."""
+        start, self._start = self._start, None
+        return CudaCompletion(self._stream, start)
 
     @contextlib.contextmanager
     def _queueing(self) -> Iterator[None]:

@@ -24,12 +24,21 @@ class Completion(Protocol):
         """Block until the work finished; raises on a device error."""
         ...
 
+    def elapsed_s(self) -> float | None:
+        """Return the seconds the device work took once done, or None if not timed."""
+        ...
+
 
 class CudaCompletion:
-    """A `Completion` backed by a CUDA event recorded on a stream."""
+    """A `Completion` backed by a CUDA event recorded on a stream.
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self._event = torch.cuda.Event()
+    With `start` (a timing event recorded on the stream when the job's copies began),
+    `elapsed_s` is the device time between the two events.
+    """
+
+    def __init__(self, stream: torch.cuda.Stream, start: torch.cuda.Event | None = None) -> None:
+        self._start = start
+        self._event = torch.cuda.Event(enable_timing=start is not None)
         self._event.record(stream)
 
     def is_done(self) -> bool:
@@ -39,6 +48,19 @@ class CudaCompletion:
     def wait(self) -> None:
         """Block until the stream reached the event."""
         self._event.synchronize()
+
+    def elapsed_s(self) -> float | None:
+        """Return the device seconds from the start event to this one (both reached)."""
+        if self._start is None:
+            return None
+        return float(self._start.elapsed_time(self._event)) / 1000.0
+
+
+def timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """Record a timing event on `stream` (the start of a job's device work)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 def pin_host_memory(tensor: torch.Tensor) -> None:

@@ -2,7 +2,9 @@
 
 `submit` returns at once. A job is finished when its function returned (or raised) and
 the device work it queued, if any, completed. `take_finished` reports finished jobs in
-submission order and stops at the first unfinished one, so reports are FIFO per lane.
+submission order and stops at the first unfinished one, so reports are FIFO per lane,
+with each done job's copy time: the device time its completion measured, else the
+time its function ran on the lane's thread (synchronous copies and disk I/O).
 A job that raises is reported failed and logged; the thread lives on. `copy_threads`
 bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,11 +29,25 @@ JobFn = Callable[[], Completion | None]
 
 
 @dataclass(slots=True)
+class _Ran:
+    """What a job's function left: its device work (if any) and how long it ran."""
+
+    completion: Completion | None
+    seconds: float
+
+
+@dataclass(slots=True)
 class _Pending:
     """A submitted job not yet reported."""
 
     event_id: int
-    future: Future[Completion | None]
+    future: Future[_Ran]
+
+
+def _timed(job: JobFn) -> _Ran:
+    start = time.perf_counter()
+    completion = job()
+    return _Ran(completion, time.perf_counter() - start)
 
 
 class TransferLane:
@@ -64,11 +81,12 @@ class TransferLane:
         """Queue `job` behind the lane's earlier jobs; return at once."""
         if self._closed:
             raise RuntimeError(f"lane {self.name} is closed")
-        self._pending.append(_Pending(event_id, self._executor.submit(job)))
+        self._pending.append(_Pending(event_id, self._executor.submit(_timed, job)))
 
-    def take_finished(self) -> tuple[list[int], list[int]]:
-        """Return (done, failed) event ids of the finished jobs at the head; never blocks."""
-        done: list[int] = []
+    def take_finished(self) -> tuple[dict[int, float], list[int]]:
+        """Return the finished jobs at the head: done event ids with their copy time in
+        seconds, and failed event ids; never blocks."""
+        done: dict[int, float] = {}
         failed: list[int] = []
         while self._pending:
             head = self._pending[0]
@@ -77,7 +95,10 @@ class TransferLane:
             outcome = _outcome(self.name, head)
             if outcome is None:
                 break
-            (done if outcome else failed).append(head.event_id)
+            if outcome:
+                done[head.event_id] = _seconds(head.future.result())
+            else:
+                failed.append(head.event_id)
             self._pending.popleft()
         return done, failed
 
@@ -89,7 +110,7 @@ class TransferLane:
         wait_futures([p.future for p in self._pending])
         for pending in self._pending:
             if not pending.future.cancelled() and pending.future.exception() is None:
-                completion = pending.future.result()
+                completion = pending.future.result().completion
                 if completion is not None:
                     try:
                         completion.wait()
@@ -119,7 +140,7 @@ def _outcome(lane: str, pending: _Pending) -> bool | None:
         return False
     error = pending.future.exception()
     if error is None:
-        completion = pending.future.result()
+        completion = pending.future.result().completion
         if completion is None:
             return True
         try:
@@ -130,3 +151,9 @@ def _outcome(lane: str, pending: _Pending) -> bool | None:
             error = exc
     logger.warning("lane %s: transfer event %d failed: %s", lane, pending.event_id, error)
     return False
+
+
+def _seconds(ran: _Ran) -> float:
+    """Return a done job's copy time: its device time when measured, else its run time."""
+    device = None if ran.completion is None else ran.completion.elapsed_s()
+    return ran.seconds if device is None else device

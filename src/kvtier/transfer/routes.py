@@ -88,9 +88,11 @@ def run_task(
     route, src, dst = task.route, task.src_ids, task.dst_ids
     copiers.engine.wait_for_compute(task.marker)
     if route is Route.HOST_STORE:
+        copiers.engine.begin()
         copiers.engine.store(engine, src, host, dst)
         return copiers.engine.finish()
     if route is Route.HOST_LOAD:
+        copiers.engine.begin()
         copiers.engine.load(host, src, engine, dst)
         return copiers.engine.finish()
     assert disk is not None

@@ -290,12 +290,14 @@ class OffloadWorker:
         """Return the events finished since the last poll (FIFO per lane); never blocks."""
         done: dict[int, int] = {}
         failed: dict[int, int] = {}
+        seconds: dict[int, float] = {}
         for lane in self._lanes.values():
             lane_done, lane_failed = lane.take_finished()
             done.update(dict.fromkeys(lane_done, 1))
+            seconds.update(lane_done)
             failed.update(dict.fromkeys(lane_failed, 1))
         self._in_flight.difference_update(done, failed)
-        return WorkerReport(done=done, failed=failed)
+        return WorkerReport(done=done, failed=failed, seconds=seconds)
 
     def flush(self) -> None:
         """Block until every submitted transfer finished (done or failed)."""

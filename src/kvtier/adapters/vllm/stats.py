@@ -12,9 +12,12 @@ Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stor
 `failed_demotions`, `dropped_demotions`, `promoted_blocks`, `lost_blocks`, the token
 check's `tag_mismatches`, and the
 labelled `store_outcome.<outcome>` / `handoff_outcome.<outcome>` (kvtier's
-`StoreOutcome` values) and `tier_hit_tokens.<tier>` (`CPU` / `DISK`). Prometheus exposes
-them as `kvtier:<name>_total` (a labelled family as one metric with an `outcome` or
-`tier` label), gauges as `kvtier:<name>`, and the info labels on `kvtier:info` (value 1).
+`StoreOutcome` values), `tier_hit_tokens.<tier>` (`CPU` / `DISK`), and
+`transfer_bytes.<type>` / `transfer_seconds.<type>` (a float) per direction (`GPU_to_CPU`,
+`CPU_to_GPU`, `GPU_to_DISK`, `DISK_to_GPU`, `CPU_to_DISK`, as vLLM labels transfers).
+Prometheus exposes them as `kvtier:<name>_total` (a labelled family as one metric with an
+`outcome`, `tier` or `transfer_type` label), gauges as `kvtier:<name>`, and the info
+labels on `kvtier:info` (value 1).
 """
 
 from __future__ import annotations
@@ -51,6 +54,16 @@ _LABELLED_COUNTERS = {
         "outcome",
         "handoff outcomes of kvtier's store selection",
     ),
+    "transfer_bytes": (
+        "transfer_bytes",
+        "transfer_type",
+        "bytes of completed transfers per direction (GPU_to_CPU, CPU_to_GPU, ...), per rank",
+    ),
+    "transfer_seconds": (
+        "transfer_seconds",
+        "transfer_type",
+        "copy time of completed transfers per direction (each event's slowest rank)",
+    ),
     "tier_hit_tokens": (
         "tier_hit_tokens",
         "tier",
@@ -84,7 +97,7 @@ def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dic
     `new_hit_tokens` are the hit tokens per tier since the last payload (`stats.hit_tokens`
     is cumulative).
     """
-    counters: dict[str, int] = {
+    counters: dict[str, float] = {
         "stored_blocks": stats.num_stored_blocks,
         "loaded_blocks": stats.num_loaded_blocks,
         "failed_loads": stats.num_failed_loads,
@@ -105,6 +118,10 @@ def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dic
         counters[f"handoff_outcome.{outcome}"] = count
     for tier, count in new_hit_tokens.items():
         counters[f"tier_hit_tokens.{tier}"] = count
+    for kind, num_bytes in stats.transfer_bytes.items():
+        counters[f"transfer_bytes.{kind}"] = num_bytes
+    for kind, seconds in stats.transfer_seconds.items():
+        counters[f"transfer_seconds.{kind}"] = seconds
     gauges = {
         "tier_blocks_in_use": stats.num_tier_blocks_in_use,
         "blocks_pending_store": stats.num_blocks_pending_store,
