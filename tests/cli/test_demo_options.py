@@ -63,3 +63,35 @@ def test_every_demo_option_refuses_a_repeat() -> None:
     assert set(options) == {option for option, _, _ in DEMO_OPTIONS}
     for option, action in options.items():
         assert isinstance(action, StoreOnce), option
+
+
+# The demo's numeric options: the sizes, all integers.
+DEMO_NUMBERS = [option for option, first, _ in DEMO_OPTIONS if first.isdigit()]
+NOT_ASCII = ["\u0661\u0666", "\uff11\uff16", "1\u06f6"]  # Arabic-Indic, full-width, mixed 16
+
+
+@pytest.mark.parametrize("text", NOT_ASCII)
+@pytest.mark.parametrize("option", DEMO_NUMBERS)
+def test_a_demo_number_in_other_digits_is_a_usage_error_naming_it(
+    capsys: pytest.CaptureFixture[str], text: str, option: str
+) -> None:
+    # Regression: int() reads other scripts' digits, so Arabic-Indic --turns 16 ran 16 turns.
+    with pytest.raises(SystemExit) as exit_info:
+        demo_parser().parse_args([option, text])  # never serves
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"kvtier demo: error: argument {option}: invalid integer {text!r}: use digits" in err
+
+
+def test_only_path_options_of_the_demo_accept_other_scripts_digits() -> None:
+    """A new numeric demo option must parse with ascii_int / ascii_float too."""
+    parser = demo_parser()
+    for text in NOT_ASCII:
+        taken = set()
+        for option, _, _ in DEMO_OPTIONS:
+            try:
+                parser.parse_args([option, text])
+            except SystemExit:
+                continue
+            taken.add(option)
+        assert taken == {"--model-dir", "--disk-dir", "--out"}, text

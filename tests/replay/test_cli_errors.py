@@ -162,11 +162,11 @@ def test_a_block_larger_than_a_default_capacity_names_the_options(
     [
         ("--block-size", "0", "must be > 0, got 0"),
         ("--bytes-per-token", "-3", "must be > 0, got -3"),
-        ("--bytes-per-token", "1.5", "invalid int value: '1.5'"),
+        ("--bytes-per-token", "1.5", "invalid integer '1.5': use digits 0-9"),
         ("--prefill-tokens-per-s", "inf", "must be > 0 and finite, got 'inf'"),
         ("--prefill-tokens-per-s", "nan", "must be > 0 and finite, got 'nan'"),
         ("--cpu-link-gbps", "0", "must be > 0 and finite, got '0'"),
-        ("--disk-link-gbps", "abc", "invalid number: 'abc'"),
+        ("--disk-link-gbps", "abc", "invalid number 'abc': use digits 0-9, e.g. 2.5 or 1e9"),
     ],
 )
 def test_numbers_out_of_range_are_usage_errors_naming_the_option(

@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from kvtier.offload.config import CascadeMode, DiskIOMode
+from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.store_once import StoreOnce
 
 # The workload and tier sizes: (option, default, what it sets).
@@ -58,12 +59,16 @@ def add_parser(subparsers: Any) -> None:
     )
     for flag, default, what in _SIZE_OPTIONS:
         parser.add_argument(
-            flag, action=StoreOnce, type=int, default=default, help=f"{what} (default %(default)s)"
+            flag,
+            action=StoreOnce,
+            type=ascii_int,
+            default=default,
+            help=f"{what} (default %(default)s)",
         )
     parser.add_argument(
         "--cascade-cpu-mib",
         action=StoreOnce,
-        type=int,
+        type=ascii_int,
         default=32,
         help="CPU tier size in front of the disk tier in the CPU+disk run (MiB, default 32: "
         "smaller than the demo's KV, so CPU evictions are demoted and served from disk)",

@@ -16,6 +16,7 @@
 | `outputs` | checks that `--json` / `--out` can be written |
 | `report` | exact capacity labels (`1000001`, `1M`, `10G`) and the results table |
 | `store_once` | `StoreOnce`: a single-valued CLI option given twice is a usage error |
+| `ascii_number` | `ascii_int`, `ascii_float`: numeric CLI options in ASCII digits only |
 """
 
 from kvtier.replay.config import (

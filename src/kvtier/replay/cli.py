@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
+from kvtier.replay.ascii_number import ascii_float, ascii_int
 from kvtier.replay.belady import OFFLINE_POLICIES
 from kvtier.replay.config import CascadeMode, ReleaseOrder, ReplayError
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
@@ -76,22 +77,16 @@ def _policy_name(text: str) -> str:
 
 
 def _positive_int(text: str) -> int:
-    """Parse a whole number > 0 (argparse names the option in the error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    """Parse a whole number > 0 in ASCII digits (argparse names the option in the error)."""
+    value = ascii_int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
 def _positive_float(text: str) -> float:
-    """Parse a finite number > 0 (argparse names the option in the error)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    """Parse a finite number > 0 in ASCII digits (argparse names the option in the error)."""
+    value = ascii_float(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text!r}")
     return value

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
 
@@ -143,8 +144,8 @@ def generate_chat_trace(config: ChatWorkloadConfig) -> list[TraceRecord]:
     return records
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Write a chat workload trace; return the exit status."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the generator's argument parser."""
     defaults = ChatWorkloadConfig()
     parser = argparse.ArgumentParser(
         prog="python -m kvtier.replay.generate",
@@ -155,24 +156,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--seed",
         action=StoreOnce,
-        type=int,
+        type=ascii_int,
         default=defaults.seed,
         help="random seed (default 0)",
     )
     parser.add_argument(
         "--conversations",
         action=StoreOnce,
-        type=int,
+        type=ascii_int,
         default=defaults.num_conversations,
         help=f"number of conversations (default {defaults.num_conversations})",
     )
     parser.add_argument(
         "--block-size",
         action=StoreOnce,
-        type=int,
+        type=ascii_int,
         default=defaults.block_size,
         help=f"tokens per hash block (default {defaults.block_size})",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write a chat workload trace; return the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     for option, value in (
         ("--conversations", args.conversations),
