@@ -8,12 +8,16 @@ lookups count a tier block only where its tag is the request's own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.core.keys import BlockHash
+from kvtier.core.keys import BlockHash, Key, key_block_hash, make_key
+from kvtier.core.kv_groups import KVLayout
 from kvtier.core.token_tags import Tag, token_tag
-from kvtier.offload.protocols import RequestView
+from kvtier.offload.protocols import GpuPoolView, RequestView
+
+# A block position's (key the request expects there, its token tag); None when not hashed.
+TagOf = Callable[[int], "tuple[Key, Tag] | None"]
 
 
 @dataclass(slots=True)
@@ -25,8 +29,9 @@ class _Chain:
 class RequestTags:
     """Each live request's token tags, one per hash block of `hash_block_size` tokens."""
 
-    def __init__(self, hash_block_size: int) -> None:
-        self.hash_block_size = hash_block_size
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.hash_block_size = layout.hash_block_size
         self._chains: dict[str, _Chain] = {}
 
     def of(self, request: RequestView) -> Sequence[Tag]:
@@ -60,10 +65,32 @@ class RequestTags:
             tags.append(parent)
             chain.by_hash[hashes[i]] = parent
 
-    def for_hash(self, request_id: str, block_hash: BlockHash) -> Tag | None:
-        """Return the tag of the request's hash block `block_hash`, if computed."""
+    def by_position(self, request: RequestView, group_id: int) -> TagOf:
+        """Return a lookup of (key, tag) by block position in one of the request's groups
+        (a group's block j is tagged as hash block `(j + 1) * k - 1`, SPEC §3)."""
+        tags = self.of(request)
+        hashes = request.block_hashes
+        ratio = self.layout.blocks_per_hash(group_id)
+
+        def tag_of(pos: int) -> tuple[Key, Tag] | None:
+            index = (pos + 1) * ratio - 1
+            if index >= len(tags):
+                return None
+            return make_key(hashes[index], group_id), tags[index]
+
+        return tag_of
+
+    def of_block(
+        self, request_id: str, gpu_pool: GpuPoolView, gpu_block_id: int
+    ) -> tuple[Key, Tag] | None:
+        """Return (key, tag) of a GPU block a request handed off, if its tags know the
+        block's hash (they do once the request was scheduled after computing it)."""
+        key = gpu_pool.key(gpu_block_id)
         chain = self._chains.get(request_id)
-        return None if chain is None else chain.by_hash.get(block_hash)
+        if key is None or chain is None:
+            return None
+        tag = chain.by_hash.get(key_block_hash(key))
+        return None if tag is None else (key, tag)
 
     def drop(self, request_id: str) -> None:
         """Forget a finished request's tags."""

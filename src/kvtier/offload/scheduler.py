@@ -22,13 +22,11 @@ This module wires the tier state and owns the requests' lifecycle and observabil
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import KVEvent
-from kvtier.core.keys import Key
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
@@ -41,6 +39,7 @@ from kvtier.offload.plan_assembly import PlanAssembler
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.request_tags import RequestTags
+from kvtier.offload.scheduler_checks import check_scheduler_invariants
 from kvtier.offload.stats import OffloadStats, StepCounters
 from kvtier.offload.store_selection import StoreSelector, lazy_target
 from kvtier.offload.tier_index import TierIndex
@@ -120,7 +119,7 @@ class OffloadScheduler:
         self._counters = StepCounters()
         self._selector: StoreSelector | None = None
         self._book = TransferBook(setup.num_workers)
-        self.tags = RequestTags(self.layout.hash_block_size) if config.token_check else None
+        self.tags = RequestTags(self.layout) if config.token_check else None
         self._tag_mismatches_taken = 0  # total tag mismatches at the last take_stats
         self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book, self.tags)
         self._plans = PlanAssembler(
@@ -376,49 +375,4 @@ class OffloadScheduler:
 
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""
-        for pool in self.index.pools.values():
-            pool.check_invariants()
-        self._eviction.check_invariants()
-        self._admission.check_invariants()
-        self._book.check_invariants()
-        assert self.loads.recompute_next <= self.loads.allocated, "recompute of a finished request"
-        refs = {tier: Counter[int]() for tier in self.index.tiers}
-        gpu_refs: Counter[int] = Counter()
-        for pin in self.loads.pins.values():
-            for tier, ids in self.index.split(pin.pinned):
-                refs[tier].update(ids)
-        loads = list(self.loads.queued)
-        store_batches = [self.selector.queued]
-        moves = list(self.cascade.queued) if self.cascade is not None else []
-        for transfer in self._book:
-            loads.extend(transfer.loads)
-            store_batches.append(transfer.stores)
-            moves.extend(transfer.moves)
-        for load in loads:
-            refs[load.tier].update(load.tier_block_ids)
-            gpu_refs.update(load.gpu_block_ids)
-        store_keys: set[Key] = set()
-        for stores in store_batches:
-            assert len(stores.gpu_block_ids) == len(stores.tier_block_ids) == len(stores)
-            assert all(
-                0 <= i < len(stores) for i in [*stores.tails, *stores.payloads, *stores.tags]
-            )
-            refs[self.tier].update(stores.tier_block_ids)
-            gpu_refs.update(stores.gpu_block_ids)
-            store_keys.update(stores.keys)
-        for move in moves:
-            refs[Tier.CPU][move.cpu_block_id] += 1
-            refs[Tier.DISK][move.disk_block_id] += 1
-        for tier, pool in self.index.pools.items():
-            for block_id in range(1, pool.num_blocks):
-                assert pool.ref_count(block_id) == refs[tier][block_id], (
-                    f"{tier.value} block {block_id}: ref {pool.ref_count(block_id)}, "
-                    f"pins {refs[tier][block_id]}"
-                )
-        for block_id, count in gpu_refs.items():
-            assert self.gpu_pool.block(block_id).ref_count >= count, f"GPU block {block_id}"
-        assert self.selector.in_flight_keys == store_keys, "in-flight keys"
-        copied = {b for stores in store_batches for b in stores.gpu_block_ids}
-        assert self.selector.lazy_copying <= copied, "a lazy copy is tracked but not in flight"
-        if self.cascade is not None:
-            assert self.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"
+        check_scheduler_invariants(self)

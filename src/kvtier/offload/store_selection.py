@@ -8,13 +8,13 @@ store is queued or in flight are tracked so no block is stored twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored
-from kvtier.core.keys import Key, key_block_hash, make_key
+from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.core.token_tags import Tag
@@ -25,12 +25,9 @@ from kvtier.offload.protocols import (
     ScheduledRequest,
     TableUpdate,
 )
-from kvtier.offload.request_tags import RequestTags
+from kvtier.offload.request_tags import RequestTags, TagOf
 from kvtier.offload.stats import StepCounters, StoreOutcome
 from kvtier.offload.store_batch import StoreBatch
-
-# A block position's (key the request expects there, token tag), None when not hashed yet.
-TagOf = Callable[[int], "tuple[Key, Tag] | None"]
 
 
 @dataclass(slots=True)
@@ -147,7 +144,7 @@ class StoreSelector:
                 continue  # nothing new is confirmed (most decode steps)
             table = state.block_ids[group_id]
             num_ready = min(ready_tokens // block_size, len(table))
-            tag_of = None if self.tags is None else self._tag_of(request, group_id)
+            tag_of = None if self.tags is None else self.tags.by_position(request, group_id)
             while pos < num_ready:
                 if not self.record_payload and table[pos] != NULL_BLOCK_ID:
                     pos = self._select_run(table, pos, num_ready, tag_of)
@@ -297,7 +294,12 @@ class StoreSelector:
             elif not self.layout.groups[handoff.group_id].is_cacheable:
                 outcome = StoreOutcome.NULL
             else:
-                outcome = self.try_select(handoff.gpu_block_id, tag=self._handoff_tag(handoff))
+                tag = None
+                if self.tags is not None:
+                    tag = self.tags.of_block(
+                        handoff.request_id, self.gpu_pool, handoff.gpu_block_id
+                    )
+                outcome = self.try_select(handoff.gpu_block_id, tag=tag)
             self.counters.count_handoff(outcome)
 
     def select_partial_tail(self, request: RequestView, state: _Tracked) -> None:
@@ -367,31 +369,6 @@ class StoreSelector:
         return queued
 
     # ------------------------------------------------------------ helpers
-
-    def _tag_of(self, request: RequestView, group_id: int) -> TagOf:
-        """Return a lookup of (key, tag) by block position of one of the request's groups."""
-        assert self.tags is not None
-        tags = self.tags.of(request)
-        hashes = request.block_hashes
-        ratio = self.layout.blocks_per_hash(group_id)
-
-        def tag_of(pos: int) -> tuple[Key, Tag] | None:
-            index = (pos + 1) * ratio - 1
-            if index >= len(tags):
-                return None
-            return make_key(hashes[index], group_id), tags[index]
-
-        return tag_of
-
-    def _handoff_tag(self, handoff: Handoff) -> tuple[Key, Tag] | None:
-        """Return (key, tag) of a hand-off's block, if its request's tags know its hash."""
-        if self.tags is None:
-            return None
-        key = self.gpu_pool.key(handoff.gpu_block_id)
-        if key is None:
-            return None
-        tag = self.tags.for_hash(handoff.request_id, key_block_hash(key))
-        return None if tag is None else (key, tag)
 
     def _request_key(self, request: RequestView, group_id: int, pos: int) -> Key | None:
         ratio = self.layout.blocks_per_hash(group_id)

@@ -1,0 +1,67 @@
+"""What an `OffloadScheduler` checks in `check_invariants`: every pin is owned by a lookup,
+a queued or issued transfer, and the in-flight keys match the stores in flight.
+
+Kept apart from `scheduler` so that module holds the scheduler's operations only; the
+checks read its tier state and bookkeeping directly, as its own method would.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from kvtier.core.keys import Key
+from kvtier.offload.plan import Tier
+
+if TYPE_CHECKING:
+    from kvtier.offload.scheduler import OffloadScheduler
+
+
+def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
+    """Raise AssertionError when `scheduler`'s pins, in-flight keys or pools disagree."""
+    for pool in scheduler.index.pools.values():
+        pool.check_invariants()
+    scheduler._eviction.check_invariants()
+    scheduler._admission.check_invariants()
+    scheduler._book.check_invariants()
+    assert scheduler.loads.recompute_next <= scheduler.loads.allocated, (
+        "recompute of a finished request"
+    )
+    refs = {tier: Counter[int]() for tier in scheduler.index.tiers}
+    gpu_refs: Counter[int] = Counter()
+    for pin in scheduler.loads.pins.values():
+        for tier, ids in scheduler.index.split(pin.pinned):
+            refs[tier].update(ids)
+    loads = list(scheduler.loads.queued)
+    store_batches = [scheduler.selector.queued]
+    moves = list(scheduler.cascade.queued) if scheduler.cascade is not None else []
+    for transfer in scheduler._book:
+        loads.extend(transfer.loads)
+        store_batches.append(transfer.stores)
+        moves.extend(transfer.moves)
+    for load in loads:
+        refs[load.tier].update(load.tier_block_ids)
+        gpu_refs.update(load.gpu_block_ids)
+    store_keys: set[Key] = set()
+    for stores in store_batches:
+        assert len(stores.gpu_block_ids) == len(stores.tier_block_ids) == len(stores)
+        assert all(0 <= i < len(stores) for i in [*stores.tails, *stores.payloads, *stores.tags])
+        refs[scheduler.tier].update(stores.tier_block_ids)
+        gpu_refs.update(stores.gpu_block_ids)
+        store_keys.update(stores.keys)
+    for move in moves:
+        refs[Tier.CPU][move.cpu_block_id] += 1
+        refs[Tier.DISK][move.disk_block_id] += 1
+    for tier, pool in scheduler.index.pools.items():
+        for block_id in range(1, pool.num_blocks):
+            assert pool.ref_count(block_id) == refs[tier][block_id], (
+                f"{tier.value} block {block_id}: ref {pool.ref_count(block_id)}, "
+                f"pins {refs[tier][block_id]}"
+            )
+    for block_id, count in gpu_refs.items():
+        assert scheduler.gpu_pool.block(block_id).ref_count >= count, f"GPU block {block_id}"
+    assert scheduler.selector.in_flight_keys == store_keys, "in-flight keys"
+    copied = {b for stores in store_batches for b in stores.gpu_block_ids}
+    assert scheduler.selector.lazy_copying <= copied, "a lazy copy is tracked but not in flight"
+    if scheduler.cascade is not None:
+        assert scheduler.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"
