@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.figure import Figure
 
-from kvtier.cli.demo_plot import PLOT_NAME, ttft_figure, write_ttft_plot
+from kvtier.cli.demo_plot import PLOT_NAME, save_ttft_plot, ttft_figure, write_ttft_plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -69,3 +69,38 @@ def test_a_save_that_fails_part_way_leaves_the_previous_plot_and_no_partial_file
         assert os.listdir(tmp_path) == [PLOT_NAME]
         assert path.read_bytes() == previous
     assert plt.get_fignums() == []
+
+
+def test_save_ttft_plot_creates_the_folder_and_returns_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out" / "plots"
+    assert save_ttft_plot(out, ttft_ms_by_turn()) == out / PLOT_NAME
+    assert (out / PLOT_NAME).read_bytes().startswith(PNG_SIGNATURE)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_plot_that_cannot_be_written_is_one_line_naming_the_path_and_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: a full disk ended the demo, after every run, in an OSError traceback.
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    out = tmp_path / "out"
+    assert save_ttft_plot(out, ttft_ms_by_turn()) is None
+    assert capsys.readouterr().err == (
+        f"kvtier demo: error: cannot write the plot {out / PLOT_NAME}: No space left on device\n"
+    )
+
+
+def test_a_plot_folder_that_cannot_be_created_is_one_line_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "afile").write_text("")  # made after the demo checked --out, say
+    out = tmp_path / "afile" / "out"
+    assert save_ttft_plot(out, ttft_ms_by_turn()) is None
+    assert capsys.readouterr().err == (
+        f"kvtier demo: error: cannot write the plot {out / PLOT_NAME}: Not a directory\n"
+    )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import pytest
 from engine_helpers import TINY_HF_CONFIG
+from matplotlib.figure import Figure
 from safetensors.torch import save_file
 
 from kvtier.cli import demo
@@ -73,6 +75,27 @@ def test_demo_serves_a_checkpoint_with_a_small_vocab(
     captured = capsys.readouterr()
     assert status == 0, captured.err
     assert "identical tokens across configurations: yes" in captured.out
+
+
+def test_a_plot_that_cannot_be_written_ends_the_demo_with_one_line_and_keeps_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: a full disk ended the demo in an OSError traceback after every run,
+    # without the verdict on the tokens.
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    model_dir = save_tiny_checkpoint(tmp_path / "ckpt")  # serves in about a second
+    assert run_demo(tmp_path, f"--model-dir={model_dir}", "--disk-io=page_cache") == 1
+    captured = capsys.readouterr()
+    plot = tmp_path / "out" / "demo_ttft.png"
+    assert captured.err == (
+        f"kvtier demo: error: cannot write the plot {plot}: No space left on device\n"
+    )
+    assert "CPU+disk" in captured.out
+    assert "plotted to" not in captured.out
+    assert captured.out.endswith("identical tokens across configurations: yes\n")
 
 
 def _write(path: Path, text: str) -> None:

@@ -15,7 +15,7 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 from kvtier.cli.demo_checks import check_options, check_paths, check_positions, check_sizes
-from kvtier.cli.demo_plot import PLOT_NAME, write_ttft_plot
+from kvtier.cli.demo_plot import save_ttft_plot
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -32,8 +32,9 @@ PROMPT_VOCAB_SIZE = 1024
 def run_demo(args: argparse.Namespace) -> int:
     """Run every configuration, print the comparison, write the plot.
 
-    Returns 0 when every configuration produced identical tokens, 1 when they differ and
-    2 for a bad option (the message, on stderr, names it).
+    Returns 0 when every configuration produced identical tokens and the plot was
+    written, 1 when they differ or the plot could not be written (the verdict line and
+    stderr say which) and 2 for a bad option (the message, on stderr, names it).
     """
     console = _console()
     try:
@@ -66,14 +67,16 @@ def run_demo(args: argparse.Namespace) -> int:
                     on_turn = lambda: progress.advance(task)  # noqa: E731
                     results.append(run_chat(llm, workload, name, on_turn))
     _print_table(console, results)
-    plot = _plot(results, Path(args.out))
-    console.print(f"TTFT per turn plotted to {plot}")
+    by_turn = {r.name: _mean_ttft_ms_by_turn(r) for r in results}
+    plot = save_ttft_plot(Path(args.out), by_turn)
+    if plot is not None:
+        console.print(f"TTFT per turn plotted to {plot}")
     baseline = results[0].output_tokens
     identical = all(r.output_tokens == baseline for r in results[1:])
     console.print(
         "identical tokens across configurations: " + ("yes" if identical else "NO — a bug")
     )
-    return 0 if identical else 1
+    return 0 if identical and plot is not None else 1
 
 
 def _report(exc: ValueError) -> int:
@@ -194,14 +197,6 @@ def _tier_hits(result: RunResult) -> str:
     if len(by_tier) < 2:
         return str(total)
     return f"{total} (" + ", ".join(f"{tier} {n}" for tier, n in by_tier.items()) + ")"
-
-
-def _plot(results: list[RunResult], out: Path) -> Path:
-    """Write the TTFT-per-turn plot into `out` (created if missing); return its path."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / PLOT_NAME
-    write_ttft_plot(path, {r.name: _mean_ttft_ms_by_turn(r) for r in results})
-    return path
 
 
 def _mean_ttft_ms_by_turn(result: RunResult) -> dict[int, float]:

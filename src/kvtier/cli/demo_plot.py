@@ -5,6 +5,7 @@ Kept apart from the demo so that it imports neither torch nor the engine.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,24 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 PLOT_NAME = "demo_ttft.png"
+
+
+def save_ttft_plot(out: Path, ttft_ms_by_turn: Mapping[str, Mapping[int, float]]) -> Path | None:
+    """Write the plot into the folder `out` (created if missing); return its path.
+
+    A plot that cannot be written (a full disk, a folder removed since the demo checked
+    it) is one line on stderr naming the path and the reason, and returns None: the
+    runs are done and their results printed, so it is no traceback.
+    """
+    path = out / PLOT_NAME
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_ttft_plot(path, ttft_ms_by_turn)
+    except OSError as exc:
+        reason = exc.strerror or exc
+        print(f"kvtier demo: error: cannot write the plot {path}: {reason}", file=sys.stderr)
+        return None
+    return path
 
 
 def write_ttft_plot(path: Path, ttft_ms_by_turn: Mapping[str, Mapping[int, float]]) -> None:
