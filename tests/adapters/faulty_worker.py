@@ -122,4 +122,5 @@ class FaultyWorker:
         assert self.is_idle
         self._submit(TransferPlan(step_id=0, jobs=(job,)))
         self._flush()
-        assert self._poll() == WorkerReport(done={job.event_id: 1})
+        report = self._poll()
+        assert (report.done, report.failed) == ({job.event_id: 1}, {})

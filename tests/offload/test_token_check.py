@@ -12,9 +12,10 @@ from test_scenarios_cascade import cascade_engine, holds, keys_of
 from test_scenarios_hybrid import hybrid_engine
 
 from kvtier.core.hashing import BlockHasher, RequestHasher
+from kvtier.core.keys import make_key
 from kvtier.core.token_tags import token_tag
 from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig, StoreMode
-from kvtier.offload.plan import Tier
+from kvtier.offload.plan import SlotRecord, Tier
 
 
 def colliding(request_id: str, tokens: list[int], hashed_as: list[int]) -> SimRequest:
@@ -211,3 +212,118 @@ def test_a_block_rekeyed_while_its_copy_is_in_flight_registers_untagged(events: 
     other = tier.cached_block(OTHER_KEY)
     assert other is not None
     assert tier.tag(other) is None
+
+
+# ---------------------------------------------------------------- review regressions
+
+H = bytes(range(32))
+
+
+class FixedHasher:
+    """A request hasher whose block hashes are given (a forged collision model)."""
+
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.block_hashes = hashes
+
+    def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
+        return ()
+
+    def extend(self, tokens: list[int]) -> None:
+        pass
+
+
+def self_colliding(request_id: str, tokens: list[int]) -> SimRequest:
+    """Two hash blocks with the same hash (the chain collides with itself)."""
+    return SimRequest(request_id, tokens, len(tokens), FixedHasher([H, H]))  # type: ignore[arg-type]
+
+
+def test_a_hash_a_request_holds_twice_is_never_checked_by_hash() -> None:
+    """Block 1's KV stored under the hash both blocks share must not pass at position 0."""
+    tokens = [10, 11, 12, 13, 20, 21, 22, 23, 30]
+    engine = SimEngine(full_layout(), config(token_check=True), num_tier_blocks=8)
+    engine.admit(self_colliding("d", list(tokens)))
+    engine.schedule("d", 4)
+    engine.step()
+    engine.schedule("d", 4)
+    engine.step()  # block 0 stored under H
+    tier = engine.scheduler.tier_pool
+    key = make_key(H, 0)
+    tier.discard_keys(tier.cached_block(key) or 0)  # the tier evicts it
+    engine.schedule("d", 1)
+    engine.step()  # block 1 stored under H, with block 1's tag
+    engine.finish("d")
+    engine.drain()
+    engine.evict_gpu()
+    slot = tier.cached_block(key)
+    assert slot is not None
+    assert tier.tag(slot) == expected_tags(tokens)[1]
+    assert engine.admit(self_colliding("e", list(tokens))) == Admission(0, 0, 0)
+    engine.check()
+
+
+def test_a_block_shared_from_the_gpu_cache_keeps_its_fillers_tag() -> None:
+    """B collides with A and gets A's blocks from the GPU prefix cache (no check there).
+    B's store copies A's KV, so it must carry A's tag, never B's: C, with B's tokens,
+    is not served A's KV from the tier."""
+    engine = SimEngine(full_layout(), config(token_check=True), num_tier_blocks=8)
+    a_tokens = [*range(8), 8]
+    engine.run(make_request("a", a_tokens))
+    engine.drain()
+    tier = engine.scheduler.tier_pool
+    for slot in range(1, tier.num_blocks):
+        if tier.key(slot) is not None:
+            tier.discard_keys(slot)  # A's tier copies evicted; its GPU copies remain
+    b_tokens = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    assert engine.admit(colliding("b", b_tokens, a_tokens)) == Admission(8, 0, 0)
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    a_request = make_request("k", a_tokens)
+    slots = [tier.cached_block(block_key(engine.layout, a_request, 0, i)) for i in range(2)]
+    assert [tier.tag(s) for s in slots if s is not None] == expected_tags(a_tokens)[:2]
+    engine.evict_gpu()
+    assert engine.admit(colliding("c", b_tokens, a_tokens)) == Admission(0, 0, 0)
+    assert engine.admit(make_request("a2", a_tokens)) == Admission(0, 8, 8)  # A's own: served
+    engine.check()
+
+
+def test_a_key_held_as_a_secondary_key_is_a_quiet_miss() -> None:
+    """Tags go with primary keys: a tier block found by a secondary key (a fine-grained
+    tail key vLLM adds) is not served, and it is no 'hash collision' either."""
+    layout = full_layout(block_size=8, hash_block_size=4)
+    engine = SimEngine(layout, config(token_check=True, fine_grained_hits=True), num_tier_blocks=8)
+    a = make_request("a", [*range(16), 99], 4)
+    engine.admit(a)
+    engine.schedule("a")
+    engine.step()
+    tail = make_key(a.block_hashes[2], 0)  # hash block 2 ends inside GPU block 1
+    engine.gpu.insert_key(tail, engine.tables["a"][0][1], 4)  # held as a secondary key
+    engine.finish("a")
+    engine.drain()
+    engine.evict_gpu()
+    tier = engine.scheduler.tier_pool
+    slot = tier.cached_block(tail)
+    assert slot is not None
+    assert tail in tier.secondary_keys(slot)
+    engine.scheduler.take_stats()
+    admission = engine.admit(make_request("b", [*range(12), 70, 71, 72, 73, 5], 4))
+    assert admission == Admission(0, 8, 8)  # the first block; the tail is not served
+    assert engine.scheduler.take_stats().num_tag_mismatches == 0
+
+
+@pytest.mark.parametrize("token_check", [False, True])
+def test_restored_tags_are_kept_only_with_the_check_and_untagged_slots_are_named(
+    token_check: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without the check, restored tags would only slow the pool's eviction path; with
+    it, blocks a run without the check kept are never served, which a warning says."""
+    engine = SimEngine(full_layout(), config(token_check=token_check), num_tier_blocks=8)
+    keys = keys_of(range(8), 2)
+    records = [(1, SlotRecord(keys[0], 4, b"t" * 16)), (2, SlotRecord(keys[1], 4))]
+    with caplog.at_level(logging.WARNING, logger="kvtier.offload.registration"):
+        assert engine.scheduler.restore(Tier.CPU, records) == 2
+    tier = engine.scheduler.tier_pool
+    assert (tier.tag(1), tier.tag(2)) == ((b"t" * 16 if token_check else None), None)
+    assert ("1 of 2 restored blocks carry no token tag" in caplog.text) == token_check
+    engine.check()

@@ -79,8 +79,11 @@ class PoolQueries:
             self._check_id(block_id)  # raises
         return self._num_tokens[block_id]
 
-    def tag(self, block_id: int) -> bytes | None:
-        """Return the token tag recorded with the block's primary key, or None."""
+    def tag(self, block_id: int, key: Key | None = None) -> bytes | None:
+        """Return the token tag recorded with the block's primary key, or None; with
+        `key`, None too unless `key` is that primary key (a secondary key has no tag)."""
+        if key is not None and self._keys[block_id] != key:
+            return None
         return self._tags.get(block_id)
 
     def secondary_keys(self, block_id: int) -> Sequence[Key]:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
-from kvtier.core.keys import BlockHash, Key, key_block_hash
+from kvtier.core.keys import Key, key_block_hash
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.longest_hit import CachedBlockFn, HitGranularity, LongestHit, find_longest_hit
 from kvtier.offload.plan import Tier
@@ -82,6 +82,8 @@ class LoadPlanner:
     def lookup(self, request: RequestView, num_local_tokens: int) -> int:
         """Return how many tokens past the local prefix the tiers can serve, and pin them."""
         self.release_pin(request.request_id)
+        if self.tags is not None:
+            self.tags.note_lookup(request.request_id, num_local_tokens)
         if request.skip_prefix_cache or request.request_id in self.recompute_next:
             return 0
         if num_local_tokens % self.layout.scheduler_block_size:
@@ -98,7 +100,7 @@ class LoadPlanner:
         max_tokens = request.num_tokens - 1 - num_local_tokens  # the last token is recomputed
         if not hashes or max_tokens <= 0:
             return 0
-        cached = self._cached_fn(request, hashes)
+        cached = self._cached_fn(request)
         hit = find_longest_hit(self.layout, hashes, max_tokens, cached, self.granularity)
         if hit.num_tokens == 0:
             return 0
@@ -187,28 +189,28 @@ class LoadPlanner:
         if num_tokens == hit.num_tokens or self._prefix_only:
             return hit
         hashes = request.block_hashes[pin.num_local_tokens // self.layout.hash_block_size :]
-        cached = self._cached_fn(request, hashes)
+        cached = self._cached_fn(request)
         shorter = find_longest_hit(self.layout, hashes, num_tokens, cached, self.granularity)
         return shorter if shorter.num_tokens == num_tokens else None
 
-    def _cached_fn(self, request: RequestView, hashes: Sequence[BlockHash]) -> CachedBlockFn:
+    def _cached_fn(self, request: RequestView) -> CachedBlockFn:
         """Return the tier lookup of a hit: the index's own, or with the token check on,
-        one that also requires each block's tag to be the request's tag of its hash."""
+        one that also requires the tag of the block's key to be the request's tag of its
+        hash (a block with no tag, or a hash the request holds twice, is a plain miss)."""
         if self.tags is None:
             return self.index.cached_block
-        tags = self.tags.of(request)
-        first = len(request.block_hashes) - len(hashes)
-        expected = dict(zip(hashes, tags[first:], strict=True))
+        expected = self.tags.expected(request)
         index = self.index
 
         def checked(key: Key) -> int | None:
             block_id = index.cached_block(key)
             if block_id is None:
                 return None
-            tag = index.tag(block_id)
-            if tag is not None and tag == expected.get(key_block_hash(key)):
+            tag = index.tag(block_id, key)
+            want = expected(key_block_hash(key))
+            if tag is not None and tag == want:
                 return block_id
-            if tag is not None:
+            if tag is not None and want is not None:
                 self.num_tag_mismatches += 1
                 logger.warning(
                     "request %s: tier block %d holds key %s with other tokens (a hash "

@@ -27,11 +27,14 @@ logger = logging.getLogger(__name__)
 class Registrar:
     """Register completed stores into `tier_pool` (the tier GPU blocks are stored into)."""
 
-    def __init__(self, layout: KVLayout, tier: Tier, tier_pool: BlockPool, events: bool) -> None:
+    def __init__(
+        self, layout: KVLayout, tier: Tier, tier_pool: BlockPool, events: bool, tags: bool = False
+    ) -> None:
         self.layout = layout
         self.tier = tier
         self.tier_pool = tier_pool
         self.events = events
+        self.tags = tags  # the token check is on: restored slots keep their tags
 
     def register(self, stores: StoreBatch, index: int, gpu_pool: GpuPoolView) -> None:
         """Make store `index`'s tier slot hold what its GPU block held."""
@@ -135,7 +138,7 @@ class Registrar:
         prefix count, which older manifests held) becomes the tokens inside the block.
         """
         groups = self.layout.groups
-        num_restored = 0
+        num_restored = num_untagged = 0
         for slot, record in slots:
             group_id = key_group_id(record.key)
             valid_group = group_id < len(groups) and groups[group_id].is_cacheable
@@ -148,7 +151,17 @@ class Registrar:
                 num_tokens = tokens_inside_block(num_tokens, size)
             pool.touch([slot])
             event = self.event(record.key, num_tokens, tier)
-            pool.insert_key(record.key, slot, num_tokens, event, record.tag)
+            tag = record.tag if self.tags else None  # unread without the check: not kept
+            pool.insert_key(record.key, slot, num_tokens, event, tag)
             pool.free([slot])
             num_restored += 1
+            num_untagged += record.tag is None
+        if self.tags and num_untagged:
+            logger.warning(
+                "%s: %d of %d restored blocks carry no token tag (stored without "
+                "token_check); the check never serves them",
+                tier.value,
+                num_untagged,
+                num_restored,
+            )
         return num_restored

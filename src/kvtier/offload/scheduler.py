@@ -81,7 +81,9 @@ class OffloadScheduler:
             medium=self.tier.value,
             record_events=config.events,
         )
-        self.registrar = Registrar(self.layout, self.tier, self.tier_pool, config.events)
+        self.registrar = Registrar(
+            self.layout, self.tier, self.tier_pool, config.events, config.token_check
+        )
         pools = [(self.tier, self.tier_pool)]
         self.cascade: Cascade | None = None
         if config.is_cascade:

@@ -121,8 +121,12 @@ class StoreSelector:
                 if found is None:
                     continue
                 state = found
-            for table, new_ids in zip(state.block_ids, item.block_ids, strict=True):
+            for group_id, (table, new_ids) in enumerate(
+                zip(state.block_ids, item.block_ids, strict=True)
+            ):
                 if new_ids:
+                    if self.tags is not None:  # blocks the request fills anew
+                        self.tags.forget_fills(request_id, group_id, len(table), new_ids)
                     table.extend(new_ids)
             confirmed = request.num_computed_tokens - request.num_output_placeholders
             ready_tokens = max(0, confirmed) // unit * unit
@@ -179,10 +183,14 @@ class StoreSelector:
         tags: dict[int, Tag] = {}
         num_unhashed = num_in_flight = num_refused = num_cached = num_stored_before = 0
         num_visited = len(run)
+        tag = None
         for i, (gpu_block_id, key) in enumerate(zip(run, self.gpu_pool.keys(run), strict=True)):
             if key is None:
                 num_unhashed += 1
-            elif key in in_flight:
+                continue
+            if tag_of is not None:  # every visited fill is noted, stored or not
+                tag = tag_of(pos + i, gpu_block_id, key)
+            if key in in_flight:
                 num_in_flight += 1
             elif key in tier_index:
                 num_cached += 1
@@ -196,9 +204,8 @@ class StoreSelector:
                 break
             else:
                 in_flight.add(key)
-                pair = None if tag_of is None else tag_of(pos + i)
-                if pair is not None and pair[0] == key:
-                    tags[len(keys)] = pair[1]
+                if tag is not None:
+                    tags[len(keys)] = tag
                 gpu_ids.append(gpu_block_id)
                 keys.append(key)
         if gpu_ids:
@@ -223,19 +230,39 @@ class StoreSelector:
         tag_of: TagOf | None = None,
     ) -> StoreOutcome:
         gpu_block_id = table[pos]
+        recovered = False
         if gpu_block_id == NULL_BLOCK_ID:
             # A sliding window dropped this block; it may still be cached on the GPU.
             key = self._request_key(request, group_id, pos)
-            recovered = None if key is None else self.gpu_pool.cached_block(key)
-            if recovered is None:
+            cached = None if key is None else self.gpu_pool.cached_block(key)
+            if cached is None:
                 self.counters.count_store(StoreOutcome.NULL)
                 return StoreOutcome.NULL
-            gpu_block_id = recovered
+            gpu_block_id, recovered = cached, True
         payload = self._payload(request, group_id, pos) if self.record_payload else None
-        tag = None if tag_of is None else tag_of(pos)
-        outcome = self.try_select(gpu_block_id, stored=payload, tag=tag)
+        outcome = self.try_select(
+            gpu_block_id,
+            stored=payload,
+            tag=self._position_tag(gpu_block_id, pos, recovered, tag_of),
+        )
         self.counters.count_store(outcome)
         return outcome
+
+    def _position_tag(
+        self, gpu_block_id: int, pos: int, recovered: bool, tag_of: TagOf | None
+    ) -> tuple[Key, Tag] | None:
+        """Return (key, tag) to record for the block at `pos`, or None (no check, no tag).
+
+        A block recovered from the GPU cache may be another request's fill: only a tag
+        noted for that fill applies.
+        """
+        if self.tags is None or tag_of is None:
+            return None
+        key = self.gpu_pool.key(gpu_block_id)
+        if key is None:
+            return None
+        tag = self.tags.noted(gpu_block_id, key) if recovered else tag_of(pos, gpu_block_id, key)
+        return None if tag is None else (key, tag)
 
     def select_lazy(self, target: int) -> None:
         """Walk the GPU free queue from the cursor and select up to `target` visited blocks."""
@@ -317,7 +344,7 @@ class StoreSelector:
             last_hash = confirmed // hbs - 1
             key = make_key(request.block_hashes[last_hash], group_id)
             tag = None
-            if self.tags is not None:
+            if self.tags is not None and pos >= self.tags.floor(request.request_id, group_id):
                 tag = (key, self.tags.of(request)[last_hash])
             outcome = self.try_select(table[pos], tail_key=key, tail_num_tokens=rest, tag=tag)
             self.counters.count_store(outcome)

@@ -47,11 +47,12 @@ class TierIndex:
         block_id = self._second.cached_block(key)
         return None if block_id is None else block_id + self._offset
 
-    def tag(self, block_id: int) -> bytes | None:
-        """Return the token tag of a block (an id in the shared space), or None."""
+    def tag(self, block_id: int, key: Key | None = None) -> bytes | None:
+        """Return the token tag of a block (an id in the shared space), or None; with
+        `key`, only if `key` is the block's primary key."""
         if self._second is not None and block_id >= self._offset:
-            return self._second.tag(block_id - self._offset)
-        return self.first.tag(block_id)
+            return self._second.tag(block_id - self._offset, key)
+        return self.first.tag(block_id, key)
 
     def _touch_split(self, ids: Iterable[int]) -> None:
         """Pin each block (ids in the shared space)."""

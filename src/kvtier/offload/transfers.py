@@ -153,7 +153,7 @@ class TransferBook:
                     transfer.num_failed += count
                 else:
                     transfer.num_done += count
-                    seconds = report.seconds.get(event_id, 0.0)
+                    seconds = _copy_seconds(report, event_id)
                     transfer.seconds = max(transfer.seconds, seconds)
                 touched.append(transfer)
         if unknown:
@@ -216,16 +216,19 @@ class TransferBook:
         return self._num_store_events > 0
 
 
+def _copy_seconds(report: WorkerReport, event_id: int) -> float:
+    """Return the copy time a report gives an event; 0 (with a warning) for one that is
+    not a finite number of seconds >= 0 (a statistic: the counts still apply)."""
+    seconds = report.seconds.get(event_id, 0.0)
+    number = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    if number and math.isfinite(seconds) and seconds >= 0:
+        return float(seconds)
+    logger.warning("worker report: seconds[%r] = %r is not a copy time; ignored", event_id, seconds)
+    return 0.0
+
+
 def _check_counts(report: WorkerReport) -> None:
-    """Raise ValueError naming the first event whose worker count is not an int >= 0,
-    or whose copy time is not a finite number of seconds >= 0."""
-    for event_id, seconds in report.seconds.items():
-        valid = type(seconds) in (int, float) and math.isfinite(seconds) and seconds >= 0
-        if not valid:
-            raise ValueError(
-                f"worker report: seconds[{event_id!r}] = {seconds!r} is not a copy time "
-                "(a finite float >= 0); report refused"
-            )
+    """Raise ValueError naming the first event whose worker count is not an int >= 0."""
     for name, counts in (("done", report.done), ("failed", report.failed)):
         for event_id, count in counts.items():
             if type(count) is not int or count < 0:

@@ -154,6 +154,11 @@ def _outcome(lane: str, pending: _Pending) -> bool | None:
 
 
 def _seconds(ran: _Ran) -> float:
-    """Return a done job's copy time: its device time when measured, else its run time."""
-    device = None if ran.completion is None else ran.completion.elapsed_s()
-    return ran.seconds if device is None else device
+    """Return a done job's copy time: its completion's measure, else its run time (also
+    when reading the measure fails: a statistic must not stall the lane's reports)."""
+    try:
+        measured = None if ran.completion is None else ran.completion.elapsed_s()
+    except Exception as exc:
+        logger.debug("copy time unavailable (%s); using the job's run time", exc)
+        measured = None
+    return ran.seconds if measured is None else measured
