@@ -41,6 +41,10 @@ def test_demo_runs_every_configuration(
         assert name in out
     assert "…" not in out
     assert "identical tokens across configurations: yes" in out
+    # SPEC §6.10 Beyond: bytes moved and the achieved bandwidth per direction.
+    for direction in ("GPU → CPU", "GPU → DISK", "CPU → DISK"):  # this run only stores
+        assert direction in out
+    assert "MiB/s" in out
     assert (tmp_path / "out" / "demo_ttft.png").is_file()
 
 

@@ -67,6 +67,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     on_turn = lambda: progress.advance(task)  # noqa: E731
                     results.append(run_chat(llm, workload, name, on_turn))
     _print_table(console, results)
+    _print_transfers(console, results)
     by_turn = {r.name: _mean_ttft_ms_by_turn(r) for r in results}
     plot = save_ttft_plot(Path(args.out), by_turn)
     if plot is not None:
@@ -187,6 +188,29 @@ def _print_table(console: Console, results: list[RunResult]) -> None:
             f"{r.num_bytes_loaded / MIB:.1f}",
             f"{r.num_bytes_stored / MIB:.1f}",
         )
+    console.print(table)
+
+
+_DIRECTIONS = ("GPU_to_CPU", "CPU_to_GPU", "GPU_to_DISK", "DISK_to_GPU", "CPU_to_DISK")
+
+
+def _print_transfers(console: Console, results: list[RunResult]) -> None:
+    """Print each configuration's bytes moved and achieved bandwidth per direction."""
+    seen = {kind for r in results for kind in r.transfer_bytes}
+    directions = [kind for kind in _DIRECTIONS if kind in seen] + sorted(seen - set(_DIRECTIONS))
+    if not directions:
+        return
+    table = Table(title="copies per direction: MiB moved, achieved bandwidth (copy time)")
+    table.add_column("config", justify="right", no_wrap=True)
+    for kind in directions:
+        table.add_column(kind.replace("_to_", " → "), justify="right", no_wrap=True)
+    for r in results[1:]:
+        cells = []
+        for kind in directions:
+            num_bytes, seconds = r.transfer_bytes.get(kind, 0), r.transfer_seconds.get(kind, 0.0)
+            rate = f" at {num_bytes / seconds / MIB:.0f} MiB/s" if num_bytes and seconds else ""
+            cells.append(f"{num_bytes / MIB:.1f}{rate}" if num_bytes else "-")
+        table.add_row(r.name, *cells)
     console.print(table)
 
 

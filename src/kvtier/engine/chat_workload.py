@@ -72,6 +72,9 @@ class RunResult:
     num_bytes_loaded: int
     num_bytes_stored: int
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # Per direction (`GPU_to_CPU`, ...): bytes and copy seconds of completed transfers.
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    transfer_seconds: dict[str, float] = field(default_factory=dict)
 
     def ttfts(self, history_left_gpu: bool | None = None) -> list[float]:
         """Return TTFTs of all turns, or only of turns whose history did / did not leave."""
@@ -151,4 +154,6 @@ def run_chat(
         num_bytes_loaded=0 if offload is None else offload.totals.num_bytes_loaded,
         num_bytes_stored=0 if offload is None else offload.totals.num_bytes_stored,
         hit_tokens_by_tier={} if offload is None else dict(offload.totals.hit_tokens),
+        transfer_bytes={} if offload is None else dict(offload.totals.transfer_bytes),
+        transfer_seconds={} if offload is None else dict(offload.totals.transfer_seconds),
     )
