@@ -33,7 +33,8 @@ two engines in one process its cost would land on either connector at random.
 
 Run (the vLLM venv, see mk/vllm.mk):
 `VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-.venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--quick] [--json PATH]`.
+.venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--quick] [--json PATH]`;
+`--token-check --modes eager` measures kvtier with its token check on (SPEC §3 Beyond).
 """
 
 from __future__ import annotations
@@ -197,7 +198,11 @@ def build(connector: str, mode: str, args: argparse.Namespace) -> Run:
         cfg = HarnessConfig(
             connector="KVTierConnector",
             connector_module="kvtier.adapters.vllm",
-            extra_config={"cpu_bytes": tier_bytes, "store_mode": mode},
+            extra_config={
+                "cpu_bytes": tier_bytes,
+                "store_mode": mode,
+                "token_check": args.token_check,
+            },
             kv_load_failure_policy="recompute",
             **common,
         )
@@ -378,12 +383,19 @@ def main() -> None:
         help="cpu: this thread's CPU time (default); wall: perf_counter_ns",
     )
     parser.add_argument(
+        "--token-check",
+        action="store_true",
+        help="run kvtier with its token check on (eager mode only: pass --modes eager)",
+    )
+    parser.add_argument(
         "--gc",
         choices=("on", "off"),
         default="off",
         help="keep the garbage collector on while stepping",
     )
     args = parser.parse_args()
+    if args.token_check and "lazy" in args.modes.split(","):
+        parser.error("--token-check needs eager stores: add --modes eager")
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -402,7 +414,7 @@ def main() -> None:
         f" {machine['torch_threads']}, load {machine['load_avg_at_start'][0]:.1f};"
         f" {args.num_requests} requests x {args.reps} runs per mode, seed {args.seed},"
         f" clock {args.clock} ({args.clock_overhead_ns:.0f} ns per timed call, subtracted),"
-        f" gc {args.gc}"
+        f" gc {args.gc}" + (", kvtier token check on" if args.token_check else "")
     )
     requests = workload(args.num_requests, args.seed)
     results: dict[str, list[dict]] = {}

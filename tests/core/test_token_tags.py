@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import make_key
-from kvtier.core.token_tags import TAG_SIZE, token_tag
+from kvtier.core.token_tags import TAG_SIZE, chain_tags, token_tag
 
 
 def key(i: int) -> bytes:
@@ -109,3 +109,20 @@ def test_tags_are_stable_across_versions() -> None:
     second = token_tag(first, list(range(16, 32)), ("lora-a", ("img", 3), b"\x01", -5))
     assert first.hex() == "2205cfa39fee7b3f265f6dcdbad3d392"
     assert second.hex() == "73dc17240134d0fc5df8c42dbe884d56"
+
+
+def test_chain_tags_is_token_tag_block_by_block() -> None:
+    """The batched loop (the hot path without extra keys) agrees with `token_tag`."""
+    tokens = list(range(100, 140))
+
+    def extras(start: int, end: int) -> tuple[object, ...]:
+        return ("salt",) if start == 8 else ()
+
+    expected, parent = [], None
+    for start in range(0, 40, 4):
+        parent = token_tag(parent, tokens[start : start + 4], extras(start, start + 4))
+        expected.append(parent)
+    assert chain_tags(None, tokens, 4, 0, 10, extras) == expected
+    assert chain_tags(expected[3], tokens, 4, 4, 10, extras) == expected[4:]
+    with pytest.raises(ValueError, match="not int64"):
+        chain_tags(None, [2**63] * 4, 4, 0, 1, extras)

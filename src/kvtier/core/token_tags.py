@@ -20,7 +20,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from kvtier.core.hashing import encode_extra_key
@@ -32,6 +34,7 @@ TAG_ROOT: Final = hashlib.blake2b(b"kvtier-tag-root-v1", digest_size=TAG_SIZE).d
 _PERSON: Final = b"kvtier-tag-v1"
 _BASE: Final = hashlib.blake2b(digest_size=TAG_SIZE, person=_PERSON)  # copied per tag
 _U64 = struct.Struct("<Q")
+_NO_EXTRA_KEYS: Final = _U64.pack(0)
 
 
 def _encode_any(value: object, out: bytearray) -> None:
@@ -58,6 +61,44 @@ def token_tag(parent: Tag | None, token_ids: Sequence[int], extra_keys: Sequence
     digest = _BASE.copy()
     digest.update((TAG_ROOT if parent is None else parent) + tokens + tail)
     return digest.digest()
+
+
+def chain_tags(
+    parent: Tag | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    first: int,
+    end: int,
+    extra_keys: Callable[[int, int], Sequence[object]],
+) -> list[Tag]:
+    """Return the tags of hash blocks `first .. end - 1` of `token_ids`, chained onto
+    `parent` (block `first - 1`'s tag, None for block 0): what `token_tag` returns block
+    by block, in one loop. `extra_keys(start, end)` gives a block's extra keys.
+
+    Raises ValueError when a token id is not an int64.
+    """
+    span = token_ids[first * block_size : end * block_size]
+    try:
+        values = array("q", span)
+    except (OverflowError, TypeError) as error:
+        raise ValueError(f"token ids {list(span)[:8]!r}...: not int64 ({error})") from None
+    if sys.byteorder != "little":
+        values.byteswap()
+    raw = values.tobytes()
+    width = 8 * block_size
+    count = _U64.pack(block_size)
+    tags: list[Tag] = []
+    previous = TAG_ROOT if parent is None else parent
+    for k, start in enumerate(range(first * block_size, end * block_size, block_size)):
+        extra = extra_keys(start, start + block_size)
+        if extra:
+            previous = token_tag(previous, token_ids[start : start + block_size], extra)
+        else:
+            digest = _BASE.copy()
+            digest.update(previous + count + raw[k * width : (k + 1) * width] + _NO_EXTRA_KEYS)
+            previous = digest.digest()
+        tags.append(previous)
+    return tags
 
 
 @functools.lru_cache(maxsize=8)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvtier.core.keys import BlockHash, Key, key_block_hash, make_key
 from kvtier.core.kv_groups import KVLayout
-from kvtier.core.token_tags import Tag, token_tag
+from kvtier.core.token_tags import Tag, chain_tags
 from kvtier.offload.protocols import GpuPoolView, RequestView
 
 # The tag to record for a block: (position, GPU block id, the block's key) -> tag or None.
@@ -68,13 +68,13 @@ class RequestTags:
             )
         tags = chain.tags
         by_hash = chain.by_hash
-        parent = tags[-1] if tags else None
-        for i in range(len(tags), len(hashes)):
-            start = i * size
-            extra = request.block_extra_keys(start, start + size)
-            parent = token_tag(parent, tokens[start : start + size], extra)
-            tags.append(parent)
-            by_hash[hashes[i]] = None if hashes[i] in by_hash else parent
+        first = len(tags)
+        new = chain_tags(
+            tags[-1] if tags else None, tokens, size, first, len(hashes), request.block_extra_keys
+        )
+        for block_hash, tag in zip(hashes[first:], new, strict=True):
+            by_hash[block_hash] = None if block_hash in by_hash else tag
+        tags.extend(new)
 
     def expected(self, request: RequestView) -> Callable[[BlockHash], Tag | None]:
         """Return the request's tag by block hash; None for a hash it lacks or holds twice

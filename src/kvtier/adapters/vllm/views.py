@@ -98,9 +98,17 @@ class VllmRequestView:
 
         Imports vLLM on first use (stored-block events with payloads only).
         """
+        request = self.request
+        if not (
+            request.mm_features
+            or request.lora_request
+            or request.prompt_embeds is not None
+            or (start == 0 and request.cache_salt)
+        ):
+            return ()  # what vLLM's function returns then, without its per-block calls
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-        keys, _ = generate_block_hash_extra_keys(self.request, start, end, 0)
+        keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
         return tuple(keys) if keys else ()
 
 
