@@ -317,6 +317,39 @@ def test_request_view_reads_through() -> None:
     assert view.num_computed_tokens == 32
 
 
+def extra_keys_request(**fields: Any) -> SimpleNamespace:
+    base: dict[str, Any] = {
+        "mm_features": [],
+        "lora_request": None,
+        "prompt_embeds": None,
+        "cache_salt": None,
+    }
+    return SimpleNamespace(**{**base, **fields})
+
+
+def test_a_request_with_no_extras_has_no_extra_keys_without_asking_vllm() -> None:
+    """The fast path of the token check and of events: no per-block call into vLLM."""
+    view = VllmRequestView(extra_keys_request(cache_salt="salt"))
+    assert view.block_extra_keys(16, 32) == ()  # the salt goes into block 0 only
+    assert VllmRequestView(extra_keys_request()).block_extra_keys(0, 16) == ()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"cache_salt": "salt"},
+        {"lora_request": SimpleNamespace(lora_name="a", lora_path="/p", lora_int_id=1)},
+    ],
+    ids=["salt", "lora"],
+)
+def test_a_request_with_extras_gets_vllms_own_extra_keys(fields: dict[str, Any]) -> None:
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    request = extra_keys_request(**fields)
+    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, 0, 16, 0)
+    assert keys
+    assert VllmRequestView(request).block_extra_keys(0, 16) == tuple(keys)
+
+
 @pytest.mark.parametrize(
     ("group_id", "end", "expected"),
     [
