@@ -181,23 +181,27 @@ def rekey(engine: SimEngine, block_id: int) -> None:
 
 
 @pytest.mark.parametrize("events", [False, True], ids=["batched", "events"])
-def test_a_block_whose_gpu_key_is_not_the_requests_is_stored_untagged(events: bool) -> None:
-    """With events on, stores take the per-block path (payloads); both must check the key."""
+def test_a_block_whose_gpu_key_is_not_the_requests_is_not_stored(events: bool) -> None:
+    """No tag is known for its KV, and an untagged copy would never be served while it
+    kept the key's tagged copy out. With events on, stores take the per-block path."""
     engine = SimEngine(full_layout(), config(token_check=True, events=events), num_tier_blocks=8)
     engine.auto_complete = False
     engine.admit(make_request("a", range(8)))
     engine.schedule("a")
     engine.step()  # computed; eager selection waits for the finish (one step)
     rekey(engine, engine.tables["a"][0][0])
+    engine.scheduler.take_stats()
     engine.finish("a")
+    assert engine.scheduler.take_stats().store_outcomes == {
+        "stored": 1,
+        "skipped_no_token_tag": 1,
+    }
     engine.auto_complete = True
     engine.drain()
     tier = engine.scheduler.tier_pool
-    other = tier.cached_block(OTHER_KEY)
+    assert tier.cached_block(OTHER_KEY) is None
     own = tier.cached_block(block_key(engine.layout, make_request("k", range(8)), 0, 1))
-    assert other is not None
     assert own is not None
-    assert tier.tag(other) is None  # a's tag would name other KV than the block holds
     assert tier.tag(own) == expected_tags(list(range(8)))[1]
 
 
@@ -327,3 +331,57 @@ def test_restored_tags_are_kept_only_with_the_check_and_untagged_slots_are_named
     assert (tier.tag(1), tier.tag(2)) == ((b"t" * 16 if token_check else None), None)
     assert ("1 of 2 restored blocks carry no token tag" in caplog.text) == token_check
     engine.check()
+
+
+def test_a_reused_gpu_block_forgets_the_tag_of_its_earlier_fill() -> None:
+    """A fills GPU blocks; D, colliding with A, fills the same blocks anew and is
+    preempted before its blocks are noted; B shares them from the GPU cache and stores
+    them. They hold D's KV: A's old note must not tag them, or A's tokens get D's KV."""
+    engine = SimEngine(full_layout(), config(token_check=True), num_gpu_blocks=4)
+    a_tokens = [*range(8), 8]
+    engine.run(make_request("a", a_tokens))
+    engine.drain()
+    a_blocks = set(engine.worker.stores()[0].src_block_ids)
+    tier = engine.scheduler.tier_pool
+    for slot in range(1, tier.num_blocks):
+        if tier.key(slot) is not None:
+            tier.discard_keys(slot)
+    engine.evict_gpu()
+    d_tokens = [60, 61, 62, 63, 64, 65, 66, 67, 68]
+    engine.admit(colliding("d", d_tokens, a_tokens))
+    engine.schedule("d")
+    engine.step()  # D computes into A's old blocks (3 usable: it must reuse them)
+    assert a_blocks <= set(engine.tables["d"][0])
+    d = engine.preempt("d")  # before any step visits (and notes) D's blocks
+    b = colliding("b", [70, 71, 72, 73, 74, 75, 76, 77, 78], a_tokens)
+    assert engine.admit(b) == Admission(8, 0, 0)  # D's blocks, shared by key
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    engine.finish("d", d)  # aborted while waiting
+    engine.evict_gpu()
+    assert engine.admit(make_request("a2", a_tokens)) == Admission(0, 0, 0)
+
+
+def test_finished_requests_and_resets_leave_no_request_state_or_notes() -> None:
+    engine = checked_engine()  # "a" ran and finished
+    tags = engine.scheduler.tags
+    assert tags is not None
+    b = make_request("b", [*range(8), 9])
+    engine.run(b)  # a tier hit, then finished
+    c = make_request("c", [*range(8), 10])
+    assert engine.admit(c) == Admission(8, 0, 0)  # b's blocks, from the GPU cache
+    assert tags.floor("c", 0) == 2
+    engine.schedule("c")
+    engine.step()
+    engine.finish("c")
+    assert (len(tags), tags.floor("c", 0)) == (0, 0)  # its local prefix is forgotten
+    table = engine.worker.stores()[0].src_block_ids
+    key = engine.gpu.key(table[0])
+    assert key is not None
+    noted = [tags.noted(block, engine.gpu.key(block) or b"") for block in table]
+    assert any(noted), "finished requests' fills stay noted (their blocks stay cached)"
+    engine.drain()
+    assert engine.scheduler.reset()
+    assert not any(tags.noted(block, engine.gpu.key(block) or b"") for block in table)

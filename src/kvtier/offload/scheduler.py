@@ -181,6 +181,8 @@ class OffloadScheduler:
 
     def lookup(self, request: RequestView, num_local_tokens: int) -> int:
         """Return how many tokens past the local prefix the tiers can serve, and pin them."""
+        if self._selector is not None:
+            self._selector.across_reset.discard(request.request_id)  # admitted afresh
         return self.loads.lookup(request, num_local_tokens)
 
     def on_allocated(
@@ -253,6 +255,7 @@ class OffloadScheduler:
             if self.config.fine_grained_hits:
                 selector.select_partial_tail(request, state)
         selector.untrack(request_id)
+        selector.across_reset.discard(request_id)
         if self.tags is not None:
             self.tags.drop(request_id)
 
@@ -270,6 +273,9 @@ class OffloadScheduler:
         compute from it, predates the reset (e.g. a weight update), so none of it may
         reach the emptied tier. A request preempted and resumed starts afresh.
         """
+        self.selector.across_reset |= (
+            set(self.selector.tracked) | self.loads.allocated | set(self.loads.pins)
+        )
         self.loads.fail_all()
         selector = self.selector
         selector.release(selector.take_queued())

@@ -19,6 +19,7 @@ class StoreOutcome(enum.Enum):
     NULL = "dropped_null"
     UNHASHED = "dropped_unhashed"
     NOT_ADMITTED = "dropped_not_admitted"  # the tier's admission policy refused it
+    NO_TAG = "skipped_no_token_tag"  # token check on: no tag known for the block's KV
 
 
 @dataclass(frozen=True)

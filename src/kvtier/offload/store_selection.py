@@ -63,12 +63,16 @@ class StoreSelector:
     admission: AdmissionPolicy = field(default_factory=AdmitAll)
     # The token check on: the requests' tags, recorded with what their blocks' stores copy.
     tags: RequestTags | None = None
+    # Requests known at a reset and not looked up since: never tracked again (their KV
+    # predates the reset; an async load's second `on_allocated` must not track them).
+    across_reset: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------ request tracking
 
     def track(self, request_id: str) -> None:
-        """Start tracking `request_id` (once) with an empty table."""
-        if request_id not in self.tracked:
+        """Start tracking `request_id` (once) with an empty table, unless it ran across a
+        reset and was not looked up since."""
+        if request_id not in self.tracked and request_id not in self.across_reset:
             self.tracked[request_id] = self._empty()
 
     def untrack(self, request_id: str) -> None:
@@ -109,10 +113,15 @@ class StoreSelector:
         tracked = self.tracked
         positional = self.layout.positional_groups
         unit = self._confirm_unit()
+        if self.tags is not None:  # every new block's old note goes before anyone reads it
+            scheduled = tuple(scheduled)
+            self._forget_fills(scheduled)
         for item in scheduled:
             request = item.request
             request_id = request.request_id
             if item.table_update is TableUpdate.REPLACE:
+                if request_id in self.across_reset:
+                    continue
                 state = tracked[request_id] = self._empty()
             elif request_id in preempted:
                 continue
@@ -121,12 +130,8 @@ class StoreSelector:
                 if found is None:
                     continue
                 state = found
-            for group_id, (table, new_ids) in enumerate(
-                zip(state.block_ids, item.block_ids, strict=True)
-            ):
+            for table, new_ids in zip(state.block_ids, item.block_ids, strict=True):
                 if new_ids:
-                    if self.tags is not None:  # blocks the request fills anew
-                        self.tags.forget_fills(request_id, group_id, len(table), new_ids)
                     table.extend(new_ids)
             confirmed = request.num_computed_tokens - request.num_output_placeholders
             ready_tokens = max(0, confirmed) // unit * unit
@@ -135,6 +140,19 @@ class StoreSelector:
                 if (cursors[group_id] + 1) * block_size <= ready_tokens:
                     self._select_ready(request, state, ready_tokens)
                     break
+
+    def _forget_fills(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Forget the noted fills of the blocks this step gives every scheduled request,
+        tracked or not, at or after its local prefix: those are filled anew."""
+        assert self.tags is not None
+        for item in scheduled:
+            request_id = item.request.request_id
+            replace = item.table_update is TableUpdate.REPLACE
+            state = self.tracked.get(request_id)
+            for group_id, new_ids in enumerate(item.block_ids):
+                if new_ids:
+                    first = 0 if replace or state is None else len(state.block_ids[group_id])
+                    self.tags.forget_fills(request_id, group_id, first, new_ids)
 
     def select_request(self, request: RequestView, state: _Tracked) -> None:
         """Select a request's confirmed, positionally stable blocks from its cursors on."""
@@ -182,6 +200,7 @@ class StoreSelector:
         keys: list[Key] = []
         tags: dict[int, Tag] = {}
         num_unhashed = num_in_flight = num_refused = num_cached = num_stored_before = 0
+        num_untagged = 0
         num_visited = len(run)
         tag = None
         for i, (gpu_block_id, key) in enumerate(zip(run, self.gpu_pool.keys(run), strict=True)):
@@ -198,6 +217,8 @@ class StoreSelector:
                 num_stored_before += 1  # the tier evicted this block's copy: not again
             elif not admit(key):
                 num_refused += 1
+            elif tag_of is not None and tag is None:
+                num_untagged += 1  # never served with the check on: not worth a slot
             elif len(gpu_ids) == room:
                 self.counters.count_store(StoreOutcome.TIER_FULL)
                 num_visited = i
@@ -219,6 +240,7 @@ class StoreSelector:
         count_many(StoreOutcome.IN_FLIGHT, num_in_flight)
         count_many(StoreOutcome.NOT_ADMITTED, num_refused)
         count_many(StoreOutcome.STORED_BEFORE, num_stored_before)
+        count_many(StoreOutcome.NO_TAG, num_untagged)
         return pos + num_visited
 
     def _select_position(
@@ -373,12 +395,14 @@ class StoreSelector:
             return StoreOutcome.ALREADY_CACHED
         if not self.admission.admit(key):
             return StoreOutcome.NOT_ADMITTED
+        own_tag = tag[1] if tag is not None and tag[0] == key else None
+        if self.tags is not None and own_tag is None:
+            return StoreOutcome.NO_TAG  # never served with the check on
         if not self.tier_pool.can_allocate(1):
             return StoreOutcome.TIER_FULL
         self.gpu_pool.touch([gpu_block_id])
         (tier_block_id,) = self.tier_pool.allocate(1)
         self.in_flight_keys.add(key)
-        own_tag = tag[1] if tag is not None and tag[0] == key else None
         self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored, own_tag)
         return StoreOutcome.STORED
 
