@@ -121,14 +121,34 @@ class RequestTags:
         return tag_of
 
     def forget_fills(
-        self, request_id: str, group_id: int, first: int, block_ids: Sequence[int]
+        self,
+        request_id: str,
+        new_ids_per_group: Sequence[Sequence[int]],
+        firsts: Sequence[int] | None,
     ) -> None:
-        """Forget the noted fills of GPU blocks newly given to a request at positions
-        `first`, `first + 1`, ...: those at or after its local prefix are filled anew."""
-        floor = self.floor(request_id, group_id)
-        for pos, block_id in enumerate(block_ids, first):
-            if pos >= floor:
-                self._gpu.pop(block_id, None)
+        """Forget the noted fills of GPU blocks newly given to a request, at positions
+        `firsts[g]`, `firsts[g] + 1`, ... of group g (from 0 when None): those at or after
+        its local prefix are filled anew."""
+        for group_id, block_ids in enumerate(new_ids_per_group):
+            floor = self.floor(request_id, group_id)
+            first = 0 if firsts is None else firsts[group_id]
+            for pos, block_id in enumerate(block_ids, first):
+                if pos >= floor:
+                    self._gpu.pop(block_id, None)
+
+    def position_tag(
+        self, gpu_pool: GpuPoolView, gpu_block_id: int, pos: int, recovered: bool, tag_of: TagOf
+    ) -> tuple[Key, Tag] | None:
+        """Return (key, tag) to record for a request's block at `pos`, or None.
+
+        A block recovered from the GPU cache (a sliding window had dropped it) may be
+        another request's fill: only a tag noted for that fill applies.
+        """
+        key = gpu_pool.key(gpu_block_id)
+        if key is None:
+            return None
+        tag = self.noted(gpu_block_id, key) if recovered else tag_of(pos, gpu_block_id, key)
+        return None if tag is None else (key, tag)
 
     def of_block(
         self, request_id: str, gpu_pool: GpuPoolView, gpu_block_id: int

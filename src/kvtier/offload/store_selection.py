@@ -18,6 +18,7 @@ from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.core.token_tags import Tag
+from kvtier.offload.block_payload import block_payload, request_key
 from kvtier.offload.protocols import (
     GpuPoolView,
     Handoff,
@@ -115,7 +116,11 @@ class StoreSelector:
         unit = self._confirm_unit()
         if self.tags is not None:  # every new block's old note goes before anyone reads it
             scheduled = tuple(scheduled)
-            self._forget_fills(scheduled)
+            for item in scheduled:  # where each request's new blocks start, per group
+                found = self.tracked.get(item.request.request_id)
+                replace = item.table_update is TableUpdate.REPLACE or found is None
+                firsts = [0 if replace else len(t) for t in found.block_ids] if found else None
+                self.tags.forget_fills(item.request.request_id, item.block_ids, firsts)
         for item in scheduled:
             request = item.request
             request_id = request.request_id
@@ -140,19 +145,6 @@ class StoreSelector:
                 if (cursors[group_id] + 1) * block_size <= ready_tokens:
                     self._select_ready(request, state, ready_tokens)
                     break
-
-    def _forget_fills(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        """Forget the noted fills of the blocks this step gives every scheduled request,
-        tracked or not, at or after its local prefix: those are filled anew."""
-        assert self.tags is not None
-        for item in scheduled:
-            request_id = item.request.request_id
-            replace = item.table_update is TableUpdate.REPLACE
-            state = self.tracked.get(request_id)
-            for group_id, new_ids in enumerate(item.block_ids):
-                if new_ids:
-                    first = 0 if replace or state is None else len(state.block_ids[group_id])
-                    self.tags.forget_fills(request_id, group_id, first, new_ids)
 
     def select_request(self, request: RequestView, state: _Tracked) -> None:
         """Select a request's confirmed, positionally stable blocks from its cursors on."""
@@ -255,36 +247,24 @@ class StoreSelector:
         recovered = False
         if gpu_block_id == NULL_BLOCK_ID:
             # A sliding window dropped this block; it may still be cached on the GPU.
-            key = self._request_key(request, group_id, pos)
+            key = request_key(self.layout, request, group_id, pos)
             cached = None if key is None else self.gpu_pool.cached_block(key)
             if cached is None:
                 self.counters.count_store(StoreOutcome.NULL)
                 return StoreOutcome.NULL
             gpu_block_id, recovered = cached, True
-        payload = self._payload(request, group_id, pos) if self.record_payload else None
+        payload = (
+            block_payload(self.layout, request, group_id, pos) if self.record_payload else None
+        )
         outcome = self.try_select(
             gpu_block_id,
             stored=payload,
-            tag=self._position_tag(gpu_block_id, pos, recovered, tag_of),
+            tag=None
+            if self.tags is None or tag_of is None
+            else self.tags.position_tag(self.gpu_pool, gpu_block_id, pos, recovered, tag_of),
         )
         self.counters.count_store(outcome)
         return outcome
-
-    def _position_tag(
-        self, gpu_block_id: int, pos: int, recovered: bool, tag_of: TagOf | None
-    ) -> tuple[Key, Tag] | None:
-        """Return (key, tag) to record for the block at `pos`, or None (no check, no tag).
-
-        A block recovered from the GPU cache may be another request's fill: only a tag
-        noted for that fill applies.
-        """
-        if self.tags is None or tag_of is None:
-            return None
-        key = self.gpu_pool.key(gpu_block_id)
-        if key is None:
-            return None
-        tag = self.tags.noted(gpu_block_id, key) if recovered else tag_of(pos, gpu_block_id, key)
-        return None if tag is None else (key, tag)
 
     def select_lazy(self, target: int) -> None:
         """Walk the GPU free queue from the cursor and select up to `target` visited blocks."""
@@ -418,35 +398,6 @@ class StoreSelector:
         """Return and forget the stores selected since the last call."""
         queued, self.queued = self.queued, StoreBatch()
         return queued
-
-    # ------------------------------------------------------------ helpers
-
-    def _request_key(self, request: RequestView, group_id: int, pos: int) -> Key | None:
-        ratio = self.layout.blocks_per_hash(group_id)
-        index = (pos + 1) * ratio - 1
-        if index >= len(request.block_hashes):
-            return None
-        return make_key(request.block_hashes[index], group_id)
-
-    def _payload(self, request: RequestView, group_id: int, pos: int) -> BlockStored:
-        group = self.layout.groups[group_id]
-        ratio = self.layout.blocks_per_hash(group_id)
-        hashes = request.block_hashes
-        parent = hashes[pos * ratio - 1] if pos > 0 else None
-        start = pos * group.block_size
-        lora = request.lora
-        return BlockStored(
-            block_hash=hashes[(pos + 1) * ratio - 1],
-            group_id=group_id,
-            block_size=group.block_size,
-            parent_block_hash=parent,
-            token_ids=tuple(request.token_ids[start : start + group.block_size]),
-            lora_id=None if lora is None else lora.lora_id,
-            lora_name=None if lora is None else lora.lora_name,
-            extra_keys=request.block_extra_keys(start, start + group.block_size),
-            group_kind=group.kind.value,
-            sliding_window=group.sliding_window,
-        )
 
 
 def lazy_target(layout: KVLayout, max_batched_tokens: int) -> int:
