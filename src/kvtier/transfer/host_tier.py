@@ -66,9 +66,20 @@ class HostTier:
         assert not self._pinned or len(self._pinned) == len(self.views), "partly pinned"
 
     def close(self) -> None:
-        """Unpin the memory (idempotent); the tensors stay usable as plain memory."""
+        """Unpin the memory (idempotent); the tensors stay usable as plain memory.
+
+        Every region is unpinned even when one fails; the first failure is raised after
+        them all. A region whose unpin failed is not retried.
+        """
+        first: BaseException | None = None
         while self._pinned:
-            unpin_host_memory(self._pinned.pop())
+            try:
+                unpin_host_memory(self._pinned.pop())
+            except Exception as exc:
+                logger.warning("host tier: unpinning a region failed: %s", exc)
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def _allocate(bytes_per_block: Sequence[int], num_slots: int) -> tuple[torch.Tensor, ...]:

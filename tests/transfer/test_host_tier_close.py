@@ -1,0 +1,31 @@
+"""`HostTier.close` (SPEC §7): one region failing to unpin must not leave the others pinned."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.transfer import host_tier
+from kvtier.transfer.host_tier import HostTier
+
+
+def test_close_unpins_every_region_and_raises_the_first_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    unpinned: list[int] = []
+
+    def unpin(tensor: torch.Tensor) -> None:
+        unpinned.append(tensor.shape[1])
+        if len(unpinned) == 1:
+            raise RuntimeError("cudaHostUnregister failed with CUDA error 1")
+
+    monkeypatch.setattr(host_tier, "pin_host_memory", lambda tensor: None)
+    monkeypatch.setattr(host_tier, "unpin_host_memory", unpin)
+    tier = HostTier([16, 32, 64], num_slots=2, pin=True)
+    assert tier.is_pinned
+    with pytest.raises(RuntimeError, match="CUDA error 1"):
+        tier.close()
+    assert sorted(unpinned) == [16, 32, 64]  # the two after the failure were unpinned too
+    assert not tier.is_pinned
+    tier.close()  # idempotent: nothing left to unpin
+    assert len(unpinned) == 3
