@@ -130,7 +130,7 @@ class DiskTier:
             check_no_persistent_tier(config.path)
         self._checksums = np.zeros(config.num_slots, dtype=np.uint64)
         self._valid = np.zeros(config.num_slots, dtype=np.bool_)
-        self._recovered: list[tuple[int, SlotRecord]] = []
+        self._recovered: dict[int, SlotRecord] = {}  # until this run writes the slot
         # Allocated before the files are opened: a failure here has nothing to release.
         self.store_buffers = self._allocate_buffers()
         self.load_buffers = self._allocate_buffers()
@@ -151,7 +151,7 @@ class DiskTier:
                 for slot in sorted(live):
                     self._checksums[slot] = live[slot].checksum
                     self._valid[slot] = True
-                    self._recovered.append((slot, live[slot].record))
+                    self._recovered[slot] = live[slot].record
         except BaseException:
             close_files(self._file, self._log)  # never raises for a failed sync or removal
             raise
@@ -193,8 +193,12 @@ class DiskTier:
         return self.config.fingerprint is not None
 
     def recovered_slots(self) -> list[tuple[int, SlotRecord]]:
-        """Return the `(slot, record)` pairs a persistent tier recovered at open, by slot."""
-        return list(self._recovered)
+        """Return the `(slot, record)` pairs a persistent tier recovered at open, by slot.
+
+        A slot this run has since written (or queued a write of) is no longer listed: its
+        bytes are not the recovered record's any more, and its checksum is the new one's,
+        so a restore from a stale list would serve them under the old key."""
+        return sorted(self._recovered.items())
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
         """Raise ValueError (message prefixed by `context`) for a record a persistent tier
@@ -233,6 +237,9 @@ class DiskTier:
             ],
             dtype=np.uint64,
         )
+        if self._recovered:  # the slots' recovered records no longer describe them
+            for slot in slot_ids.tolist():
+                self._recovered.pop(slot, None)
         kept = tuple(records) if records is not None and self._log is not None else None
         return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
 

@@ -17,8 +17,10 @@ data write and its record, power loss) fails verification instead. Tombstones ke
 restart from offering a slot that is known to be bad or overwritten.
 
 At open (`open_manifest`) the manifest must be a regular file whose header matches the
-identity exactly, and the slot file must have its exact size; otherwise both files are
-discarded and recreated (with a warning naming the reason). A reused manifest is
+identity exactly, and the slot file must have its exact size; both must be owned by this
+user and writable by no one else (files another user could have planted or rewritten
+are never trusted, SPEC §7); otherwise both files are discarded and recreated (with a
+warning naming the reason). A reused manifest is
 compacted at once: the live records are written to a temporary file in the same
 directory, fsynced, and renamed over it. When that rewrite fails (a full disk, an I/O
 error) the open fails with an OSError naming the file and the manifest is left as it
@@ -124,6 +126,9 @@ def read_manifest(path: str, identity: ManifestIdentity) -> dict[int, ManifestEn
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ManifestError("the manifest is not a regular file")
+        untrusted = trust_problem(info, "the manifest")
+        if untrusted:
+            raise ManifestError(untrusted)
         os.set_blocking(fd, True)
         file = os.fdopen(fd, "rb", buffering=_READ_BUFFER)
         offset = _check_header(file, info.st_size, identity)
@@ -135,6 +140,19 @@ def read_manifest(path: str, identity: ManifestIdentity) -> dict[int, ManifestEn
             file.close()
         else:
             os.close(fd)
+
+
+def trust_problem(info: os.stat_result, what: str) -> str | None:
+    """Return why a reused file described by `info` cannot be trusted, or None.
+
+    Its bytes are served as KV: a file owned by another user, or one that group or
+    others may write, could hold KV of someone else's choosing (the checksums are in the
+    manifest, which such a user can write as well)."""
+    if info.st_uid != os.geteuid():
+        return f"{what} is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by group or others (mode {stat.S_IMODE(info.st_mode):#o})"
+    return None
 
 
 def _check_header(file: BinaryIO, size: int, identity: ManifestIdentity) -> int:
@@ -333,6 +351,9 @@ def _open_manifest(
     if slot_file.reused:
         expected = identity.num_slots * identity.bytes_per_slot
         try:
+            untrusted = trust_problem(slot_file.status(), "the slot file")
+            if untrusted:
+                raise ManifestError(untrusted)
             live = read_manifest(path, identity)
             if slot_file.file_size() != expected:
                 raise ManifestError(

@@ -111,8 +111,11 @@ def check_record(record: SlotRecord) -> None:
         not isinstance(record.tag, bytes) or len(record.tag) != TAG_SIZE
     ):
         raise ValueError(f"slot record tag must be {TAG_SIZE} bytes: {record!r}")
-    if not 0 <= record.num_tokens <= _MAX_TOKENS:
-        raise ValueError(f"slot record num_tokens out of range: {record.num_tokens}")
+    count = record.num_tokens
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= _MAX_TOKENS:
+        raise ValueError(
+            f"slot record num_tokens must be an int in [0, {_MAX_TOKENS}], got {count!r}"
+        )
 
 
 def _encode_record(kind: int, slot: int, checksum: int, key: bytes, num_tokens: int) -> bytes:

@@ -221,10 +221,14 @@ class SlotFile:
 
     def file_size(self) -> int:
         """Return the current size of the file in bytes."""
+        return self.status().st_size
+
+    def status(self) -> os.stat_result:
+        """Return the open file's `fstat` (owner, mode, size)."""
         fd = self._handle.fd
         if fd is None:
             raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
-        return os.fstat(fd).st_size
+        return os.fstat(fd)
 
     def sync(self) -> None:
         """Flush the file's data to the device (`fsync`); raise OSError naming the file."""
