@@ -118,6 +118,10 @@ class Scheduler:
                 new_ids = self._grow(request, num_new)
             if new_ids is None and self._release_idle_blocks(step, list(self.waiting)):
                 new_ids = self._grow(request, num_new)
+            if new_ids is None:  # alone and still short: a smaller prefill chunk may fit
+                shrunk = self._shrink_to_fit(request, num_new)
+                if shrunk is not None:
+                    num_new, new_ids = shrunk, self._grow(request, shrunk)
             if new_ids is None:
                 self._preempt(self.running.pop(), step)
                 break
@@ -136,6 +140,8 @@ class Scheduler:
                 and self._release_idle_blocks(step, list(self.waiting)[1:])
             ):
                 admitted = self._admit(request, budget)
+            if admitted is None and not self.running:  # alone: a smaller first chunk
+                admitted = self._admit(request, budget, shrink=True)
             if admitted is None:
                 break  # no room on the GPU: wait for blocks to free up
             num_new = admitted
@@ -185,10 +191,14 @@ class Scheduler:
             return ScheduledWork(request, num_new, ids, TableUpdate.REPLACE)
         return ScheduledWork(request, num_new, tuple(map(tuple, new_ids)), TableUpdate.APPEND)
 
-    def _admit(self, request: Request, budget: int) -> int | None:
+    def _admit(self, request: Request, budget: int, shrink: bool = False) -> int | None:
         """Give a waiting request its cached prefix and blocks; return tokens to run now.
 
-        Returns None (changing nothing) when the GPU pool cannot hold the request.
+        Returns None (changing nothing) when the GPU pool cannot hold the request. With
+        `shrink`, the first chunk is cut (a block at a time) until its blocks fit: a
+        sliding-window group holds every block of a chunk while it is computed, so a
+        whole prompt in one chunk can need more blocks than the pool, though its chunks
+        one by one fit (out-of-window blocks are freed after each chunk).
         """
         if request.num_computed_tokens > 0:  # back from a load: its blocks are in place
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -212,6 +222,12 @@ class Scheduler:
         num_free_hits = sum(
             1 for table in tables for b in table if b != NULL_BLOCK_ID and ref_count(b) == 0
         )
+        unit = min(group.block_size for group in self.layout.groups)
+        while shrink and num_new > unit and not self.pool.can_allocate(num_fresh + num_free_hits):
+            num_new -= unit
+            num_fresh = self._num_hit_blocks(num_local, num_hit) + self._num_blocks_after(
+                num_hit, num_new
+            )
         if not self.pool.can_allocate(num_fresh + num_free_hits):
             return None
         for table in tables:
@@ -302,7 +318,8 @@ class Scheduler:
             before = request.num_computed_tokens
             request.num_computed_tokens += work.num_new_tokens
             self._cache_full_blocks(request, before)
-            if token is None:
+            if token is None:  # a prefill chunk: the next one attends to a window too
+                self._drop_out_of_window(request)
                 continue
             request.append_output(token, now)
             reason = finish_reason(
