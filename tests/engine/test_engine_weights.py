@@ -71,3 +71,15 @@ def test_never_downloads(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         load_model(tmp_path)
+
+
+def test_a_tensor_stored_in_two_files_is_refused(tmp_path: Path) -> None:
+    """Regression: without an index every *.safetensors file is read, and a stale shard
+    beside a newer copy silently won or lost by file name order."""
+    _save_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    stale = torch.full((64,), 7.0)  # model.norm.weight of the tiny model
+    save_file({"model.norm.weight": stale}, str(tmp_path / "c.safetensors"))
+    both = r"'model.norm.weight' is stored in both (a|b)\.safetensors and c\.safetensors"
+    with pytest.raises(ValueError, match=both):
+        load_model(tmp_path)

@@ -56,11 +56,13 @@ def parameter_name(hf_name: str) -> str | None:
 def load_weights(model: DecoderModel, path: str | Path) -> None:
     """Copy every parameter of `model` from the checkpoint at `path`, casting dtypes.
 
-    Raises ValueError on an unknown tensor, a shape mismatch or a parameter the
-    checkpoint lacks. With tied embeddings a stored `lm_head.weight` is ignored.
+    Raises ValueError on an unknown tensor, a shape mismatch, a parameter the
+    checkpoint lacks, or one stored in two files (a stale shard beside a newer copy:
+    which one is meant cannot be told). With tied embeddings a stored `lm_head.weight` is
+    ignored.
     """
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    loaded: dict[str, str] = {}  # parameter -> the file it came from
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
@@ -69,6 +71,11 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
                     continue
                 if name not in params:
                     raise ValueError(f"{file.name}: tensor {hf_name!r} has no model parameter")
+                if name in loaded:
+                    raise ValueError(
+                        f"tensor {hf_name!r} is stored in both {loaded[name]} and {file.name};"
+                        " remove the stale file"
+                    )
                 tensor = f.get_tensor(hf_name)
                 param = params[name]
                 if tensor.shape != param.shape:
@@ -78,7 +85,7 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
                     )
                 with torch.no_grad():
                     param.copy_(tensor)
-                loaded.add(name)
+                loaded[name] = file.name
     missing = sorted(params.keys() - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks parameters: {missing}")
