@@ -56,6 +56,7 @@ def assert_untouched(llm: LLM) -> None:
         ({"keep_logits": "no"}, TypeError, "EngineConfig.keep_logits must be a bool, got 'no'"),
         ({"device": "bogus"}, ValueError, "EngineConfig.device='bogus' is not a torch device"),
         ({"device": 0}, TypeError, "EngineConfig.device must be a str, got 0"),
+        ({"device": "meta"}, ValueError, "device='meta': the engine runs on 'cpu' or 'cuda"),
     ],
 )
 def test_invalid_engine_config_names_the_field(

@@ -298,6 +298,10 @@ class EngineConfig:
             device = torch.device(self.device)
         except RuntimeError:
             raise ValueError(f"EngineConfig.device={self.device!r} is not a torch device") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"EngineConfig.device={self.device!r}: the engine runs on 'cpu' or 'cuda[:N]'"
+            )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"EngineConfig.device={self.device!r}, but CUDA is not available")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
