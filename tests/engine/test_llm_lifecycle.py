@@ -11,6 +11,7 @@ import gc
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.runner import BatchInput
 from kvtier.engine.sampling import SamplingParams
-from kvtier.offload.config import OffloadConfig, StoreMode
+from kvtier.offload.config import DiskIOMode, OffloadConfig, StoreMode
 from kvtier.offload.plan import WorkerReport
 
 MIB = 1 << 20
@@ -262,3 +263,23 @@ def test_engine_hit_counters_count_stepped_requests_as_generated_ones() -> None:
             stepped.step()
     assert outputs[1].num_local_hit_tokens == 12
     assert stepped.stats.num_local_hit_tokens == generated.stats.num_local_hit_tokens == 12
+
+
+def test_a_failed_start_removes_the_disk_directory_it_created(tmp_path: Path) -> None:
+    """`disk_path` is created before the model loads (a check that fails fast); a start
+    that fails afterwards (here: a mistyped checkpoint path) removes it again."""
+    disk = tmp_path / "tier"
+    config = OffloadConfig(
+        disk_bytes=1 << 20, disk_path=str(disk), disk_io_mode=DiskIOMode.PAGE_CACHE
+    )
+    with pytest.raises(FileNotFoundError, match="not a local checkpoint directory"):
+        LLM(str(tmp_path / "no-such-checkpoint"), kv_offload=config)
+    assert not disk.exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    config = OffloadConfig(
+        disk_bytes=1 << 20, disk_path=str(existing), disk_io_mode=DiskIOMode.PAGE_CACHE
+    )
+    with pytest.raises(FileNotFoundError):
+        LLM(str(tmp_path / "no-such-checkpoint"), kv_offload=config)
+    assert existing.is_dir()  # not created by the engine: kept

@@ -29,6 +29,7 @@ from kvtier.engine.validation import (
 )
 from kvtier.engine.weights import load_model
 from kvtier.offload.config import OffloadConfig
+from kvtier.offload.host import remove_created_directory
 
 _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
 # Idle steps after a worker flush before `drain` gives up: a real worker reports every
@@ -85,9 +86,21 @@ class LLM:
         engine: EngineConfig | None = None,
     ) -> None:
         _check_arguments(model, kv_offload, engine)
-        if kv_offload is not None:
-            kv_offload.prepare_host()  # before anything is allocated
-        self.engine_config = engine = engine or EngineConfig()
+        # Before anything is allocated; a directory it created goes if the start fails.
+        created = None if kv_offload is None else kv_offload.prepare_host()
+        try:
+            self._start(model, kv_offload, engine or EngineConfig())
+        except BaseException:
+            remove_created_directory(created)
+            raise
+
+    def _start(
+        self,
+        model: str | Path | ModelConfig | None,
+        kv_offload: OffloadConfig | None,
+        engine: EngineConfig,
+    ) -> None:
+        self.engine_config = engine
         device = torch.device(engine.device)
         if isinstance(model, (str, Path)):
             network = load_model(model, device)

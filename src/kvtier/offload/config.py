@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvtier.core.hashing import HashAlgo
@@ -212,8 +213,11 @@ class OffloadConfig:
         return OffloadConfig(**kwargs, key_sources=tuple((key_sources or {}).items()))
 
     @_naming_sources
-    def prepare_host(self) -> None:
+    def prepare_host(self) -> Path | None:
         """Check this machine can hold the tiers; create a missing `disk_path` directory.
+
+        Returns the directory it created (None when none was): a caller whose start then
+        fails removes it with `host.remove_created_directory`.
 
         Call where the tiers are built, before allocating them: the config itself is
         plain data and may be built on another machine. Raises ConfigError naming the
@@ -223,7 +227,7 @@ class OffloadConfig:
         filesystem holding `disk_path` (a budget above its free space fails when the
         tier's file is sized).
         """
-        check_host(self.cpu_bytes, self.disk_bytes, self.disk_path)
+        return check_host(self.cpu_bytes, self.disk_bytes, self.disk_path)
 
     @_naming_sources
     def num_tier_blocks(self, bytes_per_block: int, tier: Tier | None = None) -> int:

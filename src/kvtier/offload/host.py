@@ -4,6 +4,7 @@ disk tier."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -14,9 +15,10 @@ from kvtier.offload.config_error import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def check_host(cpu_bytes: int, disk_bytes: int, disk_path: str | None) -> None:
+def check_host(cpu_bytes: int, disk_bytes: int, disk_path: str | None) -> Path | None:
     """Raise ConfigError naming the key and value when the tiers cannot fit this machine;
-    create a missing `disk_path` directory (see `OffloadConfig.prepare_host`)."""
+    create a missing `disk_path` directory and return it (None when none was created),
+    removing it again when a check fails (see `OffloadConfig.prepare_host`)."""
     if cpu_bytes > 0:
         memory = total_memory_bytes()
         if memory is not None and cpu_bytes > memory:
@@ -24,14 +26,25 @@ def check_host(cpu_bytes: int, disk_bytes: int, disk_path: str | None) -> None:
                 f"cpu_bytes={cpu_bytes} exceeds this machine's memory, or its "
                 f"container's limit ({memory} bytes)"
             )
-    if disk_bytes > 0 and disk_path:
-        _prepare_directory(disk_path)
-        size = shutil.disk_usage(disk_path).total
-        if disk_bytes > size:
-            raise ConfigError(
-                f"disk_bytes={disk_bytes} exceeds the size of the filesystem holding "
-                f"disk_path={disk_path!r} ({size} bytes)"
-            )
+    if not (disk_bytes > 0 and disk_path):
+        return None
+    created = _prepare_directory(disk_path)
+    size = shutil.disk_usage(disk_path).total
+    if disk_bytes > size:
+        remove_created_directory(created)
+        raise ConfigError(
+            f"disk_bytes={disk_bytes} exceeds the size of the filesystem holding "
+            f"disk_path={disk_path!r} ({size} bytes)"
+        )
+    return created
+
+
+def remove_created_directory(directory: Path | None) -> None:
+    """Remove a directory `check_host` created (`directory`, None: none) if it is still
+    empty, for a start that failed after it; never raises."""
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 # A container's memory limit: cgroup v2, then v1 (which reports "no limit" as a huge number).
@@ -65,8 +78,10 @@ def _cgroup_limit(path: Path) -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def _prepare_directory(disk_path: str) -> None:
+def _prepare_directory(disk_path: str) -> Path | None:
+    """Check `disk_path` is a writable directory; create it if missing and return it then."""
     path = Path(disk_path)
+    created = None
     if not path.exists() and not path.is_symlink():
         parent = path.parent
         if not parent.is_dir():
@@ -85,7 +100,10 @@ def _prepare_directory(disk_path: str) -> None:
             ) from exc
         else:
             logger.info("created the disk tier directory %s", disk_path)
+            created = path
     if not path.is_dir():
         raise ConfigError(f"disk_path={disk_path!r} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
+        remove_created_directory(created)
         raise ConfigError(f"disk_path={disk_path!r} is not a writable directory")
+    return created
