@@ -8,6 +8,7 @@ blocks and queues one `LoadItem` per tier the hit spans, until `build_plan` issu
 from __future__ import annotations
 
 import logging
+import operator
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ class LookupPin:
 
     num_local_tokens: int
     hit: LongestHit
-    pinned: list[int]  # ids in the tier index's shared space
+    pinned: list[int]  # ids in the tier index's shared space, tail first (SPEC §4)
 
 
 class LoadPlanner:
@@ -81,6 +82,7 @@ class LoadPlanner:
 
     def lookup(self, request: RequestView, num_local_tokens: int) -> int:
         """Return how many tokens past the local prefix the tiers can serve, and pin them."""
+        _check_count("num_local_tokens", num_local_tokens)
         self.release_pin(request.request_id)
         if self.tags is not None:
             self.tags.note_lookup(request.request_id, num_local_tokens)
@@ -104,7 +106,9 @@ class LoadPlanner:
         hit = find_longest_hit(self.layout, hashes, max_tokens, cached, self.granularity)
         if hit.num_tokens == 0:
             return 0
-        pinned = [b for ids in hit.block_ids for b in ids if b != NULL_BLOCK_ID]
+        # Tail first: a released pin frees them in this order, so that the prefix's
+        # tail is evicted before its root, as after a load (SPEC §4).
+        pinned = [b for ids in hit.block_ids for b in ids if b != NULL_BLOCK_ID][::-1]
         self.index.touch(pinned)
         self.pins[request.request_id] = LookupPin(num_local_tokens, hit, pinned)
         return hit.num_tokens
@@ -123,6 +127,11 @@ class LoadPlanner:
         self.allocated.add(request.request_id)
         self.recompute_next.discard(request.request_id)
         pin = self.pins.pop(request.request_id, None)
+        try:
+            _check_count("num_external_tokens", num_external_tokens)
+        except ValueError:
+            self.release_pinned(pin)  # bad input must not leak the pin
+            raise
         if num_external_tokens == 0:
             if pin is not None:  # the engine may decline a hit (e.g. vLLM's hybrid paths)
                 logger.debug("request %s accepted 0 of its tier hit", request.request_id)
@@ -254,7 +263,10 @@ class LoadPlanner:
 
     def release_pin(self, request_id: str) -> None:
         """Drop a request's lookup pin, if any."""
-        pin = self.pins.pop(request_id, None)
+        self.release_pinned(self.pins.pop(request_id, None))
+
+    def release_pinned(self, pin: LookupPin | None) -> None:
+        """Free the tier blocks `pin` holds (None: nothing)."""
         if pin is not None:
             self.index.free(pin.pinned)
 
@@ -277,8 +289,8 @@ class LoadPlanner:
         dropped = False
         for load in self.queued:
             if load.request_id == request_id:
-                self.index.pools[load.tier].free(load.tier_block_ids)
-                self.gpu_pool.free(load.gpu_block_ids)
+                self.index.pools[load.tier].free(load.tier_block_ids[::-1])
+                self.gpu_pool.free(load.gpu_block_ids[::-1])
                 dropped = True
             else:
                 keep.append(load)
@@ -291,8 +303,18 @@ class LoadPlanner:
         for request_id in list(self.pins):
             self.release_pin(request_id)
         for load in self.take_queued():
-            self.index.pools[load.tier].free(load.tier_block_ids)
-            self.gpu_pool.free(load.gpu_block_ids)
+            self.index.pools[load.tier].free(load.tier_block_ids[::-1])
+            self.gpu_pool.free(load.gpu_block_ids[::-1])
             load.progress.num_pending -= 1
             if load.progress.num_pending == 0:  # every part of a load is queued together
                 self.book.fail_unissued(load.progress.failure())
+
+
+def _check_count(name: str, value: int) -> None:
+    """Raise ValueError naming `name` unless `value` is a token count (an int >= 0)."""
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}") from None
+    if count < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")

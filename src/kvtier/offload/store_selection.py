@@ -388,10 +388,10 @@ class StoreSelector:
 
     def release(self, stores: StoreBatch) -> None:
         """Drop the pins and in-flight keys of stores that will register nothing."""
-        self.gpu_pool.free(stores.gpu_block_ids)
+        self.gpu_pool.free(stores.gpu_block_ids[::-1])  # tail first, as on completion
         if self.lazy_copying:
             self.lazy_copying.difference_update(stores.gpu_block_ids)
-        self.tier_pool.free(stores.tier_block_ids)
+        self.tier_pool.free(stores.tier_block_ids[::-1])
         self.in_flight_keys.difference_update(stores.keys)
 
     def take_queued(self) -> StoreBatch:

@@ -1,0 +1,105 @@
+"""The load planner's inputs and the order it releases tier blocks in.
+
+Regressions: a lookup pin released, or a queued load dropped by an abort, freed its tier
+blocks root first, so the prefix's root was evicted before its tail (SPEC §4); a negative
+`num_local_tokens` or `num_external_tokens` was accepted and served the wrong blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, full_layout, make_request
+
+
+def stored_engine(num_tier_blocks: int = 8) -> SimEngine:
+    """Return an engine whose tier holds the 3 blocks of a 13-token request (GPU evicted)."""
+    engine = SimEngine(full_layout(), num_tier_blocks=num_tier_blocks)
+    engine.run(make_request("a", range(13)))
+    engine.drain()
+    engine.evict_gpu()
+    return engine
+
+
+def tier_refs(engine: SimEngine) -> list[int]:
+    pool = engine.scheduler.tier_pool
+    return [pool.ref_count(block) for block in range(1, pool.num_blocks)]
+
+
+# --------------------------------------------------------------------- bad input
+
+
+def test_on_allocated_refuses_a_negative_number_of_external_tokens() -> None:
+    """SPEC §6.3: bad input raises an error naming the value, and leaks no pin.
+
+    `on_allocated(request, table, -4)` passes the hash-block check (-4 % 4 == 0) and the
+    `> pin.hit.num_tokens` check, then `_pair` computes ceil(-4 / 4) = -1 blocks and
+    slices `hit.block_ids[g][:-1]`: it queues a real load of 2 tier blocks into the
+    request's GPU blocks, with a FailedLoad range [0, -4) and -4 hit tokens."""
+    engine = stored_engine()
+    b = make_request("b", [*range(12), 7])
+    assert engine.scheduler.lookup(b, 0) == 12
+    table = engine.gpu.allocate(4)
+    with pytest.raises(ValueError, match="-4"):
+        engine.scheduler.on_allocated(b, [table], -4)
+    assert engine.scheduler.loads.queued == []
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+
+
+def test_lookup_refuses_a_negative_local_prefix() -> None:
+    """SPEC §6.2: bad input raises an error naming the value.
+
+    `lookup(request, -4)` passes the alignment check (-4 % 4 == 0), slices
+    `block_hashes[-1:]` — the request's LAST hash — and serves it as if it were the
+    block right after the local prefix: it offers 4 tokens and pins the tier block of
+    the prompt's third block."""
+    engine = stored_engine()
+    b = make_request("b", [*range(12), 7])
+    with pytest.raises(ValueError, match="-4"):
+        engine.scheduler.lookup(b, -4)
+    with pytest.raises(ValueError, match=r"num_local_tokens must be an int >= 0, got 4\.0"):
+        engine.scheduler.lookup(b, 4.0)  # type: ignore[arg-type]
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+
+
+# --------------------------------------------------------------------- LRU order
+
+
+def test_a_released_lookup_pin_keeps_the_prefix_root_younger_than_its_tail() -> None:
+    """SPEC §4: hashed blocks return to the free queue in the given order, and callers
+    pass a request's blocks tail-first "so prefix tails are evicted before their roots"
+    (store and load completions do so). A lookup pin is released root-first instead
+    (`LoadPlanner.release_pin` / `on_allocated`'s `self.index.free(pin.pinned)`): a
+    request that looks up a stored prefix and then declines it (or simply retries its
+    lookup next step, as an engine does for a request it cannot allocate yet) reverses
+    the prefix's LRU order. The next eviction then takes the ROOT, so the whole prefix
+    stops hitting while its tail blocks keep occupying the tier, unreachable.
+
+    Without the declined lookup the same single eviction leaves an 8-token hit."""
+    engine = stored_engine(num_tier_blocks=4)  # 3 usable slots, all holding a's prefix
+    b = make_request("b", [*range(12), 7])
+    assert engine.scheduler.lookup(b, 0) == 12
+    assert engine.scheduler.lookup(b, 0) == 12  # a retry releases the first pin
+    assert engine.scheduler.on_allocated(b, [[]], 0) == {}  # then declined
+    engine.run(make_request("c", range(100, 105)))  # one new block: one eviction
+    engine.drain()
+    engine.evict_gpu()
+    d = make_request("d", [*range(12), 9])
+    assert engine.scheduler.lookup(d, 0) == 8, "the prefix root was evicted before its tail"
+    engine.check()
+
+
+def test_aborting_a_request_before_its_load_is_issued_keeps_the_prefix_root_younger() -> None:
+    """The same SPEC §4 order on the abort path: `LoadPlanner.drop_request` frees a queued
+    load's tier blocks root-first (`free(load.tier_block_ids)`), where the completion of
+    the same load would free them tail-first. After the abort one eviction takes the
+    prefix root and the remaining 2 blocks can never hit again."""
+    engine = stored_engine(num_tier_blocks=4)
+    b = make_request("b", [*range(12), 7])
+    assert engine.admit(b) is not None  # a load of 12 tokens is queued, not issued
+    engine.finish("b")  # aborted before its load was issued
+    engine.run(make_request("c", range(100, 105)))  # one new block: one eviction
+    engine.drain()
+    engine.evict_gpu()
+    d = make_request("d", [*range(12), 9])
+    assert engine.scheduler.lookup(d, 0) == 8, "the prefix root was evicted before its tail"
+    engine.check()
