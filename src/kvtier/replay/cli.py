@@ -175,7 +175,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=_output_path,
         metavar="PATH",
         help="write every result as JSON (adds lru and belady, the reference lines; "
-        "belady not with --cascade); default: no JSON",
+        "belady not with --cascade; /dev/stdout prints it before the table); default: no "
+        "JSON",
     )
     parser.add_argument(
         "--release-order",

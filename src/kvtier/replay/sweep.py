@@ -228,7 +228,7 @@ def sweep_figure(points: Sequence[SweepPoint], title: str, infinite_hit_ratio: f
     ax.set_xlabel("lower-tier capacity (tokens)")
     ax.set_ylabel("token hit ratio")
     ax.set_ylim(0, 1)
-    ax.set_title(title)
+    ax.set_title(title, parse_math=False)  # a file name: `$` is no math
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()

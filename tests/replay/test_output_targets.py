@@ -1,0 +1,77 @@
+"""Where `kvtier replay` writes: descriptors (`--json /dev/stdout`) and odd file names.
+
+Regressions: `/dev/fd/N` was resolved to its target first, so a pipe became a path in
+/proc that cannot hold a temporary file (the JSON was lost after the whole replay), and a
+redirected stdout was replaced by a new file (what was printed before and after it was
+lost); a `$` pair in the trace's name was parsed as math by the sweep plot's title.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from kvtier.replay.cli import main
+from kvtier.replay.whole_file import descriptor_of, whole_file
+
+TRACE = (
+    '{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}\n'
+    '{"timestamp": 1, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}\n'
+)
+SMALL = ["--quiet", "--block-size", "10", "--capacity", "100"]
+
+
+def test_descriptor_paths() -> None:
+    assert descriptor_of("/dev/stdout") == 1
+    assert descriptor_of("/dev/stderr") == 2
+    assert descriptor_of("/dev/fd/7") == 7
+    assert descriptor_of("/proc/self/fd/12") == 12
+    assert descriptor_of("/dev/fd/../stdout") == 1
+    assert descriptor_of("/dev/null") is None
+    assert descriptor_of("out.json") is None
+
+
+def test_json_to_a_pipe_is_written(tmp_path: Path) -> None:
+    """`kvtier replay t.jsonl --json /dev/stdout | jq`."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(TRACE)
+    read_fd, write_fd = os.pipe()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        chunks.extend(iter(lambda: os.read(read_fd, 65536), b""))
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        status = main([str(trace), *SMALL, "--json", f"/dev/fd/{write_fd}"])
+    finally:
+        os.close(write_fd)
+        reader.join(timeout=10)
+        os.close(read_fd)
+    assert status == 0
+    assert json.loads(b"".join(chunks))["trace"] == str(trace)
+
+
+def test_a_redirected_stdout_keeps_what_else_was_written(tmp_path: Path) -> None:
+    """`kvtier replay t.jsonl --json /dev/stdout > out.txt`: written through the open
+    descriptor, at its offset, not by replacing (or truncating) out.txt."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        stdout.write("summary line\n")
+        stdout.flush()
+        with whole_file(f"/dev/fd/{stdout.fileno()}") as file:
+            file.write('{"json": 1}\n')
+        stdout.write("table line\n")
+    assert out.read_text() == 'summary line\n{"json": 1}\ntable line\n'
+    assert os.listdir(tmp_path) == ["out.txt"]
+
+
+def test_sweep_of_a_trace_whose_name_holds_dollar_signs(tmp_path: Path) -> None:
+    trace = tmp_path / "run_$\\foo$.jsonl"
+    trace.write_text(TRACE)
+    out = tmp_path / "out"
+    assert main([str(trace), *SMALL, "--sweep", "--out", str(out)]) == 0
+    assert (out / "sweep.png").is_file()
