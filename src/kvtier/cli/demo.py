@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 
 from kvtier.cli.demo_checks import check_options, check_paths, check_positions, check_sizes
 from kvtier.cli.demo_plot import save_ttft_plot
+from kvtier.cli.termination import raise_if_terminated
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -64,7 +65,11 @@ def run_demo(args: argparse.Namespace) -> int:
             for name, offload in configs:
                 progress.update(task, description=f"serving: {name}")
                 with LLM(model, kv_offload=offload, engine=engine) as llm:
-                    on_turn = lambda: progress.advance(task)  # noqa: E731
+
+                    def on_turn() -> None:
+                        progress.advance(task)
+                        raise_if_terminated()  # a SIGTERM whose raise was swallowed
+
                     results.append(run_chat(llm, workload, name, on_turn))
     _print_table(console, results)
     _print_transfers(console, results)

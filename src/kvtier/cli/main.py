@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from types import FrameType
+from collections.abc import Sequence
 
 from kvtier.cli import demo_options
+from kvtier.cli.termination import raise_if_terminated, sigterm_unwinds
 from kvtier.replay import cli as replay_cli
 
 # The status of a command whose reader went away (`kvtier replay t.jsonl | head -1`): what
@@ -20,8 +17,6 @@ from kvtier.replay import cli as replay_cli
 BROKEN_PIPE_STATUS = 141
 # The status of a command stopped with Ctrl-C: what a shell reports for SIGINT, 128 + 2.
 INTERRUPTED_STATUS = 130
-# The status of a command stopped by SIGTERM (`timeout`, `kill`), 128 + 15.
-TERMINATED_STATUS = 143
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Output piped into a reader that stops early (`| head -1`) ends the command quietly
     with BROKEN_PIPE_STATUS instead of a BrokenPipeError traceback; Ctrl-C ends it with
     one line and INTERRUPTED_STATUS instead of a KeyboardInterrupt traceback. SIGTERM
-    ends it with TERMINATED_STATUS once the command has cleaned up (the demo's disk tier
-    folder is removed), instead of killing it on the spot.
+    ends it with TERMINATED_STATUS (`termination`) once the command has cleaned up (the
+    demo's disk tier folder is removed), instead of killing it on the spot.
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -52,8 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        with _sigterm_unwinds():
+        with sigterm_unwinds():
             status: int = args.run(args)
+            raise_if_terminated()  # it arrived where its raise was swallowed
         sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
     except BrokenPipeError:
         _discard_stdout()
@@ -62,27 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nkvtier {args.command}: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
     return status
-
-
-@contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """Make SIGTERM raise SystemExit(TERMINATED_STATUS) inside the block.
-
-    The exception unwinds the command's `with` blocks, so its temporary files go with it.
-    Outside the main thread (where no signal handler can be set) this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(TERMINATED_STATUS)
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _discard_stdout() -> None:
