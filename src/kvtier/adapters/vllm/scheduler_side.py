@@ -38,6 +38,7 @@ from kvtier.adapters.vllm.layout import kv_layout, tier_sizes
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.stats import GAUGES, KVTierStats, stats_payload
 from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
+from kvtier.core.kv_groups import KVLayout
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier, WorkerReport
 from kvtier.offload.protocols import Handoff, ScheduledRequest, StepInput, TableUpdate
@@ -86,6 +87,13 @@ class SchedulerSide:
                 num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
             ),
         )
+        spec = getattr(vllm_config, "speculative_config", None)
+        # EAGLE-style drafters: vLLM drops a hit's last block (`eagle_drop_unit`).
+        self._eagle_drop = (
+            eagle_drop_unit(self.layout, config.fine_grained_hits)
+            if spec is not None and spec.use_eagle_block_drop()
+            else 0
+        )
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
@@ -112,6 +120,8 @@ class SchedulerSide:
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Return vLLM's (external tokens, load asynchronously) for a waiting request."""
         num_tokens = self.offload.lookup(self.add_request(request), num_computed_tokens)
+        if num_tokens and self._eagle_drop:
+            num_tokens = without_last_block(num_computed_tokens, num_tokens, self._eagle_drop)
         return num_tokens, num_tokens > 0
 
     def on_allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -250,3 +260,23 @@ def _handoffs(scheduler_output: Any) -> tuple[Handoff, ...]:
         for req_id, items in offers.items()
         for group_id, gpu_block_id, _ in items
     )
+
+
+def eagle_drop_unit(layout: KVLayout, fine_grained: bool) -> int:
+    """Return the tokens vLLM drops from the end of a prefix hit for an EAGLE-style drafter.
+
+    Such a drafter builds a position's draft KV from its hidden state and the *next*
+    token, so the draft KV of a hit's last position was built with the storing request's
+    next token: vLLM recomputes the hit's last block (a hash block with fine-grained
+    hits), on its own GPU hits and in its own CPU offload connector. kvtier's hits end
+    where vLLM's would.
+    """
+    return layout.hash_block_size if fine_grained else layout.scheduler_block_size
+
+
+def without_last_block(num_local: int, num_external: int, unit: int) -> int:
+    """Return the external tokens left of a hit of `num_local` + `num_external` tokens
+    once its last `unit`-token block is dropped (down to a multiple of `unit`)."""
+    end = num_local + num_external - unit
+    end -= end % unit
+    return max(0, end - num_local)
