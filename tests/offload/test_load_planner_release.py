@@ -8,21 +8,23 @@ blocks root first, so the prefix's root was evicted before its tail (SPEC §4); 
 from __future__ import annotations
 
 import pytest
-from sim import SimEngine, full_layout, make_request
+from sim import SimEngine, make_request
+from test_scenarios_lookup import stored_engine, tier_refs
 
 
-def stored_engine(num_tier_blocks: int = 8) -> SimEngine:
+def _first_request_stored(tier_blocks: int = 8) -> SimEngine:
     """Return an engine whose tier holds the 3 blocks of a 13-token request (GPU evicted)."""
-    engine = SimEngine(full_layout(), num_tier_blocks=num_tier_blocks)
-    engine.run(make_request("a", range(13)))
+    return stored_engine(num_tokens=13, tier_blocks=tier_blocks)
+
+
+def _prefix_hit_after_one_eviction(engine: SimEngine) -> int:
+    """Store one new block (one eviction), then return the old prefix's tier hit."""
+    engine.run(make_request("c", range(100, 105)))
     engine.drain()
     engine.evict_gpu()
-    return engine
-
-
-def tier_refs(engine: SimEngine) -> list[int]:
-    pool = engine.scheduler.tier_pool
-    return [pool.ref_count(block) for block in range(1, pool.num_blocks)]
+    hit = engine.scheduler.lookup(make_request("d", [*range(12), 9]), 0)
+    engine.check()
+    return hit
 
 
 # --------------------------------------------------------------------- bad input
@@ -35,7 +37,7 @@ def test_on_allocated_refuses_a_negative_number_of_external_tokens() -> None:
     `> pin.hit.num_tokens` check, then `_pair` computes ceil(-4 / 4) = -1 blocks and
     slices `hit.block_ids[g][:-1]`: it queues a real load of 2 tier blocks into the
     request's GPU blocks, with a FailedLoad range [0, -4) and -4 hit tokens."""
-    engine = stored_engine()
+    engine = _first_request_stored()
     b = make_request("b", [*range(12), 7])
     assert engine.scheduler.lookup(b, 0) == 12
     table = engine.gpu.allocate(4)
@@ -52,7 +54,7 @@ def test_lookup_refuses_a_negative_local_prefix() -> None:
     `block_hashes[-1:]` — the request's LAST hash — and serves it as if it were the
     block right after the local prefix: it offers 4 tokens and pins the tier block of
     the prompt's third block."""
-    engine = stored_engine()
+    engine = _first_request_stored()
     b = make_request("b", [*range(12), 7])
     with pytest.raises(ValueError, match="-4"):
         engine.scheduler.lookup(b, -4)
@@ -75,17 +77,12 @@ def test_a_released_lookup_pin_keeps_the_prefix_root_younger_than_its_tail() -> 
     stops hitting while its tail blocks keep occupying the tier, unreachable.
 
     Without the declined lookup the same single eviction leaves an 8-token hit."""
-    engine = stored_engine(num_tier_blocks=4)  # 3 usable slots, all holding a's prefix
+    engine = _first_request_stored(tier_blocks=4)  # 3 usable slots, all holding a's prefix
     b = make_request("b", [*range(12), 7])
     assert engine.scheduler.lookup(b, 0) == 12
     assert engine.scheduler.lookup(b, 0) == 12  # a retry releases the first pin
     assert engine.scheduler.on_allocated(b, [[]], 0) == {}  # then declined
-    engine.run(make_request("c", range(100, 105)))  # one new block: one eviction
-    engine.drain()
-    engine.evict_gpu()
-    d = make_request("d", [*range(12), 9])
-    assert engine.scheduler.lookup(d, 0) == 8, "the prefix root was evicted before its tail"
-    engine.check()
+    assert _prefix_hit_after_one_eviction(engine) == 8, "the root went before its tail"
 
 
 def test_aborting_a_request_before_its_load_is_issued_keeps_the_prefix_root_younger() -> None:
@@ -93,13 +90,8 @@ def test_aborting_a_request_before_its_load_is_issued_keeps_the_prefix_root_youn
     load's tier blocks root-first (`free(load.tier_block_ids)`), where the completion of
     the same load would free them tail-first. After the abort one eviction takes the
     prefix root and the remaining 2 blocks can never hit again."""
-    engine = stored_engine(num_tier_blocks=4)
+    engine = _first_request_stored(tier_blocks=4)
     b = make_request("b", [*range(12), 7])
     assert engine.admit(b) is not None  # a load of 12 tokens is queued, not issued
     engine.finish("b")  # aborted before its load was issued
-    engine.run(make_request("c", range(100, 105)))  # one new block: one eviction
-    engine.drain()
-    engine.evict_gpu()
-    d = make_request("d", [*range(12), 9])
-    assert engine.scheduler.lookup(d, 0) == 8, "the prefix root was evicted before its tail"
-    engine.check()
+    assert _prefix_hit_after_one_eviction(engine) == 8, "the root went before its tail"
