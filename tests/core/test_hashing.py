@@ -169,3 +169,21 @@ def test_coarse_hash_is_the_last_fine_hash_of_the_group_block() -> None:
     tokens = list(range(24))
     fine = hash_request(make_hasher(4), tokens)
     assert coarse_hashes(fine, 2) == [fine[1], fine[3], fine[5]]
+
+
+@pytest.mark.parametrize(
+    "bad", [[3, 4, 5, 6, 7, None], [3, None], [3, 4, 2**63]], ids=["in-a-block", "tail", "int64"]
+)
+def test_a_refused_extend_changes_nothing(bad: list[object]) -> None:
+    """SPEC §3: equal hashes mean equal prefixes. Regression: a refused extend kept the
+    hashes of the blocks before the bad token but not the new tail, so a retry hashed
+    [1, 2, 3, 4] again as block 1: the key of the different prompt [1, 2, 3, 4] * 2."""
+    hasher = BlockHasher(4)
+    request = RequestHasher(hasher)
+    request.extend([1, 2])
+    with pytest.raises(ValueError, match="token id"):
+        request.extend(bad)  # type: ignore[arg-type]
+    assert request.num_tokens == 2
+    request.extend([3, 4, 5, 6, 7, 8])
+    assert list(request.block_hashes) == hash_request(hasher, [1, 2, 3, 4, 5, 6, 7, 8])
+    request.check_invariants()

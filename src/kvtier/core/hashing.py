@@ -292,20 +292,28 @@ class RequestHasher:
     def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Append tokens; return the hashes of the blocks they completed, in order.
 
-        Costs O(len(token_ids) + hash_block_size).
+        Costs O(len(token_ids) + hash_block_size). A token id that is not an int in the
+        int64 range raises ValueError naming it, and the hasher is left as it was (also
+        for a bad id in the new partial tail, which is hashed only later).
         """
         size = self._hasher.hash_block_size
         pending = self._tail + list(token_ids)
         num_full = len(pending) // size
+        tail = pending[num_full * size :]
+        if tail:
+            try:
+                struct.pack(f"<{len(tail)}q", *tail)
+            except struct.error as exc:
+                raise ValueError(_bad_token_message(tail)) from exc
         new_hashes: list[BlockHash] = []
         parent = self._block_hashes[-1] if self._block_hashes else None
+        first_index = len(self._block_hashes)
         for i in range(num_full):
-            block_index = len(self._block_hashes)
-            extra = extra_keys_for_block(self._extras, block_index, size)
+            extra = extra_keys_for_block(self._extras, first_index + i, size)
             parent = self._hasher.hash_block(parent, pending[i * size : (i + 1) * size], extra)
-            self._block_hashes.append(parent)
             new_hashes.append(parent)
-        self._tail = pending[num_full * size :]
+        self._block_hashes.extend(new_hashes)  # only once every block hashed
+        self._tail = tail
         return new_hashes
 
     def check_invariants(self) -> None:
