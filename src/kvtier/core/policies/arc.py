@@ -17,16 +17,17 @@ an 8-byte key reference; per ghost key about 100 bytes (the key and its dict slo
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import chain, islice
 
 from kvtier.core.free_queue import OneByOne, check_num_blocks
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 
 _REUSABLE, _T1, _T2 = 0, 1, 2
-_ORDER = (_REUSABLE, _T1, _T2)
 
 
 class ARCPolicy(OneByOne):
@@ -119,12 +120,18 @@ class ARCPolicy(OneByOne):
                 b2.popitem(last=False)
 
     def iter_after(self, cursor: int | None) -> Iterator[int]:
-        """Yield free blocks: unhashed, then T1, then T2, each oldest first.
-
-        The order matches `pop_victim` for unhashed blocks; between T1 and T2 the
-        policy's choice depends on `p` at eviction time.
+        """Yield free blocks in the order `pop_victim` takes them while no key is stored
+        (`p` moves only then): unhashed; T1's oldest until T1 is down to `p`; T2; the
+        rest of T1 (SPEC §4: the cascade's write-back demotes exactly the next victims).
         """
-        yield from self._lists.iter_lists_after(_ORDER, cursor)
+        lists = self._lists
+        len_t1 = lists.length(_T1)
+        num_first = len_t1
+        if lists.length(_T2):
+            num_first = min(len_t1, max(0, math.ceil(len_t1 - self.target_t1)))
+        t1 = lists.iter_list(_T1)
+        order = chain(lists.iter_list(_REUSABLE), islice(t1, num_first), lists.iter_list(_T2), t1)
+        return lists.after_cursor(order, cursor)
 
     def clear_and_fill(self, block_ids: range) -> None:
         """Queue exactly `block_ids` as unhashed blocks, reused in that order; keep ghosts."""

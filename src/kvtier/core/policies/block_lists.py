@@ -124,6 +124,21 @@ class BlockLists:
             yield from self.iter_list(list_id, after)
             after = None
 
+    def after_cursor(self, order: Iterator[int], cursor: int | None) -> Iterator[int]:
+        """Return `order` (free blocks, each once) from just after block `cursor` on.
+
+        For a policy whose eviction order interleaves its lists; O(position of `cursor`).
+        `cursor` must be queued in one of the lists (KeyError otherwise).
+        """
+        if cursor is None:
+            return order
+        if self.where(cursor) == NOT_LISTED:
+            raise KeyError(f"block {cursor} is not queued")
+        for block_id in order:
+            if block_id == cursor:
+                break
+        return order
+
     def check_invariants(self) -> None:
         """Raise AssertionError when links, lengths and list ids disagree."""
         seen = 0

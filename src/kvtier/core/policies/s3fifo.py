@@ -21,13 +21,13 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import chain, islice
 
 from kvtier.core.free_queue import OneByOne, check_num_blocks
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import BlockLists
 
 _REUSABLE, _SMALL, _MAIN = 0, 1, 2
-_ORDER = (_REUSABLE, _SMALL, _MAIN)
 SMALL_FRACTION = 0.1
 
 
@@ -117,12 +117,24 @@ class S3FIFOPolicy(OneByOne):
         return victim
 
     def iter_after(self, cursor: int | None) -> Iterator[int]:
-        """Yield free blocks: unhashed, then S, then M, each from its head.
-
-        Exact for unhashed blocks and S; M blocks with the frequency bit set get one
-        more round before the policy evicts them.
+        """Yield free blocks in the order `pop_victim` takes them while nothing else
+        changes: unhashed; S's oldest while S holds its share; M's blocks without the
+        frequency bit, then those with it (they get one more round); the rest of S.
         """
-        yield from self._lists.iter_lists_after(_ORDER, cursor)
+        lists, freq = self._lists, self._freq
+        len_s = lists.length(_SMALL)
+        num_first = len_s
+        if lists.length(_MAIN):
+            num_first = min(len_s, max(0, len_s - self._small_target + 1))
+        small = lists.iter_list(_SMALL)
+        order = chain(
+            lists.iter_list(_REUSABLE),
+            islice(small, num_first),
+            (b for b in lists.iter_list(_MAIN) if not freq[b]),
+            (b for b in lists.iter_list(_MAIN) if freq[b]),
+            small,
+        )
+        return lists.after_cursor(order, cursor)
 
     def clear_and_fill(self, block_ids: range) -> None:
         """Queue exactly `block_ids` as unhashed blocks, reused in that order; keep the ghost."""
