@@ -179,3 +179,23 @@ def test_a_free_cached_block_given_another_key_stays_in_place() -> None:
     assert free_order(pool) == before
     assert pool.secondary_keys(1) == (make_test_key(3),)
     pool.check_invariants()
+
+
+def test_insert_keys_refuses_what_insert_key_refuses() -> None:
+    """Regression: the batched fast path stored a str key and a bool token count, and
+    failed on a float block id with a bare TypeError naming nothing."""
+    pool = BlockPool(8)
+    (block_id,) = pool.allocate(1)
+    with pytest.raises(TypeError, match="expected bytes"):
+        pool.insert_keys(["abc"], [block_id], [16])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="num_tokens"):
+        pool.insert_keys([make_test_key(1)], [block_id], [True])
+    with pytest.raises(PoolError, match="not an int"):
+        pool.insert_keys([make_test_key(1)], [1.5], [16])  # type: ignore[list-item]
+    assert pool.key(block_id) is None
+    pool.check_invariants()
+
+
+def test_allocate_refuses_a_bool_count() -> None:
+    with pytest.raises(TypeError, match="cannot allocate True blocks"):
+        BlockPool(8).allocate(True)

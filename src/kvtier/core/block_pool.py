@@ -69,7 +69,7 @@ class BlockPool(PoolQueries):
         A cached block taken this way loses its keys (one `BlockRemoved` per key).
         Raises `PoolError` when fewer than `num_blocks` are free, TypeError for a non-int.
         """
-        if not isinstance(num_blocks, int) or num_blocks < 0:
+        if type(num_blocks) is not int or num_blocks < 0:  # a bool or numpy int too
             num_blocks = pool_checks.as_block_count(num_blocks)
             if num_blocks < 0:
                 raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
@@ -237,10 +237,13 @@ class BlockPool(PoolQueries):
         for key, block_id, count in zip(keys, block_ids, num_tokens, strict=True):
             if (
                 inline
+                and type(block_id) is int
                 and 0 < block_id < limit
                 and block_keys[block_id] is None
                 and refs[block_id]
+                and type(count) is int
                 and 0 <= count <= max_count
+                and type(key) is bytes
                 and key not in index
             ):
                 block_keys[block_id] = key
