@@ -38,7 +38,7 @@ def block_id_array(event_id: int, label: str, ids: object, num_ids: int) -> np.n
                 f"of shape {ids.shape}"
             )
         _check_range(event_id, label, ids, num_ids)
-        return ids.astype(np.int64, copy=False)
+        return ids.astype(np.int64)  # a copy: the caller may reuse its array at once
     if not isinstance(ids, tuple | list):
         raise ValueError(
             f"event {event_id}: {label} must be a tuple of ints, got {type(ids).__name__}"

@@ -153,6 +153,11 @@ def discover_regions(
 def _named(
     kv_tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
 ) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(kv_tensors, torch.Tensor):  # iterating it would slice its first dim
+        raise TypeError(
+            f"kv_tensors is one tensor of shape {tuple(kv_tensors.shape)}: pass a list or a "
+            "dict of KV tensors (one packed allocation is [that_tensor])"
+        )
     items = (
         list(kv_tensors.items())
         if isinstance(kv_tensors, Mapping)

@@ -113,15 +113,17 @@ class OffloadWorker:
         on_cuda = regions.device.type == "cuda"
         try:
             self._allocate_tiers(regions, on_cuda)
+            copiers = {}
+            for direction in Direction:  # CUDA streams: may fail (out of memory) too
+                host = CpuCopier()
+                engine = CudaCopier(regions.device) if on_cuda else host
+                copiers[direction] = LaneCopiers(engine=engine, host=host)
         except BaseException:
             self._drop_tier_views()
             self._held.release_tiers()
             raise
         self._regions = regions
-        for direction in Direction:
-            host = CpuCopier()
-            engine = CudaCopier(regions.device) if on_cuda else host
-            self._copiers[direction] = LaneCopiers(engine=engine, host=host)
+        self._copiers.update(copiers)
         self.state = WorkerState.REGISTERED
         logger.info(
             "offload worker rank %d: %d regions, %d blocks, %d B per slot",
