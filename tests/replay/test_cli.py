@@ -26,6 +26,16 @@ def test_parse_tokens_rejects_garbage() -> None:
         parse_tokens("3X")
 
 
+def test_a_near_whole_capacity_is_refused_with_its_exact_value() -> None:
+    """Regression: the message printed the value as a float: '1000000000.0 is not a whole
+    number of tokens'."""
+    with pytest.raises(
+        argparse.ArgumentTypeError,
+        match=r"not a whole number of tokens \(it is 10000000000000000001/10000000000\)",
+    ):
+        parse_tokens("1.0000000000000000001G")
+
+
 def trace_file(tmp_path: Path) -> Path:
     path = tmp_path / "doc.jsonl"
     write_trace(path, doc_trace(seed=5, num_requests=60))

@@ -47,7 +47,8 @@ def parse_tokens(text: str) -> int:
     value = Fraction(match.group(1)) * _SUFFIXES[match.group(2).lower()]
     if value.denominator != 1:
         raise argparse.ArgumentTypeError(
-            f"invalid token count {text!r}: {float(value)} is not a whole number of tokens"
+            f"invalid token count {text!r}: not a whole number of tokens (it is "
+            f"{value.numerator}/{value.denominator})"
         )
     return int(value)
 
