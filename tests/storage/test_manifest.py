@@ -21,7 +21,7 @@ from kvtier.storage import (
     SlotFile,
     manifest_path_for,
 )
-from kvtier.storage.manifest import ManifestLog, open_manifest, read_manifest
+from kvtier.storage.manifest import ManifestLog, open_manifest, read_manifest, remove_manifest
 from kvtier.storage.manifest_format import ManifestEntry, check_record, encode_put
 
 SLOT = 4096
@@ -295,6 +295,17 @@ def test_leftover_temporary_file_is_replaced(tmp_path: Path) -> None:
     slot_file, log, _ = open_tier_files(tmp_path)
     assert not Path(str(manifest_of(tmp_path)) + ".tmp").exists()
     close(slot_file, log)
+
+
+def test_removing_a_manifest_removes_a_leftover_tmp_too(tmp_path: Path) -> None:
+    """Regression: a non-persistent tier removed a stale manifest but left the `.tmp` of
+    a compaction that a crash interrupted."""
+    slots = str(tmp_path / "kvtier-rank0.slots")
+    manifest = manifest_of(tmp_path)
+    manifest.write_bytes(b"stale")
+    Path(str(manifest) + ".tmp").write_bytes(b"half")
+    remove_manifest(slots)
+    assert os.listdir(tmp_path) == []
 
 
 def test_non_persistent_slot_file_is_unchanged(tmp_path: Path) -> None:

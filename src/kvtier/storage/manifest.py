@@ -294,9 +294,12 @@ def _directories_named(slot_path: str) -> Iterator[None]:
 def remove_manifest(slot_path: str) -> None:
     """Remove the manifest of `slot_path` if there is one (a non-persistent tier does, under
     its new slot file's lock: a manifest whose slot file was gone describes nothing, and
-    no later persistent run may trust it); raise OSError naming the path on failure."""
+    no later persistent run may trust it), and a compaction's leftover `.tmp` with it;
+    raise OSError naming the path on failure."""
+    manifest = manifest_path_for(slot_path)
     with _directories_named(slot_path):
-        unlink_quietly(manifest_path_for(slot_path))
+        unlink_quietly(manifest)
+        unlink_quietly(manifest + ".tmp")
 
 
 def check_no_persistent_tier(slot_path: str) -> None:
