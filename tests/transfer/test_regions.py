@@ -178,3 +178,12 @@ def test_tensors_without_addressable_bytes_are_rejected(tensor: torch.Tensor, me
     bare NotImplementedError; both now fail up front naming the tensor."""
     with pytest.raises(ValueError, match=message):
         discover_regions([tensor])
+
+
+def test_auto_refuses_a_shape_that_reads_both_ways() -> None:
+    """Regression: [2 blocks, 2 (K, V), ...] was read as [2 (K, V), 2 blocks, ...]."""
+    cache = torch.zeros(2, 2, 4, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"AUTO cannot tell K/V from blocks; pass layout="):
+        discover_regions({"layer.0": cache})
+    assert discover_regions([cache], TensorLayout.BLOCKS_FIRST).num_blocks == 2
+    assert discover_regions([cache], TensorLayout.KV_FIRST).num_blocks == 2

@@ -17,6 +17,7 @@ from kvtier.offload.protocols import ScheduledRequest, StepInput
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.stats import OffloadStats
 from kvtier.offload.transfers import ReportOutcome
+from kvtier.transfer.regions import TensorLayout
 from kvtier.transfer.worker import OffloadWorker, WorkerConfig
 
 
@@ -85,7 +86,7 @@ class OffloadSide:
         )
         self.scheduler = OffloadScheduler(config, setup)
         self.worker = OffloadWorker(_worker_config(config, sizes, fingerprint))
-        self.worker.register(runner.kv_tensors)
+        self.worker.register(runner.kv_tensors, TensorLayout.KV_FIRST)  # [2, blocks, ...]
         self.num_restored_blocks = 0
         if config.disk_persist:
             recovered = self.worker.recovered_slots()

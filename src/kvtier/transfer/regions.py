@@ -178,10 +178,16 @@ def _named(
     return items
 
 
-def _resolve(layout: TensorLayout, tensor: torch.Tensor) -> TensorLayout:
+def _resolve(layout: TensorLayout, tensor: torch.Tensor, name: str) -> TensorLayout:
     if layout is not TensorLayout.AUTO:
         return layout
     if tensor.dim() >= 3 and tensor.shape[0] == 2:
+        if tensor.shape[1] == 2:  # [2 (K, V), 2 blocks, ...] or [2 blocks, 2 (K, V), ...]
+            raise ValueError(
+                f"KV tensor {name!r} has shape {tuple(tensor.shape)}: TensorLayout.AUTO "
+                "cannot tell K/V from blocks; pass layout=TensorLayout.KV_FIRST or "
+                "TensorLayout.BLOCKS_FIRST"
+            )
         return TensorLayout.KV_FIRST
     return TensorLayout.BLOCKS_FIRST
 
@@ -193,7 +199,7 @@ def _tensor_spans(order: int, name: str, tensor: torch.Tensor, layout: TensorLay
             f"KV tensor {name!r} has shape {tuple(tensor.shape)}: need at least "
             "[num_blocks, ...] with no zero-sized dimension"
         )
-    kind = _resolve(layout, tensor)
+    kind = _resolve(layout, tensor, name)
     block_dim = 1 if kind is TensorLayout.KV_FIRST else 0
     if kind is TensorLayout.KV_FIRST and (tensor.dim() < 3 or tensor.shape[0] != 2):
         raise ValueError(f"KV tensor {name!r} has shape {tuple(tensor.shape)}, not [2, ...]")
