@@ -204,8 +204,8 @@ class LLM:
         step = self.scheduler.schedule()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(step.preempted_ids)
-        if self._is_stalled(step):
-            head = self.scheduler.waiting[0]
+        if step.stuck is not None or self._is_stalled(step):
+            head = step.stuck or self.scheduler.waiting[0]
             self._abort(head)
             raise RuntimeError(
                 f"no progress possible: {head.request_id} ({head.num_tokens} tokens) does not "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
@@ -51,6 +51,9 @@ class SchedulerStep:
 
     work: list[ScheduledWork] = field(default_factory=list)
     preempted_ids: set[str] = field(default_factory=set)
+    # A running request that cannot compute one more token though it could use the
+    # whole pool: it never will (the engine aborts it), where preempting it would loop.
+    stuck: Request | None = None
 
 
 class Scheduler:
@@ -122,6 +125,9 @@ class Scheduler:
                 shrunk = self._shrink_to_fit(request, num_new)
                 if shrunk is not None:
                     num_new, new_ids = shrunk, self._grow(request, shrunk)
+            if new_ids is None and self._holds_the_pool(request):
+                step.stuck = request
+                return step
             if new_ids is None:
                 self._preempt(self.running.pop(), step)
                 break
@@ -180,9 +186,14 @@ class Scheduler:
     def _shrink_to_fit(self, request: Request, num_new: int) -> int | None:
         """Return the most of `num_new` tokens whose blocks fit the pool (None if none)."""
         free = self.pool.num_free()
-        while num_new > 0 and self._num_new_blocks(request, num_new) > free:
-            num_new -= min(b.block_size for b in self.layout.groups)
-        return num_new if num_new > 0 else None
+        return _most_that_fit(num_new, lambda n: self._num_new_blocks(request, n) <= free)
+
+    def _holds_the_pool(self, request: Request) -> bool:
+        """Return True when `request` runs alone and every other block is free."""
+        if len(self.running) != 1 or self.loading:
+            return False
+        own = {b for table in request.block_tables for b in table if b != NULL_BLOCK_ID}
+        return self.pool.num_free() + len(own) >= self.pool.num_usable_blocks
 
     def _work(self, request: Request, num_new: int, new_ids: list[list[int]]) -> ScheduledWork:
         if request.needs_full_table:
@@ -222,12 +233,15 @@ class Scheduler:
         num_free_hits = sum(
             1 for table in tables for b in table if b != NULL_BLOCK_ID and ref_count(b) == 0
         )
-        unit = min(group.block_size for group in self.layout.groups)
-        while shrink and num_new > unit and not self.pool.can_allocate(num_fresh + num_free_hits):
-            num_new -= unit
-            num_fresh = self._num_hit_blocks(num_local, num_hit) + self._num_blocks_after(
-                num_hit, num_new
+        if shrink and num_new > 1 and not self.pool.can_allocate(num_fresh + num_free_hits):
+            hit_blocks = self._num_hit_blocks(num_local, num_hit) + num_free_hits
+            fits = _most_that_fit(
+                num_new,
+                lambda n: self.pool.can_allocate(hit_blocks + self._num_blocks_after(num_hit, n)),
             )
+            if fits is not None:
+                num_new = fits
+                num_fresh = hit_blocks - num_free_hits + self._num_blocks_after(num_hit, num_new)
         if not self.pool.can_allocate(num_fresh + num_free_hits):
             return None
         for table in tables:
@@ -392,3 +406,19 @@ class Scheduler:
                 request.needs_full_table = True
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
+
+
+def _most_that_fit(num_new: int, fits: Callable[[int], bool]) -> int | None:
+    """Return the largest n in [1, num_new] with `fits(n)` (monotone: true up to some n),
+    or None when even one token does not fit (a binary search: every length is tried,
+    also one that needs no new block, inside a block already held)."""
+    if num_new < 1 or not fits(1):
+        return None
+    low, high = 1, num_new  # fits(low) holds
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
