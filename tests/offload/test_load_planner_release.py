@@ -95,3 +95,16 @@ def test_aborting_a_request_before_its_load_is_issued_keeps_the_prefix_root_youn
     assert engine.admit(b) is not None  # a load of 12 tokens is queued, not issued
     engine.finish("b")  # aborted before its load was issued
     assert _prefix_hit_after_one_eviction(engine) == 8, "the root went before its tail"
+
+
+def test_bool_token_counts_are_refused() -> None:
+    """`operator.index(False)` is 0: a bool passed as a count is a caller's bug."""
+    engine = _first_request_stored()
+    b = make_request("b", [*range(12), 7])
+    with pytest.raises(ValueError, match="num_local_tokens must be an int >= 0, got False"):
+        engine.scheduler.lookup(b, False)
+    assert engine.scheduler.lookup(b, 0) == 12
+    table = engine.gpu.allocate(4)
+    with pytest.raises(ValueError, match="num_external_tokens must be an int >= 0, got True"):
+        engine.scheduler.on_allocated(b, [table], True)
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))

@@ -80,9 +80,17 @@ class LoadPlanner:
             layout.groups[g].kind is GroupKind.FULL_ATTENTION for g in layout.cacheable_group_ids
         )
 
-    def lookup(self, request: RequestView, num_local_tokens: int) -> int:
-        """Return how many tokens past the local prefix the tiers can serve, and pin them."""
+    def lookup(
+        self, request: RequestView, num_local_tokens: int, max_tokens: int | None = None
+    ) -> int:
+        """Return how many tokens past the local prefix the tiers can serve, and pin them.
+
+        `max_tokens` (None: no cap) caps the hit: the longest servable hit of at most
+        that many tokens, which in a hybrid layout is not the longest hit cut short.
+        """
         _check_count("num_local_tokens", num_local_tokens)
+        if max_tokens is not None:
+            _check_count("max_tokens", max_tokens)
         self.release_pin(request.request_id)
         if self.tags is not None:
             self.tags.note_lookup(request.request_id, num_local_tokens)
@@ -99,7 +107,8 @@ class LoadPlanner:
                 self._warned_misaligned = True
             return 0
         hashes = request.block_hashes[num_local_tokens // self.layout.hash_block_size :]
-        max_tokens = request.num_tokens - 1 - num_local_tokens  # the last token is recomputed
+        cap = request.num_tokens - 1 - num_local_tokens  # the last token is recomputed
+        max_tokens = cap if max_tokens is None else min(cap, max_tokens)
         if not hashes or max_tokens <= 0:
             return 0
         cached = self._cached_fn(request)
@@ -315,6 +324,6 @@ def _check_count(name: str, value: int) -> None:
     try:
         count = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}") from None
-    if count < 0:
+        count = -1
+    if count < 0 or isinstance(value, bool):
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")

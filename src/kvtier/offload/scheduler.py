@@ -179,11 +179,16 @@ class OffloadScheduler:
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, request: RequestView, num_local_tokens: int) -> int:
-        """Return how many tokens past the local prefix the tiers can serve, and pin them."""
+    def lookup(
+        self, request: RequestView, num_local_tokens: int, max_tokens: int | None = None
+    ) -> int:
+        """Return how many tokens past the local prefix the tiers can serve, and pin them.
+
+        `max_tokens` caps the hit (the longest servable hit of at most that many tokens).
+        """
         if self._selector is not None:
             self._selector.across_reset.discard(request.request_id)  # admitted afresh
-        return self.loads.lookup(request, num_local_tokens)
+        return self.loads.lookup(request, num_local_tokens, max_tokens)
 
     def on_allocated(
         self,

@@ -119,9 +119,11 @@ class SchedulerSide:
 
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """Return vLLM's (external tokens, load asynchronously) for a waiting request."""
-        num_tokens = self.offload.lookup(self.add_request(request), num_computed_tokens)
-        if num_tokens and self._eagle_drop:
-            num_tokens = without_last_block(num_computed_tokens, num_tokens, self._eagle_drop)
+        view = self.add_request(request)
+        num_tokens = self.offload.lookup(view, num_computed_tokens)
+        if num_tokens and self._eagle_drop:  # the longest servable hit without the last block
+            cap = without_last_block(num_computed_tokens, num_tokens, self._eagle_drop)
+            num_tokens = self.offload.lookup(view, num_computed_tokens, cap)
         return num_tokens, num_tokens > 0
 
     def on_allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
