@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 from pool_helpers import cache_blocks, free_order, make_pool, make_test_key
 
@@ -199,3 +200,12 @@ def test_insert_keys_refuses_what_insert_key_refuses() -> None:
 def test_allocate_refuses_a_bool_count() -> None:
     with pytest.raises(TypeError, match="cannot allocate True blocks"):
         BlockPool(8).allocate(True)
+
+
+def test_insert_keys_takes_numpy_token_counts() -> None:
+    """numpy counts worked before the fast path checked types, and still do."""
+    pool = BlockPool(8)
+    block_ids = pool.allocate(2)
+    pool.insert_keys([make_test_key(1), make_test_key(2)], block_ids, np.array([16, 8]))
+    assert [pool.num_tokens(b) for b in block_ids] == [16, 8]
+    pool.check_invariants()

@@ -9,6 +9,7 @@ import struct
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 from storage_helpers import WAIT_S, join_all, start_until_parked
@@ -385,3 +386,10 @@ def test_a_record_of_the_largest_key_and_token_count_round_trips(tmp_path: Path)
     slot_file, log, live = open_tier_files(tmp_path)
     assert live == {4: (44, biggest)}
     close(slot_file, log)
+
+
+def test_a_record_may_count_its_tokens_with_a_numpy_int() -> None:
+    record = SlotRecord(b"k" * 36, np.int64(16))  # type: ignore[arg-type]
+    check_record(record)
+    plain = SlotRecord(b"k" * 36, 16)
+    assert encode_put(3, ManifestEntry(7, record)) == encode_put(3, ManifestEntry(7, plain))

@@ -235,6 +235,8 @@ class BlockPool(PoolQueries):
         refs = self._refs
         max_count = pool_checks.MAX_NUM_TOKENS
         for key, block_id, count in zip(keys, block_ids, num_tokens, strict=True):
+            if type(count) is not int and not isinstance(count, bool):
+                count = count.__index__() if hasattr(count, "__index__") else count  # numpy
             if (
                 inline
                 and type(block_id) is int

@@ -112,7 +112,7 @@ def check_record(record: SlotRecord) -> None:
     ):
         raise ValueError(f"slot record tag must be {TAG_SIZE} bytes: {record!r}")
     count = record.num_tokens
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= _MAX_TOKENS:
+    if isinstance(count, bool) or not hasattr(count, "__index__") or not 0 <= count <= _MAX_TOKENS:
         raise ValueError(
             f"slot record num_tokens must be an int in [0, {_MAX_TOKENS}], got {count!r}"
         )

@@ -128,7 +128,12 @@ class ARCPolicy(OneByOne):
         len_t1 = lists.length(_T1)
         num_first = len_t1
         if lists.length(_T2):
-            num_first = min(len_t1, max(0, math.ceil(len_t1 - self.target_t1)))
+            p = self.target_t1  # T1 gives the k-th victim while len_t1 - k > p, exactly
+            num_first = min(len_t1, max(0, math.ceil(len_t1 - p)))
+            while num_first > 0 and not len_t1 - (num_first - 1) > p:
+                num_first -= 1  # float rounding in the estimate
+            while num_first < len_t1 and len_t1 - num_first > p:
+                num_first += 1
         t1 = lists.iter_list(_T1)
         order = chain(lists.iter_list(_REUSABLE), islice(t1, num_first), lists.iter_list(_T2), t1)
         return lists.after_cursor(order, cursor)
