@@ -235,8 +235,6 @@ class BlockPool(PoolQueries):
         refs = self._refs
         max_count = pool_checks.MAX_NUM_TOKENS
         for key, block_id, count in zip(keys, block_ids, num_tokens, strict=True):
-            if type(count) is not int and not isinstance(count, bool):
-                count = count.__index__() if hasattr(count, "__index__") else count  # numpy
             if (
                 inline
                 and type(block_id) is int
@@ -253,6 +251,8 @@ class BlockPool(PoolQueries):
                 note_key(block_id, key)
                 index[key] = block_id
             else:
+                if hasattr(count, "__index__") and not isinstance(count, bool):
+                    count = count.__index__()  # a numpy int becomes an int
                 self.insert_key(key, block_id, count)
         if tags:
             self._set_tags(keys, block_ids, tags)
