@@ -9,34 +9,13 @@ reported could not be served, and the load failed.
 from __future__ import annotations
 
 import pytest
-from sim import Lookup, SimEngine, config, full_layout, make_request
-
-from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
-
-
-def _stored_state_engine() -> SimEngine:
-    """SPEC scenario 23's layout: full attention in blocks of 32, a state every 16 tokens,
-    fine-grained hits; the tier holds the full blocks and the state after 48 tokens."""
-    layout = KVLayout(
-        (KVGroupSpec(GroupKind.FULL_ATTENTION, 32, 64), KVGroupSpec(GroupKind.STATE, 16, 64))
-    )
-    engine = SimEngine(layout, config(fine_grained_hits=True), num_gpu_blocks=32)
-    a = make_request("a", range(48), 16, outputs=[90, 91])
-    engine.admit(a)
-    for _ in range(2):
-        engine.schedule("a")
-        engine.step()
-    engine.handoff("a", 1, engine.tables["a"][1][2])  # the state after 48 tokens
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
-    engine.drain()
-    engine.evict_gpu()
-    return engine
+from sim import Lookup, SimEngine, full_layout, make_request
+from test_scenarios_hybrid import hybrid_engine, store_with_state_handoff
 
 
 def test_a_capped_hit_in_a_hybrid_layout_is_one_the_tier_can_serve() -> None:
-    engine = _stored_state_engine()
+    engine = hybrid_engine()  # SPEC scenario 23's layout, fine-grained hits
+    store_with_state_handoff(engine)
     b = make_request("b", [*range(48), 7], 16)
     assert engine.scheduler.lookup(b, 0) == 48
     capped = engine.scheduler.lookup(b, 0, 32)  # no state after 32 tokens: nothing to serve

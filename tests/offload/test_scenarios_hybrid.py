@@ -28,6 +28,22 @@ def hybrid_engine(**kwargs: object) -> SimEngine:
     )
 
 
+def store_with_state_handoff(engine: SimEngine) -> None:
+    """Run request "a" (48 tokens, 2 outputs), hand off its state after 48 tokens, finish
+    it, and evict the GPU: the tier holds the full blocks and that one state block."""
+    a = make_request("a", range(48), 16, outputs=[90, 91])
+    engine.admit(a)
+    for _ in range(2):
+        engine.schedule("a")
+        engine.step()
+    engine.handoff("a", 1, engine.tables["a"][1][2])  # the state after 48 tokens
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")
+    engine.drain()
+    engine.evict_gpu()
+
+
 def test_scenario_23_state_blocks_come_from_handoffs_and_fine_hits_load_the_right_blocks() -> None:
     """Scenario 23: state blocks are stored only from hand-offs; a fine hit loads full + state."""
     engine = hybrid_engine()

@@ -9,7 +9,7 @@ import logging
 import pytest
 from sim import Admission, SimEngine, SimRequest, block_key, config, full_layout, make_request
 from test_scenarios_cascade import cascade_engine, holds, keys_of
-from test_scenarios_hybrid import hybrid_engine
+from test_scenarios_hybrid import hybrid_engine, store_with_state_handoff
 
 from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.core.keys import make_key
@@ -133,17 +133,7 @@ def test_demotions_carry_tags_and_disk_hits_are_checked() -> None:
 def test_fine_grained_tails_and_state_handoffs_carry_tags() -> None:
     """Scenario 23 with the check on: the tail and the handed-off state block are served."""
     engine = hybrid_engine(token_check=True)
-    a = make_request("a", range(48), 16, outputs=[90, 91])
-    engine.admit(a)
-    for _ in range(2):
-        engine.schedule("a")
-        engine.step()
-    engine.handoff("a", 1, engine.tables["a"][1][2])  # the state after 48 tokens
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
-    engine.drain()
-    engine.evict_gpu()
+    store_with_state_handoff(engine)
     b = make_request("b", [*range(48), 7], 16)
     assert engine.admit(b) == Admission(0, 48, 48)
     engine.step()
