@@ -121,7 +121,7 @@ class Scheduler:
                 new_ids = self._grow(request, num_new)
             if new_ids is None and self._release_idle_blocks(step, list(self.waiting)):
                 new_ids = self._grow(request, num_new)
-            if new_ids is None:  # alone and still short: a smaller prefill chunk may fit
+            if new_ids is None:  # the last one running and still short: a smaller chunk
                 shrunk = self._shrink_to_fit(request, num_new)
                 if shrunk is not None:
                     num_new, new_ids = shrunk, self._grow(request, shrunk)
@@ -206,7 +206,7 @@ class Scheduler:
         """Give a waiting request its cached prefix and blocks; return tokens to run now.
 
         Returns None (changing nothing) when the GPU pool cannot hold the request. With
-        `shrink`, the first chunk is cut (a block at a time) until its blocks fit: a
+        `shrink`, the first chunk is cut to the longest that fits (any length): a
         sliding-window group holds every block of a chunk while it is computed, so a
         whole prompt in one chunk can need more blocks than the pool, though its chunks
         one by one fit (out-of-window blocks are freed after each chunk).

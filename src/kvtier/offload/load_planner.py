@@ -139,7 +139,7 @@ class LoadPlanner:
         try:
             _check_count("num_external_tokens", num_external_tokens)
         except ValueError:
-            self.release_pinned(pin)  # bad input must not leak the pin
+            self._release_pinned(pin)  # bad input must not leak the pin
             raise
         if num_external_tokens == 0:
             if pin is not None:  # the engine may decline a hit (e.g. vLLM's hybrid paths)
@@ -272,9 +272,9 @@ class LoadPlanner:
 
     def release_pin(self, request_id: str) -> None:
         """Drop a request's lookup pin, if any."""
-        self.release_pinned(self.pins.pop(request_id, None))
+        self._release_pinned(self.pins.pop(request_id, None))
 
-    def release_pinned(self, pin: LookupPin | None) -> None:
+    def _release_pinned(self, pin: LookupPin | None) -> None:
         """Free the tier blocks `pin` holds (None: nothing)."""
         if pin is not None:
             self.index.free(pin.pinned)
