@@ -29,17 +29,30 @@ class FutureOracle:
     it is referenced after this request.
 
     Positions count block references over the whole trace, so ties between requests
-    are broken by position within the request (deeper blocks later).
+    are broken by position within the request (deeper blocks later). With `reach_from`
+    (request i's references reach the tier from position `reach_from[i]` on: a tier in
+    front serves the ones before) only references that reach the tier count as uses;
+    every reference, reaching or not, is told the next one that does.
     """
 
-    def __init__(self, keys_per_request: Sequence[Sequence[Key]]) -> None:
+    def __init__(
+        self,
+        keys_per_request: Sequence[Sequence[Key]],
+        reach_from: Sequence[int] | None = None,
+    ) -> None:
+        if reach_from is not None and len(reach_from) != len(keys_per_request):
+            raise ValueError(
+                f"reach_from has {len(reach_from)} entries for {len(keys_per_request)} requests"
+            )
         self._keys = keys_per_request
         next_ref: list[array[int]] = []
         uses_left: list[array[int]] = []
         later: dict[Key, int] = {}
         count: dict[Key, int] = {}
         position = sum(len(keys) for keys in keys_per_request)
-        for keys in reversed(keys_per_request):
+        for i in range(len(keys_per_request) - 1, -1, -1):
+            keys = keys_per_request[i]
+            reach = 0 if reach_from is None else reach_from[i]
             position -= len(keys)
             row = array("q", [NEVER]) * len(keys)
             left = array("q", [0]) * len(keys)
@@ -47,8 +60,9 @@ class FutureOracle:
                 key = keys[j]
                 row[j] = later.get(key, NEVER)
                 left[j] = count.get(key, 0)
-                later[key] = position + j
-                count[key] = left[j] + 1
+                if j >= reach:
+                    later[key] = position + j
+                    count[key] = left[j] + 1
             next_ref.append(row)
             uses_left.append(left)
         next_ref.reverse()

@@ -31,11 +31,12 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.policies import RequestObserver
-from kvtier.replay.belady import FutureOracle
+from kvtier.replay.belady import OFFLINE_POLICIES, FutureOracle
 from kvtier.replay.cascade import Cascade
 from kvtier.replay.config import (
     CascadeMode,
@@ -105,6 +106,10 @@ class TierReplay:
     A tier or GPU pool larger than the trace can fill allocates only `max_tier_blocks`
     usable blocks (default `max_blocks_held(keys)`); it never evicts either way, so the
     results (which report the configured sizes) are those of the full size.
+
+    Offline policies read the future of the references that reach their tier
+    (`_offline_oracles`): `oracle`, shared by a sweep, serves the first tier when no GPU
+    tier is in front; `tier_oracles` gives every tier's (a replay of the tiers in front).
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class TierReplay:
         keys: Sequence[Sequence[Key]] | None = None,
         oracle: FutureOracle | None = None,
         max_tier_blocks: int | None = None,
+        tier_oracles: Sequence[FutureOracle] | None = None,
     ) -> None:
         self.records = records
         self.config = config
@@ -123,21 +129,19 @@ class TierReplay:
         self._tokens = [
             [min(bs, r.input_length - j * bs) for j in range(len(r.hash_ids))] for r in records
         ]
-        self._oracle = oracle
-
-        def get_oracle() -> FutureOracle:
-            if self._oracle is None:
-                self._oracle = FutureOracle(self.keys)
-            return self._oracle
-
+        self._cap = cap
         self.gpu_pool: BlockPool | None = None
         if config.gpu_capacity_tokens:
             self._check_gpu_fits(config.gpu_capacity_tokens // bs)
             num_gpu_blocks = min(config.gpu_capacity_tokens // bs, max(1, cap)) + 1
             self.gpu_pool = BlockPool(num_gpu_blocks, medium="GPU")
+        if config.policy in OFFLINE_POLICIES and tier_oracles is None:
+            tier_oracles = self._offline_oracles(oracle)
         self.tiers: list[TierState] = [
-            make_tier(tier, config.policy, bs, get_oracle, max(1, cap)) for tier in config.tiers
+            make_tier(tier, config.policy, bs, self._oracle_of(t, tier_oracles), max(1, cap))
+            for t, tier in enumerate(config.tiers)
         ]
+        self._reach_ends: list[int] | None = None  # recorded for a tier behind this replay's
         self.cascade: Cascade | None = None
         if config.cascade is not None:
             cpu, disk = self.tiers
@@ -148,6 +152,43 @@ class TierReplay:
         self._gpu_hit_tokens = 0
         self._ttft_s = 0.0
         self._next = 0
+
+    def _offline_oracles(self, shared: FutureOracle | None) -> list[FutureOracle]:
+        """Return each lower tier's oracle, built from the references that reach it.
+
+        A reference a tier in front serves (the GPU tier, or an earlier independent tier)
+        is no use to a tier behind: ranked by it, Belady's bypass could refuse a block
+        whose victim is never asked for here. The tiers in front do not depend on those
+        behind, so a replay of the GPU tier and tiers 0..t-1 alone tells where each
+        request's references start reaching tier t.
+        """
+        if self.gpu_pool is None:
+            first = shared if shared is not None else FutureOracle(self.keys)
+        else:
+            gpu = BlockPool(self.gpu_pool.num_blocks, medium="GPU")
+            starts = [serve_on_gpu(gpu, k, t) for k, t in zip(self.keys, self._tokens, strict=True)]
+            first = FutureOracle(self.keys, starts)
+        oracles = [first]
+        for t in range(1, len(self.config.tiers)):
+            front = replace(self.config, tiers=self.config.tiers[:t], check_every=0)
+            replay = TierReplay(self.records, front, self.keys, None, self._cap, oracles)
+            oracles.append(FutureOracle(self.keys, replay.reach_ends()))
+        return oracles
+
+    @staticmethod
+    def _oracle_of(tier: int, oracles: Sequence[FutureOracle] | None) -> Callable[[], FutureOracle]:
+        def get() -> FutureOracle:
+            assert oracles is not None, "an offline policy without its oracles"
+            return oracles[tier]
+
+        return get
+
+    def reach_ends(self) -> list[int]:
+        """Replay every request; return, per request, where its prefix lookup ended: the
+        first position that no tier of this replay (GPU included) served."""
+        self._reach_ends = []
+        self.run()
+        return self._reach_ends
 
     def _check_gpu_fits(self, num_gpu_blocks: int) -> None:
         """Raise `ReplayError` naming the largest request if the GPU tier cannot hold it."""
@@ -186,11 +227,8 @@ class TierReplay:
         cost = self.config.cost
         bytes_per_block = self.config.block_size * cost.bytes_per_token
         g = 0
-        gpu_hits: list[int] = []
-        if self.gpu_pool is not None:
-            gpu_hits = self.gpu_pool.lookup(keys)
-            self.gpu_pool.touch(gpu_hits)
-            g = len(gpu_hits)
+        if self.gpu_pool is not None:  # independent of the tiers behind: served first
+            g = serve_on_gpu(self.gpu_pool, keys, tokens)
             self._gpu_hit_tokens += sum(tokens[:g])
         if self.cascade is not None:
             loads = list(self.cascade.lookup(keys, g))
@@ -203,9 +241,9 @@ class TierReplay:
             tier.hit_blocks += len(hits)
             ttft += cost.load_s(len(hits) * bytes_per_block, tier.config.link_gbps)
         end = g + sum(len(hits) for hits in loads)
+        if self._reach_ends is not None:
+            self._reach_ends.append(end)
         self._ttft_s += ttft + cost.prefill_s(sum(tokens[end:]))
-        if self.gpu_pool is not None:
-            self._compute_on_gpu(keys, tokens, gpu_hits)
         if self.cascade is not None:
             cpu_hits, disk_hits = loads
             self.cascade.store(keys, tokens, cpu_hits, disk_hits)
@@ -224,17 +262,6 @@ class TierReplay:
             loads.append(list(enumerate(hits, start)))
             start += len(hits)
         return loads
-
-    def _compute_on_gpu(self, keys: Sequence[Key], tokens: Sequence[int], hits: list[int]) -> None:
-        pool = self.gpu_pool
-        assert pool is not None
-        new = pool.allocate(len(keys) - len(hits))  # fits: checked by `_check_gpu_fits`
-        first = len(hits)
-        for j, block_id in enumerate(new):
-            pool.insert_key(keys[first + j], block_id, tokens[first + j])
-        table = hits + new
-        table.reverse()
-        pool.free(table)
 
     # ------------------------------------------------------------------ results
 
@@ -307,6 +334,25 @@ class TierReplay:
             tier.eviction.check_invariants()
             tier.admission.check_invariants()
             assert tier.pool.num_free() == tier.pool.num_usable_blocks, "a tier block stays pinned"
+
+
+def serve_on_gpu(pool: BlockPool, keys: Sequence[Key], tokens: Sequence[int]) -> int:
+    """Run one request through the GPU tier; return its prefix hit in blocks.
+
+    The hit blocks are touched, the missed ones allocated (evicting LRU; the pool fits
+    the request: `_check_gpu_fits`) and given their keys, then all are freed tail first.
+    Nothing here depends on the lower tiers, so the GPU tier can be replayed alone.
+    """
+    hits = pool.lookup(keys)
+    pool.touch(hits)
+    new = pool.allocate(len(keys) - len(hits))
+    first = len(hits)
+    for j, block_id in enumerate(new):
+        pool.insert_key(keys[first + j], block_id, tokens[first + j])
+    table = hits + new
+    table.reverse()
+    pool.free(table)
+    return first
 
 
 def replay_trace(
