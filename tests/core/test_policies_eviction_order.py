@@ -8,44 +8,17 @@ real victims go. Regression: `arc` listed T1 before T2 whatever its target `p`, 
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from policy_helpers import key
+from policy_helpers import key, random_pool
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.policies import EVICTION_POLICIES
 
 
-def _random_pool(name: str, seed: int) -> BlockPool:
-    """A pool after random stores, hits, pins and frees (some blocks left pinned)."""
-    rng = random.Random(seed)
-    num_blocks = rng.randrange(4, 24)
-    policy = EVICTION_POLICIES[name](num_blocks)
-    pool = BlockPool(num_blocks, free_queue=policy)
-    pinned: list[int] = []
-    for _ in range(rng.randrange(1, 120)):
-        k = key(rng.randrange(3 * num_blocks))
-        block_id = pool.cached_block(k)
-        if block_id is not None:  # a hit: pinned, then released (or kept a while)
-            pool.touch([block_id])
-            pinned.append(block_id)
-        elif pool.num_free():
-            (block_id,) = pool.allocate(1)
-            if rng.random() < 0.9:  # a store; else an unhashed block (a failed copy)
-                pool.insert_key(k, block_id, 16)
-                policy.note_key(block_id, k)
-            pinned.append(block_id)
-        if pinned and (rng.random() < 0.7 or not pool.num_free()):
-            pool.free([pinned.pop(rng.randrange(len(pinned)))])
-    pool.check_invariants()
-    return pool
-
-
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 @pytest.mark.parametrize("seed", range(150))
 def test_the_listing_is_the_eviction_order(name: str, seed: int) -> None:
-    pool = _random_pool(name, seed)
+    pool, _ = random_pool(name, seed)
     listed = list(pool.iter_free_after(None))
     taken = [pool.allocate(1)[0] for _ in range(pool.num_free())]
     assert listed == taken
@@ -54,7 +27,7 @@ def test_the_listing_is_the_eviction_order(name: str, seed: int) -> None:
 
 @pytest.mark.parametrize("name", sorted(EVICTION_POLICIES))
 def test_the_listing_resumes_after_a_cursor(name: str) -> None:
-    pool = _random_pool(name, seed=7)
+    pool, _ = random_pool(name, seed=7)
     listed = list(pool.iter_free_after(None))
     for i, cursor in enumerate(listed):
         assert list(pool.iter_free_after(cursor)) == listed[i + 1 :]

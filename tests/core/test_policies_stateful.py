@@ -3,8 +3,9 @@
 A referenced block is never handed out by `allocate` (pins are respected), a pinned
 cached block keeps its key, and the pool's and the policy's `check_invariants()` hold
 after every operation (the pool's check runs the policy's). Besides the pool's plain
-operations: keys given to free blocks, `discard_keys`, iteration from any cursor, and
-calls that must fail (too many blocks, double free, bad ids) without changing anything.
+operations: keys given to free blocks, `discard_keys`, `pin`, `evict_keys`, iteration
+from any cursor, and calls that must fail (too many blocks, double free, bad ids)
+without changing anything.
 """
 
 from __future__ import annotations
@@ -100,6 +101,31 @@ class PolicyPoolMachine(RuleBasedStateMachine):
         self.pool.discard_keys(block_id)
         assert self.pool.key(block_id) is None
         if had_key and not self.refs[block_id]:
+            assert next(self.pool.iter_free_after(None)) == block_id
+
+    @rule(data=st.data())
+    def pin(self, data: st.DataObject) -> None:
+        """A copy reads blocks (a demotion's source): a reference, no hit."""
+        ids = data.draw(st.lists(st.integers(0, self.pool.num_blocks - 1), max_size=4))
+        self.pool.pin(ids)
+        for block_id in ids:
+            if block_id != NULL_BLOCK_ID:
+                self.refs[block_id] += 1
+
+    @rule(data=st.data())
+    def evict_keys(self, data: st.DataObject) -> None:
+        """A free cached block moved down a tier: evicted as the policy evicts; a block
+        in use is refused and keeps its keys."""
+        block_id = data.draw(st.integers(0, self.pool.num_blocks - 1), label="block_id")
+        key = self.pool.key(block_id)
+        if key is not None and self.refs[block_id]:
+            with pytest.raises(PoolError, match="in use"):
+                self.pool.evict_keys(block_id)
+            assert self.pool.key(block_id) == key
+            return
+        self.pool.evict_keys(block_id)
+        assert self.pool.key(block_id) is None
+        if key is not None:
             assert next(self.pool.iter_free_after(None)) == block_id
 
     @rule(data=st.data())

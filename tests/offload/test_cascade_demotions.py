@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
+from kvtier.core.policies.arc import ARCPolicy
 from kvtier.offload.cascade import Cascade
 from kvtier.offload.config import CascadeMode
 
@@ -183,3 +184,30 @@ def test_write_through_selects_no_victims() -> None:
     cascade.select_write_back()
     assert cascade.take_queued() == []
     assert free_keys(disk) == before
+
+
+def test_write_back_with_arc_evicts_the_demoted_block_as_arc_would() -> None:
+    """The demotion's pin is no hit (`BlockPool.pin`) and its end is an eviction
+    (`BlockPool.evict_keys`): ARC keeps the key as a B1 ghost (T1's), so storing it
+    again adapts `p`. Before, the pin's `touch` sent the block to T2 and `discard_keys`
+    left no ghost. A failed demotion frees the block again, at T1's recent end."""
+    policy = ARCPolicy(9)
+    cpu, disk = BlockPool(9, free_queue=policy), BlockPool(9)
+    cascade = Cascade(cpu, disk, WB, reserve=1)
+    for i in range(8):
+        (block_id,) = cpu.allocate(1)
+        cpu.insert_key(key(i), block_id, 16)
+        cpu.free([block_id])
+    cascade.select_write_back()
+    failed = cascade.take_queued()
+    cascade.complete(failed, succeeded=False, abandoned=False)
+    assert free_keys(cpu) == [key(i) for i in (*range(1, 8), 0)]
+    cascade.select_write_back()
+    assert finish(cascade) == [key(1)]
+    assert cpu.cached_block(key(1)) is None
+    assert disk.cached_block(key(1)) is not None
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(key(1), block_id, 16)  # stored again (a promotion): a B1 ghost hit
+    assert policy.target_t1 == 1.0
+    cpu.free([block_id])
+    cpu.check_invariants()

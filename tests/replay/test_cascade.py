@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -324,3 +325,27 @@ def test_cli_cascade(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "needs a DISK tier" in capsys.readouterr().err
     assert main([*argv, "--cascade", "write_through", "--policy", "belady"]) == 2
     assert "online policies only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", [*sorted(EVICTION_POLICIES), "lru+door", "arc+door"])
+@pytest.mark.parametrize("seed", range(4))
+def test_write_back_cpu_tier_hits_as_it_would_alone(policy: str, seed: int) -> None:
+    """A write-back demotion is the CPU tier's eviction (`BlockPool.evict_keys`): with
+    one-block requests (a DISK hit then changes no CPU lookup) the CPU tier hits exactly
+    as it does with no DISK behind it, for every policy. Before, demotions skipped ARC's
+    and S3-FIFO's ghosts and LFU-DA's aging (docs/policies.md)."""
+    rng = random.Random(seed)
+    hot = list(range(12))
+    ids = [rng.choice(hot) if rng.random() < 0.6 else 100 + i for i in range(400)]
+    records = [TraceRecord(i, BLOCK, 1, (h,)) for i, h in enumerate(ids)]
+    cpu = TierConfig("CPU", 6 * BLOCK, 25.0)
+    disk = TierConfig("DISK", 6 * BLOCK, 5.0)
+    alone = ReplayConfig(tiers=(cpu,), policy=policy, block_size=BLOCK, check_every=1)
+    cascade = dataclasses.replace(
+        alone, tiers=(cpu, disk), cascade=CascadeMode.WRITE_BACK, check_every=1
+    )
+    alone_cpu = replay_trace(records, alone).tiers[0]
+    cascade_cpu, cascade_disk = replay_trace(records, cascade).tiers
+    assert cascade_disk.num_hit_blocks > 0
+    assert cascade_cpu.num_hit_blocks == alone_cpu.num_hit_blocks
+    assert cascade_cpu.num_stored_blocks == alone_cpu.num_stored_blocks

@@ -120,6 +120,19 @@ class BlockPool(PoolQueries):
             self._check_id(block_id)  # raises PoolError naming the id
             raise
 
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """`touch` for the pool owner's own use (a copy reads the blocks): no policy
+        counts it as a hit, and a block freed again rejoins its eviction policy's order
+        where it was (its list, frequency, priority)."""
+        refs = self._refs
+        for block_id in block_ids:
+            self._check_id(block_id)
+            if block_id == NULL_BLOCK_ID:
+                continue
+            if refs[block_id] == 0:
+                self._free.take(block_id)
+            refs[block_id] += 1
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block, in order.
 
@@ -279,6 +292,23 @@ class BlockPool(PoolQueries):
         if block_id != NULL_BLOCK_ID and self._refs[block_id] == 0:
             self._free.discard(block_id)  # not `remove`, which policies count as a hit
             self._free.push_reusable(block_id)
+
+    def evict_keys(self, block_id: int) -> None:
+        """Evict free cached block `block_id` now: its keys are dropped (`discard_keys`)
+        and its eviction policy records the eviction as it records its own victims
+        (ghost keys, aging). The block is queued to be reused first.
+
+        For a block that leaves this tier's index on purpose, e.g. moved down to the
+        next tier. Raises PoolError for a referenced block or an id out of range.
+        """
+        self._check_id(block_id)
+        if block_id == NULL_BLOCK_ID or self._keys[block_id] is None:
+            return
+        if self._refs[block_id]:
+            raise PoolError(f"block {block_id} is in use: only a free block can be evicted")
+        self._free.evict(block_id)
+        self._drop_keys(block_id)
+        self._free.push_reusable(block_id)
 
     def reset(self) -> bool:
         """Drop every key; return False (and change nothing) while any block is referenced."""

@@ -40,6 +40,23 @@ class FreeQueue(Protocol):
         """
         ...
 
+    def take(self, block_id: int) -> None:
+        """Take a free block out for the pool owner's own use (`BlockPool.pin`). O(1).
+
+        Unlike `remove` this is no touch: a policy counts no hit, and `push_cached`
+        queues the block where it was before (its list, frequency and priority kept).
+        """
+        ...
+
+    def evict(self, block_id: int) -> None:
+        """Take a free cached block out as its eviction (`BlockPool.evict_keys`).
+
+        What `pop_victim` records for its victim (ghost key, aging) is recorded for this
+        block; no hit. The pool drops its keys and queues it with `push_reusable` right
+        after.
+        """
+        ...
+
     def pop_victim(self) -> int:
         """Remove and return the block to reuse next. The queue is not empty."""
         ...
@@ -169,6 +186,14 @@ class LRUFreeQueue:
 
     def discard(self, block_id: int) -> None:
         """Unlink `block_id`, as `remove` does: recency counts no hits."""
+        self.remove(block_id)
+
+    def take(self, block_id: int) -> None:
+        """Unlink `block_id`, as `remove` does (freed again, it is most recent)."""
+        self.remove(block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Unlink `block_id`, as `remove` does: recency keeps no ghosts."""
         self.remove(block_id)
 
     def pop_victim(self) -> int:

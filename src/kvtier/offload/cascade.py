@@ -116,7 +116,7 @@ class Cascade:
         room = min(len(chosen), disk_pool.num_free())
         self.counters.num_dropped_demotions += len(chosen) - room
         chosen = chosen[:room]
-        cpu_pool.touch(block_id for block_id, _ in chosen)
+        cpu_pool.pin(block_id for block_id, _ in chosen)  # a copy reads them: no hit
         disk_ids = disk_pool.allocate(len(chosen))
         for (block_id, key), disk_id in zip(chosen, disk_ids, strict=True):
             self.in_flight_keys.add(key)
@@ -168,9 +168,9 @@ class Cascade:
         disk_pool.free([item.disk_block_id for item in items[::-1]])
         cpu_pool.free([item.cpu_block_id for item in items[::-1]])
         if registered and self.mode is CascadeMode.WRITE_BACK:
-            for item in items:  # the block moved: drop the CPU copy unless it is in use
+            for item in items:  # the block moved: evict the CPU copy unless it is in use
                 if cpu_pool.ref_count(item.cpu_block_id) == 0:
-                    cpu_pool.discard_keys(item.cpu_block_id)
+                    cpu_pool.evict_keys(item.cpu_block_id)  # the policy's ghosts, aging
 
     def _register(self, item: MoveItem) -> None:
         keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]

@@ -184,6 +184,15 @@ class OraclePolicy(OneByOne):
         self._stamp[block_id] = 0
         self._num_cached -= 1
 
+    def take(self, block_id: int) -> None:
+        """Take a free block out (freed again, it is ranked again)."""
+        self.remove(block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Take a free cached block out and forget its key, as `pop_victim` does."""
+        self.remove(block_id)
+        self._forget_key(block_id)
+
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else the highest-ranked one."""
         if self._reusable:

@@ -18,8 +18,9 @@ What the offload scheduler's cascade does, synchronously (docs/policies.md):
 - **write_back:** before the CPU tier allocates each slot, the block that allocation
   would evict (the first of its free queue, `iter_free_after(None)`; the request's own
   pinned blocks are never there), if cached, is **demoted**: inserted into DISK unless
-  DISK holds the key, then dropped from the CPU tier (`discard_keys`), so the slot is
-  taken from it. Slot by slot equals "the first victims of a batch allocation".
+  DISK holds the key, then evicted from the CPU tier (`evict_keys`: the policy records
+  it as its own eviction, ghost keys and aging included), so the slot is taken from
+  it. Slot by slot equals "the first victims of a batch allocation".
 
 Both tiers evict per `ReplayConfig.policy`; admission applies to the CPU tier only.
 Releases follow `ReplayConfig.release_order` in each tier; a demoted block is freed on
@@ -124,4 +125,4 @@ class Cascade:
                 self.cpu.demoted += 1
             else:  # every DISK slot is pinned by this request's hits
                 self.disk.dropped += 1
-        cpu_pool.discard_keys(block_id)
+        cpu_pool.evict_keys(block_id)  # recorded as the policy's eviction (ghosts, aging)

@@ -86,6 +86,16 @@ class ARCPolicy(OneByOne):
         self._keys[block_id] = None
         self._dest[block_id] = _T1
 
+    def take(self, block_id: int) -> None:
+        """Take a free block out without a hit: freed again, it rejoins its list."""
+        self._lists.unlink(block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Take a free cached block out as ARC evicts: its key becomes a ghost of its list."""
+        where = self._lists.unlink(block_id)
+        if where != _REUSABLE:
+            self._retire(block_id, self._b1 if where == _T1 else self._b2)
+
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else ARC's replacement victim."""
         lists = self._lists
@@ -98,6 +108,11 @@ class ARCPolicy(OneByOne):
             victim, ghost = lists.pop_head(_T2), self._b2
         else:
             raise IndexError("free queue is empty")
+        self._retire(victim, ghost)
+        return victim
+
+    def _retire(self, victim: int, ghost: OrderedDict[Key, None]) -> None:
+        """Forget an evicted block's state; remember its key in `ghost`."""
         key = self._keys[victim]
         self._keys[victim] = None
         self._dest[victim] = _T1
@@ -109,7 +124,6 @@ class ARCPolicy(OneByOne):
             # Trim to the directory size at the next store, after its ghost look-up: the
             # pool evicts before the new key is known, and ARC looks the key up first.
             self._trim_ghosts(2 * self._capacity)
-        return victim
 
     def _trim_ghosts(self, limit: int) -> None:
         b1, b2 = self._b1, self._b2

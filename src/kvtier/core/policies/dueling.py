@@ -154,6 +154,22 @@ class DuelingPolicy(OneByOne):
             self._lru.unlink(block_id)
         self._lfu.discard(block_id)
 
+    def take(self, block_id: int) -> None:
+        """Take a free block out without an access (the shadows see nothing)."""
+        if self._lru.where(block_id) != NOT_LISTED:
+            self._lru.unlink(block_id)
+        self._lfu.take(block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Take a free cached block out as `pop_victim` evicts: LFU-DA ages when its
+        order picks the victims, or when the block is its victim too."""
+        if self._lru.where(block_id) != NOT_LISTED:
+            self._lru.unlink(block_id)
+        if self.lfu_order or self._lfu.peek_victim() == block_id:
+            self._lfu.evict(block_id)
+        else:
+            self._lfu.discard(block_id)
+
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else the victim of the current order."""
         victim = self._lfu.peek_victim()

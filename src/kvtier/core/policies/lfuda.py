@@ -91,6 +91,33 @@ class LFUDAPolicy(OneByOne):
             if key is not None:
                 self._freq[block_id] = min(self._sketch.add(key), self._max_f)
 
+    def take(self, block_id: int) -> None:
+        """Take a free block out without an access: freed again, its priority is re-read
+        from the same frequency."""
+        self._lists.unlink(block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Take a free cached block out as LFU-DA evicts: `L` rises to its priority, or
+        to the lowest priority still queued if that is lower (every queued priority
+        stays in [L, L + F])."""
+        if self._lists.where(block_id) != self._reusable:
+            priority = self._priority[block_id]
+            self.discard(block_id)
+            lowest = self._lowest_queued_priority()
+            if lowest is not None:
+                priority = min(priority, lowest)
+            self.level = max(self.level, priority)
+            return
+        self.discard(block_id)
+
+    def _lowest_queued_priority(self) -> int | None:
+        lists = self._lists
+        for priority in range(self.level, self.level + self._num_levels):
+            head = lists.head(priority % self._num_levels)
+            if head is not None:
+                return int(self._priority[head])
+        return None
+
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else the LRU block of the lowest priority."""
         victim = self.peek_victim()

@@ -85,24 +85,59 @@ class S3FIFOPolicy(OneByOne):
     def discard(self, block_id: int) -> None:
         """Take a free block out whose keys the pool dropped: no hit, no ghost."""
         self._lists.unlink(block_id)
-        self._keys[block_id] = None
-        self._dest[block_id] = _SMALL
-        self._freq[block_id] = 0
+        self._forget(block_id)
+
+    def take(self, block_id: int) -> None:
+        """Take a free block out without a hit: freed again, it rejoins its FIFO."""
+        self._lists.unlink(block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Take a free cached block out as S3-FIFO evicts: from S, its key joins the ghost.
+
+        From M while `pop_victim` would take from M, the blocks at M's head with their
+        frequency bit set (this one too) first get the round `pop_victim` gives them on
+        its way (bit cleared, moved to the tail; amortised O(1)), so evicting the next
+        victim this way changes exactly what `pop_victim` would.
+        """
+        lists = self._lists
+        if lists.where(block_id) == _MAIN and not self._takes_from_small():
+            freq = self._freq
+            head = lists.head(_MAIN)
+            while head is not None and freq[head]:  # stops: every round clears a bit
+                freq[head] = 0
+                lists.unlink(head)
+                lists.push_tail(_MAIN, head)
+                head = lists.head(_MAIN)
+        if lists.unlink(block_id) == _SMALL:
+            self._remember(block_id)
+        self._forget(block_id)
+
+    def _takes_from_small(self) -> bool:
+        lists = self._lists
+        return lists.length(_SMALL) >= self._small_target or not lists.length(_MAIN)
+
+    def _remember(self, victim: int) -> None:
+        key = self._keys[victim]
+        if key is not None:
+            self._ghost[key] = None  # trimmed at the next store, after its look-up
+            if len(self._ghost) > 2 * self._ghost_capacity:
+                self._ghost.popitem(last=False)
+
+    def _forget(self, victim: int) -> None:
+        self._keys[victim] = None
+        self._dest[victim] = _SMALL
+        self._freq[victim] = 0
 
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else S-3FIFO's victim."""
         lists = self._lists
         if lists.length(_REUSABLE):
             return lists.pop_head(_REUSABLE)
-        if lists.length(_SMALL) >= self._small_target or not lists.length(_MAIN):
+        if self._takes_from_small():
             if not lists.length(_SMALL):
                 raise IndexError("free queue is empty")
             victim = lists.pop_head(_SMALL)
-            key = self._keys[victim]
-            if key is not None:
-                self._ghost[key] = None  # trimmed at the next store, after its look-up
-                if len(self._ghost) > 2 * self._ghost_capacity:
-                    self._ghost.popitem(last=False)
+            self._remember(victim)
         else:
             freq = self._freq
             while True:
@@ -111,9 +146,7 @@ class S3FIFOPolicy(OneByOne):
                     break
                 freq[victim] = 0
                 lists.push_tail(_MAIN, victim)
-        self._keys[victim] = None
-        self._dest[victim] = _SMALL
-        self._freq[victim] = 0
+        self._forget(victim)
         return victim
 
     def iter_after(self, cursor: int | None) -> Iterator[int]:
