@@ -4,8 +4,13 @@ disk together"; the cascade model of docs/policies.md; SPEC §4 tail-first relea
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
+from kvtier.core.policies import EVICTION_POLICIES
 from kvtier.core.policies.arc import ARCPolicy
 from kvtier.offload.cascade import Cascade
 from kvtier.offload.config import CascadeMode
@@ -211,3 +216,37 @@ def test_write_back_with_arc_evicts_the_demoted_block_as_arc_would() -> None:
     assert policy.target_t1 == 1.0
     cpu.free([block_id])
     cpu.check_invariants()
+
+
+def cpu_hits(policy: str, ids: list[int], cascade: bool) -> int:
+    """One-block requests through a 6-block CPU tier, with or without write-back behind
+    it (reserve 1, every demotion completed before the allocation it makes room for)."""
+    cpu = BlockPool(7, free_queue=EVICTION_POLICIES[policy](7))
+    demote = Cascade(cpu, BlockPool(25), WB, reserve=1) if cascade else None
+    hits = 0
+    for i in ids:
+        block_id = cpu.cached_block(key(i))
+        if block_id is not None:
+            cpu.touch([block_id])
+            cpu.free([block_id])
+            hits += 1
+            continue
+        if demote is not None:
+            demote.select_write_back()
+            finish(demote)
+        (block_id,) = cpu.allocate(1)
+        cpu.insert_key(key(i), block_id, 16)
+        cpu.free([block_id])
+        cpu.check_invariants()
+    return hits
+
+
+@pytest.mark.parametrize("policy", sorted(EVICTION_POLICIES))
+@pytest.mark.parametrize("seed", range(3))
+def test_write_back_leaves_the_cpu_tier_hitting_as_it_would_alone(policy: str, seed: int) -> None:
+    """A demotion's pin is no hit and its end is the policy's own eviction of the block
+    (`pin`, `release_evicted`): the CPU tier hits exactly as with no disk behind it.
+    Before, with ARC 28 of 30 such traces differed (-485 hits in all), LFU-DA +596."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(12) if rng.random() < 0.6 else 100 + n for n in range(400)]
+    assert cpu_hits(policy, ids, cascade=True) == cpu_hits(policy, ids, cascade=False)

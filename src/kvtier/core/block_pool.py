@@ -122,8 +122,8 @@ class BlockPool(PoolQueries):
 
     def pin(self, block_ids: Iterable[int]) -> None:
         """`touch` for the pool owner's own use (a copy reads the blocks): no policy
-        counts it as a hit, and a block freed again rejoins its eviction policy's order
-        where it was (its list, frequency, priority)."""
+        counts it as a hit. A block freed again rejoins its list in the eviction policy
+        at the most recent end; `release_evicted` evicts it from where it was."""
         refs = self._refs
         for block_id in block_ids:
             self._check_id(block_id)
@@ -307,6 +307,26 @@ class BlockPool(PoolQueries):
         if self._refs[block_id]:
             raise PoolError(f"block {block_id} is in use: only a free block can be evicted")
         self._free.evict(block_id)
+        self._drop_keys(block_id)
+        self._free.push_reusable(block_id)
+
+    def release_evicted(self, block_id: int) -> None:
+        """Drop the last reference of `block_id`, a `pin`, and evict the block at once.
+
+        As `evict_keys`, with the eviction recorded from where the block was when it was
+        pinned (a write-back demotion pins its next victims, copies them down, then
+        evicts them). Raises PoolError unless the block is cached with one reference.
+        """
+        self._check_id(block_id)
+        if block_id == NULL_BLOCK_ID or self._keys[block_id] is None:
+            raise PoolError(f"block {block_id} holds no key: nothing to evict")
+        if self._refs[block_id] != 1:
+            raise PoolError(
+                f"block {block_id} has {self._refs[block_id]} references; "
+                "release_evicted drops the last one"
+            )
+        self._refs[block_id] = 0
+        self._free.evict_taken(block_id)
         self._drop_keys(block_id)
         self._free.push_reusable(block_id)
 

@@ -43,8 +43,9 @@ class FreeQueue(Protocol):
     def take(self, block_id: int) -> None:
         """Take a free block out for the pool owner's own use (`BlockPool.pin`). O(1).
 
-        Unlike `remove` this is no touch: a policy counts no hit, and `push_cached`
-        queues the block where it was before (its list, frequency and priority kept).
+        Unlike `remove` this is no touch: a policy counts no hit and keeps the block's
+        state (its list, frequency). Freed again, `push_cached` queues it at the most
+        recent end of that list (LFU-DA: at the priority the current `L` gives it).
         """
         ...
 
@@ -54,6 +55,14 @@ class FreeQueue(Protocol):
         What `pop_victim` records for its victim (ghost key, aging) is recorded for this
         block; no hit. The pool drops its keys and queues it with `push_reusable` right
         after.
+        """
+        ...
+
+    def evict_taken(self, block_id: int) -> None:
+        """Record the eviction of a block `take` took out (`BlockPool.release_evicted`).
+
+        As `evict`, from the state the block had when it was taken; it is not queued.
+        The pool drops its keys and queues it with `push_reusable` right after.
         """
         ...
 
@@ -133,6 +142,17 @@ class OneByOne:
         """`remove` the block: this policy's `remove` counts no hit."""
         self.remove(block_id)
 
+    def take(self: FreeQueue, block_id: int) -> None:
+        """`remove` the block (a policy whose `remove` counts a hit overrides it)."""
+        self.remove(block_id)
+
+    def evict(self: FreeQueue, block_id: int) -> None:
+        """`discard` the block (a policy with ghosts or aging overrides it)."""
+        self.discard(block_id)
+
+    def evict_taken(self: FreeQueue, block_id: int) -> None:
+        """Nothing to record (a policy with ghosts or aging overrides it)."""
+
 
 class LRUFreeQueue:
     """Least recently freed first; unhashed blocks go to the head."""
@@ -195,6 +215,9 @@ class LRUFreeQueue:
     def evict(self, block_id: int) -> None:
         """Unlink `block_id`, as `remove` does: recency keeps no ghosts."""
         self.remove(block_id)
+
+    def evict_taken(self, block_id: int) -> None:
+        """Nothing to record: recency keeps no ghosts."""
 
     def pop_victim(self) -> int:
         """Unlink and return the head."""

@@ -166,11 +166,18 @@ class Cascade:
                 self._register(item)
         # Tail first, as every release: the pins may be the blocks' last references.
         disk_pool.free([item.disk_block_id for item in items[::-1]])
-        cpu_pool.free([item.cpu_block_id for item in items[::-1]])
-        if registered and self.mode is CascadeMode.WRITE_BACK:
-            for item in items:  # the block moved: evict the CPU copy unless it is in use
-                if cpu_pool.ref_count(item.cpu_block_id) == 0:
-                    cpu_pool.evict_keys(item.cpu_block_id)  # the policy's ghosts, aging
+        moved: list[int] = []  # write-back: a moved block leaves the CPU tier, unless a
+        if registered and self.mode is CascadeMode.WRITE_BACK:  # load pinned it meanwhile
+            moved = [
+                item.cpu_block_id
+                for item in items
+                if cpu_pool.ref_count(item.cpu_block_id) == 1
+                and cpu_pool.key(item.cpu_block_id) == item.key
+            ]
+        gone = set(moved)
+        cpu_pool.free([item.cpu_block_id for item in items[::-1] if item.cpu_block_id not in gone])
+        for block_id in moved:  # the policy's eviction (ghosts, aging), from the pin's spot
+            cpu_pool.release_evicted(block_id)
 
     def _register(self, item: MoveItem) -> None:
         keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]

@@ -193,6 +193,10 @@ class OraclePolicy(OneByOne):
         self.remove(block_id)
         self._forget_key(block_id)
 
+    def evict_taken(self, block_id: int) -> None:
+        """Forget a taken block's key, as `pop_victim` does."""
+        self._forget_key(block_id)
+
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else the highest-ranked one."""
         if self._reusable:

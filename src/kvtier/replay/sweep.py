@@ -59,7 +59,9 @@ def run_sweep(
 ) -> list[SweepPoint]:
     """Replay every (policy, capacity) pair, policies outermost."""
     keys = trace_keys(records)
-    oracle = FutureOracle(keys) if set(policies) & set(OFFLINE_POLICIES) else None
+    # Shared by the first tier when nothing is in front of it (`TierReplay`'s oracles).
+    shared = set(policies) & set(OFFLINE_POLICIES) and not base.gpu_capacity_tokens
+    oracle = FutureOracle(keys) if shared else None
     points = []
     for policy in policies:
         for capacity in capacities:

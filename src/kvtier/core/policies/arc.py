@@ -96,6 +96,10 @@ class ARCPolicy(OneByOne):
         if where != _REUSABLE:
             self._retire(block_id, self._b1 if where == _T1 else self._b2)
 
+    def evict_taken(self, block_id: int) -> None:
+        """Record the eviction of a taken block: its key becomes a ghost of its list."""
+        self._retire(block_id, self._b1 if self._dest[block_id] == _T1 else self._b2)
+
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else ARC's replacement victim."""
         lists = self._lists

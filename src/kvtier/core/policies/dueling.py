@@ -23,8 +23,9 @@ Parameters (chosen on the replay sweep of benchmarks/bench_replay.py):
 - `max_shadow_blocks`, 4,096: the shadows' size (memory and noise of the estimate).
 
 Cost: O(1) per operation (a sampled access costs one store or hit in each shadow).
-Memory per tier block: `lfuda`'s ~60 bytes + 9 bytes of LRU links; plus two shadow
-block pools of at most 4,096 blocks each (~1.5 MB with their keys), whatever the tier size.
+Memory per tier block: `lfuda`'s ~60 bytes + 9 bytes of LRU links + 1 byte (`take`'s
+note); plus two shadow block pools of at most 4,096 blocks each (~1.5 MB with their
+keys), whatever the tier size.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class DuelingPolicy(OneByOne):
             raise ValueError(f"max_shadow_blocks must be >= 1, got {max_shadow_blocks}")
         capacity = max(1, num_blocks - 1)
         self._lfu = LFUDAPolicy(num_blocks, max_frequency)
+        self._ages = bytearray(num_blocks)  # taken blocks: would evicting them age LFU-DA
         self._lru = BlockLists(num_blocks, 1)  # cached free blocks, least recently freed first
         self._rate = -(-capacity // max_shadow_blocks)  # sample 1 key in `rate`
         shadow_blocks = max(1, capacity // self._rate)
@@ -155,20 +157,38 @@ class DuelingPolicy(OneByOne):
         self._lfu.discard(block_id)
 
     def take(self, block_id: int) -> None:
-        """Take a free block out without an access (the shadows see nothing)."""
+        """Take a free block out without an access (the shadows see nothing).
+
+        Notes whether evicting it now would age LFU-DA (`evict`'s rule), for
+        `evict_taken`: a pin is taken on the next victims, to evict them.
+        """
+        self._ages[block_id] = self._would_age(block_id)
         if self._lru.where(block_id) != NOT_LISTED:
             self._lru.unlink(block_id)
         self._lfu.take(block_id)
 
+    def _would_age(self, block_id: int) -> bool:
+        return self.lfu_order or self._lfu.peek_cached_victim() == block_id
+
     def evict(self, block_id: int) -> None:
         """Take a free cached block out as `pop_victim` evicts: LFU-DA ages when its
-        order picks the victims, or when the block is its victim too."""
+        order picks the victims, or when the block is its cached victim too (unhashed
+        blocks queued ahead do not count: `pop_victim` reaches this block after them)."""
+        ages = self._would_age(block_id)
         if self._lru.where(block_id) != NOT_LISTED:
             self._lru.unlink(block_id)
-        if self.lfu_order or self._lfu.peek_victim() == block_id:
+        if ages:
             self._lfu.evict(block_id)
         else:
             self._lfu.discard(block_id)
+
+    def evict_taken(self, block_id: int) -> None:
+        """Record the eviction of a taken block as `evict` would have when it was taken."""
+        if self._ages[block_id]:
+            self._lfu.evict_taken(block_id)
+        else:
+            self._lfu.forget_taken(block_id)
+        self._ages[block_id] = 0
 
     def pop_victim(self) -> int:
         """Return an unhashed block if any, else the victim of the current order."""

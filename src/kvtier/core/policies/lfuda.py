@@ -100,22 +100,37 @@ class LFUDAPolicy(OneByOne):
         """Take a free cached block out as LFU-DA evicts: `L` rises to its priority, or
         to the lowest priority still queued if that is lower (every queued priority
         stays in [L, L + F])."""
-        if self._lists.where(block_id) != self._reusable:
-            priority = self._priority[block_id]
-            self.discard(block_id)
-            lowest = self._lowest_queued_priority()
-            if lowest is not None:
-                priority = min(priority, lowest)
-            self.level = max(self.level, priority)
-            return
+        cached = self._lists.where(block_id) != self._reusable
         self.discard(block_id)
+        if cached:
+            self._age_to(self._priority[block_id])
 
-    def _lowest_queued_priority(self) -> int | None:
+    def evict_taken(self, block_id: int) -> None:
+        """Record the eviction of a taken block: `evict`'s aging, from the priority the
+        block had when it was taken."""
+        self.forget_taken(block_id)
+        self._age_to(self._priority[block_id])
+
+    def forget_taken(self, block_id: int) -> None:
+        """Forget a taken block's key without aging (`discard` for a block not queued)."""
+        self._keys[block_id] = None
+        self._freq[block_id] = 1
+
+    def _age_to(self, priority: int) -> None:
+        """Raise `L` to `priority`, or to the lowest priority still queued if lower."""
+        lowest = self.peek_cached_victim()
+        if lowest is not None:
+            priority = min(priority, self._priority[lowest])
+        self.level = max(self.level, priority)
+
+    def peek_cached_victim(self) -> int | None:
+        """Return the cached block `pop_victim` would take once no unhashed block is
+        queued (the LRU one of the lowest priority); None when none is queued."""
         lists = self._lists
         for priority in range(self.level, self.level + self._num_levels):
             head = lists.head(priority % self._num_levels)
             if head is not None:
-                return int(self._priority[head])
+                return head
         return None
 
     def pop_victim(self) -> int:
@@ -132,11 +147,10 @@ class LFUDAPolicy(OneByOne):
         unhashed = lists.head(self._reusable)
         if unhashed is not None:
             return unhashed
-        for priority in range(self.level, self.level + self._num_levels):
-            head = lists.head(priority % self._num_levels)
-            if head is not None:
-                return head
-        raise IndexError("free queue is empty")
+        victim = self.peek_cached_victim()
+        if victim is None:
+            raise IndexError("free queue is empty")
+        return victim
 
     def discard(self, block_id: int) -> None:
         """Take a free block out for reuse without counting an access or aging (`L` stays)."""

@@ -88,7 +88,13 @@ class S3FIFOPolicy(OneByOne):
         self._forget(block_id)
 
     def take(self, block_id: int) -> None:
-        """Take a free block out without a hit: freed again, it rejoins its FIFO."""
+        """Take a free block out without a hit: freed again, it rejoins its FIFO.
+
+        Taken from M while `pop_victim` would take from M, the blocks ahead of it get
+        their second-chance round first, as in `evict` (a pin is taken on the next
+        victims, to evict them: `evict_taken`).
+        """
+        self._give_rounds(block_id)
         self._lists.unlink(block_id)
 
     def evict(self, block_id: int) -> None:
@@ -99,16 +105,29 @@ class S3FIFOPolicy(OneByOne):
         its way (bit cleared, moved to the tail; amortised O(1)), so evicting the next
         victim this way changes exactly what `pop_victim` would.
         """
+        self._give_rounds(block_id)
+        if self._lists.unlink(block_id) == _SMALL:
+            self._remember(block_id)
+        self._forget(block_id)
+
+    def _give_rounds(self, block_id: int) -> None:
+        """If `pop_victim` would take from M and `block_id` is in M: clear the bits of
+        the blocks at M's head and move them to the tail, up to a block without one."""
         lists = self._lists
-        if lists.where(block_id) == _MAIN and not self._takes_from_small():
-            freq = self._freq
+        if lists.where(block_id) != _MAIN or self._takes_from_small():
+            return
+        freq = self._freq
+        head = lists.head(_MAIN)
+        while head is not None and freq[head]:  # stops: every round clears a bit
+            freq[head] = 0
+            lists.unlink(head)
+            lists.push_tail(_MAIN, head)
             head = lists.head(_MAIN)
-            while head is not None and freq[head]:  # stops: every round clears a bit
-                freq[head] = 0
-                lists.unlink(head)
-                lists.push_tail(_MAIN, head)
-                head = lists.head(_MAIN)
-        if lists.unlink(block_id) == _SMALL:
+
+    def evict_taken(self, block_id: int) -> None:
+        """Record the eviction of a taken block: from S, its key joins the ghost (M's
+        rounds were given when it was taken)."""
+        if self._dest[block_id] == _SMALL:
             self._remember(block_id)
         self._forget(block_id)
 
