@@ -51,7 +51,11 @@ class SchedulerSetup:
     """What the offload scheduler is built from, besides its config.
 
     `num_tier_blocks` sizes the first lower tier; `num_disk_blocks` the disk tier
-    behind it when the config is a CPU+disk cascade.
+    behind it when the config is a CPU+disk cascade. `bytes_per_slot` is what one tier
+    slot (one block id's copy) holds, for the byte counters of `take_stats`; 0 means
+    `layout.bytes_per_block`, every group's page bytes (a block id spanning all groups'
+    tensors, as in the reference engine). vLLM's groups share one allocation, so there a
+    block id spans less (`adapters.vllm.layout.bytes_per_block_id`).
     """
 
     layout: KVLayout
@@ -59,6 +63,7 @@ class SchedulerSetup:
     num_workers: int = 1
     gpu_pool: GpuPoolView | None = None
     num_disk_blocks: int = 0
+    bytes_per_slot: int = 0
 
 
 class OffloadScheduler:
@@ -69,8 +74,11 @@ class OffloadScheduler:
             raise ValueError(f"num_workers must be >= 1, got {setup.num_workers}")
         if config.fine_grained_hits and not setup.layout.supports_fine_grained_hits:
             raise ValueError("fine_grained_hits=True, but the KV layout cannot use them")
+        if setup.bytes_per_slot < 0:
+            raise ValueError(f"bytes_per_slot must be >= 0, got {setup.bytes_per_slot}")
         self.config = config
         self.layout = setup.layout
+        self.bytes_per_slot = setup.bytes_per_slot or setup.layout.bytes_per_block
         self.tier = config.tier
         policy = PolicySpec(config.eviction_policy, config.admission_policy)
         self._eviction = policy.make_eviction(setup.num_tier_blocks)
@@ -337,7 +345,7 @@ class OffloadScheduler:
     def take_stats(self) -> OffloadStats:
         """Return this step's counters (then reset them), the gauges and the totals."""
         counters = self._counters
-        bytes_per_block = self.layout.bytes_per_block
+        bytes_per_block = self.bytes_per_slot
         in_use, pending = self.stats_gauges()
         hit_tokens = self.loads.hit_tokens
         self._hit_tokens_taken = sum(hit_tokens.values())

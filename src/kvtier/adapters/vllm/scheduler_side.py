@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from kvtier.adapters.vllm.events import EventTranslator
-from kvtier.adapters.vllm.layout import kv_layout, tier_sizes
+from kvtier.adapters.vllm.layout import bytes_per_block_id, kv_layout, tier_sizes
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.stats import GAUGES, KVTierStats, stats_payload
 from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
@@ -85,6 +85,7 @@ class SchedulerSide:
                 self.num_tier_blocks,
                 num_workers=parallel.world_size,
                 num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
+                bytes_per_slot=bytes_per_block_id(kv_cache_config),
             ),
         )
         spec = getattr(vllm_config, "speculative_config", None)
