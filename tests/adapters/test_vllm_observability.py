@@ -91,9 +91,20 @@ def test_tier_evictions_and_resets_are_published() -> None:
     removed = [e for e in tier_events(harness, "CPU") if isinstance(e, BlockRemoved)]
     assert removed
     assert all(e.group_idx == 0 for e in removed)
+    held = {
+        h for e in tier_events(harness, "CPU") if isinstance(e, BlockStored) for h in e.block_hashes
+    }
+    held -= {h for e in removed for h in e.block_hashes}
+    assert held
+    before = len(flatten_events(harness.event_batches))
     assert harness.scheduler.reset_prefix_cache(reset_connector=True)
     harness.step()
-    assert any(isinstance(e, AllBlocksCleared) for e in flatten_events(harness.event_batches))
+    after = flatten_events(harness.event_batches)[before:]
+    # vLLM's AllBlocksCleared has no medium: the GPU reset publishes its own, and kvtier
+    # adds none (a router would read it as clearing the GPU's blocks again).
+    assert sum(isinstance(e, AllBlocksCleared) for e in after) == 1
+    cleared = [e for e in after if isinstance(e, BlockRemoved) and e.medium == "CPU"]
+    assert {h for e in cleared for h in e.block_hashes} == held
 
 
 def test_disk_tier_serves_hits_and_publishes_medium_storage(tmp_path: Path) -> None:

@@ -263,9 +263,7 @@ def recorder(kind: str) -> Any:
     return lambda **fields: (kind, fields)
 
 
-TRANSLATOR = EventTranslator(
-    recorder("stored"), recorder("removed"), recorder("cleared"), lambda h: h[-2:], ("mamba",)
-)
+TRANSLATOR = EventTranslator(recorder("stored"), recorder("removed"), lambda h: h[-2:], ("mamba",))
 
 
 def test_events_keep_vllm_field_names_and_media() -> None:
@@ -284,7 +282,26 @@ def test_events_keep_vllm_field_names_and_media() -> None:
     _, fields = TRANSLATOR.translate(BlockStored(HASH, 3, 8, group_kind="state", medium="CPU"))
     assert (fields["kv_cache_spec_kind"], fields["medium"]) == ("state", "CPU")
     assert TRANSLATOR.translate(BlockRemoved(HASH, 1, "CPU"))[1]["medium"] == "CPU"
-    assert TRANSLATOR.translate_all([AllCleared("CPU")]) == [("cleared", {})]
+    # A reset names what the tier held, per group, with its medium (vLLM's clear has none).
+    held = (BlockRemoved(HASH, 0, "CPU"), BlockRemoved(HASH[::-1], 1, "CPU"))
+    assert TRANSLATOR.translate_all([AllCleared("CPU", held)]) == [
+        (
+            "removed",
+            {"block_hashes": [HASH[-2:]], "medium": "CPU", "group_idx": 0, "locality": "LOCAL"},
+        ),
+        (
+            "removed",
+            {
+                "block_hashes": [HASH[::-1][-2:]],
+                "medium": "CPU",
+                "group_idx": 1,
+                "locality": "LOCAL",
+            },
+        ),
+    ]
+    assert TRANSLATOR.translate_all([AllCleared("CPU")]) == []  # an empty tier: nothing
+    with pytest.raises(TypeError, match="use translate_all"):
+        TRANSLATOR.translate(AllCleared("CPU"))
     assert vllm_medium("GPU") == "GPU"
     with pytest.raises(TypeError, match="not a kvtier KV event"):
         TRANSLATOR.translate("BlockStored")  # type: ignore[arg-type]

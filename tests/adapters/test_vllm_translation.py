@@ -163,7 +163,6 @@ def test_events_translate_to_vllm_classes() -> None:
     translator = EventTranslator(
         translator.block_stored,
         translator.block_removed,
-        translator.all_cleared,
         translator.convert_hash,
         ("sliding_window", "mamba"),
     )
@@ -194,5 +193,7 @@ def test_events_translate_to_vllm_classes() -> None:
     assert isinstance(removed, vllm_events.BlockRemoved)
     assert removed.block_hashes == [maybe_convert_block_hash(HASH)]
     assert (removed.medium, removed.group_idx) == ("CPU", 0)
-    assert isinstance(translator.translate(AllCleared("CPU")), vllm_events.AllBlocksCleared)
+    (cleared,) = translator.translate_all([AllCleared("CPU", (BlockRemoved(HASH, 0, "CPU"),))])
+    assert isinstance(cleared, vllm_events.BlockRemoved)
+    assert (cleared.block_hashes, cleared.medium) == ([maybe_convert_block_hash(HASH)], "CPU")
     assert vllm_medium(None) is None

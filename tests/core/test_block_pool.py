@@ -6,7 +6,8 @@ import pytest
 from pool_helpers import cache_blocks, free_order, make_pool, make_test_key, removed
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolError
-from kvtier.core.events import AllCleared
+from kvtier.core.events import AllCleared, BlockRemoved
+from kvtier.core.keys import key_block_hash, key_group_id
 
 # --- construction and the null block ------------------------------------------------
 
@@ -308,7 +309,11 @@ def test_reset_drops_every_key_and_emits_all_cleared() -> None:
     pool.free([block_id])
     pool.take_events()
     assert pool.reset() is True
-    assert pool.take_events() == [AllCleared("DISK")]
+    (cleared,) = pool.take_events()
+    assert cleared == AllCleared("DISK")
+    assert sorted(cleared.removed, key=lambda e: e.group_id) == [  # primary and secondary
+        BlockRemoved(key_block_hash(k), key_group_id(k), "DISK") for k in keys
+    ]
     assert all(pool.cached_block(k) is None for k in keys)
     assert not pool.is_cached(block_id)
     assert pool.secondary_keys(block_id) == ()

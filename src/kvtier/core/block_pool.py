@@ -334,6 +334,12 @@ class BlockPool(PoolQueries):
         """Drop every key; return False (and change nothing) while any block is referenced."""
         if len(self._free) != self.num_usable_blocks:
             return False
+        removed: tuple[BlockRemoved, ...] = ()
+        if self._record_events:
+            removed = tuple(  # every key held, primary or secondary, once
+                BlockRemoved(key_block_hash(key), key_group_id(key), self.medium)
+                for key in self._index
+            )
         self._keys = [None] * self.num_blocks
         self._num_tokens = array("i", bytes(4 * self.num_blocks))
         self._secondary.clear()
@@ -342,7 +348,7 @@ class BlockPool(PoolQueries):
         self._more_blocks.clear()
         self._free.clear_and_fill(range(1, self.num_blocks))
         if self._record_events:
-            self._events.append(AllCleared(self.medium))
+            self._events.append(AllCleared(self.medium, removed))
         return True
 
     def take_events(self) -> list[KVEvent]:

@@ -6,7 +6,7 @@ them after a thin translation. One event describes one key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.core.keys import BlockHash
 
@@ -44,9 +44,15 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllCleared:
-    """Every key of a tier was dropped (reset)."""
+    """Every key of a tier was dropped (reset).
+
+    `removed` names each key the tier held, as the `BlockRemoved` it amounts to (filled
+    by `BlockPool.reset`; not compared): a consumer whose clear event carries no medium,
+    such as vLLM's `AllBlocksCleared`, publishes those instead of clearing every tier.
+    """
 
     medium: str | None = None
+    removed: tuple[BlockRemoved, ...] = field(default=(), compare=False, repr=False)
 
 
 KVEvent = BlockStored | BlockRemoved | AllCleared

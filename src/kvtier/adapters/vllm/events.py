@@ -40,7 +40,7 @@ def vllm_medium(medium: str | None) -> str | None:
 class EventTranslator:
     """Build vLLM events from kvtier events.
 
-    `block_stored`, `block_removed` and `all_cleared` are vLLM's event classes (called
+    `block_stored` and `block_removed` are vLLM's event classes (called
     with keyword arguments); `convert_hash` is vLLM's `maybe_convert_block_hash`;
     `convert_extra_keys` is vLLM's `to_event_extra_keys` (its hash-time extra keys, one
     tuple per block, to the form events publish; by default they pass as they are);
@@ -50,7 +50,6 @@ class EventTranslator:
 
     block_stored: Callable[..., Any]
     block_removed: Callable[..., Any]
-    all_cleared: Callable[..., Any]
     convert_hash: Callable[[BlockHash], Any]
     group_spec_kinds: tuple[str | None, ...] = ()
     convert_extra_keys: Callable[[list[tuple[Any, ...]]], Any] = list
@@ -69,7 +68,6 @@ class EventTranslator:
         return EventTranslator(
             block_stored=kv_events.BlockStored,
             block_removed=kv_events.BlockRemoved,
-            all_cleared=kv_events.AllBlocksCleared,
             convert_hash=maybe_convert_block_hash,
             convert_extra_keys=to_event_extra_keys,
             group_spec_kinds=kinds,
@@ -87,12 +85,37 @@ class EventTranslator:
                 locality=LOCAL,
             )
         if isinstance(event, AllCleared):
-            return self.all_cleared()
+            raise TypeError("AllCleared becomes several vLLM events: use translate_all")
         raise TypeError(f"not a kvtier KV event: {event!r}")
 
     def translate_all(self, events: Iterable[KVEvent]) -> list[Any]:
-        """Return the vLLM events for `events`, in order."""
-        return [self.translate(event) for event in events]
+        """Return the vLLM events for `events`, in order.
+
+        A tier reset (`AllCleared`) becomes one `BlockRemoved` per KV group naming every
+        key the tier held, with the tier's medium: vLLM's `AllBlocksCleared` has no
+        medium, so a router would read it as the GPU's prefix cache being cleared too.
+        """
+        out: list[Any] = []
+        for event in events:
+            if isinstance(event, AllCleared):
+                out.extend(self._cleared(event))
+            else:
+                out.append(self.translate(event))
+        return out
+
+    def _cleared(self, event: AllCleared) -> list[Any]:
+        by_group: dict[int, list[Any]] = {}
+        for removed in event.removed:
+            by_group.setdefault(removed.group_id, []).append(self.convert_hash(removed.block_hash))
+        return [
+            self.block_removed(
+                block_hashes=hashes,
+                medium=vllm_medium(event.medium),
+                group_idx=group_id,
+                locality=LOCAL,
+            )
+            for group_id, hashes in sorted(by_group.items())
+        ]
 
     def _stored(self, event: BlockStored) -> Any:
         kinds: Sequence[str | None] = self.group_spec_kinds
