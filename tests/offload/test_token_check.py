@@ -64,6 +64,24 @@ def test_stored_blocks_carry_the_tags_of_their_tokens_and_hits_are_served() -> N
     engine.check()
 
 
+def test_a_collision_counts_once_per_request_however_often_it_is_looked_up() -> None:
+    """vLLM looks a waiting request up again every step: one colliding tier block is one
+    `tag_mismatches` per request (it counted each lookup). Another request, or the same
+    one after it finished, counts it again."""
+    engine = checked_engine()
+    engine.scheduler.take_stats()
+    tokens = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    b = colliding("b", tokens, [*range(8), 58])
+    for _ in range(4):
+        assert engine.scheduler.lookup(b, 0) == 0
+    assert engine.scheduler.take_stats().num_tag_mismatches == 1
+    assert engine.scheduler.lookup(colliding("c", tokens, [*range(8), 58]), 0) == 0
+    assert engine.scheduler.take_stats().num_tag_mismatches == 1
+    engine.scheduler.on_finished(b, [[]])
+    assert engine.scheduler.lookup(b, 0) == 0
+    assert engine.scheduler.take_stats().num_tag_mismatches == 1
+
+
 def test_a_forged_hash_collision_is_a_miss_with_the_check_and_wrong_kv_without(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

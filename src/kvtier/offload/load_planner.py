@@ -51,7 +51,8 @@ class LoadPlanner:
 
     With `tags` (the token check on), a tier block counts as a hit only where its token
     tag is the looking-up request's own; `num_tag_mismatches` counts tier blocks whose
-    key matched but whose tag did not (a hash collision, or a corrupted tag).
+    key matched but whose tag did not (a hash collision, or a corrupted tag), once per
+    request and block however often the request is looked up.
     """
 
     def __init__(
@@ -68,6 +69,9 @@ class LoadPlanner:
         self.book = book
         self.tags = tags
         self.num_tag_mismatches = 0
+        # Per live request, the (tier block, key) mismatches counted: vLLM looks a waiting
+        # request up again every step, and one collision is counted (and logged) once.
+        self._mismatches_seen: dict[str, set[tuple[int, Key]]] = {}
         self.gpu_pool: GpuPoolView | None = None
         self.pins: dict[str, LookupPin] = {}
         self.queued: list[LoadItem] = []
@@ -229,6 +233,10 @@ class LoadPlanner:
             if tag is not None and tag == want:
                 return block_id
             if tag is not None and want is not None:
+                seen = self._mismatches_seen.setdefault(request.request_id, set())
+                if (block_id, key) in seen:
+                    return None
+                seen.add((block_id, key))
                 self.num_tag_mismatches += 1
                 logger.warning(
                     "request %s: tier block %d holds key %s with other tokens (a hash "
@@ -294,6 +302,7 @@ class LoadPlanner:
         self.release_pin(request_id)
         self.allocated.discard(request_id)
         self.recompute_next.discard(request_id)
+        self._mismatches_seen.pop(request_id, None)
         keep = []
         dropped = False
         for load in self.queued:
@@ -309,6 +318,7 @@ class LoadPlanner:
     def fail_all(self) -> None:
         """Drop every pin and queued load; the loads come back as failed (reset)."""
         assert self.gpu_pool is not None, "no GPU pool bound"
+        self._mismatches_seen.clear()  # the tier's blocks are emptied
         for request_id in list(self.pins):
             self.release_pin(request_id)
         for load in self.take_queued():
