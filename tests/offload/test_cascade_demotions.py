@@ -166,6 +166,28 @@ def test_no_free_disk_slot_drops_the_demotion_and_counts_it() -> None:
     cpu.check_invariants()
 
 
+def test_a_write_back_victim_waiting_for_a_disk_slot_is_dropped_once() -> None:
+    """Write-back retries its next victims every step while no disk slot is free: each
+    counts once as a dropped demotion, and again only after it left the CPU tier."""
+    cpu, disk, cascade = make(WB, reserve=2)
+    pinned = disk.allocate(disk.num_usable_blocks)
+    cache(cpu, [key(i) for i in range(cpu.num_usable_blocks)])  # no unhashed victims
+    for _ in range(3):
+        cascade.select_write_back()
+    assert cascade.take_queued() == []
+    assert cascade.take_counters().num_dropped_demotions == 2  # key 0 and key 1, once each
+    cpu.allocate(1)  # evicts key 0: its drop is forgotten with it
+    cascade.select_write_back()
+    assert cascade.take_counters().num_dropped_demotions == 1  # key 2, now a next victim
+    assert cascade.dropped_keys == {key(1), key(2)}
+    disk.free(pinned[:1])
+    cascade.select_write_back()  # one slot: key 1 goes, key 2 is still dropped
+    assert [item.key for item in cascade.take_queued()] == [key(1)]
+    assert cascade.take_counters().num_dropped_demotions == 0
+    assert cascade.dropped_keys == {key(2)}
+    cpu.check_invariants()
+
+
 def test_a_failed_demotion_can_be_tried_again() -> None:
     """A finished (here failed) demotion forgets its key: the next store copies it again."""
     cpu, _, cascade = make(WT)

@@ -372,3 +372,28 @@ def test_finished_request_blocks_keep_tail_first_gpu_eviction_after_their_store(
     engine.gpu.free(engine.gpu.allocate(num_never_used + 1))  # evict one of a's blocks
     cached = [engine.gpu.cached_block(k) is not None for k in keys_of(engine, a, 3)]
     assert cached == [True, True, False]
+
+
+def test_lazy_mode_counts_a_block_waiting_for_a_tier_slot_once() -> None:
+    """A lazy walk that stops at a full tier retries the same block each step: it counts
+    once as deferred, and the next block it stops at counts once more."""
+    cfg = config(store_mode=StoreMode.LAZY, max_batched_tokens=16)
+    engine = SimEngine(full_layout(), cfg, num_gpu_blocks=9, num_tier_blocks=3)
+    engine.auto_complete = False
+    engine.run(make_request("a", range(16)))  # 4 cached GPU blocks, a 2-slot tier
+    engine.scheduler.take_stats()
+    (store,) = engine.step().jobs
+    assert store.num_blocks == 2
+    assert engine.scheduler.take_stats().store_outcomes == {"stored": 2, "deferred_tier_full": 1}
+    for _ in range(3):  # the 2 slots are still being written
+        assert engine.step().jobs == ()
+    assert engine.scheduler.take_stats().store_outcomes == {}
+    engine.worker.complete(store.event_id)
+    engine.poll()
+    (store,) = engine.step().jobs  # the tier evicts the first 2 copies for the next 2
+    assert store.num_blocks == 2
+    outcomes = engine.scheduler.take_stats().store_outcomes
+    assert outcomes.get("deferred_tier_full", 0) == 0
+    engine.worker.complete(store.event_id)
+    engine.poll()
+    engine.check()

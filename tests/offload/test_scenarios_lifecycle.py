@@ -209,7 +209,7 @@ def test_scenario_21_reset_with_in_flight_stores_waits_and_hides_their_data(
     assert store.num_blocks == 2
     assert engine.scheduler.reset() is False
     assert engine.scheduler.selector.tracked == {}  # SPEC §6.9: cleared at once
-    assert engine.scheduler.selector.lazy_cursor is None
+    assert engine.scheduler.selector.lazy.cursor is None
     assert engine.scheduler.reset() is False
     engine.worker.complete(store.event_id)
     engine.poll()

@@ -187,7 +187,7 @@ def test_scenario_07_pinned_hit_survives_allocation_pressure() -> None:
     engine.run(make_request("c", range(100, 112)))  # flushes 3 blocks into 1 free slot
     engine.drain()
     stats = engine.scheduler.take_stats()
-    assert stats.store_outcomes == {"stored": 1, "dropped_tier_full": 1}  # stops at full
+    assert stats.store_outcomes == {"stored": 1, "dropped_tier_full": 2}  # each unstored block
     assert [tier_slot(engine, b.token_ids, pos) is not None for pos in (0, 1)] == [True, True]
 
     assert engine.allocate(b, found) == Admission(0, 8, 8)
@@ -203,7 +203,7 @@ def test_a_full_tier_stops_the_cursor_and_the_block_is_stored_later(events: bool
     the cursor; the block is stored once a slot frees (events on: the per-block path)."""
     engine = SimEngine(full_layout(), config(events=events), num_tier_blocks=4)
     engine.auto_complete = False
-    a = make_request("a", range(16), outputs=[1, 2, 3])
+    a = make_request("a", range(16), outputs=[1, 2, 3, 4])
     engine.admit(a)
     engine.schedule("a")
     engine.step()
@@ -215,7 +215,10 @@ def test_a_full_tier_stops_the_cursor_and_the_block_is_stored_later(events: bool
     engine.schedule("a")
     assert engine.step().jobs == ()  # the 3 slots are still being written
     stats = engine.scheduler.take_stats()
-    assert stats.store_outcomes == {"stored": 3, "dropped_tier_full": 2}
+    assert stats.store_outcomes == {"stored": 3, "deferred_tier_full": 1}  # once, not per step
+    engine.schedule("a")
+    assert engine.step().jobs == ()
+    assert engine.scheduler.take_stats().store_outcomes == {}  # still waiting: not again
     engine.worker.complete(store.event_id)
     engine.poll()
     engine.schedule("a")

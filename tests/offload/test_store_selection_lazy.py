@@ -43,10 +43,10 @@ def test_completed_lazy_copies_are_remembered_with_their_keys() -> None:
     selector = lazy_selector(2)
     selector.select_lazy(8)
     stores = selector.take_queued()
-    assert selector.lazy_copying == set(stores.gpu_block_ids)
-    selector.note_lazy_stores(stores)
-    assert selector.lazy_stored == dict(zip(stores.gpu_block_ids, stores.keys, strict=True))
-    assert not selector.lazy_copying
+    assert selector.lazy.copying == set(stores.gpu_block_ids)
+    selector.lazy.note_stores(stores)
+    assert selector.lazy.stored == dict(zip(stores.gpu_block_ids, stores.keys, strict=True))
+    assert not selector.lazy.copying
 
 
 def test_a_block_used_while_its_copy_is_in_flight_is_not_remembered() -> None:
@@ -55,10 +55,10 @@ def test_a_block_used_while_its_copy_is_in_flight_is_not_remembered() -> None:
     selector.select_lazy(8)
     stores = selector.take_queued()
     (used, other), (_, other_key) = stores.gpu_block_ids, stores.keys
-    selector.note_blocks_in_use([[used]])
-    selector.note_lazy_stores(stores)
-    assert selector.lazy_stored == {other: other_key}
-    assert not selector.lazy_copying
+    selector.lazy.note_blocks_in_use([[used]])
+    selector.lazy.note_stores(stores)
+    assert selector.lazy.stored == {other: other_key}
+    assert not selector.lazy.copying
 
 
 def test_released_lazy_copies_are_forgotten() -> None:
@@ -66,8 +66,8 @@ def test_released_lazy_copies_are_forgotten() -> None:
     selector = lazy_selector(2)
     selector.select_lazy(8)
     selector.release(selector.take_queued())
-    assert not selector.lazy_copying
-    assert not selector.lazy_stored
+    assert not selector.lazy.copying
+    assert not selector.lazy.stored
 
 
 def test_a_walk_that_selects_every_visited_block_keeps_the_cursor() -> None:
@@ -82,10 +82,10 @@ def test_a_walk_that_selects_every_visited_block_keeps_the_cursor() -> None:
     for i, block_id in enumerate(tier.allocate(2)):
         tier.insert_key(key(i), block_id, 4)  # A's and B's keys
     selector.select_lazy(2)
-    assert selector.lazy_cursor == b
+    assert selector.lazy.cursor == b
     selector.select_lazy(2)
     assert selector.queued.gpu_block_ids == [c, d]
-    assert selector.lazy_cursor == b
+    assert selector.lazy.cursor == b
     selector.select_lazy(2)
     assert selector.counters.store_outcomes == {"stored": 2, "skipped_already_cached": 2}
 

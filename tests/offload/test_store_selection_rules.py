@@ -11,9 +11,9 @@ from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
+from kvtier.offload.lazy_walk import lazy_target
 from kvtier.offload.protocols import StepInput
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
-from kvtier.offload.store_selection import lazy_target
 
 FULL = GroupKind.FULL_ATTENTION
 

@@ -50,7 +50,7 @@ class CascadeCounters:
 
     num_demoted_blocks: int = 0
     num_failed_demotions: int = 0
-    num_dropped_demotions: int = 0  # no disk slot could be allocated
+    num_dropped_demotions: int = 0  # no disk slot could be allocated (once per CPU key)
     num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (nor one coming)
 
 
@@ -74,6 +74,9 @@ class Cascade:
         self.queued: list[MoveItem] = []
         self.in_flight_keys: set[Key] = set()
         self.counters = CascadeCounters()
+        # CPU keys counted as dropped demotions and still in the CPU tier: write-back
+        # retries a victim each step while no disk slot frees, and it counts once.
+        self.dropped_keys: set[Key] = set()
         self._event = event
         cpu_pool.on_evict = self._on_cpu_evict
 
@@ -114,8 +117,18 @@ class Cascade:
         if not chosen:
             return
         room = min(len(chosen), disk_pool.num_free())
-        self.counters.num_dropped_demotions += len(chosen) - room
+        dropped = self.dropped_keys
+        for _, key in chosen[room:]:
+            if key not in dropped:
+                dropped.add(key)
+                self.counters.num_dropped_demotions += 1
         chosen = chosen[:room]
+        if dropped:
+            dropped.difference_update(key for _, key in chosen)
+            if len(dropped) > cpu_pool.num_blocks:  # keys discarded without an eviction
+                dropped.intersection_update(
+                    k for k in list(dropped) if cpu_pool.cached_block(k) is not None
+                )
         cpu_pool.pin(block_id for block_id, _ in chosen)  # a copy reads them: no hit
         disk_ids = disk_pool.allocate(len(chosen))
         for (block_id, key), disk_id in zip(chosen, disk_ids, strict=True):
@@ -142,6 +155,7 @@ class Cascade:
 
     def _on_cpu_evict(self, block_id: int, key: Key) -> None:
         """Count a CPU eviction that loses the block: no disk copy, none in flight."""
+        self.dropped_keys.discard(key)
         if key not in self.in_flight_keys and self.disk_pool.cached_block(key) is None:
             self.counters.num_lost_blocks += 1
 

@@ -107,7 +107,7 @@ class TransferCompletion:
         stores = transfer.stores
         self._registrar.register_all(stores, gpu_pool)
         if self._lazy:
-            selector.note_lazy_stores(stores)
+            selector.lazy.note_stores(stores)
         selector.in_flight_keys.difference_update(stores.keys)
         self._counters.num_stored_blocks += len(stores)
         if self._cascade is not None:

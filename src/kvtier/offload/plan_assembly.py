@@ -54,9 +54,9 @@ class PlanAssembler:
         selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
         if not eager:
             if step.preempted_request_ids:  # its freed blocks may have held the cursor
-                selector.lazy_cursor = None
+                selector.lazy.cursor = None
             # Blocks allocated to running requests, as one batch.
-            selector.note_blocks_in_use(
+            selector.lazy.note_blocks_in_use(
                 ([b for scheduled in step.scheduled for ids in scheduled.block_ids for b in ids],)
             )
             selector.select_lazy(self._lazy_target)

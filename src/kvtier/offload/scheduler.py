@@ -33,6 +33,7 @@ from kvtier.core.policies import PolicySpec
 from kvtier.offload.cascade import Cascade, CascadeCounters
 from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
+from kvtier.offload.lazy_walk import lazy_target
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
 from kvtier.offload.plan_assembly import PlanAssembler
@@ -41,7 +42,7 @@ from kvtier.offload.registration import Registrar
 from kvtier.offload.request_tags import RequestTags
 from kvtier.offload.scheduler_checks import check_scheduler_invariants
 from kvtier.offload.stats import OffloadStats, StepCounters
-from kvtier.offload.store_selection import StoreSelector, lazy_target
+from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.transfers import ReportOutcome, TransferBook
 
@@ -213,7 +214,7 @@ class OffloadScheduler:
         if self.config.store_mode is StoreMode.EAGER:
             self.selector.track(request.request_id)
         else:
-            self.selector.note_blocks_in_use(block_ids_per_group)
+            self.selector.lazy.note_blocks_in_use(block_ids_per_group)
         return self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
 
     # ------------------------------------------------------------------ plan
@@ -264,7 +265,7 @@ class OffloadScheduler:
         state = selector.tracked.get(request_id)
         if state is not None and not loading:
             state.block_ids = [list(ids) for ids in block_ids_per_group]
-            selector.select_request(request, state)
+            selector.select_request(request, state, final=True)
             if self.config.fine_grained_hits:
                 selector.select_partial_tail(request, state)
         selector.untrack(request_id)
@@ -295,11 +296,10 @@ class OffloadScheduler:
         selector.tracked.clear()
         if self.tags is not None:
             self.tags.clear()
-        selector.lazy_cursor = None
-        selector.lazy_stored.clear()
-        selector.lazy_copying.clear()
+        selector.lazy.clear()
         if self.cascade is not None:
             self.cascade.release(self.cascade.take_queued())
+            self.cascade.dropped_keys.clear()
         self._book.abandon_stores()
         if len(self._book):
             return False

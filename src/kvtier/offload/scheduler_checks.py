@@ -62,6 +62,6 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
         assert scheduler.gpu_pool.block(block_id).ref_count >= count, f"GPU block {block_id}"
     assert scheduler.selector.in_flight_keys == store_keys, "in-flight keys"
     copied = {b for stores in store_batches for b in stores.gpu_block_ids}
-    assert scheduler.selector.lazy_copying <= copied, "a lazy copy is tracked but not in flight"
+    assert scheduler.selector.lazy.copying <= copied, "a lazy copy is tracked but not in flight"
     if scheduler.cascade is not None:
         assert scheduler.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"

@@ -14,7 +14,8 @@ class StoreOutcome(enum.Enum):
     ALREADY_CACHED = "skipped_already_cached"
     STORED_BEFORE = "skipped_stored_before"  # lazy: copied from this GPU block before
     IN_FLIGHT = "skipped_in_flight"
-    TIER_FULL = "dropped_tier_full"
+    TIER_FULL = "dropped_tier_full"  # no slot, and nothing retries it
+    DEFERRED = "deferred_tier_full"  # no slot yet: eager/lazy retry it (counted once)
     REQUEST_GONE = "dropped_request_gone"
     NULL = "dropped_null"
     UNHASHED = "dropped_unhashed"

@@ -7,7 +7,6 @@ store is queued or in flight are tracked so no block is stored twice.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -19,6 +18,7 @@ from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.core.token_tags import Tag
 from kvtier.offload.block_payload import block_payload, request_key
+from kvtier.offload.lazy_walk import LazyWalk
 from kvtier.offload.protocols import (
     GpuPoolView,
     Handoff,
@@ -33,10 +33,15 @@ from kvtier.offload.store_batch import StoreBatch
 
 @dataclass(slots=True)
 class _Tracked:
-    """Store tracking of one request (eager mode): its block table and a cursor per group."""
+    """Store tracking of one request (eager mode): its block table and a cursor per group.
+
+    `deferred` is, per group, the position last counted as deferred by a full tier (-1:
+    none), so a block that waits for a slot over many steps counts once.
+    """
 
     block_ids: list[list[int]]
     cursors: list[int]
+    deferred: list[int]
 
 
 @dataclass(slots=True)
@@ -52,15 +57,7 @@ class StoreSelector:
     queued: StoreBatch = field(default_factory=StoreBatch)
     in_flight_keys: set[Key] = field(default_factory=set)
     tracked: dict[str, _Tracked] = field(default_factory=dict)
-    lazy_cursor: int | None = None
-    # Lazy mode: GPU block -> the key a completed store copied from it, until a request
-    # uses the block again (`note_blocks_in_use`). Unpinning a stored block puts it at the
-    # free queue's MRU end, where the walk meets it again; once a tier smaller than the
-    # GPU cache evicted the copy, storing it again would copy blocks round in circles.
-    lazy_stored: dict[int, Key] = field(default_factory=dict)
-    # Lazy mode: GPU blocks being copied that no request used since they were selected;
-    # only those are remembered in `lazy_stored` once their copy completes.
-    lazy_copying: set[int] = field(default_factory=set)
+    lazy: LazyWalk = field(default_factory=LazyWalk)
     admission: AdmissionPolicy = field(default_factory=AdmitAll)
     # The token check on: the requests' tags, recorded with what their blocks' stores copy.
     tags: RequestTags | None = None
@@ -87,7 +84,7 @@ class StoreSelector:
 
     def _empty(self) -> _Tracked:
         num_groups = len(self.layout.groups)
-        return _Tracked([[] for _ in range(num_groups)], [0] * num_groups)
+        return _Tracked([[] for _ in range(num_groups)], [0] * num_groups, [-1] * num_groups)
 
     # ------------------------------------------------------------ selection
 
@@ -146,11 +143,19 @@ class StoreSelector:
                     self._select_ready(request, state, ready_tokens)
                     break
 
-    def select_request(self, request: RequestView, state: _Tracked) -> None:
-        """Select a request's confirmed, positionally stable blocks from its cursors on."""
-        self._select_ready(request, state, self.confirmed_tokens(request))
+    def select_request(self, request: RequestView, state: _Tracked, final: bool = False) -> None:
+        """Select a request's confirmed, positionally stable blocks from its cursors on.
 
-    def _select_ready(self, request: RequestView, state: _Tracked, ready_tokens: int) -> None:
+        `final` (the request finished): nothing is retried, so a full tier does not stop
+        the walk; each remaining block that needed a slot counts as dropped.
+        """
+        self._select_ready(request, state, self.confirmed_tokens(request), final)
+
+    def _select_ready(
+        self, request: RequestView, state: _Tracked, ready_tokens: int, final: bool = False
+    ) -> None:
+        """Select from the cursors up to `ready_tokens`; a full tier stops a group's walk
+        (the block is retried next step and counted once as deferred) unless `final`."""
         cursors = state.cursors
         for group_id, block_size in self.layout.positional_groups:
             pos = cursors[group_id]
@@ -161,24 +166,37 @@ class StoreSelector:
             tag_of = None if self.tags is None else self.tags.by_position(request, group_id)
             while pos < num_ready:
                 if not self.record_payload and table[pos] != NULL_BLOCK_ID:
-                    pos = self._select_run(table, pos, num_ready, tag_of)
+                    pos = self._select_run(table, pos, num_ready, tag_of, stop_when_full=not final)
                     if pos < num_ready and table[pos] != NULL_BLOCK_ID:
                         break  # the tier is full: retry later, the cursor does not advance
                     continue
                 outcome = self._select_position(request, group_id, table, pos, tag_of)
                 if outcome is StoreOutcome.TIER_FULL:
-                    break  # retry later: the cursor does not advance
+                    if final:
+                        self.counters.count_store(outcome)
+                    else:
+                        break  # retry later: the cursor does not advance
                 pos += 1
+            if pos < num_ready and state.deferred[group_id] != pos:  # stopped at a full tier
+                self.counters.count_store(StoreOutcome.DEFERRED)
+                state.deferred[group_id] = pos
             state.cursors[group_id] = pos
 
     def _select_run(
-        self, table: Sequence[int], pos: int, end: int, tag_of: TagOf | None = None
+        self,
+        table: Sequence[int],
+        pos: int,
+        end: int,
+        tag_of: TagOf | None = None,
+        stop_when_full: bool = True,
     ) -> int:
         """Select positions from `pos` up to the first null block, `end`, or a full tier.
 
         The hot path of eager and lazy mode: the same rules as `try_select` over a run of
         plain blocks, with one batched key read, touch and allocation. Returns the first
-        unvisited position. `tag_of` gives a position's tag (the token check on).
+        unvisited position. `tag_of` gives a position's tag (the token check on). Unless
+        `stop_when_full`, a full tier does not stop the run: each later block that needed
+        a slot counts as dropped (a finished request's last selection).
         """
         run = table[pos:end]
         if NULL_BLOCK_ID in run:
@@ -187,12 +205,12 @@ class StoreSelector:
         tier_index = self.tier_pool.index
         room = self.tier_pool.num_free()
         admit = self.admission.admit
-        stored_before = self.lazy_stored  # empty in eager mode
+        stored_before = self.lazy.stored  # empty in eager mode
         gpu_ids: list[int] = []
         keys: list[Key] = []
         tags: dict[int, Tag] = {}
         num_unhashed = num_in_flight = num_refused = num_cached = num_stored_before = 0
-        num_untagged = 0
+        num_untagged = num_full = 0
         num_visited = len(run)
         tag = None
         for i, (gpu_block_id, key) in enumerate(zip(run, self.gpu_pool.keys(run), strict=True)):
@@ -212,9 +230,10 @@ class StoreSelector:
             elif tag_of is not None and tag is None:
                 num_untagged += 1  # never served with the check on: not worth a slot
             elif len(gpu_ids) == room:
-                self.counters.count_store(StoreOutcome.TIER_FULL)
-                num_visited = i
-                break
+                if stop_when_full:  # the caller counts the deferral (once per block)
+                    num_visited = i
+                    break
+                num_full += 1
             else:
                 in_flight.add(key)
                 if tag is not None:
@@ -233,6 +252,7 @@ class StoreSelector:
         count_many(StoreOutcome.NOT_ADMITTED, num_refused)
         count_many(StoreOutcome.STORED_BEFORE, num_stored_before)
         count_many(StoreOutcome.NO_TAG, num_untagged)
+        count_many(StoreOutcome.TIER_FULL, num_full)
         return pos + num_visited
 
     def _select_position(
@@ -263,54 +283,25 @@ class StoreSelector:
             if self.tags is None or tag_of is None
             else self.tags.position_tag(self.gpu_pool, gpu_block_id, pos, recovered, tag_of),
         )
-        self.counters.count_store(outcome)
+        if outcome is not StoreOutcome.TIER_FULL:  # the caller counts it: dropped or deferred
+            self.counters.count_store(outcome)
         return outcome
 
     def select_lazy(self, target: int) -> None:
         """Walk the GPU free queue from the cursor and select up to `target` visited blocks."""
-        visited = list(islice(self.gpu_pool.iter_free_after(self.lazy_cursor), target))
+        lazy = self.lazy
+        visited = list(islice(self.gpu_pool.iter_free_after(lazy.cursor), target))
         if not visited:
             return  # nothing new since the cursor: stay where we are
         num_queued = len(self.queued)
         end = self._select_run(visited, 0, len(visited))
+        if end < len(visited) and visited[end] != lazy.deferred:  # stopped: tier full
+            self.counters.count_store(StoreOutcome.DEFERRED)
+            lazy.deferred = visited[end]
         selected = set(self.queued.gpu_block_ids[num_queued:])
-        self.lazy_copying |= selected
+        lazy.copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
-        self.lazy_cursor = next(
-            (b for b in reversed(visited[:end]) if b not in selected), self.lazy_cursor
-        )
-
-    def note_lazy_stores(self, stores: StoreBatch) -> None:
-        """Remember the GPU blocks completed lazy stores copied, with their keys.
-
-        A block a request used while its copy was in flight is not remembered: it is a
-        fresh candidate again once freed, like any block a request used.
-        """
-        copying = self.lazy_copying
-        self.lazy_stored.update(
-            (gpu_block_id, key)
-            for gpu_block_id, key in zip(stores.gpu_block_ids, stores.keys, strict=True)
-            if gpu_block_id in copying
-        )
-        copying.difference_update(stores.gpu_block_ids)
-
-    def note_blocks_in_use(self, block_ids_per_group: Iterable[Sequence[int]]) -> None:
-        """Note GPU blocks a request now uses (lazy mode).
-
-        Freed again, they are fresh candidates, and they sit at the free queue's MRU end:
-        a walk must not resume after one of them (it would skip every block queued before
-        it), so a cursor among them restarts the next walk from the head.
-        """
-        stored_before = self.lazy_stored
-        copying = self.lazy_copying
-        for block_ids in block_ids_per_group:
-            if self.lazy_cursor is not None and self.lazy_cursor in block_ids:
-                self.lazy_cursor = None
-            if stored_before and not stored_before.keys().isdisjoint(block_ids):
-                for block_id in block_ids:
-                    stored_before.pop(block_id, None)
-            if copying:
-                copying.difference_update(block_ids)
+        lazy.cursor = next((b for b in reversed(visited[:end]) if b not in selected), lazy.cursor)
 
     def select_handoffs(
         self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
@@ -389,8 +380,8 @@ class StoreSelector:
     def release(self, stores: StoreBatch) -> None:
         """Drop the pins and in-flight keys of stores that will register nothing."""
         self.gpu_pool.free(stores.gpu_block_ids[::-1])  # tail first, as on completion
-        if self.lazy_copying:
-            self.lazy_copying.difference_update(stores.gpu_block_ids)
+        if self.lazy.copying:
+            self.lazy.copying.difference_update(stores.gpu_block_ids)
         self.tier_pool.free(stores.tier_block_ids[::-1])
         self.in_flight_keys.difference_update(stores.keys)
 
@@ -398,18 +389,3 @@ class StoreSelector:
         """Return and forget the stores selected since the last call."""
         queued, self.queued = self.queued, StoreBatch()
         return queued
-
-
-def lazy_target(layout: KVLayout, max_batched_tokens: int) -> int:
-    """Return how many GPU free-queue blocks lazy mode visits per step (SPEC §6.6)."""
-    total = 0
-    for group_id in layout.cacheable_group_ids:
-        group = layout.groups[group_id]
-        if group.kind is GroupKind.STATE:
-            total += 2
-        elif group.kind is GroupKind.SLIDING_WINDOW:
-            assert group.sliding_window is not None
-            total += math.ceil(group.sliding_window / group.block_size) + 1
-        else:
-            total += math.ceil(max_batched_tokens / group.block_size)
-    return 2 * total

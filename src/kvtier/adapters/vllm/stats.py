@@ -80,7 +80,9 @@ _PLAIN_COUNTERS = {
     "hit_tokens": "prompt tokens served from the tier instead of recomputed",
     "demoted_blocks": "KV blocks copied from the CPU tier down to the disk tier (cascade)",
     "failed_demotions": "CPU to disk copies that failed; nothing was registered (cascade)",
-    "dropped_demotions": "CPU blocks chosen for demotion that found no free disk slot (cascade)",
+    "dropped_demotions": (
+        "CPU blocks chosen for demotion that found no free disk slot (cascade), once each"
+    ),
     "promoted_blocks": "disk-held KV blocks stored into the CPU tier again (cascade)",
     "lost_blocks": "KV blocks evicted from the CPU tier with no disk copy (cascade)",
     "tag_mismatches": "tier blocks not served: the key matched, the token check did not",

@@ -1,0 +1,88 @@
+"""Lazy mode's walk over the GPU free queue (SPEC §6.6): where it resumes, and what it
+remembers of the blocks it copied.
+
+`StoreSelector.select_lazy` walks; `LazyWalk` holds the walk's state between steps, so
+the selector's candidate rules stay the same for eager, lazy and finish-time stores.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.core.keys import Key
+from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.offload.store_batch import StoreBatch
+
+
+@dataclass(slots=True)
+class LazyWalk:
+    """The lazy walk's position and memory of copied blocks."""
+
+    # The last visited block still in the free queue: the next walk starts after it.
+    cursor: int | None = None
+    # GPU block -> the key a completed store copied from it, until a request uses the
+    # block again (`note_blocks_in_use`). Unpinning a stored block puts it at the free
+    # queue's MRU end, where the walk meets it again; once a tier smaller than the GPU
+    # cache evicted the copy, storing it again would copy blocks round in circles.
+    stored: dict[int, Key] = field(default_factory=dict)
+    # GPU blocks being copied that no request used since they were selected; only those
+    # are remembered in `stored` once their copy completes.
+    copying: set[int] = field(default_factory=set)
+    # The GPU block a walk last stopped at for want of a tier slot (counted once as
+    # deferred however many steps it waits).
+    deferred: int | None = None
+
+    def clear(self) -> None:
+        """Forget everything (a reset): the next walk starts from the head."""
+        self.cursor = self.deferred = None
+        self.stored.clear()
+        self.copying.clear()
+
+    def note_stores(self, stores: StoreBatch) -> None:
+        """Remember the GPU blocks completed lazy stores copied, with their keys.
+
+        A block a request used while its copy was in flight is not remembered: it is a
+        fresh candidate again once freed, like any block a request used.
+        """
+        copying = self.copying
+        self.stored.update(
+            (gpu_block_id, key)
+            for gpu_block_id, key in zip(stores.gpu_block_ids, stores.keys, strict=True)
+            if gpu_block_id in copying
+        )
+        copying.difference_update(stores.gpu_block_ids)
+
+    def note_blocks_in_use(self, block_ids_per_group: Iterable[Sequence[int]]) -> None:
+        """Note GPU blocks a request now uses.
+
+        Freed again, they are fresh candidates, and they sit at the free queue's MRU end:
+        a walk must not resume after one of them (it would skip every block queued before
+        it), so a cursor among them restarts the next walk from the head.
+        """
+        stored_before = self.stored
+        copying = self.copying
+        for block_ids in block_ids_per_group:
+            if self.cursor is not None and self.cursor in block_ids:
+                self.cursor = None
+            if stored_before and not stored_before.keys().isdisjoint(block_ids):
+                for block_id in block_ids:
+                    stored_before.pop(block_id, None)
+            if copying:
+                copying.difference_update(block_ids)
+
+
+def lazy_target(layout: KVLayout, max_batched_tokens: int) -> int:
+    """Return how many GPU free-queue blocks lazy mode visits per step (SPEC §6.6)."""
+    total = 0
+    for group_id in layout.cacheable_group_ids:
+        group = layout.groups[group_id]
+        if group.kind is GroupKind.STATE:
+            total += 2
+        elif group.kind is GroupKind.SLIDING_WINDOW:
+            assert group.sliding_window is not None
+            total += math.ceil(group.sliding_window / group.block_size) + 1
+        else:
+            total += math.ceil(max_batched_tokens / group.block_size)
+    return 2 * total
