@@ -10,13 +10,15 @@ for again there, and an online policy beat it (docs/policies.md).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from replay_helpers import BLOCK
 
 from kvtier.core.keys import make_key
 from kvtier.replay.belady import NEVER, FutureOracle
-from kvtier.replay.tier_replay import ReplayConfig, TierConfig, TierReplay, replay_trace
+from kvtier.replay.sweep import run_sweep, sweep_passes
+from kvtier.replay.tier_replay import ReplayConfig, TierConfig, replay_trace
 from kvtier.replay.trace import TraceRecord
 
 ONLINE = ("lru", "arc", "s3fifo", "lfuda", "duel", "lru+door", "arc+door")
@@ -131,18 +133,27 @@ def test_no_online_policy_beats_belady_with_tiers_in_front(seed: int) -> None:
         assert lower_hit_blocks(records, policy, tuple(tiers), gpu_tokens) <= bound, policy
 
 
-def test_a_shared_oracle_serves_only_a_first_tier_with_nothing_in_front() -> None:
-    """The sweep shares one oracle over its capacities; with a GPU tier in front the
-    replay builds its own, so passing the shared one changes nothing."""
-    records = records_of([(0, 1), (0, 1), (2, 3), (0, 1), (2,), (0, 1, 4)])
-    config = ReplayConfig(
-        tiers=(TierConfig("CPU", 2 * BLOCK, 25.0),),
-        policy="belady",
-        gpu_capacity_tokens=3 * BLOCK,
-        block_size=BLOCK,
+@pytest.mark.parametrize("gpu_blocks", [0, 3])
+@pytest.mark.parametrize("num_tiers", [1, 2])
+def test_a_sweep_shares_the_first_tier_oracle_and_reports_every_pass(
+    gpu_blocks: int, num_tiers: int
+) -> None:
+    """The sweep builds the first tier's oracle once (one pass of the GPU tier alone, which
+    no lower tier affects): each point equals its replay built alone, and the progress
+    callback hears of every pass `sweep_passes` counts, setup passes included."""
+    records = records_of([(0, 1), (0, 1), (2, 3), (0, 1), (2,), (0, 1, 4), (2, 3), (4,)])
+    tiers = [TierConfig("CPU", 2 * BLOCK, 25.0), TierConfig("DISK", 2 * BLOCK, 5.0)]
+    base = ReplayConfig(
+        tiers=tuple(tiers[:num_tiers]), gpu_capacity_tokens=gpu_blocks * BLOCK, block_size=BLOCK
     )
-    keys = [[make_key(h.to_bytes(8, "little"), 0) for h in r.hash_ids] for r in records]
-    shared = FutureOracle(keys)
-    with_shared = TierReplay(records, config, keys, shared).run()
-    alone = TierReplay(records, config).run()
-    assert with_shared.tiers == alone.tiers
+    policies, capacities = ["belady", "lru", "oracle-lfu"], [BLOCK, 2 * BLOCK, 3 * BLOCK]
+    heard: list[int] = []
+    points = run_sweep(records, base, policies, capacities, heard.append)
+    assert sum(heard) == sweep_passes(base, policies, capacities) * len(records)
+    assert sweep_passes(base, policies, capacities) == 9 + 2 * 3 * (num_tiers - 1) + (
+        gpu_blocks > 0
+    )
+    for point in points:
+        first = replace(base.tiers[0], capacity_tokens=point.capacity_tokens)
+        config = replace(base, policy=point.policy, tiers=(first, *base.tiers[1:]))
+        assert point.result.tiers == replay_trace(records, config).tiers, point.policy

@@ -23,7 +23,14 @@ from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
 from kvtier.replay.store_once import StoreOnce
-from kvtier.replay.sweep import SweepPoint, plot_sweep, run_sweep, write_csv, write_json
+from kvtier.replay.sweep import (
+    SweepPoint,
+    plot_sweep,
+    run_sweep,
+    sweep_passes,
+    write_csv,
+    write_json,
+)
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceError, TraceSummary, summarize
 
 __all__ = ["add_parser", "configure", "format_table", "main", "parse_tokens", "run"]
@@ -318,7 +325,7 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
     if not args.quiet:
         from tqdm import tqdm
 
-        total = len(plan.policies) * len(plan.capacities) * len(records)
+        total = sweep_passes(plan.base, plan.policies, plan.capacities) * len(records)
         bar = tqdm(total=total, unit="req", leave=False)
         progress = bar.update
     try:

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtier.replay.belady import BELADY, OFFLINE_POLICIES, FutureOracle
+from kvtier.replay.belady import BELADY, OFFLINE_POLICIES
 from kvtier.replay.config import ReplayConfig, ReplayResult
-from kvtier.replay.tier_replay import TierReplay, trace_keys
+from kvtier.replay.gpu_tier import first_tier_oracle
+from kvtier.replay.tier_replay import TierReplay, max_blocks_held, trace_keys
 from kvtier.replay.trace import TraceRecord, TraceSummary
 from kvtier.replay.whole_file import whole_file
 
@@ -59,17 +60,30 @@ def run_sweep(
 ) -> list[SweepPoint]:
     """Replay every (policy, capacity) pair, policies outermost."""
     keys = trace_keys(records)
-    # Shared by the first tier when nothing is in front of it (`TierReplay`'s oracles).
-    shared = set(policies) & set(OFFLINE_POLICIES) and not base.gpu_capacity_tokens
-    oracle = FutureOracle(keys) if shared else None
+    # The first tier's oracle depends on the GPU tier only: one for the whole sweep.
+    oracle = None
+    if set(policies) & set(OFFLINE_POLICIES):
+        oracle = first_tier_oracle(records, base, keys, max_blocks_held(keys), on_request_batch)
     points = []
     for policy in policies:
         for capacity in capacities:
             first = dataclasses.replace(base.tiers[0], capacity_tokens=capacity)
             config = dataclasses.replace(base, policy=policy, tiers=(first, *base.tiers[1:]))
-            result = TierReplay(records, config, keys, oracle).run(on_request_batch)
-            points.append(SweepPoint(policy, capacity, result))
+            replay = TierReplay(records, config, keys, oracle, progress=on_request_batch)
+            points.append(SweepPoint(policy, capacity, replay.run(on_request_batch)))
     return points
+
+
+def sweep_passes(base: ReplayConfig, policies: Sequence[str], capacities: Sequence[int]) -> int:
+    """Return how many passes over the trace `run_sweep` makes (a progress bar's total).
+
+    One per point; an offline policy's point adds one per tier behind another (a replay
+    of the tiers in front), and the sweep one pass of a GPU tier alone.
+    """
+    num_offline = sum(policy in OFFLINE_POLICIES for policy in policies)
+    passes = len(policies) * len(capacities)
+    passes += num_offline * len(capacities) * (len(base.tiers) - 1)
+    return passes + int(num_offline > 0 and bool(base.gpu_capacity_tokens))
 
 
 def hit_ratio_table(points: Sequence[SweepPoint]) -> dict[str, dict[int, float]]:

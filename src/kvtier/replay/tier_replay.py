@@ -33,7 +33,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.policies import RequestObserver
 from kvtier.replay.belady import OFFLINE_POLICIES, FutureOracle
@@ -46,6 +45,13 @@ from kvtier.replay.config import (
     ReplayResult,
     TierConfig,
     TierResult,
+)
+from kvtier.replay.gpu_tier import (
+    ProgressFn,
+    first_tier_oracle,
+    make_gpu_pool,
+    request_tokens,
+    serve_on_gpu,
 )
 from kvtier.replay.tier_store import Placed, TierState, make_tier, store_missing
 from kvtier.replay.trace import TraceRecord
@@ -63,8 +69,6 @@ __all__ = [
     "replay_trace",
     "trace_keys",
 ]
-
-ProgressFn = Callable[[int], None]
 
 
 def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
@@ -108,8 +112,9 @@ class TierReplay:
     results (which report the configured sizes) are those of the full size.
 
     Offline policies read the future of the references that reach their tier
-    (`_offline_oracles`): `oracle`, shared by a sweep, serves the first tier when no GPU
-    tier is in front; `tier_oracles` gives every tier's (a replay of the tiers in front).
+    (`_offline_oracles`): `oracle`, shared by a sweep, serves the first tier (built by
+    `first_tier_oracle` for this config's GPU tier); `tier_oracles` gives every tier's (a
+    replay of the tiers in front). `progress` hears of those setup passes' requests.
     """
 
     def __init__(
@@ -120,23 +125,18 @@ class TierReplay:
         oracle: FutureOracle | None = None,
         max_tier_blocks: int | None = None,
         tier_oracles: Sequence[FutureOracle] | None = None,
+        progress: ProgressFn | None = None,
     ) -> None:
         self.records = records
         self.config = config
         self.keys = keys if keys is not None else trace_keys(records)
         bs = config.block_size
         cap = max_tier_blocks if max_tier_blocks is not None else max_blocks_held(self.keys)
-        self._tokens = [
-            [min(bs, r.input_length - j * bs) for j in range(len(r.hash_ids))] for r in records
-        ]
+        self._tokens = request_tokens(records, bs)
         self._cap = cap
-        self.gpu_pool: BlockPool | None = None
-        if config.gpu_capacity_tokens:
-            self._check_gpu_fits(config.gpu_capacity_tokens // bs)
-            num_gpu_blocks = min(config.gpu_capacity_tokens // bs, max(1, cap)) + 1
-            self.gpu_pool = BlockPool(num_gpu_blocks, medium="GPU")
+        self.gpu_pool = make_gpu_pool(records, config, cap)
         if config.policy in OFFLINE_POLICIES and tier_oracles is None:
-            tier_oracles = self._offline_oracles(oracle)
+            tier_oracles = self._offline_oracles(oracle, progress)
         self.tiers: list[TierState] = [
             make_tier(tier, config.policy, bs, self._oracle_of(t, tier_oracles), max(1, cap))
             for t, tier in enumerate(config.tiers)
@@ -153,7 +153,9 @@ class TierReplay:
         self._ttft_s = 0.0
         self._next = 0
 
-    def _offline_oracles(self, shared: FutureOracle | None) -> list[FutureOracle]:
+    def _offline_oracles(
+        self, shared: FutureOracle | None, progress: ProgressFn | None
+    ) -> list[FutureOracle]:
         """Return each lower tier's oracle, built from the references that reach it.
 
         A reference a tier in front serves (the GPU tier, or an earlier independent tier)
@@ -162,17 +164,13 @@ class TierReplay:
         behind, so a replay of the GPU tier and tiers 0..t-1 alone tells where each
         request's references start reaching tier t.
         """
-        if self.gpu_pool is None:
-            first = shared if shared is not None else FutureOracle(self.keys)
-        else:
-            gpu = BlockPool(self.gpu_pool.num_blocks, medium="GPU")
-            starts = [serve_on_gpu(gpu, k, t) for k, t in zip(self.keys, self._tokens, strict=True)]
-            first = FutureOracle(self.keys, starts)
-        oracles = [first]
+        if shared is None:
+            shared = first_tier_oracle(self.records, self.config, self.keys, self._cap, progress)
+        oracles = [shared]
         for t in range(1, len(self.config.tiers)):
             front = replace(self.config, tiers=self.config.tiers[:t], check_every=0)
             replay = TierReplay(self.records, front, self.keys, None, self._cap, oracles)
-            oracles.append(FutureOracle(self.keys, replay.reach_ends()))
+            oracles.append(FutureOracle(self.keys, replay.reach_ends(progress)))
         return oracles
 
     @staticmethod
@@ -183,23 +181,12 @@ class TierReplay:
 
         return get
 
-    def reach_ends(self) -> list[int]:
+    def reach_ends(self, progress: ProgressFn | None = None) -> list[int]:
         """Replay every request; return, per request, where its prefix lookup ended: the
         first position that no tier of this replay (GPU included) served."""
         self._reach_ends = []
-        self.run()
+        self.run(progress)
         return self._reach_ends
-
-    def _check_gpu_fits(self, num_gpu_blocks: int) -> None:
-        """Raise `ReplayError` naming the largest request if the GPU tier cannot hold it."""
-        sizes = [len(record.hash_ids) for record in self.records]
-        largest = max(range(len(sizes)), key=sizes.__getitem__, default=None)
-        if largest is not None and sizes[largest] > num_gpu_blocks:
-            raise ReplayError(
-                f"request {largest} (0-based) needs {sizes[largest]} GPU blocks, the GPU "
-                f"tier holds {num_gpu_blocks}; raise the GPU capacity to at least "
-                f"{sizes[largest] * self.config.block_size} tokens"
-            )
 
     # ------------------------------------------------------------------ replay
 
@@ -334,25 +321,6 @@ class TierReplay:
             tier.eviction.check_invariants()
             tier.admission.check_invariants()
             assert tier.pool.num_free() == tier.pool.num_usable_blocks, "a tier block stays pinned"
-
-
-def serve_on_gpu(pool: BlockPool, keys: Sequence[Key], tokens: Sequence[int]) -> int:
-    """Run one request through the GPU tier; return its prefix hit in blocks.
-
-    The hit blocks are touched, the missed ones allocated (evicting LRU; the pool fits
-    the request: `_check_gpu_fits`) and given their keys, then all are freed tail first.
-    Nothing here depends on the lower tiers, so the GPU tier can be replayed alone.
-    """
-    hits = pool.lookup(keys)
-    pool.touch(hits)
-    new = pool.allocate(len(keys) - len(hits))
-    first = len(hits)
-    for j, block_id in enumerate(new):
-        pool.insert_key(keys[first + j], block_id, tokens[first + j])
-    table = hits + new
-    table.reverse()
-    pool.free(table)
-    return first
 
 
 def replay_trace(
