@@ -38,6 +38,7 @@ class Request:
 
     lora: LoRAInfo | None = None
     skip_prefix_cache: bool = False
+    session_id: str | None = None
 
     def __init__(self, spec: RequestSpec) -> None:
         self.request_id = spec.request_id

@@ -84,6 +84,19 @@ def test_tier_events_carry_the_extra_keys_vllm_publishes_for_the_same_block() ->
     assert list(cpu.values()) == [("tenant-1",), None]  # the salt is hashed into block 0 only
 
 
+def test_tier_events_carry_the_session_vllm_publishes_for_the_same_request() -> None:
+    """vLLM's GPU events name the session of the request that stored a block; the CPU
+    tier's events of that request's blocks name it too (a router keyed by session sees
+    both tiers)."""
+    harness = kvtier_harness(enable_kv_events=True)
+    request = harness.add_request("chat", list(range(1000, 1041)), max_tokens=2)
+    request.session_id = "conversation-7"
+    harness.run()
+    stored = [e for e in flatten_events(harness.event_batches) if isinstance(e, BlockStored)]
+    assert {e.medium for e in stored} == {"GPU", "CPU"}
+    assert {e.session_id for e in stored} == {"conversation-7"}
+
+
 def test_tier_evictions_and_resets_are_published() -> None:
     harness = kvtier_harness(num_cpu_blocks=3, enable_kv_events=True)  # 2 usable slots
     for request_id, prompt in PROMPTS.items():  # one at a time: each evicts the last

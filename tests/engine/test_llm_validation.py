@@ -180,7 +180,10 @@ def test_add_request_checks_its_params() -> None:
         llm.add_request([1, 2, 3], None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="request req-0: token ids \\[200\\] outside the vocab"):
         llm.add_request([1, 200], PARAMS)
+    with pytest.raises(TypeError, match="session_id must be a str or None, got 7"):
+        llm.add_request([1, 2], PARAMS, session_id=7)  # type: ignore[arg-type]
     assert_untouched(llm)
+    assert llm.add_request([1, 2], PARAMS, session_id="chat-1").session_id == "chat-1"
 
 
 # ---------------------------------------------------------------- impossible requests

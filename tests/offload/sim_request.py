@@ -50,6 +50,7 @@ class SimRequest:
     num_output_placeholders: int = 0
     lora: LoRAInfo | None = None
     skip_prefix_cache: bool = False
+    session_id: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -239,6 +239,19 @@ def test_scenario_29_lora_fields_are_carried() -> None:
     assert engine.scheduler.lookup(plain, 0) == 0  # the adapter is part of the hash
 
 
+def test_scenario_29_the_session_is_carried() -> None:
+    """Scenario 29: a request's eager BlockStored events name its session (as vLLM's GPU
+    events do); a request without one names none."""
+    engine = SimEngine(full_layout(), config(events=True))
+    chat = make_request("chat", range(8))
+    chat.session_id = "conversation-7"
+    engine.run(chat)
+    engine.run(make_request("plain", range(100, 108)))
+    engine.drain()
+    events = stored_events(engine.scheduler.take_events())
+    assert [e.session_id for e in events] == ["conversation-7"] * 2 + [None] * 2
+
+
 def test_scenario_29_extra_keys_are_carried() -> None:
     """Scenario 29: eager BlockStored events carry the extra keys hashed into each block."""
     engine = SimEngine(full_layout(), config(events=True))

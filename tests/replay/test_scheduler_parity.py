@@ -41,6 +41,7 @@ class _Request:
     token_ids: tuple[int, ...] = ()
     lora: LoRAInfo | None = None
     skip_prefix_cache: bool = False
+    session_id: str | None = None
 
     def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
         return ()

@@ -17,7 +17,8 @@ class BlockStored:
 
     `block_size` is the number of tokens the block covers (a partial tail covers fewer
     than the group's block size). Lazy stores, hand-offs and partial tails carry no
-    `token_ids` payload.
+    payload: no `token_ids`, and no `session_id` (the engine's session of the request
+    whose block was stored).
     """
 
     block_hash: BlockHash
@@ -31,6 +32,7 @@ class BlockStored:
     medium: str | None = None
     group_kind: str | None = None
     sliding_window: int | None = None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -178,19 +178,25 @@ class LLM:
             raise
         return [self._output(r) for r in requests]
 
-    def add_request(self, prompt: Sequence[int], params: SamplingParams) -> Request:
+    def add_request(
+        self, prompt: Sequence[int], params: SamplingParams, *, session_id: str | None = None
+    ) -> Request:
         """Queue one prompt; `step` runs it.
 
         `prompt` is a sequence of ints or a 1-D integer numpy array / torch tensor.
-        Raises TypeError for a prompt or params of the wrong type, and ValueError for an
-        empty prompt, token ids outside the vocab, or a prompt plus `max_tokens` that
-        would exceed the model's `max_position` or the whole GPU pool; nothing is queued.
+        `session_id` (e.g. a conversation's id) is carried by the tier's stored-block
+        events of this request's blocks, as vLLM's are. Raises TypeError for a prompt,
+        params or session id of the wrong type, and ValueError for an empty prompt, token
+        ids outside the vocab, or a prompt plus `max_tokens` that would exceed the model's
+        `max_position` or the whole GPU pool; nothing is queued.
         """
         self._require_running()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
+        if session_id is not None and not isinstance(session_id, str):
+            raise TypeError(f"session_id must be a str or None, got {session_id!r}")
         token_ids, params = self._checked(prompt, params, f"request req-{self._next_id}")
-        return self._enqueue(token_ids, params)
+        return self._enqueue(token_ids, params, session_id)
 
     def step(self) -> list[Request]:
         """Run one engine step (SPEC §2.2); return the requests that finished in it.
@@ -297,12 +303,15 @@ class LLM:
         check_request(token_ids, params, self._limits, where)
         return token_ids, params
 
-    def _enqueue(self, token_ids: list[int], params: SamplingParams) -> Request:
+    def _enqueue(
+        self, token_ids: list[int], params: SamplingParams, session_id: str | None = None
+    ) -> Request:
         request = Request(
             request_id=f"req-{self._next_id}",
             prompt_token_ids=token_ids,
             params=params,
             hasher=RequestHasher(self._hasher),
+            session_id=session_id,
         )
         self._next_id += 1
         self.stats.num_prompt_tokens += len(token_ids)

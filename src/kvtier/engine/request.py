@@ -54,6 +54,7 @@ class Request:
     needs_full_table: bool = True
     skip_external: bool = False  # a tier load failed: recompute instead
     kept_logits: list[torch.Tensor] = field(default_factory=list)
+    session_id: str | None = None  # carried by the tier's stored-block events
 
     def __post_init__(self) -> None:
         self.hasher.extend(self.prompt_token_ids)

@@ -38,4 +38,5 @@ def block_payload(layout: KVLayout, request: RequestView, group_id: int, pos: in
         extra_keys=request.block_extra_keys(start, start + group.block_size),
         group_kind=group.kind.value,
         sliding_window=group.sliding_window,
+        session_id=request.session_id,
     )

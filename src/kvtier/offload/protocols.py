@@ -43,6 +43,12 @@ class RequestView(Protocol):
     def lora(self) -> LoRAInfo | None: ...
     @property
     def skip_prefix_cache(self) -> bool: ...
+    @property
+    def session_id(self) -> str | None:
+        """Return the engine's session (e.g. conversation) the request belongs to, or None.
+        Read only for stored-block events' payloads."""
+        ...
+
     def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
         """Return the extra keys hashed into the block of tokens [start, end) (LoRA,
         multimodal items, cache salt, prompt embeddings), in the engine's own form; empty

@@ -136,4 +136,5 @@ class EventTranslator:
             kv_cache_spec_kind=spec_kind if spec_kind is not None else event.group_kind,
             kv_cache_spec_sliding_window=event.sliding_window,
             locality=LOCAL,
+            session_id=event.session_id,
         )

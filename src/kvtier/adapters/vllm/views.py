@@ -93,6 +93,12 @@ class VllmRequestView:
         """Return True when the request must not read any prefix cache."""
         return bool(self.request.skip_reading_prefix_cache)
 
+    @property
+    def session_id(self) -> str | None:
+        """Return the session vLLM's request carries (its GPU events carry it too)."""
+        session_id: str | None = getattr(self.request, "session_id", None)
+        return session_id
+
     def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
         """Return vLLM's extra keys of the block of tokens [start, end), as its hash has them.
 
