@@ -74,9 +74,10 @@ class Cascade:
         self.queued: list[MoveItem] = []
         self.in_flight_keys: set[Key] = set()
         self.counters = CascadeCounters()
-        # CPU keys counted as dropped demotions and still in the CPU tier: write-back
-        # retries a victim each step while no disk slot frees, and it counts once.
-        self.dropped_keys: set[Key] = set()
+        # (CPU block, key) pairs counted as dropped demotions: write-back retries a victim
+        # each step while no disk slot frees, and it counts once. A pair goes when its
+        # block is demoted, evicted or has its keys discarded (`before_cpu_discard`).
+        self.dropped: set[tuple[int, Key]] = set()
         self._event = event
         cpu_pool.on_evict = self._on_cpu_evict
 
@@ -117,18 +118,14 @@ class Cascade:
         if not chosen:
             return
         room = min(len(chosen), disk_pool.num_free())
-        dropped = self.dropped_keys
-        for _, key in chosen[room:]:
-            if key not in dropped:
-                dropped.add(key)
+        dropped = self.dropped
+        for pair in chosen[room:]:
+            if pair not in dropped:
+                dropped.add(pair)
                 self.counters.num_dropped_demotions += 1
         chosen = chosen[:room]
         if dropped:
-            dropped.difference_update(key for _, key in chosen)
-            if len(dropped) > cpu_pool.num_blocks:  # keys discarded without an eviction
-                dropped.intersection_update(
-                    k for k in list(dropped) if cpu_pool.cached_block(k) is not None
-                )
+            dropped.difference_update(chosen)
         cpu_pool.pin(block_id for block_id, _ in chosen)  # a copy reads them: no hit
         disk_ids = disk_pool.allocate(len(chosen))
         for (block_id, key), disk_id in zip(chosen, disk_ids, strict=True):
@@ -153,9 +150,16 @@ class Cascade:
             self.disk_pool.touch(disk_block_ids)
             self.disk_pool.free(disk_block_ids[::-1])
 
+    def before_cpu_discard(self, block_id: int) -> None:
+        """Forget a dropped demotion of CPU block `block_id`, whose keys are being
+        discarded (a failed load): stored again later, it is a new victim."""
+        key = self.cpu_pool.key(block_id)
+        if key is not None:
+            self.dropped.discard((block_id, key))
+
     def _on_cpu_evict(self, block_id: int, key: Key) -> None:
         """Count a CPU eviction that loses the block: no disk copy, none in flight."""
-        self.dropped_keys.discard(key)
+        self.dropped.discard((block_id, key))
         if key not in self.in_flight_keys and self.disk_pool.cached_block(key) is None:
             self.counters.num_lost_blocks += 1
 

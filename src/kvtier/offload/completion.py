@@ -82,6 +82,8 @@ class TransferCompletion:
                 else:
                     progress.failed = True
                     for block_id in load.tier_block_ids:  # never serve a suspect copy again
+                        if self._cascade is not None and load.tier is Tier.CPU:
+                            self._cascade.before_cpu_discard(block_id)
                         pool.discard_keys(block_id)
                 if progress.num_pending == 0:
                     if progress.failed:

@@ -30,15 +30,16 @@ class LazyWalk:
     # GPU blocks being copied that no request used since they were selected; only those
     # are remembered in `stored` once their copy completes.
     copying: set[int] = field(default_factory=set)
-    # The GPU block a walk last stopped at for want of a tier slot (counted once as
-    # deferred however many steps it waits).
-    deferred: int | None = None
+    # GPU blocks a walk stopped at for want of a tier slot, counted as deferred once
+    # however many steps they wait: until selected, or used by a request again.
+    deferred: set[int] = field(default_factory=set)
 
     def clear(self) -> None:
         """Forget everything (a reset): the next walk starts from the head."""
-        self.cursor = self.deferred = None
+        self.cursor = None
         self.stored.clear()
         self.copying.clear()
+        self.deferred.clear()
 
     def note_stores(self, stores: StoreBatch) -> None:
         """Remember the GPU blocks completed lazy stores copied, with their keys.
@@ -63,6 +64,7 @@ class LazyWalk:
         """
         stored_before = self.stored
         copying = self.copying
+        deferred = self.deferred
         for block_ids in block_ids_per_group:
             if self.cursor is not None and self.cursor in block_ids:
                 self.cursor = None
@@ -71,6 +73,8 @@ class LazyWalk:
                     stored_before.pop(block_id, None)
             if copying:
                 copying.difference_update(block_ids)
+            if deferred:
+                deferred.difference_update(block_ids)
 
 
 def lazy_target(layout: KVLayout, max_batched_tokens: int) -> int:

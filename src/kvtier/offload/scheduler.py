@@ -299,7 +299,7 @@ class OffloadScheduler:
         selector.lazy.clear()
         if self.cascade is not None:
             self.cascade.release(self.cascade.take_queued())
-            self.cascade.dropped_keys.clear()
+            self.cascade.dropped.clear()
         self._book.abandon_stores()
         if len(self._book):
             return False

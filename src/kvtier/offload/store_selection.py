@@ -146,8 +146,8 @@ class StoreSelector:
     def select_request(self, request: RequestView, state: _Tracked, final: bool = False) -> None:
         """Select a request's confirmed, positionally stable blocks from its cursors on.
 
-        `final` (the request finished): nothing is retried, so a full tier does not stop
-        the walk; each remaining block that needed a slot counts as dropped.
+        `final` (the request finished): nothing is retried, so the blocks a full tier
+        stops at are counted as dropped (`_count_unselected`).
         """
         self._select_ready(request, state, self.confirmed_tokens(request), final)
 
@@ -166,21 +166,51 @@ class StoreSelector:
             tag_of = None if self.tags is None else self.tags.by_position(request, group_id)
             while pos < num_ready:
                 if not self.record_payload and table[pos] != NULL_BLOCK_ID:
-                    pos = self._select_run(table, pos, num_ready, tag_of, stop_when_full=not final)
+                    pos = self._select_run(table, pos, num_ready, tag_of)
                     if pos < num_ready and table[pos] != NULL_BLOCK_ID:
                         break  # the tier is full: retry later, the cursor does not advance
                     continue
                 outcome = self._select_position(request, group_id, table, pos, tag_of)
                 if outcome is StoreOutcome.TIER_FULL:
-                    if final:
-                        self.counters.count_store(outcome)
-                    else:
-                        break  # retry later: the cursor does not advance
+                    break  # retry later: the cursor does not advance
                 pos += 1
-            if pos < num_ready and state.deferred[group_id] != pos:  # stopped at a full tier
-                self.counters.count_store(StoreOutcome.DEFERRED)
-                state.deferred[group_id] = pos
+            if pos < num_ready:  # stopped at a full tier
+                if final:
+                    self._count_unselected(request, group_id, table, pos, num_ready)
+                    pos = num_ready
+                elif state.deferred[group_id] != pos:
+                    self.counters.count_store(StoreOutcome.DEFERRED)
+                    state.deferred[group_id] = pos
             state.cursors[group_id] = pos
+
+    def _count_unselected(
+        self, request: RequestView, group_id: int, table: Sequence[int], pos: int, end: int
+    ) -> None:
+        """Count the outcome of each position in [pos, end) a full tier left unselected
+        (a finished request's, never retried): a block that needed a slot is dropped.
+
+        Nothing is asked of the admission policy or noted for the token check: blocks a
+        full tier stops at were never offered, and offering them has side effects.
+        """
+        count = self.counters.count_store
+        in_flight, tier_index = self.in_flight_keys, self.tier_pool.index
+        for i in range(pos, end):
+            gpu_block_id = table[i]
+            if gpu_block_id == NULL_BLOCK_ID:
+                key = request_key(self.layout, request, group_id, i)
+                if key is None or self.gpu_pool.cached_block(key) is None:
+                    count(StoreOutcome.NULL)
+                    continue
+            else:
+                key = self.gpu_pool.key(gpu_block_id)
+            if key is None:
+                count(StoreOutcome.UNHASHED)
+            elif key in in_flight:
+                count(StoreOutcome.IN_FLIGHT)
+            elif key in tier_index:
+                count(StoreOutcome.ALREADY_CACHED)
+            else:
+                count(StoreOutcome.TIER_FULL)
 
     def _select_run(
         self,
@@ -188,15 +218,13 @@ class StoreSelector:
         pos: int,
         end: int,
         tag_of: TagOf | None = None,
-        stop_when_full: bool = True,
     ) -> int:
         """Select positions from `pos` up to the first null block, `end`, or a full tier.
 
         The hot path of eager and lazy mode: the same rules as `try_select` over a run of
         plain blocks, with one batched key read, touch and allocation. Returns the first
-        unvisited position. `tag_of` gives a position's tag (the token check on). Unless
-        `stop_when_full`, a full tier does not stop the run: each later block that needed
-        a slot counts as dropped (a finished request's last selection).
+        unvisited position. `tag_of` gives a position's tag (the token check on). The
+        caller counts the block a full tier stops at (deferred, or dropped at a finish).
         """
         run = table[pos:end]
         if NULL_BLOCK_ID in run:
@@ -210,7 +238,7 @@ class StoreSelector:
         keys: list[Key] = []
         tags: dict[int, Tag] = {}
         num_unhashed = num_in_flight = num_refused = num_cached = num_stored_before = 0
-        num_untagged = num_full = 0
+        num_untagged = 0
         num_visited = len(run)
         tag = None
         for i, (gpu_block_id, key) in enumerate(zip(run, self.gpu_pool.keys(run), strict=True)):
@@ -230,10 +258,8 @@ class StoreSelector:
             elif tag_of is not None and tag is None:
                 num_untagged += 1  # never served with the check on: not worth a slot
             elif len(gpu_ids) == room:
-                if stop_when_full:  # the caller counts the deferral (once per block)
-                    num_visited = i
-                    break
-                num_full += 1
+                num_visited = i
+                break
             else:
                 in_flight.add(key)
                 if tag is not None:
@@ -252,7 +278,6 @@ class StoreSelector:
         count_many(StoreOutcome.NOT_ADMITTED, num_refused)
         count_many(StoreOutcome.STORED_BEFORE, num_stored_before)
         count_many(StoreOutcome.NO_TAG, num_untagged)
-        count_many(StoreOutcome.TIER_FULL, num_full)
         return pos + num_visited
 
     def _select_position(
@@ -295,10 +320,11 @@ class StoreSelector:
             return  # nothing new since the cursor: stay where we are
         num_queued = len(self.queued)
         end = self._select_run(visited, 0, len(visited))
-        if end < len(visited) and visited[end] != lazy.deferred:  # stopped: tier full
+        if end < len(visited) and visited[end] not in lazy.deferred:  # stopped: tier full
             self.counters.count_store(StoreOutcome.DEFERRED)
-            lazy.deferred = visited[end]
+            lazy.deferred.add(visited[end])
         selected = set(self.queued.gpu_block_ids[num_queued:])
+        lazy.deferred.difference_update(selected)
         lazy.copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
         lazy.cursor = next((b for b in reversed(visited[:end]) if b not in selected), lazy.cursor)
