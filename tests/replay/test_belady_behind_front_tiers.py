@@ -156,4 +156,6 @@ def test_a_sweep_shares_the_first_tier_oracle_and_reports_every_pass(
     for point in points:
         first = replace(base.tiers[0], capacity_tokens=point.capacity_tokens)
         config = replace(base, policy=point.policy, tiers=(first, *base.tiers[1:]))
-        assert point.result.tiers == replay_trace(records, config).tiers, point.policy
+        heard.clear()
+        assert point.result.tiers == replay_trace(records, config, progress=heard.append).tiers
+        assert sum(heard) == sweep_passes(config, [point.policy], [0]) * len(records)

@@ -330,5 +330,6 @@ def replay_trace(
     oracle: FutureOracle | None = None,
     progress: ProgressFn | None = None,
 ) -> ReplayResult:
-    """Replay `records` once under `config` and return the results."""
-    return TierReplay(records, config, keys, oracle).run(progress)
+    """Replay `records` once under `config` and return the results; `progress` hears of
+    every pass, an offline policy's setup passes included."""
+    return TierReplay(records, config, keys, oracle, progress=progress).run(progress)
