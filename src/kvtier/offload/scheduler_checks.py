@@ -65,3 +65,7 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     assert scheduler.selector.lazy.copying <= copied, "a lazy copy is tracked but not in flight"
     if scheduler.cascade is not None:
         assert scheduler.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"
+        cpu_key = scheduler.cascade.cpu_pool.key
+        assert all(cpu_key(b) == k for b, k in scheduler.cascade.dropped), (
+            "a dropped demotion outlived its CPU block's key"
+        )
