@@ -159,3 +159,16 @@ def test_a_sweep_shares_the_first_tier_oracle_and_reports_every_pass(
         heard.clear()
         assert point.result.tiers == replay_trace(records, config, progress=heard.append).tiers
         assert sum(heard) == sweep_passes(config, [point.policy], [0]) * len(records)
+
+
+def test_a_replay_refuses_an_oracle_built_for_another_gpu_tier() -> None:
+    records = records_of([(0, 1), (0, 1), (2,)])
+    keys = [[make_key(h.to_bytes(8, "little"), 0) for h in r.hash_ids] for r in records]
+    config = ReplayConfig(
+        tiers=(TierConfig("CPU", BLOCK, 25.0),),
+        policy="belady",
+        gpu_capacity_tokens=2 * BLOCK,
+        block_size=BLOCK,
+    )
+    with pytest.raises(ValueError, match="built for a GPU tier of 0 tokens, this replay has 16"):
+        replay_trace(records, config, keys, FutureOracle(keys))

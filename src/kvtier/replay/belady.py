@@ -33,13 +33,17 @@ class FutureOracle:
     (request i's references reach the tier from position `reach_from[i]` on: a tier in
     front serves the ones before) only references that reach the tier count as uses;
     every reference, reaching or not, is told the next one that does.
+    `gpu_capacity_tokens` names the GPU tier `reach_from` accounts for (0: none), so a
+    replay can refuse an oracle built for another one.
     """
 
     def __init__(
         self,
         keys_per_request: Sequence[Sequence[Key]],
         reach_from: Sequence[int] | None = None,
+        gpu_capacity_tokens: int = 0,
     ) -> None:
+        self.gpu_capacity_tokens = gpu_capacity_tokens
         if reach_from is not None and len(reach_from) != len(keys_per_request):
             raise ValueError(
                 f"reach_from has {len(reach_from)} entries for {len(keys_per_request)} requests"

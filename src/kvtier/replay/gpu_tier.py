@@ -67,7 +67,7 @@ def first_tier_oracle(
             progress(progress_every)
     if progress is not None and len(starts) % progress_every:
         progress(len(starts) % progress_every)
-    return FutureOracle(keys, starts)
+    return FutureOracle(keys, starts, config.gpu_capacity_tokens)
 
 
 def serve_on_gpu(pool: BlockPool, keys: Sequence[Key], tokens: Sequence[int]) -> int:

@@ -166,6 +166,12 @@ class TierReplay:
         """
         if shared is None:
             shared = first_tier_oracle(self.records, self.config, self.keys, self._cap, progress)
+        elif shared.gpu_capacity_tokens != self.config.gpu_capacity_tokens:
+            raise ValueError(
+                f"the first tier's oracle was built for a GPU tier of "
+                f"{shared.gpu_capacity_tokens} tokens, this replay has "
+                f"{self.config.gpu_capacity_tokens} (build it with first_tier_oracle)"
+            )
         oracles = [shared]
         for t in range(1, len(self.config.tiers)):
             front = replace(self.config, tiers=self.config.tiers[:t], check_every=0)
