@@ -267,6 +267,10 @@ def test_cascade_config_validation(caplog: pytest.LogCaptureFixture) -> None:
         OffloadConfig(cpu_bytes=1, disk_persist=True)
     with pytest.raises(ConfigError, match="cascade must be one of"):
         OffloadConfig.from_dict({"cpu_bytes": 1, "disk_bytes": 2, "disk_path": "d", "cascade": "x"})
+    with pytest.raises(ConfigError, match=r"cascade must be one of .*, got 'wt'"):
+        OffloadConfig(cpu_bytes=1, disk_bytes=2, disk_path="d", cascade="wt")  # type: ignore[arg-type]
+    named = OffloadConfig(cpu_bytes=1, disk_bytes=2, disk_path="d", cascade=" Write_Back")  # type: ignore[arg-type]
+    assert named.cascade is CascadeMode.WRITE_BACK  # a member's name, as from_dict takes it
     with caplog.at_level(logging.WARNING):
         config = OffloadConfig.from_dict({"cpu_bytes": 1, "cascade": "write_back"})
     assert "cascade needs both" in caplog.text

@@ -190,14 +190,7 @@ class OffloadConfig:
             values["disk_io_mode"] = DiskIOMode.DIRECT if direct else DiskIOMode.PAGE_CACHE
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            enum_type = _ENUM_FIELDS.get(key)
-            if enum_type is not None and isinstance(value, str):
-                try:  # like policy names: any case, surrounding spaces ignored
-                    value = enum_type(value.strip().lower())
-                except ValueError:
-                    choices = ", ".join(repr(m.value) for m in enum_type)
-                    raise ConfigError(f"{key} must be one of {choices}, got {value!r}") from None
-            kwargs[key] = value
+            kwargs[key] = _as_enum(key, value)
         if not kwargs.get("disk_bytes"):
             ignored = sorted(k for k in _DISK_KEYS if k in kwargs)
             for key in ignored:
@@ -326,9 +319,11 @@ _REGISTRIES: dict[str, Mapping[str, object]] = {
 def _valid_value(name: str, value: object) -> object:
     """Return `value` normalized for field `name`; raise ConfigError naming a bad one.
 
-    Policy names ignore case and surrounding spaces, as `PolicySpec.parse` does; a
-    `disk_path` is made absolute.
+    Policy names ignore case and surrounding spaces, as `PolicySpec.parse` does, and so
+    do the names of enum fields' members (`cascade="write_back"`); a `disk_path` is made
+    absolute.
     """
+    value = _as_enum(name, value)
     _check_type(name, value)
     if name == "disk_path" and isinstance(value, str) and value:
         return os.path.abspath(os.path.expanduser(value))
@@ -340,6 +335,19 @@ def _valid_value(name: str, value: object) -> object:
         _require(ok, name, value, f"choose one of {', '.join(registry)}")
         return value.strip().lower()
     return value
+
+
+def _as_enum(name: str, value: object) -> object:
+    """Return the member a string names for an enum field (any case, surrounding spaces
+    ignored); raise ConfigError listing the choices for a name that is none of them."""
+    enum_type = _ENUM_FIELDS.get(name)
+    if enum_type is None or not isinstance(value, str):
+        return value
+    try:
+        return enum_type(value.strip().lower())
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_type)
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}") from None
 
 
 _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
