@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import kvtier
 from kvtier.cli.main import BROKEN_PIPE_STATUS, build_parser, main
 from kvtier.replay import cli as replay_cli
 
@@ -105,6 +106,13 @@ def test_ctrl_c_ends_replay_with_one_line_and_status_130(
         pytest.fail("KeyboardInterrupt escaped: the user sees a traceback")
     assert status == 130
     assert capsys.readouterr().err == "\nkvtier replay: interrupted\n"
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"kvtier {kvtier.__version__}\n"
 
 
 def test_every_option_of_every_command_states_its_default() -> None:

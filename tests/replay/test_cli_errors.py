@@ -120,6 +120,14 @@ def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
         (["--capacity", "1M", "--capacity", "7"], ["--capacity 7 holds no 8-token block"]),
         (["--disk-capacity", "7"], ["--disk-capacity 7 holds no", "or 0 for none"]),
         (["--gpu-capacity", "7"], ["--gpu-capacity 7 holds no", "or 0 for none"]),
+        (
+            ["--capacity", "64", "--disk", "32", "--cascade", "write_through"],
+            ["--disk-capacity 32 is smaller than the CPU capacity 64", "--cascade write_back"],
+        ),
+        (
+            ["--disk", "1M", "--cascade", "write_through", "--sweep", "--out", "x"],
+            ["--disk-capacity 1M is smaller than the CPU capacity 30M"],
+        ),
     ],
 )
 def test_options_that_would_be_ignored_or_are_zero_are_errors(
@@ -231,6 +239,17 @@ def test_a_trace_that_cannot_be_read_is_named_as_the_trace(
     assert not (tmp_path / "r.json").exists()
 
 
+def test_a_block_size_other_than_the_traces_is_named_with_the_one_it_looks_like(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It read as a broken line 1 of the trace, with nothing to say the option is wrong."""
+    argv = [str(trace_file(tmp_path)), "--block-size", str(2 * BLOCK), "--quiet"]
+    assert main(argv) == 2
+    assert_error_before_the_run(
+        capsys, f"at block size {2 * BLOCK} (the trace's block size looks like {BLOCK}"
+    )
+
+
 def test_a_request_larger_than_the_gpu_names_its_line_before_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -269,3 +288,12 @@ def test_a_closed_pipe_ends_quietly_and_keeps_the_files(tmp_path: Path, unbuffer
     assert done.stderr.decode() == ""
     assert done.returncode == EXIT_BROKEN_PIPE
     assert json.loads((tmp_path / "r.json").read_text())["points"]
+
+
+def test_no_progress_bar_is_drawn_when_stderr_is_not_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log file or CI job got hundreds of tqdm redraws; --quiet alone stopped them."""
+    argv = [str(trace_file(tmp_path)), "--block-size", str(BLOCK), "--policy", "belady"]
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""

@@ -139,6 +139,14 @@ def test_chat_generator_names_an_output_path_it_cannot_write(
     assert f"error: cannot write {out}: " in capsys.readouterr().err
 
 
+def test_chat_generator_refuses_an_empty_output_path(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said `cannot write : Is a directory`, unlike every other command's output path."""
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main(["", "--conversations", "2"])
+    assert exit_info.value.code == 2
+    assert "argument out: expected a path, got an empty string" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("option", "value"), [("--conversations", "0"), ("--block-size", "-1")])
 def test_chat_generator_names_the_option_out_of_range(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str

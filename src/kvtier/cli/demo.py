@@ -180,13 +180,14 @@ def _print_table(console: Console, results: list[RunResult]) -> None:
         table.add_column(column, justify="right", no_wrap=True)
     base = percentile(results[0].ttfts(history_left_gpu=True), 0.5)
     for r in results:
-        off_gpu = percentile(r.ttfts(history_left_gpu=True), 0.5)
+        off_gpu_ttfts = r.ttfts(history_left_gpu=True)
+        off_gpu = percentile(off_gpu_ttfts, 0.5)
         ratio = f" ({off_gpu / base:.2f}x)" if base else ""
         table.add_row(
             r.name,
             f"{percentile(r.ttfts(), 0.5) * 1e3:.0f} ms",
             f"{percentile(r.ttfts(), 0.9) * 1e3:.0f} ms",
-            f"{off_gpu * 1e3:.0f} ms{ratio}",
+            f"{off_gpu * 1e3:.0f} ms{ratio}" if off_gpu_ttfts else "- (none left the GPU)",
             f"{r.tokens_per_s:.0f}",
             str(sum(t.num_local_hit_tokens for t in r.turns)),
             _tier_hits(r),

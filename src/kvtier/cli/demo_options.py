@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier.offload.config import CascadeMode, DiskIOMode
 from kvtier.replay.ascii_number import ascii_int
+from kvtier.replay.outputs import output_path
 from kvtier.replay.store_once import StoreOnce
 
 # The workload and tier sizes: (option, default, what it sets).
@@ -26,13 +27,6 @@ _SIZE_OPTIONS = (
     ("--cpu-mib", 256, "CPU tier size in MiB"),
     ("--disk-mib", 256, "disk tier size in MiB"),
 )
-
-
-def _path(text: str) -> str:
-    """Refuse an empty path: `--out "$UNSET"` would plot into the current folder, silently."""
-    if not text:
-        raise argparse.ArgumentTypeError("expected a path, got an empty string")
-    return text
 
 
 def add_parser(subparsers: Any) -> None:
@@ -54,7 +48,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--model-dir",
         action=StoreOnce,
-        type=_path,
+        type=output_path,
         help="local HF checkpoint dir (default: random demo model)",
     )
     for flag, default, what in _SIZE_OPTIONS:
@@ -84,7 +78,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--disk-dir",
         action=StoreOnce,
-        type=_path,
+        type=output_path,
         help="directory for the disk tier file (default: a temp dir)",
     )
     parser.add_argument(
@@ -97,7 +91,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--out",
         action=StoreOnce,
-        type=_path,
+        type=output_path,
         default="out",
         help="folder for the plot (default ./out)",
     )

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kvtier import __version__
 from kvtier.cli import demo_options
 from kvtier.cli.termination import raise_if_terminated, sigterm_unwinds
 from kvtier.replay import cli as replay_cli
@@ -25,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvtier",
         description="kvtier: a hierarchical KV cache (GPU -> host memory -> disk) for LLM engines.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level (before COMMAND)"
+    )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo_options.add_parser(subparsers)
     replay_cli.add_parser(subparsers)

@@ -20,6 +20,7 @@ from kvtier.replay.ascii_number import ascii_float, ascii_int
 from kvtier.replay.belady import OFFLINE_POLICIES
 from kvtier.replay.config import CascadeMode, ReleaseOrder, ReplayError
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
+from kvtier.replay.outputs import output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
 from kvtier.replay.store_once import StoreOnce
@@ -100,13 +101,6 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _output_path(text: str) -> str:
-    """Refuse an empty path: `--json "$UNSET"` would otherwise write nothing, silently."""
-    if not text:
-        raise argparse.ArgumentTypeError("expected a path, got an empty string")
-    return text
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the replay options to `parser`."""
     parser.add_argument("trace", help="Mooncake-format .jsonl trace")
@@ -174,13 +168,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         action=StoreOnce,
-        type=_output_path,
+        type=output_path,
         help=f"with --sweep: folder for the sweep CSV and plot (default {DEFAULT_OUT})",
     )
     parser.add_argument(
         "--json",
         action=StoreOnce,
-        type=_output_path,
+        type=output_path,
         metavar="PATH",
         help="write every result as JSON (adds lru and belady, the reference lines; "
         "belady not with --cascade; /dev/stdout prints it before the table); default: no "
@@ -326,7 +320,7 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
         from tqdm import tqdm
 
         total = sweep_passes(plan.base, plan.policies, plan.capacities) * len(records)
-        bar = tqdm(total=total, unit="req", leave=False)
+        bar = tqdm(total=total, unit="req", leave=False, disable=None)  # none off a TTY
         progress = bar.update
     try:
         points = run_sweep(records, plan.base, plan.policies, plan.capacities, progress)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from kvtier.replay.ascii_number import ascii_int
+from kvtier.replay.outputs import output_path
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
 
@@ -152,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a multi-turn chat workload (shared system prompts) as a "
         "Mooncake-format trace for `kvtier replay`.",
     )
-    parser.add_argument("out", help="output .jsonl path")
+    parser.add_argument("out", type=output_path, help="output .jsonl path")
     parser.add_argument(
         "--seed",
         action=StoreOnce,

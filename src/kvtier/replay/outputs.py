@@ -5,12 +5,21 @@ Each check raises `ReplayError` naming the option and the path; nothing is creat
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.replay.config import ReplayError
+
+
+def output_path(text: str) -> str:
+    """Refuse an empty path (an argparse `type`): `--json "$UNSET"` would otherwise write
+    nothing, or into the current folder, silently."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
 
 
 def check_file_path(option: str, path: Path) -> None:

@@ -43,6 +43,14 @@ def build_config(args: argparse.Namespace) -> ReplayConfig:
     """
     if args.cascade and not args.disk_capacity:
         raise ReplayError(f"--cascade {args.cascade} needs a DISK tier: add --disk-capacity")
+    cpu_largest = max(args.capacity or (DEFAULT_SWEEP_TOKENS if args.sweep else [DEFAULT_CAPACITY]))
+    if args.cascade == CascadeMode.WRITE_THROUGH.value and 0 < args.disk_capacity < cpu_largest:
+        raise ReplayError(
+            f"--disk-capacity {format_tokens(args.disk_capacity)} is smaller than the CPU "
+            f"capacity {format_tokens(cpu_largest)}: with --cascade write_through the disk "
+            "keeps a copy of every CPU block (kvtier refuses such a config); give the disk "
+            "at least the CPU capacity, or use --cascade write_back"
+        )
     if args.disk_link_gbps is not None and not args.disk_capacity:
         raise ReplayError("--disk-link-gbps needs a DISK tier: add --disk-capacity")
     if args.out is not None and not args.sweep:

@@ -69,11 +69,21 @@ def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
     hash_ids = _check_hash_ids(raw["hash_ids"], where)
     expected = math.ceil(raw["input_length"] / block_size)
     if len(hash_ids) != expected:
+        fits = [b for b in _BLOCK_SIZES if math.ceil(raw["input_length"] / b) == len(hash_ids)]
+        hint = (
+            f" (the trace's block size looks like {fits[0]}: --block-size {fits[0]})"
+            if fits
+            else ""
+        )
         raise TraceError(
             f"{where}: {len(hash_ids)} hash_ids for input_length={raw['input_length']}, "
-            f"expected {expected} at block size {block_size}"
+            f"expected {expected} at block size {block_size}{hint}"
         )
     return TraceRecord(raw["timestamp"], raw["input_length"], raw["output_length"], hash_ids)
+
+
+# Block sizes a trace's hash ids are likely to be of, tried for an error's hint.
+_BLOCK_SIZES = tuple(2**i for i in range(14))
 
 
 def _check_hash_ids(hash_ids: object, where: str) -> tuple[int, ...]:
