@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from replay_helpers import BLOCK, doc_trace
 
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.generate import main as generate_main
@@ -137,6 +138,17 @@ def test_chat_generator_names_an_output_path_it_cannot_write(
         generate_main([str(out), "--conversations", "2"])
     assert exit_info.value.code == 2
     assert f"error: cannot write {out}: " in capsys.readouterr().err
+
+
+def test_a_trace_named_gz_is_written_compressed_and_reads_back(tmp_path: Path) -> None:
+    """`generate chat.jsonl.gz` wrote plain text under a .gz name."""
+    records = doc_trace(seed=1, num_requests=5)
+    packed, plain = tmp_path / "t.jsonl.gz", tmp_path / "t.jsonl"
+    write_trace(packed, records)
+    write_trace(plain, records)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    assert read_trace(packed, BLOCK) == read_trace(plain, BLOCK) == records
 
 
 def test_chat_generator_refuses_an_empty_output_path(capsys: pytest.CaptureFixture[str]) -> None:

@@ -205,16 +205,30 @@ def _numbered_lines(file: Iterable[bytes], path: str | Path) -> Iterator[tuple[i
 
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
-    """Write records as Mooncake-format JSON lines (all of them, or `path` is untouched)."""
-    with whole_file(path) as file:
-        for record in records:
-            row = {
+    """Write records as Mooncake-format JSON lines (all of them, or `path` is untouched),
+    gzip-compressed when `path` ends in `.gz`."""
+    lines = (
+        json.dumps(
+            {
                 "timestamp": record.timestamp_ms,
                 "input_length": record.input_length,
                 "output_length": record.output_length,
                 "hash_ids": list(record.hash_ids),
             }
-            file.write(json.dumps(row) + "\n")
+        )
+        + "\n"
+        for record in records
+    )
+    if not str(path).endswith(".gz"):
+        with whole_file(path) as file:
+            file.writelines(lines)
+        return
+    with (
+        whole_file(path, binary=True) as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as packed,
+    ):
+        for line in lines:
+            packed.write(line.encode())
 
 
 @dataclass(frozen=True)
