@@ -161,3 +161,16 @@ def test_help_and_replay_do_not_import_the_engine(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbose"),
+    [
+        (["replay", "t.jsonl"], False),
+        (["-v", "replay", "t.jsonl"], True),
+        (["replay", "t.jsonl", "-v"], True),  # regression: "unrecognized arguments: -v"
+        (["demo", "--verbose"], True),
+    ],
+)
+def test_verbose_is_taken_before_or_after_the_command(argv: list[str], verbose: bool) -> None:
+    assert build_parser().parse_args(argv).verbose is verbose

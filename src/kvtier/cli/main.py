@@ -26,13 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvtier",
         description="kvtier: a hierarchical KV cache (GPU -> host memory -> disk) for LLM engines.",
     )
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="log at INFO level (before COMMAND)"
-    )
+    verbose_help = "log at INFO level"
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo_options.add_parser(subparsers)
     replay_cli.add_parser(subparsers)
+    for command in subparsers.choices.values():  # `kvtier demo -v` as `kvtier -v demo`
+        command.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help
+        )
     return parser
 
 
