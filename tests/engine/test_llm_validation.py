@@ -186,6 +186,36 @@ def test_add_request_checks_its_params() -> None:
     assert llm.add_request([1, 2], PARAMS, session_id="chat-1").session_id == "chat-1"
 
 
+@pytest.mark.parametrize(
+    ("session_ids", "error", "message"),
+    [
+        (["a"], ValueError, "one id per prompt \\(2\\), got \\['a'\\]"),
+        ("ab", ValueError, "one id per prompt \\(2\\), got 'ab'"),
+        (["a", 3], TypeError, "session_id must be a str or None, got 3"),
+    ],
+)
+def test_generate_checks_its_session_ids(session_ids: Any, error: type, message: str) -> None:
+    llm = small_llm()
+    with pytest.raises(error, match=message):
+        llm.generate([[1, 2, 3], [4, 5]], PARAMS, session_ids=session_ids)
+    assert_untouched(llm)
+
+
+def test_generate_gives_each_request_its_session_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = small_llm()
+    queued: list[str | None] = []
+    enqueue = llm._enqueue
+
+    def spy(*args: Any) -> Any:
+        request = enqueue(*args)
+        queued.append(request.session_id)
+        return request
+
+    monkeypatch.setattr(llm, "_enqueue", spy)
+    llm.generate([[1, 2, 3], [4, 5], [6]], PARAMS, session_ids=["chat-1", None, "chat-2"])
+    assert queued == ["chat-1", None, "chat-2"]
+
+
 # ---------------------------------------------------------------- impossible requests
 
 

@@ -147,9 +147,12 @@ class LLM:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         show_progress: bool = False,
+        *,
+        session_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` (token id lists) to completion; outputs come in prompt order.
 
+        `session_ids`, one per prompt, are carried as `add_request`'s `session_id` is.
         Every prompt is checked as in `add_request` before any is queued: one bad prompt
         rejects the whole call (the error names its index) and nothing runs. If a step
         fails anyway, this call's unfinished requests are aborted and their blocks freed
@@ -162,7 +165,11 @@ class LLM:
             self._checked(prompt, sp, f"prompt {index}")
             for index, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
-        requests = [self._enqueue(token_ids, sp) for token_ids, sp in checked]
+        sessions = self._session_list(session_ids, len(checked))
+        requests = [
+            self._enqueue(token_ids, sp, session)
+            for (token_ids, sp), session in zip(checked, sessions, strict=True)
+        ]
         pending = {r.request_id for r in requests}
         try:
             with tqdm(total=len(requests), disable=not show_progress, unit="req") as bar:
@@ -193,10 +200,25 @@ class LLM:
         self._require_running()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
-        if session_id is not None and not isinstance(session_id, str):
-            raise TypeError(f"session_id must be a str or None, got {session_id!r}")
+        (session_id,) = self._session_list([session_id], 1)
         token_ids, params = self._checked(prompt, params, f"request req-{self._next_id}")
         return self._enqueue(token_ids, params, session_id)
+
+    @staticmethod
+    def _session_list(
+        session_ids: Sequence[str | None] | None, num_prompts: int
+    ) -> list[str | None]:
+        """Return one session id per prompt; TypeError/ValueError name a bad value."""
+        if session_ids is None:
+            return [None] * num_prompts
+        if isinstance(session_ids, str) or len(session_ids) != num_prompts:
+            raise ValueError(
+                f"session_ids must give one id per prompt ({num_prompts}), got {session_ids!r}"
+            )
+        for session_id in session_ids:
+            if session_id is not None and not isinstance(session_id, str):
+                raise TypeError(f"session_id must be a str or None, got {session_id!r}")
+        return list(session_ids)
 
     def step(self) -> list[Request]:
         """Run one engine step (SPEC §2.2); return the requests that finished in it.
