@@ -129,6 +129,24 @@ def test_connector_reset_waits_for_issued_stores_and_never_shows_them() -> None:
     check_quiescent(harness)
 
 
+def test_a_connector_reset_that_reports_failure_still_serves_nothing_from_before() -> None:
+    # Regression: while a store was in flight, reset_prefix_cache(reset_connector=True)
+    # returned False and left the tier's index as it was: a caller that did not retry
+    # (e.g. after a weight update) was served the KV from before the reset.
+    harness = stored_then_gpu_reset()
+    gate = PollGate(offload_worker(harness))
+    gate.hold("store")
+    harness.add_request("other", list(range(500, 548)), max_tokens=3)
+    for _ in range(3):
+        harness.step()
+    assert not harness.scheduler.reset_prefix_cache(reset_connector=True), "a store in flight"
+    gate.release()
+    harness.run_requests(AGAIN, max_tokens=3)  # no retry of the reset
+    assert all(harness.external_hit_tokens(r) == 0 for r in AGAIN), "KV from before served"
+    assert harness.scheduler.reset_prefix_cache(reset_connector=True)
+    check_quiescent(harness)
+
+
 def test_reset_prefix_cache_with_connector_empties_the_tier() -> None:
     harness = stored_then_gpu_reset()
     side = scheduler_side(harness)

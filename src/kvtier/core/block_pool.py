@@ -293,6 +293,12 @@ class BlockPool(PoolQueries):
             self._free.discard(block_id)  # not `remove`, which policies count as a hit
             self._free.push_reusable(block_id)
 
+    def discard_all_keys(self) -> None:
+        """`discard_keys` of every block, referenced ones included: nothing cached so far
+        is found again. What `reset` cannot do while blocks are referenced."""
+        for block_id in [b for b, key in enumerate(self._keys) if key is not None]:
+            self.discard_keys(block_id)
+
     def evict_keys(self, block_id: int) -> None:
         """Evict free cached block `block_id` now: its keys are dropped (`discard_keys`)
         and its eviction policy records the eviction as it records its own victims

@@ -281,6 +281,10 @@ class OffloadScheduler:
     def reset(self) -> bool:
         """Drop all tier contents; return False while issued transfers are outstanding.
 
+        Either way no lookup finds anything stored before the call (**Beyond** SPEC §6.9,
+        where a False reset leaves the index until a retry succeeds: a caller that does
+        not retry would be served KV from before, e.g. from old weights): with transfers
+        outstanding every key is discarded now and the slots wait for the workers' reports.
         Never-issued transfers are dropped at once (their loads come back as failed
         loads in the next report); issued stores are abandoned and never become visible.
         Requests running across the reset are no longer stored: their KV, and all they
@@ -301,7 +305,9 @@ class OffloadScheduler:
             self.cascade.release(self.cascade.take_queued())
             self.cascade.dropped.clear()
         self._book.abandon_stores()
-        if len(self._book):
+        if len(self._book):  # the slots wait for their transfers; the keys go now
+            for pool in self.index.pools.values():
+                pool.discard_all_keys()
             return False
         for pool in self.index.pools.values():
             cleared = pool.reset()
