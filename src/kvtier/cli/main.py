@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvtier",
         description="kvtier: a hierarchical KV cache (GPU -> host memory -> disk) for LLM engines.",
     )
-    verbose_help = "log at INFO level"
+    verbose_help = "log at INFO level (default: WARNING)"
     parser.add_argument("-v", "--verbose", action="store_true", help=verbose_help)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
