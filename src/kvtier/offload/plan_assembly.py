@@ -43,15 +43,20 @@ class PlanAssembler:
         self._lazy_target = lazy_target
         self._next_step_id = 0
 
-    def build(self, step: StepInput, selector: StoreSelector) -> TransferPlan:
-        """Select this step's stores; issue them as one event, the queued loads as one per tier."""
+    def build(self, step: StepInput, selector: StoreSelector, store: bool = True) -> TransferPlan:
+        """Select this step's stores; issue them as one event, the queued loads as one per tier.
+
+        `store` False (a reset waits): requests' tables are kept up to date, but no store
+        or demotion is selected; eager cursors stay, to catch up once it is True again.
+        """
         for request_id in step.preempted_request_ids:
             selector.reset_request(request_id)
         eager = self._config.store_mode is StoreMode.EAGER
         if eager:
-            selector.select_scheduled(step.scheduled, step.preempted_request_ids)
+            selector.select_scheduled(step.scheduled, step.preempted_request_ids, select=store)
         gone = step.finished_request_ids | step.preempted_request_ids
-        selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
+        if store:
+            selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
         if not eager:
             if step.preempted_request_ids:  # its freed blocks may have held the cursor
                 selector.lazy.cursor = None
@@ -59,7 +64,8 @@ class PlanAssembler:
             selector.lazy.note_blocks_in_use(
                 ([b for scheduled in step.scheduled for ids in scheduled.block_ids for b in ids],)
             )
-            selector.select_lazy(self._lazy_target)
+            if store:
+                selector.select_lazy(self._lazy_target)
         jobs = []
         stores = selector.take_queued()
         if stores:
@@ -77,7 +83,8 @@ class PlanAssembler:
                 gpu_ids = tuple(b for item in parts for b in item.gpu_block_ids)
                 jobs.append(self._issue(tier, Tier.GPU, tier_ids, gpu_ids, loads=parts))
         if self._cascade is not None:
-            self._cascade.select_write_back()
+            if store:
+                self._cascade.select_write_back()
             moves = self._cascade.take_queued()
             if moves:
                 cpu_ids = tuple(item.cpu_block_id for item in moves)

@@ -44,6 +44,7 @@ from kvtier.offload.scheduler_checks import check_scheduler_invariants
 from kvtier.offload.stats import OffloadStats, StepCounters
 from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
+from kvtier.offload.tier_reset import TierReset
 from kvtier.offload.transfers import ReportOutcome, TransferBook
 
 
@@ -152,6 +153,7 @@ class OffloadScheduler:
             lazy=config.store_mode is StoreMode.LAZY,
             hit_tokens=self.loads.hit_tokens,
         )
+        self._reset = TierReset(self.index, self._book, self.loads, self.cascade, self.tags)
         self._hit_tokens_taken = 0  # total hit tokens at the last take_stats
         self._tier_names = tuple(tier.value for tier in self.index.tiers)
         self._stats_info = self._info()
@@ -224,7 +226,7 @@ class OffloadScheduler:
 
         Request views must not yet count this step's scheduled tokens as computed.
         """
-        return self._plans.build(step, self.selector)
+        return self._plans.build(step, self.selector, store=not self._reset.pending)
 
     # ------------------------------------------------------------------ report
 
@@ -236,6 +238,7 @@ class OffloadScheduler:
         """
         outcome = self._completion.apply(report)
         self.loads.note_failed(failed.request_id for failed in outcome.failed_loads)
+        self._reset.finish_if_drained()
         return outcome
 
     def has_unissued_failures(self) -> bool:
@@ -257,13 +260,14 @@ class OffloadScheduler:
         Issued transfers keep their pins until the workers report them.
         """
         request_id = request.request_id
-        # Blocks a load has not filled yet hold no valid KV: store nothing of this request.
+        # Blocks a load has not filled yet hold no valid KV: store nothing of this request;
+        # nor while a reset waits (`tier_reset`).
         loading = self.loads.drop_request(request_id) or any(
             load.request_id == request_id for transfer in self._book for load in transfer.loads
         )
         selector = self.selector
         state = selector.tracked.get(request_id)
-        if state is not None and not loading:
+        if state is not None and not loading and not self._reset.pending:
             state.block_ids = [list(ids) for ids in block_ids_per_group]
             selector.select_request(request, state, final=True)
             if self.config.fine_grained_hits:
@@ -281,38 +285,11 @@ class OffloadScheduler:
     def reset(self) -> bool:
         """Drop all tier contents; return False while issued transfers are outstanding.
 
-        Either way no lookup finds anything stored before the call (**Beyond** SPEC §6.9,
-        where a False reset leaves the index until a retry succeeds: a caller that does
-        not retry would be served KV from before, e.g. from old weights): with transfers
-        outstanding every key is discarded now and the slots wait for the workers' reports.
-        Never-issued transfers are dropped at once (their loads come back as failed
-        loads in the next report); issued stores are abandoned and never become visible.
-        Requests running across the reset are no longer stored: their KV, and all they
-        compute from it, predates the reset (e.g. a weight update), so none of it may
-        reach the emptied tier. A request preempted and resumed starts afresh.
+        No lookup finds anything stored before the call either way; while the reset
+        waits, no store or demotion is planned, and the first report that leaves nothing
+        outstanding completes it (see `tier_reset`).
         """
-        self.selector.across_reset |= (
-            set(self.selector.tracked) | self.loads.allocated | set(self.loads.pins)
-        )
-        self.loads.fail_all()
-        selector = self.selector
-        selector.release(selector.take_queued())
-        selector.tracked.clear()
-        if self.tags is not None:
-            self.tags.clear()
-        selector.lazy.clear()
-        if self.cascade is not None:
-            self.cascade.release(self.cascade.take_queued())
-            self.cascade.dropped.clear()
-        self._book.abandon_stores()
-        if len(self._book):  # the slots wait for their transfers; the keys go now
-            for pool in self.index.pools.values():
-                pool.discard_all_keys()
-            return False
-        for pool in self.index.pools.values():
-            cleared = pool.reset()
-            assert cleared, "tier blocks referenced with no transfer outstanding"
-        return True
+        return self._reset.reset(self.selector)
 
     def restore(self, tier: Tier, slots: Iterable[tuple[int, SlotRecord]]) -> int:
         """Index what a persistent tier kept from an earlier run; return the blocks indexed.

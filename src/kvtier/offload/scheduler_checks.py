@@ -24,6 +24,7 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     scheduler._eviction.check_invariants()
     scheduler._admission.check_invariants()
     scheduler._book.check_invariants()
+    scheduler._reset.check_invariants()
     assert scheduler.loads.recompute_next <= scheduler.loads.allocated, (
         "recompute of a finished request"
     )
