@@ -190,7 +190,8 @@ def test_add_request_checks_its_params() -> None:
     ("session_ids", "error", "message"),
     [
         (["a"], ValueError, "one id per prompt \\(2\\), got \\['a'\\]"),
-        ("ab", ValueError, "one id per prompt \\(2\\), got 'ab'"),
+        ("ab", TypeError, "a sequence of str or None, got 'ab'"),
+        (7, TypeError, "a sequence of str or None, got 7"),
         (["a", 3], TypeError, "session_id must be a str or None, got 3"),
     ],
 )

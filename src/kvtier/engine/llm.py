@@ -24,6 +24,7 @@ from kvtier.engine.validation import (
     RequestLimits,
     as_params_list,
     as_prompt_list,
+    as_session_list,
     as_token_ids,
     check_request,
 )
@@ -165,7 +166,7 @@ class LLM:
             self._checked(prompt, sp, f"prompt {index}")
             for index, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True))
         ]
-        sessions = self._session_list(session_ids, len(checked))
+        sessions = as_session_list(session_ids, len(checked))
         requests = [
             self._enqueue(token_ids, sp, session)
             for (token_ids, sp), session in zip(checked, sessions, strict=True)
@@ -200,25 +201,9 @@ class LLM:
         self._require_running()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
-        (session_id,) = self._session_list([session_id], 1)
+        (session_id,) = as_session_list([session_id], 1)
         token_ids, params = self._checked(prompt, params, f"request req-{self._next_id}")
         return self._enqueue(token_ids, params, session_id)
-
-    @staticmethod
-    def _session_list(
-        session_ids: Sequence[str | None] | None, num_prompts: int
-    ) -> list[str | None]:
-        """Return one session id per prompt; TypeError/ValueError name a bad value."""
-        if session_ids is None:
-            return [None] * num_prompts
-        if isinstance(session_ids, str) or len(session_ids) != num_prompts:
-            raise ValueError(
-                f"session_ids must give one id per prompt ({num_prompts}), got {session_ids!r}"
-            )
-        for session_id in session_ids:
-            if session_id is not None and not isinstance(session_id, str):
-                raise TypeError(f"session_id must be a str or None, got {session_id!r}")
-        return list(session_ids)
 
     def step(self) -> list[Request]:
         """Run one engine step (SPEC §2.2); return the requests that finished in it.

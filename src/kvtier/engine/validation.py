@@ -96,6 +96,22 @@ def as_params_list(params: object, num_prompts: int) -> list[SamplingParams]:
     return list(params)
 
 
+def as_session_list(session_ids: object, num_prompts: int) -> list[str | None]:
+    """Return one session id per prompt (None: all None); TypeError/ValueError name a bad value."""
+    if session_ids is None:
+        return [None] * num_prompts
+    if not isinstance(session_ids, Sequence) or isinstance(session_ids, str):
+        raise TypeError(f"session_ids must be a sequence of str or None, got {session_ids!r}")
+    if len(session_ids) != num_prompts:
+        raise ValueError(
+            f"session_ids must give one id per prompt ({num_prompts}), got {session_ids!r}"
+        )
+    for session_id in session_ids:
+        if session_id is not None and not isinstance(session_id, str):
+            raise TypeError(f"session_id must be a str or None, got {session_id!r}")
+    return list(session_ids)
+
+
 def check_request(
     token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits, where: str
 ) -> None:
