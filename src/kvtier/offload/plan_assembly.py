@@ -43,20 +43,18 @@ class PlanAssembler:
         self._lazy_target = lazy_target
         self._next_step_id = 0
 
-    def build(self, step: StepInput, selector: StoreSelector, store: bool = True) -> TransferPlan:
+    def build(self, step: StepInput, selector: StoreSelector, walk: bool = True) -> TransferPlan:
         """Select this step's stores; issue them as one event, the queued loads as one per tier.
 
-        `store` False (a reset waits): requests' tables are kept up to date, but no store
-        or demotion is selected; eager cursors stay, to catch up once it is True again.
+        `walk` False (a reset waits): no lazy walk and no write-back demotion.
         """
         for request_id in step.preempted_request_ids:
             selector.reset_request(request_id)
         eager = self._config.store_mode is StoreMode.EAGER
         if eager:
-            selector.select_scheduled(step.scheduled, step.preempted_request_ids, select=store)
+            selector.select_scheduled(step.scheduled, step.preempted_request_ids)
         gone = step.finished_request_ids | step.preempted_request_ids
-        if store:
-            selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
+        selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
         if not eager:
             if step.preempted_request_ids:  # its freed blocks may have held the cursor
                 selector.lazy.cursor = None
@@ -64,7 +62,7 @@ class PlanAssembler:
             selector.lazy.note_blocks_in_use(
                 ([b for scheduled in step.scheduled for ids in scheduled.block_ids for b in ids],)
             )
-            if store:
+            if walk:
                 selector.select_lazy(self._lazy_target)
         jobs = []
         stores = selector.take_queued()
@@ -83,7 +81,7 @@ class PlanAssembler:
                 gpu_ids = tuple(b for item in parts for b in item.gpu_block_ids)
                 jobs.append(self._issue(tier, Tier.GPU, tier_ids, gpu_ids, loads=parts))
         if self._cascade is not None:
-            if store:
+            if walk:
                 self._cascade.select_write_back()
             moves = self._cascade.take_queued()
             if moves:

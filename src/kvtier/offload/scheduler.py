@@ -226,7 +226,7 @@ class OffloadScheduler:
 
         Request views must not yet count this step's scheduled tokens as computed.
         """
-        return self._plans.build(step, self.selector, store=not self._reset.pending)
+        return self._plans.build(step, self.selector, walk=not self._reset.pending)
 
     # ------------------------------------------------------------------ report
 
@@ -238,7 +238,7 @@ class OffloadScheduler:
         """
         outcome = self._completion.apply(report)
         self.loads.note_failed(failed.request_id for failed in outcome.failed_loads)
-        self._reset.finish_if_drained()
+        self._reset.note_report()
         return outcome
 
     def has_unissued_failures(self) -> bool:
@@ -260,14 +260,13 @@ class OffloadScheduler:
         Issued transfers keep their pins until the workers report them.
         """
         request_id = request.request_id
-        # Blocks a load has not filled yet hold no valid KV: store nothing of this request;
-        # nor while a reset waits (`tier_reset`).
+        # Blocks a load has not filled yet hold no valid KV: store nothing of this request.
         loading = self.loads.drop_request(request_id) or any(
             load.request_id == request_id for transfer in self._book for load in transfer.loads
         )
         selector = self.selector
         state = selector.tracked.get(request_id)
-        if state is not None and not loading and not self._reset.pending:
+        if state is not None and not loading:
             state.block_ids = [list(ids) for ids in block_ids_per_group]
             selector.select_request(request, state, final=True)
             if self.config.fine_grained_hits:
@@ -286,8 +285,7 @@ class OffloadScheduler:
         """Drop all tier contents; return False while issued transfers are outstanding.
 
         No lookup finds anything stored before the call either way; while the reset
-        waits, no store or demotion is planned, and the first report that leaves nothing
-        outstanding completes it (see `tier_reset`).
+        waits, lazy walks and write-back demotions pause (see `tier_reset`).
         """
         return self._reset.reset(self.selector)
 

@@ -100,13 +100,9 @@ class StoreSelector:
         )
 
     def select_scheduled(
-        self,
-        scheduled: Iterable[ScheduledRequest],
-        preempted: frozenset[str],
-        select: bool = True,
+        self, scheduled: Iterable[ScheduledRequest], preempted: frozenset[str]
     ) -> None:
-        """Apply each scheduled request's new block ids, then select as `select_request` does
-        (unless not `select`: the cursors stay where they are).
+        """Apply each scheduled request's new block ids, then select as `select_request` does.
 
         The eager hot path of a step, in one loop: a request preempted this step and not
         resumed, or not tracked, is skipped; one with no newly confirmed block (most
@@ -139,8 +135,6 @@ class StoreSelector:
             for table, new_ids in zip(state.block_ids, item.block_ids, strict=True):
                 if new_ids:
                     table.extend(new_ids)
-            if not select:
-                continue
             confirmed = request.num_computed_tokens - request.num_output_placeholders
             ready_tokens = max(0, confirmed) // unit * unit
             cursors = state.cursors

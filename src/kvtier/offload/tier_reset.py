@@ -1,14 +1,15 @@
-"""Reset of the lower tiers (SPEC §6.9), and the pause of new copies while one waits.
+"""Reset of the lower tiers (SPEC §6.9), and what waits while transfers drain.
 
 A reset drops every key of every tier at once, whatever is in flight: from that call on
-no lookup finds anything stored before it. The slots themselves are freed once the
-transfers still using them are reported; until then the reset is *pending*
-(`OffloadScheduler.reset` returns False) and no store or demotion is planned, so that a
-caller retrying the reset every step sees it succeed once the old transfers drain
-(before, lazy mode re-selected the blocks whose stores the last attempt abandoned, and
-write-back demoted another block each step: the retries never ended). The first report
-that leaves nothing outstanding completes the reset by itself, so copying resumes even
-for a caller that never retries.
+no lookup finds anything stored before it. The slots in use by the transfers then
+outstanding are freed as those are reported; until the last of them is, the reset is
+*pending* (`OffloadScheduler.reset` returns False) and lazy mode's walk and write-back's
+demotions pause: both would re-copy what the reset just dropped (before, a caller
+retrying the reset every step never saw it succeed, as each step planned a new copy
+that the next try abandoned). Stores of requests admitted since (eager steps, finishes,
+hand-offs) go on as usual: their KV is computed after the reset. The pending state ends
+with the report that drains the last waited-for transfer, so nothing stays paused for a
+caller that never retries.
 
 **Beyond** SPEC §6.9, which leaves the index in place until a retry succeeds: a caller
 that ignores the False (vLLM's `reset_prefix_cache` returns a bool) would be served KV
@@ -41,7 +42,13 @@ class TierReset:
         self._loads = loads
         self._cascade = cascade
         self._tags = tags
-        self.pending = False  # keys dropped, slots waiting for outstanding transfers
+        # Events outstanding at the last reset that returned False, until reported.
+        self.waiting: set[int] = set()
+
+    @property
+    def pending(self) -> bool:
+        """Return True while transfers outstanding at the last reset are unreported."""
+        return bool(self.waiting)
 
     def reset(self, selector: StoreSelector) -> bool:
         """Drop everything now; return True once no transfer is outstanding.
@@ -64,26 +71,23 @@ class TierReset:
             self._cascade.release(self._cascade.take_queued())
             self._cascade.dropped.clear()
         self._book.abandon_stores()
-        self.pending = True
-        if len(self._book):  # the slots wait for their transfers; the keys go now
+        self.waiting = {transfer.job.event_id for transfer in self._book}
+        if self.waiting:  # the slots wait for their transfers; the keys go now
             for pool in self._index.pools.values():
                 pool.discard_all_keys()
-        return self.finish_if_drained()
+            return False
+        for pool in self._index.pools.values():
+            cleared = pool.reset()  # AllCleared
+            assert cleared, "tier blocks referenced with no transfer outstanding"
+        return True
 
-    def finish_if_drained(self) -> bool:
-        """Complete a pending reset once nothing is outstanding (after each report);
-        return True when no reset is pending."""
-        if self.pending and not len(self._book):
-            for pool in self._index.pools.values():
-                cleared = pool.reset()  # AllCleared
-                assert cleared, "tier blocks referenced with no transfer outstanding"
-            self.pending = False
-        return not self.pending
+    def note_report(self) -> None:
+        """Forget the waited-for transfers a report completed (after each report)."""
+        if self.waiting:
+            self.waiting = {event_id for event_id in self.waiting if event_id in self._book}
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when a pending reset has nothing to wait for, or a tier
-        holds a key while it waits (nothing is stored meanwhile)."""
-        if self.pending:
-            assert len(self._book), "a pending reset with nothing outstanding"
-            for pool in self._index.pools.values():
-                assert not pool.index, "a key visible while a reset waits"
+        """Raise AssertionError when a pending reset waits for a transfer already reported."""
+        assert all(event_id in self._book for event_id in self.waiting), (
+            "a pending reset waits for a transfer already reported"
+        )

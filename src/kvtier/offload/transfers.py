@@ -208,6 +208,9 @@ class TransferBook:
     def __iter__(self) -> Iterator[IssuedTransfer]:
         return iter(self._issued.values())
 
+    def __contains__(self, event_id: object) -> bool:
+        return event_id in self._issued
+
     def __len__(self) -> int:
         return len(self._issued)
 
