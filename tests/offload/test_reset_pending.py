@@ -6,9 +6,10 @@ It hides every key at once; while it waits, lazy walks and write-back demotions 
 
 from __future__ import annotations
 
-from sim import Admission, SimEngine, block_key, config, full_layout, make_request
+from sim import SimEngine, block_key, config, full_layout, make_request
 from test_scenarios_cascade import cascade_engine, next_job
 from test_scenarios_hybrid import hybrid_engine
+from test_scenarios_lifecycle import loading_engine
 
 from kvtier.core.events import BlockRemoved
 from kvtier.offload.config import CascadeMode, StoreMode
@@ -110,13 +111,7 @@ def test_a_reset_that_waits_for_a_load_hides_the_tier_at_once() -> None:
     Before, the index stayed until a retry succeeded, so a caller that did not retry
     (vLLM's `reset_prefix_cache` returns a bool many ignore) was served KV from before
     the reset, e.g. from old weights."""
-    engine = SimEngine(full_layout(), config(events=True))
-    engine.run(make_request("a", range(8)))
-    engine.drain()
-    engine.evict_gpu()
-    engine.auto_complete = False
-    b = make_request("b", [*range(8), 99])
-    assert engine.admit(b) == Admission(0, 8, 8)
+    engine, b = loading_engine(events=True)
     (load,) = engine.step().jobs
     engine.scheduler.take_events()
     assert engine.scheduler.reset() is False
