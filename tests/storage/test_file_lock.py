@@ -164,3 +164,36 @@ def test_a_forked_child_never_removes_the_parents_file(tmp_path: Path) -> None:
     assert_owns_path(slot_file, path)
     slot_file.close()
     assert not os.path.exists(path)
+
+
+def test_a_forked_child_that_outlives_the_tier_does_not_hold_its_lock(tmp_path: Path) -> None:
+    # Regression: a child forked while a persistent tier was open (a worker's helper
+    # process) inherited the locked descriptor; once the tier closed, the next engine's
+    # open of the path failed as busy for as long as the child lived.
+    path = str(tmp_path / "rank0.slots")
+    slot_file = open_slot_file(path, persistent=True)
+    release_child, child_waits = os.pipe()
+    child_ready, parent_waits = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: holds on until the parent has reopened the path
+        code = 1
+        try:
+            os.close(child_waits)
+            code = 0 if not slot_file.is_open else 2
+            os.write(parent_waits, b"r")  # its copy is closed (at the fork) by now
+            os.read(release_child, 1)
+        finally:
+            os._exit(code)
+    os.close(release_child)
+    os.close(parent_waits)
+    try:
+        assert os.read(child_ready, 1) == b"r"
+        slot_file.close()
+        reopened = open_slot_file(path, persistent=True)
+        assert reopened.reused
+        reopened.close()
+    finally:
+        os.close(child_waits)  # the child's read returns: it exits
+        os.close(child_ready)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

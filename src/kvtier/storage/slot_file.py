@@ -121,6 +121,7 @@ class SlotFile:
         self._closing = CloseGate()
         self._handle = _OpenFile(path, persistent)
         self._handle.fd, self.reused = self._open()
+        _OPEN_FILES[id(self._handle)] = self._handle
         self._finalizer = weakref.finalize(self, _release_dropped, self._handle)
 
     def _open(self) -> tuple[int, bool]:
@@ -247,7 +248,7 @@ class SlotFile:
         once the file is gone); idempotent, and what collection does without `close()`.
         Concurrent calls each return once that is done (see `CloseGate`).
 
-        Only the process that opened the file removes it: a forked child only closes. A
+        A forked child closes its copy at the fork and never removes the file. A
         file that cannot be removed (a read-only directory, an I/O error) does not raise:
         it is left, with a warning naming it and the error, and the descriptor and lock
         are released all the same (see `remove_held_file`)."""
@@ -269,8 +270,28 @@ class _OpenFile:
     owner_pid: int = field(default_factory=os.getpid)  # the process that opened it
 
 
+# The open files of this process, by id of their handle: a forked child closes its copies
+# at once (`_close_in_child`), or one that outlived its parent would hold the lock and the
+# next engine's open of the path would fail as busy.
+_OPEN_FILES: dict[int, _OpenFile] = {}
+
+
+def _close_in_child() -> None:
+    """Close every slot file inherited through `fork` (the parent's lock stays held)."""
+    for handle in _OPEN_FILES.values():
+        fd, handle.fd = handle.fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _OPEN_FILES.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 def _release(handle: _OpenFile) -> None:
     """Close the file of `handle`, first removing it unless it is persistent."""
+    _OPEN_FILES.pop(id(handle), None)
     fd, handle.fd = handle.fd, None
     if fd is None:
         return
