@@ -6,7 +6,7 @@ It hides every key at once; while it waits, lazy walks and write-back demotions 
 
 from __future__ import annotations
 
-from sim import SimEngine, block_key, config, full_layout, make_request
+from sim import Admission, SimEngine, block_key, config, full_layout, make_request
 from test_scenarios_cascade import cascade_engine, next_job
 from test_scenarios_hybrid import hybrid_engine
 from test_scenarios_lifecycle import loading_engine
@@ -83,6 +83,35 @@ def test_requests_admitted_while_a_reset_waits_are_stored_and_served() -> None:
     assert engine.scheduler.lookup(make_request("d2", [*range(100, 108), 5]), 0) == 8
     engine.check()
     assert engine.scheduler.reset() is True  # the lookup pin is dropped; nothing in flight
+
+
+def test_a_key_whose_store_a_reset_abandoned_is_stored_afresh_meanwhile() -> None:
+    # Regression: the abandoned store kept its keys "in flight" until it reported, so a
+    # request admitted after the reset with the same prompt (a shared system prompt after
+    # a weight update) had its blocks skipped as in flight, and they were never stored.
+    engine = SimEngine(full_layout(), config(max_batched_tokens=8), num_tier_blocks=8)
+    engine.auto_complete = False
+    old = engine.store_of_finished(make_request("old", range(300, 308)))
+    assert engine.scheduler.reset() is False
+    engine.scheduler.take_stats()
+    engine.evict_gpu()  # no GPU prefix hit: "d" computes the same blocks afresh
+    d = make_request("d", range(300, 308))
+    engine.admit(d)
+    engine.schedule("d")
+    engine.step()
+    engine.finish("d")
+    engine.step()
+    assert engine.scheduler.take_stats().store_outcomes == {"stored": 2}
+    engine.check()
+    engine.worker.complete(old.event_id)  # the abandoned copy reports last
+    engine.auto_complete = True
+    engine.drain()
+    engine.evict_gpu()
+    again = make_request("again", [*range(300, 308), 5])
+    assert engine.admit(again) == Admission(0, 8, 8)
+    engine.step()
+    engine.check_kv(again)  # served from d's copy
+    engine.check()
 
 
 def test_a_hand_off_while_a_reset_waits_is_stored() -> None:

@@ -177,7 +177,8 @@ class Cascade:
         registered = succeeded and not abandoned
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
         for item in items:
-            self.in_flight_keys.discard(item.key)
+            if not abandoned:  # an abandoned move's key was let go at the reset
+                self.in_flight_keys.discard(item.key)
             # A failed load may have discarded the CPU copy's keys since: then the bytes
             # read are suspect too, and nothing is registered.
             if registered and cpu_pool.key(item.cpu_block_id) == item.key:
@@ -208,7 +209,9 @@ class Cascade:
 
     def release(self, items: Iterable[MoveItem]) -> None:
         """Drop the pins and in-flight keys of demotions that will register nothing."""
-        self.complete(list(items), succeeded=True, abandoned=True)
+        items = list(items)
+        self.in_flight_keys.difference_update(item.key for item in items)
+        self.complete(items, succeeded=True, abandoned=True)
 
     # ------------------------------------------------------------ queries
 

@@ -103,7 +103,9 @@ class TransferCompletion:
         if not transfer.succeeded or transfer.abandoned:
             if not transfer.succeeded:
                 self._counters.num_failed_stores += len(transfer.stores)
-            selector.release(transfer.stores)
+            # An abandoned store's keys were let go at the reset (`tier_reset`): the
+            # same key may be in flight again, from a request admitted since.
+            selector.release(transfer.stores, forget_keys=not transfer.abandoned)
             return
         gpu_pool = selector.gpu_pool
         stores = transfer.stores

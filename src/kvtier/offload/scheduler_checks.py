@@ -36,20 +36,23 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     loads = list(scheduler.loads.queued)
     store_batches = [scheduler.selector.queued]
     moves = list(scheduler.cascade.queued) if scheduler.cascade is not None else []
+    live_keys: set[Key] = set(scheduler.selector.queued.keys)  # abandoned ones let go
+    live_moves = {m.key for m in moves}
     for transfer in scheduler._book:
         loads.extend(transfer.loads)
         store_batches.append(transfer.stores)
         moves.extend(transfer.moves)
+        if not transfer.abandoned:
+            live_keys.update(transfer.stores.keys)
+            live_moves.update(m.key for m in transfer.moves)
     for load in loads:
         refs[load.tier].update(load.tier_block_ids)
         gpu_refs.update(load.gpu_block_ids)
-    store_keys: set[Key] = set()
     for stores in store_batches:
         assert len(stores.gpu_block_ids) == len(stores.tier_block_ids) == len(stores)
         assert all(0 <= i < len(stores) for i in [*stores.tails, *stores.payloads, *stores.tags])
         refs[scheduler.tier].update(stores.tier_block_ids)
         gpu_refs.update(stores.gpu_block_ids)
-        store_keys.update(stores.keys)
     for move in moves:
         refs[Tier.CPU][move.cpu_block_id] += 1
         refs[Tier.DISK][move.disk_block_id] += 1
@@ -61,11 +64,11 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
             )
     for block_id, count in gpu_refs.items():
         assert scheduler.gpu_pool.block(block_id).ref_count >= count, f"GPU block {block_id}"
-    assert scheduler.selector.in_flight_keys == store_keys, "in-flight keys"
+    assert scheduler.selector.in_flight_keys == live_keys, "in-flight keys"
     copied = {b for stores in store_batches for b in stores.gpu_block_ids}
     assert scheduler.selector.lazy.copying <= copied, "a lazy copy is tracked but not in flight"
     if scheduler.cascade is not None:
-        assert scheduler.cascade.in_flight_keys == {m.key for m in moves}, "in-flight demotions"
+        assert scheduler.cascade.in_flight_keys == live_moves, "in-flight demotions"
         cpu_key = scheduler.cascade.cpu_pool.key
         assert all(cpu_key(b) == k for b, k in scheduler.cascade.dropped), (
             "a dropped demotion outlived its CPU block's key"

@@ -403,13 +403,14 @@ class StoreSelector:
         self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored, own_tag)
         return StoreOutcome.STORED
 
-    def release(self, stores: StoreBatch) -> None:
-        """Drop the pins and in-flight keys of stores that will register nothing."""
+    def release(self, stores: StoreBatch, forget_keys: bool = True) -> None:
+        """Drop the pins (and in-flight keys) of stores that will register nothing."""
         self.gpu_pool.free(stores.gpu_block_ids[::-1])  # tail first, as on completion
         if self.lazy.copying:
             self.lazy.copying.difference_update(stores.gpu_block_ids)
         self.tier_pool.free(stores.tier_block_ids[::-1])
-        self.in_flight_keys.difference_update(stores.keys)
+        if forget_keys:
+            self.in_flight_keys.difference_update(stores.keys)
 
     def take_queued(self) -> StoreBatch:
         """Return and forget the stores selected since the last call."""

@@ -71,6 +71,10 @@ class TierReset:
             self._cascade.release(self._cascade.take_queued())
             self._cascade.dropped.clear()
         self._book.abandon_stores()
+        for transfer in self._book:  # their keys may be stored afresh: let them go now
+            selector.in_flight_keys.difference_update(transfer.stores.keys)
+            if self._cascade is not None:
+                self._cascade.in_flight_keys.difference_update(m.key for m in transfer.moves)
         self.waiting = {transfer.job.event_id for transfer in self._book}
         if self.waiting:  # the slots wait for their transfers; the keys go now
             for pool in self._index.pools.values():
