@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -120,8 +121,9 @@ class SlotFile:
         self._io: FileIO = file_io if file_io is not None else OsFileIO()
         self._closing = CloseGate()
         self._handle = _OpenFile(path, persistent)
-        self._handle.fd, self.reused = self._open()
-        _OPEN_FILES[id(self._handle)] = self._handle
+        with _OPEN_LOCK:  # a fork meanwhile waits: the child must know of this file
+            self._handle.fd, self.reused = self._open()
+            _OPEN_FILES[id(self._handle)] = self._handle
         self._finalizer = weakref.finalize(self, _release_dropped, self._handle)
 
     def _open(self) -> tuple[int, bool]:
@@ -168,16 +170,17 @@ class SlotFile:
         returns quietly)."""
         if not self.persistent:
             raise RuntimeError("recreate() is only for a persistent slot file")
-        old, self._handle.fd = self._handle.fd, None
-        try:
-            slot_file_open.unlink_file(self.path)
-            fd = slot_file_open.create_exclusive(self.path, self.mode)
-            lock_or_close(fd, self.path)
-            self._size_or_remove(fd)
-            self._handle.fd = fd
-        finally:
-            if old is not None:
-                os.close(old)
+        with _OPEN_LOCK:
+            old, self._handle.fd = self._handle.fd, None
+            try:
+                slot_file_open.unlink_file(self.path)
+                fd = slot_file_open.create_exclusive(self.path, self.mode)
+                lock_or_close(fd, self.path)
+                self._size_or_remove(fd)
+                self._handle.fd = fd
+            finally:
+                if old is not None:
+                    os.close(old)
         self.reused = False
 
     @property
@@ -272,8 +275,11 @@ class _OpenFile:
 
 # The open files of this process, by id of their handle: a forked child closes its copies
 # at once (`_close_in_child`), or one that outlived its parent would hold the lock and the
-# next engine's open of the path would fail as busy.
+# next engine's open of the path would fail as busy. `_OPEN_LOCK` is held while a
+# descriptor is opened or closed and across `fork`, so no child inherits one unlisted.
+# Reentrant: a finalizer may close a file in a thread that is opening another.
 _OPEN_FILES: dict[int, _OpenFile] = {}
+_OPEN_LOCK = threading.RLock()
 
 
 def _close_in_child() -> None:
@@ -284,22 +290,26 @@ def _close_in_child() -> None:
             with contextlib.suppress(OSError):
                 os.close(fd)
     _OPEN_FILES.clear()
+    _OPEN_LOCK.release()
 
 
-os.register_at_fork(after_in_child=_close_in_child)
+os.register_at_fork(
+    before=_OPEN_LOCK.acquire, after_in_parent=_OPEN_LOCK.release, after_in_child=_close_in_child
+)
 
 
 def _release(handle: _OpenFile) -> None:
     """Close the file of `handle`, first removing it unless it is persistent."""
-    _OPEN_FILES.pop(id(handle), None)
-    fd, handle.fd = handle.fd, None
-    if fd is None:
-        return
-    try:
-        if not handle.persistent and os.getpid() == handle.owner_pid:
-            remove_held_file(fd, handle.path)  # under the lock: see `file_lock`
-    finally:
-        os.close(fd)
+    with _OPEN_LOCK:
+        _OPEN_FILES.pop(id(handle), None)
+        fd, handle.fd = handle.fd, None
+        if fd is None:
+            return
+        try:
+            if not handle.persistent and os.getpid() == handle.owner_pid:
+                remove_held_file(fd, handle.path)  # under the lock: see `file_lock`
+        finally:
+            os.close(fd)
 
 
 def _release_dropped(handle: _OpenFile) -> None:
