@@ -60,22 +60,31 @@ def test_a_reset_retried_every_step_with_write_back_succeeds_once_demotions_drai
     assert retry_every_step(engine) <= 2
 
 
-def test_requests_admitted_while_a_reset_waits_are_stored_and_served() -> None:
-    """Their KV is computed after the reset: stored and counted as usual (a first version
-    stored nothing while the reset waited and lost what finished meanwhile)."""
+def store_while_a_reset_waits(tokens: range) -> tuple[SimEngine, int]:
+    """Return an engine whose reset waits for the store of tokens 300..307 (returned: its
+    event id) and a request of `tokens`, admitted and finished meanwhile, whose 2 blocks
+    were selected for storing."""
     engine = SimEngine(full_layout(), config(max_batched_tokens=8), num_tier_blocks=8)
     engine.auto_complete = False
     old = engine.store_of_finished(make_request("old", range(300, 308)))
     assert engine.scheduler.reset() is False
     engine.scheduler.take_stats()
-    d = make_request("d", range(100, 108))
-    engine.admit(d)
+    engine.evict_gpu()  # no GPU prefix hit: the request computes its blocks afresh
+    engine.admit(make_request("d", tokens))
     engine.schedule("d")
     engine.step()
     engine.finish("d")
     engine.step()
     assert engine.scheduler.take_stats().store_outcomes == {"stored": 2}
-    engine.worker.complete(old.event_id)
+    engine.check()
+    return engine, old.event_id
+
+
+def test_requests_admitted_while_a_reset_waits_are_stored_and_served() -> None:
+    """Their KV is computed after the reset: stored and counted as usual (a first version
+    stored nothing while the reset waited and lost what finished meanwhile)."""
+    engine, old = store_while_a_reset_waits(range(100, 108))
+    engine.worker.complete(old)
     engine.auto_complete = True
     engine.drain()
     engine.evict_gpu()
@@ -89,28 +98,15 @@ def test_a_key_whose_store_a_reset_abandoned_is_stored_afresh_meanwhile() -> Non
     # Regression: the abandoned store kept its keys "in flight" until it reported, so a
     # request admitted after the reset with the same prompt (a shared system prompt after
     # a weight update) had its blocks skipped as in flight, and they were never stored.
-    engine = SimEngine(full_layout(), config(max_batched_tokens=8), num_tier_blocks=8)
-    engine.auto_complete = False
-    old = engine.store_of_finished(make_request("old", range(300, 308)))
-    assert engine.scheduler.reset() is False
-    engine.scheduler.take_stats()
-    engine.evict_gpu()  # no GPU prefix hit: "d" computes the same blocks afresh
-    d = make_request("d", range(300, 308))
-    engine.admit(d)
-    engine.schedule("d")
-    engine.step()
-    engine.finish("d")
-    engine.step()
-    assert engine.scheduler.take_stats().store_outcomes == {"stored": 2}
-    engine.check()
-    engine.worker.complete(old.event_id)  # the abandoned copy reports last
+    engine, old = store_while_a_reset_waits(range(300, 308))
+    engine.worker.complete(old)  # the abandoned copy reports last
     engine.auto_complete = True
     engine.drain()
     engine.evict_gpu()
     again = make_request("again", [*range(300, 308), 5])
     assert engine.admit(again) == Admission(0, 8, 8)
     engine.step()
-    engine.check_kv(again)  # served from d's copy
+    engine.check_kv(again)  # served from the new copy
     engine.check()
 
 
