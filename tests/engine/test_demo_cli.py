@@ -55,6 +55,11 @@ def test_demo_runs_every_configuration(
         ("--cpu-mib=-1", "--cpu-mib must be >= 1, got -1"),
         ("--system-tokens=-3", "--system-tokens must be >= 0, got -3"),
         ("--block-size=0", "--block-size must be >= 1, got 0"),
+        # Regression: 10^8 conversations ran silently for minutes, holding 10 GB.
+        (
+            "--conversations=100000000 --turns=1",
+            "--conversations=100000000 x --turns=1 is 100000000 turns; the demo serves at most",
+        ),
         (
             "--system-tokens=0 --document-tokens=0 --user-tokens=0",
             "--system-tokens, --document-tokens and --user-tokens are all 0",

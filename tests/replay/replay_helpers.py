@@ -43,8 +43,9 @@ def doc_trace(seed: int = 0, num_requests: int = 150) -> list[TraceRecord]:
         suffix = list(range(next_id, next_id + rng.randint(1, 6)))
         next_id += len(suffix)
         ids = prefix + suffix
-        if rng.random() < 0.3:
-            docs.append(ids)
         tokens = len(ids) * BLOCK - rng.randint(0, BLOCK - 1)
+        if rng.random() < 0.3:  # re-read later, so whole blocks (a partial one has its own id)
+            docs.append(ids)
+            tokens = len(ids) * BLOCK
         records.append(TraceRecord(i * 10, tokens, rng.randint(1, 50), tuple(ids)))
     return records

@@ -28,12 +28,14 @@ def test_parse_tokens_rejects_garbage() -> None:
 
 def test_a_near_whole_capacity_is_refused_with_its_exact_value() -> None:
     """Regression: the message printed the value as a float: '1000000000.0 is not a whole
-    number of tokens'."""
+    number of tokens', then as a fraction ('30864/25' for 1.23456k)."""
     with pytest.raises(
         argparse.ArgumentTypeError,
-        match=r"not a whole number of tokens \(it is 10000000000000000001/10000000000\)",
+        match=r"not a whole number of tokens \(it is 1000000000\.0000000001\)",
     ):
         parse_tokens("1.0000000000000000001G")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\(it is 1234\.56\)"):
+        parse_tokens("1.23456k")
 
 
 def trace_file(tmp_path: Path) -> Path:

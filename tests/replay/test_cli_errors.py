@@ -171,9 +171,13 @@ def test_a_block_larger_than_a_default_capacity_names_the_options(
         ("--block-size", "0", "must be > 0, got 0"),
         ("--bytes-per-token", "-3", "must be > 0, got -3"),
         ("--bytes-per-token", "1.5", "invalid integer '1.5': use digits 0-9"),
-        ("--prefill-tokens-per-s", "inf", "must be > 0 and finite, got 'inf'"),
-        ("--prefill-tokens-per-s", "nan", "must be > 0 and finite, got 'nan'"),
-        ("--cpu-link-gbps", "0", "must be > 0 and finite, got '0'"),
+        ("--prefill-tokens-per-s", "inf", "must be >= 1e-06 and finite, got 'inf'"),
+        ("--prefill-tokens-per-s", "nan", "must be >= 1e-06 and finite, got 'nan'"),
+        ("--cpu-link-gbps", "0", "must be >= 1e-06 and finite, got '0'"),
+        # Regression: 1e-320 GB/s wrote "mean_ttft_s": Infinity, which is not JSON.
+        ("--cpu-link-gbps", "1e-320", "must be >= 1e-06 and finite, got '1e-320'"),
+        ("--prefill-tokens-per-s", "1e-7", "must be >= 1e-06 and finite, got '1e-7'"),
+        ("--bytes-per-token", "1073741825", "must be <= 1073741824 (1 GiB), got 1073741825"),
         ("--disk-link-gbps", "abc", "invalid number 'abc': use digits 0-9, e.g. 2.5 or 1e9"),
     ],
 )

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 from kvtier.core.kv_groups import KVLayout
@@ -19,6 +18,7 @@ from kvtier.engine.weights import checkpoint_files
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
 from kvtier.offload.host import check_host
 from kvtier.offload.plan import Tier
+from kvtier.replay.outputs import check_creates_files
 from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
 # The least value of each numeric option (message lengths may be 0, not all of them).
@@ -35,6 +35,9 @@ OPTION_MINIMUMS = {
     "disk_mib": 1,
     "cascade_cpu_mib": 1,
 }
+# The most turns (conversations x turns) one run serves: every configuration serves each
+# one as a request on the CPU engine, and every conversation's history is held at once.
+MAX_TURNS = 10_000
 # The option that sizes each run's tier budget: (run name, config field) -> option.
 TIER_OPTIONS = {
     ("CPU tier", "cpu_bytes"): "--cpu-mib",
@@ -51,6 +54,12 @@ def check_options(args: argparse.Namespace) -> None:
         if value < least:
             flag = "--" + option.replace("_", "-")
             raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.conversations * args.turns > MAX_TURNS:
+        raise ValueError(
+            f"--conversations={args.conversations} x --turns={args.turns} is "
+            f"{args.conversations * args.turns} turns; the demo serves at most {MAX_TURNS} per"
+            " configuration (each is a request on the CPU engine, in every configuration)"
+        )
     if args.system_tokens + args.document_tokens + args.user_tokens == 0:
         raise ValueError(
             "--system-tokens, --document-tokens and --user-tokens are all 0: the first"
@@ -111,8 +120,7 @@ def _check_writable_dir(flag: str, path: Path) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"{flag}={path} cannot be created: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag}={path}: {existing} is not writable")
+    check_creates_files(f"{flag}={path}", existing)  # raises ReplayError, a ValueError
 
 
 def check_positions(workload: ChatWorkload, max_position: int) -> None:

@@ -17,7 +17,7 @@ from kvtier.replay.store_once import StoreOnce
 # The workload and tier sizes: (option, default, what it sets).
 _SIZE_OPTIONS = (
     ("--conversations", 8, "conversations"),
-    ("--turns", 6, "turns per conversation"),
+    ("--turns", 6, "turns per conversation; conversations x turns <= 10000"),
     ("--system-tokens", 256, "tokens of the shared system prompt"),
     ("--document-tokens", 512, "tokens of each conversation's document"),
     ("--user-tokens", 64, "tokens per user message"),

@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_unwinds():
             status: int = args.run(args)
             raise_if_terminated()  # it arrived where its raise was swallowed
-        sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
+        if sys.stdout is not None:  # None: closed when the command started (`>&-`)
+            sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
     except BrokenPipeError:
         _discard_stdout()
         return BROKEN_PIPE_STATUS

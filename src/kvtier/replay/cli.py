@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -23,6 +23,7 @@ from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.outputs import output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
+from kvtier.replay.stdout_lines import StdoutLines
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.sweep import (
     SweepPoint,
@@ -33,6 +34,7 @@ from kvtier.replay.sweep import (
     write_json,
 )
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceError, TraceSummary, summarize
+from kvtier.replay.whole_file import descriptor_of, file_set, sigterm_unwinds
 
 __all__ = ["add_parser", "configure", "format_table", "main", "parse_tokens", "run"]
 
@@ -42,6 +44,10 @@ _SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE | re.ASCII)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a reader that went away
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
+# The least rate the TTFT model takes (tokens/s, GB/s): slower ones make estimates of
+# centuries, printed with hundreds of digits, or infinite (JSON has no infinity).
+MIN_RATE = 1e-6
+MAX_BYTES_PER_TOKEN = 1 << 30  # 1 GiB: a 405B model's KV in fp32 is about 1 MiB per token
 
 
 def parse_tokens(text: str) -> int:
@@ -52,11 +58,14 @@ def parse_tokens(text: str) -> int:
             f"invalid token count {text!r}: use digits 0-9 and an optional k, M or G, e.g. "
             "300k, 1M, 1.5M or 2000000"
         )
-    value = Fraction(match.group(1)) * _SUFFIXES[match.group(2).lower()]
+    number = match.group(1)
+    value = Fraction(number) * _SUFFIXES[match.group(2).lower()]
     if value.denominator != 1:
+        places = len(number.partition(".")[2])  # exact: a float would round 1.0...01G
+        digits = str(int(value * 10**places)).rjust(places + 1, "0")
+        exact = f"{digits[:-places]}.{digits[-places:]}".rstrip("0")
         raise argparse.ArgumentTypeError(
-            f"invalid token count {text!r}: not a whole number of tokens (it is "
-            f"{value.numerator}/{value.denominator})"
+            f"invalid token count {text!r}: not a whole number of tokens (it is {exact})"
         )
     return int(value)
 
@@ -93,11 +102,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
-    """Parse a finite number > 0 in ASCII digits (argparse names the option in the error)."""
+def _rate(text: str) -> float:
+    """Parse a finite rate >= MIN_RATE in ASCII digits (argparse names the option)."""
     value = ascii_float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be > 0 and finite, got {text!r}")
+    if not MIN_RATE <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be >= {MIN_RATE:g} and finite, got {text!r}")
+    return value
+
+
+def _bytes_per_token(text: str) -> int:
+    """Parse the KV bytes per token, 1 ... MAX_BYTES_PER_TOKEN."""
+    value = _positive_int(text)
+    if value > MAX_BYTES_PER_TOKEN:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_BYTES_PER_TOKEN} (1 GiB), got {value}")
     return value
 
 
@@ -177,8 +194,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=output_path,
         metavar="PATH",
         help="write every result as JSON (adds lru and belady, the reference lines; "
-        "belady not with --cascade; /dev/stdout prints it before the table); default: no "
-        "JSON",
+        "belady not with --cascade); /dev/stdout writes only the JSON to stdout, the "
+        "summary and table go to stderr; default: no JSON",
     )
     parser.add_argument(
         "--release-order",
@@ -195,28 +212,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-tokens-per-s",
         action=StoreOnce,
-        type=_positive_float,
+        type=_rate,
         default=defaults.prefill_tokens_per_s,
         help=f"TTFT model: prefill speed (default {defaults.prefill_tokens_per_s:g})",
     )
     parser.add_argument(
         "--bytes-per-token",
         action=StoreOnce,
-        type=_positive_int,
+        type=_bytes_per_token,
         default=defaults.bytes_per_token,
         help=f"KV bytes per token (default {defaults.bytes_per_token}: Llama-3-8B bf16)",
     )
     parser.add_argument(
         "--cpu-link-gbps",
         action=StoreOnce,
-        type=_positive_float,
+        type=_rate,
         default=DEFAULT_LINK_GBPS["CPU"],
         help=f"CPU -> GPU load link in GB/s (default {DEFAULT_LINK_GBPS['CPU']:g})",
     )
     parser.add_argument(
         "--disk-link-gbps",
         action=StoreOnce,
-        type=_positive_float,
+        type=_rate,
         help=f"with --disk-capacity: DISK -> GPU load link in GB/s (default "
         f"{DEFAULT_LINK_GBPS['DISK']:g})",
     )
@@ -229,7 +246,7 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "replay",
         help="replay a request trace through the tiers: hit ratio per policy and capacity",
-        description=__doc__.splitlines()[0] + " " + _DESCRIPTION,
+        description=__doc__.splitlines()[0] + _DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure(parser)
@@ -257,44 +274,14 @@ def run(args: argparse.Namespace) -> int:
 
     A reader that closes the output early (`| head`) does not stop the run: the files
     asked for are still written, and the command ends quietly with status 141, as a
-    shell reports for SIGPIPE.
+    shell reports for SIGPIPE. With `--json /dev/stdout` stdout carries only the JSON
+    (for `jq`), and what the command prints goes to stderr.
     """
-    stdout = StdoutLines()
+    json_to_stdout = bool(args.json) and descriptor_of(args.json) == 1
+    stdout = StdoutLines(to_stderr=json_to_stdout)
     status = _run(args, stdout)
     stdout.flush()
-    return EXIT_BROKEN_PIPE if stdout.is_closed else status
-
-
-class StdoutLines:
-    """Print lines to stdout; once its reader has gone (a broken pipe), drop them quietly."""
-
-    def __init__(self) -> None:
-        self.is_closed = False
-
-    def print(self, text: str) -> None:
-        """Print `text` and a newline, unless the reader has gone."""
-        if not self.is_closed:
-            try:
-                print(text)
-            except BrokenPipeError:
-                self._close()
-
-    def flush(self) -> None:
-        """Flush stdout (a closed pipe shows here, not at interpreter exit)."""
-        if not self.is_closed:
-            try:
-                sys.stdout.flush()
-            except BrokenPipeError:
-                self._close()
-
-    def _close(self) -> None:
-        """Point stdout at the null device so that no later flush fails again."""
-        self.is_closed = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError):  # no real file descriptor (captured output)
-            pass
+    return EXIT_BROKEN_PIPE if stdout.reader_left else status
 
 
 def _error(message: object) -> int:
@@ -332,6 +319,9 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
     failure: OSError | None = None
     try:  # the files first: a reader closing stdout early must not lose them
         written = _write_outputs(args, plan, points, summary)
+    except BrokenPipeError:  # --json /dev/stdout, and the reader went away
+        written = []
+        stdout.close()
     except OSError as exc:  # the paths were checked before the run; a disk may still fill up
         written, failure = [], exc
     stdout.print(format_table(points))
@@ -350,19 +340,24 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
 def _write_outputs(
     args: argparse.Namespace, plan: ReplayPlan, points: list[SweepPoint], summary: TraceSummary
 ) -> list[Path]:
-    """Write the sweep's CSV and plot and the JSON results asked for; return their paths."""
+    """Write the sweep's CSV and plot and the JSON results asked for; return their paths.
+
+    The files are replaced together at the end (`file_set`): an interrupted or failed
+    write leaves every one of them as it was, not a mix of this run's and an older one's.
+    """
     written = []
-    if plan.out is not None:
-        out = plan.out
-        out.mkdir(parents=True, exist_ok=True)
-        write_csv(out / "sweep.csv", points)
-        plot_sweep(
-            out / "sweep.png", points, Path(args.trace).name, summary.infinite_token_hit_ratio
-        )
-        written += [out / "sweep.csv", out / "sweep.png"]
-    if args.json:
-        write_json(args.json, points, args.trace, summary)
-        written.append(Path(args.json))
+    with file_set():
+        if plan.out is not None:
+            out = plan.out
+            out.mkdir(parents=True, exist_ok=True)
+            write_csv(out / "sweep.csv", points)
+            plot_sweep(
+                out / "sweep.png", points, Path(args.trace).name, summary.infinite_token_hit_ratio
+            )
+            written += [out / "sweep.csv", out / "sweep.png"]
+        if args.json:
+            write_json(args.json, points, args.trace, summary)
+            written.append(Path(args.json))
     return written
 
 
@@ -370,13 +365,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run `kvtier replay` as a standalone command; return the exit status."""
     parser = argparse.ArgumentParser(
         prog="kvtier replay",
-        description=__doc__.splitlines()[0] + " " + _DESCRIPTION,
+        description=__doc__.splitlines()[0] + _DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure(parser)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level (default: WARNING)"
+    )
     args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
-        status: int = args.run(args)
+        with sigterm_unwinds():  # `kill`: temporary files are removed on the way out
+            status: int = args.run(args)
     except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
         print("\nkvtier replay: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

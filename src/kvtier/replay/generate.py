@@ -27,11 +27,13 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from kvtier.replay.ascii_number import ascii_int
-from kvtier.replay.outputs import output_path
+from kvtier.replay.outputs import check_file_path, output_path
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
+from kvtier.replay.whole_file import sigterm_unwinds
 
 Segment = tuple[int, int]  # (segment id, length in tokens)
 
@@ -179,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Write a chat workload trace; return the exit status."""
+    """Write a chat workload trace; return the exit status (130 after Ctrl-C, 143 after
+    SIGTERM, with no partial file left behind)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     for option, value in (
@@ -192,12 +195,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = ChatWorkloadConfig(
             seed=args.seed, num_conversations=args.conversations, block_size=args.block_size
         )
-    except ValueError as exc:
+        check_file_path("out", Path(args.out))  # before the work, not after it
+    except ValueError as exc:  # ReplayError is one
         parser.error(str(exc))
-    records = generate_chat_trace(config)
     try:
-        write_trace(args.out, records)
-    except OSError as exc:  # a missing folder, a directory, no permission
+        with sigterm_unwinds():
+            records = generate_chat_trace(config)
+            write_trace(args.out, records)
+    except KeyboardInterrupt:
+        print(f"\n{parser.prog}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:  # the disk filled up, or the folder changed since the check
         parser.error(f"cannot write {args.out}: {exc.strerror or exc}")
     print(f"wrote {len(records)} requests to {args.out}")
     return 0

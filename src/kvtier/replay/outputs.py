@@ -1,17 +1,22 @@
 """Check where `kvtier replay` will write (`--json`, `--sweep --out`) before a long run.
 
-Each check raises `ReplayError` naming the option and the path; nothing is created.
+Each check raises `ReplayError` naming the option and the path. Whether a folder takes
+new files is found by creating (and removing at once) an empty hidden file in it, as the
+write will: permission bits alone do not tell for root, nor for /proc or /sys.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import fcntl
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.replay.config import ReplayError
+from kvtier.replay.whole_file import descriptor_of
 
 
 def output_path(text: str) -> str:
@@ -24,6 +29,10 @@ def output_path(text: str) -> str:
 
 def check_file_path(option: str, path: Path) -> None:
     """Raise `ReplayError` unless a file can be written at `path` (its folder exists)."""
+    descriptor = descriptor_of(path)
+    if descriptor is not None:
+        _check_descriptor(option, path, descriptor)
+        return
     try:
         path.stat()
     except OSError as exc:  # a new file passes: the checks below apply to its folder
@@ -36,10 +45,33 @@ def check_file_path(option: str, path: Path) -> None:
         raise ReplayError(f"{option} {path}: no such directory {folder}")
     if not folder.is_dir():
         raise ReplayError(f"{option} {path}: {folder} is not a directory")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ReplayError(f"{option} {path}: the file is not writable")
-    if not path.exists() and not os.access(folder, os.W_OK | os.X_OK):
-        raise ReplayError(f"{option} {path}: cannot create files in {folder}")
+    if path.exists() and not path.is_file():  # a named pipe or a device, written in place
+        if not os.access(path, os.W_OK):
+            raise ReplayError(f"{option} {path}: the file is not writable")
+        return
+    target = Path(os.path.realpath(path))  # a symbolic link: the file it names is replaced
+    check_creates_files(f"{option} {path}", target.parent)
+
+
+def _check_descriptor(option: str, path: Path, descriptor: int) -> None:
+    """Raise `ReplayError` unless `descriptor` is open for writing."""
+    try:
+        flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
+    except OSError:
+        raise ReplayError(f"{option} {path}: descriptor {descriptor} is not open") from None
+    if flags & os.O_ACCMODE == os.O_RDONLY:
+        raise ReplayError(f"{option} {path}: descriptor {descriptor} is open for reading only")
+
+
+def check_creates_files(what: str, folder: Path) -> None:
+    """Raise `ReplayError` (starting with `what`) unless a file can be created in `folder`."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvtier-probe-")
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ReplayError(f"{what}: cannot create files in {folder} ({reason})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:
@@ -55,8 +87,7 @@ def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise ReplayError(f"{option} {folder}: cannot create it, {ancestor} is not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ReplayError(f"{option} {folder}: cannot create it in {ancestor}")
+    check_creates_files(f"{option} {folder}", ancestor)
 
 
 def check_distinct_paths(trace: Path, outputs: Sequence[tuple[str, Path]]) -> None:

@@ -261,9 +261,10 @@ class TierReplay:
     def result(self, runtime_s: float = 0.0) -> ReplayResult:
         """Return the results of the requests replayed so far."""
         replayed = self.records[: self._next]
-        total_tokens = sum(r.input_length for r in replayed) or 1
+        total_tokens = sum(r.input_length for r in replayed)
+        ratio_base = max(1, total_tokens)  # ratios of 0 for a trace of empty prompts
         cost = self.config.cost
-        tiers = tuple(self._tier_result(t, total_tokens) for t in self.tiers)
+        tiers = tuple(self._tier_result(t, ratio_base) for t in self.tiers)
         gpu = None
         if self.gpu_pool is not None:
             gpu = TierResult(
@@ -271,7 +272,7 @@ class TierReplay:
                 capacity_tokens=self.config.gpu_capacity_tokens,
                 num_blocks=self.config.gpu_capacity_tokens // self.config.block_size,
                 hit_tokens=self._gpu_hit_tokens,
-                token_hit_ratio=self._gpu_hit_tokens / total_tokens,
+                token_hit_ratio=self._gpu_hit_tokens / ratio_base,
                 num_hit_blocks=0,
                 num_stored_blocks=0,
                 num_evicted_blocks=0,
@@ -288,15 +289,15 @@ class TierReplay:
             num_prompt_tokens=total_tokens,
             gpu=gpu,
             tiers=tiers,
-            token_hit_ratio=lower / total_tokens,
-            total_token_hit_ratio=(lower + self._gpu_hit_tokens) / total_tokens,
+            token_hit_ratio=lower / ratio_base,
+            total_token_hit_ratio=(lower + self._gpu_hit_tokens) / ratio_base,
             mean_ttft_s=self._ttft_s / num,
             mean_ttft_no_cache_s=cost.prefill_s(total_tokens) / num,
             runtime_s=runtime_s,
             cascade=self.config.cascade,
         )
 
-    def _tier_result(self, tier: TierState, total_tokens: int) -> TierResult:
+    def _tier_result(self, tier: TierState, ratio_base: int) -> TierResult:
         pool = tier.pool  # at most `max_tier_blocks` blocks: the loop is bounded by the trace
         num_cached = sum(1 for b in range(1, pool.num_blocks) if pool.is_cached(b))
         block_size = self.config.block_size
@@ -306,7 +307,7 @@ class TierReplay:
             capacity_tokens=tier.config.capacity_tokens,
             num_blocks=tier.config.capacity_tokens // block_size,
             hit_tokens=tier.hit_tokens,
-            token_hit_ratio=tier.hit_tokens / total_tokens,
+            token_hit_ratio=tier.hit_tokens / ratio_base,
             num_hit_blocks=tier.hit_blocks,
             num_stored_blocks=tier.stored,
             num_evicted_blocks=tier.stored - num_cached,

@@ -130,7 +130,7 @@ def read_numbered_trace(
         raise ValueError(f"block_size must be > 0, got {block_size}")
     records: list[tuple[int, TraceRecord]] = []
     last_timestamp = 0
-    parents: dict[int, tuple[int, int]] = {}  # hash id -> (the id before it, line first seen)
+    parents: dict[int, tuple[int, int, int]] = {}  # id -> (id before it, line, tokens) first seen
     with _open_binary(path) as file:
         for number, data in _numbered_lines(file, path):
             where = f"{path}:{number}"
@@ -150,7 +150,7 @@ def read_numbered_trace(
                     f"record's {last_timestamp}"
                 )
             last_timestamp = record.timestamp_ms
-            _check_chain(record.hash_ids, parents, number, where)
+            _check_chain(record, block_size, parents, number, where)
             records.append((number, record))
     if not records:
         raise TraceError(f"{path}: no records")
@@ -158,19 +158,31 @@ def read_numbered_trace(
 
 
 def _check_chain(
-    hash_ids: Sequence[int], parents: dict[int, tuple[int, int]], number: int, where: str
+    record: TraceRecord,
+    block_size: int,
+    parents: dict[int, tuple[int, int, int]],
+    number: int,
+    where: str,
 ) -> None:
-    """Raise `TraceError` unless each id follows the id it followed where first seen."""
+    """Raise `TraceError` unless each id follows the id it followed where first seen and
+    covers as many tokens (a partial last block is another prefix than a full one)."""
     parent = -1  # before the first block (ids are >= 0)
-    for position, hash_id in enumerate(hash_ids):
+    for position, hash_id in enumerate(record.hash_ids):
+        tokens = record.block_tokens(position, block_size)
         seen = parents.get(hash_id)
         if seen is None:
-            parents[hash_id] = (parent, number)
+            parents[hash_id] = (parent, number, tokens)
         elif seen[0] != parent:
             raise TraceError(
                 f"{where}: hash_ids[{position}] = {hash_id} {_after(parent)}, but it "
                 f"{_after(seen[0])} at line {seen[1]}; hash ids must be chained prefix "
                 "hashes (equal ids, equal prefixes)"
+            )
+        elif seen[2] != tokens:
+            raise TraceError(
+                f"{where}: hash_ids[{position}] = {hash_id} covers {tokens} tokens, but "
+                f"{seen[2]} at line {seen[1]}; a partial last block needs an id of its own "
+                "(equal ids, equal prefixes)"
             )
         parent = hash_id
 

@@ -1,19 +1,26 @@
-"""Whole-file writes: a file `kvtier replay` writes is complete or untouched."""
+"""Whole-file writes: a file `kvtier replay` writes is complete or untouched, and the
+files of one run (`file_set`) are all replaced, or none."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import re
+import signal
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import IO, Any
 
 _STANDARD_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
 _DESCRIPTOR_PATH = re.compile(r"/(?:dev/fd|proc/self/fd)/([0-9]+)")
+# Inside `file_set`: the (temporary file, target) pairs written, renamed when it ends.
+_PENDING: ContextVar[list[tuple[str, Path]] | None] = ContextVar("pending", default=None)
+TERMINATED_STATUS = 143  # 128 + SIGTERM: what a shell reports for `kill` and `timeout`
 
 
 @contextlib.contextmanager
@@ -32,8 +39,9 @@ def whole_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
     mode, encoding, newline = ("wb", None, None) if binary else ("w", "utf-8", "")
     descriptor = descriptor_of(path)
     if descriptor is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None: closed when the command started (`>&-`)
+                stream.flush()
         with os.fdopen(os.dup(descriptor), mode, encoding=encoding, newline=newline) as file:
             yield file
         return
@@ -42,16 +50,78 @@ def whole_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
         with open(target, mode, encoding=encoding, newline=newline) as file:
             yield file
         return
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    except OSError as exc:  # named as the file asked for, not the temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    pending = _PENDING.get()
     try:
         with os.fdopen(fd, mode, encoding=encoding, newline=newline) as file:
             yield file
         os.chmod(temp, _mode_of_open(target))
-        os.replace(temp, target)
+        if pending is None:
+            _replace(temp, target)
+        else:
+            pending.append((temp, target))
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
+
+
+@contextlib.contextmanager
+def file_set() -> Iterator[None]:
+    """Defer the renames of the files `whole_file` writes inside the block to its end.
+
+    If the block completes, every file is renamed into place in turn; if it raises (a
+    failed write, Ctrl-C), no file is replaced and the temporary ones are removed. Files
+    written through a descriptor or in place (see `whole_file`) are not deferred.
+    """
+    pending: list[tuple[str, Path]] = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+    except BaseException:
+        for temp, _ in pending:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        raise
+    finally:
+        _PENDING.reset(token)
+    for index, (temp, target) in enumerate(pending):
+        try:
+            _replace(temp, target)
+        except BaseException:
+            for later, _ in pending[index:]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(later)
+            raise
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Make SIGTERM (`kill`, `timeout`) raise SystemExit(TERMINATED_STATUS) inside the block,
+    so that `whole_file` removes its temporary files; the default handler would kill the
+    process on the spot and leave them. Does nothing outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(TERMINATED_STATUS)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _replace(temp: str, target: Path) -> None:
+    try:
+        os.replace(temp, target)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(target)) from None
 
 
 def descriptor_of(path: str | Path) -> int | None:
