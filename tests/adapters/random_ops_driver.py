@@ -17,11 +17,11 @@ from faulty_worker import KINDS as KINDS  # the kinds `Delay` and `Fail` name
 from faulty_worker import FaultyWorker
 from kvtier_vllm import SLOT_BYTES, check_quiescent, kvtier_harness, offload_worker, scheduler_side
 from vllm.distributed.kv_events import BlockStored
-from vllm.v1.request import RequestStatus
-from vllm_engine import PrefixFingerprints
+from vllm.v1.request import Request, RequestStatus
+from vllm_engine import KVGroupDef, PrefixFingerprints
 from vllm_harness import ConnectorWorker, flatten_events
 
-from kvtier.core.keys import key_block_hash
+from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.offload.plan import Tier, TransferJob
 
 BLOCK = 16
@@ -103,6 +103,9 @@ class Engine:
     num_ranks: int = 1
     async_batches: int = 0  # 0: vLLM's Scheduler; else AsyncScheduler, steps in flight
     events: bool = False  # publish KV events (stored-block payloads in eager mode)
+    kv_groups: tuple[KVGroupDef, ...] = ()  # a hybrid model's groups (vllm_engine)
+    num_gpu_blocks: int = 16
+    fine_grained_hits: bool = False  # hits may end inside a block of a larger block size
 
 
 class Run:
@@ -110,6 +113,8 @@ class Run:
 
     def __init__(self, engine: Engine, totals: collections.Counter[str], disk_dir: str) -> None:
         extra: dict[str, Any] = {"store_mode": engine.store_mode}
+        if engine.fine_grained_hits:
+            extra["fine_grained_hits"] = True
         num_cpu_blocks = 25
         if engine.cascade is not None:
             num_cpu_blocks = 7
@@ -121,7 +126,9 @@ class Run:
             )
         self.harness = kvtier_harness(
             num_cpu_blocks=num_cpu_blocks,
-            num_gpu_blocks=16,
+            num_gpu_blocks=engine.num_gpu_blocks,
+            block_size=min((g.block_size for g in engine.kv_groups), default=BLOCK),
+            kv_groups=engine.kv_groups,
             max_num_seqs=4,
             max_num_batched_tokens=64,
             num_ranks=engine.num_ranks,
@@ -259,11 +266,34 @@ class Run:
                 for worker in self.workers:
                     worker.copy_now(job)
                 for slot, gpu_block in zip(batch, scratch, strict=False):
-                    request, index = blocks[key_block_hash(keys[slot])]
-                    prints = fingerprints.upto(request, (index + 1) * BLOCK)[index * BLOCK :]
-                    for cache in self.harness.caches:
-                        cache.check(f"{tier.value} slot {slot}", [gpu_block], prints, BLOCK)
+                    self._check_tier_block(
+                        f"{tier.value} slot {slot}", keys[slot], blocks, fingerprints, gpu_block
+                    )
                 self.totals["audited_tier_blocks"] += len(batch)
+
+    def _check_tier_block(
+        self,
+        what: str,
+        key: Key,
+        blocks: dict[Any, tuple[Request, int]],
+        fingerprints: PrefixFingerprints,
+        gpu_block: int,
+    ) -> None:
+        """Check the tier block of `key`, copied to `gpu_block`, against its prefix.
+
+        The key names the hash block that ends it: in a group of a larger block size, a
+        whole block ends at its last hash block, a partial tail (fine-grained hits)
+        earlier.
+        """
+        group = key_group_id(key)
+        request, index = blocks[key_block_hash(key)]
+        for cache in self.harness.caches:
+            size = cache.block_sizes[group]
+            end = (index + 1) * self.harness.cfg.block_size
+            first = (end - 1) // size * size
+            table = [0] * (first // size) + [gpu_block]
+            prints = fingerprints.upto(request, end)
+            cache.check_positions(what, group, table, prints, range(first, end))
 
     def replay(self) -> None:
         """Serve every prompt again from an empty, zeroed GPU cache: tier blocks must be right."""
@@ -282,11 +312,11 @@ class Run:
 
     def _check_tier_events(self) -> None:
         """Check the tier's stored-block events: whole blocks, payloads of one block."""
-        block_size = self.harness.cfg.block_size
+        block_sizes = {group.block_size for group in self.harness.cfg.groups}
         for event in flatten_events(self.harness.event_batches):
             if isinstance(event, BlockStored) and event.medium in ("CPU", "STORAGE"):
-                assert event.block_size == block_size, event
-                assert len(event.token_ids) in (0, block_size), event
+                assert event.block_size in block_sizes, event
+                assert len(event.token_ids) in (0, event.block_size), event
                 self.totals[f"stored_events_{event.medium}"] += 1
                 self.totals["stored_events_with_tokens"] += bool(event.token_ids)
 

@@ -2,18 +2,22 @@
 
 Test helper only (see `vllm_harness`). `build_scheduler` builds a real vLLM `Scheduler`
 and its scheduler-role connector on CPU from a `HarnessConfig`; `FakeKVCache` is the
-"GPU" KV cache of one rank, holding a fingerprint of each position's token prefix.
+"GPU" KV cache of one rank (fake_kv_cache.py), holding a fingerprint of each position's
+token prefix.
+`HarnessConfig.kv_groups` makes the model hybrid: several KV cache groups (full
+attention, sliding windows), each with its own block size, sharing one allocation.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fake_kv_cache import FakeKVCache, KVMismatchError, PrefixFingerprints
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
@@ -25,6 +29,10 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_utils import (
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -32,20 +40,20 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    create_kv_cache_views,
+    SlidingWindowSpec,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 SIMPLE_CPU_OFFLOAD = "SimpleCPUOffloadConnector"
-
-_FINGERPRINT_MOD = 2_147_483_629  # a prime below 2**31: fingerprints fit in int32
-_FINGERPRINT_MUL = 1_000_003
+__all__ = ["FakeKVCache", "KVMismatchError", "PrefixFingerprints"]  # re-exported
 
 
-class KVMismatchError(AssertionError):
-    """A position counted as computed holds KV of a different token prefix."""
+@dataclass(frozen=True)
+class KVGroupDef:
+    """One KV cache group of a hybrid model: block size, and sliding window (None: full)."""
+
+    block_size: int = 16
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,10 @@ class HarnessConfig:
     processed. `batch_queue_size` is the steps in flight at once, as in vLLM's engine
     core (2 under asynchronous scheduling): the harness schedules step N+1 before it
     processes step N's output. 1 runs lock-step; more needs `async_scheduling`.
-    `kv_role` is vLLM's.
+    `kv_role` is vLLM's. `kv_groups` (empty: one full-attention group of `block_size`)
+    makes the model hybrid: one group per entry, `num_layers` layers each, the KV heads
+    scaled so that every group's page has the same size (vLLM's shared allocation needs
+    it); `block_size` is then the hash block size, the smallest group's.
     """
 
     connector: str | None = None
@@ -84,25 +95,57 @@ class HarnessConfig:
     async_scheduling: bool = False
     batch_queue_size: int = 1
     kv_role: str = "kv_both"
+    kv_groups: tuple[KVGroupDef, ...] = ()
 
     def __post_init__(self) -> None:
         if self.batch_queue_size > 1 and not self.async_scheduling:
             raise ValueError("overlapping steps need async_scheduling, as in vLLM")
+        if self.kv_groups and self.block_size != min(g.block_size for g in self.kv_groups):
+            raise ValueError("block_size must be the smallest group's (the hash block size)")
+
+    @property
+    def groups(self) -> tuple[KVGroupDef, ...]:
+        """Return the KV cache groups: `kv_groups`, or one full-attention group."""
+        return self.kv_groups or (KVGroupDef(self.block_size),)
+
+    @property
+    def group_layer_names(self) -> list[list[str]]:
+        """Return each group's attention layer names (layers interleaved by group)."""
+        n = len(self.groups)
+        return [
+            [f"model.layers.{i * n + g}.self_attn.attn" for i in range(self.num_layers)]
+            for g in range(n)
+        ]
 
     @property
     def layer_names(self) -> list[str]:
-        """Return the attention layer names, one per KV cache tensor."""
-        return [f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers)]
+        """Return the attention layer names of every group."""
+        return [name for names in self.group_layer_names for name in names]
 
     @property
     def attention_spec(self) -> FullAttentionSpec:
-        """Return the one full-attention spec every layer shares."""
+        """Return the one full-attention spec every layer shares (no `kv_groups`)."""
         return FullAttentionSpec(
             block_size=self.block_size,
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_size,
             dtype=torch.float16,
         )
+
+    def group_spec(self, group: KVGroupDef) -> FullAttentionSpec:
+        """Return a group's spec, with the heads that keep its page `attention_spec`'s size."""
+        heads, rest = divmod(self.num_kv_heads * self.block_size, group.block_size)
+        if heads == 0 or rest:
+            raise ValueError(f"no whole number of KV heads for {group}")
+        common: dict[str, Any] = {
+            "block_size": group.block_size,
+            "num_kv_heads": heads,
+            "head_size": self.head_size,
+            "dtype": torch.float16,
+        }
+        if group.sliding_window is None:
+            return FullAttentionSpec(**common)
+        return SlidingWindowSpec(**common, sliding_window=group.sliding_window)
 
 
 def write_tiny_llama(directory: str, cfg: HarnessConfig) -> None:
@@ -115,7 +158,7 @@ def write_tiny_llama(directory: str, cfg: HarnessConfig) -> None:
         "num_attention_heads": cfg.num_kv_heads * 2,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_size,
-        "num_hidden_layers": cfg.num_layers,
+        "num_hidden_layers": len(cfg.layer_names),
         "vocab_size": 32000,
         "max_position_embeddings": cfg.max_model_len,
         "rms_norm_eps": 1e-5,
@@ -173,19 +216,28 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
 
 
 def build_kv_cache_config(cfg: HarnessConfig, vllm_config: VllmConfig) -> KVCacheConfig:
-    """Plan the KV cache the way the engine core does: one allocation, one group."""
+    """Plan the KV cache the way the engine core does: one allocation, the groups share it."""
     vllm_config.cache_config.kv_cache_layout = cfg.kv_cache_layout
     vllm_config.cache_config.num_gpu_blocks_override = cfg.num_gpu_blocks
-    group = KVCacheGroupSpec(cfg.layer_names, cfg.attention_spec)
+    groups = [
+        KVCacheGroupSpec(names, cfg.group_spec(group))
+        for names, group in zip(cfg.group_layer_names, cfg.groups, strict=True)
+    ]
     bytes_per_block = cfg.num_layers * cfg.attention_spec.page_size_bytes
     config = get_kv_cache_config_from_groups(
-        vllm_config, [group], cfg.num_gpu_blocks * bytes_per_block
+        vllm_config, groups, cfg.num_gpu_blocks * bytes_per_block
     )
     assert config.num_blocks == cfg.num_gpu_blocks
     # The engine core resolves these before building the scheduler.
     config.kv_cache_layout = cfg.kv_cache_layout
     config.hash_block_size = cfg.block_size
     config.cache_hit_alignment_tokens = cfg.block_size
+    if cfg.kv_groups:
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(config, vllm_config)
+        assert hash_block_size == cfg.block_size, (hash_block_size, cfg.block_size)
+        config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            config, vllm_config, scheduler_block_size, hash_block_size
+        )
     return config
 
 
@@ -199,127 +251,17 @@ def build_scheduler(
     vllm_config = build_vllm_config(cfg, model_dir)
     assert vllm_config.scheduler_config.async_scheduling == cfg.async_scheduling
     kv_cache_config = build_kv_cache_config(cfg, vllm_config)
+    scheduler_block_size = cfg.block_size
+    if cfg.kv_groups:
+        scheduler_block_size, _ = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     register_all_kvcache_specs(vllm_config)
     scheduler_cls = AsyncScheduler if cfg.async_scheduling else Scheduler
     scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=cfg.block_size,
+        block_size=scheduler_block_size,
         hash_block_size=cfg.block_size,
         log_stats=True,
     )
     return scheduler, vllm_config, kv_cache_config
-
-
-# --------------------------------------------------------------------------- fake KV
-
-
-class PrefixFingerprints:
-    """Fingerprint of every token prefix of a request: equal prefixes, equal values."""
-
-    def __init__(self) -> None:
-        self._values: dict[str, list[int]] = {}
-        self._guessed: dict[str, dict[int, int]] = {}  # request id -> position -> token
-
-    def upto(
-        self, request: Request, num_tokens: int, token_at: Callable[[int], int] | None = None
-    ) -> list[int]:
-        """Return fingerprints of the prefixes ending at positions `0..num_tokens-1`.
-
-        A position past the request's tokens (an output placeholder of asynchronous
-        scheduling: sampled, not yet delivered) takes its token from `token_at`, what the
-        model runner sampled there; once vLLM delivers that position, the token must be
-        the same (AssertionError otherwise: vLLM and the runner disagree on the prefix).
-        """
-        request_id = request.request_id
-        values = self._values.setdefault(request_id, [])
-        token_ids = request.all_token_ids
-        guessed = self._guessed.setdefault(request_id, {})
-        for pos in [pos for pos in guessed if pos < len(token_ids)]:
-            token = guessed.pop(pos)
-            assert token_ids[pos] == token, f"{request_id}: position {pos} delivered another token"
-        prev = values[-1] if values else 0
-        for pos in range(len(values), num_tokens):
-            if pos < len(token_ids):
-                token = token_ids[pos]
-            else:
-                assert token_at is not None, f"{request_id}: position {pos} has no token yet"
-                token = guessed[pos] = token_at(pos)
-            prev = (prev * _FINGERPRINT_MUL + token + 1) % _FINGERPRINT_MOD
-            values.append(prev)
-        return values[:num_tokens]
-
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's fingerprints."""
-        self._values.pop(request_id, None)
-        self._guessed.pop(request_id, None)
-
-
-class FakeKVCache:
-    """The "GPU" KV cache of one rank, laid out exactly as `kv_cache_config` places it.
-
-    One zeroed int8 allocation of the planned size; `tensors` are vLLM's own per-layer
-    `[B, H, N, C]` views into it (what `register_kv_caches` receives on a GPU), so
-    copies by block id and region discovery from the placement behave as on a GPU.
-    Token `n` of block `b` holds its prefix fingerprint xor the layer index in the first
-    4 content bytes of head 0, and the fingerprint plus the layer index in the last 4
-    content bytes of the last head.
-    """
-
-    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
-        (group,) = kv_cache_config.kv_cache_groups
-        spec = group.kv_cache_spec
-        layout = KVCacheLayout[kv_cache_config.kv_cache_layout or "LBNHC"]
-        self.block_size = spec.block_size
-        self.raw = torch.zeros(kv_cache_config.kv_cache_tensors[0].size, dtype=torch.int8)
-        self.tensors: dict[str, torch.Tensor] = {}
-        for placement in kv_cache_config.kv_cache_tensors:
-            views = create_kv_cache_views(
-                self.raw, spec, kv_cache_config.num_blocks, layout, placement
-            )
-            self.tensors.update(zip(placement.layers, views, strict=True))
-        self._bytes = [view.view(torch.int8) for view in self.tensors.values()]
-
-    def write(self, block_ids: Sequence[int], start: int, fingerprints: Sequence[int]) -> None:
-        """Write `fingerprints[p]` for positions `start..len(fingerprints)-1`."""
-        blocks, offsets = self._slots(block_ids, start, len(fingerprints))
-        values = torch.tensor(fingerprints[start:], dtype=torch.int32)
-        for layer, cache in enumerate(self._bytes):
-            cache[blocks, 0, offsets, :4] = _as_bytes(values ^ layer)
-            cache[blocks, -1, offsets, -4:] = _as_bytes(values + layer)
-
-    def check(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        fingerprints: Sequence[int],
-        num_tokens: int,
-    ) -> None:
-        """Raise `KVMismatchError` unless positions `0..num_tokens-1` hold the prefix."""
-        if num_tokens == 0:
-            return
-        blocks, offsets = self._slots(block_ids, 0, num_tokens)
-        values = torch.tensor(fingerprints[:num_tokens], dtype=torch.int32)
-        for layer, cache in enumerate(self._bytes):
-            good = (cache[blocks, 0, offsets, :4] == _as_bytes(values ^ layer)).all(1) & (
-                cache[blocks, -1, offsets, -4:] == _as_bytes(values + layer)
-            ).all(1)
-            if not bool(good.all()):
-                pos = int((~good).nonzero()[0])
-                raise KVMismatchError(
-                    f"request {request_id}: position {pos} (block {int(blocks[pos])}, "
-                    f"layer {layer}) holds KV of another prefix"
-                )
-
-    def _slots(
-        self, block_ids: Sequence[int], start: int, end: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, end)
-        table = torch.tensor(block_ids, dtype=torch.long)
-        return table[positions // self.block_size], positions % self.block_size
-
-
-def _as_bytes(values: torch.Tensor) -> torch.Tensor:
-    """Return int32 `values` as rows of their 4 bytes."""
-    return values.contiguous().view(torch.int8).reshape(-1, 4)

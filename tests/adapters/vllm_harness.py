@@ -132,7 +132,7 @@ class VllmHarness:
         self.scheduler, self.vllm_config, self.kv_cache_config = build_scheduler(
             cfg, self._model_dir.name
         )
-        self._block_hasher = get_request_block_hasher(cfg.block_size, sha256)
+        self._block_hasher = get_request_block_hasher(cfg.block_size, sha256)  # hash blocks
         self.check_kv = check_kv
         self.caches = [FakeKVCache(self.kv_cache_config) for _ in range(cfg.num_ranks)]
         factory = worker_factory or (lambda harness, cache: NoWorker())
@@ -297,12 +297,12 @@ class VllmHarness:
             end = request.num_computed_tokens  # already advanced by schedule()
             start = end - num_new
             if self.check_kv:
-                (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+                tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)  # per group
                 prints = self._fingerprints.upto(request, end, partial(_token_at, req_id))
                 for cache in self.caches:
                     if req_id in fresh:
-                        cache.check(req_id, block_ids, prints, start)
-                    cache.write(block_ids, start, prints)
+                        cache.check(req_id, tables, prints, start)
+                    cache.write(tables, start, prints)
             # A request still inside its prompt samples nothing this step.
             # A request still inside its prompt samples nothing this step; otherwise the
             # token at `end` (past a placeholder not yet delivered under async scheduling).

@@ -1,0 +1,182 @@
+"""The harness's fake "GPU" KV cache and the prefix fingerprints it holds (test helper).
+
+`FakeKVCache` is one rank's KV cache laid out as vLLM plans it; `PrefixFingerprints`
+gives each token prefix of a request a value (equal prefixes, equal values) that the
+fake forward writes and the checks read back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from vllm.v1.kv_cache_interface import KVCacheConfig, create_kv_cache_views
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import Request
+
+_FINGERPRINT_MOD = 2_147_483_629  # a prime below 2**31: fingerprints fit in int32
+_FINGERPRINT_MUL = 1_000_003
+
+
+class KVMismatchError(AssertionError):
+    """A position counted as computed holds KV of a different token prefix."""
+
+
+class PrefixFingerprints:
+    """Fingerprint of every token prefix of a request: equal prefixes, equal values."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[int]] = {}
+        self._guessed: dict[str, dict[int, int]] = {}  # request id -> position -> token
+
+    def upto(
+        self, request: Request, num_tokens: int, token_at: Callable[[int], int] | None = None
+    ) -> list[int]:
+        """Return fingerprints of the prefixes ending at positions `0..num_tokens-1`.
+
+        A position past the request's tokens (an output placeholder of asynchronous
+        scheduling: sampled, not yet delivered) takes its token from `token_at`, what the
+        model runner sampled there; once vLLM delivers that position, the token must be
+        the same (AssertionError otherwise: vLLM and the runner disagree on the prefix).
+        """
+        request_id = request.request_id
+        values = self._values.setdefault(request_id, [])
+        token_ids = request.all_token_ids
+        guessed = self._guessed.setdefault(request_id, {})
+        for pos in [pos for pos in guessed if pos < len(token_ids)]:
+            token = guessed.pop(pos)
+            assert token_ids[pos] == token, f"{request_id}: position {pos} delivered another token"
+        prev = values[-1] if values else 0
+        for pos in range(len(values), num_tokens):
+            if pos < len(token_ids):
+                token = token_ids[pos]
+            else:
+                assert token_at is not None, f"{request_id}: position {pos} has no token yet"
+                token = guessed[pos] = token_at(pos)
+            prev = (prev * _FINGERPRINT_MUL + token + 1) % _FINGERPRINT_MOD
+            values.append(prev)
+        return values[:num_tokens]
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's fingerprints."""
+        self._values.pop(request_id, None)
+        self._guessed.pop(request_id, None)
+
+
+class FakeKVCache:
+    """The "GPU" KV cache of one rank, laid out exactly as `kv_cache_config` places it.
+
+    One zeroed int8 allocation of the planned size; `tensors` are vLLM's own per-layer
+    `[B, H, N, C]` views into it (what `register_kv_caches` receives on a GPU), so
+    copies by block id and region discovery from the placement behave as on a GPU.
+    Token `n` of block `b` holds its prefix fingerprint xor the layer index in the first
+    4 content bytes of head 0, and the fingerprint plus the layer index in the last 4
+    content bytes of the last head. Each KV cache group maps positions to its blocks with
+    its own block size; a sliding-window group needs only the window's last positions.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig) -> None:
+        layout = KVCacheLayout[kv_cache_config.kv_cache_layout or "LBNHC"]
+        groups = kv_cache_config.kv_cache_groups
+        spec_of = {name: g.kv_cache_spec for g in groups for name in g.layer_names}
+        self.block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self.windows: list[int | None] = [
+            getattr(g.kv_cache_spec, "sliding_window", None) for g in groups
+        ]
+        self.raw = torch.zeros(kv_cache_config.kv_cache_tensors[0].size, dtype=torch.int8)
+        self.tensors: dict[str, torch.Tensor] = {}
+        for placement in kv_cache_config.kv_cache_tensors:
+            spec = spec_of[placement.layers[0]]
+            views = create_kv_cache_views(
+                self.raw, spec, kv_cache_config.num_blocks, layout, placement
+            )
+            self.tensors.update(zip(placement.layers, views, strict=True))
+        index = {name: layer for layer, name in enumerate(self.tensors)}
+        # Per group: (layer index, the layer's bytes) of each of its layers.
+        self._layers = [
+            [(index[name], self.tensors[name].view(torch.int8)) for name in g.layer_names]
+            for g in groups
+        ]
+
+    @property
+    def block_size(self) -> int:
+        """Return the block size of a one-group cache."""
+        (block_size,) = self.block_sizes
+        return block_size
+
+    def write(
+        self, tables: Sequence[Sequence[int]], start: int, fingerprints: Sequence[int]
+    ) -> None:
+        """Write `fingerprints[p]` for positions `start..` into each group's blocks
+        (`tables[g]`), except where a sliding window left the null block."""
+        for group, table in enumerate(tables):
+            size = self.block_sizes[group]
+            positions = [p for p in range(start, len(fingerprints)) if table[p // size] != 0]
+            if positions:
+                self._check_or_write(group, table, fingerprints, positions, write=True)
+
+    def check(
+        self,
+        request_id: str,
+        tables: Sequence[Sequence[int]],
+        fingerprints: Sequence[int],
+        num_tokens: int,
+    ) -> None:
+        """Raise `KVMismatchError` unless every group holds what it needs of the prefix
+        `0..num_tokens-1`: every position, or a sliding window's last `window - 1`."""
+        for group, table in enumerate(tables):
+            window = self.windows[group]
+            first = 0 if window is None else max(0, num_tokens - window + 1)
+            positions = range(first, num_tokens)
+            self.check_positions(f"request {request_id}", group, table, fingerprints, positions)
+
+    def check_positions(
+        self,
+        what: str,
+        group: int,
+        table: Sequence[int],
+        fingerprints: Sequence[int],
+        positions: Sequence[int],
+    ) -> None:
+        """Raise `KVMismatchError` unless `positions` of one group hold their fingerprints."""
+        size = self.block_sizes[group]
+        for pos in positions:
+            if pos // size >= len(table) or table[pos // size] == 0:
+                raise KVMismatchError(f"{what}: group {group} position {pos} has no block")
+        if positions:
+            self._check_or_write(group, table, fingerprints, list(positions), False, what)
+
+    def _check_or_write(
+        self,
+        group: int,
+        table: Sequence[int],
+        fingerprints: Sequence[int],
+        positions: list[int],
+        write: bool,
+        what: str = "",
+    ) -> None:
+        at = torch.tensor(positions, dtype=torch.long)
+        size = self.block_sizes[group]
+        blocks = torch.tensor(list(table), dtype=torch.long)[at // size]
+        offsets = at % size
+        values = torch.tensor([fingerprints[p] for p in positions], dtype=torch.int32)
+        for layer, cache in self._layers[group]:
+            first, last = _as_bytes(values ^ layer), _as_bytes(values + layer)
+            if write:
+                cache[blocks, 0, offsets, :4] = first
+                cache[blocks, -1, offsets, -4:] = last
+                continue
+            good = (cache[blocks, 0, offsets, :4] == first).all(1) & (
+                cache[blocks, -1, offsets, -4:] == last
+            ).all(1)
+            if not bool(good.all()):
+                i = int((~good).nonzero()[0])
+                raise KVMismatchError(
+                    f"{what}: position {positions[i]} (group {group}, block {int(blocks[i])}, "
+                    f"layer {layer}) holds KV of another prefix"
+                )
+
+
+def _as_bytes(values: torch.Tensor) -> torch.Tensor:
+    """Return int32 `values` as rows of their 4 bytes."""
+    return values.contiguous().view(torch.int8).reshape(-1, 4)
