@@ -20,16 +20,19 @@ from pathlib import Path
 import pytest
 
 from kvtier.replay import cli as replay_cli
-from kvtier.replay import generate
+from kvtier.replay import generate, outputs
+from kvtier.replay import whole_file as whole_file_module
 from kvtier.replay.cli import EXIT_BROKEN_PIPE, main
+from kvtier.replay.signals import TERMINATED_STATUS, signals_deferred
 from kvtier.replay.trace import TraceError, read_trace
-from kvtier.replay.whole_file import TERMINATED_STATUS, file_set, whole_file
+from kvtier.replay.whole_file import file_set, whole_file
 
 TRACE = (
     '{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}\n'
     '{"timestamp": 1, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}\n'
 )
 SMALL = ["--quiet", "--block-size", "10", "--capacity", "100"]
+JSON_TO_STDOUT = ["--sweep", "--json", "/dev/stdout"]
 
 
 def trace_file(tmp_path: Path, text: str = TRACE) -> Path:
@@ -163,8 +166,12 @@ def test_sigterm_in_the_generator_leaves_no_partial_file(
 
 
 def test_the_generator_names_an_output_it_cannot_write_before_generating(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    def generated(config: object) -> None:
+        raise AssertionError("the workload was generated before the check")
+
+    monkeypatch.setattr(generate, "generate_chat_trace", generated)
     with pytest.raises(SystemExit) as stopped:
         generate.main(["/proc/kvtier-chat.jsonl", "--conversations", "2"])
     assert stopped.value.code == 2
@@ -199,3 +206,100 @@ def test_a_partial_block_id_reused_as_a_full_block_is_refused(tmp_path: Path) ->
     )
     with pytest.raises(TraceError, match=r"t.jsonl:2: hash_ids\[0\] = 1 covers 512 tokens, but 10"):
         read_trace(trace, 512)
+
+
+def test_the_sweep_files_stay_when_the_reader_of_the_json_leaves(tmp_path: Path) -> None:
+    """Regression (review of the file set): `--sweep --out D --json /dev/stdout | head -c0`
+    lost D's CSV and plot with the JSON."""
+    out = tmp_path / "out"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            command(str(trace_file(tmp_path)), *SMALL, "--out", str(out), *JSON_TO_STDOUT),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == EXIT_BROKEN_PIPE
+    assert "error" not in done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["sweep.csv", "sweep.png"]
+
+
+def test_json_to_stdout_stays_pure_with_stderr_closed(tmp_path: Path) -> None:
+    """Regression: with `2>&-` the table was printed into stdout's JSON."""
+    argv = " ".join(command(str(trace_file(tmp_path)), *SMALL, "--json", "/dev/stdout"))
+    done = subprocess.run(["sh", "-c", f"{argv} 2>&-"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert json.loads(done.stdout)["points"]
+
+
+def test_an_existing_file_that_is_not_writable_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: the folder probe alone let a read-only result file be replaced (as a
+    user other than root; root may replace it, as its shell would)."""
+    result = tmp_path / "r.json"
+    result.write_text("kept")
+    real_access = os.access
+    monkeypatch.setattr(
+        outputs.os, "access", lambda p, mode: Path(p) != result and real_access(p, mode)
+    )
+    assert main([str(trace_file(tmp_path)), *SMALL, "--json", str(result)]) == 2
+    assert f"--json {result}: the file is not writable" in capsys.readouterr().err
+    assert result.read_text() == "kept"
+
+
+def test_ctrl_c_while_a_file_set_is_renamed_waits_for_the_last_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: Ctrl-C between two renames left a new sweep.csv beside an old plot."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("old")
+    b.write_text("old")
+    real_replace = whole_file_module._replace
+
+    def replace_then_interrupted(temp: str, target: Path) -> None:
+        real_replace(temp, target)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def write_both() -> None:
+        with file_set():
+            for path in (a, b):
+                with whole_file(path) as file:
+                    file.write("new")
+
+    monkeypatch.setattr(whole_file_module, "_replace", replace_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_both()
+    assert (a.read_text(), b.read_text()) == ("new", "new")
+    assert hidden_files(tmp_path) == []
+
+
+def test_signals_deferred_delivers_what_arrived_after_the_block() -> None:
+    steps = []
+
+    def interrupted_block() -> None:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append("after the signal")  # it waits for the block's end
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_block()
+    assert steps == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_generator_writes_a_pure_trace_to_stdout(tmp_path: Path) -> None:
+    """Regression: "wrote N requests to /dev/stdout" ended the trace it had written, so
+    `generate /dev/stdout | kvtier replay /dev/stdin` failed on that line."""
+    argv = [sys.executable, "-m", "kvtier.replay.generate", "/dev/stdout", "--conversations", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text(done.stdout)
+    assert read_trace(trace)
+    assert "wrote" in done.stderr

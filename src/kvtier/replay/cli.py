@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import re
@@ -23,6 +24,7 @@ from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.outputs import output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
+from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.stdout_lines import StdoutLines
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.sweep import (
@@ -34,7 +36,7 @@ from kvtier.replay.sweep import (
     write_json,
 )
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceError, TraceSummary, summarize
-from kvtier.replay.whole_file import descriptor_of, file_set, sigterm_unwinds
+from kvtier.replay.whole_file import descriptor_of, file_set, written_in_place
 
 __all__ = ["add_parser", "configure", "format_table", "main", "parse_tokens", "run"]
 
@@ -277,8 +279,7 @@ def run(args: argparse.Namespace) -> int:
     shell reports for SIGPIPE. With `--json /dev/stdout` stdout carries only the JSON
     (for `jq`), and what the command prints goes to stderr.
     """
-    json_to_stdout = bool(args.json) and descriptor_of(args.json) == 1
-    stdout = StdoutLines(to_stderr=json_to_stdout)
+    stdout = StdoutLines(to_stderr=_json_to_stdout(args))
     status = _run(args, stdout)
     stdout.flush()
     return EXIT_BROKEN_PIPE if stdout.reader_left else status
@@ -317,13 +318,14 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
         if bar is not None:
             bar.close()
     failure: OSError | None = None
+    written: list[Path] = []
     try:  # the files first: a reader closing stdout early must not lose them
-        written = _write_outputs(args, plan, points, summary)
-    except BrokenPipeError:  # --json /dev/stdout, and the reader went away
-        written = []
-        stdout.close()
+        _write_outputs(args, plan, points, summary, written)
     except OSError as exc:  # the paths were checked before the run; a disk may still fill up
-        written, failure = [], exc
+        if isinstance(exc, BrokenPipeError) and _json_to_stdout(args):
+            stdout.close()  # the reader of the JSON went away: quietly, as for the table
+        else:
+            failure = exc
     stdout.print(format_table(points))
     stdout.print(
         f"hit: lower-tier token hit ratio; TTFT s: mean estimated TTFT "
@@ -337,28 +339,54 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
     return 0
 
 
+def _json_to_stdout(args: argparse.Namespace) -> bool:
+    return bool(args.json) and descriptor_of(args.json) == 1
+
+
 def _write_outputs(
-    args: argparse.Namespace, plan: ReplayPlan, points: list[SweepPoint], summary: TraceSummary
-) -> list[Path]:
-    """Write the sweep's CSV and plot and the JSON results asked for; return their paths.
+    args: argparse.Namespace,
+    plan: ReplayPlan,
+    points: list[SweepPoint],
+    summary: TraceSummary,
+    written: list[Path],
+) -> None:
+    """Write the sweep's CSV and plot and the JSON results asked for; add their paths to
+    `written` as they are written.
 
     The files are replaced together at the end (`file_set`): an interrupted or failed
-    write leaves every one of them as it was, not a mix of this run's and an older one's.
+    write leaves every one of them as it was, not a mix of this run's and an older one's,
+    and removes the folders `--out` made. JSON written as it goes (to a descriptor or a
+    named pipe) comes after them, so a reader that leaves early costs only the JSON.
     """
-    written = []
-    with file_set():
-        if plan.out is not None:
-            out = plan.out
-            out.mkdir(parents=True, exist_ok=True)
-            write_csv(out / "sweep.csv", points)
-            plot_sweep(
-                out / "sweep.png", points, Path(args.trace).name, summary.infinite_token_hit_ratio
-            )
-            written += [out / "sweep.csv", out / "sweep.png"]
-        if args.json:
-            write_json(args.json, points, args.trace, summary)
-            written.append(Path(args.json))
-    return written
+    json_in_place = bool(args.json) and written_in_place(args.json)
+    files = []
+    made = [] if plan.out is None else _make_folders(plan.out)
+    try:
+        with file_set():
+            if plan.out is not None:
+                title = Path(args.trace).name
+                write_csv(plan.out / "sweep.csv", points)
+                plot_sweep(plan.out / "sweep.png", points, title, summary.infinite_token_hit_ratio)
+                files += [plan.out / "sweep.csv", plan.out / "sweep.png"]
+            if args.json and not json_in_place:
+                write_json(args.json, points, args.trace, summary)
+                files.append(Path(args.json))
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there
+                folder.rmdir()
+        raise
+    written += files
+    if json_in_place:
+        write_json(args.json, points, args.trace, summary)
+        written.append(Path(args.json))
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Make `folder` and its missing parents; return those it made, deepest first."""
+    missing = [f for f in (folder, *folder.parents) if not f.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,9 +31,10 @@ from pathlib import Path
 
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.outputs import check_file_path, output_path
+from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
-from kvtier.replay.whole_file import sigterm_unwinds
+from kvtier.replay.whole_file import descriptor_of
 
 Segment = tuple[int, int]  # (segment id, length in tokens)
 
@@ -195,19 +196,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = ChatWorkloadConfig(
             seed=args.seed, num_conversations=args.conversations, block_size=args.block_size
         )
-        check_file_path("out", Path(args.out))  # before the work, not after it
-    except ValueError as exc:  # ReplayError is one
+    except ValueError as exc:
         parser.error(str(exc))
     try:
         with sigterm_unwinds():
+            check_file_path("out", Path(args.out))  # before the work, not after it
             records = generate_chat_trace(config)
             write_trace(args.out, records)
     except KeyboardInterrupt:
         print(f"\n{parser.prog}: interrupted", file=sys.stderr)
         return 130
+    except ValueError as exc:  # ReplayError: OUT cannot be written
+        parser.error(str(exc))
     except OSError as exc:  # the disk filled up, or the folder changed since the check
         parser.error(f"cannot write {args.out}: {exc.strerror or exc}")
-    print(f"wrote {len(records)} requests to {args.out}")
+    # The trace itself may be going to stdout (`generate /dev/stdout | kvtier replay ...`).
+    report = sys.stderr if descriptor_of(args.out) == 1 else sys.stdout
+    print(f"wrote {len(records)} requests to {args.out}", file=report)
     return 0
 
 

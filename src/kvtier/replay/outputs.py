@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.replay.config import ReplayError
+from kvtier.replay.signals import signals_deferred
 from kvtier.replay.whole_file import descriptor_of
 
 
@@ -45,9 +46,9 @@ def check_file_path(option: str, path: Path) -> None:
         raise ReplayError(f"{option} {path}: no such directory {folder}")
     if not folder.is_dir():
         raise ReplayError(f"{option} {path}: {folder} is not a directory")
+    if path.exists() and not os.access(path, os.W_OK):  # root may replace it: the shell would
+        raise ReplayError(f"{option} {path}: the file is not writable")
     if path.exists() and not path.is_file():  # a named pipe or a device, written in place
-        if not os.access(path, os.W_OK):
-            raise ReplayError(f"{option} {path}: the file is not writable")
         return
     target = Path(os.path.realpath(path))  # a symbolic link: the file it names is replaced
     check_creates_files(f"{option} {path}", target.parent)
@@ -65,13 +66,14 @@ def _check_descriptor(option: str, path: Path, descriptor: int) -> None:
 
 def check_creates_files(what: str, folder: Path) -> None:
     """Raise `ReplayError` (starting with `what`) unless a file can be created in `folder`."""
-    try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvtier-probe-")
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ReplayError(f"{what}: cannot create files in {folder} ({reason})") from None
-    os.close(fd)
-    os.unlink(probe)
+    with signals_deferred():  # no probe file left behind by Ctrl-C
+        try:
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvtier-probe-")
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise ReplayError(f"{what}: cannot create files in {folder} ({reason})") from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:

@@ -19,12 +19,23 @@ class StdoutLines:
     def print(self, text: str) -> None:
         """Print `text` and a newline, unless the reader has gone."""
         if self.to_stderr:
-            print(text, file=sys.stderr)
+            self._print_to_stderr(text)
         elif not self.is_closed:
             try:
                 print(text)
             except BrokenPipeError:
                 self.close()
+
+    def _print_to_stderr(self, text: str) -> None:
+        """Print to stderr (stdout carries the JSON); a closed or gone stderr takes
+        nothing, and never counts as stdout's reader leaving."""
+        if sys.stderr is None:  # closed (`2>&-`): print() would fall back on stdout
+            return
+        try:
+            print(text, file=sys.stderr)
+        except BrokenPipeError:
+            self.to_stderr = False
+            self.is_closed = True  # nothing more to print; stdout keeps the JSON alone
 
     def flush(self) -> None:
         """Flush stdout (a closed pipe shows here, not at interpreter exit)."""

@@ -6,21 +6,20 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import stat
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from pathlib import Path
 from typing import IO, Any
 
+from kvtier.replay.signals import signals_deferred
+
 _STANDARD_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
 _DESCRIPTOR_PATH = re.compile(r"/(?:dev/fd|proc/self/fd)/([0-9]+)")
 # Inside `file_set`: the (temporary file, target) pairs written, renamed when it ends.
 _PENDING: ContextVar[list[tuple[str, Path]] | None] = ContextVar("pending", default=None)
-TERMINATED_STATUS = 143  # 128 + SIGTERM: what a shell reports for `kill` and `timeout`
 
 
 @contextlib.contextmanager
@@ -50,12 +49,11 @@ def whole_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
         with open(target, mode, encoding=encoding, newline=newline) as file:
             yield file
         return
-    try:
-        fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-    except OSError as exc:  # named as the file asked for, not the temporary one
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
     pending = _PENDING.get()
+    temp: str | None = None
     try:
+        with signals_deferred():  # no signal between creating the file and owning it
+            fd, temp = _temporary_file_beside(target, path)
         with os.fdopen(fd, mode, encoding=encoding, newline=newline) as file:
             yield file
         os.chmod(temp, _mode_of_open(target))
@@ -63,10 +61,21 @@ def whole_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
             _replace(temp, target)
         else:
             pending.append((temp, target))
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+    except BaseException as exc:
+        if temp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        if isinstance(exc, OSError) and exc.filename is None:  # a full disk: name the file
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
+
+
+def _temporary_file_beside(target: Path, path: str | Path) -> tuple[int, str]:
+    """Create the hidden temporary file `whole_file` writes `target` through."""
+    try:
+        return tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    except OSError as exc:  # named as the file asked for, not the temporary one
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 @contextlib.contextmanager
@@ -88,33 +97,15 @@ def file_set() -> Iterator[None]:
         raise
     finally:
         _PENDING.reset(token)
-    for index, (temp, target) in enumerate(pending):
-        try:
-            _replace(temp, target)
-        except BaseException:
-            for later, _ in pending[index:]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(later)
-            raise
-
-
-@contextlib.contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """Make SIGTERM (`kill`, `timeout`) raise SystemExit(TERMINATED_STATUS) inside the block,
-    so that `whole_file` removes its temporary files; the default handler would kill the
-    process on the spot and leave them. Does nothing outside the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def terminate(signum: int, frame: object) -> None:
-        raise SystemExit(TERMINATED_STATUS)
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    with signals_deferred():  # Ctrl-C waits for the last rename, so no set is half replaced
+        for index, (temp, target) in enumerate(pending):
+            try:
+                _replace(temp, target)
+            except BaseException:
+                for later, _ in pending[index:]:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(later)
+                raise
 
 
 def _replace(temp: str, target: Path) -> None:
@@ -122,6 +113,15 @@ def _replace(temp: str, target: Path) -> None:
         os.replace(temp, target)
     except OSError as exc:
         raise OSError(exc.errno, exc.strerror, str(target)) from None
+
+
+def written_in_place(path: str | Path) -> bool:
+    """Return True when `whole_file` writes `path` as it goes (an open descriptor, a named
+    pipe, a device), not through a temporary file that `file_set` can hold back."""
+    if descriptor_of(path) is not None:
+        return True
+    target = Path(os.path.realpath(path))
+    return target.exists() and not target.is_file()
 
 
 def descriptor_of(path: str | Path) -> int | None:
