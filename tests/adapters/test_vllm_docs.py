@@ -65,6 +65,8 @@ def code_default(key: str) -> object:
     defaults = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
     if key == "policy":
         return PolicySpec(defaults["eviction_policy"], defaults["admission_policy"]).name
+    if key == "disk_direct_io":  # another spelling of disk_io_mode: no default of its own
+        return None
     value = defaults[key]
     return value.value if isinstance(value, enum.Enum) else value
 

@@ -192,7 +192,7 @@ def test_a_stage_larger_than_its_layer_count_fails_at_start_up() -> None:
 def test_direct_disk_io_needs_page_aligned_blocks() -> None:
     disk = {"disk_bytes": 1 << 20, "disk_path": "/tmp"}
     unaligned = stage_config(["a", "b", "c"], page=2048)  # 6144 B per block id
-    with pytest.raises(ConfigError, match='set "disk_io_mode": "page_cache"'):
+    with pytest.raises(ConfigError, match='"disk_io_mode": "page_cache", "disk_direct_io": f'):
         tier_sizes(OffloadConfig(**disk), unaligned)
     page_cache = OffloadConfig(**disk, disk_io_mode=DiskIOMode.PAGE_CACHE)
     assert tier_sizes(page_cache, unaligned) == {Tier.DISK: (1 << 20) // 6144}

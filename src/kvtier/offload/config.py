@@ -183,6 +183,11 @@ class OffloadConfig:
         """
         values = dict(values)
         check_known_keys(values, CONFIG_KEYS, "offload config")
+        if "disk_direct_io" in values and "disk_io_mode" in values:
+            raise ConfigError(
+                f"disk_direct_io={values['disk_direct_io']!r} and disk_io_mode="
+                f"{values['disk_io_mode']!r} both set the disk I/O mode: use one of them"
+            )
         if "disk_direct_io" in values:  # SPEC §8 spelling
             direct = values.pop("disk_direct_io")
             if not isinstance(direct, bool):
@@ -196,7 +201,9 @@ class OffloadConfig:
             for key in ignored:
                 _valid_value(key, kwargs[key])
             if ignored:
-                logger.warning("no disk tier (disk_bytes unset): ignoring %s", ", ".join(ignored))
+                logger.warning(
+                    "no disk tier (disk_bytes is 0 or unset): ignoring %s", ", ".join(ignored)
+                )
                 for key in ignored:
                     del kwargs[key]
         if "cascade" in kwargs and not (kwargs.get("cpu_bytes") and kwargs.get("disk_bytes")):
@@ -257,7 +264,9 @@ def check_known_keys(keys: Iterable[object], valid: Collection[str], where: str)
     if unknown:
         named = []
         for key in unknown:
-            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            by_lower = {name.lower(): name for name in valid}  # `CPU_BYTES`: cpu_bytes
+            close = difflib.get_close_matches(key.lower(), sorted(by_lower), n=1)
+            close = [by_lower[match] for match in close]
             named.append(f"{key} (did you mean {close[0]!r}?)" if close else key)
         raise ConfigError(f"unknown {where} key(s): {', '.join(named)}")
 
@@ -302,6 +311,9 @@ def _check_type(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be {_type_name(kind)}, got {value!r}")
 
 
+# The most staging buffers per direction: each holds up to 4 MiB (disk_tier.DiskTierConfig
+# .batch_bytes), so 64 is 512 MiB of host memory for the two directions.
+MAX_DISK_BUFFER_SLOTS = 64
 # The least value of each int field that has one (num_blocks: the null block and one more).
 _MINIMUMS = {
     "cpu_bytes": 0,
@@ -326,9 +338,18 @@ def _valid_value(name: str, value: object) -> object:
     value = _as_enum(name, value)
     _check_type(name, value)
     if name == "disk_path" and isinstance(value, str) and value:
+        _require("\x00" not in value, name, value, "a path cannot hold a NUL character")
         return os.path.abspath(os.path.expanduser(value))
     if isinstance(value, int) and name in _MINIMUMS:
         _require(value >= _MINIMUMS[name], name, value, f"must be >= {_MINIMUMS[name]}")
+    if name == "disk_buffer_slots" and isinstance(value, int):
+        rule = (
+            f"must be <= {MAX_DISK_BUFFER_SLOTS} (each is a staging buffer of up to 4 MiB per "
+            "I/O direction, not one block)"
+        )
+        _require(value <= MAX_DISK_BUFFER_SLOTS, name, value, rule)
+    if name == "hash_seed":
+        _require(value != "", name, value, "must not be empty (None: a random seed per process)")
     registry = _REGISTRIES.get(name)
     if registry is not None and isinstance(value, str):
         ok = value.strip().lower() in registry

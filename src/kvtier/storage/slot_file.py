@@ -157,7 +157,8 @@ class SlotFile:
             raise OSError(
                 exc.errno,
                 f"cannot size the disk tier file to {self.num_slots} slots x "
-                f"{self.bytes_per_slot} B: {exc.strerror or exc}",
+                f"{self.bytes_per_slot} B (the disk tier's budget, disk_bytes; lower it or "
+                f"free space): {exc.strerror or exc}",
                 self.path,
             ) from exc
 

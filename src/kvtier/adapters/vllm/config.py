@@ -127,6 +127,7 @@ def _from_simple_offload_keys(
         "num_blocks": "num_cpu_blocks",
         "store_mode": "lazy_offload",
     }
+    _warn_of_unused_cpu_keys(values, backend, world_size)
     server_bytes = values.pop("cpu_bytes_to_use", _DEFAULT_SERVER_CPU_BYTES)
     per_rank = values.pop("cpu_bytes_to_use_per_rank", None)
     disk_bytes = values.pop("disk_capacity_bytes", _DEFAULT_DISK_BYTES)
@@ -165,6 +166,25 @@ def _from_simple_offload_keys(
     return values, {key: source for key, source in sources.items() if key in values}
 
 
+def _warn_of_unused_cpu_keys(values: Mapping[str, Any], backend: str, world_size: int) -> None:
+    """Warn, as vLLM's connector does, of CPU sizes that will not be used as written."""
+    given = [key for key in ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank") if key in values]
+    if backend == "disk" and given:
+        logger.warning(
+            'kv_offload_backend="disk" has no CPU tier: ignoring %s (set kv_offload_backend '
+            'to "cpu" or "cascade" for one)',
+            ", ".join(given),
+        )
+    elif len(given) == 2 and values[given[0]] // world_size != values[given[1]]:
+        logger.warning(
+            "cpu_bytes_to_use_per_rank=%d != cpu_bytes_to_use / %d rank(s) = %d: using "
+            "cpu_bytes_to_use_per_rank",
+            values[given[1]],
+            world_size,
+            values[given[0]] // world_size,
+        )
+
+
 def _given_or_default(key: str, values: Mapping[str, Any]) -> str:
     """Name `key` as the source of a translated value: the key itself, or its default."""
     return key if key in values else f"{key}'s default"
@@ -200,7 +220,7 @@ def _check_persistence(values: dict[str, Any]) -> None:
 def _check_cascade(value: object) -> None:
     """Name a bad `cascade` value even when no cascade is configured."""
     choices = tuple(mode.value for mode in CascadeMode)
-    if not isinstance(value, str) or value not in choices:
+    if not isinstance(value, str) or value.strip().lower() not in choices:  # any case
         raise ConfigError(
             f"cascade must be one of {', '.join(repr(c) for c in choices)}, got {value!r}"
         )

@@ -163,6 +163,8 @@ def check_direct_io(config: OffloadConfig, bytes_per_block: int) -> None:
     if disk_io and bytes_per_block % DIRECT_IO_ALIGNMENT:
         raise ConfigError(
             f"the disk tier's direct I/O needs blocks of a multiple of {DIRECT_IO_ALIGNMENT} "
-            f"bytes, but one KV block id spans {bytes_per_block} B: set "
-            '"disk_io_mode": "page_cache" in kv_connector_extra_config'
+            f"bytes, but one KV block id spans {bytes_per_block} B: use the page cache in "
+            'kv_connector_extra_config, with the key that chose direct I/O: "disk_io_mode": '
+            '"page_cache", "disk_direct_io": false, or (SimpleCPUOffloadConnector\'s keys) '
+            '"use_page_cache": true'
         )

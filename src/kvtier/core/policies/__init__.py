@@ -85,7 +85,7 @@ class PolicySpec:
         """Parse `EVICTION[+ADMISSION]`; raise ValueError naming a bad part."""
         if not isinstance(name, str):
             raise TypeError(f"policy {name!r} is not a name (str) like 'lru' or 'lru+door'")
-        eviction, plus, admission = name.strip().lower().partition("+")
+        eviction, plus, admission = (part.strip() for part in name.lower().partition("+"))
         if plus and not admission:
             raise ValueError(f"policy {name!r}: missing admission policy after '+'")
         return PolicySpec(eviction, admission or "all")

@@ -1,0 +1,87 @@
+"""Config values a review found accepted and failing later, or resolved silently
+(pure Python: runs without vLLM). Each named value is refused at start-up, naming the
+key, or warned of as vLLM's own connector does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvtier.adapters.vllm.config import offload_config_from_vllm
+from kvtier.core.policies import PolicySpec
+from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig
+
+GIB = 1024**3
+DISK = {"cpu_bytes": GIB, "disk_bytes": GIB, "disk_path": "/tmp"}
+
+
+def convert(extra: dict[str, object], world_size: int = 1) -> OffloadConfig:
+    return offload_config_from_vllm(extra, world_size, max_batched_tokens=2048, events=False)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # Regression: 10**9 staging buffers of 4 MiB each: killed for memory, no message.
+        ({**DISK, "disk_buffer_slots": 65}, r"disk_buffer_slots=65 is invalid: must be <= 64"),
+        # Regression: accepted, then `ValueError: embedded null byte` naming no key.
+        ({**DISK, "disk_path": "/tmp/a\x00b"}, "disk_path=.* a path cannot hold a NUL"),
+    ],
+)
+def test_values_that_failed_late_are_refused_naming_the_key(
+    extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        convert(extra)
+
+
+def test_an_empty_hash_seed_is_refused_naming_the_key() -> None:
+    """Regression: accepted, then the engine failed with 'hash seed must not be empty'."""
+    with pytest.raises(ConfigError, match="hash_seed='' is invalid: must not be empty"):
+        OffloadConfig(cpu_bytes=GIB, hash_seed="")
+
+
+@pytest.mark.parametrize(("direct", "mode"), [(False, "direct"), (True, "page_cache")])
+def test_two_disk_io_keys_are_refused_by_from_dict_too(direct: bool, mode: str) -> None:
+    """Regression: `disk_direct_io` silently won over `disk_io_mode`."""
+    values = {**DISK, "disk_direct_io": direct, "disk_io_mode": mode}
+    with pytest.raises(ConfigError, match="both set the disk I/O mode"):
+        OffloadConfig.from_dict(values)
+
+
+def test_cascade_ignores_case_like_the_other_names() -> None:
+    """Regression: "Write_Back" was refused by the connector, accepted by from_dict."""
+    assert convert({**DISK, "cascade": "Write_Back"}).cascade is CascadeMode.WRITE_BACK
+
+
+def test_policy_parts_ignore_spaces_around_the_plus() -> None:
+    assert PolicySpec.parse(" LRU + door ").name == "lru+door"
+
+
+def test_an_unknown_key_in_another_case_names_the_key_it_looks_like() -> None:
+    with pytest.raises(ConfigError, match=r"CPU_BYTES \(did you mean 'cpu_bytes'\?\)"):
+        convert({"CPU_BYTES": GIB})
+
+
+@pytest.mark.parametrize(
+    ("extra", "warning"),
+    [
+        (
+            {"cpu_bytes_to_use": GIB, "cpu_bytes_to_use_per_rank": GIB // 4},
+            "cpu_bytes_to_use_per_rank=268435456 != cpu_bytes_to_use / 2 rank(s) = 536870912"
+            ": using cpu_bytes_to_use_per_rank",
+        ),
+        (
+            {"kv_offload_backend": "disk", "disk_path": "/tmp", "cpu_bytes_to_use": GIB},
+            'kv_offload_backend="disk" has no CPU tier: ignoring cpu_bytes_to_use',
+        ),
+    ],
+)
+def test_simple_offload_cpu_sizes_not_used_as_written_are_warned_of(
+    extra: dict[str, object], warning: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: both were dropped without a word (vLLM's connector warns of the first)."""
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        convert(extra, world_size=2)
+    assert any(warning in record.getMessage() for record in caplog.records), caplog.text
