@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import random
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -332,3 +333,21 @@ class Run:
             self.totals.update({f"failed_{k}": n for k, n in worker.num_failed.items()})
             self.totals["jobs_run"] += worker.num_run
             self.totals["jobs_late"] += worker.num_late
+
+
+def run_example(
+    engine: Engine, totals: collections.Counter[str], ops: list[object], abort: bool
+) -> None:
+    """Run one example: apply `ops`, end every request (aborted or not), drain, audit the
+    tiers, replay every prompt, and add what it exercised to `totals`."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-random-") as disk_dir:
+        run = Run(engine, totals, disk_dir)
+        try:
+            run.check()
+            for op in ops:
+                run.apply(op)
+            run.finish(abort)
+            run.replay()
+            run.record_totals()
+        finally:
+            run.close()

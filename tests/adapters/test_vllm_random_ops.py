@@ -48,6 +48,7 @@ from random_ops_driver import (
     Reset,
     Run,
     Step,
+    run_example,
 )
 
 RANKS = st.integers(0, 1)
@@ -105,17 +106,7 @@ def test_random_operations_serve_correct_kv_and_leak_nothing(engine: Engine) -> 
     @SETTINGS
     @given(ops=st.lists(OPS, min_size=10, max_size=40), abort=st.booleans())
     def example(ops: list[object], abort: bool) -> None:
-        with tempfile.TemporaryDirectory(prefix="kvtier-random-") as disk_dir:
-            run = Run(engine, totals, disk_dir)
-            try:
-                run.check()
-                for op in ops:
-                    run.apply(op)
-                run.finish(abort)
-                run.replay()
-                run.record_totals()
-            finally:
-                run.close()
+        run_example(engine, totals, ops, abort)
 
     example()
     # The examples must have exercised what they are for (the replay aside, tier hits

@@ -45,6 +45,18 @@ def command(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvtier.cli.main", "replay", *args]
 
 
+def run_with_stdout_gone(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run `argv` with stdout a pipe whose reader left before it started (`| head -c0`)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            argv, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    finally:
+        os.close(write_end)
+
+
 def hidden_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
@@ -85,18 +97,7 @@ def test_json_to_stdout_is_pure_json_and_the_rest_goes_to_stderr(tmp_path: Path)
 def test_json_to_a_stdout_whose_reader_left_ends_quietly(tmp_path: Path) -> None:
     """`--json /dev/stdout | head -0`: status 141 and no error (with the summary line
     first, `| head -1` used to report "writing the results failed: Broken pipe")."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        done = subprocess.run(
-            command(str(trace_file(tmp_path)), *SMALL, "--json", "/dev/stdout"),
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        os.close(write_end)
+    done = run_with_stdout_gone(command(str(trace_file(tmp_path)), *SMALL, *JSON_TO_STDOUT[1:]))
     assert done.returncode == EXIT_BROKEN_PIPE
     assert "error" not in done.stderr
 
@@ -212,18 +213,8 @@ def test_the_sweep_files_stay_when_the_reader_of_the_json_leaves(tmp_path: Path)
     """Regression (review of the file set): `--sweep --out D --json /dev/stdout | head -c0`
     lost D's CSV and plot with the JSON."""
     out = tmp_path / "out"
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        done = subprocess.run(
-            command(str(trace_file(tmp_path)), *SMALL, "--out", str(out), *JSON_TO_STDOUT),
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        os.close(write_end)
+    argv = command(str(trace_file(tmp_path)), *SMALL, "--out", str(out), *JSON_TO_STDOUT)
+    done = run_with_stdout_gone(argv)
     assert done.returncode == EXIT_BROKEN_PIPE
     assert "error" not in done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["sweep.csv", "sweep.png"]
