@@ -15,17 +15,13 @@ blocks): with 16, vLLM 0.33 itself cannot schedule some prompts of two groups.
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 
 pytest.importorskip("vllm")
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from kvtier_vllm import kvtier_harness
-from random_ops_driver import KINDS, Engine, run_example
-from test_vllm_random_ops import OPS
+from random_ops_driver import KINDS, Engine
+from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef, KVMismatchError
 
 FULL = KVGroupDef(16)
@@ -66,26 +62,10 @@ ENGINES = [
     ),
 ]
 
-SETTINGS = settings(
-    max_examples=25,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
 
 @pytest.mark.parametrize("engine", ENGINES, ids=lambda engine: engine.name)
 def test_random_operations_on_a_hybrid_model_serve_correct_kv(engine: Engine) -> None:
-    totals: collections.Counter[str] = collections.Counter()
-
-    @SETTINGS
-    @given(ops=st.lists(OPS, min_size=10, max_size=40), abort=st.booleans())
-    def example(ops: list[object], abort: bool) -> None:
-        run_example(engine, totals, ops, abort)
-
-    example()
-    print(engine.name, dict(sorted(totals.items())))
+    totals = explore(engine, max_examples=25)
     # Tier hits in the random phase are rare with two groups (a hit needs every group's
     # blocks gone from vLLM's GPU cache and stored); the replay always asks for them.
     assert totals["audited_tier_blocks"] > 0, "no tier block was checked"

@@ -90,28 +90,32 @@ ENGINES = [
 ]
 
 
-SETTINGS = settings(
-    max_examples=50,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
-
-@pytest.mark.parametrize("engine", ENGINES, ids=lambda engine: engine.name)
-def test_random_operations_serve_correct_kv_and_leak_nothing(engine: Engine) -> None:
+def explore(engine: Engine, max_examples: int = 50) -> collections.Counter[str]:
+    """Run `max_examples` examples of random operations on `engine` (the same ones on
+    every run: derandomized); return what they exercised, added up."""
     totals: collections.Counter[str] = collections.Counter()
 
-    @SETTINGS
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(ops=st.lists(OPS, min_size=10, max_size=40), abort=st.booleans())
     def example(ops: list[object], abort: bool) -> None:
         run_example(engine, totals, ops, abort)
 
     example()
+    print(engine.name, dict(sorted(totals.items())))
+    return totals
+
+
+@pytest.mark.parametrize("engine", ENGINES, ids=lambda engine: engine.name)
+def test_random_operations_serve_correct_kv_and_leak_nothing(engine: Engine) -> None:
+    totals = explore(engine)
     # The examples must have exercised what they are for (the replay aside, tier hits
     # need a prefix stored, evicted from vLLM's GPU cache and asked for again).
-    print(engine.name, dict(sorted(totals.items())))
     assert totals["random_hit_tokens"] > 0, "no request took tokens from the tier"
     assert totals["replay_hit_tokens"] > 0, "the replays took nothing from the tier"
     for kind in KINDS if engine.cascade is not None else ("load", "store"):
