@@ -85,3 +85,8 @@ def test_simple_offload_cpu_sizes_not_used_as_written_are_warned_of(
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         convert(extra, world_size=2)
     assert any(warning in record.getMessage() for record in caplog.records), caplog.text
+
+
+def test_the_offload_backend_ignores_case_like_the_other_names() -> None:
+    config = convert({"kv_offload_backend": " CASCADE ", "disk_path": "/tmp"})
+    assert config.is_cascade

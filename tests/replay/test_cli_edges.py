@@ -294,3 +294,62 @@ def test_the_generator_writes_a_pure_trace_to_stdout(tmp_path: Path) -> None:
     trace.write_text(done.stdout)
     assert read_trace(trace)
     assert "wrote" in done.stderr
+
+
+@pytest.mark.parametrize("at_call", [2, 3])  # installing SIGTERM's hold; putting SIGINT's back
+def test_signals_deferred_puts_every_handler_back_when_a_signal_runs_on_the_way(
+    monkeypatch: pytest.MonkeyPatch, at_call: int
+) -> None:
+    """Regression (review): a signal run as `signal.signal` returned left the other
+    signal's holding handler installed, so later Ctrl-C or SIGTERM did nothing."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    real_signal = signal.signal
+    calls = []
+
+    def signal_then_interrupted(signum: int, handler: object) -> object:
+        previous = real_signal(signum, handler)  # type: ignore[arg-type]
+        calls.append(signum)
+        if len(calls) == at_call:  # a pending signal runs the handler now in place
+            raise KeyboardInterrupt
+        return previous
+
+    monkeypatch.setattr(signal, "signal", signal_then_interrupted)
+    with pytest.raises(KeyboardInterrupt), signals_deferred():
+        pass
+    monkeypatch.undo()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_as_a_file_set_ends_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review): Ctrl-C between the block's end and the renames' signal hold
+    left every `.part` file of the set."""
+    a = tmp_path / "a"
+    a.write_text("old")
+    real_deferred = whole_file_module.signals_deferred
+
+    def interrupted_on_entry() -> object:
+        monkeypatch.setattr(whole_file_module, "signals_deferred", real_deferred)
+        raise KeyboardInterrupt
+
+    def write() -> None:
+        with file_set():
+            with whole_file(a) as file:
+                file.write("new")
+            monkeypatch.setattr(whole_file_module, "signals_deferred", interrupted_on_entry)
+
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    assert a.read_text() == "old"
+    assert hidden_files(tmp_path) == []
+
+
+def test_the_generator_writes_a_pure_trace_to_stdout_with_stderr_closed(tmp_path: Path) -> None:
+    """Regression (review): with `2>&-` the "wrote" line ended the trace again."""
+    argv = f"{sys.executable} -m kvtier.replay.generate /dev/stdout --conversations 2 2>&-"
+    done = subprocess.run(["sh", "-c", argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text(done.stdout)
+    assert read_trace(trace)

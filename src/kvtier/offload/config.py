@@ -311,8 +311,9 @@ def _check_type(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be {_type_name(kind)}, got {value!r}")
 
 
-# The most staging buffers per direction: each holds up to 4 MiB (disk_tier.DiskTierConfig
-# .batch_bytes), so 64 is 512 MiB of host memory for the two directions.
+# The most staging buffers per direction: each holds 4 MiB (disk_tier.DiskTierConfig
+# .batch_bytes) or one block if larger, so 64 is 512 MiB of host memory for the two
+# directions with blocks up to 4 MiB.
 MAX_DISK_BUFFER_SLOTS = 64
 # The least value of each int field that has one (num_blocks: the null block and one more).
 _MINIMUMS = {
@@ -344,8 +345,8 @@ def _valid_value(name: str, value: object) -> object:
         _require(value >= _MINIMUMS[name], name, value, f"must be >= {_MINIMUMS[name]}")
     if name == "disk_buffer_slots" and isinstance(value, int):
         rule = (
-            f"must be <= {MAX_DISK_BUFFER_SLOTS} (each is a staging buffer of up to 4 MiB per "
-            "I/O direction, not one block)"
+            f"must be <= {MAX_DISK_BUFFER_SLOTS} (each is a staging buffer of 4 MiB, or one "
+            "block if larger, per I/O direction)"
         )
         _require(value <= MAX_DISK_BUFFER_SLOTS, name, value, rule)
     if name == "hash_seed":

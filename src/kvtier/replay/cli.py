@@ -360,8 +360,11 @@ def _write_outputs(
     """
     json_in_place = bool(args.json) and written_in_place(args.json)
     files = []
-    made = [] if plan.out is None else _make_folders(plan.out)
+    made: list[Path] = []
     try:
+        if plan.out is not None:
+            made = [f for f in (plan.out, *plan.out.parents) if not f.exists()]  # deepest first
+            plan.out.mkdir(parents=True, exist_ok=True)
         with file_set():
             if plan.out is not None:
                 title = Path(args.trace).name
@@ -380,13 +383,6 @@ def _write_outputs(
     if json_in_place:
         write_json(args.json, points, args.trace, summary)
         written.append(Path(args.json))
-
-
-def _make_folders(folder: Path) -> list[Path]:
-    """Make `folder` and its missing parents; return those it made, deepest first."""
-    missing = [f for f in (folder, *folder.parents) if not f.exists()]
-    folder.mkdir(parents=True, exist_ok=True)
-    return missing
 
 
 def main(argv: Sequence[str] | None = None) -> int:

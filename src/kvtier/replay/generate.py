@@ -21,6 +21,7 @@ Run: `python -m kvtier.replay.generate OUT.jsonl [--seed N] [--conversations N]`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import math
 import random
@@ -212,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"cannot write {args.out}: {exc.strerror or exc}")
     # The trace itself may be going to stdout (`generate /dev/stdout | kvtier replay ...`).
     report = sys.stderr if descriptor_of(args.out) == 1 else sys.stdout
-    print(f"wrote {len(records)} requests to {args.out}", file=report)
+    if report is not None:  # None: closed (`2>&-`), and print() would fall back on stdout
+        with contextlib.suppress(BrokenPipeError):
+            print(f"wrote {len(records)} requests to {args.out}", file=report)
     return 0
 
 

@@ -13,6 +13,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 TERMINATED_STATUS = 143  # 128 + SIGTERM: what a shell reports for `kill` and `timeout`
 _HELD = (signal.SIGINT, signal.SIGTERM)
@@ -41,10 +42,12 @@ def sigterm_unwinds() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends, then deliver each that arrived.
+    """Hold SIGINT and SIGTERM until the block ends, then deliver the first that arrived.
 
-    For a few statements only: Ctrl-C waits for them. Outside the main thread, or
-    inside another such block, it does nothing more.
+    For a few statements only: Ctrl-C waits for them. The first signal's handler stops
+    the command, so a second one would find it stopping. Outside the main thread, or
+    inside another such block, it does nothing more. (Blocking the signals with
+    `pthread_sigmask` would not do: another thread of the process can take them.)
     """
     if threading.current_thread() is not threading.main_thread() or _holding[0]:
         yield
@@ -54,13 +57,27 @@ def signals_deferred() -> Iterator[None]:
     def hold(signum: int, frame: object) -> None:
         arrived.append(signum)
 
-    previous = {int(signum): signal.signal(signum, hold) for signum in _HELD}
-    _holding[0] = True
+    previous: dict[int, Any] = {}
     try:
+        for signum in _HELD:  # a pending signal may run (and raise) as signal() returns
+            previous[int(signum)] = signal.getsignal(signum)
+            signal.signal(signum, hold)
+        _holding[0] = True
         yield
     finally:
         _holding[0] = False
-        for signum, handler in previous.items():
+        _restore(previous)
+    if arrived:
+        signal.raise_signal(arrived[0])
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    """Put every handler back, even when a signal runs one (and raises) on the way."""
+    raised: BaseException | None = None
+    for signum, handler in previous.items():
+        try:
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        for signum in dict.fromkeys(arrived):
-            signal.raise_signal(signum)
+        except BaseException as exc:  # the handler just restored ran and raised
+            raised = raised or exc
+    if raised is not None:
+        raise raised

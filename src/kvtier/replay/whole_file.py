@@ -90,22 +90,16 @@ def file_set() -> Iterator[None]:
     token = _PENDING.set(pending)
     try:
         yield
-    except BaseException:
-        for temp, _ in pending:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-        raise
+        with signals_deferred():  # Ctrl-C waits for the last rename, so no set is half replaced
+            while pending:
+                _replace(*pending[0])
+                del pending[0]
     finally:
         _PENDING.reset(token)
-    with signals_deferred():  # Ctrl-C waits for the last rename, so no set is half replaced
-        for index, (temp, target) in enumerate(pending):
-            try:
-                _replace(temp, target)
-            except BaseException:
-                for later, _ in pending[index:]:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(later)
-                raise
+        with signals_deferred():
+            for temp, _ in pending:  # not renamed: the block or a rename failed, or Ctrl-C
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)
 
 
 def _replace(temp: str, target: Path) -> None:

@@ -114,6 +114,8 @@ def _from_simple_offload_keys(
             f"{', '.join(clash)} mixed with SimpleCPUOffloadConnector keys: use one spelling"
         )
     backend = values.pop("kv_offload_backend", "cpu")
+    if isinstance(backend, str):  # any case, as the other names
+        backend = backend.strip().lower()
     if backend not in _BACKENDS:
         choices = ", ".join(repr(b) for b in _BACKENDS)
         raise ConfigError(f"kv_offload_backend must be one of {choices}, got {backend!r}")
