@@ -1,0 +1,92 @@
+"""Argument types of `kvtier replay`: token counts (`300k`, `1.5M`), policy names, and
+the TTFT model's numbers. Each raises `argparse.ArgumentTypeError`, which argparse
+reports naming the option."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from fractions import Fraction
+
+from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
+from kvtier.replay.ascii_number import ascii_float, ascii_int
+from kvtier.replay.belady import OFFLINE_POLICIES
+
+_SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+# ASCII only: `\d` alone also matches other scripts' digits (Arabic-Indic, full-width) and
+# IGNORECASE the Kelvin sign as k; Fraction and int() would read those digits as numbers.
+_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE | re.ASCII)
+# The least rate the TTFT model takes (tokens/s, GB/s): slower ones make estimates of
+# centuries, printed with hundreds of digits, or infinite (JSON has no infinity).
+MIN_RATE = 1e-6
+MAX_BYTES_PER_TOKEN = 1 << 30  # 1 GiB: a 405B model's KV in fp32 is about 1 MiB per token
+
+
+def parse_tokens(text: str) -> int:
+    """Parse a whole token count like `300k`, `1M`, `1.5M` or `2000000`."""
+    match = _CAPACITY.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid token count {text!r}: use digits 0-9 and an optional k, M or G, e.g. "
+            "300k, 1M, 1.5M or 2000000"
+        )
+    number = match.group(1)
+    value = Fraction(number) * _SUFFIXES[match.group(2).lower()]
+    if value.denominator != 1:
+        places = len(number.partition(".")[2])  # exact: a float would round 1.0...01G
+        digits = str(int(value * 10**places)).rjust(places + 1, "0")
+        exact = f"{digits[:-places]}.{digits[-places:]}".rstrip("0")
+        raise argparse.ArgumentTypeError(
+            f"invalid token count {text!r}: not a whole number of tokens (it is {exact})"
+        )
+    return int(value)
+
+
+def policy_name(text: str) -> str:
+    """Parse a policy name: `EVICTION[+ADMISSION]`, or an offline one (`belady`)."""
+    name = text.strip().lower()
+    if name in OFFLINE_POLICIES:
+        return name
+    eviction, _, admission = name.partition("+")
+    if eviction in OFFLINE_POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {eviction!r} is an offline policy with its own admission rule (store "
+            f"only what is used again), so it takes no admission filter such as "
+            f"'+{admission}'; use {eviction!r}"
+        )
+    if eviction not in EVICTION_POLICIES:
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {text!r}: use EVICTION[+ADMISSION] with eviction one of "
+            f"{', '.join(EVICTION_POLICIES)} and admission one of "
+            f"{', '.join(a for a in ADMISSION_POLICIES if a != 'all')}; or an offline "
+            f"policy: {', '.join(OFFLINE_POLICIES)}"
+        )
+    try:
+        return PolicySpec.parse(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    """Parse a whole number > 0 in ASCII digits (argparse names the option in the error)."""
+    value = ascii_int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def rate(text: str) -> float:
+    """Parse a finite rate >= MIN_RATE in ASCII digits (argparse names the option)."""
+    value = ascii_float(text)
+    if not MIN_RATE <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be >= {MIN_RATE:g} and finite, got {text!r}")
+    return value
+
+
+def bytes_per_token(text: str) -> int:
+    """Parse the KV bytes per token, 1 ... MAX_BYTES_PER_TOKEN."""
+    value = positive_int(text)
+    if value > MAX_BYTES_PER_TOKEN:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_BYTES_PER_TOKEN} (1 GiB), got {value}")
+    return value
