@@ -23,7 +23,7 @@ from kvtier.replay import cli as replay_cli
 from kvtier.replay import generate, outputs
 from kvtier.replay import whole_file as whole_file_module
 from kvtier.replay.cli import EXIT_BROKEN_PIPE, main
-from kvtier.replay.signals import TERMINATED_STATUS, signals_deferred
+from kvtier.replay.signals import TERMINATED_STATUS, signals_deferred, sigterm_unwinds
 from kvtier.replay.trace import TraceError, read_trace
 from kvtier.replay.whole_file import file_set, whole_file
 
@@ -296,28 +296,63 @@ def test_the_generator_writes_a_pure_trace_to_stdout(tmp_path: Path) -> None:
     assert "wrote" in done.stderr
 
 
-@pytest.mark.parametrize("at_call", [2, 3])  # installing SIGTERM's hold; putting SIGINT's back
+@pytest.mark.parametrize("order", ["before", "after"])  # the signal runs before the swap, or after
+@pytest.mark.parametrize("at_call", [2, 3, 4])  # installing a hold; putting a handler back
 def test_signals_deferred_puts_every_handler_back_when_a_signal_runs_on_the_way(
-    monkeypatch: pytest.MonkeyPatch, at_call: int
+    monkeypatch: pytest.MonkeyPatch, at_call: int, order: str
 ) -> None:
-    """Regression (review): a signal run as `signal.signal` returned left the other
-    signal's holding handler installed, so later Ctrl-C or SIGTERM did nothing."""
+    """Regression (reviews): a signal run as `signal.signal` was called left a holding
+    handler installed, so a later SIGTERM did nothing. In CPython it runs before the
+    handler changes (in signal.py's wrapper); the test tries both orders."""
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     real_signal = signal.signal
     calls = []
 
-    def signal_then_interrupted(signum: int, handler: object) -> object:
-        previous = real_signal(signum, handler)  # type: ignore[arg-type]
+    def signal_and_interrupted(signum: int, handler: object) -> object:
         calls.append(signum)
-        if len(calls) == at_call:  # a pending signal runs the handler now in place
+        if len(calls) == at_call and order == "before":
+            raise KeyboardInterrupt
+        previous = real_signal(signum, handler)  # type: ignore[arg-type]
+        if len(calls) == at_call:
             raise KeyboardInterrupt
         return previous
 
-    monkeypatch.setattr(signal, "signal", signal_then_interrupted)
+    monkeypatch.setattr(signal, "signal", signal_and_interrupted)
     with pytest.raises(KeyboardInterrupt), signals_deferred():
         pass
     monkeypatch.undo()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_held_while_the_block_raises_still_arrives() -> None:
+    """Regression (review): Ctrl-C held in a block that then failed was dropped, so the
+    command ended as for the failure (status 1 or 2), not as interrupted (130)."""
+
+    def failing_block() -> None:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError("the write failed")
+
+    with pytest.raises(KeyboardInterrupt):
+        failing_block()
+
+
+def test_an_ignored_signal_does_not_hide_the_next_one() -> None:
+    """Regression (review): with SIGINT ignored (`cmd &`), a SIGTERM held after it was
+    dropped: only the first held signal was delivered."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+
+        def both_signals() -> None:
+            with sigterm_unwinds(), signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        with pytest.raises(SystemExit) as stopped:
+            both_signals()
+        assert stopped.value.code == TERMINATED_STATUS
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_signal_as_a_file_set_ends_leaves_no_temporary_file(

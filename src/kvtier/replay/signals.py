@@ -42,12 +42,13 @@ def sigterm_unwinds() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM until the block ends, then deliver the first that arrived.
+    """Hold SIGINT and SIGTERM until the block ends, then deliver each that arrived.
 
-    For a few statements only: Ctrl-C waits for them. The first signal's handler stops
-    the command, so a second one would find it stopping. Outside the main thread, or
-    inside another such block, it does nothing more. (Blocking the signals with
-    `pthread_sigmask` would not do: another thread of the process can take them.)
+    For a few statements only: Ctrl-C waits for them. A signal held is delivered also
+    when the block raises (its exception then gives way to the signal's, e.g. Ctrl-C's
+    KeyboardInterrupt). Outside the main thread, or inside another such block, it does
+    nothing more. (Blocking the signals with `pthread_sigmask` would not do: another
+    thread of the process can take them.)
     """
     if threading.current_thread() is not threading.main_thread() or _holding[0]:
         yield
@@ -57,27 +58,45 @@ def signals_deferred() -> Iterator[None]:
     def hold(signum: int, frame: object) -> None:
         arrived.append(signum)
 
-    previous: dict[int, Any] = {}
+    previous = {int(signum): signal.getsignal(signum) for signum in _HELD}
+    raised = _set_handlers(dict.fromkeys(previous, hold))
     try:
-        for signum in _HELD:  # a pending signal may run (and raise) as signal() returns
-            previous[int(signum)] = signal.getsignal(signum)
-            signal.signal(signum, hold)
+        if raised is not None:  # a signal ran its handler while the holds went in
+            raise raised
         _holding[0] = True
         yield
     finally:
         _holding[0] = False
-        _restore(previous)
-    if arrived:
-        signal.raise_signal(arrived[0])
+        raised = _set_handlers(previous)
+        raised = _deliver(arrived, raised)
+        if raised is not None:
+            raise raised
 
 
-def _restore(previous: dict[int, Any]) -> None:
-    """Put every handler back, even when a signal runs one (and raises) on the way."""
+def _set_handlers(handlers: dict[int, Any]) -> BaseException | None:
+    """Install every handler; return what a signal raised on the way (None: nothing).
+
+    A pending signal runs its current handler as `signal.signal` is entered or returns,
+    and what that raises comes out of the call, which may or may not have installed the
+    new handler: each is set again until it is in place.
+    """
     raised: BaseException | None = None
-    for signum, handler in previous.items():
+    for signum, handler in handlers.items():
+        wanted = signal.SIG_DFL if handler is None else handler
+        while signal.getsignal(signum) is not wanted:
+            try:
+                signal.signal(signum, wanted)
+            except BaseException as exc:
+                raised = raised or exc
+    return raised
+
+
+def _deliver(arrived: list[int], raised: BaseException | None) -> BaseException | None:
+    """Raise each held signal again, in order, under its own handler (one ignored, or
+    whose handler returns, lets the next through); return the first exception."""
+    for signum in dict.fromkeys(arrived):
         try:
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        except BaseException as exc:  # the handler just restored ran and raised
+            signal.raise_signal(signum)
+        except BaseException as exc:
             raised = raised or exc
-    if raised is not None:
-        raise raised
+    return raised

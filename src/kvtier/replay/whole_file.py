@@ -88,15 +88,18 @@ def file_set() -> Iterator[None]:
     """
     pending: list[tuple[str, Path]] = []
     token = _PENDING.set(pending)
+    completed = False
     try:
         yield
-        with signals_deferred():  # Ctrl-C waits for the last rename, so no set is half replaced
-            while pending:
-                _replace(*pending[0])
-                del pending[0]
+        completed = True
     finally:
-        _PENDING.reset(token)
-        with signals_deferred():
+        try:
+            with signals_deferred():  # Ctrl-C waits for the last rename: no half-replaced set
+                while completed and pending:
+                    _replace(*pending[0])
+                    del pending[0]
+        finally:
+            _PENDING.reset(token)
             for temp, _ in pending:  # not renamed: the block or a rename failed, or Ctrl-C
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)
