@@ -4,7 +4,8 @@
 temporary files (the default action kills the process on the spot). `signals_deferred`
 holds SIGINT and SIGTERM over a few statements that must not be cut in two (a file
 created and its removal registered; a set of files renamed into place), then delivers
-them as their handlers would have.
+them as their handlers would have. Its first use wraps the handlers in place for good
+(`signal.getsignal` then returns the wrapper; its `inner` is the handler it wraps).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 
 TERMINATED_STATUS = 143  # 128 + SIGTERM: what a shell reports for `kill` and `timeout`
 _HELD = (signal.SIGINT, signal.SIGTERM)
-_holding = [False]  # inside `signals_deferred` (main thread only): nested blocks join it
 
 
 @contextlib.contextmanager
@@ -40,63 +40,82 @@ def sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+class _Holding:
+    """The SIGINT/SIGTERM handler `signals_deferred` installs around the one in place.
+
+    Outside a `signals_deferred` block it does what `inner` does; inside one it notes
+    the signal for the block's end. It is never swapped back: swapping handlers races
+    with a pending signal, which Python runs at any bytecode, also inside
+    `signal.signal` before the swap (two earlier designs left a handler installed that
+    way). `inner` SIG_IGN is never wrapped (children inherit the ignored signal).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if _state.depth:
+            _state.arrived.append((signum, self.inner))
+        else:
+            _act(self.inner, signum)
+
+
+class _State:
+    def __init__(self) -> None:
+        self.depth = 0  # nesting of `signals_deferred` blocks (main thread only)
+        self.arrived: list[tuple[int, Any]] = []  # (signal, its handler) held, oldest first
+
+
+_state = _State()
+
+
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then deliver each that arrived.
 
     For a few statements only: Ctrl-C waits for them. A signal held is delivered also
     when the block raises (its exception then gives way to the signal's, e.g. Ctrl-C's
-    KeyboardInterrupt). Outside the main thread, or inside another such block, it does
-    nothing more. (Blocking the signals with `pthread_sigmask` would not do: another
+    KeyboardInterrupt). Inside another such block it joins it; outside the main thread
+    it does nothing. (Blocking the signals with `pthread_sigmask` would not do: another
     thread of the process can take them.)
     """
-    if threading.current_thread() is not threading.main_thread() or _holding[0]:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    arrived: list[int] = []
-
-    def hold(signum: int, frame: object) -> None:
-        arrived.append(signum)
-
-    previous = {int(signum): signal.getsignal(signum) for signum in _HELD}
-    raised = _set_handlers(dict.fromkeys(previous, hold))
+    for signum in _HELD:  # once per handler; a signal during this acts as it would have
+        handler = signal.getsignal(signum)
+        if not isinstance(handler, _Holding) and handler is not signal.SIG_IGN:
+            signal.signal(signum, _Holding(handler))
+    _state.depth += 1
     try:
-        if raised is not None:  # a signal ran its handler while the holds went in
-            raise raised
-        _holding[0] = True
         yield
     finally:
-        _holding[0] = False
-        raised = _set_handlers(previous)
-        raised = _deliver(arrived, raised)
-        if raised is not None:
-            raise raised
-
-
-def _set_handlers(handlers: dict[int, Any]) -> BaseException | None:
-    """Install every handler; return what a signal raised on the way (None: nothing).
-
-    A pending signal runs its current handler as `signal.signal` is entered or returns,
-    and what that raises comes out of the call, which may or may not have installed the
-    new handler: each is set again until it is in place.
-    """
-    raised: BaseException | None = None
-    for signum, handler in handlers.items():
-        wanted = signal.SIG_DFL if handler is None else handler
-        while signal.getsignal(signum) is not wanted:
-            try:
-                signal.signal(signum, wanted)
-            except BaseException as exc:
-                raised = raised or exc
-    return raised
-
-
-def _deliver(arrived: list[int], raised: BaseException | None) -> BaseException | None:
-    """Raise each held signal again, in order, under its own handler (one ignored, or
-    whose handler returns, lets the next through); return the first exception."""
-    for signum in dict.fromkeys(arrived):
         try:
-            signal.raise_signal(signum)
+            if _state.depth == 1:
+                _deliver_held()  # still holding: a signal meanwhile joins the queue
+        finally:
+            _state.depth -= 1
+        if _state.depth == 0 and _state.arrived:  # one that came as the hold ended
+            _deliver_held()
+
+
+def _deliver_held() -> None:
+    """Act on every held signal in order; raise the first exception a handler raised."""
+    raised: BaseException | None = None
+    while _state.arrived:
+        signum, inner = _state.arrived.pop(0)
+        try:
+            _act(inner, signum)
         except BaseException as exc:
             raised = raised or exc
-    return raised
+    if raised is not None:
+        raise raised
+
+
+def _act(handler: Any, signum: int) -> None:
+    """Do what `handler` does for `signum`: call it, or take the default action."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler is signal.SIG_DFL or handler is None:  # None: set outside Python
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)  # for SIGINT and SIGTERM: the end of the process

@@ -93,16 +93,28 @@ def file_set() -> Iterator[None]:
         yield
         completed = True
     finally:
+        held = False
         try:
             with signals_deferred():  # Ctrl-C waits for the last rename: no half-replaced set
-                while completed and pending:
-                    _replace(*pending[0])
-                    del pending[0]
+                held = True
+                try:
+                    while completed and pending:
+                        _replace(*pending[0])
+                        del pending[0]
+                finally:
+                    _discard(pending)
         finally:
             _PENDING.reset(token)
-            for temp, _ in pending:  # not renamed: the block or a rename failed, or Ctrl-C
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temp)
+            if not held:  # a signal came before the hold began
+                _discard(pending)
+
+
+def _discard(pending: list[tuple[str, Path]]) -> None:
+    """Remove the temporary files not renamed (the block or a rename failed, or Ctrl-C)."""
+    while pending:
+        temp, _ = pending.pop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
 
 
 def _replace(temp: str, target: Path) -> None:
