@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from kvtier.cli.main import BROKEN_PIPE_STATUS, build_parser, main
+from kvtier.cli.main import BROKEN_PIPE_STATUS, build_parser, main, parse_arguments
 from kvtier.replay import cli as replay_cli
 
 KVTIER = [sys.executable, "-m", "kvtier.cli.main"]  # what the `kvtier` script runs
@@ -174,3 +174,18 @@ def test_help_and_replay_do_not_import_the_engine(tmp_path: Path) -> None:
 )
 def test_verbose_is_taken_before_or_after_the_command(argv: list[str], verbose: bool) -> None:
     assert build_parser().parse_args(argv).verbose is verbose
+
+
+@pytest.mark.parametrize("command", ["replay", "demo"])
+def test_an_unknown_option_shows_the_usage_of_its_command(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression: `kvtier replay t.jsonl --bogus` printed the top-level usage line
+    # (`kvtier [-h] [-v] [--version] COMMAND ...`), which shows none of replay's options.
+    argv = [command, "t.jsonl", "--bogus"] if command == "replay" else [command, "--bogus"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_arguments(build_parser(), argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kvtier {command} ")
+    assert err.endswith(f"kvtier {command}: error: unrecognized arguments: --bogus\n")

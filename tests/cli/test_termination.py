@@ -16,7 +16,7 @@ import weakref
 
 import pytest
 
-from kvtier.cli.termination import TERMINATED_STATUS, raise_if_terminated, sigterm_unwinds
+from kvtier.replay.signals import TERMINATED_STATUS, raise_if_terminated, sigterm_unwinds
 
 
 class _Thing:

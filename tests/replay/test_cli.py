@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,18 @@ def test_token_counts_take_ascii_digits_only(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: argument {name}: invalid token count {text!r}: use digits 0-9" in err
+
+
+def test_verbose_logs_each_point_as_it_is_done(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Regression: `kvtier replay -v` logged nothing, so the option changed no output.
+    argv = [str(trace_file(tmp_path)), "--block-size", str(BLOCK), "--quiet", "-v"]
+    argv += ["--policy", "lru", "--policy", "arc", "--capacity", "40"]
+    with caplog.at_level(logging.INFO, logger="kvtier.replay"):
+        assert main(argv) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvtier.replay.sweep"]
+    assert len(lines) == 2
+    assert lines[0].startswith("lru at 40 tokens: lower-tier token hit ratio ")
+    assert lines[1].startswith("arc at 40 tokens: ")
+    assert lines[1].endswith("(point 2 of 2)")

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
+import sys
 import threading
 from pathlib import Path
+
+import pytest
 
 from kvtier.replay.cli import main
 from kvtier.replay.whole_file import descriptor_of, whole_file
@@ -75,3 +80,23 @@ def test_sweep_of_a_trace_whose_name_holds_dollar_signs(tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert main([str(trace), *SMALL, "--sweep", "--out", str(out)]) == 0
     assert (out / "sweep.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["-m", "kvtier.cli.main", "replay", "{trace}"], ["-m", "kvtier.replay.generate", "{out}"]],
+)
+def test_a_closed_stderr_does_not_stop_a_command_with_a_progress_bar(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Regression: with `2>&-` the progress bar (tqdm, writing to stderr) failed, so
+    `kvtier replay` printed no table and exited 1."""
+    trace, out = tmp_path / "t.jsonl", tmp_path / "out.jsonl"
+    trace.write_text(TRACE)
+    argv = [arg.format(trace=trace, out=out) for arg in command]
+    if "replay" in argv:
+        argv += ["--block-size", "10", "--capacity", "100"]  # not --quiet: the bar is on
+    line = shlex.join([sys.executable, *argv]) + " 2>&-"
+    done = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout
+    assert "TTFT" in done.stdout if "replay" in argv else out.exists()

@@ -119,6 +119,24 @@ def test_chat_generator_is_deterministic_and_chains_prefixes() -> None:
     assert generate_chat_trace(ChatWorkloadConfig(seed=1, num_conversations=20)) != first
 
 
+class _CountingBar:
+    total: float | None = None
+    done = 0
+
+    def update(self, n: float | None = 1) -> None:
+        assert self.total is not None, "the total comes before the first update"
+        self.done += int(n or 0)
+
+
+def test_chat_generator_reports_its_progress_per_request() -> None:
+    # Regression: at 1-token blocks the generator ran 8 s with no sign of progress.
+    config = ChatWorkloadConfig(num_conversations=20, block_size=64)
+    bar = _CountingBar()
+    records = generate_chat_trace(config, bar)
+    assert bar.total == bar.done == len(records)
+    assert records == generate_chat_trace(config)  # the bar changes nothing
+
+
 def test_chat_generator_validates_and_writes(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mean_turns must be > 0"):
         ChatWorkloadConfig(mean_turns=0)

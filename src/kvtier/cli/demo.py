@@ -16,12 +16,12 @@ from safetensors import SafetensorError
 
 from kvtier.cli.demo_checks import check_options, check_paths, check_positions, check_sizes
 from kvtier.cli.demo_plot import save_ttft_plot
-from kvtier.cli.termination import raise_if_terminated
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.runner import KVCacheTooLargeError
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
+from kvtier.replay.signals import raise_if_terminated
 
 PIPE_WIDTH = 160  # columns of the table when output is not a terminal
 MIB = 1 << 20

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 from kvtier import __version__
 from kvtier.cli import demo_options
-from kvtier.cli.termination import raise_if_terminated, sigterm_unwinds
 from kvtier.replay import cli as replay_cli
+from kvtier.replay.signals import raise_if_terminated, sigterm_unwinds
 
 # The status of a command whose reader went away (`kvtier replay t.jsonl | head -1`): what
 # a shell reports for a process killed by SIGPIPE, 128 + 13.
@@ -36,7 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument(
             "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help
         )
+        command.set_defaults(command_parser=command)  # its usage for its unknown options
     return parser
+
+
+def parse_arguments(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
+    """Parse `argv`; an unknown option is reported by the subcommand it was given to.
+
+    argparse leaves options a subcommand does not know to the top-level parser, whose
+    usage line (`kvtier [-h] [-v] [--version] COMMAND ...`) does not show the options
+    that were meant; the subcommand's usage does.
+    """
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,10 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Output piped into a reader that stops early (`| head -1`) ends the command quietly
     with BROKEN_PIPE_STATUS instead of a BrokenPipeError traceback; Ctrl-C ends it with
     one line and INTERRUPTED_STATUS instead of a KeyboardInterrupt traceback. SIGTERM
-    ends it with TERMINATED_STATUS (`termination`) once the command has cleaned up (the
+    ends it with TERMINATED_STATUS (`kvtier.replay.signals`) once the command has cleaned up (the
     demo's disk tier folder is removed), instead of killing it on the spot.
     """
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(build_parser(), argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

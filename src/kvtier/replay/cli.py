@@ -27,7 +27,7 @@ from kvtier.replay.outputs import output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
 from kvtier.replay.signals import sigterm_unwinds
-from kvtier.replay.stdout_lines import StdoutLines
+from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.sweep import (
     SweepPoint,
@@ -234,10 +234,11 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
         from tqdm import tqdm
 
         total = sweep_passes(plan.base, plan.policies, plan.capacities) * len(records)
-        bar = tqdm(total=total, unit="req", leave=False, disable=None)  # none off a TTY
+        bar = tqdm(total=total, unit="req", leave=False, disable=progress_bar_disable())
         progress = bar.update
     try:
-        points = run_sweep(records, plan.base, plan.policies, plan.capacities, progress)
+        with _logs_above(bar):
+            points = run_sweep(records, plan.base, plan.policies, plan.capacities, progress)
     except ReplayError as exc:
         return _error(exc)
     finally:
@@ -263,6 +264,15 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
         print(f"kvtier replay: error: writing the results failed: {failure}", file=sys.stderr)
         return 1
     return 0
+
+
+def _logs_above(bar: Any) -> contextlib.AbstractContextManager[object]:
+    """Print log lines (`-v`) above the progress bar, not through it."""
+    if bar is None or bar.disable:
+        return contextlib.nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
 
 
 def _json_to_stdout(args: argparse.Namespace) -> bool:

@@ -29,15 +29,25 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Protocol
 
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.outputs import check_file_path, output_path
 from kvtier.replay.signals import sigterm_unwinds
+from kvtier.replay.stdout_lines import progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
 from kvtier.replay.whole_file import descriptor_of
 
 Segment = tuple[int, int]  # (segment id, length in tokens)
+
+
+class ProgressBar(Protocol):
+    """What `generate_chat_trace` reports its progress to (a `tqdm` bar is one)."""
+
+    total: float | None
+
+    def update(self, n: float | None = 1) -> bool | None: ...
 
 
 @dataclass(frozen=True)
@@ -107,8 +117,14 @@ def _lognormal(rng: random.Random, median: int, sigma: float) -> int:
     return max(1, round(median * math.exp(rng.gauss(0.0, sigma))))
 
 
-def generate_chat_trace(config: ChatWorkloadConfig) -> list[TraceRecord]:
-    """Return the workload's requests in arrival order (deterministic for a seed)."""
+def generate_chat_trace(
+    config: ChatWorkloadConfig, progress: ProgressBar | None = None
+) -> list[TraceRecord]:
+    """Return the workload's requests in arrival order (deterministic for a seed).
+
+    `progress` is given the number of requests as its total, then one update per request
+    (small blocks make long prompts slow to hash: 8 s at 1-token blocks).
+    """
     rng = random.Random(config.seed)
     lo, hi = config.system_prompt_tokens
     systems = [rng.randint(lo, hi) for _ in range(config.num_system_prompts)]
@@ -126,6 +142,8 @@ def generate_chat_trace(config: ChatWorkloadConfig) -> list[TraceRecord]:
         heapq.heappush(events, (start, conv, turns, [(system, systems[system])]))
     ids = _ChainedIds()
     records: list[TraceRecord] = []
+    if progress is not None:
+        progress.total = sum(turns for _, _, turns, _ in events)
     while events:
         time_s, conv, turns_left, history = heapq.heappop(events)
         user = (next_segment, _lognormal(rng, config.user_tokens_median, config.length_sigma))
@@ -142,6 +160,8 @@ def generate_chat_trace(config: ChatWorkloadConfig) -> list[TraceRecord]:
                 hash_ids=ids.hash_ids(prompt, config.block_size),
             )
         )
+        if progress is not None:
+            progress.update(1)
         if turns_left > 1:
             done = time_s + answer_len / config.decode_tokens_per_s
             think = rng.expovariate(1 / config.think_time_mean_s)
@@ -202,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_unwinds():
             check_file_path("out", Path(args.out))  # before the work, not after it
-            records = generate_chat_trace(config)
+            records = _generate_with_progress(config)
             write_trace(args.out, records)
     except KeyboardInterrupt:
         print(f"\n{parser.prog}: interrupted", file=sys.stderr)
@@ -217,6 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(BrokenPipeError):
             print(f"wrote {len(records)} requests to {args.out}", file=report)
     return 0
+
+
+def _generate_with_progress(config: ChatWorkloadConfig) -> list[TraceRecord]:
+    """`generate_chat_trace` with a progress bar on a terminal (none off one)."""
+    from tqdm import tqdm
+
+    with tqdm(unit="req", desc="generating", leave=False, disable=progress_bar_disable()) as bar:
+        return generate_chat_trace(config, bar)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""SIGTERM and Ctrl-C around the files `kvtier replay` and the trace generator write.
+"""SIGTERM and Ctrl-C in kvtier's commands (`kvtier demo`, `kvtier replay`, the trace
+generator), and around the files they write.
 
 `sigterm_unwinds` turns SIGTERM into an exception, so that `with` blocks remove their
 temporary files (the default action kills the process on the spot). `signals_deferred`
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,24 +22,52 @@ TERMINATED_STATUS = 143  # 128 + SIGTERM: what a shell reports for `kill` and `t
 _HELD = (signal.SIGINT, signal.SIGTERM)
 
 
+_requested = threading.Event()
+
+
 @contextlib.contextmanager
 def sigterm_unwinds() -> Iterator[None]:
     """Make SIGTERM (`kill`, `timeout`) raise SystemExit(TERMINATED_STATUS) inside the block.
 
-    Does nothing outside the main thread (no handler can be set there).
+    The exception unwinds the command wherever the main thread is, so its `with` blocks
+    run and its temporary files go with it. Raised inside a finalizer or a weak
+    reference's callback, the interpreter swallows it (and would print "Exception
+    ignored", which the block's unraisable hook keeps quiet) and the command would run
+    on: the request is remembered too, and `raise_if_terminated`, called at a command's
+    safe points (after each demo turn, after the command), raises it again. Does nothing
+    outside the main thread (no handler can be set there).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum: int, frame: object) -> None:
+        _requested.set()
         raise SystemExit(TERMINATED_STATUS)
 
+    previous_hook = sys.unraisablehook
+
+    def quiet_swallowed_exit(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, SystemExit) and _requested.is_set():
+            return  # raised again by `raise_if_terminated`
+        previous_hook(unraisable)
+
+    _requested.clear()
     previous = signal.signal(signal.SIGTERM, terminate)
+    sys.unraisablehook = quiet_swallowed_exit
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        sys.unraisablehook = previous_hook
+        _requested.clear()  # handled: later work in this process is not stopped
+
+
+def raise_if_terminated() -> None:
+    """Raise SystemExit(TERMINATED_STATUS) if SIGTERM arrived inside `sigterm_unwinds`
+    (its first raise may have been swallowed)."""
+    if _requested.is_set():
+        raise SystemExit(TERMINATED_STATUS)
 
 
 class _Holding:

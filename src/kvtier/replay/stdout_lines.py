@@ -59,3 +59,9 @@ class StdoutLines:
             pass
         finally:
             os.close(devnull)
+
+
+def progress_bar_disable() -> bool | None:
+    """Return tqdm's `disable` for a command's progress bar: None (a bar on a terminal
+    only), or True when stderr is closed (`2>&-`), where tqdm would fail to write."""
+    return True if sys.stderr is None else None

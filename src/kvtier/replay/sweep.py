@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ DEFAULT_SWEEP_TOKENS = (
 )
 LRU = "lru"
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class SweepPoint:
@@ -70,7 +73,17 @@ def run_sweep(
             first = dataclasses.replace(base.tiers[0], capacity_tokens=capacity)
             config = dataclasses.replace(base, policy=policy, tiers=(first, *base.tiers[1:]))
             replay = TierReplay(records, config, keys, oracle, progress=on_request_batch)
-            points.append(SweepPoint(policy, capacity, replay.run(on_request_batch)))
+            result = replay.run(on_request_batch)
+            points.append(SweepPoint(policy, capacity, result))
+            logger.info(  # `kvtier replay -v`: each point as it is done
+                "%s at %d tokens: lower-tier token hit ratio %.4f, %.1f s (point %d of %d)",
+                policy,
+                capacity,
+                result.token_hit_ratio,
+                result.runtime_s,
+                len(points),
+                len(policies) * len(capacities),
+            )
     return points
 
 
