@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from kvtier.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
 from kvtier.engine.model import build_model
 from kvtier.engine.offload_side import OffloadSide, layout_of
+from kvtier.engine.outputs import EngineStats, RequestOutput
 from kvtier.engine.request import Request
 from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
 from kvtier.engine.sampling import SamplingParams, sample
@@ -36,40 +36,6 @@ _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
 # Idle steps after a worker flush before `drain` gives up: a real worker reports every
 # flushed event at once; the margin covers wrappers that hold reports back a few polls.
 _MAX_STALLED_STEPS = 100
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """One finished request: its tokens, timing and where its prefix came from.
-
-    `logits` holds, when `EngineConfig.keep_logits` is set, the float32 logits each
-    output token was sampled from ([num_output_tokens, vocab_size]).
-    """
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    finish_reason: str
-    ttft_s: float
-    tpot_s: float
-    num_local_hit_tokens: int
-    num_external_hit_tokens: int
-    logits: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Counters since the engine started; transfer totals are in `LLM.offload.totals`.
-
-    Hit tokens are those of finished requests (`generate`'s and `step`'s alike).
-    """
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_local_hit_tokens: int = 0
-    num_external_hit_tokens: int = 0
 
 
 class LLM:
