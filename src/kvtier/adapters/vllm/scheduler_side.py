@@ -47,6 +47,8 @@ from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 logger = logging.getLogger(__name__)
 
 _NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyType({}))
+# Built for every running request every step: enum members read once (0.1 µs a read).
+_REPLACE, _APPEND = TableUpdate.REPLACE, TableUpdate.APPEND
 
 
 class SchedulerSide:
@@ -153,14 +155,20 @@ class SchedulerSide:
         self._take_unissued_failures()
         scheduled = []
         num_scheduled = scheduler_output.num_scheduled_tokens
+        requests, no_new_blocks = self._requests, self._no_new_blocks
+        # `ScheduledRequest(...)` built as the tuple it is: the NamedTuple's constructor
+        # runs a Python `__new__` (0.45 µs a request instead of 0.25).
+        new_tuple = tuple.__new__
         for req_id, block_ids, is_full_table in yield_req_data(scheduler_output):
-            view = self._requests.get(req_id)
+            view = requests.get(req_id)
             if view is None:
                 continue  # not admitted through this connector (cannot happen in vLLM)
             # vLLM's lists pass as they are: kvtier copies them into its table at once.
-            ids = self._no_new_blocks if block_ids is None else block_ids
-            update = TableUpdate.REPLACE if is_full_table else TableUpdate.APPEND
-            scheduled.append(ScheduledRequest(view, ids, num_scheduled[req_id], update))
+            ids = no_new_blocks if block_ids is None else block_ids
+            update = _REPLACE if is_full_table else _APPEND
+            scheduled.append(
+                new_tuple(ScheduledRequest, (view, ids, num_scheduled[req_id], update))
+            )
         plan = self.offload.build_plan(
             StepInput(
                 scheduled=tuple(scheduled),

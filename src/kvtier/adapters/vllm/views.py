@@ -36,17 +36,18 @@ def tokens_in_block(block: Any, block_sizes: Sequence[int]) -> int:
 
 
 class VllmRequestView:
-    """A vLLM `Request` as a kvtier `RequestView`; reads through, copies nothing."""
+    """A vLLM `Request` as a kvtier `RequestView`; reads through, copies nothing but the
+    id, which never changes.
 
-    __slots__ = ("request",)
+    Read for every running request every step: `request_id` is a plain attribute and the
+    counts are returned as vLLM holds them (ints), without a conversion call.
+    """
+
+    __slots__ = ("request", "request_id")
 
     def __init__(self, request: Any) -> None:
         self.request = request
-
-    @property
-    def request_id(self) -> str:
-        """Return the engine's request id."""
-        return str(self.request.request_id)
+        self.request_id: str = str(request.request_id)
 
     @property
     def num_tokens(self) -> int:
@@ -61,12 +62,14 @@ class VllmRequestView:
     @property
     def num_computed_tokens(self) -> int:
         """Return the tokens the engine counts as computed (may include a pending load)."""
-        return int(self.request.num_computed_tokens)
+        num_tokens: int = self.request.num_computed_tokens
+        return num_tokens
 
     @property
     def num_output_placeholders(self) -> int:
         """Return the tokens scheduled but not yet confirmed (async scheduling)."""
-        return int(self.request.num_output_placeholders)
+        num_tokens: int = self.request.num_output_placeholders
+        return num_tokens
 
     @property
     def block_hashes(self) -> Sequence[BlockHash]:
