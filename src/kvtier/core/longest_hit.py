@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.core.keys import BlockHash, Key, make_key
@@ -82,9 +83,7 @@ class _FullMatcher(_GroupMatcher):
 
     def _prefix_hit(self) -> tuple[int, int | None]:
         if self._prefix is None:
-            n = 0
-            while n < self.num_blocks and self.block(n) is not None:
-                n += 1
+            n = self._scan_whole_blocks()
             tokens, tail = n * self.group.block_size, None
             if self.fine:
                 # A partial tail of block n ends at hash block n*ratio + m (m < ratio - 1).
@@ -100,13 +99,32 @@ class _FullMatcher(_GroupMatcher):
             self._prefix = (tokens, tail)
         return self._prefix
 
+    def _scan_whole_blocks(self) -> int:
+        """Return how many whole blocks from the start are cached, memoising each look-up
+        as `block` does: `block(j)` inlined, with the group's key suffix made once (a hit
+        of a long prompt looks up every one of its blocks)."""
+        suffix = make_key(b"", self.group_id)
+        ratio = self.ratio
+        blocks = self._blocks
+        cached = self.cached
+        ends = self.hashes[ratio - 1 : self.num_blocks * ratio : ratio]  # each block's last hash
+        for j, block_hash in enumerate(ends):
+            block = blocks[j] = cached(block_hash + suffix)
+            if block is None:
+                return j
+        return len(ends)
+
     def best_at_most(self, num_tokens: int, unit: int) -> int:
         return _floor(min(num_tokens, self._prefix_hit()[0]), unit)
 
     def block_ids(self, num_tokens: int) -> tuple[int, ...]:
         bs = self.group.block_size
-        ids = []
-        for j in range(-(-num_tokens // bs)):
+        num_ids = -(-num_tokens // bs)
+        # The prefix scan memoised every whole block of the prefix hit (none is None).
+        num_whole = min(num_ids, self._prefix_hit()[0] // bs)
+        blocks = self._blocks
+        ids = [cast(int, blocks[j]) for j in range(num_whole)]
+        for j in range(num_whole, num_ids):
             block = self.block(j) if j < self.num_blocks else None
             if block is None:
                 block = self._prefix_hit()[1]
