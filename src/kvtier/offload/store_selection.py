@@ -293,10 +293,15 @@ class StoreSelector:
 
         The common eager case, with the per-block rules checked by set operations in C:
         every key is set, distinct, neither in flight nor in the tier, and needs no
-        admission or lazy-mode check. Then `_select_run`'s loop would store the blocks
-        in order until the tier is full, and count exactly that.
+        admission check, and no block is one lazy mode copied before. Then
+        `_select_run`'s loop would store the blocks in order until the tier is full, and
+        count exactly that.
         """
-        if not run or self.lazy.stored or type(self.admission) is not AdmitAll:
+        if (
+            not run
+            or type(self.admission) is not AdmitAll
+            or not self.lazy.stored.keys().isdisjoint(run)
+        ):
             return None
         distinct = set(keys)
         if (
