@@ -336,6 +336,7 @@ def test_request_view_reads_through() -> None:
 
 def extra_keys_request(**fields: Any) -> SimpleNamespace:
     base: dict[str, Any] = {
+        "request_id": "r",  # the view reads it once, when it is made
         "mm_features": [],
         "lora_request": None,
         "prompt_embeds": None,
