@@ -21,6 +21,12 @@ def make_key(block_hash: BlockHash, group_id: int) -> Key:
     return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big")
 
 
+def key_suffix(group_id: int) -> bytes:
+    """Return what `make_key` appends for `group_id`: `make_key(h, g) == h + key_suffix(g)`
+    (for loops that make many keys of one group)."""
+    return make_key(b"", group_id)
+
+
 def key_block_hash(key: Key) -> BlockHash:
     """Return the block hash a key was made from."""
     return key[:-_GROUP_ID_BYTES]

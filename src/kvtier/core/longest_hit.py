@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
-from kvtier.core.keys import BlockHash, Key, make_key
+from kvtier.core.keys import BlockHash, Key, key_suffix, make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 
 CachedBlockFn = Callable[[Key], "int | None"]
@@ -103,7 +103,7 @@ class _FullMatcher(_GroupMatcher):
         """Return how many whole blocks from the start are cached, memoising each look-up
         as `block` does: `block(j)` inlined, with the group's key suffix made once (a hit
         of a long prompt looks up every one of its blocks)."""
-        suffix = make_key(b"", self.group_id)
+        suffix = key_suffix(self.group_id)
         ratio = self.ratio
         blocks = self._blocks
         cached = self.cached

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import cast
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored
@@ -30,6 +29,7 @@ from kvtier.offload.protocols import (
 from kvtier.offload.request_tags import RequestTags, TagOf
 from kvtier.offload.stats import StepCounters, StoreOutcome
 from kvtier.offload.store_batch import StoreBatch
+from kvtier.offload.store_runs import select_run
 
 
 @dataclass(slots=True)
@@ -168,7 +168,7 @@ class StoreSelector:
             tag_of = None if self.tags is None else self.tags.by_position(request, group_id)
             while pos < num_ready:
                 if not self.record_payload and table[pos] != NULL_BLOCK_ID:
-                    pos = self._select_run(table, pos, num_ready, tag_of)
+                    pos = select_run(self, table, pos, num_ready, tag_of)
                     if pos < num_ready and table[pos] != NULL_BLOCK_ID:
                         break  # the tier is full: retry later, the cursor does not advance
                     continue
@@ -214,113 +214,6 @@ class StoreSelector:
             else:
                 count(StoreOutcome.TIER_FULL)
 
-    def _select_run(
-        self,
-        table: Sequence[int],
-        pos: int,
-        end: int,
-        tag_of: TagOf | None = None,
-    ) -> int:
-        """Select positions from `pos` up to the first null block, `end`, or a full tier.
-
-        The hot path of eager and lazy mode: the same rules as `try_select` over a run of
-        plain blocks, with one batched key read, touch and allocation. Returns the first
-        unvisited position. `tag_of` gives a position's tag (the token check on). The
-        caller counts the block a full tier stops at (deferred, or dropped at a finish).
-        """
-        run = table[pos:end]
-        if NULL_BLOCK_ID in run:
-            run = run[: run.index(NULL_BLOCK_ID)]
-        run_keys = self.gpu_pool.keys(run)
-        if tag_of is None:
-            num_taken = self._take_whole_run(run, run_keys)
-            if num_taken is not None:
-                return pos + num_taken
-        in_flight = self.in_flight_keys
-        tier_index = self.tier_pool.index
-        room = self.tier_pool.num_free()
-        admit = self.admission.admit
-        stored_before = self.lazy.stored  # empty in eager mode
-        gpu_ids: list[int] = []
-        keys: list[Key] = []
-        tags: dict[int, Tag] = {}
-        num_unhashed = num_in_flight = num_refused = num_cached = num_stored_before = 0
-        num_untagged = 0
-        num_visited = len(run)
-        tag = None
-        for i, (gpu_block_id, key) in enumerate(zip(run, run_keys, strict=True)):
-            if key is None:
-                num_unhashed += 1
-                continue
-            if tag_of is not None:  # every visited fill is noted, stored or not
-                tag = tag_of(pos + i, gpu_block_id, key)
-            if key in in_flight:
-                num_in_flight += 1
-            elif key in tier_index:
-                num_cached += 1
-            elif stored_before and stored_before.get(gpu_block_id) == key:
-                num_stored_before += 1  # the tier evicted this block's copy: not again
-            elif not admit(key):
-                num_refused += 1
-            elif tag_of is not None and tag is None:
-                num_untagged += 1  # never served with the check on: not worth a slot
-            elif len(gpu_ids) == room:
-                num_visited = i
-                break
-            else:
-                in_flight.add(key)
-                if tag is not None:
-                    tags[len(keys)] = tag
-                gpu_ids.append(gpu_block_id)
-                keys.append(key)
-        if gpu_ids:
-            self.gpu_pool.touch(gpu_ids)
-            tier_ids = self.tier_pool.allocate(len(gpu_ids))
-            self.queued.extend(gpu_ids, tier_ids, keys, tags)
-        count_many = self.counters.count_many
-        count_many(StoreOutcome.STORED, len(gpu_ids))
-        count_many(StoreOutcome.ALREADY_CACHED, num_cached)
-        count_many(StoreOutcome.UNHASHED, num_unhashed)
-        count_many(StoreOutcome.IN_FLIGHT, num_in_flight)
-        count_many(StoreOutcome.NOT_ADMITTED, num_refused)
-        count_many(StoreOutcome.STORED_BEFORE, num_stored_before)
-        count_many(StoreOutcome.NO_TAG, num_untagged)
-        return pos + num_visited
-
-    def _take_whole_run(self, run: Sequence[int], keys: list[Key | None]) -> int | None:
-        """Store the run's first blocks, as many as the tier has slots for, when every
-        one of them would be stored, and return how many; None (nothing done) otherwise.
-
-        The common eager case, with the per-block rules checked by set operations in C:
-        every key is set, distinct, neither in flight nor in the tier, and needs no
-        admission check, and no block is one lazy mode copied before. Then
-        `_select_run`'s loop would store the blocks in order until the tier is full, and
-        count exactly that.
-        """
-        if (
-            not run
-            or type(self.admission) is not AdmitAll
-            or not self.lazy.stored.keys().isdisjoint(run)
-        ):
-            return None
-        distinct = set(keys)
-        if (
-            len(distinct) != len(keys)
-            or None in distinct
-            or not self.in_flight_keys.isdisjoint(distinct)
-            or not self.tier_pool.index.keys().isdisjoint(distinct)
-        ):
-            return None
-        num_stored = min(len(run), self.tier_pool.num_free())
-        if num_stored:
-            gpu_ids = run[:num_stored]
-            stored_keys = cast("list[Key]", keys[:num_stored])
-            self.in_flight_keys.update(stored_keys)
-            self.gpu_pool.touch(gpu_ids)
-            self.queued.extend(gpu_ids, self.tier_pool.allocate(num_stored), stored_keys)
-            self.counters.count_many(StoreOutcome.STORED, num_stored)
-        return num_stored
-
     def _select_position(
         self,
         request: RequestView,
@@ -360,7 +253,7 @@ class StoreSelector:
         if not visited:
             return  # nothing new since the cursor: stay where we are
         num_queued = len(self.queued)
-        end = self._select_run(visited, 0, len(visited))
+        end = select_run(self, visited, 0, len(visited))
         if end < len(visited) and visited[end] not in lazy.deferred:  # stopped: tier full
             self.counters.count_store(StoreOutcome.DEFERRED)
             lazy.deferred.add(visited[end])

@@ -156,9 +156,6 @@ class SchedulerSide:
         scheduled = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         requests, no_new_blocks = self._requests, self._no_new_blocks
-        # `ScheduledRequest(...)` built as the tuple it is: the NamedTuple's constructor
-        # runs a Python `__new__` (0.45 µs a request instead of 0.25).
-        new_tuple = tuple.__new__
         for req_id, block_ids, is_full_table in yield_req_data(scheduler_output):
             view = requests.get(req_id)
             if view is None:
@@ -166,9 +163,7 @@ class SchedulerSide:
             # vLLM's lists pass as they are: kvtier copies them into its table at once.
             ids = no_new_blocks if block_ids is None else block_ids
             update = _REPLACE if is_full_table else _APPEND
-            scheduled.append(
-                new_tuple(ScheduledRequest, (view, ids, num_scheduled[req_id], update))
-            )
+            scheduled.append(ScheduledRequest(view, ids, num_scheduled[req_id], update))
         plan = self.offload.build_plan(
             StepInput(
                 scheduled=tuple(scheduled),

@@ -1,0 +1,147 @@
+"""The whole-run store path (`store_runs.take_whole_run`) decides as the per-block loop.
+
+`select_run` takes a run of plain blocks in one batch when set operations show that the
+per-block loop would store every block up to the tier's free slots. These tests build
+random selector states (keys repeated, in flight, in the tier, copied before in lazy
+mode, unhashed blocks, null blocks, full tiers) and check that the batch and the loop
+leave exactly the same state: return value, queued stores, store-outcome counters, keys
+in flight, and both pools (keys, references, free order). Invariants are checked after.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sim_request import full_layout
+
+from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvtier.core.keys import Key, make_key
+from kvtier.offload.stats import StepCounters
+from kvtier.offload.store_runs import select_run, take_whole_run
+from kvtier.offload.store_selection import StoreSelector
+
+NUM_KEYS = 24  # few keys for many blocks: repeats, hits and in-flight keys are common
+
+
+def key(i: int) -> Key:
+    return make_key(hashlib.sha256(b"run%d" % i).digest(), 0)
+
+
+@st.composite
+def selector_and_run(draw: st.DrawFn) -> tuple[StoreSelector, list[int], int, int]:
+    """Return a selector with random GPU, tier, in-flight and lazy state, a block table
+    and the [pos, end) range to select from it."""
+    gpu_keys = draw(  # one in five unhashed (None)
+        st.lists(
+            st.one_of(st.integers(0, NUM_KEYS - 1), st.integers(0, NUM_KEYS - 1), st.none()),
+            min_size=1,
+            max_size=20,
+        )
+    )
+    gpu = BlockPool(len(gpu_keys) + 1)
+    gpu_ids = gpu.allocate(len(gpu_keys))
+    for block_id, i in zip(gpu_ids, gpu_keys, strict=True):
+        if i is not None:
+            gpu.insert_key(key(i), block_id, 4)
+    tier = BlockPool(draw(st.integers(2, 20)))
+    held = tier.allocate(draw(st.integers(0, tier.num_blocks - 1)))
+    for block_id in held:
+        tier_key = key(draw(st.integers(0, NUM_KEYS - 1)))
+        if tier.cached_block(tier_key) is None:
+            tier.insert_key(tier_key, block_id, 4)
+    tier.free([b for b in held if draw(st.booleans())])  # the rest stay pinned
+    selector = StoreSelector(
+        full_layout(block_size=4),
+        gpu,
+        tier,
+        StepCounters(),
+        record_payload=False,
+        fine_grained=False,
+    )
+    in_flight = draw(st.lists(st.sampled_from(gpu_keys), max_size=3))  # keys the run may hold
+    selector.in_flight_keys.update(key(i) for i in in_flight if i is not None)
+    for block_id in draw(st.lists(st.sampled_from(gpu_ids), max_size=3)):  # lazy copies
+        copied = gpu.key(block_id) if draw(st.booleans()) else key(NUM_KEYS)
+        if copied is not None:
+            selector.lazy.stored[block_id] = copied
+    table = draw(st.lists(st.sampled_from([*gpu_ids, NULL_BLOCK_ID]), max_size=20))
+    pos = draw(st.integers(0, len(table)))
+    end = draw(st.integers(pos, len(table)))
+    return selector, table, pos, end
+
+
+def state(selector: StoreSelector, returned: int) -> tuple[Any, ...]:
+    queued = selector.queued
+    pools = []
+    for pool in (selector.gpu_pool, selector.tier_pool):
+        assert isinstance(pool, BlockPool)
+        pool.check_invariants()
+        pools.append((list(pool._keys), list(pool._refs), list(pool._free.iter_after(None))))
+    return (
+        returned,
+        list(queued.gpu_block_ids),
+        list(queued.tier_block_ids),
+        list(queued.keys),
+        dict(selector.counters.store_outcomes),
+        sorted(selector.in_flight_keys),
+        pools,
+    )
+
+
+def assert_same_as_the_loop(selector: StoreSelector, table: list[int], pos: int, end: int) -> None:
+    batched, looped = copy.deepcopy(selector), copy.deepcopy(selector)
+    assert state(batched, select_run(batched, table, pos, end)) == state(
+        looped, select_run(looped, table, pos, end, whole_runs=False)
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(selector_and_run())
+def test_the_whole_run_path_leaves_what_the_per_block_loop_leaves(
+    case: tuple[StoreSelector, list[int], int, int],
+) -> None:
+    assert_same_as_the_loop(*case)
+
+
+@pytest.mark.parametrize("same", ["block", "key"])
+def test_a_run_holding_a_key_twice_stores_it_once(same: str) -> None:
+    """The second sighting of a key in one run is in flight (rare in random states)."""
+    gpu = BlockPool(3)
+    first, second = gpu.allocate(2)
+    gpu.insert_key(key(0), first, 4)
+    gpu.insert_key(key(0), second, 4)
+    selector = StoreSelector(
+        full_layout(block_size=4),
+        gpu,
+        BlockPool(8),
+        StepCounters(),
+        record_payload=False,
+        fine_grained=False,
+    )
+    table = [first, first] if same == "block" else [first, second]
+    assert_same_as_the_loop(selector, table, 0, 2)
+
+
+def test_the_whole_run_path_is_taken_for_a_run_of_new_keys() -> None:
+    """The common eager case: new keys, room for them all (the test above must cover it)."""
+    gpu = BlockPool(5)
+    gpu_ids = gpu.allocate(4)
+    for i, block_id in enumerate(gpu_ids):
+        gpu.insert_key(key(i), block_id, 4)
+    selector = StoreSelector(
+        full_layout(block_size=4),
+        gpu,
+        BlockPool(8),
+        StepCounters(),
+        record_payload=False,
+        fine_grained=False,
+    )
+    assert take_whole_run(selector, gpu_ids, gpu.keys(gpu_ids)) == 4
+    assert list(selector.queued.gpu_block_ids) == gpu_ids
+    duplicate = [gpu_ids[0], gpu_ids[0]]
+    assert take_whole_run(selector, duplicate, gpu.keys(duplicate)) is None  # in flight now
