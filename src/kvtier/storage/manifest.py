@@ -49,6 +49,7 @@ from typing import BinaryIO
 import xxhash
 
 from kvtier.storage.file_lock import DiskTierBusyError, is_locked, unlink_quietly
+from kvtier.storage.fingerprint_diff import describe_difference
 from kvtier.storage.manifest_compaction import COMPACT_FLOOR
 from kvtier.storage.manifest_format import (
     CHECKSUM,
@@ -180,9 +181,8 @@ def _check_header(file: BinaryIO, size: int, identity: ManifestIdentity) -> int:
     layout = data[HEADER.size : HEADER.size + layout_len]
     fingerprint = data[HEADER.size + layout_len : end]
     if fingerprint != identity.fingerprint.encode():
-        raise ManifestError(
-            f"fingerprint {_short(fingerprint)} differs from {_short(identity.fingerprint)}"
-        )
+        written_with = fingerprint.decode(errors="replace")
+        raise ManifestError(describe_difference(written_with, identity.fingerprint))
     for name, stored, expected in (
         ("num_slots", num_slots, identity.num_slots),
         ("bytes_per_slot", slot_bytes, identity.bytes_per_slot),
@@ -322,8 +322,9 @@ def check_no_persistent_tier(slot_path: str) -> None:
         )
     raise FileExistsError(
         errno.EEXIST,
-        f"a persistent disk tier is at this path (manifest {manifest}); turn "
-        "disk_persist on to use it, or remove both files to start without it",
+        f"a persistent disk tier is at this path (manifest {manifest}); reuse it with "
+        "disk_persist on (the reference engine; the vLLM connector does not persist), "
+        "or remove both files, or give this engine another disk path",
         slot_path,
     )
 

@@ -1,0 +1,71 @@
+"""What a persistent disk tier's fingerprint depends on (engine/fingerprint.py, SPEC §7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import kvtier
+from kvtier.core.hashing import BlockHasher, HashAlgo
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.fingerprint import kv_fingerprint
+
+LAYOUT = KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 1024),))
+
+
+def fingerprint(source: Path | None, device: str = "cpu", seed: str | None = None) -> str:
+    hasher = BlockHasher(4, HashAlgo.SHA256, seed)
+    return kv_fingerprint(source, ModelConfig.tiny(), 0, LAYOUT, hasher, device)
+
+
+def checkpoint(path: Path, content: bytes) -> Path:
+    path.mkdir(exist_ok=True)
+    (path / "model.safetensors").write_bytes(content)
+    return path
+
+
+def test_an_untouched_checkpoint_keeps_its_fingerprint(tmp_path: Path) -> None:
+    path = checkpoint(tmp_path / "ckpt", b"A" * 64)
+    assert fingerprint(path) == fingerprint(path)
+
+
+def test_a_checkpoint_rewritten_in_place_with_its_size_and_mtime_changes_it(
+    tmp_path: Path,
+) -> None:
+    """Regression (review): only path, size and mtime were compared, so another model
+    copied over the checkpoint with `cp -p` (same sizes, mtimes kept) got the old KV."""
+    path = checkpoint(tmp_path / "ckpt", b"A" * 64)
+    weights = path / "model.safetensors"
+    before = fingerprint(path)
+    stat = weights.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    weights.write_bytes(b"B" * 64)
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert weights.stat().st_size == stat.st_size
+    assert weights.stat().st_mtime_ns == stat.st_mtime_ns
+    assert fingerprint(path) != before
+
+
+def test_a_checkpoint_replaced_by_a_rename_changes_it(tmp_path: Path) -> None:
+    path = checkpoint(tmp_path / "ckpt", b"A" * 64)
+    weights = path / "model.safetensors"
+    before = fingerprint(path)
+    stat = weights.stat()
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b"B" * 64)
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    other.replace(weights)
+    assert fingerprint(path) != before
+
+
+def test_release_device_and_hashing_are_in_it_but_not_the_root_hash() -> None:
+    document = json.loads(fingerprint(None))
+    assert document["kvtier"] == kvtier.__version__
+    assert document["device"] == "cpu"
+    assert fingerprint(None, device="cuda") != fingerprint(None)
+    assert fingerprint(None, seed="a") != fingerprint(None, seed="b")
+    root = BlockHasher(4, HashAlgo.SHA256, None).root_hash.hex()
+    assert root not in fingerprint(None)  # it stands for the hash seed: kept out of files

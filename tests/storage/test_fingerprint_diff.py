@@ -1,0 +1,55 @@
+"""The warning that discards a persistent tier names what changed (storage/fingerprint_diff.py).
+
+Regression (review): the message showed the first 80 characters of both fingerprints,
+which for the reference engine's JSON were the same, so a changed dtype read
+`fingerprint '{"hash":[...' differs from '{"hash":[...'`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.storage.fingerprint_diff import describe_difference
+
+
+def fingerprint(**changes: object) -> str:
+    document = {"hash": ["sha256", 4, "ab" * 16], "model": {"dtype": "torch.float32"}}
+    document.update(changes)
+    return json.dumps(document, sort_keys=True)
+
+
+def test_a_changed_value_is_named_by_its_path() -> None:
+    message = describe_difference(
+        fingerprint(), fingerprint(model={"dtype": "torch.bfloat16"}, device="cuda")
+    )
+    assert message == (
+        "fingerprint changed (stored -> this engine): device: null -> 'cuda'; "
+        "model.dtype: 'torch.float32' -> 'torch.bfloat16'"
+    )
+
+
+def test_list_items_are_named_by_index_and_numbers_are_not_quoted() -> None:
+    message = describe_difference(
+        fingerprint(files=[["a", 10, 7]]), fingerprint(files=[["a", 10, 8]])
+    )
+    assert message.endswith("files.0.2: 7 -> 8")
+
+
+def test_many_differences_are_counted_past_the_first_four() -> None:
+    stored = json.dumps({f"k{i}": i for i in range(6)})
+    current = json.dumps({f"k{i}": i + 1 for i in range(6)})
+    message = describe_difference(stored, current)
+    assert message.count(" -> ") == 1 + 4  # the heading's and four differences
+    assert message.endswith("; and 2 more")
+
+
+def test_text_that_is_not_a_json_object_is_shown_shortened() -> None:
+    assert describe_difference("fp-a", "fp-b") == "fingerprint 'fp-a' differs from 'fp-b'"
+    long = "x" * 100
+    assert describe_difference(long, "[1]") == (f"fingerprint '{'x' * 57}...' differs from '[1]'")
+
+
+def test_the_same_document_written_differently_is_still_reported() -> None:
+    stored = json.dumps({"a": 1, "b": 2})
+    current = json.dumps({"b": 2, "a": 1})
+    assert describe_difference(stored, current).startswith("fingerprint '{")
