@@ -18,6 +18,7 @@ from kvtier_vllm import (
     zero_blocks,
 )
 from vllm.v1.request import RequestStatus
+from vllm_engine import KVGroupDef
 from vllm_harness import VllmHarness, shared_prefix_prompts
 
 from kvtier.adapters.vllm.views import VllmRequestView
@@ -183,4 +184,31 @@ def test_a_request_aborted_during_a_load_that_then_fails_leaves_no_state(schedul
     harness.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     gate.release()
     drain(harness)
+    check_quiescent(harness)
+
+
+def test_a_failed_load_on_a_tight_hybrid_pool_does_not_stall_the_requests_behind_it() -> None:
+    # Regression (the random hybrid test on 16 GPU blocks): two 69-token prompts come back
+    # from the tier as one load of 4 blocks each, which fails. vLLM 0.33 frees the first
+    # request's blocks but keeps it at the head of its queue of block-holding waiting
+    # requests; its recompute needs 10 blocks (5 per group), 9 are free, and the 6 it
+    # lacks belong to the second request, queued behind it and never looked at again:
+    # no request ever ran. kvtier answers a failed request's next lookup with "not yet",
+    # so vLLM moves it to its plain waiting queue, behind the block holders.
+    groups = (KVGroupDef(16), KVGroupDef(16, 32))
+    harness = kvtier_harness(
+        kv_groups=groups, num_gpu_blocks=16, max_num_seqs=4, max_num_batched_tokens=64
+    )
+    prompts = shared_prefix_prompts(2, prefix_len=48, suffix_len=21, seed=3)
+    harness.run_requests(prompts, max_tokens=1, max_steps=200)
+    assert harness.scheduler.reset_prefix_cache()
+    gate = PollGate(offload_worker(harness))
+    gate.fail_loads(zero_blocks(harness))
+    again = {f"again-{r}": p for r, p in prompts.items()}
+    for request_id, prompt in again.items():
+        harness.add_request(request_id, prompt, max_tokens=1)
+    drain(harness, max_steps=200)  # "engine still busy" when it stalls
+    assert harness.finished >= set(again)
+    assert gate.num_failed_loads == 1
+    assert all(harness.external_hit_tokens(r) == 64 for r in again)
     check_quiescent(harness)

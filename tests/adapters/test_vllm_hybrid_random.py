@@ -15,12 +15,15 @@ blocks): with 16, vLLM 0.33 itself cannot schedule some prompts of two groups.
 
 from __future__ import annotations
 
+import collections
+import tempfile
+
 import pytest
 
 pytest.importorskip("vllm")
 
 from kvtier_vllm import kvtier_harness
-from random_ops_driver import KINDS, Engine
+from random_ops_driver import KINDS, Add, Delay, Engine, Fail, Run, Step
 from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef, KVMismatchError
 
@@ -98,3 +101,36 @@ def test_the_fake_cache_checks_a_sliding_window_on_its_window_only() -> None:
             cache.check("r", tables, prints, 48)
     finally:
         harness.close()
+
+
+def test_a_request_ahead_of_a_failed_load_is_not_offered_a_load_it_cannot_get() -> None:
+    """Found by this test on 16 GPU blocks: a failed load leaves vLLM 0.33 reserving the
+    failed request's whole recompute (12 blocks, `_inflight_prefills`) until it runs again.
+    kvtier moves that request to vLLM's plain waiting queue (see the tight-pool test in
+    test_vllm_connector_faults.py); a request preempted meanwhile goes ahead of it, and a
+    tier hit offered to that one was an async load vLLM admits only within 15 - 12 free
+    blocks: the scan stopped there every step. kvtier defers such hits while a failed
+    request waits to be allocated."""
+    engine = Engine("window_eager", kv_groups=(FULL, KVGroupDef(16, 32)), num_gpu_blocks=16)
+    totals: collections.Counter[str] = collections.Counter()
+    with tempfile.TemporaryDirectory(prefix="kvtier-random-") as disk_dir:
+        run = Run(engine, totals, disk_dir)
+        try:
+            ops = [
+                Add(2, 4, 0, 0, 0, 29),
+                Delay("store", 3, 0, 0),
+                Step(8),
+                Fail("load", 0),
+                Add(2, 0, 4, 21, 2, 31),
+                Add(1, 0, 0, 0, 0, 1),
+                Add(2, 0, 4, 21, 2, 31),
+                Step(1),
+            ]
+            for op in ops:
+                run.apply(op)
+            run.drain()  # "engine still busy" when it stalls
+            assert run.workers[0].num_failed["load"] == 1
+            assert totals["preemptions"] > 0
+            assert run.harness.finished >= set(run.prompts)
+        finally:
+            run.close()

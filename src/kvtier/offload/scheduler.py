@@ -201,6 +201,17 @@ class OffloadScheduler:
             self._selector.across_reset.discard(request.request_id)  # admitted afresh
         return self.loads.lookup(request, num_local_tokens, max_tokens)
 
+    def release_lookup(self, request_id: str) -> None:
+        """Drop the tier blocks the request's last lookup pinned (an engine declining it)."""
+        self.loads.release_pin(request_id)
+
+    def awaits_recompute(self, request_id: str | None = None) -> bool:
+        """Return True while the request (None: any request) waits to recompute after its
+        load failed: from the failure until the engine allocates it again."""
+        if request_id is None:
+            return bool(self.loads.recompute_next)
+        return request_id in self.loads.recompute_next
+
     def on_allocated(
         self,
         request: RequestView,
