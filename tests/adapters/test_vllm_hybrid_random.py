@@ -9,8 +9,10 @@ group of every (re)scheduled request: a full-attention group on every computed
 position, a sliding window on the last `window - 1`, and a block a window dropped
 (the null block) where one is needed fails too. At the end every tier slot is copied
 back and checked against its key's group and positions, and every prompt is replayed
-from a zeroed GPU cache. The GPU pools are larger than the one-group test's (24 and 32
-blocks): with 16, vLLM 0.33 itself cannot schedule some prompts of two groups.
+from a zeroed GPU cache. Most GPU pools are larger than the one-group test's (24 and 32
+blocks); one has 16, the size where a failed load could stall vLLM 0.33's scheduler
+until the connector deferred lookups around it (`SchedulerSide.lookup`; the stall itself
+is reproduced in test_vllm_connector_faults.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ FULL = KVGroupDef(16)
 ENGINES = [
     Engine("window_eager", kv_groups=(FULL, KVGroupDef(16, 32)), num_gpu_blocks=24),
     Engine("window_lazy", "lazy", kv_groups=(FULL, KVGroupDef(16, 32)), num_gpu_blocks=24),
+    Engine("window_tight_pool", kv_groups=(FULL, KVGroupDef(16, 32)), num_gpu_blocks=16),
     Engine(
         "three_groups_two_ranks",
         num_ranks=2,

@@ -205,12 +205,10 @@ class OffloadScheduler:
         """Drop the tier blocks the request's last lookup pinned (an engine declining it)."""
         self.loads.release_pin(request_id)
 
-    def awaits_recompute(self, request_id: str | None = None) -> bool:
-        """Return True while the request (None: any request) waits to recompute after its
-        load failed: from the failure until the engine allocates it again."""
-        if request_id is None:
-            return bool(self.loads.recompute_next)
-        return request_id in self.loads.recompute_next
+    def awaits_recompute(self) -> bool:
+        """Return True while any request waits to recompute after its load failed: from
+        the failure until the engine allocates it again (or it finishes)."""
+        return bool(self.loads.recompute_next)
 
     def on_allocated(
         self,
