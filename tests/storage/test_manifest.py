@@ -104,7 +104,6 @@ def test_reopen_recovers_the_last_record_per_slot_and_compacts(tmp_path: Path) -
     ("change", "reason"),
     [
         ({"fingerprint": "model-b|kv|sha256:0"}, "fingerprint 'model-a"),
-        ({"num_slots": 16}, "geometry changed: num_slots 8 != 16"),
         ({"bytes_per_slot": 2 * SLOT}, "bytes_per_slot 4096 != 8192"),
         ({"region_layout": "kv[0]:4096"}, "region layout"),
     ],

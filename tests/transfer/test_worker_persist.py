@@ -129,26 +129,39 @@ def test_restart_recovers_records_and_loads_identical_bytes(
         assert [s for s, _ in worker.recovered_slots()] == [3, 5, 7, 9]
 
 
-@pytest.mark.parametrize(
-    ("change", "reason"),
-    [
-        ({"disk_fingerprint": "other-model"}, "fingerprint"),
-        ({"disk_num_slots": 32}, "num_slots 16 != 32"),
-    ],
-)
-def test_other_fingerprint_or_geometry_starts_fresh(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, change: dict[str, object], reason: str
-) -> None:
-    """Never reuse across fingerprints or geometries: warning, nothing recovered, fresh
-    file (the old slots no longer load)."""
+def test_other_fingerprint_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Never reuse across fingerprints: warning, nothing recovered, fresh file (the old
+    slots no longer load)."""
     first_run(tmp_path)
+    change = {"disk_fingerprint": "other-model"}
     with caplog.at_level(logging.WARNING), make_worker(config(tmp_path, **change), new_kv(2)) as w:
         assert w.recovered_slots() == []
-        assert reason in caplog.text
+        assert "fingerprint" in caplog.text
         assert str(paths(tmp_path)[0]) in caplog.text
         assert dict(run_plan(w, job(1, Tier.DISK, Tier.GPU, [3], [20])).failed) == {1: 1}
     with make_worker(config(tmp_path), new_kv(seed=3)) as worker:  # discarded for good
         assert worker.recovered_slots() == []
+
+
+@pytest.mark.parametrize(("num_slots", "kept"), [(32, (3, 5, 7, 9)), (6, (3, 5))])
+def test_another_disk_size_keeps_the_slots_that_still_fit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, num_slots: int, kept: tuple[int, ...]
+) -> None:
+    """Regression (review): changing disk_bytes discarded the whole cache ("geometry
+    changed: num_slots"). A grown tier keeps every slot, a shrunk one those below its new
+    end; the file takes the new size, the kept slots load their stored bytes, and the
+    next run with the new size recovers the same slots."""
+    images = first_run(tmp_path)
+    resized = config(tmp_path, disk_num_slots=num_slots)
+    with caplog.at_level(logging.WARNING), make_worker(resized, new_kv(2)) as worker:
+        assert worker.recovered_slots() == [(s, rec(s)) for s in kept]
+        assert f"resized from 16 to {num_slots} slots" in caplog.text
+        assert paths(tmp_path)[0].stat().st_size == num_slots * 4096  # 4 KiB slots
+        targets = list(range(20, 20 + len(kept)))
+        assert dict(run_plan(worker, job(1, Tier.DISK, Tier.GPU, list(kept), targets)).done)
+        assert [block_bytes(worker.regions, b) for b in targets] == [images[s] for s in kept]
+    with make_worker(resized, new_kv(seed=3)) as worker:
+        assert worker.recovered_slots() == [(s, rec(s)) for s in kept]
 
 
 def test_other_bytes_per_slot_starts_fresh(

@@ -17,10 +17,12 @@ data write and its record, power loss) fails verification instead. Tombstones ke
 restart from offering a slot that is known to be bad or overwritten.
 
 At open (`open_manifest`) the manifest must be a regular file whose header matches the
-identity exactly, and the slot file must have its exact size; both must be owned by this
+identity exactly, and the slot file must have the size the header gives; both must be owned by this
 user and writable by no one else (files another user could have planted or rewritten
 are never trusted, SPEC §7); otherwise both files are discarded and recreated (with a
-warning naming the reason). A reused manifest is
+warning naming the reason). Only the number of slots may differ (`disk_bytes` changed):
+the tier keeps its live slots below the new end and the slot file is resized after the
+manifest is rewritten. A reused manifest is
 compacted at once: the live records are written to a temporary file in the same
 directory, fsynced, and renamed over it. When that rewrite fails (a full disk, an I/O
 error) the open fails with an OSError naming the file and the manifest is left as it
@@ -116,6 +118,15 @@ def read_manifest(path: str, identity: ManifestIdentity) -> dict[int, ManifestEn
     record by record: memory stays within one read buffer and the live records, however
     large the file.
     """
+    live, num_slots = _read_manifest(path, identity)
+    if num_slots != identity.num_slots:
+        raise ManifestError(f"geometry changed: num_slots {num_slots} != {identity.num_slots}")
+    return live
+
+
+def _read_manifest(path: str, identity: ManifestIdentity) -> tuple[dict[int, ManifestEntry], int]:
+    """`read_manifest`, except that the manifest may be of a tier of another number of
+    slots: return its live slots below `identity.num_slots` and its number of slots."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as exc:
@@ -132,8 +143,9 @@ def read_manifest(path: str, identity: ManifestIdentity) -> dict[int, ManifestEn
             raise ManifestError(untrusted)
         os.set_blocking(fd, True)
         file = os.fdopen(fd, "rb", buffering=_READ_BUFFER)
-        offset = _check_header(file, info.st_size, identity)
-        return _replay(file, info.st_size, offset, identity.num_slots, path)
+        offset, num_slots = _check_header(file, info.st_size, identity)
+        live = _replay(file, info.st_size, offset, num_slots, identity.num_slots, path)
+        return live, num_slots
     except OSError as exc:
         raise ManifestError(f"cannot read the manifest: {exc.strerror or exc}") from exc
     finally:
@@ -156,8 +168,10 @@ def trust_problem(info: os.stat_result, what: str) -> str | None:
     return None
 
 
-def _check_header(file: BinaryIO, size: int, identity: ManifestIdentity) -> int:
-    """Return the offset of the first record; raise ManifestError naming the mismatch."""
+def _check_header(file: BinaryIO, size: int, identity: ManifestIdentity) -> tuple[int, int]:
+    """Return the offset of the first record and the tier's number of slots (which may
+    differ from `identity`'s: `disk_bytes` changed); raise ManifestError naming any other
+    mismatch."""
     head = file.read(HEADER.size)
     if len(head) < HEADER.size:
         raise ManifestError(f"the manifest is {size} B, shorter than its header")
@@ -184,13 +198,14 @@ def _check_header(file: BinaryIO, size: int, identity: ManifestIdentity) -> int:
         written_with = fingerprint.decode(errors="replace")
         raise ManifestError(describe_difference(written_with, identity.fingerprint))
     for name, stored, expected in (
-        ("num_slots", num_slots, identity.num_slots),
         ("bytes_per_slot", slot_bytes, identity.bytes_per_slot),
         ("region layout", layout, identity.region_layout.encode()),
     ):
         if stored != expected:
             raise ManifestError(f"geometry changed: {name} {_short(stored)} != {_short(expected)}")
-    return header_size
+    if num_slots <= 0:
+        raise ManifestError(f"the header claims {num_slots} slots")
+    return header_size, num_slots
 
 
 def _short(value: object) -> str:
@@ -201,8 +216,10 @@ def _short(value: object) -> str:
 
 
 def _replay(
-    file: BinaryIO, size: int, offset: int, num_slots: int, path: str
+    file: BinaryIO, size: int, offset: int, num_slots: int, keep_below: int, path: str
 ) -> dict[int, ManifestEntry]:
+    """Return the live slots below `keep_below` (a tier shrunk since: the slots past its
+    new end are cut off) of the records from `offset` on."""
     live: dict[int, ManifestEntry] = {}
     problem = None
     while head := file.read(RECORD.size):
@@ -223,7 +240,9 @@ def _replay(
         if slot >= num_slots:
             problem = f"record for slot {slot} outside [0, {num_slots})"
             break
-        if kind == TOMBSTONE:
+        if slot >= keep_below:
+            pass  # past the end of a shrunk tier
+        elif kind == TOMBSTONE:
             live.pop(slot, None)
         else:
             record = decode_put(kind, key, num_tokens)
@@ -352,13 +371,14 @@ def _open_manifest(
 ) -> tuple[ManifestLog, dict[int, ManifestEntry]]:
     path = manifest_path_for(slot_file.path)
     live: dict[int, ManifestEntry] = {}
+    resized_from = None
     if slot_file.reused:
-        expected = identity.num_slots * identity.bytes_per_slot
         try:
             untrusted = trust_problem(slot_file.status(), "the slot file")
             if untrusted:
                 raise ManifestError(untrusted)
-            live = read_manifest(path, identity)
+            live, num_slots = _read_manifest(path, identity)
+            expected = num_slots * identity.bytes_per_slot  # the size the manifest was for
             if slot_file.file_size() != expected:
                 raise ManifestError(
                     f"the slot file is {slot_file.file_size()} B, expected {expected} B"
@@ -373,4 +393,32 @@ def _open_manifest(
             live = {}
             unlink_quietly(path)
             slot_file.recreate()
-    return ManifestLog(path, identity.encode(), live, compact_floor), live
+        else:
+            if num_slots != identity.num_slots:
+                resized_from = num_slots
+    log = ManifestLog(path, identity.encode(), live, compact_floor)
+    if resized_from is not None:
+        try:
+            _resize(slot_file, resized_from, len(live))
+        except BaseException:
+            log.close()
+            raise
+    return log, live
+
+
+def _resize(slot_file: SlotFile, old_num_slots: int, num_kept: int) -> None:
+    """Size a reused slot file written for `old_num_slots` to the tier's number of slots.
+
+    Called once the manifest was rewritten for the new number (with the live slots below
+    it only): a failed rewrite leaves both files as they were, for a later open. A crash
+    between the two leaves a slot file of the wrong size, which the next open discards.
+    """
+    slot_file.resize()
+    logger.warning(
+        "disk tier %s resized from %d to %d slots (disk_bytes changed); kept %d cached blocks%s",
+        slot_file.path,
+        old_num_slots,
+        slot_file.num_slots,
+        num_kept,
+        " (the slots past the new end are dropped)" if slot_file.num_slots < old_num_slots else "",
+    )

@@ -162,6 +162,29 @@ class SlotFile:
                 self.path,
             ) from exc
 
+    def resize(self) -> None:
+        """Size a reused persistent file to `num_slots` (the tier's budget changed): a
+        shrink cuts off the slots past the new end, a grow adds slots (allocated when the
+        filesystem can). Raises OSError naming the path and `disk_bytes` when the disk
+        has no room for the larger file."""
+        fd = self._handle.fd
+        if fd is None:
+            raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
+        nbytes = self.num_slots * self.bytes_per_slot
+        try:
+            if nbytes < self.file_size():
+                os.ftruncate(fd, nbytes)
+            else:
+                slot_file_open.reserve(fd, nbytes)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot resize the disk tier file to {self.num_slots} slots x "
+                f"{self.bytes_per_slot} B (the disk tier's budget, disk_bytes; lower it or "
+                f"free space): {exc.strerror or exc}",
+                self.path,
+            ) from exc
+
     def recreate(self) -> None:
         """Replace a persistent file by a fresh, sized one (its contents are discarded).
 
