@@ -11,11 +11,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import BlockHasher, RequestExtras, RequestHasher
 from kvtier.core.keys import BlockHash, Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.protocols import LoRAInfo
+from kvtier.offload.stats import StepCounters
+from kvtier.offload.store_selection import StoreSelector
 
 BYTES_PER_BLOCK = 64
 
@@ -27,6 +30,18 @@ def full_layout(block_size: int = 4, hash_block_size: int | None = None) -> KVLa
     """Return a layout of one full-attention group."""
     group = KVGroupSpec(GroupKind.FULL_ATTENTION, block_size, BYTES_PER_BLOCK)
     return KVLayout((group,), hash_block_size)
+
+
+def store_selector(gpu: BlockPool, tier: BlockPool) -> StoreSelector:
+    """Return a selector of one 4-token full-attention group from `gpu` into `tier`."""
+    return StoreSelector(
+        full_layout(block_size=4),
+        gpu,
+        tier,
+        StepCounters(),
+        record_payload=False,
+        fine_grained=False,
+    )
 
 
 def config(**kwargs: object) -> OffloadConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from sim import SimEngine
-from sim_request import config, full_layout, make_request
+from sim_request import config, full_layout, make_request, store_selector
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
@@ -13,7 +13,6 @@ from kvtier.offload.config import StoreMode
 from kvtier.offload.plan import WorkerReport
 from kvtier.offload.protocols import ScheduledRequest, StepInput
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
-from kvtier.offload.stats import StepCounters
 from kvtier.offload.store_selection import StoreSelector
 
 
@@ -28,14 +27,7 @@ def lazy_selector(num_cached: int) -> StoreSelector:
     for i, block_id in enumerate(blocks):
         gpu.insert_key(key(i), block_id, 4)
     gpu.free(blocks)  # queued in key order
-    return StoreSelector(
-        full_layout(block_size=4),
-        gpu,
-        BlockPool(8),
-        StepCounters(),
-        record_payload=False,
-        fine_grained=False,
-    )
+    return store_selector(gpu, BlockPool(8))
 
 
 def test_completed_lazy_copies_are_remembered_with_their_keys() -> None:

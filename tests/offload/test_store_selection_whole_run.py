@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_request import full_layout
+from sim_request import store_selector
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
-from kvtier.offload.stats import StepCounters
 from kvtier.offload.store_runs import select_run, take_whole_run
 from kvtier.offload.store_selection import StoreSelector
 
@@ -55,14 +54,7 @@ def selector_and_run(draw: st.DrawFn) -> tuple[StoreSelector, list[int], int, in
         if tier.cached_block(tier_key) is None:
             tier.insert_key(tier_key, block_id, 4)
     tier.free([b for b in held if draw(st.booleans())])  # the rest stay pinned
-    selector = StoreSelector(
-        full_layout(block_size=4),
-        gpu,
-        tier,
-        StepCounters(),
-        record_payload=False,
-        fine_grained=False,
-    )
+    selector = store_selector(gpu, tier)
     in_flight = draw(st.lists(st.sampled_from(gpu_keys), max_size=3))  # keys the run may hold
     selector.in_flight_keys.update(key(i) for i in in_flight if i is not None)
     for block_id in draw(st.lists(st.sampled_from(gpu_ids), max_size=3)):  # lazy copies
@@ -115,14 +107,7 @@ def test_a_run_holding_a_key_twice_stores_it_once(same: str) -> None:
     first, second = gpu.allocate(2)
     gpu.insert_key(key(0), first, 4)
     gpu.insert_key(key(0), second, 4)
-    selector = StoreSelector(
-        full_layout(block_size=4),
-        gpu,
-        BlockPool(8),
-        StepCounters(),
-        record_payload=False,
-        fine_grained=False,
-    )
+    selector = store_selector(gpu, BlockPool(8))
     table = [first, first] if same == "block" else [first, second]
     assert_same_as_the_loop(selector, table, 0, 2)
 
@@ -133,14 +118,7 @@ def test_the_whole_run_path_is_taken_for_a_run_of_new_keys() -> None:
     gpu_ids = gpu.allocate(4)
     for i, block_id in enumerate(gpu_ids):
         gpu.insert_key(key(i), block_id, 4)
-    selector = StoreSelector(
-        full_layout(block_size=4),
-        gpu,
-        BlockPool(8),
-        StepCounters(),
-        record_payload=False,
-        fine_grained=False,
-    )
+    selector = store_selector(gpu, BlockPool(8))
     assert take_whole_run(selector, gpu_ids, gpu.keys(gpu_ids)) == 4
     assert list(selector.queued.gpu_block_ids) == gpu_ids
     duplicate = [gpu_ids[0], gpu_ids[0]]
