@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import kvtier
@@ -41,7 +40,6 @@ def test_a_checkpoint_rewritten_in_place_with_its_size_and_mtime_changes_it(
     weights = path / "model.safetensors"
     before = fingerprint(path)
     stat = weights.stat()
-    time.sleep(0.05)  # past the file system's timestamp granularity
     weights.write_bytes(b"B" * 64)
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert weights.stat().st_size == stat.st_size
@@ -59,6 +57,32 @@ def test_a_checkpoint_replaced_by_a_rename_changes_it(tmp_path: Path) -> None:
     os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     other.replace(weights)
     assert fingerprint(path) != before
+
+
+def test_metadata_changes_and_a_move_keep_it(tmp_path: Path) -> None:
+    """Regression (review): with inode and ctime in it, `chmod` or a hard link to a
+    weights file discarded the cache; the contents decide now."""
+    path = checkpoint(tmp_path / "ckpt", b"A" * 64)
+    before = fingerprint(path)
+    weights = path / "model.safetensors"
+    weights.chmod(0o444)
+    os.link(weights, tmp_path / "linked")
+    assert fingerprint(path) == before
+    moved = path.rename(tmp_path / "moved")
+    assert fingerprint(moved) == before
+
+
+def test_a_changed_or_added_file_is_named_by_its_path(tmp_path: Path) -> None:
+    path = checkpoint(tmp_path / "ckpt", b"A" * 64)
+    files = json.loads(fingerprint(path))["weights"]["files"]
+    assert list(files) == ["model.safetensors"]
+    assert files["model.safetensors"].startswith("64:")
+    (path / "sub").mkdir()
+    (path / "sub" / "extra.json").write_text("{}")
+    assert list(json.loads(fingerprint(path))["weights"]["files"]) == [
+        "model.safetensors",
+        "sub/extra.json",
+    ]
 
 
 def test_release_device_and_hashing_are_in_it_but_not_the_root_hash() -> None:

@@ -2,17 +2,20 @@
 
 A persistent disk tier is reused only by an engine whose fingerprint is identical:
 - the same model shape and dtype;
-- the same weights: random weights, the seed; a checkpoint, its resolved path and, for
-  every file in it, its size, modification time, inode and status-change time (a file
-  replaced or rewritten in place gets a new inode or ctime, even when its size and mtime
-  were kept, as `cp -p`, `rsync -a` or reproducible builds do; no user can set either);
+- the same weights: random weights, the seed; a checkpoint, the size and content digest
+  (xxh3-128) of every file in it, by relative path. Contents, not file metadata: a file
+  rewritten in place with its size and mtime kept (`cp -p`, `rsync -a`, reproducible
+  builds) is caught, while `chmod`, a hard link or a move keeps the cache. Hashing reads
+  the files once more right after the weights were loaded from them (page cache: about
+  a second per 10 GB);
 - the same KV layout and the same device type (CPU and CUDA kernels round differently);
 - the same block hashing: algorithm, block size and a digest of the root hash (which
   stands for the seed; the root itself stays out of files and logs);
 - the same kvtier release: a release may change the model code or how KV lies inside a
   block without changing any size, so a cache outlives no upgrade.
 The string is readable JSON, so a mismatch warning can name what changed
-(`storage.manifest` compares the two documents key by key).
+(`storage.fingerprint_diff` compares the two documents key by key: a changed file by
+its path).
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ import hashlib
 import json
 from pathlib import Path
 
+import xxhash
+
 from kvtier import __version__
 from kvtier.core.hashing import BlockHasher
 from kvtier.core.kv_groups import KVLayout
 from kvtier.engine.config import ModelConfig
+
+_CHUNK_BYTES = 8 << 20
 
 
 def kv_fingerprint(
@@ -61,16 +68,15 @@ def kv_fingerprint(
 def _checkpoint_identity(path: Path) -> dict[str, object]:
     root = path.resolve()
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    identities = []
-    for file in files:
-        stat = file.stat()
-        identities.append(
-            [
-                str(file.relative_to(root)),
-                stat.st_size,
-                stat.st_mtime_ns,
-                stat.st_ino,
-                stat.st_ctime_ns,
-            ]
-        )
-    return {"path": str(root), "files": identities}
+    return {"files": {str(f.relative_to(root)): _content_digest(f) for f in files}}
+
+
+def _content_digest(path: Path) -> str:
+    """Return "SIZE:XXH3-128" of the file's bytes."""
+    digest = xxhash.xxh3_128()
+    size = 0
+    with path.open("rb") as file:
+        while chunk := file.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return f"{size}:{digest.hexdigest()}"

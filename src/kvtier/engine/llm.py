@@ -85,14 +85,16 @@ class LLM:
             self._hasher = BlockHasher(
                 self.layout.hash_block_size, kv_offload.hash_algo, kv_offload.hash_seed
             )
-            fingerprint = kv_fingerprint(
-                model,
-                self.model_config,
-                engine.seed,
-                self.layout,
-                self._hasher,
-                torch.device(engine.device).type,
-            )
+            fingerprint = ""  # what a persistent disk tier is reused by (nothing else)
+            if kv_offload.disk_persist:
+                fingerprint = kv_fingerprint(
+                    model,
+                    self.model_config,
+                    engine.seed,
+                    self.layout,
+                    self._hasher,
+                    torch.device(engine.device).type,
+                )
             self.offload = OffloadSide(kv_offload, self.runner, self.pool, fingerprint)
         limits = SchedulerLimits(engine.max_num_seqs, engine.max_num_batched_tokens)
         self.scheduler = Scheduler(
