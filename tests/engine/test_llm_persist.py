@@ -12,6 +12,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
+from kvtier.storage.manifest_format import HEADER
 
 MIB = 1 << 20
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -90,17 +91,30 @@ def test_another_model_discards_the_disk_cache(
     assert tokens(other) == tokens(reference)
 
 
-def test_a_truncated_slot_file_is_discarded(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("cut", ["whole slots", "mid-slot"])
+def test_a_truncated_slot_file_keeps_whole_slots_or_is_discarded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cut: str
 ) -> None:
+    """Cut at a slot boundary (an interrupted resize), the slots the file still holds
+    are kept; cut inside a slot, it is no kvtier slot file and is discarded. Either way
+    the tokens are those of an engine without offload."""
     reference, _ = run(None)
     run(persistent(tmp_path))
     (slot_file,) = tmp_path.glob("*.slots")
-    os.truncate(slot_file, slot_file.stat().st_size // 2)
+    size = slot_file.stat().st_size
+    kept_slots = 8
+    with open(tmp_path / "kvtier-rank0.manifest", "rb") as manifest:
+        _, _, num_slots, slot_bytes, _, _ = HEADER.unpack(manifest.read(HEADER.size))
+    assert num_slots * slot_bytes == size
+    os.truncate(slot_file, kept_slots * slot_bytes + (1 if cut == "mid-slot" else 0))
     with caplog.at_level(logging.WARNING):
         again, restored = run(persistent(tmp_path))
-    assert restored == 0
-    assert caplog.text
+    if cut == "whole slots":
+        assert 0 < restored <= kept_slots - 1  # slot 0 is the null block: never stored
+        assert f"holds {kept_slots} slots" in caplog.text
+    else:
+        assert restored == 0
+        assert "not a whole number" in caplog.text
     assert tokens(again) == tokens(reference)
 
 

@@ -2,7 +2,7 @@
 
 The live slots below the new end are kept; the slot file is resized only after the
 manifest was rewritten for the new size, so a failed rewrite leaves both files as they
-were, and a failed resize leaves files that the next open discards (never misreads).
+were, and after a failed resize the next open at either size keeps the cache.
 """
 
 from __future__ import annotations
@@ -46,21 +46,25 @@ def test_a_failed_manifest_rewrite_leaves_both_files_for_a_later_open(
     close(slot_file, log)
 
 
-def test_a_failed_resize_leaves_files_the_next_open_discards(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("retry_slots", [8, 16], ids=["old size", "new size"])
+def test_after_a_failed_resize_either_size_keeps_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retry_slots: int
 ) -> None:
+    """Regression (review): a grow that failed for lack of space left a manifest for 16
+    slots beside a file of 8, and the next open discarded both at either size, though
+    the advice was to lower disk_bytes or free space."""
     first_run(tmp_path)
 
     def no_room(self: SlotFile) -> None:
         raise OSError(errno.ENOSPC, "cannot resize the disk tier file", self.path)
 
     monkeypatch.setattr(SlotFile, "resize", no_room)
-    larger = dataclasses.replace(IDENTITY, num_slots=16)
     with pytest.raises(OSError, match="cannot resize"):
-        open_tier_files(tmp_path, larger)
+        open_tier_files(tmp_path, dataclasses.replace(IDENTITY, num_slots=16))
     monkeypatch.undo()
-    slot_file, log, live = open_tier_files(tmp_path, larger)
-    assert live == {}  # the manifest is for 16 slots, the file still for 8: discarded
-    assert not slot_file.reused
-    assert os.path.getsize(slot_file.path) == 16 * IDENTITY.bytes_per_slot
+    retry = dataclasses.replace(IDENTITY, num_slots=retry_slots)
+    slot_file, log, live = open_tier_files(tmp_path, retry)
+    assert live == {1: (11, rec(1)), 6: (66, rec(6))}
+    assert slot_file.reused
+    assert os.path.getsize(slot_file.path) == retry_slots * IDENTITY.bytes_per_slot
     close(slot_file, log)

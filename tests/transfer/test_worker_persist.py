@@ -203,17 +203,28 @@ def test_torn_last_record_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFi
     assert "torn record" in caplog.text
 
 
-@pytest.mark.parametrize("num_slots", [6, 17])
-def test_truncated_slot_file_is_discarded(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, num_slots: int
+@pytest.mark.parametrize(("num_slots", "kept"), [(6, [3, 5]), (17, [3, 5, 7, 9])])
+def test_a_slot_file_of_another_size_keeps_the_slots_it_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, num_slots: int, kept: list[int]
 ) -> None:
-    """A slot file shorter, or longer, than its geometry is discarded, manifest and all
-    (SPEC §7: a reused slot file has its exact size)."""
+    """A slot file shorter or longer than its manifest says (an interrupted resize; a
+    file cut short) keeps the live slots it still holds and takes the configured size."""
     first_run(tmp_path)
     os.truncate(paths(tmp_path)[0], num_slots * 4096)
     with caplog.at_level(logging.WARNING), make_worker(config(tmp_path), new_kv(2)) as worker:
+        assert [s for s, _ in worker.recovered_slots()] == kept
+    assert f"resized from {num_slots} to 16 slots" in caplog.text
+    assert paths(tmp_path)[0].stat().st_size == 16 * 4096
+
+
+def test_a_slot_file_of_no_whole_number_of_slots_is_discarded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first_run(tmp_path)
+    os.truncate(paths(tmp_path)[0], 6 * 4096 + 1)
+    with caplog.at_level(logging.WARNING), make_worker(config(tmp_path), new_kv(2)) as worker:
         assert worker.recovered_slots() == []
-    assert f"slot file is {num_slots * 4096} B, expected 65536 B" in caplog.text
+    assert "slot file is 24577 B, not a whole number of 4096 B slots" in caplog.text
     assert paths(tmp_path)[0].stat().st_size == 16 * 4096
 
 

@@ -70,8 +70,9 @@ class DiskTierConfig:
     """Shape of one rank's disk tier. `path` is the slot file to create.
 
     `fingerprint` set makes the tier persistent: the slot file and its manifest are kept
-    at close and reused at the next open when the fingerprint and the geometry
-    (`num_slots`, `bytes_per_slot`, `region_layout`) match. `path` must end in `.slots`
+    at close and reused at the next open when the fingerprint, `bytes_per_slot` and
+    `region_layout` match (another `num_slots` resizes the file, keeping the slots that
+    still fit). `path` must end in `.slots`
     (see `manifest_path_for`), persistent or not.
     """
 

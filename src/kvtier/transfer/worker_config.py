@@ -22,7 +22,8 @@ class WorkerConfig:
     `disk_persist` keeps the slot file and its manifest `kvtier-rank{rank}.manifest` at
     shutdown and reuses them at the next `register` when `disk_fingerprint` (an opaque
     string from the engine: model, KV layout, hash algorithm and seed) and the worker's
-    slot geometry match; otherwise they are discarded and recreated.
+    slot size and region layout match (another number of disk slots resizes the file,
+    keeping the slots that still fit); otherwise they are discarded and recreated.
     """
 
     cpu_num_slots: int = 0
