@@ -22,6 +22,7 @@ def fingerprint(source: Path | None, device: str = "cpu", seed: str | None = Non
 
 def checkpoint(path: Path, content: bytes) -> Path:
     path.mkdir(exist_ok=True)
+    (path / "config.json").write_text("{}")
     (path / "model.safetensors").write_bytes(content)
     return path
 
@@ -72,16 +73,24 @@ def test_metadata_changes_and_a_move_keep_it(tmp_path: Path) -> None:
     assert fingerprint(moved) == before
 
 
-def test_a_changed_or_added_file_is_named_by_its_path(tmp_path: Path) -> None:
+def test_the_files_the_engine_reads_are_named_by_their_paths(tmp_path: Path) -> None:
+    """config.json and the weights loaded (an index's shards); other files change no KV
+    and are not read (a repository's `original/` copy of the weights can be large)."""
     path = checkpoint(tmp_path / "ckpt", b"A" * 64)
     files = json.loads(fingerprint(path))["weights"]["files"]
-    assert list(files) == ["model.safetensors"]
+    assert list(files) == ["config.json", "model.safetensors"]
     assert files["model.safetensors"].startswith("64:")
-    (path / "sub").mkdir()
-    (path / "sub" / "extra.json").write_text("{}")
+    before = fingerprint(path)
+    (path / "original").mkdir()
+    (path / "original" / "consolidated.00.pth").write_bytes(b"C" * 64)
+    (path / "README.md").write_text("a model")
+    assert fingerprint(path) == before
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
     assert list(json.loads(fingerprint(path))["weights"]["files"]) == [
-        "model.safetensors",
-        "sub/extra.json",
+        "config.json",
+        "model-00001-of-00001.safetensors",
     ]
 
 

@@ -3,7 +3,8 @@
 A persistent disk tier is reused only by an engine whose fingerprint is identical:
 - the same model shape and dtype;
 - the same weights: random weights, the seed; a checkpoint, the size and content digest
-  (xxh3-128) of every file in it, by relative path. Contents, not file metadata: a file
+  (xxh3-128) of config.json and each weights file the engine loads, by relative path.
+  Contents, not file metadata: a file
   rewritten in place with its size and mtime kept (`cp -p`, `rsync -a`, reproducible
   builds) is caught, while `chmod`, a hard link or a move keeps the cache. Hashing reads
   the files once more right after the weights were loaded from them (page cache: about
@@ -31,6 +32,7 @@ from kvtier import __version__
 from kvtier.core.hashing import BlockHasher
 from kvtier.core.kv_groups import KVLayout
 from kvtier.engine.config import ModelConfig
+from kvtier.engine.weights import checkpoint_files
 
 _CHUNK_BYTES = 8 << 20
 
@@ -66,8 +68,10 @@ def kv_fingerprint(
 
 
 def _checkpoint_identity(path: Path) -> dict[str, object]:
+    """Digest the files the engine reads: config.json and the weights it loads (other
+    files, e.g. an `original/` copy in another format, change no KV and may be large)."""
     root = path.resolve()
-    files = sorted(p for p in root.rglob("*") if p.is_file())
+    files = [root / "config.json", *checkpoint_files(root)]
     return {"files": {str(f.relative_to(root)): _content_digest(f) for f in files}}
 
 
