@@ -1,8 +1,9 @@
 """A persistent tier reopened with another number of slots (`disk_bytes` changed).
 
-The live slots below the new end are kept; the slot file is resized only after the
-manifest was rewritten for the new size, so a failed rewrite leaves both files as they
-were, and after a failed resize the next open at either size keeps the cache.
+The live slots below the new end are kept; the slot file grows only after the manifest
+was rewritten for the new size, so a failed rewrite leaves both files as they
+were; a shrink goes before the rewrite (it frees space); after a failed or cut-short
+resize the next open at either size keeps the slots that are still whole.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_manifest import IDENTITY, close, open_tier_files, rec
 
-from kvtier.storage import manifest_log
+from kvtier.storage import manifest_log, slot_file_open
 from kvtier.storage.slot_file import SlotFile
 
 
@@ -25,24 +26,55 @@ def first_run(tmp_path: Path) -> None:
     close(slot_file, log)
 
 
-def test_a_failed_manifest_rewrite_leaves_both_files_for_a_later_open(
+def full_disk(path: str, content: bytes) -> int:
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
+def test_a_grow_waits_for_the_manifest_rewrite(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A failed rewrite before a grow leaves both files as they were, for a later open."""
     first_run(tmp_path)
     size = (tmp_path / "kvtier-rank0.slots").stat().st_size
+    monkeypatch.setattr(manifest_log, "rewrite_manifest", full_disk)
+    larger = dataclasses.replace(IDENTITY, num_slots=16)
+    with pytest.raises(OSError, match="No space left"):
+        open_tier_files(tmp_path, larger)
+    monkeypatch.undo()
+    assert (tmp_path / "kvtier-rank0.slots").stat().st_size == size  # not resized
+    slot_file, log, live = open_tier_files(tmp_path, larger)  # room again: resized now
+    assert live == {1: (11, rec(1)), 6: (66, rec(6))}
+    assert slot_file.file_size() == 16 * IDENTITY.bytes_per_slot
+    close(slot_file, log)
 
-    def full_disk(path: str, content: bytes) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device", path)
 
+def test_a_shrink_goes_before_the_manifest_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review): on a full disk the rewrite failed before the shrink that
+    would have freed its space; the shrink comes first, and the old manifest beside the
+    shrunk file keeps the slots that still fit."""
+    first_run(tmp_path)
     monkeypatch.setattr(manifest_log, "rewrite_manifest", full_disk)
     smaller = dataclasses.replace(IDENTITY, num_slots=4)
     with pytest.raises(OSError, match="No space left"):
         open_tier_files(tmp_path, smaller)
     monkeypatch.undo()
-    assert (tmp_path / "kvtier-rank0.slots").stat().st_size == size  # not resized
-    slot_file, log, live = open_tier_files(tmp_path, smaller)  # room again: resized now
+    assert (tmp_path / "kvtier-rank0.slots").stat().st_size == 4 * IDENTITY.bytes_per_slot
+    slot_file, log, live = open_tier_files(tmp_path, IDENTITY)  # even back at 8 slots
     assert live == {1: (11, rec(1))}
-    assert slot_file.file_size() == 4 * IDENTITY.bytes_per_slot
+    assert slot_file.file_size() == 8 * IDENTITY.bytes_per_slot
+    close(slot_file, log)
+
+
+def test_a_file_cut_inside_a_slot_keeps_the_whole_slots_below_the_cut(tmp_path: Path) -> None:
+    """Regression (review): a grow stopped by a full disk ends where the filesystem
+    stopped, rarely at a slot boundary, and the whole cache was discarded."""
+    first_run(tmp_path)
+    os.truncate(tmp_path / "kvtier-rank0.slots", 6 * IDENTITY.bytes_per_slot + 100)
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (11, rec(1))}  # slot 6 was cut
+    assert slot_file.file_size() == 8 * IDENTITY.bytes_per_slot
     close(slot_file, log)
 
 
@@ -67,4 +99,26 @@ def test_after_a_failed_resize_either_size_keeps_the_cache(
     assert live == {1: (11, rec(1)), 6: (66, rec(6))}
     assert slot_file.reused
     assert os.path.getsize(slot_file.path) == retry_slots * IDENTITY.bytes_per_slot
+    close(slot_file, log)
+
+
+def test_a_failed_grow_gives_back_what_it_allocated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review): on ext4 a failed fallocate keeps the blocks it got and the
+    file's new size, so the disk stayed full and no later open could rewrite its
+    manifest; the file is cut back to its size before the grow."""
+    first_run(tmp_path)
+
+    def partial(fd: int, nbytes: int) -> None:
+        os.ftruncate(fd, nbytes - 1000)  # what the filesystem allocated before it ran out
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(slot_file_open, "reserve", partial)
+    with pytest.raises(OSError, match="disk_bytes; lower it or free space"):
+        open_tier_files(tmp_path, dataclasses.replace(IDENTITY, num_slots=16))
+    monkeypatch.undo()
+    assert (tmp_path / "kvtier-rank0.slots").stat().st_size == 8 * IDENTITY.bytes_per_slot
+    slot_file, log, live = open_tier_files(tmp_path)  # lowered back: the cache is kept
+    assert live == {1: (11, rec(1)), 6: (66, rec(6))}
     close(slot_file, log)

@@ -217,14 +217,14 @@ def test_a_slot_file_of_another_size_keeps_the_slots_it_holds(
     assert paths(tmp_path)[0].stat().st_size == 16 * 4096
 
 
-def test_a_slot_file_of_no_whole_number_of_slots_is_discarded(
+def test_a_slot_file_cut_inside_a_slot_keeps_the_whole_slots(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     first_run(tmp_path)
     os.truncate(paths(tmp_path)[0], 6 * 4096 + 1)
     with caplog.at_level(logging.WARNING), make_worker(config(tmp_path), new_kv(2)) as worker:
-        assert worker.recovered_slots() == []
-    assert "slot file is 24577 B, not a whole number of 4096 B slots" in caplog.text
+        assert [s for s, _ in worker.recovered_slots()] == [3, 5]
+    assert "holds 24577 B, its manifest" in caplog.text
     assert paths(tmp_path)[0].stat().st_size == 16 * 4096
 
 

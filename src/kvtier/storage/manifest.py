@@ -17,12 +17,12 @@ data write and its record, power loss) fails verification instead. Tombstones ke
 restart from offering a slot that is known to be bad or overwritten.
 
 At open (`open_manifest`) the manifest must be a regular file whose header matches the
-identity exactly, and the slot file must be a whole number of slots; both must be owned by this
+identity exactly (the slot file's size aside); both must be owned by this
 user and writable by no one else (files another user could have planted or rewritten
 are never trusted, SPEC §7); otherwise both files are discarded and recreated (with a
 warning naming the reason). Only the number of slots may differ (`disk_bytes` changed,
 or an earlier resize was cut short): the tier keeps its live slots below both the new end
-and the file's, and the slot file is resized after the manifest is rewritten. A reused
+and the file's last whole slot, and the slot file is resized (`_resize`). A reused
 manifest is
 compacted at once: the live records are written to a temporary file in the same
 directory, fsynced, and renamed over it. When that rewrite fails (a full disk, an I/O
@@ -191,8 +191,8 @@ def open_manifest(
     slots it recovered.
 
     A reused slot file is kept when the manifest matches `identity` (its number of slots
-    may differ: the file is then resized, see `_resize`) and the file is a whole number
-    of slots; otherwise both are discarded with a warning and the slot file is
+    and the file's size may differ: the file is then resized, see `_resize`); otherwise
+    both are discarded with a warning and the slot file is
     recreated. The manifest is then rewritten atomically with the live records only; an
     OSError naming the file (a full disk, an I/O error; a directory made at the manifest
     paths after `check_manifest_paths`: its error) leaves it as it was and is raised, with
@@ -215,16 +215,19 @@ def _open_manifest(
             if untrusted:
                 raise ManifestError(untrusted)
             live, num_slots = read_manifest_any_size(path, identity)
-            file_slots = _whole_slots(slot_file, identity.bytes_per_slot)
-            if file_slots != num_slots:
+            file_slots = slot_file.file_size() // identity.bytes_per_slot  # whole slots
+            if file_slots * identity.bytes_per_slot != slot_file.file_size() or (
+                file_slots != num_slots
+            ):
                 logger.warning(
-                    "disk tier %s holds %d slots, its manifest %s says %d (an earlier "
-                    "resize was cut short, or the file was changed); keeping the slots both "
-                    "hold",
+                    "disk tier %s holds %d B, its manifest %s says %d slots of %d B (an "
+                    "earlier resize was cut short, or the file was changed); keeping the "
+                    "slots both hold",
                     slot_file.path,
-                    file_slots,
+                    slot_file.file_size(),
                     path,
                     num_slots,
+                    identity.bytes_per_slot,
                 )
                 live = {slot: entry for slot, entry in live.items() if slot < file_slots}
         except ManifestError as exc:
@@ -238,10 +241,14 @@ def _open_manifest(
             unlink_quietly(path)
             slot_file.recreate()
         else:
-            if file_slots != identity.num_slots:
+            if slot_file.file_size() != identity.num_slots * identity.bytes_per_slot:
                 resized_from = file_slots
+    # A shrink goes first (it frees the space the manifest's rewrite may need), a grow
+    # last: see `_resize`.
+    if resized_from is not None and resized_from > identity.num_slots:
+        _resize(slot_file, resized_from, len(live))
     log = ManifestLog(path, identity.encode(), live, compact_floor)
-    if resized_from is not None:
+    if resized_from is not None and resized_from <= identity.num_slots:
         try:
             _resize(slot_file, resized_from, len(live))
         except BaseException:
@@ -250,29 +257,20 @@ def _open_manifest(
     return log, live
 
 
-def _whole_slots(slot_file: SlotFile, bytes_per_slot: int) -> int:
-    """Return how many whole slots the reused slot file holds; raise ManifestError when
-    its size is not a whole number of slots (it cannot be a kvtier slot file)."""
-    size = slot_file.file_size()
-    if size % bytes_per_slot:
-        raise ManifestError(
-            f"the slot file is {size} B, not a whole number of {bytes_per_slot} B slots"
-        )
-    return size // bytes_per_slot
-
-
 def _resize(slot_file: SlotFile, old_num_slots: int, num_kept: int) -> None:
-    """Size a reused slot file written for `old_num_slots` to the tier's number of slots.
+    """Size a reused slot file that holds `old_num_slots` whole slots to the tier's
+    number of slots (its live slots are the `num_kept` below both).
 
-    Called once the manifest was rewritten for the new number (with the live slots below
-    it only): a failed rewrite leaves both files as they were, for a later open. A failed
-    resize or a crash between the two leaves a slot file of another size than its
-    manifest says; the next open, at any size, keeps the live slots that the file and
-    the new number both hold (their bytes are as they were written) and resizes again.
+    Every open keeps only the live slots below the file's whole slots and the tier's
+    number, so a shrink is safe before the manifest is rewritten and a grow after it: a
+    crash between the two, or a grow that fails (the file is cut back to its size before;
+    a filesystem may keep what it allocated), leaves files the next open, at any size,
+    reuses the same way. Their bytes are as they were written; every read is checked
+    against its record's checksum anyway.
     """
     slot_file.resize()
     logger.warning(
-        "disk tier %s resized from %d to %d slots (disk_bytes changed); kept %d cached blocks%s",
+        "disk tier %s resized from %d to %d slots; kept %d cached blocks%s",
         slot_file.path,
         old_num_slots,
         slot_file.num_slots,

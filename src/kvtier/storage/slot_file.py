@@ -166,17 +166,20 @@ class SlotFile:
         """Size a reused persistent file to `num_slots` (the tier's budget changed): a
         shrink cuts off the slots past the new end, a grow adds slots (allocated when the
         filesystem can). Raises OSError naming the path and `disk_bytes` when the disk
-        has no room for the larger file."""
+        has no room for the larger file; the file is then cut back to its size before."""
         fd = self._handle.fd
         if fd is None:
             raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
         nbytes = self.num_slots * self.bytes_per_slot
+        before = self.file_size()
         try:
-            if nbytes < self.file_size():
+            if nbytes < before:
                 os.ftruncate(fd, nbytes)
             else:
                 slot_file_open.reserve(fd, nbytes)
         except OSError as exc:
+            with contextlib.suppress(OSError):  # a failed grow may keep what it allocated
+                os.ftruncate(fd, before)
             raise OSError(
                 exc.errno,
                 f"cannot resize the disk tier file to {self.num_slots} slots x "
@@ -197,6 +200,9 @@ class SlotFile:
         with _OPEN_LOCK:
             old, self._handle.fd = self._handle.fd, None
             try:
+                if old is not None and os.fstat(old).st_uid == os.geteuid():
+                    with contextlib.suppress(OSError):  # its space now: the new file's
+                        os.ftruncate(old, 0)
                 slot_file_open.unlink_file(self.path)
                 fd = slot_file_open.create_exclusive(self.path, self.mode)
                 lock_or_close(fd, self.path)
