@@ -122,3 +122,35 @@ def test_a_failed_grow_gives_back_what_it_allocated(
     slot_file, log, live = open_tier_files(tmp_path)  # lowered back: the cache is kept
     assert live == {1: (11, rec(1)), 6: (66, rec(6))}
     close(slot_file, log)
+
+
+def test_a_discarded_slot_file_keeps_a_hard_linked_copy(tmp_path: Path) -> None:
+    """Regression (review): giving back a discarded file's space emptied its inode, and
+    with it a hard-linked backup (`cp -al`, `rsync --link-dest`)."""
+    first_run(tmp_path)
+    backup = tmp_path / "backup.slots"
+    os.link(tmp_path / "kvtier-rank0.slots", backup)
+    other = dataclasses.replace(IDENTITY, fingerprint="model-b|kv|sha256:0")
+    slot_file, log, live = open_tier_files(tmp_path, other)  # discarded and recreated
+    assert live == {}
+    assert backup.stat().st_size == 8 * IDENTITY.bytes_per_slot
+    close(slot_file, log)
+
+
+def test_a_failed_shrink_does_not_advise_lowering_disk_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first_run(tmp_path)
+
+    def refused(fd: int, length: int) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "ftruncate", refused)
+    with pytest.raises(OSError, match="cannot shrink the disk tier file") as error:
+        open_tier_files(tmp_path, dataclasses.replace(IDENTITY, num_slots=4))
+    assert "lower it" not in str(error.value)
+    del error  # its traceback holds the failed open's slot file, and so its lock
+    monkeypatch.undo()
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (11, rec(1)), 6: (66, rec(6))}  # nothing was lost
+    close(slot_file, log)

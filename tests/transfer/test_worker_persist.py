@@ -155,7 +155,7 @@ def test_another_disk_size_keeps_the_slots_that_still_fit(
     resized = config(tmp_path, disk_num_slots=num_slots)
     with caplog.at_level(logging.WARNING), make_worker(resized, new_kv(2)) as worker:
         assert worker.recovered_slots() == [(s, rec(s)) for s in kept]
-        assert f"resized from 16 to {num_slots} slots" in caplog.text
+        assert f"resized from {16 * 4096} B (16 whole slots) to {num_slots} slots" in caplog.text
         assert paths(tmp_path)[0].stat().st_size == num_slots * 4096  # 4 KiB slots
         targets = list(range(20, 20 + len(kept)))
         assert dict(run_plan(worker, job(1, Tier.DISK, Tier.GPU, list(kept), targets)).done)
@@ -213,7 +213,7 @@ def test_a_slot_file_of_another_size_keeps_the_slots_it_holds(
     os.truncate(paths(tmp_path)[0], num_slots * 4096)
     with caplog.at_level(logging.WARNING), make_worker(config(tmp_path), new_kv(2)) as worker:
         assert [s for s, _ in worker.recovered_slots()] == kept
-    assert f"resized from {num_slots} to 16 slots" in caplog.text
+    assert f"({num_slots} whole slots) to 16 slots of 4096 B" in caplog.text
     assert paths(tmp_path)[0].stat().st_size == 16 * 4096
 
 

@@ -268,12 +268,16 @@ def _resize(slot_file: SlotFile, old_num_slots: int, num_kept: int) -> None:
     reuses the same way. Their bytes are as they were written; every read is checked
     against its record's checksum anyway.
     """
+    old_size = slot_file.file_size()
     slot_file.resize()
     logger.warning(
-        "disk tier %s resized from %d to %d slots; kept %d cached blocks%s",
+        "disk tier %s resized from %d B (%d whole slots) to %d slots of %d B; kept %d cached "
+        "blocks%s",
         slot_file.path,
+        old_size,
         old_num_slots,
         slot_file.num_slots,
+        slot_file.bytes_per_slot,
         num_kept,
         " (the slots past the new end are dropped)" if slot_file.num_slots < old_num_slots else "",
     )

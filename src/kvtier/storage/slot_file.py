@@ -172,19 +172,26 @@ class SlotFile:
             raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
         nbytes = self.num_slots * self.bytes_per_slot
         before = self.file_size()
+        grow = nbytes > before
         try:
-            if nbytes < before:
-                os.ftruncate(fd, nbytes)
-            else:
+            if grow:
                 slot_file_open.reserve(fd, nbytes)
+            else:
+                os.ftruncate(fd, nbytes)
         except OSError as exc:
-            with contextlib.suppress(OSError):  # a failed grow may keep what it allocated
-                os.ftruncate(fd, before)
+            if grow:  # a failed grow may keep what it allocated (ext4 does)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, before)
+            advice = (
+                " (the disk tier's budget, disk_bytes; lower it or free space)"
+                if grow and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                else ""
+            )
             raise OSError(
                 exc.errno,
-                f"cannot resize the disk tier file to {self.num_slots} slots x "
-                f"{self.bytes_per_slot} B (the disk tier's budget, disk_bytes; lower it or "
-                f"free space): {exc.strerror or exc}",
+                f"cannot {'grow' if grow else 'shrink'} the disk tier file from {before} B to "
+                f"{self.num_slots} slots x {self.bytes_per_slot} B{advice}: "
+                f"{exc.strerror or exc}",
                 self.path,
             ) from exc
 
@@ -200,10 +207,9 @@ class SlotFile:
         with _OPEN_LOCK:
             old, self._handle.fd = self._handle.fd, None
             try:
-                if old is not None and os.fstat(old).st_uid == os.geteuid():
-                    with contextlib.suppress(OSError):  # its space now: the new file's
-                        os.ftruncate(old, 0)
                 slot_file_open.unlink_file(self.path)
+                if old is not None:
+                    _free_if_unnamed(old)
                 fd = slot_file_open.create_exclusive(self.path, self.mode)
                 lock_or_close(fd, self.path)
                 self._size_or_remove(fd)
@@ -310,6 +316,14 @@ class _OpenFile:
 # Reentrant: a finalizer may close a file in a thread that is opening another.
 _OPEN_FILES: dict[int, _OpenFile] = {}
 _OPEN_LOCK = threading.RLock()
+
+
+def _free_if_unnamed(fd: int) -> None:
+    """Give back the space of an unlinked file now, not when `fd` closes (a new file may
+    need it), unless another name still holds it (a hard link: a backup's copy)."""
+    with contextlib.suppress(OSError):
+        if os.fstat(fd).st_nlink == 0:
+            os.ftruncate(fd, 0)
 
 
 def _close_in_child() -> None:
