@@ -154,3 +154,25 @@ def test_a_failed_shrink_does_not_advise_lowering_disk_bytes(
     slot_file, log, live = open_tier_files(tmp_path)
     assert live == {1: (11, rec(1)), 6: (66, rec(6))}  # nothing was lost
     close(slot_file, log)
+
+
+def test_running_out_of_descriptors_keeps_the_tier_for_a_later_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review): "Too many open files" opening the manifest discarded the
+    tier; nothing is wrong with its files, so the open fails and keeps them."""
+    first_run(tmp_path)
+    real_open = os.open
+
+    def no_descriptors(path: str, flags: int, *args: int, **kwargs: object) -> int:
+        if str(path).endswith(".manifest"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_descriptors)
+    with pytest.raises(OSError, match="cannot open the manifest: Too many open files"):
+        open_tier_files(tmp_path)
+    monkeypatch.undo()
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (11, rec(1)), 6: (66, rec(6))}
+    close(slot_file, log)

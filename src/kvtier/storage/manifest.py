@@ -26,8 +26,8 @@ and the file's last whole slot, and the slot file is resized (`_resize`). A reus
 manifest is
 compacted at once: the live records are written to a temporary file in the same
 directory, fsynced, and renamed over it. When that rewrite fails (a full disk, an I/O
-error) the open fails with an OSError naming the file and the manifest is left as it
-was: the disk tier needs its disk space to start, and a later open, once there is space,
+error), or the manifest cannot even be opened for lack of descriptors or memory, the
+open fails with an OSError naming the file and the manifest is left as it was: the disk tier needs its disk space to start, and a later open, once there is space,
 still recovers the cache.
 
 During a run the log compacts itself the same way, under the lock that serializes the

@@ -9,6 +9,7 @@ are never trusted (`trust_problem`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -34,6 +35,9 @@ from kvtier.storage.manifest_format import (
 
 logger = logging.getLogger("kvtier.storage.manifest")  # one logger for the manifest's warnings
 _READ_BUFFER = 1 << 20  # bytes read from the manifest at a time
+# Errors of this process's limits, not of the files: the open fails and the tier is kept
+# for a later one (anything else that stops the reading discards it).
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 def read_manifest(path: str, identity: ManifestIdentity) -> dict[int, ManifestEntry]:
@@ -61,6 +65,8 @@ def read_manifest_any_size(
     except FileNotFoundError as exc:
         raise ManifestError("the manifest is missing") from exc
     except OSError as exc:
+        if exc.errno in _OUT_OF_RESOURCES:  # nothing wrong with the files: keep them
+            raise OSError(exc.errno, f"cannot open the manifest: {exc.strerror}", path) from exc
         raise ManifestError(f"cannot open the manifest: {exc.strerror or exc}") from exc
     file = None
     try:
@@ -76,6 +82,8 @@ def read_manifest_any_size(
         live = _replay(file, info.st_size, offset, num_slots, identity.num_slots, path)
         return live, num_slots
     except OSError as exc:
+        if exc.errno in _OUT_OF_RESOURCES:
+            raise OSError(exc.errno, f"cannot read the manifest: {exc.strerror}", path) from exc
         raise ManifestError(f"cannot read the manifest: {exc.strerror or exc}") from exc
     finally:
         if file is not None:
