@@ -23,12 +23,12 @@ are never trusted, SPEC §7); otherwise both files are discarded and recreated (
 warning naming the reason). Only the number of slots may differ (`disk_bytes` changed,
 or an earlier resize was cut short): the tier keeps its live slots below both the new end
 and the file's last whole slot, and the slot file is resized (`_resize`). A reused
-manifest is
-compacted at once: the live records are written to a temporary file in the same
-directory, fsynced, and renamed over it. When that rewrite fails (a full disk, an I/O
-error), or the manifest cannot even be opened for lack of descriptors or memory, the
-open fails with an OSError naming the file and the manifest is left as it was: the disk tier needs its disk space to start, and a later open, once there is space,
-still recovers the cache.
+manifest is compacted at once: the live records are written to a temporary file in the
+same directory, fsynced, and renamed over it. When that rewrite fails (a full disk, an
+I/O error), or the manifest cannot even be opened for lack of descriptors or memory, the
+open fails with an OSError naming the file and the manifest is left as it was: the disk
+tier needs its disk space to start, and a later open, once there is space, still
+recovers the cache.
 
 During a run the log compacts itself the same way, under the lock that serializes the
 appends, right after an append that leaves it holding more than 4 records per live slot
