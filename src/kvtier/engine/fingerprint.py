@@ -8,7 +8,7 @@ A persistent disk tier is reused only by an engine whose fingerprint is identica
   rewritten in place with its size and mtime kept (`cp -p`, `rsync -a`, reproducible
   builds) is caught, while `chmod`, a hard link or a move keeps the cache. Hashing reads
   the files once more right after the weights were loaded from them (page cache: about
-  a second per 10 GB);
+  0.3 s per GiB on a 2-core machine);
 - the same KV layout and the same device type (CPU and CUDA kernels round differently);
 - the same block hashing: algorithm, block size and a digest of the root hash (which
   stands for the seed; the root itself stays out of files and logs);
