@@ -49,8 +49,8 @@ def selector_and_run(draw: st.DrawFn) -> tuple[StoreSelector, list[int], int, in
             gpu.insert_key(key(i), block_id, 4)
     tier = BlockPool(draw(st.integers(2, 20)))
     held = tier.allocate(draw(st.integers(0, tier.num_blocks - 1)))
-    for block_id in held:
-        tier_key = key(draw(st.integers(0, NUM_KEYS - 1)))
+    for block_id in held:  # often a key the run may hold
+        tier_key = key(draw(st.integers(0, NUM_KEYS - 1) | st.sampled_from(gpu_keys)) or 0)
         if tier.cached_block(tier_key) is None:
             tier.insert_key(tier_key, block_id, 4)
     tier.free([b for b in held if draw(st.booleans())])  # the rest stay pinned
@@ -58,10 +58,13 @@ def selector_and_run(draw: st.DrawFn) -> tuple[StoreSelector, list[int], int, in
     in_flight = draw(st.lists(st.sampled_from(gpu_keys), max_size=3))  # keys the run may hold
     selector.in_flight_keys.update(key(i) for i in in_flight if i is not None)
     for block_id in draw(st.lists(st.sampled_from(gpu_ids), max_size=3)):  # lazy copies
-        copied = gpu.key(block_id) if draw(st.booleans()) else key(NUM_KEYS)
+        other = draw(st.booleans()) and draw(st.booleans())  # one in four: another key
+        copied = key(NUM_KEYS) if other else gpu.key(block_id)
         if copied is not None:
             selector.lazy.stored[block_id] = copied
-    table = draw(st.lists(st.sampled_from([*gpu_ids, NULL_BLOCK_ID]), max_size=20))
+    blocks = st.sampled_from([*gpu_ids, NULL_BLOCK_ID])
+    # Half the tables hold each block once: the runs the whole-run path may take.
+    table = draw(st.lists(blocks, max_size=20, unique=draw(st.booleans())))
     pos = draw(st.integers(0, len(table)))
     end = draw(st.integers(pos, len(table)))
     return selector, table, pos, end
@@ -92,7 +95,7 @@ def assert_same_as_the_loop(selector: StoreSelector, table: list[int], pos: int,
     )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(selector_and_run())
 def test_the_whole_run_path_leaves_what_the_per_block_loop_leaves(
     case: tuple[StoreSelector, list[int], int, int],
