@@ -49,10 +49,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "adapters"))
@@ -66,6 +64,7 @@ from vllm_harness import (
     simple_offload_worker_factory,
 )
 
+from call_timer import CallTimer, clock_overhead_ns
 from kvtier.offload.plan import Tier
 
 BLOCK_SIZE = 16
@@ -91,59 +90,6 @@ SCHEDULER_METHODS = (
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
 DEFAULTS = {"num_requests": 256, "reps": 3, "window": 50}
 QUICK = {"num_requests": 96, "reps": 2, "window": 25}
-
-
-@dataclass
-class CallTimer:
-    """Nanoseconds spent inside wrapped methods, per method."""
-
-    clock: Callable[[], int] = time.perf_counter_ns
-    overhead_ns: float = 0.0  # what timing one call adds by itself (`clock_overhead_ns`)
-    ns: dict[str, int] = field(default_factory=dict)
-    calls: dict[str, int] = field(default_factory=dict)
-
-    def wrap(self, obj: Any, names: tuple[str, ...]) -> None:
-        """Replace each method of `obj` named in `names` by a timed call of it."""
-        for name in names:
-            method = getattr(obj, name)
-            setattr(obj, name, self._timed(name, method))
-
-    def _timed(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        clock, ns, calls = self.clock, self.ns, self.calls
-        ns.setdefault(name, 0)
-        calls.setdefault(name, 0)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                ns[name] += clock() - start
-                calls[name] += 1
-
-        return timed
-
-    def method_ns(self, name: str) -> float:
-        """Return the time inside method `name`, less the timing's own cost per call."""
-        return max(0.0, self.ns[name] - self.overhead_ns * self.calls[name])
-
-    @property
-    def total_ns(self) -> float:
-        return sum(self.method_ns(name) for name in self.ns)
-
-
-def clock_overhead_ns(clock: Callable[[], int]) -> float:
-    """Return the ns one timed call of a no-op records: the timing's own cost per call."""
-    timer = CallTimer(clock)
-    target = SimpleNamespace(noop=lambda: None)
-    timer.wrap(target, ("noop",))
-    best = float("inf")
-    for _ in range(20):
-        before = timer.ns["noop"]
-        for _ in range(200):
-            target.noop()
-        best = min(best, (timer.ns["noop"] - before) / 200)
-    return best
 
 
 @dataclass
