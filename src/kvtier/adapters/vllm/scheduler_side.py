@@ -47,8 +47,6 @@ from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 logger = logging.getLogger(__name__)
 
 _NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyType({}))
-# Built for every running request every step: enum members read once (0.1 µs a read).
-_REPLACE, _APPEND = TableUpdate.REPLACE, TableUpdate.APPEND
 
 
 class SchedulerSide:
@@ -189,7 +187,7 @@ class SchedulerSide:
                 continue  # not admitted through this connector (cannot happen in vLLM)
             # vLLM's lists pass as they are: kvtier copies them into its table at once.
             ids = no_new_blocks if block_ids is None else block_ids
-            update = _REPLACE if is_full_table else _APPEND
+            update = TableUpdate.REPLACE if is_full_table else TableUpdate.APPEND
             scheduled.append(ScheduledRequest(view, ids, num_scheduled[req_id], update))
         plan = self.offload.build_plan(
             StepInput(
