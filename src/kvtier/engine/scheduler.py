@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.longest_hit import find_longest_hit
+from kvtier.engine.block_counts import (
+    first_needed_block,
+    most_that_fit,
+    num_blocks_after,
+    num_hit_blocks,
+    num_new_blocks,
+)
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.offload.protocols import TableUpdate
@@ -186,7 +193,7 @@ class Scheduler:
     def _shrink_to_fit(self, request: Request, num_new: int) -> int | None:
         """Return the most of `num_new` tokens whose blocks fit the pool (None if none)."""
         free = self.pool.num_free()
-        return _most_that_fit(num_new, lambda n: self._num_new_blocks(request, n) <= free)
+        return most_that_fit(num_new, lambda n: num_new_blocks(self.layout, request, n) <= free)
 
     def _holds_the_pool(self, request: Request) -> bool:
         """Return True when `request` runs alone and every other block is free."""
@@ -224,8 +231,9 @@ class Scheduler:
         num_hit = num_local + num_external
         num_new = 0 if num_external else min(request.num_tokens - num_hit, budget)
         tables = [list(local.block_ids[group_id]) for group_id in range(len(self.layout.groups))]
-        num_fresh = self._num_hit_blocks(num_local, num_hit) + self._num_blocks_after(
-            num_hit, num_new
+        layout = self.layout
+        num_fresh = num_hit_blocks(layout, num_local, num_hit) + num_blocks_after(
+            layout, num_hit, num_new
         )
         # Hit blocks still in the free queue leave it when touched: count them first, so a
         # request that does not fit leaves the queue's order (and a lazy walk) untouched.
@@ -234,20 +242,20 @@ class Scheduler:
             1 for table in tables for b in table if b != NULL_BLOCK_ID and ref_count(b) == 0
         )
         if shrink and num_new > 1 and not self.pool.can_allocate(num_fresh + num_free_hits):
-            hit_blocks = self._num_hit_blocks(num_local, num_hit) + num_free_hits
-            fits = _most_that_fit(
+            hit_blocks = num_hit_blocks(layout, num_local, num_hit) + num_free_hits
+            fits = most_that_fit(
                 num_new,
-                lambda n: self.pool.can_allocate(hit_blocks + self._num_blocks_after(num_hit, n)),
+                lambda n: self.pool.can_allocate(hit_blocks + num_blocks_after(layout, num_hit, n)),
             )
             if fits is not None:
                 num_new = fits
-                num_fresh = hit_blocks - num_free_hits + self._num_blocks_after(num_hit, num_new)
+                num_fresh = hit_blocks - num_free_hits + num_blocks_after(layout, num_hit, num_new)
         if not self.pool.can_allocate(num_fresh + num_free_hits):
             return None
         for table in tables:
             self.pool.touch(table)
         for group_id, group in enumerate(self.layout.groups):
-            first_needed = self._first_needed_block(group_id, num_hit)
+            first_needed = first_needed_block(layout, group_id, num_hit)
             for pos in range(num_local // group.block_size, num_hit // group.block_size):
                 fresh = pos >= first_needed
                 tables[group_id].append(self.pool.allocate(1)[0] if fresh else NULL_BLOCK_ID)
@@ -262,36 +270,9 @@ class Scheduler:
             request.status = RequestStatus.WAITING_FOR_LOAD
         return num_new
 
-    def _first_needed_block(self, group_id: int, num_tokens: int) -> int:
-        group = self.layout.groups[group_id]
-        if group.kind is not GroupKind.SLIDING_WINDOW:
-            return 0
-        return max(0, num_tokens // group.block_size - group.num_window_blocks)
-
-    def _num_hit_blocks(self, num_local: int, num_hit: int) -> int:
-        total = 0
-        for group_id, group in enumerate(self.layout.groups):
-            first = max(num_local // group.block_size, self._first_needed_block(group_id, num_hit))
-            total += max(0, num_hit // group.block_size - first)
-        return total
-
-    def _num_blocks_after(self, num_tokens: int, num_new: int) -> int:
-        total = 0
-        for group in self.layout.groups:
-            have = -(-num_tokens // group.block_size)
-            total += -(-(num_tokens + num_new) // group.block_size) - have
-        return total
-
-    def _num_new_blocks(self, request: Request, num_new: int) -> int:
-        total = 0
-        for group, table in zip(self.layout.groups, request.block_tables, strict=True):
-            need = -(-(request.num_computed_tokens + num_new) // group.block_size)
-            total += max(0, need - len(table))
-        return total
-
     def _grow(self, request: Request, num_new: int) -> list[list[int]] | None:
         """Append the blocks `num_new` more tokens need; None if the pool is short."""
-        if self._num_new_blocks(request, num_new) > self.pool.num_free():
+        if num_new_blocks(self.layout, request, num_new) > self.pool.num_free():
             return None
         new_ids = []
         for group, table in zip(self.layout.groups, request.block_tables, strict=True):
@@ -406,19 +387,3 @@ class Scheduler:
                 request.needs_full_table = True
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)
-
-
-def _most_that_fit(num_new: int, fits: Callable[[int], bool]) -> int | None:
-    """Return the largest n in [1, num_new] with `fits(n)` (monotone: true up to some n),
-    or None when even one token does not fit (a binary search: every length is tried,
-    also one that needs no new block, inside a block already held)."""
-    if num_new < 1 or not fits(1):
-        return None
-    low, high = 1, num_new  # fits(low) holds
-    while low < high:
-        mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low

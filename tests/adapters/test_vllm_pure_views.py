@@ -1,0 +1,130 @@
+"""The vLLM adapter's views of vLLM's requests and GPU block pool, without vLLM (stand-ins
+with vLLM's attribute names; test_vllm_translation.py covers the real classes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView, tokens_in_block
+from kvtier.core.keys import make_key
+
+HASH = bytes(range(32))
+
+
+def test_request_view_reads_through() -> None:
+    lora = SimpleNamespace(lora_int_id=3, lora_name="adapter")
+    request = SimpleNamespace(
+        request_id="r",
+        num_tokens=40,
+        num_prompt_tokens=38,
+        num_computed_tokens=16,
+        num_output_placeholders=1,
+        block_hashes=[HASH],
+        all_token_ids=list(range(40)),
+        lora_request=lora,
+        skip_reading_prefix_cache=True,
+    )
+    view = VllmRequestView(request)
+    assert (view.request_id, view.num_tokens, view.num_prompt_tokens) == ("r", 40, 38)
+    assert (view.num_computed_tokens, view.num_output_placeholders) == (16, 1)
+    assert view.lora is not None
+    assert (view.lora.lora_id, view.lora.lora_name) == (3, "adapter")
+    assert view.skip_prefix_cache
+    assert list(view.block_hashes) == [HASH]
+    request.num_computed_tokens = 32
+    assert view.num_computed_tokens == 32
+
+
+def extra_keys_request(**fields: Any) -> SimpleNamespace:
+    base: dict[str, Any] = {
+        "request_id": "r",  # the view reads it once, when it is made
+        "mm_features": [],
+        "lora_request": None,
+        "prompt_embeds": None,
+        "cache_salt": None,
+    }
+    return SimpleNamespace(**{**base, **fields})
+
+
+def test_a_request_with_no_extras_has_no_extra_keys_without_asking_vllm() -> None:
+    """The fast path of the token check and of events: no per-block call into vLLM."""
+    view = VllmRequestView(extra_keys_request(cache_salt="salt"))
+    assert view.block_extra_keys(16, 32) == ()  # the salt goes into block 0 only
+    assert VllmRequestView(extra_keys_request()).block_extra_keys(0, 16) == ()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"cache_salt": "salt"},
+        {"lora_request": SimpleNamespace(lora_name="a", lora_path="/p", lora_int_id=1)},
+    ],
+    ids=["salt", "lora"],
+)
+def test_a_request_with_extras_gets_vllms_own_extra_keys(fields: dict[str, Any]) -> None:
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    request = extra_keys_request(**fields)
+    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, 0, 16, 0)
+    assert keys
+    assert VllmRequestView(request).block_extra_keys(0, 16) == tuple(keys)
+
+
+@pytest.mark.parametrize(
+    ("group_id", "end", "expected"),
+    [
+        (0, 64, 16),  # block 3 of 16-token blocks: vLLM counts 64 tokens of prefix
+        (0, 53, 5),  # a partial entry 5 tokens into its block
+        (0, 16, 16),
+        (1, 96, 32),  # group 1 has 32-token blocks
+        (1, 80, 16),
+        (0, None, 0),  # vLLM recorded no count
+    ],
+)
+def test_tokens_in_block_counts_the_blocks_own_tokens(
+    group_id: int, end: int | None, expected: int
+) -> None:
+    block = SimpleNamespace(block_hash=make_key(HASH, group_id), block_hash_num_tokens=end)
+    assert tokens_in_block(block, (16, 32)) == expected
+    if group_id == 0:
+        assert tokens_in_block(block, (16,)) == expected
+
+
+def test_pool_view_refuses_missing_block_sizes() -> None:
+    pool = SimpleNamespace(blocks=[])
+    with pytest.raises(ValueError, match="block_sizes"):
+        VllmGpuPoolView(pool, ())
+    with pytest.raises(ValueError, match="block_sizes"):
+        VllmGpuPoolView(pool, (16, 0))
+
+
+def test_pool_view_passes_keys_through_unchanged() -> None:
+    key, tail = make_key(HASH, 1), make_key(HASH[::-1], 1)
+    blocks = [
+        SimpleNamespace(
+            block_id=i, ref_cnt=0, block_hash=None, block_hash_num_tokens=None, is_null=i == 0
+        )
+        for i in range(4)
+    ]
+    blocks[2].block_hash, blocks[2].block_hash_num_tokens = key, 48  # vLLM: prefix tokens
+    pool = SimpleNamespace(
+        blocks=blocks,
+        cached_block_hashes_by_block={2: {tail}},
+        cached_block_hash_to_block=SimpleNamespace(
+            get_one_block=lambda k: blocks[2] if k in (key, tail) else None
+        ),
+    )
+    view = VllmGpuPoolView(pool, (32, 16))  # group 1: 16-token blocks
+    block = view.block(2)
+    assert (block.key, block.num_tokens, list(block.secondary_keys)) == (key, 16, [tail])
+    assert (view.cached_block(tail), view.cached_block(make_key(HASH, 0))) == (2, None)
+    assert (view.block(1).key, view.block(1).secondary_keys) == (None, [])
+    assert (view.key(2), view.num_tokens(2), list(view.secondary_keys(2))) == (key, 16, [tail])
+    assert (view.key(1), view.num_tokens(1), view.secondary_keys(1)) == (None, 0, [])
+    assert view.token_counts([2, 1, 2]) == [16, 0, 16]
+    assert VllmGpuPoolView(pool, (16,)).token_counts([2, 1]) == [16, 0]  # one-group path
+    assert view.secondary_keys_of([1, 2, 3]) == {2: [tail]}
+    pool.cached_block_hashes_by_block = {}
+    assert view.secondary_keys_of([1, 2, 3]) == {}
