@@ -168,7 +168,7 @@ def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
         "tier": "CPU",
         "store_mode": "eager",
         "num_tier_blocks": "256",
-        "disk_io_mode": "direct",
+        "disk_io_mode": "",  # no disk tier, no disk I/O mode
         "cascade": "",
         "num_disk_blocks": "",
     }
@@ -247,7 +247,7 @@ def test_prometheus_metrics_build_and_observe() -> None:
         "tier": "CPU",
         "store_mode": "eager",
         "num_tier_blocks": "256",
-        "disk_io_mode": "direct",
+        "disk_io_mode": "",  # no disk tier, no disk I/O mode
         "cascade": "",
         "num_disk_blocks": "",
     }

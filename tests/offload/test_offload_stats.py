@@ -225,7 +225,10 @@ def test_a_completed_demotion_alone_is_a_new_count() -> None:
 def test_a_cascade_names_its_mode_and_disk_size_in_the_info_labels() -> None:
     info = cascade_engine(CascadeMode.WRITE_BACK, num_disk=9).scheduler.take_stats().info
     assert (info["cascade"], info["num_disk_blocks"]) == ("write_back", "9")
-    assert "cascade" not in SimEngine(full_layout()).scheduler.take_stats().info
+    assert info["disk_io_mode"] == "direct"
+    cpu_only = SimEngine(full_layout()).scheduler.take_stats().info
+    assert "cascade" not in cpu_only
+    assert "disk_io_mode" not in cpu_only  # regression: a CPU tier named a disk I/O mode
 
 
 def test_transfers_count_bytes_and_copy_time_per_direction() -> None:

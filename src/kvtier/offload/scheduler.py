@@ -377,8 +377,9 @@ class OffloadScheduler:
             "tier": self.tier.value,
             "store_mode": self.config.store_mode.value,
             "num_tier_blocks": str(self.tier_pool.num_blocks),
-            "disk_io_mode": self.config.disk_io_mode.value,
         }
+        if self.tier is Tier.DISK or self.cascade is not None:  # no disk, no I/O mode
+            info["disk_io_mode"] = self.config.disk_io_mode.value
         if self.cascade is not None:
             info["cascade"] = self.config.cascade.value
             info["num_disk_blocks"] = str(self.cascade.disk_pool.num_blocks)
