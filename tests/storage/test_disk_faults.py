@@ -125,8 +125,9 @@ def test_a_directory_at_a_manifest_path_is_refused_at_open(
 def test_a_huge_manifest_is_replayed_in_bounded_memory(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A manifest grown to 256 MiB (sparse here) is read record by record, never whole;
-    the zeros after its records end the replay with a warning naming the file and size."""
+    """A manifest grown to 256 MiB (sparse here) is read a buffer at a time, never whole;
+    the zeros after its records are scanned for a valid record (there is none) and end
+    the replay with a warning naming the file and size."""
     tier_with_slot_3(tmp_path).close()
     size = 256 << 20
     os.truncate(manifest(tmp_path), size)

@@ -172,20 +172,27 @@ def test_damaged_files_are_discarded(
     close(slot_file, log)
 
 
-def test_corrupt_record_ends_the_replay(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A flipped byte in the middle record: the records before it count, later ones do not."""
+def test_a_corrupt_middle_record_costs_only_that_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flipped byte in the middle record: it is skipped with a warning saying how many
+    bytes, and the records before and after it count (they used to be ignored too)."""
     slot_file, log, _ = open_tier_files(tmp_path)
     for slot in (1, 2, 3):
         log.put([slot], [slot], [rec(slot)])
     close(slot_file, log)
     path = manifest_of(tmp_path)
     data = bytearray(path.read_bytes())
-    data[len(data) - 2 * RECORD_BYTES + 25] ^= 0x04  # inside the key of the middle record
+    at = len(data) - 2 * RECORD_BYTES
+    data[at + 25] ^= 0x04  # inside the key of the middle record
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
         slot_file, log, live = open_tier_files(tmp_path)
-    assert live == {1: (1, rec(1))}
-    assert "corrupt record" in caplog.text
+    assert live == {1: (1, rec(1)), 3: (3, rec(3))}
+    assert (
+        f"corrupt record at byte {at} of {len(data)}; skipped {RECORD_BYTES} bytes to the "
+        f"next valid record, at byte {at + RECORD_BYTES} (checksum mismatch)"
+    ) in caplog.text
     close(slot_file, log)
 
 
@@ -227,8 +234,8 @@ def test_an_append_that_cannot_be_cut_off_stops_the_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A short append whose truncation fails too leaves a torn record in the file: the log
-    appends nothing more for the rest of the run (a record behind the torn one would be
-    ignored at replay, a tombstone included), and says so (SPEC §7)."""
+    appends nothing more for the rest of the run (it does not write on to a file it could
+    not cut back; replay skips the torn bytes either way), and says so (SPEC §7)."""
     slot_file, log, _ = open_tier_files(tmp_path)
     log.put([1], [1], [rec(1)])
     real_write = os.write
@@ -351,12 +358,13 @@ def test_a_second_close_returns_only_once_the_log_is_synced(
     slot_file.close()
 
 
-def test_record_for_a_slot_past_the_end_ends_the_replay(
+def test_record_for_a_slot_past_the_end_is_skipped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A well-formed record (valid checksum) naming slot `num_slots`, one past the last,
-    ends the replay with a warning like a corrupt one; the records before it count, later
-    ones do not (SPEC §7: recovery never trusts a record this geometry cannot hold)."""
+    is skipped with a warning naming the slot like a corrupt record; the records before
+    and after it count (SPEC §7: recovery never trusts a record this geometry cannot
+    hold)."""
     slot_file, log, _ = open_tier_files(tmp_path)
     log.put([1, 7], [1, 7], [rec(1), rec(7)])
     close(slot_file, log)
@@ -366,8 +374,8 @@ def test_record_for_a_slot_past_the_end_ends_the_replay(
         raw.write(encode_put(3, ManifestEntry(3, rec(3))))
     with caplog.at_level(logging.WARNING):
         slot_file, log, live = open_tier_files(tmp_path)
-    assert live == {1: (1, rec(1)), 7: (7, rec(7))}
-    assert "record for slot 8 outside [0, 8)" in caplog.text
+    assert live == {1: (1, rec(1)), 7: (7, rec(7)), 3: (3, rec(3))}
+    assert "(slot 8 outside [0, 8))" in caplog.text
     close(slot_file, log)
 
 

@@ -44,19 +44,21 @@ def test_a_tagged_put_is_kind_3_with_the_tag_after_the_key() -> None:
     assert record[19:-8] == b"key" + TAG
 
 
-def test_a_tagged_put_too_short_for_its_tag_ends_the_replay(
+def test_a_tagged_put_too_short_for_its_tag_is_skipped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A tagged put (valid checksum) whose key field cannot hold a tag: skipped with a
+    warning, the record after it replays."""
     slot_file, log, _ = open_tier_files(tmp_path)
     log.put([1], [11], [tagged(1)])
     close(slot_file, log)
     body = RECORD.pack(TAGGED_PUT, 2, 16, 2, 3) + b"abc"  # a 3-byte key field: no tag
     raw = body + CHECKSUM.pack(xxhash.xxh3_64_intdigest(body))
     with open(manifest_of(tmp_path), "ab") as out:
-        out.write(raw)
+        out.write(raw + encode_put(3, ManifestEntry(33, tagged(3))))
     with caplog.at_level(logging.WARNING):
         slot_file, log, live = open_tier_files(tmp_path)
-    assert live == {1: (11, tagged(1))}
+    assert live == {1: (11, tagged(1)), 3: (33, tagged(3))}
     assert "too short for its tag" in caplog.text
     close(slot_file, log)
 

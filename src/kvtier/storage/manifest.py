@@ -9,9 +9,10 @@ at open whether to reuse (and resize) or discard it.
 
 Rules. A slot's data is written before its put record is appended, and every append is
 one `write` call on an O_APPEND descriptor (no fsync per record). Replay applies records
-in order, the last record of a slot wins; the first record that is cut short or fails its
-checksum ends the replay with a warning (later records are ignored: an ignored record can
-only cause a miss). A record never makes a read return wrong bytes: reads are verified
+in order, the last record of a slot wins; a record that fails its checksum (or is
+otherwise invalid) is skipped with a warning and the replay resumes at the next valid
+record, and a record cut short at the end is ignored (`manifest_read`: a skipped record
+can only cause a miss). A record never makes a read return wrong bytes: reads are verified
 against `data_sum`, so a stale record whose slot was rewritten since (a crash between the
 data write and its record, power loss) fails verification instead. Tombstones keep a
 restart from offering a slot that is known to be bad or overwritten.

@@ -23,9 +23,10 @@ Integers are little-endian, checksums are xxh3-64.
              checksum   u64   xxh3-64 of every record byte before it
 
 A reader that predates kind 3 stops its replay at the first tagged put (a corrupt
-record to it): the slots recorded after it are only misses.
+record to it): the slots recorded after it are only misses. This reader skips a record
+it cannot use, one of an unknown kind included, and resumes at the next (`manifest_read`).
 
-Decoding (replay) is in `manifest`.
+Decoding is in `manifest_scan`, replay in `manifest_read`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,39 @@
 """Reading a persistent disk tier's manifest (see `manifest`): the header checked
 against this tier's identity, then the records replayed into the live slots.
 
-Replay applies records in order, the last record of a slot wins; the first record that
-is cut short or fails its checksum ends the replay with a warning (later records are
-ignored: an ignored record can only cause a miss). Files another user could have written
-are never trusted (`trust_problem`).
+Replay applies records in order, the last record of a slot wins. A record that is not
+valid (`manifest_scan`: it fails its checksum, names an unknown kind or a slot past the
+header's number of slots, or its `key_len` runs past the end of the file) is skipped: the
+replay scans forward for the next offset at which a valid record starts and resumes
+there, so damage in the middle of the file (a media error, a stray write) costs only the
+records it touches, not every record after it. When no valid record follows, the replay
+ends: a record cut short at the very end (a crash while appending) is ignored. Each
+skipped region is one warning naming its offset, the file's size and the bytes skipped
+(the first `_MAX_WARNINGS` regions; one more line counts the rest). The open then
+rewrites the manifest with the live slots, so what was skipped is gone for good.
+
+Why skipping a record is safe: it can only bring back an earlier state of its slot, and
+no state of a slot can make a load serve wrong bytes. Every live entry carries the
+xxh3-64 checksum of its slot's bytes (`data_sum`), and every load verifies the bytes it
+read against it before any is copied out (`DiskTier._verify`, run by `SlotRead.result`):
+a mismatch fails the load (the tokens are recomputed) and tombstones the slot.
+
+- A skipped put: the slot's earlier put (an older key) or nothing is live again. The
+  slot holds the skipped put's bytes or later ones, so a load of the older key fails
+  its checksum, unless they are exactly the bytes the older put recorded: its KV.
+- A skipped tombstone: the slot's earlier put is live again. A tombstone is appended
+  before a slot is rewritten without a record, after a failed write and after a failed
+  verification; the slot's bytes then either still match the put's checksum (they are
+  its KV) or fail the load.
+
+At worst a miss, as for the stale records the format already allows (a crash between a
+slot's write and its record). The same holds for a record the scan finds inside a
+damaged region: garbage passes the 64-bit checksum with odds of 2**-64, and a record
+embedded in a damaged record's key bytes is a real but stale one. The scan runs only
+after a record failed: in an undamaged file each record is read where the previous one
+ends, so bytes inside a valid record's key are never taken for a record.
+
+Files another user could have written are never trusted (`trust_problem`).
 """
 
 from __future__ import annotations
@@ -23,18 +52,14 @@ from kvtier.storage.manifest_format import (
     HEADER,
     MAGIC,
     MANIFEST_VERSION,
-    PUT,
-    RECORD,
-    TAGGED_PUT,
-    TOMBSTONE,
     ManifestEntry,
     ManifestError,
     ManifestIdentity,
-    decode_put,
 )
+from kvtier.storage.manifest_scan import READ_BUFFER, Invalid, RecordReader
 
 logger = logging.getLogger("kvtier.storage.manifest")  # one logger for the manifest's warnings
-_READ_BUFFER = 1 << 20  # bytes read from the manifest at a time
+_MAX_WARNINGS = 5  # corrupt regions of one replay named one by one; then one summary
 # Errors of this process's limits, not of the files: the open fails and the tier is kept
 # for a later one (anything else that stops the reading discards it).
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
@@ -45,9 +70,9 @@ def read_manifest(path: str, identity: ManifestIdentity) -> dict[int, ManifestEn
 
     Raises ManifestError when it is missing, not a regular file (it is opened without
     waiting, so a FIFO there cannot block), unreadable, or its header does not match
-    `identity`. A torn or corrupt record ends the replay with a warning. The file is read
-    record by record: memory stays within one read buffer and the live records, however
-    large the file.
+    `identity`. An invalid record is skipped with a warning, and the replay resumes at
+    the next valid one (see the module docstring). The file is read a buffer at a time:
+    memory stays within a few read buffers and the live records, however large the file.
     """
     live, num_slots = read_manifest_any_size(path, identity)
     if num_slots != identity.num_slots:
@@ -77,7 +102,7 @@ def read_manifest_any_size(
         if untrusted:
             raise ManifestError(untrusted)
         os.set_blocking(fd, True)
-        file = os.fdopen(fd, "rb", buffering=_READ_BUFFER)
+        file = os.fdopen(fd, "rb", buffering=READ_BUFFER)
         offset, num_slots = _check_header(file, info.st_size, identity)
         live = _replay(file, info.st_size, offset, num_slots, identity.num_slots, path)
         return live, num_slots
@@ -119,7 +144,7 @@ def _check_header(file: BinaryIO, size: int, identity: ManifestIdentity) -> tupl
         raise ManifestError(f"format version {version}, expected {MANIFEST_VERSION}")
     header_size = HEADER.size + layout_len + fp_len + CHECKSUM.size
     expected_size = len(identity.encode())
-    if header_size > max(expected_size, _READ_BUFFER):  # cannot match; do not read it
+    if header_size > max(expected_size, READ_BUFFER):  # cannot match; do not read it
         raise ManifestError(f"the header claims {header_size} B, this tier's is {expected_size} B")
     rest = file.read(header_size - HEADER.size)
     if len(rest) < header_size - HEADER.size:
@@ -156,44 +181,79 @@ def _replay(
     file: BinaryIO, size: int, offset: int, num_slots: int, keep_below: int, path: str
 ) -> dict[int, ManifestEntry]:
     """Return the live slots below `keep_below` (a tier shrunk since: the slots past its
-    new end are cut off) of the records from `offset` on."""
+    new end are cut off) of the records from `offset` on.
+
+    An invalid record is skipped: replay resumes at the next valid one (see the module
+    docstring), with a warning per skipped region (`_Skips`)."""
+    reader = RecordReader(file, offset, size, num_slots)
+    skips = _Skips(path)
     live: dict[int, ManifestEntry] = {}
-    problem = None
-    while head := file.read(RECORD.size):
-        if len(head) < RECORD.size:
-            problem = "torn record at the end"
+    pos = offset
+    while pos < reader.size:
+        pos = reader.apply_run(pos, live, keep_below)
+        if pos >= reader.size:
             break
-        kind, slot, num_tokens, data_sum, key_len = RECORD.unpack(head)
-        tail = file.read(key_len + CHECKSUM.size)
-        if len(tail) < key_len + CHECKSUM.size:
-            problem = "torn record at the end"
-            break
-        key = tail[:key_len]
-        (stored_sum,) = CHECKSUM.unpack_from(tail, key_len)
-        valid_kind = kind in (PUT, TAGGED_PUT, TOMBSTONE)
-        if not valid_kind or stored_sum != xxhash.xxh3_64_intdigest(head + key):
-            problem = "corrupt record"
-            break
-        if slot >= num_slots:
-            problem = f"record for slot {slot} outside [0, {num_slots})"
-            break
+        decoded = reader.record_at(pos)  # refills the window, or names what is wrong
+        if isinstance(decoded, Invalid):
+            resume = reader.next_record(pos + 1)
+            skips.note(decoded, pos, resume, reader.size)
+            if resume is None:
+                break
+            pos = resume
+            continue
+        slot, entry, pos = decoded
         if slot >= keep_below:
             pass  # past the end of a shrunk tier
-        elif kind == TOMBSTONE:
+        elif entry is None:
             live.pop(slot, None)
         else:
-            record = decode_put(kind, key, num_tokens)
-            if record is None:
-                problem = "tagged record too short for its tag"
-                break
-            live[slot] = ManifestEntry(data_sum, record)
-        offset += len(head) + len(tail)
-    if problem is not None:
-        logger.warning(
-            "disk tier manifest %s: %s at byte %d of %d; ignoring it and every later record",
-            path,
-            problem,
-            offset,
-            size,
-        )
+            live[slot] = entry
+    skips.summarize()
     return live
+
+
+class _Skips:
+    """The warnings of one replay about the records it skipped: one per skipped region,
+    the first `_MAX_WARNINGS` of them, then one line counting the rest."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._count = 0  # skipped regions
+        self._unnamed_bytes = 0  # bytes of the regions past the first _MAX_WARNINGS
+
+    def note(self, invalid: Invalid, pos: int, resume: int | None, size: int) -> None:
+        """Warn that no valid record starts at `pos` of a `size`-byte file (`invalid`
+        says why) and that replay resumed at `resume` (None: no valid record after it)."""
+        self._count += 1
+        if self._count > _MAX_WARNINGS:
+            self._unnamed_bytes += (size if resume is None else resume) - pos
+            return
+        what = "corrupt record"
+        if resume is None and invalid.past_end:
+            what, outcome = "torn record at the end", "ignoring it"
+        elif resume is None:
+            outcome = f"no valid record after it, ignoring the last {size - pos} bytes"
+        else:
+            outcome = f"skipped {resume - pos} bytes to the next valid record, at byte {resume}"
+        logger.warning(
+            "disk tier manifest %s: %s at byte %d of %d; %s (%s)",
+            self._path,
+            what,
+            pos,
+            size,
+            outcome,
+            invalid.reason,
+        )
+
+    def summarize(self) -> None:
+        """Warn once about the skipped regions not named one by one."""
+        if self._count > _MAX_WARNINGS:
+            logger.warning(
+                "disk tier manifest %s: %d more corrupt regions skipped (%d bytes in all), "
+                "%d in this replay; only the first %d are named",
+                self._path,
+                self._count - _MAX_WARNINGS,
+                self._unnamed_bytes,
+                self._count,
+                _MAX_WARNINGS,
+            )

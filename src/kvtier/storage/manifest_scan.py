@@ -1,0 +1,205 @@
+"""Reading a manifest's records (see `manifest_read`): decoding the record at an offset,
+and the scan for the next valid record after a corrupt one.
+
+`RecordReader` reads the records after the header through a window of the file: one
+read (`READ_BUFFER`, 1 MiB) plus the rest of the previous window not yet decoded, so
+memory stays within a few buffers however large the file, and the records are decoded
+straight from the window in one loop (`apply_run`: no read call, method call or tuple
+per record: 200k records replay about 20 % faster than with two reads per record).
+
+A *valid record* (`RecordReader.record_at`) lies whole within the file, its checksum
+matches its bytes, its kind is put, tombstone or tagged put, its slot is below the
+header's number of slots, and a tagged put's key field holds the 16-byte tag. After an
+invalid one, `RecordReader.next_record` looks for the next offset at which a valid record
+starts. Records have no sync marker (their length depends on `key_len`), so any byte may
+start one: the scan first keeps, with numpy over the whole window at once, the offsets
+whose byte is a valid kind, whose slot field is below the number of slots and whose
+length fits in the file, and checks only those in Python, in order. Random bytes leave
+3/256 x num_slots/2**32 of the offsets to check (one in 350 000 with a million slots),
+zeros none, and a run of one kind byte (0x01 0x01 ..., the most offsets of a valid kind)
+none either below 16 843 010 slots; the first pass compares the kind and the slot's top
+byte with whole-window slices, so only offsets that pass both are gathered.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import BinaryIO, NamedTuple
+
+import numpy as np
+import xxhash
+
+from kvtier.core.token_tags import TAG_SIZE
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage.manifest_format import (
+    CHECKSUM,
+    PUT,
+    RECORD,
+    TAGGED_PUT,
+    TOMBSTONE,
+    ManifestEntry,
+    decode_put,
+)
+
+__all__ = ["READ_BUFFER", "Decoded", "Invalid", "RecordReader"]
+
+READ_BUFFER = 1 << 20  # bytes read from the manifest at a time
+_DIGEST = xxhash.xxh3_64_intdigest
+_KINDS = (PUT, TOMBSTONE, TAGGED_PUT)
+_MIN_RECORD = RECORD.size + CHECKSUM.size  # a record with an empty key field: a tombstone
+# Offsets in a record of the slot (u32, after the kind) and of key_len (u16, after the
+# kind, slot, num_tokens and data_sum).
+_SLOT_AT, _KEY_LEN_AT = struct.calcsize("<B"), struct.calcsize("<BIIQ")
+
+# A record decoded: its slot, the entry of a put (None: a tombstone), and where it ends.
+Decoded = tuple[int, ManifestEntry | None, int]
+
+
+class Invalid(NamedTuple):
+    """Why no valid record starts at an offset."""
+
+    reason: str  # naming the bad value
+    past_end: bool  # the record would run past the end of the file (a torn append)
+
+
+class RecordReader:
+    """The records of a manifest file from an offset on, read forward through a window.
+
+    `apply_run` replays the records the window holds, `record_at` decodes (or rejects)
+    one record, reading what the window lacks, and `next_record` scans for the next
+    valid one. Each takes a file offset at or after the previous one's: the window keeps
+    the bytes from the offset last read at and drops those before it.
+    """
+
+    def __init__(self, file: BinaryIO, start: int, size: int, num_slots: int) -> None:
+        """Read `file` (positioned at `start`, `size` bytes long) whose header says
+        `num_slots` slots."""
+        self._file = file
+        self._size = size
+        self._num_slots = num_slots
+        self._data = b""  # file bytes [_base, _base + len(_data)); the file is read up to there
+        self._base = start
+
+    @property
+    def size(self) -> int:
+        """Return the size of the file (less when it turned out shorter than its stat)."""
+        return self._size
+
+    def record_at(self, pos: int) -> Decoded | Invalid:
+        """Return the valid record at file offset `pos`, or why there is none there."""
+        i = pos - self._base
+        if i + RECORD.size > len(self._data) and not self._fill(pos, RECORD.size):
+            return Invalid(f"{self._size - pos} B left, less than a record's head", True)
+        data, i = self._data, pos - self._base
+        kind, slot, num_tokens, data_sum, key_len = RECORD.unpack_from(data, i)
+        sum_at = i + RECORD.size + key_len
+        if sum_at + CHECKSUM.size > len(data):
+            if not self._fill(pos, sum_at + CHECKSUM.size - i):
+                return Invalid(f"key_len {key_len} runs past the end of the file", True)
+            data, i = self._data, pos - self._base
+            sum_at = i + RECORD.size + key_len
+        (stored_sum,) = CHECKSUM.unpack_from(data, sum_at)
+        if stored_sum != xxhash.xxh3_64_intdigest(data[i:sum_at]):
+            return Invalid("checksum mismatch", False)
+        if kind not in _KINDS:
+            return Invalid(f"unknown kind {kind}", False)
+        entry: ManifestEntry | None = None  # a tombstone
+        if kind != TOMBSTONE:
+            record = decode_put(kind, data[i + RECORD.size : sum_at], num_tokens)
+            if record is None:
+                return Invalid(f"tagged put too short for its tag: key field of {key_len} B", False)
+            entry = ManifestEntry(data_sum, record)
+        if slot >= self._num_slots:
+            return Invalid(f"slot {slot} outside [0, {self._num_slots})", False)
+        return slot, entry, pos + RECORD.size + key_len + CHECKSUM.size
+
+    def apply_run(self, pos: int, live: dict[int, ManifestEntry], keep_below: int) -> int:
+        """Apply to `live` the records from `pos` on while they are valid and lie whole in
+        the window (the last record of a slot wins; a slot from `keep_below` on is left
+        out); return the offset of the first one not applied: past the window's end, or
+        one `record_at` must decode or reject.
+
+        The hot loop of a replay, for the common case only: it accepts a subset of what
+        `record_at` accepts (same checks), without a call or a tuple per record."""
+        data, base, num_slots = self._data, self._base, self._num_slots
+        unpack, unpack_sum, digest = RECORD.unpack_from, CHECKSUM.unpack_from, _DIGEST
+        head, tail, end = RECORD.size, CHECKSUM.size, len(self._data)
+        i = pos - base
+        while i + head <= end:
+            kind, slot, num_tokens, data_sum, key_len = unpack(data, i)
+            sum_at = i + head + key_len
+            if sum_at + tail > end or slot >= num_slots:
+                break
+            if unpack_sum(data, sum_at)[0] != digest(data[i:sum_at]):
+                break
+            if kind == PUT:
+                record = SlotRecord(data[i + head : sum_at], num_tokens)
+            elif kind == TOMBSTONE:
+                if slot < keep_below:
+                    live.pop(slot, None)
+                i = sum_at + tail
+                continue
+            elif kind == TAGGED_PUT and key_len >= TAG_SIZE:
+                record = SlotRecord(
+                    data[i + head : sum_at - TAG_SIZE], num_tokens, data[sum_at - TAG_SIZE : sum_at]
+                )
+            else:
+                break
+            if slot < keep_below:
+                live[slot] = ManifestEntry(data_sum, record)
+            i = sum_at + tail
+        return base + i
+
+    def next_record(self, start: int) -> int | None:
+        """Return the first offset from `start` on at which a valid record starts, or None
+        when none does before the end of the file."""
+        pos = start
+        while self._fill(pos, _MIN_RECORD):
+            data, base = self._data, self._base
+            stop = len(data) - RECORD.size + 1  # the offsets whose head is in the window
+            room = self._size - base
+            for i in _candidates(data, pos - base, stop, self._num_slots, room):
+                if not isinstance(self.record_at(base + i), Invalid):
+                    return base + i
+            pos = base + stop
+        return None
+
+    def _fill(self, pos: int, need: int) -> bool:
+        """Make the window hold file bytes [pos, pos + need), reading what it lacks;
+        return False when the file ends first."""
+        if pos + need > self._size:
+            return False
+        data, base = self._data, self._base
+        if pos + need <= base + len(data):
+            return True
+        assert pos >= base, f"the reader went back from byte {base} to {pos}"
+        if pos > base + len(data):  # past the window: the bytes between are not needed
+            self._file.seek(pos)
+        kept = data[pos - base :]
+        more = self._file.read(max(READ_BUFFER, need - len(kept)))
+        self._data, self._base = kept + more if kept else more, pos
+        if len(self._data) < need:  # shorter than its stat said: it ends here
+            self._size = pos + len(self._data)
+            return False
+        return True
+
+
+def _candidates(data: bytes, lo: int, hi: int, num_slots: int, room: int) -> list[int]:
+    """Return the offsets in [lo, hi) of `data` where a valid record may start: a valid
+    kind byte, a slot field below `num_slots`, and a length within `room` bytes of
+    `data`'s start. Every offset in [lo, hi) must have a whole record head in `data`."""
+    raw = np.frombuffer(data, dtype=np.uint8)
+    kinds = raw[lo:hi]
+    top = raw[lo + _SLOT_AT + 3 : hi + _SLOT_AT + 3]  # the slot's most significant byte
+    maybe = (kinds == _KINDS[0]) | (kinds == _KINDS[1]) | (kinds == _KINDS[2])
+    at = np.flatnonzero(maybe & (top <= min((num_slots - 1) >> 24, 255)))
+    if len(at) == 0:
+        return []
+    at += lo
+    slot = np.zeros(len(at), dtype=np.int64)
+    for k in range(4):
+        slot |= raw[at + _SLOT_AT + k].astype(np.int64) << (8 * k)
+    low, high = raw[at + _KEY_LEN_AT], raw[at + _KEY_LEN_AT + 1]
+    key_len = low.astype(np.int64) | high.astype(np.int64) << 8
+    fits = at + (_MIN_RECORD + key_len) <= room
+    return at[(slot < num_slots) & fits].tolist()
