@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from vllm.v1.kv_cache_interface import KVCacheConfig, create_kv_cache_views
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, create_kv_cache_views
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request
 
@@ -73,6 +73,15 @@ class FakeKVCache:
     4 content bytes of head 0, and the fingerprint plus the layer index in the last 4
     content bytes of the last head. Each KV cache group maps positions to its blocks with
     its own block size; a sliding-window group needs only the window's last positions.
+
+    A Mamba group in vLLM's "align" mode holds one state per block, not one entry per
+    position: the state after the last token a forward computed into that block, which
+    is a function of the token prefix. It is modelled as that position's fingerprint, at
+    the first and last 4 bytes of the block's page. A forward of positions
+    `start..end-1` reads the state of position `start - 1` from block
+    `(start - 1) // block_size` and leaves the state of `end - 1` in block
+    `(end - 1) // block_size` (vLLM's worker copies one into the other, then the kernel
+    advances it in place), so equal prefixes leave equal states.
     """
 
     def __init__(self, kv_cache_config: KVCacheConfig) -> None:
@@ -83,6 +92,7 @@ class FakeKVCache:
         self.windows: list[int | None] = [
             getattr(g.kv_cache_spec, "sliding_window", None) for g in groups
         ]
+        self.is_state = [isinstance(g.kv_cache_spec, MambaSpec) for g in groups]
         self.raw = torch.zeros(kv_cache_config.kv_cache_tensors[0].size, dtype=torch.int8)
         self.tensors: dict[str, torch.Tensor] = {}
         for placement in kv_cache_config.kv_cache_tensors:
@@ -108,9 +118,17 @@ class FakeKVCache:
         self, tables: Sequence[Sequence[int]], start: int, fingerprints: Sequence[int]
     ) -> None:
         """Write `fingerprints[p]` for positions `start..` into each group's blocks
-        (`tables[g]`), except where a sliding window left the null block."""
+        (`tables[g]`), except where a sliding window left the null block; a state group
+        gets the state of the last position (a null block there raises)."""
+        end = len(fingerprints)
         for group, table in enumerate(tables):
             size = self.block_sizes[group]
+            if self.is_state[group]:
+                if end > start:
+                    if not _has_block(table, size, end - 1):
+                        raise KVMismatchError(f"group {group}: no block for the state of {end - 1}")
+                    self._check_or_write(group, table, fingerprints, [end - 1], write=True)
+                continue
             positions = [p for p in range(start, len(fingerprints)) if table[p // size] != 0]
             if positions:
                 self._check_or_write(group, table, fingerprints, positions, write=True)
@@ -123,12 +141,29 @@ class FakeKVCache:
         num_tokens: int,
     ) -> None:
         """Raise `KVMismatchError` unless every group holds what it needs of the prefix
-        `0..num_tokens-1`: every position, or a sliding window's last `window - 1`."""
+        `0..num_tokens-1`: every position, a sliding window's last `window - 1`, or a
+        state group's state of the last one (what the next forward reads)."""
         for group, table in enumerate(tables):
             window = self.windows[group]
             first = 0 if window is None else max(0, num_tokens - window + 1)
+            if self.is_state[group]:
+                first = max(0, num_tokens - 1)
             positions = range(first, num_tokens)
             self.check_positions(f"request {request_id}", group, table, fingerprints, positions)
+
+    def check_states(
+        self,
+        request_id: str,
+        tables: Sequence[Sequence[int]],
+        fingerprints: Sequence[int],
+        num_tokens: int,
+    ) -> None:
+        """Raise `KVMismatchError` unless every state group's block of position
+        `num_tokens - 1` holds its state: what a running request's forward reads."""
+        for group, table in enumerate(tables):
+            if self.is_state[group] and num_tokens > 0:
+                what = f"request {request_id} (running)"
+                self.check_positions(what, group, table, fingerprints, [num_tokens - 1])
 
     def check_positions(
         self,
@@ -141,7 +176,7 @@ class FakeKVCache:
         """Raise `KVMismatchError` unless `positions` of one group hold their fingerprints."""
         size = self.block_sizes[group]
         for pos in positions:
-            if pos // size >= len(table) or table[pos // size] == 0:
+            if not _has_block(table, size, pos):
                 raise KVMismatchError(f"{what}: group {group} position {pos} has no block")
         if positions:
             self._check_or_write(group, table, fingerprints, list(positions), False, what)
@@ -158,7 +193,7 @@ class FakeKVCache:
         at = torch.tensor(positions, dtype=torch.long)
         size = self.block_sizes[group]
         blocks = torch.tensor(list(table), dtype=torch.long)[at // size]
-        offsets = at % size
+        offsets = torch.zeros_like(at) if self.is_state[group] else at % size
         values = torch.tensor([fingerprints[p] for p in positions], dtype=torch.int32)
         for layer, cache in self._layers[group]:
             first, last = _as_bytes(values ^ layer), _as_bytes(values + layer)
@@ -175,6 +210,11 @@ class FakeKVCache:
                     f"{what}: position {positions[i]} (group {group}, block {int(blocks[i])}, "
                     f"layer {layer}) holds KV of another prefix"
                 )
+
+
+def _has_block(table: Sequence[int], block_size: int, pos: int) -> bool:
+    """Return True when position `pos` lies in a (non-null) block of `table`."""
+    return pos // block_size < len(table) and table[pos // block_size] != 0
 
 
 def _as_bytes(values: torch.Tensor) -> torch.Tensor:

@@ -284,14 +284,14 @@ class Run:
 
         The key names the hash block that ends it: in a group of a larger block size, a
         whole block ends at its last hash block, a partial tail (fine-grained hits)
-        earlier.
+        earlier. A state group's block holds the state of that end's last token.
         """
         group = key_group_id(key)
         request, index = blocks[key_block_hash(key)]
         for cache in self.harness.caches:
             size = cache.block_sizes[group]
             end = (index + 1) * self.harness.cfg.block_size
-            first = (end - 1) // size * size
+            first = end - 1 if cache.is_state[group] else (end - 1) // size * size
             table = [0] * (first // size) + [gpu_block]
             prints = fingerprints.upto(request, end)
             cache.check_positions(what, group, table, prints, range(first, end))

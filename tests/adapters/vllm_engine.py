@@ -5,7 +5,8 @@ and its scheduler-role connector on CPU from a `HarnessConfig`; `FakeKVCache` is
 "GPU" KV cache of one rank (fake_kv_cache.py), holding a fingerprint of each position's
 token prefix.
 `HarnessConfig.kv_groups` makes the model hybrid: several KV cache groups (full
-attention, sliding windows), each with its own block size, sharing one allocation.
+attention, sliding windows, Mamba states in vLLM's "align" cache mode), each with its
+own block size, sharing one allocation.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.structured_output import StructuredOutputManager
@@ -50,10 +52,20 @@ __all__ = ["FakeKVCache", "KVMismatchError", "PrefixFingerprints"]  # re-exporte
 
 @dataclass(frozen=True)
 class KVGroupDef:
-    """One KV cache group of a hybrid model: block size, and sliding window (None: full)."""
+    """One KV cache group of a hybrid model: block size, and sliding window (None: full).
+
+    `mamba`: a Mamba (SSM) state group in vLLM's "align" cache mode instead: its block
+    holds one state, of the last token computed into it (fake_kv_cache.py), so a full
+    block `j` holds the state after token `(j + 1) * block_size - 1`.
+    """
 
     block_size: int = 16
     sliding_window: int | None = None
+    mamba: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mamba and self.sliding_window is not None:
+            raise ValueError("a Mamba group has no sliding window")
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,9 @@ class HarnessConfig:
     `kv_role` is vLLM's. `kv_groups` (empty: one full-attention group of `block_size`)
     makes the model hybrid: one group per entry, `num_layers` layers each, the KV heads
     scaled so that every group's page has the same size (vLLM's shared allocation needs
-    it); `block_size` is then the hash block size, the smallest group's.
+    it); `block_size` is then the hash block size, the smallest group's. A Mamba group
+    (`KVGroupDef.mamba`) turns on vLLM's "align" cache mode; its block size must be
+    `block_size`, where vLLM's scheduler ends the prefill chunks of that mode.
     """
 
     connector: str | None = None
@@ -102,6 +116,8 @@ class HarnessConfig:
             raise ValueError("overlapping steps need async_scheduling, as in vLLM")
         if self.kv_groups and self.block_size != min(g.block_size for g in self.kv_groups):
             raise ValueError("block_size must be the smallest group's (the hash block size)")
+        if any(g.mamba and g.block_size != self.block_size for g in self.kv_groups):
+            raise ValueError("a Mamba group's block size must be block_size (align mode)")
 
     @property
     def groups(self) -> tuple[KVGroupDef, ...]:
@@ -132,8 +148,25 @@ class HarnessConfig:
             dtype=torch.float16,
         )
 
-    def group_spec(self, group: KVGroupDef) -> FullAttentionSpec:
-        """Return a group's spec, with the heads that keep its page `attention_spec`'s size."""
+    @property
+    def has_mamba(self) -> bool:
+        """Return True when a group holds Mamba states (vLLM's "align" cache mode)."""
+        return any(group.mamba for group in self.groups)
+
+    def group_spec(self, group: KVGroupDef) -> FullAttentionSpec | MambaSpec:
+        """Return a group's spec, with the heads that keep its page `attention_spec`'s size.
+
+        A Mamba group's page is two states (a conv and an SSM state, as Mamba2 keeps) that
+        fill exactly that size.
+        """
+        if group.mamba:
+            num_halves = self.attention_spec.page_size_bytes // 2  # float16 elements
+            return MambaSpec(
+                block_size=group.block_size,
+                shapes=((num_halves // 4,), (num_halves - num_halves // 4,)),
+                dtypes=(torch.float16, torch.float16),
+                mamba_cache_mode="align",
+            )
         heads, rest = divmod(self.num_kv_heads * self.block_size, group.block_size)
         if heads == 0 or rest:
             raise ValueError(f"no whole number of KV heads for {group}")
@@ -185,7 +218,11 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         is_encoder_decoder=False,
         async_scheduling=cfg.async_scheduling,
     )
-    cache_config = CacheConfig(block_size=cfg.block_size, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=cfg.block_size,
+        enable_prefix_caching=True,
+        mamba_cache_mode="align" if cfg.has_mamba else "none",
+    )
     kv_transfer_config = None
     if cfg.connector is not None:
         kv_transfer_config = KVTransferConfig(

@@ -9,9 +9,10 @@ hashing and the scheduler role of whatever KV connector is configured. What is f
 model runner. Each step it "computes" the scheduled tokens by writing a fingerprint of the
 token prefix into a CPU tensor per layer (`FakeKVCache`), checks the fingerprints of every
 position a newly scheduled request treats as already computed (local prefix hit or
-external load), samples one token per request that finished its prefill, and hands each
-rank's worker side (`vllm_workers`) output back to the scheduler, merged across ranks
-the way vLLM's executor merges it. A wrong block loaded, a block loaded from the wrong
+external load) and, in a Mamba state group, the state every forward starts from, samples
+one token per request that finished its prefill, and hands each rank's worker side
+(`vllm_workers`) output back to the scheduler, merged across ranks the way vLLM's
+executor merges it. A wrong block loaded, a block loaded from the wrong
 slot or a load that never happened raises `KVMismatchError`.
 
 Asynchronous scheduling (`HarnessConfig.async_scheduling`, vLLM 0.33's default): an
@@ -302,8 +303,9 @@ class VllmHarness:
                 for cache in self.caches:
                     if req_id in fresh:
                         cache.check(req_id, tables, prints, start)
+                    else:  # a Mamba group's forward reads the state it left last step
+                        cache.check_states(req_id, tables, prints, start)
                     cache.write(tables, start, prints)
-            # A request still inside its prompt samples nothing this step.
             # A request still inside its prompt samples nothing this step; otherwise the
             # token at `end` (past a placeholder not yet delivered under async scheduling).
             sampled[req_id] = [] if request.is_prefill_chunk else [_token_at(req_id, end)]
