@@ -226,8 +226,12 @@ class Scheduler:
         )
         num_local = local.num_tokens
         num_external = 0
-        if self.offload is not None and not request.skip_external:
-            num_external = self.offload.lookup(request, num_local)
+        if self.offload is not None:
+            # Looked up even when recomputing (a failed load): the lookup records the
+            # local prefix, below which the request's blocks are other requests' fills
+            # (the token check tags only the request's own fills).
+            cap = 0 if request.skip_external else None
+            num_external = self.offload.lookup(request, num_local, cap)
         num_hit = num_local + num_external
         num_new = 0 if num_external else min(request.num_tokens - num_hit, budget)
         tables = [list(local.block_ids[group_id]) for group_id in range(len(self.layout.groups))]
