@@ -12,13 +12,15 @@ matches its bytes, its kind is put, tombstone or tagged put, its slot is below t
 header's number of slots, and a tagged put's key field holds the 16-byte tag. After an
 invalid one, `RecordReader.next_record` looks for the next offset at which a valid record
 starts. Records have no sync marker (their length depends on `key_len`), so any byte may
-start one: the scan first keeps, with numpy over the whole window at once, the offsets
-whose byte is a valid kind, whose slot field is below the number of slots and whose
-length fits in the file, and checks only those in Python, in order. Random bytes leave
-3/256 x num_slots/2**32 of the offsets to check (one in 350 000 with a million slots),
-zeros none, and a run of one kind byte (0x01 0x01 ..., the most offsets of a valid kind)
-none either below 16 843 010 slots; the first pass compares the kind and the slot's top
-byte with whole-window slices, so only offsets that pass both are gathered.
+start one: the scan first keeps, with numpy over a span of the window at once, the
+offsets whose byte is a valid kind, whose slot field is below the number of slots and
+whose length fits in the file, and checks only those in Python, in order. The span is
+4 KiB at first and doubles up to the whole window, so a resync costs about the distance
+to the next valid record, however many corrupt records the file holds. Random bytes
+leave 3/256 x num_slots/2**32 of the offsets to check (one in 350 000 with a million
+slots), zeros none, and a run of one kind byte (0x01 0x01 ..., the most offsets of a
+valid kind) none either below 16 843 010 slots; the first pass compares the kind and the
+slot's top byte with whole-span slices, so only offsets that pass both are gathered.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ READ_BUFFER = 1 << 20  # bytes read from the manifest at a time
 _DIGEST = xxhash.xxh3_64_intdigest
 _KINDS = (PUT, TOMBSTONE, TAGGED_PUT)
 _MIN_RECORD = RECORD.size + CHECKSUM.size  # a record with an empty key field: a tombstone
+_FIRST_SCAN = 4096  # offsets the scan filters at first; doubled each pass, up to a window
 # Offsets in a record of the slot (u32, after the kind) and of key_len (u16, after the
 # kind, slot, num_tokens and data_sum).
 _SLOT_AT, _KEY_LEN_AT = struct.calcsize("<B"), struct.calcsize("<BIIQ")
@@ -153,15 +156,18 @@ class RecordReader:
     def next_record(self, start: int) -> int | None:
         """Return the first offset from `start` on at which a valid record starts, or None
         when none does before the end of the file."""
-        pos = start
+        pos, span = start, _FIRST_SCAN
         while self._fill(pos, _MIN_RECORD):
             data, base = self._data, self._base
-            stop = len(data) - RECORD.size + 1  # the offsets whose head is in the window
+            # The offsets whose head is in the window, at most `span` of them: the next
+            # valid record is usually a few bytes on, and filtering the whole window at
+            # every resync made a file of many corrupt records quadratic to replay.
+            stop = min(len(data) - RECORD.size + 1, pos - base + span)
             room = self._size - base
             for i in _candidates(data, pos - base, stop, self._num_slots, room):
                 if not isinstance(self.record_at(base + i), Invalid):
                     return base + i
-            pos = base + stop
+            pos, span = base + stop, min(2 * span, READ_BUFFER)
         return None
 
     def _fill(self, pos: int, need: int) -> bool:
