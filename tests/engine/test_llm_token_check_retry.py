@@ -119,5 +119,6 @@ def test_a_retry_after_a_failed_load_never_tags_another_requests_fill(
         llm.shutdown()
     assert got.num_external_hit_tokens == 0, "A's KV was stored under B's tag"
     assert got.output_token_ids == want.output_token_ids
-    assert got.logits is not None and want.logits is not None
+    assert got.logits is not None
+    assert want.logits is not None
     assert torch.allclose(got.logits, want.logits, atol=1e-4, rtol=0)
