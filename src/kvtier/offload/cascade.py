@@ -10,6 +10,15 @@ else from disk (a DISK → GPU load).
     write-back      a cached CPU block is demoted when it is among the next `reserve`
                     victims of the CPU free queue; once on disk it leaves the CPU tier
 
+Write-back demotions are opportunistic: no finished request is owed them, so a drain
+(`has_pending_stores`) does not wait for them, while it waits for write-through's (the
+disk is to hold what the CPU holds). A failed write-back demotion is given up, not
+retried in a loop: its (CPU block, key) pair is remembered and not demoted again until a
+demotion succeeds (the disk works again) or the block loses that key (evicted,
+discarded, reset); evicted before that, it counts as a lost block. So a disk whose every
+write fails costs at most one failed demotion per cached CPU block, and an idle engine
+stops issuing them.
+
 Promotion (DISK → CPU, SPEC §1) reuses the GPU copy a disk hit leaves behind: the
 block is on the GPU after its load and the CPU tier lacks it, so store selection picks
 it like any other block (the CPU tier's admission policy decides whether it is worth
@@ -49,7 +58,7 @@ class CascadeCounters:
     """Demotions since the last `take_counters`."""
 
     num_demoted_blocks: int = 0
-    num_failed_demotions: int = 0
+    num_failed_demotions: int = 0  # write-back: once per (CPU block, key) until one succeeds
     num_dropped_demotions: int = 0  # no disk slot could be allocated (once per CPU key)
     num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (nor one coming)
 
@@ -71,6 +80,7 @@ class Cascade:
         self.disk_pool = disk_pool
         self.mode = mode
         self.reserve = reserve
+        self.awaited = mode is CascadeMode.WRITE_THROUGH  # does a drain wait for demotions?
         self.queued: list[MoveItem] = []
         self.in_flight_keys: set[Key] = set()
         self.counters = CascadeCounters()
@@ -78,6 +88,9 @@ class Cascade:
         # each step while no disk slot frees, and it counts once. A pair goes when its
         # block is demoted, evicted or has its keys discarded (`before_cpu_discard`).
         self.dropped: set[tuple[int, Key]] = set()
+        # Write-back: (CPU block, key) pairs whose demotion failed, not demoted again; they
+        # go as `dropped`'s do, and all at once when a demotion succeeds.
+        self.failed: set[tuple[int, Key]] = set()
         self._event = event
         cpu_pool.on_evict = self._on_cpu_evict
 
@@ -92,12 +105,12 @@ class Cascade:
         """Write-back: demote the cached blocks among the CPU tier's next victims."""
         if self.mode is not CascadeMode.WRITE_BACK:
             return
-        key = self.cpu_pool.key
-        victims = [
-            b
-            for b in islice(self.cpu_pool.iter_free_after(None), self.reserve)
-            if key(b) is not None
-        ]
+        key, failed = self.cpu_pool.key, self.failed
+        victims = []
+        for block_id in islice(self.cpu_pool.iter_free_after(None), self.reserve):
+            k = key(block_id)
+            if k is not None and (not failed or (block_id, k) not in failed):
+                victims.append(block_id)
         self._demote(victims)
 
     def _demote(self, cpu_block_ids: Iterable[int]) -> None:
@@ -156,12 +169,19 @@ class Cascade:
         key = self.cpu_pool.key(block_id)
         if key is not None:
             self.dropped.discard((block_id, key))
+            self.failed.discard((block_id, key))
 
     def _on_cpu_evict(self, block_id: int, key: Key) -> None:
         """Count a CPU eviction that loses the block: no disk copy, none in flight."""
         self.dropped.discard((block_id, key))
+        self.failed.discard((block_id, key))
         if key not in self.in_flight_keys and self.disk_pool.cached_block(key) is None:
             self.counters.num_lost_blocks += 1
+
+    def forget_all(self) -> None:
+        """Forget every dropped and failed demotion (a reset discards the keys)."""
+        self.dropped.clear()
+        self.failed.clear()
 
     def take_queued(self) -> list[MoveItem]:
         """Return and forget the demotions selected since the last call."""
@@ -172,10 +192,18 @@ class Cascade:
 
     def complete(self, items: Sequence[MoveItem], succeeded: bool, abandoned: bool) -> None:
         """Register finished demotions on disk (or drop failed ones) and release pins."""
+        cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
         if not succeeded:
             self.counters.num_failed_demotions += len(items)
+            if not abandoned and self.mode is CascadeMode.WRITE_BACK:  # give them up
+                self.failed.update(
+                    (item.cpu_block_id, item.key)
+                    for item in items
+                    if cpu_pool.key(item.cpu_block_id) == item.key
+                )
+        elif not abandoned and self.failed:  # the disk works again: retry the failed ones
+            self.failed.clear()
         registered = succeeded and not abandoned
-        cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
         for item in items:
             if not abandoned:  # an abandoned move's key was let go at the reset
                 self.in_flight_keys.discard(item.key)

@@ -286,8 +286,10 @@ class OffloadScheduler:
             self.tags.drop(request_id)
 
     def has_pending_stores(self) -> bool:
-        """Return True while any store or demotion is queued, in flight or abandoned."""
-        queued_moves = self.cascade is not None and bool(self.cascade.queued)
+        """Return True while any store or write-through demotion is queued, in flight or
+        abandoned. Write-back demotions are opportunistic: nothing waits for them."""
+        cascade = self.cascade
+        queued_moves = cascade is not None and cascade.awaited and bool(cascade.queued)
         return bool(self.selector.queued) or queued_moves or self._book.has_stores()
 
     def reset(self) -> bool:

@@ -73,3 +73,6 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
         assert all(cpu_key(b) == k for b, k in scheduler.cascade.dropped), (
             "a dropped demotion outlived its CPU block's key"
         )
+        assert all(cpu_key(b) == k for b, k in scheduler.cascade.failed), (
+            "a failed demotion outlived its CPU block's key"
+        )

@@ -69,7 +69,7 @@ class TierReset:
         selector.lazy.clear()
         if self._cascade is not None:
             self._cascade.release(self._cascade.take_queued())
-            self._cascade.dropped.clear()
+            self._cascade.forget_all()
         self._book.abandon_stores()
         for transfer in self._book:  # their keys may be stored afresh: let them go now
             selector.in_flight_keys.difference_update(transfer.stores.keys)
