@@ -136,7 +136,7 @@ class OffloadSide:
         waited for first, so no event is failed while its copy still runs.
         """
         plan, self._plan = self._plan, None
-        if plan is None or not plan.jobs:
+        if plan is None or not (plan.jobs or plan.end_persistence):
             return
         try:
             self.worker.submit(plan)

@@ -90,17 +90,25 @@ class TransferPlan:
     a worker can turn a finished event into request ids. `need_flush` means a request was
     preempted this step: the worker must finish every outstanding transfer before the
     forward pass, because preempted GPU blocks may be reused at once.
+
+    `end_persistence` is set on every plan after a tier reset of a persistent disk tier
+    (`disk_persist`): before running any job of the plan, every worker drops its disk
+    tier's manifest records and records nothing more in this run (idempotent; see
+    `DiskTier.end_persistence`). KV stored after a reset may be of other weights than
+    the fingerprint names, and KV stored before it must never be found again.
     """
 
     step_id: int
     jobs: tuple[TransferJob, ...] = ()
     load_request_ids: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     need_flush: bool = False
+    end_persistence: bool = False
 
     @property
     def is_empty(self) -> bool:
-        """Return True when the plan asks for no transfer and no flush."""
-        return not self.jobs and not self.need_flush
+        """Return True when the plan asks for no transfer, no flush and no end of
+        persistence."""
+        return not self.jobs and not self.need_flush and not self.end_persistence
 
 
 @dataclass(frozen=True)

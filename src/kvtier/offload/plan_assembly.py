@@ -42,6 +42,8 @@ class PlanAssembler:
         self._cascade = cascade
         self._lazy_target = lazy_target
         self._next_step_id = 0
+        # A reset ended a persistent disk tier's persistence: every later plan says so.
+        self.persistence_ended = False
 
     def build(self, step: StepInput, selector: StoreSelector, walk: bool = True) -> TransferPlan:
         """Select this step's stores; issue them as one event, the queued loads as one per tier.
@@ -87,7 +89,7 @@ class PlanAssembler:
             if moves:
                 cpu_ids = tuple(item.cpu_block_id for item in moves)
                 disk_ids = tuple(item.disk_block_id for item in moves)
-                records = self._cascade.records(moves) if self._config.disk_persist else ()
+                records = self._cascade.records(moves) if self._persisting else ()
                 awaited = self._cascade.awaited
                 jobs.append(
                     self._issue(Tier.CPU, Tier.DISK, cpu_ids, disk_ids, records, moves, awaited)
@@ -98,7 +100,13 @@ class PlanAssembler:
             jobs=tuple(jobs),
             load_request_ids=self._book.load_request_ids(),
             need_flush=bool(step.preempted_request_ids),
+            end_persistence=self.persistence_ended,
         )
+
+    @property
+    def _persisting(self) -> bool:
+        """Return True while jobs into the disk tier carry records for its manifest."""
+        return self._config.disk_persist and not self.persistence_ended
 
     def _issue(
         self,
@@ -128,6 +136,6 @@ class PlanAssembler:
 
     def _store_records(self, stores: StoreBatch, gpu_pool: GpuPoolView) -> tuple[SlotRecord, ...]:
         """Return the slot records of stores into a persistent disk tier, else ()."""
-        if not self._config.disk_persist or self._tier is not Tier.DISK:
+        if not self._persisting or self._tier is not Tier.DISK:
             return ()
         return self._registrar.records(stores, gpu_pool)

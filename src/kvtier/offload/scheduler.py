@@ -296,8 +296,13 @@ class OffloadScheduler:
         """Drop all tier contents; return False while issued transfers are outstanding.
 
         No lookup finds anything stored before the call either way; while the reset
-        waits, lazy walks and write-back demotions pause (see `tier_reset`).
+        waits, lazy walks and write-back demotions pause (see `tier_reset`). With
+        `disk_persist`, every later plan ends the disk tier's persistence
+        (`TransferPlan.end_persistence`), whichever the return value: the workers drop
+        every manifest record and record nothing more in this run.
         """
+        if self.config.disk_persist:
+            self._plans.persistence_ended = True
         return self._reset.reset(self.selector)
 
     def restore(self, tier: Tier, slots: Iterable[tuple[int, SlotRecord]]) -> int:

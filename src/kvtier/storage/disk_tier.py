@@ -20,7 +20,9 @@ slots, and it appends to the manifest as it goes. A write with records appends o
 record per slot after the slot's data is written, and tombstones the slots if the write
 fails (their old bytes may be partly overwritten). A write without records tombstones
 the slots' earlier records *before* writing, so a restart cannot offer them. A read that
-fails verification tombstones the slot.
+fails verification tombstones the slot. `end_persistence()` (a tier reset) drops every
+record and records nothing more in this run: the tier then works as a non-persistent
+one whose files are kept, and the next open finds nothing to restore.
 """
 
 from __future__ import annotations
@@ -200,6 +202,24 @@ class DiskTier:
         bytes are not the recovered record's any more, and its checksum is the new one's,
         so a restore from a stale list would serve them under the old key."""
         return sorted(self._recovered.items())
+
+    def end_persistence(self) -> None:
+        """Drop every manifest record and record nothing more in this run; idempotent, a
+        no-op for a non-persistent tier (see `ManifestLog.end`, and its OSError).
+
+        Call after a tier reset: the KV stored from now on may have been computed with
+        other weights than the fingerprint names (weights updated in memory), and the
+        engine cannot tell. Writes in flight are not recorded once this returns.
+        """
+        if self._log is None or self._log.ended:
+            return
+        self._recovered.clear()
+        self._log.end()
+        logger.info(
+            "disk tier %s: a reset dropped the persistent cache; nothing more is persisted "
+            "in this run (its KV may be of weights the fingerprint does not name)",
+            self.path,
+        )
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
         """Raise ValueError (message prefixed by `context`) for a record a persistent tier

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
+from kvtier.storage.file_lock import unlink_quietly
 from kvtier.storage.manifest_compaction import COMPACT_FLOOR, compaction_due, rewrite_manifest
 from kvtier.storage.manifest_format import ManifestEntry, encode_put, encode_tombstone
 
@@ -55,6 +56,8 @@ class ManifestLog:
         self._fd: int | None = None
         self._size = self._records = self._retry_at = self.compactions = 0
         self._broken = False
+        self._ended = False  # `end()`: records nothing more in this run
+        self._drop_failed = False  # `end()` could neither empty nor remove the file
         self._lock = threading.Lock()
         self._closing = CloseGate()
         self._rewrite()
@@ -87,8 +90,55 @@ class ManifestLog:
                     del self._live[slot]
                 self._compact_if_due()
 
+    @property
+    def ended(self) -> bool:
+        """Return True once `end()` was called."""
+        return self._ended
+
+    def end(self) -> None:
+        """Drop every record and record nothing more in this run (a tier reset: the KV
+        stored from now on, and what the log describes, may be of other weights than
+        the fingerprint names); idempotent.
+
+        The file is rewritten atomically with the header alone (fsynced, see
+        `rewrite_manifest`), under the lock that serializes appends: a put of a write
+        still in flight lands in the replaced file or is dropped, never in the new one.
+        When the rewrite fails the manifest is removed instead (the next open starts
+        empty); when that fails too, OSError naming the file is raised and `close()`
+        raises too, so that the tier's close removes the manifest then (see
+        `disk_tier_close`). Appends stop either way.
+        """
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            self._live.clear()
+            if self._fd is None:
+                return
+            try:
+                fd = rewrite_manifest(self.path, self._header)
+            except OSError as exc:
+                self._remove_after(exc)
+                return
+            old, self._fd = self._fd, fd
+            self._size, self._records = len(self._header), 0
+            os.close(old)
+
+    def _remove_after(self, exc: OSError) -> None:
+        """Remove the manifest whose emptying rewrite failed with `exc` (lock held)."""
+        try:
+            unlink_quietly(self.path)
+        except OSError as unlink_exc:
+            self._drop_failed = True  # `close` raises: the tier's close removes it then
+            raise OSError(
+                unlink_exc.errno,
+                f"cannot drop the manifest's records ({exc}) nor remove it ({unlink_exc})",
+                self.path,
+            ) from exc
+        logger.warning("disk tier manifest %s: cannot empty it (%s); removed it", self.path, exc)
+
     def _append_locked(self, data: bytes, num_records: int) -> bool:
-        if self._fd is None or self._broken:
+        if self._fd is None or self._broken or self._ended:
             return False
         try:
             written = os.write(self._fd, data)
@@ -158,6 +208,8 @@ class ManifestLog:
         if fd is None:
             return
         try:
+            if self._drop_failed:
+                raise OSError(errno.EIO, "its records could not be dropped at a reset")
             os.fsync(fd)
         except OSError as exc:
             raise OSError(

@@ -22,7 +22,9 @@ may write them has completed; a synchronous engine's earlier forwards have finis
 Persistent disk tier (`WorkerConfig.disk_persist`, see `kvtier.storage.manifest`): a job
 into DISK with `dst_records` records each slot once its data is written; one without them
 drops the slots' earlier records first; a failed write leaves none. `recovered_slots()`
-lists what the previous run left (never slot 0, the pool's null block).
+lists what the previous run left (never slot 0, the pool's null block). A plan with
+`end_persistence` (every plan after a tier reset) drops every record before its jobs
+start, and nothing is recorded for the rest of the run.
 """
 
 from __future__ import annotations
@@ -228,11 +230,19 @@ class OffloadWorker:
     def submit(self, plan: TransferPlan) -> None:
         """Start every job of `plan` in the background and return at once.
 
-        Flushes first when `plan.need_flush` (a preempted request's blocks may be reused).
-        Validates the whole plan before starting anything.
+        Ends a persistent disk tier's persistence first when `plan.end_persistence` (a
+        reset: see `DiskTier.end_persistence`), then flushes when `plan.need_flush` (a
+        preempted request's blocks may be reused). Validates the whole plan's jobs before
+        starting any.
         """
         if self.state is not WorkerState.REGISTERED:
             raise RuntimeError(f"submit() on a worker that is {self.state.value}")
+        if not isinstance(plan.end_persistence, bool):
+            raise ValueError(
+                f"TransferPlan.end_persistence must be a bool, got {plan.end_persistence!r}"
+            )
+        if plan.end_persistence and self._held.disk_tier is not None:
+            self._held.disk_tier.end_persistence()
         if plan.need_flush:
             self.flush()
         seen: set[int] = set()
