@@ -47,6 +47,7 @@ class Add:
     tail_len: int
     tail_seed: int  # few seeds: equal tails (and so whole equal prompts) recur
     max_tokens: int
+    priority: int = 0  # vLLM's (lower first); only the "priority" policy reads it
 
     def prompts(self) -> list[list[int]]:
         prefix = FAMILIES[self.family][: self.num_blocks * BLOCK]
@@ -107,6 +108,7 @@ class Engine:
     kv_groups: tuple[KVGroupDef, ...] = ()  # a hybrid model's groups (vllm_engine)
     num_gpu_blocks: int = 16
     fine_grained_hits: bool = False  # hits may end inside a block of a larger block size
+    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" or "priority" (`Add.priority`)
 
 
 class Run:
@@ -136,6 +138,7 @@ class Run:
             async_scheduling=engine.async_batches > 0,
             batch_queue_size=max(1, engine.async_batches),
             enable_kv_events=engine.events,
+            scheduling_policy=engine.scheduling_policy,
             extra=extra,
         )
         self.side = scheduler_side(self.harness)
@@ -166,8 +169,8 @@ class Run:
         if isinstance(op, Add):
             for prompt in op.prompts():
                 request_id = f"r{len(self.prompts)}"
-                self.prompts[request_id] = prompt or [7]
-                self.harness.add_request(request_id, self.prompts[request_id], op.max_tokens)
+                self.prompts[request_id] = prompt = prompt or [7]
+                self.harness.add_request(request_id, prompt, op.max_tokens, priority=op.priority)
         elif isinstance(op, Step):
             for _ in range(op.num_steps):
                 self.step()

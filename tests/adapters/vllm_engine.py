@@ -83,12 +83,15 @@ class HarnessConfig:
     processed. `batch_queue_size` is the steps in flight at once, as in vLLM's engine
     core (2 under asynchronous scheduling): the harness schedules step N+1 before it
     processes step N's output. 1 runs lock-step; more needs `async_scheduling`.
-    `kv_role` is vLLM's. `kv_groups` (empty: one full-attention group of `block_size`)
-    makes the model hybrid: one group per entry, `num_layers` layers each, the KV heads
-    scaled so that every group's page has the same size (vLLM's shared allocation needs
-    it); `block_size` is then the hash block size, the smallest group's. A Mamba group
-    (`KVGroupDef.mamba`) turns on vLLM's "align" cache mode; its block size must be
-    `block_size`, where vLLM's scheduler ends the prefill chunks of that mode.
+    `kv_role` is vLLM's. `scheduling_policy` is vLLM's: "fcfs" (its default) or "priority"
+    (waiting requests ordered by `Request.priority`, lower first, then arrival; a running
+    request that lacks blocks preempts the lowest-priority running one). `kv_groups`
+    (empty: one full-attention group of `block_size`) makes the model hybrid: one group
+    per entry, `num_layers` layers each, the KV heads scaled so that every group's page
+    has the same size (vLLM's shared allocation needs it); `block_size` is then the hash
+    block size, the smallest group's. A Mamba group (`KVGroupDef.mamba`) turns on vLLM's
+    "align" cache mode; its block size must be `block_size`, where vLLM's scheduler ends
+    the prefill chunks of that mode.
     """
 
     connector: str | None = None
@@ -109,6 +112,7 @@ class HarnessConfig:
     async_scheduling: bool = False
     batch_queue_size: int = 1
     kv_role: str = "kv_both"
+    scheduling_policy: str = "fcfs"
     kv_groups: tuple[KVGroupDef, ...] = ()
 
     def __post_init__(self) -> None:
@@ -217,6 +221,7 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
         async_scheduling=cfg.async_scheduling,
+        policy=cfg.scheduling_policy,
     )
     cache_config = CacheConfig(
         block_size=cfg.block_size,

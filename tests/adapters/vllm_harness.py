@@ -174,9 +174,13 @@ class VllmHarness:
         prompt_token_ids: Sequence[int],
         max_tokens: int = 4,
         cache_salt: str | None = None,
+        priority: int = 0,
         **sampling: Any,
     ) -> Request:
-        """Create a hashed request and add it to the scheduler's waiting queue."""
+        """Create a hashed request and add it to the scheduler's waiting queue.
+
+        `priority` is vLLM's: under the "priority" policy a lower value runs first.
+        """
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
         request = Request(
             request_id=request_id,
@@ -185,6 +189,7 @@ class VllmHarness:
             pooling_params=None,
             block_hasher=self._block_hasher,
             cache_salt=cache_salt,
+            priority=priority,
         )
         self.requests[request_id] = request
         self._unadmitted.add(request_id)
