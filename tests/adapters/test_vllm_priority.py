@@ -120,6 +120,7 @@ def failed_request_waiting(policy: str, failed_priority: int) -> VllmHarness:
     """Return a harness whose request "failed" waits to recompute and whose tier holds
     `HITS`; the fillers run. The next load fails."""
     harness = kvtier_harness(
+        num_cpu_blocks=512,  # keeps the hits while ~80 requests pass (5 blocks each)
         num_gpu_blocks=32,
         max_num_seqs=8,
         max_num_batched_tokens=256,
@@ -136,7 +137,7 @@ def failed_request_waiting(policy: str, failed_priority: int) -> VllmHarness:
         harness.add_request(request_id, prompt, max_tokens=48, priority=HIGH)
     side = scheduler_side(harness)
     for _ in range(20):
-        if side.offload.awaits_recompute():
+        if side.offload.loads.recompute_next:
             return harness
         harness.step()
     raise AssertionError("the load never failed")
@@ -152,6 +153,37 @@ def first_steps(harness: VllmHarness, stream: Callable[[int], None]) -> dict[str
         for request_id in harness.step().num_scheduled_tokens:
             first.setdefault(request_id, harness.num_steps - 1 - start)
     return first
+
+
+def test_a_low_priority_failed_load_does_not_hold_back_higher_priority_tier_hits() -> None:
+    # Regression: while a failed request waits to be allocated, vLLM 0.33 still reserves
+    # its whole recompute, so no async load is admitted beside it; kvtier answered every
+    # tier hit "ask again later". Under the priority policy a higher-priority request so
+    # skipped waited for the low-priority failed request, which waits as long as
+    # higher-priority requests keep the pool: with one arriving every other step for 150
+    # steps the hit ran at step 236 (vLLM alone, offered the hit, stops its scan there
+    # until the fillers finish: step 43). Under the priority policy a hit looked up
+    # ahead of every waiting failed request now answers 0 and recomputes at once; one
+    # behind it still waits, and keeps its hit.
+    harness = failed_request_waiting("priority", failed_priority=LOW)
+    answers = record_lookups(harness)
+    harness.add_request("hit-high", HITS["hit-high"], max_tokens=4, priority=HIGH)
+    harness.add_request("hit-low", HITS["hit-low"], max_tokens=4, priority=LOW + 1)
+
+    def stream(step: int) -> None:
+        if step < 150 and step % 2 == 0:
+            harness.add_request(f"stream-{step}", tokens(1000 + step, 69), 16, priority=HIGH)
+
+    first = first_steps(harness, stream)
+    assert first["hit-high"] <= 2, "held back behind the low-priority failed request"
+    assert harness.external_hit_tokens("hit-high") == 0  # recomputed, not loaded
+    # None only in the pass where the failed request was requeued (looked up first).
+    assert [n for _, n in answers["hit-high"]] == [None, 0]
+    # Behind the failed request: asked again later, then served from the tier.
+    assert first["hit-low"] > first["failed"] > 150
+    assert None in [n for _, n in answers["hit-low"]]
+    assert harness.external_hit_tokens("hit-low") == 64
+    check_quiescent(harness)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from sim import SimEngine, full_layout, make_request
+from sim_request import SimRequest
 from test_scenarios_cascade import cascade_engine, holds, keys_of
 
 from kvtier.offload.config import CascadeMode
@@ -120,3 +121,41 @@ def test_a_load_event_names_every_request_it_serves() -> None:
     engine.worker.complete(load.event_id)
     assert set(engine.poll().finished_loads) == {"b", "c"}
     assert engine.step().load_request_ids == {}
+
+
+@pytest.mark.parametrize("by_priority", [False, True], ids=["arrival_order", "priority_order"])
+def test_hits_while_a_failed_load_waits_to_recompute(by_priority: bool) -> None:
+    """SPEC §6.8 Beyond: while a failed request waits to be allocated again (vLLM 0.33
+    keeps reserving its whole recompute meanwhile), `offer` offers no load: its own first
+    lookup after the failure answers None (ask again later); a hit looked up after it in
+    the same pass (one plan) waits (None); one looked up before it, in an engine that
+    orders its queue by priority, recomputes (0). No pin is kept for a hit not offered."""
+    engine = stored_engine()
+    engine.run(make_request("x", range(100, 112)))  # c's hit (b's failure drops a's keys)
+    engine.drain()
+    engine.evict_gpu()
+    engine.scheduler.loads.recompute_ahead = by_priority
+    engine.auto_complete = False
+    b = make_request("b", [*range(12), 7])
+    assert engine.admit(b) is not None
+    (load,) = engine.step().jobs
+    engine.worker.fail(load.event_id)
+    assert engine.poll().failed_loads == (FailedLoad("b", 0, 12),)
+    scheduler = engine.scheduler
+    c = make_request("c", [*range(100, 112), 8])
+
+    def offered(request: SimRequest) -> int | None:
+        return scheduler.offer(request.request_id, scheduler.lookup(request, 0))
+
+    assert offered(c) == (0 if by_priority else None)  # ahead of b
+    assert offered(b) is None  # its first lookup since the failure
+    assert offered(c) is None  # behind b
+    engine.step()  # the pass ends
+    assert offered(c) == (0 if by_priority else None)
+    assert offered(b) == 0
+    assert offered(c) is None
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+    scheduler.on_allocated(b, engine.tables["b"], 0)  # b recomputes: c's hit is offered
+    assert offered(c) == 12
+    scheduler.release_lookup("c")
+    engine.check()

@@ -49,6 +49,20 @@ class LoadPlanner:
     such a load only beside the blocks reserved for the requests queued behind it, which
     may be waiting on the same failed load, and then never makes progress.
 
+    While one waits, `offer` turns other requests' hits into None (ask again later) or 0:
+    vLLM 0.33 keeps reserving a failed request's whole recompute until it runs again,
+    and admits no load beside that. Each pass of the engine over its queue (`end_pass`
+    at each plan) looks requests up in its order: a hit looked up after a waiting failed
+    request waits behind it (None; it keeps the hit). With `recompute_ahead` (the
+    engine orders its queue by priority) one looked up before every such request
+    recomputes now (0): it comes first, and waiting for requests behind it would last as
+    long as they wait, which is while higher-priority requests keep the GPU pool.
+    Without it (arrival order) that one waits too: only a request preempted after the
+    failed one was requeued is ahead of it, and the failed request, next in line, runs
+    once it fits. A failed request's own first lookup after the failure answers None
+    (`recompute_unasked`): vLLM requeues it behind the requests holding blocks, where
+    a recompute that does not fit no longer stops its scan before them.
+
     With `tags` (the token check on), a tier block counts as a hit only where its token
     tag is the looking-up request's own; `num_tag_mismatches` counts tier blocks whose
     key matched but whose tag did not (a hash collision, or a corrupted tag), once per
@@ -62,8 +76,10 @@ class LoadPlanner:
         granularity: HitGranularity,
         book: TransferBook,
         tags: RequestTags | None = None,
+        recompute_ahead: bool = False,
     ) -> None:
         self.layout = layout
+        self.recompute_ahead = recompute_ahead
         self.index = index
         self.granularity = granularity
         self.book = book
@@ -77,6 +93,8 @@ class LoadPlanner:
         self.queued: list[LoadItem] = []
         self.hit_tokens: Counter[str] = Counter()
         self.recompute_next: set[str] = set()
+        self.recompute_unasked: set[str] = set()  # not looked up since their load failed
+        self._recompute_asked: set[str] = set()  # of `recompute_next`, in this pass
         self.allocated: set[str] = set()
         self._warned_misaligned = False
         # The first blocks of a hit serve any shorter prefix of it (SPEC §6.3).
@@ -98,7 +116,10 @@ class LoadPlanner:
         self.release_pin(request.request_id)
         if self.tags is not None:
             self.tags.note_lookup(request.request_id, num_local_tokens)
-        if request.skip_prefix_cache or request.request_id in self.recompute_next:
+        if request.request_id in self.recompute_next:
+            self._recompute_asked.add(request.request_id)
+            return 0
+        if request.skip_prefix_cache:
             return 0
         if num_local_tokens % self.layout.scheduler_block_size:
             if not self._warned_misaligned:
@@ -139,6 +160,7 @@ class LoadPlanner:
         assert self.gpu_pool is not None, "no GPU pool bound"
         self.allocated.add(request.request_id)
         self.recompute_next.discard(request.request_id)
+        self.recompute_unasked.discard(request.request_id)
         pin = self.pins.pop(request.request_id, None)
         try:
             _check_count("num_external_tokens", num_external_tokens)
@@ -287,9 +309,28 @@ class LoadPlanner:
         if pin is not None:
             self.index.free(pin.pinned)
 
+    def offer(self, request_id: str, num_tokens: int) -> int | None:
+        """Return the tokens to offer for the hit its last lookup found: `num_tokens`, 0
+        or None (ask again later) while failed requests wait (see the class); the pin
+        is released unless the hit is offered."""
+        if request_id in self.recompute_unasked:
+            self.recompute_unasked.discard(request_id)
+            return None  # its lookup returned 0: nothing pinned
+        if num_tokens == 0 or not self.recompute_next:
+            return num_tokens
+        self.release_pin(request_id)
+        behind = not self._recompute_asked.isdisjoint(self.recompute_next)
+        return None if behind or not self.recompute_ahead else 0
+
+    def end_pass(self) -> None:
+        """Forget which failed requests the engine's last pass looked up."""
+        self._recompute_asked.clear()
+
     def note_failed(self, request_ids: Iterable[str]) -> None:
         """Hold the live ones of requests whose load failed in `recompute_next`."""
-        self.recompute_next.update(r for r in request_ids if r in self.allocated)
+        live = [r for r in request_ids if r in self.allocated]
+        self.recompute_next.update(live)
+        self.recompute_unasked.update(live)
 
     def take_queued(self) -> list[LoadItem]:
         """Return and forget the queued loads."""
@@ -302,6 +343,7 @@ class LoadPlanner:
         self.release_pin(request_id)
         self.allocated.discard(request_id)
         self.recompute_next.discard(request_id)
+        self.recompute_unasked.discard(request_id)
         self._mismatches_seen.pop(request_id, None)
         keep = []
         dropped = False

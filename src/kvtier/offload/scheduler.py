@@ -57,7 +57,8 @@ class SchedulerSetup:
     slot (one block id's copy) holds, for the byte counters of `take_stats`; 0 means
     `layout.bytes_per_block`, every group's page bytes (a block id spanning all groups'
     tensors, as in the reference engine). vLLM's groups share one allocation, so there a
-    block id spans less (`adapters.vllm.layout.bytes_per_block_id`).
+    block id spans less (`adapters.vllm.layout.bytes_per_block_id`). `queue_by_priority`:
+    the engine orders waiting requests by priority, not arrival (`LoadPlanner`, offers).
     """
 
     layout: KVLayout
@@ -66,6 +67,7 @@ class SchedulerSetup:
     gpu_pool: GpuPoolView | None = None
     num_disk_blocks: int = 0
     bytes_per_slot: int = 0
+    queue_by_priority: bool = False
 
 
 class OffloadScheduler:
@@ -133,7 +135,14 @@ class OffloadScheduler:
         self._book = TransferBook(setup.num_workers)
         self.tags = RequestTags(self.layout) if config.token_check else None
         self._tag_mismatches_taken = 0  # total tag mismatches at the last take_stats
-        self.loads = LoadPlanner(self.layout, self.index, self._granularity, self._book, self.tags)
+        self.loads = LoadPlanner(
+            self.layout,
+            self.index,
+            self._granularity,
+            self._book,
+            self.tags,
+            recompute_ahead=setup.queue_by_priority,
+        )
         self._plans = PlanAssembler(
             config,
             self.registrar,
@@ -205,10 +214,11 @@ class OffloadScheduler:
         """Drop the tier blocks the request's last lookup pinned (an engine declining it)."""
         self.loads.release_pin(request_id)
 
-    def awaits_recompute(self) -> bool:
-        """Return True while any request waits to recompute after its load failed: from
-        the failure until the engine allocates it again (or it finishes)."""
-        return bool(self.loads.recompute_next)
+    def offer(self, request_id: str, num_tokens: int) -> int | None:
+        """Return what to offer for the `num_tokens` hit the request's lookup just found:
+        the hit; or, while requests wait to recompute after a failed load, 0 (recompute) or
+        None (ask again later), its pin released (`LoadPlanner` says which)."""
+        return self.loads.offer(request_id, num_tokens)
 
     def on_allocated(
         self,
@@ -235,6 +245,7 @@ class OffloadScheduler:
 
         Request views must not yet count this step's scheduled tokens as computed.
         """
+        self.loads.end_pass()  # the engine's pass over its queue ends with the plan
         return self._plans.build(step, self.selector, walk=not self._reset.pending)
 
     # ------------------------------------------------------------------ report

@@ -28,6 +28,7 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     assert scheduler.loads.recompute_next <= scheduler.loads.allocated, (
         "recompute of a finished request"
     )
+    assert scheduler.loads.recompute_unasked <= scheduler.loads.recompute_next
     refs = {tier: Counter[int]() for tier in scheduler.index.tiers}
     gpu_refs: Counter[int] = Counter()
     for pin in scheduler.loads.pins.values():

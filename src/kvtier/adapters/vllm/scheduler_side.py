@@ -86,6 +86,7 @@ class SchedulerSide:
                 num_workers=parallel.world_size,
                 num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
                 bytes_per_slot=bytes_per_block_id(kv_cache_config),
+                queue_by_priority=vllm_config.scheduler_config.policy == "priority",
             ),
         )
         spec = getattr(vllm_config, "speculative_config", None)
@@ -98,8 +99,6 @@ class SchedulerSide:
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
-        # Requests whose load failed and that vLLM has not looked up since (see `lookup`).
-        self._failed_not_deferred: set[str] = set()
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
@@ -123,39 +122,38 @@ class SchedulerSide:
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Return vLLM's (external tokens, load asynchronously) for a waiting request.
 
-        None ("ask again later": vLLM skips the request this step) works around vLLM
-        0.33's bookkeeping of a failed load, which frees the request's blocks but keeps
-        it at the head of `kv_holding_waiting` (its queue of waiting requests holding
-        blocks, scanned first) and in `_inflight_prefills` (whose remaining blocks every
-        async load admission must leave free), each until it is scheduled again:
+        The tokens are `OffloadScheduler.offer`'s: 0 or None ("ask again later": vLLM
+        skips the request this step) while requests wait to recompute after a failed
+        load. That works around vLLM 0.33's bookkeeping of a failed load, which frees
+        the request's blocks but keeps it at the head of `kv_holding_waiting` (its queue
+        of waiting requests holding blocks, scanned first) and in `_inflight_prefills`
+        (whose remaining blocks every async load admission must leave free), each until
+        it is scheduled again:
 
         - the failed request's first lookup after the failure answers None. Its
           recompute may not fit the free blocks; vLLM's scan would stop at it, before
           the requests behind it holding blocks for their own (finished or failed)
           loads, and on a tight pool nothing would run again. Skipped, it holds no
           blocks, so vLLM requeues it in `waiting`, behind the block holders;
-        - while a failed request waits to be allocated, a request the tier has a hit
-          for answers None too: ahead of it in `waiting` (a preempted request goes to
-          the front), an async load could never be admitted beside the failed
-          request's stale reservation, and the scan would stop there for good.
+        - while a failed request waits to be allocated, no load is admitted beside its
+          stale reservation: offered one, a request ahead of it in `waiting` would stop
+          the scan there for good on a tight pool. A tier hit answers None: it waits
+          for the failed request to be allocated, keeping its hit. Under vLLM's
+          priority policy, a hit looked up before every waiting failed request in this
+          scan (a higher-priority request) answers 0 instead and recomputes at once:
+          the low-priority failed request may wait for as long as higher-priority
+          requests keep the pool, and the hit with it.
         """
-        request_id = request.request_id
-        if request_id in self._failed_not_deferred:
-            self._failed_not_deferred.discard(request_id)
-            return None, False
         view = self.add_request(request)
         num_tokens = self.offload.lookup(view, num_computed_tokens)
         if num_tokens and self._eagle_drop:  # the longest servable hit without the last block
             cap = without_last_block(num_computed_tokens, num_tokens, self._eagle_drop)
             num_tokens = self.offload.lookup(view, num_computed_tokens, cap)
-        if num_tokens and self.offload.awaits_recompute():
-            self.offload.release_lookup(request_id)
-            return None, False
-        return num_tokens, num_tokens > 0
+        offered = self.offload.offer(request.request_id, num_tokens)
+        return offered, bool(offered)
 
     def on_allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Hand the request's whole block table and accepted external tokens to kvtier."""
-        self._failed_not_deferred.discard(request.request_id)
         split = self.offload.on_allocated(
             self.add_request(request), blocks.get_block_ids(), num_external_tokens
         )
@@ -211,7 +209,6 @@ class SchedulerSide:
         else:
             raise TypeError(f"unexpected worker metadata {type(worker_meta).__name__}")
         outcome = self.offload.apply_report(report)
-        self._note_failed(outcome.failed_loads)
         for failed in outcome.failed_loads:  # issued: the workers reported them to vLLM
             logger.warning(
                 "kvtier load for request %s failed on a worker; vLLM recomputes tokens "
@@ -226,7 +223,6 @@ class SchedulerSide:
         if not self.offload.has_unissued_failures():
             return  # the common step: skip building an empty report's outcome
         failed_loads = self.offload.apply_report(_NOTHING_FINISHED).failed_loads
-        self._note_failed(failed_loads)
         for failed in failed_loads:
             logger.warning(
                 "kvtier dropped the load of request %s before issuing it; it will be "
@@ -235,17 +231,10 @@ class SchedulerSide:
             )
             self._unissued_failures.append(failed.request_id)
 
-    def _note_failed(self, failed_loads: Iterable[Any]) -> None:
-        """Defer the next lookup of each live request whose load failed (see `lookup`)."""
-        for failed in failed_loads:
-            if failed.request_id in self._requests:
-                self._failed_not_deferred.add(failed.request_id)
-
     def on_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> None:
         """Let kvtier flush the finished request's blocks, then forget the request."""
         self.offload.on_finished(self.add_request(request), block_ids)
         del self._requests[request.request_id]
-        self._failed_not_deferred.discard(request.request_id)
 
     def has_pending_stores(self) -> bool:
         """Return True while stores are queued or in flight (vLLM keeps stepping)."""
