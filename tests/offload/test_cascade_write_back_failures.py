@@ -1,4 +1,4 @@
-"""Write-back demotions into a failing disk: given up, never retried in a loop, never waited on.
+"""Write-back demotions into a failing disk: given up, never retried in a loop, so drains end.
 
 Regression: with every CPU → DISK write failing (full disk, EIO, read-only), each plan
 demoted the CPU tier's next victims again; a failed block went back to the CPU free
@@ -76,18 +76,21 @@ def test_an_idle_engine_stops_demoting_into_a_failing_disk_and_drains() -> None:
     engine.check()
 
 
-def test_a_drain_does_not_wait_for_write_back_demotions() -> None:
-    """Write-back demotions are opportunistic, owed to no finished request: a drain ends
-    while they are in flight (a store, or a write-through demotion, it waits for)."""
+def test_a_drain_waits_for_write_back_demotions_in_flight_and_ends() -> None:
+    """A drain waits for the demotions in flight (their reports free the slots they pin:
+    an idle vLLM would otherwise fail a reset until its next request), and ends once
+    every victim failed once."""
     engine, disk = failing_write_back()
-    for _ in range(3):
-        disk.step()
+    disk.step()
+    assert engine.worker.in_flight
+    assert engine.scheduler.has_pending_stores()
     steps = 0
     while engine.scheduler.has_pending_stores():
         assert steps < 10, "the drain never ends"
         disk.step()
         steps += 1
-    assert steps == 0
+    assert not engine.worker.in_flight
+    assert engine.scheduler.reset()
     engine.check()
 
 

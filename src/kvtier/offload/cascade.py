@@ -10,14 +10,13 @@ else from disk (a DISK → GPU load).
     write-back      a cached CPU block is demoted when it is among the next `reserve`
                     victims of the CPU free queue; once on disk it leaves the CPU tier
 
-Write-back demotions are opportunistic: no finished request is owed them, so a drain
-(`has_pending_stores`) does not wait for them, while it waits for write-through's (the
-disk is to hold what the CPU holds). A failed write-back demotion is given up, not
-retried in a loop: its (CPU block, key) pair is remembered and not demoted again until a
-demotion succeeds (the disk works again) or the block loses that key (evicted,
-discarded, reset); evicted before that, it counts as a lost block. So a disk whose every
-write fails costs at most one failed demotion per cached CPU block, and an idle engine
-stops issuing them.
+A drain (`has_pending_stores`) waits for the demotions in flight, write-back's too: their
+reports free the CPU and disk slots they pin. A failed write-back demotion is given up,
+not retried in a loop (which kept a drain going for ever): its (CPU block, key) pair is
+remembered and not demoted again until a demotion succeeds (the disk works again) or the
+block loses that key (evicted, discarded, reset); evicted before that, it counts as a
+lost block. So a disk whose every write fails costs at most one failed demotion per
+cached CPU block, and an idle engine stops issuing them.
 
 Promotion (DISK → CPU, SPEC §1) reuses the GPU copy a disk hit leaves behind: the
 block is on the GPU after its load and the CPU tier lacks it, so store selection picks
@@ -80,7 +79,6 @@ class Cascade:
         self.disk_pool = disk_pool
         self.mode = mode
         self.reserve = reserve
-        self.awaited = mode is CascadeMode.WRITE_THROUGH  # does a drain wait for demotions?
         self.queued: list[MoveItem] = []
         self.in_flight_keys: set[Key] = set()
         self.counters = CascadeCounters()

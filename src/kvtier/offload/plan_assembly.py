@@ -90,9 +90,8 @@ class PlanAssembler:
                 cpu_ids = tuple(item.cpu_block_id for item in moves)
                 disk_ids = tuple(item.disk_block_id for item in moves)
                 records = self._cascade.records(moves) if self._persisting else ()
-                awaited = self._cascade.awaited
                 jobs.append(
-                    self._issue(Tier.CPU, Tier.DISK, cpu_ids, disk_ids, records, moves, awaited)
+                    self._issue(Tier.CPU, Tier.DISK, cpu_ids, disk_ids, records, moves=moves)
                 )
         self._next_step_id += 1
         return TransferPlan(
@@ -115,22 +114,15 @@ class PlanAssembler:
         src_ids: tuple[int, ...],
         dst_ids: tuple[int, ...],
         records: tuple[SlotRecord, ...] = (),
-        moves: list[MoveItem] | None = None,
-        moves_awaited: bool = True,
         *,
         loads: list[LoadItem] | None = None,
         stores: StoreBatch | None = None,
+        moves: list[MoveItem] | None = None,
     ) -> TransferJob:
         """Record one event copying `src_ids` to `dst_ids` in the book; return its job."""
         job = TransferJob(self._book.next_event_id(), src, dst, src_ids, dst_ids, records)
         self._book.issue(
-            IssuedTransfer(
-                job,
-                loads=loads or [],
-                stores=stores or StoreBatch(),
-                moves=moves or [],
-                moves_awaited=moves_awaited,
-            )
+            IssuedTransfer(job, loads=loads or [], stores=stores or StoreBatch(), moves=moves or [])
         )
         return job
 

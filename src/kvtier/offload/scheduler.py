@@ -297,10 +297,13 @@ class OffloadScheduler:
             self.tags.drop(request_id)
 
     def has_pending_stores(self) -> bool:
-        """Return True while any store or write-through demotion is queued, in flight or
-        abandoned. Write-back demotions are opportunistic: nothing waits for them."""
-        cascade = self.cascade
-        queued_moves = cascade is not None and cascade.awaited and bool(cascade.queued)
+        """Return True while any store or demotion is queued, in flight or abandoned.
+
+        Write-back demotions too: an engine keeps stepping until their reports arrive (an
+        idle vLLM would otherwise hold their slots, and fail a reset, until its next
+        request). A failed one is not retried (`Cascade.failed`), so this ends.
+        """
+        queued_moves = self.cascade is not None and bool(self.cascade.queued)
         return bool(self.selector.queued) or queued_moves or self._book.has_stores()
 
     def reset(self) -> bool:

@@ -78,12 +78,6 @@ class IssuedTransfer:
     num_failed: int = 0
     abandoned: bool = False
     seconds: float = 0.0  # the slowest worker's copy time so far
-    moves_awaited: bool = True  # False: write-back demotions, which no drain waits for
-
-    @property
-    def awaited(self) -> bool:
-        """Return True when a drain waits for the event: it stores, or its demotions are."""
-        return bool(self.stores) or (bool(self.moves) and self.moves_awaited)
 
     @property
     def transfer_type(self) -> str:
@@ -120,7 +114,7 @@ class TransferBook:
         self._issued[event_id] = transfer
         if transfer.loads:
             self._load_request_ids[event_id] = tuple(item.request_id for item in transfer.loads)
-        if transfer.awaited:
+        if transfer.stores or transfer.moves:
             self._num_store_events += 1
             self.num_store_blocks += len(transfer.stores)
 
@@ -183,7 +177,7 @@ class TransferBook:
     def _forget(self, event_id: int) -> IssuedTransfer:
         transfer = self._issued.pop(event_id)
         self._load_request_ids.pop(event_id, None)
-        if transfer.awaited:
+        if transfer.stores or transfer.moves:
             self._num_store_events -= 1
             self.num_store_blocks -= len(transfer.stores)
         return transfer
@@ -207,7 +201,7 @@ class TransferBook:
             if transfer.loads
         }
         assert self._load_request_ids == loads, "outstanding load events"
-        with_stores = [t for t in issued.values() if t.awaited]
+        with_stores = [t for t in issued.values() if t.stores or t.moves]
         assert self._num_store_events == len(with_stores), "store events in flight"
         assert self.num_store_blocks == sum(len(t.stores) for t in with_stores), "store blocks"
 
@@ -221,7 +215,7 @@ class TransferBook:
         return len(self._issued)
 
     def has_stores(self) -> bool:
-        """Return True while any store or awaited demotion (abandoned ones too) is in flight."""
+        """Return True while any store or demotion (abandoned ones too) is in flight."""
         return self._num_store_events > 0
 
 
