@@ -18,7 +18,7 @@ from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.stats import OffloadStats
 from kvtier.offload.transfers import ReportOutcome
 from kvtier.transfer.regions import TensorLayout
-from kvtier.transfer.worker import OffloadWorker, WorkerConfig
+from kvtier.transfer.worker import OffloadWorker, WorkerConfig, WorkerState
 
 
 def layout_of(runner: ModelRunner) -> KVLayout:
@@ -203,7 +203,10 @@ class OffloadSide:
         self.worker.flush()
 
     def shutdown(self) -> None:
-        """Stop the worker (idempotent)."""
+        """Stop the worker (idempotent); a reset's end of persistence that no submitted
+        plan carried yet reaches the worker first."""
+        if self.scheduler.persistence_ended and self.worker.state is WorkerState.REGISTERED:
+            self.worker.end_persistence()
         self.worker.shutdown()
 
 

@@ -306,6 +306,11 @@ class OffloadScheduler:
         queued_moves = self.cascade is not None and bool(self.cascade.queued)
         return bool(self.selector.queued) or queued_moves or self._book.has_stores()
 
+    @property
+    def persistence_ended(self) -> bool:
+        """Return True once a reset ended a persistent disk tier's persistence."""
+        return self._plans.persistence_ended
+
     def reset(self) -> bool:
         """Drop all tier contents; return False while issued transfers are outstanding.
 

@@ -241,8 +241,8 @@ class OffloadWorker:
             raise ValueError(
                 f"TransferPlan.end_persistence must be a bool, got {plan.end_persistence!r}"
             )
-        if plan.end_persistence and self._held.disk_tier is not None:
-            self._held.disk_tier.end_persistence()
+        if plan.end_persistence:
+            self.end_persistence()
         if plan.need_flush:
             self.flush()
         seen: set[int] = set()
@@ -317,6 +317,12 @@ class OffloadWorker:
             lane.wait_all()
 
     # ---------------------------------------------------------------- lifecycle
+
+    def end_persistence(self) -> None:
+        """End a persistent disk tier's persistence now (idempotent; see
+        `DiskTier.end_persistence`): for a reset that no later plan carried."""
+        if self._held.disk_tier is not None:
+            self._held.disk_tier.end_persistence()
 
     def shutdown(self) -> None:
         """Finish outstanding transfers, stop the threads, free the tiers, remove the disk
