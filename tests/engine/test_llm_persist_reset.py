@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from test_llm_reset_retry import OnePollLate
 
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
-from kvtier.offload.plan import WorkerReport
 
 MODEL = ModelConfig.tiny()
 BLOCK_BYTES = MODEL.kv_bytes_per_token() * 4  # block size 4
@@ -115,21 +114,6 @@ def test_a_reset_drops_what_earlier_runs_and_this_one_persisted(
     assert restored > 0
     assert again.num_external_hit_tokens > 0
     assert_same(again, first)
-
-
-class OnePollLate:
-    """The engine's worker, its completions reported one poll after it made them."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker, self.held = worker, WorkerReport()
-
-    def poll(self) -> WorkerReport:
-        self.worker.flush()
-        report, self.held = self.held, self.worker.poll()
-        return report
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.worker, name)
 
 
 def test_a_reset_that_returns_false_ends_persistence_too(tmp_path: Path) -> None:

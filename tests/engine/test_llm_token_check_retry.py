@@ -10,16 +10,14 @@ tokens' KV under a tag that passes the check, and a later request was served wro
 
 from __future__ import annotations
 
-import hashlib
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
+from test_llm_token_check import weak_hash_block
 
 from kvtier.core.hashing import BlockHasher
-from kvtier.core.keys import BlockHash
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.request import Request, RequestStatus
@@ -28,17 +26,6 @@ from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 
 PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
-
-
-def weak_hash_block(
-    self: BlockHasher,
-    parent: BlockHash | None,
-    token_ids: Sequence[int],
-    extra_keys: tuple[object, ...] = (),
-) -> BlockHash:
-    """A block hash that sees token ids mod 100: ids 3 and 103 collide."""
-    message = (parent or self.root_hash) + bytes(t % 100 for t in token_ids)
-    return hashlib.sha256(message).digest()
 
 
 class HeldLoads:
