@@ -25,6 +25,7 @@ slot's top byte with whole-span slices, so only offsets that pass both are gathe
 
 from __future__ import annotations
 
+import errno
 import struct
 from typing import BinaryIO, NamedTuple
 
@@ -46,6 +47,7 @@ from kvtier.storage.manifest_format import (
 __all__ = ["READ_BUFFER", "Decoded", "Invalid", "RecordReader"]
 
 READ_BUFFER = 1 << 20  # bytes read from the manifest at a time
+_PAGE = 4096  # after a read failed with EIO, the file is read again a page at a time
 _DIGEST = xxhash.xxh3_64_intdigest
 _KINDS = (PUT, TOMBSTONE, TAGGED_PUT)
 _MIN_RECORD = RECORD.size + CHECKSUM.size  # a record with an empty key field: a tombstone
@@ -82,6 +84,7 @@ class RecordReader:
         self._num_slots = num_slots
         self._data = b""  # file bytes [_base, _base + len(_data)); the file is read up to there
         self._base = start
+        self.unreadable_bytes = 0  # bytes of pages whose read failed (EIO), read as zeros
 
     @property
     def size(self) -> int:
@@ -182,12 +185,42 @@ class RecordReader:
         if pos > base + len(data):  # past the window: the bytes between are not needed
             self._file.seek(pos)
         kept = data[pos - base :]
-        more = self._file.read(max(READ_BUFFER, need - len(kept)))
+        want = max(READ_BUFFER, need - len(kept))
+        try:
+            more = self._file.read(want)
+        except OSError as exc:
+            if exc.errno != errno.EIO:
+                raise
+            more = self._read_around_errors(pos + len(kept), want)
         self._data, self._base = kept + more if kept else more, pos
         if len(self._data) < need:  # shorter than its stat said: it ends here
             self._size = pos + len(self._data)
             return False
         return True
+
+    def _read_around_errors(self, start: int, want: int) -> bytes:
+        """Read up to `want` bytes from file offset `start` a page at a time, after a
+        read there failed with EIO (an unreadable sector): a page that fails again reads
+        as zeros. No record starts in zeros and none that overlaps them passes its
+        checksum, so the replay skips exactly the records the unreadable pages touch."""
+        parts: list[bytes] = []
+        at, end = start, min(start + want, self._size)
+        while at < end:
+            length = min(_PAGE - at % _PAGE, end - at)
+            self._file.seek(at)
+            try:
+                chunk = self._file.read(length)
+            except OSError as exc:
+                if exc.errno != errno.EIO:
+                    raise
+                chunk = bytes(length)
+                self.unreadable_bytes += length
+            parts.append(chunk)
+            at += len(chunk)
+            if len(chunk) < length:  # the file ends here
+                break
+        self._file.seek(at)
+        return b"".join(parts)
 
 
 def _candidates(data: bytes, lo: int, hi: int, num_slots: int, room: int) -> list[int]:
