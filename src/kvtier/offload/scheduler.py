@@ -30,7 +30,7 @@ from kvtier.core.events import KVEvent
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
-from kvtier.offload.cascade import Cascade, CascadeCounters
+from kvtier.offload.cascade import Cascade
 from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.lazy_walk import lazy_target
@@ -42,6 +42,7 @@ from kvtier.offload.registration import Registrar
 from kvtier.offload.request_tags import RequestTags
 from kvtier.offload.scheduler_checks import check_scheduler_invariants
 from kvtier.offload.stats import OffloadStats, StepCounters
+from kvtier.offload.stats_taking import StatsTaker, info_labels
 from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.tier_reset import TierReset
@@ -134,7 +135,6 @@ class OffloadScheduler:
         self._selector: StoreSelector | None = None
         self._book = TransferBook(setup.num_workers)
         self.tags = RequestTags(self.layout) if config.token_check else None
-        self._tag_mismatches_taken = 0  # total tag mismatches at the last take_stats
         self.loads = LoadPlanner(
             self.layout,
             self.index,
@@ -163,9 +163,15 @@ class OffloadScheduler:
             hit_tokens=self.loads.hit_tokens,
         )
         self._reset = TierReset(self.index, self._book, self.loads, self.cascade, self.tags)
-        self._hit_tokens_taken = 0  # total hit tokens at the last take_stats
-        self._tier_names = tuple(tier.value for tier in self.index.tiers)
-        self._stats_info = self._info()
+        self._stats = StatsTaker(
+            self._counters,
+            self.loads,
+            self._completion,
+            self.cascade,
+            tuple(tier.value for tier in self.index.tiers),
+            self.bytes_per_slot,
+            info_labels(config, self.tier, self.tier_pool.num_blocks, self.cascade),
+        )
         if setup.gpu_pool is not None:
             self.bind_gpu_pool(setup.gpu_pool)
 
@@ -349,67 +355,11 @@ class OffloadScheduler:
 
     def has_new_counts(self) -> bool:
         """Return True when `take_stats` would report a non-zero counter or new hit tokens."""
-        cascade = self.cascade
-        return (
-            not self._counters.is_zero()
-            or self._completion.num_promoted > 0
-            or sum(self.loads.hit_tokens.values()) != self._hit_tokens_taken
-            or self.loads.num_tag_mismatches != self._tag_mismatches_taken
-            or (cascade is not None and cascade.counters != CascadeCounters())
-        )
+        return self._stats.has_new_counts()
 
     def take_stats(self) -> OffloadStats:
         """Return this step's counters (then reset them), the gauges and the totals."""
-        counters = self._counters
-        bytes_per_block = self.bytes_per_slot
-        in_use, pending = self.stats_gauges()
-        hit_tokens = self.loads.hit_tokens
-        self._hit_tokens_taken = sum(hit_tokens.values())
-        cascade = self.cascade.take_counters() if self.cascade is not None else None
-        completion = self._completion
-        promoted, completion.num_promoted = completion.num_promoted, 0
-        mismatches = self.loads.num_tag_mismatches - self._tag_mismatches_taken
-        self._tag_mismatches_taken = self.loads.num_tag_mismatches
-        stats = OffloadStats(
-            store_outcomes=dict(counters.store_outcomes),
-            handoff_outcomes=dict(counters.handoff_outcomes),
-            num_loaded_blocks=counters.num_loaded_blocks,
-            num_stored_blocks=counters.num_stored_blocks,
-            num_failed_loads=counters.num_failed_loads,
-            num_failed_stores=counters.num_failed_stores,
-            num_bytes_loaded=counters.num_loaded_blocks * bytes_per_block,
-            num_bytes_stored=counters.num_stored_blocks * bytes_per_block,
-            num_tier_blocks_in_use=in_use,
-            num_blocks_pending_store=pending,
-            hit_tokens={name: hit_tokens[name] for name in self._tier_names},
-            num_demoted_blocks=cascade.num_demoted_blocks if cascade else 0,
-            num_failed_demotions=cascade.num_failed_demotions if cascade else 0,
-            num_dropped_demotions=cascade.num_dropped_demotions if cascade else 0,
-            num_promoted_blocks=promoted,
-            num_lost_blocks=cascade.num_lost_blocks if cascade else 0,
-            num_tag_mismatches=mismatches,
-            transfer_bytes={
-                kind: blocks * bytes_per_block for kind, blocks in counters.transfer_blocks.items()
-            },
-            transfer_seconds=dict(counters.transfer_seconds),
-            info=dict(self._stats_info),  # a plain dict: stats are pickled, copied, logged
-        )
-        counters.clear()
-        return stats
-
-    def _info(self) -> dict[str, str]:
-        """Return the stats' info labels (fixed for the scheduler's life, built once)."""
-        info = {
-            "tier": self.tier.value,
-            "store_mode": self.config.store_mode.value,
-            "num_tier_blocks": str(self.tier_pool.num_blocks),
-        }
-        if self.tier is Tier.DISK or self.cascade is not None:  # no disk, no I/O mode
-            info["disk_io_mode"] = self.config.disk_io_mode.value
-        if self.cascade is not None:
-            info["cascade"] = self.config.cascade.value
-            info["num_disk_blocks"] = str(self.cascade.disk_pool.num_blocks)
-        return info
+        return self._stats.take(*self.stats_gauges())
 
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""
