@@ -65,11 +65,17 @@ def replay_with_bad(
         assert mode == "rb"
         return io.BufferedReader(UnreadableSectors(fd, "rb"), buffer_size=buffering)
 
-    monkeypatch.setattr(manifest_read.os, "fdopen", fdopen)
-    try:
-        return read_manifest(str(path), IDENTITY)
-    finally:
-        monkeypatch.setattr(manifest_read.os, "fdopen", os.fdopen)
+    real_pread = os.pread
+
+    def pread(fd: int, length: int, offset: int) -> bytes:
+        """A page read fails whole when any of its sectors is bad (as Linux's do)."""
+        if any(offset - 511 <= sector < offset + length for sector in bad):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pread(fd, length, offset)
+
+    monkeypatch.setattr(manifest_read.os, "fdopen", fdopen)  # the os module itself
+    monkeypatch.setattr(manifest_read.os, "pread", pread)
+    return read_manifest(str(path), IDENTITY)
 
 
 @pytest.mark.parametrize("num_bad", [1, 3])
@@ -112,3 +118,20 @@ def test_another_read_error_still_fails_the_replay(
     monkeypatch.setattr(manifest_read.os, "fdopen", fdopen)
     with pytest.raises(manifest_read.ManifestError, match="cannot read the manifest"):
         read_manifest(str(tmp_path / "m"), IDENTITY)
+
+
+def test_more_than_a_mib_unreadable_fails_the_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing disk: past 1 MiB of unreadable pages the replay gives up (the open then
+    discards the tier) rather than wait out a failed read per page."""
+    body = bytearray(IDENTITY.encode())
+    slot = 0
+    while len(body) < (1 << 20) + 64 * PAGE:
+        body += encode_put(slot % NUM_SLOTS, entry(slot % NUM_SLOTS))
+        slot += 1
+    path = tmp_path / "m"
+    path.write_bytes(bytes(body))
+    bad = set(range(PAGE, len(body), 512))  # every sector after the header's page
+    with pytest.raises(manifest_read.ManifestError, match="cannot read the manifest"):
+        replay_with_bad(path, bad, monkeypatch)

@@ -3,16 +3,17 @@ against this tier's identity, then the records replayed into the live slots.
 
 Replay applies records in order, the last record of a slot wins. A record that is not
 valid (`manifest_scan`: it fails its checksum, names an unknown kind or a slot past the
-header's number of slots, or its `key_len` runs past the end of the file) is skipped: the
-replay scans forward for the next offset at which a valid record starts and resumes
+header's number of slots, or its `key_len` runs past the end of the file) is skipped:
+the replay scans forward for the next offset at which a valid record starts and resumes
 there, so damaged bytes in the middle of the file (bit rot, a stray write) cost only the
 records they touch, not every record after it; so do unreadable sectors (a read that
 fails with EIO is read again a page at a time, and the pages that still fail count as
-damaged bytes). When no valid record follows, the replay ends: a record cut short at the
-very end (a crash while appending) is ignored. Each skipped region is one warning naming
-its offset, the file's size and the bytes skipped (the first `_MAX_WARNINGS` regions;
-one more line counts the rest). The open then rewrites the manifest with the live slots,
-so what was skipped is gone for good.
+damaged bytes, up to 1 MiB: more, or one in the header's page, discards the tier). When
+no valid record follows, the replay ends: a record cut short at the very end (a crash
+while appending) is ignored. Each skipped region is one warning naming its offset, the
+file's size and the bytes skipped (the first `_MAX_WARNINGS` regions; one more line
+counts the rest). The open then rewrites the manifest with the live slots, so what was
+skipped is gone for good.
 
 Why skipping a record is safe: it can only bring back an earlier state of its slot, and
 no state of a slot can make a load serve wrong bytes. Every live entry carries the

@@ -26,6 +26,7 @@ slot's top byte with whole-span slices, so only offsets that pass both are gathe
 from __future__ import annotations
 
 import errno
+import os
 import struct
 from typing import BinaryIO, NamedTuple
 
@@ -48,6 +49,9 @@ __all__ = ["READ_BUFFER", "Decoded", "Invalid", "RecordReader"]
 
 READ_BUFFER = 1 << 20  # bytes read from the manifest at a time
 _PAGE = 4096  # after a read failed with EIO, the file is read again a page at a time
+# More unreadable bytes than this and the disk is failing: the replay fails (the tier is
+# discarded) rather than wait out a failed read, which may take seconds, per page.
+_MAX_UNREADABLE = 256 * _PAGE
 _DIGEST = xxhash.xxh3_64_intdigest
 _KINDS = (PUT, TOMBSTONE, TAGGED_PUT)
 _MIN_RECORD = RECORD.size + CHECKSUM.size  # a record with an empty key field: a tombstone
@@ -202,19 +206,23 @@ class RecordReader:
         """Read up to `want` bytes from file offset `start` a page at a time, after a
         read there failed with EIO (an unreadable sector): a page that fails again reads
         as zeros. No record starts in zeros and none that overlaps them passes its
-        checksum, so the replay skips exactly the records the unreadable pages touch."""
+        checksum, so the replay skips exactly the records the unreadable pages touch.
+        Each page is one `pread` (the buffered file would read ahead into the next bad
+        page); past `_MAX_UNREADABLE` unreadable bytes the EIO is raised."""
         parts: list[bytes] = []
+        fd = self._file.fileno()
         at, end = start, min(start + want, self._size)
         while at < end:
             length = min(_PAGE - at % _PAGE, end - at)
-            self._file.seek(at)
             try:
-                chunk = self._file.read(length)
+                chunk = os.pread(fd, length, at)
             except OSError as exc:
                 if exc.errno != errno.EIO:
                     raise
-                chunk = bytes(length)
                 self.unreadable_bytes += length
+                if self.unreadable_bytes > _MAX_UNREADABLE:
+                    raise
+                chunk = bytes(length)
             parts.append(chunk)
             at += len(chunk)
             if len(chunk) < length:  # the file ends here
