@@ -195,9 +195,20 @@ def test_a_failed_load_on_a_tight_hybrid_pool_does_not_stall_the_requests_behind
     # lacks belong to the second request, queued behind it and never looked at again:
     # no request ever ran. kvtier answers a failed request's next lookup with "not yet",
     # so vLLM moves it to its plain waiting queue, behind the block holders.
+    run_a_failed_load_on_the_tight_hybrid_pool("fcfs", (0, 0))
+
+
+def run_a_failed_load_on_the_tight_hybrid_pool(policy: str, priorities: tuple[int, int]) -> None:
+    """Serve two 69-token prompts from the tier on 16 GPU blocks as one load that fails,
+    the requests of vLLM scheduling `policy` at `priorities`; check that both finish
+    within 200 steps with their hits, and that nothing leaks."""
     groups = (KVGroupDef(16), KVGroupDef(16, 32))
     harness = kvtier_harness(
-        kv_groups=groups, num_gpu_blocks=16, max_num_seqs=4, max_num_batched_tokens=64
+        kv_groups=groups,
+        num_gpu_blocks=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        scheduling_policy=policy,
     )
     prompts = shared_prefix_prompts(2, prefix_len=48, suffix_len=21, seed=3)
     harness.run_requests(prompts, max_tokens=1, max_steps=200)
@@ -205,8 +216,8 @@ def test_a_failed_load_on_a_tight_hybrid_pool_does_not_stall_the_requests_behind
     gate = PollGate(offload_worker(harness))
     gate.fail_loads(zero_blocks(harness))
     again = {f"again-{r}": p for r, p in prompts.items()}
-    for request_id, prompt in again.items():
-        harness.add_request(request_id, prompt, max_tokens=1)
+    for (request_id, prompt), priority in zip(again.items(), priorities, strict=True):
+        harness.add_request(request_id, prompt, max_tokens=1, priority=priority)
     drain(harness, max_steps=200)  # "engine still busy" when it stalls
     assert harness.finished >= set(again)
     assert gate.num_failed_loads == 1

@@ -23,7 +23,6 @@ import test_vllm_random_ops
 from faulty_worker import FaultyWorker
 from hypothesis import strategies as st
 from kvtier_vllm import (
-    PollGate,
     check_quiescent,
     drain,
     kvtier_harness,
@@ -32,9 +31,10 @@ from kvtier_vllm import (
     zero_blocks,
 )
 from random_ops_driver import MAX_PREFIX_BLOCKS, NUM_FAMILIES, Add, Engine
+from test_vllm_connector_faults import run_a_failed_load_on_the_tight_hybrid_pool
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm_engine import KVGroupDef
-from vllm_harness import VllmHarness, shared_prefix_prompts
+from vllm_harness import VllmHarness
 
 LOW, HIGH = 1, 0  # vLLM runs a lower priority value first
 
@@ -85,27 +85,7 @@ def test_a_failed_load_on_a_tight_hybrid_pool_does_not_stall_under_priority(
     # test_vllm_connector_faults' tight-pool test under the priority policy: two
     # 69-token prompts come back as one failing load on 16 GPU blocks, the first-arrived
     # request (whose recompute does not fit beside the other's blocks) last or first.
-    groups = (KVGroupDef(16), KVGroupDef(16, 32))
-    harness = kvtier_harness(
-        kv_groups=groups,
-        num_gpu_blocks=16,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        scheduling_policy="priority",
-    )
-    prompts = shared_prefix_prompts(2, prefix_len=48, suffix_len=21, seed=3)
-    harness.run_requests(prompts, max_tokens=1, max_steps=200)
-    assert harness.scheduler.reset_prefix_cache()
-    gate = PollGate(offload_worker(harness))
-    gate.fail_loads(zero_blocks(harness))
-    again = {f"again-{r}": p for r, p in prompts.items()}
-    for (request_id, prompt), priority in zip(again.items(), priorities, strict=True):
-        harness.add_request(request_id, prompt, max_tokens=1, priority=priority)
-    drain(harness, max_steps=200)  # "engine still busy" when it stalls
-    assert harness.finished >= set(again)
-    assert gate.num_failed_loads == 1
-    assert all(harness.external_hit_tokens(r) == 64 for r in again)
-    check_quiescent(harness)
+    run_a_failed_load_on_the_tight_hybrid_pool("priority", priorities)
 
 
 # A failed request that waits: its 165-token prompt (11 blocks) fails to load, three
