@@ -56,15 +56,28 @@ def kvtier_harness(num_cpu_blocks: int = 256, **overrides: Any) -> VllmHarness:
 
 
 def scheduler_side(harness: VllmHarness) -> SchedulerSide:
-    """Return the connector's scheduler role translator."""
-    return harness.scheduler.connector.scheduler_side  # type: ignore[union-attr]
+    """Return the connector's scheduler role translator (kvtier's child of a
+    `MultiConnector` too)."""
+    connector: Any = harness.scheduler.connector
+    for child in getattr(connector, "sub_connectors", [connector]):
+        if hasattr(child, "scheduler_side"):
+            return child.scheduler_side  # type: ignore[no-any-return]
+    raise AssertionError("no kvtier connector")
+
+
+def kvtier_worker(harness: VllmHarness, rank: int = 0) -> ConnectorWorker:
+    """Return one rank's worker side running kvtier's worker role (a `MultiConnector`
+    worker side's child too: `multi_connector.MultiWorker`)."""
+    worker = harness.workers[rank]
+    for child in getattr(worker, "children", [worker]):
+        if isinstance(child, ConnectorWorker) and hasattr(child.connector, "worker_side"):
+            return child
+    raise AssertionError("no kvtier worker")
 
 
 def offload_worker(harness: VllmHarness, rank: int = 0) -> OffloadWorker:
     """Return the `OffloadWorker` of one rank."""
-    worker = harness.workers[rank]
-    assert isinstance(worker, ConnectorWorker)
-    return worker.connector.worker_side.worker  # type: ignore[attr-defined]
+    return kvtier_worker(harness, rank).connector.worker_side.worker  # type: ignore[attr-defined,no-any-return]
 
 
 def drain(harness: VllmHarness, max_steps: int = 2000) -> None:
@@ -109,8 +122,7 @@ def check_quiescent(harness: VllmHarness) -> None:
     assert pool.get_num_free_blocks() == harness.cfg.num_gpu_blocks - 1, "GPU block leaked"
     for rank in range(harness.cfg.num_ranks):
         offload_worker(harness, rank).check_invariants()
-        worker = harness.workers[rank]
-        assert isinstance(worker, ConnectorWorker)
+        worker = kvtier_worker(harness, rank)
         assert worker.connector.worker_side.loads.is_idle(), "load tracker leaked"  # type: ignore[attr-defined]
 
 
