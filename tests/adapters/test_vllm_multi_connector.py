@@ -13,14 +13,15 @@ offers such a request no hit, so vLLM recomputes it. Inside a `MultiConnector` a
 child may still offer it a load, and kvtier cannot veto that (it can answer None or
 offer its own load, never make vLLM recompute). vLLM admits that load only where the
 free blocks hold the stale reservations plus the load: the request's own blocks twice.
-Where they never do, vLLM never schedules again (`test_..._stalls_vllm`, kept as the
-record of that limit: it fails once vLLM no longer stalls).
+So is a load offered to a request vLLM looks up ahead of a waiting failed one, which
+kvtier answers 0 where it holds no hit for it (under the priority policy, where it does
+too). Where they never fit, vLLM never schedules again (`test_..._stalls_vllm`, kept as
+the record of that limit: they fail once vLLM no longer stalls).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -225,12 +226,11 @@ def failed_request_waiting(failed_len: int, hit_len: int) -> VllmHarness:
     raise AssertionError("the load never failed")
 
 
-def first_steps(harness: VllmHarness, until: Callable[[], bool]) -> dict[str, int]:
-    """Step while `until()` is false (at most 300 steps); return each request's first
-    scheduled step."""
+def first_steps(harness: VllmHarness) -> dict[str, int]:
+    """Step until idle (at most 300 steps); return each request's first scheduled step."""
     first: dict[str, int] = {}
     for step in range(300):
-        if until():
+        if not harness.is_busy():
             return first
         for request_id in harness.step().num_scheduled_tokens:
             first.setdefault(request_id, step)
@@ -243,7 +243,7 @@ def test_a_hit_answered_0_ahead_of_a_failed_request_takes_the_other_childs_load(
     # SimpleCPUOffload offers its copy, which vLLM admits only beside the failed
     # request's stale reservation (11 blocks): "hit" waits for the fillers to finish.
     harness = failed_request_waiting(165, 69)
-    first = first_steps(harness, lambda: not harness.is_busy())
+    first = first_steps(harness)
     assert first["hit"] > 30, "admitted before the fillers finished"
     assert harness.external_hit_tokens("hit") == 64
     assert simple_worker(harness).num_loaded_blocks == 4  # SimpleCPUOffload's load
@@ -253,8 +253,8 @@ def test_a_hit_answered_0_ahead_of_a_failed_request_takes_the_other_childs_load(
 def test_a_hit_answered_0_whose_other_load_never_fits_stalls_vllm() -> None:
     # The same with a 320-token failed request (20 blocks reserved) and a 200-token hit:
     # SimpleCPUOffload's 12-block load never fits the 31 blocks beside the reservation,
-    # and vLLM's scan stops at "hit", ahead of the failed request, for good. kvtier
-    # alone: "hit" recomputes, and both finish (test_vllm_priority).
+    # and vLLM's scan stops at "hit", ahead of the failed request, for good (kvtier
+    # alone, "hit" recomputes and both finish; so they do where "hit" is answered None).
     harness = failed_request_waiting(320, 200)
     assert stalled(harness)
     assert stale_reservations(harness) == {"failed": 20}
