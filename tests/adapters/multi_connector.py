@@ -35,9 +35,6 @@ from vllm_harness import (
 
 from kvtier.adapters.vllm import worker_side
 
-# One page of the harness model's layers (SimpleCPUOffload sizes its pool per layer page).
-PAGE_BYTES = SLOT_BYTES // 2
-
 
 def multi_config(
     order: tuple[str, ...] = ("kvtier", "simple"),
@@ -61,7 +58,7 @@ def multi_config(
             "kv_connector": SIMPLE_CPU_OFFLOAD,
             "kv_role": "kv_both",
             "kv_load_failure_policy": policy,
-            "kv_connector_extra_config": {"cpu_bytes_to_use": num_cpu_blocks * 2 * PAGE_BYTES},
+            "kv_connector_extra_config": {"cpu_bytes_to_use": num_cpu_blocks * SLOT_BYTES},
         },
     }
     return HarnessConfig(
@@ -89,7 +86,8 @@ class MultiWorker:
             child.before_forward(view)
 
     def after_forward(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
-        """Merge the children's outputs as `MultiConnector`'s worker role does."""
+        """Merge the children's outputs as `MultiConnector`'s worker role does (their
+        stats aside: none are returned)."""
         outputs = [
             child.after_forward(view) or KVConnectorOutput()
             for child, view in zip(self.children, self._views, strict=True)

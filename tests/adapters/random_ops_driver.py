@@ -12,15 +12,24 @@ import random
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from faulty_worker import KINDS as KINDS  # the kinds `Delay` and `Fail` name
 from faulty_worker import FaultyWorker
-from kvtier_vllm import SLOT_BYTES, check_quiescent, kvtier_harness, offload_worker, scheduler_side
+from kvtier_vllm import (
+    SLOT_BYTES,
+    check_quiescent,
+    kvtier_harness,
+    kvtier_worker,
+    offload_worker,
+    scheduler_side,
+)
+from multi_connector import multi_harness
 from vllm.distributed.kv_events import BlockStored
 from vllm.v1.request import Request, RequestStatus
 from vllm_engine import KVGroupDef, PrefixFingerprints
-from vllm_harness import ConnectorWorker, flatten_events
+from vllm_harness import flatten_events
 
 from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.offload.plan import Tier, TransferJob
@@ -109,6 +118,7 @@ class Engine:
     num_gpu_blocks: int = 16
     fine_grained_hits: bool = False  # hits may end inside a block of a larger block size
     scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" or "priority" (`Add.priority`)
+    multi: tuple[str, ...] | None = None  # kvtier in a MultiConnector (multi_connector.py)
 
 
 class Run:
@@ -127,7 +137,8 @@ class Run:
                 disk_io_mode="page_cache",
                 cascade=engine.cascade,
             )
-        self.harness = kvtier_harness(
+        build = kvtier_harness if engine.multi is None else partial(multi_harness, engine.multi)
+        self.harness = build(
             num_cpu_blocks=num_cpu_blocks,
             num_gpu_blocks=engine.num_gpu_blocks,
             block_size=min((g.block_size for g in engine.kv_groups), default=BLOCK),
@@ -158,9 +169,8 @@ class Run:
         return scribble
 
     def close(self) -> None:
-        for worker in self.harness.workers:
-            assert isinstance(worker, ConnectorWorker)
-            worker.connector.shutdown()
+        for rank in range(len(self.workers)):
+            kvtier_worker(self.harness, rank).connector.shutdown()
         self.harness.close()
 
     # ------------------------------------------------------------------ operations
