@@ -35,7 +35,6 @@ import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -43,20 +42,18 @@ import xxhash
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
 from kvtier.storage.disk_tier_close import close_dropped, close_files
+from kvtier.storage.disk_tier_config import DiskTierConfig
 from kvtier.storage.manifest import (
-    ManifestIdentity,
     ManifestLog,
     check_manifest_paths,
     check_no_persistent_tier,
     check_record,
-    manifest_path_for,
     open_manifest,
     remove_manifest,
 )
 from kvtier.storage.slot_file import (
     DIRECT_IO_ALIGNMENT,
     DiskIOError,
-    DiskIOMode,
     FileIO,
     SlotFile,
 )
@@ -65,52 +62,6 @@ from kvtier.storage.staging import SlotRead, StagingBuffer
 __all__ = ["DiskTier", "DiskTierConfig", "SlotRead", "StagingBuffer"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DiskTierConfig:
-    """Shape of one rank's disk tier. `path` is the slot file to create.
-
-    `fingerprint` set makes the tier persistent: the slot file and its manifest are kept
-    at close and reused at the next open when the fingerprint, `bytes_per_slot` and
-    `region_layout` match (another `num_slots` resizes the file, keeping the slots that
-    still fit). `path` must end in `.slots`
-    (see `manifest_path_for`), persistent or not.
-    """
-
-    path: str
-    num_slots: int
-    bytes_per_slot: int
-    io_mode: DiskIOMode = DiskIOMode.DIRECT
-    num_buffers: int = 2  # staging buffers per direction; 2 = double buffering
-    batch_bytes: int = 4 << 20  # bytes per staging buffer, rounded down to whole slots
-    fingerprint: str | None = None  # None: a fresh file, removed at close
-    region_layout: str = ""  # "name:bytes;..." per region; part of the persistent identity
-
-    def __post_init__(self) -> None:
-        for name in ("num_slots", "bytes_per_slot", "batch_bytes", "num_buffers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(self.io_mode, DiskIOMode):  # "direct" would silently be page cache
-            raise ValueError(f"io_mode must be a DiskIOMode, got {self.io_mode!r}")
-        if self.fingerprint is not None and not self.fingerprint:
-            raise ValueError("fingerprint must be None or a non-empty string, got ''")
-        manifest_path_for(self.path)  # raises ValueError unless it ends in ".slots"
-
-    @property
-    def identity(self) -> ManifestIdentity | None:
-        """Return what a persistent tier's manifest must match, or None when not persistent."""
-        if self.fingerprint is None:
-            return None
-        return ManifestIdentity(
-            self.fingerprint, self.num_slots, self.bytes_per_slot, self.region_layout
-        )
-
-    @property
-    def batch_slots(self) -> int:
-        """Return the slots one staging buffer holds (at least one)."""
-        return max(1, min(self.num_slots, self.batch_bytes // self.bytes_per_slot))
 
 
 class DiskTier:
