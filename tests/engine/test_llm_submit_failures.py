@@ -224,3 +224,46 @@ def test_drain_raises_instead_of_spinning_on_events_never_reported() -> None:
     llm.shutdown()  # the worker was stopped all the same
     with pytest.raises(RuntimeError, match="LLM is shut down"):
         llm.generate([[1, 2, 3]], PARAMS)
+
+
+class RefusingThenFailingFlush(RefusingWorker):
+    """Refuse the first plan with stores; the flush that follows the refusal fails too."""
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__(worker, has_stores, ValueError("rejected job"))
+        self.failing_flushes = 0
+
+    def submit(self, plan: TransferPlan) -> None:
+        try:
+            super().submit(plan)
+        except ValueError:
+            self.failing_flushes = 1
+            raise
+
+    def flush(self) -> None:
+        if self.failing_flushes:
+            self.failing_flushes -= 1
+            raise RuntimeError("injected flush failure")
+        self.worker.flush()
+
+
+def test_a_refused_plan_whose_flush_fails_too_is_failed_by_the_next_flush() -> None:
+    # Regression (found by a chaos driver): when the flush after a refused plan failed
+    # too, the plan's events stayed in flight for good. Their stores pinned GPU blocks,
+    # so a request needing the whole pool never fit, and `generate` stepped forever (no
+    # error: something was in flight). Now the flush before the next plan is retried and
+    # the events the worker never started are failed.
+    llm, arm = new_engine()
+    assert llm.offload is not None
+    worker = RefusingThenFailingFlush(llm.offload.worker)
+    llm.offload.worker = worker
+    with pytest.raises(RuntimeError, match="injected flush failure"):
+        llm.generate(prompts(2, 24), PARAMS)
+    assert worker.refused is not None
+    long_prompt = prompts(1, 72, offset=9)
+    arm()
+    (output,) = llm.generate(long_prompt, PARAMS)  # needs all 19 usable GPU blocks
+    assert [output.output_token_ids] == reference([long_prompt])[0]
+    assert_consistent_and_drained(llm, arm)
+    assert llm.offload.totals.num_failed_stores > 0
+    llm.shutdown()

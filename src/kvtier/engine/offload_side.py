@@ -94,7 +94,10 @@ class OffloadSide:
         self.totals = OffloadTotals()
         self._plan: TransferPlan | None = None
         self._finished_ids: frozenset[str] = frozenset()
-        self._owes_flush = False  # a preemption's flush failed: retry it before the next plan
+        self._owes_flush = False  # a flush failed: retry it before the next plan
+        # Events of a refused plan whose flush failed too: the worker may have started some
+        # of them. Once a flush succeeds, those still unreported were never started.
+        self._unconfirmed: set[int] = set()
         # Reports made up for plans the worker never took, applied by the next `poll`.
         self._held_reports: list[WorkerReport] = []
 
@@ -125,6 +128,7 @@ class OffloadSide:
                 self._fail_unsubmitted(plan, WorkerReport())  # none of it reached the worker
                 raise
             self._owes_flush = False
+            self._fail_unconfirmed()
         self._plan = plan
 
     def submit(self) -> None:
@@ -133,7 +137,9 @@ class OffloadSide:
         If the worker refuses the plan (or is interrupted), every event of it the worker
         did not take is reported failed at the next `poll` (SPEC §6.8: loads recompute,
         stores register nothing) and the error propagates. Jobs the worker started are
-        waited for first, so no event is failed while its copy still runs.
+        waited for first, so no event is failed while its copy still runs; if that flush
+        fails too, the flush is retried before the next plan and the events are failed
+        then (their pins held until then).
         """
         plan, self._plan = self._plan, None
         if plan is None or not (plan.jobs or plan.end_persistence):
@@ -141,11 +147,27 @@ class OffloadSide:
         try:
             self.worker.submit(plan)
         except BaseException:
-            # If this flush fails too, the plan's events stay in flight for good and
-            # `LLM.drain` reports them instead of waiting forever.
-            self.worker.flush()
+            try:
+                self.worker.flush()
+            except BaseException:
+                # Which events the worker started is unknown: they stay in flight (their
+                # pins held) until a flush before a later plan succeeds.
+                self._unconfirmed.update(job.event_id for job in plan.jobs)
+                self._owes_flush = True
+                raise
             self._fail_unsubmitted(plan, self.worker.poll())
             raise
+
+    def _fail_unconfirmed(self) -> None:
+        """After a successful flush: fail the refused plan's events the worker never
+        started (a flushed worker reports, at its next poll, all it started)."""
+        if not self._unconfirmed:
+            return
+        started = self.worker.poll()
+        reported = {*started.done, *started.failed}
+        failed = {event_id: 1 for event_id in self._unconfirmed if event_id not in reported}
+        self._unconfirmed.clear()
+        self._held_reports += [started, WorkerReport(failed=failed)]
 
     def _fail_unsubmitted(self, plan: TransferPlan, started: WorkerReport) -> None:
         """Hold `started` and a failure of each event of `plan` it lacks, for `poll`."""
@@ -162,6 +184,8 @@ class OffloadSide:
         """Apply whatever the worker finished; return loads finished or failed."""
         reports, self._held_reports = [*self._held_reports, self.worker.poll()], []
         report = WorkerReport.merge(reports)
+        if self._unconfirmed:
+            self._unconfirmed.difference_update(report.done, report.failed)
         self.totals.num_reported_events += len(report.done) + len(report.failed)
         outcome = self.scheduler.apply_report(report)
         self._account(self.scheduler.take_stats())
