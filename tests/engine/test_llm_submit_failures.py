@@ -267,3 +267,52 @@ def test_a_refused_plan_whose_flush_fails_too_is_failed_by_the_next_flush() -> N
     assert_consistent_and_drained(llm, arm)
     assert llm.offload.totals.num_failed_stores > 0
     llm.shutdown()
+
+
+class InterruptedPollAfterFlush(RefusingThenFailingFlush):
+    """Also interrupt (Ctrl-C) the first poll after the injected flush failure."""
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__(worker)
+        self.interrupt_poll = False
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except RuntimeError:
+            self.interrupt_poll = True
+            raise
+
+    def poll(self) -> Any:
+        if self.interrupt_poll:
+            self.interrupt_poll = False
+            raise KeyboardInterrupt("Ctrl-C in poll")
+        return self.worker.poll()
+
+
+def test_an_interrupt_after_the_retried_flush_does_not_strand_the_refused_plan() -> None:
+    # Regression: the retried flush succeeded, then a Ctrl-C landed in the poll that
+    # sorts the refused plan's events. The flush was already marked done, so only a later
+    # preemption retried it: until then the plan's stores stayed in flight, pinning GPU
+    # blocks, and `drain()` (so `shutdown()`) raised that they would never complete.
+    llm, arm = new_engine()
+    assert llm.offload is not None
+    worker = InterruptedPollAfterFlush(llm.offload.worker)
+    llm.offload.worker = worker
+    with pytest.raises(RuntimeError, match="injected flush failure"):
+        llm.generate(prompts(2, 24), PARAMS)
+    assert worker.refused is not None
+    arm()
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C in poll"):
+        llm.generate(prompts(1, 8, offset=40), PARAMS)
+    arm()
+    llm.drain()
+    assert not llm.offload.has_pending_work()
+    assert llm.offload.totals.num_failed_stores > 0
+    long_prompt = prompts(1, 72, offset=9)
+    arm()
+    (output,) = llm.generate(long_prompt, PARAMS)  # needs all 19 usable GPU blocks
+    assert [output.output_token_ids] == reference([long_prompt])[0]
+    assert_consistent_and_drained(llm, arm)
+    assert llm.offload.totals.num_failed_stores > 0
+    llm.shutdown()

@@ -127,8 +127,9 @@ class OffloadSide:
             except BaseException:
                 self._fail_unsubmitted(plan, WorkerReport())  # none of it reached the worker
                 raise
-            self._owes_flush = False
+            # Cleared only afterwards: an interrupt in between retries the whole of it.
             self._fail_unconfirmed()
+            self._owes_flush = False
         self._plan = plan
 
     def submit(self) -> None:
@@ -166,8 +167,8 @@ class OffloadSide:
         started = self.worker.poll()
         reported = {*started.done, *started.failed}
         failed = {event_id: 1 for event_id in self._unconfirmed if event_id not in reported}
-        self._unconfirmed.clear()
         self._held_reports += [started, WorkerReport(failed=failed)]
+        self._unconfirmed.clear()
 
     def _fail_unsubmitted(self, plan: TransferPlan, started: WorkerReport) -> None:
         """Hold `started` and a failure of each event of `plan` it lacks, for `poll`."""
