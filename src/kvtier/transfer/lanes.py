@@ -7,10 +7,18 @@ with each done job's copy time: the device time its completion measured, else th
 time its function ran on the lane's thread (synchronous copies and disk I/O).
 A job that raises is reported failed and logged; the thread lives on. `copy_threads`
 bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`).
+
+Each job has the lane's own future, recorded before the job is handed to the thread
+pool. A `submit` interrupted on the way (KeyboardInterrupt) cancels that future: a job
+not yet started then never runs and is reported failed, and one already running is
+waited for and reported as usual. (Recording the pool's future after `submit` returned
+left a job the pool had queued unknown to `wait_all`: it could still be copying after
+its event was reported failed.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -44,10 +52,42 @@ class _Pending:
     future: Future[_Ran]
 
 
-def _timed(job: JobFn) -> _Ran:
+def _run(future: Future[_Ran], job: JobFn) -> None:
+    """Run `job` on the lane's thread unless `future` was cancelled first; settle it."""
+    try:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before it started (see `_cancel`): reported failed
+    except RuntimeError:
+        return  # `_cancel` notified the cancellation first
     start = time.perf_counter()
-    completion = job()
-    return _Ran(completion, time.perf_counter() - start)
+    try:
+        completion = job()
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(_Ran(completion, time.perf_counter() - start))
+
+
+def _cancel(future: Future[_Ran]) -> None:
+    """Cancel a job's future unless its job started, and wake its waiters (`wait`
+    counts a cancelled future as done only once notified). Either this or `_run`
+    notifies; the other finds it done."""
+    if future.cancel():
+        with contextlib.suppress(RuntimeError):  # `_run` notified it first
+            future.set_running_or_notify_cancel()
+
+
+def _settle(future: Future[_Ran], ran: Future[None]) -> None:
+    """Settle the lane's `future` of a job the pool never ran (`ran` is the pool's own
+    future of `_run`): cancelled at a shutdown, or failed by a broken pool."""
+    if future.done():
+        return
+    if ran.cancelled():
+        _cancel(future)
+        return
+    error = ran.exception()
+    if error is not None and future.set_running_or_notify_cancel():
+        future.set_exception(error)
 
 
 class TransferLane:
@@ -81,7 +121,14 @@ class TransferLane:
         """Queue `job` behind the lane's earlier jobs; return at once."""
         if self._closed:
             raise RuntimeError(f"lane {self.name} is closed")
-        self._pending.append(_Pending(event_id, self._executor.submit(_timed, job)))
+        pending = _Pending(event_id, Future())
+        try:
+            self._pending.append(pending)
+            ran = self._executor.submit(_run, pending.future, job)
+            ran.add_done_callback(functools.partial(_settle, pending.future))
+        except BaseException:
+            _cancel(pending.future)  # no-op once the job runs: it is then waited for
+            raise
 
     def take_finished(self) -> tuple[dict[int, float], list[int]]:
         """Return the finished jobs at the head: done event ids with their copy time in
@@ -130,6 +177,8 @@ class TransferLane:
         """Drop the jobs not yet started and refuse new ones; never blocks. The job
         running, if any, carries on (`close` waits for it); dropped jobs report failed."""
         self._closed = True
+        for pending in self._pending:  # the ones not started; the pool drops their runs
+            _cancel(pending.future)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -267,8 +267,14 @@ class OffloadWorker:
                 self._host_rows,
                 self._disk,
             )
-            self._lanes[direction].submit(job.event_id, run)
+            lane = self._lanes[direction]
             self._in_flight.add(job.event_id)
+            try:
+                lane.submit(job.event_id, run)
+            except BaseException:  # an interrupt: the lane may have taken the job or not
+                if job.event_id not in lane.pending_event_ids():
+                    self._in_flight.discard(job.event_id)
+                raise
 
     def _take_compute_marker(self, needed: bool) -> torch.cuda.Event | None:
         marker, self._compute_marker = self._compute_marker, None

@@ -1,0 +1,144 @@
+"""A transfer lane interrupted while it hands a job to its thread (KeyboardInterrupt).
+
+Whatever the interrupt hits, every job the lane was given is either run and waited for by
+`wait_all`, or never run and reported failed: a failed report must never leave a copy
+running (a failed load's destination blocks go back to the engine at once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from transfer_helpers import block_bytes, fill_random, job, kv_per_layer, make_worker, run_plan
+
+import kvtier.transfer.lanes as lanes_module
+from kvtier.offload.plan import Tier, TransferPlan
+from kvtier.transfer import WorkerConfig
+from kvtier.transfer.lanes import TransferLane
+from kvtier.transfer.routes import Direction
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class SlowJob:
+    """A job that copies for `seconds` and records that it ran to the end."""
+
+    def __init__(self, seconds: float = 0.3) -> None:
+        self.seconds = seconds
+        self.started = threading.Event()
+        self.finished = threading.Event()
+
+    def __call__(self) -> None:
+        self.started.set()
+        time.sleep(self.seconds)
+        self.finished.set()
+
+
+def interrupt_pool_submit(lane: TransferLane, after_queuing: bool) -> None:
+    """Make the lane's next hand-off raise KeyboardInterrupt, before or after the pool
+    queued the job (a Ctrl-C landing inside `ThreadPoolExecutor.submit`)."""
+    executor = lane._executor
+    real_submit: Callable[..., Any] = executor.submit
+
+    def submit(*args: Any, **kwargs: Any) -> Any:
+        executor.submit = real_submit  # type: ignore[method-assign]
+        if after_queuing:
+            real_submit(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    executor.submit = submit  # type: ignore[method-assign]
+
+
+def take_all(lane: TransferLane) -> tuple[dict[int, float], list[int]]:
+    lane.wait_all()
+    return lane.take_finished()
+
+
+def test_a_job_queued_before_the_interrupt_is_waited_for_and_reported() -> None:
+    """Regression: the lane recorded the pool's future only after `submit` returned, so a
+    job queued just before the interrupt ran unknown to the lane: `wait_all` returned
+    at once while it still copied, and it was never reported."""
+    lane = TransferLane("test")
+    job = SlowJob()
+    interrupt_pool_submit(lane, after_queuing=True)
+    with pytest.raises(KeyboardInterrupt):
+        lane.submit(7, job)
+    done, failed = take_all(lane)
+    assert job.finished.is_set(), "wait_all returned while the job was still copying"
+    assert (list(done), failed) == ([7], [])
+    lane.close()
+
+
+def test_a_job_interrupted_before_it_was_queued_never_runs_and_is_reported_failed() -> None:
+    lane = TransferLane("test")
+    job = SlowJob()
+    interrupt_pool_submit(lane, after_queuing=False)
+    with pytest.raises(KeyboardInterrupt):
+        lane.submit(7, job)
+    assert take_all(lane) == ({}, [7])
+    lane.submit(8, SlowJob(0.0))  # the lane works on
+    assert list(take_all(lane)[0]) == [8]
+    lane.close()
+    assert not job.started.is_set()
+
+
+def test_cancel_queued_drops_the_waiting_jobs_and_waits_for_none_of_them() -> None:
+    lane = TransferLane("test")
+    running, queued = SlowJob(), SlowJob()
+    lane.submit(1, running)
+    assert running.started.wait(10)
+    lane.submit(2, queued)
+    lane.cancel_queued()
+    done, failed = take_all(lane)  # waits for the running job only
+    assert running.finished.is_set()
+    assert (list(done), failed) == ([1], [2])
+    lane.close()
+    assert not queued.started.is_set()
+
+
+def test_a_pool_whose_thread_cannot_start_reports_its_jobs_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lane's thread initializer raising breaks the pool: the pool never runs the
+    job, and the lane must not wait for it for ever."""
+
+    def refuse(num_threads: int) -> bool:
+        raise RuntimeError(f"cannot limit the copy threads to {num_threads}")
+
+    monkeypatch.setattr(lanes_module, "limit_intra_op_threads", refuse)
+    lane = TransferLane("test", copy_threads=1)
+    job = SlowJob()
+    lane.submit(3, job)
+    assert take_all(lane) == ({}, [3])
+    assert not job.started.is_set()
+    lane.close()
+
+
+@pytest.mark.parametrize("after_queuing", [True, False])
+def test_a_worker_submit_interrupted_in_its_lane_keeps_its_books(after_queuing: bool) -> None:
+    """Through `OffloadWorker`: the store is either copied, waited for by `flush` and
+    reported done with the right bytes, or reported failed; the worker's in-flight
+    events agree with its lanes either way."""
+    kv = kv_per_layer(2, 8, (4, 2, 8))
+    fill_random(kv, seed=1)
+    worker = make_worker(WorkerConfig(cpu_num_slots=4), kv)
+    image = block_bytes(worker.regions, 2)
+    interrupt_pool_submit(worker._lanes[Direction.STORE], after_queuing)
+    with pytest.raises(KeyboardInterrupt):
+        worker.submit(TransferPlan(step_id=0, jobs=(job(1, Tier.GPU, Tier.CPU, [2], [0]),)))
+    worker.check_invariants()
+    worker.flush()
+    report = worker.poll()
+    worker.check_invariants()
+    if after_queuing:
+        assert (dict(report.done), dict(report.failed)) == ({1: 1}, {})
+        fill_random(kv, seed=2)
+        assert run_plan(worker, job(2, Tier.CPU, Tier.GPU, [0], [3])).done == {2: 1}
+        assert block_bytes(worker.regions, 3) == image
+    else:
+        assert (dict(report.done), dict(report.failed)) == ({}, {1: 1})
+    worker.shutdown()
