@@ -247,26 +247,42 @@ class RefusingThenFailingFlush(RefusingWorker):
         self.worker.flush()
 
 
+def refused_and_flush_failed(
+    worker_type: type[RefusingThenFailingFlush],
+) -> tuple[LLM, Callable[[], None], RefusingThenFailingFlush]:
+    """Return an engine whose first plan with stores was refused and whose flush after
+    the refusal failed (the `generate` that hit it raised), its `arm`, and the worker."""
+    llm, arm = new_engine()
+    assert llm.offload is not None
+    worker = worker_type(llm.offload.worker)
+    llm.offload.worker = worker
+    with pytest.raises(RuntimeError, match="injected flush failure"):
+        llm.generate(prompts(2, 24), PARAMS)
+    assert worker.refused is not None
+    return llm, arm, worker
+
+
+def serve_the_whole_pool(llm: LLM, arm: Callable[[], None]) -> None:
+    """Serve a prompt that needs all 19 usable GPU blocks (no block may stay pinned),
+    check it against the reference and the books, and shut down."""
+    long_prompt = prompts(1, 72, offset=9)
+    arm()
+    (output,) = llm.generate(long_prompt, PARAMS)
+    assert [output.output_token_ids] == reference([long_prompt])[0]
+    assert_consistent_and_drained(llm, arm)
+    assert llm.offload is not None
+    assert llm.offload.totals.num_failed_stores > 0
+    llm.shutdown()
+
+
 def test_a_refused_plan_whose_flush_fails_too_is_failed_by_the_next_flush() -> None:
     # Regression (found by a chaos driver): when the flush after a refused plan failed
     # too, the plan's events stayed in flight for good. Their stores pinned GPU blocks,
     # so a request needing the whole pool never fit, and `generate` stepped forever (no
     # error: something was in flight). Now the flush before the next plan is retried and
     # the events the worker never started are failed.
-    llm, arm = new_engine()
-    assert llm.offload is not None
-    worker = RefusingThenFailingFlush(llm.offload.worker)
-    llm.offload.worker = worker
-    with pytest.raises(RuntimeError, match="injected flush failure"):
-        llm.generate(prompts(2, 24), PARAMS)
-    assert worker.refused is not None
-    long_prompt = prompts(1, 72, offset=9)
-    arm()
-    (output,) = llm.generate(long_prompt, PARAMS)  # needs all 19 usable GPU blocks
-    assert [output.output_token_ids] == reference([long_prompt])[0]
-    assert_consistent_and_drained(llm, arm)
-    assert llm.offload.totals.num_failed_stores > 0
-    llm.shutdown()
+    llm, arm, _ = refused_and_flush_failed(RefusingThenFailingFlush)
+    serve_the_whole_pool(llm, arm)
 
 
 class InterruptedPollAfterFlush(RefusingThenFailingFlush):
@@ -295,13 +311,7 @@ def test_an_interrupt_after_the_retried_flush_does_not_strand_the_refused_plan()
     # sorts the refused plan's events. The flush was already marked done, so only a later
     # preemption retried it: until then the plan's stores stayed in flight, pinning GPU
     # blocks, and `drain()` (so `shutdown()`) raised that they would never complete.
-    llm, arm = new_engine()
-    assert llm.offload is not None
-    worker = InterruptedPollAfterFlush(llm.offload.worker)
-    llm.offload.worker = worker
-    with pytest.raises(RuntimeError, match="injected flush failure"):
-        llm.generate(prompts(2, 24), PARAMS)
-    assert worker.refused is not None
+    llm, arm, _ = refused_and_flush_failed(InterruptedPollAfterFlush)
     arm()
     with pytest.raises(KeyboardInterrupt, match="Ctrl-C in poll"):
         llm.generate(prompts(1, 8, offset=40), PARAMS)
@@ -309,10 +319,4 @@ def test_an_interrupt_after_the_retried_flush_does_not_strand_the_refused_plan()
     llm.drain()
     assert not llm.offload.has_pending_work()
     assert llm.offload.totals.num_failed_stores > 0
-    long_prompt = prompts(1, 72, offset=9)
-    arm()
-    (output,) = llm.generate(long_prompt, PARAMS)  # needs all 19 usable GPU blocks
-    assert [output.output_token_ids] == reference([long_prompt])[0]
-    assert_consistent_and_drained(llm, arm)
-    assert llm.offload.totals.num_failed_stores > 0
-    llm.shutdown()
+    serve_the_whole_pool(llm, arm)
