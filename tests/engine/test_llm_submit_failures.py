@@ -226,6 +226,22 @@ def test_drain_raises_instead_of_spinning_on_events_never_reported() -> None:
         llm.generate([[1, 2, 3]], PARAMS)
 
 
+def test_drain_names_the_stores_a_reset_abandoned_when_they_never_report() -> None:
+    """The message named blocks and demotion keys only, not that a reset had abandoned
+    the transfers (and a reset lets go of an abandoned demotion's key: "0 demotions")."""
+    llm, arm = new_engine()
+    assert llm.offload is not None
+    worker = LosingWorker(llm.offload.worker)
+    llm.offload.worker = worker
+    llm.generate(prompts(2, 12), PARAMS)
+    assert worker.lost is not None
+    assert not llm.offload.scheduler.reset()  # the lost stores are abandoned
+    arm()
+    message = r"1 store or demotion events issued and never reported \(1 of them abandoned"
+    with pytest.raises(RuntimeError, match=message):
+        llm.shutdown()
+
+
 class RefusingThenFailingFlush(RefusingWorker):
     """Refuse the first plan with stores; the flush that follows the refusal fails too."""
 

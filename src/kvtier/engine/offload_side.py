@@ -221,6 +221,12 @@ class OffloadSide:
         text = f"{num_pending_blocks} blocks queued or in flight to the {scheduler.tier.value} tier"
         if scheduler.cascade is not None:
             text += f", {len(scheduler.cascade.in_flight_keys)} demotions queued or in flight"
+        num_events, num_abandoned = scheduler.store_events_in_flight()
+        if num_events:  # a reset lets go of its abandoned transfers' blocks and keys
+            text += (
+                f"; {num_events} store or demotion events issued and never reported"
+                f" ({num_abandoned} of them abandoned by a reset)"
+            )
         return text
 
     def flush(self) -> None:

@@ -353,6 +353,11 @@ class OffloadScheduler:
         pending = len(self.selector.queued) + self._book.num_store_blocks
         return pool.num_usable_blocks - pool.num_free(), pending
 
+    def store_events_in_flight(self) -> tuple[int, int]:
+        """Return (store and demotion events issued and not yet reported, how many of
+        them a reset abandoned), for messages about what a drain waits for."""
+        return self._book.store_events()
+
     def has_new_counts(self) -> bool:
         """Return True when `take_stats` would report a non-zero counter or new hit tokens."""
         return self._stats.has_new_counts()

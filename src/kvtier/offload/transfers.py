@@ -218,6 +218,12 @@ class TransferBook:
         """Return True while any store or demotion (abandoned ones too) is in flight."""
         return self._num_store_events > 0
 
+    def store_events(self) -> tuple[int, int]:
+        """Return how many store and demotion events are in flight, and how many of them
+        a reset abandoned (for messages: this walks every issued event)."""
+        abandoned = sum(1 for t in self._issued.values() if (t.stores or t.moves) and t.abandoned)
+        return self._num_store_events, abandoned
+
 
 def _copy_seconds(report: WorkerReport, event_id: int) -> float:
     """Return the copy time a report gives an event; 0 (with a warning) for one that is
