@@ -7,6 +7,7 @@ running (a failed load's destination blocks go back to the engine at once).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -142,3 +143,44 @@ def test_a_worker_submit_interrupted_in_its_lane_keeps_its_books(after_queuing: 
     else:
         assert (dict(report.done), dict(report.failed)) == ({}, {1: 1})
     worker.shutdown()
+
+
+class GatedJob:
+    """A job that holds the lane's thread until released."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self) -> None:
+        self.started.set()
+        assert self.release.wait(30)
+
+
+@pytest.mark.parametrize("then_cancel_queued", [False, True])
+def test_a_job_cancelled_by_an_interrupt_logs_nothing_critical(
+    then_cancel_queued: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the interrupted `submit` both cancelled and notified the job's future,
+    so the pool's later `_run` of it (or `cancel_queued` cancelling it again) found it
+    notified, and concurrent.futures logged 'Future ... in unexpected state' as CRITICAL
+    for a job dropped as intended."""
+    lane = TransferLane("test")
+    gate, dropped = GatedJob(), SlowJob(0.0)
+    lane.submit(1, gate)
+    assert gate.started.wait(10)
+    interrupt_pool_submit(lane, after_queuing=True)  # queued behind the running job
+    with pytest.raises(KeyboardInterrupt):
+        lane.submit(2, dropped)
+    if then_cancel_queued:
+        lane.cancel_queued()
+    gate.release.set()
+    if not then_cancel_queued:
+        lane.submit(3, SlowJob(0.0))
+    done, failed = take_all(lane)
+    lane.close()  # the pool has dealt with job 2 once its thread stopped
+    assert failed == [2]
+    assert not dropped.started.is_set()
+    assert list(done) == ([1] if then_cancel_queued else [1, 3])
+    critical = [r.getMessage() for r in caplog.records if r.levelno >= logging.CRITICAL]
+    assert critical == []

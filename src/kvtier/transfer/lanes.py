@@ -18,14 +18,12 @@ its event was reported failed.)
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvtier.transfer.device import Completion
@@ -54,11 +52,8 @@ class _Pending:
 
 def _run(future: Future[_Ran], job: JobFn) -> None:
     """Run `job` on the lane's thread unless `future` was cancelled first; settle it."""
-    try:
-        if not future.set_running_or_notify_cancel():
-            return  # cancelled before it started (see `_cancel`): reported failed
-    except RuntimeError:
-        return  # `_cancel` notified the cancellation first
+    if not future.set_running_or_notify_cancel():
+        return  # cancelled before it started (see `_cancel`): reported failed
     start = time.perf_counter()
     try:
         completion = job()
@@ -69,12 +64,14 @@ def _run(future: Future[_Ran], job: JobFn) -> None:
 
 
 def _cancel(future: Future[_Ran]) -> None:
-    """Cancel a job's future unless its job started, and wake its waiters (`wait`
-    counts a cancelled future as done only once notified). Either this or `_run`
-    notifies; the other finds it done."""
-    if future.cancel():
-        with contextlib.suppress(RuntimeError):  # `_run` notified it first
-            future.set_running_or_notify_cancel()
+    """Cancel a job's future unless its job started: `_run` then never starts it.
+
+    Only `_run` moves the future on from there (`set_running_or_notify_cancel`, once):
+    notifying here too made the pool's later `_run` find it notified, which
+    concurrent.futures logs as CRITICAL. `wait_all` therefore waits on each future
+    (`exception()`, done once cancelled) rather than with `concurrent.futures.wait`,
+    which counts a cancelled future only once notified."""
+    future.cancel()
 
 
 def _settle(future: Future[_Ran], ran: Future[None]) -> None:
@@ -83,7 +80,7 @@ def _settle(future: Future[_Ran], ran: Future[None]) -> None:
     if future.done():
         return
     if ran.cancelled():
-        _cancel(future)
+        future.cancel()
         return
     error = ran.exception()
     if error is not None and future.set_running_or_notify_cancel():
@@ -154,9 +151,12 @@ class TransferLane:
 
         Failures are not raised here; `take_finished` reports them.
         """
-        wait_futures([p.future for p in self._pending])
         for pending in self._pending:
-            if not pending.future.cancelled() and pending.future.exception() is None:
+            try:
+                error = pending.future.exception()  # waits until run, failed or cancelled
+            except CancelledError:
+                continue  # never started (see `_cancel`)
+            if error is None:
                 completion = pending.future.result().completion
                 if completion is not None:
                     try:
