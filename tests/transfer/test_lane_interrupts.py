@@ -39,9 +39,12 @@ class SlowJob:
         self.finished.set()
 
 
-def interrupt_pool_submit(lane: TransferLane, after_queuing: bool) -> None:
+def interrupt_pool_submit(
+    lane: TransferLane, after_queuing: bool, once_started: bool = False
+) -> None:
     """Make the lane's next hand-off raise KeyboardInterrupt, before or after the pool
-    queued the job (a Ctrl-C landing inside `ThreadPoolExecutor.submit`)."""
+    queued the job (a Ctrl-C landing inside `ThreadPoolExecutor.submit`); with
+    `once_started`, only once the lane's thread has started the job."""
     executor = lane._executor
     real_submit: Callable[..., Any] = executor.submit
 
@@ -49,6 +52,11 @@ def interrupt_pool_submit(lane: TransferLane, after_queuing: bool) -> None:
         executor.submit = real_submit  # type: ignore[method-assign]
         if after_queuing:
             real_submit(*args, **kwargs)
+            deadline = time.monotonic() + 10
+            future = lane._pending[-1].future if once_started and lane._pending else None
+            while future is not None and not (future.running() or future.done()):
+                assert time.monotonic() < deadline, "the lane never started the job"
+                time.sleep(0.001)
         raise KeyboardInterrupt
 
     executor.submit = submit  # type: ignore[method-assign]
@@ -65,7 +73,7 @@ def test_a_job_queued_before_the_interrupt_is_waited_for_and_reported() -> None:
     at once while it still copied, and it was never reported."""
     lane = TransferLane("test")
     job = SlowJob()
-    interrupt_pool_submit(lane, after_queuing=True)
+    interrupt_pool_submit(lane, after_queuing=True, once_started=True)
     with pytest.raises(KeyboardInterrupt):
         lane.submit(7, job)
     done, failed = take_all(lane)
@@ -101,21 +109,30 @@ def test_cancel_queued_drops_the_waiting_jobs_and_waits_for_none_of_them() -> No
     assert not queued.started.is_set()
 
 
-def test_a_pool_whose_thread_cannot_start_reports_its_jobs_failed(
+def test_a_lane_whose_thread_cannot_start_fails_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The lane's thread initializer raising breaks the pool: the pool never runs the
-    job, and the lane must not wait for it for ever."""
+    """The lane's thread initializer raising: the lane is refused when it is made,
+    naming the cause, rather than failing every job later."""
 
     def refuse(num_threads: int) -> bool:
-        raise RuntimeError(f"cannot limit the copy threads to {num_threads}")
+        raise OSError(f"cannot limit the copy threads to {num_threads}")
 
     monkeypatch.setattr(lanes_module, "limit_intra_op_threads", refuse)
-    lane = TransferLane("test", copy_threads=1)
-    job = SlowJob()
-    lane.submit(3, job)
-    assert take_all(lane) == ({}, [3])
-    assert not job.started.is_set()
+    with pytest.raises(RuntimeError, match="lane test: its thread failed to start"):
+        TransferLane("test", copy_threads=1)
+
+
+def test_the_lanes_thread_runs_before_the_first_submit() -> None:
+    """`submit` never starts a thread (an interrupt during a thread start could leave a
+    running thread unrecorded, and the next submit would start a second one)."""
+    lane = TransferLane("test")
+    threads = list(lane._executor._threads)  # type: ignore[attr-defined]
+    assert len(threads) == 1
+    assert threads[0].is_alive()
+    lane.submit(1, SlowJob(0.0))
+    assert list(lane._executor._threads) == threads  # type: ignore[attr-defined]
+    assert list(take_all(lane)[0]) == [1]
     lane.close()
 
 
@@ -128,7 +145,7 @@ def test_a_worker_submit_interrupted_in_its_lane_keeps_its_books(after_queuing: 
     fill_random(kv, seed=1)
     worker = make_worker(WorkerConfig(cpu_num_slots=4), kv)
     image = block_bytes(worker.regions, 2)
-    interrupt_pool_submit(worker._lanes[Direction.STORE], after_queuing)
+    interrupt_pool_submit(worker._lanes[Direction.STORE], after_queuing, once_started=True)
     with pytest.raises(KeyboardInterrupt):
         worker.submit(TransferPlan(step_id=0, jobs=(job(1, Tier.GPU, Tier.CPU, [2], [0]),)))
     worker.check_invariants()

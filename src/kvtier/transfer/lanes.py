@@ -63,6 +63,10 @@ def _run(future: Future[_Ran], job: JobFn) -> None:
         future.set_result(_Ran(completion, time.perf_counter() - start))
 
 
+def _started() -> None:
+    """The lane's first task: proves its thread runs (see `TransferLane.__init__`)."""
+
+
 def _cancel(future: Future[_Ran]) -> None:
     """Cancel a job's future unless its job started: `_run` then never starts it.
 
@@ -102,6 +106,16 @@ class TransferLane:
         self._executor = ThreadPoolExecutor(
             1, thread_name_prefix=f"kvtier-{name}", initializer=initializer
         )
+        # Start the thread now, so `submit` never starts one: an interrupt inside the
+        # pool's thread start could leave a running thread unrecorded, and the next
+        # submit would start a second one (two jobs of the lane at once, out of order).
+        try:
+            self._executor.submit(_started).result()
+        except BaseException as exc:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            if isinstance(exc, Exception):
+                raise RuntimeError(f"lane {name}: its thread failed to start ({exc})") from exc
+            raise
         self._pending: deque[_Pending] = deque()
         self._closed = False
 
