@@ -201,7 +201,9 @@ def test_a_failed_load_on_a_tight_hybrid_pool_does_not_stall_the_requests_behind
 def run_a_failed_load_on_the_tight_hybrid_pool(policy: str, priorities: tuple[int, int]) -> None:
     """Serve two 69-token prompts from the tier on 16 GPU blocks as one load that fails,
     the requests of vLLM scheduling `policy` at `priorities`; check that both finish
-    within 200 steps with their hits, and that nothing leaks."""
+    with their hits, and that nothing leaks. The step bounds only tell a stall (which
+    never ends) from slow copies: kvtier copies on real threads, and on 2 busy cores the
+    store phase took up to 163 steps."""
     groups = (KVGroupDef(16), KVGroupDef(16, 32))
     harness = kvtier_harness(
         kv_groups=groups,
@@ -211,14 +213,14 @@ def run_a_failed_load_on_the_tight_hybrid_pool(policy: str, priorities: tuple[in
         scheduling_policy=policy,
     )
     prompts = shared_prefix_prompts(2, prefix_len=48, suffix_len=21, seed=3)
-    harness.run_requests(prompts, max_tokens=1, max_steps=200)
+    harness.run_requests(prompts, max_tokens=1, max_steps=1000)
     assert harness.scheduler.reset_prefix_cache()
     gate = PollGate(offload_worker(harness))
     gate.fail_loads(zero_blocks(harness))
     again = {f"again-{r}": p for r, p in prompts.items()}
     for (request_id, prompt), priority in zip(again.items(), priorities, strict=True):
         harness.add_request(request_id, prompt, max_tokens=1, priority=priority)
-    drain(harness, max_steps=200)  # "engine still busy" when it stalls
+    drain(harness, max_steps=1000)  # "engine still busy" when it stalls
     assert harness.finished >= set(again)
     assert gate.num_failed_loads == 1
     assert all(harness.external_hit_tokens(r) == 64 for r in again)
