@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.block_pool import BlockPool
@@ -164,17 +164,18 @@ class OffloadSide:
         started (a flushed worker reports, at its next poll, all it started)."""
         if not self._unconfirmed:
             return
-        started = self.worker.poll()
-        reported = {*started.done, *started.failed}
-        failed = {event_id: 1 for event_id in self._unconfirmed if event_id not in reported}
-        self._held_reports += [started, WorkerReport(failed=failed)]
+        self._hold_failures(self.worker.poll(), self._unconfirmed)
         self._unconfirmed.clear()
 
     def _fail_unsubmitted(self, plan: TransferPlan, started: WorkerReport) -> None:
         """Hold `started` and a failure of each event of `plan` it lacks, for `poll`."""
+        self._hold_failures(started, [job.event_id for job in plan.jobs])
+
+    def _hold_failures(self, started: WorkerReport, event_ids: Iterable[int]) -> None:
+        """Hold `started` and a failure of each of `event_ids` it lacks, for `poll`."""
         reported = {*started.done, *started.failed}
         # One count per event: this engine runs one worker.
-        failed = {job.event_id: 1 for job in plan.jobs if job.event_id not in reported}
+        failed = {event_id: 1 for event_id in event_ids if event_id not in reported}
         self._held_reports += [started, WorkerReport(failed=failed)]
 
     def finish_step(self, finished: Sequence[Request]) -> None:

@@ -80,7 +80,9 @@ def _cancel(future: Future[_Ran]) -> None:
 
 def _settle(future: Future[_Ran], ran: Future[None]) -> None:
     """Settle the lane's `future` of a job the pool never ran (`ran` is the pool's own
-    future of `_run`): cancelled at a shutdown, or failed by a broken pool."""
+    future of `_run`). A safety net: the lane cancels its own futures before it shuts
+    the pool down, and its thread starts (or the lane is refused) before any job, so
+    only a pool stopped or broken some other way gets here; `wait_all` must not hang."""
     if future.done():
         return
     if ran.cancelled():
