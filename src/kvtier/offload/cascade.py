@@ -18,6 +18,11 @@ block loses that key (evicted, discarded, reset); evicted before that, it counts
 lost block. So a disk whose every write fails costs at most one failed demotion per
 cached CPU block, and an idle engine stops issuing them.
 
+With the token check on (SPEC §3 Beyond), a CPU block is on disk only where a disk copy
+of its key has its tag: a copy with none (restored from a manifest written without the
+check) or another tag serves none of its requests, so the CPU copy is demoted in either
+mode and replaces it.
+
 Promotion (DISK → CPU, SPEC §1) reuses the GPU copy a disk hit leaves behind: the
 block is on the GPU after its load and the CPU tier lacks it, so store selection picks
 it like any other block (the CPU tier's admission policy decides whether it is worth
@@ -119,7 +124,7 @@ class Cascade:
             key = cpu_pool.key(block_id)
             if key is None or key in self.in_flight_keys:
                 continue
-            disk_block = disk_pool.cached_block(key)
+            disk_block = self._disk_copy(block_id, key)
             if disk_block is not None:
                 on_disk.append(disk_block)
                 continue
@@ -142,6 +147,24 @@ class Cascade:
         for (block_id, key), disk_id in zip(chosen, disk_ids, strict=True):
             self.in_flight_keys.add(key)
             self.queued.append(MoveItem(block_id, disk_id, key, cpu_pool.num_tokens(block_id)))
+
+    def _disk_copy(self, cpu_block_id: int, key: Key) -> int | None:
+        """Return the disk block that holds what CPU block `cpu_block_id` holds under its
+        primary key `key`, or None.
+
+        With the token check on, a CPU copy tagged T is held on disk only by a disk copy
+        of `key` tagged T: one with no tag (a manifest written without the check) or
+        another tag serves none of the requests the CPU copy serves, so the CPU copy is
+        demoted to replace it (`_register`). An untagged CPU copy serves no request
+        either: any disk copy is as good.
+        """
+        disk_block = self.disk_pool.cached_block(key)
+        if disk_block is None:
+            return None
+        tag = self.cpu_pool.tag(cpu_block_id)
+        if tag is not None and self.disk_pool.tag(disk_block, key) != tag:
+            return None
+        return disk_block
 
     def after_cpu_loads(self, cpu_block_ids: Sequence[int]) -> None:
         """Write-through: a CPU hit refreshes the block's disk copy too.
@@ -173,7 +196,7 @@ class Cascade:
         """Count a CPU eviction that loses the block: no disk copy, none in flight."""
         self.dropped.discard((block_id, key))
         self.failed.discard((block_id, key))
-        if key not in self.in_flight_keys and self.disk_pool.cached_block(key) is None:
+        if key not in self.in_flight_keys and self._disk_copy(block_id, key) is None:
             self.counters.num_lost_blocks += 1
 
     def forget_all(self) -> None:
@@ -225,11 +248,16 @@ class Cascade:
             cpu_pool.release_evicted(block_id)
 
     def _register(self, item: MoveItem) -> None:
-        keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]
+        disk_pool = self.disk_pool
         tag = self.cpu_pool.tag(item.cpu_block_id)  # the CPU block's primary key is item.key
+        if tag is not None:  # it replaces disk copies the token check cannot serve (their
+            for stale in disk_pool.cached_blocks(item.key):  # other keys go with them)
+                if disk_pool.tag(stale, item.key) != tag:
+                    disk_pool.discard_keys(stale)
+        keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]
         for key in keys:
             event = None if self._event is None else self._event(key, item.num_tokens)
-            self.disk_pool.insert_key(key, item.disk_block_id, item.num_tokens, event, tag)
+            disk_pool.insert_key(key, item.disk_block_id, item.num_tokens, event, tag)
             tag = None  # a tag goes with the primary key only
         self.counters.num_demoted_blocks += 1
 

@@ -1,0 +1,102 @@
+"""The cascade with the token check on (SPEC §3 and §7 Beyond): a disk copy of a key that
+the check cannot serve (restored from a manifest written without the check, or holding
+another tag) does not count as the CPU copy's disk copy. The tagged CPU copy is demoted
+and replaces it.
+
+Regression: a key restored without a tag (or with another one) counted as already on
+disk, so neither write-through nor write-back demoted the tagged CPU copy; once the CPU
+tier evicted it, every lookup of the prefix missed.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sim import Admission, SimEngine, make_request
+from test_scenarios_cascade import cascade_engine, keys_of
+from test_token_check import expected_tags
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.offload.cascade import Cascade
+from kvtier.offload.config import CascadeMode
+from kvtier.offload.plan import SlotRecord, Tier
+
+WT, WB = CascadeMode.WRITE_THROUGH, CascadeMode.WRITE_BACK
+OTHER = b"o" * 16
+
+
+def restored_disk(mode: CascadeMode, num_cpu: int, tag: bytes | None) -> SimEngine:
+    """A cascade engine whose disk restored request "a"'s 2 blocks with `tag`."""
+    engine = cascade_engine(mode, num_cpu=num_cpu, num_disk=12, token_check=True)
+    records = [(slot, SlotRecord(k, 4, tag)) for slot, k in enumerate(keys_of(range(8), 2), 1)]
+    assert engine.scheduler.restore(Tier.DISK, records) == 2
+    return engine
+
+
+def disk_tags(engine: SimEngine) -> list[bytes | None]:
+    disk = engine.scheduler.index.pools[Tier.DISK]
+    slots = [disk.cached_blocks(k) for k in keys_of(range(8), 2)]
+    assert all(len(s) == 1 for s in slots), f"a key held by several disk blocks: {slots}"
+    return [disk.tag(s[0]) for s in slots]
+
+
+@pytest.mark.parametrize("tag", [None, OTHER])
+def test_write_through_replaces_a_restored_disk_copy_the_check_cannot_serve(
+    tag: bytes | None,
+) -> None:
+    engine = restored_disk(WT, num_cpu=5, tag=tag)
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    assert disk_tags(engine) == expected_tags(list(range(8)))
+    assert engine.scheduler.take_stats().num_demoted_blocks == 2
+    engine.run(make_request("b", range(200, 216)))  # evicts "a" from the CPU tier
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.admit(make_request("c", [*range(8), 5])) == Admission(0, 8, 8)  # from disk
+    engine.drain()
+    engine.check()
+
+
+@pytest.mark.parametrize("tag", [None, OTHER])
+def test_write_back_demotes_a_tagged_cpu_copy_over_a_restored_one(tag: bytes | None) -> None:
+    engine = restored_disk(WB, num_cpu=9, tag=tag)
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.run(make_request("b", range(200, 224)))  # "a" reaches the reserve window
+    for _ in range(3):
+        engine.step()
+    engine.drain()
+    assert disk_tags(engine) == expected_tags(list(range(8)))
+    stats = engine.scheduler.take_stats()
+    assert stats.num_demoted_blocks == 2
+    assert stats.num_lost_blocks == 0
+    engine.evict_gpu()
+    assert engine.admit(make_request("c", [*range(8), 5])) == Admission(0, 8, 8)
+    engine.drain()
+    engine.check()
+
+
+def test_a_disk_copy_with_the_cpu_copys_tag_is_kept_and_an_untagged_cpu_copy_replaces_none() -> (
+    None
+):
+    """Only a tagged CPU copy replaces a disk copy, and only one with another tag."""
+    cpu, disk = BlockPool(9), BlockPool(9)
+    cascade = Cascade(cpu, disk, WT, reserve=2)
+    keys = keys_of(range(12), 3)
+    for slot, (k, tag) in enumerate(zip(keys, [b"a" * 16, None, OTHER], strict=True), 1):
+        disk.touch([slot])
+        disk.insert_key(k, slot, 4, tag=tag)
+        disk.free([slot])
+    block_ids = cpu.allocate(3)
+    for k, block_id, tag in zip(keys, block_ids, [b"a" * 16, None, b"c" * 16], strict=True):
+        cpu.insert_key(k, block_id, 4, tag=tag)
+    cascade.after_stores(block_ids)
+    items = cascade.take_queued()
+    assert [item.key for item in items] == [keys[2]]  # same tag: kept; untagged: no gain
+    cascade.complete(items, succeeded=True, abandoned=False)
+    assert disk.cached_blocks(keys[2]) == [items[0].disk_block_id]
+    assert disk.tag(items[0].disk_block_id) == b"c" * 16
+    assert disk.key(3) is None  # the replaced copy is gone, its tag with it
+    assert disk.tag(3) is None
+    cpu.free(block_ids)
+    cpu.check_invariants()
+    disk.check_invariants()
