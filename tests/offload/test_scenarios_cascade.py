@@ -208,7 +208,9 @@ def test_a_failed_demotion_loses_the_disk_copy_and_keeps_the_cpu_one() -> None:
     assert not holds(engine, Tier.DISK, key)
     assert engine.scheduler.take_stats().num_failed_demotions == demotion.num_blocks
     disk = engine.scheduler.index.pools[Tier.DISK]
-    assert disk.num_free() == disk.num_usable_blocks
+    held = engine.scheduler.cascade.set_aside.held()  # type: ignore[union-attr]
+    assert sorted(held) == sorted(demotion.dst_block_ids)  # set aside, not reused first
+    assert disk.num_free() == disk.num_usable_blocks - len(held)
     engine.check()
 
 

@@ -32,6 +32,7 @@ from hypothesis.stateful import invariant
 from scheduler_machine import SchedulerDriver, Slot, tagged
 
 from kvtier.offload.config import CascadeMode, StoreMode
+from kvtier.offload.plan import Tier
 
 
 class SchedulerMachine(SchedulerDriver):
@@ -59,6 +60,8 @@ class SchedulerMachine(SchedulerDriver):
         if scheduler.cascade is not None:
             for move in scheduler.cascade.queued:
                 want_tier.update([("CPU", move.cpu_block_id), ("DISK", move.disk_block_id)])
+            # Disk slots of failed demotions, held so that a bad one is not reused first.
+            want_tier.update(("DISK", b) for b in scheduler.cascade.set_aside.held())
         want_gpu = worker.in_flight_refs("GPU") + engine.engine_refs()
         want_gpu.update(queued_stores.gpu_block_ids)
         for pin in self.lookup_pins.values():
@@ -130,8 +133,15 @@ class SchedulerMachine(SchedulerDriver):
         assert not engine.scheduler.has_pending_stores()
         self.every_pin_is_explained()
         self.visible_keys_were_stored_by_every_worker()
+        cascade = engine.scheduler.cascade
+        held = len(cascade.set_aside) if cascade is not None else 0  # until a reset
         for tier, pool in engine.scheduler.index.pools.items():
-            assert pool.num_free() == pool.num_usable_blocks, f"{tier.value} slots leaked"
+            left = held if tier is Tier.DISK else 0
+            assert pool.num_free() == pool.num_usable_blocks - left, f"{tier.value} slots leaked"
+        if held:
+            assert engine.scheduler.reset()
+            pools = engine.scheduler.index.pools.values()
+            assert all(pool.num_free() == pool.num_usable_blocks for pool in pools)
         assert self.gpu_refs() == Counter(), "GPU blocks still pinned"
         engine.check()
 

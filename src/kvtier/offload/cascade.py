@@ -16,7 +16,9 @@ not retried in a loop (which kept a drain going for ever): its (CPU block, key) 
 remembered and not demoted again until a demotion succeeds (the disk works again) or the
 block loses that key (evicted, discarded, reset); evicted before that, it counts as a
 lost block. So a disk whose every write fails costs at most one failed demotion per
-cached CPU block, and an idle engine stops issuing them.
+cached CPU block, and an idle engine stops issuing them. Write-back's walk looks past
+given-up blocks (`select_write_back`), and a failed demotion's disk slots are set aside
+rather than reused first (`disk_slots`), so a few bad slots do not stop every demotion.
 
 With the token check on (SPEC §3 Beyond), a CPU block is on disk only where a disk copy
 of its key has its tag: a copy with none (restored from a manifest written without the
@@ -38,12 +40,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key
 from kvtier.offload.config import CascadeMode
+from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.plan import SlotRecord
 
 
@@ -65,6 +67,10 @@ class CascadeCounters:
     num_failed_demotions: int = 0  # write-back: once per (CPU block, key) until one succeeds
     num_dropped_demotions: int = 0  # no disk slot could be allocated (once per CPU key)
     num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (nor one coming)
+
+
+# The write-back walk visits at most this many times `reserve` free CPU blocks.
+_WALK_SPAN = 4
 
 
 class Cascade:
@@ -94,6 +100,7 @@ class Cascade:
         # Write-back: (CPU block, key) pairs whose demotion failed, not demoted again; they
         # go as `dropped`'s do, and all at once when a demotion succeeds.
         self.failed: set[tuple[int, Key]] = set()
+        self.set_aside = SetAsideSlots(disk_pool)  # disk slots of failed demotions
         self._event = event
         cpu_pool.on_evict = self._on_cpu_evict
 
@@ -105,15 +112,30 @@ class Cascade:
             self._demote(cpu_block_ids)
 
     def select_write_back(self) -> None:
-        """Write-back: demote the cached blocks among the CPU tier's next victims."""
+        """Write-back: demote the cached blocks among the CPU tier's next victims.
+
+        The window holds the next `reserve` victims that are not given up (`failed`): the
+        walk looks past those, which the disk could not take, so they neither shrink the
+        window nor, once they fill it, stop every demotion (then none succeeds to show the
+        disk works again, and the blocks behind them were evicted undemoted). It visits at
+        most `_WALK_SPAN` times `reserve` free blocks, so a step's walk stays short when a
+        failing disk left most of a large CPU tier given up.
+        """
         if self.mode is not CascadeMode.WRITE_BACK:
             return
         key, failed = self.cpu_pool.key, self.failed
         victims = []
-        for block_id in islice(self.cpu_pool.iter_free_after(None), self.reserve):
+        left = self.reserve
+        visits = _WALK_SPAN * self.reserve
+        for block_id in self.cpu_pool.iter_free_after(None):
+            visits -= 1
             k = key(block_id)
-            if k is not None and (not failed or (block_id, k) not in failed):
-                victims.append(block_id)
+            if k is None or not failed or (block_id, k) not in failed:
+                if k is not None:
+                    victims.append(block_id)
+                left -= 1
+            if not left or not visits:
+                break
         self._demote(victims)
 
     def _demote(self, cpu_block_ids: Iterable[int]) -> None:
@@ -133,6 +155,7 @@ class Cascade:
             self._refresh(on_disk)
         if not chosen:
             return
+        self.set_aside.make_room(len(chosen))
         room = min(len(chosen), disk_pool.num_free())
         dropped = self.dropped
         for pair in chosen[room:]:
@@ -200,9 +223,11 @@ class Cascade:
             self.counters.num_lost_blocks += 1
 
     def forget_all(self) -> None:
-        """Forget every dropped and failed demotion (a reset discards the keys)."""
+        """Forget every dropped and failed demotion (a reset discards the keys) and give
+        back the disk slots set aside."""
         self.dropped.clear()
         self.failed.clear()
+        self.set_aside.clear()
 
     def take_queued(self) -> list[MoveItem]:
         """Return and forget the demotions selected since the last call."""
@@ -225,6 +250,7 @@ class Cascade:
         elif not abandoned and self.failed:  # the disk works again: retry the failed ones
             self.failed.clear()
         registered = succeeded and not abandoned
+        disk_ids = [item.disk_block_id for item in items]
         for item in items:
             if not abandoned:  # an abandoned move's key was let go at the reset
                 self.in_flight_keys.discard(item.key)
@@ -232,8 +258,13 @@ class Cascade:
             # read are suspect too, and nothing is registered.
             if registered and cpu_pool.key(item.cpu_block_id) == item.key:
                 self._register(item)
-        # Tail first, as every release: the pins may be the blocks' last references.
-        disk_pool.free([item.disk_block_id for item in items[::-1]])
+        if succeeded or abandoned:
+            # Tail first, as every release: the pins may be the blocks' last references.
+            disk_pool.free(disk_ids[::-1])
+            if registered:
+                self.set_aside.note_succeeded(disk_ids)
+        else:  # a bad slot would be reused first, failing every later job: held instead
+            self.set_aside.note_failed(disk_ids)
         moved: list[int] = []  # write-back: a moved block leaves the CPU tier, unless a
         if registered and self.mode is CascadeMode.WRITE_BACK:  # load pinned it meanwhile
             moved = [
