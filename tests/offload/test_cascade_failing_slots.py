@@ -105,6 +105,27 @@ def test_trials_bisect_the_suspects_to_the_bad_slot() -> None:
     assert disk.num_free() == 8
 
 
+def test_after_a_passing_trial_the_next_group_is_twice_as_large() -> None:
+    """A failure that passed (no bad slot) is not bisected to the end: once the halved
+    trials pass, all suspects soon come back."""
+    disk = BlockPool(17)
+    aside = SetAsideSlots(disk)
+    aside.note_failed(disk.allocate(8))
+    aside.note_succeeded([])
+    aside.note_failed(disk.allocate(8))  # all 8 on trial, failed again: groups of 4
+    sizes = []
+    while aside.suspects or aside.on_trial:
+        assert len(sizes) < 8, "the suspects never all came back"
+        aside.note_succeeded([])
+        job = disk.allocate(len(aside.on_trial))
+        sizes.append(len(job))
+        disk.free(job)
+        aside.note_succeeded(job)
+    assert sizes == [4, 4]
+    assert aside.trial_size >= 8
+    assert disk.num_free() == 16
+
+
 def test_held_slots_come_back_when_the_disk_has_no_other_room() -> None:
     disk = BlockPool(5)
     aside = SetAsideSlots(disk)

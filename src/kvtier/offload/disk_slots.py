@@ -9,9 +9,10 @@ failed job does not say which of its slots failed, so `SetAsideSlots` holds them
 
 A later demotion that succeeds shows the disk works: suspects are given back to the pool
 *on trial*, at most `trial_size` at a time and one group at a time. A trial slot that a
-successful demotion wrote into is cleared. A failed job with several trial slots halves
-the trial size and puts them back first, so the next trials bisect them; a failed job
-with one trial slot found a bad slot, held until a reset. Slots in a failed job that were
+successful demotion wrote into is cleared, and a group that passed doubles the trial
+size. A failed job with several trial slots halves the trial size and puts them back
+first, so the next trials bisect them; a failed job with one trial slot found a bad
+slot, held until a reset. Slots in a failed job that were
 not on trial become suspects.
 
 Held slots cost disk capacity only: when a demotion finds fewer free disk blocks than it
@@ -74,6 +75,8 @@ class SetAsideSlots:
         on_trial = self.on_trial
         if on_trial:
             on_trial.difference_update(slots)
+            if not on_trial:  # the group passed: the next may be twice as large
+                self.trial_size = min(_ALL, 2 * self.trial_size)
         if self.suspects and not on_trial:
             group = self.suspects[: self.trial_size]
             del self.suspects[: len(group)]
