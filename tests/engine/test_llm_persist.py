@@ -76,6 +76,27 @@ def test_token_tags_survive_a_restart(tmp_path: Path, cascade: bool) -> None:
     assert tokens(third) == tokens(reference)
 
 
+def test_a_prefix_kept_without_the_check_hits_again_from_the_second_checking_restart(
+    tmp_path: Path,
+) -> None:
+    """A checking run stores its tagged copies of keys a run without the check kept; the
+    manifest then holds both, and the next restarts serve the tagged ones.
+
+    Regression: the untagged records (lower slots) were indexed first and the lookup
+    checks a key's first block only, so every later run missed the whole prefix, demoted
+    it again and its manifest grew by one more copy of every block (30, 60, 90 ...)."""
+    reference, _ = run(None)
+    run(persistent(tmp_path, cascade=True))
+    restored_counts = []
+    for _ in range(3):
+        outputs, restored = run(persistent(tmp_path, cascade=True, token_check=True))
+        assert tokens(outputs) == tokens(reference)
+        restored_counts.append(restored)
+        hits = sum(o.num_external_hit_tokens for o in outputs)
+    assert hits > 0, "the tagged copies of the restarts before were not served"
+    assert restored_counts[1] == restored_counts[2], "every restart stored the prefix again"
+
+
 def test_another_model_discards_the_disk_cache(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -100,3 +100,22 @@ def test_a_disk_copy_with_the_cpu_copys_tag_is_kept_and_an_untagged_cpu_copy_rep
     cpu.free(block_ids)
     cpu.check_invariants()
     disk.check_invariants()
+
+
+def test_a_restored_tagged_copy_is_served_before_an_untagged_copy_of_its_key() -> None:
+    """A manifest holds both an untagged copy of a key (a run without the check) and the
+    tagged one a checking run stored since, at a higher slot: the tagged one is served.
+
+    Regression: restore indexed by slot order, so the untagged copy was the key's first
+    block, the only one a lookup checks: a miss at every restart."""
+    engine = cascade_engine(WT, num_cpu=5, num_disk=12, token_check=True)
+    keys = keys_of(range(8), 2)
+    stale = [(slot, SlotRecord(k, 4, None)) for slot, k in enumerate(keys, 1)]
+    fresh = [
+        (slot, SlotRecord(k, 4, tag))
+        for slot, k, tag in zip([5, 6], keys, expected_tags(list(range(8))), strict=True)
+    ]
+    assert engine.scheduler.restore(Tier.DISK, stale + fresh) == 4
+    assert engine.admit(make_request("c", [*range(8), 5])) == Admission(0, 8, 8)
+    engine.drain()
+    engine.check()

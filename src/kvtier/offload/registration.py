@@ -136,9 +136,17 @@ class Registrar:
         A slot out of range or already indexed, or a key of a group that is not cached,
         is skipped with a warning. A token count above the group's block size (a vLLM
         prefix count, which older manifests held) becomes the tokens inside the block.
+
+        With the token check on, tagged records are indexed first: a key a run without
+        the check kept (no tag) and a later run stored again with its tag is held by
+        both slots, and a lookup, which checks the key's first block only, must find the
+        tagged one (indexed behind the untagged copy, it was never served, and every run
+        demoted the key again).
         """
         groups = self.layout.groups
         num_restored = num_untagged = 0
+        if self.tags:  # stable: slot order within each kind
+            slots = sorted(slots, key=lambda pair: pair[1].tag is None)
         for slot, record in slots:
             group_id = key_group_id(record.key)
             valid_group = group_id < len(groups) and groups[group_id].is_cacheable
