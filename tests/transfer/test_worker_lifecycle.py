@@ -94,11 +94,11 @@ def test_lane_never_reports_past_an_unfinished_job() -> None:
     lane.submit(3, fail)
     lane.submit(4, last)
     assert ran_last.wait(JOIN_S)  # every job function has returned or raised
-    assert lane.take_finished() == ({}, [])
+    assert lane.take_finished() == ({}, {})
     slow.finished.set()
     lane.wait_all()
     done, failed = lane.take_finished()
-    assert (list(done), failed) == ([1, 2, 4], [3])
+    assert (list(done), list(failed)) == ([1, 2, 4], [3])
     assert done[1] == 0.004  # device work: its measured device time
     lane.close()
     lane.close()
@@ -111,7 +111,7 @@ def test_a_synchronous_job_reports_the_time_it_ran() -> None:
     lane.submit(1, lambda: time.sleep(0.05))
     lane.wait_all()
     done, failed = lane.take_finished()
-    assert failed == []
+    assert list(failed) == []
     assert 0.05 <= done[1] < 5
     lane.close()
 
@@ -139,7 +139,7 @@ def test_jobs_dropped_by_cancel_queued_are_reported_failed() -> None:
     lane.close()
     assert ran == [1]
     done, failed = lane.take_finished()
-    assert (list(done), failed) == ([1], [2])
+    assert (list(done), list(failed)) == ([1], [2])
 
 
 def test_copy_threads_bounds_only_the_lane_thread() -> None:

@@ -4,7 +4,8 @@
 and releases what they pinned, tail first (SPEC §4):
 
     load        tier blocks + GPU dsts freed; the request's load finishes once every
-                tier's part did, or fails as a whole (the failed copy's keys dropped)
+                tier's part did, or fails as a whole (the suspect blocks' keys dropped:
+                every block of a failed event, or only the bad blocks the workers named)
     store       keys registered, GPU src + tier slot freed; a failed or abandoned
                 store registers nothing
     demotion    handed to the `Cascade`
@@ -75,13 +76,16 @@ class TransferCompletion:
                 selector.gpu_pool.free(load.gpu_block_ids[::-1])
                 progress = load.progress
                 progress.num_pending -= 1
-                if transfer.succeeded:
+                # A failed event whose workers named its bad blocks copied every other
+                # block whole: only the loads reading a bad one fail.
+                suspect = transfer.suspect(load.tier_block_ids)
+                if not suspect:
                     self._counters.num_loaded_blocks += len(load.tier_block_ids)
                     if self._cascade is not None and load.tier is Tier.CPU:
                         self._cascade.after_cpu_loads(load.tier_block_ids)
                 else:
                     progress.failed = True
-                    for block_id in load.tier_block_ids:  # never serve a suspect copy again
+                    for block_id in suspect:  # never serve a suspect copy again
                         if self._cascade is not None and load.tier is Tier.CPU:
                             self._cascade.before_cpu_discard(block_id)
                         pool.discard_keys(block_id)

@@ -120,11 +120,20 @@ class WorkerReport:
     worker reports each event it was given exactly once, in one of the two maps.
     `seconds[event_id]` is how long a done event's copies took, from when the worker
     started them until they finished (merged: the slowest worker's); it may be absent.
+
+    `bad_blocks[event_id]`, for an event in `failed`, names the source block ids whose
+    data was bad when every failure counted there knew them (a disk slot that failed its
+    checksum or held no valid data): each of those workers then copied every *other*
+    source block of the event whole and verified, and has no copy of it still running.
+    Absent, every block of the failed event is suspect (an I/O error, a short read, a
+    failed copy). Merged: the union, kept only when every report failing the event gave
+    its blocks.
     """
 
     done: Mapping[int, int] = field(default_factory=dict)
     failed: Mapping[int, int] = field(default_factory=dict)
     seconds: Mapping[int, float] = field(default_factory=dict)
+    bad_blocks: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -133,10 +142,13 @@ class WorkerReport:
 
     @staticmethod
     def merge(reports: Iterable[WorkerReport]) -> WorkerReport:
-        """Return one report that sums the worker counts of `reports`."""
+        """Return one report that sums the worker counts of `reports` (and unites their
+        bad blocks where every failure of the event knew its own; see the class)."""
         done: dict[int, int] = {}
         failed: dict[int, int] = {}
         seconds: dict[int, float] = {}
+        bad: dict[int, set[int]] = {}
+        unknown: set[int] = set()  # failed by a report that does not name its bad blocks
         for report in reports:
             for event_id, value in report.seconds.items():
                 seconds[event_id] = max(seconds.get(event_id, 0.0), value)
@@ -144,4 +156,12 @@ class WorkerReport:
                 done[event_id] = done.get(event_id, 0) + count
             for event_id, count in report.failed.items():
                 failed[event_id] = failed.get(event_id, 0) + count
-        return WorkerReport(done=done, failed=failed, seconds=seconds)
+                if not count:
+                    continue
+                blocks = report.bad_blocks.get(event_id)
+                if blocks is None:
+                    unknown.add(event_id)
+                else:
+                    bad.setdefault(event_id, set()).update(blocks)
+        bad_blocks = {e: frozenset(b) for e, b in bad.items() if e not in unknown}
+        return WorkerReport(done=done, failed=failed, seconds=seconds, bad_blocks=bad_blocks)

@@ -78,6 +78,9 @@ class IssuedTransfer:
     num_failed: int = 0
     abandoned: bool = False
     seconds: float = 0.0  # the slowest worker's copy time so far
+    # The source blocks failing workers found bad, while every failure named its own
+    # (`WorkerReport.bad_blocks`); None once one did not: every block is suspect.
+    bad_blocks: set[int] | None = field(default_factory=set)
 
     @property
     def transfer_type(self) -> str:
@@ -88,6 +91,31 @@ class IssuedTransfer:
     def succeeded(self) -> bool:
         """Return True when no worker failed the event."""
         return self.num_failed == 0
+
+    def suspect(self, block_ids: list[int]) -> list[int]:
+        """Return those of the event's source `block_ids` whose copy cannot be trusted:
+        none when it succeeded, the bad ones when the workers named them, else all."""
+        if self.succeeded:
+            return []
+        if self.bad_blocks is None:
+            return block_ids
+        return [b for b in block_ids if b in self.bad_blocks]
+
+    def note_failure(self, bad_blocks: frozenset[int] | None) -> None:
+        """Take one report's failure of the event, with the bad source blocks it named."""
+        if self.bad_blocks is None:
+            return
+        if bad_blocks is not None and bad_blocks and bad_blocks <= set(self.job.src_block_ids):
+            self.bad_blocks.update(bad_blocks)
+            return
+        if bad_blocks is not None:
+            logger.warning(
+                "event %d: bad blocks %s are none or not all source blocks of it; every "
+                "block is suspect",
+                self.job.event_id,
+                sorted(bad_blocks),
+            )
+        self.bad_blocks = None
 
 
 class TransferBook:
@@ -151,6 +179,8 @@ class TransferBook:
                     continue
                 if failed:
                     transfer.num_failed += count
+                    if count:
+                        transfer.note_failure(report.bad_blocks.get(event_id))
                 else:
                     transfer.num_done += count
                     seconds = _copy_seconds(report, event_id)
@@ -171,6 +201,7 @@ class TransferBook:
                         self.num_workers,
                     )
                     transfer.num_failed = max(transfer.num_failed, 1)
+                    transfer.bad_blocks = None
                 completed.append(self._forget(event_id))
         return completed
 
@@ -237,7 +268,8 @@ def _copy_seconds(report: WorkerReport, event_id: int) -> float:
 
 
 def _check_counts(report: WorkerReport) -> None:
-    """Raise ValueError naming the first event whose worker count is not an int >= 0."""
+    """Raise ValueError naming the first event whose worker count is not an int >= 0, or
+    whose bad blocks are not a frozenset of ints of an event the report fails."""
     for name, counts in (("done", report.done), ("failed", report.failed)):
         for event_id, count in counts.items():
             if type(count) is not int or count < 0:
@@ -245,3 +277,14 @@ def _check_counts(report: WorkerReport) -> None:
                     f"worker report: {name}[{event_id!r}] = {count!r} is not a worker "
                     "count (an int >= 0); report refused"
                 )
+    for event_id, blocks in report.bad_blocks.items():
+        if not report.failed.get(event_id):
+            raise ValueError(
+                f"worker report: bad_blocks names event {event_id!r}, which it does not "
+                "fail; report refused"
+            )
+        if not isinstance(blocks, frozenset) or any(type(b) is not int for b in blocks):
+            raise ValueError(
+                f"worker report: bad_blocks[{event_id!r}] = {blocks!r} is not a frozenset "
+                "of block ids; report refused"
+            )

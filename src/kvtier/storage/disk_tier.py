@@ -27,7 +27,6 @@ one whose files are kept, and the next open finds nothing to restore.
 
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
 import logging
@@ -53,7 +52,7 @@ from kvtier.storage.manifest import (
 )
 from kvtier.storage.slot_file import (
     DIRECT_IO_ALIGNMENT,
-    DiskIOError,
+    BadSlotsError,
     FileIO,
     SlotFile,
 )
@@ -218,9 +217,11 @@ class DiskTier:
     def read_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> SlotRead:
         """Queue reading `slot_ids` into rows `0..len(slot_ids)` of `buffer` (load I/O thread).
 
-        `SlotRead.result()` raises DiskIOError on an I/O error, a short read, or a slot
-        whose bytes do not match the checksum of its last successful write. The checksums
-        are verified in the thread calling `result()`, so the I/O thread only reads.
+        `SlotRead.result()` raises DiskIOError on an I/O error or a short read, and its
+        subclass BadSlotsError, naming every such slot, when slots hold no valid data or
+        do not match the checksum of their last successful write (the other slots of the
+        read are then verified). The checksums are verified in the thread calling
+        `result()`, so the I/O thread only reads.
         """
         self._check_batch(buffer, slot_ids)
         slot_ids = slot_ids.copy()
@@ -266,15 +267,22 @@ class DiskTier:
             self._file.read(buffer.memory[a * size : b * size], int(slot_ids[a]))
 
     def _verify(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
+        """Check every slot of a finished read; raise BadSlotsError naming all bad ones."""
         size = self.config.bytes_per_slot
+        problems: dict[int, str] = {}
         for i, slot in enumerate(slot_ids.tolist()):
             if not self._valid[slot]:
-                raise DiskIOError(errno.EIO, f"slot {slot} holds no valid data", self.path)
+                problems.setdefault(slot, f"slot {slot} holds no valid data")
+                continue
             actual = xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
             if actual != int(self._checksums[slot]):
                 if self._log is not None:
                     self._log.forget([slot])  # a restart must not offer it again
-                raise DiskIOError(errno.EIO, f"checksum mismatch in slot {slot}", self.path)
+                problems.setdefault(slot, f"checksum mismatch in slot {slot}")
+        if problems:
+            first = min(problems)
+            more = f" (and {len(problems) - 1} more bad slots)" if len(problems) > 1 else ""
+            raise BadSlotsError(problems, problems[first] + more, self.path)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the file or buffers disagree with the configuration."""

@@ -22,6 +22,7 @@ import os
 import threading
 import warnings
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,7 @@ from kvtier.storage.file_lock import (
 
 __all__ = [
     "DIRECT_IO_ALIGNMENT",
+    "BadSlotsError",
     "DiskIOError",
     "DiskIOMode",
     "DiskTierBusyError",
@@ -55,6 +57,15 @@ _OPEN_ATTEMPTS = 3  # opens that find the file removed by its closing holder: st
 
 class DiskIOError(OSError):
     """A disk tier transfer failed (I/O error, short read/write, checksum mismatch)."""
+
+
+class BadSlotsError(DiskIOError):
+    """A read whose bytes arrived, but `slots` (slot ids, sorted) hold no valid data or fail
+    their checksum; every other slot of the read was verified."""
+
+    def __init__(self, slots: Iterable[int], message: str, path: str) -> None:
+        super().__init__(errno.EIO, message, path)
+        self.slots = tuple(sorted(slots))
 
 
 class FileIO(Protocol):

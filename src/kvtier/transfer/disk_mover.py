@@ -7,9 +7,13 @@ the copy of batch i overlaps the I/O of batches i+1 .. i+n-1:
     store:  copy→buf0 | copy→buf1 | wait buf0, copy→buf0 | ...     (writes run behind)
     load:   read→buf0, read→buf1 | wait buf0, copy out, read→buf0 | ...
 
-On the first failed batch the job stops submitting, waits for the I/O already queued
-(buffers are never reused while the I/O thread owns them) and raises: the whole job is
-reported failed. Runs on one lane thread per direction.
+A load whose reads all arrived but found bad slots (no valid data, checksum mismatch:
+`BadSlotsError`) copies every other slot of each batch out and goes on; once every batch
+is copied it raises `PartlyLoadedError` naming the bad slots, so that only the blocks read from
+them are suspect. On any other failure (an I/O error, a short read or write, a failed
+copy) the job stops submitting, waits for the I/O already queued (buffers are never
+reused while the I/O thread owns them) and raises: the whole job is reported failed.
+Runs on one lane thread per direction.
 """
 
 from __future__ import annotations
@@ -23,7 +27,19 @@ import torch
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.disk_tier import DiskTier, SlotRead
+from kvtier.storage.slot_file import BadSlotsError, DiskIOError
 from kvtier.transfer.copiers import BlockCopier, StagingRows
+
+
+class PartlyLoadedError(DiskIOError):
+    """A load that copied every slot but `slots` (sorted, distinct) into its destinations
+    whole, each verified against its checksum; the bad slots' destinations were not
+    written. No copy of the job is still running when it is raised."""
+
+    def __init__(self, slots: set[int], first: BadSlotsError, path: str) -> None:
+        more = f" ({len(slots)} bad slots: {sorted(slots)})" if len(slots) > 1 else ""
+        super().__init__(first.errno, f"{first.strerror}{more}", path)
+        self.slots = tuple(sorted(slots))
 
 
 class DiskMover:
@@ -81,27 +97,56 @@ class DiskMover:
     ) -> None:
         """Read `slot_ids` into blocks `dst[·][dst_ids]`; raise DiskIOError on failure.
 
-        Nothing is copied out of a batch that failed its read or checksum; earlier batches
-        may already be in `dst`, which is why the whole job is then reported failed.
+        Raises `PartlyLoadedError` when the only failures were bad slots: every other slot is
+        then in its destination. Nothing is copied out of a batch whose read failed;
+        earlier batches may already be in `dst`, which is why the whole job is then
+        reported failed.
         """
         order = np.argsort(slot_ids, kind="stable")
         slot_ids, dst_ids = slot_ids[order], dst_ids[order]
         buffers = self.disk.load_buffers
         batches = _batches(len(slot_ids), self.disk.batch_slots)
         inflight: deque[SlotRead] = deque()
+        bad: set[int] = set()
+        first: BadSlotsError | None = None
         try:
             for i, (a, b) in enumerate(batches[: len(buffers)]):
                 inflight.append(self.disk.read_slots(buffers[i], slot_ids[a:b]))
             for i, (a, b) in enumerate(batches):
                 k = i % len(buffers)
-                inflight.popleft().result()
-                copier.load_from_staging(self._load_rows[k], dst, dst_ids[a:b])
+                try:
+                    inflight.popleft().result()
+                except BadSlotsError as exc:
+                    first = first or exc
+                    bad.update(exc.slots)
+                    self._load_good_rows(copier, k, slot_ids[a:b], dst, dst_ids[a:b], exc.slots)
+                else:
+                    copier.load_from_staging(self._load_rows[k], dst, dst_ids[a:b])
                 if i + len(buffers) < len(batches):
                     na, nb = batches[i + len(buffers)]
                     inflight.append(self.disk.read_slots(buffers[k], slot_ids[na:nb]))
         finally:
             for read in inflight:
                 read.wait()
+        if first is not None:
+            raise PartlyLoadedError(bad, first, self.disk.path)
+
+    def _load_good_rows(
+        self,
+        copier: BlockCopier,
+        k: int,
+        slots: np.ndarray,
+        dst: Sequence[torch.Tensor],
+        dst_ids: np.ndarray,
+        bad: Sequence[int],
+    ) -> None:
+        """Copy the rows of load buffer `k` whose slot is not in `bad`, run by run."""
+        good = ~np.isin(slots, np.asarray(bad, dtype=slots.dtype))
+        staging = self._load_rows[k]
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], good, [False])).astype(np.int8)))
+        for a, b in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+            rows = StagingRows.of(staging.rows[a:b], staging.spans)
+            copier.load_from_staging(rows, dst, dst_ids[a:b])
 
 
 def _batches(num: int, batch: int) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 from kvtier.transfer.device import Completion
 from kvtier.transfer.threads import limit_intra_op_threads
@@ -143,11 +144,11 @@ class TransferLane:
             _cancel(pending.future)  # no-op once the job runs: it is then waited for
             raise
 
-    def take_finished(self) -> tuple[dict[int, float], list[int]]:
+    def take_finished(self) -> tuple[dict[int, float], dict[int, BaseException]]:
         """Return the finished jobs at the head: done event ids with their copy time in
-        seconds, and failed event ids; never blocks."""
+        seconds, and failed event ids with their error; never blocks."""
         done: dict[int, float] = {}
-        failed: list[int] = []
+        failed: dict[int, BaseException] = {}
         while self._pending:
             head = self._pending[0]
             if not head.future.done():
@@ -155,10 +156,10 @@ class TransferLane:
             outcome = _outcome(self.name, head)
             if outcome is None:
                 break
-            if outcome:
+            if outcome is True:
                 done[head.event_id] = _seconds(head.future.result())
             else:
-                failed.append(head.event_id)
+                failed[head.event_id] = outcome
             self._pending.popleft()
         return done, failed
 
@@ -198,12 +199,12 @@ class TransferLane:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _outcome(lane: str, pending: _Pending) -> bool | None:
-    """Return True (done), False (failed) or None (device work still running)."""
+def _outcome(lane: str, pending: _Pending) -> BaseException | Literal[True] | None:
+    """Return True (done), the error (failed) or None (device work still running)."""
     if pending.future.cancelled():
         logger.warning("lane %s: transfer event %d was cancelled", lane, pending.event_id)
-        return False
-    error = pending.future.exception()
+        return CancelledError(f"transfer event {pending.event_id} was cancelled")
+    error: BaseException | None = pending.future.exception()
     if error is None:
         completion = pending.future.result().completion
         if completion is None:
@@ -215,7 +216,7 @@ def _outcome(lane: str, pending: _Pending) -> bool | None:
         except Exception as exc:
             error = exc
     logger.warning("lane %s: transfer event %d failed: %s", lane, pending.event_id, error)
-    return False
+    return error
 
 
 def _seconds(ran: _Ran) -> float:

@@ -45,7 +45,7 @@ from kvtier.storage.slot_file import FileIO
 from kvtier.transfer.block_copy import row_dtype
 from kvtier.transfer.copiers import CpuCopier, CudaCopier
 from kvtier.transfer.device import pin_host_memory, record_compute_marker
-from kvtier.transfer.disk_mover import DiskMover
+from kvtier.transfer.disk_mover import DiskMover, PartlyLoadedError
 from kvtier.transfer.host_tier import HostTier
 from kvtier.transfer.job_checks import block_id_array, check_distinct, check_job_fields
 from kvtier.transfer.lanes import TransferLane
@@ -72,10 +72,12 @@ class OffloadWorker:
 
     Call every method from one thread (the engine's, the one that creates the worker).
     Transfer failures (I/O error, short read/write, checksum mismatch) become
-    `WorkerReport.failed` entries; contract violations (unknown tier, block ids that are
-    not ints or out of range, repeated event ids, fields of the wrong type) raise
-    ValueError. Call `shutdown()` (or use the worker as a context manager); a worker
-    dropped without it is released by a finalizer (see `worker_resources`), with a warning.
+    `WorkerReport.failed` entries, with the bad disk slots in `WorkerReport.bad_blocks`
+    when those were the only failures of a disk read (see `disk_mover`); contract
+    violations (unknown tier, block ids that are not ints or out of range, repeated
+    event ids, fields of the wrong type) raise ValueError. Call `shutdown()` (or use the
+    worker as a context manager); a worker dropped without it is released by a finalizer
+    (see `worker_resources`), with a warning.
     """
 
     def __init__(self, config: WorkerConfig, file_io: FileIO | None = None) -> None:
@@ -309,13 +311,19 @@ class OffloadWorker:
         done: dict[int, int] = {}
         failed: dict[int, int] = {}
         seconds: dict[int, float] = {}
+        bad_blocks: dict[int, frozenset[int]] = {}
         for lane in self._lanes.values():
             lane_done, lane_failed = lane.take_finished()
             done.update(dict.fromkeys(lane_done, 1))
             seconds.update(lane_done)
             failed.update(dict.fromkeys(lane_failed, 1))
+            for event_id, error in lane_failed.items():
+                # Only bad disk slots, each a source block id of the job (slot ids are
+                # the sources of every disk read); the job's other blocks were copied.
+                if isinstance(error, PartlyLoadedError):
+                    bad_blocks[event_id] = frozenset(error.slots)
         self._in_flight.difference_update(done, failed)
-        return WorkerReport(done=done, failed=failed, seconds=seconds)
+        return WorkerReport(done=done, failed=failed, seconds=seconds, bad_blocks=bad_blocks)
 
     def flush(self) -> None:
         """Block until every submitted transfer finished (done or failed)."""

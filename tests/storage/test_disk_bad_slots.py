@@ -1,0 +1,49 @@
+"""A read that finds bad slots names every one of them and verifies the others."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.storage import DiskIOError, DiskIOMode, DiskTier, DiskTierConfig
+from kvtier.storage.slot_file import BadSlotsError
+
+SLOT = 8192
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_read_names_every_bad_slot_of_its_batch(tmp_path: Path) -> None:
+    """Two corrupted slots and a never-written one in one four-slot read: the error
+    (a DiskIOError, message as before for the first) names all three; the good slot's
+    bytes are in the buffer."""
+    config = DiskTierConfig(
+        os.path.join(tmp_path, "rank0.slots"),
+        num_slots=16,
+        bytes_per_slot=SLOT,
+        io_mode=DiskIOMode.PAGE_CACHE,
+        batch_bytes=4 * SLOT,
+    )
+    tier = DiskTier(config)
+    gen = torch.Generator().manual_seed(31)
+    out = tier.store_buffers[0]
+    out.tensor[:3] = torch.randint(0, 256, (3, SLOT), dtype=torch.uint8, generator=gen)
+    good = out.tensor[1].numpy().tobytes()
+    tier.write_slots(out, np.array([4, 5, 6], dtype=np.int64)).result()
+    with open(tier.path, "r+b") as raw:
+        for slot in (4, 6):
+            raw.seek(slot * SLOT + 9)
+            value = raw.read(1)[0]
+            raw.seek(slot * SLOT + 9)
+            raw.write(bytes([value ^ 0x04]))
+    buffer = tier.load_buffers[0]
+    with pytest.raises(DiskIOError, match="checksum mismatch in slot 4") as caught:
+        tier.read_slots(buffer, np.array([4, 5, 6, 9], dtype=np.int64)).result()
+    assert isinstance(caught.value, BadSlotsError)
+    assert caught.value.slots == (4, 6, 9)
+    assert buffer.tensor[1].numpy().tobytes() == good
+    tier.close()
