@@ -39,7 +39,10 @@ class TransferJob:
     space (GPU block ids for the engine's cache, slot ids for a lower tier). Null block
     ids never appear. `event_id` is unique over the scheduler's lifetime, across kinds.
     `dst_records` is set only for jobs into a persistent disk tier: one per destination,
-    what the slot will hold, for the tier's manifest.
+    what the slot will hold, for the tier's manifest. `load_parts` is set on loads issued
+    by the scheduler: the number of source blocks (consecutive, in order) of each request
+    of `TransferPlan.load_request_ids[event_id]`, so that a worker can tell which requests
+    read a bad block (`WorkerReport.bad_blocks`); the copy itself ignores it.
     """
 
     event_id: int
@@ -48,6 +51,7 @@ class TransferJob:
     src_block_ids: tuple[int, ...]
     dst_block_ids: tuple[int, ...]
     dst_records: tuple[SlotRecord, ...] = ()
+    load_parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.src_block_ids) != len(self.dst_block_ids):
@@ -59,6 +63,11 @@ class TransferJob:
             raise ValueError(
                 f"event {self.event_id}: {len(self.dst_records)} slot records for "
                 f"{len(self.dst_block_ids)} destination blocks"
+            )
+        if self.load_parts and sum(self.load_parts) != len(self.src_block_ids):
+            raise ValueError(
+                f"event {self.event_id}: load parts {self.load_parts} do not add up to "
+                f"{len(self.src_block_ids)} source blocks"
             )
         if self.src_tier is self.dst_tier:
             raise ValueError(

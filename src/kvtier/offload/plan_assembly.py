@@ -81,7 +81,10 @@ class PlanAssembler:
             if parts:
                 tier_ids = tuple(b for item in parts for b in item.tier_block_ids)
                 gpu_ids = tuple(b for item in parts for b in item.gpu_block_ids)
-                jobs.append(self._issue(tier, Tier.GPU, tier_ids, gpu_ids, loads=parts))
+                sizes = tuple(len(item.tier_block_ids) for item in parts)
+                jobs.append(
+                    self._issue(tier, Tier.GPU, tier_ids, gpu_ids, loads=parts, load_parts=sizes)
+                )
         if self._cascade is not None:
             if walk:
                 self._cascade.select_write_back()
@@ -118,9 +121,11 @@ class PlanAssembler:
         loads: list[LoadItem] | None = None,
         stores: StoreBatch | None = None,
         moves: list[MoveItem] | None = None,
+        load_parts: tuple[int, ...] = (),
     ) -> TransferJob:
         """Record one event copying `src_ids` to `dst_ids` in the book; return its job."""
-        job = TransferJob(self._book.next_event_id(), src, dst, src_ids, dst_ids, records)
+        event_id = self._book.next_event_id()
+        job = TransferJob(event_id, src, dst, src_ids, dst_ids, records, load_parts)
         self._book.issue(
             IssuedTransfer(job, loads=loads or [], stores=stores or StoreBatch(), moves=moves or [])
         )

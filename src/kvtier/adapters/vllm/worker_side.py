@@ -8,8 +8,10 @@ Per step, in vLLM's order:
                            and its CPU → DISK demotions (cascade; no GPU memory touched)
     wait_for_save          record the compute-done marker, submit the store jobs
     get_transfer_results   poll(): requests whose every load event finished →
-                           finished_recving; those with a failed event (and the
-                           scheduler's never-issued ones) → failed_recving too
+                           finished_recving; those with a failed event (only those
+                           reading a bad block, when the worker named the event's bad
+                           blocks), and the scheduler's never-issued ones →
+                           failed_recving too
     worker metadata        the polled `WorkerReport` for the scheduler role
 
 The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
@@ -145,7 +147,8 @@ class WorkerSide:
         """Take this step's plan; its load map covers every outstanding load event."""
         self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
         self._echo_failed = metadata.unissued_failed_request_ids
-        self.loads.update(metadata.plan.load_request_ids)
+        plan = metadata.plan
+        self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
         self._loads_submitted = self._stores_submitted = False
 
     def clear(self) -> None:
@@ -189,7 +192,7 @@ class WorkerSide:
         """
         report = self.worker.poll()
         self._report = WorkerReport.merge([self._report, report])
-        finished, failed = self.loads.complete(report.done, report.failed)
+        finished, failed = self.loads.complete(report.done, report.failed, report.bad_blocks)
         if failed:
             logger.warning("kvtier loads failed for requests %s", sorted(failed))
         finished.update(self._echo_failed)

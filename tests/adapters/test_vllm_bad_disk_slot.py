@@ -1,0 +1,116 @@
+"""A corrupted disk slot through vLLM: only the request that reads it fails (SPEC §6.8).
+
+Two requests load their prefixes from the disk tier in one step, as one DISK -> GPU event;
+one rank finds one slot of it corrupted. That rank names the bad slot, reports only the
+request reading it in `failed_recving` and the other one as finished; the scheduler,
+from the ranks' merged report, fails the same request and drops only that slot's key.
+Regression: the whole event failed, so vLLM recomputed both requests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier_vllm import (
+    SLOT_BYTES,
+    check_quiescent,
+    drain,
+    kvtier_harness,
+    kvtier_worker,
+    offload_worker,
+    scheduler_side,
+)
+from vllm_harness import shared_prefix_prompts
+
+from kvtier.offload.plan import Tier, TransferPlan
+
+PREFIX = 64  # tokens per request's prefix
+BLOCKS = PREFIX // 16  # blocks of it (the harness model's 16-token blocks)
+
+
+class CorruptOneSlot:
+    """Wrap a rank's `OffloadWorker.submit`: before the first DISK -> GPU job serving two
+    requests, flip a byte of the first slot of request `which`'s part on disk."""
+
+    def __init__(self, worker: Any, which: int) -> None:
+        self.worker = worker
+        self.which = which
+        self._submit = worker.submit
+        worker.submit = self.submit
+        self.request_ids: tuple[str, ...] = ()
+        self.slot: int | None = None
+
+    def submit(self, plan: TransferPlan) -> None:
+        for job in plan.jobs:
+            ids = plan.load_request_ids.get(job.event_id, ())
+            if self.slot is None and job.src_tier is Tier.DISK and job.is_load and len(ids) == 2:
+                self.request_ids = ids
+                assert len(job.src_block_ids) == 2 * BLOCKS
+                self.slot = job.src_block_ids[self.which * BLOCKS]  # parts in request order
+                offset = self.slot * self.worker.bytes_per_slot + 17
+                with open(self.worker.disk_path, "r+b") as raw:
+                    raw.seek(offset)
+                    value = raw.read(1)[0]
+                    raw.seek(offset)
+                    raw.write(bytes([value ^ 0xFF]))
+        self._submit(plan)
+
+
+def record_failed(harness: Any, rank: int, into: set[str]) -> None:
+    """Collect what one rank's worker side reports in `failed_recving`."""
+    side = kvtier_worker(harness, rank).connector.worker_side  # type: ignore[attr-defined]
+    take = side.take_results
+
+    def take_results() -> tuple[set[str], set[str]]:
+        finished, failed = take()
+        into.update(failed)
+        return finished, failed
+
+    side.take_results = take_results
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_a_corrupted_slot_fails_only_the_request_that_reads_it(
+    tmp_path: Path, num_ranks: int, which: int
+) -> None:
+    extra = {"cpu_bytes": 0, "disk_bytes": 256 * SLOT_BYTES, "disk_path": str(tmp_path)}
+    extra["disk_io_mode"] = "page_cache"
+    harness = kvtier_harness(extra=extra, num_ranks=num_ranks)
+    prompts = shared_prefix_prompts(2, prefix_len=PREFIX, suffix_len=8, num_prefixes=2)
+    harness.run_requests(prompts, max_tokens=3)
+    drain(harness)
+    assert harness.scheduler.reset_prefix_cache()  # vLLM's GPU copies only
+    for cache in harness.caches:
+        cache.raw.zero_()
+    last = num_ranks - 1
+    corrupt = CorruptOneSlot(offload_worker(harness, rank=last), which)
+    reported: set[str] = set()
+    for rank in range(num_ranks):
+        record_failed(harness, rank, reported)
+    side = scheduler_side(harness)
+    apply = side.offload.apply_report
+    recomputed: list[str] = []
+
+    def apply_report(report: Any) -> Any:
+        outcome = apply(report)
+        recomputed.extend(f.request_id for f in outcome.failed_loads)
+        return outcome
+
+    side.offload.apply_report = apply_report  # type: ignore[method-assign]
+    again = {f"again-{r}": [*p, 9] for r, p in prompts.items()}
+    for request_id, prompt in again.items():
+        harness.add_request(request_id, prompt, max_tokens=3)
+    drain(harness)  # the harness checks every loaded block's content (never wrong KV)
+    assert harness.finished >= set(again)
+    assert corrupt.slot is not None, "the two prefixes never loaded in one event"
+    bad = corrupt.request_ids[which]
+    assert reported == {bad}  # vLLM's failed_recving, over the ranks
+    assert recomputed == [bad]  # kvtier's own view agrees
+    assert all(harness.external_hit_tokens(r) == PREFIX for r in again)  # offered
+    check_quiescent(harness)

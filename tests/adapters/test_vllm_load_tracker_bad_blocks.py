@@ -1,0 +1,62 @@
+"""`LoadTracker` with named bad blocks: only the requests reading one fail (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.adapters.vllm.load_tracker import LoadTracker
+from kvtier.offload.plan import Tier, TransferJob
+
+
+def load(event_id: int, parts: tuple[int, ...], first: int = 10) -> TransferJob:
+    src = tuple(range(first, first + sum(parts)))
+    dst = tuple(range(100, 100 + sum(parts)))
+    return TransferJob(event_id, Tier.DISK, Tier.GPU, src, dst, load_parts=parts)
+
+
+def test_only_the_requests_reading_a_bad_block_fail() -> None:
+    tracker = LoadTracker()
+    tracker.update({1: ("r", "s", "t")}, [load(1, (2, 3, 1))])  # r: 10-11, s: 12-14, t: 15
+    outcome = tracker.complete([], [1], {1: frozenset({13, 15})})
+    assert outcome == ({"r", "s", "t"}, {"s", "t"})
+    assert tracker.is_idle()
+
+
+@pytest.mark.parametrize(
+    "named", [frozenset(), frozenset({99}), frozenset({10, 99})], ids=["none", "foreign", "mixed"]
+)
+def test_names_that_are_not_source_blocks_fail_every_request(named: frozenset[int]) -> None:
+    tracker = LoadTracker()
+    tracker.update({1: ("r", "s")}, [load(1, (2, 2))])
+    assert tracker.complete([], [1], {1: named}) == ({"r", "s"}, {"r", "s"})
+    assert tracker.is_idle()
+
+
+def test_without_names_or_parts_every_request_fails() -> None:
+    tracker = LoadTracker()
+    tracker.update({1: ("r", "s"), 2: ("u", "v")}, [load(1, (2, 2)), load(2, (), first=20)])
+    outcome = tracker.complete([], [1, 2], {2: frozenset({20})})
+    assert outcome == ({"r", "s", "u", "v"}, {"r", "s", "u", "v"})
+    assert tracker.is_idle()
+
+
+def test_a_request_whose_other_part_is_bad_fails_once_both_finished() -> None:
+    """r loads from CPU (event 1) and disk (event 2); only disk's bad block is r's."""
+    tracker = LoadTracker()
+    cpu = TransferJob(1, Tier.CPU, Tier.GPU, (3,), (50,), load_parts=(1,))
+    tracker.update({1: ("r",), 2: ("s", "r")}, [cpu, load(2, (1, 1))])  # s: 10, r: 11
+    assert tracker.complete([], [2], {2: frozenset({11})}) == ({"s"}, set())
+    assert tracker.complete([1], []) == ({"r"}, {"r"})
+    assert tracker.is_idle()
+
+
+def test_parts_are_forgotten_once_the_event_is_no_longer_listed() -> None:
+    tracker = LoadTracker()
+    tracker.update({1: ("r",)}, [load(1, (1,))])
+    tracker.update({})  # e.g. a reset: the scheduler stopped listing it
+    assert not tracker._parts  # nothing kept for an event no longer listed
+
+
+def test_a_load_job_whose_parts_do_not_add_up_is_refused() -> None:
+    with pytest.raises(ValueError, match="do not add up"):
+        TransferJob(1, Tier.DISK, Tier.GPU, (1, 2), (3, 4), load_parts=(1,))
