@@ -12,8 +12,8 @@ import logging
 import pytest
 from sim import SimEngine, full_layout, make_request
 
-from kvtier.offload.plan import TransferJob, WorkerReport
-from kvtier.offload.transfers import FailedLoad
+from kvtier.offload.plan import Tier, TransferJob, WorkerReport
+from kvtier.offload.transfers import FailedLoad, IssuedTransfer
 
 PREFIX = 8  # tokens: two 4-token blocks per request
 
@@ -151,3 +151,14 @@ def test_merge_unites_named_blocks_only_when_every_failure_named_its_own() -> No
         [named[0], WorkerReport.merge([named[1], WorkerReport(failed={2: 1})])]
     )
     assert left.bad_blocks == right.bad_blocks == {1: frozenset({3, 5})}
+
+
+def test_a_failure_that_named_nothing_leaves_every_block_suspect() -> None:
+    """An event counted failed without any `note_failure` naming blocks (a count set some
+    other way) must not read as "no block suspect": that would finish its loads."""
+    job = TransferJob(5, Tier.DISK, Tier.GPU, (1, 2), (3, 4), load_parts=(2,))
+    transfer = IssuedTransfer(job, num_failed=1)
+    assert transfer.suspect([1, 2]) == [1, 2]
+    transfer.note_failure(frozenset({2}))
+    assert transfer.suspect([1, 2]) == [2]
+    assert IssuedTransfer(job).suspect([1, 2]) == []

@@ -97,7 +97,7 @@ class IssuedTransfer:
         none when it succeeded, the bad ones when the workers named them, else all."""
         if self.succeeded:
             return []
-        if self.bad_blocks is None:
+        if not self.bad_blocks:  # None, or no failure named any (fail closed)
             return block_ids
         return [b for b in block_ids if b in self.bad_blocks]
 
