@@ -37,9 +37,10 @@ class CorruptOneSlot:
     """Wrap a rank's `OffloadWorker.submit`: before the first DISK -> GPU job serving two
     requests, flip a byte of the first slot of request `which`'s part on disk."""
 
-    def __init__(self, worker: Any, which: int) -> None:
+    def __init__(self, worker: Any, which: int, byte: int = 17) -> None:
         self.worker = worker
         self.which = which
+        self.byte = byte  # 0: a fingerprint byte (the harness would see it served)
         self._submit = worker.submit
         worker.submit = self.submit
         self.request_ids: tuple[str, ...] = ()
@@ -52,7 +53,7 @@ class CorruptOneSlot:
                 self.request_ids = ids
                 assert len(job.src_block_ids) == 2 * BLOCKS
                 self.slot = job.src_block_ids[self.which * BLOCKS]  # parts in request order
-                offset = self.slot * self.worker.bytes_per_slot + 17
+                offset = self.slot * self.worker.bytes_per_slot + self.byte
                 with open(self.worker.disk_path, "r+b") as raw:
                     raw.seek(offset)
                     value = raw.read(1)[0]

@@ -1,0 +1,66 @@
+"""Edges of a disk load with bad slots: a copy failing after a bad batch names nothing;
+a slot read twice in one event (two requests sharing a block) is named once and every
+other destination holds its slot's bytes, whatever the batch boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_worker_bad_slots import SLOT_KV, config, corrupt_slot
+from transfer_helpers import block_bytes, fill_random, job, kv_per_layer, make_worker, run_plan
+
+from kvtier.offload.plan import Tier
+from kvtier.transfer.copiers import CpuCopier, StagingRows
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("failing_copy", [1, 2, 3], ids=["good-rows", "next-batch", "last"])
+def test_a_copy_failing_beside_a_bad_slot_fails_the_whole_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_copy: int
+) -> None:
+    """Batch 0 (slots 0, 1) has bad slot 0: its good row is copied (copy 1), then batches
+    1 and 2 (copies 2, 3). Any of them raising leaves destinations unknown: no names."""
+    kv = kv_per_layer(2, 32, SLOT_KV)
+    fill_random(kv, seed=31)
+    with make_worker(config(tmp_path, 2), kv) as w:
+        run_plan(w, job(1, Tier.GPU, Tier.DISK, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5]))
+        assert w.disk_path is not None
+        corrupt_slot(w.disk_path, 0)
+        calls = []
+        copy = CpuCopier.load_from_staging
+
+        def flaky(
+            self: CpuCopier, staging: StagingRows, dst: list[torch.Tensor], ids: np.ndarray
+        ) -> None:
+            calls.append(len(ids))
+            if len(calls) == failing_copy:
+                raise RuntimeError("copy failed")
+            copy(self, staging, dst, ids)
+
+        monkeypatch.setattr(CpuCopier, "load_from_staging", flaky)
+        report = run_plan(w, job(2, Tier.DISK, Tier.GPU, [0, 1, 2, 3, 4, 5], range(10, 16)))
+        assert (dict(report.failed), dict(report.bad_blocks)) == ({2: 1}, {})
+
+
+@pytest.mark.parametrize("batch_slots", [1, 2, 3, 16])
+def test_a_bad_slot_read_twice_is_named_once_and_the_others_are_copied(
+    tmp_path: Path, batch_slots: int
+) -> None:
+    kv = kv_per_layer(2, 32, SLOT_KV)
+    fill_random(kv, seed=32)
+    with make_worker(config(tmp_path, batch_slots), kv) as w:
+        images = {s: block_bytes(w.regions, b) for b, s in [(1, 4), (2, 5), (3, 6)]}
+        run_plan(w, job(1, Tier.GPU, Tier.DISK, [1, 2, 3], [4, 5, 6]))
+        fill_random(kv, seed=33)
+        src, dst = [5, 4, 6, 5, 4], [10, 11, 12, 13, 14]
+        before = {d: block_bytes(w.regions, d) for d in dst}
+        assert w.disk_path is not None
+        corrupt_slot(w.disk_path, 5)
+        report = run_plan(w, job(2, Tier.DISK, Tier.GPU, src, dst))
+        assert (dict(report.failed), dict(report.bad_blocks)) == ({2: 1}, {2: frozenset({5})})
+        for s, d in zip(src, dst, strict=True):
+            assert block_bytes(w.regions, d) == (before[d] if s == 5 else images[s]), (s, d)
