@@ -48,6 +48,13 @@ class FakeWorker:
         self.reported: dict[int, _InFlight] = {}  # events every worker reported, in order
         self._done: Counter[int] = Counter()
         self._failed: Counter[int] = Counter()
+        # Bad source blocks named by this report's failures of an event; None once one
+        # failure named nothing (`WorkerReport.bad_blocks`).
+        self._bad: dict[int, set[int] | None] = {}
+        # Per worker, lower-tier slots corrupted since last written: a load reading one
+        # fails naming it, as a checksum would tell (see `corrupt`).
+        self.corrupted: list[set[tuple[str, int]]] = [set() for _ in range(num_workers)]
+        self.named_by: dict[tuple[str, int], set[int]] = {}  # slot -> events naming it
 
     def write_gpu(self, block_id: int, content: Content) -> None:
         """Record that the forward pass wrote `content` into a GPU block (every worker)."""
@@ -77,6 +84,32 @@ class FakeWorker:
         """Let `workers` report `event_id` failed, leaving garbage in its destinations."""
         self._finish(event_id, workers, ok=False)
 
+    def corrupt(self, event_id: int, worker: int, bad: Iterable[int]) -> None:
+        """Corrupt `worker`'s source slots `bad` of in-flight load `event_id`; it fails
+        naming them once it finishes. No other in-flight event may use them (`uses`)."""
+        job = self.in_flight[event_id].job
+        assert job.is_load
+        assert set(bad) <= set(job.src_block_ids)
+        tier = job.src_tier.value
+        for block in bad:
+            self.lower[tier][worker][block] = GARBAGE
+            self.corrupted[worker].add((tier, block))
+        self.in_flight[event_id].sources[worker] = self._read(worker, tier, job.src_block_ids)
+
+    def uses(self, tier_name: str, block_ids: Iterable[int], but: int) -> bool:
+        """Return True if an in-flight event other than `but` reads or writes one of
+        `block_ids` of `tier_name`."""
+        wanted = set(block_ids)
+        for event_id, flight in self.in_flight.items():
+            job = flight.job
+            if event_id == but:
+                continue
+            if job.src_tier.value == tier_name and wanted & set(job.src_block_ids):
+                return True
+            if job.dst_tier.value == tier_name and wanted & set(job.dst_block_ids):
+                return True
+        return False
+
     def complete_all(self) -> None:
         """Complete every in-flight job on every worker (what `flush()` waits for)."""
         for event_id in list(self.in_flight):
@@ -97,9 +130,13 @@ class FakeWorker:
         seconds = {
             e: SECONDS_PER_BLOCK * self.jobs[e].num_blocks for e in self._done if e in self.jobs
         }
-        report = WorkerReport(done=dict(self._done), failed=dict(self._failed), seconds=seconds)
+        bad = {e: frozenset(b) for e, b in self._bad.items() if b and self._failed[e]}
+        report = WorkerReport(
+            done=dict(self._done), failed=dict(self._failed), seconds=seconds, bad_blocks=bad
+        )
         self._done.clear()
         self._failed.clear()
+        self._bad.clear()
         return report
 
     def in_flight_refs(self, tier_name: str) -> Counter[int]:
@@ -139,10 +176,25 @@ class FakeWorker:
                 f"event {event_id}: a source block changed while the copy was in flight"
             )
             dst = self._space(worker, job.dst_tier.value)
-            for src_content, dst_block in zip(now, job.dst_block_ids, strict=True):
-                dst[dst_block] = src_content if ok else GARBAGE
+            tier = job.src_tier.value
+            found = {b for b in job.src_block_ids if (tier, b) in self.corrupted[worker]}
+            for src_block, src_content, dst_block in zip(
+                job.src_block_ids, now, job.dst_block_ids, strict=True
+            ):
+                dst[dst_block] = src_content if ok and src_block not in found else GARBAGE
+                if job.dst_tier.value != "GPU":
+                    self.corrupted[worker].discard((job.dst_tier.value, dst_block))
             flight.waiting.discard(worker)
-            flight.failed |= not ok
-            (self._done if ok else self._failed)[event_id] += 1
+            named = ok and bool(found)  # the read found corrupted slots: it names them
+            flight.failed |= not ok or named
+            (self._done if ok and not named else self._failed)[event_id] += 1
+            if not ok:
+                self._bad[event_id] = None  # a failure naming nothing
+            elif named:
+                for block in found:
+                    self.named_by.setdefault((tier, block), set()).add(event_id)
+                names = self._bad.setdefault(event_id, set())
+                if names is not None:
+                    names.update(found)
         if not flight.waiting:
             self.reported[event_id] = self.in_flight.pop(event_id)

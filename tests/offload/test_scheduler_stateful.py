@@ -3,7 +3,9 @@
 Requests share prefixes (two families), are admitted taking all, none or part of their
 tier hit, run in chunks, decode, finish, are preempted or aborted; the GPU cache is
 evicted and the scheduler reset at random; 1-4 fake workers complete, delay, fail or
-re-report transfers in any order, or report events never issued. Eager mode runs with
+re-report transfers in any order, or report events never issued; a worker may find some
+source slots of a load corrupted (they hold garbage from then on, and every load of them
+on that worker fails naming them, as a checksum would tell). Eager mode runs with
 and without fine-grained hits; a sliding-window or state group may join full attention.
 After every step:
 
@@ -12,7 +14,8 @@ After every step:
   lookup pin, a queued load or store, or a transfer not every worker has reported — so
   nothing stays pinned for a request that is gone once its transfers are reported;
 - a key is visible in the tier only if a store holding it completed on every worker
-  without failure and was not abandoned by a reset, and every worker holds its bytes;
+  without failure and was not abandoned by a reset, and every worker holds its bytes
+  (but a corrupted slot, while the load that found it is not reported by every worker);
 - loads deliver the right content (`SimEngine.check_kv`, on load completion and before
   every forward pass).
 
@@ -83,8 +86,13 @@ class SchedulerMachine(SchedulerDriver):
                 assert (tier.value, key) in self.legit, (
                     f"a key is visible in {tier.value} without a completed copy"
                 )
-                for space in engine.worker.lower[tier.value]:
+                for w, space in enumerate(engine.worker.lower[tier.value]):
                     content = space.get(slot)
+                    if (tier.value, slot) in engine.worker.corrupted[w] and any(
+                        e in engine.worker.in_flight
+                        for e in engine.worker.named_by.get((tier.value, slot), ())
+                    ):
+                        continue  # found corrupted: dropped once that event is reported
                     assert key in engine.covered.get(content, ()), (
                         f"a visible key's bytes are wrong in {tier.value}"
                     )
