@@ -296,22 +296,8 @@ class SchedulerDriver(RuleBasedStateMachine):
                 elif action == "fail":
                     worker.fail(event_id, [w])
                 elif action == "corrupt":
-                    self.corrupt(event_id, w, rng)
+                    worker.corrupt_or_fail(event_id, w, rng)
         self.poll()
-
-    def corrupt(self, event_id: int, w: int, rng: random.Random) -> None:
-        """Corrupt some source slots of a load on worker `w`, which then fails naming
-        them (a plain failure for other jobs, or when another event uses those slots)."""
-        worker = self.engine.worker
-        job = worker.in_flight[event_id].job
-        src = sorted(set(job.src_block_ids))
-        bad = rng.sample(src, rng.randint(1, len(src)))
-        if not job.is_load or worker.uses(job.src_tier.value, bad, but=event_id):
-            worker.fail(event_id, [w])
-            return
-        note(f"worker {w}: event {event_id} finds slots {sorted(bad)} corrupted")
-        worker.corrupt(event_id, w, bad)
-        worker.complete(event_id, [w])
 
     def offer_handoffs(self, rng: random.Random) -> None:
         """Hand off some computed state blocks of running requests (state layouts)."""

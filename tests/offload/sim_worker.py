@@ -7,9 +7,12 @@ the source did not change while the job was in flight (a missing pin would let i
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from hypothesis import note
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.core.keys import Key
@@ -95,6 +98,19 @@ class FakeWorker:
             self.lower[tier][worker][block] = GARBAGE
             self.corrupted[worker].add((tier, block))
         self.in_flight[event_id].sources[worker] = self._read(worker, tier, job.src_block_ids)
+
+    def corrupt_or_fail(self, event_id: int, worker: int, rng: random.Random) -> None:
+        """Let `worker` find some source slots of a load corrupted and fail it naming them;
+        a plain failure for other jobs, or when another in-flight event uses those slots."""
+        job = self.in_flight[event_id].job
+        src = sorted(set(job.src_block_ids))
+        bad = rng.sample(src, rng.randint(1, len(src)))
+        if not job.is_load or self.uses(job.src_tier.value, bad, but=event_id):
+            self.fail(event_id, [worker])
+            return
+        note(f"worker {worker}: event {event_id} finds slots {sorted(bad)} corrupted")
+        self.corrupt(event_id, worker, bad)
+        self.complete(event_id, [worker])
 
     def uses(self, tier_name: str, block_ids: Iterable[int], but: int) -> bool:
         """Return True if an in-flight event other than `but` reads or writes one of
