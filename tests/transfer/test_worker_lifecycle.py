@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -101,6 +102,49 @@ def test_lane_never_reports_past_an_unfinished_job() -> None:
     assert (list(done), list(failed)) == ([1, 2, 4], [3])
     assert done[1] == 0.004  # device work: its measured device time
     lane.close()
+    lane.close()
+
+
+class FailedWait:
+    """A fake device completion whose `wait` raises (a device error) while `is_done` never
+    raises: it says `done_later` once waited for."""
+
+    def __init__(self, done_later: bool) -> None:
+        self.done_later = done_later
+        self.waited = False
+
+    def is_done(self) -> bool:
+        return self.waited and self.done_later
+
+    def wait(self) -> None:
+        self.waited = True
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def elapsed_s(self) -> float:
+        return 0.004
+
+
+@pytest.mark.parametrize("done_later", [False, True], ids=["never_done", "done_later"])
+def test_a_job_whose_device_wait_raised_is_reported_failed_once(
+    done_later: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: `wait_all` swallowed the error and `take_finished` asked `is_done`
+    again: one that stayed False held the lane's head for good (this job and every later
+    one never reported: the engine waited forever); one that turned True reported the
+    failed copy done."""
+    lane = TransferLane("test")
+    lane.submit(1, lambda: FailedWait(done_later))
+    lane.submit(2, lambda: None)
+    lane.wait_all()
+    with caplog.at_level(logging.WARNING, logger="kvtier.transfer.lanes"):
+        done, failed = lane.take_finished()
+    assert (list(done), failed) == ([2], [1])
+    assert lane.take_finished() == ({}, [])
+    assert lane.num_pending == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "lane test: transfer event 1 failed: CUDA error: an illegal memory access was encountered"
+    ]
     lane.close()
 
 

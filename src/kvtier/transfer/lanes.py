@@ -45,10 +45,17 @@ class _Ran:
 
 @dataclass(slots=True)
 class _Pending:
-    """A submitted job not yet reported."""
+    """A submitted job not yet reported.
+
+    `device_error`: what its completion's `wait` raised (`wait_all`). The device reported
+    the job's work failed, so it is reported failed, whatever `is_done` says later: one
+    that never turns True would otherwise hold the lane's head, and every later report,
+    for good.
+    """
 
     event_id: int
     future: Future[_Ran]
+    device_error: Exception | None = None
 
 
 def _run(future: Future[_Ran], job: JobFn) -> None:
@@ -166,7 +173,8 @@ class TransferLane:
     def wait_all(self) -> None:
         """Block until every submitted job finished, device work included.
 
-        Failures are not raised here; `take_finished` reports them.
+        Failures are not raised here; `take_finished` reports them, a job whose device
+        work's `wait` raised included (see `_Pending.device_error`).
         """
         for pending in self._pending:
             try:
@@ -175,13 +183,11 @@ class TransferLane:
                 continue  # never started (see `_cancel`)
             if error is None:
                 completion = pending.future.result().completion
-                if completion is not None:
+                if completion is not None and pending.device_error is None:
                     try:
                         completion.wait()
-                    except Exception:  # reported as failed by take_finished
-                        logger.debug(
-                            "lane %s: event %d failed on the device", self.name, pending.event_id
-                        )
+                    except Exception as exc:  # reported (and logged) by take_finished
+                        pending.device_error = exc
 
     def close(self) -> None:
         """Finish queued jobs and stop the thread; idempotent, and a call interrupted while
@@ -205,6 +211,8 @@ def _outcome(lane: str, pending: _Pending) -> BaseException | Literal[True] | No
         logger.warning("lane %s: transfer event %d was cancelled", lane, pending.event_id)
         return CancelledError(f"transfer event {pending.event_id} was cancelled")
     error: BaseException | None = pending.future.exception()
+    if error is None:
+        error = pending.device_error
     if error is None:
         completion = pending.future.result().completion
         if completion is None:
