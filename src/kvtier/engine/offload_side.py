@@ -139,29 +139,32 @@ class OffloadSide:
         did not take is reported failed at the next `poll` (SPEC §6.8: loads recompute,
         stores register nothing) and the error propagates. Jobs the worker started are
         waited for first, so no event is failed while its copy still runs; if that flush
-        fails too, the flush is retried before the next plan and the events are failed
-        then (their pins held until then).
+        fails too, or the handling is interrupted anywhere, the flush is retried before
+        the next plan and the events are failed then (their pins held until then).
         """
         plan, self._plan = self._plan, None
         if plan is None or not (plan.jobs or plan.end_persistence):
             return
+        event_ids = [job.event_id for job in plan.jobs]
         try:
             self.worker.submit(plan)
         except BaseException:
-            try:
-                self.worker.flush()
-            except BaseException:
-                # Which events the worker started is unknown: they stay in flight (their
-                # pins held) until a flush before a later plan succeeds.
-                self._unconfirmed.update(job.event_id for job in plan.jobs)
-                self._owes_flush = True
-                raise
-            self._fail_unsubmitted(plan, self.worker.poll())
+            # The debt comes first and is cleared last, so that an interrupt anywhere in
+            # here leaves it to the flush before the next plan: until a flush succeeded,
+            # which events the worker started is unknown, and they stay in flight.
+            self._owes_flush = True
+            self._unconfirmed.update(event_ids)
+            self.worker.flush()
+            self._fail_unconfirmed()
+            self._owes_flush = False
             raise
 
     def _fail_unconfirmed(self) -> None:
         """After a successful flush: fail the refused plan's events the worker never
-        started (a flushed worker reports, at its next poll, all it started)."""
+        started (a flushed worker reports, at its next poll, all it started).
+
+        The debt is cleared only once they are held, so an interrupt at worst holds some
+        twice, which `TransferBook.complete` takes as failed or ignores, never as done."""
         if not self._unconfirmed:
             return
         self._hold_failures(self.worker.poll(), self._unconfirmed)
