@@ -1,7 +1,9 @@
-"""Interrupts (Ctrl-C) while the engine sorts out a plan the worker refused.
+"""Interrupts (Ctrl-C) while the engine hands a step's plan to the worker, or sorts out
+a plan the worker refused.
 
-Whatever call the interrupts hit, and however many land, the refused plan's events are
-failed once a flush succeeds: none stays in flight, pinning its GPU blocks for good.
+Whatever call the interrupts hit, and however many land, the events the worker never
+took are failed (a refused plan's once a flush succeeds): none stays in flight, pinning
+its GPU blocks for good.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from test_llm_submit_failures import (
     prompts,
     serve_the_whole_pool,
 )
+
+from kvtier.offload.plan import TransferPlan
 
 MAX_CALLS = 10  # generate calls: each interrupt fails one; a hang fails the test
 
@@ -82,4 +86,29 @@ def test_interrupts_while_a_refused_plan_is_sorted_never_strand_it(
         if worker.num_calls >= max(interrupted):
             break
     assert worker.refused is not None
+    serve_the_whole_pool(llm, arm)
+
+
+def test_a_plan_interrupted_before_its_submit_is_failed_by_the_next_prepare() -> None:
+    # Regression: a Ctrl-C between `prepare` and `submit` (say as `submit` starts) left
+    # the plan unsubmitted, and the next `prepare` replaced it: its events were never
+    # reported (the stores' GPU blocks pinned for good, `generate` stepped forever).
+    llm, arm = new_engine()
+    offload = llm.offload
+    assert offload is not None
+    submit = offload.submit
+    interrupted: list[TransferPlan] = []
+
+    def interrupted_submit() -> None:
+        plan = offload._plan
+        if not interrupted and plan is not None and has_stores(plan):
+            interrupted.append(plan)
+            raise KeyboardInterrupt("Ctrl-C as submit starts")
+        submit()
+
+    offload.submit = interrupted_submit  # type: ignore[method-assign]
+    arm()
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C as submit starts"):
+        llm.generate(prompts(2, 24), PARAMS)
+    assert interrupted
     serve_the_whole_pool(llm, arm)

@@ -105,8 +105,12 @@ class OffloadSide:
         """Build this step's plan; flush the worker first if a request was preempted.
 
         If the flush fails, the plan's events are failed (see `submit`) and the error
-        propagates; the flush is retried before the next step's plan.
+        propagates; the flush is retried before the next step's plan. A plan prepared
+        and never submitted (an interrupt in between) is failed here, before the next.
         """
+        if self._plan is not None:
+            self._fail_unsubmitted(self._plan, WorkerReport())  # the worker never saw it
+            self._plan = None
         scheduled = tuple(
             ScheduledRequest(w.request, w.new_block_ids, w.num_new_tokens, w.table_update)
             for w in step.work
@@ -142,10 +146,13 @@ class OffloadSide:
         fails too, or the handling is interrupted anywhere, the flush is retried before
         the next plan and the events are failed then (their pins held until then).
         """
-        plan, self._plan = self._plan, None
-        if plan is None or not (plan.jobs or plan.end_persistence):
+        plan = self._plan
+        if plan is None:
             return
         event_ids = [job.event_id for job in plan.jobs]
+        self._plan = None  # only now: until here, the next `prepare` fails the plan
+        if not (plan.jobs or plan.end_persistence):
+            return
         try:
             self.worker.submit(plan)
         except BaseException:
