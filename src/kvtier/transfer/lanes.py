@@ -48,9 +48,10 @@ class _Pending:
     """A submitted job not yet reported.
 
     `device_error`: what its completion's `wait` raised (`wait_all`). The device reported
-    the job's work failed, so it is reported failed, whatever `is_done` says later: one
-    that never turns True would otherwise hold the lane's head, and every later report,
-    for good.
+    the job's work failed (on CUDA, as a rule, a sticky error: the context runs no more
+    work), so it is reported failed at once, whatever `is_done` says later: one that
+    never turns True would otherwise hold the lane's head, and every later report, for
+    good.
     """
 
     event_id: int
