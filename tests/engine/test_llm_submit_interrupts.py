@@ -8,19 +8,24 @@ its GPU blocks for good.
 
 from __future__ import annotations
 
+import sys
 from itertools import count
+from types import FrameType
 from typing import Any
 
 import pytest
 from test_llm_submit_failures import (
     PARAMS,
     RefusingWorker,
+    assert_consistent_and_drained,
     has_stores,
     new_engine,
     prompts,
     serve_the_whole_pool,
 )
 
+import kvtier.engine.offload_side as offload_side
+from kvtier.engine.llm import LLM
 from kvtier.offload.plan import TransferPlan
 
 MAX_CALLS = 10  # generate calls: each interrupt fails one; a hang fails the test
@@ -112,3 +117,96 @@ def test_a_plan_interrupted_before_its_submit_is_failed_by_the_next_prepare() ->
         llm.generate(prompts(2, 24), PARAMS)
     assert interrupted
     serve_the_whole_pool(llm, arm)
+
+
+class LineInterrupt:
+    """A tracer raising KeyboardInterrupt at the `n`th line that runs in `offload_side.py`
+    while `counting` (once; it then stops tracing): a Ctrl-C between any two lines."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.counting = False
+        self.landed: str | None = None
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != offload_side.__file__:
+            return None
+        return self.line
+
+    def line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event != "line" or not self.counting:
+            return self.line
+        self.n -= 1
+        if self.n == 0:
+            sys.settrace(None)
+            self.counting = False
+            self.landed = f"{frame.f_code.co_name}:{frame.f_lineno}"
+            raise KeyboardInterrupt(f"Ctrl-C at {self.landed}")
+        return self.line
+
+
+def interrupt_the_hand_off_at(llm: LLM, n: int, refused: bool) -> str | None:
+    """Interrupt the `n`th line run in the engine's `OffloadSide` from the build of the
+    first plan with stores until its `submit` returns or raises (the worker refuses it
+    if `refused`); return where it landed (None: fewer lines ran). Runs calls until one
+    succeeded."""
+    offload = llm.offload
+    assert offload is not None
+    if refused:
+        offload.worker = RefusingWorker(offload.worker, has_stores, ValueError("rejected"))
+    tracer = LineInterrupt(n)
+    build_plan, submit = offload.scheduler.build_plan, offload.submit
+    built: list[TransferPlan] = []
+
+    def building(step: Any) -> TransferPlan:
+        plan = build_plan(step)
+        if not built and has_stores(plan):
+            built.append(plan)
+            tracer.counting = True
+        return plan
+
+    def submitting() -> None:
+        try:
+            submit()
+        finally:
+            tracer.counting = False
+
+    offload.scheduler.build_plan = building  # type: ignore[method-assign]
+    offload.submit = submitting  # type: ignore[method-assign]
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        for offset in range(0, 10 * MAX_CALLS, 10):
+            try:
+                llm.generate(prompts(2, 24, offset), PARAMS)
+            except (KeyboardInterrupt, ValueError):
+                continue
+            assert built, "no plan with stores"
+            return tracer.landed
+    finally:
+        sys.settrace(previous)
+    raise AssertionError("generate kept failing")
+
+
+@pytest.mark.parametrize("refused", [True, False], ids=["refused", "taken"])
+def test_an_interrupt_at_any_line_of_the_hand_off_never_strands_the_plan(refused: bool) -> None:
+    # Regression: a refused plan's events were owed a flush only once the handler had
+    # recorded them; an interrupt on the handler's first lines left them in flight (the
+    # worker-call injections above cannot land there).
+    landed = []
+    for n in count(1):
+        llm, arm = new_engine()
+        arm()
+        where = interrupt_the_hand_off_at(llm, n, refused)
+        if where is None:
+            llm.shutdown()
+            break
+        landed.append(where)
+        try:
+            assert_consistent_and_drained(llm, arm)
+        except (AssertionError, RuntimeError) as exc:
+            raise AssertionError(f"interrupted at {where}: {exc}") from exc
+        llm.shutdown()
+    assert any(w.startswith("submit") for w in landed), landed
+    if refused:
+        assert any(w.startswith("_fail_unconfirmed") for w in landed), landed

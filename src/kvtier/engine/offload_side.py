@@ -95,8 +95,9 @@ class OffloadSide:
         self._plan: TransferPlan | None = None
         self._finished_ids: frozenset[str] = frozenset()
         self._owes_flush = False  # a flush failed: retry it before the next plan
-        # Events of a refused plan whose flush failed too: the worker may have started some
-        # of them. Once a flush succeeds, those still unreported were never started.
+        # Events of a plan being handed to the worker, or refused by it and not yet sorted:
+        # the worker may have started some of them. While any is left, the next plan is
+        # flushed for first; once a flush succeeds, those still unreported never started.
         self._unconfirmed: set[int] = set()
         # Reports made up for plans the worker never took, applied by the next `poll`.
         self._held_reports: list[WorkerReport] = []
@@ -104,18 +105,18 @@ class OffloadSide:
     def prepare(self, step: SchedulerStep) -> None:
         """Build this step's plan; flush the worker first if a request was preempted.
 
-        If the flush fails, the plan's events are failed (see `submit`) and the error
-        propagates; the flush is retried before the next step's plan. A plan prepared
-        and never submitted (an interrupt in between) is failed here, before the next.
+        A plan never submitted (its flush failed, or an interrupt came in between) is
+        failed, as the worker never saw it, by the next `prepare`; a failed flush is
+        retried then, before that step's plan.
         """
         if self._plan is not None:
-            self._fail_unsubmitted(self._plan, WorkerReport())  # the worker never saw it
+            self._fail_unsubmitted(self._plan, WorkerReport())
             self._plan = None
         scheduled = tuple(
             ScheduledRequest(w.request, w.new_block_ids, w.num_new_tokens, w.table_update)
             for w in step.work
         )
-        plan = self.scheduler.build_plan(
+        plan = self._plan = self.scheduler.build_plan(
             StepInput(
                 scheduled=scheduled,
                 finished_request_ids=self._finished_ids,
@@ -125,16 +126,11 @@ class OffloadSide:
         self._finished_ids = frozenset()
         self.totals.num_issued_events += len(plan.jobs)
         self._owes_flush = self._owes_flush or plan.need_flush
-        if self._owes_flush:
-            try:
-                self.worker.flush()
-            except BaseException:
-                self._fail_unsubmitted(plan, WorkerReport())  # none of it reached the worker
-                raise
+        if self._owes_flush or self._unconfirmed:
+            self.worker.flush()
             # Cleared only afterwards: an interrupt in between retries the whole of it.
             self._fail_unconfirmed()
             self._owes_flush = False
-        self._plan = plan
 
     def submit(self) -> None:
         """Hand this step's plan to the worker; its copies run beside the forward pass.
@@ -143,32 +139,29 @@ class OffloadSide:
         did not take is reported failed at the next `poll` (SPEC §6.8: loads recompute,
         stores register nothing) and the error propagates. Jobs the worker started are
         waited for first, so no event is failed while its copy still runs; if that flush
-        fails too, or the handling is interrupted anywhere, the flush is retried before
-        the next plan and the events are failed then (their pins held until then).
+        fails too, or an interrupt cuts any of this short, the flush before the next
+        plan sorts the events (their pins held until then).
         """
         plan = self._plan
-        if plan is None:
+        if plan is None or not (plan.jobs or plan.end_persistence):
+            self._plan = None
             return
         event_ids = [job.event_id for job in plan.jobs]
-        self._plan = None  # only now: until here, the next `prepare` fails the plan
-        if not (plan.jobs or plan.end_persistence):
-            return
+        # Unconfirmed from before the worker sees them until it took them all, so that no
+        # interrupt, wherever it lands, leaves them neither failed nor owed a flush.
+        self._unconfirmed.update(event_ids)
+        self._plan = None
         try:
             self.worker.submit(plan)
         except BaseException:
-            # The debt comes first and is cleared last, so that an interrupt anywhere in
-            # here leaves it to the flush before the next plan: until a flush succeeded,
-            # which events the worker started is unknown, and they stay in flight.
-            self._owes_flush = True
-            self._unconfirmed.update(event_ids)
-            self.worker.flush()
+            self.worker.flush()  # what it started ends first: none fails while it copies
             self._fail_unconfirmed()
-            self._owes_flush = False
             raise
+        self._unconfirmed.difference_update(event_ids)
 
     def _fail_unconfirmed(self) -> None:
-        """After a successful flush: fail the refused plan's events the worker never
-        started (a flushed worker reports, at its next poll, all it started).
+        """After a successful flush: fail the unconfirmed events the worker never started
+        (a flushed worker reports, at its next poll, all it started).
 
         The debt is cleared only once they are held, so an interrupt at worst holds some
         twice, which `TransferBook.complete` takes as failed or ignores, never as done."""
