@@ -103,7 +103,8 @@ class OffloadSide:
         self._held_reports: list[WorkerReport] = []
 
     def prepare(self, step: SchedulerStep) -> None:
-        """Build this step's plan; flush the worker first if a request was preempted.
+        """Build this step's plan; flush the worker first if a request was preempted (or
+        events are unconfirmed, see `submit`).
 
         A plan never submitted (its flush failed, or an interrupt came in between) is
         failed, as the worker never saw it, by the next `prepare`; a failed flush is
@@ -147,8 +148,10 @@ class OffloadSide:
             self._plan = None
             return
         event_ids = [job.event_id for job in plan.jobs]
-        # Unconfirmed from before the worker sees them until it took them all, so that no
-        # interrupt, wherever it lands, leaves them neither failed nor owed a flush.
+        # Unconfirmed from before the worker sees them until it took them all: wherever an
+        # interrupt lands, the events are the unsubmitted plan (failed by the next
+        # `prepare`) or unconfirmed (sorted by its flush), or both for a moment (held
+        # failed twice, which is harmless: see `_fail_unconfirmed`).
         self._unconfirmed.update(event_ids)
         self._plan = None
         try:
