@@ -145,17 +145,33 @@ class LineInterrupt:
         return self.line
 
 
+class FlushingWorker:
+    """Wrap a worker: each poll waits for every transfer submitted first (so reports it)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def poll(self) -> Any:
+        self.worker.flush()
+        return self.worker.poll()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
 def interrupt_the_hand_off_at(llm: LLM, n: int, refused: bool) -> str | None:
     """Interrupt the `n`th line run in the engine's `OffloadSide` from the build of the
-    first plan with stores until its `submit` returns or raises (the worker refuses it
-    if `refused`); return where it landed (None: fewer lines ran). Runs calls until one
-    succeeded."""
+    first plan with stores until its refusal propagates (`refused`: the worker refuses
+    it) or the poll that reports it returned; return where it landed (None: fewer lines
+    ran). Runs calls until one succeeded."""
     offload = llm.offload
     assert offload is not None
     if refused:
         offload.worker = RefusingWorker(offload.worker, has_stores, ValueError("rejected"))
+    else:
+        offload.worker = FlushingWorker(offload.worker)
     tracer = LineInterrupt(n)
-    build_plan, submit = offload.scheduler.build_plan, offload.submit
+    build_plan, submit, poll = offload.scheduler.build_plan, offload.submit, offload.poll
     built: list[TransferPlan] = []
 
     def building(step: Any) -> TransferPlan:
@@ -168,11 +184,19 @@ def interrupt_the_hand_off_at(llm: LLM, n: int, refused: bool) -> str | None:
     def submitting() -> None:
         try:
             submit()
+        except BaseException:
+            tracer.counting = False
+            raise
+
+    def polling() -> Any:
+        try:
+            return poll()
         finally:
             tracer.counting = False
 
     offload.scheduler.build_plan = building  # type: ignore[method-assign]
     offload.submit = submitting  # type: ignore[method-assign]
+    offload.poll = polling  # type: ignore[method-assign]
     previous = sys.gettrace()
     sys.settrace(tracer)
     try:
@@ -191,8 +215,10 @@ def interrupt_the_hand_off_at(llm: LLM, n: int, refused: bool) -> str | None:
 @pytest.mark.parametrize("refused", [True, False], ids=["refused", "taken"])
 def test_an_interrupt_at_any_line_of_the_hand_off_never_strands_the_plan(refused: bool) -> None:
     # Regression: a refused plan's events were owed a flush only once the handler had
-    # recorded them; an interrupt on the handler's first lines left them in flight (the
-    # worker-call injections above cannot land there).
+    # recorded them, and a plan was recorded only at the end of `prepare`: an interrupt
+    # before either left events in flight for good (the worker-call injections above
+    # cannot land there). Likewise `poll` let go of the worker's reports before applying
+    # them.
     landed = []
     for n in count(1):
         llm, arm = new_engine()
@@ -210,3 +236,5 @@ def test_an_interrupt_at_any_line_of_the_hand_off_never_strands_the_plan(refused
     assert any(w.startswith("submit") for w in landed), landed
     if refused:
         assert any(w.startswith("_fail_unconfirmed") for w in landed), landed
+    else:
+        assert any(w.startswith("poll") for w in landed), landed

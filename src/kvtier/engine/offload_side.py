@@ -189,13 +189,18 @@ class OffloadSide:
         self._finished_ids = frozenset(r.request_id for r in finished)
 
     def poll(self) -> ReportOutcome:
-        """Apply whatever the worker finished; return loads finished or failed."""
-        reports, self._held_reports = [*self._held_reports, self.worker.poll()], []
-        report = WorkerReport.merge(reports)
+        """Apply whatever the worker finished; return loads finished or failed.
+
+        The reports stay held until applied, so an interrupt on the way leaves them to
+        the next poll (one applied already is then ignored: `TransferBook.complete`).
+        """
+        self._held_reports.append(self.worker.poll())
+        report = WorkerReport.merge(self._held_reports)
         if self._unconfirmed:
             self._unconfirmed.difference_update(report.done, report.failed)
-        self.totals.num_reported_events += len(report.done) + len(report.failed)
         outcome = self.scheduler.apply_report(report)
+        self._held_reports = []
+        self.totals.num_reported_events += len(report.done) + len(report.failed)
         self._account(self.scheduler.take_stats())
         return outcome
 
