@@ -167,8 +167,8 @@ class FlushingWorker:
 def interrupt_the_hand_off_at(llm: LLM, n: int, refused: bool) -> str | None:
     """Interrupt the `n`th line run in the engine's `OffloadSide` from the build of the
     first plan with stores until its refusal propagates (`refused`: the worker refuses
-    it) or the poll that reports it returned; return where it landed (None: fewer lines
-    ran). Runs calls until one succeeded."""
+    it) or the poll that reports it applied its reports; return where it landed (None:
+    fewer lines ran). Runs calls until one succeeded."""
     offload = llm.offload
     assert offload is not None
     if refused:
@@ -176,7 +176,8 @@ def interrupt_the_hand_off_at(llm: LLM, n: int, refused: bool) -> str | None:
     else:
         offload.worker = FlushingWorker(offload.worker)
     tracer = LineInterrupt(n)
-    build_plan, submit, poll = offload.scheduler.build_plan, offload.submit, offload.poll
+    build_plan, submit = offload.scheduler.build_plan, offload.submit
+    take_stats = offload.scheduler.take_stats
     built: list[TransferPlan] = []
 
     def building(step: Any) -> TransferPlan:
@@ -193,15 +194,13 @@ def interrupt_the_hand_off_at(llm: LLM, n: int, refused: bool) -> str | None:
             tracer.counting = False
             raise
 
-    def polling() -> Any:
-        try:
-            return poll()
-        finally:
-            tracer.counting = False
+    def taking_stats() -> Any:
+        tracer.counting = False  # the poll applied its reports and let go of them
+        return take_stats()
 
     offload.scheduler.build_plan = building  # type: ignore[method-assign]
     offload.submit = submitting  # type: ignore[method-assign]
-    offload.poll = polling  # type: ignore[method-assign]
+    offload.scheduler.take_stats = taking_stats  # type: ignore[method-assign]
     previous = sys.gettrace()
     sys.settrace(tracer)
     try:
