@@ -58,13 +58,14 @@ class InterruptingWorker(RefusingWorker):
 
 # Calls after the refusal: 1 is the flush in `submit`'s handler; if that one succeeds,
 # 2 is the poll that sorts the events; if not, 2 and 3 are the flush and poll retried
-# before the next plan.
+# before the next plan (a flush that fails is retried before the plan after).
+INTERRUPTED_CALLS = [(1,), (2,), (3,), (1, 2), (1, 3), (2, 3), (1, 2, 3), (2, 3, 4)]
+
+
 @pytest.mark.parametrize(
     ("error", "interrupted"),
     [
-        *((ValueError("rejected job"), calls) for calls in [(1,), (2,), (3,), (1, 2)]),
-        *((ValueError("rejected job"), calls) for calls in [(1, 3), (2, 3), (1, 2, 3)]),
-        (ValueError("rejected job"), (2, 3, 4)),
+        *((ValueError("rejected job"), calls) for calls in INTERRUPTED_CALLS),
         (KeyboardInterrupt("Ctrl-C in submit"), (2,)),
         (KeyboardInterrupt("Ctrl-C in submit"), (1, 2, 3)),
     ],
