@@ -7,16 +7,20 @@ running (a failed load's destination blocks go back to the engine at once).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import pytest
 from transfer_helpers import block_bytes, fill_random, job, kv_per_layer, make_worker, run_plan
 
 import kvtier.transfer.lanes as lanes_module
+import kvtier.transfer.worker as worker_module
 from kvtier.offload.plan import Tier, TransferPlan
 from kvtier.transfer import WorkerConfig
 from kvtier.transfer.lanes import TransferLane
@@ -202,3 +206,61 @@ def test_a_job_cancelled_by_an_interrupt_logs_nothing_critical(
     assert list(done) == ([1] if then_cancel_queued else [1, 3])
     critical = [r.getMessage() for r in caplog.records if r.levelno >= logging.CRITICAL]
     assert critical == []
+
+
+class SubmitLineInterrupt:
+    """A tracer raising KeyboardInterrupt at the `n`th line run in `OffloadWorker.submit`
+    itself (once; then it stops tracing)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.landed: int | None = None
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if code.co_filename != worker_module.__file__ or code.co_name != "submit":
+            return None
+        return self.line
+
+    def line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event != "line" or self.landed is not None:
+            return self.line
+        self.n -= 1
+        if self.n == 0:
+            sys.settrace(None)
+            self.landed = frame.f_lineno
+            raise KeyboardInterrupt(f"Ctrl-C at worker.py:{frame.f_lineno}")
+        return self.line
+
+
+def test_a_worker_submit_interrupted_at_any_line_keeps_its_books() -> None:
+    """Regression: an interrupt between recording a job in flight and the `try` that
+    undoes it when the lane never got the job left the event in flight for good: never
+    reported, `check_invariants` failed from then on ("in-flight events disagree")."""
+    kv = kv_per_layer(2, 8, (4, 2, 8))
+    plan = TransferPlan(
+        step_id=0,
+        jobs=(job(1, Tier.GPU, Tier.CPU, [2], [0]), job(2, Tier.CPU, Tier.GPU, [1], [3])),
+    )
+    for n in itertools.count(1):
+        worker = make_worker(WorkerConfig(cpu_num_slots=4), kv)
+        tracer = SubmitLineInterrupt(n)
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            worker.submit(plan)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(previous)
+        where = f"interrupted at worker.py:{tracer.landed}"
+        worker.check_invariants()
+        worker.flush()
+        report = worker.poll()
+        worker.check_invariants()
+        assert worker._in_flight == set(), where
+        assert not set(report.done) & set(report.failed), where
+        worker.shutdown()
+        if tracer.landed is None:
+            assert set(report.done) == {1, 2}
+            break

@@ -270,8 +270,8 @@ class OffloadWorker:
                 self._disk,
             )
             lane = self._lanes[direction]
-            self._in_flight.add(job.event_id)
-            try:
+            try:  # recorded inside: an interrupt right after it is undone below
+                self._in_flight.add(job.event_id)
                 lane.submit(job.event_id, run)
             except BaseException:  # an interrupt: the lane may have taken the job or not
                 if job.event_id not in lane.pending_event_ids():
