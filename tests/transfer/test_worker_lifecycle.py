@@ -138,8 +138,8 @@ def test_a_job_whose_device_wait_raised_is_reported_failed_once(
     lane.wait_all()
     with caplog.at_level(logging.WARNING, logger="kvtier.transfer.lanes"):
         done, failed = lane.take_finished()
-    assert (list(done), failed) == ([2], [1])
-    assert lane.take_finished() == ({}, [])
+    assert (list(done), list(failed)) == ([2], [1])
+    assert lane.take_finished() == ({}, {})
     assert lane.num_pending == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
