@@ -100,3 +100,41 @@ def test_a_closed_stderr_does_not_stop_a_command_with_a_progress_bar(
     done = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout
     assert "TTFT" in done.stdout if "replay" in argv else out.exists()
+
+
+def test_a_symbolic_link_to_a_descriptor_names_it(tmp_path: Path) -> None:
+    (tmp_path / "out.json").symlink_to("/dev/stdout")
+    (tmp_path / "again.json").symlink_to("out.json")  # relative, and a chain
+    (tmp_path / "fd7").symlink_to("/dev/fd/7")
+    (tmp_path / "file.json").symlink_to(tmp_path / "plain.json")
+    assert descriptor_of(tmp_path / "out.json") == 1
+    assert descriptor_of(tmp_path / "again.json") == 1
+    assert descriptor_of(tmp_path / "fd7") == 7
+    assert descriptor_of(tmp_path / "file.json") is None
+
+
+@pytest.mark.parametrize("stdout_to", ["file", "pipe"])
+def test_json_through_a_symbolic_link_to_stdout(tmp_path: Path, stdout_to: str) -> None:
+    """`ln -s /dev/stdout r.json; kvtier replay t.jsonl --json r.json > out.txt` (or `| jq`).
+
+    Regression: the link was resolved to what stdout leads to; a redirected out.txt was
+    replaced by a new file holding only the JSON (the summary and table printed to stdout
+    were lost), and for a pipe the JSON was lost after the whole replay (exit 1, 'No such
+    file or directory'), as no temporary file can be made in /proc/PID/fd."""
+    trace, link, out = tmp_path / "t.jsonl", tmp_path / "r.json", tmp_path / "out.txt"
+    trace.write_text(TRACE)
+    link.symlink_to("/dev/stdout")
+    argv = [sys.executable, "-m", "kvtier.cli.main", "replay", str(trace), *SMALL]
+    argv += ["--json", str(link)]
+    if stdout_to == "file":
+        with open(out, "w") as stdout:
+            done = subprocess.run(argv, stdout=stdout, stderr=subprocess.PIPE, timeout=120)
+        printed = out.read_text()
+    else:
+        done = subprocess.run(argv, capture_output=True, timeout=120)
+        printed = done.stdout.decode()
+    assert done.returncode == 0, done.stderr
+    assert json.loads(printed)["trace"] == str(trace)  # stdout holds the JSON alone
+    assert b"TTFT" in done.stderr  # the table went to stderr, as for --json /dev/stdout
+    assert os.readlink(link) == "/dev/stdout"  # still the link
+    assert set(os.listdir(tmp_path)) <= {"t.jsonl", "r.json", "out.txt"}  # no temporary

@@ -18,6 +18,7 @@ from kvtier.replay.signals import signals_deferred
 
 _STANDARD_STREAMS = {"/dev/stdout": 1, "/dev/stderr": 2}
 _DESCRIPTOR_PATH = re.compile(r"/(?:dev/fd|proc/self/fd)/([0-9]+)")
+_MAX_LINKS = 40  # symbolic links followed to a descriptor's name, as the kernel does
 # Inside `file_set`: the (temporary file, target) pairs written, renamed when it ends.
 _PENDING: ContextVar[list[tuple[str, Path]] | None] = ContextVar("pending", default=None)
 
@@ -30,10 +31,11 @@ def whole_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
     renamed over it once the block completes; if the block raises (a full disk, Ctrl-C),
     the temporary file is removed and `path` keeps what it held. A symbolic link is
     followed (the file it names is replaced). A path naming an open descriptor
-    (`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`) is written through that descriptor,
-    after what this process printed to stdout and stderr, whatever it leads to (a pipe,
-    or a file the shell redirected to, which is never replaced or truncated). Anything
-    else that is not a regular file (a named pipe, a device) is written in place.
+    (`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`, or a symbolic link to one) is
+    written through that descriptor, after what this process printed to stdout and
+    stderr, whatever it leads to (a pipe, or a file the shell redirected to, which is
+    never replaced or truncated). Anything else that is not a regular file (a named
+    pipe, a device) is written in place.
     """
     mode, encoding, newline = ("wb", None, None) if binary else ("w", "utf-8", "")
     descriptor = descriptor_of(path)
@@ -135,12 +137,26 @@ def written_in_place(path: str | Path) -> bool:
 
 def descriptor_of(path: str | Path) -> int | None:
     """Return the open descriptor `path` names (`/dev/stdout`, `/dev/stderr`,
-    `/dev/fd/N`, `/proc/self/fd/N`), or None for any other path."""
-    absolute = os.path.normpath(os.path.abspath(path))
-    if absolute in _STANDARD_STREAMS:
-        return _STANDARD_STREAMS[absolute]
-    match = _DESCRIPTOR_PATH.fullmatch(absolute)
-    return int(match.group(1)) if match else None
+    `/dev/fd/N`, `/proc/self/fd/N`), or None for any other path.
+
+    A symbolic link to one of them names it too (`ln -s /dev/stdout r.json`): resolved
+    whole, it would name what the descriptor leads to (a file the shell redirected to,
+    which a write would replace, or a pipe's name in /proc, where no file can be made).
+    """
+    name = os.fspath(path)
+    for _ in range(_MAX_LINKS):
+        absolute = os.path.normpath(os.path.abspath(name))
+        if absolute in _STANDARD_STREAMS:
+            return _STANDARD_STREAMS[absolute]
+        match = _DESCRIPTOR_PATH.fullmatch(absolute)
+        if match:
+            return int(match.group(1))
+        try:
+            link = os.readlink(absolute)
+        except OSError:  # not a symbolic link, or nothing there
+            return None
+        name = os.path.join(os.path.dirname(absolute), link)
+    return None  # a loop of links: the checks report it
 
 
 def _mode_of_open(target: Path) -> int:
