@@ -12,6 +12,7 @@ from typing import Any
 from kvtier.offload.config import CascadeMode, DiskIOMode
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.outputs import output_path
+from kvtier.replay.signals import signals_deferred
 from kvtier.replay.store_once import StoreOnce
 
 # The workload and tier sizes: (option, default, what it sets).
@@ -99,7 +100,14 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    """Import the demo (torch and the engine) and run it."""
-    from kvtier.cli.demo import run_demo
+    """Import the demo (torch and the engine) and run it.
+
+    Ctrl-C and SIGTERM wait for the import (about a second): torch swallows any
+    exception raised while it imports numpy, so a KeyboardInterrupt raised there was
+    lost, and the demo ran on to its end with numpy half imported (its disk and CPU
+    stores failed, and it exited 0 or with matplotlib's traceback).
+    """
+    with signals_deferred():
+        from kvtier.cli.demo import run_demo
 
     return run_demo(args)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
+import os  # os and sys: loaded with the interpreter
 import sys
-from collections.abc import Sequence
 
-from kvtier import __version__
-from kvtier.cli import demo_options
-from kvtier.replay import cli as replay_cli
-from kvtier.replay.signals import raise_if_terminated, sigterm_unwinds
+# The `kvtier` script imports this module before `main` runs, where a Ctrl-C is a
+# KeyboardInterrupt traceback: the command's own imports (argparse, the subcommands;
+# ~0.1 s) are made inside `main`, where Ctrl-C ends the command with one line. (Even
+# `typing` takes ~10 ms: type checkers know this name without it.)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
 
 # The status of a command whose reader went away (`kvtier replay t.jsonl | head -1`): what
 # a shell reports for a process killed by SIGPIPE, 128 + 13.
@@ -22,6 +23,12 @@ INTERRUPTED_STATUS = 130
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of every subcommand."""
+    import argparse
+
+    from kvtier import __version__
+    from kvtier.cli import demo_options
+    from kvtier.replay import cli as replay_cli
+
     parser = argparse.ArgumentParser(
         prog="kvtier",
         description="kvtier: a hierarchical KV cache (GPU -> host memory -> disk) for LLM engines.",
@@ -61,10 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Output piped into a reader that stops early (`| head -1`) ends the command quietly
     with BROKEN_PIPE_STATUS instead of a BrokenPipeError traceback; Ctrl-C ends it with
-    one line and INTERRUPTED_STATUS instead of a KeyboardInterrupt traceback. SIGTERM
-    ends it with TERMINATED_STATUS (`kvtier.replay.signals`) once the command has cleaned up (the
+    one line and INTERRUPTED_STATUS instead of a KeyboardInterrupt traceback, also while
+    the command's modules are imported and its options parsed. SIGTERM ends it with
+    TERMINATED_STATUS (`kvtier.replay.signals`) once the command has cleaned up (the
     demo's disk tier folder is removed), instead of killing it on the spot.
     """
+    try:
+        return _run_command(argv)
+    except KeyboardInterrupt:  # before the command began: nothing to clean up
+        print("\nkvtier: interrupted", file=sys.stderr)
+        return INTERRUPTED_STATUS
+
+
+def _run_command(argv: Sequence[str] | None) -> int:
+    """Parse `argv` and run its command (see `main`)."""
+    import logging
+
+    from kvtier.replay.signals import raise_if_terminated, sigterm_unwinds
+
     args = parse_arguments(build_parser(), argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
