@@ -78,6 +78,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the command began: nothing to clean up
         print("\nkvtier: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
+    finally:
+        if argv is None:  # this process is the command (the `kvtier` script, `python -m`)
+            try:  # a Ctrl-C as the interpreter exits (a second one) ends it: no traceback
+                _signals_end_the_process()
+            except (KeyboardInterrupt, SystemExit):  # one that came as the call began
+                _signals_end_the_process()
+
+
+def _signals_end_the_process() -> None:
+    from kvtier.replay.signals import signals_end_the_process
+
+    signals_end_the_process()
 
 
 def _run_command(argv: Sequence[str] | None) -> int:

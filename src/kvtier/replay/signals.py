@@ -70,6 +70,30 @@ def raise_if_terminated() -> None:
         raise SystemExit(TERMINATED_STATUS)
 
 
+def signals_end_the_process() -> None:
+    """Give SIGINT and SIGTERM their default action from now on: for a process whose
+    command has ended (its cleanup done) and which is about to exit.
+
+    A Ctrl-C while the interpreter then shuts down (atexit callbacks, joining threads:
+    a second Ctrl-C just after the first) ends the process as the shell expects, instead
+    of a KeyboardInterrupt traceback under "Exception ignored". One that was pending as
+    its handler was replaced is acted on the same way. Does nothing outside the main
+    thread.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    pending = []
+    for signum in _HELD:
+        while True:
+            try:  # a pending signal runs its handler before the swap, which is then undone
+                signal.signal(signum, signal.SIG_DFL)
+                break
+            except (KeyboardInterrupt, SystemExit):
+                pending.append(signum)
+    for signum in pending:
+        signal.raise_signal(signum)
+
+
 class _Holding:
     """The SIGINT/SIGTERM handler `signals_deferred` installs around the one in place.
 
