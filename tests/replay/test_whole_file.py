@@ -85,3 +85,17 @@ def test_a_device_is_written_in_place() -> None:
     with whole_file("/dev/null", binary=True) as file:
         file.write(b"discarded")
     assert Path("/dev/null").is_char_device()
+
+
+@pytest.mark.parametrize("path", ["/dev/full", "full.link"])
+def test_a_full_device_is_named_in_the_error(
+    path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: `kvtier replay t.jsonl --json /dev/full` ended with "writing the results
+    failed: [Errno 28] No space left on device", naming no file."""
+    monkeypatch.chdir(tmp_path)
+    Path("full.link").symlink_to("/dev/full")
+    with pytest.raises(OSError, match="No space left") as raised, whole_file(path) as file:
+        file.write("x" * 100_000)
+    assert raised.value.filename == path
+    assert path in str(raised.value)

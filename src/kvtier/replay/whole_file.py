@@ -43,12 +43,15 @@ def whole_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:  # None: closed when the command started (`>&-`)
                 stream.flush()
-        with os.fdopen(os.dup(descriptor), mode, encoding=encoding, newline=newline) as file:
+        with (
+            _named(path),
+            os.fdopen(os.dup(descriptor), mode, encoding=encoding, newline=newline) as file,
+        ):
             yield file
         return
     target = Path(os.path.realpath(path))
     if target.exists() and not target.is_file():
-        with open(target, mode, encoding=encoding, newline=newline) as file:
+        with _named(path), open(target, mode, encoding=encoding, newline=newline) as file:
             yield file
         return
     pending = _PENDING.get()
@@ -68,6 +71,17 @@ def whole_file(path: str | Path, binary: bool = False) -> Iterator[IO[Any]]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
         if isinstance(exc, OSError) and exc.filename is None:  # a full disk: name the file
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+
+
+@contextlib.contextmanager
+def _named(path: str | Path) -> Iterator[None]:
+    """Name `path` in an OSError that names no file (`/dev/full`: a full device)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
             raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
