@@ -14,8 +14,9 @@ from rich.progress import Progress
 from rich.table import Table
 from safetensors import SafetensorError
 
-from kvtier.cli.demo_checks import check_options, check_paths, check_positions, check_sizes
+from kvtier.cli.demo_checks import check_paths, check_positions, check_sizes
 from kvtier.cli.demo_plot import save_ttft_plot
+from kvtier.cli.demo_ranges import check_options
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig

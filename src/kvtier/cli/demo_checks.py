@@ -1,4 +1,5 @@
-"""What `kvtier demo` checks before serving: option ranges, paths, and that everything fits.
+"""What `kvtier demo` checks before serving: paths, and that everything fits (the option
+ranges, checked before the engine is imported, are in `demo_ranges`).
 
 Each check raises ValueError with a message naming the option to change, so a bad value
 stops the demo at once with that message instead of a traceback minutes into a run.
@@ -21,23 +22,6 @@ from kvtier.offload.plan import Tier
 from kvtier.replay.outputs import check_creates_files
 from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
-# The least value of each numeric option (message lengths may be 0, not all of them).
-OPTION_MINIMUMS = {
-    "conversations": 1,
-    "turns": 1,
-    "system_tokens": 0,
-    "document_tokens": 0,
-    "user_tokens": 0,
-    "answer_tokens": 1,
-    "gpu_blocks": 2,
-    "block_size": 1,
-    "cpu_mib": 1,
-    "disk_mib": 1,
-    "cascade_cpu_mib": 1,
-}
-# The most turns (conversations x turns) one run serves: every configuration serves each
-# one as a request on the CPU engine, and every conversation's history is held at once.
-MAX_TURNS = 10_000
 # The option that sizes each run's tier budget: (run name, config field) -> option.
 TIER_OPTIONS = {
     ("CPU tier", "cpu_bytes"): "--cpu-mib",
@@ -45,32 +29,6 @@ TIER_OPTIONS = {
     ("CPU+disk", "cpu_bytes"): "--cascade-cpu-mib",
     ("CPU+disk", "disk_bytes"): "--disk-mib",
 }
-
-
-def check_options(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the first option out of range."""
-    for option, least in OPTION_MINIMUMS.items():
-        value = getattr(args, option)
-        if value < least:
-            flag = "--" + option.replace("_", "-")
-            raise ValueError(f"{flag} must be >= {least}, got {value}")
-    if args.conversations * args.turns > MAX_TURNS:
-        raise ValueError(
-            f"--conversations={args.conversations} x --turns={args.turns} is "
-            f"{args.conversations * args.turns} turns; the demo serves at most {MAX_TURNS} per"
-            " configuration (each is a request on the CPU engine, in every configuration)"
-        )
-    if args.system_tokens + args.document_tokens + args.user_tokens == 0:
-        raise ValueError(
-            "--system-tokens, --document-tokens and --user-tokens are all 0: the first"
-            " prompt would be empty"
-        )
-    if args.cascade == "write_through" and args.cascade_cpu_mib > args.disk_mib:
-        raise ValueError(
-            f"--cascade-cpu-mib={args.cascade_cpu_mib} is larger than --disk-mib="
-            f"{args.disk_mib}: with --cascade write_through the disk keeps a copy of every"
-            " CPU block; raise --disk-mib, lower --cascade-cpu-mib, or use --cascade write_back"
-        )
 
 
 def check_paths(args: argparse.Namespace) -> None:

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
+from kvtier.cli.demo_ranges import check_options
 from kvtier.offload.config import CascadeMode, DiskIOMode
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.outputs import output_path
@@ -107,6 +109,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     lost, and the demo ran on to its end with numpy half imported (its disk and CPU
     stores failed, and it exited 0 or with matplotlib's traceback).
     """
+    try:  # before the import: a value out of range is refused at once, not after it
+        check_options(args)
+    except ValueError as exc:
+        print(f"kvtier demo: error: {exc}", file=sys.stderr)
+        return 2
     with signals_deferred():
         from kvtier.cli.demo import run_demo
 

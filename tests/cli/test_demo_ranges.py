@@ -1,0 +1,38 @@
+"""`kvtier demo` refuses an option out of range before it imports the engine.
+
+Regression: `kvtier demo --turns 0` imported torch and the engine first (about 3.5 s on
+2 cores) and only then said "--turns must be >= 1".
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+REFUSED_WITHOUT_TORCH = """
+import sys
+from kvtier.cli.main import main
+status = main(["demo", *{options!r}])
+print(status, sorted({{"torch", "kvtier.engine"}} & set(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--turns", "0"], "--turns must be >= 1, got 0"),
+        (["--gpu-blocks", "-5"], "--gpu-blocks must be >= 2, got -5"),
+        (["--conversations", "5000", "--turns", "3"], "the demo serves at most 10000"),
+        (["--cascade-cpu-mib", "64", "--disk-mib", "32"], "--cascade-cpu-mib=64 is larger"),
+    ],
+)
+def test_an_option_out_of_range_is_refused_before_the_engine_is_imported(
+    options: list[str], message: str
+) -> None:
+    code = REFUSED_WITHOUT_TORCH.format(options=options)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "2 []\n", done.stderr
+    assert done.stderr.startswith("kvtier demo: error: ")
+    assert message in done.stderr
