@@ -131,3 +131,26 @@ def test_unsupported_hf_configs_are_rejected(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(_write(tmp_path, **overrides))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[]", "expected a JSON object, got list"),
+        ('{"num_attention_heads": 0}', "num_attention_heads must be a positive int, got 0"),
+        ('{"hidden_size": "abc"}', "hidden_size must be a positive int, got 'abc'"),
+        ('{"num_hidden_layers": 2.5}', "num_hidden_layers must be a positive int, got 2.5"),
+    ],
+)
+def test_a_malformed_hf_config_is_a_value_error_naming_the_key(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """Regression: `kvtier demo --model-dir` whose config.json was a list, or had
+    num_attention_heads 0, ended in an AttributeError or ZeroDivisionError traceback."""
+    path = _write(tmp_path)
+    if text != "[]":
+        hf = json.loads(path.joinpath("config.json").read_text())
+        text = json.dumps({**hf, **json.loads(text)})
+    path.joinpath("config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_config(path)

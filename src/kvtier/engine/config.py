@@ -160,6 +160,8 @@ class ModelConfig:
         config_path = path / "config.json" if path.is_dir() else path
         with config_path.open(encoding="utf-8") as f:
             hf = json.load(f)
+        if not isinstance(hf, dict):
+            raise ValueError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
         return _from_hf_dict(hf, dtype, str(config_path))
 
 
@@ -175,8 +177,8 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
         raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} not supported (only 'silu')")
     if hf.get("mlp_bias", False):
         raise ValueError(f"{source}: mlp_bias=True not supported")
-    num_layers = hf["num_hidden_layers"]
-    num_heads = hf["num_attention_heads"]
+    num_layers = _hf_positive_int(hf, "num_hidden_layers", source)
+    num_heads = _hf_positive_int(hf, "num_attention_heads", source)
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     attention_bias = bool(hf.get("attention_bias", False))
     window, kinds = _hf_layer_kinds(hf, num_layers, source)
@@ -189,7 +191,7 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        head_dim=hf.get("head_dim") or _hf_positive_int(hf, "hidden_size", source) // num_heads,
         layer_kinds=kinds,
         sliding_window=window,
         rope_theta=_hf_rope_theta(hf, source),
@@ -201,6 +203,14 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
         eos_token_ids=eos_token_ids,
         dtype=dtype,
     )
+
+
+def _hf_positive_int(hf: dict[str, Any], key: str, source: str) -> int:
+    """Return `hf[key]`, a value the reader computes with before ModelConfig checks it."""
+    value = hf[key]  # a missing key: KeyError, named by the caller
+    if type(value) is not int or value <= 0:
+        raise ValueError(f"{source}: {key} must be a positive int, got {value!r}")
+    return value
 
 
 def _hf_rope_theta(hf: dict[str, Any], source: str) -> float:
