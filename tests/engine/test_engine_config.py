@@ -140,13 +140,15 @@ def test_unsupported_hf_configs_are_rejected(
         ('{"num_attention_heads": 0}', "num_attention_heads must be a positive int, got 0"),
         ('{"hidden_size": "abc"}', "hidden_size must be a positive int, got 'abc'"),
         ('{"num_hidden_layers": 2.5}', "num_hidden_layers must be a positive int, got 2.5"),
+        ('{"rope_parameters": 5}', r"rope_parameters \(or rope_scaling\) must be an object"),
     ],
 )
 def test_a_malformed_hf_config_is_a_value_error_naming_the_key(
     tmp_path: Path, text: str, message: str
 ) -> None:
-    """Regression: `kvtier demo --model-dir` whose config.json was a list, or had
-    num_attention_heads 0, ended in an AttributeError or ZeroDivisionError traceback."""
+    """Regression: `kvtier demo --model-dir` whose config.json was a list, had
+    num_attention_heads 0 or a number for rope_parameters, ended in an AttributeError or
+    ZeroDivisionError traceback."""
     path = _write(tmp_path)
     if text != "[]":
         hf = json.loads(path.joinpath("config.json").read_text())

@@ -217,6 +217,10 @@ def _hf_rope_theta(hf: dict[str, Any], source: str) -> float:
     # transformers >= 5 nests RoPE settings in `rope_parameters`; older files use
     # top-level `rope_theta` and `rope_scaling`.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(
+            f"{source}: rope_parameters (or rope_scaling) must be an object, got {rope!r}"
+        )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"{source}: rope_type={rope_type!r} not supported (only 'default')")
