@@ -51,3 +51,27 @@ def test_ctrl_c_as_the_command_exits_is_no_traceback(tmp_path: Path, first_ctrl_
         assert done.stderr == "\nkvtier replay: interrupted\n"
     else:
         assert "TTFT" in done.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ignored_from_the_start_stays_ignored_at_exit(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """`kvtier replay ... &` in a script starts with SIGINT ignored (so that Ctrl-C for the
+    script's foreground job leaves it be); `nohup`-like launchers ignore SIGTERM.
+
+    Regression: as the command exited, the ignored signal was given its default action,
+    so one sent then (here from an atexit callback) killed the process."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
+    argv = ["replay", str(trace), "--quiet", "--block-size", "20"]
+    code = CTRL_C_AT_EXIT.format(argv=argv).replace("signal.SIGINT", f"signal.{signum.name}")
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signum, signal.SIG_IGN),  # inherited, as from a shell
+    )
+    assert done.returncode == 0, done.stderr
+    assert "TTFT" in done.stdout

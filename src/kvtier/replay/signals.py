@@ -77,14 +77,15 @@ def signals_end_the_process() -> None:
     A Ctrl-C while the interpreter then shuts down (atexit callbacks, joining threads:
     a second Ctrl-C just after the first) ends the process as the shell expects, instead
     of a KeyboardInterrupt traceback under "Exception ignored". One that was pending as
-    its handler was replaced is acted on the same way. Does nothing outside the main
+    its handler was replaced is acted on the same way. A signal ignored (SIG_IGN: a
+    script's `kvtier ... &` ignores SIGINT) stays ignored. Does nothing outside the main
     thread.
     """
     if threading.current_thread() is not threading.main_thread():
         return
     pending = []
     for signum in _HELD:
-        while True:
+        while signal.getsignal(signum) is not signal.SIG_IGN:
             try:  # a pending signal runs its handler before the swap, which is then undone
                 signal.signal(signum, signal.SIG_DFL)
                 break
