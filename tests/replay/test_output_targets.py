@@ -138,3 +138,22 @@ def test_json_through_a_symbolic_link_to_stdout(tmp_path: Path, stdout_to: str) 
     assert b"TTFT" in done.stderr  # the table went to stderr, as for --json /dev/stdout
     assert os.readlink(link) == "/dev/stdout"  # still the link
     assert set(os.listdir(tmp_path)) <= {"t.jsonl", "r.json", "out.txt"}  # no temporary
+
+
+def test_a_relative_link_is_read_from_the_folder_it_is_really_in(tmp_path: Path) -> None:
+    """A link's relative target counts from the real folder holding the link, as the
+    kernel reads it, not from the path given when that runs through a linked folder.
+
+    Regression: `x -> a/b/c` and `a/b/c/r.json -> ../../../../dev/stdout` (from
+    /tmp/pytest-of-U/pytest-N/T/x, four `..` lead to /) was taken for stdout, where the
+    kernel (and the code before) creates T/../dev/stdout, a file."""
+    tmp_path = Path(os.path.realpath(tmp_path))  # counted in real folders
+    deep = tmp_path / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (tmp_path / "x").symlink_to(deep)
+    ups = len(tmp_path.parts)  # from tmp_path/x, as many `..` as lead to /
+    (deep / "r.json").symlink_to("../" * ups + "dev/stdout")
+    assert os.path.realpath(tmp_path / "x" / "r.json") != "/dev/stdout"
+    assert descriptor_of(tmp_path / "x" / "r.json") is None
+    (deep / "up.json").symlink_to("../" * (ups + 2) + "dev/stdout")  # from c: to / as well
+    assert descriptor_of(tmp_path / "x" / "up.json") == 1

@@ -169,7 +169,8 @@ def descriptor_of(path: str | Path) -> int | None:
             link = os.readlink(absolute)
         except OSError:  # not a symbolic link, or nothing there
             return None
-        name = os.path.join(os.path.dirname(absolute), link)
+        # a relative target counts from the folder the link is really in
+        name = os.path.join(os.path.realpath(os.path.dirname(absolute)), link)
     return None  # a loop of links: the checks report it
 
 
