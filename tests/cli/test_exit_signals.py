@@ -75,3 +75,39 @@ def test_a_signal_ignored_from_the_start_stays_ignored_at_exit(
     )
     assert done.returncode == 0, done.stderr
     assert "TTFT" in done.stdout
+
+
+# Ctrl-C as `main` starts to give the signals their default action (before the swap).
+CTRL_C_AS_THE_SIGNALS_END = """
+import signal, sys
+import kvtier.replay.signals as signals
+
+real = signals.signals_end_the_process
+calls = []
+
+def ctrl_c_first(*args):
+    calls.append(args)
+    if len(calls) == 1:
+        signal.raise_signal(signal.SIGINT)  # its KeyboardInterrupt is raised here
+    real(*args)
+
+signals.signals_end_the_process = ctrl_c_first
+sys.argv = ["kvtier", *{argv!r}]
+from kvtier.cli.main import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_as_the_finished_command_gives_up_its_handlers_is_not_lost(
+    tmp_path: Path,
+) -> None:
+    """Regression: a Ctrl-C whose KeyboardInterrupt came as `main` began to give SIGINT its
+    default action was caught there and dropped: the process exited 0, as if no Ctrl-C."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
+    argv = ["replay", str(trace), "--quiet", "--block-size", "20"]
+    code = CTRL_C_AS_THE_SIGNALS_END.format(argv=argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert "TTFT" in done.stdout  # the command had finished

@@ -82,14 +82,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv is None:  # this process is the command (the `kvtier` script, `python -m`)
             try:  # a Ctrl-C as the interpreter exits (a second one) ends it: no traceback
                 _signals_end_the_process()
-            except (KeyboardInterrupt, SystemExit):  # one that came as the call began
+            except KeyboardInterrupt:  # one that came as the call began ends it too
+                _signals_end_the_process(interrupted=True)
+            except SystemExit:
                 _signals_end_the_process()
 
 
-def _signals_end_the_process() -> None:
+def _signals_end_the_process(interrupted: bool = False) -> None:
     from kvtier.replay.signals import signals_end_the_process
 
-    signals_end_the_process()
+    signals_end_the_process(interrupted)
 
 
 def _run_command(argv: Sequence[str] | None) -> int:

@@ -70,20 +70,21 @@ def raise_if_terminated() -> None:
         raise SystemExit(TERMINATED_STATUS)
 
 
-def signals_end_the_process() -> None:
+def signals_end_the_process(interrupted: bool = False) -> None:
     """Give SIGINT and SIGTERM their default action from now on: for a process whose
     command has ended (its cleanup done) and which is about to exit.
 
     A Ctrl-C while the interpreter then shuts down (atexit callbacks, joining threads:
     a second Ctrl-C just after the first) ends the process as the shell expects, instead
     of a KeyboardInterrupt traceback under "Exception ignored". One that was pending as
-    its handler was replaced is acted on the same way. A signal ignored (SIG_IGN: a
-    script's `kvtier ... &` ignores SIGINT) stays ignored. Does nothing outside the main
-    thread.
+    its handler was replaced is acted on the same way, as is a Ctrl-C whose
+    KeyboardInterrupt the caller caught as it called this (`interrupted`). A signal
+    ignored (SIG_IGN: a script's `kvtier ... &` ignores SIGINT) stays ignored. Does
+    nothing outside the main thread.
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    pending = []
+    pending = [signal.SIGINT] if interrupted else []
     for signum in _HELD:
         while signal.getsignal(signum) is not signal.SIG_IGN:
             try:  # a pending signal runs its handler before the swap, which is then undone
