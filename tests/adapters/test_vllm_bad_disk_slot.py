@@ -75,25 +75,20 @@ def record_failed(harness: Any, rank: int, into: set[str]) -> None:
     side.take_results = take_results
 
 
-@pytest.mark.parametrize("which", [0, 1])
-@pytest.mark.parametrize("num_ranks", [1, 2])
-def test_a_corrupted_slot_fails_only_the_request_that_reads_it(
-    tmp_path: Path, num_ranks: int, which: int
-) -> None:
-    extra = {"cpu_bytes": 0, "disk_bytes": 256 * SLOT_BYTES, "disk_path": str(tmp_path)}
-    extra["disk_io_mode"] = "page_cache"
-    harness = kvtier_harness(extra=extra, num_ranks=num_ranks)
+def stored_and_evicted(harness: Any) -> dict[str, list[int]]:
+    """Serve two requests with distinct prefixes, drain their stores, then drop vLLM's
+    GPU copies (prefix cache reset, caches zeroed); return their prompts."""
     prompts = shared_prefix_prompts(2, prefix_len=PREFIX, suffix_len=8, num_prefixes=2)
     harness.run_requests(prompts, max_tokens=3)
     drain(harness)
     assert harness.scheduler.reset_prefix_cache()  # vLLM's GPU copies only
     for cache in harness.caches:
         cache.raw.zero_()
-    last = num_ranks - 1
-    corrupt = CorruptOneSlot(offload_worker(harness, rank=last), which)
-    reported: set[str] = set()
-    for rank in range(num_ranks):
-        record_failed(harness, rank, reported)
+    return prompts
+
+
+def record_recomputed(harness: Any) -> list[str]:
+    """Return a list kvtier's scheduler adds each failed load's request to (recomputed)."""
     side = scheduler_side(harness)
     apply = side.offload.apply_report
     recomputed: list[str] = []
@@ -103,12 +98,39 @@ def test_a_corrupted_slot_fails_only_the_request_that_reads_it(
         recomputed.extend(f.request_id for f in outcome.failed_loads)
         return outcome
 
-    side.offload.apply_report = apply_report  # type: ignore[method-assign]
+    side.offload.apply_report = apply_report
+    return recomputed
+
+
+def serve_again(harness: Any, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Serve each prompt again with one more token, until done; return the new prompts.
+
+    The harness checks every loaded block's content (never wrong KV).
+    """
     again = {f"again-{r}": [*p, 9] for r, p in prompts.items()}
     for request_id, prompt in again.items():
         harness.add_request(request_id, prompt, max_tokens=3)
-    drain(harness)  # the harness checks every loaded block's content (never wrong KV)
+    drain(harness)
     assert harness.finished >= set(again)
+    return again
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_a_corrupted_slot_fails_only_the_request_that_reads_it(
+    tmp_path: Path, num_ranks: int, which: int
+) -> None:
+    extra = {"cpu_bytes": 0, "disk_bytes": 256 * SLOT_BYTES, "disk_path": str(tmp_path)}
+    extra["disk_io_mode"] = "page_cache"
+    harness = kvtier_harness(extra=extra, num_ranks=num_ranks)
+    prompts = stored_and_evicted(harness)
+    last = num_ranks - 1
+    corrupt = CorruptOneSlot(offload_worker(harness, rank=last), which)
+    reported: set[str] = set()
+    for rank in range(num_ranks):
+        record_failed(harness, rank, reported)
+    recomputed = record_recomputed(harness)
+    again = serve_again(harness, prompts)
     assert corrupt.slot is not None, "the two prefixes never loaded in one event"
     bad = corrupt.request_ids[which]
     assert reported == {bad}  # vLLM's failed_recving, over the ranks

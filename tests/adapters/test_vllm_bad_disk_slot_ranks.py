@@ -8,7 +8,6 @@ same ones. The harness checks every loaded block's content (never wrong KV).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,13 +16,16 @@ pytest.importorskip("vllm")
 from kvtier_vllm import (
     SLOT_BYTES,
     check_quiescent,
-    drain,
     kvtier_harness,
     offload_worker,
-    scheduler_side,
 )
-from test_vllm_bad_disk_slot import PREFIX, CorruptOneSlot, record_failed
-from vllm_harness import shared_prefix_prompts
+from test_vllm_bad_disk_slot import (
+    CorruptOneSlot,
+    record_failed,
+    record_recomputed,
+    serve_again,
+    stored_and_evicted,
+)
 
 
 @pytest.mark.parametrize(
@@ -38,12 +40,7 @@ def test_each_rank_fails_only_the_readers_of_its_bad_slots(
     extra = {"cpu_bytes": 0, "disk_bytes": 256 * SLOT_BYTES, "disk_path": str(tmp_path)}
     extra["disk_io_mode"] = "page_cache"
     harness = kvtier_harness(extra=extra, num_ranks=2)
-    prompts = shared_prefix_prompts(2, prefix_len=PREFIX, suffix_len=8, num_prefixes=2)
-    harness.run_requests(prompts, max_tokens=3)
-    drain(harness)
-    assert harness.scheduler.reset_prefix_cache()  # vLLM's GPU copies only
-    for cache in harness.caches:
-        cache.raw.zero_()
+    prompts = stored_and_evicted(harness)
     wraps = [
         (CorruptOneSlot(offload_worker(harness, rank=r), which, byte=0), which)
         for r, which in corrupt
@@ -51,21 +48,8 @@ def test_each_rank_fails_only_the_readers_of_its_bad_slots(
     reported: set[str] = set()
     for rank in range(2):
         record_failed(harness, rank, reported)
-    side = scheduler_side(harness)
-    apply = side.offload.apply_report
-    recomputed: list[str] = []
-
-    def apply_report(report: Any) -> Any:
-        outcome = apply(report)
-        recomputed.extend(f.request_id for f in outcome.failed_loads)
-        return outcome
-
-    side.offload.apply_report = apply_report  # type: ignore[method-assign]
-    again = {f"again-{r}": [*p, 9] for r, p in prompts.items()}
-    for request_id, prompt in again.items():
-        harness.add_request(request_id, prompt, max_tokens=3)
-    drain(harness)
-    assert harness.finished >= set(again)
+    recomputed = record_recomputed(harness)
+    serve_again(harness, prompts)
     assert all(wrap.slot is not None for wrap, _ in wraps)
     bad = {wrap.request_ids[which] for wrap, which in wraps}
     assert reported == bad

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from sim import SimEngine, full_layout, make_request
+from sim import SimEngine
+from test_partial_load_failures_shared import loads_in_one_event
 
 from kvtier.offload.plan import Tier, TransferJob, WorkerReport
 from kvtier.offload.transfers import FailedLoad, IssuedTransfer
@@ -20,17 +21,7 @@ PREFIX = 8  # tokens: two 4-token blocks per request
 
 def two_loads_in_one_event(num_workers: int = 1) -> tuple[SimEngine, TransferJob]:
     """Return an engine whose next plan loads requests b (first) and c in one event."""
-    engine = SimEngine(full_layout(), num_workers=num_workers)
-    engine.run(make_request("a1", range(PREFIX)))
-    engine.run(make_request("a2", range(100, 100 + PREFIX)))
-    engine.drain()
-    engine.evict_gpu()
-    engine.auto_complete = False
-    engine.admit(make_request("b", [*range(PREFIX), 50]))
-    engine.admit(make_request("c", [*range(100, 100 + PREFIX), 51]))
-    (load,) = engine.step().jobs
-    assert load.is_load
-    return engine, load
+    return loads_in_one_event(num_workers, {"b": 0, "c": 100})
 
 
 def keyed(engine: SimEngine, job: TransferJob) -> list[int]:

@@ -17,7 +17,8 @@ PREFIX = 8
 
 
 def loads_in_one_event(num_workers: int, requests: dict[str, int]) -> tuple[SimEngine, TransferJob]:
-    """Store prefixes 0.. and 100.., evict them, admit `requests` (id -> prefix start)."""
+    """Store prefixes 0.. and 100.., evict them, admit `requests` (id -> prefix start),
+    and return the engine with the one load event of its next plan, not yet completed."""
     engine = SimEngine(full_layout(), num_workers=num_workers)
     engine.run(make_request("a1", range(PREFIX)))
     engine.run(make_request("a2", range(100, 100 + PREFIX)))
