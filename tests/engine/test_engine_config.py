@@ -141,6 +141,15 @@ def test_unsupported_hf_configs_are_rejected(
         ('{"hidden_size": "abc"}', "hidden_size must be a positive int, got 'abc'"),
         ('{"num_hidden_layers": 2.5}', "num_hidden_layers must be a positive int, got 2.5"),
         ('{"rope_parameters": 5}', r"rope_parameters \(or rope_scaling\) must be an object"),
+        ('{"architectures": 5}', "architectures must be a list, got 5"),
+        ('{"rope_parameters": {"rope_theta": "x"}}', "rope_theta must be a number, got 'x'"),
+        ('{"num_key_value_heads": 0}', "num_key_value_heads must be a positive int, got 0"),
+        ('{"eos_token_id": "2"}', "eos_token_id must be a token id or a list of them, got '2'"),
+        (
+            '{"sliding_window": 8, "max_window_layers": "2"}',
+            "max_window_layers must be an int >= 0, got '2'",
+        ),
+        ('{"sliding_window": 8, "layer_types": 5}', "layer_types must be a list, got 5"),
     ],
 )
 def test_a_malformed_hf_config_is_a_value_error_naming_the_key(
@@ -148,7 +157,9 @@ def test_a_malformed_hf_config_is_a_value_error_naming_the_key(
 ) -> None:
     """Regression: `kvtier demo --model-dir` whose config.json was a list, had
     num_attention_heads 0 or a number for rope_parameters, ended in an AttributeError or
-    ZeroDivisionError traceback."""
+    ZeroDivisionError traceback; a number for architectures or layer_types, or a string
+    for rope_theta or max_window_layers, gave a message that named no key; a string
+    eos_token_id was accepted, and num_key_value_heads 0 was taken as absent."""
     path = _write(tmp_path)
     if text != "[]":
         hf = json.loads(path.joinpath("config.json").read_text())

@@ -167,6 +167,8 @@ class ModelConfig:
 
 def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelConfig:
     architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ValueError(f"{source}: architectures must be a list, got {architectures!r}")
     architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if architecture is None:
         raise ValueError(
@@ -184,13 +186,20 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
     window, kinds = _hf_layer_kinds(hf, num_layers, source)
     eos = hf.get("eos_token_id")
     eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    if any(type(token) is not int or token < 0 for token in eos_token_ids):
+        raise ValueError(
+            f"{source}: eos_token_id must be a token id or a list of them, got {eos!r}"
+        )
+    kv_heads = hf.get("num_key_value_heads")  # absent or null: as many as the query heads
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        num_kv_heads=num_heads
+        if kv_heads is None
+        else _hf_positive_int(hf, "num_key_value_heads", source),
         head_dim=hf.get("head_dim") or _hf_positive_int(hf, "hidden_size", source) // num_heads,
         layer_kinds=kinds,
         sliding_window=window,
@@ -224,7 +233,10 @@ def _hf_rope_theta(hf: dict[str, Any], source: str) -> float:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"{source}: rope_type={rope_type!r} not supported (only 'default')")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if type(theta) not in (int, float):
+        raise ValueError(f"{source}: rope_theta must be a number, got {theta!r}")
+    return float(theta)
 
 
 def _hf_layer_kinds(
@@ -235,12 +247,18 @@ def _hf_layer_kinds(
         return None, (AttentionKind.FULL,) * num_layers
     names = {"full_attention": AttentionKind.FULL, "sliding_attention": AttentionKind.SLIDING}
     if hf.get("layer_types") is not None:
-        unknown = set(hf["layer_types"]) - names.keys()
+        if not isinstance(hf["layer_types"], list):
+            raise ValueError(f"{source}: layer_types must be a list, got {hf['layer_types']!r}")
+        unknown = set(map(str, hf["layer_types"])) - names.keys()
         if unknown:
             raise ValueError(f"{source}: layer_types {sorted(unknown)} not supported")
         kinds = tuple(names[t] for t in hf["layer_types"])
     else:
         first_sliding = hf.get("max_window_layers", 0)
+        if type(first_sliding) is not int or first_sliding < 0:
+            raise ValueError(
+                f"{source}: max_window_layers must be an int >= 0, got {first_sliding!r}"
+            )
         kinds = tuple(
             AttentionKind.SLIDING if i >= first_sliding else AttentionKind.FULL
             for i in range(num_layers)
