@@ -112,8 +112,8 @@ def check_quiescent(harness: VllmHarness) -> None:
     """Assert nothing leaked once idle: pins, tracked requests, GPU blocks, in-flight work."""
     side = scheduler_side(harness)
     side.offload.check_invariants()
-    cascade = side.offload.cascade  # its disk slots of failed demotions stay held
-    held = set(cascade.set_aside.held()) if cascade is not None else set()
+    set_aside = side.offload.disk_set_aside  # disk slots of failed writes stay held
+    held = set(set_aside.held()) if set_aside is not None else set()
     for name, tier in side.offload.index.pools.items():  # the disk tier too, in a cascade
         aside = held if name is Tier.DISK else set()
         refs = [tier.ref_count(b) for b in range(1, tier.num_blocks)]

@@ -60,6 +60,7 @@ class SchedulerDriver(RuleBasedStateMachine):
 
     mode = StoreMode.EAGER
     cascade: CascadeMode | None = None
+    disk_only = False  # the one tier is a disk (no cascade): GPU blocks are stored to disk
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,7 +98,8 @@ class SchedulerDriver(RuleBasedStateMachine):
 
         `second` adds a group of 4: a sliding window of 8 tokens (the engine nulls blocks
         that left it) or a recurrent state (stored from hand-offs). A cascade machine
-        puts a disk tier of `num_disk_blocks` behind the CPU tier. `token_check` (eager
+        puts a disk tier of `num_disk_blocks` behind the CPU tier; a disk-only machine's
+        one tier of `num_tier_blocks` is a disk. `token_check` (eager
         only) tags every store and checks every hit's tags.
         """
         fine = fine and self.mode is StoreMode.EAGER
@@ -119,6 +121,15 @@ class SchedulerDriver(RuleBasedStateMachine):
                 disk_bytes=1 << 21,
                 disk_path="unused-by-the-fake-worker",
                 cascade=self.cascade,
+                store_mode=self.mode,
+                max_batched_tokens=8,
+                fine_grained_hits=fine,
+                token_check=token_check,
+            )
+        elif self.disk_only:
+            cfg = OffloadConfig(
+                disk_bytes=1 << 21,
+                disk_path="unused-by-the-fake-worker",
                 store_mode=self.mode,
                 max_batched_tokens=8,
                 fine_grained_hits=fine,

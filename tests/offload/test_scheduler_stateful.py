@@ -63,8 +63,10 @@ class SchedulerMachine(SchedulerDriver):
         if scheduler.cascade is not None:
             for move in scheduler.cascade.queued:
                 want_tier.update([("CPU", move.cpu_block_id), ("DISK", move.disk_block_id)])
-            # Disk slots of failed demotions, held so that a bad one is not reused first.
-            want_tier.update(("DISK", b) for b in scheduler.cascade.set_aside.held())
+        if scheduler.disk_set_aside is not None:
+            # Disk slots of failed demotions or disk-only stores, held so that a bad one
+            # is not reused first.
+            want_tier.update(("DISK", b) for b in scheduler.disk_set_aside.held())
         want_gpu = worker.in_flight_refs("GPU") + engine.engine_refs()
         want_gpu.update(queued_stores.gpu_block_ids)
         for pin in self.lookup_pins.values():
@@ -141,8 +143,8 @@ class SchedulerMachine(SchedulerDriver):
         assert not engine.scheduler.has_pending_stores()
         self.every_pin_is_explained()
         self.visible_keys_were_stored_by_every_worker()
-        cascade = engine.scheduler.cascade
-        held = len(cascade.set_aside) if cascade is not None else 0  # until a reset
+        set_aside = engine.scheduler.disk_set_aside
+        held = len(set_aside) if set_aside is not None else 0  # until a reset
         for tier, pool in engine.scheduler.index.pools.items():
             left = held if tier is Tier.DISK else 0
             assert pool.num_free() == pool.num_usable_blocks - left, f"{tier.value} slots leaked"
@@ -179,6 +181,19 @@ class WriteBackMachine(SchedulerMachine):
     cascade = CascadeMode.WRITE_BACK
 
 
+class DiskOnlyMachine(SchedulerMachine):
+    """The same runs with a disk-only tier (no cascade), eager store selection."""
+
+    disk_only = True
+
+
+class DiskOnlyLazyMachine(SchedulerMachine):
+    """The same runs with a disk-only tier (no cascade), lazy store selection."""
+
+    mode = StoreMode.LAZY
+    disk_only = True
+
+
 STATEFUL_SETTINGS = settings(
     max_examples=1000,
     stateful_step_count=30,
@@ -191,8 +206,12 @@ LazySchedulerMachine.TestCase.settings = STATEFUL_SETTINGS
 WriteThroughMachine.TestCase.settings = CASCADE_SETTINGS
 WriteBackMachine.TestCase.settings = CASCADE_SETTINGS
 WriteBackLazyMachine.TestCase.settings = CASCADE_SETTINGS
+DiskOnlyMachine.TestCase.settings = CASCADE_SETTINGS
+DiskOnlyLazyMachine.TestCase.settings = CASCADE_SETTINGS
 test_eager_scheduler_runs_match_the_model = SchedulerMachine.TestCase
 test_lazy_scheduler_runs_match_the_model = LazySchedulerMachine.TestCase
 test_write_through_cascade_runs_match_the_model = WriteThroughMachine.TestCase
 test_write_back_cascade_runs_match_the_model = WriteBackMachine.TestCase
 test_write_back_lazy_cascade_runs_match_the_model = WriteBackLazyMachine.TestCase
+test_disk_only_runs_match_the_model = DiskOnlyMachine.TestCase
+test_disk_only_lazy_runs_match_the_model = DiskOnlyLazyMachine.TestCase

@@ -7,7 +7,7 @@ and releases what they pinned, tail first (SPEC §4):
                 tier's part did, or fails as a whole (the suspect blocks' keys dropped:
                 every block of a failed event, or only the bad blocks the workers named)
     store       keys registered, GPU src + tier slot freed; a failed or abandoned
-                store registers nothing
+                store registers nothing (a failed one's disk slots are held: `disk_slots`)
     demotion    handed to the `Cascade`
 """
 
@@ -109,7 +109,11 @@ class TransferCompletion:
                 self._counters.num_failed_stores += len(transfer.stores)
             # An abandoned store's keys were let go at the reset (`tier_reset`): the
             # same key may be in flight again, from a request admitted since.
-            selector.release(transfer.stores, forget_keys=not transfer.abandoned)
+            selector.release(
+                transfer.stores,
+                forget_keys=not transfer.abandoned,
+                failed=not transfer.succeeded and not transfer.abandoned,
+            )
             return
         gpu_pool = selector.gpu_pool
         stores = transfer.stores
@@ -125,3 +129,5 @@ class TransferCompletion:
         # Tail first (SPEC §4): these pins may be the blocks' last references.
         gpu_pool.free(stores.gpu_block_ids[::-1])
         self._tier_pool.free(stores.tier_block_ids[::-1])
+        if selector.set_aside is not None:  # the disk works: suspects come back on trial
+            selector.set_aside.note_succeeded(stores.tier_block_ids)

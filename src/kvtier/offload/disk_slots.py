@@ -1,23 +1,27 @@
-"""Disk slots that failed demotions wrote into, set aside so that a bad slot (a bad
-sector: every write into it fails) is not the first slot handed out again and again.
+"""Disk slots that failed writes went into, set aside so that a bad slot (a bad sector:
+every write into it fails) is not the first slot handed out again and again.
 
-A failed demotion's disk slots are unhashed when freed, and the pool reuses unhashed
-blocks first: the next demotion got the same slots back, so one bad slot failed every
-later demotion job (a job fails as a whole) and the disk tier stored nothing more. A
+Disk slots are written by demotions (CPU → DISK, in a cascade) and, with a disk-only
+tier, by stores (GPU → DISK). A failed write's disk slots are unhashed when freed, and the
+pool reuses unhashed blocks first: the next job got the same slots back, so one bad slot
+failed every later job (a job fails as a whole) and the disk tier stored nothing more. A
 failed job does not say which of its slots failed, so `SetAsideSlots` holds them all
 (one reference each, out of the free queue) as *suspects*.
 
-A later demotion that succeeds shows the disk works: suspects are given back to the pool
+A later write job that succeeds shows the disk works: suspects are given back to the pool
 *on trial*, at most `trial_size` at a time and one group at a time. A trial slot that a
-successful demotion wrote into is cleared, and a group that passed doubles the trial
+successful job wrote into is cleared, and a group that passed doubles the trial
 size. A failed job with several trial slots halves the trial size and puts them back
 first, so the next trials bisect them; a failed job with one trial slot found a bad
 slot, held until a reset. Slots in a failed job that were
 not on trial become suspects.
 
-Held slots cost disk capacity only: when a demotion finds fewer free disk blocks than it
+Held slots cost disk capacity only: when a job finds fewer free disk blocks than it
 needs, every held slot is given back on trial (a disk that fails every write still gets
 its writes tried, and never runs out of room), and a reset gives them all back.
+
+Host memory (a CPU tier) has no such slots: a failed CPU store is a worker's error, not
+its slot's, so CPU slots are freed as before.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ _ALL = sys.maxsize  # a trial size that gives every suspect back at once
 
 
 class SetAsideSlots:
-    """The disk slots of failed demotions, held out of the disk pool's free queue."""
+    """The disk slots of failed write jobs, held out of the disk pool's free queue."""
 
     def __init__(self, disk_pool: BlockPool) -> None:
         self.disk_pool = disk_pool
@@ -51,7 +55,7 @@ class SetAsideSlots:
         return [*self.suspects, *self.bad]
 
     def note_failed(self, slots: Sequence[int]) -> None:
-        """Hold the slots of a failed demotion job (not freed to the pool)."""
+        """Hold the slots of a failed write job (not freed to the pool)."""
         on_trial = self.on_trial
         trial = [slot for slot in slots if slot in on_trial]
         fresh = [slot for slot in slots if slot not in on_trial]
@@ -61,7 +65,7 @@ class SetAsideSlots:
             self.bad.append(trial[0])
             self.trial_size = _ALL
             logger.warning(
-                "disk slot %d: a demotion into it failed again alone; set aside until "
+                "disk slot %d: a write into it failed again alone; set aside until "
                 "a reset (a bad sector?)",
                 trial[0],
             )
@@ -70,7 +74,7 @@ class SetAsideSlots:
             self.suspects[:0] = trial  # tried first, in halves
 
     def note_succeeded(self, slots: Sequence[int]) -> None:
-        """Clear the trial slots a successful demotion job wrote into; once no trial is
+        """Clear the trial slots a successful write job wrote into; once no trial is
         pending, give the next group of suspects back on trial."""
         on_trial = self.on_trial
         if on_trial:

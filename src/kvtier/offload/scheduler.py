@@ -33,6 +33,7 @@ from kvtier.core.policies import PolicySpec
 from kvtier.offload.cascade import Cascade
 from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
+from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.lazy_walk import lazy_target
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
@@ -98,6 +99,8 @@ class OffloadScheduler:
             self.layout, self.tier, self.tier_pool, config.events, config.token_check
         )
         pools = [(self.tier, self.tier_pool)]
+        # A disk-only tier's slots of failed stores (a cascade's demotions have their own).
+        self._store_set_aside = SetAsideSlots(self.tier_pool) if self.tier is Tier.DISK else None
         self.cascade: Cascade | None = None
         if config.is_cascade:
             if setup.num_disk_blocks < 2:
@@ -188,8 +191,17 @@ class OffloadScheduler:
             fine_grained=self.config.fine_grained_hits,
             admission=self._admission,
             tags=self.tags,
+            set_aside=self._store_set_aside,
         )
         self._completion.selector = self._selector
+
+    @property
+    def disk_set_aside(self) -> SetAsideSlots | None:
+        """Return the disk slots held after failed writes (`disk_slots`): the cascade's
+        demotions', or a disk-only tier's stores'; None without a disk tier."""
+        if self.cascade is not None:
+            return self.cascade.set_aside
+        return self._store_set_aside
 
     @property
     def selector(self) -> StoreSelector:

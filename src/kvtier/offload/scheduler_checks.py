@@ -57,9 +57,10 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     for move in moves:
         refs[Tier.CPU][move.cpu_block_id] += 1
         refs[Tier.DISK][move.disk_block_id] += 1
-    if scheduler.cascade is not None:  # disk slots of failed demotions, held
-        scheduler.cascade.set_aside.check_invariants()
-        refs[Tier.DISK].update(scheduler.cascade.set_aside.held())
+    set_aside = scheduler.disk_set_aside  # disk slots of failed demotions or stores, held
+    if set_aside is not None:
+        set_aside.check_invariants()
+        refs[Tier.DISK].update(set_aside.held())
     for tier, pool in scheduler.index.pools.items():
         for block_id in range(1, pool.num_blocks):
             assert pool.ref_count(block_id) == refs[tier][block_id], (

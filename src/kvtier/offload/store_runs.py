@@ -73,10 +73,12 @@ def select_run(
             num_refused += 1
         elif tag_of is not None and tag is None:
             num_untagged += 1  # never served with the check on: not worth a slot
-        elif len(gpu_ids) == room:
-            num_visited = i
-            break
         else:
+            if len(gpu_ids) == room:  # out of room: held disk slots may come back
+                room = selector.tier_room(room + 1)
+                if len(gpu_ids) == room:
+                    num_visited = i
+                    break
             in_flight.add(key)
             if tag is not None:
                 tags[len(keys)] = tag
@@ -122,7 +124,7 @@ def take_whole_run(
         or not selector.tier_pool.index.keys().isdisjoint(distinct)
     ):
         return None
-    num_stored = min(len(run), selector.tier_pool.num_free())
+    num_stored = min(len(run), selector.tier_room(len(run)))
     if num_stored:
         gpu_ids = run[:num_stored]
         stored_keys = cast("list[Key]", keys[:num_stored])

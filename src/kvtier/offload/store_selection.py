@@ -3,6 +3,9 @@
 `StoreSelector` decides; every accepted candidate is pinned on the GPU, given a freshly
 allocated tier slot and queued in a `StoreBatch` until `build_plan` issues it. Keys whose
 store is queued or in flight are tracked so no block is stored twice.
+
+A disk-only tier's failed stores hold their slots as suspects (`disk_slots`): freed, they
+were reused first, and one bad slot failed every later store.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.core.token_tags import Tag
 from kvtier.offload.block_payload import block_payload, request_key
+from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.lazy_walk import LazyWalk
 from kvtier.offload.protocols import (
     GpuPoolView,
@@ -65,6 +69,8 @@ class StoreSelector:
     # Requests known at a reset and not looked up since: never tracked again (their KV
     # predates the reset; an async load's second `on_allocated` must not track them).
     across_reset: set[str] = field(default_factory=set)
+    # A disk tier's slots of failed stores, held (None for a CPU tier: see `disk_slots`).
+    set_aside: SetAsideSlots | None = None
 
     # ------------------------------------------------------------ request tracking
 
@@ -328,7 +334,7 @@ class StoreSelector:
         own_tag = tag[1] if tag is not None and tag[0] == key else None
         if self.tags is not None and own_tag is None:
             return StoreOutcome.NO_TAG  # never served with the check on
-        if not self.tier_pool.can_allocate(1):
+        if not self.tier_room(1):
             return StoreOutcome.TIER_FULL
         self.gpu_pool.touch([gpu_block_id])
         (tier_block_id,) = self.tier_pool.allocate(1)
@@ -336,12 +342,25 @@ class StoreSelector:
         self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored, own_tag)
         return StoreOutcome.STORED
 
-    def release(self, stores: StoreBatch, forget_keys: bool = True) -> None:
-        """Drop the pins (and in-flight keys) of stores that will register nothing."""
+    def tier_room(self, needed: int) -> int:
+        """Return the free tier slots; held disk slots come back first when fewer than
+        `needed` are free (they cost capacity only while the disk has other room)."""
+        if self.set_aside is not None:
+            self.set_aside.make_room(needed)
+        return self.tier_pool.num_free()
+
+    def release(self, stores: StoreBatch, forget_keys: bool = True, failed: bool = False) -> None:
+        """Drop the pins (and in-flight keys) of stores that will register nothing.
+
+        `failed` (a worker failed the stores): a disk tier holds their slots as suspects.
+        """
         self.gpu_pool.free(stores.gpu_block_ids[::-1])  # tail first, as on completion
         if self.lazy.copying:
             self.lazy.copying.difference_update(stores.gpu_block_ids)
-        self.tier_pool.free(stores.tier_block_ids[::-1])
+        if failed and self.set_aside is not None:  # freed, a bad slot would be reused first
+            self.set_aside.note_failed(stores.tier_block_ids)
+        else:
+            self.tier_pool.free(stores.tier_block_ids[::-1])
         if forget_keys:
             self.in_flight_keys.difference_update(stores.keys)
 

@@ -63,6 +63,8 @@ class TierReset:
         selector.across_reset |= set(selector.tracked) | loads.allocated | set(loads.pins)
         loads.fail_all()
         selector.release(selector.take_queued())
+        if selector.set_aside is not None:  # a disk-only tier's slots of failed stores
+            selector.set_aside.clear()
         selector.tracked.clear()
         if self._tags is not None:
             self._tags.clear()
