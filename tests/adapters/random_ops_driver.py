@@ -111,6 +111,7 @@ class Engine:
     name: str
     store_mode: str = "eager"
     cascade: str | None = None
+    disk_only: bool = False  # the one tier is a disk (no CPU tier)
     num_ranks: int = 1
     async_batches: int = 0  # 0: vLLM's Scheduler; else AsyncScheduler, steps in flight
     events: bool = False  # publish KV events (stored-block payloads in eager mode)
@@ -136,6 +137,13 @@ class Run:
                 disk_path=disk_dir,
                 disk_io_mode="page_cache",
                 cascade=engine.cascade,
+            )
+        elif engine.disk_only:
+            extra.update(
+                cpu_bytes=0,
+                disk_bytes=num_cpu_blocks * SLOT_BYTES,
+                disk_path=disk_dir,
+                disk_io_mode="page_cache",
             )
         build = kvtier_harness if engine.multi is None else partial(multi_harness, engine.multi)
         self.harness = build(

@@ -19,9 +19,10 @@ drained: nothing pinned, tracked or allocated. Then every block a tier indexes i
 copied out and checked against its key, and every prompt replayed from a zeroed GPU
 cache. Per engine (eager, lazy, write-through cascade, two ranks with write-back; eager
 and lazy again under vLLM's asynchronous scheduling, overlapped and lock-step; write-back
-with KV events on, each tier event checked to describe one whole block) the
-examples must add up to tier hits, failed transfers, late ones, preemptions, aborts
-and resets, so the test cannot pass by not exercising them. 10-20 s an engine on 2 cores.
+with KV events on, each tier event checked to describe one whole block; a disk-only
+tier) the examples must add up to tier hits, failed transfers, late ones, preemptions,
+aborts and resets, so the test cannot pass by not exercising them. 10-20 s an engine on 2
+cores.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ ENGINES = [
     Engine("lazy_async", store_mode="lazy", async_batches=1),
     # KV events on: stored-block payloads (eager) and demotion events (cascade).
     Engine("write_back_events", cascade="write_back", events=True),
+    # One disk tier, no CPU tier: GPU blocks are stored to disk.
+    Engine("disk_only", disk_only=True),
 ]
 
 
@@ -125,7 +128,7 @@ def test_random_operations_serve_correct_kv_and_leak_nothing(engine: Engine) -> 
     assert totals["aborts"] > 0
     assert totals["reset_gpu_done"] > 0
     assert totals["reset_both_done"] + totals["reset_connector_done"] > 0
-    if engine.cascade is not None:
+    if engine.cascade is not None or engine.disk_only:
         assert totals["hit_tokens_DISK"] > 0, "nothing came back from disk"
     if engine.events:
         assert totals["stored_events_with_tokens"] > 0, "no stored-block payload published"

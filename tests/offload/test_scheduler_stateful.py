@@ -7,6 +7,8 @@ re-report transfers in any order, or report events never issued; a worker may fi
 source slots of a load corrupted (they hold garbage from then on, and every load of them
 on that worker fails naming them, as a checksum would tell). Eager mode runs with
 and without fine-grained hits; a sliding-window or state group may join full attention.
+The tier is a CPU tier, a CPU tier with a disk cascade behind it, or a disk alone (whose
+failed stores' slots are held, as a cascade's failed demotions' are: `disk_slots`).
 After every step:
 
 - the scheduler's and the GPU pool's own invariants hold;
