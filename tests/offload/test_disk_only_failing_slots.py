@@ -159,3 +159,14 @@ def test_a_cpu_tier_frees_the_slots_of_a_failed_store() -> None:
     assert engine.scheduler.take_stats().num_failed_stores == 2
     pool = engine.scheduler.tier_pool
     assert pool.num_free() == pool.num_usable_blocks
+
+
+def test_held_disk_slots_are_not_counted_as_tier_blocks_in_use() -> None:
+    """The gauge counts slots pinned by transfers or lookups (docs/vllm.md): an idle
+    disk-only tier that holds slots of failed stores reports none in use."""
+    engine = disk_engine(9)
+    disk = BadDisk(engine, set(range(1, 9)))  # every write fails
+    disk.run("r0", 0)
+    assert len(held(engine)) == 2
+    assert not engine.scheduler.has_pending_stores()
+    assert engine.scheduler.take_stats().num_tier_blocks_in_use == 0

@@ -360,10 +360,15 @@ class OffloadScheduler:
         return [event for pool in self.index.pools.values() for event in pool.take_events()]
 
     def stats_gauges(self) -> tuple[int, int]:
-        """Return (tier blocks in use, blocks pending store): `take_stats`'s gauges."""
+        """Return (tier blocks in use, blocks pending store): `take_stats`'s gauges.
+
+        In use: pinned by transfers or lookups, not a disk-only tier's held slots of failed
+        stores (`disk_slots`), which an idle tier keeps until a reset.
+        """
         pool = self.tier_pool
         pending = len(self.selector.queued) + self._book.num_store_blocks
-        return pool.num_usable_blocks - pool.num_free(), pending
+        held = len(self._store_set_aside) if self._store_set_aside is not None else 0
+        return pool.num_usable_blocks - pool.num_free() - held, pending
 
     def store_events_in_flight(self) -> tuple[int, int]:
         """Return (store and demotion events issued and not yet reported, how many of
