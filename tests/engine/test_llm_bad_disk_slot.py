@@ -52,11 +52,9 @@ class CorruptOneSlot:
         return getattr(self.worker, name)
 
 
-def serve(tmp_path: Path | None, index: int = 0) -> tuple[list[RequestOutput], Any, Any]:
-    """Serve two prefixes, evict them from the GPU, then both again with new suffixes."""
-    rng = random.Random(1)
-    prompts = [[rng.randrange(128) for _ in range(PREFIX)] for _ in range(2)]
-    fillers = [[rng.randrange(128) for _ in range(PREFIX)] for _ in range(6)]
+def small_llm(tmp_path: Path | None) -> LLM:
+    """Return the tiny model on 24 GPU blocks of 4 tokens, with a 4 MiB page-cache disk
+    tier in `tmp_path` (None: no offload), keeping logits."""
     config = None
     if tmp_path is not None:
         config = OffloadConfig(
@@ -65,7 +63,15 @@ def serve(tmp_path: Path | None, index: int = 0) -> tuple[list[RequestOutput], A
     engine = EngineConfig(
         block_size=4, num_gpu_blocks=24, max_num_batched_tokens=128, keep_logits=True
     )
-    with LLM(ModelConfig.tiny(), kv_offload=config, engine=engine) as llm:
+    return LLM(ModelConfig.tiny(), kv_offload=config, engine=engine)
+
+
+def serve(tmp_path: Path | None, index: int = 0) -> tuple[list[RequestOutput], Any, Any]:
+    """Serve two prefixes, evict them from the GPU, then both again with new suffixes."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(128) for _ in range(PREFIX)] for _ in range(2)]
+    fillers = [[rng.randrange(128) for _ in range(PREFIX)] for _ in range(6)]
+    with small_llm(tmp_path) as llm:
         for prompt in prompts + fillers:
             llm.generate([prompt], PARAMS)
         llm.drain()

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from test_llm_bad_disk_slot import small_llm
 
-from kvtier.engine.config import ModelConfig
-from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
+from kvtier.engine.llm import RequestOutput
 from kvtier.engine.sampling import SamplingParams
-from kvtier.offload.config import DiskIOMode, OffloadConfig
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 
 PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -60,15 +59,7 @@ def serve(tmp_path: Path | None) -> tuple[list[RequestOutput], Any, Any]:
     (vLLM's GPU cache of 24 blocks holds few: most come back from the tier)."""
     rng = random.Random(3)
     prompts = [[rng.randrange(128) for _ in range(16)] for _ in range(NUM_PROMPTS)]
-    config = None
-    if tmp_path is not None:
-        config = OffloadConfig(
-            disk_bytes=4 << 20, disk_path=str(tmp_path), disk_io_mode=DiskIOMode.PAGE_CACHE
-        )
-    engine = EngineConfig(
-        block_size=4, num_gpu_blocks=24, max_num_batched_tokens=128, keep_logits=True
-    )
-    with LLM(ModelConfig.tiny(), kv_offload=config, engine=engine) as llm:
+    with small_llm(tmp_path) as llm:
         wrap = None
         if llm.offload is not None:
             wrap = llm.offload.worker = BadSlot(llm.offload.worker)
