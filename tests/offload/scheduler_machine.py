@@ -22,7 +22,6 @@ from sim import (
     BYTES_PER_BLOCK,
     SimEngine,
     SimRequest,
-    config,
     full_layout,
     make_request,
     needed_positions,
@@ -109,32 +108,18 @@ class SchedulerDriver(RuleBasedStateMachine):
             window = 8 if second is GroupKind.SLIDING_WINDOW else None
             groups = (*layout.groups, KVGroupSpec(second, HASH_BLOCK, BYTES_PER_BLOCK, window))
             layout = KVLayout(groups, HASH_BLOCK)
-        cfg = config(
+        tiers: dict[str, object] = {"cpu_bytes": 0 if self.disk_only else 1 << 20}
+        if self.cascade is not None or self.disk_only:
+            tiers.update(disk_bytes=1 << 21, disk_path="unused-by-the-fake-worker")
+        if self.cascade is not None:
+            tiers["cascade"] = self.cascade
+        cfg = OffloadConfig(
             store_mode=self.mode,
             max_batched_tokens=8,
             fine_grained_hits=fine,
             token_check=token_check,
+            **tiers,  # type: ignore[arg-type]
         )
-        if self.cascade is not None:
-            cfg = OffloadConfig(
-                cpu_bytes=1 << 20,
-                disk_bytes=1 << 21,
-                disk_path="unused-by-the-fake-worker",
-                cascade=self.cascade,
-                store_mode=self.mode,
-                max_batched_tokens=8,
-                fine_grained_hits=fine,
-                token_check=token_check,
-            )
-        elif self.disk_only:
-            cfg = OffloadConfig(
-                disk_bytes=1 << 21,
-                disk_path="unused-by-the-fake-worker",
-                store_mode=self.mode,
-                max_batched_tokens=8,
-                fine_grained_hits=fine,
-                token_check=token_check,
-            )
         self.engine = SimEngine(
             layout,
             cfg,
