@@ -276,6 +276,7 @@ def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
         handoff_outcomes={"null": 13},
         num_tier_blocks_in_use=14,
         num_blocks_pending_store=15,
+        num_disk_slots_held=21,
         num_demoted_blocks=5,
         num_failed_demotions=1,
         num_dropped_demotions=3,
@@ -309,7 +310,11 @@ def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
         "transfer_seconds.GPU_to_CPU": 0.25,
         "transfer_seconds.CPU_to_GPU": 0.5,
     }
-    assert payload["gauges"] == {"tier_blocks_in_use": 14, "blocks_pending_store": 15}
+    assert payload["gauges"] == {
+        "tier_blocks_in_use": 14,
+        "blocks_pending_store": 15,
+        "disk_slots_held": 21,
+    }
 
 
 def test_prometheus_metrics_can_be_built_twice_in_one_process() -> None:

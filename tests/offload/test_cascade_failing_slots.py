@@ -57,6 +57,7 @@ def run_over_bad_slots(mode: CascadeMode, bad: set[int]) -> tuple[int, int]:
     cascade = engine.scheduler.cascade
     assert cascade is not None
     assert set(cascade.set_aside.bad) == bad
+    assert stats.num_disk_slots_held == len(cascade.set_aside) >= len(bad)
     return num_failed_jobs, stats.num_lost_blocks
 
 

@@ -82,6 +82,7 @@ def test_a_bad_disk_slot_is_set_aside_and_the_disk_keeps_storing(
     assert stats.num_failed_stores <= 2 * disk.num_failed_jobs
     assert stats.num_stored_blocks >= 80 - stats.num_failed_stores  # lazy retries some
     assert set(held(disk.engine).bad) == bad
+    assert stats.num_disk_slots_held == len(held(disk.engine)) >= len(bad)
     # What was stored is served, right: the GPU cache is evicted, the KV loaded from disk.
     disk.engine.evict_gpu()
     hits = [disk.run(f"again{i}", 1000 * i) for i in range(30, 40)]
@@ -121,6 +122,21 @@ def test_a_reset_gives_the_held_disk_slots_back() -> None:
     assert len(held(engine)) == 0
     assert pool.num_free() == pool.num_usable_blocks
     engine.check()
+
+
+def test_the_disk_slots_held_gauge_counts_held_slots_until_a_reset() -> None:
+    engine = disk_engine(9)
+    scheduler = engine.scheduler
+    disk = BadDisk(engine, {1, 2, 3, 4, 5, 6, 7, 8})  # every write fails
+    assert scheduler.take_stats().num_disk_slots_held == 0
+    disk.run("r0", 0)
+    assert scheduler.stats_gauges()[2] == 2  # a change the adapters' skip test sees
+    assert scheduler.take_stats().num_disk_slots_held == 2
+    disk.run("r1", 100)
+    assert scheduler.take_stats().num_disk_slots_held == 4
+    assert scheduler.reset()
+    assert scheduler.stats_gauges()[2] == 0
+    assert scheduler.take_stats().num_disk_slots_held == 0
 
 
 def test_an_abandoned_failed_store_frees_its_disk_slots() -> None:

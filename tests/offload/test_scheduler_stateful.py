@@ -108,7 +108,13 @@ class SchedulerMachine(SchedulerDriver):
         quiet = not scheduler.has_new_counts()
         gauges = scheduler.stats_gauges()
         stats = scheduler.take_stats()
-        assert gauges == (stats.num_tier_blocks_in_use, stats.num_blocks_pending_store)
+        assert gauges == (
+            stats.num_tier_blocks_in_use,
+            stats.num_blocks_pending_store,
+            stats.num_disk_slots_held,
+        )
+        set_aside = scheduler.disk_set_aside
+        assert stats.num_disk_slots_held == (len(set_aside.held()) if set_aside else 0)
         hits = sum(stats.hit_tokens.values())
         counts = (
             stats.store_outcomes,

@@ -229,7 +229,7 @@ class OffloadSide:
     def describe_pending(self) -> str:
         """Return what keeps `has_pending_work()` true, for error messages."""
         scheduler = self.scheduler
-        _, num_pending_blocks = scheduler.stats_gauges()
+        _, num_pending_blocks, _ = scheduler.stats_gauges()
         text = f"{num_pending_blocks} blocks queued or in flight to the {scheduler.tier.value} tier"
         if scheduler.cascade is not None:
             text += f", {len(scheduler.cascade.in_flight_keys)} demotions queued or in flight"

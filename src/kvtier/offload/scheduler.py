@@ -359,16 +359,21 @@ class OffloadScheduler:
         """Return and forget the tiers' events (medium = the tier), oldest first per tier."""
         return [event for pool in self.index.pools.values() for event in pool.take_events()]
 
-    def stats_gauges(self) -> tuple[int, int]:
-        """Return (tier blocks in use, blocks pending store): `take_stats`'s gauges.
+    def stats_gauges(self) -> tuple[int, int, int]:
+        """Return (tier blocks in use, blocks pending store, disk slots held): `take_stats`'s
+        gauges, each O(1).
 
         In use: pinned by transfers or lookups, not a disk-only tier's held slots of failed
-        stores (`disk_slots`), which an idle tier keeps until a reset.
+        stores (`disk_slots`), which an idle tier keeps until a reset. Held: the disk slots
+        set aside after failed writes (the cascade's demotions' or a disk-only tier's
+        stores'), suspects and bad slots together; 0 without a disk tier.
         """
         pool = self.tier_pool
         pending = len(self.selector.queued) + self._book.num_store_blocks
-        held = len(self._store_set_aside) if self._store_set_aside is not None else 0
-        return pool.num_usable_blocks - pool.num_free() - held, pending
+        store_held = len(self._store_set_aside) if self._store_set_aside is not None else 0
+        set_aside = self.disk_set_aside
+        disk_held = len(set_aside) if set_aside is not None else 0
+        return pool.num_usable_blocks - pool.num_free() - store_held, pending, disk_held
 
     def store_events_in_flight(self) -> tuple[int, int]:
         """Return (store and demotion events issued and not yet reported, how many of

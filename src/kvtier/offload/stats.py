@@ -44,6 +44,7 @@ class OffloadStats:
     num_bytes_stored: int = 0
     num_tier_blocks_in_use: int = 0
     num_blocks_pending_store: int = 0
+    num_disk_slots_held: int = 0  # disk slots set aside after failed writes (`disk_slots`)
     hit_tokens: Mapping[str, int] = field(default_factory=dict)
     num_demoted_blocks: int = 0  # CPU → DISK copies registered (cascade)
     num_failed_demotions: int = 0

@@ -46,7 +46,12 @@ class StatsTaker:
             or (cascade is not None and cascade.counters != CascadeCounters())
         )
 
-    def take(self, num_tier_blocks_in_use: int, num_blocks_pending_store: int) -> OffloadStats:
+    def take(
+        self,
+        num_tier_blocks_in_use: int,
+        num_blocks_pending_store: int,
+        num_disk_slots_held: int,
+    ) -> OffloadStats:
         """Return this step's counters (then reset them), the gauges given and the totals."""
         counters = self._counters
         bytes_per_block = self._bytes_per_slot
@@ -68,6 +73,7 @@ class StatsTaker:
             num_bytes_stored=counters.num_stored_blocks * bytes_per_block,
             num_tier_blocks_in_use=num_tier_blocks_in_use,
             num_blocks_pending_store=num_blocks_pending_store,
+            num_disk_slots_held=num_disk_slots_held,
             hit_tokens={name: hit_tokens[name] for name in self._tier_names},
             num_demoted_blocks=cascade.num_demoted_blocks if cascade else 0,
             num_failed_demotions=cascade.num_failed_demotions if cascade else 0,

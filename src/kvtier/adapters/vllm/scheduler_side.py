@@ -103,7 +103,7 @@ class SchedulerSide:
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
         self._last_gauges: dict[str, int] | None = None
-        self._last_gauge_values: tuple[int, int] | None = None
+        self._last_gauge_values: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ admission
 

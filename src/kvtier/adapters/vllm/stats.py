@@ -90,6 +90,7 @@ _PLAIN_COUNTERS = {
 _GAUGES = {
     "tier_blocks_in_use": "tier blocks pinned by transfers or lookups (capacity minus free)",
     "blocks_pending_store": "blocks queued or in flight towards the tier",
+    "disk_slots_held": "disk slots held aside after failed copies (0 without a disk tier)",
 }
 
 
@@ -127,6 +128,7 @@ def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dic
     gauges = {
         "tier_blocks_in_use": stats.num_tier_blocks_in_use,
         "blocks_pending_store": stats.num_blocks_pending_store,
+        "disk_slots_held": stats.num_disk_slots_held,
     }
     info = {label: str(stats.info.get(label, "")) for label in INFO_LABELS}
     return {COUNTERS: {k: v for k, v in counters.items() if v}, GAUGES: gauges, INFO: info}
