@@ -10,9 +10,11 @@ served anyway trips the harness's fingerprint check.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_harness import (
     ConnectorWorker,
     HarnessConfig,
@@ -20,6 +22,7 @@ from vllm_harness import (
     connector_worker_factory,
 )
 
+from kvtier.adapters.vllm import KVTierConnector
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.transfer.worker import OffloadWorker
@@ -186,3 +189,21 @@ class PollGate:
             {e: n for e, n in done.items() if e not in held_done},
             {e: n for e, n in failed.items() if e not in held_failed},
         )
+
+
+PROM_LABELS = {"model_name": "tiny", "engine": "0"}
+
+
+def observed_metrics(harness: Any, payloads: Iterable[Any]) -> tuple[CollectorRegistry, Any]:
+    """Return a fresh registry holding kvtier's Prometheus metrics for engine 0 (labels
+    `PROM_LABELS`) and those metrics, with every stats payload of `payloads` observed."""
+    registry = CollectorRegistry()
+    metric_types = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
+    metrics = KVTierConnector.build_prom_metrics(
+        harness.vllm_config, metric_types, list(PROM_LABELS), {0: list(PROM_LABELS.values())}
+    )
+    for payload in payloads:
+        metrics.observe(payload, engine_idx=0)
+    return registry, metrics

@@ -9,7 +9,6 @@ load reported finished before all its parts landed, or served after a failure, f
 from __future__ import annotations
 
 import collections
-import functools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,19 +18,19 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import (
+    PROM_LABELS,
     SCHEDULING,
     SLOT_BYTES,
     check_quiescent,
     kvtier_harness,
+    observed_metrics,
     offload_worker,
     scheduler_side,
 )
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.distributed.kv_events import BlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_harness import StepRecord, VllmHarness, flatten_events, shared_prefix_prompts
 
-from kvtier.adapters.vllm import KVTierConnector
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.transfer.worker import OffloadWorker
 
@@ -133,16 +132,8 @@ def test_prefixes_evicted_from_gpu_and_cpu_are_served_from_disk(
 
 
 def assert_prometheus(harness: VllmHarness, observed: Observed, mode: str, disk_hits: int) -> None:
-    registry = CollectorRegistry()
-    metric_types = {
-        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
-    }
-    labels = {"model_name": "tiny", "engine": "0"}
-    metrics = KVTierConnector.build_prom_metrics(
-        harness.vllm_config, metric_types, list(labels), {0: list(labels.values())}
-    )
-    for payload in observed.payloads:
-        metrics.observe(payload, engine_idx=0)
+    registry, _ = observed_metrics(harness, observed.payloads)
+    labels = PROM_LABELS
     value = registry.get_sample_value
     assert value("kvtier:tier_hit_tokens_total", {**labels, "tier": "DISK"}) == disk_hits
     assert value("kvtier:demoted_blocks_total", labels) == observed.counters["demoted_blocks"]

@@ -4,7 +4,6 @@ Prometheus, and shows 0 again after a connector reset gives them back."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,15 @@ pytest.importorskip("vllm")
 
 from faulty_worker import FaultyWorker
 from kvtier_vllm import (
+    PROM_LABELS,
     SLOT_BYTES,
     drain_collecting_stats,
     kvtier_harness,
+    observed_metrics,
     offload_worker,
     scheduler_side,
 )
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_harness import shared_prefix_prompts
-
-from kvtier.adapters.vllm import KVTierConnector
 
 
 def test_held_disk_slots_of_failed_stores_show_in_the_stats_and_prometheus(
@@ -44,16 +42,8 @@ def test_held_disk_slots_of_failed_stores_show_in_the_stats_and_prometheus(
     assert num_held == failed >= 2 * 3  # the prompts' 3 full blocks each, at least
     assert payloads[-1]["gauges"]["disk_slots_held"] == num_held  # type: ignore[index]
 
-    registry = CollectorRegistry()
-    metric_types = {
-        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
-    }
-    labels = {"model_name": "tiny", "engine": "0"}
-    metrics = KVTierConnector.build_prom_metrics(
-        harness.vllm_config, metric_types, list(labels), {0: list(labels.values())}
-    )
-    for payload in payloads:
-        metrics.observe(payload, engine_idx=0)
+    registry, metrics = observed_metrics(harness, payloads)
+    labels = PROM_LABELS
     assert registry.get_sample_value("kvtier:disk_slots_held", labels) == num_held
 
     connector = harness.scheduler.connector

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -10,13 +9,15 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import (
+    PROM_LABELS,
     SCHEDULING,
     SLOT_BYTES,
     drain_collecting_stats,
     kvtier_config,
     kvtier_harness,
+    observed_metrics,
 )
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
@@ -227,16 +228,8 @@ def test_a_gauge_only_change_is_reported() -> None:
 
 def test_prometheus_metrics_build_and_observe() -> None:
     harness, payloads = collect_stats()
-    registry = CollectorRegistry()
-    metric_types = {
-        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
-    }
-    labels = {"model_name": "tiny", "engine": "0"}
-    metrics = KVTierConnector.build_prom_metrics(
-        harness.vllm_config, metric_types, list(labels), {0: list(labels.values())}
-    )
-    for payload in payloads:
-        metrics.observe(payload, engine_idx=0)
+    registry, _ = observed_metrics(harness, payloads)
+    labels = PROM_LABELS
     value = registry.get_sample_value
     assert value("kvtier:loaded_blocks_total", labels) == 12
     assert value("kvtier:hit_tokens_total", labels) == 4 * 48
