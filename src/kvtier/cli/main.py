@@ -72,26 +72,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     the command's modules are imported and its options parsed. SIGTERM ends it with
     TERMINATED_STATUS (`kvtier.replay.signals`) once the command has cleaned up (the
     demo's disk tier folder is removed), instead of killing it on the spot.
+
+    The SIGINT and SIGTERM handlers in place when `main` was called are back in place
+    when it returns: a program that imports kvtier and calls `main` keeps its Ctrl-C.
+    Without `argv` (the `kvtier` script, `python -m`), a Ctrl-C once the interpreter
+    begins to exit (joining threads, atexit callbacks) ends the process as the shell
+    expects, instead of a KeyboardInterrupt traceback (`signals_end_the_process`).
     """
+    return run_command(argv, ends_the_process=argv is None)
+
+
+def run_command(argv: Sequence[str] | None, ends_the_process: bool) -> int:
+    """`main`, for any entry point: `python -m kvtier.replay` runs `kvtier replay` here.
+
+    `argv` None: `sys.argv[1:]`. `ends_the_process`: this process exits after the
+    command (see `main`).
+    """
+    previous = _signal_handlers()
     try:
-        return _run_command(argv)
-    except KeyboardInterrupt:  # before the command began: nothing to clean up
+        try:
+            return _run_command(argv)
+        finally:
+            _restore_signal_handlers(previous)  # a Ctrl-C pending meanwhile is raised here
+    except KeyboardInterrupt:  # before the command began, or as it ended: nothing to clean up
         print("\nkvtier: interrupted", file=sys.stderr)
         return INTERRUPTED_STATUS
     finally:
-        if argv is None:  # this process is the command (the `kvtier` script, `python -m`)
-            try:  # a Ctrl-C as the interpreter exits (a second one) ends it: no traceback
-                _signals_end_the_process()
-            except KeyboardInterrupt:  # one that came as the call began ends it too
-                _signals_end_the_process(interrupted=True)
-            except SystemExit:
-                _signals_end_the_process()
+        if ends_the_process:
+            _signals_end_the_process_at_exit()
 
 
-def _signals_end_the_process(interrupted: bool = False) -> None:
-    from kvtier.replay.signals import signals_end_the_process
+def _signal_handlers() -> dict[int, object]:
+    """Return SIGINT's and SIGTERM's handlers as `main` is called (none outside the main
+    thread, where none can be set)."""
+    import signal
+    import threading
 
-    signals_end_the_process(interrupted)
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    return {signum: h for signum, h in handlers.items() if h is not None}  # None: set in C
+
+
+def _restore_signal_handlers(previous: dict[int, object]) -> None:
+    """Put back the handlers `_signal_handlers` returned (the command wraps them in
+    `signals_deferred`'s); a Ctrl-C run as they change is raised once all are back."""
+    import signal
+
+    interrupted = False
+    for signum, handler in previous.items():
+        while True:
+            try:  # a pending signal runs the handler in place before the swap: swap again
+                signal.signal(signum, handler)  # type: ignore[arg-type]
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _signals_end_the_process_at_exit() -> None:
+    from kvtier.replay.signals import end_the_process_at_exit
+
+    end_the_process_at_exit()
 
 
 def _run_command(argv: Sequence[str] | None) -> int:

@@ -19,16 +19,49 @@
 | `ascii_number` | `ascii_int`, `ascii_float`: numeric CLI options in ASCII digits only |
 """
 
-from kvtier.replay.config import (
-    CascadeMode,
-    ReleaseOrder,
-    ReplayConfig,
-    ReplayError,
-    ReplayResult,
-    TierConfig,
-)
-from kvtier.replay.tier_replay import TierReplay, replay_trace
-from kvtier.replay.trace import TraceError, TraceRecord, read_trace
+from __future__ import annotations
+
+import importlib
+
+# The names below are imported on first use (PEP 562), not with the package:
+# `python -m kvtier.replay` imports the package before its `__main__` runs, where
+# Ctrl-C is one line and status 130 (`kvtier.cli.main`), not a traceback.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from kvtier.replay.config import (
+        CascadeMode,
+        ReleaseOrder,
+        ReplayConfig,
+        ReplayError,
+        ReplayResult,
+        TierConfig,
+    )
+    from kvtier.replay.tier_replay import TierReplay, replay_trace
+    from kvtier.replay.trace import TraceError, TraceRecord, read_trace
+
+_HOME = {
+    "CascadeMode": "config",
+    "ReleaseOrder": "config",
+    "ReplayConfig": "config",
+    "ReplayError": "config",
+    "ReplayResult": "config",
+    "TierConfig": "config",
+    "TierReplay": "tier_replay",
+    "replay_trace": "tier_replay",
+    "TraceError": "trace",
+    "TraceRecord": "trace",
+    "read_trace": "trace",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CascadeMode",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +25,6 @@ from kvtier.replay.option_types import (
 from kvtier.replay.outputs import output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
-from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.sweep import (
@@ -322,25 +320,12 @@ def _write_outputs(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `kvtier replay` as a standalone command; return the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="kvtier replay",
-        description=__doc__.splitlines()[0] + _DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    configure(parser)
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="log at INFO level (default: WARNING)"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        with sigterm_unwinds():  # `kill`: temporary files are removed on the way out
-            status: int = args.run(args)
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback
-        print("\nkvtier replay: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return status
+    """Run `kvtier replay` with `argv` (default `sys.argv[1:]`); return the exit status.
+
+    The same path as `kvtier replay` (`kvtier.cli.main`): its handling of Ctrl-C,
+    SIGTERM, a reader that went away, and the signal handlers put back on return.
+    """
+    from kvtier.cli.main import run_command
+
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    return run_command(["replay", *arguments], ends_the_process=argv is None)

@@ -71,29 +71,65 @@ def raise_if_terminated() -> None:
 
 
 def signals_end_the_process(interrupted: bool = False) -> None:
-    """Give SIGINT and SIGTERM their default action from now on: for a process whose
-    command has ended (its cleanup done) and which is about to exit.
+    """Give SIGINT its default action from now on if it has Python's (KeyboardInterrupt):
+    for a process whose command has ended (its cleanup done) and which is exiting.
 
     A Ctrl-C while the interpreter then shuts down (atexit callbacks, joining threads:
     a second Ctrl-C just after the first) ends the process as the shell expects, instead
     of a KeyboardInterrupt traceback under "Exception ignored". One that was pending as
     its handler was replaced is acted on the same way, as is a Ctrl-C whose
     KeyboardInterrupt the caller caught as it called this (`interrupted`). A signal
-    ignored (SIG_IGN: a script's `kvtier ... &` ignores SIGINT) stays ignored. Does
-    nothing outside the main thread.
+    ignored (SIG_IGN: a script's `kvtier ... &` ignores SIGINT), or given a handler of
+    the program's own (a program that ran `kvtier.cli.main.main`), is left as it is;
+    SIGTERM's default action already ends the process. Does nothing outside the main
+    thread.
     """
     if threading.current_thread() is not threading.main_thread():
         return
     pending = [signal.SIGINT] if interrupted else []
-    for signum in _HELD:
-        while signal.getsignal(signum) is not signal.SIG_IGN:
-            try:  # a pending signal runs its handler before the swap, which is then undone
-                signal.signal(signum, signal.SIG_DFL)
-                break
-            except (KeyboardInterrupt, SystemExit):
-                pending.append(signum)
+    while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        try:  # a pending signal runs its handler before the swap, which is then undone
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            break
+        except KeyboardInterrupt:
+            pending.append(signal.SIGINT)
     for signum in pending:
         signal.raise_signal(signum)
+
+
+_at_exit = threading.Lock()
+_at_exit_registered = False
+
+
+def end_the_process_at_exit() -> None:
+    """Call `signals_end_the_process` once the interpreter begins to exit (before it joins
+    the threads left and runs the atexit callbacks), not before: until then the program
+    that called keeps its SIGINT handler. Registered once per process."""
+    global _at_exit_registered
+    with _at_exit:
+        if _at_exit_registered:
+            return
+        _at_exit_registered = True
+    register = getattr(threading, "_register_atexit", None)  # CPython 3.9+: before the joins
+    try:
+        if register is not None:
+            register(_end_the_process)
+            return
+    except RuntimeError:  # the interpreter is already exiting
+        _end_the_process()
+        return
+    import atexit
+
+    atexit.register(_end_the_process)
+
+
+def _end_the_process() -> None:
+    try:  # a Ctrl-C as the interpreter exits (a second one) ends it: no traceback
+        signals_end_the_process()
+    except KeyboardInterrupt:  # one that came as the call began ends it too
+        signals_end_the_process(True)  # interrupted
+    except SystemExit:
+        signals_end_the_process()
 
 
 class _Holding:
