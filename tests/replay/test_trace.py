@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from replay_helpers import BLOCK, doc_trace
 
+from kvtier.replay import generate
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.generate import main as generate_main
 from kvtier.replay.tier_replay import trace_keys
@@ -177,16 +178,54 @@ def test_chat_generator_refuses_an_empty_output_path(capsys: pytest.CaptureFixtu
     assert "argument out: expected a path, got an empty string" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("option", "value"), [("--conversations", "0"), ("--block-size", "-1")])
+@pytest.mark.parametrize(
+    ("option", "value", "limits"),
+    [
+        ("--conversations", "0", "1 ... 100000"),
+        ("--block-size", "-1", "1 ... 1048576"),
+        ("--conversations", "1000000000000", "1 ... 100000"),  # ran until memory ran out
+        ("--block-size", "1048577", "1 ... 1048576"),
+        ("--seed", "-1", "0 ... 18446744073709551615"),  # was the trace of --seed 1
+        ("--seed", str(1 << 64), "0 ... 18446744073709551615"),
+    ],
+)
 def test_chat_generator_names_the_option_out_of_range(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    option: str,
+    value: str,
+    limits: str,
 ) -> None:
-    """They were reported by the config fields they set (num_conversations, block_size)."""
+    """Refused before any work, named as the option (not as the config field it sets).
+
+    Regression: --conversations had no cap (10**12 conversations were generated until
+    memory ran out) and a negative --seed gave the trace of its absolute value."""
+    monkeypatch.setattr(generate, "_generate_with_progress", _no_work)
     with pytest.raises(SystemExit) as exit_info:
         generate_main([str(tmp_path / "chat.jsonl"), option, value])
     assert exit_info.value.code == 2
-    assert f"error: argument {option}: must be > 0, got {value}\n" in capsys.readouterr().err
+    assert f"error: argument {option}: must be {limits}, got {value}\n" in capsys.readouterr().err
     assert not (tmp_path / "chat.jsonl").exists()
+
+
+def test_chat_generator_caps_the_block_references_small_blocks_make(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each option in range, but 1-token blocks make ~121 k references per conversation."""
+    monkeypatch.setattr(generate, "_generate_with_progress", _no_work)
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main(
+            [str(tmp_path / "chat.jsonl"), "--conversations", "1000", "--block-size", "1"]
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--conversations=1000 at --block-size=1 is about 121,000,000 block references" in err
+    assert not (tmp_path / "chat.jsonl").exists()
+
+
+def _no_work(config: object) -> object:
+    pytest.fail(f"the generator started on {config}")
 
 
 def test_largest_64_bit_hash_id_is_accepted_and_keyed(tmp_path: Path) -> None:

@@ -41,6 +41,15 @@ from kvtier.replay.whole_file import descriptor_of
 
 Segment = tuple[int, int]  # (segment id, length in tokens)
 
+# The ranges of the command's options (`check_options`). At the default workload a
+# conversation's prompts hold about 121 k tokens (4,485 requests, 141,580 blocks of 512
+# for 600 conversations) and a block reference costs ~8 bytes and ~2 us to make.
+MAX_SEED = (1 << 64) - 1
+MAX_CONVERSATIONS = 100_000  # ~750 k requests, ~24 M block references at 512 tokens
+MAX_BLOCK_SIZE = 1 << 20  # tokens: longer than any prompt the defaults make
+TOKENS_PER_CONVERSATION = 121_000
+MAX_BLOCK_REFERENCES = 100_000_000  # about 1 GiB of hash ids
+
 
 class ProgressBar(Protocol):
     """What `generate_chat_trace` reports its progress to (a `tqdm` bar is one)."""
@@ -207,12 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM, with no partial file left behind)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for option, value in (
-        ("--conversations", args.conversations),
-        ("--block-size", args.block_size),
-    ):
-        if value <= 0:  # named as the option, not as the config field it sets
-            parser.error(f"argument {option}: must be > 0, got {value}")
+    try:
+        check_options(args)
+    except ValueError as exc:  # named as the option, not as the config field it sets
+        parser.error(str(exc))
     try:
         config = ChatWorkloadConfig(
             seed=args.seed, num_conversations=args.conversations, block_size=args.block_size
@@ -237,6 +244,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(BrokenPipeError):
             print(f"wrote {len(records)} requests to {args.out}", file=report)
     return 0
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first option out of its range, before any work.
+
+    Without a cap, `--conversations 10**12` allocated and ran until memory ran out; a
+    negative `--seed` gave the trace of its absolute value (`random.Random`), so two
+    seeds gave one trace.
+    """
+    for option, value, least, most in (
+        ("--seed", args.seed, 0, MAX_SEED),
+        ("--conversations", args.conversations, 1, MAX_CONVERSATIONS),
+        ("--block-size", args.block_size, 1, MAX_BLOCK_SIZE),
+    ):
+        if not least <= value <= most:
+            raise ValueError(f"argument {option}: must be {least} ... {most}, got {value}")
+    refs = args.conversations * TOKENS_PER_CONVERSATION // args.block_size
+    if refs > MAX_BLOCK_REFERENCES:
+        raise ValueError(
+            f"--conversations={args.conversations} at --block-size={args.block_size} is about"
+            f" {refs:,} block references; the generator makes at most"
+            f" {MAX_BLOCK_REFERENCES:,}: give fewer conversations or a larger block size"
+        )
 
 
 def _generate_with_progress(config: ChatWorkloadConfig) -> list[TraceRecord]:
