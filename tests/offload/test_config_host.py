@@ -7,8 +7,11 @@ a CPU budget of 10**13 bytes got the process killed for lack of memory.
 
 from __future__ import annotations
 
+import errno
+import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,3 +115,57 @@ def test_sensible_budgets_pass(tmp_path: Path) -> None:
     OffloadConfig(cpu_bytes=4 * MIB).prepare_host()
     disk_config(tmp_path).prepare_host()
     OffloadConfig(cpu_bytes=MIB, disk_bytes=2 * MIB, disk_path=str(tmp_path)).prepare_host()
+
+
+def refuse_writes_under(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Make `folder` (existing or not) read-only as a read-only mount is, also for root:
+    every open for writing in it or below it fails with EROFS."""
+    real_open = os.open
+
+    def read_only_open(path: str | os.PathLike[str], flags: int, *args: Any) -> int:
+        inside = (os.path.abspath(path) + "/").startswith(f"{folder}/")
+        if inside and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_directory_no_file_can_be_created_in_is_refused_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exists: bool
+) -> None:
+    """Regression: only the permission bits were checked (`os.access`), which pass for
+    root on a directory it cannot write (e.g. a root-squashed NFS export): the tier failed
+    only later, as its file was created (in `LLM`, after the model was built)."""
+    disk_dir = tmp_path / "tier"
+    if exists:
+        disk_dir.mkdir()
+    refuse_writes_under(monkeypatch, disk_dir)
+    with pytest.raises(ConfigError) as refused:
+        disk_config(disk_dir).prepare_host()
+    assert str(refused.value) == (
+        f"disk_path={str(disk_dir)!r} is not a writable directory (cannot create files in it: "
+        "Read-only file system)"
+    )
+    assert disk_dir.exists() == exists  # one it created for the check is removed again
+    if exists:
+        assert list(disk_dir.iterdir()) == []  # no probe left behind
+
+
+def test_a_file_system_without_unnamed_files_is_probed_with_a_named_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def no_tmpfile(path: str, flags: int, *args: Any) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    disk_config(tmp_path).prepare_host()
+    assert list(tmp_path.iterdir()) == []
+    refuse_writes_under(monkeypatch, tmp_path)  # wraps no_tmpfile
+    with pytest.raises(ConfigError, match="cannot create files in it: Read-only file system"):
+        disk_config(tmp_path).prepare_host()

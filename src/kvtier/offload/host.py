@@ -5,9 +5,11 @@ disk tier."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from kvtier.offload.config_error import ConfigError
@@ -103,7 +105,34 @@ def _prepare_directory(disk_path: str) -> Path | None:
             created = path
     if not path.is_dir():
         raise ConfigError(f"disk_path={disk_path!r} is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
+    unwritable: str | None = "permission denied"
+    if os.access(path, os.W_OK | os.X_OK):
+        unwritable = _cannot_create_files(path)
+    if unwritable is not None:
         remove_created_directory(created)
-        raise ConfigError(f"disk_path={disk_path!r} is not a writable directory")
+        raise ConfigError(f"disk_path={disk_path!r} is not a writable directory ({unwritable})")
     return created
+
+
+def _cannot_create_files(directory: Path) -> str | None:
+    """Return why no file can be created in `directory`, or None when one can.
+
+    Found by creating one, as the tier will later (in `LLM`, after the model is built):
+    permission bits do not tell for root, nor for a read-only mount seen through NFS's
+    root squashing, a FUSE file system or a security module. The probe is an unnamed
+    file (O_TMPFILE) where the file system has them, so an interrupted check leaves
+    nothing behind; elsewhere a hidden file, removed at once.
+    """
+    try:
+        try:
+            fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvtier-probe-")
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        os.close(fd)
+    except OSError as exc:
+        return f"cannot create files in it: {exc.strerror or type(exc).__name__}"
+    return None
