@@ -186,12 +186,13 @@ def test_a_well_formed_record_that_cannot_apply_is_skipped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, bad: bytes, reason: str
 ) -> None:
     """A record whose checksum matches but whose kind, slot or tag is invalid: skipped
-    with a warning naming the bad value, the records after it replay."""
+    by its length with a warning naming the bad value, the records after it replay."""
     records = puts()
     path = write(tmp_path / "m", b"".join(records[:20]) + bad + b"".join(records[20:]))
     assert replay(path, caplog) == expected_without()
     assert len(caplog.records) == 1
-    assert f"skipped {len(bad)} bytes to the next valid record" in caplog.text
+    after = start_of(records, 20) + len(bad)
+    assert f"skipped its {len(bad)} bytes, to the record after it, at byte {after}" in caplog.text
     assert f"({reason})" in caplog.text
 
 

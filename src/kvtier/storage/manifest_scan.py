@@ -69,6 +69,10 @@ class Invalid(NamedTuple):
 
     reason: str  # naming the bad value
     past_end: bool  # the record would run past the end of the file (a torn append)
+    # Where a well-formed record ends (its checksum matches) that cannot be applied: an
+    # unknown kind (a later format's), a slot past the end, a tagged put without its tag.
+    # None: the bytes are not a record (damaged, torn).
+    record_end: int | None = None
 
 
 class RecordReader:
@@ -111,17 +115,19 @@ class RecordReader:
         (stored_sum,) = CHECKSUM.unpack_from(data, sum_at)
         if stored_sum != xxhash.xxh3_64_intdigest(data[i:sum_at]):
             return Invalid("checksum mismatch", False)
+        end = pos + RECORD.size + key_len + CHECKSUM.size
         if kind not in _KINDS:
-            return Invalid(f"unknown kind {kind}", False)
+            return Invalid(f"unknown kind {kind}", False, end)
         entry: ManifestEntry | None = None  # a tombstone
         if kind != TOMBSTONE:
             record = decode_put(kind, data[i + RECORD.size : sum_at], num_tokens)
             if record is None:
-                return Invalid(f"tagged put too short for its tag: key field of {key_len} B", False)
+                why = f"tagged put too short for its tag: key field of {key_len} B"
+                return Invalid(why, False, end)
             entry = ManifestEntry(data_sum, record)
         if slot >= self._num_slots:
-            return Invalid(f"slot {slot} outside [0, {self._num_slots})", False)
-        return slot, entry, pos + RECORD.size + key_len + CHECKSUM.size
+            return Invalid(f"slot {slot} outside [0, {self._num_slots})", False, end)
+        return slot, entry, end
 
     def apply_run(self, pos: int, live: dict[int, ManifestEntry], keep_below: int) -> int:
         """Apply to `live` the records from `pos` on while they are valid and lie whole in
