@@ -90,3 +90,27 @@ def test_simple_offload_cpu_sizes_not_used_as_written_are_warned_of(
 def test_the_offload_backend_ignores_case_like_the_other_names() -> None:
     config = convert({"kv_offload_backend": " CASCADE ", "disk_path": "/tmp"})
     assert config.is_cascade
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"cpu_bytes": GIB, "disk_bytes": 0, "disk_path": "/tmp/kv"}, "disk_bytes=0"),
+        ({"cpu_bytes": GIB, "disk_path": "/tmp/kv"}, "disk_bytes unset"),
+        ({"cpu_bytes_to_use": GIB, "disk_path": "/tmp/kv"}, "kv_offload_backend='cpu'"),
+        ({"kv_offload_backend": "CPU", "disk_path": "/tmp/kv"}, "kv_offload_backend='CPU'"),
+    ],
+)
+def test_a_disk_path_without_a_disk_tier_is_warned_of_naming_why(
+    extra: dict[str, object], why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC §8: disk keys without a disk tier are ignored with a warning (a deployment may
+    switch its disk tier off with disk_bytes=0 and keep the rest), which names the key
+    that turned the tier off as the user wrote it. Regression: it said "disk_bytes is 0
+    or unset" also for a config written with kv_offload_backend, which has no disk_bytes."""
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        config = convert(extra)
+    assert (config.disk_bytes, config.disk_path) == (0, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"no disk tier ({why}): ignoring disk_path='/tmp/kv'"
+    ]

@@ -136,6 +136,8 @@ class OffloadConfig:
             )
         if self.disk_persist and self.disk_bytes == 0:
             raise ConfigError("disk_persist=True needs a disk tier (disk_bytes > 0)")
+        if self.disk_path and self.disk_bytes == 0:  # as `from_dict` warns (SPEC §8)
+            logger.warning("no disk tier (disk_bytes=0): ignoring disk_path=%r", self.disk_path)
         if self.disk_persist and self.hash_algo is HashAlgo.XXHASH and self.hash_seed is None:
             raise ConfigError(
                 "disk_persist=True with hash_algo='xxhash' needs a fixed hash_seed: a random "
@@ -171,14 +173,18 @@ class OffloadConfig:
 
     @staticmethod
     def from_dict(
-        values: Mapping[str, Any], key_sources: Mapping[str, str] | None = None
+        values: Mapping[str, Any],
+        key_sources: Mapping[str, str] | None = None,
+        no_disk_tier: str | None = None,
     ) -> OffloadConfig:
         """Build a config from plain values (e.g. JSON); unknown keys are rejected.
 
         Enum fields accept their string values in any case; `disk_direct_io` (bool) is accepted as
         the SPEC's spelling of `disk_io_mode`. Disk-only keys without a disk tier, and
         `cascade` without both tiers, are ignored with a warning, but their values are
-        still checked: a typo there is an error, not a silent default. `key_sources`
+        still checked: a typo there is an error, not a silent default. The warning names
+        the keys ignored and why there is no disk tier: `disk_bytes=0`, `disk_bytes`
+        unset, or `no_disk_tier` (what an adapter's user wrote instead). `key_sources`
         becomes the config's `key_sources` (for values an adapter translated).
         """
         values = dict(values)
@@ -201,8 +207,13 @@ class OffloadConfig:
             for key in ignored:
                 _valid_value(key, kwargs[key])
             if ignored:
+                if no_disk_tier is None:
+                    given = "disk_bytes" in kwargs
+                    no_disk_tier = f"disk_bytes={kwargs['disk_bytes']!r}" if given else None
                 logger.warning(
-                    "no disk tier (disk_bytes is 0 or unset): ignoring %s", ", ".join(ignored)
+                    "no disk tier (%s): ignoring %s",
+                    no_disk_tier or "disk_bytes unset",
+                    ", ".join(f"{k}={getattr(kwargs[k], 'value', kwargs[k])!r}" for k in ignored),
                 )
                 for key in ignored:
                     del kwargs[key]

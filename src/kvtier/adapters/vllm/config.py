@@ -92,11 +92,20 @@ def offload_config_from_vllm(
     if "policy" in values:
         values.update(_policy(values.pop("policy"), values))
     sources: dict[str, str] = {}
+    no_disk_tier = None
     if any(key in values for key in _ALIASES):
+        if _backend(values) == "cpu":  # what the user wrote instead of disk_bytes
+            no_disk_tier = f"kv_offload_backend={values.get('kv_offload_backend', 'cpu')!r}"
         values, sources = _from_simple_offload_keys(values, world_size)
     values["max_batched_tokens"] = max_batched_tokens
     values["events"] = events
-    return OffloadConfig.from_dict(values, key_sources=sources)
+    return OffloadConfig.from_dict(values, key_sources=sources, no_disk_tier=no_disk_tier)
+
+
+def _backend(values: Mapping[str, Any]) -> object:
+    """Return `kv_offload_backend` as compared (any case), default "cpu"."""
+    backend = values.get("kv_offload_backend", "cpu")
+    return backend.strip().lower() if isinstance(backend, str) else backend
 
 
 def _from_simple_offload_keys(
@@ -113,9 +122,8 @@ def _from_simple_offload_keys(
         raise ConfigError(
             f"{', '.join(clash)} mixed with SimpleCPUOffloadConnector keys: use one spelling"
         )
-    backend = values.pop("kv_offload_backend", "cpu")
-    if isinstance(backend, str):  # any case, as the other names
-        backend = backend.strip().lower()
+    backend = _backend(values)  # any case, as the other names
+    values.pop("kv_offload_backend", None)
     if backend not in _BACKENDS:
         choices = ", ".join(repr(b) for b in _BACKENDS)
         raise ConfigError(f"kv_offload_backend must be one of {choices}, got {backend!r}")
