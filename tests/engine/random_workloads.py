@@ -244,7 +244,7 @@ def offload_config(workload: Workload, bytes_per_block: int, disk_path: str) -> 
         },
     }[workload.tier]
     return OffloadConfig(
-        disk_path=disk_path,
+        disk_path=disk_path if "disk_bytes" in sizes else None,  # else: warned of as ignored
         disk_io_mode=DiskIOMode.PAGE_CACHE,  # tmpfs may refuse O_DIRECT
         store_mode=workload.store_mode,
         eviction_policy=workload.eviction_policy,
