@@ -8,6 +8,7 @@ and the demo ran on to its end with numpy half imported and exited 0.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,47 @@ def test_ctrl_c_that_torch_swallows_still_stops_the_demo(tmp_path: Path) -> None
     assert "Traceback" not in done.stderr
     assert done.stdout == ""  # nothing was served
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_as_main_reads_the_signal_handlers_is_one_line(tmp_path: Path) -> None:
+    # Regression: `main` read the handlers to put back (importing `threading`, and
+    # `signal` in the `kvtier` script: ms) before its Ctrl-C handling began: a traceback.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
+    done = _run("threading", False, ["replay", str(trace), "--quiet"])
+    assert "Traceback" not in done.stderr
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "\nkvtier: interrupted\n"
+
+
+# The `kvtier` script (`main()`): a Ctrl-C as each of `modules` starts to be imported.
+CTRL_C_TWICE = """
+import signal, sys
+
+class CtrlC:
+    def __init__(self, module):
+        self.module = module
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.module and self in sys.meta_path:
+            sys.meta_path.remove(self)
+            signal.raise_signal(signal.SIGINT)
+        return None
+
+for module in {modules!r}:
+    sys.meta_path.insert(0, CtrlC(module))
+from kvtier.cli.main import main
+sys.argv = ["kvtier", "replay", "--help"]
+sys.exit(main())
+"""
+
+
+def test_a_second_ctrl_c_as_the_script_ends_ends_it_without_a_traceback() -> None:
+    # Regression: the first Ctrl-C came before the command imported kvtier.replay.signals,
+    # so `main` imported it as it ended, outside its Ctrl-C handling: a second Ctrl-C
+    # there printed a KeyboardInterrupt traceback.
+    code = CTRL_C_TWICE.format(modules=["logging", "kvtier.replay.signals"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr
+    assert done.stderr == "\nkvtier: interrupted\n"
+    assert done.returncode == -signal.SIGINT  # ended by the second one, as the shell expects

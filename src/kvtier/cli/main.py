@@ -88,9 +88,10 @@ def run_command(argv: Sequence[str] | None, ends_the_process: bool) -> int:
     `argv` None: `sys.argv[1:]`. `ends_the_process`: this process exits after the
     command (see `main`).
     """
-    previous = _signal_handlers()
+    previous: dict[int, object] = {}
     try:
         try:
+            previous = _signal_handlers()  # its imports (signal, threading) take ms
             return _run_command(argv)
         finally:
             _restore_signal_handlers(previous)  # a Ctrl-C pending meanwhile is raised here
@@ -132,9 +133,14 @@ def _restore_signal_handlers(previous: dict[int, object]) -> None:
 
 
 def _signals_end_the_process_at_exit() -> None:
-    from kvtier.replay.signals import end_the_process_at_exit
+    try:  # its module is imported here when a Ctrl-C came before the command imported it
+        from kvtier.replay.signals import end_the_process_at_exit
 
-    end_the_process_at_exit()
+        end_the_process_at_exit()
+    except KeyboardInterrupt:  # one as the command ended (a second one): it ends the process
+        from kvtier.replay.signals import signals_end_the_process
+
+        signals_end_the_process(interrupted=True)
 
 
 def _run_command(argv: Sequence[str] | None) -> int:
