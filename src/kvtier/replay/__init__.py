@@ -21,8 +21,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 # The names below are imported on first use (PEP 562), not with the package:
 # `python -m kvtier.replay` imports the package before its `__main__` runs, where
 # Ctrl-C is one line and status 130 (`kvtier.cli.main`), not a traceback.
@@ -58,6 +56,8 @@ def __getattr__(name: str) -> object:
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib  # not with the package: `python -m kvtier.replay` starts here
+
     value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
     globals()[name] = value
     return value

@@ -322,10 +322,25 @@ def _write_outputs(
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `kvtier replay` with `argv` (default `sys.argv[1:]`); return the exit status.
 
-    The same path as `kvtier replay` (`kvtier.cli.main`): its handling of Ctrl-C,
+    The same path as `kvtier replay` (`kvtier.replay.command`): its handling of Ctrl-C,
     SIGTERM, a reader that went away, and the signal handlers put back on return.
     """
-    from kvtier.cli.main import run_command
+    from kvtier.replay.command import run_command
 
-    arguments = sys.argv[1:] if argv is None else list(argv)
-    return run_command(["replay", *arguments], ends_the_process=argv is None)
+    return run_command(argv, argv is None, parse_arguments)
+
+
+def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse `kvtier replay`'s arguments given on their own (`python -m kvtier.replay`,
+    `main`): usage errors exit with status 2, naming `kvtier replay`."""
+    parser = argparse.ArgumentParser(
+        prog="kvtier replay",
+        description=__doc__.splitlines()[0] + _DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure(parser)
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log at INFO level (default: WARNING)"
+    )
+    parser.set_defaults(command="replay")
+    return parser.parse_args(argv)
