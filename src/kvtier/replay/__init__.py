@@ -52,15 +52,20 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> object:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib  # not with the package: `python -m kvtier.replay` starts here
+if not TYPE_CHECKING:  # type checkers see the imports above: a misspelt name is an error
 
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+    def __getattr__(name: str) -> object:
+        home = _HOME.get(name)
+        if home is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib  # not with the package: `python -m kvtier.replay` starts here
+
+        value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+        globals()[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_HOME})
 
 
 __all__ = [
