@@ -169,3 +169,16 @@ def test_a_file_system_without_unnamed_files_is_probed_with_a_named_one(
     refuse_writes_under(monkeypatch, tmp_path)  # wraps no_tmpfile
     with pytest.raises(ConfigError, match="cannot create files in it: Read-only file system"):
         disk_config(tmp_path).prepare_host()
+
+
+def test_an_os_without_unnamed_files_is_probed_with_a_named_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: os.O_TMPFILE is Linux's; elsewhere (macOS) the probe raised
+    AttributeError out of `prepare_host` for every disk tier."""
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    disk_config(tmp_path).prepare_host()
+    assert list(tmp_path.iterdir()) == []
+    refuse_writes_under(monkeypatch, tmp_path)
+    with pytest.raises(ConfigError, match="cannot create files in it: Read-only file system"):
+        disk_config(tmp_path).prepare_host()

@@ -120,19 +120,26 @@ def _cannot_create_files(directory: Path) -> str | None:
     Found by creating one, as the tier will later (in `LLM`, after the model is built):
     permission bits do not tell for root, nor for a read-only mount seen through NFS's
     root squashing, a FUSE file system or a security module. The probe is an unnamed
-    file (O_TMPFILE) where the file system has them, so an interrupted check leaves
+    file (O_TMPFILE) where the OS and file system have them, so an interrupted check leaves
     nothing behind; elsewhere a hidden file, removed at once.
     """
     try:
-        try:
-            fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
-                raise
-            fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvtier-probe-")
-            with contextlib.suppress(OSError):
-                os.unlink(probe)
-        os.close(fd)
+        os.close(_create_probe(directory))
     except OSError as exc:
         return f"cannot create files in it: {exc.strerror or type(exc).__name__}"
     return None
+
+
+def _create_probe(directory: Path) -> int:
+    """Create a file in `directory` that is gone once closed; return its descriptor."""
+    unnamed = getattr(os, "O_TMPFILE", None)  # Linux only
+    if unnamed is not None:
+        try:
+            return os.open(directory, unnamed | os.O_WRONLY, 0o600)
+        except OSError as exc:  # the file system has none (or the kernel: EISDIR)
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvtier-probe-")
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return fd
