@@ -83,10 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     begins to exit (joining threads, atexit callbacks) ends the process as the shell
     expects, instead of a KeyboardInterrupt traceback (`signals_end_the_process`).
     """
-    return run_command(argv, argv is None, _parse)
+    return run_command(argv, ends_the_process=argv is None, parse=_parse)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Return the arguments of `argv` (None: `sys.argv[1:]`) for the `kvtier` command."""
     return parse_arguments(build_parser(), argv)
 
 

@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Return the arguments of `argv` for `kvtier replay` run on its own."""
     from kvtier.replay.cli import parse_arguments  # on the command's path (see above)
 
     return parse_arguments(argv)
 
 
-sys.exit(run_command(sys.argv[1:], True, _parse))
+sys.exit(run_command(sys.argv[1:], ends_the_process=True, parse=_parse))

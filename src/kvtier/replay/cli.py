@@ -327,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from kvtier.replay.command import run_command
 
-    return run_command(argv, argv is None, parse_arguments)
+    return run_command(argv, ends_the_process=argv is None, parse=parse_arguments)
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -27,6 +27,7 @@ INTERRUPTED_STATUS = 130
 
 def run_command(
     argv: Sequence[str] | None,
+    *,
     ends_the_process: bool,
     parse: Callable[[Sequence[str] | None], argparse.Namespace],
 ) -> int:
