@@ -119,8 +119,9 @@ def test_sensible_budgets_pass(tmp_path: Path) -> None:
 
 def refuse_writes_under(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
     """Make `folder` (existing or not) read-only as a read-only mount is, also for root:
-    every open for writing in it or below it fails with EROFS."""
-    real_open = os.open
+    every open for writing in it or below it fails with EROFS, and `os.access` says it
+    cannot be written (access(2) fails with EROFS there)."""
+    real_open, real_access = os.open, os.access
 
     def read_only_open(path: str | os.PathLike[str], flags: int, *args: Any) -> int:
         inside = (os.path.abspath(path) + "/").startswith(f"{folder}/")
@@ -128,7 +129,12 @@ def refuse_writes_under(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
         return real_open(path, flags, *args)
 
+    def read_only_access(path: str | os.PathLike[str], mode: int, **kwargs: Any) -> bool:
+        inside = (os.path.abspath(path) + "/").startswith(f"{folder}/")
+        return not (inside and mode & os.W_OK) and real_access(path, mode, **kwargs)
+
     monkeypatch.setattr(os, "open", read_only_open)
+    monkeypatch.setattr(os, "access", read_only_access)
 
 
 @pytest.mark.parametrize("exists", [True, False])
@@ -137,7 +143,9 @@ def test_a_directory_no_file_can_be_created_in_is_refused_at_start_up(
 ) -> None:
     """Regression: only the permission bits were checked (`os.access`), which pass for
     root on a directory it cannot write (e.g. a root-squashed NFS export): the tier failed
-    only later, as its file was created (in `LLM`, after the model was built)."""
+    only later, as its file was created (in `LLM`, after the model was built). And where
+    `os.access` did refuse (a read-only mount), the reason was given as "permission
+    denied": the probe's error names it."""
     disk_dir = tmp_path / "tier"
     if exists:
         disk_dir.mkdir()

@@ -105,9 +105,7 @@ def _prepare_directory(disk_path: str) -> Path | None:
             created = path
     if not path.is_dir():
         raise ConfigError(f"disk_path={disk_path!r} is not a directory")
-    unwritable: str | None = "permission denied"
-    if os.access(path, os.W_OK | os.X_OK):
-        unwritable = _cannot_create_files(path)
+    unwritable = _cannot_create_files(path)  # not os.access: it names no reason (EROFS)
     if unwritable is not None:
         remove_created_directory(created)
         raise ConfigError(f"disk_path={disk_path!r} is not a writable directory ({unwritable})")
