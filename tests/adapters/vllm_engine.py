@@ -91,7 +91,10 @@ class HarnessConfig:
     has the same size (vLLM's shared allocation needs it); `block_size` is then the hash
     block size, the smallest group's. A Mamba group (`KVGroupDef.mamba`) turns on vLLM's
     "align" cache mode; its block size must be `block_size`, where vLLM's scheduler ends
-    the prefill chunks of that mode.
+    the prefill chunks of that mode. `eagle` gives vLLM an EAGLE speculative config
+    (`EagleStandIn`: no drafter runs, no draft tokens are proposed) so its scheduler and
+    KV cache manager drop the last block of prefix hits and, in a Mamba group, keep the
+    state where such a hit ends.
     """
 
     connector: str | None = None
@@ -114,6 +117,7 @@ class HarnessConfig:
     kv_role: str = "kv_both"
     scheduling_policy: str = "fcfs"
     kv_groups: tuple[KVGroupDef, ...] = ()
+    eagle: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_queue_size > 1 and not self.async_scheduling:
@@ -185,6 +189,44 @@ class HarnessConfig:
         return SlidingWindowSpec(**common, sliding_window=group.sliding_window)
 
 
+@dataclass(frozen=True)
+class EagleStandIn:
+    """vLLM's `SpeculativeConfig` as its scheduler reads it, for a one-token EAGLE drafter.
+
+    A real one needs a draft model; the harness proposes no draft tokens, so only the
+    cache behaviour EAGLE turns on is exercised (the last-block drop of prefix hits, the
+    Mamba checkpoint one block earlier, the lookahead slot).
+    """
+
+    method: str = "eagle"
+    num_speculative_tokens: int = 1
+    num_speculative_tokens_per_batch_size: None = None
+    disable_eagle_block_drop: bool = False
+    disable_lookahead_block_hashes: bool = False
+    max_num_new_slots_for_drafting: int = 0  # EAGLE: no query rows beyond the target's
+
+    def use_eagle(self) -> bool:
+        return True
+
+    def needs_eagle_block_drop(self) -> bool:
+        return True
+
+    def use_eagle_block_drop(self) -> bool:
+        return True
+
+    def use_dflash(self) -> bool:
+        return False
+
+    def use_dspark(self) -> bool:
+        return False
+
+    def use_multi_module_mtp(self) -> bool:
+        return False
+
+    def uses_draft_model(self) -> bool:
+        return False
+
+
 def write_tiny_llama(directory: str, cfg: HarnessConfig) -> None:
     """Write a tiny Llama `config.json`: enough for `ModelConfig`, no weights, no hub."""
     config = {
@@ -250,6 +292,8 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_gpu_blocks
+    if cfg.eagle:
+        object.__setattr__(vllm_config, "speculative_config", EagleStandIn())
     # vLLM's CPU platform turns asynchronous scheduling off; the harness stands in for a
     # GPU engine, where it stays as configured (and makes the scheduler defer block
     # frees for a KV consumer, `max_concurrent_batches` being 2).

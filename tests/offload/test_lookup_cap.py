@@ -1,9 +1,10 @@
 """A capped lookup (`max_tokens`): the longest servable hit of at most that many tokens.
 
-The vLLM adapter drops the last block of a tier hit for EAGLE-style drafters by looking
-up again with a cap. Regression: it cut the hit short arithmetically, and in a hybrid
-layout the shorter length needs other blocks (the state after it): the count it
-reported could not be served, and the load failed.
+The vLLM adapter once dropped the last block of a tier hit for EAGLE-style drafters by
+looking up again with a cap (it now asks for `eagle_drafter` hits, test_longest_hit_eagle).
+Regression: it cut the hit short arithmetically, and in a hybrid layout the shorter
+length needs other blocks (the state after it): the count it reported could not be
+served, and the load failed.
 """
 
 from __future__ import annotations

@@ -11,6 +11,16 @@ point where all groups accept the same length:
 Lengths are multiples of the unit: the scheduler block, or the hash block when
 fine-grained hits are on (a full-attention hit may then end inside a block, served by a
 partial tail registered under the hash of that hash block).
+
+With an EAGLE-style drafter (`eagle_proof`), the draft KV of a position was built from
+the *next* token too, so an attention group (full or sliding window) accepts a length
+T only where it would also accept T + one unit: the block after the hit is cached as
+well, proving the token after the hit is the one the stored KV saw. The proof may reach
+past `max_num_tokens` (it is not loaded), not past the hashes. State groups need no
+proof (a drafter has no state layers): a state at T is served as it is. This is the hit
+vLLM's own prefix cache finds for such a drafter (one unit matched past the candidate,
+then dropped), not the longest hit cut short by a unit: in a hybrid layout the hit may
+end where the state group keeps its state, and cutting that short found no state.
 """
 
 from __future__ import annotations
@@ -175,33 +185,68 @@ class _StateMatcher(_GroupMatcher):
         return (NULL_BLOCK_ID,) * (end - 1) + (last,)
 
 
+class _ProvenMatcher:
+    """An attention group's matcher under an EAGLE-style drafter: a length T is
+    accepted only where the group also accepts T + `proof` (module docstring)."""
+
+    def __init__(self, matcher: _FullMatcher | _SlidingMatcher, proof: int, limit: int) -> None:
+        self.matcher = matcher
+        self.group_id = matcher.group_id
+        self.proof = proof
+        self.limit = limit  # the tokens `hashes` cover: no proof past them
+
+    def best_at_most(self, num_tokens: int, unit: int) -> int:
+        proof = self.proof
+        tokens = _floor(min(num_tokens, self.limit - proof), unit)
+        while tokens > 0:
+            longer = self.matcher.best_at_most(tokens + proof, unit)
+            if longer < tokens + proof:
+                tokens = _floor(longer - proof, unit)
+                continue
+            shorter = self.matcher.best_at_most(tokens, unit)
+            if shorter == tokens:
+                return tokens
+            tokens = shorter
+        return 0
+
+    def block_ids(self, num_tokens: int) -> tuple[int, ...]:
+        return self.matcher.block_ids(num_tokens)
+
+
 def find_longest_hit(
     layout: KVLayout,
     hashes: Sequence[BlockHash],
     max_num_tokens: int,
     cached_block: CachedBlockFn,
     granularity: HitGranularity = HitGranularity.SCHEDULER_BLOCK,
+    eagle_proof: bool = False,
 ) -> LongestHit:
     """Return the longest hit of at most `max_num_tokens` tokens over `hashes`.
 
     `hashes` are chained hashes at the hash block size, starting at a scheduler-block
     boundary; `cached_block(key)` answers whether (and where) a key is cached.
+    `eagle_proof`: attention groups need the unit after the hit cached too (module
+    docstring).
     """
     fine = granularity is HitGranularity.HASH_BLOCK
     if fine and not layout.supports_fine_grained_hits:
         raise ValueError("fine-grained hits need a coarse full-attention group (see KVLayout)")
     unit = layout.hash_block_size if fine else layout.scheduler_block_size
-    matchers: list[_FullMatcher | _SlidingMatcher | _StateMatcher] = []
+    limit = len(hashes) * layout.hash_block_size
+    matchers: list[_FullMatcher | _SlidingMatcher | _StateMatcher | _ProvenMatcher] = []
     for group_id in layout.cacheable_group_ids:
         kind = layout.groups[group_id].kind
         args = (layout, group_id, hashes, cached_block)
+        attention: _FullMatcher | _SlidingMatcher | None = None
         if kind is GroupKind.FULL_ATTENTION:
-            matchers.append(_FullMatcher(*args, fine))
+            attention = _FullMatcher(*args, fine)
         elif kind is GroupKind.SLIDING_WINDOW:
-            matchers.append(_SlidingMatcher(*args))
+            attention = _SlidingMatcher(*args)
         else:
             matchers.append(_StateMatcher(*args))
-    num_tokens = _floor(max(0, min(max_num_tokens, len(hashes) * layout.hash_block_size)), unit)
+        if attention is not None:
+            matchers.append(_ProvenMatcher(attention, unit, limit) if eagle_proof else attention)
+    num_tokens = _floor(max(0, min(max_num_tokens, limit)), unit)
     if not matchers:  # a layout of scratch groups only caches nothing
         num_tokens = 0
     changed = num_tokens > 0

@@ -63,6 +63,9 @@ class LoadPlanner:
     (`recompute_unasked`): vLLM requeues it behind the requests holding blocks, where
     a recompute that does not fit no longer stops its scan before them.
 
+    `eagle_proof` (an EAGLE-style drafter): a hit needs the unit after it cached in
+    attention groups too (`core.longest_hit`); vLLM's own hits for such a drafter end there.
+
     With `tags` (the token check on), a tier block counts as a hit only where its token
     tag is the looking-up request's own; `num_tag_mismatches` counts tier blocks whose
     key matched but whose tag did not (a hash collision, or a corrupted tag), once per
@@ -77,8 +80,10 @@ class LoadPlanner:
         book: TransferBook,
         tags: RequestTags | None = None,
         recompute_ahead: bool = False,
+        eagle_proof: bool = False,
     ) -> None:
         self.layout = layout
+        self.eagle_proof = eagle_proof
         self.recompute_ahead = recompute_ahead
         self.index = index
         self.granularity = granularity
@@ -137,7 +142,9 @@ class LoadPlanner:
         if not hashes or max_tokens <= 0:
             return 0
         cached = self._cached_fn(request)
-        hit = find_longest_hit(self.layout, hashes, max_tokens, cached, self.granularity)
+        hit = find_longest_hit(
+            self.layout, hashes, max_tokens, cached, self.granularity, self.eagle_proof
+        )
         if hit.num_tokens == 0:
             return 0
         # Tail first: a released pin frees them in this order, so that the prefix's
@@ -234,7 +241,9 @@ class LoadPlanner:
             return hit
         hashes = request.block_hashes[pin.num_local_tokens // self.layout.hash_block_size :]
         cached = self._cached_fn(request)
-        shorter = find_longest_hit(self.layout, hashes, num_tokens, cached, self.granularity)
+        shorter = find_longest_hit(
+            self.layout, hashes, num_tokens, cached, self.granularity, self.eagle_proof
+        )
         return shorter if shorter.num_tokens == num_tokens else None
 
     def _cached_fn(self, request: RequestView) -> CachedBlockFn:

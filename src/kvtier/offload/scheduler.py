@@ -61,6 +61,9 @@ class SchedulerSetup:
     tensors, as in the reference engine). vLLM's groups share one allocation, so there a
     block id spans less (`adapters.vllm.layout.bytes_per_block_id`). `queue_by_priority`:
     the engine orders waiting requests by priority, not arrival (`LoadPlanner`, offers).
+    `eagle_drafter`: the engine drafts with an EAGLE-style drafter (its draft KV of a
+    position saw the next token): hits need the unit after them cached in attention
+    groups (`core.longest_hit`).
     """
 
     layout: KVLayout
@@ -70,6 +73,7 @@ class SchedulerSetup:
     num_disk_blocks: int = 0
     bytes_per_slot: int = 0
     queue_by_priority: bool = False
+    eagle_drafter: bool = False
 
 
 class OffloadScheduler:
@@ -145,6 +149,7 @@ class OffloadScheduler:
             self._book,
             self.tags,
             recompute_ahead=setup.queue_by_priority,
+            eagle_proof=setup.eagle_drafter,
         )
         self._plans = PlanAssembler(
             config,

@@ -38,7 +38,6 @@ from kvtier.adapters.vllm.layout import bytes_per_block_id, kv_layout, tier_size
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.stats import GAUGES, KVTierStats, stats_payload
 from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
-from kvtier.core.kv_groups import KVLayout
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier, WorkerReport
 from kvtier.offload.protocols import Handoff, ScheduledRequest, StepInput, TableUpdate
@@ -78,6 +77,7 @@ class SchedulerSide:
         self.layout = kv_layout(kv_cache_config, hash_block_size)
         self.tier_sizes = tier_sizes(config, kv_cache_config, stage_layers)
         self.num_tier_blocks = self.tier_sizes[config.tier]
+        spec = getattr(vllm_config, "speculative_config", None)
         self.offload = OffloadScheduler(
             config,
             SchedulerSetup(
@@ -87,14 +87,10 @@ class SchedulerSide:
                 num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
                 bytes_per_slot=bytes_per_block_id(kv_cache_config),
                 queue_by_priority=vllm_config.scheduler_config.policy == "priority",
+                # EAGLE-style drafters: vLLM ends prefix hits a block (a hash block with
+                # fine-grained hits) before the last one it matched; kvtier's end there.
+                eagle_drafter=spec is not None and spec.use_eagle_block_drop(),
             ),
-        )
-        spec = getattr(vllm_config, "speculative_config", None)
-        # EAGLE-style drafters: vLLM drops a hit's last block (`eagle_drop_unit`).
-        self._eagle_drop = (
-            eagle_drop_unit(self.layout, config.fine_grained_hits)
-            if spec is not None and spec.use_eagle_block_drop()
-            else 0
         )
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
@@ -146,9 +142,6 @@ class SchedulerSide:
         """
         view = self.add_request(request)
         num_tokens = self.offload.lookup(view, num_computed_tokens)
-        if num_tokens and self._eagle_drop:  # the longest servable hit without the last block
-            cap = without_last_block(num_computed_tokens, num_tokens, self._eagle_drop)
-            num_tokens = self.offload.lookup(view, num_computed_tokens, cap)
         offered = self.offload.offer(request.request_id, num_tokens)
         return offered, bool(offered)
 
@@ -290,23 +283,3 @@ def _handoffs(scheduler_output: Any) -> tuple[Handoff, ...]:
         for req_id, items in offers.items()
         for group_id, gpu_block_id, _ in items
     )
-
-
-def eagle_drop_unit(layout: KVLayout, fine_grained: bool) -> int:
-    """Return the tokens vLLM drops from the end of a prefix hit for an EAGLE-style drafter.
-
-    Such a drafter builds a position's draft KV from its hidden state and the *next*
-    token, so the draft KV of a hit's last position was built with the storing request's
-    next token: vLLM recomputes the hit's last block (a hash block with fine-grained
-    hits), on its own GPU hits and in its own CPU offload connector. kvtier's hits end
-    where vLLM's would.
-    """
-    return layout.hash_block_size if fine_grained else layout.scheduler_block_size
-
-
-def without_last_block(num_local: int, num_external: int, unit: int) -> int:
-    """Return the external tokens left of a hit of `num_local` + `num_external` tokens
-    once its last `unit`-token block is dropped (down to a multiple of `unit`)."""
-    end = num_local + num_external - unit
-    end -= end % unit
-    return max(0, end - num_local)
