@@ -5,7 +5,8 @@ The scheduler role is vLLM's real `MultiConnector` over both children's real sch
 roles. Its worker role would build SimpleCPUOffload's worker, whose copies need CUDA,
 so `MultiWorker` plays it instead: it hands each child its part of the step's
 `MultiKVConnectorMetadata` (kvtier's real worker role, the harness's stand-in for
-SimpleCPUOffload's) and merges their outputs the way `MultiConnector` does.
+SimpleCPUOffload's) and merges their outputs the way `MultiConnector` does, their
+worker-side stats included (`MultiKVConnectorStats` by connector class name).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvtier_vllm import CONNECTOR, MODULE, SLOT_BYTES
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
+    MultiKVConnectorStats,
     MultiKVConnectorWorkerMetadata,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -69,10 +71,16 @@ def multi_config(
 
 
 class MultiWorker:
-    """One rank's worker side of `MultiConnector`: each child gets its own metadata."""
+    """One rank's worker side of `MultiConnector`: each child gets its own metadata.
 
-    def __init__(self, children: list[WorkerSide]) -> None:
+    `names` are the children's connector class names, which key their stats.
+    """
+
+    def __init__(self, children: list[WorkerSide], names: list[str]) -> None:
+        if len(names) != len(children):
+            raise ValueError("one connector class name per child")
         self.children = children
+        self.names = names
         self._views: list[SchedulerOutput] = []
 
     def before_forward(self, scheduler_output: SchedulerOutput) -> None:
@@ -86,18 +94,25 @@ class MultiWorker:
             child.before_forward(view)
 
     def after_forward(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
-        """Merge the children's outputs as `MultiConnector`'s worker role does (their
-        stats aside: none are returned)."""
+        """Merge the children's outputs as `MultiConnector`'s worker role does."""
         outputs = [
             child.after_forward(view) or KVConnectorOutput()
             for child, view in zip(self.children, self._views, strict=True)
         ]
         metas = tuple(out.kv_connector_worker_meta for out in outputs)
+        # As `MultiConnector.get_kv_connector_stats`: by class name, None when none.
+        stats = MultiKVConnectorStats()
+        for name, out in zip(self.names, outputs, strict=True):
+            child_stats = out.kv_connector_stats
+            if child_stats is None:
+                continue
+            stats[name] = stats[name].aggregate(child_stats) if name in stats.data else child_stats
         return KVConnectorOutput(
             finished_sending=set().union(*(o.finished_sending or () for o in outputs)) or None,
             finished_recving=set().union(*(o.finished_recving or () for o in outputs)) or None,
             failed_recving=set().union(*(o.failed_recving for o in outputs)),
             invalid_block_ids=set().union(*(o.invalid_block_ids for o in outputs)),
+            kv_connector_stats=stats if stats.data else None,
             kv_connector_worker_meta=(
                 MultiKVConnectorWorkerMetadata(metadata=metas)
                 if any(m is not None for m in metas)
@@ -113,9 +128,11 @@ def multi_worker_factory(
     stand-in sized like its scheduler's pool, its loads and stores `simple_delays` late."""
     rank = harness.caches.index(cache)
     children: list[WorkerSide] = []
+    names = []
     schedulers = harness.scheduler.connector.sub_connectors  # type: ignore[union-attr]
     pairs = MultiConnector._get_connector_classes_and_configs(harness.vllm_config)
     for (cls, config), scheduler_role in zip(pairs, schedulers, strict=True):
+        names.append(cls.__name__)
         if cls.__name__ == SIMPLE_CPU_OFFLOAD:
             num_cpu_blocks = scheduler_role.scheduler_manager.num_cpu_blocks
             children.append(FakeSimpleOffloadWorker(cache, num_cpu_blocks, *simple_delays))
@@ -123,7 +140,7 @@ def multi_worker_factory(
         with mock.patch.object(worker_side, "distributed_rank", return_value=rank):
             connector = cls(config, KVConnectorRole.WORKER, harness.kv_cache_config)
         children.append(ConnectorWorker(connector, cache))  # type: ignore[arg-type]
-    return MultiWorker(children)
+    return MultiWorker(children, names)
 
 
 def multi_harness(

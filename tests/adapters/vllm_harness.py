@@ -159,11 +159,13 @@ class VllmHarness:
         publisher.publish = record  # type: ignore[method-assign]
 
     def close(self) -> None:
-        """Shut down the workers' connectors (idempotent) and remove the model directory."""
+        """Shut down the workers' connectors (idempotent; a `MultiConnector` worker side's
+        children's too) and remove the model directory."""
         for worker in self.workers:
-            connector = getattr(worker, "connector", None)
-            if connector is not None:
-                connector.shutdown()
+            for part in getattr(worker, "children", [worker]):
+                connector = getattr(part, "connector", None)
+                if connector is not None:
+                    connector.shutdown()
         self._model_dir.cleanup()
 
     # ------------------------------------------------------------------ requests
