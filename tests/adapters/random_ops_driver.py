@@ -120,6 +120,7 @@ class Engine:
     fine_grained_hits: bool = False  # hits may end inside a block of a larger block size
     scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" or "priority" (`Add.priority`)
     multi: tuple[str, ...] | None = None  # kvtier in a MultiConnector (multi_connector.py)
+    eagle: bool = False  # vLLM runs an EAGLE speculative config (HarnessConfig.eagle)
 
 
 class Run:
@@ -158,6 +159,7 @@ class Run:
             batch_queue_size=max(1, engine.async_batches),
             enable_kv_events=engine.events,
             scheduling_policy=engine.scheduling_policy,
+            eagle=engine.eagle,
             extra=extra,
         )
         self.side = scheduler_side(self.harness)

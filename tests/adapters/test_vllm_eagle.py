@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import check_quiescent, kvtier_harness, scheduler_side
+from random_ops_driver import Engine
+from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef
 from vllm_harness import (
     SIMPLE_CPU_OFFLOAD,
@@ -136,3 +138,23 @@ def test_a_resent_block_aligned_prompt_hits_up_to_its_proof(hybrid: bool) -> Non
     groups = HYBRID if hybrid else ()
     hits = tier_hits(kvtier_harness(eagle=True, kv_groups=groups, num_gpu_blocks=24), resend(64))
     assert hits == [48] * 4
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        Engine("eagle_full", eagle=True),
+        Engine("eagle_mamba", kv_groups=HYBRID, num_gpu_blocks=16, eagle=True),
+        Engine("eagle_window", kv_groups=(KVGroupDef(16), KVGroupDef(16, 32)), eagle=True),
+    ],
+    ids=lambda engine: engine.name,
+)
+def test_random_operations_under_eagle_serve_correct_kv(engine: Engine) -> None:
+    """test_vllm_random_ops's operations with vLLM running EAGLE's cache rules: every
+    loaded position and state is checked, every tier block audited, every prompt
+    replayed (the drafts vLLM schedules are rejected by the fake runner)."""
+    totals = explore(engine, 12)
+    assert totals["audited_tier_blocks"] > 0
+    assert totals["replay_hit_tokens"] > 0
+    assert totals["preemptions"] > 0
+    assert totals["failed_load"] > 0

@@ -92,9 +92,9 @@ class HarnessConfig:
     block size, the smallest group's. A Mamba group (`KVGroupDef.mamba`) turns on vLLM's
     "align" cache mode; its block size must be `block_size`, where vLLM's scheduler ends
     the prefill chunks of that mode. `eagle` gives vLLM an EAGLE speculative config
-    (`EagleStandIn`: no drafter runs, no draft tokens are proposed) so its scheduler and
-    KV cache manager drop the last block of prefix hits and, in a Mamba group, keep the
-    state where such a hit ends.
+    (`EagleStandIn`: no drafter runs) so its scheduler and KV cache manager drop the last
+    block of prefix hits and, in a Mamba group, keep the state where such a hit ends; the
+    fake runner rejects every draft position vLLM schedules (synchronous scheduling only).
     """
 
     connector: str | None = None
@@ -122,6 +122,10 @@ class HarnessConfig:
     def __post_init__(self) -> None:
         if self.batch_queue_size > 1 and not self.async_scheduling:
             raise ValueError("overlapping steps need async_scheduling, as in vLLM")
+        if self.eagle and self.async_scheduling:
+            # Its fake runner rejects every draft position vLLM schedules; under
+            # asynchronous scheduling drafts are placeholders too, which it does not model.
+            raise ValueError("the harness runs an EAGLE config with vLLM's Scheduler only")
         if self.kv_groups and self.block_size != min(g.block_size for g in self.kv_groups):
             raise ValueError("block_size must be the smallest group's (the hash block size)")
         if any(g.mamba and g.block_size != self.block_size for g in self.kv_groups):

@@ -300,10 +300,13 @@ class VllmHarness:
         fresh = {data.req_id for data in scheduler_output.scheduled_new_reqs}
         fresh |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
         sampled: dict[str, list[int]] = {}
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            end = request.num_computed_tokens  # already advanced by schedule()
-            start = end - num_new
+            # already advanced by schedule(); draft positions (an EAGLE config's, see
+            # `HarnessConfig.eagle`) are all rejected: vLLM rolls them back
+            end = request.num_computed_tokens - len(drafts.get(req_id, ()))
+            start = end - num_new + len(drafts.get(req_id, ()))
             if self.check_kv:
                 tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)  # per group
                 prints = self._fingerprints.upto(request, end, partial(_token_at, req_id))
