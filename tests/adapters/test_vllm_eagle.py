@@ -35,6 +35,8 @@ from vllm_harness import (
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 
 HYBRID = (KVGroupDef(16), KVGroupDef(16, mamba=True))
+# Full attention in blocks of 32 beside an 8-token window in blocks of 16.
+SMALL_WINDOW = (KVGroupDef(32), KVGroupDef(16, 8))
 # Unrelated prompts that fill a 24-block GPU pool several times over: the GPU loses the
 # first prompts, the tier serves them.
 FILLERS = shared_prefix_prompts(8, prefix_len=80, suffix_len=3, num_prefixes=8, seed=7)
@@ -130,6 +132,22 @@ def test_a_mamba_hybrid_under_eagle_hits_as_much_as_vllms_offload_connector(
     assert hits == vllms == [48] * 4
 
 
+@pytest.mark.parametrize("workload", [shared_prefix, resend(70)], ids=["shared", "resend70"])
+def test_a_window_in_blocks_smaller_than_the_scheduler_block_hits_as_vllm_does(
+    workload: Callable[[], tuple[Prompts, Prompts]],
+) -> None:
+    """Regression: kvtier's proof was a scheduler block (32 tokens) in every group; vLLM
+    keeps a window's blocks for an EAGLE hit only up to its own block after the hit, so
+    kvtier hit 0 tokens where vLLM's offload connector loads 32."""
+    hits = tier_hits(
+        kvtier_harness(eagle=True, kv_groups=SMALL_WINDOW, num_gpu_blocks=24), workload
+    )
+    vllms = tier_hits(
+        simple_offload(eagle=True, kv_groups=SMALL_WINDOW, num_gpu_blocks=24), workload
+    )
+    assert hits == vllms == [32] * 4
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["attention", "mamba"])
 def test_a_resent_block_aligned_prompt_hits_up_to_its_proof(hybrid: bool) -> None:
     """A resent 64-token prompt: the last token is recomputed (cap 63), so the hit ends
@@ -146,6 +164,7 @@ def test_a_resent_block_aligned_prompt_hits_up_to_its_proof(hybrid: bool) -> Non
         Engine("eagle_full", eagle=True),
         Engine("eagle_mamba", kv_groups=HYBRID, num_gpu_blocks=16, eagle=True),
         Engine("eagle_window", kv_groups=(KVGroupDef(16), KVGroupDef(16, 32)), eagle=True),
+        Engine("eagle_small_window", kv_groups=SMALL_WINDOW, num_gpu_blocks=24, eagle=True),
     ],
     ids=lambda engine: engine.name,
 )

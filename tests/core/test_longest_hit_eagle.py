@@ -89,6 +89,23 @@ def test_a_sliding_window_needs_its_window_and_the_block_after_it() -> None:
     assert result.block_ids[1] == (N, N, bid(1, 2), bid(1, 3))
 
 
+def test_a_group_of_blocks_smaller_than_the_scheduler_block_proves_with_its_own_block() -> None:
+    """Regression: the proof was a scheduler block in every group, where vLLM's is the
+    group's own block. Full attention in blocks of 32, a window of 8 tokens in blocks of
+    16: vLLM keeps the window's blocks for an EAGLE hit at 32 up to the block after it
+    (blocks 1-2, what its offload connector loads 32 tokens from); kvtier asked for block
+    3 too, which vLLM never keeps, and hit nothing."""
+    lay, hashes, index = layout(group(FULL, 32), group(SLIDING, 16, 8)), make_hashes(4), {}
+    cache_blocks(index, hashes, lay, 0, range(2))  # 64 tokens
+    cache_blocks(index, hashes, lay, 1, [1, 2])
+    assert eagle_hit(lay, hashes, index, 70) == LongestHit(32, ((bid(0, 1),), (N, bid(1, 1))))
+    # Full attention in blocks of 16 beside a window in blocks of 32: 48 tokens prove 32.
+    lay, index = layout(group(FULL, 16), group(SLIDING, 32, 50)), {}
+    cache_blocks(index, hashes, lay, 0, range(3))
+    cache_blocks(index, hashes, lay, 1, range(2))
+    assert eagle_hit(lay, hashes, index, 63).num_tokens == 32
+
+
 def test_fine_grained_hits_need_one_hash_block_after_them() -> None:
     lay = layout(group(FULL, 32), group(STATE, 16), hash_block_size=16)
     hashes, index = make_hashes(8), {}
@@ -100,9 +117,12 @@ def test_fine_grained_hits_need_one_hash_block_after_them() -> None:
     assert result.block_ids[0] == (bid(0, 1), bid(0, 3), bid(0, 5))
 
 
-def attention_only(lay: KVLayout) -> KVLayout:
-    """The layout with its state groups made scratch (group ids kept)."""
-    groups = [dataclasses.replace(g, kind=SCRATCH) if g.kind is STATE else g for g in lay.groups]
+def only_group(lay: KVLayout, group_id: int) -> KVLayout:
+    """The layout with every other group made scratch (group ids kept)."""
+    groups = [
+        g if i == group_id else dataclasses.replace(g, kind=SCRATCH, sliding_window=None)
+        for i, g in enumerate(lay.groups)
+    ]
     return layout(*groups, hash_block_size=lay.hash_block_size)
 
 
@@ -124,13 +144,20 @@ def test_the_eagle_hit_is_the_largest_length_accepted_with_its_proof(
     result = eagle_hit(lay, hashes, index, cap, FINE if fine else COARSE)
     unit = lay.hash_block_size if fine else lay.scheduler_block_size
     covered = num_hashes * lay.hash_block_size
-    proofs = attention_only(lay)
+
+    def proven(t: int, group_id: int) -> bool:
+        """The group accepts t + its proof (vLLM's margin: its block, or a hash block)."""
+        spec = lay.groups[group_id]
+        if spec.kind not in (FULL, SLIDING):
+            return True
+        proof = lay.hash_block_size if fine else spec.block_size
+        return t + proof <= covered and reference_accepts(
+            only_group(lay, group_id), cached, t + proof, fine
+        )
 
     def accepts(t: int) -> bool:
-        return (
-            reference_accepts(lay, cached, t, fine)
-            and t + unit <= covered
-            and reference_accepts(proofs, cached, t + unit, fine)
+        return reference_accepts(lay, cached, t, fine) and all(
+            proven(t, g) for g in lay.cacheable_group_ids
         )
 
     assert result.num_tokens % unit == 0

@@ -14,13 +14,17 @@ partial tail registered under the hash of that hash block).
 
 With an EAGLE-style drafter (`eagle_proof`), the draft KV of a position was built from
 the *next* token too, so an attention group (full or sliding window) accepts a length
-T only where it would also accept T + one unit: the block after the hit is cached as
-well, proving the token after the hit is the one the stored KV saw. The proof may reach
-past `max_num_tokens` (it is not loaded), not past the hashes. State groups need no
-proof (a drafter has no state layers): a state at T is served as it is. This is the hit
-vLLM's own prefix cache finds for such a drafter (one unit matched past the candidate,
-then dropped), not the longest hit cut short by a unit: in a hybrid layout the hit may
-end where the state group keeps its state, and cutting that short found no state.
+T only where it would also accept T + its proof: the group's own block (one hash block
+with fine-grained hits) after the hit is cached as well, proving the token after the
+hit is the one the stored KV saw. The proof is the group's block, not the scheduler
+block, as vLLM's margin is: vLLM keeps a sliding window's blocks for such hits up to the
+one block after T, and a scheduler block of proof asked for blocks it never keeps. The
+proof may reach past `max_num_tokens` (it is not loaded), not past the hashes. State
+groups need no proof (a drafter has no state layers): a state at T is served as it is.
+This is the hit vLLM's own prefix cache finds for such a drafter (its proof matched past
+the candidate, then dropped), not the longest hit cut short by a unit: in a hybrid
+layout the hit may end where the state group keeps its state, and cutting that short
+found no state.
 """
 
 from __future__ import annotations
@@ -187,7 +191,8 @@ class _StateMatcher(_GroupMatcher):
 
 class _ProvenMatcher:
     """An attention group's matcher under an EAGLE-style drafter: a length T is
-    accepted only where the group also accepts T + `proof` (module docstring)."""
+    accepted only where the group also accepts T + `proof` tokens, the group's block or
+    hash block (module docstring); `proof` divides every candidate T."""
 
     def __init__(self, matcher: _FullMatcher | _SlidingMatcher, proof: int, limit: int) -> None:
         self.matcher = matcher
@@ -199,7 +204,7 @@ class _ProvenMatcher:
         proof = self.proof
         tokens = _floor(min(num_tokens, self.limit - proof), unit)
         while tokens > 0:
-            longer = self.matcher.best_at_most(tokens + proof, unit)
+            longer = self.matcher.best_at_most(tokens + proof, proof)
             if longer < tokens + proof:
                 tokens = _floor(longer - proof, unit)
                 continue
@@ -245,7 +250,10 @@ def find_longest_hit(
         else:
             matchers.append(_StateMatcher(*args))
         if attention is not None:
-            matchers.append(_ProvenMatcher(attention, unit, limit) if eagle_proof else attention)
+            # vLLM's margin: the group's block, or one hash block with fine-grained hits
+            # (which need every non-full group's block to be a hash block).
+            proof = layout.hash_block_size if fine else layout.groups[group_id].block_size
+            matchers.append(_ProvenMatcher(attention, proof, limit) if eagle_proof else attention)
     num_tokens = _floor(max(0, min(max_num_tokens, limit)), unit)
     if not matchers:  # a layout of scratch groups only caches nothing
         num_tokens = 0
