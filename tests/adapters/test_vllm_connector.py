@@ -34,9 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, S
 from vllm_harness import HarnessConfig, VllmHarness, shared_prefix_prompts
 
 from kvtier.adapters.vllm import KVTierConnector, worker_side
-from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
+from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.offload.config import ConfigError
-from kvtier.offload.plan import Tier, WorkerReport
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
 
 
 def run_waves(
@@ -84,9 +84,15 @@ def test_metadata_survives_pickling_between_processes() -> None:
     metadata = harness.step().scheduler_output.kv_connector_metadata
     assert pickle.loads(pickle.dumps(metadata)) == metadata
     drain(harness)
-    report = WorkerReport(done={3: 1}, failed={4: 1})
+    report = WorkerReport(done={3: 1}, failed={4: 1}, bad_blocks={4: frozenset({7})})
     merged = KVTierWorkerMetadata(report).aggregate(KVTierWorkerMetadata(report))
-    assert pickle.loads(pickle.dumps(merged)).report == WorkerReport({3: 2}, {4: 2})
+    expected = WorkerReport({3: 2}, {4: 2}, bad_blocks={4: frozenset({7})})
+    assert pickle.loads(pickle.dumps(merged)).report == expected
+    load = TransferJob(5, Tier.DISK, Tier.GPU, (7, 8, 9), (1, 2, 3), load_parts=(1, 2))
+    plan = KVTierMetadata(TransferPlan(9, (load,), {5: ("a", "b")}), ("c",))
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    stats = KVTierConnector.build_kv_connector_stats({"counters": {"transfer_bytes.load": 8}})
+    assert pickle.loads(pickle.dumps(stats)).data == stats.data
 
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,10 @@ class KVCacheTooLargeError(ValueError):
         super().__init__(f"EngineConfig.num_gpu_blocks={num_blocks}: {detail}")
         self.num_blocks = num_blocks
         self.detail = detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # ValueError's own would call __init__(message).
+        return type(self), (self.num_blocks, self.detail)
 
 
 def check_kv_cache_fits(config: ModelConfig, cache: CacheConfig, device: torch.device) -> None:

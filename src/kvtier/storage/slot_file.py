@@ -24,7 +24,7 @@ import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtier.offload.config import DiskIOMode
 from kvtier.storage import slot_file_open
@@ -61,11 +61,18 @@ class DiskIOError(OSError):
 
 class BadSlotsError(DiskIOError):
     """A read whose bytes arrived, but `slots` (slot ids, sorted) hold no valid data or fail
-    their checksum; every other slot of the read was verified."""
+    their checksum; every other slot of the read was verified. Picklable with its slots
+    (vLLM's workers run in other processes)."""
 
-    def __init__(self, slots: Iterable[int], message: str, path: str) -> None:
-        super().__init__(errno.EIO, message, path)
+    def __init__(
+        self, slots: Iterable[int], message: str, path: str, code: int | None = errno.EIO
+    ) -> None:
+        super().__init__(code, message, path)
         self.slots = tuple(sorted(slots))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # OSError's own would call __init__(errno, strerror, filename).
+        return type(self), (self.slots, self.strerror, self.filename, self.errno)
 
 
 class FileIO(Protocol):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,12 +35,23 @@ from kvtier.transfer.copiers import BlockCopier, StagingRows
 class PartlyLoadedError(DiskIOError):
     """A load that copied every slot but `slots` (sorted, distinct) into its destinations
     whole, each verified against its checksum; the bad slots' destinations were not
-    written. No copy of the job is still running when it is raised."""
+    written. No copy of the job is still running when it is raised. Picklable with its
+    slots."""
 
-    def __init__(self, slots: set[int], first: BadSlotsError, path: str) -> None:
+    def __init__(self, slots: Iterable[int], message: str, path: str, code: int | None) -> None:
+        super().__init__(code, message, path)
+        self.slots = tuple(sorted(set(slots)))
+
+    @classmethod
+    def after(cls, slots: set[int], first: BadSlotsError, path: str) -> PartlyLoadedError:
+        """Return the error of a load whose bad slots were `slots`; `first` the first
+        `BadSlotsError` its reads raised."""
         more = f" ({len(slots)} bad slots: {sorted(slots)})" if len(slots) > 1 else ""
-        super().__init__(first.errno, f"{first.strerror}{more}", path)
-        self.slots = tuple(sorted(slots))
+        return cls(slots, f"{first.strerror}{more}", path, first.errno)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # OSError's own would call __init__(errno, strerror, filename).
+        return type(self), (self.slots, self.strerror, self.filename, self.errno)
 
 
 class DiskMover:
@@ -129,7 +141,7 @@ class DiskMover:
             for read in inflight:
                 read.wait()
         if first is not None:
-            raise PartlyLoadedError(bad, first, self.disk.path)
+            raise PartlyLoadedError.after(bad, first, self.disk.path)
 
     def _load_good_rows(
         self,
