@@ -44,6 +44,7 @@ def test_a_copy_failing_beside_a_bad_slot_fails_the_whole_load(
         monkeypatch.setattr(CpuCopier, "load_from_staging", flaky)
         report = run_plan(w, job(2, Tier.DISK, Tier.GPU, [0, 1, 2, 3, 4, 5], range(10, 16)))
         assert (dict(report.failed), dict(report.bad_blocks)) == ({2: 1}, {})
+        assert dict(report.seconds) == {}  # nothing known copied: no copy time
 
 
 @pytest.mark.parametrize("batch_slots", [1, 2, 3, 16])
@@ -64,3 +65,18 @@ def test_a_bad_slot_read_twice_is_named_once_and_the_others_are_copied(
         assert (dict(report.failed), dict(report.bad_blocks)) == ({2: 1}, {2: frozenset({5})})
         for s, d in zip(src, dst, strict=True):
             assert block_bytes(w.regions, d) == (before[d] if s == 5 else images[s]), (s, d)
+
+
+def test_a_partly_loaded_event_reports_its_copy_time(tmp_path: Path) -> None:
+    """The good blocks of a load with a bad slot were copied: the report times them
+    (`WorkerReport.seconds`), for the transfer statistics."""
+    kv = kv_per_layer(2, 16, SLOT_KV)
+    fill_random(kv, seed=33)
+    with make_worker(config(tmp_path, 2), kv) as w:
+        run_plan(w, job(1, Tier.GPU, Tier.DISK, [1, 2, 3], [0, 1, 2]))
+        assert w.disk_path is not None
+        corrupt_slot(w.disk_path, 1)
+        report = run_plan(w, job(2, Tier.DISK, Tier.GPU, [0, 1, 2], [8, 9, 10]))
+        assert (dict(report.failed), dict(report.bad_blocks)) == ({2: 1}, {2: frozenset({1})})
+        assert set(report.seconds) == {2}
+        assert report.seconds[2] >= 0.0

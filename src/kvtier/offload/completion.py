@@ -64,11 +64,9 @@ class TransferCompletion:
         for transfer in self._book.complete(report):
             selector = self.selector
             assert selector is not None, "no GPU pool bound"
-            if transfer.succeeded:
-                job = transfer.job
-                self._counters.count_transfer(
-                    transfer.transfer_type, job.num_blocks, transfer.seconds
-                )
+            num_copied = transfer.num_copied_blocks()
+            if num_copied:  # a partly failed load counts the blocks it copied whole
+                self._counters.count_transfer(transfer.transfer_type, num_copied, transfer.seconds)
             for load in transfer.loads:
                 pool = self._index.pools[load.tier]
                 # Tail first (SPEC §4), so a prefix's tail is evicted before its root.

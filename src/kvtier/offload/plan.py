@@ -129,6 +129,7 @@ class WorkerReport:
     worker reports each event it was given exactly once, in one of the two maps.
     `seconds[event_id]` is how long a done event's copies took, from when the worker
     started them until they finished (merged: the slowest worker's); it may be absent.
+    A failed event with `bad_blocks` may have it too: the time its other blocks took.
 
     `bad_blocks[event_id]`, for an event in `failed`, names the source block ids whose
     data was bad when every failure counted there knew them (a disk slot that failed its

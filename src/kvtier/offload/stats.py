@@ -54,7 +54,9 @@ class OffloadStats:
     num_tag_mismatches: int = 0  # tier blocks not served: key matched, token tag did not
     # Per direction (`GPU_to_CPU`, `CPU_to_GPU`, `GPU_to_DISK`, `DISK_to_GPU`,
     # `CPU_to_DISK`): bytes of the transfers that completed this step on every worker,
-    # and their copy time (each event's slowest worker). Failed transfers count neither.
+    # and their copy time (each event's slowest worker). A failed load whose workers
+    # named its bad blocks counts the blocks every worker copied whole (all but the bad
+    # ones) and the copy time they reported; any other failed transfer counts neither.
     transfer_bytes: Mapping[str, int] = field(default_factory=dict)
     transfer_seconds: Mapping[str, float] = field(default_factory=dict)
     info: Mapping[str, str] = field(default_factory=dict)

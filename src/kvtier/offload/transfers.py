@@ -92,6 +92,17 @@ class IssuedTransfer:
         """Return True when no worker failed the event."""
         return self.num_failed == 0
 
+    def num_copied_blocks(self) -> int:
+        """Return how many of the job's blocks every worker copied whole: all when it
+        succeeded; for a failed load whose workers named its bad blocks, every source
+        block but those; else (nothing is known to be whole) none."""
+        if self.succeeded:
+            return self.job.num_blocks
+        if not self.bad_blocks or not self.job.is_load:
+            return 0
+        bad = self.bad_blocks
+        return sum(1 for b in self.job.src_block_ids if b not in bad)
+
     def suspect(self, block_ids: list[int]) -> list[int]:
         """Return those of the event's source `block_ids` whose copy cannot be trusted:
         none when it succeeded, the bad ones when the workers named them, else all."""
@@ -180,7 +191,11 @@ class TransferBook:
                 if failed:
                     transfer.num_failed += count
                     if count:
-                        transfer.note_failure(report.bad_blocks.get(event_id))
+                        named = report.bad_blocks.get(event_id)
+                        transfer.note_failure(named)
+                        if named is not None:  # the other blocks were copied: timed
+                            seconds = _copy_seconds(report, event_id)
+                            transfer.seconds = max(transfer.seconds, seconds)
                 else:
                     transfer.num_done += count
                     seconds = _copy_seconds(report, event_id)

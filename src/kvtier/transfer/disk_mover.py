@@ -35,12 +35,13 @@ from kvtier.transfer.copiers import BlockCopier, StagingRows
 class PartlyLoadedError(DiskIOError):
     """A load that copied every slot but `slots` (sorted, distinct) into its destinations
     whole, each verified against its checksum; the bad slots' destinations were not
-    written. No copy of the job is still running when it is raised. Picklable with its
-    slots."""
+    written. No copy of the job is still running when it is raised. `seconds`: how long
+    the job's copies and reads took, once its lane timed them. Picklable with both."""
 
     def __init__(self, slots: Iterable[int], message: str, path: str, code: int | None) -> None:
         super().__init__(code, message, path)
         self.slots = tuple(sorted(set(slots)))
+        self.seconds: float | None = None
 
     @classmethod
     def after(cls, slots: set[int], first: BadSlotsError, path: str) -> PartlyLoadedError:
@@ -51,7 +52,8 @@ class PartlyLoadedError(DiskIOError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # OSError's own would call __init__(errno, strerror, filename).
-        return type(self), (self.slots, self.strerror, self.filename, self.errno)
+        args = (self.slots, self.strerror, self.filename, self.errno)
+        return type(self), args, {"seconds": self.seconds}
 
 
 class DiskMover:

@@ -17,7 +17,7 @@ import torch
 from kvtier.offload.plan import SlotRecord, Tier
 from kvtier.transfer.copiers import BlockCopier
 from kvtier.transfer.device import Completion
-from kvtier.transfer.disk_mover import DiskMover
+from kvtier.transfer.disk_mover import DiskMover, PartlyLoadedError
 
 __all__ = ["ROUTES", "STORE_ROUTES", "Direction", "LaneCopiers", "Route", "Task", "run_task"]
 
@@ -102,14 +102,18 @@ def run_task(
         # job's time (from here on) is its copy and I/O only.
         task.marker.synchronize()
     start = time.perf_counter()
-    if route is Route.DISK_STORE:
-        disk.store(copiers.engine, engine, src, dst, task.records)
-    elif route is Route.DISK_LOAD:
-        disk.load(copiers.engine, src, engine, dst)
-    elif route is Route.DEMOTE:
-        disk.store(copiers.host, host, src, dst, task.records)
-    else:
-        disk.load(copiers.host, src, host, dst)
+    try:
+        if route is Route.DISK_STORE:
+            disk.store(copiers.engine, engine, src, dst, task.records)
+        elif route is Route.DISK_LOAD:
+            disk.load(copiers.engine, src, engine, dst)
+        elif route is Route.DEMOTE:
+            disk.store(copiers.host, host, src, dst, task.records)
+        else:
+            disk.load(copiers.host, src, host, dst)
+    except PartlyLoadedError as exc:  # its good blocks were copied: their time counts
+        exc.seconds = time.perf_counter() - start
+        raise
     return Finished(time.perf_counter() - start)
 
 

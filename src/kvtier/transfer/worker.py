@@ -322,6 +322,8 @@ class OffloadWorker:
                 # the sources of every disk read); the job's other blocks were copied.
                 if isinstance(error, PartlyLoadedError):
                     bad_blocks[event_id] = frozenset(error.slots)
+                    if error.seconds is not None:  # the other blocks' copy time
+                        seconds[event_id] = error.seconds
         self._in_flight.difference_update(done, failed)
         return WorkerReport(done=done, failed=failed, seconds=seconds, bad_blocks=bad_blocks)
 
