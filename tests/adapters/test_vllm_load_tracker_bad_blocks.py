@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvtier.adapters.vllm.load_tracker import LoadTracker
@@ -60,3 +62,18 @@ def test_parts_are_forgotten_once_the_event_is_no_longer_listed() -> None:
 def test_a_load_job_whose_parts_do_not_add_up_is_refused() -> None:
     with pytest.raises(ValueError, match="do not add up"):
         TransferJob(1, Tier.DISK, Tier.GPU, (1, 2), (3, 4), load_parts=(1,))
+
+
+def test_parts_that_only_add_up_fail_every_request_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job unpickled on a worker skipped its own checks. Parts (3, -1) of two blocks
+    would give r both blocks and s none, so s, reading bad block 11, would finish."""
+    job = load(1, (1, 1))
+    object.__setattr__(job, "load_parts", (3, -1))  # as if it came so by pickle
+    tracker = LoadTracker()
+    with caplog.at_level(logging.WARNING, logger="kvtier.adapters.vllm.load_tracker"):
+        tracker.update({1: ("r", "s")}, [job])
+    assert tracker.complete([], [1], {1: frozenset({11})}) == ({"r", "s"}, {"r", "s"})
+    assert "load part 1 of (3, -1) is -1" in caplog.text
+    assert tracker.is_idle()

@@ -42,7 +42,8 @@ class TransferJob:
     what the slot will hold, for the tier's manifest. `load_parts` is set on loads issued
     by the scheduler: the number of source blocks (consecutive, in order) of each request
     of `TransferPlan.load_request_ids[event_id]`, so that a worker can tell which requests
-    read a bad block (`WorkerReport.bad_blocks`); the copy itself ignores it.
+    read a bad block (`WorkerReport.bad_blocks`); the copy itself ignores it. See
+    `check_load_parts` for what is refused.
     """
 
     event_id: int
@@ -64,14 +65,44 @@ class TransferJob:
                 f"event {self.event_id}: {len(self.dst_records)} slot records for "
                 f"{len(self.dst_block_ids)} destination blocks"
             )
-        if self.load_parts and sum(self.load_parts) != len(self.src_block_ids):
-            raise ValueError(
-                f"event {self.event_id}: load parts {self.load_parts} do not add up to "
-                f"{len(self.src_block_ids)} source blocks"
-            )
+        if self.load_parts:
+            self.check_load_parts()
         if self.src_tier is self.dst_tier:
             raise ValueError(
                 f"event {self.event_id}: source and destination tier are both {self.src_tier.value}"
+            )
+
+    def check_load_parts(self, request_ids: tuple[str, ...] | None = None) -> None:
+        """Raise ValueError naming the bad value unless `load_parts` is empty or gives
+        each request of a load a block count (an int >= 1) and they add up to the
+        source blocks; with `request_ids` (the event's `load_request_ids`), one count
+        per request. `__post_init__` checks all but the request ids; a job that crossed
+        a process boundary by pickle skipped it, so its reader checks again."""
+        parts = self.load_parts
+        if not parts:
+            return
+        if not isinstance(parts, tuple):
+            raise ValueError(f"event {self.event_id}: load parts {parts!r} are not a tuple")
+        if not self.is_load:
+            raise ValueError(
+                f"event {self.event_id}: load parts {parts} on a "
+                f"{self.src_tier.value} → {self.dst_tier.value} job, not a load"
+            )
+        for i, size in enumerate(parts):
+            if type(size) is not int or size < 1:
+                raise ValueError(
+                    f"event {self.event_id}: load part {i} of {parts!r} is {size!r}, not a "
+                    "block count (an int >= 1)"
+                )
+        if sum(parts) != len(self.src_block_ids):
+            raise ValueError(
+                f"event {self.event_id}: load parts {parts} do not add up to "
+                f"{len(self.src_block_ids)} source blocks"
+            )
+        if request_ids is not None and len(request_ids) != len(parts):
+            raise ValueError(
+                f"event {self.event_id}: {len(parts)} load parts {parts} for "
+                f"{len(request_ids)} requests {request_ids}"
             )
 
     @property
@@ -112,6 +143,17 @@ class TransferPlan:
     load_request_ids: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     need_flush: bool = False
     end_persistence: bool = False
+
+    def __post_init__(self) -> None:
+        for job in self.jobs:
+            if job.load_parts:
+                request_ids = self.load_request_ids.get(job.event_id)
+                if request_ids is None:
+                    raise ValueError(
+                        f"event {job.event_id}: load parts {job.load_parts} but "
+                        "load_request_ids does not list the event"
+                    )
+                job.check_load_parts(request_ids)
 
     @property
     def is_empty(self) -> bool:

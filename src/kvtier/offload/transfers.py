@@ -148,8 +148,11 @@ class TransferBook:
         return self._last_event_id
 
     def issue(self, transfer: IssuedTransfer) -> None:
-        """Record an issued event."""
+        """Record an issued event; raise ValueError when a load's `load_parts` are not
+        its loads' block counts in order (workers would fail the wrong requests)."""
         event_id = transfer.job.event_id
+        if transfer.loads or transfer.job.load_parts:
+            _check_parts(transfer)
         self._issued[event_id] = transfer
         if transfer.loads:
             self._load_request_ids[event_id] = tuple(item.request_id for item in transfer.loads)
@@ -269,6 +272,18 @@ class TransferBook:
         a reset abandoned (for messages: this walks every issued event)."""
         abandoned = sum(1 for t in self._issued.values() if (t.stores or t.moves) and t.abandoned)
         return self._num_store_events, abandoned
+
+
+def _check_parts(transfer: IssuedTransfer) -> None:
+    job, loads = transfer.job, transfer.loads
+    sizes = tuple(len(item.tier_block_ids) for item in loads)
+    if job.load_parts != sizes:
+        raise ValueError(
+            f"event {job.event_id}: load parts {job.load_parts} are not the block counts "
+            f"{sizes} of its loads {[item.request_id for item in loads]}"
+        )
+    if job.src_block_ids != tuple(b for item in loads for b in item.tier_block_ids):
+        raise ValueError(f"event {job.event_id}: source blocks are not its loads' tier blocks")
 
 
 def _copy_seconds(report: WorkerReport, event_id: int) -> float:

@@ -15,15 +15,20 @@ fails only the requests that read one of them, by the parts each load job lists
 (`TransferJob.load_parts`); the others finish normally. The scheduler applies the same
 rule to the ranks' merged report (the union of their bad blocks), so vLLM's union of
 the ranks' failed requests is the set of requests kvtier recomputes. Without names, or
-with names that are not all source blocks of the event, every request of it fails.
+with names that are not all source blocks of the event, or without valid parts (one
+block count >= 1 per request, adding up: `TransferJob.check_load_parts`; invalid ones
+are logged), every request of it fails.
 No vLLM import.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 
 from kvtier.offload.plan import TransferJob
+
+logger = logging.getLogger(__name__)
 
 
 class LoadTracker:
@@ -45,8 +50,13 @@ class LoadTracker:
         self._parts = {e: p for e, p in self._parts.items() if e in load_request_ids}
         for job in jobs:
             request_ids = load_request_ids.get(job.event_id)
-            if request_ids is None or len(job.load_parts) != len(request_ids):
+            if request_ids is None or not job.load_parts:
                 continue  # not a load, or one whose parts are unknown: it fails whole
+            try:  # the job came by pickle: its own checks did not run here
+                job.check_load_parts(request_ids)
+            except ValueError as exc:
+                logger.warning("%s; a failure of the event fails all its requests", exc)
+                continue
             parts, start = [], 0
             for request_id, size in zip(request_ids, job.load_parts, strict=True):
                 parts.append((request_id, frozenset(job.src_block_ids[start : start + size])))
