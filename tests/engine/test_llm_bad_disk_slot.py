@@ -3,7 +3,9 @@
 Two requests load their prefixes from the disk tier in the same step, as one DISK -> GPU
 event; one slot of the first request's prefix is corrupted on disk. Regression: the
 worker failed the whole event, so both requests recomputed their 32 prefix tokens and
-the scheduler dropped the keys of all 16 slots, 15 of them good copies.
+the scheduler dropped the keys of all 16 slots, 15 of them good copies. Then: the request
+reading the bad slot recomputed its whole prefix, though the blocks loaded before the bad
+one were whole; it now keeps them as its hit.
 """
 
 from __future__ import annotations
@@ -84,15 +86,20 @@ def serve(tmp_path: Path | None, index: int = 0) -> tuple[list[RequestOutput], A
     return outputs, wrap, totals
 
 
-@pytest.mark.parametrize("index", [0, 12], ids=["first-request", "second-request"])
+@pytest.mark.parametrize(
+    "index", [0, 12, 15], ids=["first-request", "second-request", "second-request-last"]
+)
 def test_a_corrupted_slot_fails_only_the_request_that_reads_it(tmp_path: Path, index: int) -> None:
+    """The request reading the bad slot keeps the blocks it loaded before it (block
+    `index % 8` of its prefix: 4 tokens each) and recomputes from there."""
     reference, _, _ = serve(None)
     outputs, wrap, totals = serve(tmp_path, index)
     assert wrap.job is not None, "the two prefixes never loaded in one event"
     assert len(wrap.job.src_block_ids) == 2 * PREFIX // 4
     bad_request = wrap.request_ids[index // (PREFIX // 4)]
+    kept = 4 * (index % (PREFIX // 4))
     hits = {o.request_id: o.num_external_hit_tokens for o in outputs}
-    assert hits == {r: 0 if r == bad_request else PREFIX for r in wrap.request_ids}
+    assert hits == {r: kept if r == bad_request else PREFIX for r in wrap.request_ids}
     assert totals.num_failed_loads == 1
     for a, b in zip(reference, outputs, strict=True):  # never wrong KV
         assert a.output_token_ids == b.output_token_ids

@@ -332,7 +332,8 @@ def test_failed_load_reports_its_token_range_and_releases_pins() -> None:
     (load,) = engine.step().jobs
     engine.worker.fail(load.event_id)
     outcome = engine.poll()
-    assert outcome == type(outcome)((), (FailedLoad("b", 4, 16),))
+    # Nothing named: every block the load wrote is suspect.
+    assert outcome == type(outcome)((), (FailedLoad("b", 4, 16),), {"b": load.dst_block_ids})
     assert b.num_computed_tokens == 4  # the engine recomputes the external tokens
     assert_all_released(engine)
     engine.auto_complete = True

@@ -25,6 +25,7 @@ from kvtier.engine.block_counts import (
     num_hit_blocks,
     num_new_blocks,
 )
+from kvtier.engine.load_failure import valid_prefix
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.offload.protocols import TableUpdate
@@ -377,17 +378,24 @@ class Scheduler:
         for failed in outcome.failed_loads:
             request = self.loading.pop(failed.request_id, None)
             if request is not None:
+                suspects = outcome.suspect_gpu_blocks.get(failed.request_id)
+                keep = valid_prefix(self.layout, request.block_tables, failed, suspects)
                 logger.warning(
                     "load of %s failed: recomputing tokens [%d, %d)",
                     failed.request_id,
-                    failed.start_token,
+                    keep,
                     failed.end_token,
                 )
-                # Recompute from scratch, without asking the tier again.
-                self._free_blocks(request)
-                request.num_computed_tokens = 0
-                request.num_external_tokens_total -= failed.end_token - failed.start_token
-                request.skip_external = True
-                request.needs_full_table = True
+                request.num_external_tokens_total -= failed.end_token - max(
+                    keep, failed.start_token
+                )
+                request.skip_external = True  # never ask the tier again (a preemption)
+                if keep > 0:  # its blocks are in place; those from `keep` on are rewritten
+                    request.num_computed_tokens = keep
+                    self._cache_full_blocks(request, 0)
+                else:  # recompute from scratch
+                    self._free_blocks(request)
+                    request.num_computed_tokens = 0
+                    request.needs_full_table = True
                 request.status = RequestStatus.WAITING
                 self.waiting.appendleft(request)

@@ -60,6 +60,7 @@ class TransferCompletion:
         """Apply worker completions: register stored keys, release pins, finish loads."""
         finished: list[str] = []
         failed = self._book.take_unissued_failures()
+        suspects: dict[str, tuple[int, ...]] = {}
         self._counters.num_failed_loads += len(failed)
         for transfer in self._book.complete(report):
             selector = self.selector
@@ -83,6 +84,14 @@ class TransferCompletion:
                         self._cascade.after_cpu_loads(load.tier_block_ids)
                 else:
                     progress.failed = True
+                    bad = set(suspect)
+                    progress.suspect_gpu_blocks += [
+                        gpu
+                        for tier_block, gpu in zip(
+                            load.tier_block_ids, load.gpu_block_ids, strict=True
+                        )
+                        if tier_block in bad
+                    ]
                     for block_id in suspect:  # never serve a suspect copy again
                         if self._cascade is not None and load.tier is Tier.CPU:
                             self._cascade.before_cpu_discard(block_id)
@@ -90,6 +99,7 @@ class TransferCompletion:
                 if progress.num_pending == 0:
                     if progress.failed:
                         failed.append(progress.failure())
+                        suspects[progress.request_id] = tuple(progress.suspect_gpu_blocks)
                         self._counters.num_failed_loads += 1
                     else:
                         finished.append(progress.request_id)
@@ -99,7 +109,7 @@ class TransferCompletion:
             if transfer.moves:
                 assert self._cascade is not None
                 self._cascade.complete(transfer.moves, transfer.succeeded, transfer.abandoned)
-        return ReportOutcome(tuple(finished), tuple(failed))
+        return ReportOutcome(tuple(finished), tuple(failed), suspects)
 
     def _complete_stores(self, transfer: IssuedTransfer, selector: StoreSelector) -> None:
         if not transfer.succeeded or transfer.abandoned:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvtier.offload.cascade import MoveItem
@@ -25,10 +25,16 @@ class FailedLoad:
 
 @dataclass(frozen=True)
 class ReportOutcome:
-    """What the engine must act on after `apply_report`."""
+    """What the engine must act on after `apply_report`.
+
+    `suspect_gpu_blocks[request_id]`, for a failed load of issued events, lists the GPU
+    blocks (of any group) whose copy cannot be trusted: every other GPU block of that
+    load was written whole. Absent for a load dropped before it was issued.
+    """
 
     finished_loads: tuple[str, ...] = ()
     failed_loads: tuple[FailedLoad, ...] = ()
+    suspect_gpu_blocks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -45,6 +51,7 @@ class LoadProgress:
     num_pending: int
     failed: bool = False
     tier_tokens: dict[str, int] = field(default_factory=dict)
+    suspect_gpu_blocks: list[int] = field(default_factory=list)  # of its failed parts
 
     def failure(self) -> FailedLoad:
         """Return the failed load of the whole range (conservative across tiers)."""
