@@ -119,3 +119,49 @@ def test_a_restored_tagged_copy_is_served_before_an_untagged_copy_of_its_key() -
     assert engine.admit(make_request("c", [*range(8), 5])) == Admission(0, 8, 8)
     engine.drain()
     engine.check()
+
+
+def test_a_tagged_demotion_drops_only_the_secondary_key_of_another_block() -> None:
+    """A disk block holds the demoted key as a secondary key (no tag) beside its own
+    primary key: only that secondary key goes, the block's own copy stays.
+
+    Regression: `_register` discarded every key of the block, its good primary copy too."""
+    cpu, disk = BlockPool(9), BlockPool(9)
+    cascade = Cascade(cpu, disk, WT, reserve=2)
+    own, shared = keys_of(range(8), 2)
+    disk.touch([1])
+    disk.insert_key(own, 1, 4, tag=b"a" * 16)
+    disk.insert_key(shared, 1, 4)  # secondary
+    disk.free([1])
+    (block_id,) = cpu.allocate(1)
+    cpu.insert_key(shared, block_id, 4, tag=b"c" * 16)
+    cascade.after_stores([block_id])
+    items = cascade.take_queued()
+    assert [item.key for item in items] == [shared]
+    cascade.complete(items, succeeded=True, abandoned=False)
+    assert disk.cached_blocks(own) == [1]
+    assert disk.tag(1) == b"a" * 16
+    assert disk.secondary_keys(1) == ()
+    assert disk.cached_blocks(shared) == [items[0].disk_block_id]
+    cpu.free([block_id])
+    cpu.check_invariants()
+    disk.check_invariants()
+
+
+def test_a_store_over_a_disk_copy_the_check_cannot_serve_is_no_promotion() -> None:
+    """A request computes a prefix whose restored disk copies (no tag) the check cannot
+    serve: its stores into the CPU tier are not promotions. Loaded from tagged disk
+    copies later, the prefix's stores are.
+
+    Regression: every store of a key the disk held counted as a promotion (2 here)."""
+    engine = restored_disk(WT, num_cpu=5, tag=None)
+    assert engine.run(make_request("a", range(8))).num_accepted_tokens == 0
+    engine.drain()
+    assert engine.scheduler.take_stats().num_promoted_blocks == 0
+    engine.run(make_request("b", range(200, 216)))  # evicts "a" from the CPU tier
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.run(make_request("c", [*range(8), 5])).num_accepted_tokens == 8
+    engine.drain()
+    engine.check()
+    assert engine.scheduler.take_stats().num_promoted_blocks == 2

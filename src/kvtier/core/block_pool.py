@@ -293,6 +293,20 @@ class BlockPool(PoolQueries):
             self._free.discard(block_id)  # not `remove`, which policies count as a hit
             self._free.push_reusable(block_id)
 
+    def discard_secondary_key(self, block_id: int, key: Key) -> None:
+        """Drop `key` from `block_id` where the block holds it as a secondary key; its
+        primary key and other secondary keys stay. A no-op when it does not hold it so."""
+        self._check_id(block_id)
+        secondary = self._secondary.get(block_id)
+        if not secondary or key not in secondary:
+            return
+        secondary.remove(key)
+        if not secondary:
+            del self._secondary[block_id]
+        self._unindex(key, block_id)
+        if self._record_events:
+            self._events.append(BlockRemoved(key_block_hash(key), key_group_id(key), self.medium))
+
     def discard_all_keys(self) -> None:
         """`discard_keys` of every block, referenced ones included: nothing cached so far
         is found again. What `reset` cannot do while blocks are referenced."""

@@ -144,7 +144,7 @@ class OffloadSide:
         plan sorts the events (their pins held until then).
         """
         plan = self._plan
-        if plan is None or not (plan.jobs or plan.end_persistence):
+        if plan is None or not (plan.jobs or plan.end_persistence or plan.forget_slots):
             self._plan = None
             return
         event_ids = [job.event_id for job in plan.jobs]
@@ -157,6 +157,7 @@ class OffloadSide:
         try:
             self.worker.submit(plan)
         except BaseException:
+            self.scheduler.dropped_slots.add(plan.forget_slots)  # maybe not dropped yet
             self.worker.flush()  # what it started ends first: none fails while it copies
             self._fail_unconfirmed()
             raise
@@ -175,6 +176,7 @@ class OffloadSide:
 
     def _fail_unsubmitted(self, plan: TransferPlan, started: WorkerReport) -> None:
         """Hold `started` and a failure of each event of `plan` it lacks, for `poll`."""
+        self.scheduler.dropped_slots.add(plan.forget_slots)  # the next plan drops them
         self._hold_failures(started, [job.event_id for job in plan.jobs])
 
     def _hold_failures(self, started: WorkerReport, event_ids: Iterable[int]) -> None:
@@ -246,10 +248,16 @@ class OffloadSide:
         self.worker.flush()
 
     def shutdown(self) -> None:
-        """Stop the worker (idempotent); a reset's end of persistence that no submitted
-        plan carried yet reaches the worker first."""
-        if self.scheduler.persistence_ended and self.worker.state is WorkerState.REGISTERED:
-            self.worker.end_persistence()
+        """Stop the worker (idempotent); a reset's end of persistence, or dropped disk
+        copies' manifest records, that no submitted plan carried yet reach the worker
+        first."""
+        scheduler = self.scheduler
+        owed = scheduler.persistence_ended or bool(scheduler.dropped_slots)
+        if owed and self.worker.state is WorkerState.REGISTERED:
+            if scheduler.persistence_ended:
+                self.worker.end_persistence()
+            else:  # disk copies dropped since the last plan: a restart must not find them
+                self.worker.forget_slots(scheduler.dropped_slots.take())
         self.worker.shutdown()
 
 

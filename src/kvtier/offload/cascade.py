@@ -33,7 +33,9 @@ keeping). That costs one host copy instead of a second disk read.
 Pins, as for GPU ↔ CPU transfers: the CPU source is pinned and the disk destination is
 freshly allocated, both until every worker reported the move. The destination's keys
 are registered only when every worker succeeded and the CPU block still holds them; a
-failed or abandoned move registers nothing (the disk copy is lost, never corrupt).
+failed or abandoned move registers nothing (the disk copy is lost, never corrupt). A
+persistent tier's manifest drops the records of disk copies the cascade drops or does not
+register (`dropped_slots`), so a restart does not restore them either.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key
 from kvtier.offload.config import CascadeMode
 from kvtier.offload.disk_slots import SetAsideSlots
+from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.plan import SlotRecord
 
 
@@ -83,6 +86,7 @@ class Cascade:
         mode: CascadeMode,
         reserve: int,
         event: Callable[[Key, int], BlockStored] | None = None,
+        dropped: DroppedSlots | None = None,
     ) -> None:
         if reserve < 1:
             raise ValueError(f"reserve must be >= 1, got {reserve}")
@@ -102,6 +106,8 @@ class Cascade:
         self.failed: set[tuple[int, Key]] = set()
         self.set_aside = SetAsideSlots(disk_pool)  # disk slots of failed demotions
         self._event = event
+        # Disk copies dropped or not registered: their manifest records go too.
+        self.dropped_slots = dropped if dropped is not None else DroppedSlots(active=False)
         cpu_pool.on_evict = self._on_cpu_evict
 
     # ------------------------------------------------------------ selection
@@ -251,13 +257,17 @@ class Cascade:
             self.failed.clear()
         registered = succeeded and not abandoned
         disk_ids = [item.disk_block_id for item in items]
+        if not succeeded:  # another worker may have written (and recorded) the slots
+            self.dropped_slots.add(disk_ids)
         for item in items:
             if not abandoned:  # an abandoned move's key was let go at the reset
                 self.in_flight_keys.discard(item.key)
             # A failed load may have discarded the CPU copy's keys since: then the bytes
-            # read are suspect too, and nothing is registered.
+            # read are suspect too, and nothing is registered (nor left in the manifest).
             if registered and cpu_pool.key(item.cpu_block_id) == item.key:
                 self._register(item)
+            elif registered:
+                self.dropped_slots.add([item.disk_block_id])
         if succeeded or abandoned:
             # Tail first, as every release: the pins may be the blocks' last references.
             disk_pool.free(disk_ids[::-1])
@@ -281,10 +291,13 @@ class Cascade:
     def _register(self, item: MoveItem) -> None:
         disk_pool = self.disk_pool
         tag = self.cpu_pool.tag(item.cpu_block_id)  # the CPU block's primary key is item.key
-        if tag is not None:  # it replaces disk copies the token check cannot serve (their
-            for stale in disk_pool.cached_blocks(item.key):  # other keys go with them)
-                if disk_pool.tag(stale, item.key) != tag:
+        if tag is not None:  # it replaces disk copies the token check cannot serve
+            for stale in disk_pool.cached_blocks(item.key):
+                if disk_pool.key(stale) != item.key:  # a secondary key (no tag): only it
+                    disk_pool.discard_secondary_key(stale, item.key)  # goes, not the block
+                elif disk_pool.tag(stale) != tag:  # its secondary keys go with it
                     disk_pool.discard_keys(stale)
+                    self.dropped_slots.add([stale])  # a restart must not restore it either
         keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]
         for key in keys:
             event = None if self._event is None else self._event(key, item.num_tokens)

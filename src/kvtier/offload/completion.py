@@ -9,6 +9,9 @@ and releases what they pinned, tail first (SPEC §4):
     store       keys registered, GPU src + tier slot freed; a failed or abandoned
                 store registers nothing (a failed one's disk slots are held: `disk_slots`)
     demotion    handed to the `Cascade`
+
+A persistent disk tier's manifest drops what the scheduler drops (`dropped_slots`): the
+records of a failed load's suspect disk slots and of a failed store's disk slots.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 from collections import Counter
 
 from kvtier.core.block_pool import BlockPool
+from kvtier.core.keys import Key
+from kvtier.core.token_tags import Tag
 from kvtier.offload.cascade import Cascade
+from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.plan import Tier, WorkerReport
 from kvtier.offload.registration import Registrar
 from kvtier.offload.stats import StepCounters
@@ -44,6 +50,7 @@ class TransferCompletion:
         cascade: Cascade | None,
         lazy: bool,
         hit_tokens: Counter[str],
+        dropped: DroppedSlots | None = None,
     ) -> None:
         self._tier_pool = tier_pool
         self._index = index
@@ -55,6 +62,7 @@ class TransferCompletion:
         self.selector: StoreSelector | None = None
         self.num_promoted = 0
         self._hit_tokens = hit_tokens
+        self._dropped = dropped  # disk copies dropped: their manifest records go too
 
     def apply(self, report: WorkerReport) -> ReportOutcome:
         """Apply worker completions: register stored keys, release pins, finish loads."""
@@ -96,6 +104,8 @@ class TransferCompletion:
                         if self._cascade is not None and load.tier is Tier.CPU:
                             self._cascade.before_cpu_discard(block_id)
                         pool.discard_keys(block_id)
+                    if load.tier is Tier.DISK and self._dropped is not None:
+                        self._dropped.add(suspect)  # nor after a restart
                 if progress.num_pending == 0:
                     if progress.failed:
                         failed.append(progress.failure())
@@ -115,6 +125,9 @@ class TransferCompletion:
         if not transfer.succeeded or transfer.abandoned:
             if not transfer.succeeded:
                 self._counters.num_failed_stores += len(transfer.stores)
+                if transfer.job.dst_tier is Tier.DISK and self._dropped is not None:
+                    # Another worker may have written (and recorded) the slots.
+                    self._dropped.add(transfer.stores.tier_block_ids)
             # An abandoned store's keys were let go at the reset (`tier_reset`): the
             # same key may be in flight again, from a request admitted since.
             selector.release(
@@ -131,11 +144,23 @@ class TransferCompletion:
         selector.in_flight_keys.difference_update(stores.keys)
         self._counters.num_stored_blocks += len(stores)
         if self._cascade is not None:
-            disk_index = self._cascade.disk_pool.index
-            self.num_promoted += sum(1 for key in stores.keys if key in disk_index)
+            disk_pool, tags = self._cascade.disk_pool, stores.tags
+            if tags:  # with the token check: only a disk copy it serves counts
+                held = sum(1 for i, k in enumerate(stores.keys) if _held(disk_pool, k, tags.get(i)))
+            else:
+                held = sum(1 for key in stores.keys if key in disk_pool.index)
+            self.num_promoted += held
             self._cascade.after_stores(stores.tier_block_ids)
         # Tail first (SPEC §4): these pins may be the blocks' last references.
         gpu_pool.free(stores.gpu_block_ids[::-1])
         self._tier_pool.free(stores.tier_block_ids[::-1])
         if selector.set_aside is not None:  # the disk works: suspects come back on trial
             selector.set_aside.note_succeeded(stores.tier_block_ids)
+
+
+def _held(disk_pool: BlockPool, key: Key, tag: Tag | None) -> bool:
+    """Return True when the disk holds what a store of `key` tagged `tag` copied: a copy
+    of `key` with that tag (any copy for an untagged store). A copy the token check
+    cannot serve (no tag, another tag) does not make the store a promotion."""
+    block = disk_pool.cached_block(key)
+    return block is not None and (tag is None or disk_pool.tag(block, key) == tag)

@@ -136,6 +136,11 @@ class TransferPlan:
     tier's manifest records and records nothing more in this run (idempotent; see
     `DiskTier.end_persistence`). KV stored after a reset may be of other weights than
     the fingerprint names, and KV stored before it must never be found again.
+
+    `forget_slots` names disk slots whose copies the scheduler dropped or never
+    registered (see `dropped_slots`): before running any job of the plan, every worker
+    with a persistent disk tier drops their manifest records, so a restart does not
+    restore them.
     """
 
     step_id: int
@@ -143,6 +148,7 @@ class TransferPlan:
     load_request_ids: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     need_flush: bool = False
     end_persistence: bool = False
+    forget_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for job in self.jobs:
@@ -157,9 +163,14 @@ class TransferPlan:
 
     @property
     def is_empty(self) -> bool:
-        """Return True when the plan asks for no transfer, no flush and no end of
-        persistence."""
-        return not self.jobs and not self.need_flush and not self.end_persistence
+        """Return True when the plan asks for no transfer, no flush, no end of
+        persistence and drops no manifest record."""
+        return (
+            not self.jobs
+            and not self.need_flush
+            and not self.end_persistence
+            and not self.forget_slots
+        )
 
 
 @dataclass(frozen=True)

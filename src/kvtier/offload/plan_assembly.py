@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kvtier.offload.cascade import Cascade, MoveItem
 from kvtier.offload.config import OffloadConfig, StoreMode
+from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
 from kvtier.offload.protocols import GpuPoolView, StepInput
@@ -32,6 +33,7 @@ class PlanAssembler:
         book: TransferBook,
         cascade: Cascade | None,
         lazy_target: int,
+        dropped: DroppedSlots | None = None,
     ) -> None:
         self._config = config
         self._tier = config.tier
@@ -41,6 +43,7 @@ class PlanAssembler:
         self._book = book
         self._cascade = cascade
         self._lazy_target = lazy_target
+        self._dropped = dropped
         self._next_step_id = 0
         # A reset ended a persistent disk tier's persistence: every later plan says so.
         self.persistence_ended = False
@@ -103,6 +106,8 @@ class PlanAssembler:
             load_request_ids=self._book.load_request_ids(),
             need_flush=bool(step.preempted_request_ids),
             end_persistence=self.persistence_ended,
+            # Taken last: this step's completions and evictions are all noted by now.
+            forget_slots=self._dropped.take() if self._dropped is not None else (),
         )
 
     @property

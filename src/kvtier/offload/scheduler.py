@@ -34,6 +34,7 @@ from kvtier.offload.cascade import Cascade
 from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.disk_slots import SetAsideSlots
+from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.lazy_walk import lazy_target
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
@@ -103,6 +104,9 @@ class OffloadScheduler:
             self.layout, self.tier, self.tier_pool, config.events, config.token_check
         )
         pools = [(self.tier, self.tier_pool)]
+        # Disk copies dropped or not registered: their manifest records go with the next
+        # plan (`TransferPlan.forget_slots`); an engine shutting down takes the rest.
+        self.dropped_slots = DroppedSlots(config.disk_persist)
         # A disk-only tier's slots of failed stores (a cascade's demotions have their own).
         self._store_set_aside = SetAsideSlots(self.tier_pool) if self.tier is Tier.DISK else None
         self.cascade: Cascade | None = None
@@ -129,6 +133,7 @@ class OffloadScheduler:
                 config.cascade,
                 reserve,
                 event=lambda key, num_tokens: self.registrar.event(key, num_tokens, Tier.DISK),
+                dropped=self.dropped_slots,
             )
             pools.append((Tier.DISK, disk_pool))
         self.index = TierIndex(pools)
@@ -159,6 +164,7 @@ class OffloadScheduler:
             self._book,
             self.cascade,
             lazy_target(self.layout, config.max_batched_tokens),
+            self.dropped_slots,
         )
         self._completion = TransferCompletion(
             self.tier_pool,
@@ -169,6 +175,7 @@ class OffloadScheduler:
             self.cascade,
             lazy=config.store_mode is StoreMode.LAZY,
             hit_tokens=self.loads.hit_tokens,
+            dropped=self.dropped_slots,
         )
         self._reset = TierReset(self.index, self._book, self.loads, self.cascade, self.tags)
         self._stats = StatsTaker(
@@ -345,6 +352,7 @@ class OffloadScheduler:
         """
         if self.config.disk_persist:
             self._plans.persistence_ended = True
+            self.dropped_slots.stop()  # every record is dropped
         return self._reset.reset(self.selector)
 
     def restore(self, tier: Tier, slots: Iterable[tuple[int, SlotRecord]]) -> int:

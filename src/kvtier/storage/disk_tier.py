@@ -20,7 +20,8 @@ slots, and it appends to the manifest as it goes. A write with records appends o
 record per slot after the slot's data is written, and tombstones the slots if the write
 fails (their old bytes may be partly overwritten). A write without records tombstones
 the slots' earlier records *before* writing, so a restart cannot offer them. A read that
-fails verification tombstones the slot. `end_persistence()` (a tier reset) drops every
+fails verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
+`end_persistence()` (a tier reset) drops every
 record and records nothing more in this run: the tier then works as a non-persistent
 one whose files are kept, and the next open finds nothing to restore.
 """
@@ -169,6 +170,35 @@ class DiskTier:
             "disk tier %s: a reset dropped the persistent cache; nothing more is persisted "
             "in this run (its KV may be of weights the fingerprint does not name)",
             self.path,
+        )
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """Drop the manifest records of `slots` now (copies the scheduler dropped or never
+        registered: a restart must not restore them); a no-op for a non-persistent tier
+        or once persistence ended. Raises ValueError for a slot id out of range.
+
+        Call only for slots no queued write goes to: a write queued before this call
+        could record them again. When the tombstones cannot be appended (a failing disk),
+        every record is dropped and nothing more is persisted in this run, as by
+        `end_persistence` (and its OSError): the copies may be suspect.
+        """
+        ids = [int(slot) for slot in slots]
+        bad = [slot for slot in ids if not 0 <= slot < self.num_slots]
+        if bad:
+            raise ValueError(f"slot ids outside [0, {self.num_slots}): {bad}")
+        if self._log is None or self._log.ended or not ids:
+            return
+        for slot in ids:
+            self._recovered.pop(slot, None)
+        if self._log.forget(ids):
+            return
+        self._recovered.clear()
+        self._log.end()
+        logger.warning(
+            "disk tier %s: cannot drop the manifest records of %d slots the scheduler let "
+            "go; dropped every record, and nothing more is persisted in this run",
+            self.path,
+            len(ids),
         )
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:

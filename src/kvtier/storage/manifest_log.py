@@ -81,14 +81,19 @@ class ManifestLog:
                 self._live.update(encoded)  # in order: the last record of a slot wins
                 self._compact_if_due()
 
-    def forget(self, slots: Iterable[int]) -> None:
-        """Append a tombstone for each slot whose last record is a put."""
+    def forget(self, slots: Iterable[int]) -> bool:
+        """Append a tombstone for each slot whose last record is a put; return False when
+        the tombstones could not be appended (their puts are still in the file)."""
         with self._lock:
             dead = [s for s in dict.fromkeys(int(s) for s in slots) if s in self._live]
-            if dead and self._append_locked(b"".join(map(encode_tombstone, dead)), len(dead)):
-                for slot in dead:
-                    del self._live[slot]
-                self._compact_if_due()
+            if not dead:
+                return True
+            if not self._append_locked(b"".join(map(encode_tombstone, dead)), len(dead)):
+                return False
+            for slot in dead:
+                del self._live[slot]
+            self._compact_if_due()
+            return True
 
     @property
     def ended(self) -> bool:

@@ -24,7 +24,8 @@ into DISK with `dst_records` records each slot once its data is written; one wit
 drops the slots' earlier records first; a failed write leaves none. `recovered_slots()`
 lists what the previous run left (never slot 0, the pool's null block). A plan with
 `end_persistence` (every plan after a tier reset) drops every record before its jobs
-start, and nothing is recorded for the rest of the run.
+start, and nothing is recorded for the rest of the run. A plan's `forget_slots` (copies
+the scheduler dropped or never registered) lose their records before its jobs start.
 """
 
 from __future__ import annotations
@@ -233,7 +234,8 @@ class OffloadWorker:
         """Start every job of `plan` in the background and return at once.
 
         Ends a persistent disk tier's persistence first when `plan.end_persistence` (a
-        reset: see `DiskTier.end_persistence`), then flushes when `plan.need_flush` (a
+        reset: see `DiskTier.end_persistence`), drops the manifest records of
+        `plan.forget_slots` (see `DiskTier.forget`), then flushes when `plan.need_flush` (a
         preempted request's blocks may be reused). Validates the whole plan's jobs before
         starting any.
         """
@@ -245,6 +247,8 @@ class OffloadWorker:
             )
         if plan.end_persistence:
             self.end_persistence()
+        if plan.forget_slots:
+            self.forget_slots(plan.forget_slots)
         if plan.need_flush:
             self.flush()
         seen: set[int] = set()
@@ -339,6 +343,11 @@ class OffloadWorker:
         `DiskTier.end_persistence`): for a reset that no later plan carried."""
         if self._held.disk_tier is not None:
             self._held.disk_tier.end_persistence()
+
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        """`DiskTier.forget` now: for dropped copies that no later plan carried."""
+        if self._held.disk_tier is not None:
+            self._held.disk_tier.forget(slots)
 
     def shutdown(self) -> None:
         """Finish outstanding transfers, stop the threads, free the tiers, remove the disk

@@ -1,0 +1,189 @@
+"""Disk copies the offload scheduler dropped or never registered stay dropped after a restart.
+
+The scheduler drops a disk copy's keys when a load reading it fails (suspect), and it
+does not register a demotion whose CPU source lost its keys to a failed load while the
+demotion was in flight (the bytes copied are suspect too). Regression: the slots'
+manifest records survived both, so a restarted engine restored those keys and served
+them (for a demotion of a suspect CPU copy: possibly wrong KV).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvtier.core.keys import Key
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
+from kvtier.engine.sampling import SamplingParams
+from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
+
+MODEL = ModelConfig.tiny()
+BLOCK_BYTES = MODEL.kv_bytes_per_token() * 4  # block size 4
+ENGINE = EngineConfig(block_size=4, num_gpu_blocks=24, keep_logits=True)
+PARAMS = SamplingParams(max_tokens=2, ignore_eos=True)
+PROMPT = list(range(3, 3 + 21))  # five whole blocks
+
+
+def persistent(tmp_path: Path, cascade: bool, token_check: bool = False) -> OffloadConfig:
+    """A persistent disk tier (page cache), behind a write-through CPU tier if `cascade`."""
+    return OffloadConfig(
+        token_check=token_check,
+        cpu_bytes=16 * BLOCK_BYTES if cascade else 0,
+        disk_bytes=32 * BLOCK_BYTES,
+        disk_path=str(tmp_path),
+        disk_io_mode=DiskIOMode.PAGE_CACHE,
+        disk_persist=True,
+        cascade=CascadeMode.WRITE_THROUGH,
+    )
+
+
+class Faults:
+    """Wrap a worker: jobs `fail(job)` picks are not run and are reported failed (every
+    block suspect); while `hold` is set, reports of CPU -> DISK events are held back,
+    and given out by the first poll after one that reported a failure."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.fail: Callable[[TransferJob], bool] = lambda job: False
+        self.hold = False
+        self.demotions: set[int] = set()
+        self.held: list[WorkerReport] = []
+        self.failing: dict[int, int] = {}
+        self.failed_once = False
+        self.released = 0  # held demotion events given out after a failure
+
+    def submit(self, plan: TransferPlan) -> None:
+        kept = []
+        for job in plan.jobs:
+            if self.fail(job):
+                self.failing[job.event_id] = 1
+            else:
+                kept.append(job)
+                if self.hold and job.src_tier is Tier.CPU and job.dst_tier is Tier.DISK:
+                    self.demotions.add(job.event_id)
+        self.worker.submit(dataclasses.replace(plan, jobs=tuple(kept)))
+
+    def poll(self) -> WorkerReport:
+        report = self.worker.poll()
+        if self.demotions:
+            held = {e: n for e, n in report.done.items() if e in self.demotions}
+            if held:
+                self.held.append(WorkerReport(done=held))
+                done = {e: n for e, n in report.done.items() if e not in held}
+                report = dataclasses.replace(report, done=done)
+        if self.held and self.failed_once:
+            report = WorkerReport.merge([report, *self.held])
+            self.released += sum(len(held.done) for held in self.held)
+            self.held, self.demotions = [], set()
+        if self.failing:
+            report = WorkerReport.merge([report, WorkerReport(failed=self.failing)])
+            self.failing = {}
+            self.failed_once = True
+        return report
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+def evict_gpu(llm: LLM) -> None:
+    """Drop every cached GPU block no request holds, so the next prompt loads from the tiers."""
+    pool = llm.pool
+    for block_id in range(1, pool.num_blocks):
+        if pool.is_cached(block_id) and pool.ref_count(block_id) == 0:
+            pool.evict_keys(block_id)
+
+
+def disk_copies(llm: LLM) -> set[tuple[int, Key]]:
+    """Return the (disk slot, primary key) pairs the offload scheduler holds."""
+    assert llm.offload is not None
+    scheduler = llm.offload.scheduler
+    pool = scheduler.tier_pool if scheduler.cascade is None else scheduler.cascade.disk_pool
+    keys = ((slot, pool.key(slot)) for slot in range(1, pool.num_blocks))
+    return {(slot, key) for slot, key in keys if key is not None}
+
+
+def restart(
+    tmp_path: Path, cascade: bool, token_check: bool = False
+) -> tuple[set[tuple[int, Key]], RequestOutput]:
+    """Serve PROMPT on a fresh engine; return the (slot, key) pairs it restored and its
+    output."""
+    config = persistent(tmp_path, cascade, token_check)
+    with LLM(MODEL, kv_offload=config, engine=ENGINE) as llm:
+        assert llm.offload is not None
+        restored = disk_copies(llm)
+        assert len(restored) == llm.offload.num_restored_blocks
+        (output,) = llm.generate([PROMPT], PARAMS)
+    return restored, output
+
+
+def is_disk_job(job: TransferJob) -> bool:
+    return Tier.DISK in (job.src_tier, job.dst_tier)
+
+
+def test_a_disk_copy_a_failed_load_dropped_is_not_restored(tmp_path: Path) -> None:
+    """Disk-only: the prompt's disk copies fail their load (an I/O error: all suspect),
+    and the disk fails from then on (no copy is stored again)."""
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as llm:
+        assert llm.offload is not None
+        faults = llm.offload.worker = Faults(llm.offload.worker)  # type: ignore[assignment]
+        llm.generate([PROMPT], PARAMS)
+        llm.drain()
+        evict_gpu(llm)
+        faults.fail = is_disk_job
+        (output,) = llm.generate([PROMPT], PARAMS)
+        assert faults.failed_once
+        assert output.num_external_hit_tokens == 0  # recomputed
+        assert not disk_copies(llm)  # the scheduler dropped them
+    restored, output = restart(tmp_path, cascade=False)
+    assert (len(restored), output.num_external_hit_tokens) == (0, 0)
+
+
+def test_a_demotion_of_a_cpu_copy_a_failed_load_dropped_is_not_restored(tmp_path: Path) -> None:
+    """CPU+disk: the prompt's CPU copies fail their load while their demotion is in flight;
+    the demotion completes (its records written) but the scheduler does not register it.
+    The disk fails from then on, so no other copy of the prompt reaches it."""
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=True), engine=ENGINE) as llm:
+        assert llm.offload is not None
+        faults = llm.offload.worker = Faults(llm.offload.worker)  # type: ignore[assignment]
+        faults.hold = True
+        llm.generate([PROMPT], PARAMS)
+        for _ in range(10):  # until the prompt's stores completed and their demotion went out
+            if faults.demotions:
+                break
+            llm.step()
+        assert faults.demotions
+        evict_gpu(llm)
+        faults.fail = lambda job: (job.src_tier is Tier.CPU and job.is_load) or is_disk_job(job)
+        (output,) = llm.generate([PROMPT], PARAMS)
+        assert output.num_external_hit_tokens == 0  # recomputed
+        llm.drain()
+        assert faults.released
+        assert not faults.held
+        assert not disk_copies(llm)  # the scheduler did not register the demotion
+    restored, output = restart(tmp_path, cascade=True)
+    assert (len(restored), output.num_external_hit_tokens) == (0, 0)
+
+
+def test_disk_copies_the_token_check_replaced_are_not_restored(tmp_path: Path) -> None:
+    """A run without the check keeps untagged copies; a checking run demotes its tagged
+    copies over them and drops them. A restart restores only what that run held."""
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=True), engine=ENGINE) as llm:
+        llm.generate([PROMPT], PARAMS)
+    config = persistent(tmp_path, cascade=True, token_check=True)
+    with LLM(MODEL, kv_offload=config, engine=ENGINE) as llm:
+        assert llm.offload is not None
+        untagged = disk_copies(llm)
+        assert len(untagged) == 5
+        (output,) = llm.generate([PROMPT], PARAMS)
+        assert output.num_external_hit_tokens == 0  # untagged: never served
+        llm.drain()
+        held = disk_copies(llm)
+    assert held
+    assert not held & untagged
+    restored, output = restart(tmp_path, cascade=True, token_check=True)
+    assert restored == held
+    assert output.num_external_hit_tokens == 20

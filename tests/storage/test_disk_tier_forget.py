@@ -1,0 +1,75 @@
+"""`DiskTier.forget`: copies the scheduler let go lose their manifest records, so a
+restart does not restore them; when that cannot be recorded, every record goes."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage import DiskIOMode, DiskTier, DiskTierConfig
+
+SLOT = 4096
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rec(i: int) -> SlotRecord:
+    return SlotRecord(i.to_bytes(4, "little") * 9, 4)
+
+
+def tier_config(tmp_path: Path) -> DiskTierConfig:
+    return DiskTierConfig(
+        str(tmp_path / "rank0.slots"),
+        num_slots=16,
+        bytes_per_slot=SLOT,
+        io_mode=DiskIOMode.PAGE_CACHE,
+        fingerprint="fp",
+    )
+
+
+def test_a_disk_tier_that_cannot_drop_records_drops_them_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`DiskTier.forget` names copies the scheduler let go (maybe suspect): when their
+    tombstones cannot be appended, the restart restores nothing rather than them."""
+    config = tier_config(tmp_path)
+    tier = DiskTier(config)
+    slots = np.arange(1, 5, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier.forget([1])
+    assert [slot for slot, _ in tier.recovered_slots()] == []  # this run wrote them all
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "no space left on device")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(os, "write", full)
+        tier.forget([2])
+    assert "dropped every record" in caplog.text
+    tier.forget([3])  # nothing left to drop
+    with pytest.raises(ValueError, match="outside"):
+        tier.forget([16])
+    tier.close()
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == []
+    tier.close()
+
+
+def test_a_disk_tier_restores_what_it_did_not_forget(tmp_path: Path) -> None:
+    config = tier_config(tmp_path)
+    tier = DiskTier(config)
+    slots = np.arange(1, 5, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier.forget([1, 3])
+    tier.close()
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == [(2, rec(2)), (4, rec(4))]
+    tier.forget([4])
+    assert tier.recovered_slots() == [(2, rec(2))]
+    tier.close()
