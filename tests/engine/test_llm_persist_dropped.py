@@ -14,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+from test_llm_submit_failures import RefusingWorker
+
 from kvtier.core.keys import Key
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
@@ -187,3 +190,22 @@ def test_disk_copies_the_token_check_replaced_are_not_restored(tmp_path: Path) -
     restored, output = restart(tmp_path, cascade=True, token_check=True)
     assert restored == held
     assert output.num_external_hit_tokens == 20
+
+
+def test_records_a_refused_plan_was_to_drop_go_with_a_later_one(tmp_path: Path) -> None:
+    """The worker refuses the plan that drops the failed load's records: a later plan
+    (or the shutdown) drops them."""
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as llm:
+        assert llm.offload is not None
+        faults = Faults(llm.offload.worker)
+        refusing = RefusingWorker(faults, lambda plan: bool(plan.forget_slots), OSError("no"))
+        llm.offload.worker = refusing  # type: ignore[assignment]
+        llm.generate([PROMPT], PARAMS)
+        llm.drain()
+        evict_gpu(llm)
+        faults.fail = is_disk_job
+        with pytest.raises(OSError, match="no"):
+            llm.generate([PROMPT], PARAMS)
+        assert refusing.refused is not None
+    restored, output = restart(tmp_path, cascade=False)
+    assert (len(restored), output.num_external_hit_tokens) == (0, 0)
