@@ -209,3 +209,41 @@ def test_records_a_refused_plan_was_to_drop_go_with_a_later_one(tmp_path: Path) 
         assert refusing.refused is not None
     restored, output = restart(tmp_path, cascade=False)
     assert (len(restored), output.num_external_hit_tokens) == (0, 0)
+
+
+class OlderRelease:
+    """Wrap a worker as an older kvtier's: it never drops the records of dropped copies."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def submit(self, plan: TransferPlan) -> None:
+        self.worker.submit(dataclasses.replace(plan, forget_slots=()))
+
+    def forget_slots(self, slots: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+def test_a_manifest_holding_untagged_and_tagged_copies_of_a_key_loses_the_untagged(
+    tmp_path: Path,
+) -> None:
+    """A manifest an older release left holds both copies of each block: the untagged one
+    (a run without the check) and the tagged one (a checking run since). A checking
+    restart indexes the tagged ones only and drops the others' records."""
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=True), engine=ENGINE) as llm:
+        llm.generate([PROMPT], PARAMS)
+    config = persistent(tmp_path, cascade=True, token_check=True)
+    with LLM(MODEL, kv_offload=config, engine=ENGINE) as llm:
+        assert llm.offload is not None
+        llm.offload.worker = OlderRelease(llm.offload.worker)  # type: ignore[assignment]
+        llm.generate([PROMPT], PARAMS)
+        llm.drain()
+        held = disk_copies(llm)
+    assert len(held) == 5
+    for _ in range(2):
+        restored, output = restart(tmp_path, cascade=True, token_check=True)
+        assert restored == held
+        assert output.num_external_hit_tokens == 20

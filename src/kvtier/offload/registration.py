@@ -130,7 +130,13 @@ class Registrar:
             records.append(SlotRecord(key, num_tokens or self.block_size(key), tag))
         return tuple(records)
 
-    def restore(self, tier: Tier, pool: BlockPool, slots: Iterable[tuple[int, SlotRecord]]) -> int:
+    def restore(
+        self,
+        tier: Tier,
+        pool: BlockPool,
+        slots: Iterable[tuple[int, SlotRecord]],
+        dropped: list[int] | None = None,
+    ) -> int:
         """Index what a persistent tier kept; return the blocks indexed.
 
         A slot out of range or already indexed, or a key of a group that is not cached,
@@ -141,13 +147,20 @@ class Registrar:
         the check kept (no tag) and a later run stored again with its tag is held by
         both slots, and a lookup, which checks the key's first block only, must find the
         tagged one (indexed behind the untagged copy, it was never served, and every run
-        demoted the key again).
+        demoted the key again). An untagged record of a key restored with a tag is then
+        not indexed at all, and its slot is added to `dropped` (its manifest record can
+        go): the check never serves it, and no demotion would ever replace it.
         """
         groups = self.layout.groups
         num_restored = num_untagged = 0
         if self.tags:  # stable: slot order within each kind
             slots = sorted(slots, key=lambda pair: pair[1].tag is None)
+        tagged: set[Key] = set()
         for slot, record in slots:
+            if self.tags and record.tag is None and record.key in tagged:
+                if dropped is not None and 0 < slot < pool.num_blocks:
+                    dropped.append(slot)
+                continue
             group_id = key_group_id(record.key)
             valid_group = group_id < len(groups) and groups[group_id].is_cacheable
             if not 0 < slot < pool.num_blocks or not valid_group or pool.is_cached(slot):
@@ -164,6 +177,8 @@ class Registrar:
             pool.free([slot])
             num_restored += 1
             num_untagged += record.tag is None
+            if self.tags and record.tag is not None:
+                tagged.add(record.key)
         if self.tags and num_untagged:
             logger.warning(
                 "%s: %d of %d restored blocks carry no token tag (stored without "

@@ -364,7 +364,11 @@ class OffloadScheduler:
         pool = self.index.pools.get(tier)
         if pool is None:
             raise ValueError(f"tier {tier.value} is not configured")
-        return self.registrar.restore(tier, pool, slots)
+        dropped: list[int] = []  # untagged duplicates the token check never serves
+        num_restored = self.registrar.restore(tier, pool, slots, dropped)
+        if tier is Tier.DISK:
+            self.dropped_slots.add(dropped)
+        return num_restored
 
     # ------------------------------------------------------------------ observability
 
