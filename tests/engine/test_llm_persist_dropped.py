@@ -145,10 +145,37 @@ def test_a_disk_copy_a_failed_load_dropped_is_not_restored(tmp_path: Path) -> No
     assert (len(restored), output.num_external_hit_tokens) == (0, 0)
 
 
-def test_a_demotion_of_a_cpu_copy_a_failed_load_dropped_is_not_restored(tmp_path: Path) -> None:
+def test_a_failed_disk_load_drops_its_records_at_shutdown(tmp_path: Path) -> None:
+    """Disk-only: the engine shuts down right after the prompt's disk load failed, before
+    it recomputes (nothing writes the dropped slots again): the shutdown drops them."""
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as llm:
+        assert llm.offload is not None
+        faults = llm.offload.worker = Faults(llm.offload.worker)  # type: ignore[assignment]
+        llm.generate([PROMPT], PARAMS)
+        llm.drain()
+        evict_gpu(llm)
+        faults.fail = lambda job: job.src_tier is Tier.DISK
+        llm.add_request(PROMPT, PARAMS)
+        for _ in range(10):
+            if faults.failed_once:
+                break
+            llm.step()
+        assert faults.failed_once
+        assert not disk_copies(llm)
+        assert not llm.offload.has_pending_work()
+    restored, output = restart(tmp_path, cascade=False)
+    assert (len(restored), output.num_external_hit_tokens) == (0, 0)
+
+
+@pytest.mark.parametrize("then", ["disk", "stores"], ids=["failing-disk", "failing-stores"])
+def test_a_demotion_of_a_cpu_copy_a_failed_load_dropped_is_not_restored(
+    tmp_path: Path, then: str
+) -> None:
     """CPU+disk: the prompt's CPU copies fail their load while their demotion is in flight;
     the demotion completes (its records written) but the scheduler does not register it.
-    The disk fails from then on, so no other copy of the prompt reaches it."""
+    From then on the disk fails, or GPU stores fail (then no job writes the demotion's
+    slots again), so no other copy of the prompt reaches the disk."""
+    later = is_disk_job if then == "disk" else (lambda job: job.is_store)
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=True), engine=ENGINE) as llm:
         assert llm.offload is not None
         faults = llm.offload.worker = Faults(llm.offload.worker)  # type: ignore[assignment]
@@ -160,7 +187,7 @@ def test_a_demotion_of_a_cpu_copy_a_failed_load_dropped_is_not_restored(tmp_path
             llm.step()
         assert faults.demotions
         evict_gpu(llm)
-        faults.fail = lambda job: (job.src_tier is Tier.CPU and job.is_load) or is_disk_job(job)
+        faults.fail = lambda job: (job.src_tier is Tier.CPU and job.is_load) or later(job)
         (output,) = llm.generate([PROMPT], PARAMS)
         assert output.num_external_hit_tokens == 0  # recomputed
         llm.drain()
@@ -173,7 +200,8 @@ def test_a_demotion_of_a_cpu_copy_a_failed_load_dropped_is_not_restored(tmp_path
 
 def test_disk_copies_the_token_check_replaced_are_not_restored(tmp_path: Path) -> None:
     """A run without the check keeps untagged copies; a checking run demotes its tagged
-    copies over them and drops them. A restart restores only what that run held."""
+    copies over them and drops them. A restart, with the check or without, restores
+    only what that run held."""
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=True), engine=ENGINE) as llm:
         llm.generate([PROMPT], PARAMS)
     config = persistent(tmp_path, cascade=True, token_check=True)
@@ -187,9 +215,10 @@ def test_disk_copies_the_token_check_replaced_are_not_restored(tmp_path: Path) -
         held = disk_copies(llm)
     assert held
     assert not held & untagged
-    restored, output = restart(tmp_path, cascade=True, token_check=True)
-    assert restored == held
-    assert output.num_external_hit_tokens == 20
+    for check in (False, True):  # without the check, a restart indexes untagged ones too
+        restored, output = restart(tmp_path, cascade=True, token_check=check)
+        assert restored == held
+        assert output.num_external_hit_tokens == 20
 
 
 def test_records_a_refused_plan_was_to_drop_go_with_a_later_one(tmp_path: Path) -> None:
