@@ -157,11 +157,23 @@ class OffloadSide:
         try:
             self.worker.submit(plan)
         except BaseException:
-            self.scheduler.dropped_slots.add(plan.forget_slots)  # maybe not dropped yet
+            self._requeue_forget(plan)
             self.worker.flush()  # what it started ends first: none fails while it copies
             self._fail_unconfirmed()
             raise
         self._unconfirmed.difference_update(event_ids)
+
+    def _requeue_forget(self, plan: TransferPlan) -> None:
+        """Give a later plan the slots `plan` was to drop, the worker may not have seen them.
+
+        Not those `plan` also writes: the worker drops a plan's records before starting
+        any of its jobs, so a job of it that ran and succeeded wrote its records after
+        the drop, and they stand; one that failed or never ran is reported failed, and
+        its failure drops the slots again (`DroppedSlots`)."""
+        written = {
+            slot for job in plan.jobs if job.dst_tier is Tier.DISK for slot in job.dst_block_ids
+        }
+        self.scheduler.dropped_slots.add(s for s in plan.forget_slots if s not in written)
 
     def _fail_unconfirmed(self) -> None:
         """After a successful flush: fail the unconfirmed events the worker never started

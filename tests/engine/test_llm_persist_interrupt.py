@@ -1,0 +1,83 @@
+"""An interrupt after the worker took a plan keeps the records that plan wrote.
+
+A plan drops the records of slots the scheduler let go (`forget_slots`) before its jobs
+run; a store of the same step may write those slots again. When an interrupt lands after
+the worker took the plan, the engine gives its dropped slots to a later plan, in case
+the worker never saw them. Regression: it gave all of them, the slots the plan's store
+rewrote included; the store completed and was registered, and the later plan dropped its
+records, so a restart lost them (restored 1 of the 5 blocks held at shutdown).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_llm_persist_dropped import (
+    BLOCK_BYTES,
+    ENGINE,
+    MODEL,
+    PARAMS,
+    PROMPT,
+    Faults,
+    disk_copies,
+    evict_gpu,
+)
+
+from kvtier.engine.llm import LLM
+from kvtier.offload.config import DiskIOMode, OffloadConfig
+from kvtier.offload.plan import Tier, TransferPlan
+
+
+def small_disk(tmp_path: Path) -> OffloadConfig:
+    """A persistent disk-only tier of 5 usable slots: a store reuses the slots dropped."""
+    return OffloadConfig(
+        cpu_bytes=0,
+        disk_bytes=6 * BLOCK_BYTES,
+        disk_path=str(tmp_path),
+        disk_io_mode=DiskIOMode.PAGE_CACHE,
+        disk_persist=True,
+    )
+
+
+class InterruptAfterTaking:
+    """Wrap a worker: the first plan that drops slots it also writes is taken, then an
+    interrupt lands before `submit` returns."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.interrupted: TransferPlan | None = None
+
+    def submit(self, plan: TransferPlan) -> None:
+        self.worker.submit(plan)
+        written = {b for j in plan.jobs if j.dst_tier is Tier.DISK for b in j.dst_block_ids}
+        if self.interrupted is None and set(plan.forget_slots) & written:
+            self.interrupted = plan
+            raise KeyboardInterrupt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+def test_an_interrupt_after_the_worker_took_a_plan_keeps_what_it_wrote(tmp_path: Path) -> None:
+    with LLM(MODEL, kv_offload=small_disk(tmp_path), engine=ENGINE) as llm:
+        assert llm.offload is not None
+        faults = Faults(llm.offload.worker)
+        interrupting = InterruptAfterTaking(faults)
+        llm.offload.worker = interrupting  # type: ignore[assignment]
+        llm.generate([PROMPT], PARAMS)
+        llm.drain()
+        evict_gpu(llm)
+        faults.fail = lambda job: job.src_tier is Tier.DISK  # PROMPT's load fails
+        with pytest.raises(KeyboardInterrupt):  # another prompt's stores reuse its slots
+            llm.generate([PROMPT, list(range(50, 71))], PARAMS)
+        assert interrupting.interrupted is not None
+        faults.fail = lambda job: False
+        llm.drain()
+        llm.generate([list(range(90, 95))], PARAMS)  # one more plan
+        llm.drain()
+        held = disk_copies(llm)
+    assert len(held) == 5
+    with LLM(MODEL, kv_offload=small_disk(tmp_path), engine=ENGINE) as llm:
+        assert disk_copies(llm) == held
