@@ -262,15 +262,18 @@ class OffloadSide:
     def shutdown(self) -> None:
         """Stop the worker (idempotent); a reset's end of persistence, or dropped disk
         copies' manifest records, that no submitted plan carried yet reach the worker
-        first."""
+        first. The worker stops even when that hand-over raises (OSError: the manifest
+        can be neither appended to, nor emptied or removed)."""
         scheduler = self.scheduler
         owed = scheduler.persistence_ended or bool(scheduler.dropped_slots)
-        if owed and self.worker.state is WorkerState.REGISTERED:
-            if scheduler.persistence_ended:
-                self.worker.end_persistence()
-            else:  # disk copies dropped since the last plan: a restart must not find them
-                self.worker.forget_slots(scheduler.dropped_slots.take())
-        self.worker.shutdown()
+        try:
+            if owed and self.worker.state is WorkerState.REGISTERED:
+                if scheduler.persistence_ended:
+                    self.worker.end_persistence()
+                else:  # disk copies dropped since the last plan: a restart must not find them
+                    self.worker.forget_slots(scheduler.dropped_slots.take())
+        finally:
+            self.worker.shutdown()
 
 
 def _worker_config(config: OffloadConfig, sizes: dict[Tier, int], fingerprint: str) -> WorkerConfig:
