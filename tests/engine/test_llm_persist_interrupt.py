@@ -23,6 +23,7 @@ from test_llm_persist_dropped import (
     Faults,
     disk_copies,
     evict_gpu,
+    persistent,
 )
 
 from kvtier.engine.llm import LLM
@@ -81,3 +82,39 @@ def test_an_interrupt_after_the_worker_took_a_plan_keeps_what_it_wrote(tmp_path:
     assert len(held) == 5
     with LLM(MODEL, kv_offload=small_disk(tmp_path), engine=ENGINE) as llm:
         assert disk_copies(llm) == held
+
+
+def test_records_an_unsubmitted_plan_was_to_drop_go_at_shutdown(tmp_path: Path) -> None:
+    """A failed disk load's records go with the next plan; an interrupt lands after that
+    plan was prepared and before it was submitted, and the engine shuts down (nothing
+    pending: no step follows). Regression: the plan held the slots, the shutdown handed
+    over none, and a restart restored the 5 dropped blocks."""
+    llm = LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE)
+    side = llm.offload
+    assert side is not None
+    faults = side.worker = Faults(side.worker)  # type: ignore[assignment]
+    llm.generate([PROMPT], PARAMS)
+    llm.drain()
+    evict_gpu(llm)
+    faults.fail = lambda job: job.src_tier is Tier.DISK
+    llm.add_request(PROMPT, PARAMS)
+    for _ in range(10):
+        if faults.failed_once:
+            break
+        llm.step()
+    assert faults.failed_once
+    assert len(side.scheduler.dropped_slots) == 5
+    submit = side.submit
+
+    def interrupted() -> None:  # Ctrl-C right after `prepare` returned
+        side.submit = submit  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    side.submit = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert not disk_copies(llm)
+    assert not side.has_pending_work()
+    llm.shutdown()
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as again:
+        assert not disk_copies(again)

@@ -261,10 +261,14 @@ class OffloadSide:
 
     def shutdown(self) -> None:
         """Stop the worker (idempotent); a reset's end of persistence, or dropped disk
-        copies' manifest records, that no submitted plan carried yet reach the worker
-        first. The worker stops even when that hand-over raises (OSError: the manifest
-        can be neither appended to, nor emptied or removed)."""
+        copies' manifest records, that no submitted plan carried yet (a plan prepared and
+        never submitted included) reach the worker first. The worker stops even when that
+        hand-over raises (OSError: the manifest can be neither appended to, nor emptied
+        or removed)."""
         scheduler = self.scheduler
+        if self._plan is not None:  # prepared, never submitted (an interrupt in between)
+            scheduler.dropped_slots.add(self._plan.forget_slots)
+            self._plan = None
         owed = scheduler.persistence_ended or bool(scheduler.dropped_slots)
         try:
             if owed and self.worker.state is WorkerState.REGISTERED:
