@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_llm_submit_failures import RefusingWorker
 
 from kvtier.core.keys import Key
 from kvtier.engine.config import ModelConfig
@@ -221,23 +220,47 @@ def test_disk_copies_the_token_check_replaced_are_not_restored(tmp_path: Path) -
         assert output.num_external_hit_tokens == 20
 
 
-def test_records_a_refused_plan_was_to_drop_go_with_a_later_one(tmp_path: Path) -> None:
-    """The worker refuses the plan that drops the failed load's records: a later plan
-    (or the shutdown) drops them."""
+class RefusingForget(Faults):
+    """`Faults`; the first hand-over of dropped slots raises OSError (the engine's, right
+    after the report that dropped them); `carried` lists the plans' `forget_slots`."""
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__(worker)
+        self.refused: tuple[int, ...] | None = None
+        self.carried: list[tuple[int, ...]] = []
+
+    def forget_slots(self, slots: Any) -> None:
+        if self.refused is None:
+            self.refused = tuple(slots)
+            raise OSError("no")
+        self.worker.forget_slots(slots)
+
+    def submit(self, plan: TransferPlan) -> None:
+        if plan.forget_slots:
+            self.carried.append(plan.forget_slots)
+        super().submit(plan)
+
+
+def test_records_a_refused_hand_over_was_to_drop_go_with_a_later_plan(tmp_path: Path) -> None:
+    """The worker refuses the hand-over of the failed load's records: the next plan
+    carries them."""
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as llm:
         assert llm.offload is not None
-        faults = Faults(llm.offload.worker)
-        refusing = RefusingWorker(faults, lambda plan: bool(plan.forget_slots), OSError("no"))
-        llm.offload.worker = refusing  # type: ignore[assignment]
+        faults = llm.offload.worker = RefusingForget(llm.offload.worker)  # type: ignore[assignment]
         llm.generate([PROMPT], PARAMS)
         llm.drain()
         evict_gpu(llm)
         faults.fail = is_disk_job
         with pytest.raises(OSError, match="no"):
             llm.generate([PROMPT], PARAMS)
-        assert refusing.refused is not None
+        assert faults.refused is not None
+        faults.fail = lambda job: False
+        llm.generate([list(range(90, 95))], PARAMS)  # one block: the only one held
+        assert faults.carried == [faults.refused]
+        held = disk_copies(llm)
+    assert len(held) == 1
     restored, output = restart(tmp_path, cascade=False)
-    assert (len(restored), output.num_external_hit_tokens) == (0, 0)
+    assert (restored, output.num_external_hit_tokens) == (held, 0)
 
 
 class OlderRelease:

@@ -9,6 +9,7 @@ down, never retried it.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,10 @@ def test_a_failing_hand_over_at_shutdown_still_stops_the_worker(tmp_path: Path) 
     for _ in range(10):  # until the load failed; no plan carries its slots yet
         if faults.failed_once:
             break
-        llm.step()
+        with contextlib.suppress(OSError):  # the hand-over right after the report
+            llm.step()
     assert faults.failed_once
-    assert llm.offload.scheduler.dropped_slots
+    assert llm.offload.scheduler.dropped_slots  # refused: kept for the shutdown
     with pytest.raises(OSError, match="cannot drop"):
         llm.shutdown()
     assert worker.state is WorkerState.SHUT_DOWN

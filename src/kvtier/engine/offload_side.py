@@ -207,6 +207,10 @@ class OffloadSide:
 
         The reports stay held until applied, so an interrupt on the way leaves them to
         the next poll (one applied already is then ignored: `TransferBook.complete`).
+
+        Disk copies the report made the scheduler drop lose their manifest records at
+        once (`_forget_dropped`), not with the next plan: an engine left idle, then
+        killed, would leave them for a restart to restore.
         """
         self._held_reports.append(self.worker.poll())
         report = WorkerReport.merge(self._held_reports)
@@ -216,7 +220,24 @@ class OffloadSide:
         self._held_reports = []
         self.totals.num_reported_events += len(report.done) + len(report.failed)
         self._account(self.scheduler.take_stats())
+        self._forget_dropped()
         return outcome
+
+    def _forget_dropped(self) -> None:
+        """Hand the worker the dropped disk slots no plan carried yet (`DiskTier.forget`).
+
+        No write of them is in flight: the scheduler drops a slot only once every job
+        writing it reported, and reuses it only in a later plan, whose jobs run after
+        this. What the worker refuses goes with the next plan (or the shutdown)."""
+        dropped = self.scheduler.dropped_slots
+        if not dropped or self.worker.state is not WorkerState.REGISTERED:
+            return
+        slots = dropped.take()
+        try:
+            self.worker.forget_slots(slots)
+        except BaseException:
+            dropped.add(slots)
+            raise
 
     def _account(self, stats: OffloadStats) -> None:
         totals = self.totals
