@@ -8,7 +8,10 @@ while it moved: the bytes are suspect too), a failed store or demotion (another 
 may have written its slots). Each such slot is noted here, and the next plan carries it
 (`TransferPlan.forget_slots`): the workers drop its record before the plan's jobs run,
 so a later write of the slot is recorded after the drop, and a restart never offers a
-key the scheduler let go. What no plan carried by shutdown is handed over then.
+key the scheduler let go. The reference engine, whose worker runs in its process, hands
+the slots over right after the report that dropped them (`OffloadSide.poll`): a kill
+before its next step leaves no record of them. What no plan carried by shutdown is
+handed over then.
 """
 
 from __future__ import annotations
