@@ -257,6 +257,7 @@ def test_records_a_refused_hand_over_was_to_drop_go_with_a_later_plan(tmp_path: 
         faults.fail = lambda job: False
         llm.generate([list(range(90, 95))], PARAMS)  # one block: the only one held
         assert faults.carried == [faults.refused]
+        llm.drain()  # the one block's store registered (a copy thread runs it)
         held = disk_copies(llm)
     assert len(held) == 1
     restored, output = restart(tmp_path, cascade=False)
