@@ -208,8 +208,8 @@ class Faults:
         if self.workload.synchronous:
             self.worker.flush()
 
-    def poll(self) -> WorkerReport:
-        report = self.worker.poll()
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
         done = dict(report.done)
         failed = dict(report.failed)
         for event_id in list(done):

@@ -34,9 +34,9 @@ class DiskWritesFail:
         self.moves |= {job.event_id for job in plan.jobs if job.dst_tier is Tier.DISK}
         self.worker.submit(plan)
 
-    def poll(self) -> WorkerReport:
+    def peek(self) -> WorkerReport:
         self.worker.flush()
-        report = self.worker.poll()
+        report = self.worker.peek()
         done = {e: n for e, n in report.done.items() if e not in self.moves}
         failed = {**report.failed, **self.late}
         self.late = {e: n for e, n in report.done.items() if e in self.moves}

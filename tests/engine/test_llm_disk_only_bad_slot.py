@@ -40,8 +40,8 @@ class BadSlot:
                     self.bad_jobs.add(job.event_id)
         self.worker.submit(plan)
 
-    def poll(self) -> WorkerReport:
-        report = self.worker.poll()
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
         bad = self.bad_jobs.intersection(report.done)
         if not bad:
             return report

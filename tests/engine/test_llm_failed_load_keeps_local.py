@@ -37,8 +37,8 @@ class DropFirstLoad:
                 jobs.append(job)
         self.worker.submit(TransferPlan(plan.step_id, tuple(jobs), plan.load_request_ids))
 
-    def poll(self) -> WorkerReport:
-        report = self.worker.poll()
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
         failed, self.pending = dict.fromkeys(self.pending, 1), []
         return WorkerReport.merge([report, WorkerReport(failed=failed)])
 

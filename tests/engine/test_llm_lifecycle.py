@@ -88,8 +88,8 @@ class DelayedReports:
         self.done: Counter[int] = Counter()
         self.failed: Counter[int] = Counter()
 
-    def poll(self) -> WorkerReport:
-        report = self.worker.poll()
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
         self.done.update(report.done)
         self.failed.update(report.failed)
         self.num_calls += 1

@@ -163,8 +163,8 @@ class FailingLoads:
         self.load_events.update(j.event_id for j in plan.jobs if j.is_load)
         self.worker.submit(plan)
 
-    def poll(self) -> WorkerReport:
-        report = self.worker.poll()
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
         done = {e: n for e, n in report.done.items() if e not in self.load_events}
         failed = dict(report.failed)
         failed.update({e: n for e, n in report.done.items() if e in self.load_events})
@@ -180,3 +180,35 @@ def test_failed_loads_are_recomputed() -> None:
     failing = serve(ModelConfig.tiny(), OffloadConfig(cpu_bytes=8 * MIB), wrap=FailingLoads)
     assert sum(o.num_external_hit_tokens for o in failing) == 0
     assert_same(reference, failing)
+
+
+class DoneAndFailed:
+    """Wrap a worker so that every event it finishes is reported both done and failed
+    (as two reports of one event would be: it completes as failed)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
+        failed = {**report.failed, **report.done}
+        return WorkerReport(done=report.done, failed=failed, seconds=report.seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.worker, name)
+
+
+def test_an_event_reported_both_done_and_failed_counts_once() -> None:
+    # Regression: `num_reported_events` (the drain's progress mark) counted it twice.
+    def counts_each_event_once(llm: LLM) -> None:
+        assert llm.offload is not None
+        totals = llm.offload.totals
+        assert totals.num_issued_events > 0
+        assert totals.num_failed_stores > 0
+        assert totals.num_reported_events == totals.num_issued_events
+
+    reference = serve(ModelConfig.tiny(), None)
+    offload = OffloadConfig(cpu_bytes=8 * MIB)
+    served = serve(ModelConfig.tiny(), offload, DoneAndFailed, counts_each_event_once)
+    assert sum(o.num_external_hit_tokens for o in served) == 0  # every store failed
+    assert_same(reference, served)

@@ -69,8 +69,8 @@ class Faults:
                     self.demotions.add(job.event_id)
         self.worker.submit(dataclasses.replace(plan, jobs=tuple(kept)))
 
-    def poll(self) -> WorkerReport:
-        report = self.worker.poll()
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
         if self.demotions:
             held = {e: n for e, n in report.done.items() if e in self.demotions}
             if held:

@@ -39,8 +39,8 @@ class RandomFaults(Faults):
         self.lie.update(job.event_id for job in plan.jobs if self.rng.random() < self.p / 2)
         super().submit(plan)
 
-    def poll(self) -> WorkerReport:
-        report = super().poll()
+    def peek(self) -> WorkerReport:
+        report = super().peek()
         lied = {e: n for e, n in report.done.items() if e in self.lie}
         if not lied:
             return report

@@ -1,24 +1,27 @@
-"""Interrupts (Ctrl-C) after the worker let go of a finished load's report but before the
-offload scheduler applied all of it: windows the hand-off's interrupt handling (see
-test_llm_submit_interrupts) does not cover.
+"""Interrupts (Ctrl-C) while the engine takes a finished load's report from the worker
+and applies it (`OffloadSide.poll`).
 
-Known defects, kept as strict xfails (they fail today; a fix makes them pass and the
-strict marker then asks for its removal):
+Regressions: `OffloadWorker.poll` let go of the lanes' reports before they reached the
+engine, and `TransferCompletion.apply` forgot the completed events (`TransferBook.complete`)
+before it applied them, so an interrupt in between lost the report or its effects; and
+an interrupt after the scheduler applied a load but before `apply_report` returned lost
+the finished load. Either way the lost load's GPU blocks (16 of the 19 here) stayed
+pinned for good, or its request waited for it for good: the retried `generate` steps
+forever (the watchdog stops it).
 
-* `OffloadWorker.poll` / `TransferLane.take_finished` pop a finished job from the lane
-  before the report reaches `OffloadSide._held_reports`: an interrupt in between loses
-  the report, the event never completes (its GPU blocks and tier blocks stay pinned).
-* `TransferCompletion.apply` forgets the completed events (`TransferBook.complete`)
-  before it applies them: an interrupt in between drops their effects (pins never
-  released), and `OffloadSide.poll` re-applying the report ignores them as not in flight.
-
-Either way the lost load's GPU blocks (16 of the 19 here) stay pinned for good: the
-retried `generate` can never fit its requests, and as a transfer holds the blocks the
-stall check does not fire, so it steps forever (the watchdog stops it).
+Now the worker keeps its reports until the engine applied them (`acknowledge`), an event
+stays in the book until its effects are applied, and finished loads are kept until
+`poll` returns them: whatever of this an interrupt cuts short, the next poll finishes,
+applying each event once. Covered here: interrupts at those hand-offs, and at every line
+of `TransferCompletion.apply` and `TransferBook.forget` (an interrupt inside one of an
+event's completion steps may still redo or cut short that step: not covered).
 """
 
 from __future__ import annotations
 
+import sys
+from itertools import count
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
@@ -32,27 +35,60 @@ from test_llm_submit_failures import (
 )
 
 from kvtier.engine.llm import LLM
+from kvtier.offload.completion import TransferCompletion
+from kvtier.offload.transfers import TransferBook
 from kvtier.transfer.routes import Direction
 
 MAX_CALLS = 10
+# The turn run by `generate` (aborted when interrupted) or by `step` (its requests live on).
+STEPPED = pytest.mark.parametrize("stepped", [False, True], ids=["generate", "step"])
 
 
-def served_after_an_interrupt(llm: LLM, arm: Any, interrupted: list[bool]) -> None:
+def served_after_an_interrupt(
+    llm: LLM,
+    arm: Any,
+    interrupted: list[bool],
+    expected: list[Any] | None = None,
+    stepped: bool = False,
+) -> None:
     """Run the turn with tier hits until it succeeds, then check the engine drains, frees
-    every GPU block and serves like an engine without offloading."""
+    every GPU block and serves like an engine without offloading (`expected`: its
+    tokens for the last two turns, computed here when None).
+
+    `stepped`: run the turn by `add_request` and `step`, each interrupted step called
+    again (`generate` aborts its requests when interrupted; the steps' requests live on).
+    """
     first, second, third = turns()
+    served = None
     for _ in range(MAX_CALLS):
         arm()
         try:
-            llm.generate(second, PARAMS)
+            served = run_turn(llm, second, stepped)
             break
         except KeyboardInterrupt:
             continue
     assert interrupted == [True], "the interrupt never landed"
     assert_consistent_and_drained(llm, arm)
+    assert llm.offload is not None
+    llm.offload.worker.check_invariants()
     arm()
-    assert generate_all(llm, [third]) == reference([first, second, third])[2:]
+    if expected is None:
+        expected = reference([first, second, third])[1:]
+    assert [served, *generate_all(llm, [third])] == expected
     llm.shutdown()
+
+
+def run_turn(llm: LLM, prompts: list[list[int]], stepped: bool) -> list[Any]:
+    """Return the tokens of `prompts`, run by `generate` or by `step` (see above)."""
+    if not stepped:
+        return [o.output_token_ids for o in llm.generate(prompts, PARAMS)]
+    requests = [llm.add_request(prompt, PARAMS) for prompt in prompts]
+    while llm.scheduler.has_unfinished():
+        try:
+            llm.step()
+        except KeyboardInterrupt:
+            continue
+    return [tuple(r.output_token_ids) for r in requests]
 
 
 def loaded_engine() -> tuple[LLM, Any]:
@@ -63,27 +99,27 @@ def loaded_engine() -> tuple[LLM, Any]:
     return llm, arm
 
 
-@pytest.mark.xfail(strict=True, reason="known: worker.poll loses reports on an interrupt")
-def test_an_interrupt_after_the_load_lane_let_go_of_its_report() -> None:
+@STEPPED
+def test_an_interrupt_after_the_load_lane_let_go_of_its_report(stepped: bool) -> None:
     llm, arm = loaded_engine()
     assert llm.offload is not None
     lane = llm.offload.worker._lanes[Direction.LOAD]
-    take_finished = lane.take_finished
+    finished = lane.finished  # the worker's peek, in the engine's poll
     interrupted: list[bool] = []
 
     def taking() -> Any:
-        done, failed = take_finished()
+        done, failed = finished()
         if (done or failed) and not interrupted:
             interrupted.append(True)
-            raise KeyboardInterrupt("Ctrl-C in OffloadWorker.poll")
+            raise KeyboardInterrupt("Ctrl-C in OffloadWorker.peek")
         return done, failed
 
-    lane.take_finished = taking  # type: ignore[method-assign]
-    served_after_an_interrupt(llm, arm, interrupted)
+    lane.finished = taking  # type: ignore[method-assign]
+    served_after_an_interrupt(llm, arm, interrupted, stepped=stepped)
 
 
-@pytest.mark.xfail(strict=True, reason="known: an interrupted apply drops its effects")
-def test_an_interrupt_after_the_book_completed_a_load() -> None:
+@STEPPED
+def test_an_interrupt_after_the_book_completed_a_load(stepped: bool) -> None:
     llm, arm = loaded_engine()
     assert llm.offload is not None
     book = llm.offload.scheduler._book
@@ -98,4 +134,138 @@ def test_an_interrupt_after_the_book_completed_a_load() -> None:
         return completed
 
     book.complete = completing  # type: ignore[method-assign]
-    served_after_an_interrupt(llm, arm, interrupted)
+    served_after_an_interrupt(llm, arm, interrupted, stepped=stepped)
+
+
+@STEPPED
+def test_an_interrupt_before_the_worker_let_go_of_an_applied_load(stepped: bool) -> None:
+    # The report is applied, then the worker reports it again: ignored (not in flight);
+    # the finished load is returned once, by the next poll.
+    llm, arm = loaded_engine()
+    assert llm.offload is not None
+    worker = llm.offload.worker
+    lane = worker._lanes[Direction.LOAD]
+    acknowledge = worker.acknowledge
+    interrupted: list[bool] = []
+
+    def acknowledging() -> None:
+        if lane.reported_event_ids() and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt("Ctrl-C before OffloadWorker.acknowledge")
+        acknowledge()
+
+    worker.acknowledge = acknowledging  # type: ignore[method-assign]
+    served_after_an_interrupt(llm, arm, interrupted, stepped=stepped)
+
+
+@STEPPED
+@pytest.mark.parametrize("direction", list(Direction))
+def test_an_interrupt_after_one_lane_let_go_of_an_applied_load(
+    direction: Direction, stepped: bool
+) -> None:
+    # The other lane's reports, applied already, are reported again by the next poll.
+    llm, arm = loaded_engine()
+    assert llm.offload is not None
+    lanes = llm.offload.worker._lanes
+    lane = lanes[direction]
+    acknowledge = lane.acknowledge
+    interrupted: list[bool] = []
+
+    def acknowledging() -> None:
+        loaded = lanes[Direction.LOAD].reported_event_ids()
+        acknowledge()
+        if loaded and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt(f"Ctrl-C after the {direction.value} lane's acknowledge")
+
+    lane.acknowledge = acknowledging  # type: ignore[method-assign]
+    served_after_an_interrupt(llm, arm, interrupted, stepped=stepped)
+
+
+@STEPPED
+def test_an_interrupt_after_the_scheduler_applied_a_load(stepped: bool) -> None:
+    # Regression: `apply_report` had taken the finished load from the completion; cut
+    # short before it returned, the load was never returned, and its request (one run
+    # by `step`, which outlives the interrupt) waited for it for good.
+    llm, arm = loaded_engine()
+    assert llm.offload is not None
+    scheduler = llm.offload.scheduler
+    completion, reset = scheduler._completion, scheduler._reset
+    apply, note_report = completion.apply, reset.note_report
+    outcomes: list[Any] = []
+    interrupted: list[bool] = []
+
+    def applying(report: Any) -> Any:
+        outcomes.append(apply(report))
+        return outcomes[-1]
+
+    def noting() -> None:
+        note_report()
+        if outcomes[-1].finished_loads and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt("Ctrl-C before apply_report returned")
+
+    completion.apply = applying  # type: ignore[method-assign]
+    reset.note_report = noting  # type: ignore[method-assign]
+    served_after_an_interrupt(llm, arm, interrupted, stepped=stepped)
+
+
+class LineInterrupt:
+    """A tracer raising KeyboardInterrupt (once) at the `n`th line run in `codes` while
+    `counting`: a Ctrl-C between any two of their lines."""
+
+    def __init__(self, n: int, codes: tuple[CodeType, ...]) -> None:
+        self.n, self.codes = n, codes
+        self.counting = False
+        self.landed: list[bool] = []
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        return self.line if frame.f_code in self.codes else None
+
+    def line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event != "line" or not self.counting or self.landed:
+            return self.line
+        self.n -= 1
+        if self.n == 0:
+            sys.settrace(None)
+            self.landed.append(True)
+            raise KeyboardInterrupt(f"Ctrl-C at {frame.f_code.co_name}:{frame.f_lineno}")
+        return self.line
+
+
+def test_an_interrupt_at_any_line_of_applying_a_completed_load() -> None:
+    codes = (TransferCompletion.apply.__code__, TransferBook.forget.__code__)
+    first, second, third = turns()
+    expected = reference([first, second, third])[1:]
+    for n in count(1):
+        llm, arm = loaded_engine()
+        assert llm.offload is not None
+        scheduler = llm.offload.scheduler
+        book, completion = scheduler._book, scheduler._completion
+        complete, apply = book.complete, completion.apply
+        tracer = LineInterrupt(n, codes)
+
+        def completing(report: Any, complete: Any = complete, tracer: Any = tracer) -> Any:
+            completed = complete(report)
+            tracer.counting = tracer.counting or any(t.loads for t in completed)
+            return completed
+
+        def applying(report: Any, apply: Any = apply, tracer: Any = tracer) -> Any:
+            outcome = apply(report)
+            tracer.counting = False  # the loads are applied
+            return outcome
+
+        book.complete = completing  # type: ignore[method-assign]
+        completion.apply = applying  # type: ignore[method-assign]
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            served_after_an_interrupt(llm, arm, tracer.landed, expected, stepped=True)
+        except AssertionError as exc:
+            if not tracer.landed and "never landed" in str(exc):  # past the last line
+                assert n > 5, f"only {n - 1} lines ran"
+                llm.shutdown()
+                return
+            raise AssertionError(f"interrupted at line {n}: {exc}") from exc
+        finally:
+            sys.settrace(previous)

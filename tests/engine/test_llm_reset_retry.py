@@ -29,9 +29,9 @@ class OnePollLate:
     def __init__(self, worker: Any) -> None:
         self.worker, self.held = worker, WorkerReport()
 
-    def poll(self) -> WorkerReport:
+    def peek(self) -> WorkerReport:
         self.worker.flush()
-        report, self.held = self.held, self.worker.poll()
+        report, self.held = self.held, self.worker.peek()
         return report
 
     def __getattr__(self, name: str) -> Any:

@@ -315,11 +315,11 @@ class InterruptedPollAfterFlush(RefusingThenFailingFlush):
             self.interrupt_poll = True
             raise
 
-    def poll(self) -> Any:
+    def peek(self) -> Any:
         if self.interrupt_poll:
             self.interrupt_poll = False
             raise KeyboardInterrupt("Ctrl-C in poll")
-        return self.worker.poll()
+        return self.worker.peek()
 
 
 def test_an_interrupt_after_the_retried_flush_does_not_strand_the_refused_plan() -> None:

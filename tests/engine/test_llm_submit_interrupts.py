@@ -51,9 +51,9 @@ class InterruptingWorker(RefusingWorker):
         self._count("flush")
         self.worker.flush()
 
-    def poll(self) -> Any:
-        self._count("poll")
-        return self.worker.poll()
+    def peek(self) -> Any:
+        self._count("peek")
+        return self.worker.peek()
 
 
 # Calls after the refusal: 1 is the flush in `submit`'s handler; if that one succeeds,
@@ -157,9 +157,9 @@ class FlushingWorker:
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
-    def poll(self) -> Any:
+    def peek(self) -> Any:
         self.worker.flush()
-        return self.worker.poll()
+        return self.worker.peek()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.worker, name)

@@ -43,8 +43,8 @@ class HeldLoads:
         self.worker.submit(plan)
         self.worker.flush()
 
-    def poll(self) -> WorkerReport:
-        report = self.worker.poll()
+    def peek(self) -> WorkerReport:
+        report = self.worker.peek()
         done = dict(report.done)
         if self.hold:
             for event_id in [e for e in done if e in self.loads]:

@@ -54,7 +54,8 @@ def test_a_disk_store_is_timed_from_the_end_of_the_forward_pass() -> None:
     lane.submit(7, lambda: run_task(task, copiers, [], [], FakeDisk()))  # type: ignore[arg-type]
     threading.Timer(FORWARD_S, marker.done.set).start()
     lane.wait_all()
-    done, failed = lane.take_finished()
+    done, failed = lane.finished()
+    lane.acknowledge()
     lane.close()
     assert list(failed) == []
     assert done[7] < FORWARD_S / 3, f"{done[7]:.3f} s includes the {FORWARD_S} s forward pass"
@@ -78,7 +79,8 @@ def test_a_copy_time_that_cannot_be_read_does_not_stall_the_lane() -> None:
     lane.submit(1, BrokenTiming)  # type: ignore[arg-type]
     lane.submit(2, lambda: None)
     lane.wait_all()
-    done, failed = lane.take_finished()
+    done, failed = lane.finished()
+    lane.acknowledge()
     lane.close()
     assert (list(done), list(failed)) == ([1, 2], [])
     assert done[1] >= 0  # the job's run time stands in

@@ -17,7 +17,15 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from transfer_helpers import block_bytes, fill_random, job, kv_per_layer, make_worker, run_plan
+from transfer_helpers import (
+    block_bytes,
+    fill_random,
+    job,
+    kv_per_layer,
+    make_worker,
+    run_plan,
+    take_finished,
+)
 
 import kvtier.transfer.lanes as lanes_module
 import kvtier.transfer.worker as worker_module
@@ -68,7 +76,7 @@ def interrupt_pool_submit(
 
 def take_all(lane: TransferLane) -> tuple[dict[int, float], dict[int, BaseException]]:
     lane.wait_all()
-    return lane.take_finished()
+    return take_finished(lane)
 
 
 def test_a_job_queued_before_the_interrupt_is_waited_for_and_reported() -> None:

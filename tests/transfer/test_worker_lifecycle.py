@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 import torch
-from transfer_helpers import FaultyIO, fill_random, job, kv_per_layer, make_worker, run_plan
+from transfer_helpers import (
+    FaultyIO,
+    fill_random,
+    job,
+    kv_per_layer,
+    make_worker,
+    run_plan,
+    take_finished,
+)
 
 from kvtier.offload.plan import Tier, TransferPlan
 from kvtier.storage import DiskIOMode
@@ -95,10 +103,10 @@ def test_lane_never_reports_past_an_unfinished_job() -> None:
     lane.submit(3, fail)
     lane.submit(4, last)
     assert ran_last.wait(JOIN_S)  # every job function has returned or raised
-    assert lane.take_finished() == ({}, {})
+    assert take_finished(lane) == ({}, {})
     slow.finished.set()
     lane.wait_all()
-    done, failed = lane.take_finished()
+    done, failed = take_finished(lane)
     assert (list(done), list(failed)) == ([1, 2, 4], [3])
     assert done[1] == 0.004  # device work: its measured device time
     lane.close()
@@ -128,7 +136,7 @@ class FailedWait:
 def test_a_job_whose_device_wait_raised_is_reported_failed_once(
     done_later: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Regression: `wait_all` swallowed the error and `take_finished` asked `is_done`
+    """Regression: `wait_all` swallowed the error and `finished` asked `is_done`
     again: one that stayed False held the lane's head for good (this job and every later
     one never reported: the engine waited forever); one that turned True reported the
     failed copy done."""
@@ -137,9 +145,9 @@ def test_a_job_whose_device_wait_raised_is_reported_failed_once(
     lane.submit(2, lambda: None)
     lane.wait_all()
     with caplog.at_level(logging.WARNING, logger="kvtier.transfer.lanes"):
-        done, failed = lane.take_finished()
+        done, failed = take_finished(lane)
     assert (list(done), list(failed)) == ([2], [1])
-    assert lane.take_finished() == ({}, {})
+    assert take_finished(lane) == ({}, {})
     assert lane.num_pending == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
@@ -154,7 +162,7 @@ def test_a_synchronous_job_reports_the_time_it_ran() -> None:
     lane = TransferLane("test")
     lane.submit(1, lambda: time.sleep(0.05))
     lane.wait_all()
-    done, failed = lane.take_finished()
+    done, failed = take_finished(lane)
     assert list(failed) == []
     assert 0.05 <= done[1] < 5
     lane.close()
@@ -182,7 +190,7 @@ def test_jobs_dropped_by_cancel_queued_are_reported_failed() -> None:
     release.set()
     lane.close()
     assert ran == [1]
-    done, failed = lane.take_finished()
+    done, failed = take_finished(lane)
     assert (list(done), list(failed)) == ([1], [2])
 
 

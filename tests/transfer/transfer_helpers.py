@@ -19,6 +19,7 @@ import torch
 
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
 from kvtier.transfer import OffloadWorker, WorkerConfig
+from kvtier.transfer.lanes import TransferLane
 from kvtier.transfer.regions import RegionSet
 
 
@@ -101,6 +102,14 @@ class FaultyIO:
 
 
 GATE_TIMEOUT_S = 20
+
+
+def take_finished(lane: TransferLane) -> tuple[dict[int, float], dict[int, BaseException]]:
+    """Return the lane's finished jobs (done: copy seconds; failed: error) and let go of
+    them, as `OffloadWorker.poll` does."""
+    finished = lane.finished()
+    lane.acknowledge()
+    return finished
 
 
 def make_worker(

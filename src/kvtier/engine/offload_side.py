@@ -16,7 +16,7 @@ from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.offload.protocols import ScheduledRequest, StepInput
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.stats import OffloadStats
-from kvtier.offload.transfers import ReportOutcome
+from kvtier.offload.transfers import FailedLoad, ReportOutcome
 from kvtier.transfer.regions import TensorLayout
 from kvtier.transfer.worker import OffloadWorker, WorkerConfig, WorkerState
 
@@ -101,6 +101,8 @@ class OffloadSide:
         self._unconfirmed: set[int] = set()
         # Reports made up for plans the worker never took, applied by the next `poll`.
         self._held_reports: list[WorkerReport] = []
+        # Outcomes of applied reports that `poll` has not returned yet (an interrupt).
+        self._outcomes: list[ReportOutcome] = []
 
     def prepare(self, step: SchedulerStep) -> None:
         """Build this step's plan; flush the worker first if a request was preempted (or
@@ -179,24 +181,26 @@ class OffloadSide:
         """After a successful flush: fail the unconfirmed events the worker never started
         (a flushed worker reports, at its next poll, all it started).
 
-        The debt is cleared only once they are held, so an interrupt at worst holds some
-        twice, which `TransferBook.complete` takes as failed or ignores, never as done."""
+        The worker keeps what it reported until `poll` applied it (`acknowledge`), so
+        only the failures are held here. The debt is cleared only once they are held, so
+        an interrupt at worst holds some twice, which `TransferBook.complete` takes as
+        failed or ignores, never as done."""
         if not self._unconfirmed:
             return
-        self._hold_failures(self.worker.poll(), self._unconfirmed)
+        self._hold_failures(self.worker.peek(), self._unconfirmed)
         self._unconfirmed.clear()
 
     def _fail_unsubmitted(self, plan: TransferPlan, started: WorkerReport) -> None:
-        """Hold `started` and a failure of each event of `plan` it lacks, for `poll`."""
+        """Hold a failure of each event of `plan` that `started` lacks, for `poll`."""
         self.scheduler.dropped_slots.add(plan.forget_slots)  # the next plan drops them
         self._hold_failures(started, [job.event_id for job in plan.jobs])
 
     def _hold_failures(self, started: WorkerReport, event_ids: Iterable[int]) -> None:
-        """Hold `started` and a failure of each of `event_ids` it lacks, for `poll`."""
+        """Hold a failure of each of `event_ids` that `started` lacks, for `poll`."""
         reported = {*started.done, *started.failed}
         # One count per event: this engine runs one worker.
         failed = {event_id: 1 for event_id in event_ids if event_id not in reported}
-        self._held_reports += [started, WorkerReport(failed=failed)]
+        self._held_reports.append(WorkerReport(failed=failed))
 
     def finish_step(self, finished: Sequence[Request]) -> None:
         """Remember which requests finished, for the next step's hand-off filtering."""
@@ -205,23 +209,28 @@ class OffloadSide:
     def poll(self) -> ReportOutcome:
         """Apply whatever the worker finished; return loads finished or failed.
 
-        The reports stay held until applied, so an interrupt on the way leaves them to
-        the next poll (one applied already is then ignored: `TransferBook.complete`).
+        The worker keeps its reports (`OffloadWorker.peek`), and this side its held
+        failures and the outcome, until they are applied or returned: an interrupt on
+        the way leaves them all to the next poll, which applies each event once
+        (`TransferCompletion.apply` finishes an apply cut short; events applied already
+        are ignored: `TransferBook.complete`) and returns the outcome with its own.
 
         Disk copies the report made the scheduler drop lose their manifest records at
         once (`_forget_dropped`), not with the next plan: an engine left idle, then
         killed, would leave them for a restart to restore.
         """
-        self._held_reports.append(self.worker.poll())
-        report = WorkerReport.merge(self._held_reports)
+        report = WorkerReport.merge([*self._held_reports, self.worker.peek()])
         if self._unconfirmed:
             self._unconfirmed.difference_update(report.done, report.failed)
-        outcome = self.scheduler.apply_report(report)
+        self._outcomes.append(self.scheduler.apply_report(report))
+        self.worker.acknowledge()
         self._held_reports = []
-        self.totals.num_reported_events += len(report.done) + len(report.failed)
+        self.totals.num_reported_events += _num_events(report)
         self._account(self.scheduler.take_stats())
-        self._forget_dropped()
-        return outcome
+        self._forget_dropped()  # raising, it leaves the outcome to the next poll
+        if len(self._outcomes) > 1:  # polls an interrupt cut short did not return theirs
+            self._outcomes[:] = [_joined(self._outcomes)]
+        return self._outcomes.pop()  # one step: an interrupt before returns it next time
 
     def _forget_dropped(self) -> None:
         """Hand the worker the dropped disk slots no plan carried yet (`DiskTier.forget`).
@@ -314,3 +323,24 @@ def _worker_config(config: OffloadConfig, sizes: dict[Tier, int], fingerprint: s
         disk_persist=config.disk_persist,
         disk_fingerprint=fingerprint if config.disk_persist else "",
     )
+
+
+def _num_events(report: WorkerReport) -> int:
+    """Return how many events `report` names (one both done and failed counts once)."""
+    num_events = len(report.done) + len(report.failed)
+    if report.done and report.failed:
+        num_events -= len(report.done.keys() & report.failed.keys())
+    return num_events
+
+
+def _joined(outcomes: Iterable[ReportOutcome]) -> ReportOutcome:
+    """Return one outcome with the finished and failed loads of `outcomes` (in order)
+    and their suspect GPU blocks."""
+    finished: list[str] = []
+    failed: list[FailedLoad] = []
+    suspects: dict[str, tuple[int, ...]] = {}
+    for outcome in outcomes:
+        finished += outcome.finished_loads
+        failed += outcome.failed_loads
+        suspects.update(outcome.suspect_gpu_blocks)
+    return ReportOutcome(tuple(finished), tuple(failed), suspects)

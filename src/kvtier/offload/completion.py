@@ -28,7 +28,18 @@ from kvtier.offload.registration import Registrar
 from kvtier.offload.stats import StepCounters
 from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
-from kvtier.offload.transfers import IssuedTransfer, ReportOutcome, TransferBook
+from kvtier.offload.transfers import (
+    FailedLoad,
+    IssuedTransfer,
+    LoadItem,
+    LoadProgress,
+    ReportOutcome,
+    TransferBook,
+)
+
+_NOTHING = ReportOutcome()
+# A load part's completion steps: free its tier blocks, free its GPU blocks, settle, note.
+_LOAD_STEPS = 4
 
 
 class TransferCompletion:
@@ -63,63 +74,121 @@ class TransferCompletion:
         self.num_promoted = 0
         self._hit_tokens = hit_tokens
         self._dropped = dropped  # disk copies dropped: their manifest records go too
+        # Loads finished or failed by the steps applied, until `outcome_taken`.
+        self._finished: list[str] = []
+        self._failed: list[FailedLoad] = []
+        self._suspects: dict[str, tuple[int, ...]] = {}  # of the failed loads
 
     def apply(self, report: WorkerReport) -> ReportOutcome:
-        """Apply worker completions: register stored keys, release pins, finish loads."""
-        finished: list[str] = []
-        failed = self._book.take_unissued_failures()
-        suspects: dict[str, tuple[int, ...]] = {}
-        self._counters.num_failed_loads += len(failed)
+        """Apply worker completions: register stored keys, release pins, finish loads.
+
+        Returns the loads finished or failed since the last `outcome_taken`: a call cut
+        short (KeyboardInterrupt) leaves them to the next. Safe to cut short and apply
+        again: each complete event stays in the book until all its steps are applied,
+        and the next call goes on from the step it reached (`_apply_steps`). One while
+        `TransferBook.complete` adds up the report's counts makes the events it counted
+        complete as failed on the next call (counted twice).
+        """
+        if self._book.has_unissued_failures():
+            num_failed = len(self._failed)
+            self._failed += self._book.take_unissued_failures()  # one line: none lost
+            self._counters.num_failed_loads += len(self._failed) - num_failed
         for transfer in self._book.complete(report):
             selector = self.selector
             assert selector is not None, "no GPU pool bound"
+            self._apply_steps(transfer, selector)
+            self._book.forget(transfer)
+        if not self._finished and not self._failed:
+            return _NOTHING
+        return ReportOutcome(tuple(self._finished), tuple(self._failed), dict(self._suspects))
+
+    def outcome_taken(self) -> None:
+        """Forget the loads `apply` returned: the caller acted on them."""
+        if self._finished or self._failed:
+            self._finished, self._failed, self._suspects = [], [], {}
+
+    def _apply_steps(self, transfer: IssuedTransfer, selector: StoreSelector) -> None:
+        """Apply the steps of `transfer` from `IssuedTransfer.num_applied` on.
+
+        A step that releases pins (a load's tier blocks, its GPU blocks, the stores, the
+        moves) is counted before it runs: an interrupt inside it leaves some pinned for
+        good (a leak), where running it again would release pins twice (a pool error,
+        or another holder's block freed under it: wrong KV). A load's count of pending
+        parts is taken down in the statement that counts its step (never twice, never
+        skipped), and the finished or failed load is noted once (`_note_done`).
+        """
+        loads = transfer.loads
+        if transfer.num_applied == 0:
             num_copied = transfer.num_copied_blocks()
             if num_copied:  # a partly failed load counts the blocks it copied whole
                 self._counters.count_transfer(transfer.transfer_type, num_copied, transfer.seconds)
-            for load in transfer.loads:
-                pool = self._index.pools[load.tier]
+            transfer.num_applied = 1
+        while (step := transfer.num_applied - 1) < _LOAD_STEPS * len(loads):
+            load, part = loads[step // _LOAD_STEPS], step % _LOAD_STEPS
+            if part == 0:
+                transfer.num_applied += 1
                 # Tail first (SPEC §4), so a prefix's tail is evicted before its root.
-                pool.free(load.tier_block_ids[::-1])
+                self._index.pools[load.tier].free(load.tier_block_ids[::-1])
+            elif part == 1:
+                transfer.num_applied += 1
                 selector.gpu_pool.free(load.gpu_block_ids[::-1])
-                progress = load.progress
-                progress.num_pending -= 1
-                # A failed event whose workers named its bad blocks copied every other
-                # block whole: only the loads reading a bad one fail.
-                suspect = transfer.suspect(load.tier_block_ids)
-                if not suspect:
-                    self._counters.num_loaded_blocks += len(load.tier_block_ids)
-                    if self._cascade is not None and load.tier is Tier.CPU:
-                        self._cascade.after_cpu_loads(load.tier_block_ids)
-                else:
-                    progress.failed = True
-                    bad = set(suspect)
-                    progress.suspect_gpu_blocks += [
-                        gpu
-                        for tier_block, gpu in zip(
-                            load.tier_block_ids, load.gpu_block_ids, strict=True
-                        )
-                        if tier_block in bad
-                    ]
-                    for block_id in suspect:  # never serve a suspect copy again
-                        if self._cascade is not None and load.tier is Tier.CPU:
-                            self._cascade.before_cpu_discard(block_id)
-                        pool.discard_keys(block_id)
-                    if load.tier is Tier.DISK and self._dropped is not None:
-                        self._dropped.add(suspect)  # nor after a restart
-                if progress.num_pending == 0:
-                    if progress.failed:
-                        failed.append(progress.failure())
-                        suspects[progress.request_id] = tuple(progress.suspect_gpu_blocks)
-                        self._counters.num_failed_loads += 1
-                    else:
-                        finished.append(progress.request_id)
-                        self._hit_tokens.update(progress.tier_tokens)
+            elif part == 2:
+                self._settle_load(transfer, load)
+            else:
+                self._note_done(load.progress)
+                transfer.num_applied += 1
+        stores_step = 1 + _LOAD_STEPS * len(loads)
+        if transfer.num_applied == stores_step:
+            transfer.num_applied += 1
             if transfer.stores:
                 self._complete_stores(transfer, selector)
+        if transfer.num_applied == stores_step + 1:
+            transfer.num_applied += 1
             if transfer.moves:
                 assert self._cascade is not None
                 self._cascade.complete(transfer.moves, transfer.succeeded, transfer.abandoned)
-        return ReportOutcome(tuple(finished), tuple(failed), suspects)
+
+    def _settle_load(self, transfer: IssuedTransfer, load: LoadItem) -> None:
+        """Count a load part's blocks, or discard its suspect ones; take it off its
+        request's pending parts in the statement that counts the step."""
+        progress = load.progress
+        # A failed event whose workers named its bad blocks copied every other block
+        # whole: only the loads reading a bad one fail.
+        suspect = transfer.suspect(load.tier_block_ids)
+        if not suspect:
+            self._counters.num_loaded_blocks += len(load.tier_block_ids)
+            if self._cascade is not None and load.tier is Tier.CPU:
+                self._cascade.after_cpu_loads(load.tier_block_ids)
+        else:
+            progress.failed = True
+            bad = set(suspect)
+            gpu_blocks = zip(load.tier_block_ids, load.gpu_block_ids, strict=True)
+            progress.suspect_gpu_blocks += [gpu for tier, gpu in gpu_blocks if tier in bad]
+            pool = self._index.pools[load.tier]
+            for block_id in suspect:  # never serve a suspect copy again
+                if self._cascade is not None and load.tier is Tier.CPU:
+                    self._cascade.before_cpu_discard(block_id)
+                pool.discard_keys(block_id)
+            if load.tier is Tier.DISK and self._dropped is not None:
+                self._dropped.add(suspect)  # nor after a restart
+        # One statement: an interrupt lands before it (redone) or after it (done).
+        pending, applied = progress.num_pending - 1, transfer.num_applied + 1
+        progress.num_pending, transfer.num_applied = pending, applied
+
+    def _note_done(self, progress: LoadProgress) -> None:
+        """Note the request's load finished or failed once its last part settled; a
+        call that repeats it (an interrupt in between) notes nothing more."""
+        if progress.num_pending != 0:
+            return
+        if progress.failed:
+            failure = progress.failure()
+            if failure not in self._failed:
+                self._failed.append(failure)
+                self._suspects[progress.request_id] = tuple(progress.suspect_gpu_blocks)
+                self._counters.num_failed_loads += 1
+        elif progress.request_id not in self._finished:
+            self._finished.append(progress.request_id)
+            self._hit_tokens.update(progress.tier_tokens)
 
     def _complete_stores(self, transfer: IssuedTransfer, selector: StoreSelector) -> None:
         if not transfer.succeeded or transfer.abandoned:

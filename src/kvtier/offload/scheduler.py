@@ -285,10 +285,13 @@ class OffloadScheduler:
 
         A request whose load failed is offered no hit until the engine allocates it
         again: it recomputes (SPEC §6.8), even where another copy of its blocks exists.
+        A call cut short (KeyboardInterrupt) may be repeated with the same report: the
+        next call applies what it left and returns the loads it did not return.
         """
         outcome = self._completion.apply(report)
         self.loads.note_failed(failed.request_id for failed in outcome.failed_loads)
         self._reset.note_report()
+        self._completion.outcome_taken()  # last: a call cut short returns it again
         return outcome
 
     def has_unissued_failures(self) -> bool:

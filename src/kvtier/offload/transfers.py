@@ -85,6 +85,10 @@ class IssuedTransfer:
     num_failed: int = 0
     abandoned: bool = False
     seconds: float = 0.0  # the slowest worker's copy time so far
+    # Completion steps applied (`TransferCompletion`): one applied is never redone.
+    num_applied: int = 0
+    # Taken off the book's aggregates (`TransferBook._forget`), still in `_issued`.
+    forgotten: bool = False
     # The source blocks failing workers found bad, while every failure named its own
     # (`WorkerReport.bad_blocks`); None once one did not: every block is suspect.
     bad_blocks: set[int] | None = field(default_factory=set)
@@ -142,6 +146,9 @@ class TransferBook:
     def __init__(self, num_workers: int) -> None:
         self.num_workers = num_workers
         self._issued: dict[int, IssuedTransfer] = {}
+        # Issued events complete (every worker reported them) whose effects are not all
+        # applied yet: `complete` returns them until `forget` (see there).
+        self._completed: dict[int, IssuedTransfer] = {}
         self._last_event_id = 0
         self._unissued_failures: list[FailedLoad] = []
         # Kept as transfers are issued and completed, so a step never scans `_issued`.
@@ -181,7 +188,10 @@ class TransferBook:
         return failures
 
     def complete(self, report: WorkerReport) -> list[IssuedTransfer]:
-        """Add a report's worker counts; return the events that are now complete.
+        """Add a report's worker counts; return the events that are complete: those
+        completed by an earlier call and not yet forgotten (an apply an interrupt cut
+        short), then those this report completes. A complete event stays in flight, and
+        is not counted again, until the caller applied it and called `forget`.
 
         A count that is not an int >= 0 refuses the whole report (ValueError, nothing
         applied). Event ids not in flight (reported before, or never issued) are ignored
@@ -192,12 +202,15 @@ class TransferBook:
         _check_counts(report)
         touched: list[IssuedTransfer] = []
         unknown: list[int] = []
+        completed = self._completed
         for counts, failed in ((report.done, False), (report.failed, True)):
             for event_id, count in counts.items():
                 transfer = self._issued.get(event_id)
                 if transfer is None:
                     unknown.append(event_id)
                     continue
+                if event_id in completed:
+                    continue  # counted by a call whose apply an interrupt cut short
                 if failed:
                     transfer.num_failed += count
                     if count:
@@ -211,13 +224,10 @@ class TransferBook:
                     seconds = _copy_seconds(report, event_id)
                     transfer.seconds = max(transfer.seconds, seconds)
                 touched.append(transfer)
-        if unknown:
-            logger.warning("worker report names events not in flight, ignored: %s", unknown)
-        completed = []
         for transfer in touched:
             event_id = transfer.job.event_id
             num_reported = transfer.num_done + transfer.num_failed
-            if event_id in self._issued and num_reported >= self.num_workers:
+            if event_id not in completed and num_reported >= self.num_workers:
                 if num_reported > self.num_workers:
                     logger.warning(
                         "event %d reported by %d workers of %d: taken as failed",
@@ -227,16 +237,34 @@ class TransferBook:
                     )
                     transfer.num_failed = max(transfer.num_failed, 1)
                     transfer.bad_blocks = None
-                completed.append(self._forget(event_id))
-        return completed
+                completed[event_id] = transfer
+        if unknown:  # after the counts are settled: an interrupt here re-counts none
+            logger.warning("worker report names events not in flight, ignored: %s", unknown)
+        return list(completed.values()) if completed else []
 
-    def _forget(self, event_id: int) -> IssuedTransfer:
-        transfer = self._issued.pop(event_id)
+    def forget(self, transfer: IssuedTransfer) -> None:
+        """Drop a complete event whose effects the caller applied (see `complete`)."""
+        event_id = transfer.job.event_id
+        if event_id in self._issued:
+            self._forget(event_id)
+        self._completed.pop(event_id, None)  # last: until then `complete` returns it
+
+    def _forget(self, event_id: int) -> None:
+        """Drop an event and its share of the aggregates; safe to cut short and redo:
+        the share is taken off once (`IssuedTransfer.forgotten`, set in the same
+        statement), and the event leaves `_issued` last (until then `forget` redoes)."""
+        transfer = self._issued[event_id]
+        if not transfer.forgotten:
+            has_stores = transfer.stores or transfer.moves
+            num_events = self._num_store_events - 1 if has_stores else self._num_store_events
+            num_blocks = self.num_store_blocks - len(transfer.stores)
+            transfer.forgotten, self._num_store_events, self.num_store_blocks = (
+                True,
+                num_events,
+                num_blocks,
+            )
         self._load_request_ids.pop(event_id, None)
-        if transfer.stores or transfer.moves:
-            self._num_store_events -= 1
-            self.num_store_blocks -= len(transfer.stores)
-        return transfer
+        del self._issued[event_id]
 
     def abandon_stores(self) -> None:
         """Mark every issued store and demotion abandoned: it will never become visible."""
@@ -251,13 +279,16 @@ class TransferBook:
     def check_invariants(self) -> None:
         """Raise AssertionError when the running aggregates disagree with the issued events."""
         issued = self._issued
+        assert all(issued.get(e) is t for e, t in self._completed.items()), "completed events"
+        # A `forgotten` event is one a `_forget` cut short left in `_issued` (see there).
         loads = {
             event_id: tuple(item.request_id for item in transfer.loads)
             for event_id, transfer in issued.items()
-            if transfer.loads
+            if transfer.loads and not transfer.forgotten
         }
-        assert self._load_request_ids == loads, "outstanding load events"
-        with_stores = [t for t in issued.values() if t.stores or t.moves]
+        kept = {e: r for e, r in self._load_request_ids.items() if not issued[e].forgotten}
+        assert kept == loads, "outstanding load events"
+        with_stores = [t for t in issued.values() if (t.stores or t.moves) and not t.forgotten]
         assert self._num_store_events == len(with_stores), "store events in flight"
         assert self.num_store_blocks == sum(len(t.stores) for t in with_stores), "store blocks"
 

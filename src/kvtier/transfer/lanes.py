@@ -1,10 +1,14 @@
 """A transfer lane: the jobs of one direction, run in order on one background thread.
 
 `submit` returns at once. A job is finished when its function returned (or raised) and
-the device work it queued, if any, completed. `take_finished` reports finished jobs in
+the device work it queued, if any, completed. `finished` reports finished jobs in
 submission order and stops at the first unfinished one, so reports are FIFO per lane,
 with each done job's copy time: the device time its completion measured, else the
 time its function ran on the lane's thread (synchronous copies and disk I/O).
+
+A reported job stays in the lane, and in every later `finished`, until `acknowledge`:
+the caller acknowledges once it stored (or applied) the report, so a report taken by a
+call that an interrupt (KeyboardInterrupt) cut short is reported again, never lost.
 A job that raises is reported failed and logged; the thread lives on. `copy_threads`
 bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`).
 
@@ -57,6 +61,10 @@ class _Pending:
     event_id: int
     future: Future[_Ran]
     device_error: Exception | None = None
+    # Set by `finished` (`error` or `seconds`, then `reported`): reported the same again.
+    reported: bool = False
+    seconds: float = 0.0
+    error: BaseException | None = None
 
 
 def _run(future: Future[_Ran], job: JobFn) -> None:
@@ -132,12 +140,16 @@ class TransferLane:
 
     @property
     def num_pending(self) -> int:
-        """Return the number of jobs submitted and not yet reported."""
+        """Return the number of jobs submitted and not yet acknowledged."""
         return len(self._pending)
 
     def pending_event_ids(self) -> list[int]:
-        """Return the event ids submitted and not yet reported, oldest first."""
+        """Return the event ids submitted and not yet acknowledged, oldest first."""
         return [p.event_id for p in self._pending]
+
+    def reported_event_ids(self) -> list[int]:
+        """Return the event ids `finished` reported and not yet acknowledged, oldest first."""
+        return [p.event_id for p in self._pending if p.reported]
 
     def submit(self, event_id: int, job: JobFn) -> None:
         """Queue `job` behind the lane's earlier jobs; return at once."""
@@ -152,29 +164,45 @@ class TransferLane:
             _cancel(pending.future)  # no-op once the job runs: it is then waited for
             raise
 
-    def take_finished(self) -> tuple[dict[int, float], dict[int, BaseException]]:
-        """Return the finished jobs at the head: done event ids with their copy time in
-        seconds, and failed event ids with their error; never blocks."""
+    def finished(self) -> tuple[dict[int, float], dict[int, BaseException]]:
+        """Return the finished jobs at the head not yet acknowledged: done event ids with
+        their copy time in seconds, and failed event ids with their error; never blocks.
+
+        Jobs an earlier call reported are reported again, the same way, until
+        `acknowledge`.
+        """
         done: dict[int, float] = {}
         failed: dict[int, BaseException] = {}
-        while self._pending:
-            head = self._pending[0]
-            if not head.future.done():
-                break
-            outcome = _outcome(self.name, head)
-            if outcome is None:
-                break
-            if outcome is True:
-                done[head.event_id] = _seconds(head.future.result())
+        for head in self._pending:
+            if not head.reported:
+                if not head.future.done():
+                    break
+                outcome = _outcome(self.name, head)
+                if outcome is None:
+                    break
+                if outcome is True:
+                    head.seconds = _seconds(head.future.result())
+                else:
+                    head.error = outcome
+                head.reported = True  # last: an interrupt before it redoes the above
+            if head.error is None:
+                done[head.event_id] = head.seconds
             else:
-                failed[head.event_id] = outcome
-            self._pending.popleft()
+                failed[head.event_id] = head.error
         return done, failed
+
+    def acknowledge(self) -> None:
+        """Forget the jobs `finished` reported: the caller holds their reports now.
+
+        Each is dropped in one step, so one that an interrupt leaves is reported again."""
+        pending = self._pending
+        while pending and pending[0].reported:
+            pending.popleft()
 
     def wait_all(self) -> None:
         """Block until every submitted job finished, device work included.
 
-        Failures are not raised here; `take_finished` reports them, a job whose device
+        Failures are not raised here; `finished` reports them, a job whose device
         work's `wait` raised included (see `_Pending.device_error`).
         """
         for pending in self._pending:
@@ -187,13 +215,13 @@ class TransferLane:
                 if completion is not None and pending.device_error is None:
                     try:
                         completion.wait()
-                    except Exception as exc:  # reported (and logged) by take_finished
+                    except Exception as exc:  # reported (and logged) by finished
                         pending.device_error = exc
 
     def close(self) -> None:
         """Finish queued jobs and stop the thread; idempotent, and a call interrupted while
         waiting (KeyboardInterrupt) is finished by the next one. Unreported jobs stay
-        available to `take_finished`."""
+        available to `finished`."""
         self._closed = True
         self._executor.shutdown(wait=True)
 
@@ -223,7 +251,9 @@ def _outcome(lane: str, pending: _Pending) -> BaseException | Literal[True] | No
                 return None
             return True
         except Exception as exc:
-            error = exc
+            # Kept at once: asked again (a report an interrupt cut short), the device
+            # may answer done, and the copy that failed would come back done.
+            pending.device_error = error = exc
     logger.warning("lane %s: transfer event %d failed: %s", lane, pending.event_id, error)
     return error
 

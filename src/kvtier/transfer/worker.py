@@ -311,13 +311,21 @@ class OffloadWorker:
         return size
 
     def poll(self) -> WorkerReport:
-        """Return the events finished since the last poll (FIFO per lane); never blocks."""
+        """Return the events finished since the last poll (FIFO per lane); never blocks.
+        A caller an interrupt must not cost a report calls `peek`, then `acknowledge`."""
+        report = self.peek()
+        self.acknowledge()
+        return report
+
+    def peek(self) -> WorkerReport:
+        """Return the events finished and not yet acknowledged (FIFO per lane), those an
+        earlier `peek` returned included; never blocks."""
         done: dict[int, int] = {}
         failed: dict[int, int] = {}
         seconds: dict[int, float] = {}
         bad_blocks: dict[int, frozenset[int]] = {}
         for lane in self._lanes.values():
-            lane_done, lane_failed = lane.take_finished()
+            lane_done, lane_failed = lane.finished()
             done.update(dict.fromkeys(lane_done, 1))
             seconds.update(lane_done)
             failed.update(dict.fromkeys(lane_failed, 1))
@@ -330,6 +338,12 @@ class OffloadWorker:
                         seconds[event_id] = error.seconds
         self._in_flight.difference_update(done, failed)
         return WorkerReport(done=done, failed=failed, seconds=seconds, bad_blocks=bad_blocks)
+
+    def acknowledge(self) -> None:
+        """Forget the events `peek` returned, whose reports the caller holds or applied
+        (an acknowledge cut short by an interrupt leaves some to be reported again)."""
+        for lane in self._lanes.values():
+            lane.acknowledge()
 
     def flush(self) -> None:
         """Block until every submitted transfer finished (done or failed)."""
@@ -387,7 +401,8 @@ class OffloadWorker:
         """Raise AssertionError if the worker's bookkeeping or tiers are inconsistent."""
         pending = [e for lane in self._lanes.values() for e in lane.pending_event_ids()]
         assert len(pending) == len(set(pending)), f"an event is pending twice: {pending}"
-        assert set(pending) == self._in_flight, "in-flight events disagree with the lanes"
+        reported = [e for lane in self._lanes.values() for e in lane.reported_event_ids()]
+        assert set(pending).difference(reported) == self._in_flight, "in-flight vs lanes"
         host = self._held.host
         if self.state is WorkerState.CREATED:
             assert self._regions is None, "regions before register()"
