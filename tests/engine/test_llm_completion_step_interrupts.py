@@ -15,13 +15,14 @@ taken off again ("outstanding load events"; a store event's count kept `drain` w
 
 from __future__ import annotations
 
-import sys
-from itertools import count
 from typing import Any
 
 import pytest
-from test_llm_poll_interrupts import LineInterrupt, loaded_engine, served_after_an_interrupt
-from test_llm_submit_failures import reference, turns
+from test_llm_poll_interrupts import (
+    interrupted_at_every_line,
+    loaded_engine,
+    served_after_an_interrupt,
+)
 
 from kvtier.offload.plan import Tier
 from kvtier.offload.transfers import TransferBook
@@ -60,38 +61,4 @@ def test_an_interrupt_right_after_a_load_released_its_pins(pins: str, stepped: b
 
 
 def test_an_interrupt_at_any_line_of_dropping_an_applied_event() -> None:
-    codes = (TransferBook._forget.__code__,)
-    first, second, third = turns()
-    expected = reference([first, second, third])[1:]
-    for n in count(1):
-        llm, arm = loaded_engine()
-        assert llm.offload is not None
-        scheduler = llm.offload.scheduler
-        book, completion = scheduler._book, scheduler._completion
-        complete, apply = book.complete, completion.apply
-        tracer = LineInterrupt(n, codes)
-
-        def completing(report: Any, complete: Any = complete, tracer: Any = tracer) -> Any:
-            completed = complete(report)
-            tracer.counting = tracer.counting or any(t.loads for t in completed)
-            return completed
-
-        def applying(report: Any, apply: Any = apply, tracer: Any = tracer) -> Any:
-            outcome = apply(report)
-            tracer.counting = False  # the loads are applied
-            return outcome
-
-        book.complete = completing  # type: ignore[method-assign]
-        completion.apply = applying  # type: ignore[method-assign]
-        previous = sys.gettrace()
-        sys.settrace(tracer)
-        try:
-            served_after_an_interrupt(llm, arm, tracer.landed, expected, stepped=True)
-        except AssertionError as exc:
-            if not tracer.landed and "never landed" in str(exc):  # past the last line
-                assert n > 3, f"only {n - 1} lines ran"
-                llm.shutdown()
-                return
-            raise AssertionError(f"interrupted at line {n}: {exc}") from exc
-        finally:
-            sys.settrace(previous)
+    interrupted_at_every_line((TransferBook._forget.__code__,), fewest_lines=3)

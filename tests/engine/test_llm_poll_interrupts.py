@@ -233,8 +233,11 @@ class LineInterrupt:
         return self.line
 
 
-def test_an_interrupt_at_any_line_of_applying_a_completed_load() -> None:
-    codes = (TransferCompletion.apply.__code__, TransferBook.forget.__code__)
+def interrupted_at_every_line(codes: tuple[CodeType, ...], fewest_lines: int) -> None:
+    """Serve the turn with a Ctrl-C at the 1st, 2nd, ... line run in `codes` while the
+    engine applies a completed load (counted from `TransferBook.complete` returning a
+    load to `TransferCompletion.apply` returning), until past their last line; more than
+    `fewest_lines` lines must have run."""
     first, second, third = turns()
     expected = reference([first, second, third])[1:]
     for n in count(1):
@@ -263,9 +266,14 @@ def test_an_interrupt_at_any_line_of_applying_a_completed_load() -> None:
             served_after_an_interrupt(llm, arm, tracer.landed, expected, stepped=True)
         except AssertionError as exc:
             if not tracer.landed and "never landed" in str(exc):  # past the last line
-                assert n > 5, f"only {n - 1} lines ran"
+                assert n > fewest_lines, f"only {n - 1} lines ran"
                 llm.shutdown()
                 return
             raise AssertionError(f"interrupted at line {n}: {exc}") from exc
         finally:
             sys.settrace(previous)
+
+
+def test_an_interrupt_at_any_line_of_applying_a_completed_load() -> None:
+    codes = (TransferCompletion.apply.__code__, TransferBook.forget.__code__)
+    interrupted_at_every_line(codes, fewest_lines=5)
