@@ -15,34 +15,22 @@ from pathlib import Path
 from test_llm_persist_dropped import (
     ENGINE,
     MODEL,
-    PARAMS,
-    PROMPT,
     Faults,
     disk_copies,
-    evict_gpu,
+    held_on_the_tiers_only,
     persistent,
+    step_until_its_disk_load_failed,
 )
 
 from kvtier.engine.llm import LLM
-from kvtier.offload.plan import Tier
 
 
 def test_a_kill_right_after_a_failed_disk_load_leaves_no_record_of_it(tmp_path: Path) -> None:
     live, killed = tmp_path / "live", tmp_path / "killed"
     live.mkdir()
     with LLM(MODEL, kv_offload=persistent(live, cascade=False), engine=ENGINE) as llm:
-        assert llm.offload is not None
-        faults = llm.offload.worker = Faults(llm.offload.worker)  # type: ignore[assignment]
-        llm.generate([PROMPT], PARAMS)
-        llm.drain()
-        evict_gpu(llm)
-        faults.fail = lambda job: job.src_tier is Tier.DISK
-        llm.add_request(PROMPT, PARAMS)
-        for _ in range(10):  # until the step whose report fails the load
-            if faults.failed_once:
-                break
-            llm.step()
-        assert faults.failed_once
+        faults = held_on_the_tiers_only(llm, Faults)
+        step_until_its_disk_load_failed(llm, faults)
         assert not disk_copies(llm)  # the scheduler dropped them
         shutil.copytree(live, killed)  # what a kill now leaves
     with LLM(MODEL, kv_offload=persistent(killed, cascade=False), engine=ENGINE) as llm:

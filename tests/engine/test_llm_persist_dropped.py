@@ -9,10 +9,11 @@ them (for a demotion of a suspect CPU copy: possibly wrong KV).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -99,6 +100,36 @@ def evict_gpu(llm: LLM) -> None:
             pool.evict_keys(block_id)
 
 
+F = TypeVar("F", bound=Faults)
+
+
+def held_on_the_tiers_only(llm: LLM, wrap: Callable[[Any], F]) -> F:
+    """Wrap the engine's worker in `wrap(worker)`, serve PROMPT, wait for its stores and
+    evict it from the GPU (its next request loads it from the tiers); return the wrapper."""
+    assert llm.offload is not None
+    faults = wrap(llm.offload.worker)
+    llm.offload.worker = faults  # type: ignore[assignment]
+    llm.generate([PROMPT], PARAMS)
+    llm.drain()
+    evict_gpu(llm)
+    return faults
+
+
+def step_until_its_disk_load_failed(
+    llm: LLM, faults: Faults, *suppressed: type[BaseException]
+) -> None:
+    """Request PROMPT with its loads from disk failing, and step until the report that
+    failed them (10 steps at most; `suppressed` errors of a step ignored)."""
+    faults.fail = lambda job: job.src_tier is Tier.DISK
+    llm.add_request(PROMPT, PARAMS)
+    for _ in range(10):
+        if faults.failed_once:
+            break
+        with contextlib.suppress(*suppressed):
+            llm.step()
+    assert faults.failed_once
+
+
 def disk_copies(llm: LLM) -> set[tuple[int, Key]]:
     """Return the (disk slot, primary key) pairs the offload scheduler holds."""
     assert llm.offload is not None
@@ -130,11 +161,7 @@ def test_a_disk_copy_a_failed_load_dropped_is_not_restored(tmp_path: Path) -> No
     """Disk-only: the prompt's disk copies fail their load (an I/O error: all suspect),
     and the disk fails from then on (no copy is stored again)."""
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as llm:
-        assert llm.offload is not None
-        faults = llm.offload.worker = Faults(llm.offload.worker)  # type: ignore[assignment]
-        llm.generate([PROMPT], PARAMS)
-        llm.drain()
-        evict_gpu(llm)
+        faults = held_on_the_tiers_only(llm, Faults)
         faults.fail = is_disk_job
         (output,) = llm.generate([PROMPT], PARAMS)
         assert faults.failed_once
@@ -148,19 +175,10 @@ def test_a_failed_disk_load_drops_its_records_at_shutdown(tmp_path: Path) -> Non
     """Disk-only: the engine shuts down right after the prompt's disk load failed, before
     it recomputes (nothing writes the dropped slots again): the shutdown drops them."""
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as llm:
-        assert llm.offload is not None
-        faults = llm.offload.worker = Faults(llm.offload.worker)  # type: ignore[assignment]
-        llm.generate([PROMPT], PARAMS)
-        llm.drain()
-        evict_gpu(llm)
-        faults.fail = lambda job: job.src_tier is Tier.DISK
-        llm.add_request(PROMPT, PARAMS)
-        for _ in range(10):
-            if faults.failed_once:
-                break
-            llm.step()
-        assert faults.failed_once
+        faults = held_on_the_tiers_only(llm, Faults)
+        step_until_its_disk_load_failed(llm, faults)
         assert not disk_copies(llm)
+        assert llm.offload is not None
         assert not llm.offload.has_pending_work()
     restored, output = restart(tmp_path, cascade=False)
     assert (len(restored), output.num_external_hit_tokens) == (0, 0)
@@ -245,11 +263,7 @@ def test_records_a_refused_hand_over_was_to_drop_go_with_a_later_plan(tmp_path: 
     """The worker refuses the hand-over of the failed load's records: the next plan
     carries them."""
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as llm:
-        assert llm.offload is not None
-        faults = llm.offload.worker = RefusingForget(llm.offload.worker)  # type: ignore[assignment]
-        llm.generate([PROMPT], PARAMS)
-        llm.drain()
-        evict_gpu(llm)
+        faults = held_on_the_tiers_only(llm, RefusingForget)
         faults.fail = is_disk_job
         with pytest.raises(OSError, match="no"):
             llm.generate([PROMPT], PARAMS)

@@ -24,7 +24,9 @@ from test_llm_persist_dropped import (
     RefusingForget,
     disk_copies,
     evict_gpu,
+    held_on_the_tiers_only,
     persistent,
+    step_until_its_disk_load_failed,
 )
 
 from kvtier.engine.llm import LLM
@@ -102,18 +104,9 @@ def test_records_an_unsubmitted_plan_was_to_drop_go_at_shutdown(tmp_path: Path) 
     llm = LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE)
     side = llm.offload
     assert side is not None
-    faults = side.worker = RefusingForget(side.worker)  # type: ignore[assignment]
-    llm.generate([PROMPT], PARAMS)
-    llm.drain()
-    evict_gpu(llm)
-    faults.fail = lambda job: job.src_tier is Tier.DISK
-    llm.add_request(PROMPT, PARAMS)
-    for _ in range(10):
-        if faults.failed_once:
-            break
-        with contextlib.suppress(OSError):  # the hand-over after the report is refused
-            llm.step()
-    assert faults.failed_once
+    faults = held_on_the_tiers_only(llm, RefusingForget)
+    # The hand-over after the report is refused (OSError).
+    step_until_its_disk_load_failed(llm, faults, OSError)
     assert faults.refused is not None
     assert len(side.scheduler.dropped_slots) == 5
     submit = side.submit

@@ -9,15 +9,20 @@ down, never retried it.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_llm_persist_dropped import ENGINE, MODEL, PARAMS, PROMPT, Faults, evict_gpu, persistent
+from test_llm_persist_dropped import (
+    ENGINE,
+    MODEL,
+    Faults,
+    held_on_the_tiers_only,
+    persistent,
+    step_until_its_disk_load_failed,
+)
 
 from kvtier.engine.llm import LLM
-from kvtier.offload.plan import Tier
 from kvtier.transfer.worker import WorkerState
 
 
@@ -32,18 +37,10 @@ def test_a_failing_hand_over_at_shutdown_still_stops_the_worker(tmp_path: Path) 
     llm = LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE)
     assert llm.offload is not None
     worker = llm.offload.worker
-    faults = llm.offload.worker = FailingForget(worker)  # type: ignore[assignment]
-    llm.generate([PROMPT], PARAMS)
-    llm.drain()
-    evict_gpu(llm)
-    faults.fail = lambda job: job.src_tier is Tier.DISK
-    llm.add_request(PROMPT, PARAMS)
-    for _ in range(10):  # until the load failed; no plan carries its slots yet
-        if faults.failed_once:
-            break
-        with contextlib.suppress(OSError):  # the hand-over right after the report
-            llm.step()
-    assert faults.failed_once
+    faults = held_on_the_tiers_only(llm, FailingForget)
+    # Until the load failed, no plan carries its slots yet; the hand-over right after
+    # the report fails (OSError).
+    step_until_its_disk_load_failed(llm, faults, OSError)
     assert llm.offload.scheduler.dropped_slots  # refused: kept for the shutdown
     with pytest.raises(OSError, match="cannot drop"):
         llm.shutdown()
