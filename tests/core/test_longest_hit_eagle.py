@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hypothesis import given, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from longest_hit_helpers import (
     COARSE,
@@ -28,11 +28,10 @@ from longest_hit_helpers import (
     layout,
     make_hashes,
 )
-from test_longest_hit_properties import cached_sets as random_cached_sets
 from test_longest_hit_properties import (
     check_block_ids,
-    hybrid_layouts,
-    index_of,
+    hybrid_case,
+    hybrid_cases,
     reference_accepts,
 )
 
@@ -126,21 +125,12 @@ def only_group(lay: KVLayout, group_id: int) -> KVLayout:
     return layout(*groups, hash_block_size=lay.hash_block_size)
 
 
-@given(
-    lay=hybrid_layouts(),
-    num_hashes=st.integers(0, 16),
-    cap=st.integers(0, 300),
-    want_fine=st.booleans(),
-    data=st.data(),
-)
+@hybrid_cases
 @settings(max_examples=300, deadline=None)
 def test_the_eagle_hit_is_the_largest_length_accepted_with_its_proof(
     lay: KVLayout, num_hashes: int, cap: int, want_fine: bool, data: st.DataObject
 ) -> None:
-    fine = want_fine and lay.supports_fine_grained_hits
-    cached = data.draw(random_cached_sets(len(lay.groups), num_hashes))
-    hashes = make_hashes(num_hashes)
-    index = index_of(lay, hashes, cached)
+    fine, cached, hashes, index = hybrid_case(lay, num_hashes, want_fine, data)
     result = eagle_hit(lay, hashes, index, cap, FINE if fine else COARSE)
     unit = lay.hash_block_size if fine else lay.scheduler_block_size
     covered = num_hashes * lay.hash_block_size

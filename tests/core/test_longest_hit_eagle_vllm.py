@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import assume, given, settings
+from hypothesis import assume, settings
 from hypothesis import strategies as st
-from longest_hit_helpers import COARSE, FINE, FULL, SLIDING, STATE, layout, make_hashes
-from test_longest_hit_properties import cached_sets, hybrid_layouts, index_of, reference_accepts
+from longest_hit_helpers import COARSE, FINE, FULL, SLIDING, STATE, layout
+from test_longest_hit_properties import hybrid_case, hybrid_cases, reference_accepts
 
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import find_longest_hit
@@ -46,22 +46,13 @@ def vllm_accepts(
     return True
 
 
-@given(
-    lay=hybrid_layouts(),
-    num_hashes=st.integers(0, 16),
-    cap=st.integers(0, 300),
-    want_fine=st.booleans(),
-    data=st.data(),
-)
+@hybrid_cases
 @settings(max_examples=400, deadline=None)
 def test_the_eagle_hit_is_vllms(
     lay: KVLayout, num_hashes: int, cap: int, want_fine: bool, data: st.DataObject
 ) -> None:
     assume(not any(g.kind is SLIDING and g.sliding_window == 1 for g in lay.groups))
-    fine = want_fine and lay.supports_fine_grained_hits
-    cached = data.draw(cached_sets(len(lay.groups), num_hashes))
-    hashes = make_hashes(num_hashes)
-    index = index_of(lay, hashes, cached)
+    fine, cached, hashes, index = hybrid_case(lay, num_hashes, want_fine, data)
     granularity = FINE if fine else COARSE
     result = find_longest_hit(lay, hashes, cap, index.get, granularity, eagle_proof=True)
     unit = lay.hash_block_size if fine else lay.scheduler_block_size

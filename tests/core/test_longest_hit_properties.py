@@ -147,22 +147,36 @@ def hybrid_layouts(draw: st.DrawFn) -> KVLayout:
     return layout(*groups)
 
 
-@given(
+# A hybrid layout, its number of hash blocks, a cap, whether fine-grained hits are wanted
+# (see `hybrid_case`).
+hybrid_cases = given(
     lay=hybrid_layouts(),
     num_hashes=st.integers(0, 16),
     cap=st.integers(0, 300),
     want_fine=st.booleans(),
     data=st.data(),
 )
+
+
+def hybrid_case(
+    lay: KVLayout, num_hashes: int, want_fine: bool, data: st.DataObject
+) -> tuple[bool, dict[int, set[int]], list[BlockHash], Index]:
+    """Return whether the case is fine-grained (wanted and supported), its cached hash
+    indexes per group (drawn from `data`), its hashes and its index."""
+    fine = want_fine and lay.supports_fine_grained_hits
+    cached = data.draw(cached_sets(len(lay.groups), num_hashes))
+    hashes = make_hashes(num_hashes)
+    return fine, cached, hashes, index_of(lay, hashes, cached)
+
+
+@hybrid_cases
 @settings(max_examples=400, deadline=None)
 def test_hybrid_hit_is_the_largest_length_every_group_accepts(
     lay: KVLayout, num_hashes: int, cap: int, want_fine: bool, data: st.DataObject
 ) -> None:
     """Hybrid: every group accepts the hit and no larger multiple of the unit <= cap does."""
-    fine = want_fine and lay.supports_fine_grained_hits
-    cached = data.draw(cached_sets(len(lay.groups), num_hashes))
-    hashes = make_hashes(num_hashes)
-    result = hit(lay, hashes, index_of(lay, hashes, cached), cap, FINE if fine else COARSE)
+    fine, cached, hashes, index = hybrid_case(lay, num_hashes, want_fine, data)
+    result = hit(lay, hashes, index, cap, FINE if fine else COARSE)
     unit = lay.hash_block_size if fine else lay.scheduler_block_size
     limit = min(cap, num_hashes * lay.hash_block_size)
     assert result.num_tokens % unit == 0
