@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from test_llm_poll_interrupts import (
+    interrupt_once,
     interrupted_at_every_line,
     loaded_engine,
     served_after_an_interrupt,
@@ -51,9 +52,8 @@ def test_an_interrupt_right_after_a_load_released_its_pins(pins: str, stepped: b
 
     def freeing(block_ids: Any) -> None:
         free(block_ids)
-        if list(block_ids) in released and not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt(f"Ctrl-C after a load released its {pins} pins")
+        if list(block_ids) in released:
+            interrupt_once(interrupted, f"Ctrl-C after a load released its {pins} pins")
 
     book.complete = completing  # type: ignore[method-assign]
     pool.free = freeing

@@ -99,6 +99,13 @@ def loaded_engine() -> tuple[LLM, Any]:
     return llm, arm
 
 
+def interrupt_once(interrupted: list[bool], message: str) -> None:
+    """Raise KeyboardInterrupt(message) unless one was raised already (`interrupted`)."""
+    if not interrupted:
+        interrupted.append(True)
+        raise KeyboardInterrupt(message)
+
+
 @STEPPED
 def test_an_interrupt_after_the_load_lane_let_go_of_its_report(stepped: bool) -> None:
     llm, arm = loaded_engine()
@@ -109,9 +116,8 @@ def test_an_interrupt_after_the_load_lane_let_go_of_its_report(stepped: bool) ->
 
     def taking() -> Any:
         done, failed = finished()
-        if (done or failed) and not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt("Ctrl-C in OffloadWorker.peek")
+        if done or failed:
+            interrupt_once(interrupted, "Ctrl-C in OffloadWorker.peek")
         return done, failed
 
     lane.finished = taking  # type: ignore[method-assign]
@@ -128,9 +134,8 @@ def test_an_interrupt_after_the_book_completed_a_load(stepped: bool) -> None:
 
     def completing(report: Any) -> Any:
         completed = complete(report)
-        if any(t.loads for t in completed) and not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt("Ctrl-C in TransferCompletion.apply")
+        if any(t.loads for t in completed):
+            interrupt_once(interrupted, "Ctrl-C in TransferCompletion.apply")
         return completed
 
     book.complete = completing  # type: ignore[method-assign]
@@ -149,9 +154,8 @@ def test_an_interrupt_before_the_worker_let_go_of_an_applied_load(stepped: bool)
     interrupted: list[bool] = []
 
     def acknowledging() -> None:
-        if lane.reported_event_ids() and not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt("Ctrl-C before OffloadWorker.acknowledge")
+        if lane.reported_event_ids():
+            interrupt_once(interrupted, "Ctrl-C before OffloadWorker.acknowledge")
         acknowledge()
 
     worker.acknowledge = acknowledging  # type: ignore[method-assign]
@@ -174,9 +178,8 @@ def test_an_interrupt_after_one_lane_let_go_of_an_applied_load(
     def acknowledging() -> None:
         loaded = lanes[Direction.LOAD].reported_event_ids()
         acknowledge()
-        if loaded and not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt(f"Ctrl-C after the {direction.value} lane's acknowledge")
+        if loaded:
+            interrupt_once(interrupted, f"Ctrl-C after the {direction.value} lane's acknowledge")
 
     lane.acknowledge = acknowledging  # type: ignore[method-assign]
     served_after_an_interrupt(llm, arm, interrupted, stepped=stepped)
@@ -201,9 +204,8 @@ def test_an_interrupt_after_the_scheduler_applied_a_load(stepped: bool) -> None:
 
     def noting() -> None:
         note_report()
-        if outcomes[-1].finished_loads and not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt("Ctrl-C before apply_report returned")
+        if outcomes[-1].finished_loads:
+            interrupt_once(interrupted, "Ctrl-C before apply_report returned")
 
     completion.apply = applying  # type: ignore[method-assign]
     reset.note_report = noting  # type: ignore[method-assign]
