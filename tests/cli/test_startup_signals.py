@@ -63,10 +63,15 @@ def _run(module: str, swallow: bool, argv: list[str]) -> subprocess.CompletedPro
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
-def test_ctrl_c_while_the_command_is_imported_is_one_line(tmp_path: Path) -> None:
+def _replay_one_request(tmp_path: Path, module: str) -> subprocess.CompletedProcess[str]:
+    """`kvtier replay --quiet` of a one-request trace, a Ctrl-C as `module` is imported."""
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
-    done = _run("kvtier.replay.cli", False, ["replay", str(trace), "--quiet"])
+    return _run(module, False, ["replay", str(trace), "--quiet"])
+
+
+def test_ctrl_c_while_the_command_is_imported_is_one_line(tmp_path: Path) -> None:
+    done = _replay_one_request(tmp_path, "kvtier.replay.cli")
     assert "Traceback" not in done.stderr
     assert done.returncode == 130, done.stderr
     assert done.stderr == "\nkvtier: interrupted\n"
@@ -87,9 +92,7 @@ def test_ctrl_c_that_torch_swallows_still_stops_the_demo(tmp_path: Path) -> None
 def test_ctrl_c_as_main_reads_the_signal_handlers_is_one_line(tmp_path: Path) -> None:
     # Regression: `main` read the handlers to put back (importing `threading`, and
     # `signal` in the `kvtier` script: ms) before its Ctrl-C handling began: a traceback.
-    trace = tmp_path / "t.jsonl"
-    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
-    done = _run("threading", False, ["replay", str(trace), "--quiet"])
+    done = _replay_one_request(tmp_path, "threading")
     assert "Traceback" not in done.stderr
     assert done.returncode == 130, done.stderr
     assert done.stderr == "\nkvtier: interrupted\n"
