@@ -65,5 +65,8 @@ def hit(
     index: Index,
     max_num_tokens: int = NO_CAP,
     granularity: HitGranularity = COARSE,
+    eagle_proof: bool = False,
 ) -> LongestHit:
-    return find_longest_hit(lay, hashes, max_num_tokens, index.get, granularity)
+    return find_longest_hit(
+        lay, hashes, max_num_tokens, index.get, granularity, eagle_proof=eagle_proof
+    )

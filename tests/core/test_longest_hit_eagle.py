@@ -9,6 +9,7 @@ state groups are served as they are. Block ids are `bid(group_id, hash_index)` (
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ from longest_hit_helpers import (
     bid,
     cache_blocks,
     group,
+    hit,
     layout,
     make_hashes,
 )
@@ -35,19 +37,10 @@ from test_longest_hit_properties import (
     reference_accepts,
 )
 
-from kvtier.core.keys import BlockHash
 from kvtier.core.kv_groups import KVLayout
-from kvtier.core.longest_hit import HitGranularity, LongestHit, find_longest_hit
+from kvtier.core.longest_hit import LongestHit, find_longest_hit
 
-
-def eagle_hit(
-    lay: KVLayout,
-    hashes: list[BlockHash],
-    index: Index,
-    max_num_tokens: int = NO_CAP,
-    granularity: HitGranularity = COARSE,
-) -> LongestHit:
-    return find_longest_hit(lay, hashes, max_num_tokens, index.get, granularity, eagle_proof=True)
+eagle_hit = functools.partial(hit, eagle_proof=True)
 
 
 def test_full_attention_hits_end_one_block_before_the_cached_prefix() -> None:
