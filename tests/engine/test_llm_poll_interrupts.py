@@ -13,8 +13,9 @@ Now the worker keeps its reports until the engine applied them (`acknowledge`), 
 stays in the book until its effects are applied, and finished loads are kept until
 `poll` returns them: whatever of this an interrupt cuts short, the next poll finishes,
 applying each event once. Covered here: interrupts at those hand-offs, and at every line
-of `TransferCompletion.apply` and `TransferBook.forget` (an interrupt inside one of an
-event's completion steps may still redo or cut short that step: not covered).
+of `TransferCompletion.apply` and `TransferBook.forget` (a step that releases pins is
+counted before it runs, so an interrupt inside it leaks them rather than freeing them
+twice: test_llm_completion_step_interrupts).
 """
 
 from __future__ import annotations
