@@ -1,8 +1,9 @@
 """The read-only queries of a `BlockPool`: counts, per-block state, key lookups.
 
-`PoolQueries` is a mixin of `BlockPool` and never changes the pool; `block_pool` keeps the
-operations that do. The methods read the pool's arrays and dicts directly (no call per
-query beyond the method itself), so the batch getters stay as fast as before the split.
+`PoolQueries` is a mixin of `BlockPool` and never changes the pool; `block_pool` and
+`pool_key_removal` keep the operations that do. The methods read the pool's arrays and
+dicts directly (no call per query beyond the method itself), so the batch getters stay as
+fast as before the split.
 """
 
 from __future__ import annotations
