@@ -1,9 +1,11 @@
 """A corrupted disk slot through vLLM: only the request that reads it fails (SPEC §6.8).
 
 Two requests load their prefixes from the disk tier in one step, as one DISK -> GPU event;
-one rank finds one slot of it corrupted. That rank names the bad slot, reports only the
-request reading it in `failed_recving` and the other one as finished; the scheduler,
-from the ranks' merged report, fails the same request and drops only that slot's key.
+one rank finds one slot of it corrupted. That rank names the bad slot and reports both
+requests finished, with the one GPU block the bad slot was copied into as a load error
+(one full-attention group: `test_vllm_partial_load_failure`), and no request in
+`failed_recving`; the scheduler, from the ranks' merged report, fails the same request
+and drops only that slot's key.
 Regression: the whole event failed, so vLLM recomputed both requests.
 """
 
@@ -62,17 +64,24 @@ class CorruptOneSlot:
         self._submit(plan)
 
 
-def record_failed(harness: Any, rank: int, into: set[str]) -> None:
-    """Collect what one rank's worker side reports in `failed_recving`."""
+def record_failed(harness: Any, rank: int, into: set[str], invalid: set[int]) -> None:
+    """Collect what one rank's worker side reports in `failed_recving` and as load
+    errors (`get_block_ids_with_load_errors`)."""
     side = kvtier_worker(harness, rank).connector.worker_side  # type: ignore[attr-defined]
-    take = side.take_results
+    take, take_invalid = side.take_results, side.take_invalid_blocks
 
     def take_results() -> tuple[set[str], set[str]]:
         finished, failed = take()
         into.update(failed)
         return finished, failed
 
+    def take_invalid_blocks() -> set[int]:
+        blocks = take_invalid()
+        invalid.update(blocks)
+        return blocks
+
     side.take_results = take_results
+    side.take_invalid_blocks = take_invalid_blocks
 
 
 def stored_and_evicted(harness: Any) -> dict[str, list[int]]:
@@ -127,13 +136,15 @@ def test_a_corrupted_slot_fails_only_the_request_that_reads_it(
     last = num_ranks - 1
     corrupt = CorruptOneSlot(offload_worker(harness, rank=last), which)
     reported: set[str] = set()
+    invalid: set[int] = set()
     for rank in range(num_ranks):
-        record_failed(harness, rank, reported)
+        record_failed(harness, rank, reported, invalid)
     recomputed = record_recomputed(harness)
     again = serve_again(harness, prompts)
     assert corrupt.slot is not None, "the two prefixes never loaded in one event"
     bad = corrupt.request_ids[which]
-    assert reported == {bad}  # vLLM's failed_recving, over the ranks
+    assert reported == set()  # vLLM's failed_recving, over the ranks
+    assert len(invalid) == 1  # the bad slot's GPU block: vLLM recomputes from there
     assert recomputed == [bad]  # kvtier's own view agrees
     assert all(harness.external_hit_tokens(r) == PREFIX for r in again)  # offered
     check_quiescent(harness)

@@ -222,3 +222,25 @@ def test_get_finished_refuses_to_report_a_failed_load_as_finished() -> None:
     with pytest.raises(RuntimeError, match=r"failed for \['r'\]"):
         connector.get_finished(set())
     connector.shutdown()
+
+
+def test_get_finished_refuses_to_report_a_load_failed_by_block_as_finished() -> None:
+    """The worker names a bad block of the load (one full-attention group): the request
+    is finished with a load error, which this API cannot carry."""
+    harness = VllmHarness(kvtier_config(extra={"num_blocks": 16}))
+    worker = ConnectorWorker.create(
+        harness.vllm_config, harness.kv_cache_config, FakeKVCache(harness.kv_cache_config)
+    )
+    offload = worker.connector.worker_side.worker
+    load = TransferJob(1, Tier.CPU, Tier.GPU, SLOTS, DST, load_parts=(len(SLOTS),))
+    metadata = KVTierMetadata(TransferPlan(step_id=1, jobs=(load,), load_request_ids={1: ("r",)}))
+    connector = worker.connector
+    connector.bind_connector_metadata(metadata)
+    connector.start_load_kv(None)  # type: ignore[arg-type]
+    connector.wait_for_save()
+    offload.flush()
+    offload.poll()  # the copy's own report, replaced by one naming a bad block
+    offload.poll = lambda: WorkerReport(failed={1: 1}, bad_blocks={1: frozenset(SLOTS[1:2])})
+    with pytest.raises(RuntimeError, match=rf"failed for \[\] \(GPU blocks \[{DST[1]}\]"):
+        connector.get_finished(set())
+    connector.shutdown()

@@ -168,17 +168,29 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         finished, failed = self.worker_side.take_results()
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Return the GPU blocks whose load failed, of requests `get_transfer_results`
+        reported finished (not failed): vLLM recomputes each from its first such block.
+
+        Only where the worker named the bad blocks and the layout is one full-attention
+        group (`worker_side.block_level_failures`); other failures are `failed_recving`.
+        """
+        return self.worker_side.take_invalid_blocks()
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Return (None, finished loads) for callers of the older API.
 
-        Raises RuntimeError when a load failed: this API cannot say so, and reporting
-        the load as finished would serve wrong KV. vLLM 0.33 calls `get_transfer_results`.
+        Raises RuntimeError when a load failed, whole or by block: this API cannot say
+        so, and reporting the load as finished would serve wrong KV. vLLM 0.33 calls
+        `get_transfer_results` and `get_block_ids_with_load_errors`.
         """
         results = self.get_transfer_results(finished_req_ids)
-        if results.failed_recving:
+        invalid = self.get_block_ids_with_load_errors()
+        if results.failed_recving or invalid:
             raise RuntimeError(
-                f"kvtier loads failed for {sorted(results.failed_recving)}; get_finished() "
-                "cannot report failures, use get_transfer_results()"
+                f"kvtier loads failed for {sorted(results.failed_recving)} (GPU blocks "
+                f"{sorted(invalid)} not loaded); get_finished() cannot report failures, "
+                "use get_transfer_results() and get_block_ids_with_load_errors()"
             )
         return None, results.finished_recving or None
 

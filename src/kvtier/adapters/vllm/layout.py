@@ -56,6 +56,18 @@ def group_kind(spec: Any) -> GroupKind:
     return kind
 
 
+def block_level_failures(kv_cache_config: Any) -> bool:
+    """Return True when vLLM takes load failures by GPU block (`invalid_block_ids`) for
+    this layout: one KV cache group, of full attention.
+
+    vLLM's `Scheduler._handle_invalid_blocks` raises with more than one group (block ids
+    repeat across groups), and a sliding window or a state at a shorter prefix would need
+    blocks the load never wrote; those layouts report failed requests whole.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) == 1 and group_kind(groups[0].kv_cache_spec) is GroupKind.FULL_ATTENTION
+
+
 def _group_spec(group: Any, num_layers: int) -> KVGroupSpec:
     spec = group.kv_cache_spec
     page_bytes = int(spec.page_size_bytes) * num_layers

@@ -18,6 +18,17 @@ the ranks' failed requests is the set of requests kvtier recomputes. Without nam
 with names that are not all source blocks of the event, or without valid parts (one
 block count >= 1 per request, adding up: `TransferJob.check_load_parts`; invalid ones
 are logged), every request of it fails.
+
+Block-level failures (`block_level`, vLLM's `get_block_ids_with_load_errors`): a request
+whose every failed event named its bad blocks (by the rule above) is reported finished,
+not failed, and the GPU blocks its bad source blocks were copied into are returned by
+`take_invalid_blocks` in the same step: vLLM keeps its tokens before the first of them
+(its local prefix and the blocks loaded whole before it) and recomputes from there
+(`Scheduler._handle_invalid_blocks`). Every other destination block of such an event was
+copied whole and verified (`WorkerReport.bad_blocks`). A request with any failure that
+named nothing is failed whole. Off (the default), a named failure fails its readers whole.
+The parts of a load are built only when it fails: a step without failures does no
+per-block work here.
 No vLLM import.
 """
 
@@ -34,12 +45,19 @@ logger = logging.getLogger(__name__)
 class LoadTracker:
     """Turn finished load events into finished and failed request ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_level: bool = False) -> None:
+        """`block_level`: report requests whose failures all named their bad blocks by
+        those blocks' GPU destinations (see the module docstring), not as failed."""
+        self.block_level = block_level
         self._listed: Mapping[int, tuple[str, ...]] = {}
         self._waiting: dict[str, set[int]] = {}  # request id -> its events not yet finished
         self._failed: set[str] = set()  # requests with a failed event, still waiting
+        # Of `_failed`: the suspect GPU blocks of those whose every failure named its
+        # bad blocks (block_level only); a request failed whole is not in it.
+        self._suspects: dict[str, set[int]] = {}
+        self._invalid: set[int] = set()  # suspects of requests reported finished
         self._finished: set[int] = set()  # events finished here, still listed
-        self._parts: dict[int, tuple[tuple[str, frozenset[int]], ...]] = {}  # by event
+        self._parts: dict[int, TransferJob] = {}  # load jobs with valid parts, by event
 
     def update(
         self, load_request_ids: Mapping[int, tuple[str, ...]], jobs: Iterable[TransferJob] = ()
@@ -57,11 +75,7 @@ class LoadTracker:
             except ValueError as exc:
                 logger.warning("%s; a failure of the event fails all its requests", exc)
                 continue
-            parts, start = [], 0
-            for request_id, size in zip(request_ids, job.load_parts, strict=True):
-                parts.append((request_id, frozenset(job.src_block_ids[start : start + size])))
-                start += size
-            self._parts[job.event_id] = tuple(parts)
+            self._parts[job.event_id] = job  # split into parts only if it fails
         self._listed = load_request_ids
         for event_id, request_ids in load_request_ids.items():
             if event_id in self._finished:
@@ -88,16 +102,14 @@ class LoadTracker:
                 if request_ids is None or event_id in self._finished:
                     continue
                 self._finished.add(event_id)
-                parts = self._parts.pop(event_id, None)
-                failing = set(request_ids) if is_failure else set()
-                if is_failure and bad_blocks is not None and event_id in bad_blocks:
-                    failing = _readers(parts, bad_blocks[event_id], failing)
+                job = self._parts.pop(event_id, None)
+                if is_failure:
+                    named = None if bad_blocks is None else bad_blocks.get(event_id)
+                    self._note_failure(request_ids, job, named)
                 for request_id in request_ids:
                     waiting = self._waiting.get(request_id)
                     if waiting is not None:
                         waiting.discard(event_id)
-                    if request_id in failing:
-                        self._failed.add(request_id)
                     touched.add(request_id)
         finished: set[str] = set()
         failed_ids: set[str] = set()
@@ -108,8 +120,41 @@ class LoadTracker:
             finished.add(request_id)
             if request_id in self._failed:
                 self._failed.discard(request_id)
-                failed_ids.add(request_id)
+                suspects = self._suspects.pop(request_id, None)
+                if suspects:  # every failure of it named its blocks: vLLM keeps a prefix
+                    self._invalid.update(suspects)
+                else:
+                    failed_ids.add(request_id)
         return finished, failed_ids
+
+    def _note_failure(
+        self, request_ids: tuple[str, ...], job: TransferJob | None, named: frozenset[int] | None
+    ) -> None:
+        """Fail the requests of a failed event: only those reading one of the `named` bad
+        source blocks when they are some of its sources and its parts are known (where
+        `block_level`, by their suspect GPU blocks); else every request, whole."""
+        bad = named or frozenset()
+        parts = None if job is None or not bad else _split(job, request_ids)
+        if parts is None or not bad <= frozenset(b for _, src, _ in parts for b in src):
+            parts = None  # fail closed: every request of the event, whole
+        for request_id in request_ids:
+            suspects = None if parts is None else _suspects(parts, request_id, bad)
+            if parts is not None and not suspects:
+                continue  # it read no bad block: finished normally
+            first_failure = request_id not in self._failed
+            self._failed.add(request_id)
+            if suspects is None or not self.block_level:
+                self._suspects.pop(request_id, None)  # failed whole
+            elif first_failure:
+                self._suspects[request_id] = suspects
+            elif request_id in self._suspects:  # else failed whole by an earlier event
+                self._suspects[request_id] |= suspects
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Return and forget the suspect GPU blocks of the requests `complete` reported
+        finished after a failure (block_level; vLLM's `invalid_block_ids`)."""
+        invalid, self._invalid = self._invalid, set()
+        return invalid
 
     def __len__(self) -> int:
         """Return how many requests wait for a load event (tests: no leaks)."""
@@ -117,15 +162,38 @@ class LoadTracker:
 
     def is_idle(self) -> bool:
         """Return True when nothing is waiting, failed or remembered (tests: no leaks)."""
-        return not self._waiting and not self._failed and not self._parts
+        return (
+            not self._waiting
+            and not self._failed
+            and not self._parts
+            and not self._suspects
+            and not self._invalid
+        )
 
 
-def _readers(
-    parts: tuple[tuple[str, frozenset[int]], ...] | None, bad: frozenset[int], every: set[str]
-) -> set[str]:
-    """Return the requests of an event (`parts`) that read a block of `bad`; `every`
-    request of it when its parts are unknown or `bad` is empty or not all its source
-    blocks (the scheduler's rule, `IssuedTransfer.note_failure`)."""
-    if parts is None or not bad or not bad <= frozenset().union(*(b for _, b in parts)):
-        return every
-    return {request_id for request_id, blocks in parts if blocks & bad}
+def _split(
+    job: TransferJob, request_ids: tuple[str, ...]
+) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+    """Return each request's (id, source blocks, destination blocks) of a load job with
+    valid parts (checked in `LoadTracker.update`)."""
+    parts, start = [], 0
+    for request_id, size in zip(request_ids, job.load_parts, strict=True):
+        end = start + size
+        parts.append((request_id, job.src_block_ids[start:end], job.dst_block_ids[start:end]))
+        start = end
+    return tuple(parts)
+
+
+def _suspects(
+    parts: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...],
+    request_id: str,
+    bad: frozenset[int],
+) -> set[int]:
+    """Return the GPU blocks `request_id`'s part of a load copied a `bad` source into."""
+    return {
+        dst_block
+        for reader, src, dst in parts
+        if reader == request_id
+        for src_block, dst_block in zip(src, dst, strict=True)
+        if src_block in bad
+    }

@@ -204,11 +204,12 @@ class SchedulerSide:
         outcome = self.offload.apply_report(report)
         for failed in outcome.failed_loads:  # issued: the workers reported them to vLLM
             logger.warning(
-                "kvtier load for request %s failed on a worker; vLLM recomputes tokens "
-                "[%d, %d) (kv_load_failure_policy='recompute')",
-                failed.request_id,
+                "kvtier load of tokens [%d, %d) for request %s failed on a worker; vLLM "
+                "recomputes them from the first block not loaded whole "
+                "(kv_load_failure_policy='recompute')",
                 failed.start_token,
                 failed.end_token,
+                failed.request_id,
             )
 
     def _take_unissued_failures(self) -> None:

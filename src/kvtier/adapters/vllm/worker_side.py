@@ -11,7 +11,11 @@ Per step, in vLLM's order:
                            finished_recving; those with a failed event (only those
                            reading a bad block, when the worker named the event's bad
                            blocks), and the scheduler's never-issued ones →
-                           failed_recving too
+                           failed_recving too; with one full-attention group, a
+                           request whose failures all named their bad blocks is
+                           finished instead, and
+    load errors            the GPU blocks its bad blocks were copied into
+                           (`get_block_ids_with_load_errors`): vLLM keeps its prefix
     worker metadata        the polled `WorkerReport` for the scheduler role
 
 The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
@@ -26,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvtier.adapters.vllm.layout import tier_sizes
+from kvtier.adapters.vllm.layout import block_level_failures, tier_sizes
 from kvtier.adapters.vllm.load_tracker import LoadTracker
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.regions import KVCacheValue, placement_block_views
@@ -109,7 +113,7 @@ class WorkerSide:
         self._echo_failed: tuple[str, ...] = ()
         self._loads_submitted = False
         self._stores_submitted = False
-        self.loads = LoadTracker()
+        self.loads = LoadTracker(block_level=block_level_failures(kv_cache_config))
         self._report = WorkerReport()
 
     @property
@@ -199,6 +203,11 @@ class WorkerSide:
         failed.update(self._echo_failed)
         self._echo_failed = ()
         return finished, failed
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Return the suspect GPU blocks of the failed loads `take_results` reported as
+        finished (vLLM keeps each request's tokens before its first one)."""
+        return self.loads.take_invalid_blocks()
 
     def take_worker_metadata(self) -> KVTierWorkerMetadata | None:
         """Return what finished since the last call, or None when nothing did."""
