@@ -165,13 +165,17 @@ class WorkerSide:
 
         Demotions (CPU → DISK) read only the CPU tier, whose source blocks the scheduler
         pinned once their stores had completed: they need not wait for the forward.
+        The plan's `end_persistence` and `forget_slots` go with this submit, before any
+        job of the plan, even when it has no load or demotion (a plan with nothing at
+        all submits nothing).
         """
-        if self._plan is None or self._loads_submitted:
+        plan = self._plan
+        if plan is None or self._loads_submitted:
             return
         self._loads_submitted = True
-        jobs = tuple(job for job in self._plan.jobs if not job.is_store)
-        if jobs:
-            self.worker.submit(replace(self._plan, jobs=jobs))
+        jobs = tuple(job for job in plan.jobs if not job.is_store)
+        if jobs or plan.forget_slots or plan.end_persistence:
+            self.worker.submit(replace(plan, jobs=jobs))
 
     def submit_stores(self) -> None:
         """Submit this step's stores after the forward that wrote their blocks.
@@ -183,9 +187,11 @@ class WorkerSide:
         self.start_loads()
         self._stores_submitted = True
         jobs = tuple(job for job in self._plan.jobs if job.is_store)
-        if jobs:
+        if jobs:  # the plan's manifest drops went with the loads (`start_loads`)
             self.worker.record_compute_done()
-            self.worker.submit(replace(self._plan, jobs=jobs))
+            self.worker.submit(
+                replace(self._plan, jobs=jobs, forget_slots=(), end_persistence=False)
+            )
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """Poll the worker; return (finished_recving, failed_recving) request ids.
