@@ -20,7 +20,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import SLOT_BYTES, check_quiescent, kvtier_harness, offload_worker
+from kvtier_vllm import (
+    SCHEDULING,
+    SLOT_BYTES,
+    check_quiescent,
+    kvtier_harness,
+    offload_worker,
+)
 from vllm_engine import KVGroupDef
 from vllm_harness import VllmHarness, shared_prefix_prompts
 
@@ -134,6 +140,23 @@ def test_a_corrupted_slot_keeps_the_prefix_before_it(
     assert computed == {bad: 16 * block, good: PREFIX}
     assert outputs == clean_outputs
     assert all(len(tokens) == 3 for tokens in outputs.values())
+    check_quiescent(harness)
+    harness.close()
+
+
+@pytest.mark.parametrize("scheduling", ["async", "async_pipelined"])
+def test_the_prefix_is_kept_under_asynchronous_scheduling(tmp_path: Path, scheduling: str) -> None:
+    """vLLM's `AsyncScheduler`, in lock-step and with step N+1 scheduled before step N's
+    output (and its load errors) reach the scheduler."""
+    overrides = SCHEDULING[scheduling]
+    clean, _, clean_outputs, _ = serve(tmp_path / "clean", 1, None, **overrides)
+    clean.close()
+    harness, computed, outputs, corrupt = serve(tmp_path / "bad", 1, (1, 2), **overrides)
+    assert corrupt is not None
+    assert corrupt.gpu_block is not None, "the two prefixes never loaded in one event"
+    bad, good = corrupt.request_ids[1], corrupt.request_ids[0]
+    assert computed == {bad: 32, good: PREFIX}
+    assert outputs == clean_outputs
     check_quiescent(harness)
     harness.close()
 
