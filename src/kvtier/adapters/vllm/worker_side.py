@@ -197,8 +197,11 @@ class WorkerSide:
         """Poll the worker; return (finished_recving, failed_recving) request ids.
 
         A request is finished once every load event listing it finished on this rank,
-        and failed if any of them failed. A failed request is also finished: vLLM
-        releases it from waiting for its load.
+        and failed if any of them failed, unless every failure named its bad blocks
+        and the layout takes errors by block: then it is only finished, and its
+        suspect GPU blocks wait in `take_invalid_blocks`, which vLLM calls next in the
+        same step. A failed request is also finished: vLLM releases it from waiting
+        for its load.
         """
         report = self.worker.poll()
         self._report = WorkerReport.merge([self._report, report])
