@@ -28,6 +28,7 @@ class _Job:
     hold: int  # polls between its end and its report
     plan: TransferPlan  # this one job
     fail: bool
+    fail_part: bool = False  # a load that runs, then one block of it reads as bad
 
 
 class FaultyWorker:
@@ -38,7 +39,9 @@ class FaultyWorker:
     worker's two lanes) starts and reports its jobs in submission order. Every poll
     first waits for the jobs started, so runs are deterministic. `fail[kind]` jobs of
     that kind from now on never run and are reported failed; a failed load also zeroes
-    its GPU destination blocks (the copy half landed). `flush` (vLLM preempted a
+    its GPU destination blocks (the copy half landed). `fail_part` loads from now on run,
+    then report one source block bad (`WorkerReport.bad_blocks`, as a disk slot failing
+    its checksum does) with its GPU destination zeroed. `flush` (vLLM preempted a
     request) starts every queued job and waits for it; reports may still be held.
     """
 
@@ -48,6 +51,8 @@ class FaultyWorker:
         self.delay = dict.fromkeys(KINDS, 0)
         self.hold = dict.fromkeys(KINDS, 0)
         self.fail: collections.Counter[str] = collections.Counter()
+        self.fail_part = 0
+        self._bad: dict[int, tuple[int, int]] = {}  # event -> (bad source, its destination)
         self.num_failed: collections.Counter[str] = collections.Counter()
         self.num_run = 0
         self.num_late = 0  # jobs started or reported at least one poll late
@@ -68,8 +73,10 @@ class FaultyWorker:
             start = max(self._polls + self.delay[kind], queue[-1].start if queue else 0)
             fail = self.fail[kind] > 0
             self.fail[kind] -= fail
+            part = not fail and job.is_load and self.fail_part > 0
+            self.fail_part -= part
             self.num_late += start > self._polls or self.hold[kind] > 0
-            queue.append(_Job(start, self.hold[kind], replace(plan, jobs=(job,)), fail))
+            queue.append(_Job(start, self.hold[kind], replace(plan, jobs=(job,)), fail, part))
         self._start(self._polls)
 
     def poll(self) -> WorkerReport:
@@ -80,15 +87,26 @@ class FaultyWorker:
         outcomes = [(e, False) for e in ended.done] + [(e, True) for e in ended.failed]
         for event_id, failed in outcomes:
             is_load, hold = self._holds.pop(event_id)
+            bad = self._bad.get(event_id)
+            if bad is not None and failed:
+                del self._bad[event_id]  # it really failed: whole
+            elif bad is not None:
+                self._scribble((bad[1],))
+                failed = True
+                self.num_failed["load_part"] += 1
             self._report_at(is_load, now + hold, event_id, failed)
         self._polls += 1
         done: dict[int, int] = {}
         failed_now: dict[int, int] = {}
+        bad_blocks: dict[int, frozenset[int]] = {}
         for reports in self._reports.values():
             while reports and reports[0][0] <= now:
                 _, event_id, failed = reports.pop(0)
                 (failed_now if failed else done)[event_id] = 1
-        return WorkerReport(done, failed_now)
+                bad = self._bad.pop(event_id, None)
+                if bad is not None:
+                    bad_blocks[event_id] = frozenset({bad[0]})
+        return WorkerReport(done, failed_now, bad_blocks=bad_blocks)
 
     def flush(self) -> None:
         self._start(None)
@@ -101,6 +119,12 @@ class FaultyWorker:
                 (job,) = item.plan.jobs
                 if not item.fail:
                     self._holds[job.event_id] = (is_load, item.hold)
+                    if item.fail_part:  # a block past the first, where there is one
+                        index = (job.event_id % 3 + 1) % len(job.src_block_ids)
+                        self._bad[job.event_id] = (
+                            job.src_block_ids[index],
+                            job.dst_block_ids[index],
+                        )
                     self._submit(replace(item.plan, need_flush=False))
                     self.num_run += 1
                     continue

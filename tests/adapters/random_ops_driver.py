@@ -103,6 +103,13 @@ class Fail:
     rank: int
 
 
+@dataclass(frozen=True)
+class FailPart:
+    """The rank's next load runs, then reports one of its blocks bad (named)."""
+
+    rank: int
+
+
 # --------------------------------------------------------------------------- one run
 @dataclass(frozen=True)
 class Engine:
@@ -209,6 +216,8 @@ class Run:
             worker.hold[op.kind] = op.hold
         elif isinstance(op, Fail):
             self.workers[op.rank % len(self.workers)].fail[op.kind] += 1
+        elif isinstance(op, FailPart):
+            self.workers[op.rank % len(self.workers)].fail_part += 1
         self.check()
 
     def step(self) -> None:
