@@ -210,7 +210,8 @@ def test_many_corrupt_regions_warn_a_few_times_then_once(
     assert len(messages) == 6
     assert all("corrupt record at byte" in m for m in messages[:5])
     assert messages[5].endswith(
-        f"5 more corrupt regions skipped ({5 * len(records[0])} bytes in all), 10 in this "
+        f"5 more regions skipped (5 regions of damaged bytes; {5 * len(records[0])} bytes in "
+        "all), 10 in this "
         "replay; only the first 5 are named"
     )
 

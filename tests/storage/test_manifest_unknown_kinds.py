@@ -82,6 +82,34 @@ def test_later_kinds_with_crafted_keys_cost_one_check_each(
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 6  # five named, then one line counting the rest
     assert messages[-1].endswith(
-        f"15 more corrupt regions skipped ({15 * len(future[0])} bytes in all), 20 in this "
+        f"15 more regions skipped (15 well-formed records that cannot be applied; "
+        f"{15 * len(future[0])} bytes in all), 20 in this replay; only the first 5 are named"
+    )
+
+
+def test_the_summary_counts_each_kind_of_skipped_region(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the first five, the summary names what the skipped regions were: damaged
+    bytes, well-formed records that cannot be applied, a torn last record (old code
+    called them all corrupt regions)."""
+    puts = [encode_put(slot, entry(slot)) for slot in range(12)]
+    damaged = bytearray(encode_put(40, entry(40)))
+    damaged[-1] ^= 0x01  # its checksum fails
+    future = raw_record(FUTURE_KIND, 41, b"k")
+    # Five named (damaged), then two damaged, three of kind 4 and a torn record.
+    parts = [puts[0]]
+    for index, bad in enumerate([bytes(damaged)] * 7 + [future] * 3):
+        parts += [bad, puts[index + 1]]
+    torn = encode_put(42, entry(42))[:-3]
+    assert replay(tmp_path / "m", b"".join(parts) + torn, caplog) == {
+        slot: entry(slot) for slot in range(11)
+    }
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 6
+    unnamed = 2 * len(damaged) + 3 * len(future) + len(torn)
+    assert messages[-1].endswith(
+        "6 more regions skipped (2 regions of damaged bytes, 3 well-formed records that "
+        f"cannot be applied, 1 torn record at the end; {unnamed} bytes in all), 11 in this "
         "replay; only the first 5 are named"
     )

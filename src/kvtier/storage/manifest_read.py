@@ -66,7 +66,7 @@ from kvtier.storage.manifest_format import (
 from kvtier.storage.manifest_scan import READ_BUFFER, Invalid, RecordReader
 
 logger = logging.getLogger("kvtier.storage.manifest")  # one logger for the manifest's warnings
-_MAX_WARNINGS = 5  # corrupt regions of one replay named one by one; then one summary
+_MAX_WARNINGS = 5  # skipped regions of one replay named one by one; then one summary
 # Errors of this process's limits, not of the files: the open fails and the tier is kept
 # for a later one (anything else that stops the reading discards it).
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
@@ -230,6 +230,19 @@ def _replay(
     return live
 
 
+# How the summary counts each kind of skipped region (`_Skips.note`'s phrase for it):
+# singular, plural. Only damaged bytes are corrupt: a record that cannot be applied is
+# well-formed (a later format's kind, say), and a torn record ends the file.
+_SUMMARY_PHRASES = {
+    "corrupt record": ("region of damaged bytes", "regions of damaged bytes"),
+    "record that cannot be applied": (
+        "well-formed record that cannot be applied",
+        "well-formed records that cannot be applied",
+    ),
+    "torn record at the end": ("torn record at the end", "torn records at the end"),
+}
+
+
 class _Skips:
     """The warnings of one replay about the records it skipped: one per skipped region,
     the first `_MAX_WARNINGS` of them, then one line counting the rest."""
@@ -238,22 +251,28 @@ class _Skips:
         self._path = path
         self._count = 0  # skipped regions
         self._unnamed_bytes = 0  # bytes of the regions past the first _MAX_WARNINGS
+        # Those regions by what they were (`note`'s phrase), in the order first seen.
+        self._unnamed: dict[str, int] = {}
 
     def note(self, invalid: Invalid, pos: int, resume: int | None, size: int) -> None:
         """Warn that no valid record starts at `pos` of a `size`-byte file (`invalid`
         says why) and that replay resumed at `resume` (None: no valid record after it)."""
         self._count += 1
-        if self._count > _MAX_WARNINGS:
-            self._unnamed_bytes += (invalid.record_end or resume or size) - pos
-            return
         what = "corrupt record"
         if invalid.record_end is not None:
             what = "record that cannot be applied"
+        elif resume is None and invalid.past_end:
+            what = "torn record at the end"
+        if self._count > _MAX_WARNINGS:
+            self._unnamed_bytes += (invalid.record_end or resume or size) - pos
+            self._unnamed[what] = self._unnamed.get(what, 0) + 1
+            return
+        if invalid.record_end is not None:
             outcome = f"skipped its {invalid.record_end - pos} bytes"
             if resume is not None:
                 outcome += f", to the record after it, at byte {resume}"
-        elif resume is None and invalid.past_end:
-            what, outcome = "torn record at the end", "ignoring it"
+        elif what == "torn record at the end":
+            outcome = "ignoring it"
         elif resume is None:
             outcome = f"no valid record after it, ignoring the last {size - pos} bytes"
         else:
@@ -269,13 +288,19 @@ class _Skips:
         )
 
     def summarize(self) -> None:
-        """Warn once about the skipped regions not named one by one."""
+        """Warn once about the skipped regions not named one by one, counting each kind
+        (damaged bytes, well-formed records that cannot be applied, a torn last record)."""
         if self._count > _MAX_WARNINGS:
+            kinds = ", ".join(
+                f"{count} {_SUMMARY_PHRASES[what][count > 1]}"
+                for what, count in self._unnamed.items()
+            )
             logger.warning(
-                "disk tier manifest %s: %d more corrupt regions skipped (%d bytes in all), "
+                "disk tier manifest %s: %d more regions skipped (%s; %d bytes in all), "
                 "%d in this replay; only the first %d are named",
                 self._path,
                 self._count - _MAX_WARNINGS,
+                kinds,
                 self._unnamed_bytes,
                 self._count,
                 _MAX_WARNINGS,
