@@ -143,6 +143,13 @@ def test_chat_generator_validates_and_writes(tmp_path: Path) -> None:
         ChatWorkloadConfig(mean_turns=0)
     with pytest.raises(ValueError, match="system_prompt_tokens must be a range"):
         ChatWorkloadConfig(system_prompt_tokens=(10, 5))
+    # The range `--seed` takes: a negative seed gave the trace of its absolute value.
+    for seed in (-3, generate.MAX_SEED + 1):
+        with pytest.raises(
+            ValueError, match=rf"^seed must be 0 \.\.\. {generate.MAX_SEED}, got {seed}$"
+        ):
+            ChatWorkloadConfig(seed=seed)
+    assert ChatWorkloadConfig(seed=generate.MAX_SEED).seed == generate.MAX_SEED
     out = tmp_path / "chat.jsonl"
     assert generate_main([str(out), "--conversations", "5", "--seed", "3"]) == 0
     assert len(read_trace(out)) >= 5

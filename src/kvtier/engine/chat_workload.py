@@ -33,7 +33,8 @@ class ChatWorkload:
         for name in ("num_conversations", "num_turns", "num_answer_tokens", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("num_system_tokens", "num_document_tokens", "num_user_tokens"):
+        # A negative seed would draw the ids of its absolute value (`random.Random`).
+        for name in ("num_system_tokens", "num_document_tokens", "num_user_tokens", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

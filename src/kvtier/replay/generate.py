@@ -79,6 +79,10 @@ class ChatWorkloadConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
+        # The range `--seed` allows: `random.Random` seeds a negative seed with its
+        # absolute value, so -3 would silently give the trace of seed 3.
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be 0 ... {MAX_SEED}, got {self.seed}")
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, tuple):
