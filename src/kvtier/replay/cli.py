@@ -16,10 +16,10 @@ from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvtier.replay.config import CascadeMode, ReleaseOrder, ReplayError
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.option_types import (
+    block_size,
     bytes_per_token,
     parse_tokens,
     policy_name,
-    positive_int,
     rate,
 )
 from kvtier.replay.outputs import output_path
@@ -98,7 +98,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size",
         action=StoreOnce,
-        type=positive_int,
+        type=block_size,
         default=DEFAULT_BLOCK_SIZE,
         help=f"tokens per trace hash block (default {DEFAULT_BLOCK_SIZE})",
     )

@@ -36,7 +36,7 @@ from kvtier.replay.outputs import check_file_path, output_path
 from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.stdout_lines import progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
-from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
+from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, TraceRecord, write_trace
 from kvtier.replay.whole_file import descriptor_of
 
 Segment = tuple[int, int]  # (segment id, length in tokens)
@@ -46,7 +46,6 @@ Segment = tuple[int, int]  # (segment id, length in tokens)
 # for 600 conversations) and a block reference costs ~8 bytes and ~2 us to make.
 MAX_SEED = (1 << 64) - 1
 MAX_CONVERSATIONS = 100_000  # ~750 k requests, ~24 M block references at 512 tokens
-MAX_BLOCK_SIZE = 1 << 20  # tokens: longer than any prompt the defaults make
 TOKENS_PER_CONVERSATION = 121_000
 MAX_BLOCK_REFERENCES = 100_000_000  # about 1 GiB of hash ids
 

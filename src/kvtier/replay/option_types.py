@@ -12,6 +12,7 @@ from fractions import Fraction
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from kvtier.replay.ascii_number import ascii_float, ascii_int
 from kvtier.replay.belady import OFFLINE_POLICIES
+from kvtier.replay.trace import MAX_BLOCK_SIZE
 
 _SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 # ASCII only: `\d` alone also matches other scripts' digits (Arabic-Indic, full-width) and
@@ -81,6 +82,14 @@ def rate(text: str) -> float:
     value = ascii_float(text)
     if not MIN_RATE <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be >= {MIN_RATE:g} and finite, got {text!r}")
+    return value
+
+
+def block_size(text: str) -> int:
+    """Parse the tokens per trace block, 1 ... MAX_BLOCK_SIZE."""
+    value = positive_int(text)
+    if value > MAX_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_BLOCK_SIZE}, got {value}")
     return value
 
 

@@ -25,6 +25,11 @@ from typing import BinaryIO
 from kvtier.replay.whole_file import whole_file
 
 DEFAULT_BLOCK_SIZE = 512
+# The largest block size a trace may be read (`kvtier replay --block-size`) or written
+# (`generate --block-size`) at, in tokens: longer than any prompt the generator's
+# defaults make and 2048 times the Mooncake trace's 512. Larger ones are a typo: every
+# prompt is then one block, and the mismatch was only found after reading the trace.
+MAX_BLOCK_SIZE = 1 << 20
 MAX_HASH_ID = 1 << 64  # ids become 8-byte little-endian keys
 _GZIP_MAGIC = b"\x1f\x8b"
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
