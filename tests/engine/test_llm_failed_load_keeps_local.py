@@ -72,7 +72,8 @@ def test_a_failed_load_naming_nothing_recomputes_from_the_local_prefix(
     reference, _ = serve(None)
     with caplog.at_level(logging.WARNING, logger="kvtier.engine.scheduler"):
         outputs, wrap = serve(tmp_path)
-    assert "failed: recomputing tokens [8, 32)" in caplog.text  # keeps its 2 GPU blocks
+    # Keeps its 2 GPU blocks (old code: "failed: recomputing tokens [8, 32)").
+    assert "(tokens [8, 32)) failed: keeping tokens [0, 8), recomputing [8, 32)" in caplog.text
     assert wrap is not None
     assert wrap.dropped is not None, "the prefix was never loaded"
     (output,) = outputs

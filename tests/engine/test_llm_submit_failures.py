@@ -7,6 +7,8 @@ a preemption's plan failed, the plan's events were already issued but never repo
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -131,8 +133,12 @@ def test_a_refused_store_plan_fails_its_stores(error: BaseException) -> None:
     assert_serves_like_offload_off(llm, arm)
 
 
-def test_a_refused_load_plan_makes_its_request_recompute() -> None:
-    """The loading request is not part of the failed step: it survives and recomputes."""
+def test_a_refused_load_plan_makes_its_request_recompute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The loading request is not part of the failed step: it survives and recomputes,
+    all of it (a load never issued names no suspect blocks, so nothing is kept); the
+    warning says so (old code: "recomputing tokens [0, 24)", naming no load or choice)."""
     llm, arm = new_engine()
     assert llm.offload is not None
     first, second, _ = turns()
@@ -147,7 +153,14 @@ def test_a_refused_load_plan_makes_its_request_recompute() -> None:
     assert worker.refused is not None
     llm.pool.check_invariants()
     llm.offload.scheduler.check_invariants()
-    step_until_done(llm)
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine.scheduler"):
+        step_until_done(llm)
+    (message,) = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert re.fullmatch(
+        rf"load of {request.request_id} \(tokens \[0, 24\)\) failed: recomputing all "
+        "24 tokens from scratch",
+        message,
+    ), message
     assert llm.offload.totals.num_failed_loads == 1
     assert request.num_external_tokens_total == 0
     expected = reference([first, [prompt]])[1][0]

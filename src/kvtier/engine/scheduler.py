@@ -380,12 +380,26 @@ class Scheduler:
             if request is not None:
                 suspects = outcome.suspect_gpu_blocks.get(failed.request_id)
                 keep = valid_prefix(self.layout, request.block_tables, failed, suspects)
-                logger.warning(
-                    "load of %s failed: recomputing tokens [%d, %d)",
-                    failed.request_id,
-                    keep,
-                    failed.end_token,
-                )
+                if keep > 0:
+                    logger.warning(
+                        "load of %s (tokens [%d, %d)) failed: keeping tokens [0, %d), "
+                        "recomputing [%d, %d)",
+                        failed.request_id,
+                        failed.start_token,
+                        failed.end_token,
+                        keep,
+                        keep,
+                        failed.end_token,
+                    )
+                else:  # its local prefix is dropped too: it starts again from token 0
+                    logger.warning(
+                        "load of %s (tokens [%d, %d)) failed: recomputing all %d tokens "
+                        "from scratch",
+                        failed.request_id,
+                        failed.start_token,
+                        failed.end_token,
+                        failed.end_token,
+                    )
                 request.num_external_tokens_total -= failed.end_token - max(
                     keep, failed.start_token
                 )
