@@ -336,7 +336,7 @@ def test_each_resync_scans_about_as_far_as_the_next_valid_record(
     scanned = []
     real = manifest_scan._candidates
 
-    def counting(data: bytes, lo: int, hi: int, num_slots: int, room: int) -> list[int]:
+    def counting(data: bytes, lo: int, hi: int, num_slots: int, room: int) -> list[tuple[int, int]]:
         scanned.append(hi - lo)
         return real(data, lo, hi, num_slots, room)
 

@@ -38,7 +38,8 @@ embedded in a damaged record's key bytes is a real but stale one. The scan runs 
 after a record failed its checksum or was cut short: in an undamaged file each record
 is read where the previous one ends, so bytes inside a well-formed record's key (one of
 a later format's kinds included) are never taken for a record, nor scanned (a key of
-crafted bytes, a candidate record every 8 bytes, cost ~0.3 s per MiB to scan).
+crafted bytes, a candidate record every 8 bytes, costs a scan more than clean records:
+see `manifest_scan`).
 
 Files another user could have written are never trusted (`trust_problem`).
 """
