@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import random
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -117,3 +119,61 @@ def test_leaving_repeats_out_changes_no_replay(
     monkeypatch.setattr(manifest_scan, "_DEDUPE_FROM", 1 << 40)
     assert replay(tmp_path / "m", body, caplog) == deduped
     assert [r.getMessage() for r in caplog.records] == warnings
+
+
+def fingerprinting_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record, for each call of `_first_of_repeats` that computes fingerprints (enough
+    candidates lie whole in the window), how many candidates it was given."""
+    calls: list[int] = []
+    real = manifest_scan._first_of_repeats
+
+    def spied(raw: Any, at: Any, ends: Any) -> Any:
+        if int((ends <= len(raw)).sum()) >= manifest_scan._DEDUPE_FROM:
+            calls.append(len(at))
+        return real(raw, at, ends)
+
+    monkeypatch.setattr(manifest_scan, "_first_of_repeats", spied)
+    return calls
+
+
+def test_a_resync_to_the_next_record_computes_no_fingerprints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A damaged put followed by valid records, 200 times: each resync stops at the first
+    candidate, so no fingerprint is computed (helper's code fingerprinted every pass of
+    64 candidates or more, here the ~150 tombstones of each 4 KiB span and the random
+    lengths of candidates inside their bytes, up to 64 KiB: 200 calls, and a replay of
+    such a file 3.5 times as slow as without them)."""
+    calls = fingerprinting_calls(monkeypatch)
+    parts = []
+    for n in range(200):
+        damaged = bytearray(encode_put(n % NUM_SLOTS, entry(n % NUM_SLOTS)))
+        damaged[-1] ^= 0x01
+        parts += [bytes(damaged), *(encode_tombstone(s) for s in range(NUM_SLOTS))]
+    parts.append(encode_put(3, entry(3)))
+    assert replay(tmp_path / "m", b"".join(parts), caplog) == {3: entry(3)}
+    assert calls == []
+
+
+def test_a_damaged_region_is_deduplicated_a_batch_at_a_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1 MiB of candidates (one every 8 bytes, all distinct) before a valid record: the
+    fingerprints are computed over one batch of candidates at a time, so the arrays
+    stay small (helper's code: one call over the whole window's 2**17 candidates, ~28
+    MiB of arrays at once for a 1 MiB window)."""
+    calls = fingerprinting_calls(monkeypatch)
+    rng = random.Random(5)
+    region = b"".join(
+        bytes([1, rng.randrange(NUM_SLOTS), 0, 0, 0, *rng.randbytes(3)]) for _ in range(1 << 17)
+    )
+    body = encode_put(1, entry(1)) + region + encode_put(2, entry(2))
+    tracemalloc.start()
+    try:
+        assert replay(tmp_path / "m", body, caplog) == {1: entry(1), 2: entry(2)}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, f"peak {peak} B"  # ~6.2 MiB: the file's window and candidates
+    assert calls
+    assert max(calls) <= 1024  # `_DEDUPE_BATCH`

@@ -22,11 +22,13 @@ slots), zeros none, and a run of one kind byte (0x01 0x01 ..., the most offsets 
 valid kind) none either below 16 843 010 slots; the first pass compares the kind and the
 slot's top byte with whole-span slices, so only offsets that pass both are gathered.
 Crafted bytes can make every 5th offset pass these filters; of a repeating pattern (a
-key of such bytes behind a damaged record) only the candidates that do not repeat one
-just before them are checked (`_first_of_repeats`), and each check starts with the
-record's checksum, before `record_at` decodes it: a damaged MiB of the pattern of 8
-bytes scans in ~23 ms of CPU instead of ~120 ms; candidates all distinct still cost
-about 0.7 us each (~90 ms per MiB of one every 8 bytes).
+key of such bytes behind a damaged record), past the first 64 candidates of a resync,
+only those that do not repeat one just before them are checked (`_check_order`: the
+fingerprints cost a resync that stops at one of the first, the usual case, nothing),
+and each check starts with the record's checksum, before `record_at` decodes it: a
+damaged MiB of the pattern of 8 bytes scans in ~23 ms of CPU instead of ~120 ms;
+candidates all distinct still cost about 0.7 us each (~90 ms per MiB of one every 8
+bytes).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
+from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
@@ -62,7 +65,9 @@ _DIGEST = xxhash.xxh3_64_intdigest
 _KINDS = (PUT, TOMBSTONE, TAGGED_PUT)
 _MIN_RECORD = RECORD.size + CHECKSUM.size  # a record with an empty key field: a tombstone
 _FIRST_SCAN = 4096  # offsets the scan filters at first; doubled each pass, up to a window
-_DEDUPE_FROM = 64  # candidates of one pass from which repeated records are checked once
+# The candidates of a resync checked one by one before repeated records are checked
+# once (`_check_order`), and how many of the rest are deduplicated at a time.
+_DEDUPE_FROM, _DEDUPE_BATCH = 64, 1024
 _REPEAT_LAG = 16  # a candidate is compared with this many candidates before it
 # The fingerprint of record bytes (`_first_of_repeats`): an odd base and its inverse.
 _FINGERPRINT_BASE = 0x9E3779B97F4A7C15
@@ -181,6 +186,7 @@ class RecordReader:
         """Return the first offset from `start` on at which a valid record starts, or None
         when none does before the end of the file."""
         pos, span = start, _FIRST_SCAN
+        alone = _DEDUPE_FROM  # candidates checked before repeats are left out (first pass)
         while self._fill(pos, _MIN_RECORD):
             data, base = self._data, self._base
             # The offsets whose head is in the window, at most `span` of them: the next
@@ -189,7 +195,8 @@ class RecordReader:
             stop = min(len(data) - RECORD.size + 1, pos - base + span)
             room, whole = self._size - base, len(data)
             unpack_sum, digest = CHECKSUM.unpack_from, _DIGEST
-            for i, end in _candidates(data, pos - base, stop, self._num_slots, room):
+            at, ends = _candidates(data, pos - base, stop, self._num_slots, room)
+            for i, end in _check_order(data, at, ends, alone):
                 # Most candidates fail their checksum: checked here first, a third of
                 # the time `record_at` takes to reject them.
                 sum_at = end - CHECKSUM.size
@@ -197,7 +204,7 @@ class RecordReader:
                     continue
                 if not isinstance(self.record_at(base + i), Invalid):
                     return base + i
-            pos, span = base + stop, min(2 * span, READ_BUFFER)
+            pos, span, alone = base + stop, min(2 * span, READ_BUFFER), 0
         return None
 
     def _fill(self, pos: int, need: int) -> bool:
@@ -254,18 +261,20 @@ class RecordReader:
         return b"".join(parts)
 
 
-def _candidates(data: bytes, lo: int, hi: int, num_slots: int, room: int) -> list[tuple[int, int]]:
-    """Return the offsets in [lo, hi) of `data` where a valid record may start, each with
-    where its record would end: a valid kind byte, a slot field below `num_slots`, and
-    a length within `room` bytes of `data`'s start. Every offset in [lo, hi) must have a
-    whole record head in `data`."""
+def _candidates(
+    data: bytes, lo: int, hi: int, num_slots: int, room: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return the offsets in [lo, hi) of `data` where a valid record may start, ascending,
+    and where each record would end: a valid kind byte, a slot field below `num_slots`,
+    and a length within `room` bytes of `data`'s start. Every offset in [lo, hi) must
+    have a whole record head in `data`."""
     raw = np.frombuffer(data, dtype=np.uint8)
     kinds = raw[lo:hi]
     top = raw[lo + _SLOT_AT + 3 : hi + _SLOT_AT + 3]  # the slot's most significant byte
     maybe = (kinds == _KINDS[0]) | (kinds == _KINDS[1]) | (kinds == _KINDS[2])
     at = np.flatnonzero(maybe & (top <= min((num_slots - 1) >> 24, 255)))
     if len(at) == 0:
-        return []
+        return at, at
     at += lo
     slot = np.zeros(len(at), dtype=np.int64)
     for k in range(4):
@@ -274,8 +283,26 @@ def _candidates(data: bytes, lo: int, hi: int, num_slots: int, room: int) -> lis
     key_len = low.astype(np.int64) | high.astype(np.int64) << 8
     ends = at + (_MIN_RECORD + key_len)
     keep = (slot < num_slots) & (ends <= room)
-    at, ends = _first_of_repeats(raw, at[keep], ends[keep])
-    return list(zip(at.tolist(), ends.tolist(), strict=True))
+    return at[keep], ends[keep]
+
+
+def _check_order(
+    data: bytes, at: np.ndarray, ends: np.ndarray, alone: int
+) -> Iterator[tuple[int, int]]:
+    """Yield the candidates (`_candidates`: offsets `at` in `data`, ascending, and their
+    records' ends) the scan checks, in order: the first `alone` all, then a batch of
+    `_DEDUPE_BATCH` at a time less its repeats (`_first_of_repeats`).
+
+    Lazily: the scan stops at the first valid one, usually among the first few of a
+    resync (a damaged record followed by valid ones), so the fingerprints are computed
+    only for a resync through many invalid candidates, and over one batch's bytes at a
+    time (a few MiB of arrays at most, not 40 bytes per byte of the window)."""
+    yield from zip(at[:alone].tolist(), ends[:alone].tolist(), strict=True)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    for first in range(alone, len(at), _DEDUPE_BATCH):
+        batch = slice(first, first + _DEDUPE_BATCH)
+        kept, kept_ends = _first_of_repeats(raw, at[batch], ends[batch])
+        yield from zip(kept.tolist(), kept_ends.tolist(), strict=True)
 
 
 def _first_of_repeats(
