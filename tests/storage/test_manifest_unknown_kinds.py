@@ -113,3 +113,21 @@ def test_the_summary_counts_each_kind_of_skipped_region(
         f"cannot be applied, 1 torn record at the end; {unnamed} bytes in all), 11 in this "
         "replay; only the first 5 are named"
     )
+
+
+def test_one_unnamed_region_is_counted_in_the_singular(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Six skipped regions: the summary counts one more region, in the singular (helper's
+    code: "1 more regions skipped (1 torn record at the end; ...)")."""
+    puts = [encode_put(slot, entry(slot)) for slot in range(6)]
+    future = raw_record(FUTURE_KIND, 41, b"k")
+    torn = encode_put(42, entry(42))[:-3]
+    body = b"".join(p + future for p in puts[:5]) + puts[5] + torn
+    assert replay(tmp_path / "m", body, caplog) == {slot: entry(slot) for slot in range(6)}
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 6
+    assert messages[-1].endswith(
+        f"1 more region skipped (1 torn record at the end; {len(torn)} bytes in all), 6 in "
+        "this replay; only the first 5 are named"
+    )

@@ -296,11 +296,13 @@ class _Skips:
                 f"{count} {_SUMMARY_PHRASES[what][count > 1]}"
                 for what, count in self._unnamed.items()
             )
+            more = self._count - _MAX_WARNINGS
             logger.warning(
-                "disk tier manifest %s: %d more regions skipped (%s; %d bytes in all), "
+                "disk tier manifest %s: %d more %s skipped (%s; %d bytes in all), "
                 "%d in this replay; only the first %d are named",
                 self._path,
-                self._count - _MAX_WARNINGS,
+                more,
+                "regions" if more > 1 else "region",
                 kinds,
                 self._unnamed_bytes,
                 self._count,
