@@ -21,6 +21,18 @@ record per slot after the slot's data is written, and tombstones the slots if th
 fails (their old bytes may be partly overwritten). A write without records tombstones
 the slots' earlier records *before* writing, so a restart cannot offer them. A read that
 fails verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
+
+Durability, per write batch (one `write_slots` call), never per slot: after a batch's
+data is written the slot file is synced (`fdatasync`), and only then are its put records
+appended, so a record is never in the manifest before the data it describes is durable.
+Before a batch overwrites any slot, the manifest is synced if a tombstone was appended
+since its last sync (by `forget`, a failed verification, or this batch without records),
+so a dropped record cannot come back, after a crash, over the slot's new bytes. Put
+records are not synced as they are appended (a crash may lose the newest ones: a restart
+then misses those blocks, it never serves wrong bytes); `close()` syncs the slot file,
+then the manifest, so after a clean shutdown everything is durable. A failed manifest
+sync drops every record and ends persistence for the run (as `forget` does when it
+cannot append).
 `end_persistence()` (a tier reset) drops every
 record and records nothing more in this run: the tier then works as a non-persistent
 one whose files are kept, and the next open finds nothing to restore.
@@ -276,12 +288,16 @@ class DiskTier:
         size = self.config.bytes_per_slot
         log = self._log
         slots = slot_ids.tolist()
-        if log is not None and records is None:
-            log.forget(slots)  # no record will describe the new bytes: drop the old ones
+        if log is not None:
+            if records is None:
+                log.forget(slots)  # no record will describe the new bytes: drop the old ones
+            self._sync_log(log)  # the tombstones are durable before slots are overwritten
         self._valid[slot_ids] = False
         try:
             for a, b in _consecutive_runs(slot_ids):
                 self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
+            if log is not None and records is not None:
+                self._file.sync_data()  # the data is durable before its records
         except BaseException:
             if log is not None:
                 log.forget(slots)  # the old bytes may be partly overwritten
@@ -290,6 +306,21 @@ class DiskTier:
         self._valid[slot_ids] = True
         if log is not None and records is not None:
             log.put(slots, sums.tolist(), records)
+
+    def _sync_log(self, log: ManifestLog) -> None:
+        """Sync the manifest when a tombstone was appended since its last sync
+        (`ManifestLog.sync`); when that fails, drop every record and record nothing more
+        in this run, as `forget` does when it cannot append: what the file holds after a
+        failed fsync is unknown."""
+        if log.ended or log.sync(tombstones_only=True):
+            return
+        self._recovered.clear()
+        log.end()
+        logger.warning(
+            "disk tier %s: cannot sync the manifest; dropped every record, and nothing "
+            "more is persisted in this run",
+            self.path,
+        )
 
     def _read(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         size = self.config.bytes_per_slot

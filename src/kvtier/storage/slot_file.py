@@ -300,6 +300,19 @@ class SlotFile:
                 exc.errno, f"cannot sync the disk tier file: {exc.strerror or exc}", self.path
             ) from exc
 
+    def sync_data(self) -> None:
+        """Flush the file's written data to the device (`fdatasync`: the file's size never
+        changes while it is open); raise DiskIOError naming the file."""
+        fd = self._handle.fd
+        if fd is None:
+            raise DiskIOError(errno.EBADF, "disk tier file is closed", self.path)
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            raise DiskIOError(
+                exc.errno, f"cannot sync the written slots: {exc.strerror or exc}", self.path
+            ) from exc
+
     def close(self) -> None:
         """Remove the file unless it is persistent, then close it (releasing the lock only
         once the file is gone); idempotent, and what collection does without `close()`.
