@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +192,31 @@ def test_an_os_without_unnamed_files_is_probed_with_a_named_one(
     refuse_writes_under(monkeypatch, tmp_path)
     with pytest.raises(ConfigError, match="cannot create files in it: Read-only file system"):
         disk_config(tmp_path).prepare_host()
+
+
+def a_dead_pid() -> int:
+    """Return the pid of a process that has exited (and been reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("name", ["dead", "same_pid", "no_pid"])
+def test_a_probe_left_by_a_dead_process_is_removed_at_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Regression: where a named probe is needed (no O_TMPFILE), a process killed between
+    creating and removing it left `.kvtier-probe-...` in `disk_path` for good. The next
+    start removes one whose process is gone: another pid, or this process's own pid
+    reused (an engine in a container gets the same pid every start), or an older name
+    without a pid. A live process's probe and other files are left alone."""
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    pid = {"dead": a_dead_pid(), "same_pid": os.getpid(), "no_pid": None}[name]
+    left = tmp_path / (".kvtier-probe-" + (f"{pid}-" if pid is not None else "") + "x1y2z3")
+    left.write_bytes(b"")
+    live = tmp_path / f".kvtier-probe-{os.getppid()}-a1b2c3"  # the parent is running
+    live.write_bytes(b"")
+    other = tmp_path / "rank0.slots"
+    other.write_bytes(b"")
+    disk_config(tmp_path).prepare_host()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])

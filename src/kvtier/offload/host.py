@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -119,13 +120,20 @@ def _cannot_create_files(directory: Path) -> str | None:
     permission bits do not tell for root, nor for a read-only mount seen through NFS's
     root squashing, a FUSE file system or a security module. The probe is an unnamed
     file (O_TMPFILE) where the OS and file system have them, so an interrupted check leaves
-    nothing behind; elsewhere a hidden file, removed at once.
+    nothing behind; elsewhere a hidden file named `.kvtier-probe-<pid>-...`, removed at
+    once. One a process left there when it died between creating and removing it is
+    removed by the next check (`_remove_dead_probes`).
     """
+    _remove_dead_probes(directory)
     try:
         os.close(_create_probe(directory))
     except OSError as exc:
         return f"cannot create files in it: {exc.strerror or type(exc).__name__}"
     return None
+
+
+PROBE_PREFIX = ".kvtier-probe-"
+_OWN_PROBES: set[str] = set()  # the names of this process's probes not yet removed
 
 
 def _create_probe(directory: Path) -> int:
@@ -137,7 +145,50 @@ def _create_probe(directory: Path) -> int:
         except OSError as exc:  # the file system has none (or the kernel: EISDIR)
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
-    fd, probe = tempfile.mkstemp(dir=directory, prefix=".kvtier-probe-")
-    with contextlib.suppress(OSError):
-        os.unlink(probe)
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=f"{PROBE_PREFIX}{os.getpid()}-")
+    _OWN_PROBES.add(os.path.basename(probe))
+    try:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    finally:
+        _OWN_PROBES.discard(os.path.basename(probe))
     return fd
+
+
+def _remove_dead_probes(directory: Path) -> None:
+    """Remove the named probe files in `directory` that no live process of this machine
+    made (its pid is in the name; older names had none): files this user owns, left by
+    a check that died before removing its probe; never raises.
+
+    A probe removed under a live check elsewhere (another machine sharing the directory)
+    harms nothing: that check only needed to create it, and its own removal is quiet.
+    """
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return  # the probe that follows names the problem
+    for entry in entries:
+        if not entry.name.startswith(PROBE_PREFIX) or _probe_owner_alive(entry.name):
+            continue
+        with contextlib.suppress(OSError):
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.unlink(entry.path)
+                logger.info("removed a probe file left by a dead process: %s", entry.path)
+
+
+def _probe_owner_alive(name: str) -> bool:
+    """Return True when the probe file `name` was made by a process that is running."""
+    pid_text = name[len(PROBE_PREFIX) :].partition("-")[0]
+    if not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():  # this process's, or one of an earlier one given the same pid
+        return name in _OWN_PROBES  # (an engine in a container often has the same pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
