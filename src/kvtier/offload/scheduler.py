@@ -204,6 +204,10 @@ class OffloadScheduler:
             admission=self._admission,
             tags=self.tags,
             set_aside=self._store_set_aside,
+            # The token check on a disk-only tier: a tagged store replaces an untagged copy.
+            replaced=self.dropped_slots
+            if self.tier is Tier.DISK and self.config.token_check
+            else None,
         )
         self._completion.selector = self._selector
 

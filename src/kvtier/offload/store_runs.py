@@ -65,7 +65,7 @@ def select_run(
             tag = tag_of(pos + i, gpu_block_id, key)
         if key in in_flight:
             num_in_flight += 1
-        elif key in tier_index:
+        elif key in tier_index and not (tag is not None and selector.replace_untagged(key)):
             num_cached += 1
         elif stored_before and stored_before.get(gpu_block_id) == key:
             num_stored_before += 1  # the tier evicted this block's copy: not again

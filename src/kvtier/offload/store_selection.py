@@ -22,6 +22,7 @@ from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.core.token_tags import Tag
 from kvtier.offload.block_payload import block_payload, request_key
 from kvtier.offload.disk_slots import SetAsideSlots
+from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.lazy_walk import LazyWalk
 from kvtier.offload.protocols import (
     GpuPoolView,
@@ -71,6 +72,9 @@ class StoreSelector:
     across_reset: set[str] = field(default_factory=set)
     # A disk tier's slots of failed stores, held (None for a CPU tier: see `disk_slots`).
     set_aside: SetAsideSlots | None = None
+    # The token check on a disk-only tier: where the slots of the untagged copies a
+    # tagged store replaces go (their manifest records are dropped); None: no replacing.
+    replaced: DroppedSlots | None = None
 
     # ------------------------------------------------------------ request tracking
 
@@ -327,11 +331,13 @@ class StoreSelector:
             return StoreOutcome.UNHASHED
         if key in self.in_flight_keys:
             return StoreOutcome.IN_FLIGHT
-        if self.tier_pool.cached_block(key) is not None:
+        own_tag = tag[1] if tag is not None and tag[0] == key else None
+        if self.tier_pool.cached_block(key) is not None and not (
+            own_tag is not None and self.replace_untagged(key)
+        ):
             return StoreOutcome.ALREADY_CACHED
         if not self.admission.admit(key):
             return StoreOutcome.NOT_ADMITTED
-        own_tag = tag[1] if tag is not None and tag[0] == key else None
         if self.tags is not None and own_tag is None:
             return StoreOutcome.NO_TAG  # never served with the check on
         if not self.tier_room(1):
@@ -341,6 +347,32 @@ class StoreSelector:
         self.in_flight_keys.add(key)
         self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored, own_tag)
         return StoreOutcome.STORED
+
+    def replace_untagged(self, key: Key) -> bool:
+        """Drop the tier's copies of `key` when none carries a token tag, so that a
+        tagged store of `key` replaces them; return True when it did.
+
+        Only with the token check on a disk-only tier (`replaced` set): a copy without a
+        tag (restored from a run without the check) is never served, and kept, it made
+        every store of its key a skip. A block holding `key` as its primary key loses
+        its keys and its slot goes to `replaced` (a restart must not restore it either);
+        one holding it as a secondary key keeps its primary key. Nothing is dropped when
+        a copy is tagged (it is served, or a hash collision's: kept) or pinned.
+        """
+        if self.replaced is None:
+            return False
+        pool = self.tier_pool
+        blocks = pool.cached_blocks(key)
+        primary = [block for block in blocks if pool.key(block) == key]
+        if any(pool.tag(block) is not None or pool.ref_count(block) for block in primary):
+            return False
+        for block in blocks:
+            if block in primary:
+                pool.discard_keys(block)
+            else:
+                pool.discard_secondary_key(block, key)
+        self.replaced.add(primary)
+        return True
 
     def tier_room(self, needed: int) -> int:
         """Return the free tier slots; held disk slots come back first when fewer than
