@@ -68,7 +68,9 @@ def check_creates_files(what: str, folder: Path) -> None:
     """Raise `ReplayError` (starting with `what`) unless a file can be created in `folder`."""
     with signals_deferred():  # no probe file left behind by Ctrl-C
         try:
-            fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvtier-probe-")
+            # Named as `prepare_host`'s probe (with the pid), which removes one a dead
+            # process left in a disk tier's directory, never a live one's.
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=f".kvtier-probe-{os.getpid()}-")
         except OSError as exc:
             reason = exc.strerror or type(exc).__name__
             raise ReplayError(f"{what}: cannot create files in {folder} ({reason})") from None
