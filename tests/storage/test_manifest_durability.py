@@ -7,6 +7,7 @@ The order is observed by recording, per file, the writes and syncs the tier make
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -14,9 +15,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from storage_helpers import FlakyIO
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOMode, DiskTier, DiskTierConfig
+from kvtier.storage.slot_file import DiskIOError
 
 SLOT = 4096
 
@@ -161,3 +164,22 @@ def test_a_failed_manifest_sync_drops_every_record(
     restarted = DiskTier(config)
     assert restarted.recovered_slots() == []
     restarted.close()
+
+
+def test_the_tombstones_of_a_failed_write_are_synced_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that fails may have overwritten part of its slots: their records are
+    dropped, durably, before the failure is reported."""
+    io = FlakyIO()
+    tier = DiskTier(tier_config(tmp_path), io)
+    slots = np.arange(1, 3, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in slots]).result()
+    io.write_errno = errno.EIO
+    events = record_calls(monkeypatch, tmp_path)
+    with pytest.raises(DiskIOError):
+        tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in slots]).result()
+    monkeypatch.undo()
+    (tombstone,) = [i for i, event in enumerate(events) if event == ("write", "manifest")]
+    assert any(is_sync(e, "manifest") for e in events[tombstone:]), events
+    tier.close()

@@ -40,6 +40,7 @@ one whose files are kept, and the next open finds nothing to restore.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -301,6 +302,8 @@ class DiskTier:
         except BaseException:
             if log is not None:
                 log.forget(slots)  # the old bytes may be partly overwritten
+                with contextlib.suppress(OSError):  # the write's own error is the one raised
+                    self._sync_log(log)
             raise
         self._checksums[slot_ids] = sums
         self._valid[slot_ids] = True
