@@ -6,6 +6,7 @@ this run and every checking restart (its untagged record stayed in the manifest)
 
 from __future__ import annotations
 
+import pytest
 from sim import Admission, SimEngine, full_layout, make_request
 from test_scenarios_cascade import keys_of
 
@@ -16,7 +17,7 @@ from kvtier.offload.scheduler import OffloadScheduler
 MIB = 1 << 20
 
 
-def disk_engine(persist: bool = True) -> SimEngine:
+def disk_engine(persist: bool = True, events: bool = False) -> SimEngine:
     """A disk-only tier of 8 blocks with the token check (eager stores: lazy ones
     cannot be checked)."""
     config = OffloadConfig(
@@ -24,6 +25,7 @@ def disk_engine(persist: bool = True) -> SimEngine:
         disk_path="unused-by-the-fake-worker",
         disk_persist=persist,
         token_check=True,
+        events=events,
     )
     return SimEngine(full_layout(), config, num_gpu_blocks=16, num_tier_blocks=8)
 
@@ -38,8 +40,9 @@ def tags(scheduler: OffloadScheduler, keys: list[bytes]) -> list[bytes | None]:
     return [None if b is None else pool.tag(b, key) for b, key in zip(blocks, keys, strict=True)]
 
 
-def test_a_tagged_store_replaces_a_restored_untagged_copy() -> None:
-    engine = disk_engine()
+@pytest.mark.parametrize("events", [False, True])  # True: block by block (`try_select`)
+def test_a_tagged_store_replaces_a_restored_untagged_copy(events: bool) -> None:
+    engine = disk_engine(events=events)
     keys = keys_of(range(8), 2)
     untagged = [(1, SlotRecord(keys[0], 4)), (2, SlotRecord(keys[1], 4))]
     assert engine.scheduler.restore(Tier.DISK, untagged) == 2
