@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -218,5 +219,43 @@ def test_a_probe_left_by_a_dead_process_is_removed_at_the_next_start(
     live.write_bytes(b"")
     other = tmp_path / "rank0.slots"
     other.write_bytes(b"")
+    age(left, live, other)  # left at an earlier start
     disk_config(tmp_path).prepare_host()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+def age(*paths: Path) -> None:
+    """Date `paths` back a day: past the age under which a probe is never removed."""
+    then = time.time() - 86400
+    for path in paths:
+        os.utime(path, (then, then))
+
+
+@pytest.mark.parametrize("pid_text", ["99999999999999", "\u00b2", "0"])
+def test_a_probe_name_with_no_pid_of_a_process_never_fails_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pid_text: str
+) -> None:
+    """Regression: `.kvtier-probe-99999999999999-x` made prepare_host raise OverflowError
+    (os.kill of more than any pid), `.kvtier-probe-\u00b2-x` ValueError (a digit int()
+    refuses), and `.kvtier-probe-0-x` was kept for good (os.kill(0, 0) signals the
+    process group: "alive"). Any user who can create files in a shared disk_path could
+    stop every engine's start. Such a probe is no process's: it is removed."""
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    odd = tmp_path / f".kvtier-probe-{pid_text}-x1y2z3"
+    odd.write_bytes(b"")
+    age(odd)
+    disk_config(tmp_path).prepare_host()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fresh_probe_is_kept_though_no_process_here_has_its_pid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a live check's probe was removed when its pid was not visible here (a
+    container in another pid namespace sharing the directory, another machine): only
+    one old enough to be a dead check's is."""
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    fresh = tmp_path / f".kvtier-probe-{a_dead_pid()}-x1y2z3"  # another namespace's pid
+    fresh.write_bytes(b"")
+    disk_config(tmp_path).prepare_host()
+    assert list(tmp_path.iterdir()) == [fresh]

@@ -13,11 +13,14 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtier.replay import outputs
 from kvtier.replay.cli import main
 from kvtier.replay.whole_file import descriptor_of, whole_file
 
@@ -157,3 +160,21 @@ def test_a_relative_link_is_read_from_the_folder_it_is_really_in(tmp_path: Path)
     assert descriptor_of(tmp_path / "x" / "r.json") is None
     (deep / "up.json").symlink_to("../" * (ups + 2) + "dev/stdout")  # from c: to / as well
     assert descriptor_of(tmp_path / "x" / "up.json") == 1
+
+
+def test_a_folder_probe_removed_by_another_check_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: the probe `check_creates_files` makes is named as `prepare_host`'s,
+    whose clean-up may remove it meanwhile (a check on another machine, or in another
+    pid namespace, sharing the folder); its own removal then raised FileNotFoundError."""
+    real_mkstemp = tempfile.mkstemp
+
+    def removed_at_once(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, path = real_mkstemp(*args, **kwargs)
+        os.unlink(path)  # another check's clean-up
+        return fd, path
+
+    monkeypatch.setattr(outputs.tempfile, "mkstemp", removed_at_once)
+    outputs.check_creates_files("--out", tmp_path)
+    assert list(tmp_path.iterdir()) == []

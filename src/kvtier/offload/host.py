@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from kvtier.offload.config_error import ConfigError
@@ -133,6 +134,10 @@ def _cannot_create_files(directory: Path) -> str | None:
 
 
 PROBE_PREFIX = ".kvtier-probe-"
+# A probe younger than this is never removed as a dead process's: a check removes its own
+# within milliseconds, and a live one's pid may not be visible here (another pid namespace:
+# a container sharing the directory, or another machine).
+PROBE_MIN_AGE_S = 300.0
 _OWN_PROBES: set[str] = set()  # the names of this process's probes not yet removed
 
 
@@ -157,22 +162,30 @@ def _create_probe(directory: Path) -> int:
 
 def _remove_dead_probes(directory: Path) -> None:
     """Remove the named probe files in `directory` that no live process of this machine
-    made (its pid is in the name; older names had none): files this user owns, left by
-    a check that died before removing its probe; never raises.
+    made (its pid is in the name; older names had none): regular files this user owns,
+    at least `PROBE_MIN_AGE_S` old, left by a check that died before removing its probe;
+    never raises, whatever the names in `directory`.
 
-    A probe removed under a live check elsewhere (another machine sharing the directory)
-    harms nothing: that check only needed to create it, and its own removal is quiet.
+    The age keeps the probe of a live check whose pid is not visible here (a container
+    in another pid namespace sharing the directory, another machine); were one removed
+    all the same, that check's own removal of it is quiet.
     """
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return  # the probe that follows names the problem
+    now = time.time()
     for entry in entries:
-        if not entry.name.startswith(PROBE_PREFIX) or _probe_owner_alive(entry.name):
+        if not entry.name.startswith(PROBE_PREFIX):
             continue
         with contextlib.suppress(OSError):
             info = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+            if (
+                stat.S_ISREG(info.st_mode)
+                and info.st_uid == os.geteuid()
+                and now - info.st_mtime >= PROBE_MIN_AGE_S
+                and not _probe_owner_alive(entry.name)
+            ):
                 os.unlink(entry.path)
                 logger.info("removed a probe file left by a dead process: %s", entry.path)
 
@@ -180,9 +193,11 @@ def _remove_dead_probes(directory: Path) -> None:
 def _probe_owner_alive(name: str) -> bool:
     """Return True when the probe file `name` was made by a process that is running."""
     pid_text = name[len(PROBE_PREFIX) :].partition("-")[0]
-    if not pid_text.isdigit():
+    if not (pid_text.isascii() and pid_text.isdigit()):  # int() refuses "²", a digit too
         return False
     pid = int(pid_text)
+    if not 0 < pid <= 0x7FFFFFFF:  # no process's: os.kill would signal the process
+        return False  # group (0), or raise OverflowError (more than any pid)
     if pid == os.getpid():  # this process's, or one of an earlier one given the same pid
         return name in _OWN_PROBES  # (an engine in a container often has the same pid)
     try:
