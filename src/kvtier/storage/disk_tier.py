@@ -22,17 +22,21 @@ fails (their old bytes may be partly overwritten). A write without records tombs
 the slots' earlier records *before* writing, so a restart cannot offer them. A read that
 fails verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
 
-Durability, per write batch (one `write_slots` call), never per slot: after a batch's
-data is written the slot file is synced (`fdatasync`), and only then are its put records
-appended, so a record is never in the manifest before the data it describes is durable.
-Before a batch overwrites any slot, the manifest is synced if a tombstone was appended
-since its last sync (by `forget`, a failed verification, or this batch without records),
-so a dropped record cannot come back, after a crash, over the slot's new bytes. Put
-records are not synced as they are appended (a crash may lose the newest ones: a restart
-then misses those blocks, it never serves wrong bytes); `close()` syncs the slot file,
-then the manifest, so after a clean shutdown everything is durable. A failed manifest
-sync drops every record and ends persistence for the run (as `forget` does when it
-cannot append).
+Durability, by group commit (see `pending_puts`): a written slot's put record waits,
+with those of the other slots written meanwhile, until the store queue is idle (no other
+write queued when a write ends), the group holds 64 MiB of slots, its oldest record
+waited a second, or `close()`; then one `fdatasync` of the slot file makes their data
+durable, and only then are the records appended, so a record is never in the manifest
+before the data it describes is durable. A pending record whose slot is forgotten,
+rewritten or fails is dropped, never appended. Before a batch overwrites any slot, the
+manifest is synced if a tombstone was appended since its last sync (by `forget`, a
+failed verification, or this batch without records), so a dropped record cannot come
+back, after a crash, over the slot's new bytes. Put records are not synced as they are
+appended (a crash may lose the newest ones, and the pending ones: a restart then misses
+those blocks, or fails to load a slot whose older record it finds, never serves wrong
+bytes); `close()` commits the pending records, then syncs the slot file and the
+manifest, so after a clean shutdown everything is durable. A failed manifest sync drops
+every record and ends persistence for the run (as `forget` does when it cannot append).
 `end_persistence()` (a tier reset) drops every
 record and records nothing more in this run: the tier then works as a non-persistent
 one whose files are kept, and the next open finds nothing to restore.
@@ -64,6 +68,7 @@ from kvtier.storage.manifest import (
     open_manifest,
     remove_manifest,
 )
+from kvtier.storage.pending_puts import PendingPuts
 from kvtier.storage.slot_file import (
     DIRECT_IO_ALIGNMENT,
     BadSlotsError,
@@ -110,6 +115,7 @@ class DiskTier:
             persistent=identity is not None,
         )
         self._log: ManifestLog | None = None
+        self._pending: PendingPuts | None = None
         try:
             if identity is None:
                 remove_manifest(config.path)  # under the new file's lock
@@ -119,6 +125,7 @@ class DiskTier:
                     self._checksums[slot] = live[slot].checksum
                     self._valid[slot] = True
                     self._recovered[slot] = live[slot].record
+                self._pending = PendingPuts(self._log, self._file.sync_data, config.bytes_per_slot)
         except BaseException:
             close_files(self._file, self._log)  # never raises for a failed sync or removal
             raise
@@ -179,6 +186,8 @@ class DiskTier:
             return
         self._recovered.clear()
         self._log.end()
+        if self._pending is not None:
+            self._pending.clear()
         logger.info(
             "disk tier %s: a reset dropped the persistent cache; nothing more is persisted "
             "in this run (its KV may be of weights the fingerprint does not name)",
@@ -203,15 +212,32 @@ class DiskTier:
             return
         for slot in ids:
             self._recovered.pop(slot, None)
-        if self._log.forget(ids):
+        if self._forget_records(ids):
+            return
+        self._end_records(
+            f"cannot drop the manifest records of {len(ids)} slots the scheduler let go"
+        )
+
+    def _forget_records(self, slots: Sequence[int]) -> bool:
+        """Drop the pending and the manifest records of `slots`; return False when the
+        tombstones could not be appended (see `ManifestLog.forget`)."""
+        if self._pending is not None:
+            return self._pending.forget(slots)
+        return self._log is None or self._log.forget(slots)
+
+    def _end_records(self, why: str) -> None:
+        """Drop every record and record nothing more in this run, with a warning: what
+        the manifest holds after a failed append or sync is unknown."""
+        if self._log is None:
             return
         self._recovered.clear()
         self._log.end()
+        if self._pending is not None:
+            self._pending.clear()
         logger.warning(
-            "disk tier %s: cannot drop the manifest records of %d slots the scheduler let "
-            "go; dropped every record, and nothing more is persisted in this run",
+            "disk tier %s: %s; dropped every record, and nothing more is persisted in this run",
             self.path,
-            len(ids),
+            why,
         )
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
@@ -255,7 +281,14 @@ class DiskTier:
             for slot in slot_ids.tolist():
                 self._recovered.pop(slot, None)
         kept = tuple(records) if records is not None and self._log is not None else None
-        return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
+        if self._pending is None:
+            return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
+        self._pending.queued()  # counted before it is queued: the queue is not seen idle
+        try:
+            return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
+        except BaseException:
+            self._pending.write_done()
+            raise
 
     def read_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> SlotRead:
         """Queue reading `slot_ids` into rows `0..len(slot_ids)` of `buffer` (load I/O thread).
@@ -286,19 +319,33 @@ class DiskTier:
         sums: np.ndarray,
         records: tuple[SlotRecord, ...] | None,
     ) -> None:
+        try:
+            self._write_now(buffer, slot_ids, sums, records)
+        finally:
+            if self._pending is not None and self._pending.write_done():
+                self._commit()
+
+    def _write_now(
+        self,
+        buffer: StagingBuffer,
+        slot_ids: np.ndarray,
+        sums: np.ndarray,
+        records: tuple[SlotRecord, ...] | None,
+    ) -> None:
         size = self.config.bytes_per_slot
-        log = self._log
+        log, pending = self._log, self._pending
         slots = slot_ids.tolist()
         if log is not None:
+            assert pending is not None
             if records is None:
-                log.forget(slots)  # no record will describe the new bytes: drop the old ones
+                pending.forget(slots)  # no record will describe the new bytes: drop the old
+            else:
+                pending.drop(slots)  # a pending record describes the bytes overwritten now
             self._sync_log(log)  # the tombstones are durable before slots are overwritten
         self._valid[slot_ids] = False
         try:
             for a, b in _consecutive_runs(slot_ids):
                 self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
-            if log is not None and records is not None:
-                self._file.sync_data()  # the data is durable before its records
         except BaseException:
             if log is not None:
                 log.forget(slots)  # the old bytes may be partly overwritten
@@ -307,23 +354,25 @@ class DiskTier:
             raise
         self._checksums[slot_ids] = sums
         self._valid[slot_ids] = True
-        if log is not None and records is not None:
-            log.put(slots, sums.tolist(), records)
+        if log is not None and pending is not None and records is not None and not log.ended:
+            pending.add(slots, sums.tolist(), records)  # appended at the group's commit
+
+    def _commit(self) -> None:
+        """Commit the pending records (see `PendingPuts.commit`); never raises: when the
+        records cannot be dropped either, `close()` removes the manifest."""
+        if self._pending is None or self._pending.commit():
+            return
+        try:
+            self._end_records("cannot drop the records of slots whose data failed to sync")
+        except OSError as exc:
+            logger.error("disk tier %s: %s", self.path, exc)
 
     def _sync_log(self, log: ManifestLog) -> None:
         """Sync the manifest when a tombstone was appended since its last sync
-        (`ManifestLog.sync`); when that fails, drop every record and record nothing more
-        in this run, as `forget` does when it cannot append: what the file holds after a
-        failed fsync is unknown."""
+        (`ManifestLog.sync`); when that fails, end the records (`_end_records`)."""
         if log.ended or log.sync(tombstones_only=True):
             return
-        self._recovered.clear()
-        log.end()
-        logger.warning(
-            "disk tier %s: cannot sync the manifest; dropped every record, and nothing "
-            "more is persisted in this run",
-            self.path,
-        )
+        self._end_records("cannot sync the manifest")
 
     def _read(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         size = self.config.bytes_per_slot
@@ -340,8 +389,7 @@ class DiskTier:
                 continue
             actual = xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
             if actual != int(self._checksums[slot]):
-                if self._log is not None:
-                    self._log.forget([slot])  # a restart must not offer it again
+                self._forget_records([slot])  # a restart must not offer it again
                 problems.setdefault(slot, f"checksum mismatch in slot {slot}")
         if problems:
             first = min(problems)
@@ -359,6 +407,8 @@ class DiskTier:
         assert self._log is None or self._log.is_open, "open persistent tier without manifest"
         assert self._file.file_size() == cfg.num_slots * cfg.bytes_per_slot, "file size drifted"
         assert self._checksums.shape == self._valid.shape == (cfg.num_slots,)
+        if self._pending is not None:
+            self._pending.check(self._valid, self._checksums)
         for buffer in (*self.store_buffers, *self.load_buffers):
             assert buffer.tensor.shape == (cfg.batch_slots, cfg.bytes_per_slot)
             assert buffer.tensor.data_ptr() % DIRECT_IO_ALIGNMENT == 0, "unaligned staging buffer"
@@ -399,6 +449,8 @@ class DiskTier:
         """Wait for the I/O threads, then close the files; safe to repeat."""
         self._store_io.shutdown(wait=True)
         self._load_io.shutdown(wait=True)
+        if self._finalizer.alive:
+            self._commit()  # the I/O threads are done: nothing else commits or writes
         if self._finalizer.detach() is not None:
             close_files(self._file, self._log)
 

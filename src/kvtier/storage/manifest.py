@@ -7,9 +7,9 @@ open log that appends and compacts is `manifest_log`, the atomic rewrite is in
 `manifest_compaction`, reading and replaying one in `manifest_read`; this module decides
 at open whether to reuse (and resize) or discard it.
 
-Rules. A slot's data is written and synced before its put record is appended, and every
-append is one `write` call on an O_APPEND descriptor; the log is synced once per write
-batch, not per record (the group commit is in `disk_tier`). Replay applies records
+Rules. A slot's data is written and synced before its put record is appended (one sync
+for a group of records: `pending_puts`), and every append is one `write` call on an
+O_APPEND descriptor, not synced per record (see `disk_tier`). Replay applies records
 in order, the last record of a slot wins; a record that fails its checksum (or is
 otherwise invalid) is skipped with a warning and the replay resumes at the next valid
 record, and a record cut short at the end is ignored (`manifest_read`: a skipped record
