@@ -21,7 +21,9 @@ After every step:
 - loads deliver the right content (`SimEngine.check_kv`, on load completion and before
   every forward pass).
 
-At teardown everything is drained: every tier slot is free and the GPU holds no pin.
+At teardown everything is drained: every tier slot is free and the GPU holds no pin, and
+once the disk works, every write-through demotion that failed (a worker's "fail") is
+retried until it succeeds.
 
 Each step's many small choices come from one drawn seed: with one draw per choice,
 Hypothesis spent most of the time generating data and ran far fewer steps. `note()`
@@ -148,6 +150,14 @@ class SchedulerMachine(SchedulerDriver):
             if not engine.scheduler.has_pending_stores() and not engine.worker.in_flight:
                 break
             self.run_step()
+        cascade = engine.scheduler.cascade
+        for _ in range(40):  # the disk works now: failed write-through demotions retried
+            if cascade is None or not cascade.retry:
+                break
+            self.run_step()
+            engine.worker.complete_all()
+            self.poll()
+        assert cascade is None or not cascade.retry, "a failed demotion was never retried"
         assert not engine.scheduler.has_pending_stores()
         self.every_pin_is_explained()
         self.visible_keys_were_stored_by_every_worker()

@@ -20,6 +20,16 @@ cached CPU block, and an idle engine stops issuing them. Write-back's walk looks
 given-up blocks (`select_write_back`), and a failed demotion's disk slots are set aside
 rather than reused first (`disk_slots`), so a few bad slots do not stop every demotion.
 
+Write-through demotes a block only when the CPU tier registers it, so a failed
+write-through demotion would never be tried again (its block lost at its CPU eviction,
+however short the disk fault). It is retried instead (`select_retries`, on a later plan):
+right away once a demotion succeeds (the disk works again), else after a back-off of 2,
+4, 8 ... plans (at most `_MAX_BACKOFF`) that doubles with each failed demotion in a row,
+and at most `MAX_DEMOTION_ATTEMPTS` times in all per (CPU block, key). So a disk whose
+every write fails costs at most that many failed writes per cached CPU block, spread out,
+and an idle engine stops issuing them. Retries are not pending stores: a drain does not
+wait for them (the CPU copy stays; a plan after the drain retries it).
+
 With the token check on (SPEC §3 Beyond), a CPU block is on disk only where a disk copy
 of its key has its tag: a copy with none (restored from a manifest written without the
 check) or another tag serves none of its requests, so the CPU copy is demoted in either
@@ -67,13 +77,19 @@ class CascadeCounters:
     """Demotions since the last `take_counters`."""
 
     num_demoted_blocks: int = 0
-    num_failed_demotions: int = 0  # write-back: once per (CPU block, key) until one succeeds
+    # Per attempt: write-back once per (CPU block, key) until one succeeds; write-through
+    # at most MAX_DEMOTION_ATTEMPTS times per (CPU block, key).
+    num_failed_demotions: int = 0
     num_dropped_demotions: int = 0  # no disk slot could be allocated (once per CPU key)
     num_lost_blocks: int = 0  # evicted from the CPU tier with no disk copy (nor one coming)
 
 
 # The write-back walk visits at most this many times `reserve` free CPU blocks.
 _WALK_SPAN = 4
+# Write-through: demotions of one (CPU block, key), the first included, before giving up.
+MAX_DEMOTION_ATTEMPTS = 3
+# Write-through: the most plans a retry waits after failed demotions in a row.
+_MAX_BACKOFF = 32
 
 
 class Cascade:
@@ -104,6 +120,13 @@ class Cascade:
         # Write-back: (CPU block, key) pairs whose demotion failed, not demoted again; they
         # go as `dropped`'s do, and all at once when a demotion succeeds.
         self.failed: set[tuple[int, Key]] = set()
+        # Write-through: (CPU block, key) pairs whose demotion failed → attempts so far;
+        # retried (`select_retries`) until one succeeds or MAX_DEMOTION_ATTEMPTS failed.
+        # They go as `dropped`'s do, and when the key is found on disk.
+        self.retry: dict[tuple[int, Key], int] = {}
+        self._num_plans = 0  # `select_retries` calls
+        self._retry_at = 0  # the plan number from which retries are due
+        self._failures_in_a_row = 0  # failed demotion reports since the last success
         self.set_aside = SetAsideSlots(disk_pool)  # disk slots of failed demotions
         self._event = event
         # Disk copies dropped or not registered: their manifest records go too.
@@ -144,6 +167,18 @@ class Cascade:
                 break
         self._demote(victims)
 
+    def select_retries(self) -> None:
+        """Write-through: demote again the blocks whose demotion failed, once due.
+
+        Called once per plan (the back-off counts plans). A retry in flight is not
+        issued twice (`in_flight_keys`); one whose key is on disk by now is dropped.
+        """
+        self._num_plans += 1
+        if not self.retry or self._num_plans < self._retry_at:
+            return
+        in_flight = self.in_flight_keys
+        self._demote([b for b, k in self.retry if k not in in_flight])
+
     def _demote(self, cpu_block_ids: Iterable[int]) -> None:
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
         chosen: list[tuple[int, Key]] = []
@@ -155,6 +190,8 @@ class Cascade:
             disk_block = self._disk_copy(block_id, key)
             if disk_block is not None:
                 on_disk.append(disk_block)
+                if self.retry:  # held on disk: nothing to retry
+                    self.retry.pop((block_id, key), None)
                 continue
             chosen.append((block_id, key))
         if self.mode is CascadeMode.WRITE_THROUGH:
@@ -220,11 +257,13 @@ class Cascade:
         if key is not None:
             self.dropped.discard((block_id, key))
             self.failed.discard((block_id, key))
+            self.retry.pop((block_id, key), None)
 
     def _on_cpu_evict(self, block_id: int, key: Key) -> None:
         """Count a CPU eviction that loses the block: no disk copy, none in flight."""
         self.dropped.discard((block_id, key))
         self.failed.discard((block_id, key))
+        self.retry.pop((block_id, key), None)
         if key not in self.in_flight_keys and self._disk_copy(block_id, key) is None:
             self.counters.num_lost_blocks += 1
 
@@ -233,6 +272,8 @@ class Cascade:
         back the disk slots set aside."""
         self.dropped.clear()
         self.failed.clear()
+        self.retry.clear()
+        self._retry_at = self._failures_in_a_row = 0
         self.set_aside.clear()
 
     def take_queued(self) -> list[MoveItem]:
@@ -253,8 +294,11 @@ class Cascade:
                     for item in items
                     if cpu_pool.key(item.cpu_block_id) == item.key
                 )
-        elif not abandoned and self.failed:  # the disk works again: retry the failed ones
+            if not abandoned and self.mode is CascadeMode.WRITE_THROUGH:
+                self._note_failed_write_through(items)
+        elif not abandoned:  # the disk works again: retry the failed ones
             self.failed.clear()
+            self._retry_at = self._failures_in_a_row = 0
         registered = succeeded and not abandoned
         disk_ids = [item.disk_block_id for item in items]
         if not succeeded:  # another worker may have written (and recorded) the slots
@@ -266,6 +310,8 @@ class Cascade:
             # read are suspect too, and nothing is registered (nor left in the manifest).
             if registered and cpu_pool.key(item.cpu_block_id) == item.key:
                 self._register(item)
+                if self.retry:
+                    self.retry.pop((item.cpu_block_id, item.key), None)
             elif registered:
                 self.dropped_slots.add([item.disk_block_id])
         if succeeded or abandoned:
@@ -287,6 +333,24 @@ class Cascade:
         cpu_pool.free([item.cpu_block_id for item in items[::-1] if item.cpu_block_id not in gone])
         for block_id in moved:  # the policy's eviction (ghosts, aging), from the pin's spot
             cpu_pool.release_evicted(block_id)
+
+    def _note_failed_write_through(self, items: Sequence[MoveItem]) -> None:
+        """Mark failed write-through demotions for a retry, unless that was their last
+        attempt, and push the next retry back."""
+        key, retry = self.cpu_pool.key, self.retry
+        for item in items:
+            pair = (item.cpu_block_id, item.key)
+            if key(item.cpu_block_id) != item.key:
+                retry.pop(pair, None)
+                continue
+            attempts = retry.get(pair, 0) + 1
+            if attempts < MAX_DEMOTION_ATTEMPTS:
+                retry[pair] = attempts
+            else:  # given up: lost if the CPU tier evicts it
+                retry.pop(pair, None)
+        self._failures_in_a_row += 1
+        backoff = min(1 << min(self._failures_in_a_row, 16), _MAX_BACKOFF)
+        self._retry_at = self._num_plans + backoff
 
     def _register(self, item: MoveItem) -> None:
         disk_pool = self.disk_pool

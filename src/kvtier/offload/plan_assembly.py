@@ -51,7 +51,8 @@ class PlanAssembler:
     def build(self, step: StepInput, selector: StoreSelector, walk: bool = True) -> TransferPlan:
         """Select this step's stores; issue them as one event, the queued loads as one per tier.
 
-        `walk` False (a reset waits): no lazy walk and no write-back demotion.
+        `walk` False (a reset waits): no lazy walk, no write-back demotion and no
+        write-through retry.
         """
         for request_id in step.preempted_request_ids:
             selector.reset_request(request_id)
@@ -91,6 +92,7 @@ class PlanAssembler:
         if self._cascade is not None:
             if walk:
                 self._cascade.select_write_back()
+                self._cascade.select_retries()
             moves = self._cascade.take_queued()
             if moves:
                 cpu_ids = tuple(item.cpu_block_id for item in moves)

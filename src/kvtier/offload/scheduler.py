@@ -338,7 +338,8 @@ class OffloadScheduler:
 
         Write-back demotions too: an engine keeps stepping until their reports arrive (an
         idle vLLM would otherwise hold their slots, and fail a reset, until its next
-        request). A failed one is not retried (`Cascade.failed`), so this ends.
+        request). A failed one is not retried (`Cascade.failed`), so this ends. Write-through
+        retries (`Cascade.retry`) are not pending until issued, and are bounded.
         """
         queued_moves = self.cascade is not None and bool(self.cascade.queued)
         return bool(self.selector.queued) or queued_moves or self._book.has_stores()

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvtier.core.keys import Key
+from kvtier.offload.cascade import MAX_DEMOTION_ATTEMPTS
 from kvtier.offload.plan import Tier
 
 if TYPE_CHECKING:
@@ -80,4 +81,10 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
         )
         assert all(cpu_key(b) == k for b, k in scheduler.cascade.failed), (
             "a failed demotion outlived its CPU block's key"
+        )
+        assert all(cpu_key(b) == k for b, k in scheduler.cascade.retry), (
+            "a demotion to retry outlived its CPU block's key"
+        )
+        assert all(0 < n < MAX_DEMOTION_ATTEMPTS for n in scheduler.cascade.retry.values()), (
+            "a demotion to retry has no attempt left"
         )
