@@ -22,6 +22,8 @@ from kvtier_vllm import (
 )
 from vllm_harness import shared_prefix_prompts
 
+from kvtier.adapters.vllm.stats import summed_gauges
+
 
 def test_held_disk_slots_of_failed_stores_show_in_the_stats_and_prometheus(
     tmp_path: Path,
@@ -40,7 +42,8 @@ def test_held_disk_slots_of_failed_stores_show_in_the_stats_and_prometheus(
     num_held = len(set_aside)
     failed = sum(p["counters"].get("failed_stores", 0) for p in payloads)  # type: ignore[attr-defined]
     assert num_held == failed >= 2 * 3  # the prompts' 3 full blocks each, at least
-    assert payloads[-1]["gauges"]["disk_slots_held"] == num_held  # type: ignore[index]
+    gauges = summed_gauges(payloads[-1]["gauges"])  # type: ignore[arg-type]
+    assert gauges["disk_slots_held"] == num_held
 
     registry, metrics = observed_metrics(harness, payloads)
     labels = PROM_LABELS
@@ -51,6 +54,6 @@ def test_held_disk_slots_of_failed_stores_show_in_the_stats_and_prometheus(
     assert harness.scheduler.reset_prefix_cache(reset_connector=True)
     stats = connector.get_kv_connector_stats()  # only the gauge changed: still reported
     assert stats is not None
-    assert stats.data["gauges"]["disk_slots_held"] == 0
+    assert summed_gauges(stats.data["gauges"])["disk_slots_held"] == 0
     metrics.observe(stats.data, engine_idx=0)
     assert registry.get_sample_value("kvtier:disk_slots_held", labels) == 0

@@ -35,7 +35,12 @@ from vllm_harness import (
 
 from kvtier.adapters.vllm import KVTierConnector
 from kvtier.adapters.vllm.connector import register_with_vllm
-from kvtier.adapters.vllm.stats import KVTierStats, stats_payload, unregister_kvtier_metrics
+from kvtier.adapters.vllm.stats import (
+    KVTierStats,
+    stats_payload,
+    summed_gauges,
+    unregister_kvtier_metrics,
+)
 from kvtier.offload.stats import OffloadStats
 
 PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
@@ -165,7 +170,8 @@ def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
     assert flat["bytes_loaded"] == 4 * 3 * SLOT_BYTES
     assert flat["stored_blocks"] == flat["store_outcome.stored"] >= 4 * 3
     assert flat["tier_blocks_in_use"] == 0
-    assert total.data["info"] == {
+    (info,) = total.data["info"].values()  # one source: one connector
+    assert info == {
         "tier": "CPU",
         "store_mode": "eager",
         "num_tier_blocks": "256",
@@ -184,9 +190,12 @@ def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
 
 def test_stats_aggregate_adds_counters_and_takes_the_newest_gauges() -> None:
     first = KVTierConnector.build_kv_connector_stats(
-        {"counters": {"loaded_blocks": 3, "hit_tokens": 48}, "gauges": {"tier_blocks_in_use": 5}}
+        {
+            "counters": {"loaded_blocks": 3, "hit_tokens": 48},
+            "gauges": {"0": {"tier_blocks_in_use": 5}},
+        }
     )
-    second = {"counters": {"loaded_blocks": 2}, "gauges": {"tier_blocks_in_use": 1}}
+    second = {"counters": {"loaded_blocks": 2}, "gauges": {"0": {"tier_blocks_in_use": 1}}}
     total = first.aggregate(KVTierConnector.build_kv_connector_stats(second))
     assert total.reduce() == {"loaded_blocks": 5, "hit_tokens": 48, "tier_blocks_in_use": 1}
     assert second["counters"] == {"loaded_blocks": 2}
@@ -222,7 +231,7 @@ def test_a_gauge_only_change_is_reported() -> None:
     stats = connector.get_kv_connector_stats()
     assert stats is not None
     assert stats.data["counters"] == {}
-    assert stats.data["gauges"]["tier_blocks_in_use"] == 3
+    assert summed_gauges(stats.data["gauges"])["tier_blocks_in_use"] == 3
     drain_collecting_stats(harness)
 
 
@@ -303,7 +312,7 @@ def test_every_counter_reaches_the_payload_under_its_own_name() -> None:
         "transfer_seconds.GPU_to_CPU": 0.25,
         "transfer_seconds.CPU_to_GPU": 0.5,
     }
-    assert payload["gauges"] == {
+    assert payload["gauges"]["0"] == {
         "tier_blocks_in_use": 14,
         "blocks_pending_store": 15,
         "disk_slots_held": 21,

@@ -40,7 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.adapters.vllm.config import offload_config_from_vllm
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
-from kvtier.adapters.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.adapters.vllm.stats import GAUGES, INFO, KVTierPromMetrics, KVTierStats
 from kvtier.adapters.vllm.worker_side import WorkerSide
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier
@@ -202,6 +202,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Finish outstanding transfers and free the tier."""
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.release_stats_source()
 
     # ================================================================ scheduler role
 
@@ -273,6 +275,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Rebuild stats from their payload (front-end process); the payload is copied,
         because `aggregate` adds into the stats it is called on."""
         sections = {} if data is None else {name: dict(value) for name, value in data.items()}
+        for section in (GAUGES, INFO):  # by source: each source's values copied too
+            if section in sections:
+                sections[section] = {k: dict(v) for k, v in sections[section].items()}
         return KVTierStats(data=sections)
 
     @classmethod

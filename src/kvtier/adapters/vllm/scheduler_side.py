@@ -36,7 +36,13 @@ from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from kvtier.adapters.vllm.events import EventTranslator
 from kvtier.adapters.vllm.layout import bytes_per_block_id, kv_layout, tier_sizes
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.adapters.vllm.stats import GAUGES, KVTierStats, stats_payload
+from kvtier.adapters.vllm.stats import (
+    GAUGES,
+    KVTierStats,
+    claim_source,
+    release_source,
+    stats_payload,
+)
 from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier, WorkerReport
@@ -99,6 +105,9 @@ class SchedulerSide:
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
         self._last_gauges: dict[str, int] | None = None
+        # This connector's name in the stats: gauges of several kvtier connectors inside
+        # one MultiConnector add up, each kept apart by source (`stats`).
+        self.stats_source = claim_source(self)
         self._last_gauge_values: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ admission
@@ -260,12 +269,16 @@ class SchedulerSide:
             tier: count - self._hit_tokens.get(tier, 0) for tier, count in stats.hit_tokens.items()
         }
         self._hit_tokens = dict(stats.hit_tokens)
-        payload = stats_payload(stats, new_hits)
-        gauges = payload[GAUGES]
+        payload = stats_payload(stats, new_hits, self.stats_source)
+        gauges = payload[GAUGES][self.stats_source]
         if not payload["counters"] and gauges == self._last_gauges:
             return None
         self._last_gauges = gauges
         return KVTierStats(data=payload)
+
+    def release_stats_source(self) -> None:
+        """Free this connector's stats source number for a connector built later."""
+        release_source(self.stats_source, self)
 
     @property
     def num_tracked_requests(self) -> int:

@@ -3,9 +3,18 @@
 The payload (`KVTierStats.data`) is a plain dict that survives vLLM's IPC to the
 front-end process:
 
-    {"counters": {name: number},      summed by `aggregate` (per step, per interval)
-     "gauges":   {name: number},      latest value wins
-     "info":     {label: str}}        deployment facts (tier, mode, capacity)
+    {"counters": {name: number},              summed by `aggregate` (per step, per interval)
+     "gauges":   {source: {name: number}},    latest value per source wins
+     "info":     {source: {label: str}}}      deployment facts (tier, mode, capacity)
+
+A source is one kvtier connector (scheduler role) of the engine process, named by a
+small number (`claim_source`). Several kvtier connectors inside one vLLM
+`MultiConnector` share a class name, by which vLLM keys its children's stats, so their
+stats of one step meet in `aggregate`, the call that also merges a step's stats into an
+older step's: it cannot tell a sibling's gauges (to add) from a newer step's (to take),
+and a connector with nothing new sends no stats at all. So gauges stay apart by source,
+each source's newest winning, and are summed where they are read (`reduce`, the
+Prometheus gauges, which remember each source's newest values per engine).
 
 Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stores`,
 `bytes_stored`, `bytes_loaded`, `hit_tokens`, the cascade's `demoted_blocks`,
@@ -22,6 +31,7 @@ labels on `kvtier:info` (value 1).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -94,8 +104,42 @@ _GAUGES = {
 }
 
 
-def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dict[str, Any]:
-    """Return the payload of one step's `OffloadStats`.
+# Live owners (scheduler roles) by source number; an owner garbage-collected frees its own.
+_SOURCES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+
+
+def claim_source(owner: object) -> str:
+    """Return the smallest source number no live owner holds, now held by `owner`.
+
+    Numbers are reused, so a connector rebuilt in one process (an engine restarted)
+    takes its predecessor's place in the gauges rather than adding a stale source.
+    """
+    number = 0
+    while number in _SOURCES:
+        number += 1
+    _SOURCES[number] = owner
+    return str(number)
+
+
+def release_source(source: str, owner: object) -> None:
+    """Free a source number `owner` claimed (it shuts down); no-op if it holds none."""
+    if _SOURCES.get(int(source)) is owner:
+        del _SOURCES[int(source)]
+
+
+def summed_gauges(gauges: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """Return a payload's gauges (by source) summed over its sources."""
+    totals: dict[str, float] = {}
+    for values in gauges.values():
+        for name, value in values.items():
+            totals[name] = totals.get(name, 0) + value
+    return totals
+
+
+def stats_payload(
+    stats: OffloadStats, new_hit_tokens: Mapping[str, int], source: str = "0"
+) -> dict[str, Any]:
+    """Return the payload of one step's `OffloadStats`, from connector `source`.
 
     `new_hit_tokens` are the hit tokens per tier since the last payload (`stats.hit_tokens`
     is cumulative).
@@ -131,7 +175,11 @@ def stats_payload(stats: OffloadStats, new_hit_tokens: Mapping[str, int]) -> dic
         "disk_slots_held": stats.num_disk_slots_held,
     }
     info = {label: str(stats.info.get(label, "")) for label in INFO_LABELS}
-    return {COUNTERS: {k: v for k, v in counters.items() if v}, GAUGES: gauges, INFO: info}
+    return {
+        COUNTERS: {k: v for k, v in counters.items() if v},
+        GAUGES: {source: gauges},
+        INFO: {source: info},
+    }
 
 
 @dataclass
@@ -148,19 +196,23 @@ class KVTierStats(KVConnectorStats):
         self.data = empty
 
     def aggregate(self, other: KVConnectorStats) -> KVTierStats:
-        """Add `other`'s counters to this one's; take its gauges and info (it is newer)."""
+        """Add `other`'s counters to this one's; take its gauges and info per source (a
+        source's are newer in `other`; another source's are kept apart)."""
         if not isinstance(other, KVTierStats):
             raise TypeError(f"cannot aggregate KVTierStats with {type(other).__name__}")
         counters = self.data[COUNTERS]
         for name, value in other.data[COUNTERS].items():
             counters[name] = counters.get(name, 0) + value
-        self.data[GAUGES].update(other.data[GAUGES])
-        self.data[INFO].update(other.data[INFO])
+        for section in (GAUGES, INFO):
+            mine = self.data[section]
+            for source, values in other.data[section].items():
+                mine[source] = {**mine.get(source, {}), **values}  # copied: `other` unchanged
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """Return counters and gauges flattened for vLLM's periodic log line."""
-        return {**self.data[COUNTERS], **self.data[GAUGES]}
+        """Return counters and gauges (summed over sources) flattened for vLLM's
+        periodic log line."""
+        return {**self.data[COUNTERS], **summed_gauges(self.data[GAUGES])}
 
     def is_empty(self) -> bool:
         """Return True when the payload holds nothing at all."""
@@ -218,6 +270,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in _GAUGES.items()
         }
+        # Per engine, each source's newest gauges: a payload holds only the sources
+        # that sent stats this step, and each gauge shows the sum over all of them.
+        self._latest: dict[int, dict[str, dict[str, float]]] = {}
         self._info = self._gauge_cls(
             name=f"{PREFIX}info",
             documentation="kvtier deployment facts; the value is always 1",
@@ -234,8 +289,12 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._labelled[prefix].labels(*engine, label).inc(value)
             else:
                 self._counters[name].labels(*engine).inc(value)
-        for name, value in transfer_stats_data.get(GAUGES, {}).items():
-            self._gauges[name].labels(*engine).set(value)
-        info = transfer_stats_data.get(INFO)
-        if info:
+        gauges = transfer_stats_data.get(GAUGES)
+        if gauges:
+            latest = self._latest.setdefault(engine_idx, {})
+            for source, values in gauges.items():
+                latest[source] = {**latest.get(source, {}), **values}
+            for name, value in summed_gauges(latest).items():
+                self._gauges[name].labels(*engine).set(value)
+        for info in transfer_stats_data.get(INFO, {}).values():
             self._info.labels(*engine, *(info.get(label, "") for label in INFO_LABELS)).set(1)
