@@ -94,10 +94,13 @@ def drain_collecting_stats(harness: VllmHarness, max_steps: int = 2000) -> list[
     for _ in range(max_steps):
         if not harness.is_busy():
             return payloads
-        for outputs in harness.step().outputs.values():
+        record = harness.step()
+        for outputs in record.outputs.values():
             stats = outputs.scheduler_stats
             if stats is not None and stats.kv_connector_stats is not None:
                 payloads.append(stats.kv_connector_stats)
+        if not record.num_scheduled_tokens:  # as `VllmHarness.run`
+            harness.wait_for_copies()
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
 

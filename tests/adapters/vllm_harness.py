@@ -281,12 +281,32 @@ class VllmHarness:
         )
 
     def run(self, max_steps: int = 1000) -> int:
-        """Step until the engine is idle (`is_busy`); return the steps taken."""
+        """Step until the engine is idle (`is_busy`); return the steps taken.
+
+        A step that scheduled nothing only waits for the workers' copies: the workers'
+        copies are then waited for (`wait_for_copies`), so `max_steps` bounds the steps
+        of a stalled engine, not the time a CPU-starved copy thread takes.
+        """
         for num_steps in range(max_steps):
             if not self.is_busy():
                 return num_steps
-            self.step()
+            if not self.step().num_scheduled_tokens:
+                self.wait_for_copies()
         raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def wait_for_copies(self) -> None:
+        """Block until every kvtier worker side's submitted copies finished.
+
+        An idle step of this pure-Python engine loop takes well under a millisecond, so
+        a step cap of a few thousand was about a second: a copy thread that a loaded
+        machine did not run for that long failed a drain as "engine still busy" (a
+        flake, no hang). Waiting here is a slow step, which vLLM allows any step to be.
+        """
+        for worker in self.workers:
+            for part in getattr(worker, "children", [worker]):
+                side = getattr(getattr(part, "connector", None), "worker_side", None)
+                if side is not None:
+                    side.worker.flush()
 
     def run_requests(
         self, prompts: Mapping[str, Sequence[int]], max_tokens: int = 4, max_steps: int = 1000
