@@ -171,3 +171,36 @@ def test_a_retry_whose_key_reached_disk_otherwise_is_dropped() -> None:
         cascade.select_retries()
         assert cascade.take_queued() == []
     assert cascade.retry == {}
+
+
+class CountingDict(dict[tuple[int, bytes], int]):
+    """A dict that counts the walks over it."""
+
+    num_walks = 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        self.num_walks += 1
+        return super().__iter__()
+
+
+def test_a_plan_does_not_walk_the_retries_in_flight() -> None:
+    """After a long disk fault as many retries as the CPU tier has blocks may be in flight
+    at once; each plan walked them all again until their report (5 ms a plan for 50,000),
+    only to find every one in flight. Retries in flight now wait apart (`retrying`)."""
+    cpu, _, cascade = make(WT)
+    blocks = cache(cpu, [key(i) for i in range(cpu.num_usable_blocks)])
+    cascade.after_stores(blocks)
+    fail_queued(cascade)
+    cascade.retry = CountingDict(cascade.retry)
+    for _ in range(2):  # the back-off: 2 plans
+        cascade.select_retries()
+    items = cascade.take_queued()
+    assert len(items) == len(blocks)  # every block retried, in flight now
+    walks = cascade.retry.num_walks
+    for _ in range(10):
+        cascade.select_retries()
+    assert cascade.take_queued() == []
+    assert cascade.retry.num_walks == walks, "a plan walked the retries in flight"
+    cascade.complete(items, succeeded=False, abandoned=False)  # back to waiting
+    assert cascade.retry == {(it.cpu_block_id, it.key): 2 for it in items}
+    assert cascade.retrying == {}

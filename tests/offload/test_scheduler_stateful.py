@@ -158,6 +158,7 @@ class SchedulerMachine(SchedulerDriver):
             engine.worker.complete_all()
             self.poll()
         assert cascade is None or not cascade.retry, "a failed demotion was never retried"
+        assert cascade is None or not cascade.retrying, "a retry's report never came"
         assert not engine.scheduler.has_pending_stores()
         self.every_pin_is_explained()
         self.visible_keys_were_stored_by_every_worker()

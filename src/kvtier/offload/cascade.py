@@ -122,8 +122,10 @@ class Cascade:
         self.failed: set[tuple[int, Key]] = set()
         # Write-through: (CPU block, key) pairs whose demotion failed → attempts so far;
         # retried (`select_retries`) until one succeeds or MAX_DEMOTION_ATTEMPTS failed.
-        # They go as `dropped`'s do, and when the key is found on disk.
+        # They go as `dropped`'s do, and when the key is found on disk. In flight, a retry
+        # waits in `retrying`: plans do not walk them (after a long fault, a CPU tier's).
         self.retry: dict[tuple[int, Key], int] = {}
+        self.retrying: dict[tuple[int, Key], int] = {}
         self._num_plans = 0  # `select_retries` calls
         self._retry_at = 0  # the plan number from which retries are due
         self._failures_in_a_row = 0  # failed demotion reports since the last success
@@ -174,10 +176,14 @@ class Cascade:
         issued twice (`in_flight_keys`); one whose key is on disk by now is dropped.
         """
         self._num_plans += 1
-        if not self.retry or self._num_plans < self._retry_at:
+        retry = self.retry
+        if not retry or self._num_plans < self._retry_at:
             return
-        in_flight = self.in_flight_keys
-        self._demote([b for b, k in self.retry if k not in in_flight])
+        in_flight, num_queued = self.in_flight_keys, len(self.queued)
+        self._demote([b for b, k in retry if k not in in_flight])
+        for item in self.queued[num_queued:]:  # issued: they wait apart until reported
+            if (pair := (item.cpu_block_id, item.key)) in retry:
+                self.retrying[pair] = retry.pop(pair)
 
     def _demote(self, cpu_block_ids: Iterable[int]) -> None:
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
@@ -258,12 +264,14 @@ class Cascade:
             self.dropped.discard((block_id, key))
             self.failed.discard((block_id, key))
             self.retry.pop((block_id, key), None)
+            self.retrying.pop((block_id, key), None)  # its copy in flight registers nothing
 
     def _on_cpu_evict(self, block_id: int, key: Key) -> None:
         """Count a CPU eviction that loses the block: no disk copy, none in flight."""
         self.dropped.discard((block_id, key))
         self.failed.discard((block_id, key))
         self.retry.pop((block_id, key), None)
+        self.retrying.pop((block_id, key), None)
         if key not in self.in_flight_keys and self._disk_copy(block_id, key) is None:
             self.counters.num_lost_blocks += 1
 
@@ -273,6 +281,7 @@ class Cascade:
         self.dropped.clear()
         self.failed.clear()
         self.retry.clear()
+        self.retrying.clear()
         self._retry_at = self._failures_in_a_row = 0
         self.set_aside.clear()
 
@@ -286,6 +295,10 @@ class Cascade:
     def complete(self, items: Sequence[MoveItem], succeeded: bool, abandoned: bool) -> None:
         """Register finished demotions on disk (or drop failed ones) and release pins."""
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
+        attempts: dict[tuple[int, Key], int] = {}  # of retries: back to `retry` if failed
+        for pair in [(i.cpu_block_id, i.key) for i in items] if self.retrying else ():
+            if pair in self.retrying:
+                attempts[pair] = self.retrying.pop(pair)
         if not succeeded:
             self.counters.num_failed_demotions += len(items)
             if not abandoned and self.mode is CascadeMode.WRITE_BACK:  # give them up
@@ -295,7 +308,7 @@ class Cascade:
                     if cpu_pool.key(item.cpu_block_id) == item.key
                 )
             if not abandoned and self.mode is CascadeMode.WRITE_THROUGH:
-                self._note_failed_write_through(items)
+                self._note_failed_write_through(items, attempts)
         elif not abandoned:  # the disk works again: retry the failed ones
             self.failed.clear()
             self._retry_at = self._failures_in_a_row = 0
@@ -334,16 +347,18 @@ class Cascade:
         for block_id in moved:  # the policy's eviction (ghosts, aging), from the pin's spot
             cpu_pool.release_evicted(block_id)
 
-    def _note_failed_write_through(self, items: Sequence[MoveItem]) -> None:
+    def _note_failed_write_through(
+        self, items: Sequence[MoveItem], retried: dict[tuple[int, Key], int]
+    ) -> None:
         """Mark failed write-through demotions for a retry, unless that was their last
-        attempt, and push the next retry back."""
+        attempt, and push the next retry back. `retried`: earlier attempts of retries."""
         key, retry = self.cpu_pool.key, self.retry
         for item in items:
             pair = (item.cpu_block_id, item.key)
             if key(item.cpu_block_id) != item.key:
                 retry.pop(pair, None)
                 continue
-            attempts = retry.get(pair, 0) + 1
+            attempts = retried.get(pair, retry.get(pair, 0)) + 1
             if attempts < MAX_DEMOTION_ATTEMPTS:
                 retry[pair] = attempts
             else:  # given up: lost if the CPU tier evicts it

@@ -88,3 +88,8 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
         assert all(0 < n < MAX_DEMOTION_ATTEMPTS for n in scheduler.cascade.retry.values()), (
             "a demotion to retry has no attempt left"
         )
+        retrying = scheduler.cascade.retrying
+        assert not retrying.keys() & scheduler.cascade.retry.keys(), "a retry both waits and runs"
+        assert all(cpu_key(b) == k and k in live_moves for b, k in retrying), (
+            "a retry in flight outlived its CPU block's key or its move"
+        )
