@@ -301,12 +301,14 @@ class VllmHarness:
         a step cap of a few thousand was about a second: a copy thread that a loaded
         machine did not run for that long failed a drain as "engine still busy" (a
         flake, no hang). Waiting here is a slow step, which vLLM allows any step to be.
+        The class's `flush` waits for the copies started, past a wrapper's (a
+        `FaultyWorker` starts its delayed jobs in its own, on the polls it chose).
         """
         for worker in self.workers:
             for part in getattr(worker, "children", [worker]):
                 side = getattr(getattr(part, "connector", None), "worker_side", None)
                 if side is not None:
-                    side.worker.flush()
+                    type(side.worker).flush(side.worker)
 
     def run_requests(
         self, prompts: Mapping[str, Sequence[int]], max_tokens: int = 4, max_steps: int = 1000
