@@ -21,14 +21,9 @@ given-up blocks (`select_write_back`), and a failed demotion's disk slots are se
 rather than reused first (`disk_slots`), so a few bad slots do not stop every demotion.
 
 Write-through demotes a block only when the CPU tier registers it, so a failed
-write-through demotion would never be tried again (its block lost at its CPU eviction,
-however short the disk fault). It is retried instead (`select_retries`, on a later plan):
-right away once a demotion succeeds (the disk works again), else after a back-off of 2,
-4, 8 ... plans (at most `_MAX_BACKOFF`) that doubles with each failed demotion in a row,
-and at most `MAX_DEMOTION_ATTEMPTS` times in all per (CPU block, key). So a disk whose
-every write fails costs at most that many failed writes per cached CPU block, spread out,
-and an idle engine stops issuing them. Retries are not pending stores: a drain does not
-wait for them (the CPU copy stays; a plan after the drain retries it).
+write-through demotion is retried on later plans, with a back-off and a bounded number of
+attempts (`demotion_retries`). Retries are not pending stores: a drain does not wait for
+them (the CPU copy stays; a plan after the drain retries it).
 
 With the token check on (SPEC §3 Beyond), a CPU block is on disk only where a disk copy
 of its key has its tag: a copy with none (restored from a manifest written without the
@@ -57,6 +52,8 @@ from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key
 from kvtier.offload.config import CascadeMode
+from kvtier.offload.demotion_retries import MAX_DEMOTION_ATTEMPTS as MAX_DEMOTION_ATTEMPTS
+from kvtier.offload.demotion_retries import WriteThroughRetries
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.plan import SlotRecord
@@ -86,13 +83,9 @@ class CascadeCounters:
 
 # The write-back walk visits at most this many times `reserve` free CPU blocks.
 _WALK_SPAN = 4
-# Write-through: demotions of one (CPU block, key), the first included, before giving up.
-MAX_DEMOTION_ATTEMPTS = 3
-# Write-through: the most plans a retry waits after failed demotions in a row.
-_MAX_BACKOFF = 32
 
 
-class Cascade:
+class Cascade(WriteThroughRetries):
     """Choose CPU → DISK demotions and register them when they complete."""
 
     def __init__(
@@ -168,22 +161,6 @@ class Cascade:
             if not left or not visits:
                 break
         self._demote(victims)
-
-    def select_retries(self) -> None:
-        """Write-through: demote again the blocks whose demotion failed, once due.
-
-        Called once per plan (the back-off counts plans). A retry in flight is not
-        issued twice (`in_flight_keys`); one whose key is on disk by now is dropped.
-        """
-        self._num_plans += 1
-        retry = self.retry
-        if not retry or self._num_plans < self._retry_at:
-            return
-        in_flight, num_queued = self.in_flight_keys, len(self.queued)
-        self._demote([b for b, k in retry if k not in in_flight])
-        for item in self.queued[num_queued:]:  # issued: they wait apart until reported
-            if (pair := (item.cpu_block_id, item.key)) in retry:
-                self.retrying[pair] = retry.pop(pair)
 
     def _demote(self, cpu_block_ids: Iterable[int]) -> None:
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
@@ -295,10 +272,7 @@ class Cascade:
     def complete(self, items: Sequence[MoveItem], succeeded: bool, abandoned: bool) -> None:
         """Register finished demotions on disk (or drop failed ones) and release pins."""
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
-        attempts: dict[tuple[int, Key], int] = {}  # of retries: back to `retry` if failed
-        for pair in [(i.cpu_block_id, i.key) for i in items] if self.retrying else ():
-            if pair in self.retrying:
-                attempts[pair] = self.retrying.pop(pair)
+        attempts = self._reported_retries(items)  # back to `retry` if failed
         if not succeeded:
             self.counters.num_failed_demotions += len(items)
             if not abandoned and self.mode is CascadeMode.WRITE_BACK:  # give them up
@@ -346,26 +320,6 @@ class Cascade:
         cpu_pool.free([item.cpu_block_id for item in items[::-1] if item.cpu_block_id not in gone])
         for block_id in moved:  # the policy's eviction (ghosts, aging), from the pin's spot
             cpu_pool.release_evicted(block_id)
-
-    def _note_failed_write_through(
-        self, items: Sequence[MoveItem], retried: dict[tuple[int, Key], int]
-    ) -> None:
-        """Mark failed write-through demotions for a retry, unless that was their last
-        attempt, and push the next retry back. `retried`: earlier attempts of retries."""
-        key, retry = self.cpu_pool.key, self.retry
-        for item in items:
-            pair = (item.cpu_block_id, item.key)
-            if key(item.cpu_block_id) != item.key:
-                retry.pop(pair, None)
-                continue
-            attempts = retried.get(pair, retry.get(pair, 0)) + 1
-            if attempts < MAX_DEMOTION_ATTEMPTS:
-                retry[pair] = attempts
-            else:  # given up: lost if the CPU tier evicts it
-                retry.pop(pair, None)
-        self._failures_in_a_row += 1
-        backoff = min(1 << min(self._failures_in_a_row, 16), _MAX_BACKOFF)
-        self._retry_at = self._num_plans + backoff
 
     def _register(self, item: MoveItem) -> None:
         disk_pool = self.disk_pool
