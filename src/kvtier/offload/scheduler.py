@@ -23,14 +23,11 @@ This module wires the tier state and owns the requests' lifecycle and observabil
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import KVEvent
-from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
-from kvtier.offload.cascade import Cascade
 from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.disk_slots import SetAsideSlots
@@ -43,38 +40,14 @@ from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.request_tags import RequestTags
 from kvtier.offload.scheduler_checks import check_scheduler_invariants
+from kvtier.offload.scheduler_setup import SchedulerSetup as SchedulerSetup
+from kvtier.offload.scheduler_setup import make_cascade
 from kvtier.offload.stats import OffloadStats, StepCounters
 from kvtier.offload.stats_taking import StatsTaker, info_labels
 from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.tier_reset import TierReset
 from kvtier.offload.transfers import ReportOutcome, TransferBook
-
-
-@dataclass(frozen=True)
-class SchedulerSetup:
-    """What the offload scheduler is built from, besides its config.
-
-    `num_tier_blocks` sizes the first lower tier; `num_disk_blocks` the disk tier
-    behind it when the config is a CPU+disk cascade. `bytes_per_slot` is what one tier
-    slot (one block id's copy) holds, for the byte counters of `take_stats`; 0 means
-    `layout.bytes_per_block`, every group's page bytes (a block id spanning all groups'
-    tensors, as in the reference engine). vLLM's groups share one allocation, so there a
-    block id spans less (`adapters.vllm.layout.bytes_per_block_id`). `queue_by_priority`:
-    the engine orders waiting requests by priority, not arrival (`LoadPlanner`, offers).
-    `eagle_drafter`: the engine drafts with an EAGLE-style drafter (its draft KV of a
-    position saw the next token): hits need the unit after them cached in attention
-    groups (`core.longest_hit`).
-    """
-
-    layout: KVLayout
-    num_tier_blocks: int
-    num_workers: int = 1
-    gpu_pool: GpuPoolView | None = None
-    num_disk_blocks: int = 0
-    bytes_per_slot: int = 0
-    queue_by_priority: bool = False
-    eagle_drafter: bool = False
 
 
 class OffloadScheduler:
@@ -109,33 +82,16 @@ class OffloadScheduler:
         self.dropped_slots = DroppedSlots(config.disk_persist)
         # A disk-only tier's slots of failed stores (a cascade's demotions have their own).
         self._store_set_aside = SetAsideSlots(self.tier_pool) if self.tier is Tier.DISK else None
-        self.cascade: Cascade | None = None
-        if config.is_cascade:
-            if setup.num_disk_blocks < 2:
-                raise ValueError(
-                    f"a CPU+disk cascade needs num_disk_blocks >= 2, got {setup.num_disk_blocks}"
-                )
-            disk_pool = BlockPool(
-                setup.num_disk_blocks,
-                free_queue=policy.make_eviction(setup.num_disk_blocks),
-                medium=Tier.DISK.value,
-                record_events=config.events,
-            )
-            # Write-back demotes ahead of the next steps' evictions, within a quarter of
-            # the CPU tier (demoted blocks leave it).
-            reserve = min(
-                lazy_target(setup.layout, config.max_batched_tokens),
-                max(1, (setup.num_tier_blocks - 1) // 4),
-            )
-            self.cascade = Cascade(
-                self.tier_pool,
-                disk_pool,
-                config.cascade,
-                reserve,
-                event=lambda key, num_tokens: self.registrar.event(key, num_tokens, Tier.DISK),
-                dropped=self.dropped_slots,
-            )
-            pools.append((Tier.DISK, disk_pool))
+        self.cascade = make_cascade(
+            config,
+            setup,
+            policy,
+            self.tier_pool,
+            lambda key, num_tokens: self.registrar.event(key, num_tokens, Tier.DISK),
+            self.dropped_slots,
+        )
+        if self.cascade is not None:
+            pools.append((Tier.DISK, self.cascade.disk_pool))
         self.index = TierIndex(pools)
         self._gpu_pool = setup.gpu_pool
         self._granularity = (
