@@ -15,36 +15,12 @@ buffer and verified by the thread that consumes a load buffer (the data is hot i
 caches, and the I/O threads keep the device busy with nothing but reads and writes).
 
 A persistent tier (`DiskTierConfig.fingerprint` set) keeps its slot file and a manifest
-(see `manifest`) across runs: at open it recovers the checksums and records of the live
-slots, and it appends to the manifest as it goes. A write with records appends one put
-record per slot after the slot's data is written, and tombstones the slots if the write
-fails (their old bytes may be partly overwritten). A write without records tombstones
-the slots' earlier records *before* writing, so a restart cannot offer them. A read that
-fails verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
-
-Durability, by group commit (see `pending_puts`): a written slot's put record waits,
-with those of the other slots written meanwhile, until the store queue is idle (no other
-write queued when a write ends), the group holds 64 MiB of slots, its oldest record
-waited a second, or `close()`; then one `fdatasync` of the slot file makes their data
-durable, and only then are the records appended, so a record is never in the manifest
-before the data it describes is durable. A pending record whose slot is forgotten,
-rewritten or fails is dropped, never appended. Before a batch overwrites any slot, the
-manifest is synced if a tombstone was appended since its last sync (by `forget`, a
-failed verification, or this batch without records), so a dropped record cannot come
-back, after a crash, over the slot's new bytes. Put records are not synced as they are
-appended (a crash may lose the newest ones, and the pending ones: a restart then misses
-those blocks, or fails to load a slot whose older record it finds, never serves wrong
-bytes); `close()` commits the pending records, then syncs the slot file and the
-manifest, so after a clean shutdown everything is durable. A failed manifest sync drops
-every record and ends persistence for the run (as `forget` does when it cannot append).
-`end_persistence()` (a tier reset) drops every
-record and records nothing more in this run: the tier then works as a non-persistent
-one whose files are kept, and the next open finds nothing to restore.
+(see `manifest`) across runs; its records, and the order in which data and records are
+made durable, are `disk_tier_records`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -60,11 +36,11 @@ from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
 from kvtier.storage.disk_tier_close import close_dropped, close_files
 from kvtier.storage.disk_tier_config import DiskTierConfig
+from kvtier.storage.disk_tier_records import DiskRecords
 from kvtier.storage.manifest import (
     ManifestLog,
     check_manifest_paths,
     check_no_persistent_tier,
-    check_record,
     open_manifest,
     remove_manifest,
 )
@@ -102,7 +78,6 @@ class DiskTier:
             check_no_persistent_tier(config.path)
         self._checksums = np.zeros(config.num_slots, dtype=np.uint64)
         self._valid = np.zeros(config.num_slots, dtype=np.bool_)
-        self._recovered: dict[int, SlotRecord] = {}  # until this run writes the slot
         # Allocated before the files are opened: a failure here has nothing to release.
         self.store_buffers = self._allocate_buffers()
         self.load_buffers = self._allocate_buffers()
@@ -114,21 +89,23 @@ class DiskTier:
             file_io,
             persistent=identity is not None,
         )
-        self._log: ManifestLog | None = None
-        self._pending: PendingPuts | None = None
+        log: ManifestLog | None = None
+        pending: PendingPuts | None = None
+        recovered: dict[int, SlotRecord] = {}
         try:
             if identity is None:
                 remove_manifest(config.path)  # under the new file's lock
             else:
-                self._log, live = open_manifest(self._file, identity)
+                log, live = open_manifest(self._file, identity)
                 for slot in sorted(live):
                     self._checksums[slot] = live[slot].checksum
                     self._valid[slot] = True
-                    self._recovered[slot] = live[slot].record
-                self._pending = PendingPuts(self._log, self._file.sync_data, config.bytes_per_slot)
+                    recovered[slot] = live[slot].record
+                pending = PendingPuts(log, self._file.sync_data, config.bytes_per_slot)
         except BaseException:
-            close_files(self._file, self._log)  # never raises for a failed sync or removal
+            close_files(self._file, log)  # never raises for a failed sync or removal
             raise
+        self._records = DiskRecords(self._file.path, log, pending, recovered)
         # Idents of the I/O threads, recorded by each as it starts: close() from one of them
         # (a future's done-callback) must not wait for it.
         self._io_threads: set[int] = set()
@@ -137,7 +114,7 @@ class DiskTier:
         self._closing = CloseGate()
         # Collection without close() closes the files as close() does. Queued I/O holds
         # this object, so none is left by then, and idle I/O threads exit with their pool.
-        self._finalizer = weakref.finalize(self, close_dropped, self._file, self._log)
+        self._finalizer = weakref.finalize(self, close_dropped, self._file, log)
 
     def _allocate_buffers(self) -> tuple[StagingBuffer, ...]:
         cfg = self.config
@@ -172,7 +149,7 @@ class DiskTier:
         A slot this run has since written (or queued a write of) is no longer listed: its
         bytes are not the recovered record's any more, and its checksum is the new one's,
         so a restore from a stale list would serve them under the old key."""
-        return sorted(self._recovered.items())
+        return self._records.recovered_slots()
 
     def end_persistence(self) -> None:
         """Drop every manifest record and record nothing more in this run; idempotent, a
@@ -182,17 +159,7 @@ class DiskTier:
         other weights than the fingerprint names (weights updated in memory), and the
         engine cannot tell. Writes in flight are not recorded once this returns.
         """
-        if self._log is None or self._log.ended:
-            return
-        self._recovered.clear()
-        self._log.end()
-        if self._pending is not None:
-            self._pending.clear()
-        logger.info(
-            "disk tier %s: a reset dropped the persistent cache; nothing more is persisted "
-            "in this run (its KV may be of weights the fingerprint does not name)",
-            self.path,
-        )
+        self._records.end_persistence()
 
     def forget(self, slots: Sequence[int]) -> None:
         """Drop the manifest records of `slots` now (copies the scheduler dropped or never
@@ -208,48 +175,12 @@ class DiskTier:
         bad = [slot for slot in ids if not 0 <= slot < self.num_slots]
         if bad:
             raise ValueError(f"slot ids outside [0, {self.num_slots}): {bad}")
-        if self._log is None or self._log.ended or not ids:
-            return
-        for slot in ids:
-            self._recovered.pop(slot, None)
-        if self._forget_records(ids):
-            return
-        self._end_records(
-            f"cannot drop the manifest records of {len(ids)} slots the scheduler let go"
-        )
-
-    def _forget_records(self, slots: Sequence[int]) -> bool:
-        """Drop the pending and the manifest records of `slots`; return False when the
-        tombstones could not be appended (see `ManifestLog.forget`)."""
-        if self._pending is not None:
-            return self._pending.forget(slots)
-        return self._log is None or self._log.forget(slots)
-
-    def _end_records(self, why: str) -> None:
-        """Drop every record and record nothing more in this run, with a warning: what
-        the manifest holds after a failed append or sync is unknown."""
-        if self._log is None:
-            return
-        self._recovered.clear()
-        self._log.end()
-        if self._pending is not None:
-            self._pending.clear()
-        logger.warning(
-            "disk tier %s: %s; dropped every record, and nothing more is persisted in this run",
-            self.path,
-            why,
-        )
+        self._records.forget(ids)
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
         """Raise ValueError (message prefixed by `context`) for a record a persistent tier
         cannot write to its manifest; a non-persistent tier ignores records."""
-        if self._log is None:
-            return
-        for record in records:
-            try:
-                check_record(record)
-            except ValueError as exc:
-                raise ValueError(f"{context}{exc}") from exc
+        self._records.check_records(records, context)
 
     def write_slots(
         self,
@@ -277,17 +208,14 @@ class DiskTier:
             ],
             dtype=np.uint64,
         )
-        if self._recovered:  # the slots' recovered records no longer describe them
-            for slot in slot_ids.tolist():
-                self._recovered.pop(slot, None)
-        kept = tuple(records) if records is not None and self._log is not None else None
-        if self._pending is None:
-            return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
-        self._pending.queued()  # counted before it is queued: the queue is not seen idle
+        kept = self._records.kept(records)
+        # Counted before it is queued: the queue is not seen idle. The slots' recovered
+        # records no longer describe them.
+        self._records.queued(slot_ids.tolist())
         try:
             return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
         except BaseException:
-            self._pending.write_done()
+            self._records.write_done()
             raise
 
     def read_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> SlotRead:
@@ -322,8 +250,8 @@ class DiskTier:
         try:
             self._write_now(buffer, slot_ids, sums, records)
         finally:
-            if self._pending is not None and self._pending.write_done():
-                self._commit()
+            if self._records.write_done():
+                self._records.commit()
 
     def _write_now(
         self,
@@ -333,46 +261,18 @@ class DiskTier:
         records: tuple[SlotRecord, ...] | None,
     ) -> None:
         size = self.config.bytes_per_slot
-        log, pending = self._log, self._pending
         slots = slot_ids.tolist()
-        if log is not None:
-            assert pending is not None
-            if records is None:
-                pending.forget(slots)  # no record will describe the new bytes: drop the old
-            else:
-                pending.drop(slots)  # a pending record describes the bytes overwritten now
-            self._sync_log(log)  # the tombstones are durable before slots are overwritten
+        self._records.prepare_write(slots, recorded=records is not None)
         self._valid[slot_ids] = False
         try:
             for a, b in _consecutive_runs(slot_ids):
                 self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
         except BaseException:
-            if log is not None:
-                log.forget(slots)  # the old bytes may be partly overwritten
-                with contextlib.suppress(OSError):  # the write's own error is the one raised
-                    self._sync_log(log)
+            self._records.write_failed(slots)
             raise
         self._checksums[slot_ids] = sums
         self._valid[slot_ids] = True
-        if log is not None and pending is not None and records is not None and not log.ended:
-            pending.add(slots, sums.tolist(), records)  # appended at the group's commit
-
-    def _commit(self) -> None:
-        """Commit the pending records (see `PendingPuts.commit`); never raises: when the
-        records cannot be dropped either, `close()` removes the manifest."""
-        if self._pending is None or self._pending.commit():
-            return
-        try:
-            self._end_records("cannot drop the records of slots whose data failed to sync")
-        except OSError as exc:
-            logger.error("disk tier %s: %s", self.path, exc)
-
-    def _sync_log(self, log: ManifestLog) -> None:
-        """Sync the manifest when a tombstone was appended since its last sync
-        (`ManifestLog.sync`); when that fails, end the records (`_end_records`)."""
-        if log.ended or log.sync(tombstones_only=True):
-            return
-        self._end_records("cannot sync the manifest")
+        self._records.written(slots, sums, records)  # appended at the group's commit
 
     def _read(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         size = self.config.bytes_per_slot
@@ -389,7 +289,7 @@ class DiskTier:
                 continue
             actual = xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
             if actual != int(self._checksums[slot]):
-                self._forget_records([slot])  # a restart must not offer it again
+                self._records.forget_slots([slot])  # a restart must not offer it again
                 problems.setdefault(slot, f"checksum mismatch in slot {slot}")
         if problems:
             first = min(problems)
@@ -399,16 +299,16 @@ class DiskTier:
     def check_invariants(self) -> None:
         """Raise AssertionError if the file or buffers disagree with the configuration."""
         cfg = self.config
+        log = self._records.log
         if self._closing.is_closed:
             assert not self._file.is_open, "closed disk tier still holds its file"
-            assert self._log is None or not self._log.is_open, "closed tier's manifest is open"
+            assert log is None or not log.is_open, "closed tier's manifest is open"
             return
-        assert (self._log is not None) == self.persistent, "manifest without persistence"
-        assert self._log is None or self._log.is_open, "open persistent tier without manifest"
+        assert (log is not None) == self.persistent, "manifest without persistence"
+        assert log is None or log.is_open, "open persistent tier without manifest"
         assert self._file.file_size() == cfg.num_slots * cfg.bytes_per_slot, "file size drifted"
         assert self._checksums.shape == self._valid.shape == (cfg.num_slots,)
-        if self._pending is not None:
-            self._pending.check(self._valid, self._checksums)
+        self._records.check(self._valid, self._checksums)
         for buffer in (*self.store_buffers, *self.load_buffers):
             assert buffer.tensor.shape == (cfg.batch_slots, cfg.bytes_per_slot)
             assert buffer.tensor.data_ptr() % DIRECT_IO_ALIGNMENT == 0, "unaligned staging buffer"
@@ -450,9 +350,9 @@ class DiskTier:
         self._store_io.shutdown(wait=True)
         self._load_io.shutdown(wait=True)
         if self._finalizer.alive:
-            self._commit()  # the I/O threads are done: nothing else commits or writes
+            self._records.commit()  # the I/O threads are done: nothing else commits or writes
         if self._finalizer.detach() is not None:
-            close_files(self._file, self._log)
+            close_files(self._file, self._records.log)
 
 
 def _io_pool(side: str, idents: set[int]) -> ThreadPoolExecutor:

@@ -9,7 +9,7 @@ at open whether to reuse (and resize) or discard it.
 
 Rules. A slot's data is written and synced before its put record is appended (one sync
 for a group of records: `pending_puts`), and every append is one `write` call on an
-O_APPEND descriptor, not synced per record (see `disk_tier`). Replay applies records
+O_APPEND descriptor, not synced per record (see `disk_tier_records`). Replay applies records
 in order, the last record of a slot wins; a record that fails its checksum (or is
 otherwise invalid) is skipped with a warning and the replay resumes at the next valid
 record, and a record cut short at the end is ignored (`manifest_read`: a skipped record

@@ -30,7 +30,7 @@ class ManifestLog:
 
     Appends are not synced one by one: `sync()` makes every record appended so far
     durable (one fsync, for all of them), and `close()` syncs the rest. The disk tier
-    syncs the tombstones before a write overwrites slots (see `disk_tier`).
+    syncs the tombstones before a write overwrites slots (see `disk_tier_records`).
 
     The log keeps the encoded put record of every live slot (about 180 B of memory per
     live slot with 36-byte keys: ~90 MB for 500k) and counts the records in its file; an

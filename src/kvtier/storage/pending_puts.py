@@ -1,5 +1,5 @@
 """The put records of a persistent disk tier that wait for their group commit (see
-`disk_tier`): written slots whose records are appended to the manifest only after one
+`disk_tier_records`): written slots whose records are appended to the manifest only after one
 `fdatasync` of the slot file made their data, and the data of every other record in the
 group, durable.
 

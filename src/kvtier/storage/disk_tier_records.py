@@ -1,0 +1,200 @@
+"""The records of a disk tier (see `disk_tier`): those recovered at open, the put records
+waiting for their group commit (`pending_puts`) and the manifest they are appended to.
+
+A persistent tier (`DiskTierConfig.fingerprint` set) keeps its slot file and a manifest
+(see `manifest`) across runs: at open it recovers the checksums and records of the live
+slots, and it appends to the manifest as it goes. A write with records appends one put
+record per slot after the slot's data is written, and tombstones the slots if the write
+fails (their old bytes may be partly overwritten). A write without records tombstones
+the slots' earlier records *before* writing, so a restart cannot offer them. A read that
+fails verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
+
+Durability, by group commit (see `pending_puts`): a written slot's put record waits,
+with those of the other slots written meanwhile, until the store queue is idle (no other
+write queued when a write ends), the group holds 64 MiB of slots, its oldest record
+waited a second, or `close()`; then one `fdatasync` of the slot file makes their data
+durable, and only then are the records appended, so a record is never in the manifest
+before the data it describes is durable. A pending record whose slot is forgotten,
+rewritten or fails is dropped, never appended. Before a batch overwrites any slot, the
+manifest is synced if a tombstone was appended since its last sync (by `forget`, a
+failed verification, or this batch without records), so a dropped record cannot come
+back, after a crash, over the slot's new bytes. Put records are not synced as they are
+appended (a crash may lose the newest ones, and the pending ones: a restart then misses
+those blocks, or fails to load a slot whose older record it finds, never serves wrong
+bytes); `close()` commits the pending records, then syncs the slot file and the
+manifest, so after a clean shutdown everything is durable. A failed manifest sync drops
+every record and ends persistence for the run (as `forget` does when it cannot append).
+`end_persistence()` (a tier reset) drops every
+record and records nothing more in this run: the tier then works as a non-persistent
+one whose files are kept, and the next open finds nothing to restore.
+
+`DiskRecords` keeps this order; the tier calls it around each write (`queued`,
+`prepare_write`, `write_failed`, `written`, `write_done`, `commit`). A non-persistent
+tier's records hold no manifest, and every call is then a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage.manifest import ManifestLog, check_record
+from kvtier.storage.pending_puts import PendingPuts
+
+__all__ = ["DiskRecords"]
+
+logger = logging.getLogger(__name__)
+
+
+class DiskRecords:
+    """A disk tier's records: recovered, pending and in the manifest (`log`, None when
+    the tier is not persistent). `path` names the tier in log messages."""
+
+    def __init__(
+        self,
+        path: str,
+        log: ManifestLog | None,
+        pending: PendingPuts | None,
+        recovered: dict[int, SlotRecord],
+    ) -> None:
+        self.path = path
+        self.log = log
+        self.pending = pending
+        self._recovered = recovered  # until this run writes the slot
+
+    def recovered_slots(self) -> list[tuple[int, SlotRecord]]:
+        """Return the recovered `(slot, record)` pairs, by slot (`DiskTier.recovered_slots`)."""
+        return sorted(self._recovered.items())
+
+    def end_persistence(self) -> None:
+        """Drop every record and record nothing more (`DiskTier.end_persistence`)."""
+        if self.log is None or self.log.ended:
+            return
+        self._recovered.clear()
+        self.log.end()
+        if self.pending is not None:
+            self.pending.clear()
+        logger.info(
+            "disk tier %s: a reset dropped the persistent cache; nothing more is persisted "
+            "in this run (its KV may be of weights the fingerprint does not name)",
+            self.path,
+        )
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """Drop the records of `slots`, ids in range (`DiskTier.forget`)."""
+        if self.log is None or self.log.ended or not slots:
+            return
+        for slot in slots:
+            self._recovered.pop(slot, None)
+        if self.forget_slots(slots):
+            return
+        self.end(f"cannot drop the manifest records of {len(slots)} slots the scheduler let go")
+
+    def forget_slots(self, slots: Sequence[int]) -> bool:
+        """Drop the pending and the manifest records of `slots`; return False when the
+        tombstones could not be appended (see `ManifestLog.forget`)."""
+        if self.pending is not None:
+            return self.pending.forget(slots)
+        return self.log is None or self.log.forget(slots)
+
+    def end(self, why: str) -> None:
+        """Drop every record and record nothing more in this run, with a warning: what
+        the manifest holds after a failed append or sync is unknown."""
+        if self.log is None:
+            return
+        self._recovered.clear()
+        self.log.end()
+        if self.pending is not None:
+            self.pending.clear()
+        logger.warning(
+            "disk tier %s: %s; dropped every record, and nothing more is persisted in this run",
+            self.path,
+            why,
+        )
+
+    def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
+        """Raise ValueError (message prefixed by `context`) for a record the manifest
+        cannot hold; without a manifest, records are ignored."""
+        if self.log is None:
+            return
+        for record in records:
+            try:
+                check_record(record)
+            except ValueError as exc:
+                raise ValueError(f"{context}{exc}") from exc
+
+    def kept(self, records: Sequence[SlotRecord] | None) -> tuple[SlotRecord, ...] | None:
+        """Return the records a write keeps for the manifest (None without one)."""
+        return tuple(records) if records is not None and self.log is not None else None
+
+    def queued(self, slots: Sequence[int]) -> None:
+        """Note a write of `slots` about to be queued: their recovered records no longer
+        describe them, and the store queue is not idle (see `PendingPuts.queued`)."""
+        if self._recovered:
+            for slot in slots:
+                self._recovered.pop(slot, None)
+        if self.pending is not None:
+            self.pending.queued()
+
+    def write_done(self) -> bool:
+        """Count a queued write as finished (or not queued after all); return True when
+        the pending records are due for `commit` (see `PendingPuts.write_done`)."""
+        return self.pending is not None and self.pending.write_done()
+
+    def prepare_write(self, slots: Sequence[int], recorded: bool) -> None:
+        """Drop the records that describe the bytes `slots` are about to lose (tombstones
+        for a write without records: no record will describe its bytes), and make the
+        tombstones durable before the slots are overwritten."""
+        if self.log is None:
+            return
+        assert self.pending is not None
+        if recorded:
+            self.pending.drop(slots)  # a pending record describes the bytes overwritten now
+        else:
+            self.pending.forget(slots)
+        self.sync_log()
+
+    def write_failed(self, slots: Sequence[int]) -> None:
+        """Tombstone `slots` after a failed write (their old bytes may be partly
+        overwritten); never raises for a failed sync: the write's own error is the one
+        raised."""
+        if self.log is None:
+            return
+        self.log.forget(slots)
+        with contextlib.suppress(OSError):
+            self.sync_log()
+
+    def written(
+        self, slots: Sequence[int], sums: np.ndarray, records: tuple[SlotRecord, ...] | None
+    ) -> None:
+        """Hold the records of `slots`, just written, for the group's commit."""
+        log, pending = self.log, self.pending
+        if log is not None and pending is not None and records is not None and not log.ended:
+            pending.add(slots, sums.tolist(), records)
+
+    def commit(self) -> None:
+        """Commit the pending records (see `PendingPuts.commit`); never raises: when the
+        records cannot be dropped either, the tier's close removes the manifest."""
+        if self.pending is None or self.pending.commit():
+            return
+        try:
+            self.end("cannot drop the records of slots whose data failed to sync")
+        except OSError as exc:
+            logger.error("disk tier %s: %s", self.path, exc)
+
+    def sync_log(self) -> None:
+        """Sync the manifest when a tombstone was appended since its last sync
+        (`ManifestLog.sync`); when that fails, end the records (`end`)."""
+        log = self.log
+        if log is None or log.ended or log.sync(tombstones_only=True):
+            return
+        self.end("cannot sync the manifest")
+
+    def check(self, valid: np.ndarray, checksums: np.ndarray) -> None:
+        """Raise AssertionError unless every pending record matches the slot's data."""
+        if self.pending is not None:
+            self.pending.check(valid, checksums)
