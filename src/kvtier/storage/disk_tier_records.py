@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -64,17 +65,23 @@ class DiskRecords:
         self.path = path
         self.log = log
         self.pending = pending
-        self._recovered = recovered  # until this run writes the slot
+        # Until this run writes the slot. Changed from the store I/O thread (`end`) as
+        # well as the caller's: `_lock` keeps `recovered_slots` from iterating it meanwhile.
+        self._recovered = recovered
+        self._lock = threading.Lock()
 
     def recovered_slots(self) -> list[tuple[int, SlotRecord]]:
         """Return the recovered `(slot, record)` pairs, by slot (`DiskTier.recovered_slots`)."""
-        return sorted(self._recovered.items())
+        with self._lock:
+            items = list(self._recovered.items())
+        return sorted(items)
 
     def end_persistence(self) -> None:
         """Drop every record and record nothing more (`DiskTier.end_persistence`)."""
         if self.log is None or self.log.ended:
             return
-        self._recovered.clear()
+        with self._lock:
+            self._recovered.clear()
         self.log.end()
         if self.pending is not None:
             self.pending.clear()
@@ -88,8 +95,9 @@ class DiskRecords:
         """Drop the records of `slots`, ids in range (`DiskTier.forget`)."""
         if self.log is None or self.log.ended or not slots:
             return
-        for slot in slots:
-            self._recovered.pop(slot, None)
+        with self._lock:
+            for slot in slots:
+                self._recovered.pop(slot, None)
         if self.forget_slots(slots):
             return
         self.end(f"cannot drop the manifest records of {len(slots)} slots the scheduler let go")
@@ -106,7 +114,8 @@ class DiskRecords:
         the manifest holds after a failed append or sync is unknown."""
         if self.log is None:
             return
-        self._recovered.clear()
+        with self._lock:
+            self._recovered.clear()
         self.log.end()
         if self.pending is not None:
             self.pending.clear()
@@ -135,8 +144,9 @@ class DiskRecords:
         """Note a write of `slots` about to be queued: their recovered records no longer
         describe them, and the store queue is not idle (see `PendingPuts.queued`)."""
         if self._recovered:
-            for slot in slots:
-                self._recovered.pop(slot, None)
+            with self._lock:
+                for slot in slots:
+                    self._recovered.pop(slot, None)
         if self.pending is not None:
             self.pending.queued()
 
