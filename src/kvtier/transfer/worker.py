@@ -40,13 +40,13 @@ from types import TracebackType
 import numpy as np
 import torch
 
-from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan, WorkerReport
+from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
 from kvtier.storage.disk_tier import DiskTier, DiskTierConfig
 from kvtier.storage.slot_file import FileIO
 from kvtier.transfer.block_copy import row_dtype
 from kvtier.transfer.copiers import CpuCopier, CudaCopier
 from kvtier.transfer.device import pin_host_memory, record_compute_marker
-from kvtier.transfer.disk_mover import DiskMover, PartlyLoadedError
+from kvtier.transfer.disk_mover import DiskMover
 from kvtier.transfer.host_tier import HostTier
 from kvtier.transfer.job_checks import block_id_array, check_distinct, check_job_fields
 from kvtier.transfer.lanes import TransferLane
@@ -61,6 +61,7 @@ from kvtier.transfer.routes import (
     run_task,
 )
 from kvtier.transfer.worker_config import WorkerConfig, WorkerState
+from kvtier.transfer.worker_reports import WorkerReports
 from kvtier.transfer.worker_resources import WorkerResources, release_dropped
 
 __all__ = ["OffloadWorker", "WorkerConfig", "WorkerState"]
@@ -68,7 +69,7 @@ __all__ = ["OffloadWorker", "WorkerConfig", "WorkerState"]
 logger = logging.getLogger(__name__)
 
 
-class OffloadWorker:
+class OffloadWorker(WorkerReports):
     """Execute transfer plans on one rank; see the module docstring for routes and ordering.
 
     Call every method from one thread (the engine's, the one that creates the worker).
@@ -78,7 +79,8 @@ class OffloadWorker:
     violations (unknown tier, block ids that are not ints or out of range, repeated
     event ids, fields of the wrong type) raise ValueError. Call `shutdown()` (or use the
     worker as a context manager); a worker dropped without it is released by a finalizer
-    (see `worker_resources`), with a warning.
+    (see `worker_resources`), with a warning. The report hand-off (`poll`, `peek`,
+    `acknowledge`) comes from `WorkerReports`.
     """
 
     def __init__(self, config: WorkerConfig, file_io: FileIO | None = None) -> None:
@@ -309,41 +311,6 @@ class OffloadWorker:
         if not size:
             raise ValueError(f"event {event_id}: this worker has no {tier.value} tier")
         return size
-
-    def poll(self) -> WorkerReport:
-        """Return the events finished since the last poll (FIFO per lane); never blocks.
-        A caller an interrupt must not cost a report calls `peek`, then `acknowledge`."""
-        report = self.peek()
-        self.acknowledge()
-        return report
-
-    def peek(self) -> WorkerReport:
-        """Return the events finished and not yet acknowledged (FIFO per lane), those an
-        earlier `peek` returned included; never blocks."""
-        done: dict[int, int] = {}
-        failed: dict[int, int] = {}
-        seconds: dict[int, float] = {}
-        bad_blocks: dict[int, frozenset[int]] = {}
-        for lane in self._lanes.values():
-            lane_done, lane_failed = lane.finished()
-            done.update(dict.fromkeys(lane_done, 1))
-            seconds.update(lane_done)
-            failed.update(dict.fromkeys(lane_failed, 1))
-            for event_id, error in lane_failed.items():
-                # Only bad disk slots, each a source block id of the job (slot ids are
-                # the sources of every disk read); the job's other blocks were copied.
-                if isinstance(error, PartlyLoadedError):
-                    bad_blocks[event_id] = frozenset(error.slots)
-                    if error.seconds is not None:  # the other blocks' copy time
-                        seconds[event_id] = error.seconds
-        self._in_flight.difference_update(done, failed)
-        return WorkerReport(done=done, failed=failed, seconds=seconds, bad_blocks=bad_blocks)
-
-    def acknowledge(self) -> None:
-        """Forget the events `peek` returned, whose reports the caller holds or applied
-        (an acknowledge cut short by an interrupt leaves some to be reported again)."""
-        for lane in self._lanes.values():
-            lane.acknowledge()
 
     def flush(self) -> None:
         """Block until every submitted transfer finished (done or failed)."""
