@@ -1,0 +1,189 @@
+"""The values of `OffloadConfig`'s fields (see `config`): the mode enums, each field's
+type and bounds, and the normalization a value gets before the config holds it; and
+`check_known_keys`, which names the closest valid key for a misspelt one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+from collections.abc import Collection, Iterable, Mapping
+
+from kvtier.core.hashing import HashAlgo
+from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
+from kvtier.offload.config_error import ConfigError
+
+__all__ = [
+    "CONFIG_KEYS",
+    "FIELD_TYPES",
+    "MAX_DISK_BUFFER_SLOTS",
+    "CascadeMode",
+    "DiskIOMode",
+    "StoreMode",
+    "as_enum",
+    "check_known_keys",
+    "check_type",
+    "valid_value",
+]
+
+
+class StoreMode(enum.Enum):
+    """When blocks are copied down to the tier."""
+
+    EAGER = "eager"  # as soon as their KV is confirmed computed
+    LAZY = "lazy"  # only when they are about to be evicted from the GPU
+
+
+class DiskIOMode(enum.Enum):
+    """How the disk tier reads and writes its file."""
+
+    DIRECT = "direct"  # O_DIRECT, 4096-aligned; slot bytes must be a multiple of 4096
+    PAGE_CACHE = "page_cache"
+
+
+class CascadeMode(enum.Enum):
+    """How the CPU tier hands blocks down to the disk tier when both are configured.
+
+    WRITE_THROUGH: every block stored in the CPU tier is copied on to disk right after,
+    and CPU hits refresh the disk copy (inclusive tiers: the disk keeps a copy of what
+    the CPU holds, so a restart with a persistent disk keeps nearly all of it; one disk
+    write per stored block; capacity = disk, which must be at least the CPU tier).
+    WRITE_BACK: a CPU block is copied to disk only when it nears eviction, then leaves
+    the CPU tier (exclusive tiers: capacity = CPU + disk, fewer disk writes; a burst of
+    stores larger than the demotion reserve evicts some blocks before their copy).
+    """
+
+    WRITE_THROUGH = "write_through"
+    WRITE_BACK = "write_back"
+
+
+def check_known_keys(keys: Iterable[object], valid: Collection[str], where: str) -> None:
+    """Raise ConfigError naming every key not in `valid`, with the closest valid key.
+
+    `where` names the keys' origin in the message, e.g. "unknown offload config key(s)".
+    """
+    unknown = sorted({str(key) for key in keys} - set(valid))
+    if unknown:
+        named = []
+        for key in unknown:
+            by_lower = {name.lower(): name for name in valid}  # `CPU_BYTES`: cpu_bytes
+            close = difflib.get_close_matches(key.lower(), sorted(by_lower), n=1)
+            close = [by_lower[match] for match in close]
+            named.append(f"{key} (did you mean {close[0]!r}?)" if close else key)
+        raise ConfigError(f"unknown {where} key(s): {', '.join(named)}")
+
+
+FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "cpu_bytes": int,
+    "disk_bytes": int,
+    "disk_path": str,
+    "disk_io_mode": DiskIOMode,
+    "disk_buffer_slots": int,
+    "num_blocks": int,
+    "store_mode": StoreMode,
+    "hash_algo": HashAlgo,
+    "hash_seed": str,
+    "events": bool,
+    "max_batched_tokens": int,
+    "fine_grained_hits": bool,
+    "eviction_policy": str,
+    "admission_policy": str,
+    "cascade": CascadeMode,
+    "disk_persist": bool,
+    "token_check": bool,
+}
+_OPTIONAL = {"disk_path", "num_blocks", "hash_seed"}
+# The keys `OffloadConfig.from_dict` accepts: the fields and the SPEC's `disk_direct_io`.
+CONFIG_KEYS = frozenset({*FIELD_TYPES, "disk_direct_io"})
+
+
+def check_type(name: str, value: object) -> None:
+    """Raise ConfigError naming `name` when `value` is not of the field's type."""
+    kind = FIELD_TYPES[name]
+    if value is None and name in _OPTIONAL:
+        return
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{name} must be {_type_name(kind)}, got {value!r}")
+
+
+# The most staging buffers per direction: each holds 4 MiB (disk_tier.DiskTierConfig
+# .batch_bytes) or one block if larger, so 64 is 512 MiB of host memory for the two
+# directions with blocks up to 4 MiB.
+MAX_DISK_BUFFER_SLOTS = 64
+# The least value of each int field that has one (num_blocks: the null block and one more).
+_MINIMUMS = {
+    "cpu_bytes": 0,
+    "disk_bytes": 0,
+    "disk_buffer_slots": 1,
+    "num_blocks": 2,
+    "max_batched_tokens": 1,
+}
+_REGISTRIES: dict[str, Mapping[str, object]] = {
+    "eviction_policy": EVICTION_POLICIES,
+    "admission_policy": ADMISSION_POLICIES,
+}
+
+
+def valid_value(name: str, value: object) -> object:
+    """Return `value` normalized for field `name`; raise ConfigError naming a bad one.
+
+    Policy names ignore case and surrounding spaces, as `PolicySpec.parse` does, and so
+    do the names of enum fields' members (`cascade="write_back"`); a `disk_path` is made
+    absolute.
+    """
+    value = as_enum(name, value)
+    check_type(name, value)
+    if name == "disk_path" and isinstance(value, str) and value:
+        _require("\x00" not in value, name, value, "a path cannot hold a NUL character")
+        return os.path.abspath(os.path.expanduser(value))
+    if isinstance(value, int) and name in _MINIMUMS:
+        _require(value >= _MINIMUMS[name], name, value, f"must be >= {_MINIMUMS[name]}")
+    if name == "disk_buffer_slots" and isinstance(value, int):
+        rule = (
+            f"must be <= {MAX_DISK_BUFFER_SLOTS} (each is a staging buffer of 4 MiB, or one "
+            "block if larger, per I/O direction)"
+        )
+        _require(value <= MAX_DISK_BUFFER_SLOTS, name, value, rule)
+    if name == "hash_seed":
+        _require(value != "", name, value, "must not be empty (None: a random seed per process)")
+    registry = _REGISTRIES.get(name)
+    if registry is not None and isinstance(value, str):
+        ok = value.strip().lower() in registry
+        _require(ok, name, value, f"choose one of {', '.join(registry)}")
+        return value.strip().lower()
+    return value
+
+
+def as_enum(name: str, value: object) -> object:
+    """Return the member a string names for an enum field (any case, surrounding spaces
+    ignored); raise ConfigError listing the choices for a name that is none of them."""
+    enum_type = _ENUM_FIELDS.get(name)
+    if enum_type is None or not isinstance(value, str):
+        return value
+    try:
+        return enum_type(value.strip().lower())
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_type)
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+_ENUM_FIELDS: dict[str, type[enum.Enum]] = {
+    "disk_io_mode": DiskIOMode,
+    "store_mode": StoreMode,
+    "hash_algo": HashAlgo,
+    "cascade": CascadeMode,
+}
+
+
+def _type_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    if issubclass(kind, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in kind)
+    return f"an {kind.__name__}" if kind.__name__[0] in "aeiou" else f"a {kind.__name__}"
+
+
+def _require(ok: bool, key: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is invalid: {rule}")
