@@ -73,3 +73,31 @@ def test_a_disk_tier_restores_what_it_did_not_forget(tmp_path: Path) -> None:
     tier.forget([4])
     assert tier.recovered_slots() == [(2, rec(2))]
     tier.close()
+
+
+def test_a_rewrite_whose_old_records_cannot_be_dropped_drops_them_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write without records (no record will describe its bytes) tombstones the slots'
+    old records first; when that append fails, every record goes, as for `forget`: the
+    old record of slot 2 would describe bytes it no longer holds."""
+    config = tier_config(tmp_path)
+    tier = DiskTier(config)
+    slots = np.arange(1, 5, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier.close()
+    tier = DiskTier(config)
+    assert [slot for slot, _ in tier.recovered_slots()] == [1, 2, 3, 4]
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "no space left on device")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(os, "write", full)  # the manifest's appends; slot data uses pwrite
+        rewrite = np.array([2], dtype=np.int64)
+        tier.write_slots(tier.store_buffers[0], rewrite, None).result()
+    assert "dropped every record" in caplog.text
+    tier.close()
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == []
+    tier.close()

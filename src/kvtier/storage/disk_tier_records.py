@@ -164,8 +164,8 @@ class DiskRecords:
         assert self.pending is not None
         if recorded:
             self.pending.drop(slots)  # a pending record describes the bytes overwritten now
-        else:
-            self.pending.forget(slots)
+        elif not self.pending.forget(slots):  # the old records would describe new bytes
+            self.end(f"cannot drop the manifest records of {len(slots)} slots being rewritten")
         self.sync_log()
 
     def write_failed(self, slots: Sequence[int]) -> None:
