@@ -70,7 +70,7 @@ def test_a_failed_load_naming_nothing_recomputes_from_the_local_prefix(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     reference, _ = serve(None)
-    with caplog.at_level(logging.WARNING, logger="kvtier.engine.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine.load_failure"):
         outputs, wrap = serve(tmp_path)
     # Keeps its 2 GPU blocks (old code: "failed: recomputing tokens [8, 32)").
     assert "(tokens [8, 32)) failed: keeping tokens [0, 8), recomputing [8, 32)" in caplog.text

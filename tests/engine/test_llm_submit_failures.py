@@ -153,7 +153,7 @@ def test_a_refused_load_plan_makes_its_request_recompute(
     assert worker.refused is not None
     llm.pool.check_invariants()
     llm.offload.scheduler.check_invariants()
-    with caplog.at_level(logging.WARNING, logger="kvtier.engine.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine.load_failure"):
         step_until_done(llm)
     (message,) = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert re.fullmatch(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from kvtier.engine.validation import (
     as_prompt_list,
     as_session_list,
     as_token_ids,
+    check_arguments,
     check_request,
 )
 from kvtier.engine.weights import load_model
@@ -52,7 +53,7 @@ class LLM:
         kv_offload: OffloadConfig | None = None,
         engine: EngineConfig | None = None,
     ) -> None:
-        _check_arguments(model, kv_offload, engine)
+        check_arguments(model, kv_offload, engine)
         # Before anything is allocated; a directory it created goes if the start fails.
         created = None if kv_offload is None else kv_offload.prepare_host()
         try:
@@ -187,6 +188,8 @@ class LLM:
         error propagates; transfers the worker never took are reported failed.
         """
         self._require_running()
+        if self.offload is not None and self.offload.has_unapplied_outcome():
+            self._apply_offload()  # an earlier step's, cut short: before anything is admitted
         step = self.scheduler.schedule()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(step.preempted_ids)
@@ -215,7 +218,8 @@ class LLM:
             self.stats.num_external_hit_tokens += request.num_external_tokens_total
         if self.offload is not None:
             self.offload.finish_step(finished)
-            self.scheduler.apply_offload(self.offload.poll())
+            self.offload.poll()
+            self._apply_offload()
             if not step.work:
                 time.sleep(_IDLE_WAIT_S)
         return finished
@@ -301,6 +305,16 @@ class LLM:
     def _abort(self, request: Request) -> None:
         self.scheduler.abort(request)
 
+    def _apply_offload(self) -> None:
+        """Apply the loads finished or failed that the offload side kept for the engine.
+
+        Kept until all is applied: a Ctrl-C on the way leaves it to the next step, which
+        applies it again (`Scheduler.apply_offload` ignores what it applied) first.
+        """
+        assert self.offload is not None
+        self.scheduler.apply_offload(self.offload.unapplied_outcome())
+        self.offload.outcome_applied()
+
     def _progress_mark(self) -> tuple[int, ...]:
         """Return counters that change whenever a step does anything."""
         stats = self.stats
@@ -376,24 +390,4 @@ class LLM:
             num_local_hit_tokens=request.num_local_tokens_total,
             num_external_hit_tokens=request.num_external_tokens_total,
             logits=torch.stack(rows) if rows else None,
-        )
-
-
-def _check_arguments(model: object, kv_offload: object, engine: object) -> None:
-    if model is not None and not isinstance(model, (str, Path, ModelConfig)):
-        raise TypeError(
-            "model must be a local checkpoint directory (str or Path), a ModelConfig or "
-            f"None, got {model!r}"
-        )
-    if kv_offload is not None and not isinstance(kv_offload, OffloadConfig):
-        hint = (
-            " (build one with OffloadConfig.from_dict)" if isinstance(kv_offload, Mapping) else ""
-        )
-        raise TypeError(
-            f"kv_offload must be an OffloadConfig or None, got {type(kv_offload).__name__}{hint}"
-        )
-    if engine is not None and not isinstance(engine, EngineConfig):
-        hint = " (build one with EngineConfig(**values))" if isinstance(engine, Mapping) else ""
-        raise TypeError(
-            f"engine must be an EngineConfig or None, got {type(engine).__name__}{hint}"
         )

@@ -101,7 +101,7 @@ class OffloadSide:
         self._unconfirmed: set[int] = set()
         # Reports made up for plans the worker never took, applied by the next `poll`.
         self._held_reports: list[WorkerReport] = []
-        # Outcomes of applied reports that `poll` has not returned yet (an interrupt).
+        # Outcomes of applied reports the engine has not applied yet (`outcome_applied`).
         self._outcomes: list[ReportOutcome] = []
 
     def prepare(self, step: SchedulerStep) -> None:
@@ -207,13 +207,14 @@ class OffloadSide:
         self._finished_ids = frozenset(r.request_id for r in finished)
 
     def poll(self) -> ReportOutcome:
-        """Apply whatever the worker finished; return loads finished or failed.
+        """Apply whatever the worker finished; return loads finished or failed, with
+        those of earlier polls not yet applied (`outcome_applied`).
 
         The worker keeps its reports (`OffloadWorker.peek`), and this side its held
-        failures and the outcome, until they are applied or returned: an interrupt on
-        the way leaves them all to the next poll, which applies each event once
-        (`TransferCompletion.apply` finishes an apply cut short; events applied already
-        are ignored: `TransferBook.complete`) and returns the outcome with its own.
+        failures and the outcomes, until they are applied: an interrupt on the way leaves
+        them all to the next poll, which applies each event once (`TransferCompletion.apply`
+        finishes an apply cut short; events applied already are ignored:
+        `TransferBook.complete`), or to the engine (`unapplied_outcome`).
 
         Disk copies the report made the scheduler drop lose their manifest records at
         once (`_forget_dropped`), not with the next plan: an engine left idle, then
@@ -227,10 +228,26 @@ class OffloadSide:
         self._held_reports = []
         self.totals.num_reported_events += _num_events(report)
         self._account(self.scheduler.take_stats())
-        self._forget_dropped()  # raising, it leaves the outcome to the next poll
-        if len(self._outcomes) > 1:  # polls an interrupt cut short did not return theirs
-            self._outcomes[:] = [_joined(self._outcomes)]
-        return self._outcomes.pop()  # one step: an interrupt before returns it next time
+        self._forget_dropped()  # raising, it leaves the outcome to the engine
+        return self.unapplied_outcome()
+
+    def has_unapplied_outcome(self) -> bool:
+        """Return True when loads finished or failed that the engine has not applied."""
+        return any(o.finished_loads or o.failed_loads for o in self._outcomes)
+
+    def unapplied_outcome(self) -> ReportOutcome:
+        """Return the loads finished or failed, in order, since `outcome_applied`.
+
+        Kept until the engine confirms it applied them: one lost on the way (a Ctrl-C
+        before or while the engine applied it) would leave its request waiting for good.
+        """
+        if len(self._outcomes) > 1:
+            self._outcomes[:] = [_joined(self._outcomes)]  # one statement: none lost
+        return self._outcomes[0] if self._outcomes else ReportOutcome()
+
+    def outcome_applied(self) -> None:
+        """Forget the outcome `unapplied_outcome` returned: the engine applied it all."""
+        self._outcomes.clear()
 
     def _forget_dropped(self) -> None:
         """Hand the worker the dropped disk slots no plan carried yet (`DiskTier.forget`).

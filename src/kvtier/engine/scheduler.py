@@ -25,7 +25,7 @@ from kvtier.engine.block_counts import (
     num_hit_blocks,
     num_new_blocks,
 )
-from kvtier.engine.load_failure import valid_prefix
+from kvtier.engine.load_failure import rewind
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.offload.protocols import TableUpdate
@@ -298,9 +298,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _free_blocks(self, request: Request) -> None:
-        for table in request.block_tables:
+        # Taken first: an interrupt in the frees leaks blocks, never frees them twice.
+        tables, request.block_tables = request.block_tables, [[] for _ in self.layout.groups]
+        for table in tables:
             self.pool.free(reversed(table))  # tail-first: prefix roots are evicted last
-        request.block_tables = [[] for _ in self.layout.groups]
 
     # ------------------------------------------------------------------ results
 
@@ -368,48 +369,33 @@ class Scheduler:
                     table[pos] = NULL_BLOCK_ID
 
     def apply_offload(self, outcome: ReportOutcome) -> None:
-        """Make requests whose load finished schedulable; rewind those whose load failed."""
+        """Make requests whose load finished schedulable; rewind those whose load failed.
+
+        Safe to repeat with the same outcome, as the engine does when a call was cut short
+        (KeyboardInterrupt), before it schedules again: a request leaves `loading` last,
+        once it is queued again, and one not loading (finished, aborted, or applied
+        already) is ignored. A repeat must come before `schedule` could admit a request
+        anew: its next load's outcome is not this one.
+        """
         for request_id in outcome.finished_loads:
-            request = self.loading.pop(request_id, None)
+            request = self.loading.get(request_id)
             if request is not None:
                 self._cache_full_blocks(request, 0)
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
+                self._resume(request)
         for failed in outcome.failed_loads:
-            request = self.loading.pop(failed.request_id, None)
+            request = self.loading.get(failed.request_id)
             if request is not None:
                 suspects = outcome.suspect_gpu_blocks.get(failed.request_id)
-                keep = valid_prefix(self.layout, request.block_tables, failed, suspects)
-                if keep > 0:
-                    logger.warning(
-                        "load of %s (tokens [%d, %d)) failed: keeping tokens [0, %d), "
-                        "recomputing [%d, %d)",
-                        failed.request_id,
-                        failed.start_token,
-                        failed.end_token,
-                        keep,
-                        keep,
-                        failed.end_token,
-                    )
-                else:  # its local prefix is dropped too: it starts again from token 0
-                    logger.warning(
-                        "load of %s (tokens [%d, %d)) failed: recomputing all %d tokens "
-                        "from scratch",
-                        failed.request_id,
-                        failed.start_token,
-                        failed.end_token,
-                        failed.end_token,
-                    )
-                request.num_external_tokens_total -= failed.end_token - max(
-                    keep, failed.start_token
-                )
-                request.skip_external = True  # never ask the tier again (a preemption)
-                if keep > 0:  # its blocks are in place; those from `keep` on are rewritten
-                    request.num_computed_tokens = keep
-                    self._cache_full_blocks(request, 0)
+                if rewind(self.layout, request, failed, suspects) > 0:
+                    self._cache_full_blocks(request, 0)  # its blocks up to there stand
                 else:  # recompute from scratch
                     self._free_blocks(request)
-                    request.num_computed_tokens = 0
-                    request.needs_full_table = True
-                request.status = RequestStatus.WAITING
-                self.waiting.appendleft(request)
+                self._resume(request)
+
+    def _resume(self, request: Request) -> None:
+        """Queue a request back from its load first; it leaves `loading` last, so a
+        repeat (an interrupt in between) neither loses it nor queues it twice."""
+        request.status = RequestStatus.WAITING
+        if request not in self.waiting:
+            self.waiting.appendleft(request)
+        del self.loading[request.request_id]

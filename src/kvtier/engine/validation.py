@@ -7,15 +7,18 @@ names it, instead of failing inside a step after compute was spent on it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.engine.config import EngineConfig, ModelConfig
 from kvtier.engine.sampling import SamplingParams
+from kvtier.offload.config import OffloadConfig
 
 
 @dataclass(frozen=True)
@@ -158,3 +161,24 @@ def num_peak_blocks(layout: KVLayout, num_tokens: int) -> int:
             first = max(0, num_tokens - group.sliding_window) // group.block_size
         total += end - first
     return total
+
+
+def check_arguments(model: object, kv_offload: object, engine: object) -> None:
+    """Raise TypeError unless `LLM`'s arguments have the types it takes."""
+    if model is not None and not isinstance(model, (str, Path, ModelConfig)):
+        raise TypeError(
+            "model must be a local checkpoint directory (str or Path), a ModelConfig or "
+            f"None, got {model!r}"
+        )
+    if kv_offload is not None and not isinstance(kv_offload, OffloadConfig):
+        hint = (
+            " (build one with OffloadConfig.from_dict)" if isinstance(kv_offload, Mapping) else ""
+        )
+        raise TypeError(
+            f"kv_offload must be an OffloadConfig or None, got {type(kv_offload).__name__}{hint}"
+        )
+    if engine is not None and not isinstance(engine, EngineConfig):
+        hint = " (build one with EngineConfig(**values))" if isinstance(engine, Mapping) else ""
+        raise TypeError(
+            f"engine must be an EngineConfig or None, got {type(engine).__name__}{hint}"
+        )
