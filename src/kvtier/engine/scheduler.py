@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
-from kvtier.core.keys import make_key
-from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import find_longest_hit
+from kvtier.engine.block_cache import cache_full_blocks, drop_out_of_window
 from kvtier.engine.block_counts import (
     first_needed_block,
     most_that_fit,
@@ -28,40 +27,14 @@ from kvtier.engine.block_counts import (
 from kvtier.engine.load_failure import rewind
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, finish_reason
+from kvtier.engine.scheduler_step import ScheduledWork, SchedulerLimits, SchedulerStep
 from kvtier.offload.protocols import TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.transfers import ReportOutcome
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    """How much work one step may carry."""
-
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-
-
-@dataclass(slots=True)
-class ScheduledWork:
-    """One request's share of a step: tokens to compute and blocks appended for them."""
-
-    request: Request
-    num_new_tokens: int
-    new_block_ids: tuple[tuple[int, ...], ...]
-    table_update: TableUpdate
-
-
-@dataclass(slots=True)
-class SchedulerStep:
-    """What `schedule` decided for one step."""
-
-    work: list[ScheduledWork] = field(default_factory=list)
-    preempted_ids: set[str] = field(default_factory=set)
-    # A running request that cannot compute one more token though it could use the
-    # whole pool: it never will (the engine aborts it), where preempting it would loop.
-    stuck: Request | None = None
+__all__ = ["ScheduledWork", "Scheduler", "SchedulerLimits", "SchedulerStep"]
 
 
 class Scheduler:
@@ -84,6 +57,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Tables taken from requests, their blocks not freed yet (an interrupt): `_settle`.
+        self._unfreed: list[list[int]] = []
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -117,6 +92,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerStep:
         """Choose this step's work. `num_computed_tokens` is advanced by `complete`."""
+        self._settle()
         step = SchedulerStep()
         budget = self.limits.max_num_batched_tokens
         index = 0
@@ -125,7 +101,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_ids = self._grow(request, num_new)
             while new_ids is None and self.running[-1] is not request:
-                self._preempt(self.running.pop(), step)
+                self._preempt(self.running[-1], step)
                 new_ids = self._grow(request, num_new)
             if new_ids is None and self._release_idle_blocks(step, list(self.waiting)):
                 new_ids = self._grow(request, num_new)
@@ -137,7 +113,7 @@ class Scheduler:
                 step.stuck = request
                 return step
             if new_ids is None:
-                self._preempt(self.running.pop(), step)
+                self._preempt(request, step)  # the last one running
                 break
             step.work.append(self._work(request, num_new, new_ids))
             budget -= num_new
@@ -159,17 +135,39 @@ class Scheduler:
             if admitted is None:
                 break  # no room on the GPU: wait for blocks to free up
             num_new = admitted
-            self.waiting.popleft()
+            # In its new queue first, out of `waiting` last (`_settle`).
             if request.status is RequestStatus.WAITING_FOR_LOAD:
                 self.loading[request.request_id] = request
+                self.waiting.popleft()
                 continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.waiting.popleft()
             new_ids = self._grow(request, num_new)
             assert new_ids is not None, "admission reserved these blocks"
             step.work.append(self._work(request, num_new, new_ids))
             budget -= num_new
         return step
+
+    def _settle(self) -> None:
+        """Finish a move between queues that an interrupt (Ctrl-C) cut short.
+
+        A move sets the request's status to where it goes, adds it there, and takes it
+        from where it was last: a request is never in no queue (a turn run by `step`
+        would never finish, its blocks leak). One caught in two queues is the head of
+        `waiting`, admitted (loading, or running last) or preempted (running last).
+        """
+        self._free_unfreed()
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        if head.status is RequestStatus.WAITING_FOR_LOAD:  # admitted, its load queued
+            self.loading[head.request_id] = head
+            self.waiting.popleft()
+        elif head.status is RequestStatus.RUNNING and head in self.running:  # admitted
+            self.waiting.popleft()
+        elif self.running and self.running[-1] is head:  # preempted
+            self.running.pop()
 
     def _release_idle_blocks(self, step: SchedulerStep, requests: Sequence[Request]) -> bool:
         """Free the blocks that the waiting `requests` hold; return True if any had some.
@@ -183,9 +181,7 @@ class Scheduler:
         released = False
         for request in requests:
             if any(request.block_tables):
-                self._free_blocks(request)
-                request.num_computed_tokens = 0
-                request.needs_full_table = True
+                self._drop_kv(request)
                 step.preempted_ids.add(request.request_id)
                 self.num_preemptions += 1
                 released = True
@@ -288,20 +284,49 @@ class Scheduler:
         return new_ids
 
     def _preempt(self, request: Request, step: SchedulerStep) -> None:
+        """Move the last running request to the front of `waiting`, then free its blocks.
+
+        Against an interrupt: it moves with its blocks and computed tokens (cut short
+        there, it resumes from them as a request back from a load does), is in `waiting`
+        before it leaves `running` (`_settle`), and drops its KV in one statement before
+        its blocks are freed (cut short in the frees, `_settle` frees the rest).
+        """
         logger.debug("preempting %s", request.request_id)
-        self._free_blocks(request)
-        request.num_computed_tokens = 0
+        assert self.running[-1] is request
         request.status = RequestStatus.WAITING
-        request.needs_full_table = True
         self.waiting.appendleft(request)
+        self.running.pop()
+        self._drop_kv(request)
         step.preempted_ids.add(request.request_id)
         self.num_preemptions += 1
 
+    def _drop_kv(self, request: Request) -> None:
+        """Free a request's blocks: it computes again from scratch, its table sent whole.
+
+        `needs_full_table` first (a table sent whole is right for one kept, too), then its
+        tables and computed tokens go in one statement: an interrupt never leaves it
+        counting tokens it holds no blocks for (it would attend to other KV)."""
+        request.needs_full_table = True
+        self._unfreed, request.block_tables, request.num_computed_tokens = (
+            [*self._unfreed, *request.block_tables],
+            [[] for _ in self.layout.groups],
+            0,
+        )
+        self._free_unfreed()
+
     def _free_blocks(self, request: Request) -> None:
-        # Taken first: an interrupt in the frees leaks blocks, never frees them twice.
-        tables, request.block_tables = request.block_tables, [[] for _ in self.layout.groups]
-        for table in tables:
-            self.pool.free(reversed(table))  # tail-first: prefix roots are evicted last
+        # Taken first, in one statement: an interrupt never frees a block twice.
+        self._unfreed, request.block_tables = (
+            [*self._unfreed, *request.block_tables],
+            [[] for _ in self.layout.groups],
+        )
+        self._free_unfreed()
+
+    def _free_unfreed(self) -> None:
+        """Free the blocks of the tables taken (`_free_blocks`); cut short, `_settle`
+        frees the rest (a table leaves the list as it is freed, in one line)."""
+        while self._unfreed:
+            self.pool.free(reversed(self._unfreed.pop(0)))  # tail-first: roots evicted last
 
     # ------------------------------------------------------------------ results
 
@@ -318,9 +343,9 @@ class Scheduler:
             request = work.request
             before = request.num_computed_tokens
             request.num_computed_tokens += work.num_new_tokens
-            self._cache_full_blocks(request, before)
+            cache_full_blocks(self.layout, self.pool, request, before)
             if token is None:  # a prefill chunk: the next one attends to a window too
-                self._drop_out_of_window(request)
+                drop_out_of_window(self.layout, self.pool, request)
                 continue
             request.append_output(token, now)
             reason = finish_reason(
@@ -331,7 +356,7 @@ class Scheduler:
                 self._finish(request, now)
                 finished.append(request)
             else:
-                self._drop_out_of_window(request)
+                drop_out_of_window(self.layout, self.pool, request)
         return finished
 
     def _finish(self, request: Request, now: float) -> None:
@@ -342,52 +367,30 @@ class Scheduler:
             self.offload.on_finished(request, request.block_tables)
         self._free_blocks(request)
 
-    def _cache_full_blocks(self, request: Request, num_before: int) -> None:
-        """Register the keys of blocks that became full and computed (in every group)."""
-        hashes = request.block_hashes
-        for group_id, group in enumerate(self.layout.groups):
-            ratio = self.layout.blocks_per_hash(group_id)
-            table = request.block_tables[group_id]
-            start = num_before // group.block_size
-            for pos in range(start, request.num_computed_tokens // group.block_size):
-                block_id = table[pos]
-                if block_id != NULL_BLOCK_ID and self.pool.key(block_id) is None:
-                    key = make_key(hashes[(pos + 1) * ratio - 1], group_id)
-                    self.pool.insert_key(key, block_id, group.block_size)
-
-    def _drop_out_of_window(self, request: Request) -> None:
-        """Give back sliding-window blocks the next token can no longer attend to."""
-        for group_id, group in enumerate(self.layout.groups):
-            if group.kind is not GroupKind.SLIDING_WINDOW:
-                continue
-            assert group.sliding_window is not None
-            first = max(0, request.num_computed_tokens - group.sliding_window + 1)
-            table = request.block_tables[group_id]
-            for pos in range(min(first // group.block_size, len(table))):
-                if table[pos] != NULL_BLOCK_ID:
-                    self.pool.free([table[pos]])
-                    table[pos] = NULL_BLOCK_ID
-
     def apply_offload(self, outcome: ReportOutcome) -> None:
         """Make requests whose load finished schedulable; rewind those whose load failed.
 
         Safe to repeat with the same outcome, as the engine does when a call was cut short
         (KeyboardInterrupt), before it schedules again: a request leaves `loading` last,
         once it is queued again, and one not loading (finished, aborted, or applied
-        already) is ignored. A repeat must come before `schedule` could admit a request
-        anew: its next load's outcome is not this one.
+        already) is ignored; a move an interrupt cut short is finished first (`_settle`). A
+        repeat must come before `schedule` could admit a request anew: its next load's
+        outcome is not this one.
         """
+        self._settle()  # before `_resume` queues a request in front of the one caught
         for request_id in outcome.finished_loads:
             request = self.loading.get(request_id)
             if request is not None:
-                self._cache_full_blocks(request, 0)
+                cache_full_blocks(self.layout, self.pool, request, 0)
                 self._resume(request)
         for failed in outcome.failed_loads:
             request = self.loading.get(failed.request_id)
             if request is not None:
                 suspects = outcome.suspect_gpu_blocks.get(failed.request_id)
                 if rewind(self.layout, request, failed, suspects) > 0:
-                    self._cache_full_blocks(request, 0)  # its blocks up to there stand
+                    cache_full_blocks(
+                        self.layout, self.pool, request, 0
+                    )  # its blocks up to there stand
                 else:  # recompute from scratch
                     self._free_blocks(request)
                 self._resume(request)

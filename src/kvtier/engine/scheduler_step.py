@@ -1,0 +1,37 @@
+"""What one scheduler step may carry and what it decided (`Scheduler.schedule`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.engine.request import Request
+from kvtier.offload.protocols import TableUpdate
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """How much work one step may carry."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+
+
+@dataclass(slots=True)
+class ScheduledWork:
+    """One request's share of a step: tokens to compute and blocks appended for them."""
+
+    request: Request
+    num_new_tokens: int
+    new_block_ids: tuple[tuple[int, ...], ...]
+    table_update: TableUpdate
+
+
+@dataclass(slots=True)
+class SchedulerStep:
+    """What `schedule` decided for one step."""
+
+    work: list[ScheduledWork] = field(default_factory=list)
+    preempted_ids: set[str] = field(default_factory=set)
+    # A running request that cannot compute one more token though it could use the
+    # whole pool: it never will (the engine aborts it), where preempting it would loop.
+    stuck: Request | None = None
