@@ -26,7 +26,10 @@ def cache_full_blocks(layout: KVLayout, pool: BlockPool, request: Request, num_b
 
 
 def drop_out_of_window(layout: KVLayout, pool: BlockPool, request: Request) -> None:
-    """Give back sliding-window blocks the next token can no longer attend to."""
+    """Give back sliding-window blocks the next token can no longer attend to.
+
+    Each leaves the table before it is freed (one statement): an interrupt in between
+    leaks it, where freeing it first let the abort that follows free it again."""
     for group_id, group in enumerate(layout.groups):
         if group.kind is not GroupKind.SLIDING_WINDOW:
             continue
@@ -35,5 +38,5 @@ def drop_out_of_window(layout: KVLayout, pool: BlockPool, request: Request) -> N
         table = request.block_tables[group_id]
         for pos in range(min(first // group.block_size, len(table))):
             if table[pos] != NULL_BLOCK_ID:
-                pool.free([table[pos]])
-                table[pos] = NULL_BLOCK_ID
+                block_id, table[pos] = table[pos], NULL_BLOCK_ID
+                pool.free([block_id])
