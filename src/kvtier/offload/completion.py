@@ -161,6 +161,7 @@ class TransferCompletion:
                 self._cascade.after_cpu_loads(load.tier_block_ids)
         else:
             progress.failed = True
+            progress.failed_whole |= not transfer.bad_blocks  # no bad block named
             bad = set(suspect)
             gpu_blocks = zip(load.tier_block_ids, load.gpu_block_ids, strict=True)
             progress.suspect_gpu_blocks += [gpu for tier, gpu in gpu_blocks if tier in bad]

@@ -16,11 +16,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FailedLoad:
-    """A load that will not happen: the engine must recompute tokens [start, end)."""
+    """A load that will not happen: the engine must recompute tokens [start, end).
+
+    `whole`: no block of it is known to be whole (a failure named no bad blocks, or it
+    was never issued); False when the workers named every bad block of its failed events,
+    so only those blocks' copies are suspect (`ReportOutcome.suspect_gpu_blocks`). Not
+    part of its identity.
+    """
 
     request_id: str
     start_token: int
     end_token: int
+    whole: bool = field(default=True, compare=False)
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,12 @@ class LoadProgress:
     failed: bool = False
     tier_tokens: dict[str, int] = field(default_factory=dict)
     suspect_gpu_blocks: list[int] = field(default_factory=list)  # of its failed parts
+    failed_whole: bool = False  # a failed part of it named no bad blocks
 
     def failure(self) -> FailedLoad:
         """Return the failed load of the whole range (conservative across tiers)."""
-        return FailedLoad(self.request_id, self.start_token, self.end_token)
+        whole = self.failed_whole or not self.suspect_gpu_blocks
+        return FailedLoad(self.request_id, self.start_token, self.end_token, whole)
 
 
 @dataclass(slots=True)

@@ -34,7 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
 from kvtier.adapters.vllm.events import EventTranslator
-from kvtier.adapters.vllm.layout import bytes_per_block_id, kv_layout, tier_sizes
+from kvtier.adapters.vllm.layout import (
+    block_level_failures,
+    bytes_per_block_id,
+    kv_layout,
+    tier_sizes,
+)
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.stats import (
     GAUGES,
@@ -48,6 +53,7 @@ from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier, WorkerReport
 from kvtier.offload.protocols import Handoff, ScheduledRequest, StepInput, TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
+from kvtier.offload.transfers import FailedLoad
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +87,7 @@ class SchedulerSide:
             )
         _, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
         self.layout = kv_layout(kv_cache_config, hash_block_size)
+        self._block_level_failures = block_level_failures(kv_cache_config)
         self.tier_sizes = tier_sizes(config, kv_cache_config, stage_layers)
         self.num_tier_blocks = self.tier_sizes[config.tier]
         spec = getattr(vllm_config, "speculative_config", None)
@@ -214,12 +221,20 @@ class SchedulerSide:
         for failed in outcome.failed_loads:  # issued: the workers reported them to vLLM
             logger.warning(
                 "kvtier load of tokens [%d, %d) for request %s failed on a worker; vLLM "
-                "recomputes them from the first block not loaded whole "
-                "(kv_load_failure_policy='recompute')",
+                "recomputes %s (kv_load_failure_policy='recompute')",
                 failed.start_token,
                 failed.end_token,
                 failed.request_id,
+                self._recomputed(failed),
             )
+
+    def _recomputed(self, failed: FailedLoad) -> str:
+        """Say what vLLM recomputes for a failed load, as the workers report it: by GPU
+        block (`invalid_block_ids`) only where every bad block was named and the layout
+        takes errors by block; else the request failed whole (`failed_recving`)."""
+        if failed.whole or not self._block_level_failures:
+            return "every token after its own GPU prefix-cache hit (the load failed whole)"
+        return "from the first block not loaded whole (the bad blocks were named)"
 
     def _take_unissued_failures(self) -> None:
         """Collect loads kvtier dropped before issuing them (an empty report drains them)."""
