@@ -94,13 +94,10 @@ def drain_collecting_stats(harness: VllmHarness, max_steps: int = 2000) -> list[
     for _ in range(max_steps):
         if not harness.is_busy():
             return payloads
-        record = harness.step()
-        for outputs in record.outputs.values():
+        for outputs in harness.drain_step().outputs.values():
             stats = outputs.scheduler_stats
             if stats is not None and stats.kv_connector_stats is not None:
                 payloads.append(stats.kv_connector_stats)
-        if not record.num_scheduled_tokens:  # as `VllmHarness.run`
-            harness.wait_for_copies()
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
 

@@ -73,7 +73,7 @@ def run_checked(
     for _ in range(2000):
         if not harness.is_busy():
             break
-        record = harness.step()
+        record = harness.drain_step()
         side.offload.check_invariants()
         totals["preemptions"] += len(record.scheduler_output.preempted_req_ids or ())
         for outputs in record.outputs.values():

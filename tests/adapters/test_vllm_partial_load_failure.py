@@ -93,7 +93,7 @@ def serve(
     for _ in range(2000):
         if not harness.is_busy():
             break
-        record = harness.step()
+        record = harness.drain_step()
         for new in record.scheduler_output.scheduled_new_reqs:
             computed.setdefault(new.req_id, new.num_computed_tokens)
         for engine_outputs in record.outputs.values():

@@ -142,7 +142,7 @@ def run(harness: VllmHarness) -> tuple[dict[str, int], dict[str, list[int]], dic
     for _ in range(3000):
         if not harness.is_busy():
             break
-        record = harness.step()
+        record = harness.drain_step()
         for new in record.scheduler_output.scheduled_new_reqs:
             computed.setdefault(new.req_id, new.num_computed_tokens)
         for engine_outputs in record.outputs.values():
@@ -335,7 +335,7 @@ def test_a_request_aborted_while_its_bad_load_is_in_flight(
     for request_id, prompt in prompts.items():
         harness.add_request(f"again-{request_id}", [*prompt, 9], max_tokens=3)
     for _ in range(200):
-        harness.step()
+        harness.drain_step()
         if late_rank == 1 or log.first(1, 2) is not None:
             break
     assert corrupt.gpu_block is not None

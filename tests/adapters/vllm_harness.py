@@ -290,9 +290,16 @@ class VllmHarness:
         for num_steps in range(max_steps):
             if not self.is_busy():
                 return num_steps
-            if not self.step().num_scheduled_tokens:
-                self.wait_for_copies()
+            self.drain_step()
         raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def drain_step(self) -> StepRecord:
+        """One step of a loop that steps until idle under a step cap: `step`, then,
+        when it scheduled nothing, `wait_for_copies` (as `run`)."""
+        record = self.step()
+        if not record.num_scheduled_tokens:
+            self.wait_for_copies()
+        return record
 
     def wait_for_copies(self) -> None:
         """Block until every kvtier worker side's submitted copies finished.
