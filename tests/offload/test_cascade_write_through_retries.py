@@ -187,7 +187,7 @@ def test_a_plan_does_not_walk_the_retries_in_flight() -> None:
     """After a long disk fault as many retries as the CPU tier has blocks may be in flight
     at once; each plan walked them all again until their report (5 ms a plan for 50,000),
     only to find every one in flight. Retries in flight now wait apart (`retrying`)."""
-    cpu, _, cascade = make(WT)
+    cpu, _, cascade = make(WT, reserve=8)  # a plan may issue them all
     blocks = cache(cpu, [key(i) for i in range(cpu.num_usable_blocks)])
     cascade.after_stores(blocks)
     fail_queued(cascade)

@@ -22,8 +22,9 @@ rather than reused first (`disk_slots`), so a few bad slots do not stop every de
 
 Write-through demotes a block only when the CPU tier registers it, so a failed
 write-through demotion is retried on later plans, with a back-off and a bounded number of
-attempts (`demotion_retries`). Retries are not pending stores: a drain does not wait for
-them (the CPU copy stays; a plan after the drain retries it).
+attempts, and one dropped for want of a free disk slot once slots free up; a plan issues
+a bounded number of retries (`demotion_retries`). Retries are not pending stores: a drain
+does not wait for them (the CPU copy stays; a plan after the drain retries it).
 
 With the token check on (SPEC §3 Beyond), a CPU block is on disk only where a disk copy
 of its key has its tag: a copy with none (restored from a manifest written without the
@@ -113,8 +114,9 @@ class Cascade(WriteThroughRetries):
         # Write-back: (CPU block, key) pairs whose demotion failed, not demoted again; they
         # go as `dropped`'s do, and all at once when a demotion succeeds.
         self.failed: set[tuple[int, Key]] = set()
-        # Write-through: (CPU block, key) pairs whose demotion failed → attempts so far;
-        # retried (`select_retries`) until one succeeds or MAX_DEMOTION_ATTEMPTS failed.
+        # Write-through: (CPU block, key) pairs whose demotion failed (or was dropped: 0)
+        # → attempts so far; retried (`select_retries`, a bounded number a plan) until one
+        # succeeds or MAX_DEMOTION_ATTEMPTS failed.
         # They go as `dropped`'s do, and when the key is found on disk. In flight, a retry
         # waits in `retrying`: plans do not walk them (after a long fault, a CPU tier's).
         self.retry: dict[tuple[int, Key], int] = {}
@@ -183,11 +185,14 @@ class Cascade(WriteThroughRetries):
             return
         self.set_aside.make_room(len(chosen))
         room = min(len(chosen), disk_pool.num_free())
-        dropped = self.dropped
+        dropped, retry = self.dropped, self.retry
+        through = self.mode is CascadeMode.WRITE_THROUGH
         for pair in chosen[room:]:
             if pair not in dropped:
                 dropped.add(pair)
                 self.counters.num_dropped_demotions += 1
+            if through and pair not in retry:  # once a slot frees; no attempt spent
+                retry[pair] = 0
         chosen = chosen[:room]
         if dropped:
             dropped.difference_update(chosen)

@@ -85,7 +85,7 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
         assert all(cpu_key(b) == k for b, k in scheduler.cascade.retry), (
             "a demotion to retry outlived its CPU block's key"
         )
-        assert all(0 < n < MAX_DEMOTION_ATTEMPTS for n in scheduler.cascade.retry.values()), (
+        assert all(0 <= n < MAX_DEMOTION_ATTEMPTS for n in scheduler.cascade.retry.values()), (
             "a demotion to retry has no attempt left"
         )
         retrying = scheduler.cascade.retrying

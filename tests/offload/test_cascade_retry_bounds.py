@@ -1,0 +1,186 @@
+"""Write-through retries: a plan issues a bounded number, and dropped demotions retry too.
+
+Regression 1 (a burst): once retries fell due (the disk working again after a long
+fault), one plan issued every one of them, as many demotions as the CPU tier holds
+blocks, in a single write job competing with loads, and walked them all to do so. A plan
+now issues at most the cascade's `reserve` (fewer with fewer free disk slots) and looks
+at no more than it issues; the rest follow on the next plans.
+
+Regression 2 (dropped demotions): a write-through demotion that found no free disk slot
+(every one pinned) was counted as dropped and never tried again, so the block was lost at
+its CPU eviction however soon disk slots freed up. It now waits among the retries, with no
+attempt spent, and a plan demotes it once slots are free; while none is, a plan walks
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from sim import SimEngine, make_request
+from test_cascade_demotions import WT, cache, key
+from test_scenarios_cascade import cascade_engine, holds, keys_of
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.keys import Key
+from kvtier.offload.cascade import Cascade
+from kvtier.offload.config import CascadeMode
+from kvtier.offload.plan import Tier
+
+
+class VisitCountingDict(dict[tuple[int, Key], int]):
+    """A dict that counts the entries its walks visit (walks by `iter` only)."""
+
+    num_visits = 0
+
+    def __iter__(self) -> Iterator[tuple[int, Key]]:
+        for pair in super().__iter__():
+            self.num_visits += 1
+            yield pair
+
+    def keys(self):  # type: ignore[no-untyped-def]
+        raise AssertionError("an uncounted walk")
+
+    items = values = keys
+
+
+def test_due_retries_are_issued_a_bounded_number_per_plan() -> None:
+    num = 64
+    cpu, disk = BlockPool(num + 2), BlockPool(num + 2)
+    cascade = Cascade(cpu, disk, WT, reserve=4)
+    blocks = cache(cpu, [key(i) for i in range(num + 1)])
+    cascade.after_stores(blocks[:num])  # a long disk fault: every demotion fails
+    items = cascade.take_queued()
+    assert len(items) == num
+    cascade.complete(items, succeeded=False, abandoned=False)
+    assert len(cascade.retry) == num
+    cascade.retry = VisitCountingDict(cascade.retry)
+    cascade.after_stores(blocks[num:])  # the disk works again: retries are due at once
+    cascade.complete(cascade.take_queued(), succeeded=True, abandoned=False)
+    issued_per_plan, visits_per_plan = [], []
+    for _ in range(2 * num):
+        if not cascade.retry:
+            break
+        visits = cascade.retry.num_visits
+        cascade.select_retries()
+        visits_per_plan.append(cascade.retry.num_visits - visits)
+        items = cascade.take_queued()
+        issued_per_plan.append(len(items))
+        cascade.complete(items, succeeded=True, abandoned=False)
+    assert max(issued_per_plan) <= cascade.reserve, f"a burst: {issued_per_plan}"
+    assert max(visits_per_plan) <= cascade.reserve, f"O(pending) walks: {visits_per_plan}"
+    assert sum(issued_per_plan) == num
+    assert len(issued_per_plan) == num // cascade.reserve
+    assert not cascade.retry
+    assert not cascade.retrying
+    assert all(disk.cached_block(key(i)) is not None for i in range(num + 1))
+    assert cascade.take_counters().num_demoted_blocks == num + 1
+    cpu.check_invariants()
+    disk.check_invariants()
+
+
+def test_a_plan_issues_no_more_retries_than_free_disk_slots() -> None:
+    cpu, disk = BlockPool(9), BlockPool(9)
+    cascade = Cascade(cpu, disk, WT, reserve=4)
+    blocks = cache(cpu, [key(i) for i in range(8)])
+    cascade.after_stores(blocks[:6])
+    cascade.complete(cascade.take_queued(), succeeded=False, abandoned=False)
+    cascade.set_aside.clear()  # the failed job's slots, back in the pool
+    pinned = disk.allocate(disk.num_free() - 1)  # e.g. loads: one disk slot left
+    cascade.after_stores(blocks[6:7])  # succeeds: retries due
+    cascade.complete(cascade.take_queued(), succeeded=True, abandoned=False)
+    assert disk.num_free() == 1
+    cascade.select_retries()
+    assert len(cascade.take_queued()) == 1
+    assert cascade.take_counters().num_dropped_demotions == 0
+    disk.free(pinned)
+
+
+# ------------------------------------------------------------ dropped demotions
+
+
+def test_a_dropped_demotion_waits_without_walks_then_reaches_disk() -> None:
+    cpu, disk = BlockPool(9), BlockPool(5)
+    cascade = Cascade(cpu, disk, WT, reserve=2)
+    blocks = cache(cpu, [key(i) for i in range(3)])
+    pinned = disk.allocate(disk.num_free())  # every disk slot pinned (loads, moves)
+    cascade.after_stores(blocks)
+    assert cascade.take_queued() == []
+    assert cascade.take_counters().num_dropped_demotions == 3
+    cascade.retry = VisitCountingDict(cascade.retry)
+    for _ in range(10):  # the disk stays full: nothing issued, nothing walked
+        cascade.select_retries()
+        assert cascade.take_queued() == []
+    assert cascade.retry.num_visits == 0, "a plan walked the dropped demotions"
+    assert cascade.take_counters().num_dropped_demotions == 0  # counted once
+    disk.free(pinned)  # slots free up
+    issued: list[Key] = []
+    for _ in range(4):
+        cascade.select_retries()
+        items = cascade.take_queued()
+        assert len(items) <= cascade.reserve
+        issued += [item.key for item in items]
+        cascade.complete(items, succeeded=True, abandoned=False)
+    assert issued == [key(0), key(1), key(2)]
+    assert all(disk.cached_block(key(i)) is not None for i in range(3))
+    assert not cascade.retry
+    assert not cascade.dropped
+    cpu.allocate(cpu.num_free())  # evicts them all from the CPU tier
+    assert cascade.take_counters().num_lost_blocks == 0
+    cpu.check_invariants()
+    disk.check_invariants()
+
+
+def test_a_dropped_demotion_fails_as_a_first_attempt() -> None:
+    """Dropped, it spent no attempt: its first written try that fails is its first."""
+    cpu, disk = BlockPool(9), BlockPool(5)
+    cascade = Cascade(cpu, disk, WT, reserve=2)
+    (block,) = cache(cpu, [key(0)])
+    pinned = disk.allocate(disk.num_free())
+    cascade.after_stores([block])
+    assert cascade.retry == {(block, key(0)): 0}
+    disk.free(pinned)
+    cascade.select_retries()
+    cascade.complete(cascade.take_queued(), succeeded=False, abandoned=False)
+    assert cascade.retry == {(block, key(0)): 1}
+
+
+def step_holding_demotions(engine: SimEngine, held: list[int]) -> None:
+    """Step, completing every job but demotions (their event ids go to `held`)."""
+    for job in engine.step().jobs:
+        if job.dst_tier is Tier.DISK:
+            held.append(job.event_id)
+        else:
+            engine.worker.complete(job.event_id)
+    engine.poll()
+    engine.check()
+
+
+def test_a_dropped_write_through_block_survives_its_cpu_eviction() -> None:
+    """A full disk (every slot pinned by demotions in flight) drops "b"'s demotions;
+    once they land, "b" reaches disk and still hits after the CPU tier evicted it."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=9, num_disk=5)
+    engine.auto_complete = False
+    held: list[int] = []
+    for request_id, tokens in [("a", range(16)), ("b", range(100, 108))]:
+        assert engine.admit(make_request(request_id, tokens)) is not None
+        engine.schedule(request_id)
+        step_holding_demotions(engine, held)
+        engine.finish(request_id)
+        step_holding_demotions(engine, held)
+    assert engine.scheduler.take_stats().num_dropped_demotions == 2  # "b"'s two blocks
+    b_keys = keys_of(range(100, 108), 2)
+    for event_id in held:  # "a"'s demotions land: the disk has room again
+        engine.worker.complete(event_id)
+    engine.poll()
+    engine.auto_complete = True
+    for _ in range(4):
+        engine.step()
+        engine.check()
+    assert all(holds(engine, Tier.DISK, k) for k in b_keys), "a dropped demotion was lost"
+    cpu_pool = engine.scheduler.tier_pool  # the CPU tier evicts every cached block
+    cpu_pool.free(cpu_pool.allocate(cpu_pool.num_free())[::-1])
+    assert not any(holds(engine, Tier.CPU, k) for k in b_keys)
+    engine.evict_gpu()
+    assert engine.run(make_request("again", [*range(100, 108), 1])).num_accepted_tokens == 8
+    engine.check()
