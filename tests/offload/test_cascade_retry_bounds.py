@@ -96,6 +96,25 @@ def test_a_plan_issues_no_more_retries_than_free_disk_slots() -> None:
     disk.free(pinned)
 
 
+def test_a_plan_looks_past_a_bounded_number_of_retries_in_flight() -> None:
+    """Retries whose key is in flight otherwise are skipped, at most `_VISIT_SPAN` times
+    the bound of them a plan, and go to the back: the others still get their turn."""
+    cpu, disk = BlockPool(9), BlockPool(9)
+    cascade = Cascade(cpu, disk, WT, reserve=1)
+    blocks = cache(cpu, [key(i) for i in range(8)])
+    cascade.after_stores(blocks)
+    cascade.complete(cascade.take_queued(), succeeded=False, abandoned=False)
+    cascade.retry = VisitCountingDict(cascade.retry)
+    cascade.in_flight_keys.update(key(i) for i in range(6))  # as if copied otherwise
+    issued: list[Key] = []
+    for _ in range(4):
+        visits = cascade.retry.num_visits
+        cascade.select_retries()
+        assert cascade.retry.num_visits - visits <= 4
+        issued += [item.key for item in cascade.take_queued()]
+    assert issued == [key(6), key(7)]
+
+
 # ------------------------------------------------------------ dropped demotions
 
 
