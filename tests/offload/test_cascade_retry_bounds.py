@@ -203,3 +203,50 @@ def test_a_dropped_write_through_block_survives_its_cpu_eviction() -> None:
     engine.evict_gpu()
     assert engine.run(make_request("again", [*range(100, 108), 1])).num_accepted_tokens == 8
     engine.check()
+
+
+def test_a_block_stored_while_its_key_is_in_flight_from_another_reaches_disk() -> None:
+    """Regression: write-through skipped a block whose key another CPU block's demotion
+    had in flight, and never demoted it. That block's keys were discarded meanwhile (a
+    failed load found it corrupt), so its copy registers nothing: the block stored
+    afresh was never on disk, lost at its CPU eviction. It now waits among the retries."""
+    cpu, disk = BlockPool(9), BlockPool(9)
+    cascade = Cascade(cpu, disk, WT, reserve=2)
+    (old,) = cache(cpu, [key(0)])
+    cascade.after_stores([old])
+    items = cascade.take_queued()
+    cascade.before_cpu_discard(old)  # a failed load read it: never served again
+    cpu.discard_keys(old)
+    (new,) = cache(cpu, [key(0)])  # the request recomputed and stored it again
+    cascade.after_stores([new])
+    assert cascade.take_queued() == []  # one copy of a key at a time
+    cascade.complete(items, succeeded=True, abandoned=False)
+    assert disk.cached_block(key(0)) is None  # the discarded copy registered nothing
+    cascade.select_retries()
+    retried = cascade.take_queued()
+    assert [(item.cpu_block_id, item.key) for item in retried] == [(new, key(0))]
+    cascade.complete(retried, succeeded=True, abandoned=False)
+    assert disk.cached_block(key(0)) is not None
+    assert not cascade.retry
+    assert not cascade.retrying
+    cpu.allocate(cpu.num_free())  # the CPU tier evicts it
+    assert cascade.take_counters().num_lost_blocks == 0
+    cpu.check_invariants()
+    disk.check_invariants()
+
+
+def test_a_block_stored_again_while_its_own_demotion_is_in_flight_moves_once() -> None:
+    """The same block reported stored twice before its copy lands: one copy, and once it
+    lands nothing is left to retry."""
+    cpu, disk = BlockPool(9), BlockPool(9)
+    cascade = Cascade(cpu, disk, WT, reserve=2)
+    (block,) = cache(cpu, [key(0)])
+    cascade.after_stores([block])
+    items = cascade.take_queued()
+    cascade.after_stores([block])
+    cascade.select_retries()
+    assert cascade.take_queued() == []
+    cascade.complete(items, succeeded=True, abandoned=False)
+    assert not cascade.retry
+    cascade.select_retries()
+    assert cascade.take_queued() == []

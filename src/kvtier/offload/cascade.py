@@ -168,9 +168,16 @@ class Cascade(WriteThroughRetries):
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
         chosen: list[tuple[int, Key]] = []
         on_disk: list[int] = []
+        through = self.mode is CascadeMode.WRITE_THROUGH
         for block_id in cpu_block_ids:
             key = cpu_pool.key(block_id)
-            if key is None or key in self.in_flight_keys:
+            if key is None:
+                continue
+            if key in self.in_flight_keys:  # not copied twice at once
+                # Write-through: demoted once that copy lands. It may be another block's,
+                # whose keys were discarded since (a failed load): it registers nothing.
+                if through and (block_id, key) not in self.retrying:
+                    self.retry.setdefault((block_id, key), 0)
                 continue
             disk_block = self._disk_copy(block_id, key)
             if disk_block is not None:
@@ -186,7 +193,6 @@ class Cascade(WriteThroughRetries):
         self.set_aside.make_room(len(chosen))
         room = min(len(chosen), disk_pool.num_free())
         dropped, retry = self.dropped, self.retry
-        through = self.mode is CascadeMode.WRITE_THROUGH
         for pair in chosen[room:]:
             if pair not in dropped:
                 dropped.add(pair)

@@ -12,6 +12,8 @@ A write-through demotion dropped for want of a free disk slot (every one pinned 
 loads or set aside) waits among the retries too, with no attempt spent: it was never
 written, so it neither backs off nor uses up an attempt, and a later plan demotes it once
 disk slots free up (lost at its CPU eviction otherwise, however soon the disk had room).
+So does one skipped because its key was in flight already: that copy may be another
+CPU block's whose keys were discarded since (a failed load), and register nothing.
 
 A plan issues at most `reserve` retries, fewer when fewer disk slots are free (none while
 every slot is pinned: then the plan costs no walk at all); the rest stay due for the next
