@@ -80,11 +80,7 @@ class DiskRecords:
         """Drop every record and record nothing more (`DiskTier.end_persistence`)."""
         if self.log is None or self.log.ended:
             return
-        with self._lock:
-            self._recovered.clear()
-        self.log.end()
-        if self.pending is not None:
-            self.pending.clear()
+        self._drop_all(self.log)
         logger.info(
             "disk tier %s: a reset dropped the persistent cache; nothing more is persisted "
             "in this run (its KV may be of weights the fingerprint does not name)",
@@ -114,16 +110,20 @@ class DiskRecords:
         the manifest holds after a failed append or sync is unknown."""
         if self.log is None:
             return
-        with self._lock:
-            self._recovered.clear()
-        self.log.end()
-        if self.pending is not None:
-            self.pending.clear()
+        self._drop_all(self.log)
         logger.warning(
             "disk tier %s: %s; dropped every record, and nothing more is persisted in this run",
             self.path,
             why,
         )
+
+    def _drop_all(self, log: ManifestLog) -> None:
+        """Forget the recovered and the pending records and end the manifest log."""
+        with self._lock:
+            self._recovered.clear()
+        log.end()
+        if self.pending is not None:
+            self.pending.clear()
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
         """Raise ValueError (message prefixed by `context`) for a record the manifest
