@@ -30,7 +30,7 @@ from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.engine.scheduler_step import ScheduledWork, SchedulerLimits, SchedulerStep
 from kvtier.offload.protocols import TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler
-from kvtier.offload.transfers import ReportOutcome
+from kvtier.offload.transfers import FailedLoad, ReportOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -155,19 +155,37 @@ class Scheduler:
         A move sets the request's status to where it goes, adds it there, and takes it
         from where it was last: a request is never in no queue (a turn run by `step`
         would never finish, its blocks leak). One caught in two queues is the head of
-        `waiting`, admitted (loading, or running last) or preempted (running last).
+        `waiting`, admitted (loading, or running last) or preempted (running last). One
+        admitted to a load that an interrupt kept from being queued is rewound (`_unload`).
         """
         self._free_unfreed()
         if not self.waiting:
             return
         head = self.waiting[0]
-        if head.status is RequestStatus.WAITING_FOR_LOAD:  # admitted, its load queued
+        if head.status is RequestStatus.WAITING_FOR_LOAD and not self._load_queued(head):
+            self._unload(head)  # admitted, cut short before its load was queued
+        elif head.status is RequestStatus.WAITING_FOR_LOAD:  # admitted, its load queued
             self.loading[head.request_id] = head
             self.waiting.popleft()
         elif head.status is RequestStatus.RUNNING and head in self.running:  # admitted
             self.waiting.popleft()
         elif self.running and self.running[-1] is head:  # preempted
             self.running.pop()
+
+    def _load_queued(self, request: Request) -> bool:
+        assert self.offload is not None, "only an offloading engine loads"
+        return self.offload.holds_load(request.request_id, request.block_tables)
+
+    def _unload(self, request: Request) -> None:
+        """Rewind a request admitted to a load that was never queued, as one whose load
+        failed having loaded nothing: it recomputes from scratch, waiting again. Safe to
+        repeat (an interrupt): it stays loading, for `_settle`, until its blocks are freed."""
+        end = request.num_computed_tokens
+        if end > 0:  # not on a repeat past the rewind
+            failed = FailedLoad(request.request_id, end - request.num_external_tokens, end)
+            rewind(self.layout, request, failed, None)
+        self._free_blocks(request)
+        request.status = RequestStatus.WAITING
 
     def _release_idle_blocks(self, step: SchedulerStep, requests: Sequence[Request]) -> bool:
         """Free the blocks that the waiting `requests` hold; return True if any had some.
@@ -260,15 +278,28 @@ class Scheduler:
             for pos in range(num_local // group.block_size, num_hit // group.block_size):
                 fresh = pos >= first_needed
                 tables[group_id].append(self.pool.allocate(1)[0] if fresh else NULL_BLOCK_ID)
-        request.block_tables = tables
-        request.num_computed_tokens = num_hit
+        if num_external:
+            # Loading before its load is queued, in one statement: an interrupt never
+            # leaves it waiting with tokens a pending load is still writing (it would run
+            # on them); one cut short before the load was queued is rewound (`_settle`).
+            (
+                request.status,
+                request.num_external_tokens,
+                request.num_external_tokens_total,
+                request.block_tables,
+                request.num_computed_tokens,
+            ) = (
+                RequestStatus.WAITING_FOR_LOAD,
+                num_external,
+                request.num_external_tokens_total + num_external,
+                tables,
+                num_hit,
+            )
+        else:
+            request.block_tables, request.num_computed_tokens = tables, num_hit
         request.num_local_tokens_total += num_local
         if self.offload is not None:
             self.offload.on_allocated(request, tables, num_external)
-        if num_external:
-            request.num_external_tokens = num_external
-            request.num_external_tokens_total += num_external
-            request.status = RequestStatus.WAITING_FOR_LOAD
         return num_new
 
     def _grow(self, request: Request, num_new: int) -> list[list[int]] | None:

@@ -101,6 +101,9 @@ class LoadPlanner:
         self.recompute_unasked: set[str] = set()  # not looked up since their load failed
         self._recompute_asked: set[str] = set()  # of `recompute_next`, in this pass
         self.allocated: set[str] = set()
+        # Per request, the block tables `on_allocated` last queued a load (or its failure)
+        # into (`holds_load`).
+        self.queued_for: dict[str, Sequence[Sequence[int]]] = {}
         self._warned_misaligned = False
         # The first blocks of a hit serve any shorter prefix of it (SPEC §6.3).
         self._prefix_only = all(
@@ -165,19 +168,22 @@ class LoadPlanner:
         Returns the tokens each tier serves (empty when nothing is loaded).
         """
         assert self.gpu_pool is not None, "no GPU pool bound"
-        self.allocated.add(request.request_id)
-        self.recompute_next.discard(request.request_id)
-        self.recompute_unasked.discard(request.request_id)
-        pin = self.pins.pop(request.request_id, None)
+        request_id = request.request_id
+        self.allocated.add(request_id)
+        self.recompute_next.discard(request_id)
+        self.recompute_unasked.discard(request_id)
+        # The pin stays in `pins` until the load is queued (or failed): an interrupt
+        # before that leaves it for the next lookup (or `drop_request`) to release.
+        pin = self.pins.get(request_id)
         try:
             _check_count("num_external_tokens", num_external_tokens)
         except ValueError:
-            self._release_pinned(pin)  # bad input must not leak the pin
+            self.release_pin(request_id)  # bad input must not leak the pin
             raise
         if num_external_tokens == 0:
             if pin is not None:  # the engine may decline a hit (e.g. vLLM's hybrid paths)
-                logger.debug("request %s accepted 0 of its tier hit", request.request_id)
-                self.index.free(pin.pinned)
+                logger.debug("request %s accepted 0 of its tier hit", request_id)
+                self.release_pin(request_id)
             return {}
         start = pin.num_local_tokens if pin is not None else request.num_computed_tokens
         end = start + num_external_tokens
@@ -187,12 +193,11 @@ class LoadPlanner:
                 request.request_id,
                 num_external_tokens,
             )
-            if pin is not None:
-                self.index.free(pin.pinned)
-            self.book.fail_unissued(FailedLoad(request.request_id, start, end))
+            self.release_pin(request_id)
+            self._fail_unissued(request_id, block_ids_per_group, FailedLoad(request_id, start, end))
             return {}
         if num_external_tokens % self.layout.hash_block_size:
-            self.index.free(pin.pinned)
+            self.release_pin(request_id)
             raise ValueError(
                 f"num_external_tokens={num_external_tokens} is not a multiple of the hash "
                 f"block ({self.layout.hash_block_size})"
@@ -204,28 +209,55 @@ class LoadPlanner:
                 request.request_id,
                 num_external_tokens,
             )
-            self.index.free(pin.pinned)
-            self.book.fail_unissued(FailedLoad(request.request_id, start, end))
+            self.release_pin(request_id)
+            self._fail_unissued(request_id, block_ids_per_group, FailedLoad(request_id, start, end))
             return {}
         try:
             tier_ids, gpu_ids = self._pair(
                 pin.num_local_tokens, hit, block_ids_per_group, num_external_tokens
             )
         except ValueError:
-            self.index.free(pin.pinned)  # the engine's error must not leak the pin
+            self.release_pin(request_id)  # the engine's error must not leak the pin
             raise
-        self.index.touch(tier_ids)
-        self.gpu_pool.touch(gpu_ids)
-        self.index.free(pin.pinned)
         parts = self.index.split_pairs(tier_ids, gpu_ids)
         # Tokens per tier in proportion to its blocks (exact for one KV group).
         shares = [num_external_tokens * len(ids) // len(tier_ids) for _, ids, _ in parts]
         shares[0] += num_external_tokens - sum(shares)
         tier_tokens = {tier.value: share for (tier, _, _), share in zip(parts, shares, strict=True)}
-        progress = LoadProgress(request.request_id, start, end, len(parts), False, tier_tokens)
-        for tier, ids, gpus in parts:
-            self.queued.append(LoadItem(tier, ids, gpus, progress))
+        progress = LoadProgress(request_id, start, end, len(parts), False, tier_tokens)
+        items = [LoadItem(tier, ids, gpus, progress) for tier, ids, gpus in parts]
+        self._queue(request_id, block_ids_per_group, items, tier_ids, gpu_ids)
+        self.release_pin(request_id)
         return {tier: share for (tier, _, _), share in zip(parts, shares, strict=True)}
+
+    def _queue(
+        self,
+        request_id: str,
+        block_ids_per_group: Sequence[Sequence[int]],
+        items: list[LoadItem],
+        tier_ids: list[int],
+        gpu_ids: list[int],
+    ) -> None:
+        """Pin a load's blocks, then queue all its parts and mark it `queued_for` at once:
+        an interrupt before that statement leaves no part of it queued (a load queued in
+        part would never finish)."""
+        assert self.gpu_pool is not None, "no GPU pool bound"
+        self.index.touch(tier_ids)
+        self.gpu_pool.touch(gpu_ids)
+        self.queued, self.queued_for[request_id] = [*self.queued, *items], block_ids_per_group
+
+    def _fail_unissued(
+        self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], failed: FailedLoad
+    ) -> None:
+        """Queue the failure of a load that cannot be queued, then mark it `queued_for`."""
+        self.book.fail_unissued(failed)
+        self.queued_for[request_id] = block_ids_per_group
+
+    def holds_load(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]]) -> bool:
+        """Return True when `on_allocated` queued the load into these very tables (the
+        engine's list, by identity) or its failure: its outcome is on its way. False
+        when an interrupt cut that call short before (nothing of it is queued)."""
+        return self.queued_for.get(request_id) is block_ids_per_group
 
     def _accepted_hit(
         self, request: RequestView, pin: LookupPin, num_tokens: int
@@ -351,6 +383,7 @@ class LoadPlanner:
         assert self.gpu_pool is not None, "no GPU pool bound"
         self.release_pin(request_id)
         self.allocated.discard(request_id)
+        self.queued_for.pop(request_id, None)
         self.recompute_next.discard(request_id)
         self.recompute_unasked.discard(request_id)
         self._mismatches_seen.pop(request_id, None)

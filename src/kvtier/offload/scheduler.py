@@ -228,6 +228,12 @@ class OffloadScheduler:
             self.selector.lazy.note_blocks_in_use(block_ids_per_group)
         return self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
 
+    def holds_load(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]]) -> bool:
+        """Return True when `on_allocated` for these block tables (the engine's very list)
+        queued the load or its failure: the load's outcome comes in a later report. False
+        when an interrupt cut the call short before: nothing of that load is queued."""
+        return self.loads.holds_load(request_id, block_ids_per_group)
+
     # ------------------------------------------------------------------ plan
 
     def build_plan(self, step: StepInput) -> TransferPlan:
