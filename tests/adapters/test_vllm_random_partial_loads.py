@@ -21,9 +21,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import test_vllm_random_ops as random_ops
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from random_ops_driver import Engine, FailPart
+from random_ops_driver import Engine, FailPart, run_example
 from test_vllm_random_ops import OP_KINDS, RANKS
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_engine import KVGroupDef
@@ -40,7 +40,22 @@ ENGINES = [
 
 
 def explore(engine: Engine, max_examples: int) -> collections.Counter[str]:
-    return random_ops.explore(engine, max_examples, OPS)
+    totals: collections.Counter[str] = collections.Counter()
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(ops=st.lists(OPS, min_size=10, max_size=40), abort=st.booleans())
+    def example(ops: list[object], abort: bool) -> None:
+        run_example(engine, totals, ops, abort)
+
+    example()
+    print(engine.name, dict(sorted(totals.items())))
+    return totals
 
 
 def count_scans(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
