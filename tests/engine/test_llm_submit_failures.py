@@ -157,8 +157,8 @@ def test_a_refused_load_plan_makes_its_request_recompute(
         step_until_done(llm)
     (message,) = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert re.fullmatch(
-        rf"load of {request.request_id} \(tokens \[0, 24\)\) failed: recomputing all "
-        "24 tokens from scratch",
+        rf"load of {request.request_id} \(tokens \[0, 24\)\) failed: recomputing the "
+        "request from token 0",
         message,
     ), message
     assert llm.offload.totals.num_failed_loads == 1

@@ -38,10 +38,9 @@ def rewind(
             )
         else:  # its local prefix is dropped too: it starts again from token 0
             logger.warning(
-                "load of %s (tokens [%d, %d)) failed: recomputing all %d tokens from scratch",
+                "load of %s (tokens [%d, %d)) failed: recomputing the request from token 0",
                 failed.request_id,
                 failed.start_token,
-                failed.end_token,
                 failed.end_token,
             )
         num_lost = failed.end_token - max(keep, failed.start_token)
