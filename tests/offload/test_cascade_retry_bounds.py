@@ -3,7 +3,7 @@
 Regression 1 (a burst): once retries fell due (the disk working again after a long
 fault), one plan issued every one of them, as many demotions as the CPU tier holds
 blocks, in a single write job competing with loads, and walked them all to do so. A plan
-now issues at most the cascade's `reserve` (fewer with fewer free disk slots) and looks
+now issues at most the cascade's `retries_per_plan` (fewer with fewer free disk slots) and looks
 at no more than it issues; the rest follow on the next plans.
 
 Regression 2 (dropped demotions): a write-through demotion that found no free disk slot
@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sim import SimEngine, make_request
 from test_cascade_demotions import WT, cache, key
 from test_scenarios_cascade import cascade_engine, holds, keys_of
@@ -67,10 +70,10 @@ def test_due_retries_are_issued_a_bounded_number_per_plan() -> None:
         items = cascade.take_queued()
         issued_per_plan.append(len(items))
         cascade.complete(items, succeeded=True, abandoned=False)
-    assert max(issued_per_plan) <= cascade.reserve, f"a burst: {issued_per_plan}"
-    assert max(visits_per_plan) <= cascade.reserve, f"O(pending) walks: {visits_per_plan}"
+    assert max(issued_per_plan) <= cascade.retries_per_plan, f"a burst: {issued_per_plan}"
+    assert max(visits_per_plan) <= cascade.retries_per_plan, f"O(pending) walks: {visits_per_plan}"
     assert sum(issued_per_plan) == num
-    assert len(issued_per_plan) == num // cascade.reserve
+    assert len(issued_per_plan) == num // cascade.retries_per_plan
     assert not cascade.retry
     assert not cascade.retrying
     assert all(disk.cached_block(key(i)) is not None for i in range(num + 1))
@@ -137,7 +140,7 @@ def test_a_dropped_demotion_waits_without_walks_then_reaches_disk() -> None:
     for _ in range(4):
         cascade.select_retries()
         items = cascade.take_queued()
-        assert len(items) <= cascade.reserve
+        assert len(items) <= cascade.retries_per_plan
         issued += [item.key for item in items]
         cascade.complete(items, succeeded=True, abandoned=False)
     assert issued == [key(0), key(1), key(2)]
@@ -250,3 +253,72 @@ def test_a_block_stored_again_while_its_own_demotion_is_in_flight_moves_once() -
     assert not cascade.retry
     cascade.select_retries()
     assert cascade.take_queued() == []
+
+
+# ------------------------------------------------------------ the per-plan bound
+
+
+def test_the_retry_bound_is_its_own_setting() -> None:
+    """`retries_per_plan`, not write-back's `reserve`, bounds a plan's retries."""
+    num = 12
+    cpu, disk = BlockPool(num + 2), BlockPool(num + 2)
+    cascade = Cascade(cpu, disk, WT, reserve=8, retries_per_plan=3)
+    blocks = cache(cpu, [key(i) for i in range(num + 1)])
+    cascade.after_stores(blocks[:num])
+    cascade.complete(cascade.take_queued(), succeeded=False, abandoned=False)
+    cascade.after_stores(blocks[num:])  # the disk works again: every retry is due
+    cascade.complete(cascade.take_queued(), succeeded=True, abandoned=False)
+    issued = []
+    while cascade.retry:
+        cascade.select_retries()
+        items = cascade.take_queued()
+        issued.append(len(items))
+        cascade.complete(items, succeeded=True, abandoned=False)
+    assert issued == [3, 3, 3, 3]
+    with pytest.raises(ValueError, match="retries_per_plan must be >= 1"):
+        Cascade(cpu, disk, WT, reserve=8, retries_per_plan=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num=st.integers(1, 24),
+    bound=st.integers(1, 5),
+    reserve=st.integers(1, 5),
+    num_pinned=st.integers(0, 8),
+    data=st.data(),
+)
+def test_no_plan_issues_more_retries_than_its_bound(
+    num: int, bound: int, reserve: int, num_pinned: int, data: st.DataObject
+) -> None:
+    """Whatever the failures and free disk slots, a plan issues at most `retries_per_plan`
+    retries and no more than the disk slots it could write into; once the disk works
+    and its slots free up, every retry not given up reaches disk."""
+    cpu, disk = BlockPool(num + 2), BlockPool(num + 2)
+    cascade = Cascade(cpu, disk, WT, reserve=reserve, retries_per_plan=bound)
+    evicted: set[Key] = set()  # from disk, to make room
+    disk.on_evict = lambda _block, k: evicted.add(k)
+    blocks = cache(cpu, [key(i) for i in range(num + 1)])
+    cascade.after_stores(blocks[:num])
+    cascade.complete(cascade.take_queued(), succeeded=False, abandoned=False)
+    pinned = disk.allocate(min(num_pinned, disk.num_free()))  # loads, moves
+    cascade.after_stores(blocks[num:])
+    cascade.complete(cascade.take_queued(), succeeded=True, abandoned=False)
+    for plan in range(400):
+        if not cascade.retry:
+            break
+        if pinned and (plan > 40 or data.draw(st.booleans(), label="free the pinned")):
+            disk.free(pinned)
+            pinned = []
+        writable = disk.num_free() + len(cascade.set_aside)
+        cascade.select_retries()
+        items = cascade.take_queued()
+        assert len(items) <= min(bound, writable), (len(items), bound, writable)
+        works = plan > 40 or data.draw(st.booleans(), label="the disk works")
+        cascade.complete(items, succeeded=works, abandoned=False)
+    assert not cascade.retry
+    assert not cascade.retrying
+    given_up = [k for k in map(key, range(num)) if not disk.cached_block(k) and k not in evicted]
+    # A given-up demotion failed MAX_DEMOTION_ATTEMPTS times, the others at least once.
+    assert cascade.take_counters().num_failed_demotions >= num + 2 * len(given_up)
+    cpu.check_invariants()
+    disk.check_invariants()

@@ -97,13 +97,21 @@ class Cascade(WriteThroughRetries):
         reserve: int,
         event: Callable[[Key, int], BlockStored] | None = None,
         dropped: DroppedSlots | None = None,
+        retries_per_plan: int | None = None,
     ) -> None:
-        if reserve < 1:
-            raise ValueError(f"reserve must be >= 1, got {reserve}")
+        """`reserve`: write-back's window of next CPU victims. `retries_per_plan`:
+        write-through's bound on the retries a plan issues (None: `reserve`, both being
+        the demotions a plan may add to a step's own; `scheduler_setup` derives them)."""
+        if retries_per_plan is None:
+            retries_per_plan = reserve
+        for name, value in (("reserve", reserve), ("retries_per_plan", retries_per_plan)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.cpu_pool = cpu_pool
         self.disk_pool = disk_pool
         self.mode = mode
         self.reserve = reserve
+        self.retries_per_plan = retries_per_plan
         self.queued: list[MoveItem] = []
         self.in_flight_keys: set[Key] = set()
         self.counters = CascadeCounters()

@@ -15,7 +15,7 @@ disk slots free up (lost at its CPU eviction otherwise, however soon the disk ha
 So does one skipped because its key was in flight already: that copy may be another
 CPU block's whose keys were discarded since (a failed load), and register nothing.
 
-A plan issues at most `reserve` retries, fewer when fewer disk slots are free (none while
+A plan issues at most `retries_per_plan` retries, fewer when fewer disk slots are free (none while
 every slot is pinned: then the plan costs no walk at all); the rest stay due for the next
 plans. When the disk works again after a long fault as many retries as the CPU tier holds
 blocks are due at once: issued in one plan they were a write storm as large as the CPU
@@ -51,7 +51,7 @@ class WriteThroughRetries:
     cpu_pool: BlockPool
     disk_pool: BlockPool
     set_aside: SetAsideSlots
-    reserve: int
+    retries_per_plan: int
     queued: list[MoveItem]
     in_flight_keys: set[Key]
     retry: dict[tuple[int, Key], int]
@@ -66,7 +66,8 @@ class WriteThroughRetries:
 
     def select_retries(self) -> None:
         """Write-through: demote again the blocks whose demotion failed or was dropped,
-        once due, at most `reserve` of them (fewer with fewer disk slots to write into).
+        once due, at most `retries_per_plan` of them (fewer with fewer disk slots to write
+        into).
 
         Called once per plan (the back-off counts plans). A retry in flight is not
         issued twice (`in_flight_keys`); one whose key is on disk by now is dropped.
@@ -76,7 +77,7 @@ class WriteThroughRetries:
         if not retry or self._num_plans < self._retry_at:
             return
         # Held slots count: `_demote` gives them back when it finds too few free.
-        bound = min(self.reserve, self.disk_pool.num_free() + len(self.set_aside))
+        bound = min(self.retries_per_plan, self.disk_pool.num_free() + len(self.set_aside))
         if bound < 1:  # every disk slot pinned: the reports that free one come first
             return
         in_flight, num_queued = self.in_flight_keys, len(self.queued)

@@ -2,7 +2,7 @@
 
 `make_cascade` builds the CPU → DISK half of a CPU+disk cascade config: the disk tier's
 index (a second `BlockPool`, with the config's eviction policy) and the `Cascade` that
-demotes into it, with its write-back reserve.
+demotes into it, with its write-back reserve and write-through retry bound.
 """
 
 from __future__ import annotations
@@ -73,10 +73,21 @@ def make_cascade(
         medium=Tier.DISK.value,
         record_events=config.events,
     )
-    # Write-back demotes ahead of the next steps' evictions, within a quarter of the CPU
-    # tier (demoted blocks leave it).
-    reserve = min(
+    # The demotions a plan may add to those of its step's own stores: two steps' worth of
+    # blocks (`lazy_target`), within a quarter of the CPU tier. Write-back demotes that
+    # many of the next victims ahead of their eviction (demoted blocks leave the CPU tier);
+    # write-through retries at most that many failed or dropped demotions a plan (after a
+    # long disk fault, as many as the CPU tier holds fall due at once).
+    per_plan = min(
         lazy_target(setup.layout, config.max_batched_tokens),
         max(1, (setup.num_tier_blocks - 1) // 4),
     )
-    return Cascade(cpu_pool, disk_pool, config.cascade, reserve, event=event, dropped=dropped)
+    return Cascade(
+        cpu_pool,
+        disk_pool,
+        config.cascade,
+        reserve=per_plan,
+        event=event,
+        dropped=dropped,
+        retries_per_plan=per_plan,
+    )
