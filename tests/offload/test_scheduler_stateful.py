@@ -23,7 +23,9 @@ After every step:
 
 At teardown everything is drained: every tier slot is free and the GPU holds no pin, and
 once the disk works, every write-through demotion that failed (a worker's "fail") is
-retried until it succeeds.
+retried until it succeeds; then every block a write-through CPU tier holds is on disk
+too, unless its demotion was given up or the disk lost a copy of its key since
+(`disk_coverage`).
 
 Each step's many small choices come from one drawn seed: with one draw per choice,
 Hypothesis spent most of the time generating data and ran far fewer steps. `note()`
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from disk_coverage import DiskCoverage
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 from scheduler_machine import SchedulerDriver, Slot, tagged
@@ -159,6 +162,7 @@ class SchedulerMachine(SchedulerDriver):
             self.poll()
         assert cascade is None or not cascade.retry, "a failed demotion was never retried"
         assert cascade is None or not cascade.retrying, "a retry's report never came"
+        self.check_drained()
         assert not engine.scheduler.has_pending_stores()
         self.every_pin_is_explained()
         self.visible_keys_were_stored_by_every_worker()
@@ -174,6 +178,9 @@ class SchedulerMachine(SchedulerDriver):
         assert self.gpu_refs() == Counter(), "GPU blocks still pinned"
         engine.check()
 
+    def check_drained(self) -> None:
+        """Check the tiers once drained and the retries ran out (before any reset)."""
+
 
 class LazySchedulerMachine(SchedulerMachine):
     """The same runs with lazy store selection."""
@@ -182,9 +189,25 @@ class LazySchedulerMachine(SchedulerMachine):
 
 
 class WriteThroughMachine(SchedulerMachine):
-    """The same runs with a CPU+disk cascade, write-through."""
+    """The same runs with a CPU+disk cascade, write-through: once drained, every block
+    the CPU tier holds is on disk too, or has a reason not to be (`DiskCoverage`)."""
 
     cascade = CascadeMode.WRITE_THROUGH
+    coverage: DiskCoverage | None = None
+
+    @invariant()
+    def observe_disk_coverage(self) -> None:
+        if self.coverage is None:
+            cascade = self.engine.scheduler.cascade
+            assert cascade is not None
+            self.coverage = DiskCoverage(cascade)
+        self.coverage.observe()
+
+    def check_drained(self) -> None:
+        if self.coverage is None:
+            return
+        missing = self.coverage.missing()
+        assert not missing, f"CPU blocks write-through never put on disk: {missing}"
 
 
 class WriteBackLazyMachine(SchedulerMachine):
