@@ -322,3 +322,34 @@ def test_no_plan_issues_more_retries_than_its_bound(
     assert cascade.take_counters().num_failed_demotions >= num + 2 * len(given_up)
     cpu.check_invariants()
     disk.check_invariants()
+
+
+def test_a_dropped_retry_whose_key_reached_disk_otherwise_is_forgotten() -> None:
+    """Regression: a dropped demotion waiting among the retries whose key reached disk
+    by another path (here another CPU block holding it as a secondary key) left its
+    retry when a plan found the key on disk, but stayed counted as dropped until the
+    block left the CPU tier: had its disk copy gone and its next demotion been dropped
+    again, that drop was not counted."""
+    cpu, disk = BlockPool(9), BlockPool(5)
+    cascade = Cascade(cpu, disk, WT, reserve=2)
+    (block,) = cache(cpu, [key(0)])
+    pinned = disk.allocate(disk.num_free())  # every disk slot pinned: dropped
+    cascade.after_stores([block])
+    assert cascade.take_counters().num_dropped_demotions == 1
+    disk.free(pinned)
+    (other,) = cache(cpu, [key(1)])
+    cpu.insert_key(key(0), other, 16)  # key 0 reaches disk with it
+    cascade.after_stores([other])
+    cascade.complete(cascade.take_queued(), succeeded=True, abandoned=False)
+    assert disk.cached_block(key(0)) is not None
+    cascade.select_retries()  # finds key 0 on disk: nothing to retry
+    assert cascade.take_queued() == []
+    assert not cascade.retry
+    assert not cascade.dropped, "a retry on disk is still counted as dropped"
+    disk.evict_keys(disk.cached_block(key(0)))  # the disk loses it; stored again, dropped
+    pinned = disk.allocate(disk.num_free())
+    cascade.after_stores([block])
+    assert cascade.take_counters().num_dropped_demotions == 1
+    disk.free(pinned)
+    cpu.check_invariants()
+    disk.check_invariants()

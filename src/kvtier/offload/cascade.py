@@ -117,7 +117,8 @@ class Cascade(WriteThroughRetries):
         self.counters = CascadeCounters()
         # (CPU block, key) pairs counted as dropped demotions: write-back retries a victim
         # each step while no disk slot frees, and it counts once. A pair goes when its
-        # block is demoted, evicted or has its keys discarded (`before_cpu_discard`).
+        # block is demoted, found on disk, evicted or has its keys discarded
+        # (`before_cpu_discard`).
         self.dropped: set[tuple[int, Key]] = set()
         # Write-back: (CPU block, key) pairs whose demotion failed, not demoted again; they
         # go as `dropped`'s do, and all at once when a demotion succeeds.
@@ -188,10 +189,12 @@ class Cascade(WriteThroughRetries):
                     self.retry.setdefault((block_id, key), 0)
                 continue
             disk_block = self._disk_copy(block_id, key)
-            if disk_block is not None:
-                on_disk.append(disk_block)
-                if self.retry:  # held on disk: nothing to retry
+            if disk_block is not None:  # held on disk (maybe by another block's demotion):
+                on_disk.append(disk_block)  # nothing to retry, nor dropped any more
+                if self.retry:
                     self.retry.pop((block_id, key), None)
+                if self.dropped:
+                    self.dropped.discard((block_id, key))
                 continue
             chosen.append((block_id, key))
         if self.mode is CascadeMode.WRITE_THROUGH:
