@@ -45,6 +45,7 @@ from kvtier.adapters.vllm.stats import (
     GAUGES,
     KVTierStats,
     claim_source,
+    live_sources,
     release_source,
     stats_payload,
 )
@@ -115,6 +116,8 @@ class SchedulerSide:
         # This connector's name in the stats: gauges of several kvtier connectors inside
         # one MultiConnector add up, each kept apart by source (`stats`).
         self.stats_source = claim_source(self)
+        # Its siblings in one MultiConnector share vLLM's KV cache config (one object).
+        self._stats_group = kv_cache_config
         self._last_gauge_values: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ admission
@@ -289,7 +292,27 @@ class SchedulerSide:
         if not payload["counters"] and gauges == self._last_gauges:
             return None
         self._last_gauges = gauges
+        payload[GAUGES].update(self._sibling_gauges())
         return KVTierStats(data=payload)
+
+    def _sibling_gauges(self) -> dict[str, dict[str, int]]:
+        """Return the gauges each other kvtier connector of this engine (a sibling in
+        one MultiConnector) last sent, by source.
+
+        vLLM's log line sums only one interval's payloads (`KVConnectorLogging` starts
+        each interval empty), and a connector with nothing new sends none: carried in
+        every payload, its gauges stay in each interval's sum. A sibling's own newer
+        payload of the same step comes later (MultiConnector asks its children in
+        order) or was sent already, and its last gauges are its current ones.
+        """
+        return {
+            source: dict(owner._last_gauges)
+            for source, owner in live_sources()
+            if isinstance(owner, SchedulerSide)
+            and owner is not self
+            and owner._stats_group is self._stats_group
+            and owner._last_gauges is not None
+        }
 
     def release_stats_source(self) -> None:
         """Free this connector's stats source number for a connector built later."""

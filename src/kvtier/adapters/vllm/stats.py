@@ -14,7 +14,9 @@ stats of one step meet in `aggregate`, the call that also merges a step's stats 
 older step's: it cannot tell a sibling's gauges (to add) from a newer step's (to take),
 and a connector with nothing new sends no stats at all. So gauges stay apart by source,
 each source's newest winning, and are summed where they are read (`reduce`, the
-Prometheus gauges, which remember each source's newest values per engine).
+Prometheus gauges, which remember each source's newest values per engine). vLLM's log
+line sums one interval's payloads only, so each payload also carries the gauges its
+sibling kvtier connectors last sent (`SchedulerSide.take_stats`).
 
 Counter names are `stored_blocks`, `loaded_blocks`, `failed_loads`, `failed_stores`,
 `bytes_stored`, `bytes_loaded`, `hit_tokens`, the cascade's `demoted_blocks`,
@@ -125,6 +127,11 @@ def release_source(source: str, owner: object) -> None:
     """Free a source number `owner` claimed (it shuts down); no-op if it holds none."""
     if _SOURCES.get(int(source)) is owner:
         del _SOURCES[int(source)]
+
+
+def live_sources() -> list[tuple[str, object]]:
+    """Return (source, owner) of every live owner of a source number."""
+    return [(str(number), owner) for number, owner in list(_SOURCES.items())]
 
 
 def summed_gauges(gauges: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
