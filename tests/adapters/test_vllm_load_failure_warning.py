@@ -9,6 +9,7 @@ prefix-cache hit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -19,6 +20,9 @@ pytest.importorskip("vllm")
 from faulty_worker import FaultyWorker
 from kvtier_vllm import drain, kvtier_harness, offload_worker, zero_blocks
 from vllm_engine import KVGroupDef
+
+from kvtier.adapters.vllm.metadata import KVTierMetadata
+from kvtier.adapters.vllm.worker_side import WorkerSide
 
 PROMPT = list(range(1000, 1065))  # 4 full blocks
 WHOLE = "every token after its own GPU prefix-cache hit (the load failed whole)"
@@ -64,3 +68,26 @@ def test_the_failed_load_warning_says_what_vllm_recomputes(
     assert bool(worker_warnings) == (recomputed == WHOLE)  # as the workers reported it
     assert message.startswith("kvtier load of tokens [0, 64) for request b failed on a worker")
     assert f"vLLM recomputes {recomputed} (kv_load_failure_policy='recompute')" in message
+
+
+def test_a_named_failure_the_worker_cannot_split_is_whole_on_both_sides(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that gets a load without its parts (`TransferJob.load_parts`: here taken
+    off, as from a worker of another build) cannot tell which request read the bad block
+    it names, so it fails every request of the event whole (`failed_recving`). Regression:
+    its report still named the block, so the scheduler took the failure by block (only
+    the readers of it failed; the warning said the bad blocks were named) while vLLM
+    recomputed the request whole. The worker now names no block for a failure it
+    reported whole, and the scheduler fails the load whole too."""
+    original = WorkerSide.bind
+
+    def bind_without_parts(self: WorkerSide, metadata: KVTierMetadata) -> None:
+        jobs = tuple(dataclasses.replace(job, load_parts=()) for job in metadata.plan.jobs)
+        plan = dataclasses.replace(metadata.plan, jobs=jobs)
+        original(self, dataclasses.replace(metadata, plan=plan))
+
+    monkeypatch.setattr(WorkerSide, "bind", bind_without_parts)
+    (message,), worker_warnings = failed_load_warnings(caplog, named=True)
+    assert worker_warnings  # the worker reported the request failed whole
+    assert f"vLLM recomputes {WHOLE} (kv_load_failure_policy='recompute')" in message

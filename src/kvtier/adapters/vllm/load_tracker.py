@@ -17,7 +17,8 @@ rule to the ranks' merged report (the union of their bad blocks), so vLLM's unio
 the ranks' failed requests is the set of requests kvtier recomputes. Without names, or
 with names that are not all source blocks of the event, or without valid parts (one
 block count >= 1 per request, adding up: `TransferJob.check_load_parts`; invalid ones
-are logged), every request of it fails.
+are logged), every request of it fails; the worker then reports the event to the
+scheduler without its names (`unsplit`), so the scheduler fails it whole too.
 
 Block-level failures (`block_level`, vLLM's `get_block_ids_with_load_errors`): a request
 whose every failed event named its bad blocks (by the rule above) is reported finished,
@@ -58,6 +59,7 @@ class LoadTracker:
         self._invalid: set[int] = set()  # suspects of requests reported finished
         self._finished: set[int] = set()  # events finished here, still listed
         self._parts: dict[int, TransferJob] = {}  # load jobs with valid parts, by event
+        self.unsplit: set[int] = set()  # of the last `complete` (see there)
 
     def update(
         self, load_request_ids: Mapping[int, tuple[str, ...]], jobs: Iterable[TransferJob] = ()
@@ -94,8 +96,14 @@ class LoadTracker:
         Events the map does not list (stores, demotions) are ignored. A failed request
         is also in the finished set. `bad_blocks`: the bad source blocks of failed events,
         where this worker named them (see the module docstring).
+
+        Afterwards `unsplit` holds the failed events of this call that were failed whole
+        although `bad_blocks` named blocks of them (parts unknown or invalid, names not
+        all sources): their report to the scheduler must name none, or it would fail only
+        the readers of those blocks while vLLM recomputes every request of the event.
         """
         touched: set[str] = set()
+        self.unsplit = set()
         for event_ids, is_failure in ((done, False), (failed, True)):
             for event_id in event_ids:
                 request_ids = self._listed.get(event_id)
@@ -105,7 +113,8 @@ class LoadTracker:
                 job = self._parts.pop(event_id, None)
                 if is_failure:
                     named = None if bad_blocks is None else bad_blocks.get(event_id)
-                    self._note_failure(request_ids, job, named)
+                    if not self._note_failure(request_ids, job, named) and named:
+                        self.unsplit.add(event_id)
                 for request_id in request_ids:
                     waiting = self._waiting.get(request_id)
                     if waiting is not None:
@@ -129,10 +138,11 @@ class LoadTracker:
 
     def _note_failure(
         self, request_ids: tuple[str, ...], job: TransferJob | None, named: frozenset[int] | None
-    ) -> None:
+    ) -> bool:
         """Fail the requests of a failed event: only those reading one of the `named` bad
         source blocks when they are some of its sources and its parts are known (where
-        `block_level`, by their suspect GPU blocks); else every request, whole."""
+        `block_level`, by their suspect GPU blocks); else every request, whole. Return
+        True when it was split by the named blocks."""
         bad = named or frozenset()
         parts = None if job is None or not bad else _split(job, request_ids)
         if parts is None or not bad <= frozenset(b for _, src, _ in parts for b in src):
@@ -149,6 +159,7 @@ class LoadTracker:
                 self._suspects[request_id] = suspects
             elif request_id in self._suspects:  # else failed whole by an earlier event
                 self._suspects[request_id] |= suspects
+        return parts is not None
 
     def take_invalid_blocks(self) -> set[int]:
         """Return and forget the suspect GPU blocks of the requests `complete` reported

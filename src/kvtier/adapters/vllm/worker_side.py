@@ -204,8 +204,12 @@ class WorkerSide:
         for its load.
         """
         report = self.worker.poll()
-        self._report = WorkerReport.merge([self._report, report])
         finished, failed = self.loads.complete(report.done, report.failed, report.bad_blocks)
+        unsplit = self.loads.unsplit  # failed whole here: whole for the scheduler too
+        if unsplit:
+            named = {e: b for e, b in report.bad_blocks.items() if e not in unsplit}
+            report = replace(report, bad_blocks=named)
+        self._report = WorkerReport.merge([self._report, report])
         if failed:
             logger.warning("kvtier loads failed for requests %s", sorted(failed))
         finished.update(self._echo_failed)
