@@ -224,3 +224,49 @@ def test_random_operations_with_priorities_serve_correct_kv(
     assert totals["failed_load"] > 0
     assert totals["preemptions"] > 0
     assert totals["aborts"] > 0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_load_failed_at_a_kept_prefix_costs_no_other_request_its_hit(policy: str) -> None:
+    # The low-priority request's load fails at one named block past its first: vLLM
+    # keeps its prefix and its blocks (kv_holding_waiting, scanned before any lookup),
+    # so while kvtier holds it as failed no lookup meets it, and the hits load.
+    # (Coverage of SchedulerSide.lookup's note on loads failed by block.)
+    harness = kvtier_harness(
+        num_cpu_blocks=512,
+        num_gpu_blocks=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        scheduling_policy=policy,
+    )
+    harness.run_requests({"store-failed": FAILED, **HITS}, max_tokens=1)
+    assert harness.scheduler.reset_prefix_cache()
+    worker = FaultyWorker(offload_worker(harness), zero_blocks(harness))
+    worker.fail_part, worker.hold["load"] = 1, 6
+    loads = scheduler_side(harness).offload.loads
+    offer = loads.offer
+    held: list[tuple[str, int, int | None]] = []  # offers made while a failure is held
+
+    def recorded(request_id: str, num_tokens: int) -> int | None:
+        answer = offer(request_id, num_tokens)
+        if loads.recompute_next:
+            held.append((request_id, num_tokens, answer))
+        return answer
+
+    loads.offer = recorded  # type: ignore[method-assign]
+    harness.add_request("failed", FAILED, max_tokens=4, priority=LOW)
+    harness.step()
+    worker.hold["load"] = 0
+    for request_id, prompt in {**FILLERS, **HITS}.items():
+        harness.add_request(request_id, prompt, max_tokens=48, priority=HIGH)
+    kept = False
+    while harness.is_busy():
+        assert harness.num_steps < 500, "engine still busy"
+        if "failed" in loads.recompute_next:
+            kept = harness.scheduler.requests["failed"].num_computed_tokens > 0
+        harness.step()
+    assert kept  # the load failed, and vLLM kept a prefix
+    assert not held  # no lookup while it waited: no hit turned into 0 or None
+    for request_id in HITS:
+        assert harness.external_hit_tokens(request_id) == 64
+    check_quiescent(harness)

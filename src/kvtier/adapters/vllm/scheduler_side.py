@@ -158,6 +158,16 @@ class SchedulerSide:
           scan (a higher-priority request) answers 0 instead and recomputes at once:
           the low-priority failed request may wait for as long as higher-priority
           requests keep the pool, and the hit with it.
+
+        A load failed by block (`invalid_block_ids`) is held like a whole failure: where
+        its first bad block is the request's first block vLLM keeps no prefix and frees
+        its blocks, exactly as above. Where vLLM keeps a prefix, the request keeps its
+        blocks and waits in `kv_holding_waiting` with its true reservation, like any
+        loaded request; vLLM scans that queue before looking up any waiting request and
+        stops there while it does not fit, so no lookup meets it unless vLLM skipped it
+        (its LoRA over `max_loras`, say). There the answer is only conservative (a hit
+        waits, or recomputes under the priority policy), never wrong KV; it is kept for
+        one rule with the no-prefix case (`test_vllm_priority`: a kept prefix costs no hit).
         """
         view = self.add_request(request)
         num_tokens = self.offload.lookup(view, num_computed_tokens)
