@@ -26,7 +26,7 @@ the request once all of them finished.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -115,6 +115,7 @@ class WorkerSide:
         self._stores_submitted = False
         self.loads = LoadTracker(block_level=block_level_failures(kv_cache_config))
         self._report = WorkerReport()
+        self._held_failures = WorkerReport()  # of refused plans (`_fail_unsubmitted`)
 
     @property
     def worker(self) -> OffloadWorker:
@@ -168,6 +169,9 @@ class WorkerSide:
         The plan's `end_persistence` and `forget_slots` go with this submit, before any
         job of the plan, even when it has no load or demotion (a plan with nothing at
         all submits nothing).
+
+        A submit that raises fails the plan's events the worker never started
+        (`_fail_unsubmitted`) and propagates.
         """
         plan = self._plan
         if plan is None or self._loads_submitted:
@@ -175,7 +179,13 @@ class WorkerSide:
         self._loads_submitted = True
         jobs = tuple(job for job in plan.jobs if not job.is_store)
         if jobs or plan.forget_slots or plan.end_persistence:
-            self.worker.submit(replace(plan, jobs=jobs))
+            try:
+                self._submit(replace(plan, jobs=jobs))
+            except BaseException:
+                # vLLM calls no wait_for_save after this: the stores fail with the loads.
+                self._stores_submitted = True
+                self._hold_failures(job.event_id for job in plan.jobs if job.is_store)
+                raise
 
     def submit_stores(self) -> None:
         """Submit this step's stores after the forward that wrote their blocks.
@@ -189,9 +199,43 @@ class WorkerSide:
         jobs = tuple(job for job in self._plan.jobs if job.is_store)
         if jobs:  # the plan's manifest drops went with the loads (`start_loads`)
             self.worker.record_compute_done()
-            self.worker.submit(
-                replace(self._plan, jobs=jobs, forget_slots=(), end_persistence=False)
-            )
+            self._submit(replace(self._plan, jobs=jobs, forget_slots=(), end_persistence=False))
+
+    def _submit(self, plan: TransferPlan) -> None:
+        """Hand `plan` to the worker; if it raises, fail what it never started."""
+        try:
+            self.worker.submit(plan)
+        except BaseException:
+            self._fail_unsubmitted(plan)
+            raise
+
+    def _fail_unsubmitted(self, plan: TransferPlan) -> None:
+        """Report as failed, at the next `take_results`, the events of a refused `plan`
+        the worker never started, as the reference engine does (`OffloadSide.submit`).
+
+        vLLM's engine survives the error under its fault tolerance
+        (`enable_fault_tolerance`: every request aborted, the same connector resumed);
+        unreported, the events would keep their pins and the scheduler's pending stores
+        for good. What the worker started ends first (`flush`), so no event is failed
+        while its copy still runs; if that flush fails too, nothing is failed (a copy
+        may still write the GPU blocks). The plans carry no manifest work to requeue:
+        the connector refuses `disk_persist`.
+        """
+        try:
+            self.worker.flush()
+            started = self.worker.peek()
+        except Exception:
+            logger.exception("kvtier worker: flush after a refused plan failed")
+            return
+        reported = {*started.done, *started.failed}
+        self._hold_failures(job.event_id for job in plan.jobs if job.event_id not in reported)
+
+    def _hold_failures(self, event_ids: Iterable[int]) -> None:
+        """Report `event_ids` failed on this rank at the next `take_results`."""
+        failed = dict.fromkeys(event_ids, 1)
+        if failed:
+            held = [self._held_failures, WorkerReport(failed=failed)]
+            self._held_failures = WorkerReport.merge(held)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """Poll the worker; return (finished_recving, failed_recving) request ids.
@@ -204,6 +248,9 @@ class WorkerSide:
         for its load.
         """
         report = self.worker.poll()
+        if self._held_failures.failed:  # events of refused plans (`_fail_unsubmitted`)
+            report = WorkerReport.merge([self._held_failures, report])
+            self._held_failures = WorkerReport()
         finished, failed = self.loads.complete(report.done, report.failed, report.bad_blocks)
         unsplit = self.loads.unsplit  # failed whole here: whole for the scheduler too
         if unsplit:
