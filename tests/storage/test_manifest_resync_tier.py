@@ -105,14 +105,20 @@ def test_a_skipped_tombstone_never_serves_the_bytes_written_after_it(
 def test_a_skipped_put_never_serves_its_bytes_under_the_older_key(
     tmp_path: Path, same_bytes: bool
 ) -> None:
-    """Records: put(3, OLD); put(3, NEW) over other bytes; put(6). The second put is
-    damaged: OLD comes back for slot 3. A load fails its checksum unless NEW's bytes
-    equal OLD's; NEW's bytes are never served as OLD's otherwise."""
+    """Records: put(3, OLD); tombstone(3) (a rewrite drops the old record first); put(3,
+    NEW) over other bytes; put(6). The tombstone and the second put are damaged (or the
+    manifest is an older version's, without the tombstone): OLD comes back for slot 3. A
+    load fails its checksum unless NEW's bytes equal OLD's; NEW's bytes are never served
+    as OLD's otherwise."""
     tier = open_tier(tmp_path)
     old_bytes = write(tier, 3, 0x11, OLD)
     write(tier, 3, 0x11 if same_bytes else 0x22, NEW)
     other = write(tier, 6, 0x66, OTHER)
-    tier = reopen_after_damage(tmp_path, tier, 1, PUT)
+    header_bytes = len(tier.config.identity.encode())  # type: ignore[union-attr]
+    tier.close()
+    damage_record(tmp_path / "kvtier-rank0.manifest", header_bytes, 1, TOMBSTONE)
+    damage_record(tmp_path / "kvtier-rank0.manifest", header_bytes, 2, PUT)
+    tier = open_tier(tmp_path)
     assert tier.recovered_slots() == [(3, OLD), (6, OTHER)]
     assert read(tier, 3) == (old_bytes if same_bytes else None)
     assert read(tier, 6) == other

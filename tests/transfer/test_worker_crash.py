@@ -6,9 +6,11 @@ few dozen records. It dies by SIGKILL: at a chosen point (half-way through writi
 bytes, between the bytes and their record, between a compacted manifest and its rename)
 or wherever the test's kill finds it. The test then reopens the tier in this process and
 loads every recovered slot: a load must return exactly the bytes of the recovered
-record's key, or fail (the checksum caught bytes that changed after the record; the
-engine recomputes them). Wrong bytes under a key are the one outcome a cache must never
-produce. Each child continues on what the previous one left.
+record's key (wrong bytes under a key are the one outcome a cache must never produce).
+Nor may it fail: a slot's record is dropped before its bytes are overwritten, so no record
+describes bytes that changed after it (the checksum would catch them, and the engine
+recompute them, but the restart should simply miss them). Each child continues on what
+the previous one left.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 from crash_writer import (
-    MAX_SLOTS_PER_JOB,
     NUM_GPU_BLOCKS,
     config,
     key_id_of,
@@ -95,9 +96,8 @@ def test_killed_writer_never_leaves_a_slot_that_loads_wrong_bytes(
         run_writer_until_killed(tmp_path, rng.randrange(1 << 30), kill_point, rng.randint(30, 300))
         right, refused = check_recovered(tmp_path)
         total_right += right
-        # Only the slots of the job the kill interrupted may hold other bytes than their
-        # record describes; a kill inside a slot write or before its record leaves some.
-        assert refused <= MAX_SLOTS_PER_JOB, f"{kill_point}: {refused} slots failed verification"
-        if kill_point in ("write", "record"):
-            assert refused > 0, f"{kill_point}: the interrupted store left no stale record"
+        # A slot's record is tombstoned before the slot is overwritten (its block evicted,
+        # the slot reused), so even the job the kill interrupted leaves no record over
+        # other bytes: every recovered slot loads.
+        assert refused == 0, f"{kill_point}: {refused} slots failed verification"
     assert total_right > 0, "no recovered slot was ever loaded: the test checked nothing"

@@ -262,7 +262,7 @@ class DiskTier:
     ) -> None:
         size = self.config.bytes_per_slot
         slots = slot_ids.tolist()
-        self._records.prepare_write(slots, recorded=records is not None)
+        self._records.prepare_write(slots)
         self._valid[slot_ids] = False
         try:
             for a, b in _consecutive_runs(slot_ids):

@@ -3,11 +3,12 @@ waiting for their group commit (`pending_puts`) and the manifest they are append
 
 A persistent tier (`DiskTierConfig.fingerprint` set) keeps its slot file and a manifest
 (see `manifest`) across runs: at open it recovers the checksums and records of the live
-slots, and it appends to the manifest as it goes. A write with records appends one put
-record per slot after the slot's data is written, and tombstones the slots if the write
-fails (their old bytes may be partly overwritten). A write without records tombstones
-the slots' earlier records *before* writing, so a restart cannot offer them. A read that
-fails verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
+slots, and it appends to the manifest as it goes. Every write tombstones the slots'
+earlier records *before* writing (a slot reused for another block, or rewritten without
+records), so a restart cannot offer them over the new bytes; a write with records then
+appends one put record per slot after the slot's data is written, and tombstones the
+slots if the write fails (their old bytes may be partly overwritten). A read that fails
+verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
 
 Durability, by group commit (see `pending_puts`): a written slot's put record waits,
 with those of the other slots written meanwhile, until the store queue is idle (no other
@@ -17,16 +18,16 @@ durable, and only then are the records appended, so a record is never in the man
 before the data it describes is durable. A pending record whose slot is forgotten,
 rewritten or fails is dropped, never appended. Before a batch overwrites any slot, the
 manifest is synced if a tombstone was appended since its last sync (by `forget`, a
-failed verification, or this batch without records), so a dropped record cannot come
-back, after a crash, over the slot's new bytes. Put records are not synced as they are
-appended (a crash may lose the newest ones, and the pending ones: a restart then misses
-those blocks, or fails to load a slot whose older record it finds, never serves wrong
-bytes); `close()` commits the pending records, then syncs the slot file and the
-manifest, so after a clean shutdown everything is durable. A failed manifest sync drops
-every record and ends persistence for the run (as `forget` does when it cannot append).
-`end_persistence()` (a tier reset) drops every
-record and records nothing more in this run: the tier then works as a non-persistent
-one whose files are kept, and the next open finds nothing to restore.
+failed verification, or this batch's own, for slots that held records), so a dropped record
+cannot come back, after a crash, over the slot's new bytes: one manifest sync per batch
+that overwrites recorded slots, none for a batch of free slots. Put records are not
+synced as they are appended (a crash may lose the newest ones, and the pending ones: a
+restart then misses those blocks, never serves wrong bytes); `close()` commits the
+pending records, then syncs the slot file and the manifest, so after a clean shutdown
+everything is durable. A failed manifest sync drops every record and ends persistence
+for the run (as `forget` does when it cannot append). `end_persistence()` (a tier reset)
+drops every record and records nothing more in this run: the tier then works as a
+non-persistent one whose files are kept, and the next open finds nothing to restore.
 
 `DiskRecords` keeps this order; the tier calls it around each write (`queued`,
 `prepare_write`, `write_failed`, `written`, `write_done`, `commit`). A non-persistent
@@ -155,16 +156,17 @@ class DiskRecords:
         the pending records are due for `commit` (see `PendingPuts.write_done`)."""
         return self.pending is not None and self.pending.write_done()
 
-    def prepare_write(self, slots: Sequence[int], recorded: bool) -> None:
-        """Drop the records that describe the bytes `slots` are about to lose (tombstones
-        for a write without records: no record will describe its bytes), and make the
-        tombstones durable before the slots are overwritten."""
+    def prepare_write(self, slots: Sequence[int]) -> None:
+        """Drop the records that describe the bytes `slots` are about to lose (pending
+        ones, and tombstones for those in the manifest, also when the write has records:
+        its put records are appended only at the group's commit), and make the tombstones
+        durable before the slots are overwritten: a crash before that commit leaves no
+        record over the new bytes. A batch costs at most one manifest sync, and none when
+        no overwritten slot holds a record (a first write, a slot forgotten before)."""
         if self.log is None:
             return
         assert self.pending is not None
-        if recorded:
-            self.pending.drop(slots)  # a pending record describes the bytes overwritten now
-        elif not self.pending.forget(slots):  # the old records would describe new bytes
+        if not self.pending.forget(slots):  # the old records would describe new bytes
             self.end(f"cannot drop the manifest records of {len(slots)} slots being rewritten")
         self.sync_log()
 

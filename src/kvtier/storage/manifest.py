@@ -14,9 +14,10 @@ in order, the last record of a slot wins; a record that fails its checksum (or i
 otherwise invalid) is skipped with a warning and the replay resumes at the next valid
 record, and a record cut short at the end is ignored (`manifest_read`: a skipped record
 can only cause a miss). A record never makes a read return wrong bytes: reads are verified
-against `data_sum`, so a stale record whose slot was rewritten since (a crash between the
-data write and its record, power loss) fails verification instead. Tombstones keep a
-restart from offering a slot that is known to be bad or overwritten.
+against `data_sum`, so a stale record whose slot was rewritten since (its tombstone
+skipped, or a manifest of a version that did not drop a reused slot's record before
+overwriting it) fails verification instead. Tombstones keep a restart from offering a
+slot that is known to be bad or overwritten.
 
 At open (`open_manifest`) the manifest must be a regular file whose header matches the
 identity exactly (the slot file's size aside); both must be owned by this

@@ -96,14 +96,10 @@ class PendingPuts:
             if self._oldest is None:
                 self._oldest = time.monotonic()
 
-    def drop(self, slots: Iterable[int]) -> None:
-        """Drop the pending records of `slots` (about to be rewritten)."""
-        with self._lock:
-            self._drop_locked(slots)
-
     def forget(self, slots: Sequence[int]) -> bool:
-        """Drop the pending records of `slots` and tombstone their manifest records (see
-        `ManifestLog.forget`, whose result this returns)."""
+        """Drop the pending records of `slots` (forgotten, or about to be rewritten) and
+        tombstone their manifest records (see `ManifestLog.forget`, whose result this
+        returns)."""
         with self._lock:
             self._drop_locked(slots)
             return self._log.forget(slots)

@@ -20,8 +20,8 @@ freeing a finished request's blocks for a KV-consuming connector until every ste
 may write them has completed; a synchronous engine's earlier forwards have finished.
 
 Persistent disk tier (`WorkerConfig.disk_persist`, see `kvtier.storage.manifest`): a job
-into DISK with `dst_records` records each slot once its data is written; one without them
-drops the slots' earlier records first; a failed write leaves none. `recovered_slots()`
+into DISK drops the slots' earlier records first, and with `dst_records` records each slot
+once its data is written; a failed write leaves none. `recovered_slots()`
 lists what the previous run left (never slot 0, the pool's null block). A plan with
 `end_persistence` (every plan after a tier reset) drops every record before its jobs
 start, and nothing is recorded for the rest of the run. A plan's `forget_slots` (copies

@@ -1,0 +1,115 @@
+"""A persistent disk tier after an operating-system crash (power loss): the slot file may
+hold every byte written to it, but the manifest holds only what was synced (see
+`disk_tier_records`). A restart must then miss a block cleanly, never offer a record
+that describes other bytes (a failed load) or a copy the scheduler let go.
+
+`CrashImage` keeps the manifest's bytes as of its last fsync and, at the crash, the slot
+file as it is (the page cache may have written back any write); `restore` puts that
+image in place of the files, as the device would hold them after the power came back.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_manifest_durability import rec, tier_config
+
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage import DiskTier
+from kvtier.storage.slot_file import SlotFile
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class CrashImage:
+    """The files of the tier in `directory` as a crash now would leave them on the device."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+        self._slots = directory / "rank0.slots"
+        self._manifest = directory / "rank0.manifest"
+        self.synced = self._manifest.read_bytes()  # the open rewrote and synced it
+        self.image: tuple[bytes, bytes] | None = None
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            real_fsync(fd)
+            if os.readlink(f"/proc/self/fd/{fd}") == str(self._manifest):
+                self.synced = self._manifest.read_bytes()
+
+        monkeypatch.setattr(os, "fsync", fsync)
+
+    def take(self) -> None:
+        """Crash now: the slot file as written so far, the manifest as last synced."""
+        self.image = (self._slots.read_bytes(), self.synced)
+
+    def restore(self) -> None:
+        """Replace the (closed) tier's files by the image taken at the crash."""
+        assert self.image is not None, "no crash was taken"
+        slots, manifest = self.image
+        self._slots.write_bytes(slots)
+        self._manifest.write_bytes(manifest)
+
+
+def crash_after_next_data_write(monkeypatch: pytest.MonkeyPatch, crash: CrashImage) -> None:
+    """Take the crash image right after the tier's next slot write: the data has landed,
+    its put record waits for the group commit."""
+    real = SlotFile.write
+
+    def write(slot_file: SlotFile, data: memoryview, first_slot: int) -> None:
+        real(slot_file, data, first_slot)
+        if crash.image is None:
+            crash.take()
+
+    monkeypatch.setattr(SlotFile, "write", write)
+
+
+def write(tier: DiskTier, slot: int, record: SlotRecord, fill: int) -> None:
+    buffer = tier.store_buffers[0]
+    buffer.tensor[0].fill_(fill)
+    tier.write_slots(buffer, np.array([slot], dtype=np.int64), [record]).result()
+
+
+def restart_reads(tmp_path: Path) -> list[tuple[int, SlotRecord]]:
+    """Open the tier on the crashed files; return what it recovered after checking that
+    every recovered slot loads (a record describing other bytes fails its checksum)."""
+    tier = DiskTier(tier_config(tmp_path))
+    try:
+        recovered = tier.recovered_slots()
+        buffer = tier.load_buffers[0]
+        for slot, _ in recovered:
+            tier.read_slots(buffer, np.array([slot], dtype=np.int64)).result()
+        return recovered
+    finally:
+        tier.close()
+
+
+def persisted(tmp_path: Path, records: dict[int, int]) -> DiskTier:
+    """Write slot -> record number (bytes filled with it), close, and reopen the tier:
+    every record is durable and recovered."""
+    tier = DiskTier(tier_config(tmp_path))
+    for slot, number in records.items():
+        write(tier, slot, rec(number), number)
+    tier.close()
+    tier = DiskTier(tier_config(tmp_path))
+    assert tier.recovered_slots() == [(slot, rec(n)) for slot, n in sorted(records.items())]
+    return tier
+
+
+def test_a_slot_reused_for_another_block_is_a_clean_miss_after_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block of slot 1 was evicted and the slot reused for another key (a write with
+    records, no `forget`): its old record must be durably dropped before the new bytes
+    can land, or a crash before the new record's commit leaves the old record over
+    them, and the restart's load of it fails."""
+    tier = persisted(tmp_path, {1: 1, 2: 2})
+    crash = CrashImage(monkeypatch, tmp_path)
+    crash_after_next_data_write(monkeypatch, crash)
+    write(tier, 1, rec(7), 7)
+    tier.close()
+    monkeypatch.undo()
+    crash.restore()
+    assert restart_reads(tmp_path) == [(2, rec(2))]
