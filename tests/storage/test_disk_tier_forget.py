@@ -101,3 +101,29 @@ def test_a_rewrite_whose_old_records_cannot_be_dropped_drops_them_all(
     tier = DiskTier(config)
     assert tier.recovered_slots() == []
     tier.close()
+
+
+def test_a_forget_whose_tombstones_cannot_be_synced_drops_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`forget`'s tombstones are synced before it returns (a crash must not bring back a
+    copy the scheduler let go); when that fails, every record goes."""
+    config = tier_config(tmp_path)
+    tier = DiskTier(config)
+    slots = np.arange(1, 5, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    real_fsync = os.fsync
+
+    def failing_fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".manifest"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(os, "fsync", failing_fsync)
+        tier.forget([2])
+    assert "cannot sync the manifest" in caplog.text
+    tier.close()
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == []
+    tier.close()

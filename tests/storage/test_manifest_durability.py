@@ -149,7 +149,7 @@ def test_a_failed_manifest_sync_drops_every_record(
     tier = DiskTier(config)
     slots = np.arange(1, 4, dtype=np.int64)
     tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in slots]).result()
-    tier.forget([2])
+    tier.forget([2])  # synced at once
     real_fsync = os.fsync
 
     def failing_fsync(fd: int) -> None:

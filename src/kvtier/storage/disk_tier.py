@@ -166,10 +166,11 @@ class DiskTier:
         registered: a restart must not restore them); a no-op for a non-persistent tier
         or once persistence ended. Raises ValueError for a slot id out of range.
 
-        Call only for slots no queued write goes to: a write queued before this call
-        could record them again. When the tombstones cannot be appended (a failing disk),
-        every record is dropped and nothing more is persisted in this run, as by
-        `end_persistence` (and its OSError): the copies may be suspect.
+        The tombstones are durable (synced) when this returns: no crash brings the copies
+        back. Call only for slots no queued write goes to: a write queued before this call
+        could record them again. When the tombstones cannot be appended or synced (a
+        failing disk), every record is dropped and nothing more is persisted in this run,
+        as by `end_persistence` (and its OSError): the copies may be suspect.
         """
         ids = [int(slot) for slot in slots]
         bad = [slot for slot in ids if not 0 <= slot < self.num_slots]

@@ -8,7 +8,9 @@ earlier records *before* writing (a slot reused for another block, or rewritten 
 records), so a restart cannot offer them over the new bytes; a write with records then
 appends one put record per slot after the slot's data is written, and tombstones the
 slots if the write fails (their old bytes may be partly overwritten). A read that fails
-verification tombstones the slot, and so does `forget` (copies the scheduler dropped).
+verification tombstones the slot, and so does `forget` (copies the scheduler dropped,
+which may be suspect although their bytes match their checksum: its tombstones are
+synced before it returns).
 
 Durability, by group commit (see `pending_puts`): a written slot's put record waits,
 with those of the other slots written meanwhile, until the store queue is idle (no other
@@ -17,8 +19,8 @@ waited a second, or `close()`; then one `fdatasync` of the slot file makes their
 durable, and only then are the records appended, so a record is never in the manifest
 before the data it describes is durable. A pending record whose slot is forgotten,
 rewritten or fails is dropped, never appended. Before a batch overwrites any slot, the
-manifest is synced if a tombstone was appended since its last sync (by `forget`, a
-failed verification, or this batch's own, for slots that held records), so a dropped record
+manifest is synced if a tombstone was appended since its last sync (by a failed
+verification, or this batch's own, for slots that held records), so a dropped record
 cannot come back, after a crash, over the slot's new bytes: one manifest sync per batch
 that overwrites recorded slots, none for a batch of free slots. Put records are not
 synced as they are appended (a crash may lose the newest ones, and the pending ones: a
@@ -89,22 +91,25 @@ class DiskRecords:
         )
 
     def forget(self, slots: Sequence[int]) -> None:
-        """Drop the records of `slots`, ids in range (`DiskTier.forget`)."""
+        """Drop the records of `slots`, ids in range, durably (`DiskTier.forget`): the
+        tombstones are synced before this returns, so no crash brings back a copy the
+        scheduler let go (its bytes may match their checksum and still be suspect)."""
         if self.log is None or self.log.ended or not slots:
             return
-        with self._lock:
-            for slot in slots:
-                self._recovered.pop(slot, None)
         if self.forget_slots(slots):
+            self.sync_log()
             return
         self.end(f"cannot drop the manifest records of {len(slots)} slots the scheduler let go")
 
     def forget_slots(self, slots: Sequence[int]) -> bool:
-        """Drop the pending and the manifest records of `slots`; return False when the
-        tombstones could not be appended (see `ManifestLog.forget`)."""
-        if self.pending is not None:
-            return self.pending.forget(slots)
-        return self.log is None or self.log.forget(slots)
+        """Drop the recovered, the pending and the manifest records of `slots`; return
+        False when the tombstones could not be appended (see `ManifestLog.forget`)."""
+        if self.pending is None:
+            return True
+        with self._lock:
+            for slot in slots:
+                self._recovered.pop(slot, None)
+        return self.pending.forget(slots)
 
     def end(self, why: str) -> None:
         """Drop every record and record nothing more in this run, with a warning: what
