@@ -10,6 +10,8 @@ image in place of the files, as the device would hold them after the power came 
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ from test_manifest_durability import rec, tier_config
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskTier
-from kvtier.storage.slot_file import SlotFile
+from kvtier.storage.slot_file import BadSlotsError, SlotFile
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,3 +174,29 @@ class _HoldCommits:
 
     def release(self) -> None:
         self._held = False
+
+
+def test_a_checksum_mismatch_that_cannot_be_recorded_drops_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slot that failed its checksum is tombstoned; when the tombstone cannot be
+    appended, its record would fail again after a restart: every record goes, and
+    nothing more is persisted in this run, as when `forget` cannot append."""
+    tier = persisted(tmp_path, {1: 1, 2: 2})
+    with open(tmp_path / "rank0.slots", "r+b") as file:  # the device damaged slot 1
+        file.seek(1 * 4096 + 10)
+        file.write(b"\xff")
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "no space left on device")
+
+    read = tier.read_slots(tier.load_buffers[0], np.array([1], dtype=np.int64))
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(os, "write", full)  # the manifest's appends; slot data uses pwrite
+        with pytest.raises(BadSlotsError, match="checksum mismatch in slot 1"):
+            read.result()
+    assert "dropped every record" in caplog.text
+    tier.check_invariants()
+    write(tier, 3, rec(3), 3)  # not recorded any more
+    tier.close()
+    assert restart_reads(tmp_path) == []

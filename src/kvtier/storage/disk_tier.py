@@ -284,14 +284,16 @@ class DiskTier:
         """Check every slot of a finished read; raise BadSlotsError naming all bad ones."""
         size = self.config.bytes_per_slot
         problems: dict[int, str] = {}
+        mismatched: list[int] = []
         for i, slot in enumerate(slot_ids.tolist()):
             if not self._valid[slot]:
                 problems.setdefault(slot, f"slot {slot} holds no valid data")
                 continue
             actual = xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
             if actual != int(self._checksums[slot]):
-                self._records.forget_slots([slot])  # a restart must not offer it again
+                mismatched.append(slot)
                 problems.setdefault(slot, f"checksum mismatch in slot {slot}")
+        self._records.forget_bad(mismatched)  # a restart must not offer them again
         if problems:
             first = min(problems)
             more = f" (and {len(problems) - 1} more bad slots)" if len(problems) > 1 else ""

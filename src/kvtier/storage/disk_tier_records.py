@@ -8,9 +8,10 @@ earlier records *before* writing (a slot reused for another block, or rewritten 
 records), so a restart cannot offer them over the new bytes; a write with records then
 appends one put record per slot after the slot's data is written, and tombstones the
 slots if the write fails (their old bytes may be partly overwritten). A read that fails
-verification tombstones the slot, and so does `forget` (copies the scheduler dropped,
-which may be suspect although their bytes match their checksum: its tombstones are
-synced before it returns).
+verification tombstones the slot (when that cannot be appended, persistence ends: the
+record would fail again after every restart), and so does `forget` (copies the scheduler
+dropped, which may be suspect although their bytes match their checksum: its tombstones
+are synced before it returns).
 
 Durability, by group commit (see `pending_puts`): a written slot's put record waits,
 with those of the other slots written meanwhile, until the store queue is idle (no other
@@ -96,12 +97,28 @@ class DiskRecords:
         scheduler let go (its bytes may match their checksum and still be suspect)."""
         if self.log is None or self.log.ended or not slots:
             return
-        if self.forget_slots(slots):
+        if self._forget_slots(slots):
             self.sync_log()
             return
         self.end(f"cannot drop the manifest records of {len(slots)} slots the scheduler let go")
 
-    def forget_slots(self, slots: Sequence[int]) -> bool:
+    def forget_bad(self, slots: Sequence[int]) -> None:
+        """Drop the records of `slots`, which failed their checksum, so a restart does not
+        offer them again; never raises (the caller raises the read's error). Not synced:
+        after a crash the record fails its check again, and the slot's next write syncs the
+        tombstone first. When the tombstones cannot be appended, every record is dropped
+        and nothing more is persisted in this run (`end`): the records would fail again
+        after every restart."""
+        if self.log is None or self.log.ended or not slots or self._forget_slots(slots):
+            return
+        try:
+            self.end(
+                f"cannot drop the manifest records of {len(slots)} slots that failed their checksum"
+            )
+        except OSError as exc:
+            logger.error("disk tier %s: %s", self.path, exc)
+
+    def _forget_slots(self, slots: Sequence[int]) -> bool:
         """Drop the recovered, the pending and the manifest records of `slots`; return
         False when the tombstones could not be appended (see `ManifestLog.forget`)."""
         if self.pending is None:
