@@ -127,3 +127,27 @@ def test_a_forget_whose_tombstones_cannot_be_synced_drops_every_record(
     tier = DiskTier(config)
     assert tier.recovered_slots() == []
     tier.close()
+
+
+def test_prepare_overwrite_drops_the_records_of_slots_about_to_be_written(
+    tmp_path: Path,
+) -> None:
+    """A job's slots lose their records up front (one sync for the job); its batches then
+    append the new ones. Out-of-range ids and a closed tier are refused."""
+    config = tier_config(tmp_path)
+    tier = DiskTier(config)
+    slots = np.arange(1, 5, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier.close()
+    tier = DiskTier(config)
+    tier.prepare_overwrite([2, 3])
+    assert [slot for slot, _ in tier.recovered_slots()] == [1, 4]
+    tier.write_slots(tier.store_buffers[0], np.array([2], dtype=np.int64), [rec(7)]).result()
+    with pytest.raises(ValueError, match="outside"):
+        tier.prepare_overwrite([16])
+    tier.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.prepare_overwrite([1])
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == [(1, rec(1)), (2, rec(7)), (4, rec(4))]
+    tier.close()

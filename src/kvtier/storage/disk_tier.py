@@ -172,11 +172,25 @@ class DiskTier:
         failing disk), every record is dropped and nothing more is persisted in this run,
         as by `end_persistence` (and its OSError): the copies may be suspect.
         """
+        self._records.forget(self._slot_ids(slots))
+
+    def prepare_overwrite(self, slots: Sequence[int]) -> None:
+        """Drop the manifest records of `slots`, which a job is about to write (in one or
+        more batches), durably: one manifest sync for them all, where each batch's write
+        would otherwise sync its own slots' tombstones (see `disk_tier_records`). Same
+        conditions and errors as `forget`, and RuntimeError once the tier is closed (as
+        `write_slots`); a no-op for a non-persistent tier."""
+        if self._closing.is_closing:
+            raise RuntimeError("disk tier is closed")
+        self._records.forget(self._slot_ids(slots), "about to be rewritten")
+
+    def _slot_ids(self, slots: Sequence[int]) -> list[int]:
+        """Return `slots` as ints; raise ValueError naming those out of range."""
         ids = [int(slot) for slot in slots]
         bad = [slot for slot in ids if not 0 <= slot < self.num_slots]
         if bad:
             raise ValueError(f"slot ids outside [0, {self.num_slots}): {bad}")
-        self._records.forget(ids)
+        return ids
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
         """Raise ValueError (message prefixed by `context`) for a record a persistent tier

@@ -23,14 +23,16 @@ rewritten or fails is dropped, never appended. Before a batch overwrites any slo
 manifest is synced if a tombstone was appended since its last sync (by a failed
 verification, or this batch's own, for slots that held records), so a dropped record
 cannot come back, after a crash, over the slot's new bytes: one manifest sync per batch
-that overwrites recorded slots, none for a batch of free slots. Put records are not
-synced as they are appended (a crash may lose the newest ones, and the pending ones: a
-restart then misses those blocks, never serves wrong bytes); `close()` commits the
-pending records, then syncs the slot file and the manifest, so after a clean shutdown
-everything is durable. A failed manifest sync drops every record and ends persistence
-for the run (as `forget` does when it cannot append). `end_persistence()` (a tier reset)
-drops every record and records nothing more in this run: the tier then works as a
-non-persistent one whose files are kept, and the next open finds nothing to restore.
+that overwrites recorded slots, none for a batch of free slots, and one per job when the
+job drops its slots' records up front (`DiskTier.prepare_overwrite`, as the transfer
+worker's disk mover does). Put records are not synced as they are appended (a crash may
+lose the newest ones, and the pending ones: a restart then misses those blocks, never
+serves wrong bytes); `close()` commits the pending records, then syncs the slot file and
+the manifest, so after a clean shutdown everything is durable. A failed manifest sync
+drops every record and ends persistence for the run (as `forget` does when it cannot
+append). `end_persistence()` (a tier reset) drops every record and records nothing more
+in this run: the tier then works as a non-persistent one whose files are kept, and the
+next open finds nothing to restore.
 
 `DiskRecords` keeps this order; the tier calls it around each write (`queued`,
 `prepare_write`, `write_failed`, `written`, `write_done`, `commit`). A non-persistent
@@ -91,16 +93,18 @@ class DiskRecords:
             self.path,
         )
 
-    def forget(self, slots: Sequence[int]) -> None:
-        """Drop the records of `slots`, ids in range, durably (`DiskTier.forget`): the
-        tombstones are synced before this returns, so no crash brings back a copy the
-        scheduler let go (its bytes may match their checksum and still be suspect)."""
+    def forget(self, slots: Sequence[int], whose: str = "the scheduler let go") -> None:
+        """Drop the records of `slots`, ids in range, durably (`DiskTier.forget`,
+        `DiskTier.prepare_overwrite`): the tombstones are synced before this returns, so
+        no crash brings back a copy the scheduler let go (its bytes may match their
+        checksum and still be suspect) or a record over bytes about to be written.
+        `whose` says which slots they are in the warning when they cannot be dropped."""
         if self.log is None or self.log.ended or not slots:
             return
         if self._forget_slots(slots):
             self.sync_log()
             return
-        self.end(f"cannot drop the manifest records of {len(slots)} slots the scheduler let go")
+        self.end(f"cannot drop the manifest records of {len(slots)} slots {whose}")
 
     def forget_bad(self, slots: Sequence[int]) -> None:
         """Drop the records of `slots`, which failed their checksum, so a restart does not
