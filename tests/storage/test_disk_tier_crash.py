@@ -102,16 +102,19 @@ def persisted(tmp_path: Path, records: dict[int, int]) -> DiskTier:
     return tier
 
 
+@pytest.mark.parametrize("prepared", [False, True])
 def test_a_slot_reused_for_another_block_is_a_clean_miss_after_a_crash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prepared: bool
 ) -> None:
     """The block of slot 1 was evicted and the slot reused for another key (a write with
-    records, no `forget`): its old record must be durably dropped before the new bytes
-    can land, or a crash before the new record's commit leaves the old record over
-    them, and the restart's load of it fails."""
+    records, no `forget`; or, `prepared`, a job that tombstoned its slots first): its old
+    record must be durably dropped before the new bytes can land, or a crash before the
+    new record's commit leaves the old record over them, and the restart's load fails."""
     tier = persisted(tmp_path, {1: 1, 2: 2})
     crash = CrashImage(monkeypatch, tmp_path)
     crash_after_next_data_write(monkeypatch, crash)
+    if prepared:
+        tier.prepare_overwrite([1, 3])
     write(tier, 1, rec(7), 7)
     tier.close()
     monkeypatch.undo()

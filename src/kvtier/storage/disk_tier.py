@@ -175,14 +175,14 @@ class DiskTier:
         self._records.forget(self._slot_ids(slots))
 
     def prepare_overwrite(self, slots: Sequence[int]) -> None:
-        """Drop the manifest records of `slots`, which a job is about to write (in one or
-        more batches), durably: one manifest sync for them all, where each batch's write
-        would otherwise sync its own slots' tombstones (see `disk_tier_records`). Same
-        conditions and errors as `forget`, and RuntimeError once the tier is closed (as
-        `write_slots`); a no-op for a non-persistent tier."""
+        """Tombstone the manifest records of `slots`, which a job is about to write (in one
+        or more batches): its first write syncs them all before it writes, where each
+        batch's write would otherwise sync its own slots' tombstones (see
+        `disk_tier_records`). Same conditions and errors as `forget`, and RuntimeError once
+        the tier is closed (as `write_slots`); a no-op for a non-persistent tier."""
         if self._closing.is_closing:
             raise RuntimeError("disk tier is closed")
-        self._records.forget(self._slot_ids(slots), "about to be rewritten")
+        self._records.prepare_overwrite(self._slot_ids(slots))
 
     def _slot_ids(self, slots: Sequence[int]) -> list[int]:
         """Return `slots` as ints; raise ValueError naming those out of range."""

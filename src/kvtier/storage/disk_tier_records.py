@@ -24,8 +24,8 @@ manifest is synced if a tombstone was appended since its last sync (by a failed
 verification, or this batch's own, for slots that held records), so a dropped record
 cannot come back, after a crash, over the slot's new bytes: one manifest sync per batch
 that overwrites recorded slots, none for a batch of free slots, and one per job when the
-job drops its slots' records up front (`DiskTier.prepare_overwrite`, as the transfer
-worker's disk mover does). Put records are not synced as they are appended (a crash may
+job tombstones all its slots before its first write (`DiskTier.prepare_overwrite`, as
+the transfer worker's disk mover does). Put records are not synced as they are appended (a crash may
 lose the newest ones, and the pending ones: a restart then misses those blocks, never
 serves wrong bytes); `close()` commits the pending records, then syncs the slot file and
 the manifest, so after a clean shutdown everything is durable. A failed manifest sync
@@ -93,18 +93,25 @@ class DiskRecords:
             self.path,
         )
 
-    def forget(self, slots: Sequence[int], whose: str = "the scheduler let go") -> None:
-        """Drop the records of `slots`, ids in range, durably (`DiskTier.forget`,
-        `DiskTier.prepare_overwrite`): the tombstones are synced before this returns, so
-        no crash brings back a copy the scheduler let go (its bytes may match their
-        checksum and still be suspect) or a record over bytes about to be written.
-        `whose` says which slots they are in the warning when they cannot be dropped."""
+    def forget(self, slots: Sequence[int]) -> None:
+        """Drop the records of `slots`, ids in range, durably (`DiskTier.forget`): the
+        tombstones are synced before this returns, so no crash brings back a copy the
+        scheduler let go (its bytes may match their checksum and still be suspect)."""
         if self.log is None or self.log.ended or not slots:
             return
         if self._forget_slots(slots):
             self.sync_log()
             return
-        self.end(f"cannot drop the manifest records of {len(slots)} slots {whose}")
+        self.end(f"cannot drop the manifest records of {len(slots)} slots the scheduler let go")
+
+    def prepare_overwrite(self, slots: Sequence[int]) -> None:
+        """Tombstone the records of `slots`, ids in range, which a job is about to write
+        (`DiskTier.prepare_overwrite`); not synced here: the job's first write syncs them
+        on the store I/O thread, before it writes (`prepare_write`), and its later writes
+        find nothing to sync."""
+        if self.log is None or self.log.ended or not slots or self._forget_slots(slots):
+            return
+        self.end(f"cannot drop the manifest records of {len(slots)} slots about to be rewritten")
 
     def forget_bad(self, slots: Sequence[int]) -> None:
         """Drop the records of `slots`, which failed their checksum, so a restart does not

@@ -13,9 +13,9 @@ is copied it raises `PartlyLoadedError` naming the bad slots, so that only the b
 them are suspect. On any other failure (an I/O error, a short read or write, a failed
 copy) the job stops submitting, waits for the I/O already queued (buffers are never
 reused while the I/O thread owns them) and raises: the whole job is reported failed.
-A store first drops its slots' old records from a persistent tier's manifest, with one
-sync for the whole job (`DiskTier.prepare_overwrite`). Runs on one lane thread per
-direction.
+A store first tombstones its slots' old records in a persistent tier's manifest, so one
+sync, before its first write, covers the whole job (`DiskTier.prepare_overwrite`). Runs
+on one lane thread per direction.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class DiskMover:
         src_ids, slot_ids = src_ids[order], slot_ids[order]
         ordered = [records[i] for i in order.tolist()] if records is not None else None
         buffers = self.disk.store_buffers
-        if self.disk.persistent:  # the slots' old records go first, in one manifest sync
-            self.disk.prepare_overwrite(slot_ids.tolist())  # (not one per batch)
+        if self.disk.persistent:  # the slots' old records go first: one manifest sync
+            self.disk.prepare_overwrite(slot_ids.tolist())  # for the job, not per batch
         inflight: deque[Future[None]] = deque()
         try:
             for i, (a, b) in enumerate(_batches(len(slot_ids), self.disk.batch_slots)):
