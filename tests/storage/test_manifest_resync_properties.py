@@ -77,11 +77,30 @@ def damage(
             body[at] ^= mask
     # Two flips of one byte may cancel: a record is touched when a byte of it changed.
     touched = {owner[at] for at, (a, b) in enumerate(zip(clean, body, strict=True)) if a != b}
+    boundaries = {*starts, len(clean)}
+    limit = len(clean)  # the least offset of garbage already inserted (to the right)
     for at, junk in sorted(((a % (len(body) + 1), j) for a, j in insert), reverse=True):
-        if at < len(clean) and at not in starts:  # strictly inside a record: splits it
+        if not reaches_boundary(body, at, junk, boundaries, limit):  # it splits a record
             touched.add(owner[at])
         body[at:at] = junk  # from the end first: earlier offsets stay put
+        limit = at
     return bytes(body), touched
+
+
+def reaches_boundary(
+    body: bytearray, at: int, junk: bytes, boundaries: set[int], limit: int
+) -> bool:
+    """Whether garbage put at `at` gives the same bytes as some garbage put at a record
+    boundary, leaving every record whole: `b + J + c` equals `b + c[0] + J'` where J
+    rotated by one is J' and starts with c[0] (and likewise to the left). Only original
+    bytes are stepped over: those left of `at`, and right of it up to `limit`."""
+    left, rotated = at, junk
+    while left not in boundaries and rotated[-1] == body[left - 1]:
+        left, rotated = left - 1, rotated[-1:] + rotated[:-1]
+    right, rotated = at, junk
+    while right not in boundaries and right < limit and rotated[0] == body[right]:
+        right, rotated = right + 1, rotated[1:] + rotated[:1]
+    return left in boundaries or right in boundaries
 
 
 @settings(max_examples=300, deadline=None)
@@ -99,3 +118,17 @@ def test_damage_costs_exactly_the_records_it_touches(
         finally:
             logging.disable(logging.NOTSET)
     assert live == reference_replay(history, touched)
+
+
+def test_garbage_equal_to_the_bytes_before_a_record_start_touches_nothing() -> None:
+    """Garbage of one byte equal to a record's last byte, put just before that byte, gives
+    the bytes of garbage put at the next record's start: every record reads back whole."""
+    history: History = [
+        (0, ManifestEntry(7, SlotRecord(b"k0", 16, None))),
+        (1, ManifestEntry(9, SlotRecord(b"k1", 16, None))),
+        (2, None),
+    ]
+    first = encode(history)[0]
+    insert = [(len(first) - 1, first[-1:])]
+    assert damage(encode(history), [], insert)[1] == set()
+    test_damage_costs_exactly_the_records_it_touches.hypothesis.inner_test(history, [], insert)
