@@ -33,6 +33,7 @@ labels on `kvtier:info` (value 1).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -106,8 +107,14 @@ _GAUGES = {
 }
 
 
-# Live owners (scheduler roles) by source number; an owner garbage-collected frees its own.
-_SOURCES: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+# Owners (scheduler roles) by source number, held weakly: a number whose owner was
+# garbage-collected is free again. Several engines of one process may step in their own
+# threads: claims and releases take `_CLAIMS`, and `live_sources` reads the dict by one
+# C-level copy (no other thread runs meanwhile), so no thread iterates it while another
+# changes it. Dead entries stay until a claim reuses their number (a callback deleting
+# them could run inside a claim, in any thread).
+_SOURCES: dict[int, weakref.ref[object]] = {}
+_CLAIMS = threading.Lock()
 
 
 def claim_source(owner: object) -> str:
@@ -116,22 +123,27 @@ def claim_source(owner: object) -> str:
     Numbers are reused, so a connector rebuilt in one process (an engine restarted)
     takes its predecessor's place in the gauges rather than adding a stale source.
     """
-    number = 0
-    while number in _SOURCES:
-        number += 1
-    _SOURCES[number] = owner
+    with _CLAIMS:
+        number = 0
+        while (held := _SOURCES.get(number)) is not None and held() is not None:
+            number += 1
+        _SOURCES[number] = weakref.ref(owner)
     return str(number)
 
 
 def release_source(source: str, owner: object) -> None:
     """Free a source number `owner` claimed (it shuts down); no-op if it holds none."""
-    if _SOURCES.get(int(source)) is owner:
-        del _SOURCES[int(source)]
+    with _CLAIMS:
+        held = _SOURCES.get(int(source))
+        if held is not None and held() is owner:
+            del _SOURCES[int(source)]
 
 
 def live_sources() -> list[tuple[str, object]]:
     """Return (source, owner) of every live owner of a source number."""
-    return [(str(number), owner) for number, owner in list(_SOURCES.items())]
+    entries = _SOURCES.copy()  # one C-level copy: safe beside other threads
+    live = ((number, held()) for number, held in entries.items())
+    return [(str(number), owner) for number, owner in live if owner is not None]
 
 
 def summed_gauges(gauges: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
