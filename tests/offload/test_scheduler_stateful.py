@@ -196,12 +196,12 @@ class WriteThroughMachine(SchedulerMachine):
     coverage: DiskCoverage | None = None
 
     @invariant()
-    def observe_disk_coverage(self) -> None:
+    def watch_disk_coverage(self) -> None:
+        """Hook the cascade once, right after `setup`: before any store."""
         if self.coverage is None:
             cascade = self.engine.scheduler.cascade
             assert cascade is not None
             self.coverage = DiskCoverage(cascade)
-        self.coverage.observe()
 
     def check_drained(self) -> None:
         if self.coverage is None:
