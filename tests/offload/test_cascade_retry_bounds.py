@@ -15,6 +15,7 @@ nothing.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -275,8 +276,30 @@ def test_the_retry_bound_is_its_own_setting() -> None:
         issued.append(len(items))
         cascade.complete(items, succeeded=True, abandoned=False)
     assert issued == [3, 3, 3, 3]
-    with pytest.raises(ValueError, match="retries_per_plan must be >= 1"):
+    with pytest.raises(ValueError, match="retries_per_plan must be an int >= 1, got 0"):
         Cascade(cpu, disk, WT, reserve=8, retries_per_plan=0)
+
+
+@pytest.mark.parametrize(
+    ("reserve", "retries_per_plan", "message"),
+    [
+        (2, 2.5, "retries_per_plan must be an int >= 1, got 2.5"),
+        (2, "3", "retries_per_plan must be an int >= 1, got '3'"),
+        (2, True, "retries_per_plan must be an int >= 1, got True"),
+        (2, -1, "retries_per_plan must be an int >= 1, got -1"),
+        (1.5, None, "reserve must be an int >= 1, got 1.5"),
+        (None, 2, "reserve must be an int >= 1, got None"),
+    ],
+)
+def test_a_bound_that_is_not_an_int_of_at_least_1_is_refused(
+    reserve: object, retries_per_plan: object, message: str
+) -> None:
+    """Regression: a float bound was accepted, and never reached by the count of the
+    retries a plan chose (2.5 let a plan issue 10, its walk's span); a string or None
+    raised a TypeError about `<` that named neither the setting nor the value."""
+    cpu, disk = BlockPool(4), BlockPool(4)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Cascade(cpu, disk, WT, reserve=reserve, retries_per_plan=retries_per_plan)  # type: ignore[arg-type]
 
 
 @settings(max_examples=300, deadline=None)

@@ -46,6 +46,7 @@ register (`dropped_slots`), so a restart does not restore them either.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -86,6 +87,18 @@ class CascadeCounters:
 _WALK_SPAN = 4
 
 
+def _check_bound(name: str, value: int) -> int:
+    """Return `value` as an int, or raise ValueError naming it unless it is an int >= 1:
+    a float bound (2.5) was never reached by the walks' counts, which ran to their span."""
+    try:
+        bound = operator.index(value)
+    except TypeError:
+        bound = 0
+    if bound < 1 or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return bound
+
+
 class Cascade(WriteThroughRetries):
     """Choose CPU → DISK demotions and register them when they complete."""
 
@@ -102,11 +115,10 @@ class Cascade(WriteThroughRetries):
         """`reserve`: write-back's window of next CPU victims. `retries_per_plan`:
         write-through's bound on the retries a plan issues (None: `reserve`, both being
         the demotions a plan may add to a step's own; `scheduler_setup` derives them)."""
+        reserve = _check_bound("reserve", reserve)
         if retries_per_plan is None:
             retries_per_plan = reserve
-        for name, value in (("reserve", reserve), ("retries_per_plan", retries_per_plan)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        retries_per_plan = _check_bound("retries_per_plan", retries_per_plan)
         self.cpu_pool = cpu_pool
         self.disk_pool = disk_pool
         self.mode = mode
