@@ -29,6 +29,7 @@ from test_llm_submit_failures import reference, turns
 from kvtier.engine.llm import LLM
 from kvtier.engine.load_failure import rewind
 from kvtier.engine.offload_side import OffloadSide
+from kvtier.engine.queue_recovery import QueueRecovery
 from kvtier.engine.scheduler import Scheduler
 from kvtier.offload.plan import TransferPlan, WorkerReport
 from kvtier.offload.transfers import ReportOutcome
@@ -164,7 +165,7 @@ def test_an_interrupt_at_any_line_of_applying_an_outcome(kind: str) -> None:
         OffloadSide.unapplied_outcome,
         OffloadSide.outcome_applied,
         Scheduler.apply_offload,
-        Scheduler._resume,
+        QueueRecovery._resume,
         rewind,
     )
     codes = tuple(f.__code__ for f in functions)

@@ -32,6 +32,7 @@ from test_llm_submit_failures import (
 )
 
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.queue_recovery import QueueRecovery
 from kvtier.engine.request import RequestStatus
 from kvtier.engine.scheduler import Scheduler
 
@@ -112,7 +113,12 @@ def test_an_interrupt_right_after_a_preempted_request_left_running() -> None:
 def test_an_interrupt_at_any_line_of_a_preemption() -> None:
     """A Ctrl-C at the 1st, 2nd, ... line run in the first `_preempt` (with the frees it
     calls) and the `_settle` after it; until past the last line."""
-    functions = (Scheduler._preempt, Scheduler._drop_kv, Scheduler._free_unfreed, Scheduler._settle)
+    functions = (
+        Scheduler._preempt,
+        Scheduler._drop_kv,
+        QueueRecovery._free_unfreed,
+        QueueRecovery._settle,
+    )
     codes = tuple(f.__code__ for f in functions)
     for n in count(1):
         llm, arm = new_engine(TIGHT)

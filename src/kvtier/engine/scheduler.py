@@ -25,19 +25,20 @@ from kvtier.engine.block_counts import (
     num_new_blocks,
 )
 from kvtier.engine.load_failure import rewind
+from kvtier.engine.queue_recovery import QueueRecovery
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.engine.scheduler_step import ScheduledWork, SchedulerLimits, SchedulerStep
 from kvtier.offload.protocols import TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler
-from kvtier.offload.transfers import FailedLoad, ReportOutcome
+from kvtier.offload.transfers import ReportOutcome
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ScheduledWork", "Scheduler", "SchedulerLimits", "SchedulerStep"]
 
 
-class Scheduler:
+class Scheduler(QueueRecovery):
     """Decide each step which requests run, with how many tokens and which blocks."""
 
     def __init__(
@@ -57,8 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Tables taken from requests, their blocks not freed yet (an interrupt): `_settle`.
-        self._unfreed: list[list[int]] = []
+        self._unfreed = []
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -148,44 +148,6 @@ class Scheduler:
             step.work.append(self._work(request, num_new, new_ids))
             budget -= num_new
         return step
-
-    def _settle(self) -> None:
-        """Finish a move between queues that an interrupt (Ctrl-C) cut short.
-
-        A move sets the request's status to where it goes, adds it there, and takes it
-        from where it was last: a request is never in no queue (a turn run by `step`
-        would never finish, its blocks leak). One caught in two queues is the head of
-        `waiting`, admitted (loading, or running last) or preempted (running last). One
-        admitted to a load that an interrupt kept from being queued is rewound (`_unload`).
-        """
-        self._free_unfreed()
-        if not self.waiting:
-            return
-        head = self.waiting[0]
-        if head.status is RequestStatus.WAITING_FOR_LOAD and not self._load_queued(head):
-            self._unload(head)  # admitted, cut short before its load was queued
-        elif head.status is RequestStatus.WAITING_FOR_LOAD:  # admitted, its load queued
-            self.loading[head.request_id] = head
-            self.waiting.popleft()
-        elif head.status is RequestStatus.RUNNING and head in self.running:  # admitted
-            self.waiting.popleft()
-        elif self.running and self.running[-1] is head:  # preempted
-            self.running.pop()
-
-    def _load_queued(self, request: Request) -> bool:
-        assert self.offload is not None, "only an offloading engine loads"
-        return self.offload.holds_load(request.request_id, request.block_tables)
-
-    def _unload(self, request: Request) -> None:
-        """Rewind a request admitted to a load that was never queued, as one whose load
-        failed having loaded nothing: it recomputes from scratch, waiting again. Safe to
-        repeat (an interrupt): it stays loading, for `_settle`, until its blocks are freed."""
-        end = request.num_computed_tokens
-        if end > 0:  # not on a repeat past the rewind
-            failed = FailedLoad(request.request_id, end - request.num_external_tokens, end)
-            rewind(self.layout, request, failed, None)
-        self._free_blocks(request)
-        request.status = RequestStatus.WAITING
 
     def _release_idle_blocks(self, step: SchedulerStep, requests: Sequence[Request]) -> bool:
         """Free the blocks that the waiting `requests` hold; return True if any had some.
@@ -345,20 +307,6 @@ class Scheduler:
         )
         self._free_unfreed()
 
-    def _free_blocks(self, request: Request) -> None:
-        # Taken first, in one statement: an interrupt never frees a block twice.
-        self._unfreed, request.block_tables = (
-            [*self._unfreed, *request.block_tables],
-            [[] for _ in self.layout.groups],
-        )
-        self._free_unfreed()
-
-    def _free_unfreed(self) -> None:
-        """Free the blocks of the tables taken (`_free_blocks`); cut short, `_settle`
-        frees the rest (a table leaves the list as it is freed, in one line)."""
-        while self._unfreed:
-            self.pool.free(reversed(self._unfreed.pop(0)))  # tail-first: roots evicted last
-
     # ------------------------------------------------------------------ results
 
     def complete(
@@ -425,11 +373,3 @@ class Scheduler:
                 else:  # recompute from scratch
                     self._free_blocks(request)
                 self._resume(request)
-
-    def _resume(self, request: Request) -> None:
-        """Queue a request back from its load first; it leaves `loading` last, so a
-        repeat (an interrupt in between) neither loses it nor queues it twice."""
-        request.status = RequestStatus.WAITING
-        if request not in self.waiting:
-            self.waiting.appendleft(request)
-        del self.loading[request.request_id]
