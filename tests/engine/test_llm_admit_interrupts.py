@@ -7,6 +7,11 @@ still pending: it attended to KV not written yet (logits off by about 0.1, token
 same in this small model). Marking it first alone would hang a request whose load an
 interrupt kept from being queued. Now it is marked loading first, and `_settle` rewinds
 one whose load the offload side does not hold (it recomputes); the load is queued whole.
+
+Regression too: a Ctrl-C while `_admit` touched the request's hit blocks or allocated its
+new ones, before the request took its tables, leaked them (the drained engine's pool
+short of free blocks). Now they are the scheduler's (`_admitting`) until the request
+takes them, and `_settle` frees them.
 """
 
 from __future__ import annotations
@@ -35,11 +40,16 @@ from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import TransferPlan
 
 ADMIT = Scheduler._admit.__code__
-# The first line of `_admit` after the request took its blocks (interrupts between
-# their allocation and that are not covered here: the blocks would leak).
+# The first line of `_admit` after it found the request fits: blocks are taken from there.
 _LINES, _FIRST = inspect.getsourcelines(Scheduler._admit)
-FROM_LINE = _FIRST + next(
-    i for i, line in enumerate(_LINES) if "num_local_tokens_total += num_local" in line
+FROM_LINE = (
+    _FIRST
+    + 2
+    + next(
+        i
+        for i, line in enumerate(_LINES)
+        if "if not self.pool.can_allocate(num_fresh + num_free_hits):" in line
+    )
 )
 
 
@@ -145,7 +155,8 @@ def served_with(tracer: FromAllocation, expected: list[torch.Tensor]) -> None:
 
 def test_an_interrupt_at_any_line_of_admitting_a_load() -> None:
     """A Ctrl-C at the 1st, 2nd, ... line run in the first admission with a tier hit,
-    from its allocation on (with `LoadPlanner.on_allocated`), until past the last line."""
+    from its taking blocks from the pool on (with `LoadPlanner.on_allocated`), until past
+    the last line."""
     expected = expected_logits()
     codes = (ADMIT, LoadPlanner.on_allocated.__code__)
     for n in count(1):

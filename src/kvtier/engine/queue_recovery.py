@@ -39,6 +39,8 @@ class QueueRecovery:
         would never finish, its blocks leak). One caught in two queues is the head of
         `waiting`, admitted (loading, or running last) or preempted (running last). One
         admitted to a load that an interrupt kept from being queued is rewound (`_unload`).
+        One whose admission was cut short as it took blocks (waiting, holding blocks with
+        nothing computed) gives them back.
         """
         self._free_unfreed()
         if not self.waiting:
@@ -53,6 +55,8 @@ class QueueRecovery:
             self.waiting.popleft()
         elif self.running and self.running[-1] is head:  # preempted
             self.running.pop()
+        elif head.num_computed_tokens == 0 and any(head.block_tables):
+            self._free_blocks(head)  # admitted, cut short as it took its blocks
 
     def _load_queued(self, request: Request) -> bool:
         assert self.offload is not None, "only an offloading engine loads"

@@ -211,7 +211,7 @@ class Scheduler(QueueRecovery):
             num_external = self.offload.lookup(request, num_local, cap)
         num_hit = num_local + num_external
         num_new = 0 if num_external else min(request.num_tokens - num_hit, budget)
-        tables = [list(local.block_ids[group_id]) for group_id in range(len(self.layout.groups))]
+        hits = [list(local.block_ids[group_id]) for group_id in range(len(self.layout.groups))]
         layout = self.layout
         num_fresh = num_hit_blocks(layout, num_local, num_hit) + num_blocks_after(
             layout, num_hit, num_new
@@ -220,7 +220,7 @@ class Scheduler(QueueRecovery):
         # request that does not fit leaves the queue's order (and a lazy walk) untouched.
         ref_count = self.pool.ref_count
         num_free_hits = sum(
-            1 for table in tables for b in table if b != NULL_BLOCK_ID and ref_count(b) == 0
+            1 for table in hits for b in table if b != NULL_BLOCK_ID and ref_count(b) == 0
         )
         if shrink and num_new > 1 and not self.pool.can_allocate(num_fresh + num_free_hits):
             hit_blocks = num_hit_blocks(layout, num_local, num_hit) + num_free_hits
@@ -233,8 +233,12 @@ class Scheduler(QueueRecovery):
                 num_fresh = hit_blocks - num_free_hits + num_blocks_after(layout, num_hit, num_new)
         if not self.pool.can_allocate(num_fresh + num_free_hits):
             return None
-        for table in tables:
-            self.pool.touch(table)
+        # The request's tables take each block in the statement that takes it from the
+        # pool: cut short before it counts them as computed, `_settle` frees them.
+        tables: list[list[int]] = [[] for _ in hits]
+        request.block_tables = tables  # it held none: waiting, nothing computed
+        for group_id, table in enumerate(hits):
+            tables[group_id] = _touched(self.pool, table)
         for group_id, group in enumerate(self.layout.groups):
             first_needed = first_needed_block(layout, group_id, num_hit)
             for pos in range(num_local // group.block_size, num_hit // group.block_size):
@@ -248,17 +252,15 @@ class Scheduler(QueueRecovery):
                 request.status,
                 request.num_external_tokens,
                 request.num_external_tokens_total,
-                request.block_tables,
                 request.num_computed_tokens,
             ) = (
                 RequestStatus.WAITING_FOR_LOAD,
                 num_external,
                 request.num_external_tokens_total + num_external,
-                tables,
                 num_hit,
             )
         else:
-            request.block_tables, request.num_computed_tokens = tables, num_hit
+            request.num_computed_tokens = num_hit
         request.num_local_tokens_total += num_local
         if self.offload is not None:
             self.offload.on_allocated(request, tables, num_external)
@@ -373,3 +375,10 @@ class Scheduler(QueueRecovery):
                 else:  # recompute from scratch
                     self._free_blocks(request)
                 self._resume(request)
+
+
+def _touched(pool: BlockPool, block_ids: list[int]) -> list[int]:
+    """Take one more reference on `block_ids`; return them, for the caller to record in
+    the statement that takes them (`Scheduler._admit`)."""
+    pool.touch(block_ids)
+    return block_ids
