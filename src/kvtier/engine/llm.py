@@ -114,6 +114,7 @@ class LLM:
         )
         self._next_id = 0
         self._is_shut_down = False
+        self._unreturned: list[Request] = []  # finished, not yet returned by `step`
 
     # ------------------------------------------------------------------ API
 
@@ -180,7 +181,8 @@ class LLM:
         return self._enqueue(token_ids, params, session_id)
 
     def step(self) -> list[Request]:
-        """Run one engine step (SPEC §2.2); return the requests that finished in it.
+        """Run one engine step (SPEC §2.2); return the requests that finished in it, and
+        those an earlier step finished but did not return (cut short after finishing them).
 
         Raises RuntimeError when no step could ever run the first waiting request (it is
         aborted first). If handing the transfers to the worker, the forward pass or
@@ -208,7 +210,11 @@ class LLM:
                 self.offload.prepare(step)
                 self.offload.submit()
             sampled = self._forward(step) if step.work else []
-            finished = self.scheduler.complete(step, sampled, time.perf_counter())
+            # Kept until returned, in one statement: cut short later, the next step returns them.
+            self._unreturned = [
+                *self._unreturned,
+                *(finished := self.scheduler.complete(step, sampled, time.perf_counter())),
+            ]
         except BaseException:
             for work in step.work:
                 self._abort(work.request)
@@ -222,7 +228,8 @@ class LLM:
             self._apply_offload()
             if not step.work:
                 time.sleep(_IDLE_WAIT_S)
-        return finished
+        returned, self._unreturned = self._unreturned, []
+        return returned
 
     def drain(self) -> None:
         """Step until every finish-time store has completed.
