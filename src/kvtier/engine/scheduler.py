@@ -341,12 +341,14 @@ class Scheduler(QueueRecovery):
         return finished
 
     def _finish(self, request: Request, now: float) -> None:
-        request.status = RequestStatus.FINISHED
-        request.finish_time = now
-        self.running.remove(request)
+        """Its offload state and blocks go first, `running` next, and it is FINISHED last:
+        cut short (an interrupt), it is still unfinished, and the step's abort finishes
+        what is left (`abort` skips a FINISHED request: one still running would run on)."""
         if self.offload is not None:
             self.offload.on_finished(request, request.block_tables)
         self._free_blocks(request)
+        self.running.remove(request)
+        request.status, request.finish_time = RequestStatus.FINISHED, now
 
     def apply_offload(self, outcome: ReportOutcome) -> None:
         """Make requests whose load finished schedulable; rewind those whose load failed.
