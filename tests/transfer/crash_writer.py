@@ -11,7 +11,9 @@ after each finished job.
 After ARM_AFTER jobs the process SIGKILLs itself at KILL_POINT (`KILL_POINTS`):
 `write` half-way through writing a store's slot bytes, `record` after the bytes and
 before their manifest record, `compaction` after a compacted manifest is written and
-before it replaces the old one; with `none` it runs until the test kills it.
+before it replaces the old one; with `none` it runs until the test kills it. At `write`
+and `record`, the armed job is a store into slots that hold a record, so the kill tests
+that their old records were tombstoned before the slots were overwritten.
 """
 
 from __future__ import annotations
@@ -166,6 +168,9 @@ def main(directory: str, seed: int, kill_point: str, arm_after: int) -> None:
     num_slots = config(directory).disk_num_slots
     with OffloadWorker(config(directory)) as worker:
         worker.register(kv)
+        # Slots holding a record (recovered, or written here with one): the armed store
+        # overwrites some, so a kill inside it finds old records to have been tombstoned.
+        recorded = {slot for slot, _ in worker.recovered_slots()}
         print("ready", flush=True)
         event = 0
         for num_jobs in range(1, sys.maxsize):
@@ -173,6 +178,9 @@ def main(directory: str, seed: int, kill_point: str, arm_after: int) -> None:
                 switch.arm()
             slots = rng.sample(range(1, num_slots), rng.randint(1, MAX_SLOTS_PER_JOB))
             kind = rng.random()
+            if switch.armed and kill_point in ("write", "record") and recorded:
+                kind = 1.0  # a store with records, into slots that hold one
+                slots = rng.sample(sorted(recorded), min(len(slots), len(recorded)))
             if kind < 0.1:  # read a slot back (no change on disk)
                 jobs: tuple[TransferJob, ...] = (
                     TransferJob(event + 1, Tier.DISK, Tier.GPU, (slots[0],), (1,)),
@@ -183,6 +191,11 @@ def main(directory: str, seed: int, kill_point: str, arm_after: int) -> None:
                 jobs = store_job(rng, kv, event + 1, slots)
             for job in jobs:
                 run(worker, job)
+                if job.dst_tier is Tier.DISK:
+                    if job.dst_records:
+                        recorded.update(job.dst_block_ids)
+                    else:
+                        recorded.difference_update(job.dst_block_ids)
             event += len(jobs)
             print("stored", num_jobs, flush=True)
 
