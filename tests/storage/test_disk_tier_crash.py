@@ -6,6 +6,10 @@ that describes other bytes (a failed load) or a copy the scheduler let go.
 `CrashImage` keeps the manifest's bytes as of its last fsync and, at the crash, the slot
 file as it is (the page cache may have written back any write); `restore` puts that
 image in place of the files, as the device would hold them after the power came back.
+Which file the manifest's name stands for is durable only once its directory is synced
+too: a rename or a removal not followed by a directory fsync may be undone by the crash
+(the image then holds the file the name stood for at the last directory fsync, as last
+synced).
 """
 
 from __future__ import annotations
@@ -32,18 +36,32 @@ class CrashImage:
     """The files of the tier in `directory` as a crash now would leave them on the device."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+        self._directory = directory
         self._slots = directory / "rank0.slots"
         self._manifest = directory / "rank0.manifest"
-        self.synced = self._manifest.read_bytes()  # the open rewrote and synced it
-        self.image: tuple[bytes, bytes] | None = None
+        names = {str(self._manifest), f"{self._manifest}.tmp"}
+        # The synced bytes of each manifest file (by inode), and the inode the manifest's
+        # name durably stands for (None: durably removed); the open rewrote and synced it.
+        self._synced = {self._manifest.stat().st_ino: self._manifest.read_bytes()}
+        self._named: int | None = self._manifest.stat().st_ino
+        self.image: tuple[bytes, bytes | None] | None = None
         real_fsync = os.fsync
 
         def fsync(fd: int) -> None:
             real_fsync(fd)
-            if os.readlink(f"/proc/self/fd/{fd}") == str(self._manifest):
-                self.synced = self._manifest.read_bytes()
+            target = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+            if target == str(directory):
+                self._named = self._manifest.stat().st_ino if self._manifest.exists() else None
+            elif target in names:
+                with open(f"/proc/self/fd/{fd}", "rb") as file:
+                    self._synced[os.fstat(fd).st_ino] = file.read()
 
         monkeypatch.setattr(os, "fsync", fsync)
+
+    @property
+    def synced(self) -> bytes | None:
+        """The manifest a crash now would leave (None: no manifest)."""
+        return None if self._named is None else self._synced[self._named]
 
     def take(self) -> None:
         """Crash now: the slot file as written so far, the manifest as last synced."""
@@ -54,7 +72,10 @@ class CrashImage:
         assert self.image is not None, "no crash was taken"
         slots, manifest = self.image
         self._slots.write_bytes(slots)
-        self._manifest.write_bytes(manifest)
+        if manifest is None:
+            self._manifest.unlink(missing_ok=True)
+        else:
+            self._manifest.write_bytes(manifest)
 
 
 def crash_after_next_data_write(monkeypatch: pytest.MonkeyPatch, crash: CrashImage) -> None:
@@ -135,6 +156,52 @@ def test_a_forgotten_copy_is_not_restored_after_a_crash(
     monkeypatch.undo()
     crash.restore()
     assert restart_reads(tmp_path) == [(2, rec(2))]
+
+
+def test_a_forget_on_a_full_disk_removes_the_manifest_durably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The disk is full: `forget` can neither append its tombstone nor empty the manifest,
+    so it removes the manifest; once it returns, no crash may bring the file back, with
+    the forgotten copy's record."""
+    tier = persisted(tmp_path, {1: 1, 2: 2})
+    crash = CrashImage(monkeypatch, tmp_path)
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "no space left on device")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING):
+        patch.setattr(os, "write", full)  # the manifest's appends and rewrites
+        tier.forget([1])
+    assert "removed it" in caplog.text
+    crash.take()
+    tier.close()
+    monkeypatch.undo()
+    crash.restore()
+    assert restart_reads(tmp_path) == []
+
+
+def test_a_manifest_left_for_the_close_to_remove_is_removed_durably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`forget` could neither empty nor remove the manifest (it raises): the close
+    removes it, and no crash after the close may bring it back."""
+    tier = persisted(tmp_path, {1: 1, 2: 2})
+    crash = CrashImage(monkeypatch, tmp_path)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EACCES, "permission denied")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "write", refused)  # the manifest's appends and rewrites
+        patch.setattr(os, "unlink", refused)
+        with pytest.raises(OSError, match="nor remove it"):
+            tier.forget([1])
+    tier.close()
+    crash.take()
+    monkeypatch.undo()
+    crash.restore()
+    assert restart_reads(tmp_path) == []
 
 
 def test_a_pending_record_of_a_forgotten_slot_never_describes_later_bytes(

@@ -9,6 +9,7 @@ import logging
 import warnings
 
 from kvtier.storage.file_lock import unlink_quietly
+from kvtier.storage.manifest_compaction import sync_directory
 from kvtier.storage.manifest_log import ManifestLog
 from kvtier.storage.slot_file import SlotFile
 
@@ -51,6 +52,7 @@ def _sync_and_close_log(file: SlotFile, log: ManifestLog) -> None:
         return
     try:
         unlink_quietly(log.path)  # still under the slot file's lock
+        sync_directory(log.path)  # or a crash may bring it back
     except OSError as exc:
         logger.error("%s; cannot remove the manifest either: %s", failure, exc)
         return  # its records stay checksummed: a bad slot fails to load, never served

@@ -15,7 +15,13 @@ import os
 
 from kvtier.storage.file_lock import unlink_quietly
 
-__all__ = ["COMPACT_FLOOR", "COMPACT_RATIO", "compaction_due", "rewrite_manifest"]
+__all__ = [
+    "COMPACT_FLOOR",
+    "COMPACT_RATIO",
+    "compaction_due",
+    "rewrite_manifest",
+    "sync_directory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +64,21 @@ def rewrite_manifest(path: str, content: bytes) -> int:
         os.close(fd)
         unlink_quietly(tmp)
         raise
-    directory = os.path.dirname(path) or "."
     try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        sync_directory(path)
     except OSError as exc:
         logger.warning("disk tier manifest %s: cannot sync its directory: %s", path, exc)
     return fd
+
+
+def sync_directory(path: str) -> None:
+    """Make the directory entry of `path` (a rename to it, or its removal) durable: fsync
+    the directory holding it; raise OSError when that fails."""
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _write_all(fd: int, content: bytes, path: str) -> None:

@@ -13,7 +13,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
 from kvtier.storage.file_lock import unlink_quietly
-from kvtier.storage.manifest_compaction import COMPACT_FLOOR, compaction_due, rewrite_manifest
+from kvtier.storage.manifest_compaction import (
+    COMPACT_FLOOR,
+    compaction_due,
+    rewrite_manifest,
+    sync_directory,
+)
 from kvtier.storage.manifest_format import ManifestEntry, encode_put, encode_tombstone
 
 __all__ = ["ManifestLog"]
@@ -139,9 +144,12 @@ class ManifestLog:
             os.close(old)
 
     def _remove_after(self, exc: OSError) -> None:
-        """Remove the manifest whose emptying rewrite failed with `exc` (lock held)."""
+        """Remove the manifest whose emptying rewrite failed with `exc` (lock held),
+        durably: until its directory is synced, a crash may bring the file back, with
+        the records `end()` was to drop (a copy `forget` let go among them)."""
         try:
             unlink_quietly(self.path)
+            sync_directory(self.path)
         except OSError as unlink_exc:
             self._drop_failed = True  # `close` raises: the tier's close removes it then
             raise OSError(
