@@ -270,3 +270,38 @@ def test_a_checksum_mismatch_that_cannot_be_recorded_drops_every_record(
     write(tier, 3, rec(3), 3)  # not recorded any more
     tier.close()
     assert restart_reads(tmp_path) == []
+
+
+def test_any_part_of_the_manifest_written_since_its_last_sync_may_survive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash keeps the manifest as last synced plus any part of what was appended
+    since: a prefix (a record cut short), or later pages without earlier ones (zeros
+    in their place). Whichever part survives, a restart offers no copy `forget` let go
+    and no record over other bytes: every slot it recovers loads."""
+    tier = persisted(tmp_path, {1: 1, 2: 2})
+    crash = CrashImage(monkeypatch, tmp_path)
+    tier.forget([2])  # synced
+    write(tier, 1, rec(7), 7)  # slot 1 reused: its tombstone synced, then the new put
+    write(tier, 3, rec(3), 3)  # appended at its commit, not synced
+    crash.take()
+    assert crash.image is not None
+    slots, synced = crash.image
+    assert synced is not None
+    manifest = tmp_path / "rank0.manifest"
+    appended = manifest.read_bytes()
+    assert appended.startswith(synced)
+    assert len(appended) > len(synced)
+    tier.close()
+    monkeypatch.undo()
+    tail = len(appended) - len(synced)
+    for kept in range(tail + 1):
+        lost = tail - kept
+        for image in (
+            appended[: len(synced) + kept],
+            synced + bytes(lost) + appended[len(appended) - kept :],
+        ):
+            (tmp_path / "rank0.slots").write_bytes(slots)
+            manifest.write_bytes(image)
+            recovered = set(restart_reads(tmp_path))
+            assert recovered <= {(1, rec(7)), (3, rec(3))}, (kept, recovered)
