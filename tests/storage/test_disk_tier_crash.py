@@ -27,6 +27,7 @@ from test_manifest_durability import rec, tier_config
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskTier
+from kvtier.storage import disk_tier as disk_tier_module
 from kvtier.storage.slot_file import BadSlotsError, SlotFile
 
 pytestmark = pytest.mark.timeout(60)
@@ -202,6 +203,36 @@ def test_a_manifest_left_for_the_close_to_remove_is_removed_durably(
     monkeypatch.undo()
     crash.restore()
     assert restart_reads(tmp_path) == []
+
+
+def test_a_compaction_whose_rename_a_crash_undoes_keeps_the_tombstones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`forget`'s tombstones set off a compaction whose directory cannot be synced: the
+    rename may be lost in a crash, and the old log come back. It must then hold the
+    tombstones, or the copies `forget` let go are restored."""
+    tier = persisted(tmp_path, {slot: slot for slot in range(1, 7)})
+    tier.close()
+    real_open = disk_tier_module.open_manifest
+    monkeypatch.setattr(disk_tier_module, "open_manifest", lambda f, i: real_open(f, i, 8))
+    tier = DiskTier(tier_config(tmp_path))
+    crash = CrashImage(monkeypatch, tmp_path)
+    tracked = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path):
+            raise OSError(errno.EIO, "Input/output error")
+        tracked(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    tier.forget([1, 2, 3, 4, 5])  # 11 records for 1 live slot: compacted
+    assert tier._records.log is not None
+    assert tier._records.log.compactions == 1
+    crash.take()
+    tier.close()
+    monkeypatch.undo()
+    crash.restore()
+    assert restart_reads(tmp_path) == [(6, rec(6))]
 
 
 def test_a_pending_record_of_a_forgotten_slot_never_describes_later_bytes(

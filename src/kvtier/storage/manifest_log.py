@@ -236,7 +236,13 @@ class ManifestLog:
 
     def _rewrite(self) -> None:
         """Replace the file with the header and the live records and append to it from
-        now on (the caller holds the lock, or is the constructor)."""
+        now on (the caller holds the lock, or is the constructor).
+
+        Tombstones the old log holds unsynced are synced first: should a crash undo the
+        rename (its directory's fsync failed), the old log comes back with them, and no
+        record `forget` or an overwrite dropped is live again."""
+        if self._fd is not None and self._tombstoned > self._synced:
+            os.fsync(self._fd)
         content = self._header + b"".join(self._live.values())
         fd = rewrite_manifest(self.path, content)
         old, self._fd = self._fd, fd
