@@ -336,3 +336,53 @@ def test_any_part_of_the_manifest_written_since_its_last_sync_may_survive(
             manifest.write_bytes(image)
             recovered = set(restart_reads(tmp_path))
             assert recovered <= {(1, rec(7)), (3, rec(3))}, (kept, recovered)
+
+
+def test_a_crash_at_any_step_of_a_store_over_recorded_slots_offers_no_wrong_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash after any write or sync of a `forget` and of a job reusing recorded
+    slots (tombstones up front, two batches): with the manifest as last synced, or with
+    everything appended (a killed process), every recovered slot loads, and none that
+    `forget` let go once it returned."""
+    tier = persisted(tmp_path, {1: 1, 2: 2, 4: 4, 5: 5})
+    crash = CrashImage(monkeypatch, tmp_path)
+    manifest = tmp_path / "rank0.manifest"
+    steps: list[tuple[bytes, bytes | None, bytes, bool]] = []
+    forgotten = False
+
+    def step() -> None:
+        crash.take()
+        assert crash.image is not None
+        steps.append((*crash.image, manifest.read_bytes(), forgotten))
+
+    def after(real: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            result = real(*args)
+            step()
+            return result
+
+        return call
+
+    for name in ("write", "fsync", "fdatasync"):
+        monkeypatch.setattr(os, name, after(getattr(os, name)))
+    monkeypatch.setattr(SlotFile, "write", after(SlotFile.write))
+    tier.forget([4])
+    forgotten = True
+    tier.prepare_overwrite([1, 2, 3])
+    buffer = tier.store_buffers[0]
+    for slots, fill in (([1, 2], 7), ([3], 9)):
+        buffer.tensor[: len(slots)].fill_(fill)
+        records = [rec(fill + i) for i in range(len(slots))]
+        tier.write_slots(buffer, np.array(slots, dtype=np.int64), records).result()
+    tier.close()
+    monkeypatch.undo()
+    assert len(steps) > 8
+    for slots, synced, appended, after_forget in steps:
+        for image in (synced, appended):
+            (tmp_path / "rank0.slots").write_bytes(slots)
+            manifest.write_bytes(image if image is not None else b"")
+            if image is None:
+                manifest.unlink()
+            recovered = dict(restart_reads(tmp_path))  # every recovered slot loads
+            assert not (after_forget and 4 in recovered), "a forgotten copy came back"
