@@ -271,9 +271,18 @@ class OffloadScheduler:
     # ------------------------------------------------------------------ lifecycle
 
     def on_finished(
-        self, request: RequestView, block_ids_per_group: Sequence[Sequence[int]]
+        self,
+        request: RequestView,
+        block_ids_per_group: Sequence[Sequence[int]],
+        *,
+        computed: bool = True,
     ) -> None:
         """Queue the request's remaining confirmed blocks for storing and drop its state.
+
+        `computed=False`: the engine cannot vouch that the compute it counts in
+        `num_computed_tokens` ran (a forward pass failed and the engine finishes the
+        request from its fault handler): its blocks may hold another prefix's KV, so
+        none is queued here. Blocks selected in earlier plans were confirmed by then.
 
         Never delays the engine freeing its GPU blocks: selected blocks are pinned here.
         Issued transfers keep their pins until the workers report them.
@@ -285,7 +294,7 @@ class OffloadScheduler:
         )
         selector = self.selector
         state = selector.tracked.get(request_id)
-        if state is not None and not loading:
+        if state is not None and not loading and computed:
             state.block_ids = [list(ids) for ids in block_ids_per_group]
             selector.select_request(request, state, final=True)
             if self.config.fine_grained_hits:

@@ -26,12 +26,14 @@ echoes its request id as failed.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Sequence
 from types import MappingProxyType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.request import RequestStatus
 
 from kvtier.adapters.vllm.events import EventTranslator
 from kvtier.adapters.vllm.layout import (
@@ -263,8 +265,17 @@ class SchedulerSide:
             self._unissued_failures.append(failed.request_id)
 
     def on_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> None:
-        """Let kvtier flush the finished request's blocks, then forget the request."""
-        self.offload.on_finished(self.add_request(request), block_ids)
+        """Let kvtier flush the finished request's blocks, then forget the request.
+
+        Under vLLM's fault tolerance (`enable_fault_tolerance`) a forward that raises
+        still counts its scheduled tokens in `num_computed_tokens` (vLLM advances it when
+        it schedules), and the engine core aborts every request from the exception
+        handler of its busy loop (`fault_tolerant_wrapper` → `EngineCoreSentinel.on_fault`)
+        without any output of that step. An abort seen while an exception is being
+        handled is that one: kvtier is told the request's compute is unconfirmed.
+        """
+        fault = request.status == RequestStatus.FINISHED_ABORTED and sys.exc_info()[1] is not None
+        self.offload.on_finished(self.add_request(request), block_ids, computed=not fault)
         del self._requests[request.request_id]
 
     def has_pending_stores(self) -> bool:
