@@ -13,10 +13,21 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import check_quiescent, drain, kvtier_harness
+from kvtier_vllm import (
+    SCHEDULING,
+    PollGate,
+    check_quiescent,
+    drain,
+    kvtier_harness,
+    offload_worker,
+    scheduler_side,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
+
+from kvtier.offload.plan import Tier
 
 PROMPT = list(range(1000, 1065))  # 4 full blocks and a partial one
 
@@ -60,6 +71,12 @@ def test_blocks_of_a_failed_forward_are_never_stored(num_ranks: int) -> None:
     harness.add_request("b", [*PROMPT, 7], max_tokens=2)
     drain(harness)  # KVMismatchError if a's unwritten blocks were stored and served
     assert harness.external_hit_tokens("b") == 0
+    harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
+    drain(harness)
+    assert harness.scheduler.reset_prefix_cache()
+    harness.add_request("e", [*range(7000, 7065), 7], max_tokens=2)
+    drain(harness)
+    assert harness.external_hit_tokens("e") == 64  # stores run again after the fault
     check_quiescent(harness)
 
 
@@ -74,4 +91,89 @@ def test_an_abort_outside_a_fault_still_stores_the_computed_blocks() -> None:
     harness.add_request("b", [*PROMPT, 7], max_tokens=2)
     drain(harness)
     assert harness.external_hit_tokens("b") == 64
+    check_quiescent(harness)
+
+
+def num_tier_blocks(harness: VllmHarness) -> int:
+    """Return how many blocks the CPU tier holds under a key."""
+    pool = scheduler_side(harness).offload.index.pools[Tier.CPU]
+    return sum(pool.is_cached(block) for block in range(1, pool.num_blocks))
+
+
+def test_stores_planned_before_the_fault_was_known_are_failed() -> None:
+    """Overlapped steps: step N+1 is planned (storing N's blocks) and run before N's
+    failure reaches the engine core; vLLM feeds N+1's connector output to the scheduler
+    after the fault (`EngineCoreSentinel._drain_batch_queue`)."""
+    harness = kvtier_harness(**SCHEDULING["async_pipelined"])
+    harness.add_request("c", list(range(5000, 5065)), max_tokens=2)
+    drain(harness)
+    assert num_tier_blocks(harness) == 4
+    harness.add_request("a", PROMPT, max_tokens=4)
+    failed_forward(harness)
+    step_after = harness.scheduler.schedule()  # its plan stores a's 4 (unwritten) blocks
+    assert any(job.is_store for job in step_after.kv_connector_metadata.plan.jobs)
+    (worker,) = harness.workers
+    worker.before_forward(step_after)
+    kv_output = worker.after_forward(step_after)
+    fault_abort(harness)
+    harness.wait_for_copies()
+    harness.scheduler.update_from_output(
+        SchedulerOutput.make_empty(), ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+    )
+    for _ in range(3):
+        harness.step()
+    harness.wait_for_copies()
+    harness.step()
+    assert num_tier_blocks(harness) == 4  # c's only: a's blocks hold c's KV
+    side = scheduler_side(harness)
+    assert not side.has_pending_stores()
+    assert side.num_tracked_requests == 0
+    harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
+    drain(harness)
+    assert num_tier_blocks(harness) == 8  # stores run again once the fault is known
+
+
+def test_what_finished_during_a_failed_step_is_reported_in_the_next() -> None:
+    """vLLM drops the connector output of a step whose forward raised."""
+    harness = kvtier_harness()
+    gate = PollGate(offload_worker(harness))
+    gate.hold("store")
+    harness.add_request("x", list(range(5000, 5065)), max_tokens=50)
+    for _ in range(3):
+        harness.step()  # x's 4 blocks are stored, their completion held back
+    harness.wait_for_copies()
+    gate.release()  # reported at the next poll
+    harness.add_request("a", PROMPT, max_tokens=4)
+    failed_forward(harness)
+    fault_abort(harness)
+    drain(harness)  # "engine still busy" if the stores' completion was lost
+    assert num_tier_blocks(harness) == 4
+    check_quiescent(harness)
+
+
+def raising_forward_deferring_save(harness: VllmHarness, scheduler_output: SchedulerOutput) -> None:
+    """Raise from the forward with speculative decoding: vLLM defers `wait_for_save`
+    (and clearing the metadata) past the drafter, which never runs."""
+    try:
+        raise RuntimeError("forward failed")
+    finally:
+        for worker in harness.workers:
+            connector = worker.connector
+            connector.start_load_kv(None)  # type: ignore[arg-type]
+            connector.get_transfer_results(scheduler_output.finished_req_ids)
+            connector.build_connector_worker_meta()
+
+
+def test_stores_vllm_never_asked_to_save_are_failed() -> None:
+    harness = kvtier_harness()
+    harness.add_request("x", list(range(5000, 5065)), max_tokens=50)
+    harness.step()  # x's prefill: its blocks are stored in the next step's plan
+    scheduler_output = harness.scheduler.schedule()
+    assert any(job.is_store for job in scheduler_output.kv_connector_metadata.plan.jobs)
+    for worker in harness.workers:
+        worker.before_forward(scheduler_output)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        raising_forward_deferring_save(harness, scheduler_output)
+    fault_abort(harness)
+    drain(harness)  # "engine still busy" while the stores were pending
     check_quiescent(harness)

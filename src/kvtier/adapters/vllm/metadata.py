@@ -27,20 +27,37 @@ class KVTierMetadata(KVConnectorMetadata):
     `unissued_failed_request_ids` are requests waiting for a load that kvtier dropped
     before any worker saw it (no lookup pin at allocation, or a cache reset): each
     worker echoes them in `failed_recving` and `finished_recving`.
+
+    `fault_epoch`: how many failed forwards the scheduler role had learned of when it
+    built the plan. A worker fails the stores of every plan built before the scheduler
+    learned of a forward that failed on it (`WorkerSide.submit_stores`).
     """
 
     plan: TransferPlan
     unissued_failed_request_ids: tuple[str, ...] = ()
+    fault_epoch: int = 0
 
 
 @dataclass(frozen=True)
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """The transfer events one rank (or several, aggregated) finished since its last step."""
+    """The transfer events one rank (or several, aggregated) finished since its last step.
+
+    `failed_forward_epoch`: the newest `KVTierMetadata.fault_epoch` of a plan during
+    whose step a forward failed on the rank, until the rank gets a plan of a later epoch;
+    None when there is none.
+    """
 
     report: WorkerReport = field(default_factory=WorkerReport)
+    failed_forward_epoch: int | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
-        """Return the sum of both reports (associative: counts per event add up)."""
+        """Return the sum of both reports (associative: counts per event add up) and
+        the later failed-forward epoch."""
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate KVTierWorkerMetadata with {type(other).__name__}")
-        return KVTierWorkerMetadata(WorkerReport.merge([self.report, other.report]))
+        epochs = [
+            e for e in (self.failed_forward_epoch, other.failed_forward_epoch) if e is not None
+        ]
+        return KVTierWorkerMetadata(
+            WorkerReport.merge([self.report, other.report]), max(epochs, default=None)
+        )

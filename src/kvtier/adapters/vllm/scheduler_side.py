@@ -111,6 +111,7 @@ class SchedulerSide:
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
+        self._fault_epoch = 0  # failed forwards the workers reported (`KVTierMetadata`)
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
@@ -220,7 +221,7 @@ class SchedulerSide:
             )
         )
         failed, self._unissued_failures = tuple(self._unissued_failures), []
-        return KVTierMetadata(plan, failed)
+        return KVTierMetadata(plan, failed, self._fault_epoch)
 
     def apply_output(self, connector_output: Any) -> None:
         """Apply the workers' merged report: register stores, release load pins."""
@@ -232,6 +233,9 @@ class SchedulerSide:
             report = worker_meta.report
         else:
             raise TypeError(f"unexpected worker metadata {type(worker_meta).__name__}")
+        failed_epoch = getattr(worker_meta, "failed_forward_epoch", None)
+        if failed_epoch is not None and failed_epoch >= self._fault_epoch:
+            self._fault_epoch = failed_epoch + 1  # later plans' stores run again
         outcome = self.offload.apply_report(report)
         for failed in outcome.failed_loads:  # issued: the workers reported them to vLLM
             logger.warning(

@@ -18,6 +18,11 @@ Per step, in vLLM's order:
                            (`get_block_ids_with_load_errors`): vLLM keeps its prefix
     worker metadata        the polled `WorkerReport` for the scheduler role
 
+A forward that raises (vLLM's fault tolerance keeps the engine up) still gets
+`start_load_kv`, `wait_for_save` and the result calls from vLLM's `finally`, whose output
+vLLM drops: then nothing is polled, and the stores of every plan built before the
+scheduler role learned of the failure (`KVTierMetadata.fault_epoch`) are reported failed.
+
 The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
 cascade a request's load may be split into one event per tier; `LoadTracker` reports
 the request once all of them finished.
@@ -26,6 +31,7 @@ the request once all of them finished.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -116,6 +122,8 @@ class WorkerSide:
         self.loads = LoadTracker(block_level=block_level_failures(kv_cache_config))
         self._report = WorkerReport()
         self._held_failures = WorkerReport()  # of refused plans (`_fail_unsubmitted`)
+        self._plan_epoch = 0  # `KVTierMetadata.fault_epoch` of the bound plan
+        self._failed_epoch: int | None = None  # of the plan whose forward last failed
 
     @property
     def worker(self) -> OffloadWorker:
@@ -149,8 +157,16 @@ class WorkerSide:
             self.worker.flush()
 
     def bind(self, metadata: KVTierMetadata) -> None:
-        """Take this step's plan; its load map covers every outstanding load event."""
+        """Take this step's plan; its load map covers every outstanding load event.
+
+        Stores of the previous plan never submitted (vLLM defers `wait_for_save` past
+        the drafter's forward with speculative decoding, and skips it when the forward
+        raised) are reported failed.
+        """
+        if self._plan is not None and not self._stores_submitted:
+            self._hold_failures(job.event_id for job in self._plan.jobs if job.is_store)
         self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
+        self._plan_epoch = metadata.fault_epoch
         self._echo_failed = metadata.unissued_failed_request_ids
         plan = metadata.plan
         self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
@@ -190,16 +206,37 @@ class WorkerSide:
     def submit_stores(self) -> None:
         """Submit this step's stores after the forward that wrote their blocks.
 
-        Loads are submitted too if `start_loads` was not called this step.
+        Loads are submitted too if `start_loads` was not called this step. A plan built
+        before the scheduler role learned of a forward that failed on this rank
+        (`_stores_unsafe`) may store blocks that forward never wrote: its stores are
+        reported failed instead.
         """
         if self._plan is None or self._stores_submitted:
             return
         self.start_loads()
         self._stores_submitted = True
         jobs = tuple(job for job in self._plan.jobs if job.is_store)
-        if jobs:  # the plan's manifest drops went with the loads (`start_loads`)
+        if jobs and self._stores_unsafe:
+            self._hold_failures(job.event_id for job in jobs)
+        elif jobs:  # the plan's manifest drops went with the loads (`start_loads`)
             self.worker.record_compute_done()
             self._submit(replace(self._plan, jobs=jobs, forget_slots=(), end_persistence=False))
+
+    @property
+    def _stores_unsafe(self) -> bool:
+        """Return True when a forward failed on this rank during a step whose plan was
+        built no later than the bound one (`KVTierMetadata.fault_epoch`)."""
+        return self._failed_epoch is not None and self._plan_epoch <= self._failed_epoch
+
+    def _note_failed_forward(self) -> bool:
+        """Return True, and remember the bound plan's epoch, when vLLM calls the
+        connector while an exception propagates: its model runner calls
+        `get_transfer_results` and `build_connector_worker_meta` in a `finally` around
+        the forward, and drops that step's output when the forward raised."""
+        if sys.exc_info()[1] is None:
+            return False
+        self._failed_epoch = max(self._plan_epoch, self._failed_epoch or 0)
+        return True
 
     def _submit(self, plan: TransferPlan) -> None:
         """Hand `plan` to the worker; if it raises, fail what it never started."""
@@ -246,7 +283,12 @@ class WorkerSide:
         suspect GPU blocks wait in `take_invalid_blocks`, which vLLM calls next in the
         same step. A failed request is also finished: vLLM releases it from waiting
         for its load.
+
+        While the forward's exception propagates, nothing is polled: vLLM drops that
+        step's output, and what finished is reported in the next step.
         """
+        if self._note_failed_forward():
+            return set(), set()
         report = self.worker.poll()
         if self._held_failures.failed:  # events of refused plans (`_fail_unsubmitted`)
             report = WorkerReport.merge([self._held_failures, report])
@@ -270,9 +312,16 @@ class WorkerSide:
         return self.loads.take_invalid_blocks()
 
     def take_worker_metadata(self) -> KVTierWorkerMetadata | None:
-        """Return what finished since the last call, or None when nothing did."""
+        """Return what finished since the last call, and the epoch of a failed forward
+        until a plan of a later epoch came; None when there is nothing (or while the
+        forward's exception propagates: vLLM would drop it)."""
+        if self._note_failed_forward():
+            return None
+        failed_epoch = self._failed_epoch if self._stores_unsafe else None
         report, self._report = self._report, WorkerReport()
-        return None if report.is_empty else KVTierWorkerMetadata(report)
+        if report.is_empty and failed_epoch is None:
+            return None
+        return KVTierWorkerMetadata(report, failed_epoch)
 
     def shutdown(self) -> None:
         """Finish outstanding transfers and release the tier (idempotent)."""
