@@ -30,13 +30,22 @@ from sim import (
 from kvtier.core.keys import Key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import CascadeMode, OffloadConfig, StoreMode
-from kvtier.offload.plan import Tier
+from kvtier.offload.plan import Tier, TransferJob
 
 HASH_BLOCK = 4
 FAMILIES = [[1000 * f + i for i in range(12)] for f in range(2)]
 MAX_LIVE_REQUESTS = 4
 SEEDS = st.integers(0, 2**32 - 1)
 WORKER_ACTIONS = ["done"] * 6 + ["wait"] * 3 + ["fail", "corrupt"]
+SETUP_ARGS = {  # `SchedulerDriver.setup`'s draws (a subclass's own setup may add some)
+    "num_workers": st.integers(1, 4),
+    "num_gpu_blocks": st.integers(8, 16),
+    "num_tier_blocks": st.integers(3, 8),
+    "fine": st.booleans(),
+    "num_disk_blocks": st.integers(3, 10),
+    "second": st.sampled_from([None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE]),
+    "token_check": st.booleans(),
+}
 
 
 def refs(pool_refs: list[int]) -> Counter[int]:
@@ -74,15 +83,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         self.next_id = 0
         self.hits_reported = 0  # cumulative hit tokens at the last take_stats
 
-    @initialize(
-        num_workers=st.integers(1, 4),
-        num_gpu_blocks=st.integers(8, 16),
-        num_tier_blocks=st.integers(3, 8),
-        fine=st.booleans(),
-        num_disk_blocks=st.integers(3, 10),
-        second=st.sampled_from([None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE]),
-        token_check=st.booleans(),
-    )
+    @initialize(**SETUP_ARGS)
     def setup(
         self,
         num_workers: int,
@@ -283,8 +284,9 @@ class SchedulerDriver(RuleBasedStateMachine):
             note("report an event never issued")
             worker.report_unknown(max(worker.jobs, default=0) + 1000)
         for event_id in sorted(worker.in_flight):
+            actions = self.worker_actions(worker.in_flight[event_id].job)
             for w in sorted(worker.in_flight[event_id].waiting):
-                action = rng.choice(WORKER_ACTIONS)
+                action = rng.choice(actions)
                 if action != "wait":
                     note(f"worker {w}: event {event_id} {action}")
                 if action == "done":
@@ -294,6 +296,10 @@ class SchedulerDriver(RuleBasedStateMachine):
                 elif action == "corrupt":
                     worker.corrupt_or_fail(event_id, w, rng)
         self.poll()
+
+    def worker_actions(self, job: TransferJob) -> list[str]:
+        """Return what a worker may do with `job` this step, one picked at random."""
+        return WORKER_ACTIONS
 
     def offer_handoffs(self, rng: random.Random) -> None:
         """Hand off some computed state blocks of running requests (state layouts)."""

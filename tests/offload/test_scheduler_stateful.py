@@ -34,12 +34,21 @@ records the choices, so a failing example still reads as a story.
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from typing import Any
 
 from disk_coverage import DiskCoverage
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import invariant
-from scheduler_machine import SchedulerDriver, Slot, tagged
+from hypothesis import HealthCheck, note, settings
+from hypothesis.stateful import initialize, invariant
+from restored_disk import OTHER_TAG, restore_disk
+from scheduler_machine import (
+    SEEDS,
+    SETUP_ARGS,
+    SchedulerDriver,
+    Slot,
+    tagged,
+)
 
 from kvtier.offload.config import CascadeMode, StoreMode
 from kvtier.offload.plan import Tier
@@ -97,6 +106,8 @@ class SchedulerMachine(SchedulerDriver):
                 )
                 for w, space in enumerate(engine.worker.lower[tier.value]):
                     content = space.get(slot)
+                    if pool.tag(slot, key) == OTHER_TAG:
+                        continue  # another prefix's KV (`restored_disk`): never served
                     if (tier.value, slot) in engine.worker.corrupted[w] and any(
                         e in engine.worker.in_flight
                         for e in engine.worker.named_by.get((tier.value, slot), ())
@@ -190,10 +201,29 @@ class LazySchedulerMachine(SchedulerMachine):
 
 class WriteThroughMachine(SchedulerMachine):
     """The same runs with a CPU+disk cascade, write-through: once drained, every block
-    the CPU tier holds is on disk too, or has a reason not to be (`DiskCoverage`)."""
+    the CPU tier holds is on disk too, or has a reason not to be (`DiskCoverage`).
+
+    The disk may start with restored copies of family blocks, with the token check on
+    some tagged for another prefix or not at all (`restored_disk`): the CPU copy must
+    replace them. A reset drops them all, so half the runs have none.
+    """
 
     cascade = CascadeMode.WRITE_THROUGH
     coverage: DiskCoverage | None = None
+    resets = True
+
+    @initialize(**SETUP_ARGS, disk_seed=SEEDS)
+    def setup(self, disk_seed: int, **kwargs: Any) -> None:
+        super().setup(**kwargs)
+        rng = random.Random(disk_seed)
+        token_check = kwargs["token_check"] and self.mode is StoreMode.EAGER
+        self.legit.update(("DISK", key) for key in restore_disk(self.engine, token_check, rng))
+        self.resets = rng.randrange(2) == 0
+        note(f"resets: {self.resets}")
+
+    def incident(self, incident: int, rng: random.Random) -> None:
+        """Without resets, a reset's turn reports instead (the restored copies stay)."""
+        super().incident(2 if incident == 1 and not self.resets else incident, rng)
 
     @invariant()
     def watch_disk_coverage(self) -> None:
