@@ -45,13 +45,20 @@ from restored_disk import OTHER_TAG, restore_disk
 from scheduler_machine import (
     SEEDS,
     SETUP_ARGS,
+    WORKER_ACTIONS,
     SchedulerDriver,
     Slot,
     tagged,
 )
 
+from kvtier.core.keys import Key
 from kvtier.offload.config import CascadeMode, StoreMode
-from kvtier.offload.plan import Tier
+from kvtier.offload.plan import Tier, TransferJob
+
+# A demotion whose CPU source lost its keys (a failed load) mostly waits; a load of CPU
+# blocks being demoted often fails (so the keys go while their demotion is in flight).
+STUCK_ACTIONS = WORKER_ACTIONS + ["wait"] * 40
+FLAKY_ACTIONS = WORKER_ACTIONS + ["fail"] * 10
 
 
 class SchedulerMachine(SchedulerDriver):
@@ -159,7 +166,7 @@ class SchedulerMachine(SchedulerDriver):
         for request_id in self.live_ids():
             self.abort(request_id)
         for _ in range(10):
-            engine.worker.complete_all()
+            self.complete_all()
             self.poll()
             if not engine.scheduler.has_pending_stores() and not engine.worker.in_flight:
                 break
@@ -188,6 +195,10 @@ class SchedulerMachine(SchedulerDriver):
             assert all(pool.num_free() == pool.num_usable_blocks for pool in pools)
         assert self.gpu_refs() == Counter(), "GPU blocks still pinned"
         engine.check()
+
+    def complete_all(self) -> None:
+        """Complete every in-flight job on every worker (the drain)."""
+        self.engine.worker.complete_all()
 
     def check_drained(self) -> None:
         """Check the tiers once drained and the retries ran out (before any reset)."""
@@ -219,7 +230,53 @@ class WriteThroughMachine(SchedulerMachine):
         token_check = kwargs["token_check"] and self.mode is StoreMode.EAGER
         self.legit.update(("DISK", key) for key in restore_disk(self.engine, token_check, rng))
         self.resets = rng.randrange(2) == 0
+        self.demoting: dict[int, list[Key | None]] = {}  # event -> its sources' keys then
         note(f"resets: {self.resets}")
+
+    def run_step(self) -> None:
+        super().run_step()
+        cpu = self.engine.scheduler.index.pools[Tier.CPU]
+        for job in self.engine.worker.plans[-1].jobs:
+            if job.dst_tier is Tier.DISK:
+                self.demoting[job.event_id] = [cpu.key(b) for b in job.src_block_ids]
+
+    def stuck(self, event_id: int) -> bool:
+        """Whether a demotion in flight has CPU sources a load reads too or that lost the
+        keys they had when it was issued."""
+        worker = self.engine.worker
+        then = self.demoting.get(event_id)
+        if then is None or event_id not in worker.in_flight:
+            return False
+        cpu = self.engine.scheduler.index.pools[Tier.CPU]
+        sources = worker.in_flight[event_id].job.src_block_ids
+        if then != [cpu.key(b) for b in sources]:
+            return True
+        return any(
+            f.job.src_tier is Tier.CPU
+            and f.job.dst_tier is Tier.GPU
+            and set(sources) & set(f.job.src_block_ids)
+            for f in worker.in_flight.values()
+        )
+
+    def worker_actions(self, job: TransferJob) -> list[str]:
+        if self.stuck(job.event_id):
+            return STUCK_ACTIONS
+        worker = self.engine.worker
+        if (
+            job.is_load
+            and job.src_tier is Tier.CPU
+            and worker.uses("CPU", job.src_block_ids, but=job.event_id)
+        ):
+            return FLAKY_ACTIONS  # a load of blocks being demoted
+        return super().worker_actions(job)
+
+    def complete_all(self) -> None:
+        """Stuck demotions last: the stores the drain's aborts issued are reported first."""
+        worker = self.engine.worker
+        for event_id in [e for e in worker.in_flight if not self.stuck(e)]:
+            worker.complete(event_id)
+        self.poll()
+        worker.complete_all()
 
     def incident(self, incident: int, rng: random.Random) -> None:
         """Without resets, a reset's turn reports instead (the restored copies stay)."""
