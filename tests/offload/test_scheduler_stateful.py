@@ -216,7 +216,10 @@ class WriteThroughMachine(SchedulerMachine):
 
     The disk may start with restored copies of family blocks, with the token check on
     some tagged for another prefix or not at all (`restored_disk`): the CPU copy must
-    replace them. A reset drops them all, so half the runs have none.
+    replace them. A reset drops them all, so half the runs have none. Loads of CPU
+    blocks being demoted often fail, and such demotions mostly wait (`stuck`): the key
+    may be stored again into another CPU block while its demotion is in flight, and that
+    block's demotion must wait as a retry.
     """
 
     cascade = CascadeMode.WRITE_THROUGH
