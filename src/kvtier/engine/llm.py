@@ -114,7 +114,6 @@ class LLM:
         )
         self._next_id = 0
         self._is_shut_down = False
-        self._unreturned: list[Request] = []  # finished, not yet returned by `step`
 
     # ------------------------------------------------------------------ API
 
@@ -210,11 +209,9 @@ class LLM:
                 self.offload.prepare(step)
                 self.offload.submit()
             sampled = self._forward(step) if step.work else []
-            # Kept until returned, in one statement: cut short later, the next step returns them.
-            self._unreturned = [
-                *self._unreturned,
-                *(finished := self.scheduler.complete(step, sampled, time.perf_counter())),
-            ]
+            # A request is kept until returned (`Scheduler.unreturned`) as it finishes: cut
+            # short from there on, the next step returns it.
+            finished = self.scheduler.complete(step, sampled, time.perf_counter())
         except BaseException:
             for work in step.work:
                 self._abort(work.request)
@@ -228,8 +225,9 @@ class LLM:
             self._apply_offload()
             if not step.work:
                 time.sleep(_IDLE_WAIT_S)
-        returned, self._unreturned = self._unreturned, []
-        return returned
+        # Copied and emptied in one statement (one line): an interrupt lands before it.
+        unreturned = self.scheduler.unreturned
+        return (unreturned.copy(), unreturned.clear())[0]  # type: ignore[func-returns-value]
 
     def drain(self) -> None:
         """Step until every finish-time store has completed.

@@ -59,6 +59,9 @@ class Scheduler(QueueRecovery):
         self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
         self._unfreed = []
+        # Finished by `complete`, not yet returned by the engine's step: kept in the
+        # statement that finishes them, so a step cut short loses none (`LLM.step`).
+        self.unreturned: list[Request] = []
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -343,12 +346,17 @@ class Scheduler(QueueRecovery):
     def _finish(self, request: Request, now: float) -> None:
         """Its offload state and blocks go first, `running` next, and it is FINISHED last:
         cut short (an interrupt), it is still unfinished, and the step's abort finishes
-        what is left (`abort` skips a FINISHED request: one still running would run on)."""
+        what is left (`abort` skips a FINISHED request: one still running would run on).
+        Marked FINISHED, it is `unreturned` in the same statement."""
         if self.offload is not None:
             self.offload.on_finished(request, request.block_tables)
         self._free_blocks(request)
         self.running.remove(request)
-        request.status, request.finish_time = RequestStatus.FINISHED, now
+        request.status, request.finish_time, self.unreturned = (
+            RequestStatus.FINISHED,
+            now,
+            [*self.unreturned, request],
+        )
 
     def apply_offload(self, outcome: ReportOutcome) -> None:
         """Make requests whose load finished schedulable; rewind those whose load failed.
