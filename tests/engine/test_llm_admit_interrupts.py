@@ -10,8 +10,13 @@ one whose load the offload side does not hold (it recomputes); the load is queue
 
 Regression too: a Ctrl-C while `_admit` touched the request's hit blocks or allocated its
 new ones, before the request took its tables, leaked them (the drained engine's pool
-short of free blocks). Now they are the scheduler's (`_admitting`) until the request
-takes them, and `_settle` frees them.
+short of free blocks). Now the request takes each block in the statement that takes it
+from the pool, and `_settle` frees them (waiting, holding blocks, nothing computed).
+
+Regression too: the statement marking it loading had its four targets on four lines, and
+Python runs a line between targets so spread: cut short after its tier hit was counted
+but before its computed tokens were set, `_settle`'s rewind took none back and the next
+admission counted the hit again. Now the targets are on one line.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from test_llm_submit_failures import (
     MAX_STEPS,
     PARAMS,
     assert_consistent_and_drained,
+    step_until_done,
     turns,
 )
 
@@ -168,3 +174,64 @@ def test_an_interrupt_at_any_line_of_admitting_a_load() -> None:
                 assert n > 10, f"only {n - 1} lines ran"
                 return
             raise AssertionError(f"interrupted at line {n}: {exc}") from exc
+
+
+def test_an_interrupt_at_any_line_of_marking_a_request_loading_counts_its_hit_once() -> None:
+    """A Ctrl-C at each line of `_admit` from its loading commit on (the first admission
+    with a tier hit): once `_settle` ran, a request rewound (its load never queued)
+    counts no tier hit tokens of that admission, one loading counts them once.
+
+    Regression: the commit spread its four targets over four lines; cut short after the
+    hit count but before the computed tokens, the rewind took nothing back."""
+    _, second, _ = turns()
+    commit_line = _FIRST + next(i for i, line in enumerate(_LINES) if "if num_external:" in line)
+    for n in count(1):
+        llm, arm = loaded_engine()
+        scheduler = llm.scheduler
+        offload = scheduler.offload
+        assert offload is not None
+        tracer = LineInterrupt(n, (ADMIT,))
+        seen: dict[str, tuple[int, int]] = {}  # request: hit count before, tier hit
+        lookup = offload.lookup
+
+        def looking_up(request: Any, *args: Any, lookup: Any = lookup, seen: Any = seen) -> int:
+            num = lookup(request, *args)
+            if num and not seen:
+                seen[request.request_id] = (request.num_external_tokens_total, num)
+            return num
+
+        def line(
+            frame: FrameType, event: str, arg: Any, tracer: Any = tracer, seen: Any = seen
+        ) -> Any:
+            tracer.counting = bool(seen) and frame.f_lineno >= commit_line
+            return LineInterrupt.line(tracer, frame, event, arg)
+
+        tracer.line = line  # type: ignore[method-assign]
+        offload.lookup = looking_up  # type: ignore[method-assign]
+        requests = {r.request_id: r for r in (llm.add_request(p, PARAMS) for p in second)}
+        sys.settrace(tracer)
+        try:
+            for _ in range(MAX_STEPS):
+                try:
+                    llm.step()
+                except KeyboardInterrupt:
+                    break
+                if seen:
+                    break
+        finally:
+            sys.settrace(None)
+        if not tracer.landed:  # past the last line
+            assert n > 3, f"only {n - 1} lines ran"
+            llm.shutdown()
+            return
+        scheduler._settle()
+        ((request_id, (before, num)),) = seen.items()
+        request = requests[request_id]
+        loading = request.status is RequestStatus.WAITING_FOR_LOAD
+        want = before + num if loading else before
+        got = request.num_external_tokens_total
+        assert got == want, f"interrupted at line {n}: {request_id} counts {got}, not {want}"
+        arm()
+        step_until_done(llm)
+        assert_consistent_and_drained(llm, arm)
+        llm.shutdown()

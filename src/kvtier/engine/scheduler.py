@@ -251,12 +251,9 @@ class Scheduler(QueueRecovery):
             # Loading before its load is queued, in one statement: an interrupt never
             # leaves it waiting with tokens a pending load is still writing (it would run
             # on them); one cut short before the load was queued is rewound (`_settle`).
-            (
-                request.status,
-                request.num_external_tokens,
-                request.num_external_tokens_total,
-                request.num_computed_tokens,
-            ) = (
+            # Its targets on one line: Python runs no line (no interrupt) between them.
+            r = request
+            r.status, r.num_external_tokens, r.num_external_tokens_total, r.num_computed_tokens = (
                 RequestStatus.WAITING_FOR_LOAD,
                 num_external,
                 request.num_external_tokens_total + num_external,
