@@ -31,7 +31,7 @@ from kvtier.engine.scheduler import Scheduler
 
 
 def test_an_interrupt_at_any_line_after_a_request_finished_loses_none() -> None:
-    prompt_list = prompts(4, 20)
+    prompt_list = prompts(2, 20)
     (expected,) = reference([prompt_list])
     codes = (LLM.step.__code__, Scheduler.complete.__code__, Scheduler._finish.__code__)
     for n in count(1):
