@@ -54,3 +54,33 @@ def test_stores_planned_after_a_step_that_failed_before_binding_are_failed() -> 
     harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
     drain(harness)
     assert num_tier_blocks(harness) == 8  # stores run again once the fault is known
+
+
+def test_a_rank_that_skipped_a_plan_fails_the_stores_the_other_rank_runs() -> None:
+    """Rank 0 raised before binding a's prefill plan; rank 1 ran the forward."""
+    harness = kvtier_harness(num_ranks=2, **SCHEDULING["async_pipelined"])
+    harness.add_request("c", list(range(5000, 5065)), max_tokens=2)
+    drain(harness)  # c's KV is left in the GPU blocks the next request gets
+    harness.add_request("a", PROMPT, max_tokens=4)
+    failed_step = harness.scheduler.schedule()
+    _, rank1 = harness.workers  # rank 0 never binds the failed step
+    rank1.before_forward(failed_step)
+    outputs = [rank1.after_forward(failed_step)]
+    step_after = harness.scheduler.schedule()  # stores a's 4 blocks
+    for worker in harness.workers:
+        worker.before_forward(step_after)
+        outputs.append(worker.after_forward(step_after))
+    try:
+        raise RuntimeError("One or more workers failed")
+    except RuntimeError:  # vLLM's `fault_tolerant_wrapper` → `on_fault`
+        harness.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    harness.wait_for_copies()
+    for kv_output in outputs:
+        harness.scheduler.update_from_output(
+            SchedulerOutput.make_empty(), ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        )
+    drain(harness)
+    assert num_tier_blocks(harness) == 4  # c's only: a's blocks hold c's KV on rank 0
+    harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
+    drain(harness)
+    assert num_tier_blocks(harness) == 8
