@@ -151,3 +151,21 @@ def test_prepare_overwrite_drops_the_records_of_slots_about_to_be_written(
     tier = DiskTier(config)
     assert tier.recovered_slots() == [(1, rec(1)), (2, rec(7)), (4, rec(4))]
     tier.close()
+
+
+def test_a_closed_disk_tier_refuses_to_drop_records(tmp_path: Path) -> None:
+    """`forget` and `end_persistence` after `close()` raise, naming the tier: the closed
+    manifest keeps its records, so a quiet return would let a restart restore copies
+    the caller believes dropped."""
+    config = tier_config(tmp_path)
+    tier = DiskTier(config)
+    slots = np.arange(1, 3, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(1), rec(2)]).result()
+    tier.close()
+    with pytest.raises(RuntimeError, match=f"{config.path} is closed"):
+        tier.forget([1])
+    with pytest.raises(RuntimeError, match=f"{config.path} is closed"):
+        tier.end_persistence()
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == [(1, rec(1)), (2, rec(2))]
+    tier.close()

@@ -343,3 +343,17 @@ def test_second_worker_on_the_same_files_is_refused(tmp_path: Path) -> None:
         pytest.raises(DiskTierBusyError, match="locked by another"),
     ):
         make_worker(config(tmp_path, rank=1), new_kv(seed=4))
+
+
+def test_a_stopped_worker_refuses_to_drop_records(tmp_path: Path) -> None:
+    """`forget_slots` and `end_persistence` after shutdown() raise: the tier is released,
+    so a quiet return would leave the records a restart restores."""
+    first_run(tmp_path)
+    kv = new_kv(seed=1)
+    with make_worker(config(tmp_path), kv) as worker:
+        assert len(worker.recovered_slots()) == 4
+    for call in (lambda: worker.forget_slots([3]), worker.end_persistence):
+        with pytest.raises(RuntimeError, match="shut_down"):
+            call()
+    with make_worker(config(tmp_path), kv) as worker:
+        assert len(worker.recovered_slots()) == 4

@@ -158,7 +158,9 @@ class DiskTier:
         Call after a tier reset: the KV stored from now on may have been computed with
         other weights than the fingerprint names (weights updated in memory), and the
         engine cannot tell. Writes in flight are not recorded once this returns.
+        RuntimeError once the tier is closed: the records it would drop stay on disk.
         """
+        self._refuse_closed()
         self._records.end_persistence()
 
     def forget(self, slots: Sequence[int]) -> None:
@@ -170,8 +172,10 @@ class DiskTier:
         back. Call only for slots no queued write goes to: a write queued before this call
         could record them again. When the tombstones cannot be appended or synced (a
         failing disk), every record is dropped and nothing more is persisted in this run,
-        as by `end_persistence` (and its OSError): the copies may be suspect.
+        as by `end_persistence` (and its OSError): the copies may be suspect. RuntimeError
+        once the tier is closed: the records stay on disk, and a restart restores them.
         """
+        self._refuse_closed()
         self._records.forget(self._slot_ids(slots))
 
     def prepare_overwrite(self, slots: Sequence[int]) -> None:
@@ -180,8 +184,7 @@ class DiskTier:
         batch's write would otherwise sync its own slots' tombstones (see
         `disk_tier_records`). Same conditions and errors as `forget`, and RuntimeError once
         the tier is closed (as `write_slots`); a no-op for a non-persistent tier."""
-        if self._closing.is_closing:
-            raise RuntimeError("disk tier is closed")
+        self._refuse_closed()
         self._records.prepare_overwrite(self._slot_ids(slots))
 
     def _slot_ids(self, slots: Sequence[int]) -> list[int]:
@@ -247,9 +250,12 @@ class DiskTier:
         future = self._load_io.submit(self._read, buffer, slot_ids)
         return SlotRead(future, functools.partial(self._verify, buffer, slot_ids))
 
-    def _check_batch(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
+    def _refuse_closed(self) -> None:
         if self._closing.is_closing:
-            raise RuntimeError("disk tier is closed")
+            raise RuntimeError(f"disk tier {self.path} is closed")
+
+    def _check_batch(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
+        self._refuse_closed()
         if len(slot_ids) > buffer.capacity:
             raise ValueError(f"{len(slot_ids)} slots do not fit a {buffer.capacity}-slot buffer")
         if len(slot_ids) and (slot_ids.min() < 0 or slot_ids.max() >= self.num_slots):

@@ -321,14 +321,22 @@ class OffloadWorker(WorkerReports):
 
     def end_persistence(self) -> None:
         """End a persistent disk tier's persistence now (idempotent; see
-        `DiskTier.end_persistence`): for a reset that no later plan carried."""
+        `DiskTier.end_persistence`): for a reset that no later plan carried. RuntimeError
+        once shutdown() began: the manifest's records would stay."""
+        self._refuse_stopping("end_persistence()")
         if self._held.disk_tier is not None:
             self._held.disk_tier.end_persistence()
 
     def forget_slots(self, slots: Sequence[int]) -> None:
-        """`DiskTier.forget` now: for dropped copies that no later plan carried."""
+        """`DiskTier.forget` now: for dropped copies that no later plan carried.
+        RuntimeError once shutdown() began: a restart would restore them."""
+        self._refuse_stopping("forget_slots()")
         if self._held.disk_tier is not None:
             self._held.disk_tier.forget(slots)
+
+    def _refuse_stopping(self, call: str) -> None:
+        if self.state in (WorkerState.SHUTTING_DOWN, WorkerState.SHUT_DOWN):
+            raise RuntimeError(f"{call} on a worker that is {self.state.value}")
 
     def shutdown(self) -> None:
         """Finish outstanding transfers, stop the threads, free the tiers, remove the disk
