@@ -8,8 +8,9 @@ offload worker is wrapped so that, drawn per example:
   probability `p_fail_store`;
 - each report (done or failed) is held back for a random number of polls, as a legal
   asynchronous worker may report late;
-- up to 4 disk slots are bad: a load from one fails naming the slot (`bad_blocks`), and
-  only that slot's GPU block is overwritten; optionally stores into one fail too;
+- up to half the disk slots (at least 4) are bad: a load from one fails naming the
+  slot (`bad_blocks`), and only that slot's GPU block is overwritten; optionally stores
+  into one fail too;
 - before a random engine step the tier is reset, and the reset retried on each later
   step until the scheduler accepts it.
 
@@ -128,7 +129,9 @@ def fault_models(workload: Workload) -> st.SearchStrategy[dict[str, Any]]:
             "p_hold": st.sampled_from([0.0, 0.3, 0.7]),
             "p_reset": st.sampled_from([0.0, 0.05, 0.2]),
             "bad_slots": st.frozensets(
-                st.integers(1, workload.disk_blocks - 1), min_size=1, max_size=4
+                st.integers(1, workload.disk_blocks - 1),
+                min_size=1,
+                max_size=max(4, workload.disk_blocks // 2),
             ),
             "bad_writes": st.sampled_from([False, False, True]),  # else loads rarely see one
             "synchronous": st.just(workload.synchronous),
