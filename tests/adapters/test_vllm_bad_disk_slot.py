@@ -27,41 +27,10 @@ from kvtier_vllm import (
     offload_worker,
     scheduler_side,
 )
+from test_vllm_partial_load_failure import CorruptSlot
 from vllm_harness import shared_prefix_prompts
 
-from kvtier.offload.plan import Tier, TransferPlan
-
 PREFIX = 64  # tokens per request's prefix
-BLOCKS = PREFIX // 16  # blocks of it (the harness model's 16-token blocks)
-
-
-class CorruptOneSlot:
-    """Wrap a rank's `OffloadWorker.submit`: before the first DISK -> GPU job serving two
-    requests, flip a byte of the first slot of request `which`'s part on disk."""
-
-    def __init__(self, worker: Any, which: int, byte: int = 17) -> None:
-        self.worker = worker
-        self.which = which
-        self.byte = byte  # 0: a fingerprint byte (the harness would see it served)
-        self._submit = worker.submit
-        worker.submit = self.submit
-        self.request_ids: tuple[str, ...] = ()
-        self.slot: int | None = None
-
-    def submit(self, plan: TransferPlan) -> None:
-        for job in plan.jobs:
-            ids = plan.load_request_ids.get(job.event_id, ())
-            if self.slot is None and job.src_tier is Tier.DISK and job.is_load and len(ids) == 2:
-                self.request_ids = ids
-                assert len(job.src_block_ids) == 2 * BLOCKS
-                self.slot = job.src_block_ids[self.which * BLOCKS]  # parts in request order
-                offset = self.slot * self.worker.bytes_per_slot + self.byte
-                with open(self.worker.disk_path, "r+b") as raw:
-                    raw.seek(offset)
-                    value = raw.read(1)[0]
-                    raw.seek(offset)
-                    raw.write(bytes([value ^ 0xFF]))
-        self._submit(plan)
 
 
 def record_failed(harness: Any, rank: int, into: set[str], invalid: set[int]) -> None:
@@ -134,7 +103,7 @@ def test_a_corrupted_slot_fails_only_the_request_that_reads_it(
     harness = kvtier_harness(extra=extra, num_ranks=num_ranks)
     prompts = stored_and_evicted(harness)
     last = num_ranks - 1
-    corrupt = CorruptOneSlot(offload_worker(harness, rank=last), which)
+    corrupt = CorruptSlot(offload_worker(harness, rank=last), which)
     reported: set[str] = set()
     invalid: set[int] = set()
     for rank in range(num_ranks):

@@ -22,12 +22,12 @@ from kvtier_vllm import (
     offload_worker,
 )
 from test_vllm_bad_disk_slot import (
-    CorruptOneSlot,
     record_failed,
     record_recomputed,
     serve_again,
     stored_and_evicted,
 )
+from test_vllm_partial_load_failure import CorruptSlot
 
 
 @pytest.mark.parametrize(
@@ -44,8 +44,7 @@ def test_each_rank_fails_only_the_readers_of_its_bad_slots(
     harness = kvtier_harness(extra=extra, num_ranks=2)
     prompts = stored_and_evicted(harness)
     wraps = [
-        (CorruptOneSlot(offload_worker(harness, rank=r), which, byte=0), which)
-        for r, which in corrupt
+        (CorruptSlot(offload_worker(harness, rank=r), which, byte=0), which) for r, which in corrupt
     ]
     reported: set[str] = set()
     invalid: set[int] = set()

@@ -38,27 +38,31 @@ BLOCKS = PREFIX // 16  # blocks of it (the harness model's 16-token blocks)
 
 class CorruptSlot:
     """Wrap a rank's `OffloadWorker.submit`: before the first DISK -> GPU job serving two
-    requests, flip a byte of the slot at `block` of request `which`'s part on disk."""
+    requests, flip byte `byte` of the slot at `block` of request `which`'s part on disk
+    (byte 0 is a fingerprint byte: the harness would see it served). Records the slot,
+    the GPU block it loads into and the job's request ids."""
 
-    def __init__(self, worker: Any, which: int, block: int) -> None:
+    def __init__(self, worker: Any, which: int, block: int = 0, byte: int = 17) -> None:
         self.worker = worker
         self.which = which
         self.block = block
+        self.byte = byte
         self._submit = worker.submit
         worker.submit = self.submit
         self.request_ids: tuple[str, ...] = ()
+        self.slot: int | None = None
         self.gpu_block: int | None = None
 
     def submit(self, plan: TransferPlan) -> None:
         for job in plan.jobs:
             ids = plan.load_request_ids.get(job.event_id, ())
-            if self.gpu_block is None and job.src_tier is Tier.DISK and len(ids) == 2:
+            if self.slot is None and job.src_tier is Tier.DISK and len(ids) == 2:
                 assert job.is_load
                 assert len(job.load_parts) == 2
                 self.request_ids = ids
                 index = sum(job.load_parts[: self.which]) + self.block  # in request order
-                self.gpu_block = job.dst_block_ids[index]
-                offset = job.src_block_ids[index] * self.worker.bytes_per_slot + 17
+                self.slot, self.gpu_block = job.src_block_ids[index], job.dst_block_ids[index]
+                offset = self.slot * self.worker.bytes_per_slot + self.byte
                 with open(self.worker.disk_path, "r+b") as raw:
                     raw.seek(offset)
                     value = raw.read(1)[0]
