@@ -93,11 +93,9 @@ ENGINES = [
 ]
 
 
-def explore(
-    engine: Engine, max_examples: int = 50, ops: st.SearchStrategy[object] = OPS
-) -> collections.Counter[str]:
-    """Run `max_examples` examples of random operations (drawn from `ops`) on `engine`
-    (the same ones on every run: derandomized); return what they exercised, added up."""
+def explore(engine: Engine, max_examples: int = 50) -> collections.Counter[str]:
+    """Run `max_examples` examples of random operations on `engine` (the same ones on
+    every run: derandomized); return what they exercised, added up."""
     totals: collections.Counter[str] = collections.Counter()
 
     @settings(
@@ -107,9 +105,9 @@ def explore(
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(drawn=st.lists(ops, min_size=10, max_size=40), abort=st.booleans())
-    def example(drawn: list[object], abort: bool) -> None:
-        run_example(engine, totals, drawn, abort)
+    @given(ops=st.lists(OPS, min_size=10, max_size=40), abort=st.booleans())
+    def example(ops: list[object], abort: bool) -> None:
+        run_example(engine, totals, ops, abort)
 
     example()
     print(engine.name, dict(sorted(totals.items())))

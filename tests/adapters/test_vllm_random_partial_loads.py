@@ -21,9 +21,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from random_ops_driver import Engine, FailPart
-from test_vllm_random_ops import OP_KINDS, RANKS, explore
+from random_ops_driver import Engine, FailPart, run_example
+from test_vllm_random_ops import OP_KINDS, RANKS
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_engine import KVGroupDef
 
@@ -36,6 +37,25 @@ ENGINES = [
     Engine("disk_only", disk_only=True),
     Engine("hybrid", kv_groups=(KVGroupDef(16), KVGroupDef(16, 32)), num_gpu_blocks=32),
 ]
+
+
+def explore(engine: Engine, max_examples: int) -> collections.Counter[str]:
+    totals: collections.Counter[str] = collections.Counter()
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(ops=st.lists(OPS, min_size=10, max_size=40), abort=st.booleans())
+    def example(ops: list[object], abort: bool) -> None:
+        run_example(engine, totals, ops, abort)
+
+    example()
+    print(engine.name, dict(sorted(totals.items())))
+    return totals
 
 
 def count_scans(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
@@ -70,7 +90,7 @@ def test_loads_failing_by_block_never_serve_wrong_kv(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hits = count_scans(monkeypatch)
-    totals = explore(engine, max_examples=20, ops=OPS)
+    totals = explore(engine, max_examples=20)
     assert totals["failed_load_part"] > 0, "no load failed by block"
     assert totals["random_hit_tokens"] + totals["replay_hit_tokens"] > 0
     print(engine.name, dict(hits))
