@@ -260,6 +260,11 @@ class OffloadScheduler:
         self._completion.outcome_taken()  # last: a call cut short returns it again
         return outcome
 
+    def is_in_flight(self, event_id: int) -> bool:
+        """Return True while an issued event awaits a report from some worker (or the
+        caller's apply of its completion)."""
+        return event_id in self._book
+
     def has_unissued_failures(self) -> bool:
         """Return True when the next `apply_report` returns loads dropped before issue.
 

@@ -10,6 +10,7 @@ Both are plain picklable data: vLLM ships them between processes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,11 +32,16 @@ class KVTierMetadata(KVConnectorMetadata):
     `fault_epoch`: how many failed forwards the scheduler role had learned of when it
     built the plan. A worker fails the stores of every plan built before the scheduler
     learned of a forward that failed on it (`WorkerSide.submit_stores`).
+
+    `earlier_events`: the event ids of earlier plans still in flight, by plan step id. A
+    worker that never bound one of those plans (vLLM's model runner raised before it
+    did) reports their events failed when it binds this one (`WorkerSide.bind`).
     """
 
     plan: TransferPlan
     unissued_failed_request_ids: tuple[str, ...] = ()
     fault_epoch: int = 0
+    earlier_events: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class SchedulerSide:
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
         self._fault_epoch = 0  # failed forwards the workers reported (`KVTierMetadata`)
+        self._plan_events: dict[int, tuple[int, ...]] = {}  # `KVTierMetadata.earlier_events`
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
@@ -221,7 +222,22 @@ class SchedulerSide:
             )
         )
         failed, self._unissued_failures = tuple(self._unissued_failures), []
-        return KVTierMetadata(plan, failed, self._fault_epoch)
+        earlier = self._earlier_events()
+        if plan.jobs:
+            self._plan_events[plan.step_id] = tuple(job.event_id for job in plan.jobs)
+        return KVTierMetadata(plan, failed, self._fault_epoch, earlier)
+
+    def _earlier_events(self) -> dict[int, tuple[int, ...]]:
+        """Return the events of earlier plans still in flight, by step id (forgetting
+        the rest): a rank that skipped one of those plans has not reported them."""
+        in_flight = self.offload.is_in_flight
+        kept = {}
+        for step_id, event_ids in self._plan_events.items():
+            left = tuple(e for e in event_ids if in_flight(e))
+            if left:
+                kept[step_id] = left
+        self._plan_events = kept
+        return dict(kept)
 
     def apply_output(self, connector_output: Any) -> None:
         """Apply the workers' merged report: register stores, release load pins."""

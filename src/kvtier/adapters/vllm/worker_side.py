@@ -124,7 +124,7 @@ class WorkerSide:
         self._held_failures = WorkerReport()  # of refused plans (`_fail_unsubmitted`)
         self._plan_epoch = 0  # `KVTierMetadata.fault_epoch` of the bound plan
         self._failed_epoch: int | None = None  # of the plan whose forward last failed
-        self._last_step_id: int | None = None  # `TransferPlan.step_id` of the last bound plan
+        self._last_step_id = 0  # `TransferPlan.step_id` of the last bound plan (from 1)
 
     @property
     def worker(self) -> OffloadWorker:
@@ -163,18 +163,23 @@ class WorkerSide:
         Stores of the previous plan never submitted (vLLM defers `wait_for_save` past
         the drafter's forward with speculative decoding, and skips it when the forward
         raised) are reported failed. A plan skipped (vLLM's model runner raised before
-        binding it, in `_update_states` or `_prepare_inputs`) counts as a failed forward
-        of this plan's epoch: a plan built before the fault was known stores that step's
-        unwritten blocks.
+        binding it, in `_update_states` or `_prepare_inputs`; plans are numbered from 1,
+        so the first may be the one) counts as a failed forward of this plan's epoch: a
+        plan built before the fault was known stores that step's unwritten blocks. The
+        skipped plans' jobs never ran here and never will: their events still in flight
+        (`KVTierMetadata.earlier_events`) are reported failed, so their pins are released
+        and their loads' requests fail (vLLM recomputes them, or frees an aborted one).
         """
         if self._plan is not None and not self._stores_submitted:
             self._hold_failures(job.event_id for job in self._plan.jobs if job.is_store)
         self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
         self._plan_epoch = metadata.fault_epoch
-        skipped = self._last_step_id is not None and metadata.plan.step_id > self._last_step_id + 1
-        self._last_step_id = metadata.plan.step_id
-        if skipped:  # vLLM raised before binding a plan: its forward never ran here
+        last, step_id = self._last_step_id, metadata.plan.step_id
+        self._last_step_id = max(last, step_id)
+        if step_id > last + 1:  # vLLM raised before binding a plan: its forward never ran here
             self._failed_epoch = max(metadata.fault_epoch, self._failed_epoch or 0)
+            earlier = metadata.earlier_events.items()
+            self._hold_failures(e for s, events in earlier if last < s < step_id for e in events)
         self._echo_failed = metadata.unissued_failed_request_ids
         plan = metadata.plan
         self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
