@@ -25,11 +25,12 @@ def cache_full_blocks(layout: KVLayout, pool: BlockPool, request: Request, num_b
                 pool.insert_key(key, block_id, group.block_size)
 
 
-def drop_out_of_window(layout: KVLayout, pool: BlockPool, request: Request) -> None:
-    """Give back sliding-window blocks the next token can no longer attend to.
+def drop_out_of_window(layout: KVLayout, request: Request, unfreed: list[list[int]]) -> None:
+    """Take sliding-window blocks the next token can no longer attend to out of the
+    request's table, onto `unfreed` (the scheduler's, which frees them).
 
-    Each leaves the table before it is freed (one statement): an interrupt in between
-    leaks it, where freeing it first let the abort that follows free it again."""
+    Each leaves the table and joins `unfreed` in one statement: an interrupt never leaves
+    it in both (freed again by the abort that follows) or in neither (leaked)."""
     for group_id, group in enumerate(layout.groups):
         if group.kind is not GroupKind.SLIDING_WINDOW:
             continue
@@ -38,5 +39,4 @@ def drop_out_of_window(layout: KVLayout, pool: BlockPool, request: Request) -> N
         table = request.block_tables[group_id]
         for pos in range(min(first // group.block_size, len(table))):
             if table[pos] != NULL_BLOCK_ID:
-                block_id, table[pos] = table[pos], NULL_BLOCK_ID
-                pool.free([block_id])
+                table[pos], unfreed[len(unfreed) :] = NULL_BLOCK_ID, [[table[pos]]]

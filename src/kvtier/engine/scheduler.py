@@ -326,7 +326,7 @@ class Scheduler(QueueRecovery):
             request.num_computed_tokens += work.num_new_tokens
             cache_full_blocks(self.layout, self.pool, request, before)
             if token is None:  # a prefill chunk: the next one attends to a window too
-                drop_out_of_window(self.layout, self.pool, request)
+                self._drop_out_of_window(request)
                 continue
             request.append_output(token, now)
             reason = finish_reason(
@@ -337,8 +337,14 @@ class Scheduler(QueueRecovery):
                 self._finish(request, now)
                 finished.append(request)
             else:
-                drop_out_of_window(self.layout, self.pool, request)
+                self._drop_out_of_window(request)
         return finished
+
+    def _drop_out_of_window(self, request: Request) -> None:
+        """Free the sliding-window blocks the request no longer attends to; cut short,
+        `_settle` (or the step's abort) frees those taken from its table."""
+        drop_out_of_window(self.layout, request, self._unfreed)
+        self._free_unfreed()
 
     def _finish(self, request: Request, now: float) -> None:
         """Its offload state and blocks go first, `running` next, and it is FINISHED last:
