@@ -211,16 +211,13 @@ class LLM:
             sampled = self._forward(step) if step.work else []
             # A request is kept until returned (`Scheduler.unreturned`) as it finishes: cut
             # short from there on, the next step returns it.
-            finished = self.scheduler.complete(step, sampled, time.perf_counter())
+            self.scheduler.complete(step, sampled, time.perf_counter())
         except BaseException:
             for work in step.work:
                 self._abort(work.request)
             raise
-        for request in finished:  # `generate`'s requests and `add_request`'s alike
-            self.stats.num_local_hit_tokens += request.num_local_tokens_total
-            self.stats.num_external_hit_tokens += request.num_external_tokens_total
+        self._count_finished()  # this step's, and a step's cut short after finishing some
         if self.offload is not None:
-            self.offload.finish_step(finished)
             self.offload.poll()
             self._apply_offload()
             if not step.work:
@@ -309,6 +306,22 @@ class LLM:
 
     def _abort(self, request: Request) -> None:
         self.scheduler.abort(request)
+
+    def _count_finished(self) -> None:
+        """Count the hit tokens of the requests finished since the last call (`generate`'s
+        and `add_request`'s alike) and tell the offload side they finished.
+
+        Safe to cut short: the offload side's note is a set, and the counts and the list
+        go in one statement, so each request counts once."""
+        scheduler, stats = self.scheduler, self.stats
+        done = scheduler.uncounted
+        if self.offload is not None:
+            self.offload.finish_step(done)
+        stats.num_local_hit_tokens, stats.num_external_hit_tokens, scheduler.uncounted = (
+            stats.num_local_hit_tokens + sum(r.num_local_tokens_total for r in done),
+            stats.num_external_hit_tokens + sum(r.num_external_tokens_total for r in done),
+            [],
+        )
 
     def _apply_offload(self) -> None:
         """Apply the loads finished or failed that the offload side kept for the engine.

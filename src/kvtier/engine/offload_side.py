@@ -203,8 +203,9 @@ class OffloadSide:
         self._held_reports.append(WorkerReport(failed=failed))
 
     def finish_step(self, finished: Sequence[Request]) -> None:
-        """Remember which requests finished, for the next step's hand-off filtering."""
-        self._finished_ids = frozenset(r.request_id for r in finished)
+        """Remember which requests finished, for the next plan's hand-off filtering; a
+        repeat (a call cut short) adds to what the next plan is told."""
+        self._finished_ids = self._finished_ids | {r.request_id for r in finished}
 
     def poll(self) -> ReportOutcome:
         """Apply whatever the worker finished; return loads finished or failed, with

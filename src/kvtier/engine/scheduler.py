@@ -62,6 +62,10 @@ class Scheduler(QueueRecovery):
         # Finished by `complete`, not yet returned by the engine's step: kept in the
         # statement that finishes them, so a step cut short loses none (`LLM.step`).
         self.unreturned: list[Request] = []
+        # Finished, their hit tokens not yet counted by the engine (`LLM._count_finished`):
+        # kept in the same statement, so a step cut short after finishing them counts them
+        # at the next.
+        self.uncounted: list[Request] = []
 
     def add(self, request: Request) -> None:
         """Queue a new request."""
@@ -247,21 +251,24 @@ class Scheduler(QueueRecovery):
             for pos in range(num_local // group.block_size, num_hit // group.block_size):
                 fresh = pos >= first_needed
                 tables[group_id].append(self.pool.allocate(1)[0] if fresh else NULL_BLOCK_ID)
+        r = request
         if num_external:
             # Loading before its load is queued, in one statement: an interrupt never
             # leaves it waiting with tokens a pending load is still writing (it would run
             # on them); one cut short before the load was queued is rewound (`_settle`).
             # Its targets on one line: Python runs no line (no interrupt) between them.
-            r = request
             r.status, r.num_external_tokens, r.num_external_tokens_total, r.num_computed_tokens = (
                 RequestStatus.WAITING_FOR_LOAD,
                 num_external,
                 request.num_external_tokens_total + num_external,
                 num_hit,
             )
-        else:
-            request.num_computed_tokens = num_hit
-        request.num_local_tokens_total += num_local
+            request.num_local_tokens_total += num_local
+        else:  # one statement: cut short, it is `_settle`d as admitted, its hit counted once
+            r.num_computed_tokens, r.num_local_tokens_total = (
+                num_hit,
+                r.num_local_tokens_total + num_local,
+            )
         if self.offload is not None:
             self.offload.on_allocated(request, tables, num_external)
         return num_new
@@ -350,15 +357,16 @@ class Scheduler(QueueRecovery):
         """Its offload state and blocks go first, `running` next, and it is FINISHED last:
         cut short (an interrupt), it is still unfinished, and the step's abort finishes
         what is left (`abort` skips a FINISHED request: one still running would run on).
-        Marked FINISHED, it is `unreturned` in the same statement."""
+        Marked FINISHED, it is `unreturned` and `uncounted` in the same statement."""
         if self.offload is not None:
             self.offload.on_finished(request, request.block_tables)
         self._free_blocks(request)
         self.running.remove(request)
-        request.status, request.finish_time, self.unreturned = (
+        request.status, request.finish_time, self.unreturned, self.uncounted = (
             RequestStatus.FINISHED,
             now,
             [*self.unreturned, request],
+            [*self.uncounted, request],
         )
 
     def apply_offload(self, outcome: ReportOutcome) -> None:
