@@ -351,7 +351,8 @@ class Scheduler(QueueRecovery):
         """Free the sliding-window blocks the request no longer attends to; cut short,
         `_settle` (or the step's abort) frees those taken from its table."""
         drop_out_of_window(self.layout, request, self._unfreed)
-        self._free_unfreed()
+        if self._unfreed:  # none for a model without sliding windows
+            self._free_unfreed()
 
     def _finish(self, request: Request, now: float) -> None:
         """Its offload state and blocks go first, `running` next, and it is FINISHED last:
