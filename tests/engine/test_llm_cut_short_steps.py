@@ -21,7 +21,7 @@ from types import FrameType
 from typing import Any
 
 from test_llm_admit_interrupts import ADMIT, FROM_LINE
-from test_llm_poll_interrupts import LineInterrupt, interrupt_once, loaded_engine
+from test_llm_poll_interrupts import LineInterrupt, interrupt_once, loaded_engine, step_through
 from test_llm_submit_failures import (
     PARAMS,
     assert_consistent_and_drained,
@@ -67,12 +67,7 @@ def test_hit_tokens_of_a_request_finished_in_a_cut_short_step_are_counted() -> N
 def stepped(llm: Any, prompts: list[list[int]]) -> list[Request]:
     """Run `prompts` by `add_request` and `step`, each interrupted step called again;
     the last step returns what the one before finished."""
-    requests = [llm.add_request(prompt, PARAMS) for prompt in prompts]
-    while llm.scheduler.has_unfinished():
-        try:
-            llm.step()
-        except KeyboardInterrupt:
-            continue
+    requests = step_through(llm, prompts)
     llm.step()
     return requests
 

@@ -36,6 +36,7 @@ from test_llm_submit_failures import (
 )
 
 from kvtier.engine.llm import LLM
+from kvtier.engine.request import Request
 from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.transfers import TransferBook
 from kvtier.transfer.routes import Direction
@@ -83,13 +84,19 @@ def run_turn(llm: LLM, prompts: list[list[int]], stepped: bool) -> list[Any]:
     """Return the tokens of `prompts`, run by `generate` or by `step` (see above)."""
     if not stepped:
         return [o.output_token_ids for o in llm.generate(prompts, PARAMS)]
+    return [tuple(r.output_token_ids) for r in step_through(llm, prompts)]
+
+
+def step_through(llm: LLM, prompts: list[list[int]]) -> list[Request]:
+    """Run `prompts` by `add_request` and `step`, each interrupted step called again;
+    return their requests."""
     requests = [llm.add_request(prompt, PARAMS) for prompt in prompts]
     while llm.scheduler.has_unfinished():
         try:
             llm.step()
         except KeyboardInterrupt:
             continue
-    return [tuple(r.output_token_ids) for r in requests]
+    return requests
 
 
 def loaded_engine() -> tuple[LLM, Any]:
