@@ -6,10 +6,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from storage_helpers import WAIT_S, join_all, start_until_parked
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOMode, DiskTier, DiskTierConfig
@@ -168,4 +170,41 @@ def test_a_closed_disk_tier_refuses_to_drop_records(tmp_path: Path) -> None:
         tier.end_persistence()
     tier = DiskTier(config)
     assert tier.recovered_slots() == [(1, rec(1)), (2, rec(2))]
+    tier.close()
+
+
+def test_a_close_waits_for_a_forget_already_running(tmp_path: Path) -> None:
+    """A `forget` that passed the closed check when another thread began `close()`
+    drops its records durably before the close syncs and closes the manifest.
+
+    Regression: the close ran at once; the forget then reached a closed manifest and
+    returned as if it had dropped the record, which a restart restored."""
+    config = tier_config(tmp_path)
+    tier = DiskTier(config)
+    slots = np.arange(1, 4, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 4)]).result()
+    release = threading.Event()
+    forget = tier._records.forget
+    errors: list[BaseException] = []
+
+    def held_forget(ids: list[int]) -> None:
+        assert release.wait(WAIT_S), "the test never released the forget"
+        forget(ids)
+
+    def forget_slot_2() -> None:
+        try:
+            tier.forget([2])
+        except BaseException as exc:
+            errors.append(exc)
+
+    tier._records.forget = held_forget  # type: ignore[method-assign]
+    forgetting = start_until_parked(forget_slot_2, "forget")
+    closing = start_until_parked(tier.close, "close")
+    closing.join(0.5)  # time to finish, were it not waiting for the forget
+    assert closing.is_alive(), "the close did not wait for the forget"
+    release.set()
+    join_all(forgetting, closing)
+    assert errors == []
+    tier = DiskTier(config)
+    assert tier.recovered_slots() == [(1, rec(1)), (3, rec(3))]
     tier.close()

@@ -12,6 +12,9 @@ has finished:
     the thread running it (a finalizer run   returns at once: waiting would wait for
     by a garbage collection inside it)       itself
     any, once it completed                   returns at once
+
+Calls that must finish before the close (`enter` ... `leave`: a manifest append) are
+refused once it began, and the close waits for those already running in other threads.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class CloseGate:
         self._runner: int | None = None  # ident of the thread running the action
         self._is_closing = False
         self._is_closed = False
+        self._working: list[int] = []  # idents of threads between `enter` and `leave`
 
     @property
     def is_closing(self) -> bool:
@@ -41,6 +45,21 @@ class CloseGate:
         """Return True once a close completed."""
         return self._is_closed
 
+    def enter(self) -> bool:
+        """Start a call the close must wait for; return False (nothing started) once a
+        close began. Pair a True with `leave`."""
+        with self._cond:
+            if self._is_closing:
+                return False
+            self._working.append(threading.get_ident())
+            return True
+
+    def leave(self) -> None:
+        """End a call `enter` started."""
+        with self._cond:
+            self._working.remove(threading.get_ident())
+            self._cond.notify_all()
+
     def mark_closing(self) -> None:
         """Refuse new work from now on, for a close that another thread is about to run."""
         with self._cond:
@@ -49,15 +68,15 @@ class CloseGate:
     def run(self, action: Callable[[], None]) -> None:
         """Run `action` unless it completed; while another thread runs it, wait for it.
 
-        An `action` that raises leaves the gate closing but not closed: the exception goes
-        to its caller, and the next caller (a waiting one included) runs it again, so
-        `action` must be safe to repeat. A call from the thread running `action` returns at
-        once.
+        Calls between `enter` and `leave` in other threads finish first. An `action` that
+        raises leaves the gate closing but not closed: the exception goes to its caller,
+        and the next caller (a waiting one included) runs it again, so `action` must be
+        safe to repeat. A call from the thread running `action` returns at once.
         """
         me = threading.get_ident()
         with self._cond:
             self._is_closing = True
-            while self._runner not in (None, me):
+            while self._runner not in (None, me) or any(t != me for t in self._working):
                 self._cond.wait()
             if self._is_closed or self._runner == me:
                 return

@@ -21,12 +21,13 @@ made durable, are `disk_tier_records`'s.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -160,8 +161,8 @@ class DiskTier:
         engine cannot tell. Writes in flight are not recorded once this returns.
         RuntimeError once the tier is closed: the records it would drop stay on disk.
         """
-        self._refuse_closed()
-        self._records.end_persistence()
+        with self._open_for_records():
+            self._records.end_persistence()
 
     def forget(self, slots: Sequence[int]) -> None:
         """Drop the manifest records of `slots` now (copies the scheduler dropped or never
@@ -175,8 +176,8 @@ class DiskTier:
         as by `end_persistence` (and its OSError): the copies may be suspect. RuntimeError
         once the tier is closed: the records stay on disk, and a restart restores them.
         """
-        self._refuse_closed()
-        self._records.forget(self._slot_ids(slots))
+        with self._open_for_records():
+            self._records.forget(self._slot_ids(slots))
 
     def prepare_overwrite(self, slots: Sequence[int]) -> None:
         """Tombstone the manifest records of `slots`, which a job is about to write (in one
@@ -184,8 +185,8 @@ class DiskTier:
         batch's write would otherwise sync its own slots' tombstones (see
         `disk_tier_records`). Same conditions and errors as `forget`, and RuntimeError once
         the tier is closed (as `write_slots`); a no-op for a non-persistent tier."""
-        self._refuse_closed()
-        self._records.prepare_overwrite(self._slot_ids(slots))
+        with self._open_for_records():
+            self._records.prepare_overwrite(self._slot_ids(slots))
 
     def _slot_ids(self, slots: Sequence[int]) -> list[int]:
         """Return `slots` as ints; raise ValueError naming those out of range."""
@@ -249,6 +250,18 @@ class DiskTier:
         slot_ids = slot_ids.copy()
         future = self._load_io.submit(self._read, buffer, slot_ids)
         return SlotRead(future, functools.partial(self._verify, buffer, slot_ids))
+
+    @contextlib.contextmanager
+    def _open_for_records(self) -> Iterator[None]:
+        """Refuse a manifest change once a close began (RuntimeError naming the tier);
+        a close waits for one already running, which would otherwise reach a closed
+        manifest and return as if its records were dropped."""
+        if not self._closing.enter():
+            raise RuntimeError(f"disk tier {self.path} is closed")
+        try:
+            yield
+        finally:
+            self._closing.leave()
 
     def _refuse_closed(self) -> None:
         if self._closing.is_closing:
