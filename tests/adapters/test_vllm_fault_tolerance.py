@@ -4,7 +4,9 @@ A forward that raises leaves its blocks unwritten, yet vLLM's model runner still
 the connector's `start_load_kv` and `wait_for_save` (the `finally` of its KV connector
 context), and its engine core then aborts every request from the exception handler of
 its busy loop (`EngineCoreSentinel.on_fault`). vLLM counted the failed step's tokens as
-computed when it scheduled them: kvtier must not store those blocks.
+computed when it scheduled them: kvtier must not store those blocks. With several
+ranks, vLLM drops the output of a rank whose forward raised and hands the other ranks'
+outputs, their KV events removed, to the next step's aggregate.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
+from vllm_workers import WorkerSide
 
 from kvtier.offload.plan import Tier
 
@@ -176,4 +179,58 @@ def test_stores_vllm_never_asked_to_save_are_failed() -> None:
         raising_forward_deferring_save(harness, scheduler_output)
     fault_abort(harness)
     drain(harness)  # "engine still busy" while the stores were pending
+    check_quiescent(harness)
+
+
+def raise_from_forward(worker: WorkerSide, scheduler_output: SchedulerOutput) -> None:
+    """Raise from one rank's forward, calling its worker role as vLLM's model runner."""
+    try:
+        raise RuntimeError("forward failed")
+    finally:
+        worker.after_forward(scheduler_output)
+
+
+def failed_forward_on_one_rank(harness: VllmHarness, failing_rank: int) -> None:
+    """Schedule a step whose forward raises on `failing_rank` only, the others' outputs
+    salvaged as vLLM's multiproc executor does (`ft_defer_kv_connector_outputs`): they
+    join the next step's aggregate, their KV events dropped."""
+    scheduler_output = harness.scheduler.schedule()
+    for worker in harness.workers:
+        worker.before_forward(scheduler_output)
+    salvaged = []
+    for rank, worker in enumerate(harness.workers):
+        if rank == failing_rank:
+            with pytest.raises(RuntimeError, match="forward failed"):
+                raise_from_forward(worker, scheduler_output)
+        else:
+            salvaged.append(worker.after_forward(scheduler_output))
+    harness._aggregator.ft_defer_kv_connector_outputs(salvaged)
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_healthy_rank_s_report_of_a_failed_step_arrives_a_step_late(failing_rank: int) -> None:
+    """Stores whose completion each rank polls during the step that failed on one rank:
+    the healthy rank's report comes salvaged at the next step, the failing rank's again
+    from its worker; both count once, and the blocks are served."""
+    harness = kvtier_harness(num_ranks=2)
+    gates = [PollGate(offload_worker(harness, rank)) for rank in range(2)]
+    for gate in gates:
+        gate.hold("store")
+    harness.add_request("x", list(range(5000, 5065)), max_tokens=50)
+    for _ in range(3):
+        harness.step()  # x's 4 blocks are stored on both ranks, their completion held
+    harness.wait_for_copies()
+    assert num_tier_blocks(harness) == 0
+    for gate in gates:
+        gate.release()  # reported at the next poll: that of the failing step
+    harness.add_request("a", PROMPT, max_tokens=4)
+    failed_forward_on_one_rank(harness, failing_rank)
+    fault_abort(harness)
+    drain(harness)  # "engine still busy" if either rank's completion was lost
+    assert num_tier_blocks(harness) == 4
+    check_quiescent(harness)
+    assert harness.scheduler.reset_prefix_cache()
+    harness.add_request("b", [*range(5000, 5065), 7], max_tokens=2)
+    drain(harness)
+    assert harness.external_hit_tokens("b") == 64
     check_quiescent(harness)
