@@ -234,3 +234,33 @@ def test_a_healthy_rank_s_report_of_a_failed_step_arrives_a_step_late(failing_ra
     drain(harness)
     assert harness.external_hit_tokens("b") == 64
     check_quiescent(harness)
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_load_finishing_during_a_step_failed_on_one_rank_releases_its_pins(
+    failing_rank: int,
+) -> None:
+    """A request waiting for its load when the step fails on one rank, and is aborted:
+    vLLM frees it once every rank reported the load, the healthy rank's report salvaged
+    into the next step."""
+    harness = kvtier_harness(num_ranks=2)
+    harness.add_request("x", list(range(5000, 5065)), max_tokens=2)
+    drain(harness)
+    assert harness.scheduler.reset_prefix_cache()
+    gates = [PollGate(offload_worker(harness, rank)) for rank in range(2)]
+    for gate in gates:
+        gate.hold("load")
+    harness.add_request("b", [*range(5000, 5065), 7], max_tokens=4)
+    harness.step()  # b's 64 tokens load on both ranks, their completion held
+    assert harness.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    harness.wait_for_copies()
+    for gate in gates:
+        gate.release()
+    failed_forward_on_one_rank(harness, failing_rank)
+    fault_abort(harness)
+    drain(harness)  # "engine still busy" while b waits for a load report
+    check_quiescent(harness)
+    harness.add_request("c", [*range(5000, 5065), 8], max_tokens=2)
+    drain(harness)
+    assert harness.external_hit_tokens("c") + harness.local_hit_tokens("c") >= 64
+    check_quiescent(harness)
