@@ -126,11 +126,23 @@ def check_quiescent(harness: VllmHarness) -> None:
     assert not side.offload.loads.recompute_next, "failed-load marks leaked"
     assert not side.has_pending_stores()
     pool = harness.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == harness.cfg.num_gpu_blocks - 1, "GPU block leaked"
+    held = {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt and not b.is_null}
+    assert held == deferred_frees(harness), "GPU block leaked"
     for rank in range(harness.cfg.num_ranks):
         offload_worker(harness, rank).check_invariants()
         worker = kvtier_worker(harness, rank)
         assert worker.connector.worker_side.loads.is_idle(), "load tracker leaked"  # type: ignore[attr-defined]
+
+
+def deferred_frees(harness: VllmHarness) -> dict[int, int]:
+    """Return the GPU blocks vLLM has yet to return to its pool, with their reference
+    counts: those of requests freed while a step that ran them was never processed
+    (`Scheduler.deferred_frees`, fenced on its processed step count)."""
+    held: dict[int, int] = {}
+    for _, blocks in harness.scheduler.deferred_frees:
+        for block in blocks:
+            held[block.block_id] = held.get(block.block_id, 0) + 1
+    return held
 
 
 class PollGate:

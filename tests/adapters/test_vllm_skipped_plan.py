@@ -13,7 +13,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import SCHEDULING, check_quiescent, drain, kvtier_harness, scheduler_side
+from kvtier_vllm import (
+    SCHEDULING,
+    check_quiescent,
+    deferred_frees,
+    drain,
+    kvtier_harness,
+    scheduler_side,
+)
 from test_vllm_fault_before_bind import num_tier_blocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -127,4 +134,7 @@ def test_a_skipped_first_plan_fails_the_stores_planned_before_the_fault_was_know
     drain(harness, 300)
     assert num_tier_blocks(harness) == 0  # nothing of a's was ever computed
     assert not scheduler_side(harness).has_pending_stores()
+    assert deferred_frees(harness)  # vLLM's: the skipped steps were never processed
+    check_quiescent(harness)
     serve_another(harness)
+    check_quiescent(harness)
