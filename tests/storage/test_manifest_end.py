@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_manifest import IDENTITY, close, manifest_of, open_tier_files, rec
 
-from kvtier.storage import manifest_log
+from kvtier.storage import manifest_compaction, manifest_log
 from kvtier.storage.disk_tier_close import close_files
 from kvtier.storage.manifest import read_manifest
 
@@ -52,7 +52,7 @@ def test_a_failed_rewrite_removes_the_manifest(
     first_log(tmp_path)
     slot_file, log, _ = open_tier_files(tmp_path)
 
-    def full_disk(path: str, content: bytes) -> int:
+    def full_disk(path: str, content: bytes, durable_rename: bool = False) -> int:
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
     monkeypatch.setattr(manifest_log, "rewrite_manifest", full_disk)
@@ -69,13 +69,42 @@ def test_a_failed_rewrite_removes_the_manifest(
     close(slot_file, log)
 
 
+def test_a_rewrite_whose_rename_cannot_be_made_durable_removes_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Until the directory is synced, a crash may undo the rename and bring back the
+    records the reset dropped: the manifest is removed (and that removal synced) instead."""
+    first_log(tmp_path)
+    slot_file, log, _ = open_tier_files(tmp_path)
+    real_sync = manifest_compaction.sync_directory
+    calls = []
+
+    def sync_failing_once(path: str) -> None:
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error", path)
+        real_sync(path)
+
+    monkeypatch.setattr(manifest_compaction, "sync_directory", sync_failing_once)
+    monkeypatch.setattr(manifest_log, "sync_directory", sync_failing_once)
+    with caplog.at_level(logging.WARNING):
+        log.end()
+    assert "cannot sync the new manifest's directory" in caplog.text
+    assert len(calls) == 2  # the rewrite's, then the removal's
+    assert not manifest_of(tmp_path).exists()
+    close(slot_file, log)
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {}
+    close(slot_file, log)
+
+
 def test_a_manifest_that_can_be_neither_emptied_nor_removed_is_removed_at_close(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     first_log(tmp_path)
     slot_file, log, _ = open_tier_files(tmp_path)
 
-    def refuse(path: str, content: bytes = b"") -> int:
+    def refuse(path: str, content: bytes = b"", durable_rename: bool = False) -> int:
         raise OSError(errno.EIO, "Input/output error", path)
 
     monkeypatch.setattr(manifest_log, "rewrite_manifest", refuse)

@@ -42,16 +42,18 @@ def compaction_due(records: int, live: int, floor: int = COMPACT_FLOOR) -> bool:
     return records > max(COMPACT_RATIO * live, floor)
 
 
-def rewrite_manifest(path: str, content: bytes) -> int:
+def rewrite_manifest(path: str, content: bytes, *, durable_rename: bool = False) -> int:
     """Atomically replace the file at `path` with `content`; return a descriptor that
     appends to the new file (O_APPEND, the one the content was written through).
 
     Raises OSError naming the file (after removing the temporary file) when the content
     cannot be written, synced or renamed; the file at `path` is then unchanged. The
     temporary file is created exclusively (never opened when something is already there),
-    so nothing at its path can make this wait. A failed fsync of the
-    directory after the rename is only logged: the new file is complete and in place, and
-    should the rename be lost in a crash the old log is back, which is consistent too.
+    so nothing at its path can make this wait. A failed fsync of the directory after the
+    rename is only logged: the new file is complete and in place, and should the rename
+    be lost in a crash the old log is back, which is consistent too (a compaction keeps
+    every live record). With `durable_rename` (the old log must never come back) it
+    raises OSError naming the file instead; the new file is then in place.
     """
     tmp = path + ".tmp"
     unlink_quietly(tmp)  # a leftover of a crash; the slot file's lock makes it ours
@@ -67,6 +69,11 @@ def rewrite_manifest(path: str, content: bytes) -> int:
     try:
         sync_directory(path)
     except OSError as exc:
+        if durable_rename:
+            os.close(fd)
+            raise OSError(
+                exc.errno, f"cannot sync the new manifest's directory: {exc.strerror or exc}", path
+            ) from exc
         logger.warning("disk tier manifest %s: cannot sync its directory: %s", path, exc)
     return fd
 

@@ -121,7 +121,8 @@ class ManifestLog:
         The file is rewritten atomically with the header alone (fsynced, see
         `rewrite_manifest`), under the lock that serializes appends: a put of a write
         still in flight lands in the replaced file or is dropped, never in the new one.
-        When the rewrite fails the manifest is removed instead (the next open starts
+        When the rewrite fails, or its rename cannot be made durable (a crash would bring
+        the old records back), the manifest is removed instead (the next open starts
         empty); when that fails too, OSError naming the file is raised and `close()`
         raises too, so that the tier's close removes the manifest then (see
         `disk_tier_close`). Appends stop either way.
@@ -134,7 +135,7 @@ class ManifestLog:
             if self._fd is None:
                 return
             try:
-                fd = rewrite_manifest(self.path, self._header)
+                fd = rewrite_manifest(self.path, self._header, durable_rename=True)
             except OSError as exc:
                 self._remove_after(exc)
                 return
