@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 import xxhash
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
+from kvtier.storage.disk_io import consecutive_runs, io_pool
 from kvtier.storage.disk_tier_close import close_dropped, close_files
 from kvtier.storage.disk_tier_config import DiskTierConfig
 from kvtier.storage.disk_tier_records import DiskRecords
@@ -110,8 +110,8 @@ class DiskTier:
         # Idents of the I/O threads, recorded by each as it starts: close() from one of them
         # (a future's done-callback) must not wait for it.
         self._io_threads: set[int] = set()
-        self._store_io = _io_pool("store", self._io_threads)
-        self._load_io = _io_pool("load", self._io_threads)
+        self._store_io = io_pool("store", self._io_threads)
+        self._load_io = io_pool("load", self._io_threads)
         self._closing = CloseGate()
         # Collection without close() closes the files as close() does. Queued I/O holds
         # this object, so none is left by then, and idle I/O threads exit with their pool.
@@ -299,7 +299,7 @@ class DiskTier:
         self._records.prepare_write(slots)
         self._valid[slot_ids] = False
         try:
-            for a, b in _consecutive_runs(slot_ids):
+            for a, b in consecutive_runs(slot_ids):
                 self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
         except BaseException:
             self._records.write_failed(slots)
@@ -310,7 +310,7 @@ class DiskTier:
 
     def _read(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         size = self.config.bytes_per_slot
-        for a, b in _consecutive_runs(slot_ids):
+        for a, b in consecutive_runs(slot_ids):
             self._file.read(buffer.memory[a * size : b * size], int(slot_ids[a]))
 
     def _verify(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
@@ -389,25 +389,3 @@ class DiskTier:
             self._records.commit()  # the I/O threads are done: nothing else commits or writes
         if self._finalizer.detach() is not None:
             close_files(self._file, self._records.log)
-
-
-def _io_pool(side: str, idents: set[int]) -> ThreadPoolExecutor:
-    """Return a one-thread pool whose thread adds its ident to `idents` as it starts."""
-    return ThreadPoolExecutor(
-        1,
-        thread_name_prefix=f"kvtier-disk-{side}",
-        initializer=_record_thread,
-        initargs=(idents,),
-    )
-
-
-def _record_thread(idents: set[int]) -> None:
-    idents.add(threading.get_ident())
-
-
-def _consecutive_runs(ids: np.ndarray) -> list[tuple[int, int]]:
-    """Return `[a, b)` index ranges over which `ids` goes up by exactly one."""
-    if len(ids) == 0:
-        return []
-    cuts = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist(), len(ids)]
-    return list(itertools.pairwise(cuts))
