@@ -83,6 +83,15 @@ def offload_worker(harness: VllmHarness, rank: int = 0) -> OffloadWorker:
     return kvtier_worker(harness, rank).connector.worker_side.worker  # type: ignore[attr-defined,no-any-return]
 
 
+def num_resent(harness: VllmHarness) -> int:
+    """Return how many outputs the ranks sent again because vLLM dropped them
+    (`redelivery.Outbox`): none unless a test drops one."""
+    return sum(
+        kvtier_worker(harness, rank).connector.worker_side.outbox.num_resent  # type: ignore[attr-defined]
+        for rank in range(harness.cfg.num_ranks)
+    )
+
+
 def drain(harness: VllmHarness, max_steps: int = 2000) -> None:
     """Step until vLLM is idle (finish-time stores included)."""
     harness.run(max_steps)

@@ -22,6 +22,7 @@ from kvtier_vllm import (
     check_quiescent,
     kvtier_harness,
     kvtier_worker,
+    num_resent,
     offload_worker,
     scheduler_side,
 )
@@ -274,6 +275,7 @@ class Run:
         self.drain_steps()
         assert all(worker.is_idle for worker in self.workers)
         check_quiescent(self.harness)
+        assert num_resent(self.harness) == 0, "an output vLLM applied was sent again"
 
     def audit_tier(self) -> None:
         """Copy every block a tier indexes to the GPU cache of every rank and check it there.

@@ -3,7 +3,8 @@
 Scheduler → every worker: `KVTierMetadata` (kvtier's `TransferPlan` plus the request ids
 of loads that will never run, which every worker reports back as failed so vLLM stops
 waiting for them). Worker → scheduler: `KVTierWorkerMetadata` (kvtier's `WorkerReport`),
-summed over ranks by vLLM's `KVOutputAggregator` through `aggregate`.
+summed over ranks by vLLM's `KVOutputAggregator` through `aggregate`. Each direction also
+carries what `redelivery` needs to send again, once, an output vLLM dropped.
 
 Both are plain picklable data: vLLM ships them between processes.
 """
@@ -18,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvtier.adapters.vllm.redelivery import Acks, Sent, merge_sent
 from kvtier.offload.plan import TransferPlan, WorkerReport
 
 
@@ -36,12 +38,18 @@ class KVTierMetadata(KVConnectorMetadata):
     `earlier_events`: the event ids of earlier plans still in flight, by plan step id. A
     worker that never bound one of those plans (vLLM's model runner raised before it
     did) reports their events failed when it binds this one (`WorkerSide.bind`).
+
+    `acks` and `processed_step`: the worker outputs the scheduler role has applied, and
+    the newest step they came from; a worker sends again what vLLM dropped
+    (`redelivery`).
     """
 
     plan: TransferPlan
     unissued_failed_request_ids: tuple[str, ...] = ()
     fault_epoch: int = 0
     earlier_events: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    acks: Acks = field(default_factory=dict)
+    processed_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,19 +59,25 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     `failed_forward_epoch`: the newest `KVTierMetadata.fault_epoch` of a plan during
     whose step a forward failed on the rank, until the rank gets a plan of a later epoch;
     None when there is none.
+
+    `sent`: per worker, the step and the numbers of the outputs this one carries, for the
+    scheduler role to acknowledge (`redelivery`).
     """
 
     report: WorkerReport = field(default_factory=WorkerReport)
     failed_forward_epoch: int | None = None
+    sent: Sent = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
-        """Return the sum of both reports (associative: counts per event add up) and
-        the later failed-forward epoch."""
+        """Return the sum of both reports (associative: counts per event add up), the
+        later failed-forward epoch and both workers' output numbers."""
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate KVTierWorkerMetadata with {type(other).__name__}")
         epochs = [
             e for e in (self.failed_forward_epoch, other.failed_forward_epoch) if e is not None
         ]
         return KVTierWorkerMetadata(
-            WorkerReport.merge([self.report, other.report]), max(epochs, default=None)
+            WorkerReport.merge([self.report, other.report]),
+            max(epochs, default=None),
+            merge_sent(self.sent, other.sent),
         )

@@ -43,6 +43,7 @@ from kvtier.adapters.vllm.layout import (
     tier_sizes,
 )
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.adapters.vllm.redelivery import Receipts
 from kvtier.adapters.vllm.stats import (
     GAUGES,
     KVTierStats,
@@ -113,6 +114,7 @@ class SchedulerSide:
         self._unissued_failures: list[str] = []
         self._fault_epoch = 0  # failed forwards the workers reported (`KVTierMetadata`)
         self._plan_events: dict[int, tuple[int, ...]] = {}  # `KVTierMetadata.earlier_events`
+        self._receipts = Receipts()  # worker outputs applied (`redelivery`)
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
@@ -225,7 +227,10 @@ class SchedulerSide:
         earlier = self._earlier_events()
         if plan.jobs:
             self._plan_events[plan.step_id] = tuple(job.event_id for job in plan.jobs)
-        return KVTierMetadata(plan, failed, self._fault_epoch, earlier)
+        receipts = self._receipts
+        return KVTierMetadata(
+            plan, failed, self._fault_epoch, earlier, receipts.acks(), receipts.processed_step
+        )
 
     def _earlier_events(self) -> dict[int, tuple[int, ...]]:
         """Return the events of earlier plans still in flight, by step id (forgetting
@@ -247,6 +252,8 @@ class SchedulerSide:
             report = _NOTHING_FINISHED
         elif isinstance(worker_meta, KVTierWorkerMetadata):
             report = worker_meta.report
+            if worker_meta.sent:
+                self._receipts.note(worker_meta.sent)
         else:
             raise TypeError(f"unexpected worker metadata {type(worker_meta).__name__}")
         failed_epoch = getattr(worker_meta, "failed_forward_epoch", None)

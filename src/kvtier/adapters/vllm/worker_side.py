@@ -16,7 +16,10 @@ Per step, in vLLM's order:
                            finished instead, and
     load errors            the GPU blocks its bad blocks were copied into
                            (`get_block_ids_with_load_errors`): vLLM keeps its prefix
-    worker metadata        the polled `WorkerReport` for the scheduler role
+    worker metadata        the polled `WorkerReport` for the scheduler role, and the
+                           numbers of this rank's outputs until the scheduler role
+                           acknowledges them: an output vLLM dropped (the rank raised
+                           after these calls) is sent again once (`redelivery`)
 
 A forward that raises (vLLM's fault tolerance keeps the engine up) still gets
 `start_load_kv`, `wait_for_save` and the result calls from vLLM's `finally`, whose output
@@ -39,6 +42,7 @@ from typing import Any
 from kvtier.adapters.vllm.layout import block_level_failures, tier_sizes
 from kvtier.adapters.vllm.load_tracker import LoadTracker
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.adapters.vllm.redelivery import Outbox, Output
 from kvtier.adapters.vllm.regions import KVCacheValue, placement_block_views
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
@@ -125,6 +129,9 @@ class WorkerSide:
         self._plan_epoch = 0  # `KVTierMetadata.fault_epoch` of the bound plan
         self._failed_epoch: int | None = None  # of the plan whose forward last failed
         self._last_step_id = 0  # `TransferPlan.step_id` of the last bound plan (from 1)
+        self.outbox = Outbox()  # outputs until acknowledged (`redelivery`)
+        self._resend: Output | None = None  # dropped outputs, sent again this step
+        self._output = Output(0)  # what this step's output carries so far, resends aside
 
     @property
     def worker(self) -> OffloadWorker:
@@ -181,6 +188,7 @@ class WorkerSide:
             earlier = metadata.earlier_events.items()
             self._hold_failures(e for s, events in earlier if last < s < step_id for e in events)
         self._echo_failed = metadata.unissued_failed_request_ids
+        self._resend = self.outbox.acknowledge(metadata.acks, metadata.processed_step)
         plan = metadata.plan
         self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
         self._loads_submitted = self._stores_submitted = False
@@ -317,12 +325,23 @@ class WorkerSide:
         finished.update(self._echo_failed)
         failed.update(self._echo_failed)
         self._echo_failed = ()
+        self._output = Output(
+            self._last_step_id, WorkerReport(), frozenset(finished), frozenset(failed)
+        )
+        if self._resend is not None:  # outputs vLLM dropped: to vLLM again, exactly once
+            finished.update(self._resend.finished_recving)
+            failed.update(self._resend.failed_recving)
         return finished, failed
 
     def take_invalid_blocks(self) -> set[int]:
         """Return the suspect GPU blocks of the failed loads `take_results` reported as
         finished (vLLM keeps each request's tokens before its first one)."""
-        return self.loads.take_invalid_blocks()
+        invalid = self.loads.take_invalid_blocks()
+        if invalid:
+            self._output = replace(self._output, invalid_blocks=frozenset(invalid))
+        if self._resend is not None and self._resend.invalid_blocks:
+            invalid = invalid | self._resend.invalid_blocks
+        return invalid
 
     def take_worker_metadata(self) -> KVTierWorkerMetadata | None:
         """Return what finished since the last call, and the epoch of a failed forward
@@ -332,9 +351,15 @@ class WorkerSide:
             return None
         failed_epoch = self._failed_epoch if self._stores_unsafe else None
         report, self._report = self._report, WorkerReport()
-        if report.is_empty and failed_epoch is None:
+        output = replace(self._output, step_id=self._last_step_id, report=report)
+        self._output = Output(self._last_step_id)
+        sent = self.outbox.record(output)
+        if self._resend is not None:
+            report = WorkerReport.merge([report, self._resend.report])
+            self._resend = None
+        if report.is_empty and failed_epoch is None and not sent:
             return None
-        return KVTierWorkerMetadata(report, failed_epoch)
+        return KVTierWorkerMetadata(report, failed_epoch, sent)
 
     def shutdown(self) -> None:
         """Finish outstanding transfers and release the tier (idempotent)."""
