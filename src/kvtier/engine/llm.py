@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
+from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
@@ -20,6 +20,7 @@ from kvtier.engine.request import Request
 from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
 from kvtier.engine.sampling import SamplingParams, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
+from kvtier.engine.stall_checks import StallChecks
 from kvtier.engine.validation import (
     RequestLimits,
     as_params_list,
@@ -39,12 +40,13 @@ _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
 _MAX_STALLED_STEPS = 100
 
 
-class LLM:
+class LLM(StallChecks):
     """A small paged-attention engine with kvtier's offloading, for CPU or CUDA.
 
     `model` is a local HF-format checkpoint directory, a `ModelConfig` (random weights
     with `engine.seed`), or None for `ModelConfig.tiny()`. Nothing is ever downloaded.
-    After `shutdown()` (or leaving a `with` block) the engine refuses new work.
+    After `shutdown()` (or leaving a `with` block) the engine refuses new work. The
+    stall checks of `step` and `drain` come from `StallChecks`.
     """
 
     def __init__(
@@ -332,41 +334,6 @@ class LLM:
         assert self.offload is not None
         self.scheduler.apply_offload(self.offload.unapplied_outcome())
         self.offload.outcome_applied()
-
-    def _progress_mark(self) -> tuple[int, ...]:
-        """Return counters that change whenever a step does anything."""
-        stats = self.stats
-        marks = (stats.num_computed_tokens, stats.num_preemptions)
-        if self.offload is None:
-            return marks
-        totals = self.offload.totals
-        return (*marks, totals.num_issued_events, totals.num_reported_events)
-
-    def _describe_unfinished(self) -> str:
-        scheduler = self.scheduler
-        groups = (
-            ("waiting", [r.request_id for r in scheduler.waiting]),
-            ("running", [r.request_id for r in scheduler.running]),
-            ("loading", list(scheduler.loading)),
-        )
-        parts = [f"{name}: {', '.join(ids)}" for name, ids in groups if ids]
-        return "requests " + "; ".join(parts) if parts else "no request is unfinished"
-
-    def _is_stalled(self, step: SchedulerStep) -> bool:
-        """Return True when no later step can run anything: the waiting head never fits.
-
-        Nothing ran, was preempted or is loading, and every GPU block but the head's
-        own is free: no request and no transfer (which pins its GPU blocks) can release
-        more, so the pool the head failed to fit in cannot grow.
-        """
-        scheduler = self.scheduler
-        if step.work or step.preempted_ids or scheduler.running or scheduler.loading:
-            return False
-        if not scheduler.waiting:
-            return False
-        head_blocks = {b for table in scheduler.waiting[0].block_tables for b in table}
-        head_blocks.discard(NULL_BLOCK_ID)
-        return self.pool.num_free() + len(head_blocks) >= self.pool.num_usable_blocks
 
     def _forward(self, step: SchedulerStep) -> list[int | None]:
         sequences = []
