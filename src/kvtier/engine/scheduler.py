@@ -22,14 +22,13 @@ from kvtier.engine.block_counts import (
     most_that_fit,
     num_blocks_after,
     num_hit_blocks,
-    num_new_blocks,
 )
+from kvtier.engine.block_growth import BlockGrowth
 from kvtier.engine.load_failure import rewind
 from kvtier.engine.queue_recovery import QueueRecovery
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.engine.scheduler_step import ScheduledWork, SchedulerLimits, SchedulerStep
-from kvtier.offload.protocols import TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.transfers import ReportOutcome
 
@@ -38,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ScheduledWork", "Scheduler", "SchedulerLimits", "SchedulerStep"]
 
 
-class Scheduler(QueueRecovery):
+class Scheduler(QueueRecovery, BlockGrowth):
     """Decide each step which requests run, with how many tokens and which blocks."""
 
     def __init__(
@@ -174,25 +173,6 @@ class Scheduler(QueueRecovery):
                 released = True
         return released
 
-    def _shrink_to_fit(self, request: Request, num_new: int) -> int | None:
-        """Return the most of `num_new` tokens whose blocks fit the pool (None if none)."""
-        free = self.pool.num_free()
-        return most_that_fit(num_new, lambda n: num_new_blocks(self.layout, request, n) <= free)
-
-    def _holds_the_pool(self, request: Request) -> bool:
-        """Return True when `request` runs alone and every other block is free."""
-        if len(self.running) != 1 or self.loading:
-            return False
-        own = {b for table in request.block_tables for b in table if b != NULL_BLOCK_ID}
-        return self.pool.num_free() + len(own) >= self.pool.num_usable_blocks
-
-    def _work(self, request: Request, num_new: int, new_ids: list[list[int]]) -> ScheduledWork:
-        if request.needs_full_table:
-            request.needs_full_table = False
-            ids = tuple(tuple(table) for table in request.block_tables)
-            return ScheduledWork(request, num_new, ids, TableUpdate.REPLACE)
-        return ScheduledWork(request, num_new, tuple(map(tuple, new_ids)), TableUpdate.APPEND)
-
     def _admit(self, request: Request, budget: int, shrink: bool = False) -> int | None:
         """Give a waiting request its cached prefix and blocks; return tokens to run now.
 
@@ -272,18 +252,6 @@ class Scheduler(QueueRecovery):
         if self.offload is not None:
             self.offload.on_allocated(request, tables, num_external)
         return num_new
-
-    def _grow(self, request: Request, num_new: int) -> list[list[int]] | None:
-        """Append the blocks `num_new` more tokens need; None if the pool is short."""
-        if num_new_blocks(self.layout, request, num_new) > self.pool.num_free():
-            return None
-        new_ids = []
-        for group, table in zip(self.layout.groups, request.block_tables, strict=True):
-            need = -(-(request.num_computed_tokens + num_new) // group.block_size)
-            fresh = self.pool.allocate(max(0, need - len(table)))
-            table.extend(fresh)
-            new_ids.append(fresh)
-        return new_ids
 
     def _preempt(self, request: Request, step: SchedulerStep) -> None:
         """Move the last running request to the front of `waiting`, then free its blocks.
