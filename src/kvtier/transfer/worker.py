@@ -60,6 +60,7 @@ from kvtier.transfer.routes import (
     Task,
     run_task,
 )
+from kvtier.transfer.worker_checks import check_worker_invariants
 from kvtier.transfer.worker_config import WorkerConfig, WorkerState
 from kvtier.transfer.worker_reports import WorkerReports
 from kvtier.transfer.worker_resources import WorkerResources, release_dropped
@@ -374,30 +375,4 @@ class OffloadWorker(WorkerReports):
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the worker's bookkeeping or tiers are inconsistent."""
-        pending = [e for lane in self._lanes.values() for e in lane.pending_event_ids()]
-        assert len(pending) == len(set(pending)), f"an event is pending twice: {pending}"
-        reported = [e for lane in self._lanes.values() for e in lane.reported_event_ids()]
-        assert set(pending).difference(reported) == self._in_flight, "in-flight vs lanes"
-        host = self._held.host
-        if self.state is WorkerState.CREATED:
-            assert self._regions is None, "regions before register()"
-        if self._regions is None:  # never registered (or register() failed)
-            assert self.state is not WorkerState.REGISTERED, "registered without regions"
-            assert not self._held.has_tiers, "tiers held without regions"
-            return
-        if self.state is WorkerState.SHUT_DOWN:
-            assert not self._held.has_tiers, "tiers held after shutdown()"
-        regions = self._regions
-        assert regions.regions, "no regions"
-        assert all(r.num_blocks == regions.num_blocks for r in regions.regions)
-        if host is not None:
-            host.check_invariants()
-            widths = [v.shape[1] for v in host.views]
-            assert widths == [r.bytes_per_block for r in regions.regions], "host tier layout"
-            assert host.num_slots == self.config.cpu_num_slots
-        if self._disk is not None:
-            self._disk.disk.check_invariants()
-            assert self._disk.disk.config.bytes_per_slot == regions.bytes_per_slot
-            size = self._engine_rows[0].element_size()
-            columns = tuple((a * size, b * size) for a, b in self._disk.spans)
-            assert columns == regions.slot_columns(), "disk slot layout"
+        check_worker_invariants(self)
