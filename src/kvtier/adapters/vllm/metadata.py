@@ -39,6 +39,10 @@ class KVTierMetadata(KVConnectorMetadata):
     worker that never bound one of those plans (vLLM's model runner raised before it
     did) reports their events failed when it binds this one (`WorkerSide.bind`).
 
+    `earlier_echoes`: `unissued_failed_request_ids` of earlier plans vLLM has not yet
+    reported finished on every rank, by plan step id: a worker that never bound one of
+    those plans echoes them when it binds this one.
+
     `acks` and `processed_step`: the worker outputs the scheduler role has applied, and
     the newest step they came from; a worker sends again what vLLM dropped
     (`redelivery`).
@@ -50,6 +54,7 @@ class KVTierMetadata(KVConnectorMetadata):
     earlier_events: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     acks: Acks = field(default_factory=dict)
     processed_step: int = 0
+    earlier_echoes: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

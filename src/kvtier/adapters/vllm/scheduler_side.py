@@ -43,7 +43,7 @@ from kvtier.adapters.vllm.layout import (
     tier_sizes,
 )
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.adapters.vllm.redelivery import Receipts
+from kvtier.adapters.vllm.plan_memory import PlanMemory
 from kvtier.adapters.vllm.stats import (
     GAUGES,
     KVTierStats,
@@ -112,9 +112,7 @@ class SchedulerSide:
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
-        self._fault_epoch = 0  # failed forwards the workers reported (`KVTierMetadata`)
-        self._plan_events: dict[int, tuple[int, ...]] = {}  # `KVTierMetadata.earlier_events`
-        self._receipts = Receipts()  # worker outputs applied (`redelivery`)
+        self._plans = PlanMemory(self.offload.is_in_flight)  # for ranks a fault hit
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
         self._hit_tokens: dict[str, int] = {}  # cumulative per tier, at the last stats
         self._last_split: tuple[str, dict[Tier, int]] | None = None
@@ -224,25 +222,7 @@ class SchedulerSide:
             )
         )
         failed, self._unissued_failures = tuple(self._unissued_failures), []
-        earlier = self._earlier_events()
-        if plan.jobs:
-            self._plan_events[plan.step_id] = tuple(job.event_id for job in plan.jobs)
-        receipts = self._receipts
-        return KVTierMetadata(
-            plan, failed, self._fault_epoch, earlier, receipts.acks(), receipts.processed_step
-        )
-
-    def _earlier_events(self) -> dict[int, tuple[int, ...]]:
-        """Return the events of earlier plans still in flight, by step id (forgetting
-        the rest): a rank that skipped one of those plans has not reported them."""
-        in_flight = self.offload.is_in_flight
-        kept = {}
-        for step_id, event_ids in self._plan_events.items():
-            left = tuple(e for e in event_ids if in_flight(e))
-            if left:
-                kept[step_id] = left
-        self._plan_events = kept
-        return dict(kept)
+        return self._plans.metadata(plan, failed)
 
     def apply_output(self, connector_output: Any) -> None:
         """Apply the workers' merged report: register stores, release load pins."""
@@ -252,13 +232,9 @@ class SchedulerSide:
             report = _NOTHING_FINISHED
         elif isinstance(worker_meta, KVTierWorkerMetadata):
             report = worker_meta.report
-            if worker_meta.sent:
-                self._receipts.note(worker_meta.sent)
         else:
             raise TypeError(f"unexpected worker metadata {type(worker_meta).__name__}")
-        failed_epoch = getattr(worker_meta, "failed_forward_epoch", None)
-        if failed_epoch is not None and failed_epoch >= self._fault_epoch:
-            self._fault_epoch = failed_epoch + 1  # later plans' stores run again
+        self._plans.applied(worker_meta, connector_output.finished_recving or set())
         outcome = self.offload.apply_report(report)
         for failed in outcome.failed_loads:  # issued: the workers reported them to vLLM
             logger.warning(

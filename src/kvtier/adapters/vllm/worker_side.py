@@ -175,7 +175,8 @@ class WorkerSide:
         plan built before the fault was known stores that step's unwritten blocks. The
         skipped plans' jobs never ran here and never will: their events still in flight
         (`KVTierMetadata.earlier_events`) are reported failed, so their pins are released
-        and their loads' requests fail (vLLM recomputes them, or frees an aborted one).
+        and their loads' requests fail (vLLM recomputes them, or frees an aborted one),
+        and the loads they echoed as never issued are echoed now (`earlier_echoes`).
         """
         if self._plan is not None and not self._stores_submitted:
             self._hold_failures(job.event_id for job in self._plan.jobs if job.is_store)
@@ -187,7 +188,10 @@ class WorkerSide:
             self._failed_epoch = max(metadata.fault_epoch, self._failed_epoch or 0)
             earlier = metadata.earlier_events.items()
             self._hold_failures(e for s, events in earlier if last < s < step_id for e in events)
-        self._echo_failed = metadata.unissued_failed_request_ids
+            echoes = metadata.earlier_echoes.items()
+            self._echo_failed += tuple(r for s, ids in echoes if last < s < step_id for r in ids)
+        # Kept until `take_results` hands them to vLLM: not in a step whose forward raised.
+        self._echo_failed += metadata.unissued_failed_request_ids
         self._resend = self.outbox.acknowledge(metadata.acks, metadata.processed_step)
         plan = metadata.plan
         self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
@@ -196,7 +200,6 @@ class WorkerSide:
     def clear(self) -> None:
         """Forget this step's plan."""
         self._plan = None
-        self._echo_failed = ()
 
     def start_loads(self) -> None:
         """Submit this step's loads and demotions (they run in the background).

@@ -1,0 +1,85 @@
+"""What the connector's scheduler role remembers of the plans it sent and the worker
+outputs it applied, so that a fault on a rank loses nothing.
+
+- `fault_epoch`: how many failed forwards the workers reported; a plan built before the
+  scheduler learned of one fails its stores on that rank (`WorkerSide.submit_stores`).
+- `earlier_events` and `earlier_echoes`: per plan still relevant, its events in flight
+  and the loads it echoed as never issued that vLLM has not yet seen from every rank. A
+  rank that never bound that plan (vLLM's model runner raised first) fails the events
+  and echoes the loads when it binds a later one.
+- `acks` and `processed_step` (`redelivery.Receipts`): which worker outputs were
+  applied, for a rank to send again an output vLLM dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Set
+from typing import TypeVar
+
+from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.adapters.vllm.redelivery import Receipts
+from kvtier.offload.plan import TransferPlan
+
+T = TypeVar("T")
+
+
+class PlanMemory:
+    """The scheduler role's memory of its plans; `is_in_flight(event_id)` tells an
+    event the offload scheduler still waits for."""
+
+    def __init__(self, is_in_flight: Callable[[int], bool]) -> None:
+        self._is_in_flight = is_in_flight
+        self.fault_epoch = 0
+        self._events: dict[int, tuple[int, ...]] = {}
+        self._echoes: dict[int, tuple[str, ...]] = {}
+        self._receipts = Receipts()
+
+    def metadata(self, plan: TransferPlan, echoes: tuple[str, ...]) -> KVTierMetadata:
+        """Return the metadata that sends `plan`, echoing `echoes` as never issued."""
+        earlier = self._earlier_events()
+        if plan.jobs:
+            self._events[plan.step_id] = tuple(job.event_id for job in plan.jobs)
+        earlier_echoes = dict(self._echoes)
+        if echoes:
+            self._echoes[plan.step_id] = echoes
+        receipts = self._receipts
+        return KVTierMetadata(
+            plan,
+            echoes,
+            self.fault_epoch,
+            earlier,
+            receipts.acks(),
+            receipts.processed_step,
+            earlier_echoes,
+        )
+
+    def applied(self, worker_meta: KVTierWorkerMetadata | None, finished: Set[str]) -> None:
+        """Note one output vLLM applied: its workers' outputs and failed forwards, and
+        the loads vLLM reported finished on every rank (`finished_recving`)."""
+        if worker_meta is not None:
+            if worker_meta.sent:
+                self._receipts.note(worker_meta.sent)
+            failed_epoch = worker_meta.failed_forward_epoch
+            if failed_epoch is not None and failed_epoch >= self.fault_epoch:
+                self.fault_epoch = failed_epoch + 1  # later plans' stores run again
+        if self._echoes and finished:
+            self._echoes = _without(self._echoes, lambda r: r in finished)
+
+    def _earlier_events(self) -> dict[int, tuple[int, ...]]:
+        """Return the events of earlier plans still in flight, by step id (forgetting
+        the rest): a rank that skipped one of those plans has not reported them."""
+        in_flight = self._is_in_flight
+        self._events = _without(self._events, lambda e: not in_flight(e))
+        return dict(self._events)
+
+
+def _without(
+    by_step: dict[int, tuple[T, ...]], done: Callable[[T], bool]
+) -> dict[int, tuple[T, ...]]:
+    """Return `by_step` without the items `done` picks, and without steps left empty."""
+    kept = {}
+    for step_id, items in by_step.items():
+        left = tuple(item for item in items if not done(item))
+        if left:
+            kept[step_id] = left
+    return kept
