@@ -67,8 +67,10 @@ def test_failed_load_fails_the_request_under_vllms_default_policy() -> None:
     check_quiescent(harness)
 
 
-def test_loads_dropped_before_issue_are_echoed_as_failed_by_every_worker() -> None:
-    harness = stored_then_gpu_reset(num_ranks=2)
+def losing_lookup_pins(harness: VllmHarness) -> set[str]:
+    """Make every request's first lookup hit lose its pin before allocation, so kvtier
+    drops that load unissued; return the ids of the requests it happened to (filled in
+    as they come)."""
     side = scheduler_side(harness)
     lookup = side.lookup
     sabotaged: set[str] = set()
@@ -84,6 +86,12 @@ def test_loads_dropped_before_issue_are_echoed_as_failed_by_every_worker() -> No
         return result
 
     side.lookup = lookup_then_lose_the_pin  # type: ignore[method-assign]
+    return sabotaged
+
+
+def test_loads_dropped_before_issue_are_echoed_as_failed_by_every_worker() -> None:
+    harness = stored_then_gpu_reset(num_ranks=2)
+    sabotaged = losing_lookup_pins(harness)
     harness.run_requests(AGAIN, max_tokens=3)  # hangs if nobody reports the dropped loads
     assert sabotaged == set(AGAIN)
     assert all(harness.external_hit_tokens(r) == 48 for r in AGAIN)

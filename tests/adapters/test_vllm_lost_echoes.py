@@ -14,14 +14,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import check_quiescent, drain, scheduler_side
-from test_vllm_connector_faults import AGAIN, stored_then_gpu_reset
+from kvtier_vllm import check_quiescent, drain
+from test_vllm_connector_faults import AGAIN, losing_lookup_pins, stored_then_gpu_reset
 from test_vllm_fault_tolerance import failed_forward, fault_abort
 from test_vllm_skipped_plan import run_on
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
-
-from kvtier.adapters.vllm.views import VllmRequestView
 
 PROMPT = AGAIN["again-req-0"]
 
@@ -30,19 +28,7 @@ def harness_losing_lookup_pins(num_ranks: int) -> VllmHarness:
     """Return a harness whose tier holds the prompts' prefixes, and whose every first
     lookup hit loses its pin before allocation: kvtier drops that load unissued."""
     harness = stored_then_gpu_reset(num_ranks=num_ranks)
-    side = scheduler_side(harness)
-    lookup = side.lookup
-    sabotaged: set[str] = set()
-
-    def lookup_then_lose_the_pin(request: object, num_computed_tokens: int) -> tuple[int, bool]:
-        result = lookup(request, num_computed_tokens)
-        request_id = request.request_id  # type: ignore[attr-defined]
-        if result[0] and request_id not in sabotaged:
-            sabotaged.add(request_id)
-            side.offload.lookup(VllmRequestView(request), result[0] + num_computed_tokens)
-        return result
-
-    side.lookup = lookup_then_lose_the_pin  # type: ignore[method-assign]
+    losing_lookup_pins(harness)
     return harness
 
 
