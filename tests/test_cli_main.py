@@ -189,3 +189,51 @@ def test_an_unknown_option_shows_the_usage_of_its_command(
     err = capsys.readouterr().err
     assert err.startswith(f"usage: kvtier {command} ")
     assert err.endswith(f"kvtier {command}: error: unrecognized arguments: --bogus\n")
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "error"),
+    [
+        ("kvtier", ["replay", "t.jsonl", "--capacity", "-1M"], "--cpu: invalid token count '-1M'"),
+        ("kvtier", ["demo", "--cpu-mib", "-1e3"], "--cpu-mib: invalid integer '-1e3'"),
+        ("replay", ["t.jsonl", "--cpu", "-1.5k"], "--cpu: invalid token count '-1.5k'"),
+        ("replay", ["t.jsonl", "--cpu-link-gbps", "-1e3"], "must be >= 1e-06 and finite"),
+        ("generate", ["t.jsonl", "--seed", "-1e3"], "--seed: invalid integer '-1e3'"),
+    ],
+)
+def test_a_value_like_minus_1m_is_reported_by_its_option(
+    command: str, argv: list[str], error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Regression: argparse took "-1M" for an option and said only "expected one argument".
+    from kvtier.replay import generate
+
+    parse = {
+        "kvtier": lambda: parse_arguments(build_parser(), argv),
+        "replay": lambda: replay_cli.parse_arguments(argv),
+        "generate": lambda: generate.main(argv),
+    }[command]
+    with pytest.raises(SystemExit) as exit_info:
+        parse()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert error in err
+    assert "expected one argument" not in err
+
+
+def test_only_a_long_option_takes_the_dashed_number_after_it() -> None:
+    from kvtier.replay.option_types import attach_dashed_values
+
+    assert attach_dashed_values(["--cpu", "-1M", "--gpu=-2k", "-v", "-3G"]) == [
+        "--cpu=-1M",
+        "--gpu=-2k",
+        "-v",
+        "-3G",
+    ]
+    assert attach_dashed_values(["--cpu", "-x", "--", "--out", "-1"]) == [
+        "--cpu",
+        "-x",
+        "--",
+        "--out",
+        "-1",
+    ]
+    assert attach_dashed_values(["t.jsonl", "--cpu"]) == ["t.jsonl", "--cpu"]

@@ -58,9 +58,14 @@ def parse_arguments(
 
     argparse leaves options a subcommand does not know to the top-level parser, whose
     usage line (`kvtier [-h] [-v] [--version] COMMAND ...`) does not show the options
-    that were meant; the subcommand's usage does.
+    that were meant; the subcommand's usage does. A value like `-1M` is checked by its
+    option's type, not taken for an option (`attach_dashed_values`).
     """
-    args, unknown = parser.parse_known_args(argv)
+    from kvtier.replay.option_types import attach_dashed_values
+
+    args, unknown = parser.parse_known_args(
+        attach_dashed_values(sys.argv[1:] if argv is None else argv)
+    )
     if unknown:
         command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
         command.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -16,6 +16,7 @@ from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvtier.replay.config import CascadeMode, ReleaseOrder, ReplayError
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
 from kvtier.replay.option_types import (
+    attach_dashed_values,
     block_size,
     bytes_per_token,
     parse_tokens,
@@ -343,4 +344,4 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         "-v", "--verbose", action="store_true", help="log at INFO level (default: WARNING)"
     )
     parser.set_defaults(command="replay")
-    return parser.parse_args(argv)
+    return parser.parse_args(attach_dashed_values(sys.argv[1:] if argv is None else argv))

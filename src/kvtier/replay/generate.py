@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from kvtier.replay.ascii_number import ascii_int
+from kvtier.replay.option_types import attach_dashed_values
 from kvtier.replay.outputs import check_file_path, output_path
 from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.stdout_lines import progress_bar_disable
@@ -218,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Write a chat workload trace; return the exit status (130 after Ctrl-C, 143 after
     SIGTERM, with no partial file left behind)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(attach_dashed_values(sys.argv[1:] if argv is None else argv))
     try:
         check_options(args)
     except ValueError as exc:  # named as the option, not as the config field it sets

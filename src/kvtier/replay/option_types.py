@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from collections.abc import Sequence
 from fractions import Fraction
 
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
@@ -22,6 +23,30 @@ _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE | re
 # centuries, printed with hundreds of digits, or infinite (JSON has no infinity).
 MIN_RATE = 1e-6
 MAX_BYTES_PER_TOKEN = 1 << 30  # 1 GiB: a 405B model's KV in fp32 is about 1 MiB per token
+# A value starting with a dash and a digit. argparse reads "-5" and "-0.5" as negative
+# numbers but "-1M" and "-1e3" as options, and then reports only "expected one argument".
+_DASHED_NUMBER = re.compile(r"^-\.?\d")
+
+
+def attach_dashed_values(argv: Sequence[str]) -> list[str]:
+    """Return `argv` with each long option followed by a dashed number (`--capacity -1M`)
+    joined into one argument (`--capacity=-1M`), so the option's type names what is
+    wrong with the value. Nothing after `--` changes."""
+    joined: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            joined.extend(argv[i:])
+            break
+        value = argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith("--") and "=" not in arg and _DASHED_NUMBER.match(value):
+            joined.append(f"{arg}={value}")
+            i += 2
+        else:
+            joined.append(arg)
+            i += 1
+    return joined
 
 
 def parse_tokens(text: str) -> int:
