@@ -5,9 +5,9 @@ admissions taking all, none or part of their tier hit, chunked scheduling, preem
 aborts, GPU cache eviction, scheduler resets, and 1-4 fake workers that complete, delay,
 fail or re-report transfers, or report events never issued. The layout may add a sliding
 window (blocks nulled as they leave it) or a state group (stored from hand-offs) to the
-full-attention group. On the way it records what the model checks in
-`test_scheduler_stateful` need: lookup pins, queued loads, abandoned events and the
-(tier, key) pairs a completed, kept copy holds.
+full-attention group; the tiers run any eviction and admission policy. On the way it
+records what the model checks in `test_scheduler_stateful` need: lookup pins, queued
+loads, abandoned events and the (tier, key) pairs a completed, kept copy holds.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from sim import (
 
 from kvtier.core.keys import Key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvtier.offload.config import CascadeMode, OffloadConfig, StoreMode
 from kvtier.offload.plan import Tier, TransferJob
 
@@ -37,6 +38,14 @@ FAMILIES = [[1000 * f + i for i in range(12)] for f in range(2)]
 MAX_LIVE_REQUESTS = 4
 SEEDS = st.integers(0, 2**32 - 1)
 WORKER_ACTIONS = ["done"] * 6 + ["wait"] * 3 + ["fail", "corrupt"]
+# The tiers' (eviction, admission) policies: LRU alone half the time, else any other pair.
+OTHER_POLICIES = [
+    (eviction, admission)
+    for eviction in EVICTION_POLICIES
+    for admission in ADMISSION_POLICIES
+    if (eviction, admission) != ("lru", "all")
+]
+POLICIES = [("lru", "all")] * len(OTHER_POLICIES) + OTHER_POLICIES
 SETUP_ARGS = {  # `SchedulerDriver.setup`'s draws (a subclass's own setup may add some)
     "num_workers": st.integers(1, 4),
     "num_gpu_blocks": st.integers(8, 16),
@@ -45,6 +54,7 @@ SETUP_ARGS = {  # `SchedulerDriver.setup`'s draws (a subclass's own setup may ad
     "num_disk_blocks": st.integers(3, 10),
     "second": st.sampled_from([None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE]),
     "token_check": st.booleans(),
+    "policy": st.sampled_from(POLICIES),
 }
 
 
@@ -93,6 +103,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         num_disk_blocks: int,
         second: GroupKind | None,
         token_check: bool,
+        policy: tuple[str, str],
     ) -> None:
         """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits).
 
@@ -100,7 +111,8 @@ class SchedulerDriver(RuleBasedStateMachine):
         that left it) or a recurrent state (stored from hand-offs). A cascade machine
         puts a disk tier of `num_disk_blocks` behind the CPU tier; a disk-only machine's
         one tier of `num_tier_blocks` is a disk. `token_check` (eager
-        only) tags every store and checks every hit's tags.
+        only) tags every store and checks every hit's tags. `policy` is the tiers'
+        (eviction, admission) pair: no check below depends on which blocks it keeps.
         """
         fine = fine and self.mode is StoreMode.EAGER
         token_check = token_check and self.mode is StoreMode.EAGER
@@ -119,6 +131,8 @@ class SchedulerDriver(RuleBasedStateMachine):
             max_batched_tokens=8,
             fine_grained_hits=fine,
             token_check=token_check,
+            eviction_policy=policy[0],
+            admission_policy=policy[1],
             **tiers,  # type: ignore[arg-type]
         )
         self.engine = SimEngine(
