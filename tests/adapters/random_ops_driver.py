@@ -129,13 +129,17 @@ class Engine:
     scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" or "priority" (`Add.priority`)
     multi: tuple[str, ...] | None = None  # kvtier in a MultiConnector (multi_connector.py)
     eagle: bool = False  # vLLM runs an EAGLE speculative config (HarnessConfig.eagle)
+    policy: str = "lru"  # the tiers' policy, EVICTION[+ADMISSION] (kvtier's "policy" key)
+    token_check: bool = False  # kvtier tags stores and checks hits' tokens (eager only)
 
 
 class Run:
     """One example: a harness with a `FaultyWorker` per rank, and its bookkeeping."""
 
     def __init__(self, engine: Engine, totals: collections.Counter[str], disk_dir: str) -> None:
-        extra: dict[str, Any] = {"store_mode": engine.store_mode}
+        extra: dict[str, Any] = {"store_mode": engine.store_mode, "policy": engine.policy}
+        if engine.token_check:
+            extra["token_check"] = True
         if engine.fine_grained_hits:
             extra["fine_grained_hits"] = True
         num_cpu_blocks = 25

@@ -20,7 +20,8 @@ copied out and checked against its key, and every prompt replayed from a zeroed 
 cache. Per engine (eager, lazy, write-through cascade, two ranks with write-back; eager
 and lazy again under vLLM's asynchronous scheduling, overlapped and lock-step; write-back
 with KV events on, each tier event checked to describe one whole block; a disk-only
-tier) the examples must add up to tier hits, failed transfers, late ones, preemptions,
+tier; set dueling with the token check; ARC with second-sighting admission in front of a
+write-back disk) the examples must add up to tier hits, failed transfers, late ones, preemptions,
 aborts and resets, so the test cannot pass by not exercising them. 10-20 s an engine on 2
 cores.
 """
@@ -90,6 +91,10 @@ ENGINES = [
     Engine("write_back_events", cascade="write_back", events=True),
     # One disk tier, no CPU tier: GPU blocks are stored to disk.
     Engine("disk_only", disk_only=True),
+    # Other tier policies: set dueling with the token check on; ARC admitting a block on
+    # its second sighting, in front of a write-back disk.
+    Engine("eager_duel_token_check", policy="duel", token_check=True),
+    Engine("write_back_arc_door", cascade="write_back", policy="arc+door"),
 ]
 
 
