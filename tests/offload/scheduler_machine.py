@@ -27,7 +27,7 @@ from sim import (
     needed_positions,
 )
 
-from kvtier.core.keys import Key
+from kvtier.core.keys import BlockHash, Key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvtier.offload.config import CascadeMode, OffloadConfig, StoreMode
@@ -55,6 +55,7 @@ SETUP_ARGS = {  # `SchedulerDriver.setup`'s draws (a subclass's own setup may ad
     "second": st.sampled_from([None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE]),
     "token_check": st.booleans(),
     "policy": st.sampled_from(POLICIES),
+    "events": st.booleans(),
 }
 
 
@@ -92,6 +93,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         self.num_seen_reports = 0
         self.next_id = 0
         self.hits_reported = 0  # cumulative hit tokens at the last take_stats
+        self.event_keys: dict[str, Counter[tuple[BlockHash, int]]] = {}  # per tier, replayed
 
     @initialize(**SETUP_ARGS)
     def setup(
@@ -104,6 +106,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         second: GroupKind | None,
         token_check: bool,
         policy: tuple[str, str],
+        events: bool,
     ) -> None:
         """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits).
 
@@ -113,6 +116,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         one tier of `num_tier_blocks` is a disk. `token_check` (eager
         only) tags every store and checks every hit's tags. `policy` is the tiers'
         (eviction, admission) pair: no check below depends on which blocks it keeps.
+        `events` has the tiers record KV events (registration takes its per-block path).
         """
         fine = fine and self.mode is StoreMode.EAGER
         token_check = token_check and self.mode is StoreMode.EAGER
@@ -133,6 +137,7 @@ class SchedulerDriver(RuleBasedStateMachine):
             token_check=token_check,
             eviction_policy=policy[0],
             admission_policy=policy[1],
+            events=events,
             **tiers,  # type: ignore[arg-type]
         )
         self.engine = SimEngine(

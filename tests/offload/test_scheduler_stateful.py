@@ -51,7 +51,8 @@ from scheduler_machine import (
     tagged,
 )
 
-from kvtier.core.keys import Key
+from kvtier.core.events import AllCleared, BlockStored
+from kvtier.core.keys import BlockHash, Key, key_block_hash, key_group_id
 from kvtier.offload.config import CascadeMode, StoreMode
 from kvtier.offload.plan import Tier, TransferJob
 
@@ -125,6 +126,32 @@ class SchedulerMachine(SchedulerDriver):
                     assert key in engine.covered.get(content, ()), (
                         f"a visible key's bytes are wrong in {tier.value}"
                     )
+
+    @invariant()
+    def events_replay_to_what_the_tiers_hold(self) -> None:
+        """With events on, each tier's events so far, replayed in order, name exactly the
+        keys (primary and secondary) its blocks hold: one stored event per key a block
+        took, one removed event per key it lost."""
+        scheduler = self.engine.scheduler
+        if not scheduler.config.events:
+            return
+        for event in scheduler.take_events():
+            assert event.medium is not None, f"an event names no tier: {event}"
+            held = self.event_keys.setdefault(event.medium, Counter())
+            if isinstance(event, AllCleared):
+                held.clear()
+                continue
+            named = (event.block_hash, event.group_id)
+            held[named] += 1 if isinstance(event, BlockStored) else -1
+            assert held[named] >= 0, f"{event} names a key {event.medium} does not hold"
+        for tier, pool in scheduler.index.pools.items():
+            want: Counter[tuple[BlockHash, int]] = Counter()
+            for block_id in range(pool.num_blocks):
+                key = pool.key(block_id)
+                for k in [key, *pool.secondary_keys(block_id)] if key is not None else ():
+                    want[(key_block_hash(k), key_group_id(k))] += 1
+            got = +self.event_keys.get(tier.value, Counter())
+            assert got == want, f"{tier.value}'s events describe other keys than it holds"
 
     @invariant()
     def quiet_stats_have_nothing_to_report(self) -> None:
