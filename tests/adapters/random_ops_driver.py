@@ -27,11 +27,13 @@ from kvtier_vllm import (
     scheduler_side,
 )
 from multi_connector import multi_harness
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import Request, RequestStatus
 from vllm_engine import KVGroupDef, PrefixFingerprints
 from vllm_harness import flatten_events
 
+from kvtier.adapters.vllm.events import vllm_medium
 from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.offload.plan import Tier, TransferJob
 
@@ -350,14 +352,41 @@ class Run:
         )
 
     def _check_tier_events(self) -> None:
-        """Check the tier's stored-block events: whole blocks, payloads of one block."""
+        """Check the tiers' published events: stored ones are whole blocks with payloads of
+        one block, and all of them, replayed in order (stored +1, removed -1 per hash),
+        name exactly the keys each tier's blocks hold now (vLLM is idle: nothing is left
+        unpublished). Events a faulted step took are published with a later step's."""
         block_sizes = {group.block_size for group in self.harness.cfg.groups}
+        published: collections.Counter[tuple[str, int, object]] = collections.Counter()
         for event in flatten_events(self.harness.event_batches):
-            if isinstance(event, BlockStored) and event.medium in ("CPU", "STORAGE"):
+            if getattr(event, "medium", None) not in ("CPU", "STORAGE"):  # GPU, AllBlocksCleared
+                continue
+            step = 1 if isinstance(event, BlockStored) else -1
+            if isinstance(event, BlockStored):
                 assert event.block_size in block_sizes, event
                 assert len(event.token_ids) in (0, event.block_size), event
                 self.totals[f"stored_events_{event.medium}"] += 1
                 self.totals["stored_events_with_tokens"] += bool(event.token_ids)
+            else:
+                assert isinstance(event, BlockRemoved), f"not a tier event: {event}"
+            for block_hash in event.block_hashes:
+                published[(event.medium, event.group_idx, block_hash)] += step
+        if not self.side.offload.config.events:
+            assert not published, "KV events published with events off"
+            return
+        held: collections.Counter[tuple[str, int, object]] = collections.Counter()
+        for tier, pool in self.side.offload.index.pools.items():
+            medium = vllm_medium(tier.value)
+            for slot in range(1, pool.num_blocks):
+                key = pool.key(slot)
+                for k in [key, *pool.secondary_keys(slot)] if key is not None else ():
+                    block_hash = maybe_convert_block_hash(key_block_hash(k))
+                    held[(medium, key_group_id(k), block_hash)] += 1
+        assert min(published.values(), default=0) >= 0, "a tier event removes a key twice"
+        assert +published == held, (
+            f"the tiers' events describe other keys than they hold: "
+            f"{len(held - published)} held unpublished, {len(published - held)} gone unremoved"
+        )
 
     def record_totals(self) -> None:
         admissions = self.harness.admissions

@@ -39,6 +39,7 @@ ENGINES = [
         num_ranks=2,
         kv_groups=(FULL, KVGroupDef(16, 17), KVGroupDef(16, 48)),
         num_gpu_blocks=32,
+        events=True,
     ),
     Engine(
         "large_full_blocks_write_back",
@@ -59,6 +60,7 @@ ENGINES = [
         kv_groups=(KVGroupDef(32), KVGroupDef(16, 40)),
         num_gpu_blocks=24,
         fine_grained_hits=True,
+        events=True,
     ),
     Engine(
         "window_async_pipelined",

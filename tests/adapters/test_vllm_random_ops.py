@@ -89,8 +89,8 @@ ENGINES = [
     Engine("lazy_async", store_mode="lazy", async_batches=1),
     # KV events on: stored-block payloads (eager) and demotion events (cascade).
     Engine("write_back_events", cascade="write_back", events=True),
-    # One disk tier, no CPU tier: GPU blocks are stored to disk.
-    Engine("disk_only", disk_only=True),
+    # One disk tier, no CPU tier: GPU blocks are stored to disk (its events on).
+    Engine("disk_only", disk_only=True, events=True),
     # Other tier policies: set dueling with the token check on; ARC admitting a block on
     # its second sighting, in front of a write-back disk.
     Engine("eager_duel_token_check", policy="duel", token_check=True),

@@ -321,3 +321,21 @@ def test_reset_drops_every_key_and_emits_all_cleared() -> None:
     assert free_order(pool) == [1, 2, 3, 4]
     assert sorted(pool.allocate(4)) == [1, 2, 3, 4]
     pool.check_invariants()
+
+
+def test_reset_removes_a_key_once_per_block_that_held_it() -> None:
+    """A key held by two blocks was stored twice: `AllCleared.removed` matches each
+    `BlockStored` with one `BlockRemoved`, so a consumer counting copies ends at zero."""
+    pool = make_pool(5, events=True, medium="CPU")
+    key = make_test_key(0)
+    first, second = pool.allocate(2)
+    pool.insert_key(key, first, 16)
+    pool.insert_key(key, second, 16)
+    pool.free([first, second])
+    stored = pool.take_events()
+    assert pool.reset() is True
+    (cleared,) = pool.take_events()
+    removed = BlockRemoved(key_block_hash(key), key_group_id(key), "CPU")
+    assert len(stored) == 2
+    assert list(cleared.removed) == [removed, removed]
+    pool.check_invariants()

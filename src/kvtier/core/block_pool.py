@@ -287,9 +287,10 @@ class BlockPool(PoolKeyRemoval):
             return False
         removed: tuple[BlockRemoved, ...] = ()
         if self._record_events:
-            removed = tuple(  # every key held, primary or secondary, once
+            removed = tuple(  # every key held, primary or secondary, once per block
                 BlockRemoved(key_block_hash(key), key_group_id(key), self.medium)
                 for key in self._index
+                for _ in range(1 + len(self._more_blocks.get(key, ())))
             )
         self._keys = [None] * self.num_blocks
         self._num_tokens = array("i", bytes(4 * self.num_blocks))

@@ -48,7 +48,8 @@ class BlockRemoved:
 class AllCleared:
     """Every key of a tier was dropped (reset).
 
-    `removed` names each key the tier held, as the `BlockRemoved` it amounts to (filled
+    `removed` names each key the tier held, as the `BlockRemoved` it amounts to, once
+    per block that held it (as many as the `BlockStored` events it matches; filled
     by `BlockPool.reset`; not compared): a consumer whose clear event carries no medium,
     such as vLLM's `AllBlocksCleared`, publishes those instead of clearing every tier.
     """
