@@ -200,6 +200,15 @@ class LoadPlanner(RecomputeGate):
             self.release_pin(request_id)  # the engine's error must not leak the pin
             raise
         parts = self.index.split_pairs(tier_ids, gpu_ids)
+        if self._lost_keys(parts):
+            logger.warning(
+                "request %s: a tier block of its hit was discarded since the lookup (a "
+                "failed load named it bad); not loading",
+                request_id,
+            )
+            self.release_pin(request_id)
+            self._fail_unissued(request_id, block_ids_per_group, FailedLoad(request_id, start, end))
+            return {}
         # Tokens per tier in proportion to its blocks (exact for one KV group).
         shares = [num_external_tokens * len(ids) // len(tier_ids) for _, ids, _ in parts]
         shares[0] += num_external_tokens - sum(shares)
@@ -238,6 +247,16 @@ class LoadPlanner(RecomputeGate):
         engine's list, by identity) or its failure: its outcome is on its way. False
         when an interrupt cut that call short before (nothing of it is queued)."""
         return self.queued_for.get(request_id) is block_ids_per_group
+
+    def _lost_keys(self, parts: list[tuple[Tier, list[int], list[int]]]) -> bool:
+        """Return True when a tier block to load holds no key any more.
+
+        A lookup pin keeps its blocks from being reused, not from being discarded: a
+        failed load that named a block bad drops its keys ("never serve a suspect copy
+        again"), and a request that pinned the block before must not read it either.
+        """
+        pools = self.index.pools
+        return any(None in pools[tier].keys(ids) for tier, ids, _ in parts)
 
     def _accepted_hit(
         self, request: RequestView, pin: LookupPin, num_tokens: int
