@@ -60,6 +60,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 return _report(exc)
             warm_up = replace(workload, num_conversations=2, num_turns=1)
             run_chat(warm, warm_up, "warm-up")
+        del warm  # one engine's GPU pool in memory at a time
         results = []
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("serving", total=len(configs) * workload.num_turns)
@@ -72,6 +73,7 @@ def run_demo(args: argparse.Namespace) -> int:
                         raise_if_terminated()  # a SIGTERM whose raise was swallowed
 
                     results.append(run_chat(llm, workload, name, on_turn))
+                del llm  # freed before the next run builds its pool
     _print_table(console, results)
     _print_transfers(console, results)
     by_turn = {r.name: _mean_ttft_ms_by_turn(r) for r in results}
