@@ -35,8 +35,9 @@ def run_demo(args: argparse.Namespace) -> int:
     """Run every configuration, print the comparison, write the plot.
 
     Returns 0 when every configuration produced identical tokens and the plot was
-    written, 1 when they differ or the plot could not be written (the verdict line and
-    stderr say which) and 2 for a bad option (the message, on stderr, names it).
+    written, 1 when they differ, the plot could not be written or a run's tier could not
+    be made (the verdict line and stderr say which) and 2 for a bad option (the message,
+    on stderr, names it).
     """
     console = _console()
     try:
@@ -66,7 +67,14 @@ def run_demo(args: argparse.Namespace) -> int:
             task = progress.add_task("serving", total=len(configs) * workload.num_turns)
             for name, offload in configs:
                 progress.update(task, description=f"serving: {name}")
-                with LLM(model, kv_offload=offload, engine=engine) as llm:
+                try:
+                    llm = LLM(model, kv_offload=offload, engine=engine)
+                except OSError as exc:  # the disk filled up since check_sizes
+                    print(
+                        f"kvtier demo: error: the {name} run cannot start: {exc}", file=sys.stderr
+                    )
+                    return 1
+                with llm:
 
                     def on_turn() -> None:
                         progress.advance(task)

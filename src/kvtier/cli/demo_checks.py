@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 from pathlib import Path
 
 from kvtier.core.kv_groups import KVLayout
@@ -133,10 +134,28 @@ def check_sizes(
                     check_host(config.cpu_bytes, 0, None)
                 else:
                     check_host(0, config.disk_bytes, config.disk_path)
+                    _check_free_space(config)
             except ConfigError as exc:
                 raise ValueError(f"{option} is too large for the {name} run: {exc}") from None
 
     _check_direct_io(configs, layout)
+
+
+def _check_free_space(config: OffloadConfig) -> None:
+    """Raise ConfigError when the disk tier's file would not fit the free space.
+
+    `prepare_host` compares `disk_bytes` with the filesystem's size, as a persistent
+    tier's file may already take part of it. The demo's tier lives in a folder it has
+    just made, so its whole file is new: without this check, sizing it fails with
+    ENOSPC when that run starts, after the earlier runs were served.
+    """
+    assert config.disk_path is not None  # a disk tier's config names its folder
+    free = shutil.disk_usage(config.disk_path).free
+    if config.disk_bytes > free:
+        raise ConfigError(
+            f"disk_bytes={config.disk_bytes} exceeds the free space of the filesystem "
+            f"holding disk_path={config.disk_path!r} ({free} bytes free)"
+        )
 
 
 def _check_direct_io(configs: list[tuple[str, OffloadConfig | None]], layout: KVLayout) -> None:

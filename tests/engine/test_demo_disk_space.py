@@ -1,0 +1,56 @@
+"""`kvtier demo` with a disk tier larger than the free space: one line, never a traceback."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_demo_cli_errors import run_demo
+
+from kvtier.cli import demo
+from kvtier.engine.llm import LLM
+
+MIB = 1 << 20
+
+
+def test_a_disk_tier_beyond_the_free_space_is_named_before_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: only the filesystem's size was checked; sizing the tier file failed
+    # with an ENOSPC traceback when the disk run started, after the earlier runs.
+    real = shutil.disk_usage(tmp_path)
+    small = real._replace(free=MIB // 2)  # half of --disk-mib=1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: small)
+    assert run_demo(tmp_path, "--disk-io=page_cache") == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(
+        f"kvtier demo: error: --disk-mib is too large for the disk tier run: disk_bytes={MIB}"
+        " exceeds the free space of the filesystem holding disk_path="
+    )
+    assert f"({MIB // 2} bytes free)\n" in captured.err
+    assert "serving" not in captured.out
+    assert list(tmp_path.glob("kvtier-demo-*")) == []
+
+
+def test_a_tier_that_cannot_be_made_when_its_run_starts_ends_the_demo_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: the disk filling up after the checks gave an OSError traceback.
+    class FullDiskLLM(LLM):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            offload = kwargs.get("kv_offload")
+            if offload is not None and offload.disk_bytes > 0:
+                raise OSError(errno.ENOSPC, "cannot size the disk tier file", "x.slots")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "LLM", FullDiskLLM)
+    assert run_demo(tmp_path, "--disk-io=page_cache") == 1
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "kvtier demo: error: the disk tier run cannot start: [Errno 28] cannot size the disk"
+        " tier file: 'x.slots'\n"
+    )
+    assert list(tmp_path.glob("kvtier-demo-*")) == []
