@@ -167,3 +167,42 @@ def test_a_malformed_hf_config_is_a_value_error_naming_the_key(
     path.joinpath("config.json").write_text(text)
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_config(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a positive number, got 'x'"),
+        ({"vocab_size": "abc"}, "vocab_size must be a positive int, got 'abc'"),
+        ({"head_dim": "64"}, "head_dim must be a positive int, got '64'"),
+        ({"max_position_embeddings": 1.5}, "max_position_embeddings must be a positive int"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'f"),
+        ({"attention_bias": 1}, "attention_bias must be true or false, got 1"),
+        (
+            {"sliding_window": "8", "layer_types": ["sliding_attention"] * 4},
+            "sliding_window must be a positive int, got '8'",
+        ),
+        ({"num_key_value_heads": 3}, "num_heads=4 is not a multiple of num_kv_heads=3"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_with_its_file_and_key(
+    tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
+    """Regression: a string rms_norm_eps was a TypeError from a comparison; a string
+    vocab_size or head_dim was named by ModelConfig's field, not by the file and key;
+    `"tie_word_embeddings": "false"` was read as true, so lm_head.weight was ignored."""
+    path = _write(tmp_path, **overrides)
+    with pytest.raises(ValueError) as error:
+        ModelConfig.from_hf_config(path)
+    assert str(error.value).startswith(f"{path / 'config.json'}: ")
+    assert message in str(error.value)
+
+
+def test_null_optional_values_take_their_defaults(tmp_path: Path) -> None:
+    path = _write(tmp_path)
+    hf = json.loads((path / "config.json").read_text())
+    nulls = ("head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+    (path / "config.json").write_text(json.dumps({**hf, **dict.fromkeys(nulls)}))
+    config = ModelConfig.from_hf_config(path)
+    assert (config.head_dim, config.rms_norm_eps) == (16, 1e-6)
+    assert (config.max_position, config.tie_word_embeddings) == (32768, False)

@@ -83,3 +83,26 @@ def test_a_tensor_stored_in_two_files_is_refused(tmp_path: Path) -> None:
     both = r"'model.norm.weight' is stored in both (a|b)\.safetensors and c\.safetensors"
     with pytest.raises(ValueError, match=both):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("index", "message"),
+    [
+        ("{", "is not valid JSON"),
+        ('{"metadata": {}}', "must hold a non-empty object weight_map"),
+        ('{"weight_map": ["a.safetensors"]}', "must hold a non-empty object weight_map"),
+        ("[1]", "must hold a non-empty object weight_map"),
+        ('{"weight_map": {"w": 3}}', "weight_map names 3, not shard file names"),
+        ('{"weight_map": {"w": "../a.safetensors"}}', "names '../a.safetensors', not shard"),
+    ],
+)
+def test_a_malformed_index_is_named(tmp_path: Path, index: str, message: str) -> None:
+    """Regression: a weight_map list was an AttributeError traceback; a missing one was
+    reported by `kvtier demo` as config.json lacking a key, bad JSON as config.json's."""
+    _save_checkpoint(tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index_path.write_text(index)
+    with pytest.raises(ValueError) as error:
+        checkpoint_files(tmp_path)
+    assert str(error.value).startswith(str(index_path))
+    assert message in str(error.value)

@@ -1,18 +1,14 @@
-"""Model, KV cache and engine configuration of the reference engine, with presets and HF import."""
+"""Model, KV cache and engine configuration of the reference engine, with presets (HF
+config.json import: `hf_config`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -151,123 +147,11 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> ModelConfig:
-        """Read a local HF `config.json` (a file or the checkpoint directory holding it).
+        """Read a local HF `config.json` (a file or the checkpoint directory holding it);
+        see `kvtier.engine.hf_config.read_hf_config`."""
+        from kvtier.engine.hf_config import read_hf_config  # it imports this module
 
-        Supports LlamaForCausalLM and Qwen2ForCausalLM with default RoPE and SiLU. Sliding
-        layers come from `layer_types`, else `max_window_layers`, when the window is on.
-        """
-        path = Path(path)
-        config_path = path / "config.json" if path.is_dir() else path
-        with config_path.open(encoding="utf-8") as f:
-            hf = json.load(f)
-        if not isinstance(hf, dict):
-            raise ValueError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
-        return _from_hf_dict(hf, dtype, str(config_path))
-
-
-def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelConfig:
-    architectures = hf.get("architectures") or []
-    if not isinstance(architectures, list):
-        raise ValueError(f"{source}: architectures must be a list, got {architectures!r}")
-    architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if architecture is None:
-        raise ValueError(
-            f"{source}: architectures={architectures} not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} not supported (only 'silu')")
-    if hf.get("mlp_bias", False):
-        raise ValueError(f"{source}: mlp_bias=True not supported")
-    num_layers = _hf_positive_int(hf, "num_hidden_layers", source)
-    num_heads = _hf_positive_int(hf, "num_attention_heads", source)
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
-    attention_bias = bool(hf.get("attention_bias", False))
-    window, kinds = _hf_layer_kinds(hf, num_layers, source)
-    eos = hf.get("eos_token_id")
-    eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    if any(type(token) is not int or token < 0 for token in eos_token_ids):
-        raise ValueError(
-            f"{source}: eos_token_id must be a token id or a list of them, got {eos!r}"
-        )
-    kv_heads = hf.get("num_key_value_heads")  # absent or null: as many as the query heads
-    return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_heads
-        if kv_heads is None
-        else _hf_positive_int(hf, "num_key_value_heads", source),
-        head_dim=hf.get("head_dim") or _hf_positive_int(hf, "hidden_size", source) // num_heads,
-        layer_kinds=kinds,
-        sliding_window=window,
-        rope_theta=_hf_rope_theta(hf, source),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        max_position=hf.get("max_position_embeddings", 32768),
-        qkv_bias=is_qwen2 or attention_bias,
-        o_proj_bias=attention_bias and not is_qwen2,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        eos_token_ids=eos_token_ids,
-        dtype=dtype,
-    )
-
-
-def _hf_positive_int(hf: dict[str, Any], key: str, source: str) -> int:
-    """Return `hf[key]`, a value the reader computes with before ModelConfig checks it."""
-    value = hf[key]  # a missing key: KeyError, named by the caller
-    if type(value) is not int or value <= 0:
-        raise ValueError(f"{source}: {key} must be a positive int, got {value!r}")
-    return value
-
-
-def _hf_rope_theta(hf: dict[str, Any], source: str) -> float:
-    # transformers >= 5 nests RoPE settings in `rope_parameters`; older files use
-    # top-level `rope_theta` and `rope_scaling`.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ValueError(
-            f"{source}: rope_parameters (or rope_scaling) must be an object, got {rope!r}"
-        )
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope_type={rope_type!r} not supported (only 'default')")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if type(theta) not in (int, float):
-        raise ValueError(f"{source}: rope_theta must be a number, got {theta!r}")
-    return float(theta)
-
-
-def _hf_layer_kinds(
-    hf: dict[str, Any], num_layers: int, source: str
-) -> tuple[int | None, tuple[AttentionKind, ...]]:
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    if window is None:
-        return None, (AttentionKind.FULL,) * num_layers
-    names = {"full_attention": AttentionKind.FULL, "sliding_attention": AttentionKind.SLIDING}
-    if hf.get("layer_types") is not None:
-        if not isinstance(hf["layer_types"], list):
-            raise ValueError(f"{source}: layer_types must be a list, got {hf['layer_types']!r}")
-        unknown = set(map(str, hf["layer_types"])) - names.keys()
-        if unknown:
-            raise ValueError(f"{source}: layer_types {sorted(unknown)} not supported")
-        kinds = tuple(names[t] for t in hf["layer_types"])
-    else:
-        first_sliding = hf.get("max_window_layers", 0)
-        if type(first_sliding) is not int or first_sliding < 0:
-            raise ValueError(
-                f"{source}: max_window_layers must be an int >= 0, got {first_sliding!r}"
-            )
-        kinds = tuple(
-            AttentionKind.SLIDING if i >= first_sliding else AttentionKind.FULL
-            for i in range(num_layers)
-        )
-    if AttentionKind.SLIDING not in kinds:
-        return None, kinds
-    logger.info("%s: sliding window of %d tokens on %d layers", source, window,
-                kinds.count(AttentionKind.SLIDING))  # fmt: skip
-    return int(window), kinds
+        return read_hf_config(path, dtype)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         )
     index = path / INDEX_FILE
     if index.exists():
-        with index.open(encoding="utf-8") as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        files = [path / name for name in _shard_names(index)]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise FileNotFoundError(f"{index} names missing shards: {missing}")
@@ -42,6 +40,29 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     return files
+
+
+def _shard_names(index: Path) -> list[str]:
+    """Return the shard file names an index's `weight_map` names, sorted and each once.
+
+    Raises ValueError naming the index unless it is JSON holding an object `weight_map`
+    of tensor name -> a file name in the checkpoint directory (never a path elsewhere).
+    """
+    try:
+        with index.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{index} is not valid JSON ({exc})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(
+            f"{index} must hold a non-empty object weight_map (tensor name -> shard file)"
+        )
+    names = set(weight_map.values())
+    bad = sorted(map(repr, (n for n in names if not isinstance(n, str) or Path(n).name != n)))
+    if bad:
+        raise ValueError(f"{index}: weight_map names {', '.join(bad)}, not shard file names")
+    return sorted(names)
 
 
 def parameter_name(hf_name: str) -> str | None:

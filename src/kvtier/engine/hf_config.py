@@ -1,0 +1,163 @@
+"""Read a local HF `config.json` into a `ModelConfig`.
+
+Every value is checked for its type before it is used: a malformed file raises
+ValueError naming the file, the key and the value, never a TypeError from arithmetic
+on a string, and never a silent misreading (`"tie_word_embeddings": "false"` is not true).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.engine.config import SUPPORTED_ARCHITECTURES, AttentionKind, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+
+
+def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> ModelConfig:
+    """Read a local HF `config.json` (a file or the checkpoint directory holding it).
+
+    Supports LlamaForCausalLM and Qwen2ForCausalLM with default RoPE and SiLU. Sliding
+    layers come from `layer_types`, else `max_window_layers`, when the window is on.
+    A missing required key raises KeyError naming it; any other problem ValueError.
+    """
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    with config_path.open(encoding="utf-8") as f:
+        hf = json.load(f)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
+    source = str(config_path)
+    try:
+        return _from_hf_dict(hf, dtype, source)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+
+
+def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelConfig:
+    architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ValueError(f"architectures must be a list, got {architectures!r}")
+    architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if architecture is None:
+        raise ValueError(
+            f"architectures={architectures} not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={hf['hidden_act']!r} not supported (only 'silu')")
+    if _hf_bool(hf, "mlp_bias"):
+        raise ValueError("mlp_bias=True not supported")
+    num_layers = _hf_positive_int(hf, "num_hidden_layers")
+    num_heads = _hf_positive_int(hf, "num_attention_heads")
+    hidden_size = _hf_positive_int(hf, "hidden_size")
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    attention_bias = _hf_bool(hf, "attention_bias")
+    window, kinds = _hf_layer_kinds(hf, num_layers, source)
+    eos = hf.get("eos_token_id")
+    eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    if any(type(token) is not int or token < 0 for token in eos_token_ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ModelConfig(
+        vocab_size=_hf_positive_int(hf, "vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=_hf_positive_int(hf, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        # absent or null: as many KV heads as query heads, a head dim from the hidden size
+        num_kv_heads=_hf_positive_int(hf, "num_key_value_heads", num_heads),
+        head_dim=_hf_positive_int(hf, "head_dim", hidden_size // num_heads),
+        layer_kinds=kinds,
+        sliding_window=window,
+        rope_theta=_hf_rope_theta(hf),
+        rms_norm_eps=_hf_positive_number(hf, "rms_norm_eps", 1e-6),
+        max_position=_hf_positive_int(hf, "max_position_embeddings", 32768),
+        qkv_bias=is_qwen2 or attention_bias,
+        o_proj_bias=attention_bias and not is_qwen2,
+        tie_word_embeddings=_hf_bool(hf, "tie_word_embeddings"),
+        eos_token_ids=eos_token_ids,
+        dtype=dtype,
+    )
+
+
+def _hf_positive_int(hf: dict[str, Any], key: str, default: Any = _MISSING) -> int:
+    """Return `hf[key]`, or `default` where it is absent or null (no default: KeyError
+    for an absent key, which the caller names)."""
+    if key not in hf and default is _MISSING:
+        raise KeyError(key)
+    value = hf.get(key)
+    if value is None and default is not _MISSING:
+        return int(default)
+    if type(value) is not int or value <= 0:
+        raise ValueError(f"{key} must be a positive int, got {value!r}")
+    return value
+
+
+def _hf_positive_number(hf: dict[str, Any], key: str, default: float) -> float:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or value <= 0:
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _hf_bool(hf: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = hf.get(key)
+    if value is None:
+        return default
+    if type(value) is not bool:
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _hf_rope_theta(hf: dict[str, Any]) -> float:
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; older files use
+    # top-level `rope_theta` and `rope_scaling`.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters (or rope_scaling) must be an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type={rope_type!r} not supported (only 'default')")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if type(theta) not in (int, float):
+        raise ValueError(f"rope_theta must be a number, got {theta!r}")
+    return float(theta)
+
+
+def _hf_layer_kinds(
+    hf: dict[str, Any], num_layers: int, source: str
+) -> tuple[int | None, tuple[AttentionKind, ...]]:
+    window = hf.get("sliding_window") if _hf_bool(hf, "use_sliding_window", True) else None
+    if window is None:
+        return None, (AttentionKind.FULL,) * num_layers
+    names = {"full_attention": AttentionKind.FULL, "sliding_attention": AttentionKind.SLIDING}
+    if hf.get("layer_types") is not None:
+        if not isinstance(hf["layer_types"], list):
+            raise ValueError(f"layer_types must be a list, got {hf['layer_types']!r}")
+        unknown = set(map(str, hf["layer_types"])) - names.keys()
+        if unknown:
+            raise ValueError(f"layer_types {sorted(unknown)} not supported")
+        kinds = tuple(names[t] for t in hf["layer_types"])
+    else:
+        first_sliding = hf.get("max_window_layers", 0)
+        if type(first_sliding) is not int or first_sliding < 0:
+            raise ValueError(f"max_window_layers must be an int >= 0, got {first_sliding!r}")
+        kinds = tuple(
+            AttentionKind.SLIDING if i >= first_sliding else AttentionKind.FULL
+            for i in range(num_layers)
+        )
+    if AttentionKind.SLIDING not in kinds:
+        return None, kinds
+    window = _hf_positive_int(hf, "sliding_window")
+    logger.info("%s: sliding window of %d tokens on %d layers", source, window,
+                kinds.count(AttentionKind.SLIDING))  # fmt: skip
+    return window, kinds
