@@ -178,3 +178,25 @@ def test_a_folder_probe_removed_by_another_check_is_no_error(
     monkeypatch.setattr(outputs.tempfile, "mkstemp", removed_at_once)
     outputs.check_creates_files("--out", tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dash_reads_the_trace_from_stdin_and_writes_the_json_to_stdout(
+    tmp_path: Path,
+) -> None:
+    """`zcat t.jsonl.gz | kvtier replay - --json - | jq`. Regression: `-` was a file name:
+    the trace `-` did not exist, and `--json -` wrote a file named `-`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "replay", "-", *SMALL, "--json", "-"],
+        input=TRACE,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["trace"] == "/dev/stdin"
+    assert result["token_hit_ratio"]["lru"] == {"100": 0.5}
+    assert "2 requests" in done.stderr  # the summary and table moved to stderr
+    assert os.listdir(tmp_path) == []

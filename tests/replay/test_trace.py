@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from replay_helpers import BLOCK, doc_trace
 
-from kvtier.replay import generate
+from kvtier.replay import generate, trace
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.generate import main as generate_main
 from kvtier.replay.tier_replay import trace_keys
@@ -279,3 +279,20 @@ def test_a_trace_from_a_pipe_is_read_from_its_first_byte(tmp_path: Path, packed:
 def test_numbered_trace_gives_each_record_its_file_line(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [GOOD, "", "  ", {**GOOD, "timestamp": 3}])
     assert [number for number, _ in read_numbered_trace(path, 512)] == [1, 4]
+
+
+def test_a_line_without_end_is_an_error_after_max_line_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: `kvtier replay /dev/zero` read without limit (and Ctrl-C waited for a
+    newline that never came); now reading stops at MAX_LINE_BYTES."""
+    monkeypatch.setattr(trace, "MAX_LINE_BYTES", 100)
+    path = tmp_path / "t.jsonl"
+    record = '{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1, 2]}\n'
+    path.write_text(record + "x" * 101)
+    with pytest.raises(TraceError, match=r"t.jsonl:2: line longer than 100 bytes"):
+        read_trace(path, block_size=10)
+    path.write_text(record + "x" * 99)  # the longest line taken: read, then a bad record
+    with pytest.raises(TraceError, match=r"t.jsonl:2: ") as error:
+        read_trace(path, block_size=10)
+    assert "longer" not in str(error.value)

@@ -22,8 +22,9 @@ from kvtier.replay.option_types import (
     parse_tokens,
     policy_name,
     rate,
+    trace_path,
 )
-from kvtier.replay.outputs import output_path
+from kvtier.replay.outputs import json_output_path, output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
 from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
@@ -47,7 +48,11 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the replay options to `parser`."""
-    parser.add_argument("trace", help="Mooncake-format .jsonl trace")
+    parser.add_argument(
+        "trace",
+        type=trace_path,
+        help="Mooncake-format .jsonl trace (or .jsonl.gz); - reads it from stdin",
+    )
     parser.add_argument(
         "--policy",
         action="append",
@@ -118,11 +123,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action=StoreOnce,
-        type=output_path,
+        type=json_output_path,
         metavar="PATH",
         help="write every result as JSON (adds lru and belady, the reference lines; "
-        "belady not with --cascade); /dev/stdout writes only the JSON to stdout, the "
-        "summary and table go to stderr; default: no JSON",
+        "belady not with --cascade); - (or /dev/stdout) writes only the JSON to stdout, "
+        "the summary and table go to stderr; default: no JSON",
     )
     parser.add_argument(
         "--release-order",

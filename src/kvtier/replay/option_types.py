@@ -28,6 +28,13 @@ MAX_BYTES_PER_TOKEN = 1 << 30  # 1 GiB: a 405B model's KV in fp32 is about 1 MiB
 _DASHED_NUMBER = re.compile(r"^-\.?\d")
 
 
+def trace_path(text: str) -> str:
+    """Return the trace's path: `-` names stdin (`/dev/stdin`); an empty one is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return "/dev/stdin" if text == "-" else text
+
+
 def attach_dashed_values(argv: Sequence[str]) -> list[str]:
     """Return `argv` with each long option followed by a dashed number (`--capacity -1M`)
     joined into one argument (`--capacity=-1M`), so the option's type names what is

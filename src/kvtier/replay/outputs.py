@@ -29,6 +29,11 @@ def output_path(text: str) -> str:
     return text
 
 
+def json_output_path(text: str) -> str:
+    """`output_path`, with `-` naming stdout (`/dev/stdout`) as the trace's `-` names stdin."""
+    return "/dev/stdout" if text == "-" else output_path(text)
+
+
 def check_file_path(option: str, path: Path) -> None:
     """Raise `ReplayError` unless a file can be written at `path` (its folder exists)."""
     descriptor = descriptor_of(path)

@@ -32,6 +32,9 @@ DEFAULT_BLOCK_SIZE = 512
 MAX_BLOCK_SIZE = 1 << 20
 MAX_HASH_ID = 1 << 64  # ids become 8-byte little-endian keys
 _GZIP_MAGIC = b"\x1f\x8b"
+# A record's line is at most this long: 2^20 tokens in blocks of 16 take ~1.3 MB of ids.
+# Reading stops there, so an input with no newline (/dev/zero) ends with an error.
+MAX_LINE_BYTES = 64 << 20
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
@@ -211,11 +214,20 @@ def _open_binary(path: str | Path) -> Iterator[BinaryIO | gzip.GzipFile]:
             yield file
 
 
-def _numbered_lines(file: Iterable[bytes], path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """Yield `(line number, line)`; a corrupt gzip stream is a `TraceError` naming `path`."""
+def _numbered_lines(
+    file: BinaryIO | gzip.GzipFile, path: str | Path
+) -> Iterator[tuple[int, bytes]]:
+    """Yield `(line number, line)`; a corrupt gzip stream, or a line longer than
+    MAX_LINE_BYTES, is a `TraceError` naming `path` and the line."""
     number = 0
     try:
-        for number, data in enumerate(file, start=1):
+        while data := file.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            if len(data) > MAX_LINE_BYTES:
+                raise TraceError(
+                    f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes; not a "
+                    "JSON-lines trace?"
+                )
             yield number, data
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise TraceError(f"{path}:{number + 1}: corrupt gzip data ({exc})") from None
