@@ -32,7 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_common import write_json
+from bench_common import existing_file, new_parser, output_file, positive_int, write_json
 from kvtier.replay.config import CascadeMode, ReplayConfig, TierConfig
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.tier_replay import TierReplay, trace_keys
@@ -169,13 +169,21 @@ def summary_line(rows: Sequence[Row]) -> str:
     )
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__)
+    parser.add_argument("--trace", type=existing_file, default=MOONCAKE, help="the Mooncake trace")
+    parser.add_argument("--json", type=output_file, help="write every row as JSON")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
+    parser.add_argument(
+        "--requests",
+        type=positive_int,
+        help="replay only each workload's first N requests (default: all)",
+    )
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=MOONCAKE, help="the Mooncake trace")
-    parser.add_argument("--json", help="write every row as JSON")
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
-    parser.add_argument("--requests", type=int, help="replay only each workload's first N requests")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}"

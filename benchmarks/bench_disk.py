@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bench_common import write_json
+from bench_common import existing_dir, new_parser, output_file, positive_int, write_json
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.storage import DiskIOMode
 from kvtier.transfer import OffloadWorker, TensorLayout, WorkerConfig
@@ -217,22 +217,35 @@ def summarize(rows: list[Row], seconds: float) -> dict[str, float]:
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default=None, help="directory for the files (O_DIRECT needed)")
-    parser.add_argument("--total-mib", type=int, default=128, help="MiB moved per transfer")
-    parser.add_argument("--reps", type=int, default=8)
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__)
+    parser.add_argument(
+        "--dir",
+        type=existing_dir,
+        help="directory for the files, on a filesystem with O_DIRECT (default: the system's"
+        " temporary directory)",
+    )
+    parser.add_argument(
+        "--total-mib", type=positive_int, default=128, help="MiB moved per transfer"
+    )
+    parser.add_argument("--reps", type=positive_int, default=8, help="interleaved repetitions")
     parser.add_argument(
         "--batch-mib",
-        type=int,
+        type=positive_int,
         default=WorkerConfig.disk_batch_bytes >> 20,
         help="the worker's staging buffer size (disk_batch_bytes) in MiB",
     )
     parser.add_argument(
-        "--copy-threads", type=int, default=None, help="WorkerConfig.copy_threads (default: None)"
+        "--copy-threads",
+        type=positive_int,
+        help="WorkerConfig.copy_threads (default: the worker's own choice)",
     )
-    parser.add_argument("--json", help="write every number to this file")
-    args = parser.parse_args()
+    parser.add_argument("--json", type=output_file, help="write every number to this file")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     started = time.perf_counter()
     shapes = [(64, 4), (2048, 32)]  # (slot KiB, regions): small model; Llama-8B-like block
     machine = (

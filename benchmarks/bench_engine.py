@@ -14,10 +14,10 @@ import os
 import platform
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 
+from bench_common import new_parser, output_file, positive_int
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -26,16 +26,26 @@ from kvtier.offload.config import DiskIOMode, OffloadConfig
 MIB = 1 << 20
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__)
+    parser.add_argument(
+        "--reps", type=positive_int, default=2, help="repetitions (median reported)"
+    )
+    parser.add_argument(
+        "--conversations", type=positive_int, default=8, help="conversations per run"
+    )
+    parser.add_argument("--turns", type=positive_int, default=6, help="turns per conversation")
+    parser.add_argument(
+        "--gpu-blocks", type=positive_int, default=96, help="GPU pool blocks (null block included)"
+    )
+    parser.add_argument("--disk", action="store_true", help="also run the disk tier")
+    parser.add_argument("--json", type=output_file, help="write every number here")
+    return parser
+
+
 def main() -> None:
     """Run the benchmark and print its table and summary line."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--reps", type=int, default=2, help="repetitions (median reported)")
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--gpu-blocks", type=int, default=96)
-    parser.add_argument("--disk", action="store_true", help="also run the disk tier")
-    parser.add_argument("--json", type=Path, help="write every number here")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     print(
         f"machine: {os.cpu_count()} cores, torch {torch.__version__} with "
         f"{torch.get_num_threads()} threads, python {platform.python_version()}"
@@ -96,21 +106,25 @@ def _report(numbers: dict[str, dict[str, list[float]]]) -> dict[str, float]:
             f"{med(name, 'ttft_history_off_gpu_p50_s') * 1e3:10.1f}ms "
             f"{med(name, 'tokens_per_s'):8.0f} {med(name, 'tier_hit_tokens'):10.0f}"
         )
-    summary = {}
+    summary: dict[str, float | None] = {}
+    parts = []
     for name in numbers:
         if name == "off":
             continue
-        summary[f"{name}_ttft_off_gpu_ratio"] = med(name, "ttft_history_off_gpu_p50_s") / med(
-            "off", "ttft_history_off_gpu_p50_s"
-        )
+        off_gpu = med("off", "ttft_history_off_gpu_p50_s")
+        ratio = med(name, "ttft_history_off_gpu_p50_s") / off_gpu if off_gpu else None
+        summary[f"{name}_ttft_off_gpu_ratio"] = ratio
         summary[f"{name}_throughput_ratio"] = med(name, "tokens_per_s") / med("off", "tokens_per_s")
-    parts = [
-        f"{name}: TTFT (history off GPU) {summary[f'{name}_ttft_off_gpu_ratio']:.2f}x, "
-        f"throughput {summary[f'{name}_throughput_ratio']:.2f}x"
-        for name in numbers
-        if name != "off"
-    ]
+        parts.append(
+            f"{name}: TTFT (history off GPU) {'n/a' if ratio is None else f'{ratio:.2f}x'}, "
+            f"throughput {summary[f'{name}_throughput_ratio']:.2f}x"
+        )
     print("bench_engine: " + "; ".join(parts) + " vs offload off (target TTFT <= 0.25x)")
+    if any(value is None for value in summary.values()):
+        print(
+            "(n/a: no turn's history left the GPU pool; use more --conversations or fewer"
+            " --gpu-blocks)"
+        )
     return summary
 
 

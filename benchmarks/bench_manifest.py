@@ -23,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from bench_common import write_json
+from bench_common import new_parser, nonnegative_int, output_file, positive_int, write_json
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.manifest import ManifestEntry, ManifestIdentity, read_manifest
 from kvtier.storage.manifest_format import encode_put, encode_tombstone
@@ -101,13 +101,24 @@ def run(args: argparse.Namespace, directory: str) -> list[Row]:
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__)
+    parser.add_argument(
+        "--records", type=positive_int, default=200_000, help="records in the manifest"
+    )
+    parser.add_argument(
+        "--garbage-mib",
+        type=nonnegative_int,
+        default=8,
+        help="MiB of garbage between two records (the resync cases)",
+    )
+    parser.add_argument("--reps", type=positive_int, default=7, help="replays per case")
+    parser.add_argument("--json", type=output_file, help="write every number to this file")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=200_000)
-    parser.add_argument("--garbage-mib", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--json", help="write every number to this file")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     logging.disable(logging.WARNING)  # the garbage cases warn at every replay
     with tempfile.TemporaryDirectory() as directory:
         rows = run(args, directory)

@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_common import new_parser, nonnegative_int, output_file, positive_int, positive_int_list
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 
@@ -339,16 +340,27 @@ def print_table(results: list[dict]) -> None:
     )
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__)
+    parser.add_argument(
+        "--sizes",
+        type=positive_int_list,
+        default=list(DEFAULT_SIZES),
+        help="pool sizes in blocks, a comma list",
+    )
+    parser.add_argument(
+        "--ops", type=positive_int, default=100_000, help="operations per kind per rep"
+    )
+    parser.add_argument("--reps", type=positive_int, default=5, help="repetitions")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="timer")
+    parser.add_argument("--json", type=output_file, help="write every number to this file")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="pool sizes")
-    parser.add_argument("--ops", type=int, default=100_000, help="operations per kind per rep")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
-    parser.add_argument("--json", type=Path, help="write every number to this file")
-    args = parser.parse_args()
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    args = build_parser().parse_args()
+    sizes = sorted(set(args.sizes))
     machine = {
         "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

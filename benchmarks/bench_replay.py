@@ -36,6 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench_common import existing_file, new_parser, output_dir, output_file, positive_int
 from kvtier.replay.config import ReplayConfig, TierConfig
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.sweep import (
@@ -134,14 +135,20 @@ def run_workload(name: str, trace: Path, capacities: Sequence[int], out: Path) -
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=MOONCAKE, help="the Mooncake trace")
-    parser.add_argument("--out", type=Path, default=Path("out/bench_replay"), help="CSV/PNG dir")
-    parser.add_argument("--json", type=Path, help="write every number printed as JSON")
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__)
+    parser.add_argument("--trace", type=existing_file, default=MOONCAKE, help="the Mooncake trace")
+    parser.add_argument(
+        "--out", type=output_dir, default=Path("out/bench_replay"), help="CSV/PNG folder"
+    )
+    parser.add_argument("--json", type=output_file, help="write every number printed as JSON")
     parser.add_argument("--quick", action="store_true", help="4 capacities instead of 11")
-    parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--jobs", type=positive_int, default=2, help="worker processes")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     capacities = QUICK_CAPACITIES if args.quick else DEFAULT_SWEEP_TOKENS
     args.out.mkdir(parents=True, exist_ok=True)
     print(

@@ -35,6 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import (
+    new_parser,
+    nonnegative_int,
+    output_file,
+    positive_int,
+    positive_int_list,
+)
 from engine_loop import (
     KV_CALLS,
     EngineConfig,
@@ -149,7 +156,7 @@ def median_spread(values: list[float]) -> dict:
 
 def run_size(num_running: int, args: argparse.Namespace) -> dict:
     """Warm the three loops up, then time interleaved windows; return every number."""
-    min_out, max_out = (int(x) for x in args.output_tokens.split(","))
+    min_out, max_out = args.output_tokens
     workload_config = WorkloadConfig(
         seed=args.seed,
         block_size=BLOCK_SIZE,
@@ -282,15 +289,37 @@ def summarize(results: list[dict]) -> tuple[dict, str]:
     return summary, line
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a short run (about a minute)")
-    parser.add_argument("--json", type=Path, help="write every number to this file")
-    parser.add_argument("--sizes", default="64,256,1024", help="running requests, comma list")
-    parser.add_argument("--warmup", type=int, help=f"warm-up steps (default {DEFAULTS['warmup']})")
-    parser.add_argument("--steps", type=int, help="steps per window at 256, more below 256")
-    parser.add_argument("--reps", type=int, help=f"windows (default {DEFAULTS['reps']})")
-    parser.add_argument("--seed", type=int, default=0)
+def output_range(text: str) -> tuple[int, int]:
+    """An argparse type: `MIN,MAX` output tokens, 1 <= MIN <= MAX."""
+    parts = positive_int_list(text)
+    if len(parts) != 2 or parts[0] > parts[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with MIN <= MAX, got {text!r}")
+    return parts[0], parts[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    quick = ", ".join(f"{k} {v}" for k, v in QUICK.items())
+    parser = new_parser(__doc__)
+    parser.add_argument(
+        "--quick", action="store_true", help=f"a short run (about a minute: {quick})"
+    )
+    parser.add_argument("--json", type=output_file, help="write every number to this file")
+    parser.add_argument(
+        "--sizes",
+        type=positive_int_list,
+        default=[64, 256, 1024],
+        help="running requests, a comma list",
+    )
+    parser.add_argument(
+        "--warmup", type=positive_int, help=f"warm-up steps (default {DEFAULTS['warmup']})"
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        help=f"steps per window at 256, more below 256 (default {DEFAULTS['steps']})",
+    )
+    parser.add_argument("--reps", type=positive_int, help=f"windows (default {DEFAULTS['reps']})")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -298,11 +327,23 @@ def main() -> None:
         help="wall: perf_counter_ns; cpu: this thread's CPU time (steadier on a busy"
         " machine; ~0.4 µs per reading)",
     )
-    parser.add_argument("--output-tokens", default="32,256", help="output length MIN,MAX")
     parser.add_argument(
-        "--tokens-per-seq", type=int, default=TOKENS_PER_SEQ, help="token budget per request"
+        "--output-tokens",
+        type=output_range,
+        default=(32, 256),
+        help="output length MIN,MAX",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--tokens-per-seq",
+        type=positive_int,
+        default=TOKENS_PER_SEQ,
+        help="token budget per request",
+    )
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -322,7 +363,7 @@ def main() -> None:
         f" >={args.steps} steps; seed {args.seed}"
     )
     t0 = time.perf_counter()
-    results = [run_size(int(n), args) for n in args.sizes.split(",")]
+    results = [run_size(n, args) for n in args.sizes]
     for r in results:
         print_size(r)
     summary, line = summarize(results)

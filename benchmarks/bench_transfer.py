@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bench_common import write_json
+from bench_common import new_parser, output_file, positive_int, write_json
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.transfer import OffloadWorker, TensorLayout, WorkerConfig
 
@@ -181,18 +181,38 @@ def summarize(rows: list[Row], device: str, seconds: float) -> dict[str, float]:
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--total-mib", type=int, default=64, help="MiB moved per transfer")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--block-kib", type=int, nargs="+", default=[4, 16, 64, 256, 1024, 2048])
-    parser.add_argument("--regions", type=int, nargs="+", default=[1, 32])
+def build_parser() -> argparse.ArgumentParser:
+    parser = new_parser(__doc__)
     parser.add_argument(
-        "--copy-threads", type=int, default=None, help="WorkerConfig.copy_threads (default: None)"
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the 'GPU' tensors live"
     )
-    parser.add_argument("--json", help="write every number to this file")
-    args = parser.parse_args()
+    parser.add_argument("--total-mib", type=positive_int, default=64, help="MiB moved per transfer")
+    parser.add_argument("--reps", type=positive_int, default=7, help="interleaved repetitions")
+    parser.add_argument(
+        "--block-kib",
+        type=positive_int,
+        nargs="+",
+        default=[4, 16, 64, 256, 1024, 2048],
+        help="block sizes in KiB",
+    )
+    parser.add_argument(
+        "--regions",
+        type=positive_int,
+        nargs="+",
+        default=[1, 32],
+        help="regions (layers x K/V) per block",
+    )
+    parser.add_argument(
+        "--copy-threads",
+        type=positive_int,
+        help="WorkerConfig.copy_threads (default: the worker's own choice)",
+    )
+    parser.add_argument("--json", type=output_file, help="write every number to this file")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     started = time.perf_counter()
     machine = (
         f"{os.cpu_count()} cores, torch {torch.__version__}, "

@@ -56,16 +56,23 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "adapters"))
 
 import torch
-from vllm_harness import (
-    SIMPLE_CPU_OFFLOAD,
-    HarnessConfig,
-    VllmHarness,
-    connector_worker_factory,
-    simple_offload_worker_factory,
-)
 
+from bench_common import new_parser, nonnegative_int, output_file, positive_int
 from call_timer import CallTimer, clock_overhead_ns
 from kvtier.offload.plan import Tier
+
+try:  # --help and option errors need no vLLM; a run does (`make bench-vllm`)
+    from vllm_harness import (
+        SIMPLE_CPU_OFFLOAD,
+        HarnessConfig,
+        VllmHarness,
+        connector_worker_factory,
+        simple_offload_worker_factory,
+    )
+except ModuleNotFoundError as exc:
+    VLLM_MISSING: ModuleNotFoundError | None = exc
+else:
+    VLLM_MISSING = None
 
 BLOCK_SIZE = 16
 SLOT_BYTES = 2 * 2048  # one block id of the harness model: 2 layers x 2048-byte pages
@@ -313,15 +320,35 @@ def print_mode(mode: str, reps: list[dict]) -> dict:
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def store_modes(text: str) -> list[str]:
+    """An argparse type: a comma list of store modes (`eager,lazy`)."""
+    modes = text.split(",")
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of distinct modes from {', '.join(MODES)}, got {text!r}"
+        )
+    return modes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    def default(key: str) -> str:
+        return f"(default {DEFAULTS[key]}, with --quick {QUICK[key]})"
+
+    parser = new_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
-    parser.add_argument("--json", type=Path, help="write every number to this file")
-    parser.add_argument("--num-requests", type=int)
-    parser.add_argument("--reps", type=int, help="runs per store mode")
-    parser.add_argument("--window", type=int, help="steps per ratio window")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--json", type=output_file, help="write every number to this file")
+    parser.add_argument(
+        "--num-requests", type=positive_int, help=f"requests per run {default('num_requests')}"
+    )
+    parser.add_argument("--reps", type=positive_int, help=f"runs per store mode {default('reps')}")
+    parser.add_argument(
+        "--window", type=positive_int, help=f"steps per ratio window {default('window')}"
+    )
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
+    parser.add_argument(
+        "--modes", type=store_modes, default=list(MODES), help="store modes, a comma list"
+    )
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -339,9 +366,16 @@ def main() -> None:
         default="off",
         help="keep the garbage collector on while stepping",
     )
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
-    if args.token_check and "lazy" in args.modes.split(","):
+    if args.token_check and "lazy" in args.modes:
         parser.error("--token-check needs eager stores: add --modes eager")
+    if VLLM_MISSING is not None:
+        parser.error(f"needs vLLM ({VLLM_MISSING}): run it in the vLLM venv, `make bench-vllm`")
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -365,7 +399,7 @@ def main() -> None:
     requests = workload(args.num_requests, args.seed)
     results: dict[str, list[dict]] = {}
     summaries = {}
-    for mode in args.modes.split(","):
+    for mode in args.modes:
         results[mode] = [run_pair(mode, requests, args) for _ in range(args.reps)]
         summaries[mode] = print_mode(mode, results[mode])
     parts = []

@@ -1,0 +1,118 @@
+"""The benchmark scripts' options: bad values end them at once with argparse's one-line
+error naming the option, and every option's --help states its default.
+
+Regressions: `bench_manifest.py --records -5` and `bench_cascade.py --requests 0` were
+accepted; a missing `--trace` or `--dir` was a traceback, an unwritable `--json` one
+after the whole run; `bench_vllm_connector.py --help` failed without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("bench_*.py") if p.stem != "bench_common")
+
+
+def script(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def test_every_script_is_covered() -> None:
+    assert len(SCRIPTS) == 9
+    assert {name for name, _, _ in BAD_VALUES} == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_states_each_default(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = script(name, monkeypatch).build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        text = formatter._get_help_string(action) or ""
+        assert action.help, f"{name} {action.option_strings} has no help"
+        if action.default is not None and action.default is not False:
+            assert "default" in text, f"{name} {action.option_strings}: {text!r}"
+    parser.format_help()  # every help string formats
+
+
+BAD_VALUES = [
+    ("bench_cascade", ["--trace", "/nonexistent/t.jsonl"], "--trace: /nonexistent/t.jsonl does"),
+    ("bench_cascade", ["--requests", "0"], "--requests: expected a number >= 1, got 0"),
+    ("bench_disk", ["--dir", "/nonexistent"], "--dir: /nonexistent does not exist"),
+    ("bench_disk", ["--copy-threads", "0"], "--copy-threads: expected a number >= 1, got 0"),
+    ("bench_engine", ["--turns", "x"], "--turns: expected a whole number, got 'x'"),
+    ("bench_manifest", ["--records", "-5"], "--records: expected a number >= 1, got -5"),
+    ("bench_manifest", ["--json", "/nonexistent/r.json"], "--json: /nonexistent does not"),
+    ("bench_pool", ["--sizes", "1000,0"], "--sizes: expected a number >= 1, got 0"),
+    ("bench_replay", ["--out", "/proc/out"], "--out: /proc: cannot create files in /proc"),
+    ("bench_replay", ["--jobs", "0"], "--jobs: expected a number >= 1, got 0"),
+    ("bench_scheduler", ["--output-tokens", "9,2"], "--output-tokens: expected MIN,MAX"),
+    ("bench_transfer", ["--regions", "1", "-3"], "--regions: expected a number >= 1, got -3"),
+    ("bench_vllm_connector", ["--modes", "lazy,lazy"], "--modes: expected a comma list"),
+    ("bench_vllm_connector", ["--window", "0"], "--window: expected a number >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "argv", "message"), BAD_VALUES)
+def test_a_bad_value_is_named_before_anything_runs(
+    name: str,
+    argv: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = script(name, monkeypatch).build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"error: argument {message}" in capsys.readouterr().err
+
+
+def test_an_output_file_is_tried_when_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    common = script("bench_common", monkeypatch)
+    assert common.output_file(str(tmp_path / "r.json")) == tmp_path / "r.json"
+    assert common.output_dir(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b"
+    for bad in (str(tmp_path), ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            common.output_file(bad)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a directory"):
+        common.output_dir(str(tmp_path / "file"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no probe left behind
+
+
+def test_the_vllm_benchmark_without_vllm_says_where_to_run_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = script("bench_vllm_connector", monkeypatch)
+    if module.VLLM_MISSING is None:
+        pytest.skip("vLLM is installed here")
+    monkeypatch.setattr(sys, "argv", ["bench_vllm_connector.py", "--quick"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    assert "make bench-vllm" in capsys.readouterr().err
+
+
+def test_bench_engine_reports_no_ratio_when_no_history_left_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a run too small to push any history off the GPU pool ended in a
+    ZeroDivisionError after it was served."""
+    bench_engine = script("bench_engine", monkeypatch)
+    run = {"ttft_p50_s": [0.1], "ttft_p90_s": [0.2], "tokens_per_s": [100.0]}
+    run |= {"ttft_history_off_gpu_p50_s": [0.0], "tier_hit_tokens": [0.0]}
+    summary = bench_engine._report({"off": run, "cpu": dict(run, tokens_per_s=[120.0])})
+    assert summary == {"cpu_ttft_off_gpu_ratio": None, "cpu_throughput_ratio": 1.2}
+    assert "TTFT (history off GPU) n/a" in capsys.readouterr().out
