@@ -13,6 +13,7 @@ they are read (`reduce`, the Prometheus gauges).
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -27,7 +28,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm_harness import VllmHarness, shared_prefix_prompts
 
 from kvtier.adapters.vllm import KVTierConnector
-from kvtier.adapters.vllm.stats import KVTierStats, claim_source, release_source
+from kvtier.adapters.vllm.stats import (
+    KVTierStats,
+    claim_source,
+    release_source,
+    summed_gauges,
+)
 
 PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
 AGAIN = {f"again-{r}": [*p, 9] for r, p in PROMPTS.items()}
@@ -148,3 +154,48 @@ def test_a_released_source_number_is_reused() -> None:
     assert claim_source(owners[2]) == first
     release_source(first, owners[0])  # no longer its owner: nothing freed
     assert claim_source(owners[3]) not in (first, second)
+
+
+def test_data_parallel_engines_gauges_add_up_in_the_aggregated_log_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's `--aggregate-engine-logging` merges the stats of every data-parallel engine
+    (one process each) in one `KVConnectorLogging`. Regression: each engine's connector
+    named its gauges' source "0", so the last engine's gauges replaced the others'."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvtier.adapters.vllm import scheduler_side as scheduler_side_module
+
+    harness = kvtier_harness()
+    try:
+        for request_id, prompt in PROMPTS.items():
+            harness.add_request(request_id, prompt, 3)
+        busy = []  # payloads whose gauges are not all 0
+        while harness.is_busy():
+            for outputs in harness.step().outputs.values():
+                stats = outputs.scheduler_stats
+                payload = stats.kv_connector_stats if stats is not None else None
+                if payload is not None and any(summed_gauges(payload["gauges"]).values()):
+                    busy.append(payload)
+        first = harness.scheduler.connector.scheduler_side
+        # Engine 1 is another process: it claims the same small number, 0, and has its
+        # own KV cache config (no sibling of engine 0's connector).
+        monkeypatch.setattr(scheduler_side_module, "claim_source", lambda owner: "0")
+        harness.vllm_config.parallel_config.data_parallel_index = 1
+        other = KVTierConnector(
+            harness.vllm_config, KVConnectorRole.SCHEDULER, copy.copy(harness.kv_cache_config)
+        )
+        other.bind_gpu_block_pool(harness.scheduler.kv_cache_manager.block_pool)
+        assert first.stats_source.startswith("0.")
+        assert other.scheduler_side.stats_source == "1.0"
+        other_stats = other.scheduler_side.take_stats()
+        assert other_stats is not None
+        assert busy
+        first_stats = KVTierConnector.build_kv_connector_stats(busy[-1])
+        gauges = {name: first_stats.reduce()[name] for name in NAMES}
+        assert any(gauges.values())
+        interval = KVTierStats(data={"counters": {}, "gauges": {}, "info": {}})
+        interval.aggregate(first_stats).aggregate(other_stats)  # engine 1's are all 0
+        assert {name: interval.reduce()[name] for name in NAMES} == gauges
+    finally:
+        harness.close()

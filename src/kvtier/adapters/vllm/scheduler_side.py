@@ -118,8 +118,12 @@ class SchedulerSide:
         self._last_split: tuple[str, dict[Tier, int]] | None = None
         self._last_gauges: dict[str, int] | None = None
         # This connector's name in the stats: gauges of several kvtier connectors inside
-        # one MultiConnector add up, each kept apart by source (`stats`).
-        self.stats_source = claim_source(self)
+        # one MultiConnector, or of data-parallel engines (one process each, whose stats
+        # vLLM's aggregated log line merges), add up, each kept apart by source (`stats`):
+        # "E.N", the engine's data-parallel index and a number claimed in this process.
+        self._source_number = claim_source(self)
+        engine = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        self.stats_source = f"{engine}.{self._source_number}"
         # Its siblings in one MultiConnector share vLLM's KV cache config (one object).
         self._stats_group = kv_cache_config
         self._last_gauge_values: tuple[int, int, int] | None = None
@@ -330,8 +334,8 @@ class SchedulerSide:
         order) or was sent already, and its last gauges are its current ones.
         """
         return {
-            source: dict(owner._last_gauges)
-            for source, owner in live_sources()
+            owner.stats_source: dict(owner._last_gauges)
+            for _, owner in live_sources()
             if isinstance(owner, SchedulerSide)
             and owner is not self
             and owner._stats_group is self._stats_group
@@ -340,7 +344,7 @@ class SchedulerSide:
 
     def release_stats_source(self) -> None:
         """Free this connector's stats source number for a connector built later."""
-        release_source(self.stats_source, self)
+        release_source(self._source_number, self)
 
     @property
     def num_tracked_requests(self) -> int:

@@ -7,8 +7,10 @@ front-end process:
      "gauges":   {source: {name: number}},    latest value per source wins
      "info":     {source: {label: str}}}      deployment facts (tier, mode, capacity)
 
-A source is one kvtier connector (scheduler role) of the engine process, named by a
-small number (`claim_source`). Several kvtier connectors inside one vLLM
+A source is one kvtier connector (scheduler role), named `E.N`: its engine's
+data-parallel index E (each engine is a process; vLLM's aggregated log line merges the
+stats of all of them) and a small number N claimed in that process (`claim_source`).
+Several kvtier connectors inside one vLLM
 `MultiConnector` share a class name, by which vLLM keys its children's stats, so their
 stats of one step meet in `aggregate`, the call that also merges a step's stats into an
 older step's: it cannot tell a sibling's gauges (to add) from a newer step's (to take),
