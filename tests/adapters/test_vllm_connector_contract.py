@@ -6,6 +6,7 @@ blocks on a real engine while the CPU harness still passes (copies there finish 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -115,6 +116,34 @@ def test_the_worker_role_opens_its_disk_tier_as_configured(tmp_path: Path) -> No
     assert config.disk_io_mode is DiskIOMode.PAGE_CACHE
     assert config.disk_buffer_slots == 3
     assert config.disk_path == str(tmp_path)
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_a_worker_that_never_starts_removes_the_disk_folder_it_made(
+    tmp_path: Path, register: bool
+) -> None:
+    """Regression: the worker role's `prepare_host` made `disk_path` and nothing removed
+    it when `register_kv_caches` failed, or vLLM failed before calling it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    folder = tmp_path / "tier"
+    extra = {"cpu_bytes": 0, "disk_bytes": 1 << 22, "disk_path": str(folder)}
+    harness = kvtier_harness(extra={**extra, "disk_io_mode": "page_cache"})
+    try:
+        shutil.rmtree(folder)  # made by the harness's own worker roles
+        connector = KVConnectorFactory.create_connector(
+            harness.vllm_config, KVConnectorRole.WORKER, harness.kv_cache_config
+        )
+        assert folder.is_dir()
+        if register:
+            with pytest.raises(ValueError, match="no KV tensors"):
+                connector.register_kv_caches({})
+            assert not folder.exists()
+        connector.shutdown()
+        assert not folder.exists()
+    finally:
+        harness.close()
 
 
 def test_finished_and_preempted_ids_reach_the_offload_scheduler() -> None:

@@ -33,6 +33,7 @@ the request once all of them finished.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,6 +46,7 @@ from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.redelivery import Outbox, Output
 from kvtier.adapters.vllm.regions import KVCacheValue, placement_block_views
 from kvtier.offload.config import OffloadConfig
+from kvtier.offload.host import remove_created_directory
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.transfer.regions import TensorLayout
 from kvtier.transfer.worker import OffloadWorker, WorkerConfig
@@ -114,7 +116,9 @@ class WorkerSide:
         """
         self.config = config
         self.tier_sizes = tier_sizes(config, kv_cache_config, stage_layers)
-        config.prepare_host()  # this rank's machine holds its tiers, not the scheduler's
+        # This rank's machine holds its tiers, not the scheduler's. A directory this
+        # made goes again if the worker never starts (`_remove_created_directory`).
+        self._created_directory = config.prepare_host()
         self.num_tier_blocks = self.tier_sizes[config.tier]
         self._kv_cache_config = kv_cache_config
         self._layout_name = layout_name
@@ -144,11 +148,19 @@ class WorkerSide:
         """Address vLLM's KV allocation by block id and allocate this rank's tier."""
         if self._worker is not None:
             raise RuntimeError("register_kv_caches called twice")
-        views = placement_block_views(self._kv_cache_config, kv_caches, self._layout_name)
-        device = next(iter(views.values())).device
-        rank = file_rank(device.index)
-        worker = OffloadWorker(worker_config(self.config, self.tier_sizes, rank))
-        worker.register(views, TensorLayout.BLOCKS_FIRST)
+        worker = None
+        try:
+            views = placement_block_views(self._kv_cache_config, kv_caches, self._layout_name)
+            device = next(iter(views.values())).device
+            rank = file_rank(device.index)
+            worker = OffloadWorker(worker_config(self.config, self.tier_sizes, rank))
+            worker.register(views, TensorLayout.BLOCKS_FIRST)
+        except BaseException:
+            if worker is not None:
+                with contextlib.suppress(Exception):  # the start's error is the one to see
+                    worker.shutdown()
+            self._remove_created_directory()
+            raise
         self._worker = worker
         logger.info(
             "kvtier worker on %s: %s slots of %d B",
@@ -366,5 +378,13 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Finish outstanding transfers and release the tier (idempotent)."""
-        if self._worker is not None:
+        if self._worker is None:  # never started: vLLM failed before registering
+            self._remove_created_directory()
+        else:
             self._worker.shutdown()
+
+    def _remove_created_directory(self) -> None:
+        """Remove the `disk_path` directory `prepare_host` made, if still empty: a worker
+        that never started leaves nothing behind (once; never raises)."""
+        remove_created_directory(self._created_directory)
+        self._created_directory = None
