@@ -202,8 +202,8 @@ class LoadPlanner(RecomputeGate):
         parts = self.index.split_pairs(tier_ids, gpu_ids)
         if self._lost_keys(parts):
             logger.warning(
-                "request %s: a tier block of its hit was discarded since the lookup (a "
-                "failed load named it bad); not loading",
+                "request %s: a tier block of its hit lost its keys since the lookup (a "
+                "failed load named it bad, or a newer copy replaced it); not loading",
                 request_id,
             )
             self.release_pin(request_id)
@@ -253,7 +253,8 @@ class LoadPlanner(RecomputeGate):
 
         A lookup pin keeps its blocks from being reused, not from being discarded: a
         failed load that named a block bad drops its keys ("never serve a suspect copy
-        again"), and a request that pinned the block before must not read it either.
+        again"), as does a cascade move that replaces a stale disk copy, and a request
+        that pinned the block before must not read it either.
         """
         pools = self.index.pools
         return any(None in pools[tier].keys(ids) for tier, ids, _ in parts)
