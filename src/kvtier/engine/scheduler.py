@@ -198,8 +198,17 @@ class Scheduler(QueueRecovery, BlockGrowth):
             num_external = self.offload.lookup(request, num_local, cap)
         num_hit = num_local + num_external
         num_new = 0 if num_external else min(request.num_tokens - num_hit, budget)
-        hits = [list(local.block_ids[group_id]) for group_id in range(len(self.layout.groups))]
         layout = self.layout
+        # Per group, the first block the token after the whole hit (local + external)
+        # attends to: a sliding-window group does not hold the local hit's blocks before
+        # it (they were picked for a hit ending at num_local). Held, they would be
+        # counted, touched and kept until the next step's window drop, and a request
+        # that fits the pool could stall with them and be aborted.
+        first_needed = [first_needed_block(layout, g, num_hit) for g in range(len(layout.groups))]
+        hits = [
+            [NULL_BLOCK_ID if pos < first_needed[g] else b for pos, b in enumerate(block_ids)]
+            for g, block_ids in enumerate(local.block_ids)
+        ]
         num_fresh = num_hit_blocks(layout, num_local, num_hit) + num_blocks_after(
             layout, num_hit, num_new
         )
@@ -227,9 +236,8 @@ class Scheduler(QueueRecovery, BlockGrowth):
         for group_id, table in enumerate(hits):
             tables[group_id] = _touched(self.pool, table)
         for group_id, group in enumerate(self.layout.groups):
-            first_needed = first_needed_block(layout, group_id, num_hit)
             for pos in range(num_local // group.block_size, num_hit // group.block_size):
-                fresh = pos >= first_needed
+                fresh = pos >= first_needed[group_id]
                 tables[group_id].append(self.pool.allocate(1)[0] if fresh else NULL_BLOCK_ID)
         r = request
         if num_external:
