@@ -18,6 +18,7 @@ import pytest
 import torch
 from random_workloads import with_watchdog
 
+from kvtier.engine import validation
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.runner import BatchInput
@@ -59,15 +60,22 @@ def assert_idle(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("offload", list(OFFLOADS), ids=str)
-def test_a_request_that_never_fits_raises_instead_of_hanging(offload: str) -> None:
-    """Up-front checks pass (the sliding window's last step needs 7 blocks), but the
-    prefill holds every block of both groups: 10 > 7. It used to spin with offload on."""
+def test_a_request_that_never_fits_raises_instead_of_hanging(
+    offload: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that needs 8 blocks at one position (18: window 11..18 spans blocks
+    2..4, with 5 full-attention blocks) and 7 in the pool. The up-front check refuses it;
+    bypassed (it counted the last position only, 7 blocks, before), the step raises
+    instead of spinning: it used to spin with offload on."""
     engine = EngineConfig(block_size=4, num_gpu_blocks=8)
     model = ModelConfig.tiny_hybrid()
     llm = LLM(model, kv_offload=OFFLOADS[offload], engine=engine)
     arm = with_watchdog(llm, 500)  # a hang fails the test instead of blocking pytest
     arm()
     params = SamplingParams(max_tokens=1, ignore_eos=True)
+    with pytest.raises(ValueError, match="needs at least 8 KV blocks at one step"):
+        llm.generate([list(range(20))], params)
+    monkeypatch.setattr(validation, "num_peak_blocks", lambda layout, num_tokens: 0)
     with pytest.raises(RuntimeError, match=r"no progress possible: req-1 \(20 tokens\).*aborted"):
         llm.generate([[1, 2, 3], list(range(20))], params)
     assert_idle(llm)

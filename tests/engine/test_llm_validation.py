@@ -7,6 +7,7 @@ compute was spent), poison the engine for later calls, or hang.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.engine import runner as runner_module
-from kvtier.engine.config import ModelConfig
+from kvtier.engine.config import AttentionKind, ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.runner import KVCacheTooLargeError
 from kvtier.engine.sampling import SamplingParams
@@ -229,8 +230,8 @@ def test_generate_gives_each_request_its_session_id(monkeypatch: pytest.MonkeyPa
         (
             [[1, 2, 3], list(range(40))],
             SamplingParams(max_tokens=4, ignore_eos=True),
-            "prompt 1: prompt of 40 tokens \\+ max_tokens=4 needs at least 11 KV blocks at its "
-            "last step, more than the GPU pool's 4 usable blocks",
+            "prompt 1: prompt of 40 tokens \\+ max_tokens=4 needs at least 11 KV blocks at one "
+            "step, more than the GPU pool's 4 usable blocks",
         ),
         (
             [list(range(14))],
@@ -283,3 +284,37 @@ def test_num_peak_blocks_per_group_kind() -> None:
     assert num_peak_blocks(KVLayout((full,)), 23) == 6
     assert num_peak_blocks(KVLayout((full, sliding)), 23) == 6 + 3
     assert num_peak_blocks(KVLayout((full, sliding)), 5) == 2 + 2  # window not yet full
+
+
+def test_num_peak_blocks_counts_a_window_that_starts_within_a_block() -> None:
+    # Window 8 in blocks of 16: position 19's window (12..19) spans blocks 0 and 1,
+    # position 31's (24..31) block 1 only. Regression: only the last position counted.
+    full = KVGroupSpec(GroupKind.FULL_ATTENTION, 16, 64)
+    sliding = KVGroupSpec(GroupKind.SLIDING_WINDOW, 16, 64, sliding_window=8)
+    assert num_peak_blocks(KVLayout((full, sliding)), 32) == 2 + 2
+
+
+@pytest.mark.parametrize("first", [AttentionKind.FULL, AttentionKind.SLIDING])
+def test_a_request_validation_accepts_runs_in_the_smallest_pool_it_allows(
+    first: AttentionKind,
+) -> None:
+    """Regression: `num_peak_blocks` counted the blocks at the last position only, so a
+    hybrid model's request could pass `add_request` and be aborted part-way ("no
+    progress possible"), e.g. 32 tokens in blocks of 16 with a window of 8 and 3 blocks."""
+    for window, block_size in itertools.product((3, 5, 7), (2, 3, 4)):
+        model = dataclasses.replace(
+            ModelConfig.tiny(),
+            layer_kinds=(first, AttentionKind.SLIDING),
+            sliding_window=window,
+        )
+        layout = small_llm(model, EngineConfig(block_size=block_size)).layout
+        for num_prompt, max_tokens in itertools.product(range(1, 14, 2), (1, 3)):
+            need = num_peak_blocks(layout, num_prompt + max_tokens - 1)
+            engine = EngineConfig(block_size=block_size, num_gpu_blocks=need + 1)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            (out,) = small_llm(model, engine).generate([list(range(num_prompt))], params)
+            assert len(out.output_token_ids) == max_tokens
+            if need > 1:  # one block less is refused up front
+                tighter = EngineConfig(block_size=block_size, num_gpu_blocks=need)
+                with pytest.raises(ValueError, match=f"needs at least {need} KV blocks"):
+                    small_llm(model, tighter).generate([list(range(num_prompt))], params)

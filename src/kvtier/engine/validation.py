@@ -121,8 +121,8 @@ def check_request(
     """Raise ValueError, naming `where`, if the request could never run to `max_tokens`.
 
     The request's last sampled token is never fed back, so it computes
-    `len(token_ids) + max_tokens - 1` positions; their KV blocks (over every group) at
-    its last step must fit the usable GPU pool.
+    `len(token_ids) + max_tokens - 1` positions; the KV blocks (over every group) of
+    the position needing the most (`num_peak_blocks`) must fit the usable GPU pool.
     """
     if not token_ids:
         raise ValueError(f"{where}: empty prompt")
@@ -140,26 +140,33 @@ def check_request(
     num_blocks = num_peak_blocks(limits.layout, num_positions)
     if num_blocks > limits.num_usable_blocks:
         raise ValueError(
-            f"{where}: {sizes} needs at least {num_blocks} KV blocks at its last step, more "
+            f"{where}: {sizes} needs at least {num_blocks} KV blocks at one step, more "
             f"than the GPU pool's {limits.num_usable_blocks} usable blocks (raise "
             "EngineConfig.num_gpu_blocks or lower max_tokens)"
         )
 
 
 def num_peak_blocks(layout: KVLayout, num_tokens: int) -> int:
-    """Return a lower bound of the GPU blocks a request holds when computing `num_tokens`.
+    """Return the GPU blocks a request needs at least at some step computing its first
+    `num_tokens` positions: the most any one position needs (a step computes at least
+    one): every block of a full-attention group up to it, the blocks a sliding-window
+    group's window of it spans. The scheduler drops the blocks before that window.
 
-    That is what the step computing its last token needs at least: every block of a
-    full-attention group, the blocks a sliding-window group's last window spans.
+    The last position is not always the peak: a window that starts within a block spans
+    one block more than one starting at a block's first token. The count repeats with
+    the block size, so the last `max block size` positions hold the peak.
     """
+    span = max(group.block_size for group in layout.groups)
+    return max(_num_blocks_at(layout, p) for p in range(max(0, num_tokens - span), num_tokens))
+
+
+def _num_blocks_at(layout: KVLayout, position: int) -> int:
     total = 0
     for group in layout.groups:
-        end = -(-num_tokens // group.block_size)
         first = 0
         if group.kind is GroupKind.SLIDING_WINDOW and group.sliding_window is not None:
-            # The scheduler dropped the blocks before the previous token's window.
-            first = max(0, num_tokens - group.sliding_window) // group.block_size
-        total += end - first
+            first = max(0, position - group.sliding_window + 1) // group.block_size
+        total += position // group.block_size + 1 - first
     return total
 
 
