@@ -206,3 +206,20 @@ def test_null_optional_values_take_their_defaults(tmp_path: Path) -> None:
     config = ModelConfig.from_hf_config(path)
     assert (config.head_dim, config.rms_norm_eps) == (16, 1e-6)
     assert (config.max_position, config.tie_word_embeddings) == (32768, False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"eos_token_ids": 2}, "eos_token_ids must be a tuple of token ids"),
+        ({"eos_token_ids": (2, -1)}, r"ints >= 0\), got \(2, -1\)"),
+        ({"eos_token_ids": [2]}, r"got \[2\]"),
+        ({"layer_kinds": (FULL, SLIDING), "sliding_window": True}, "got True"),
+    ],
+)
+def test_eos_ids_and_a_bool_window_are_checked(changes: dict[str, Any], message: str) -> None:
+    """Regression: `eos_token_ids=2` was accepted and the first sampled token raised a
+    TypeError inside the step (its requests aborted); `sliding_window=True` was taken
+    as a window of 1."""
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(ModelConfig.tiny(), **changes)

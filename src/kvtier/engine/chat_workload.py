@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import math
 import random
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,13 +30,19 @@ class ChatWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if type(value) is not int:
+                raise TypeError(f"{name} must be an int, got {value!r}")
         for name in ("num_conversations", "num_turns", "num_answer_tokens", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         # A negative seed would draw the ids of its absolute value (`random.Random`).
-        for name in ("num_system_tokens", "num_document_tokens", "num_user_tokens", "seed"):
+        prompt_parts = ("num_system_tokens", "num_document_tokens", "num_user_tokens")
+        for name in (*prompt_parts, "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not any(getattr(self, name) for name in prompt_parts):
+            raise ValueError(f"{', '.join(prompt_parts)} are all 0: the first prompt is empty")
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -100,12 +106,17 @@ class RunResult:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Return the q-quantile (0..1) of `values` (0.0 when empty)."""
+    """Return the q-quantile (0..1) of `values` (0.0 when empty): linear between the
+    sorted values, so 0 gives the least, 1 the largest and 0.5 the median."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must be in [0, 1], got {q!r}")
     if not values:
         return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def run_chat(

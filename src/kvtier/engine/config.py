@@ -76,12 +76,16 @@ class ModelConfig:
         if any(not isinstance(kind, AttentionKind) for kind in self.layer_kinds):
             raise ValueError(f"layer_kinds must hold AttentionKind values, got {self.layer_kinds}")
         has_sliding = AttentionKind.SLIDING in self.layer_kinds
-        if has_sliding and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
+        window = self.sliding_window
+        if has_sliding and (type(window) is not int or window <= 0):
             raise ValueError(
                 f"sliding layers need a positive int sliding_window, got {self.sliding_window!r}"
             )
         if not has_sliding and self.sliding_window is not None:
             raise ValueError(f"sliding_window={self.sliding_window} but no layer is SLIDING")
+        eos = self.eos_token_ids
+        if not isinstance(eos, tuple) or any(type(t) is not int or t < 0 for t in eos):
+            raise ValueError(f"eos_token_ids must be a tuple of token ids (ints >= 0), got {eos!r}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError(
                 f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0"
