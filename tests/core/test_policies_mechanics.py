@@ -6,10 +6,12 @@ S-3FIFO's second chance, ...) that the end-to-end hit-ratio checks do not tell a
 
 from __future__ import annotations
 
+import hashlib
+
 from policy_helpers import hit, key, store
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.keys import Key
+from kvtier.core.keys import Key, make_key
 from kvtier.core.policies import (
     ARCPolicy,
     DoorkeeperAdmission,
@@ -17,6 +19,7 @@ from kvtier.core.policies import (
     EvictionPolicy,
     S3FIFOPolicy,
 )
+from kvtier.core.policies.sketch import CountMinSketch
 
 
 def access(pool: BlockPool, policy: EvictionPolicy, k: Key) -> None:
@@ -147,6 +150,21 @@ def test_door_remembers_a_first_sighting_for_two_generations_of_twice_the_pool()
         admission.admit(key(i))
     assert not admission.admit(key(1))
     admission.check_invariants()
+
+
+def test_door_and_the_count_min_sketch_count_two_groups_keys_apart() -> None:
+    """A hybrid model stores one key per KV group of a prefix. Regression: the sketches
+    hashed a key's first 8 bytes only, so group 1's key found group 0's sighting: `door`
+    admitted it on its first offer (half-prefixes, which never hit), and LFU-DA counted
+    one store twice."""
+    hashes = [hashlib.sha256(b"prefix %d" % i).digest() for i in range(50)]
+    admission = DoorkeeperAdmission(1000)
+    for block_hash in hashes:
+        assert not admission.admit(make_key(block_hash, 0))
+        assert not admission.admit(make_key(block_hash, 1))
+    assert all(admission.admit(make_key(h, g)) for h in hashes for g in (0, 1))
+    sketch = CountMinSketch(1024, aging_period=10_000)
+    assert [sketch.add(make_key(hashes[0], g)) for g in (0, 1, 0)] == [1, 1, 2]
 
 
 # ----------------------------------------------------------------- duel

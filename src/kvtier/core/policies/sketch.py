@@ -1,14 +1,15 @@
 """Compact, aging summaries of which keys were seen: a count-min sketch and a doorkeeper.
 
-Both hash a key by its first 8 bytes (block hashes are uniformly distributed; keys made
-from small integers are spread by the multiplicative hash), so the same key always lands
-in the same counters across processes — replays are reproducible. Both age: without it a
+Both hash a key by its first 8 bytes mixed with its group id (block hashes are uniformly
+distributed; keys made from small integers are spread by the multiplicative hash), so the
+same key always lands in the same counters across processes — replays are reproducible —
+and a prefix's keys of two KV groups are counted apart. Both age: without it a
 key popular an hour ago would look popular forever.
 """
 
 from __future__ import annotations
 
-from kvtier.core.keys import Key
+from kvtier.core.keys import Key, key_group_id
 
 _MASK64 = (1 << 64) - 1
 # Odd 64-bit multipliers (golden ratio and other well-mixed constants), one per row/probe.
@@ -27,7 +28,11 @@ def _log2_at_least(value: int) -> int:
 
 
 def _key_int(key: Key) -> int:
-    return int.from_bytes(key[:8], "little")
+    """Return a 64-bit number of `key`: its hash's first 8 bytes, mixed with its group id
+    (one prefix's keys of different groups are counted apart; group 0 is unchanged)."""
+    x = int.from_bytes(key[:8], "little")
+    group_id = key_group_id(key)
+    return x ^ ((group_id * _MULTIPLIERS[0]) & _MASK64) if group_id else x
 
 
 class CountMinSketch:
