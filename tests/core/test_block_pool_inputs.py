@@ -149,6 +149,17 @@ def test_a_free_queue_made_for_fewer_blocks_is_refused(name: str) -> None:
         BlockPool(10, free_queue=queue)
 
 
+@pytest.mark.parametrize("name", ["lru-queue", *sorted(EVICTION_POLICIES)])
+@pytest.mark.parametrize("size", [9, 11, 1000])
+def test_a_free_queue_made_for_another_size_is_refused(name: str, size: int) -> None:
+    """Regression: a queue one block short was accepted (LRU's sentinel node became a
+    block: `allocate(9)` gave block 9 nine times), and a larger one too (S3-FIFO then
+    sized its small FIFO for the larger pool)."""
+    queue = LRUFreeQueue(size) if name == "lru-queue" else EVICTION_POLICIES[name](size)
+    with pytest.raises(ValueError, match=f"made for {size} blocks, not the pool's 10"):
+        BlockPool(10, free_queue=queue)
+
+
 # --- a key given to a free block ----------------------------------------------------
 
 

@@ -51,12 +51,17 @@ class BlockPool(PoolKeyRemoval):
         self._index: dict[Key, int] = {}
         self._more_blocks: dict[Key, list[int]] = {}  # a key held by several blocks
         self._free: FreeQueue = free_queue if free_queue is not None else LRUFreeQueue(num_blocks)
+        # A queue made for another size: too small, LRU's links take a block for their
+        # sentinel; too large, a policy's targets (S3-FIFO's small FIFO) are off.
+        made_for = getattr(self._free, "num_blocks", num_blocks)
         try:
+            if made_for != num_blocks:
+                raise IndexError
             self._free.clear_and_fill(range(1, num_blocks))
         except IndexError:
             raise ValueError(
-                f"free queue {type(self._free).__name__} is smaller than the pool's "
-                f"{num_blocks} blocks; make it for num_blocks={num_blocks}"
+                f"free queue {type(self._free).__name__} is made for {made_for} blocks, not "
+                f"the pool's {num_blocks}; make it for num_blocks={num_blocks}"
             ) from None
         self._events: list[KVEvent] = []
         # Called with (block id, primary key) just before `allocate` evicts a cached block.

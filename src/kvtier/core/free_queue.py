@@ -279,6 +279,11 @@ class LRUFreeQueue:
             assert len(seen) <= len(self), "free queue longer than its length"
         assert len(seen) == len(self), "free queue shorter than its length"
 
+    @property
+    def num_blocks(self) -> int:
+        """Return the size of the pool this queue is made for."""
+        return self._sentinel
+
     def clear_and_fill(self, block_ids: range) -> None:
         """Link `block_ids` in order, dropping whatever was queued."""
         s = self._sentinel

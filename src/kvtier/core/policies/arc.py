@@ -37,6 +37,7 @@ class ARCPolicy(OneByOne):
 
     def __init__(self, num_blocks: int) -> None:
         check_num_blocks(num_blocks, type(self).__name__)
+        self.num_blocks = num_blocks  # the pool's size it is made for
         self._lists = BlockLists(num_blocks, 3)
         self._capacity = max(1, num_blocks - 1)
         self._keys: list[Key | None] = [None] * num_blocks

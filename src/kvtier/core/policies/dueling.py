@@ -86,6 +86,7 @@ class DuelingPolicy(OneByOne):
         max_shadow_blocks: int = DEFAULT_MAX_SHADOW_BLOCKS,
     ) -> None:
         check_num_blocks(num_blocks, type(self).__name__)
+        self.num_blocks = num_blocks  # the pool's size it is made for
         if z < 0:
             raise ValueError(f"z must be >= 0, got {z}")
         if max_shadow_blocks < 1:

@@ -46,6 +46,7 @@ class LFUDAPolicy(OneByOne):
 
     def __init__(self, num_blocks: int, max_frequency: int = DEFAULT_MAX_FREQUENCY) -> None:
         check_num_blocks(num_blocks, type(self).__name__)
+        self.num_blocks = num_blocks  # the pool's size it is made for
         if isinstance(max_frequency, bool) or not isinstance(max_frequency, int):
             raise ValueError(f"max_frequency must be an int in [1, 15], got {max_frequency!r}")
         if not 1 <= max_frequency <= 15:

@@ -38,6 +38,7 @@ class S3FIFOPolicy(OneByOne):
 
     def __init__(self, num_blocks: int) -> None:
         check_num_blocks(num_blocks, type(self).__name__)
+        self.num_blocks = num_blocks  # the pool's size it is made for
         self._lists = BlockLists(num_blocks, 3)
         capacity = max(1, num_blocks - 1)
         self._small_target = max(1, int(capacity * SMALL_FRACTION))
