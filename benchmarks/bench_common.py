@@ -113,6 +113,15 @@ def output_file(text: str) -> Path:
     return path
 
 
+def add_copy_threads(parser: argparse.ArgumentParser) -> None:
+    """Add `--copy-threads`, the worker's `WorkerConfig.copy_threads` (None: its choice)."""
+    parser.add_argument(
+        "--copy-threads",
+        type=positive_int,
+        help="WorkerConfig.copy_threads (default: the worker's own choice)",
+    )
+
+
 def write_json(
     path: str | Path, machine: Any, args: argparse.Namespace, summary: Any, rows: list[Any]
 ) -> None:

@@ -29,7 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bench_common import existing_dir, new_parser, output_file, positive_int, write_json
+from bench_common import (
+    add_copy_threads,
+    existing_dir,
+    new_parser,
+    output_file,
+    positive_int,
+    write_json,
+)
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.storage import DiskIOMode
 from kvtier.transfer import OffloadWorker, TensorLayout, WorkerConfig
@@ -235,11 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=WorkerConfig.disk_batch_bytes >> 20,
         help="the worker's staging buffer size (disk_batch_bytes) in MiB",
     )
-    parser.add_argument(
-        "--copy-threads",
-        type=positive_int,
-        help="WorkerConfig.copy_threads (default: the worker's own choice)",
-    )
+    add_copy_threads(parser)
     parser.add_argument("--json", type=output_file, help="write every number to this file")
     return parser
 

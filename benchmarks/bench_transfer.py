@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bench_common import new_parser, output_file, positive_int, write_json
+from bench_common import add_copy_threads, new_parser, output_file, positive_int, write_json
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.transfer import OffloadWorker, TensorLayout, WorkerConfig
 
@@ -202,11 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1, 32],
         help="regions (layers x K/V) per block",
     )
-    parser.add_argument(
-        "--copy-threads",
-        type=positive_int,
-        help="WorkerConfig.copy_threads (default: the worker's own choice)",
-    )
+    add_copy_threads(parser)
     parser.add_argument("--json", type=output_file, help="write every number to this file")
     return parser
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
@@ -296,6 +297,26 @@ def assert_same(reference: RequestOutput, other: RequestOutput) -> None:
     assert reference.logits is not None
     assert other.logits is not None
     assert torch.allclose(reference.logits, other.logits, atol=1e-4, rtol=0), other.request_id
+
+
+# The settings of the random-workload properties but their number of examples.
+WORKLOAD_SETTINGS: dict[str, Any] = {
+    "deadline": None,
+    "derandomize": True,  # the same examples on every run
+    "database": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+
+
+def on_one_thread(check: Callable[[], None]) -> None:
+    """Run `check` with one torch intra-op thread: the model is tiny, one thread is as
+    fast, and an OpenMP team spinning on a busy machine can be 10x slower."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        check()
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def kv_group_spec(group: LayerGroup, block_size: int) -> KVGroupSpec:

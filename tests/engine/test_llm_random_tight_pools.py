@@ -12,31 +12,26 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from random_workloads import MODELS, Workload, run_workload, workloads
+from random_workloads import (
+    MODELS,
+    WORKLOAD_SETTINGS,
+    Workload,
+    on_one_thread,
+    run_workload,
+    workloads,
+)
 
 
 def test_random_workloads_in_tight_pools_match_offload_off() -> None:
     totals: Counter[str] = Counter()
 
-    @settings(
-        max_examples=60,
-        deadline=None,
-        derandomize=True,  # the same examples on every run
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @settings(max_examples=60, **WORKLOAD_SETTINGS)
     @given(workloads(), st.sampled_from(sorted(MODELS)))
     def check(workload: Workload, model: str) -> None:
         run_workload(dataclasses.replace(workload, model=model), totals, tight=True)
 
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one intra-op thread is as fast
-    try:
-        check()
-    finally:
-        torch.set_num_threads(num_threads)
+    on_one_thread(check)
     assert totals["external_hit_tokens"] > 0, totals
     assert totals["preemptions"] > 0, totals

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
-from random_workloads import TIER_KINDS, PromptSpec, Workload, run_workload, workloads
+from random_workloads import (
+    TIER_KINDS,
+    PromptSpec,
+    Workload,
+    on_one_thread,
+    run_workload,
+    workloads,
+)
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import StoreMode
@@ -39,14 +45,7 @@ def test_random_workloads_match_offload_off() -> None:
     def check(workload: Workload) -> None:
         run_workload(workload, totals)
 
-    # The model is tiny: one intra-op thread is as fast, and an OpenMP team spinning on a
-    # busy machine (the offload worker's threads, other processes) can be 10x slower.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        check()
-    finally:
-        torch.set_num_threads(num_threads)
+    on_one_thread(check)
     assert totals["external_hit_tokens"] > 800, totals
     assert totals["cpu_hit_tokens"] > 0, totals
     assert totals["disk_hit_tokens"] > 0, totals
