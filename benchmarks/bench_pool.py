@@ -348,9 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_SIZES),
         help="pool sizes in blocks, a comma list",
     )
-    parser.add_argument(
-        "--ops", type=positive_int, default=100_000, help="operations per kind per rep"
-    )
+    parser.add_argument("--ops", type=positive_int, default=100_000, help="ops per kind per rep")
     parser.add_argument("--reps", type=positive_int, default=5, help="repetitions")
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="random seed")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="timer")

@@ -57,9 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "adapters
 
 import torch
 
-from bench_common import new_parser, nonnegative_int, output_file, positive_int
 from call_timer import CallTimer, clock_overhead_ns
 from kvtier.offload.plan import Tier
+from vllm_connector_options import CLOCKS, DEFAULTS, QUICK
+from vllm_connector_options import build_parser as options_parser
 
 try:  # --help and option errors need no vLLM; a run does (`make bench-vllm`)
     from vllm_harness import (
@@ -77,7 +78,6 @@ else:
 BLOCK_SIZE = 16
 SLOT_BYTES = 2 * 2048  # one block id of the harness model: 2 layers x 2048-byte pages
 CONNECTORS = ("kvtier", "vllm")
-MODES = ("eager", "lazy")
 # Every scheduler-role method vLLM's Scheduler calls on a connector.
 SCHEDULER_METHODS = (
     "on_new_request",
@@ -94,9 +94,6 @@ SCHEDULER_METHODS = (
     "take_events",
     "get_kv_connector_stats",
 )
-CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
-DEFAULTS = {"num_requests": 256, "reps": 3, "window": 50}
-QUICK = {"num_requests": 96, "reps": 2, "window": 25}
 
 
 @dataclass
@@ -320,53 +317,8 @@ def print_mode(mode: str, reps: list[dict]) -> dict:
     return summary
 
 
-def store_modes(text: str) -> list[str]:
-    """An argparse type: a comma list of store modes (`eager,lazy`)."""
-    modes = text.split(",")
-    unknown = [mode for mode in modes if mode not in MODES]
-    if unknown or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(
-            f"expected a comma list of distinct modes from {', '.join(MODES)}, got {text!r}"
-        )
-    return modes
-
-
 def build_parser() -> argparse.ArgumentParser:
-    def default(key: str) -> str:
-        return f"(default {DEFAULTS[key]}, with --quick {QUICK[key]})"
-
-    parser = new_parser(__doc__)
-    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
-    parser.add_argument("--json", type=output_file, help="write every number to this file")
-    parser.add_argument(
-        "--num-requests", type=positive_int, help=f"requests per run {default('num_requests')}"
-    )
-    parser.add_argument("--reps", type=positive_int, help=f"runs per store mode {default('reps')}")
-    parser.add_argument(
-        "--window", type=positive_int, help=f"steps per ratio window {default('window')}"
-    )
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="workload seed")
-    parser.add_argument(
-        "--modes", type=store_modes, default=list(MODES), help="store modes, a comma list"
-    )
-    parser.add_argument(
-        "--clock",
-        choices=sorted(CLOCKS),
-        default="cpu",
-        help="cpu: this thread's CPU time (default); wall: perf_counter_ns",
-    )
-    parser.add_argument(
-        "--token-check",
-        action="store_true",
-        help="run kvtier with its token check on (eager mode only: pass --modes eager)",
-    )
-    parser.add_argument(
-        "--gc",
-        choices=("on", "off"),
-        default="off",
-        help="keep the garbage collector on while stepping",
-    )
-    return parser
+    return options_parser(__doc__)
 
 
 def main() -> None:
