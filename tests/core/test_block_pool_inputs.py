@@ -208,9 +208,22 @@ def test_insert_keys_refuses_what_insert_key_refuses() -> None:
     pool.check_invariants()
 
 
-def test_allocate_refuses_a_bool_count() -> None:
+@pytest.mark.parametrize("query", ["allocate", "can_allocate"])
+def test_allocation_counts_that_are_bools_floats_or_negative_are_refused(query: str) -> None:
+    """Regression: `can_allocate(True)` and `can_allocate(-5)` answered True, though
+    `allocate` refuses both; numpy counts work in both."""
+    pool = BlockPool(8)
+    call = getattr(pool, query)
     with pytest.raises(TypeError, match="cannot allocate True blocks"):
-        BlockPool(8).allocate(True)
+        call(True)
+    with pytest.raises(TypeError, match=r"cannot allocate 2\.0 blocks"):
+        call(2.0)
+    with pytest.raises(PoolError, match=r"negative number of blocks \(-5\)"):
+        call(-5)
+    num_free = pool.num_free()  # nothing was taken
+    assert pool.can_allocate(np.int64(num_free))
+    assert not pool.can_allocate(np.int64(num_free + 1))
+    assert len(pool.allocate(np.int64(2))) == 2
 
 
 def test_insert_keys_takes_numpy_token_counts() -> None:

@@ -84,6 +84,16 @@ def test_negative_cap_is_no_hit() -> None:
     assert hit(lay, hashes, index, -1) == LongestHit(0, ((),))
 
 
+@pytest.mark.parametrize("cap", [32.0, True, "32", None])
+def test_a_cap_that_is_not_an_int_is_named(cap: object) -> None:
+    """Regression: a float cap failed deep inside with a TypeError naming nothing, and
+    True capped the hit at one token."""
+    lay, hashes, index = layout(group(FULL)), make_hashes(2), {}
+    cache_blocks(index, hashes, lay, 0, range(2))
+    with pytest.raises(TypeError, match=f"max_num_tokens must be an int, got {cap!r}"):
+        hit(lay, hashes, index, cap)  # type: ignore[arg-type]
+
+
 def test_hit_rounds_down_to_scheduler_block() -> None:
     """Full blocks 16 + 32: three cached 16-blocks (48 tokens) round down to 32."""
     lay, hashes, index = layout(group(FULL, 16), group(FULL, 32)), make_hashes(8), {}

@@ -21,6 +21,7 @@ from random_workloads import with_watchdog
 from kvtier.engine import validation
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.request import RequestStatus
 from kvtier.engine.runner import BatchInput
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import DiskIOMode, OffloadConfig, StoreMode
@@ -271,6 +272,18 @@ def test_engine_hit_counters_count_stepped_requests_as_generated_ones() -> None:
             stepped.step()
     assert outputs[1].num_local_hit_tokens == 12
     assert stepped.stats.num_local_hit_tokens == generated.stats.num_local_hit_tokens == 12
+
+
+def test_generate_leaves_stepped_requests_it_finished_for_the_next_step() -> None:
+    """A request queued by `add_request` and finished inside a `generate` call is
+    returned by the next `step` (it used to be dropped: `step` never reported it)."""
+    llm = LLM(None, engine=EngineConfig(num_gpu_blocks=32, block_size=4))
+    stepped = llm.add_request([*range(9)], PARAMS)
+    (output,) = llm.generate([[*range(20, 40)]], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert stepped.status is RequestStatus.FINISHED
+    assert len(output.output_token_ids) == 12
+    assert llm.step() == [stepped]
+    assert llm.step() == []
 
 
 def test_a_failed_start_removes_the_disk_directory_it_created(tmp_path: Path) -> None:

@@ -76,9 +76,7 @@ class BlockPool(PoolKeyRemoval):
         Raises `PoolError` when fewer than `num_blocks` are free, TypeError for a non-int.
         """
         if type(num_blocks) is not int or num_blocks < 0:  # a bool or numpy int too
-            num_blocks = pool_checks.as_block_count(num_blocks)
-            if num_blocks < 0:
-                raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
+            num_blocks = pool_checks.allocation_size(num_blocks)
         if num_blocks > len(self._free):
             raise PoolError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
         taken = self._free.pop_victims(num_blocks)

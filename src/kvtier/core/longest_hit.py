@@ -88,6 +88,12 @@ class _GroupMatcher:
         return self._blocks[j]
 
 
+def _as_token_cap(value: object) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"max_num_tokens must be an int, got {value!r}")
+    return int(value.__index__())
+
+
 def _floor(value: int, unit: int) -> int:
     return value // unit * unit
 
@@ -233,6 +239,8 @@ def find_longest_hit(
     `eagle_proof`: attention groups need the unit after the hit cached too (module
     docstring).
     """
+    if type(max_num_tokens) is not int:  # a numpy int is taken; a bool or float is not
+        max_num_tokens = _as_token_cap(max_num_tokens)
     fine = granularity is HitGranularity.HASH_BLOCK
     if fine and not layout.supports_fine_grained_hits:
         raise ValueError("fine-grained hits need a coarse full-attention group (see KVLayout)")

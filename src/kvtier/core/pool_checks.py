@@ -43,6 +43,15 @@ def as_block_count(value: object) -> int:
     return int(value.__index__())
 
 
+def allocation_size(value: object) -> int:
+    """Return `value` as a block count for `allocate`; raise TypeError for a non-int and
+    PoolError for a negative one, naming it."""
+    num_blocks = as_block_count(value)
+    if num_blocks < 0:
+        raise PoolError(f"cannot allocate a negative number of blocks ({num_blocks})")
+    return num_blocks
+
+
 def check_pool_invariants(pool: BlockPool) -> None:
     """Raise AssertionError when `pool`'s bookkeeping is inconsistent."""
     _check_free_queue(pool)

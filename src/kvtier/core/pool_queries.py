@@ -11,6 +11,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from kvtier.core import pool_checks
 from kvtier.core.free_queue import FreeQueue
 from kvtier.core.keys import Key
 from kvtier.core.pool_block import NULL_BLOCK_ID, PoolBlock
@@ -40,7 +41,10 @@ class PoolQueries:
         return len(self._free)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        """Return True when `allocate(num_blocks)` would succeed."""
+        """Return True when `allocate(num_blocks)` would succeed; raise as it does for a
+        count that is not an int or is negative."""
+        if type(num_blocks) is not int or num_blocks < 0:  # a bool or numpy int too
+            num_blocks = pool_checks.allocation_size(num_blocks)
         return num_blocks <= len(self._free)
 
     def block(self, block_id: int) -> PoolBlock:

@@ -133,7 +133,8 @@ class LLM(StallChecks):
         Every prompt is checked as in `add_request` before any is queued: one bad prompt
         rejects the whole call (the error names its index) and nothing runs. If a step
         fails anyway, this call's unfinished requests are aborted and their blocks freed
-        before the error propagates, so the engine stays usable.
+        before the error propagates, so the engine stays usable. Requests queued by
+        `add_request` that finish during the call are returned by the next `step`.
         """
         self._require_running()
         prompt_list = as_prompt_list(prompts)
@@ -148,6 +149,7 @@ class LLM(StallChecks):
             for (token_ids, sp), session in zip(checked, sessions, strict=True)
         ]
         pending = {r.request_id for r in requests}
+        others: list[Request] = []  # `add_request`'s, finished here: the next step returns them
         try:
             with tqdm(total=len(requests), disable=not show_progress, unit="req") as bar:
                 while pending:
@@ -155,11 +157,15 @@ class LLM(StallChecks):
                         if request.request_id in pending:
                             pending.discard(request.request_id)
                             bar.update()
+                        else:
+                            others.append(request)
         except BaseException:
             for request in requests:
                 if request.request_id in pending:
                     self._abort(request)
             raise
+        finally:
+            self.scheduler.unreturned[:0] = others
         return [self._output(r) for r in requests]
 
     def add_request(
