@@ -61,6 +61,28 @@ def test_block_ids_must_be_ints_in_range(src: object, dst: object, message: str)
 
 
 @pytest.mark.parametrize(
+    ("src", "dst", "records", "message"),
+    [
+        ((1, 2, 3), (1, 2), (), r"event 7: 3 source blocks but 2 destination blocks"),
+        ((1,), (1, 2), (), r"event 7: 1 source blocks but 2 destination blocks"),
+        ((1, 2), (1, 2), ("r",), r"event 7: 1 slot records for 2 destination blocks"),
+        ((1,), (1,), None, r"event 7: dst_records must be a tuple, got NoneType"),
+    ],
+)
+def test_a_pickled_job_with_mismatched_counts_is_refused(
+    src: tuple[int, ...], dst: tuple[int, ...], records: object, message: str
+) -> None:
+    """Regression: a job that skipped `__post_init__` (unpickled, as vLLM's metadata is)
+    with 3 source and 2 destination blocks copied 2 and was reported done."""
+    bad = TransferJob(7, Tier.GPU, Tier.CPU, (0,), (0,))
+    object.__setattr__(bad, "src_block_ids", src)
+    object.__setattr__(bad, "dst_block_ids", dst)
+    object.__setattr__(bad, "dst_records", records)
+    with pytest.raises(ValueError, match=message):
+        submit_one(bad)
+
+
+@pytest.mark.parametrize(
     ("fields", "message"),
     [
         ((3, "GPU", Tier.CPU), r"event 3: src_tier must be a Tier, got 'GPU'"),

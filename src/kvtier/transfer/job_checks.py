@@ -54,6 +54,23 @@ def block_id_array(event_id: int, label: str, ids: object, num_ids: int) -> np.n
     return array
 
 
+def check_counts(event_id: int, num_src: int, num_dst: int, records: object) -> None:
+    """Raise ValueError naming the counts unless every source block has a destination
+    and `records` is empty or holds one record per destination."""
+    if num_src != num_dst:
+        raise ValueError(
+            f"event {event_id}: {num_src} source blocks but {num_dst} destination blocks"
+        )
+    if not isinstance(records, tuple | list):
+        raise ValueError(
+            f"event {event_id}: dst_records must be a tuple, got {type(records).__name__}"
+        )
+    if records and len(records) != num_dst:
+        raise ValueError(
+            f"event {event_id}: {len(records)} slot records for {num_dst} destination blocks"
+        )
+
+
 def check_distinct(event_id: int, label: str, ids: np.ndarray) -> None:
     """Raise ValueError naming the repeated ids unless every id of `ids` is distinct."""
     ordered = np.sort(ids)  # sorting beats np.unique's hashing several times over

@@ -48,7 +48,12 @@ from kvtier.transfer.copiers import CpuCopier, CudaCopier
 from kvtier.transfer.device import pin_host_memory, record_compute_marker
 from kvtier.transfer.disk_mover import DiskMover
 from kvtier.transfer.host_tier import HostTier
-from kvtier.transfer.job_checks import block_id_array, check_distinct, check_job_fields
+from kvtier.transfer.job_checks import (
+    block_id_array,
+    check_counts,
+    check_distinct,
+    check_job_fields,
+)
 from kvtier.transfer.lanes import TransferLane
 from kvtier.transfer.regions import RegionSet, TensorLayout, discover_regions
 from kvtier.transfer.routes import (
@@ -301,6 +306,8 @@ class OffloadWorker(WorkerReports):
         src_ids = block_id_array(event_id, f"{src.value} ids", job.src_block_ids, src_size)
         dst_ids = block_id_array(event_id, f"{dst.value} ids", job.dst_block_ids, dst_size)
         check_distinct(event_id, "destination ids", dst_ids)
+        # TransferJob.__post_init__ checks the counts too, but a pickled job skipped it.
+        check_counts(event_id, len(src_ids), len(dst_ids), job.dst_records)
         if dst is Tier.DISK and self._held.disk_tier is not None:
             self._held.disk_tier.check_records(job.dst_records, f"event {event_id}: ")
         return route, src_ids, dst_ids
