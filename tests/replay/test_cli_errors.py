@@ -14,6 +14,7 @@ import pytest
 from replay_helpers import BLOCK, doc_trace
 
 from kvtier.replay.cli import EXIT_BROKEN_PIPE, main, parse_tokens
+from kvtier.replay.option_types import policy_name
 from kvtier.replay.trace import write_trace
 
 
@@ -217,6 +218,16 @@ def test_policy_errors_say_what_exists(
     err = capsys.readouterr().err
     for part in parts:
         assert part in err
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [("lru + door", "lru+door"), (" ARC+Door ", "arc+door"), ("belady ", "belady")],
+)
+def test_policy_names_are_read_as_the_library_reads_them(text: str, name: str) -> None:
+    """Regression: `--policy "lru + door"` was refused, though `PolicySpec.parse` (the
+    config's reader) takes it."""
+    assert policy_name(text) == name
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,6 @@ def test_sweep_plot_marks_every_policy_at_a_single_capacity() -> None:
         lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
         for label in ("arc", "oracle-lfu (offline)", "LRU (peers' policy)", "0.8 x Belady"):
             assert lines[label].get_marker() not in (None, "", "None"), label
-        assert lines["Belady (offline optimum)"].get_marker() not in (None, "", "None")
+        assert lines["Belady (offline reference)"].get_marker() not in (None, "", "None")
     finally:
         plt.close(fig)

@@ -1,4 +1,4 @@
-"""Offline policies that read the future: Belady's optimum (the reference line) and an
+"""Offline policies that read the future: Belady's rule (the reference line) and an
 oracle LFU (what perfect popularity knowledge alone is worth).
 
 `belady` evicts the free block whose key is used again farthest in the future

@@ -61,7 +61,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="lower-tier policy EVICTION[+ADMISSION], repeatable (default: lru). "
         f"Eviction: {', '.join(EVICTION_POLICIES)}; admission: "
         f"{', '.join(a for a in ADMISSION_POLICIES if a != 'all')}; or offline: 'belady' "
-        "(the optimum), 'oracle-lfu' (evicts the block with the fewest uses left)",
+        "(evicts the block used again farthest ahead: the reference line, not a proof of "
+        "optimality for prefix hits), 'oracle-lfu' (evicts the block with the fewest uses "
+        "left)",
     )
     parser.add_argument(
         "--capacity",

@@ -81,7 +81,7 @@ def policy_name(text: str) -> str:
     name = text.strip().lower()
     if name in OFFLINE_POLICIES:
         return name
-    eviction, _, admission = name.partition("+")
+    eviction, _, admission = (part.strip() for part in name.partition("+"))
     if eviction in OFFLINE_POLICIES:
         raise argparse.ArgumentTypeError(
             f"{text!r}: {eviction!r} is an offline policy with its own admission rule (store "

@@ -223,7 +223,7 @@ def sweep_figure(points: Sequence[SweepPoint], title: str, infinite_hit_ratio: f
                 marker="s",
                 markersize=5,
                 linewidth=2.5,
-                label="Belady (offline optimum)",
+                label="Belady (offline reference)",
             )
         elif policy == LRU:
             ax.plot(xs, ys, "k--", marker="o", markersize=3, label="LRU (peers' policy)")
