@@ -288,6 +288,9 @@ class OffloadScheduler:
         `num_computed_tokens` ran (a forward pass failed and the engine finishes the
         request from its fault handler): its blocks may hold another prefix's KV, so
         none is queued here. Blocks selected in earlier plans were confirmed by then.
+        Lazy mode's walk stores any free GPU block the engine's pool holds by its key: an
+        engine must drop the keys of such blocks before freeing them (or its own prefix
+        cache would serve them too).
 
         Never delays the engine freeing its GPU blocks: selected blocks are pinned here.
         Issued transfers keep their pins until the workers report them.

@@ -57,7 +57,11 @@ class TierReset:
         next report); issued stores and demotions are abandoned and never become visible.
         Requests running across the reset are no longer stored: their KV, and all they
         compute from it, predates the reset (e.g. a weight update), so none of it may
-        reach the emptied tier. A request preempted and resumed starts afresh.
+        reach the emptied tier. A request preempted and resumed starts afresh. Eager
+        mode only: lazy mode's walk stores any free GPU block the engine's prefix cache
+        still holds by its key, as the engine's own cache still serves it (an engine
+        that resets its GPU cache too leaves the walk no key; one whose reset failed
+        retries, emptying the tier again).
         """
         loads = self._loads
         selector.across_reset |= set(selector.tracked) | loads.allocated | set(loads.pins)
