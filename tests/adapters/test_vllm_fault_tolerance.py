@@ -83,6 +83,28 @@ def test_blocks_of_a_failed_forward_are_never_stored(num_ranks: int) -> None:
     check_quiescent(harness)
 
 
+def test_the_lazy_walk_never_stores_blocks_of_a_failed_forward() -> None:
+    """Regression: vLLM frees the aborted request's blocks with their hashes (it hashes
+    blocks when it schedules them), and the lazy walk, run by the steps of a request
+    that came next, stored them from the GPU free queue."""
+    harness = kvtier_harness(extra={"store_mode": "lazy"})
+    harness.add_request("c", list(range(5000, 5065)), max_tokens=2)
+    drain(harness)  # c's KV is left in the GPU blocks the next request gets
+    harness.add_request("a", PROMPT, max_tokens=4)
+    failed_forward(harness)
+    fault_abort(harness)
+    harness.add_request("x", list(range(9000, 9200)), max_tokens=8)
+    drain(harness)  # x's steps walk the free queue past a's blocks
+    assert harness.scheduler.reset_prefix_cache()  # vLLM's GPU cache only
+    harness.add_request("b", [*PROMPT, 7], max_tokens=2)
+    drain(harness)  # KVMismatchError if a's unwritten blocks were stored and served
+    assert harness.external_hit_tokens("b") == 0
+    harness.add_request("x2", list(range(9000, 9200)), max_tokens=2)
+    drain(harness)
+    assert harness.external_hit_tokens("x2") > 0  # the walk stores computed blocks
+    check_quiescent(harness)
+
+
 def test_an_abort_outside_a_fault_still_stores_the_computed_blocks() -> None:
     harness = kvtier_harness()
     harness.add_request("a", PROMPT, max_tokens=50)

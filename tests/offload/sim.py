@@ -164,12 +164,15 @@ class SimEngine(SimEngineCore):
 
     # ------------------------------------------------------------ lifecycle
 
-    def finish(self, request_id: str, request: SimRequest | None = None) -> None:
-        """Finish (or abort) a request: `on_finished`, then free its blocks tail-first."""
+    def finish(
+        self, request_id: str, request: SimRequest | None = None, *, computed: bool = True
+    ) -> None:
+        """Finish (or abort) a request: `on_finished`, then free its blocks tail-first
+        (with their keys: `computed=False` is a failed forward's abort, as vLLM's)."""
         request = self.requests.pop(request_id, request)
         assert request is not None, f"unknown request {request_id}"
         table = self.tables.pop(request_id, [[] for _ in self.layout.groups])
-        self.scheduler.on_finished(request, table)
+        self.scheduler.on_finished(request, table, computed=computed)
         self._free_table(table)
         self.loading.pop(request_id, None)
         self._scheduled.pop(request_id, None)

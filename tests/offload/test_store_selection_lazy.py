@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from sim import SimEngine
 from sim_request import config, full_layout, make_request, store_selector
 
@@ -202,3 +203,20 @@ def test_lazy_mode_does_not_flush_a_finished_request() -> None:
     engine.run(make_request("a", range(8)))  # the walk visits 2 never-used blocks a step
     assert not engine.scheduler.has_pending_stores()
     assert engine.step().jobs == ()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.EAGER, StoreMode.LAZY])
+def test_blocks_of_an_unconfirmed_finish_are_not_stored_until_used_again(mode: StoreMode) -> None:
+    """Regression (lazy): a request finished with `computed=False` (its forward failed)
+    whose blocks the engine frees with their keys, as vLLM does, had them stored by the
+    next walk: a later hit would have loaded KV that was never computed."""
+    engine = SimEngine(
+        full_layout(), config(store_mode=mode, max_batched_tokens=8), num_gpu_blocks=8
+    )
+    engine.admit(make_request("r", range(12)))
+    engine.schedule("r")
+    engine.step()  # its 2 whole blocks are cached in the GPU pool
+    engine.finish("r", computed=False)
+    for _ in range(3):
+        assert [job for job in engine.step().jobs if job.is_store] == []
+    engine.scheduler.check_invariants()

@@ -55,6 +55,14 @@ class LazyWalk:
         )
         copying.difference_update(stores.gpu_block_ids)
 
+    def hold_back(self, block_ids: Iterable[int], keys: Iterable[Key | None]) -> None:
+        """Remember blocks of unconfirmed compute (a failed forward) as if copied, under
+        the keys the engine's pool gives them: the walk skips them until a request uses
+        them again (the engine may free them with their keys, as vLLM does)."""
+        self.stored.update(
+            (block_id, key) for block_id, key in zip(block_ids, keys, strict=True) if key
+        )
+
     def note_blocks_in_use(self, block_ids_per_group: Iterable[Sequence[int]]) -> None:
         """Note GPU blocks a request now uses.
 
