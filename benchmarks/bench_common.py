@@ -14,7 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvtier.replay.outputs import check_creates_files
+from kvtier.replay.outputs import check_creates_files, nearest_existing
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -93,9 +93,7 @@ def output_dir(text: str) -> Path:
     if not text:
         raise argparse.ArgumentTypeError("expected a path, got an empty string")
     path = Path(text)
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(path)
     if existing == path and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is not a directory")
     existing_dir(str(existing))

@@ -20,7 +20,7 @@ from kvtier.engine.weights import checkpoint_files
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
 from kvtier.offload.host import check_host
 from kvtier.offload.plan import Tier
-from kvtier.replay.outputs import check_creates_files
+from kvtier.replay.outputs import check_creates_files, nearest_existing
 from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
 # The option that sizes each run's tier budget: (run name, config field) -> option.
@@ -74,9 +74,7 @@ def _check_writable_dir(flag: str, path: Path) -> None:
     """Raise ValueError unless `path` is, or mkdir(parents=True) can make, a writable folder."""
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag}={path} is a file, not a directory")
-    existing = path
-    while not existing.exists():  # the folder mkdir(parents=True) would create it in
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise ValueError(f"{flag}={path} cannot be created: {existing} is not a directory")
     check_creates_files(f"{flag}={path}", existing)  # raises ReplayError, a ValueError

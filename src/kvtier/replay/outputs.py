@@ -85,6 +85,14 @@ def check_creates_files(what: str, folder: Path) -> None:
             os.unlink(probe)
 
 
+def nearest_existing(path: Path) -> Path:
+    """Return `path`, or its nearest ancestor that exists: where mkdir(parents=True)
+    would start creating folders."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:
     """Raise `ReplayError` unless `folder` is, or can be made, a folder to write `names` in."""
     if folder.exists():
@@ -93,9 +101,7 @@ def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:
         for name in names:
             check_file_path(option, folder / name)
         return
-    ancestor = folder.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    ancestor = nearest_existing(folder)
     if not ancestor.is_dir():
         raise ReplayError(f"{option} {folder}: cannot create it, {ancestor} is not a directory")
     check_creates_files(f"{option} {folder}", ancestor)
