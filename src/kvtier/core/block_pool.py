@@ -108,7 +108,10 @@ class BlockPool(PoolKeyRemoval):
         return taken
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Take one more reference on each block; a free block leaves the free queue."""
+        """Take one more reference on each block; a free block leaves the free queue.
+
+        A bad id raises PoolError after the blocks before it were touched (a check pass
+        first would cost as much as the work; a bad id is the caller's bug)."""
         refs = self._refs
         block_id = NULL_BLOCK_ID
         try:
@@ -142,7 +145,9 @@ class BlockPool(PoolKeyRemoval):
 
         Blocks reaching 0 rejoin the free queue: unhashed ones at the head (reused
         first), cached ones at the tail in the given order — pass a request's blocks
-        tail-first so that prefix tails are evicted before their roots.
+        tail-first so that prefix tails are evicted before their roots. A bad id, or one
+        freed more often than referenced, raises PoolError after the blocks before it
+        were freed, as `touch` does.
         """
         refs = self._refs
         keys = self._keys
@@ -237,6 +242,8 @@ class BlockPool(PoolKeyRemoval):
         `tags` maps an index of the lists to the tag of that block's KV (absent: none).
         The hot path of registering a step's stores: a key new to the pool going to a
         block without one is inserted inline; anything else goes through `insert_key`.
+        A bad entry raises, as `insert_key` does, after the entries before it were
+        inserted.
         """
         if len(keys) != len(block_ids) or len(keys) != len(num_tokens):
             raise ValueError(
