@@ -61,17 +61,23 @@ def fault_abort(harness: VllmHarness) -> None:
         harness.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
 
 
+@pytest.mark.parametrize("reset", [False, True])
 @pytest.mark.parametrize(("num_ranks", "store_mode"), [(1, "eager"), (2, "eager"), (1, "lazy")])
-def test_blocks_of_a_failed_forward_are_never_stored(num_ranks: int, store_mode: str) -> None:
+def test_blocks_of_a_failed_forward_are_never_stored(
+    num_ranks: int, store_mode: str, reset: bool
+) -> None:
     """Lazy mode too (regression): vLLM frees the aborted request's blocks with their
     hashes (it hashes blocks as it schedules them), and the lazy walk, run by the steps
-    of the requests that came next, stored them from the GPU free queue."""
+    of the requests that came next, stored them from the GPU free queue; after a tier
+    reset too (it forgot they were held back)."""
     harness = kvtier_harness(num_ranks=num_ranks, extra={"store_mode": store_mode})
     harness.add_request("c", list(range(5000, 5065)), max_tokens=2)
     drain(harness)  # c's KV is left in the GPU blocks the next request gets
     harness.add_request("a", PROMPT, max_tokens=4)
     failed_forward(harness)
     fault_abort(harness)
+    if reset:
+        assert harness.scheduler.reset_connector_cache()
     later = list(range(7000, 7200))  # 12 full blocks
     harness.add_request("d", later, max_tokens=8)
     drain(harness)  # d's steps: a lazy walk passes a's freed blocks
@@ -84,6 +90,28 @@ def test_blocks_of_a_failed_forward_are_never_stored(num_ranks: int, store_mode:
     harness.add_request("e", [*later, 7], max_tokens=2)
     drain(harness)
     assert harness.external_hit_tokens("e") == 192  # stores run again after the fault
+    check_quiescent(harness)
+
+
+@pytest.mark.parametrize("store_mode", ["eager", "lazy"])
+def test_a_local_hit_on_a_block_the_failed_step_computed_is_never_stored(store_mode: str) -> None:
+    """Regression (eager): a2's first block is a local hit on a1's, which the same
+    prefill step computes. The step's plan carries the store of a2's hit block; the
+    forward fails, and vLLM still calls `wait_for_save` (from a `finally`), which
+    submitted that store: it copied KV never computed."""
+    harness = kvtier_harness(extra={"store_mode": store_mode})
+    harness.add_request("c", list(range(5000, 5065)), max_tokens=2)
+    drain(harness)  # c's KV is left in the GPU blocks the next requests get
+    prefix = list(range(1000, 1016))  # one full block
+    harness.add_request("a1", [*prefix, *range(2000, 2021)], max_tokens=21)
+    harness.add_request("a2", [*prefix, *range(3000, 3021)], max_tokens=21)
+    failed_forward(harness)
+    fault_abort(harness)
+    drain(harness)
+    assert harness.scheduler.reset_prefix_cache()  # vLLM's GPU cache only
+    harness.add_request("b", [*prefix, 7], max_tokens=2)
+    drain(harness)  # KVMismatchError if the shared block was stored and served
+    assert harness.external_hit_tokens("b") == 0
     check_quiescent(harness)
 
 

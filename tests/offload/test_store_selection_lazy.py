@@ -205,18 +205,33 @@ def test_lazy_mode_does_not_flush_a_finished_request() -> None:
     assert engine.step().jobs == ()
 
 
+@pytest.mark.parametrize("reset", [False, True])
 @pytest.mark.parametrize("mode", [StoreMode.EAGER, StoreMode.LAZY])
-def test_blocks_of_an_unconfirmed_finish_are_not_stored_until_used_again(mode: StoreMode) -> None:
+def test_blocks_of_an_unconfirmed_finish_are_not_stored_until_used_again(
+    mode: StoreMode, reset: bool
+) -> None:
     """Regression (lazy): a request finished with `computed=False` (its forward failed)
     whose blocks the engine frees with their keys, as vLLM does, had them stored by the
-    next walk: a later hit would have loaded KV that was never computed."""
+    next walk: a later hit would have loaded KV that was never computed. A tier reset
+    in between used to forget that they were held back."""
     engine = SimEngine(
         full_layout(), config(store_mode=mode, max_batched_tokens=8), num_gpu_blocks=8
     )
     engine.admit(make_request("r", range(12)))
     engine.schedule("r")
     engine.step()  # its 2 whole blocks are cached in the GPU pool
+    (held,) = engine.tables["r"]
     engine.finish("r", computed=False)
+    if reset:
+        assert engine.scheduler.reset()
     for _ in range(3):
         assert [job for job in engine.step().jobs if job.is_store] == []
-    engine.scheduler.check_invariants()
+        engine.scheduler.check_invariants()
+    if mode is StoreMode.LAZY:  # used again (a GPU hit, computed since), then stored
+        engine.admit(make_request("s", range(12)))
+        engine.schedule("s")
+        engine.step()
+        engine.finish("s")
+        stored = {b for _ in range(3) for job in engine.step().jobs for b in job.src_block_ids}
+        assert set(held[:2]) <= stored
+        engine.scheduler.check_invariants()

@@ -33,11 +33,16 @@ class LazyWalk:
     # GPU blocks a walk stopped at for want of a tier slot, counted as deferred once
     # however many steps they wait: until selected, or used by a request again.
     deferred: set[int] = field(default_factory=set)
+    # GPU blocks of unconfirmed compute (`hold_back`) -> their keys, also in `stored`,
+    # until a request uses them again. A reset keeps them: they never held that KV.
+    held: dict[int, Key] = field(default_factory=dict)
 
     def clear(self) -> None:
-        """Forget everything (a reset): the next walk starts from the head."""
+        """Forget everything but the held-back blocks (a reset): the next walk starts
+        from the head."""
         self.cursor = None
         self.stored.clear()
+        self.stored.update(self.held)
         self.copying.clear()
         self.deferred.clear()
 
@@ -59,9 +64,9 @@ class LazyWalk:
         """Remember blocks of unconfirmed compute (a failed forward) as if copied, under
         the keys the engine's pool gives them: the walk skips them until a request uses
         them again (the engine may free them with their keys, as vLLM does)."""
-        self.stored.update(
-            (block_id, key) for block_id, key in zip(block_ids, keys, strict=True) if key
-        )
+        held = {block_id: key for block_id, key in zip(block_ids, keys, strict=True) if key}
+        self.held.update(held)
+        self.stored.update(held)
 
     def note_blocks_in_use(self, block_ids_per_group: Iterable[Sequence[int]]) -> None:
         """Note GPU blocks a request now uses.
@@ -79,6 +84,7 @@ class LazyWalk:
             if stored_before and not stored_before.keys().isdisjoint(block_ids):
                 for block_id in block_ids:
                     stored_before.pop(block_id, None)
+                    self.held.pop(block_id, None)
             if copying:
                 copying.difference_update(block_ids)
             if deferred:

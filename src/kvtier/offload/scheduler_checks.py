@@ -73,6 +73,8 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     assert scheduler.selector.in_flight_keys == live_keys, "in-flight keys"
     copied = {b for stores in store_batches for b in stores.gpu_block_ids}
     assert scheduler.selector.lazy.copying <= copied, "a lazy copy is tracked but not in flight"
+    lazy = scheduler.selector.lazy
+    assert lazy.held.items() <= lazy.stored.items(), "a held-back block the walk may store"
     if scheduler.cascade is not None:
         assert scheduler.cascade.in_flight_keys == live_moves, "in-flight demotions"
         cpu_key = scheduler.cascade.cpu_pool.key

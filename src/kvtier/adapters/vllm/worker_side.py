@@ -245,13 +245,16 @@ class WorkerSide:
         Loads are submitted too if `start_loads` was not called this step. A plan built
         before the scheduler role learned of a forward that failed on this rank
         (`_stores_unsafe`) may store blocks that forward never wrote: its stores are
-        reported failed instead.
+        reported failed instead. So are the stores of a forward that raised (vLLM calls
+        this from a `finally`): a block one request computes in that very step may be
+        another's local hit, whose store this plan carries.
         """
         if self._plan is None or self._stores_submitted:
             return
         self.start_loads()
         self._stores_submitted = True
         jobs = tuple(job for job in self._plan.jobs if job.is_store)
+        self._note_failed_forward()
         if jobs and self._stores_unsafe:
             self._hold_failures(job.event_id for job in jobs)
         elif jobs:  # the plan's manifest drops went with the loads (`start_loads`)
