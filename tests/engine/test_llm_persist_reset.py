@@ -9,6 +9,8 @@ original checkpoint (same fingerprint) restores nothing and matches a reference 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,45 @@ def test_a_reset_that_returns_false_ends_persistence_too(tmp_path: Path) -> None
     got, restored = restart(config)
     assert restored == 0
     assert_same(got, want)
+
+
+CRASH_AFTER_RESET = """
+import os, sys
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.offload.config import DiskIOMode, OffloadConfig
+
+config = OffloadConfig(disk_bytes={disk_bytes}, disk_path={path!r},
+                       disk_io_mode=DiskIOMode.PAGE_CACHE, disk_persist=True)
+llm = LLM(ModelConfig.tiny(), config, EngineConfig(block_size=4, num_gpu_blocks=24))
+assert llm.offload is not None and llm.offload.num_restored_blocks > 0
+assert llm.reset_prefix_cache()
+sys.stdout.flush()
+os._exit(0)  # a crash right after the reset returned
+"""
+
+
+def test_a_reset_is_durable_when_it_returns(tmp_path: Path) -> None:
+    """Regression (review): the manifest was emptied with the next step's plan or at
+    shutdown, so a crash right after a reset restored the cache from before it."""
+    config = persistent(tmp_path, None)
+    with LLM(MODEL, config, ENGINE) as llm:
+        llm.generate([PROMPT], PARAMS)
+    script = CRASH_AFTER_RESET.format(disk_bytes=config.disk_bytes, path=str(tmp_path))
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    got, restored = restart(config)
+    assert restored == 0
+    assert got.num_external_hit_tokens == 0
+
+
+def test_reset_prefix_cache_drops_the_gpu_cache_and_waits_for_unfinished_requests() -> None:
+    llm = LLM(MODEL, None, ENGINE)
+    llm.generate([PROMPT], PARAMS)
+    request = llm.add_request(PROMPT, PARAMS)
+    assert not llm.reset_prefix_cache()  # it would keep computing on the old prefix
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert request.num_local_tokens_total == 20  # the GPU cache was kept
+    assert llm.reset_prefix_cache()
+    (output,) = llm.generate([PROMPT], PARAMS)
+    assert output.num_local_hit_tokens == 0

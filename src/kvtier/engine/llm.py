@@ -234,6 +234,23 @@ class LLM(StallChecks):
         unreturned = self.scheduler.unreturned
         return (unreturned.copy(), unreturned.clear())[0]  # type: ignore[func-returns-value]
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix, in the GPU cache and in the lower tiers (SPEC §6.9),
+        e.g. after the weights were updated in memory; nothing cached before is served.
+
+        Returns False, dropping nothing, while a request is unfinished (its KV predates
+        the reset too: finish or abort it first). Otherwise True once no transfer is
+        outstanding; False also when some still are, their slots coming back as they are
+        reported (nothing stored before is served either way). A persistent disk tier's
+        manifest is emptied before this returns, and records nothing more this run.
+        """
+        self._require_running()
+        if self.scheduler.has_unfinished():
+            return False
+        done = self.offload is None or self.offload.reset()
+        self.pool.discard_all_keys()  # free blocks, and those finish-time stores still pin
+        return done
+
     def drain(self) -> None:
         """Step until every finish-time store has completed.
 

@@ -303,6 +303,15 @@ class OffloadSide:
             )
         return text
 
+    def reset(self) -> bool:
+        """Drop every block of the lower tiers (`OffloadScheduler.reset`); True once no
+        transfer is outstanding. A persistent disk tier's manifest is emptied (fsynced)
+        before this returns: a crash right after restores nothing from before."""
+        done = self.scheduler.reset()
+        if self.scheduler.persistence_ended and self.worker.state is WorkerState.REGISTERED:
+            self.worker.end_persistence()
+        return done
+
     def flush(self) -> None:
         """Block until every transfer handed to the worker finished (done or failed)."""
         self.worker.flush()
