@@ -238,11 +238,10 @@ class LLM(StallChecks):
         """Drop every cached prefix, in the GPU cache and in the lower tiers (SPEC §6.9),
         e.g. after the weights were updated in memory; nothing cached before is served.
 
-        Returns False, dropping nothing, while a request is unfinished (its KV predates
-        the reset too: finish or abort it first). Otherwise True once no transfer is
-        outstanding; False also when some still are, their slots coming back as they are
-        reported (nothing stored before is served either way). A persistent disk tier's
-        manifest is emptied before this returns, and records nothing more this run.
+        Returns False, dropping nothing, while a request is unfinished (finish or abort
+        it first). Otherwise True, or False while transfers are outstanding (their slots
+        come back as they are reported; nothing stored before is served either way). A
+        persistent disk tier's manifest is emptied before this returns.
         """
         self._require_running()
         if self.scheduler.has_unfinished():
