@@ -123,6 +123,19 @@ def test_request_hasher_extend_returns_newly_completed_blocks() -> None:
     request.check_invariants()
 
 
+def test_request_hasher_names_a_bad_token_s_position_in_the_request() -> None:
+    """Not its position in the block (regression: 'x' at 5 was named at 1), and the
+    hasher is left as it was."""
+    request = RequestHasher(make_hasher())
+    request.extend([1, 2, 3])
+    with pytest.raises(ValueError, match="token id 'x' at position 5 is not an int"):
+        request.extend([4, 5, "x", 7, 8])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match=f"token id {2**63} at position 9 is outside"):
+        request.extend([4, 5, 6, 7, 8, 9, 2**63])  # the new partial tail
+    assert request.num_tokens == 3
+    request.check_invariants()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2**31), max_size=60),

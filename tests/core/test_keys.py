@@ -20,3 +20,20 @@ def test_a_key_is_its_hash_and_its_group_suffix(group_id: int) -> None:
 def test_a_group_id_out_of_range_is_refused(group_id: int) -> None:
     with pytest.raises(ValueError, match=f"group id {group_id} out of range"):
         key_suffix(group_id)
+
+
+@pytest.mark.parametrize("group_id", [True, 1.5, "1", None])
+def test_a_group_id_that_is_not_an_int_is_refused_naming_it(group_id: object) -> None:
+    """A bool was taken as group 1; a float got past the range check (regression)."""
+    with pytest.raises(TypeError, match=f"group id must be an int, got {group_id!r}"):
+        make_key(bytes(32), group_id)  # type: ignore[arg-type]
+
+
+def test_a_block_hash_that_is_not_bytes_is_refused_naming_it() -> None:
+    with pytest.raises(TypeError, match="block hash must be bytes, got 'abc'"):
+        make_key("abc", 0)  # type: ignore[arg-type]
+
+
+def test_a_numpy_group_id_is_an_int() -> None:
+    np = pytest.importorskip("numpy")
+    assert make_key(bytes(32), np.int64(3)) == make_key(bytes(32), 3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from longest_hit_helpers import (
+    FINE,
     FULL,
     NO_CAP,
     SCRATCH,
@@ -26,7 +27,7 @@ from longest_hit_helpers import (
 )
 
 from kvtier.core.kv_groups import KVLayout
-from kvtier.core.longest_hit import LongestHit
+from kvtier.core.longest_hit import LongestHit, find_longest_hit
 
 # --- full attention -----------------------------------------------------------------
 
@@ -198,3 +199,15 @@ def test_scratch_group_gets_empty_ids_and_never_blocks() -> None:
 def test_layout_without_cacheable_group_never_hits() -> None:
     """Nothing is ever cached for scratch groups, so a scratch-only layout cannot hit."""
     assert hit(layout(group(SCRATCH)), make_hashes(4), {}) == LongestHit(0, ((),))
+
+
+def test_a_granularity_is_taken_by_value_or_refused_naming_it() -> None:
+    """'hash_block' was silently a scheduler-block hit, and so was any other value."""
+    lay = KVLayout((group(FULL, 4),), 2)
+    hashes = make_hashes(4)
+    index: Index = {}
+    cache(index, hashes, 0, [0, 1, 2])
+    fine = find_longest_hit(lay, hashes, NO_CAP, index.get, "hash_block")  # type: ignore[arg-type]
+    assert fine.num_tokens == 6 == hit(lay, hashes, index, granularity=FINE).num_tokens
+    with pytest.raises(ValueError, match="'bogus' is not a valid HitGranularity"):
+        find_longest_hit(lay, hashes, NO_CAP, index.get, "bogus")  # type: ignore[arg-type]

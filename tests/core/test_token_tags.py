@@ -126,3 +126,5 @@ def test_chain_tags_is_token_tag_block_by_block() -> None:
     assert chain_tags(expected[3], tokens, 4, 4, 10, extras) == expected[4:]
     with pytest.raises(ValueError, match="not int64"):
         chain_tags(None, [2**63] * 4, 4, 0, 1, extras)
+    with pytest.raises(ValueError, match="39 token ids do not fill hash blocks up to 10 of 4"):
+        chain_tags(None, tokens[:39], 4, 0, 10, extras)  # tagged a short block (regression)

@@ -230,7 +230,7 @@ class BlockHasher:
         try:
             message += struct.pack(self._tokens_format, len(token_ids), *token_ids)
         except struct.error as exc:
-            raise ValueError(_bad_token_message(token_ids)) from exc
+            raise _BadTokenError(_bad_token_message(token_ids)) from exc
         message += _U64.pack(len(extra_keys))
         for key in extra_keys:
             encode_extra_key(key, message)
@@ -239,8 +239,13 @@ class BlockHasher:
         return bytes(xxhash.xxh3_128_digest(message, seed=self._xxh3_seed))
 
 
-def _bad_token_message(token_ids: Sequence[int]) -> str:
-    for position, token in enumerate(token_ids):
+class _BadTokenError(ValueError):
+    """A token id that is not an int64 (`RequestHasher` renames its position)."""
+
+
+def _bad_token_message(token_ids: Sequence[int], start: int = 0) -> str:
+    """Name the first bad token id; positions count from `start`."""
+    for position, token in enumerate(token_ids, start):
         if not hasattr(token, "__index__"):
             return f"token id {token!r} at position {position} is not an int"
         if not _I64_MIN <= int(token) <= _I64_MAX:
@@ -304,13 +309,19 @@ class RequestHasher:
             try:
                 struct.pack(f"<{len(tail)}q", *tail)
             except struct.error as exc:
-                raise ValueError(_bad_token_message(tail)) from exc
+                start = (len(self._block_hashes) + num_full) * size
+                raise ValueError(_bad_token_message(tail, start)) from exc
         new_hashes: list[BlockHash] = []
         parent = self._block_hashes[-1] if self._block_hashes else None
         first_index = len(self._block_hashes)
         for i in range(num_full):
             extra = extra_keys_for_block(self._extras, first_index + i, size)
-            parent = self._hasher.hash_block(parent, pending[i * size : (i + 1) * size], extra)
+            block = pending[i * size : (i + 1) * size]
+            try:
+                parent = self._hasher.hash_block(parent, block, extra)
+            except _BadTokenError:  # name the position in the request, not in the block
+                message = _bad_token_message(block, (first_index + i) * size)
+                raise ValueError(message) from None
             new_hashes.append(parent)
         self._block_hashes.extend(new_hashes)  # only once every block hashed
         self._tail = tail

@@ -15,7 +15,17 @@ _GROUP_ID_BYTES = 4
 
 
 def make_key(block_hash: BlockHash, group_id: int) -> Key:
-    """Return the key of `block_hash` in group `group_id`."""
+    """Return the key of `block_hash` in group `group_id`.
+
+    Raises TypeError for a hash that is not bytes or a group id that is not an int (a
+    bool is not), ValueError for a group id out of range.
+    """
+    if not isinstance(block_hash, bytes):
+        raise TypeError(f"block hash must be bytes, got {block_hash!r}")
+    if type(group_id) is not int:
+        if isinstance(group_id, bool) or not hasattr(group_id, "__index__"):
+            raise TypeError(f"group id must be an int, got {group_id!r}")
+        group_id = group_id.__index__()  # a numpy int
     if not 0 <= group_id < 2 ** (8 * _GROUP_ID_BYTES):
         raise ValueError(f"group id {group_id} out of range")
     return block_hash + group_id.to_bytes(_GROUP_ID_BYTES, "big")

@@ -241,6 +241,8 @@ def find_longest_hit(
     """
     if type(max_num_tokens) is not int:  # a numpy int is taken; a bool or float is not
         max_num_tokens = _as_token_cap(max_num_tokens)
+    if type(granularity) is not HitGranularity:
+        granularity = HitGranularity(granularity)  # its value, or ValueError naming it
     fine = granularity is HitGranularity.HASH_BLOCK
     if fine and not layout.supports_fine_grained_hits:
         raise ValueError("fine-grained hits need a coarse full-attention group (see KVLayout)")

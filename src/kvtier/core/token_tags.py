@@ -75,8 +75,13 @@ def chain_tags(
     `parent` (block `first - 1`'s tag, None for block 0): what `token_tag` returns block
     by block, in one loop. `extra_keys(start, end)` gives a block's extra keys.
 
-    Raises ValueError when a token id is not an int64.
+    Raises ValueError when a token id is not an int64, or `token_ids` ends before block
+    `end - 1` does (its tag would cover fewer tokens than the block holds).
     """
+    if len(token_ids) < end * block_size:
+        raise ValueError(
+            f"{len(token_ids)} token ids do not fill hash blocks up to {end} of {block_size} tokens"
+        )
     span = token_ids[first * block_size : end * block_size]
     try:
         values = array("q", span)
