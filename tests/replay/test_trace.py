@@ -49,6 +49,8 @@ def write_lines(path: Path, rows: list[object]) -> Path:
         ({**GOOD, "hash_ids": [7, 7]}, "hash id 7 repeats within the record"),
         ("[" * 100_000, r"not valid JSON \(nested too deeply\)"),
         ('{"hash_ids": [' + "9" * 5000 + "]}", "not valid JSON"),
+        (json.dumps(GOOD)[:-1] + ', "input_length": 600}', "field 'input_length' given twice"),
+        ({**GOOD, "input_length": 10**24}, "expected 1953125000000000000000 at"),  # exact
     ],
 )
 def test_malformed_record_names_its_line(tmp_path: Path, bad: object, message: str) -> None:

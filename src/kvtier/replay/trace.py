@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 import reprlib
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
@@ -59,7 +58,9 @@ class TraceRecord:
 def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
     """Parse and validate one JSON line; raise `TraceError` naming `where` on any problem."""
     try:
-        raw = json.loads(line)
+        raw = json.loads(line, object_pairs_hook=_unique_fields)
+    except _RepeatedFieldError as exc:
+        raise TraceError(f"{where}: field {exc.args[0]!r} given twice") from None
     except RecursionError:
         raise TraceError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as exc:  # JSONDecodeError, or an integer of too many digits
@@ -75,9 +76,9 @@ def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise TraceError(f"{where}: {name} must be an int >= 0, got {value!r}")
     hash_ids = _check_hash_ids(raw["hash_ids"], where)
-    expected = math.ceil(raw["input_length"] / block_size)
+    expected = _num_blocks(raw["input_length"], block_size)
     if len(hash_ids) != expected:
-        fits = [b for b in _BLOCK_SIZES if math.ceil(raw["input_length"] / b) == len(hash_ids)]
+        fits = [b for b in _BLOCK_SIZES if _num_blocks(raw["input_length"], b) == len(hash_ids)]
         hint = (
             f" (the trace's block size looks like {fits[0]}: --block-size {fits[0]})"
             if fits
@@ -88,6 +89,25 @@ def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
             f"expected {expected} at block size {block_size}{hint}"
         )
     return TraceRecord(raw["timestamp"], raw["input_length"], raw["output_length"], hash_ids)
+
+
+class _RepeatedFieldError(Exception):
+    """A JSON object names a field twice (json.loads would keep the last value)."""
+
+
+def _unique_fields(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    fields = dict(pairs)
+    if len(fields) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _RepeatedFieldError(name)
+            seen.add(name)
+    return fields
+
+
+def _num_blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)  # exact, where float division is not
 
 
 # Block sizes a trace's hash ids are likely to be of, tried for an error's hint.
