@@ -26,6 +26,10 @@ print(status, sorted({{"torch", "kvtier.engine"}} & set(sys.modules)))
         (["--gpu-blocks", "-5"], "--gpu-blocks must be >= 2, got -5"),
         (["--conversations", "5000", "--turns", "3"], "the demo serves at most 10000"),
         (["--cascade-cpu-mib", "64", "--disk-mib", "32"], "--cascade-cpu-mib=64 is larger"),
+        # Folders too (regression, review: refused only after the import)
+        (["--disk-dir", "/nonexistent-kvtier"], "--disk-dir=/nonexistent-kvtier does not exist"),
+        (["--out", "/proc/plots"], "--out=/proc/plots: cannot create files in /proc"),
+        (["--model-dir", "/nonexistent-kvtier"], "--model-dir=/nonexistent-kvtier does not"),
     ],
 )
 def test_an_option_out_of_range_is_refused_before_the_engine_is_imported(

@@ -14,9 +14,9 @@ from rich.progress import Progress
 from rich.table import Table
 from safetensors import SafetensorError
 
-from kvtier.cli.demo_checks import check_paths, check_positions, check_sizes
+from kvtier.cli.demo_checks import check_model_dir, check_positions, check_sizes
 from kvtier.cli.demo_plot import save_ttft_plot
-from kvtier.cli.demo_ranges import check_options
+from kvtier.cli.demo_ranges import check_dirs, check_options
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -42,7 +42,9 @@ def run_demo(args: argparse.Namespace) -> int:
     console = _console()
     try:
         check_options(args)
-        check_paths(args)
+        check_dirs(args)
+        if args.model_dir is not None:
+            check_model_dir(args.model_dir)
     except ValueError as exc:
         return _report(exc)
     with tempfile.TemporaryDirectory(dir=args.disk_dir, prefix="kvtier-demo-") as disk_dir:

@@ -1,5 +1,6 @@
-"""What `kvtier demo` checks before serving: paths, and that everything fits (the option
-ranges, checked before the engine is imported, are in `demo_ranges`).
+"""What `kvtier demo` checks before serving: the model folder, and that everything fits
+(the option ranges and output folders, checked before the engine is imported, are in
+`demo_ranges`).
 
 Each check raises ValueError with a message naming the option to change, so a bad value
 stops the demo at once with that message instead of a traceback minutes into a run.
@@ -7,12 +8,12 @@ stops the demo at once with that message instead of a traceback minutes into a r
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
 from pathlib import Path
 
+from kvtier.cli.demo_ranges import check_model_dir_is_dir
 from kvtier.core.kv_groups import KVLayout
 from kvtier.engine.chat_workload import ChatWorkload
 from kvtier.engine.config import ModelConfig
@@ -20,7 +21,6 @@ from kvtier.engine.weights import checkpoint_files
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
 from kvtier.offload.host import check_host
 from kvtier.offload.plan import Tier
-from kvtier.replay.outputs import check_creates_files, nearest_existing
 from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
 # The option that sizes each run's tier budget: (run name, config field) -> option.
@@ -32,22 +32,6 @@ TIER_OPTIONS = {
 }
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """Raise ValueError when --disk-dir, --out or --model-dir cannot serve their purpose.
-
-    Runs before any engine starts, so that a bad path does not surface as a traceback
-    (or, for --out, only after every run has been served).
-    """
-    if args.disk_dir is not None:
-        disk_dir = Path(args.disk_dir)
-        if not disk_dir.exists():  # the demo makes its temporary directory inside it
-            raise ValueError(f"--disk-dir={disk_dir} does not exist")
-        _check_writable_dir("--disk-dir", disk_dir)
-    _check_writable_dir("--out", Path(args.out))
-    if args.model_dir is not None:
-        check_model_dir(args.model_dir)
-
-
 def check_model_dir(model_dir: str) -> None:
     """Raise ValueError naming --model-dir when it holds no weights or a config we cannot read.
 
@@ -56,9 +40,7 @@ def check_model_dir(model_dir: str) -> None:
     """
     flag = f"--model-dir={model_dir}"
     path = Path(model_dir)
-    if not path.is_dir():
-        state = "is not a directory" if path.exists() else "does not exist"
-        raise ValueError(f"{flag} {state} (a local HF checkpoint directory is needed)")
+    check_model_dir_is_dir(model_dir)
     try:
         checkpoint_files(path)
         ModelConfig.from_hf_config(path)
@@ -68,16 +50,6 @@ def check_model_dir(model_dir: str) -> None:
         if isinstance(exc, json.JSONDecodeError):
             raise ValueError(f"{flag}: config.json is not valid JSON ({exc})") from None
         raise ValueError(f"{flag}: {exc}") from None
-
-
-def _check_writable_dir(flag: str, path: Path) -> None:
-    """Raise ValueError unless `path` is, or mkdir(parents=True) can make, a writable folder."""
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag}={path} is a file, not a directory")
-    existing = nearest_existing(path)
-    if not existing.is_dir():
-        raise ValueError(f"{flag}={path} cannot be created: {existing} is not a directory")
-    check_creates_files(f"{flag}={path}", existing)  # raises ReplayError, a ValueError
 
 
 def check_positions(workload: ChatWorkload, max_position: int) -> None:

@@ -1,12 +1,15 @@
-"""The ranges of `kvtier demo`'s options, checked without importing the engine.
+"""The ranges of `kvtier demo`'s options and its folders, checked without importing the engine.
 
-`kvtier demo --turns 0` is refused before torch is imported (about 3 s), as argparse
-refuses a value that is not a number.
+`kvtier demo --turns 0` or `--out` in a read-only place is refused before torch is
+imported (about 3 s), as argparse refuses a value that is not a number.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from kvtier.replay.outputs import check_creates_files, nearest_existing
 
 # The least value of each numeric option (message lengths may be 0, not all of them).
 OPTION_MINIMUMS = {
@@ -51,3 +54,36 @@ def check_options(args: argparse.Namespace) -> None:
             f"{args.disk_mib}: with --cascade write_through the disk keeps a copy of every"
             " CPU block; raise --disk-mib, lower --cascade-cpu-mib, or use --cascade write_back"
         )
+
+
+def check_dirs(args: argparse.Namespace) -> None:
+    """Raise ValueError when --disk-dir or --out cannot hold the demo's files, or
+    --model-dir is not a folder (its contents are checked with the engine imported)."""
+    if args.disk_dir is not None:
+        disk_dir = Path(args.disk_dir)
+        if not disk_dir.exists():  # the demo makes its temporary directory inside it
+            raise ValueError(f"--disk-dir={disk_dir} does not exist")
+        _check_writable_dir("--disk-dir", disk_dir)
+    _check_writable_dir("--out", Path(args.out))
+    if args.model_dir is not None:
+        check_model_dir_is_dir(args.model_dir)
+
+
+def check_model_dir_is_dir(model_dir: str) -> None:
+    """Raise ValueError naming --model-dir when it is not a folder."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        state = "is not a directory" if path.exists() else "does not exist"
+        raise ValueError(
+            f"--model-dir={model_dir} {state} (a local HF checkpoint directory is needed)"
+        )
+
+
+def _check_writable_dir(flag: str, path: Path) -> None:
+    """Raise ValueError unless `path` is, or mkdir(parents=True) can make, a writable folder."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag}={path} is a file, not a directory")
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        raise ValueError(f"{flag}={path} cannot be created: {existing} is not a directory")
+    check_creates_files(f"{flag}={path}", existing)  # raises ReplayError, a ValueError
