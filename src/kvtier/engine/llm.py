@@ -16,7 +16,7 @@ from kvtier.engine.fingerprint import kv_fingerprint
 from kvtier.engine.model import build_model
 from kvtier.engine.offload_side import OffloadSide, layout_of
 from kvtier.engine.outputs import EngineStats, RequestOutput
-from kvtier.engine.request import Request
+from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
 from kvtier.engine.sampling import SamplingParams, sample
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
@@ -186,6 +186,19 @@ class LLM(StallChecks):
         (session_id,) = as_session_list([session_id], 1)
         token_ids, params = self._checked(prompt, params, f"request req-{self._next_id}")
         return self._enqueue(token_ids, params, session_id)
+
+    def abort_request(self, request: Request) -> None:
+        """Stop a request `add_request` returned: its GPU blocks are freed now, a load in
+        flight for it is dropped when it finishes, and `step` never returns it (its
+        `finish_reason` becomes ABORT). A finished request is left as is. Raises
+        TypeError for what is not a Request, ValueError for another engine's request.
+        """
+        self._require_running()
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a Request from add_request, got {request!r}")
+        if request.status is not RequestStatus.FINISHED and not self.scheduler.holds(request):
+            raise ValueError(f"{request.request_id} is not a request of this engine")
+        self._abort(request)
 
     def step(self) -> list[Request]:
         """Run one engine step (SPEC §2.2); return the requests that finished in it, and

@@ -71,6 +71,11 @@ class Scheduler(QueueRecovery, BlockGrowth):
         request.block_tables = [[] for _ in self.layout.groups]
         self.waiting.append(request)
 
+    def holds(self, request: Request) -> bool:
+        """Return True when `request` is this scheduler's and unfinished."""
+        loading = self.loading.get(request.request_id)
+        return loading is request or request in self.running or request in self.waiting
+
     def has_unfinished(self) -> bool:
         """Return True while any request is waiting, loading or running."""
         return bool(self.waiting or self.running or self.loading)
