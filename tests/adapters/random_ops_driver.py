@@ -17,6 +17,7 @@ from typing import Any
 
 from faulty_worker import KINDS as KINDS  # the kinds `Delay` and `Fail` name
 from faulty_worker import FaultyWorker
+from forward_faults import ForwardFaults
 from kvtier_vllm import (
     SLOT_BYTES,
     check_quiescent,
@@ -113,6 +114,14 @@ class FailPart:
     rank: int
 
 
+@dataclass(frozen=True)
+class Fault:
+    """The next step's forward raises on rank `rank` (on every rank: None) and vLLM's
+    engine core aborts every request (forward_faults.py)."""
+
+    rank: int | None
+
+
 # --------------------------------------------------------------------------- one run
 @dataclass(frozen=True)
 class Engine:
@@ -181,6 +190,7 @@ class Run:
             FaultyWorker(offload_worker(self.harness, rank), self._zeroer(rank))
             for rank in range(engine.num_ranks)
         ]
+        self.faults = ForwardFaults(self.harness)
         self.totals = totals
         self.prompts: dict[str, list[int]] = {}
         self.num_audits = 0
@@ -225,6 +235,9 @@ class Run:
             self.workers[op.rank % len(self.workers)].fail[op.kind] += 1
         elif isinstance(op, FailPart):
             self.workers[op.rank % len(self.workers)].fail_part += 1
+        elif isinstance(op, Fault):
+            rank = None if op.rank is None else op.rank % len(self.workers)
+            self.totals["faults"] += self.faults.fail_step(rank)
         self.check()
 
     def step(self) -> None:
@@ -396,6 +409,7 @@ class Run:
         for tier, tokens in self.side.offload.take_stats().hit_tokens.items():
             self.totals[f"hit_tokens_{tier}"] += tokens
         self._check_tier_events()
+        self.totals["fault_hidden_hits"] += self.faults.num_hidden_hits
         for worker in self.workers:
             self.totals.update({f"failed_{k}": n for k, n in worker.num_failed.items()})
             self.totals["jobs_run"] += worker.num_run

@@ -1,0 +1,108 @@
+"""`ForwardFaults`: steps whose forward raises under vLLM's fault tolerance, for
+`random_ops_driver` (its `Fault` operation).
+
+Test helper only: import it after `pytest.importorskip("vllm")`. What
+`test_vllm_fault_tolerance` does in one scenario each (`failed_forward`, `fault_abort`,
+`failed_forward_on_one_rank`), here at any point of a random run: a step is scheduled and
+every rank binds its plan; the forward raises on one rank or on all, nothing is written,
+yet the raising ranks' connectors still run their after-forward calls (vLLM's `finally`)
+while the other ranks' outputs are salvaged into the next step's aggregate; then the
+engine core aborts every request.
+
+vLLM 0.33 keeps the hashes it gave the failed step's blocks when it scheduled them, so it
+would serve those unwritten blocks to a later request as local prefix hits: its own bug,
+not kvtier's. `ForwardFaults` hides them from vLLM's prefix lookups only; kvtier's lazy
+walk still finds them, hashes and all, in vLLM's free queue, as it would in vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from vllm.v1.core.kv_cache_utils import BlockHash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import RequestStatus
+from vllm_harness import VllmHarness
+from vllm_workers import WorkerSide
+
+
+class ForwardError(RuntimeError):
+    """The failed forward's exception (only it is swallowed: a connector's is not)."""
+
+
+def raise_from_forward(worker: WorkerSide, scheduler_output: SchedulerOutput) -> None:
+    """Raise from one rank's forward, calling its worker role as vLLM's model runner."""
+    with contextlib.suppress(ForwardError):
+        try:
+            raise ForwardError("forward failed")
+        finally:  # vLLM's `_get_kv_connector_output`
+            worker.after_forward(scheduler_output)
+
+
+class ForwardFaults:
+    """Fail the forward of a harness's next step; hide its blocks from vLLM's lookups."""
+
+    def __init__(self, harness: VllmHarness) -> None:
+        self.harness = harness
+        pool = harness.scheduler.kv_cache_manager.block_pool
+        self._blocks = pool.blocks
+        # GPU block id -> the hash vLLM gave it in a failed step; void once it has another
+        self.unwritten: dict[int, Any] = {}
+        self.num_hidden_hits = 0
+        lookup = pool.get_cached_block
+
+        def get_cached_block(block_hash: BlockHash, group_ids: list[int]) -> Any:
+            blocks = lookup(block_hash, group_ids)
+            if blocks and any(self.unwritten.get(b.block_id) == b.block_hash for b in blocks):
+                self.num_hidden_hits += 1
+                return None
+            return blocks
+
+        pool.get_cached_block = get_cached_block  # type: ignore[method-assign]
+
+    def fail_step(self, failing_rank: int | None) -> bool:
+        """Run a step whose forward raises on `failing_rank` (on every rank: None), then
+        abort every request; do nothing and return False when vLLM has none.
+
+        Steps launched before it (overlapped scheduling) complete first, as vLLM's batch
+        queue returns them in order.
+        """
+        harness, scheduler = self.harness, self.harness.scheduler
+        while harness._in_flight:
+            harness._complete(*harness._in_flight.popleft())
+        if not scheduler.has_requests():
+            return False
+        scheduler_output = scheduler.schedule()
+        self._note_unwritten(scheduler_output)
+        for worker in harness.workers:
+            worker.before_forward(scheduler_output)
+        salvaged = []
+        for rank, worker in enumerate(harness.workers):
+            if failing_rank in (None, rank):
+                raise_from_forward(worker, scheduler_output)
+            else:
+                salvaged.append(worker.after_forward(scheduler_output))
+        if salvaged:  # vLLM's multiproc executor (`ft_defer_kv_connector_outputs`)
+            harness._aggregator.ft_defer_kv_connector_outputs(salvaged)
+        try:  # kvtier tells a fault's aborts by the exception being handled
+            raise ForwardError("One or more workers failed")
+        except ForwardError:  # vLLM's `fault_tolerant_wrapper` → `on_fault`
+            scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        if scheduler.defer_block_free:
+            # The failed step is never processed, so the frees vLLM fences behind it would
+            # wait forever (vLLM's matter): recover as if it had been.
+            scheduler.processed_step_seq = scheduler.sched_step_seq
+            scheduler._drain_deferred_frees()
+        return True
+
+    def _note_unwritten(self, scheduler_output: SchedulerOutput) -> None:
+        """Note the blocks of the positions the failed step was to compute."""
+        manager = self.harness.scheduler.kv_cache_manager
+        block_sizes = self.harness.caches[0].block_sizes
+        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            end = self.harness.scheduler.requests[request_id].num_computed_tokens
+            for group, table in enumerate(manager.get_block_ids(request_id)):
+                size = block_sizes[group]
+                for block_id in table[(end - num_new) // size : -(-end // size)]:
+                    self.unwritten[block_id] = self._blocks[block_id].block_hash
