@@ -5,7 +5,8 @@ Two workloads: the Mooncake trace (/work/shared/traces/mooncake_synthetic_trace.
 parameters, seed 0; written to the output folder). For each, every policy is replayed at
 every capacity of the sweep (100 k ... 30 M tokens; one pass per policy and capacity,
 no GPU tier, SPEC §4 tail-first release) through `kvtier.replay.TierReplay`; LRU (what
-vLLM, LMCache and SGLang ship) and Belady's offline optimum are replayed in the same run.
+vLLM, LMCache and SGLang ship) and Belady's offline reference (the classic optimum, not
+an exact one for token hits with partial blocks: docs/policies.md) replay in the same run.
 
 Printed: a hit-ratio table per workload (policies x capacities), each policy's ratio to
 Belady at 1 M and 3 M tokens and its worst margin over LRU. The summary line names the
