@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from test_llm_lifecycle import PARAMS, assert_idle
 
@@ -67,6 +69,11 @@ def test_abort_request_refuses_what_is_not_this_engine_s_request() -> None:
     with pytest.raises(TypeError, match="expected a Request from add_request, got 'req-0'"):
         llm.abort_request("req-0")  # type: ignore[arg-type]
     assert foreign.status is RequestStatus.WAITING
+    own = llm.add_request([1, 2, 3], PARAMS)
+    with pytest.raises(ValueError, match="is not a request of this engine"):
+        llm.abort_request(copy.copy(own))  # equal, not the same: it held own's place
+    assert own.status is RequestStatus.WAITING
+    assert llm.scheduler.holds(own)
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.abort_request(foreign)
