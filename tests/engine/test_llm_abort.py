@@ -77,3 +77,19 @@ def test_abort_request_refuses_what_is_not_this_engine_s_request() -> None:
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.abort_request(foreign)
+
+
+def test_requests_compare_by_identity_in_the_scheduler_s_queues() -> None:
+    """`Scheduler.abort` of a copy leaves the original queued: its `in`/`remove` compared
+    every field, so an equal copy removed the original (and kept logits, being tensors,
+    made the comparison raise)."""
+    llm = LLM(None, engine=EngineConfig(num_gpu_blocks=16, block_size=4))
+    own = llm.add_request([1, 2, 3], PARAMS)
+    double = copy.copy(own)
+    assert double != own
+    llm.scheduler.abort(double)
+    assert list(llm.scheduler.waiting) == [own]
+    assert own.status is RequestStatus.WAITING
+    (done,) = [r for _ in range(8) for r in llm.step()]
+    assert done is own
+    assert_idle(llm)

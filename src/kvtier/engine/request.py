@@ -24,9 +24,12 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
     """One prompt and its generated tokens, with the engine's bookkeeping.
+
+    Requests compare by identity (`eq=False`): the scheduler's queues find and remove a
+    request with `in`/`remove`, and a copy with equal fields is another request.
 
     `num_computed_tokens` counts tokens whose KV is in the GPU cache (or is being loaded
     into it). `block_tables[g]` is the request's block table in KV group g; positions a

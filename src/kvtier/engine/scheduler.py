@@ -72,11 +72,10 @@ class Scheduler(QueueRecovery, BlockGrowth):
         self.waiting.append(request)
 
     def holds(self, request: Request) -> bool:
-        """Return True when `request` is this scheduler's and unfinished (by identity: a
-        dataclass copy compares equal)."""
+        """Return True when `request` is this scheduler's and unfinished."""
         if self.loading.get(request.request_id) is request:
             return True
-        return any(r is request for r in self.running) or any(r is request for r in self.waiting)
+        return request in self.running or request in self.waiting
 
     def has_unfinished(self) -> bool:
         """Return True while any request is waiting, loading or running."""
