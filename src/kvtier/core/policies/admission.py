@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvtier.core.free_queue import check_num_blocks
 from kvtier.core.keys import Key
+from kvtier.core.policies.params import check_int_at_least
 from kvtier.core.policies.sketch import Doorkeeper
 
 DOORKEEPER_WINDOW_PER_BLOCK = 2
@@ -26,8 +27,7 @@ class DoorkeeperAdmission:
 
     def __init__(self, num_blocks: int, window_per_block: int = DOORKEEPER_WINDOW_PER_BLOCK):
         check_num_blocks(num_blocks, type(self).__name__)
-        if window_per_block < 1:
-            raise ValueError(f"window_per_block must be >= 1, got {window_per_block}")
+        check_int_at_least(window_per_block, "window_per_block", 1)
         self._doorkeeper = Doorkeeper(max(1, num_blocks - 1) * window_per_block)
         self.num_rejected = 0
 

@@ -37,6 +37,7 @@ from kvtier.core.free_queue import FreeQueue, LRUFreeQueue, OneByOne, check_num_
 from kvtier.core.keys import Key
 from kvtier.core.policies.block_lists import NOT_LISTED, BlockLists
 from kvtier.core.policies.lfuda import DEFAULT_MAX_FREQUENCY, LFUDAPolicy
+from kvtier.core.policies.params import check_finite_at_least, check_int_at_least
 
 DEFAULT_Z = 0.5
 DEFAULT_MAX_SHADOW_BLOCKS = 4096
@@ -87,10 +88,8 @@ class DuelingPolicy(OneByOne):
     ) -> None:
         check_num_blocks(num_blocks, type(self).__name__)
         self.num_blocks = num_blocks  # the pool's size it is made for
-        if z < 0:
-            raise ValueError(f"z must be >= 0, got {z}")
-        if max_shadow_blocks < 1:
-            raise ValueError(f"max_shadow_blocks must be >= 1, got {max_shadow_blocks}")
+        check_finite_at_least(z, "z", 0)
+        check_int_at_least(max_shadow_blocks, "max_shadow_blocks", 1)
         capacity = max(1, num_blocks - 1)
         self._lfu = LFUDAPolicy(num_blocks, max_frequency)
         self._ages = bytearray(num_blocks)  # taken blocks: would evicting them age LFU-DA

@@ -10,6 +10,7 @@ key popular an hour ago would look popular forever.
 from __future__ import annotations
 
 from kvtier.core.keys import Key, key_group_id
+from kvtier.core.policies.params import check_int_at_least
 
 _MASK64 = (1 << 64) - 1
 # Odd 64-bit multipliers (golden ratio and other well-mixed constants), one per row/probe.
@@ -48,8 +49,8 @@ class CountMinSketch:
     def __init__(self, width: int, aging_period: int, depth: int = 4) -> None:
         if not 1 <= depth <= len(_MULTIPLIERS):
             raise ValueError(f"depth must be in [1, {len(_MULTIPLIERS)}], got {depth}")
-        if aging_period < 1:
-            raise ValueError(f"aging_period must be >= 1, got {aging_period}")
+        check_int_at_least(width, "width", 1)
+        check_int_at_least(aging_period, "aging_period", 1)
         bits = _log2_at_least(width)
         self._width = 1 << bits
         self._shift = 64 - bits
@@ -109,8 +110,7 @@ class Doorkeeper:
     __slots__ = ("_current", "_inserted", "_muls", "_previous", "_shift", "_window")
 
     def __init__(self, window: int) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        check_int_at_least(window, "window", 1)
         bits = _log2_at_least(10 * window)
         self._shift = 64 - bits
         self._current = bytearray(1 << (bits - 3))
