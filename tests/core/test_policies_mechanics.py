@@ -72,7 +72,9 @@ def test_arc_b2_ghost_hit_shrinks_p() -> None:
 
 def test_arc_trims_its_ghosts_to_the_pool_size_at_each_store_oldest_first() -> None:
     """After a store the ghost directory holds at most as many keys as usable blocks, and
-    the keys it forgot are the oldest evicted ones (the newest ghost still steers `p`)."""
+    the keys it forgot are the oldest evicted ones (the newest ghost still steers `p`).
+    B1 is bounded with B2 (B1 + B2 <= c), not by the paper's |T1| + |B1| <= c, which
+    would have emptied it here: a deliberate departure (docs/policies.md)."""
     policy = ARCPolicy(5)  # 4 usable blocks
     pool = BlockPool(5, free_queue=policy)
     for i in range(12):  # a scan: keys 0..7 are evicted from T1 into B1

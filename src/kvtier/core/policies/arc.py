@@ -9,7 +9,9 @@ free blocks, else from T2.
 Pool adaptation: pinned blocks are out of the queue, so list sizes count free blocks
 only; a touched block rejoins at T2's most-recently-used end when freed. The ghost
 directory is trimmed to as many keys as the pool has usable blocks at each store, after
-the store's ghost look-up (the pool evicts before it knows the new key).
+the store's ghost look-up (the pool evicts before it knows the new key). Unlike the
+paper, B1 is not held to c - |T1|: after a scan B1 keeps the scanned keys, and one that
+comes back raises `p` (the paper's bound measured lower on Mooncake: docs/policies.md).
 
 Cost: O(1) per operation. Memory per block: 9 bytes of links, 1 byte of destination and
 an 8-byte key reference; per ghost key about 100 bytes (the key and its dict slot).
