@@ -110,6 +110,15 @@ def test_layout_kinds_windows_and_scratch_groups() -> None:
     assert bytes_per_block_id(config) == 1024
 
 
+def test_a_uniform_type_group_s_block_bytes_are_its_layers_pages_summed() -> None:
+    """vLLM's `UniformTypeKVCacheSpecs.page_size_bytes` already sums its layers' pages;
+    multiplied by the layer count again, the group's bytes per block came out doubled."""
+    specs = {"a": FullAttentionSpec(), "b": FullAttentionSpec(page_size_bytes=2048)}
+    uniform = UniformTypeKVCacheSpecs(specs, page_size_bytes=1024 + 2048)
+    layout = kv_layout(kv_config([group(["a", "b"], uniform)], []))
+    assert layout.groups[0].bytes_per_block == 1024 + 2048
+
+
 def test_specs_are_matched_by_exact_class() -> None:
     assert group_kind(MambaSpec()) is GroupKind.STATE
     uniform = UniformTypeKVCacheSpecs({"a": FullAttentionSpec(), "b": FullAttentionSpec()})

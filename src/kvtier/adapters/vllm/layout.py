@@ -70,7 +70,9 @@ def block_level_failures(kv_cache_config: Any) -> bool:
 
 def _group_spec(group: Any, num_layers: int) -> KVGroupSpec:
     spec = group.kv_cache_spec
-    page_bytes = int(spec.page_size_bytes) * num_layers
+    page_bytes = int(spec.page_size_bytes)
+    if type(spec).__name__ != _UNIFORM_SPECS:  # its page is already the sum over its layers
+        page_bytes *= num_layers
     if not getattr(group, "enable_kv_transfer", True) or not spec.prefix_cacheable:
         return KVGroupSpec(GroupKind.SCRATCH, int(spec.block_size), page_bytes)
     kind = group_kind(spec)
