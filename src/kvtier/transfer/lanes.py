@@ -12,23 +12,27 @@ call that an interrupt (KeyboardInterrupt) cut short is reported again, never lo
 A job that raises is reported failed and logged; the thread lives on. `copy_threads`
 bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`).
 
-Each job has the lane's own future, recorded before the job is handed to the thread
-pool. A `submit` interrupted on the way (KeyboardInterrupt) cancels that future: a job
-not yet started then never runs and is reported failed, and one already running is
-waited for and reported as usual. (Recording the pool's future after `submit` returned
-left a job the pool had queued unknown to `wait_all`: it could still be copying after
-its event was reported failed.)
+Each job has the lane's own future, recorded before the job is handed to the thread.
+A `submit` interrupted on the way (KeyboardInterrupt) cancels that future: a job not yet
+started then never runs and is reported failed, and one already running is waited for
+and reported as usual. The hand-off is one `SimpleQueue.put`, a single C call an
+interrupt cannot cut in half. (A `ThreadPoolExecutor` took Python-level locks in its
+`submit`: a Ctrl-C landing inside one left it held, and the lane's thread, then every
+later `submit`, `flush` and `shutdown`, blocked for good.)
 """
 
 from __future__ import annotations
 
-import functools
+import atexit
 import logging
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Literal
 
 from kvtier.transfer.device import Completion
@@ -80,34 +84,52 @@ def _run(future: Future[_Ran], job: JobFn) -> None:
         future.set_result(_Ran(completion, time.perf_counter() - start))
 
 
-def _started() -> None:
-    """The lane's first task: proves its thread runs (see `TransferLane.__init__`)."""
-
-
 def _cancel(future: Future[_Ran]) -> None:
     """Cancel a job's future unless its job started: `_run` then never starts it.
 
     Only `_run` moves the future on from there (`set_running_or_notify_cancel`, once):
-    notifying here too made the pool's later `_run` find it notified, which
+    notifying here too made the thread's later `_run` find it notified, which
     concurrent.futures logs as CRITICAL. `wait_all` therefore waits on each future
     (`exception()`, done once cancelled) rather than with `concurrent.futures.wait`,
     which counts a cancelled future only once notified."""
     future.cancel()
 
 
-def _settle(future: Future[_Ran], ran: Future[None]) -> None:
-    """Settle the lane's `future` of a job the pool never ran (`ran` is the pool's own
-    future of `_run`). A safety net: the lane cancels its own futures before it shuts
-    the pool down, and its thread starts (or the lane is refused) before any job, so
-    only a pool stopped or broken some other way gets here; `wait_all` must not hang."""
-    if future.done():
+_Queue = SimpleQueue[tuple[Future[_Ran], JobFn] | None]
+
+
+def _serve(jobs: _Queue, copy_threads: int | None, ready: Future[None]) -> None:
+    """The lane's thread: run queued jobs in order until the `None` that closes it.
+
+    It holds the queue, not the lane: a lane dropped unclosed is closed by its finalizer.
+    """
+    try:
+        if copy_threads is not None:
+            limit_intra_op_threads(copy_threads)
+    except BaseException as exc:
+        ready.set_exception(exc)
         return
-    if ran.cancelled():
-        future.cancel()
-        return
-    error = ran.exception()
-    if error is not None and future.set_running_or_notify_cancel():
-        future.set_exception(error)
+    ready.set_result(None)
+    while (item := jobs.get()) is not None:
+        future, job = item
+        try:
+            _run(future, job)
+        except BaseException as exc:  # `_run` settles its future; this is a safety net
+            logger.exception("lane thread: a job escaped its future")
+            if not future.done():
+                future.set_exception(exc)
+
+
+# Lanes still open at interpreter exit: their threads are daemons (a non-daemon thread
+# blocked on its queue would stop the interpreter from reaching atexit), so each is
+# closed here, its queued jobs finished, as ThreadPoolExecutor's threads were.
+_OPEN: weakref.WeakSet[TransferLane] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_lanes() -> None:
+    for lane in list(_OPEN):
+        lane.close()
 
 
 class TransferLane:
@@ -119,24 +141,24 @@ class TransferLane:
 
     def __init__(self, name: str, copy_threads: int | None = None) -> None:
         self.name = name
-        initializer = None
-        if copy_threads is not None:
-            initializer = functools.partial(limit_intra_op_threads, copy_threads)
-        self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix=f"kvtier-{name}", initializer=initializer
+        self._jobs: _Queue = SimpleQueue()
+        self._pending: deque[_Pending] = deque()
+        self._closed = False
+        ready: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=_serve, args=(self._jobs, copy_threads, ready), name=f"kvtier-{name}"
         )
-        # Start the thread now, so `submit` never starts one: an interrupt inside the
-        # pool's thread start could leave a running thread unrecorded, and the next
-        # submit would start a second one (two jobs of the lane at once, out of order).
+        self._thread.daemon = True
         try:
-            self._executor.submit(_started).result()
+            self._thread.start()
+            ready.result()
         except BaseException as exc:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._jobs.put(None)  # stop the thread, if it started
             if isinstance(exc, Exception):
                 raise RuntimeError(f"lane {name}: its thread failed to start ({exc})") from exc
             raise
-        self._pending: deque[_Pending] = deque()
-        self._closed = False
+        weakref.finalize(self, self._jobs.put, None)
+        _OPEN.add(self)
 
     @property
     def num_pending(self) -> int:
@@ -158,8 +180,7 @@ class TransferLane:
         pending = _Pending(event_id, Future())
         try:
             self._pending.append(pending)
-            ran = self._executor.submit(_run, pending.future, job)
-            ran.add_done_callback(functools.partial(_settle, pending.future))
+            self._jobs.put((pending.future, job))
         except BaseException:
             _cancel(pending.future)  # no-op once the job runs: it is then waited for
             raise
@@ -223,15 +244,17 @@ class TransferLane:
         waiting (KeyboardInterrupt) is finished by the next one. Unreported jobs stay
         available to `finished`."""
         self._closed = True
-        self._executor.shutdown(wait=True)
+        self._jobs.put(None)  # behind the queued jobs; a second one is never read
+        self._thread.join()
+        _OPEN.discard(self)
 
     def cancel_queued(self) -> None:
         """Drop the jobs not yet started and refuse new ones; never blocks. The job
         running, if any, carries on (`close` waits for it); dropped jobs report failed."""
         self._closed = True
-        for pending in self._pending:  # the ones not started; the pool drops their runs
+        for pending in self._pending:  # the ones not started; the thread skips their runs
             _cancel(pending.future)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._jobs.put(None)
 
 
 def _outcome(lane: str, pending: _Pending) -> BaseException | Literal[True] | None:
