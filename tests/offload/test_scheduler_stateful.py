@@ -202,7 +202,9 @@ class SchedulerMachine(SchedulerDriver):
             self.run_step()
         cascade = engine.scheduler.cascade
         for _ in range(40):  # the disk works now: failed write-through demotions retried
-            if cascade is None or not cascade.retry:
+            # (in lazy mode their steps store freed GPU blocks too, demoted in turn)
+            busy = engine.scheduler.has_pending_stores() or engine.worker.in_flight
+            if cascade is None or not (cascade.retry or busy):
                 break
             self.run_step()
             engine.worker.complete_all()
@@ -331,6 +333,12 @@ class WriteThroughMachine(SchedulerMachine):
         assert not missing, f"CPU blocks write-through never put on disk: {missing}"
 
 
+class WriteThroughLazyMachine(WriteThroughMachine):
+    """The write-through runs with lazy store selection."""
+
+    mode = StoreMode.LAZY
+
+
 class WriteBackLazyMachine(SchedulerMachine):
     """The same runs with a CPU+disk cascade, write-back, lazy store selection."""
 
@@ -369,6 +377,7 @@ LazySchedulerMachine.TestCase.settings = STATEFUL_SETTINGS
 # Write-through runs as many examples as the plain ones: with 400, a key stored again
 # while its other block's demotion is in flight came up in about half the seeds only.
 WriteThroughMachine.TestCase.settings = STATEFUL_SETTINGS
+WriteThroughLazyMachine.TestCase.settings = CASCADE_SETTINGS
 WriteBackMachine.TestCase.settings = CASCADE_SETTINGS
 WriteBackLazyMachine.TestCase.settings = CASCADE_SETTINGS
 DiskOnlyMachine.TestCase.settings = CASCADE_SETTINGS
@@ -376,6 +385,7 @@ DiskOnlyLazyMachine.TestCase.settings = CASCADE_SETTINGS
 test_eager_scheduler_runs_match_the_model = SchedulerMachine.TestCase
 test_lazy_scheduler_runs_match_the_model = LazySchedulerMachine.TestCase
 test_write_through_cascade_runs_match_the_model = WriteThroughMachine.TestCase
+test_write_through_lazy_cascade_runs_match_the_model = WriteThroughLazyMachine.TestCase
 test_write_back_cascade_runs_match_the_model = WriteBackMachine.TestCase
 test_write_back_lazy_cascade_runs_match_the_model = WriteBackLazyMachine.TestCase
 test_disk_only_runs_match_the_model = DiskOnlyMachine.TestCase
