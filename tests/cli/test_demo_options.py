@@ -95,3 +95,24 @@ def test_only_path_options_of_the_demo_accept_other_scripts_digits() -> None:
                 continue
             taken.add(option)
         assert taken == {"--model-dir", "--disk-dir", "--out"}, text
+
+
+@pytest.mark.parametrize("user_value", [None, "ACTIVE"])
+def test_the_demo_makes_openmp_threads_sleep_unless_the_user_chose(
+    user_value: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`OMP_WAIT_POLICY` is set before the demo imports torch; a user's value stays."""
+    import os
+
+    import kvtier.cli.demo as demo
+
+    seen: list[str | None] = []
+    monkeypatch.setattr(
+        demo, "run_demo", lambda args: seen.append(os.environ.get("OMP_WAIT_POLICY")) or 0
+    )
+    monkeypatch.setenv("OMP_WAIT_POLICY", user_value or "")  # restored after the test
+    if user_value is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY")
+    args = demo_parser().parse_args([])
+    assert args.run(args) == 0
+    assert seen == [user_value or "PASSIVE"]
