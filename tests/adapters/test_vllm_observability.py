@@ -33,7 +33,7 @@ from vllm_harness import (
     shared_prefix_prompts,
 )
 
-from kvtier.adapters.vllm import KVTierConnector
+from kvtier.adapters.vllm import KVTierConnector, scheduler_side
 from kvtier.adapters.vllm.connector import register_with_vllm
 from kvtier.adapters.vllm.stats import (
     KVTierStats,
@@ -218,6 +218,27 @@ def test_connector_stats_are_none_until_something_changes() -> None:
     assert flat["hit_tokens"] == 48  # the prefix, served from the tier again
     assert flat["tier_blocks_in_use"] == 0
     assert connector.get_kv_connector_stats() is None
+
+
+def test_unchanged_gauges_are_sent_again_after_the_heartbeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's log line sums one interval's payloads: an engine decoding with nothing
+    new for a whole interval sent none, and its gauges dropped out of the line. After
+    `STATS_HEARTBEAT_S` without a payload, the gauges go out again, with no counters."""
+    harness, _ = collect_stats()
+    connector = harness.scheduler.connector
+    assert connector.get_kv_connector_stats() is None
+    sent_at = scheduler_side._clock()
+    later = sent_at + scheduler_side.STATS_HEARTBEAT_S
+    monkeypatch.setattr(scheduler_side, "_clock", lambda: later)
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None
+    assert stats.data["counters"] == {}
+    gauges = summed_gauges(stats.data["gauges"])
+    assert gauges["tier_blocks_in_use"] == 0
+    assert "blocks_pending_store" in gauges
+    assert connector.get_kv_connector_stats() is None  # sent: quiet again until the next
 
 
 def test_a_gauge_only_change_is_reported() -> None:

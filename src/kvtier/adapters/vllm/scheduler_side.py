@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -62,6 +63,13 @@ from kvtier.offload.transfers import FailedLoad
 logger = logging.getLogger(__name__)
 
 _NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyType({}))
+
+
+# A connector with nothing new still sends its gauges this often: vLLM's log line shows
+# only the payloads of its interval (VLLM_LOG_STATS_INTERVAL, 10 s by default), so an
+# engine decoding without stores for a whole interval dropped out of it.
+STATS_HEARTBEAT_S = 5.0
+_clock = time.monotonic
 
 
 class SchedulerSide:
@@ -127,6 +135,7 @@ class SchedulerSide:
         # Its siblings in one MultiConnector share vLLM's KV cache config (one object).
         self._stats_group = kv_cache_config
         self._last_gauge_values: tuple[int, int, int] | None = None
+        self._stats_sent_at = _clock()
 
     # ------------------------------------------------------------------ admission
 
@@ -304,10 +313,13 @@ class SchedulerSide:
         return self._events.translate_all(self.offload.take_events())
 
     def take_stats(self) -> KVTierStats | None:
-        """Return this step's stats, or None when nothing changed since the last ones."""
+        """Return this step's stats, or None when nothing changed since the last ones
+        and they were sent less than `STATS_HEARTBEAT_S` ago."""
         offload = self.offload
         gauges_now = offload.stats_gauges()
-        if gauges_now == self._last_gauge_values and not offload.has_new_counts():
+        now = _clock()
+        due = now - self._stats_sent_at >= STATS_HEARTBEAT_S
+        if not due and gauges_now == self._last_gauge_values and not offload.has_new_counts():
             return None  # the common decode step: skip building the payload
         self._last_gauge_values = gauges_now
         stats = offload.take_stats()
@@ -317,9 +329,10 @@ class SchedulerSide:
         self._hit_tokens = dict(stats.hit_tokens)
         payload = stats_payload(stats, new_hits, self.stats_source)
         gauges = payload[GAUGES][self.stats_source]
-        if not payload["counters"] and gauges == self._last_gauges:
+        if not due and not payload["counters"] and gauges == self._last_gauges:
             return None
         self._last_gauges = gauges
+        self._stats_sent_at = now
         payload[GAUGES].update(self._sibling_gauges())
         return KVTierStats(data=payload)
 
