@@ -212,3 +212,44 @@ def test_an_event_reported_both_done_and_failed_counts_once() -> None:
     served = serve(ModelConfig.tiny(), offload, DoneAndFailed, counts_each_event_once)
     assert sum(o.num_external_hit_tokens for o in served) == 0  # every store failed
     assert_same(reference, served)
+
+
+def computed_tokens(llm: LLM, prompt: list[int]) -> tuple[RequestOutput, int]:
+    """Serve `prompt` alone; return its output and the tokens the forward passes computed."""
+    counted: list[int] = []
+    run = llm.runner.run
+
+    def counting(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        counted.append(sum(len(s.token_ids) for s in batch.sequences))
+        return run(batch, *args, **kwargs)
+
+    llm.runner.run = counting  # type: ignore[method-assign]
+    try:
+        (output,) = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+    finally:
+        llm.runner.run = run  # type: ignore[method-assign]
+    return output, sum(counted)
+
+
+def test_a_tier_hit_skips_recomputing_the_evicted_prefix() -> None:
+    """SPEC scenario 32's mechanism (its time is measured by `make demo`, not asserted
+    here): a prompt whose prefix left the GPU but stayed in the CPU tier computes only
+    the tokens after the tier hit; without the tier it computes them all."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(128) for _ in range(64)]
+    fillers = [[rng.randrange(128) for _ in range(40)] for _ in range(4)]
+    again = [*prompt, 7]
+    counts = {}
+    for name, offload in (("off", None), ("cpu", OffloadConfig(cpu_bytes=8 * MIB))):
+        engine = EngineConfig(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=32)
+        with LLM(ModelConfig.tiny(), kv_offload=offload, engine=engine) as llm:
+            llm.generate([prompt], PARAMS)
+            llm.generate(fillers, PARAMS)  # the pool's 24 blocks: the prompt's 16 are evicted
+            llm.drain()
+            output, counts[name] = computed_tokens(llm, again)
+            assert output.num_local_hit_tokens == 0, name
+            counts[name + " hit"] = output.num_external_hit_tokens
+    assert counts["off hit"] == 0
+    assert counts["cpu hit"] == 64
+    assert counts["off"] == len(again) + 1  # the prompt, then one decode step
+    assert counts["cpu"] == counts["off"] - counts["cpu hit"]

@@ -39,6 +39,18 @@ def test_a_repeated_lookup_replaces_the_earlier_pin() -> None:
     engine.check()
 
 
+def test_a_request_finished_while_waiting_lets_go_of_its_lookup_pin() -> None:
+    """SPEC §6.7: a request aborted between its lookup and its allocation releases the
+    pin the lookup took; otherwise the hit's tier blocks could never be evicted again."""
+    engine = stored_engine()
+    b = make_request("b", [*range(12), 7])
+    assert engine.scheduler.lookup(b, 0) == 12
+    assert tier_refs(engine).count(1) == 3  # the hit's three blocks are pinned
+    engine.scheduler.on_finished(b, [[]], computed=False)
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+    engine.check()
+
+
 def test_a_block_table_one_block_short_raises_and_leaves_no_pin() -> None:
     """SPEC §6.3: a table without room for every accepted block is the engine's error
     (ValueError naming the group), and the lookup pin does not leak."""
