@@ -304,3 +304,22 @@ def test_a_failed_start_removes_the_disk_directory_it_created(tmp_path: Path) ->
     with pytest.raises(FileNotFoundError):
         LLM(str(tmp_path / "no-such-checkpoint"), kv_offload=config)
     assert existing.is_dir()  # not created by the engine: kept
+
+
+def test_a_request_that_finishes_inside_drain_is_returned_by_the_next_step() -> None:
+    """Regression: `drain` threw away what its steps returned, so a request queued by
+    `add_request` that finished there was never returned (a step loop waiting for it
+    spun forever)."""
+    llm = LLM(
+        None, kv_offload=OFFLOADS["eager"], engine=EngineConfig(num_gpu_blocks=32, block_size=4)
+    )
+    short = llm.add_request([*range(9)], SamplingParams(max_tokens=1, ignore_eos=True))
+    long = llm.add_request([*range(20, 29)], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert llm.step() == [short]  # both prefilled; short's finish-time store is queued
+    assert llm.offload is not None
+    assert llm.offload.has_pending_work()
+    llm.drain()  # its first step decodes long's last token
+    assert long.status is RequestStatus.FINISHED
+    assert llm.step() == [long]
+    assert llm.step() == []
+    llm.shutdown()

@@ -270,24 +270,30 @@ class LLM(StallChecks):
         `_MAX_STALLED_STEPS` steps in a row computed nothing, preempted nothing, issued
         no transfer and got no report, though the worker was flushed before each one (so
         it had nothing left to report). Slow transfers are waited for, however slow.
+        Requests queued by `add_request` run too; those that finish here are returned
+        by the next `step`.
         """
         offload = self.offload
         num_stalled = 0
-        while offload is not None and offload.has_pending_work():
-            mark = self._progress_mark()
-            if num_stalled:
-                offload.flush()  # its poll then reports everything submitted before
-            self.step()
-            if self._progress_mark() != mark:
-                num_stalled = 0
-                continue
-            num_stalled += 1
-            if num_stalled > _MAX_STALLED_STEPS:
-                raise RuntimeError(
-                    f"drain() made no progress in {_MAX_STALLED_STEPS} steps with an idle "
-                    f"offload worker: {offload.describe_pending()} will never complete; "
-                    f"{self._describe_unfinished()}"
-                )
+        finished: list[Request] = []
+        try:
+            while offload is not None and offload.has_pending_work():
+                mark = self._progress_mark()
+                if num_stalled:
+                    offload.flush()  # its poll then reports everything submitted before
+                finished += self.step()
+                if self._progress_mark() != mark:
+                    num_stalled = 0
+                    continue
+                num_stalled += 1
+                if num_stalled > _MAX_STALLED_STEPS:
+                    raise RuntimeError(
+                        f"drain() made no progress in {_MAX_STALLED_STEPS} steps with an "
+                        f"idle offload worker: {offload.describe_pending()} will never "
+                        f"complete; {self._describe_unfinished()}"
+                    )
+        finally:
+            self.scheduler.unreturned[:0] = finished
 
     def shutdown(self) -> None:
         """Drain pending stores and stop the offload worker (idempotent).
