@@ -289,7 +289,10 @@ def with_watchdog(llm: LLM, max_steps: int) -> Callable[[], None]:
 
 
 def assert_same(reference: RequestOutput, other: RequestOutput) -> None:
-    """Check the tokens are identical and the logits equal within float32 noise."""
+    """Check the tokens are identical and the logits equal within float32 noise, and
+    that `other`'s hits fit its prompt (the last token is always computed)."""
+    num_hits = other.num_local_hit_tokens + other.num_external_hit_tokens
+    assert 0 <= other.num_external_hit_tokens <= num_hits < len(other.prompt_token_ids), other
     assert other.output_token_ids == reference.output_token_ids, (
         f"{other.request_id}: {other.output_token_ids} != {reference.output_token_ids} "
         f"({other.num_external_hit_tokens} tokens from the tier)"

@@ -253,3 +253,24 @@ def test_a_tier_hit_skips_recomputing_the_evicted_prefix() -> None:
     assert counts["cpu hit"] == 64
     assert counts["off"] == len(again) + 1  # the prompt, then one decode step
     assert counts["cpu"] == counts["off"] - counts["cpu hit"]
+
+
+def test_hit_tokens_of_a_request_never_exceed_its_prompt() -> None:
+    """Regression: a request's hits were added up over its admissions. Two prompts back
+    from a load whose blocks were released (for a request that must grow) loaded their
+    12-token prefixes again: each 13-token prompt reported 24 tier-hit tokens."""
+    engine = EngineConfig(block_size=4, num_gpu_blocks=9, max_num_seqs=1, max_num_batched_tokens=3)
+    llm = LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    first, second = list(range(12)), list(range(50, 62))
+    llm.generate([first, second], one)  # stored in the tier as they finish
+    llm.generate([list(range(70, 102))], one)  # 8 blocks: evicts both from the GPU
+    llm.drain()
+    preemptions = llm.stats.num_preemptions
+    prompts = [[*first, 1], [*second, 2], list(range(20, 40))]
+    params = [SamplingParams(max_tokens=2, ignore_eos=True)] * 2
+    outputs = llm.generate(prompts, [*params, SamplingParams(max_tokens=9, ignore_eos=True)])
+    assert llm.stats.num_preemptions > preemptions, "no request was admitted twice"
+    assert [o.num_external_hit_tokens for o in outputs] == [12, 12, 0]
+    assert llm.stats.num_external_hit_tokens == 24
+    llm.shutdown()

@@ -43,7 +43,10 @@ def rewind(
                 failed.start_token,
                 failed.end_token,
             )
-        num_lost = failed.end_token - max(keep, failed.start_token)
+        # Off its hit count if that is this load's (`Scheduler._admit`: the admission
+        # its first token comes from).
+        counted = request.first_token_time is None
+        num_lost = failed.end_token - max(keep, failed.start_token) if counted else 0
         # One statement: an interrupt lands before it (redone) or after it (done).
         request.num_external_tokens_total, request.skip_external = (
             request.num_external_tokens_total - num_lost,

@@ -11,8 +11,11 @@ import torch
 class RequestOutput:
     """One finished request: its tokens, timing and where its prefix came from.
 
-    `logits` holds, when `EngineConfig.keep_logits` is set, the float32 logits each
-    output token was sampled from ([num_output_tokens, vocab_size]).
+    `num_local_hit_tokens` / `num_external_hit_tokens`: the prompt tokens taken from
+    the GPU cache / from kvtier's tiers (loaded) by the admission its first token came
+    from; a later re-admission (after a preemption) does not count. `logits` holds, when
+    `EngineConfig.keep_logits` is set, the float32 logits each output token was sampled
+    from ([num_output_tokens, vocab_size]).
     """
 
     request_id: str
@@ -30,7 +33,8 @@ class RequestOutput:
 class EngineStats:
     """Counters since the engine started; transfer totals are in `LLM.offload.totals`.
 
-    Hit tokens are those of finished requests (`generate`'s and `step`'s alike).
+    Hit tokens are those of finished requests (`generate`'s and `step`'s alike), as
+    each `RequestOutput` counts them.
     """
 
     num_steps: int = 0

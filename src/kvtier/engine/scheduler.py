@@ -246,6 +246,13 @@ class Scheduler(QueueRecovery, BlockGrowth):
                 fresh = pos >= first_needed[group_id]
                 tables[group_id].append(self.pool.allocate(1)[0] if fresh else NULL_BLOCK_ID)
         r = request
+        # Its hits are those of the admission its first token comes from: re-admitted
+        # before it (e.g. back from a load), only the latest counts, never more than the
+        # prompt. Set, not added, in the statement that admits it: cut short, it is
+        # `_settle`d as admitted with them, or rewound (`rewind` takes the load's back).
+        first = r.first_token_time is None
+        local_hit = num_local if first else r.num_local_tokens_total
+        external_hit = num_external if first else r.num_external_tokens_total
         if num_external:
             # Loading before its load is queued, in one statement: an interrupt never
             # leaves it waiting with tokens a pending load is still writing (it would run
@@ -254,14 +261,15 @@ class Scheduler(QueueRecovery, BlockGrowth):
             r.status, r.num_external_tokens, r.num_external_tokens_total, r.num_computed_tokens = (
                 RequestStatus.WAITING_FOR_LOAD,
                 num_external,
-                request.num_external_tokens_total + num_external,
+                external_hit,
                 num_hit,
             )
-            request.num_local_tokens_total += num_local
-        else:  # one statement: cut short, it is `_settle`d as admitted, its hit counted once
-            r.num_computed_tokens, r.num_local_tokens_total = (
+            request.num_local_tokens_total = local_hit
+        else:
+            r.num_computed_tokens, r.num_local_tokens_total, r.num_external_tokens_total = (
                 num_hit,
-                r.num_local_tokens_total + num_local,
+                local_hit,
+                external_hit,
             )
         if self.offload is not None:
             self.offload.on_allocated(request, tables, num_external)
