@@ -5,9 +5,9 @@ Test helper only: import it after `pytest.importorskip("vllm")`. What
 `test_vllm_fault_tolerance` does in one scenario each (`failed_forward`, `fault_abort`,
 `failed_forward_on_one_rank`), here at any point of a random run: a step is scheduled and
 every rank binds its plan; the forward raises on one rank or on all, nothing is written,
-yet the raising ranks' connectors still run their after-forward calls (vLLM's `finally`)
-while the other ranks' outputs are salvaged into the next step's aggregate; then the
-engine core aborts every request.
+yet the raising ranks' connectors still run their after-forward calls (Model Runner V1's
+`finally`; V2 calls none) while the other ranks' outputs are salvaged into the next
+step's aggregate; then the engine core aborts every request.
 
 vLLM 0.33 keeps the hashes it gave the failed step's blocks when it scheduled them, so it
 would serve those unwritten blocks to a later request as local prefix hits: its own bug,
@@ -31,13 +31,15 @@ class ForwardError(RuntimeError):
     """The failed forward's exception (only it is swallowed: a connector's is not)."""
 
 
-def raise_from_forward(worker: WorkerSide, scheduler_output: SchedulerOutput) -> None:
-    """Raise from one rank's forward, calling its worker role as vLLM's model runner."""
+def raise_from_forward(worker: WorkerSide, scheduler_output: SchedulerOutput, v2: bool) -> None:
+    """Raise from one rank's forward, calling its worker role as vLLM's model runner:
+    V1 calls its after-forward part from a `finally`, V2 (`v2`) not at all."""
     with contextlib.suppress(ForwardError):
         try:
             raise ForwardError("forward failed")
-        finally:  # vLLM's `_get_kv_connector_output`
-            worker.after_forward(scheduler_output)
+        finally:  # V1's `_get_kv_connector_output`; V2's `post_forward` is never reached
+            if not v2:
+                worker.after_forward(scheduler_output)
 
 
 class ForwardFaults:
@@ -61,9 +63,10 @@ class ForwardFaults:
 
         pool.get_cached_block = get_cached_block  # type: ignore[method-assign]
 
-    def fail_step(self, failing_rank: int | None) -> bool:
-        """Run a step whose forward raises on `failing_rank` (on every rank: None), then
-        abort every request; do nothing and return False when vLLM has none.
+    def fail_step(self, failing_rank: int | None, v2: bool = False) -> bool:
+        """Run a step whose forward raises on `failing_rank` (on every rank: None) under
+        Model Runner V1 or V2 (`v2`), then abort every request; do nothing and return
+        False when vLLM has none.
 
         Steps launched before it (overlapped scheduling) complete first, as vLLM's batch
         queue returns them in order.
@@ -80,7 +83,7 @@ class ForwardFaults:
         salvaged = []
         for rank, worker in enumerate(harness.workers):
             if failing_rank in (None, rank):
-                raise_from_forward(worker, scheduler_output)
+                raise_from_forward(worker, scheduler_output, v2)
             else:
                 salvaged.append(worker.after_forward(scheduler_output))
         if salvaged:  # vLLM's multiproc executor (`ft_defer_kv_connector_outputs`)

@@ -116,10 +116,12 @@ class FailPart:
 
 @dataclass(frozen=True)
 class Fault:
-    """The next step's forward raises on rank `rank` (on every rank: None) and vLLM's
-    engine core aborts every request (forward_faults.py)."""
+    """The next step's forward raises on rank `rank` (on every rank: None) under vLLM's
+    Model Runner V1 or V2 (`v2`), and vLLM's engine core aborts every request
+    (forward_faults.py)."""
 
     rank: int | None
+    v2: bool = False
 
 
 # --------------------------------------------------------------------------- one run
@@ -237,7 +239,8 @@ class Run:
             self.workers[op.rank % len(self.workers)].fail_part += 1
         elif isinstance(op, Fault):
             rank = None if op.rank is None else op.rank % len(self.workers)
-            self.totals["faults"] += self.faults.fail_step(rank)
+            failed = self.faults.fail_step(rank, op.v2)
+            self.totals["faults_v2" if op.v2 else "faults"] += failed
         self.check()
 
     def step(self) -> None:

@@ -6,8 +6,8 @@ tier: shared prefixes leave vLLM's GPU cache and come back from kvtier's tier) a
 applies random operations: add requests sharing whole-block prefixes, step, drain,
 abort a live request, reset vLLM's prefix cache (GPU only, with running requests
 preempted, kvtier's tier, both), delay a kind of transfer, fail the next one of a kind,
-fail a step's forward on one rank or all (vLLM's fault tolerance then aborts every
-request; forward_faults.py).
+fail a step's forward on one rank or all, under Model Runner V1 or V2 (vLLM's fault
+tolerance then aborts every request; forward_faults.py).
 `FaultyWorker` really starts transfers late and reports them later still, so a GPU block
 reused under a store or a load shows up as wrong KV; a failed load leaves zeroes in its
 GPU blocks, a failed store leaves its tier slot unwritten. Each poll waits for the
@@ -85,8 +85,8 @@ OPS = st.sampled_from(OP_KINDS).flatmap(lambda kind: kind)
 # with one. Not for the engines of the tests that reuse OP_KINDS or `explore` (EAGLE's
 # deferred save, a MultiConnector's other child, state groups): `ForwardFaults` does not
 # model them.
-FAULTS = st.builds(Fault, st.one_of(st.none(), RANKS))
-OPS_WITH_FAULTS = st.sampled_from([*OP_KINDS, FAULTS, FAULTS]).flatmap(lambda kind: kind)
+FAULTS = [st.builds(Fault, st.one_of(st.none(), RANKS), st.just(v2)) for v2 in (False, True)]
+OPS_WITH_FAULTS = st.sampled_from([*OP_KINDS, *FAULTS]).flatmap(lambda kind: kind)
 
 
 ENGINES = [
@@ -145,7 +145,8 @@ def test_random_operations_serve_correct_kv_and_leak_nothing(
     assert totals["jobs_late"] > 0
     assert totals["preemptions"] > 0
     assert totals["aborts"] > 0
-    assert totals["faults"] > 0
+    assert totals["faults"] > 0, "no forward raised under Model Runner V1"
+    assert totals["faults_v2"] > 0, "no forward raised under Model Runner V2"
     assert totals["reset_gpu_done"] > 0
     assert totals["reset_both_done"] + totals["reset_connector_done"] > 0
     if engine.cascade is not None or engine.disk_only:

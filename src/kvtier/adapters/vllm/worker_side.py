@@ -22,9 +22,12 @@ Per step, in vLLM's order:
                            after these calls) is sent again once (`redelivery`)
 
 A forward that raises (vLLM's fault tolerance keeps the engine up) still gets
-`start_load_kv`, `wait_for_save` and the result calls from vLLM's `finally`, whose output
-vLLM drops: then nothing is polled, and the stores of every plan built before the
-scheduler role learned of the failure (`KVTierMetadata.fault_epoch`) are reported failed.
+`start_load_kv`, `wait_for_save` and the result calls from Model Runner V1's `finally`,
+whose output vLLM drops: then nothing is polled. Model Runner V2 (vLLM 0.33's default)
+calls nothing more after `pre_forward` (`handle_preemptions`, bind, synchronous loads):
+the next bind finds the plan's results never taken and fails the jobs it never
+submitted. Either way, the stores of every plan built before the scheduler role learned
+of the failure (`KVTierMetadata.fault_epoch`) are reported failed.
 
 The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
 cascade a request's load may be split into one event per tier; `LoadTracker` reports
@@ -36,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -127,6 +130,7 @@ class WorkerSide:
         self._echo_failed: tuple[str, ...] = ()
         self._loads_submitted = False
         self._stores_submitted = False
+        self._results_taken = False  # `take_results` ran since the plan was bound
         self.loads = LoadTracker(block_level=block_level_failures(kv_cache_config))
         self._report = WorkerReport()
         self._held_failures = WorkerReport()  # of refused plans (`_fail_unsubmitted`)
@@ -179,9 +183,11 @@ class WorkerSide:
     def bind(self, metadata: KVTierMetadata) -> None:
         """Take this step's plan; its load map covers every outstanding load event.
 
-        Stores of the previous plan never submitted (vLLM defers `wait_for_save` past
-        the drafter's forward with speculative decoding, and skips it when the forward
-        raised) are reported failed. A plan skipped (vLLM's model runner raised before
+        Jobs of the previous plan never submitted are reported failed: its stores when
+        vLLM deferred `wait_for_save` past a drafter's forward that raised (speculative
+        decoding), all of them when its forward raised under Model Runner V2, which
+        calls nothing after `pre_forward` then (that plan's epoch then counts as a failed
+        forward's, as below). A plan skipped (vLLM's model runner raised before
         binding it, in `_update_states` or `_prepare_inputs`; plans are numbered from 1,
         so the first may be the one) counts as a failed forward of this plan's epoch: a
         plan built before the fault was known stores that step's unwritten blocks. The
@@ -190,8 +196,14 @@ class WorkerSide:
         and their loads' requests fail (vLLM recomputes them, or frees an aborted one),
         and the loads they echoed as never issued are echoed now (`earlier_echoes`).
         """
-        if self._plan is not None and not self._stores_submitted:
-            self._hold_failures(job.event_id for job in self._plan.jobs if job.is_store)
+        previous = self._plan
+        if previous is not None and not self._results_taken:
+            # Model Runner V2 (vLLM 0.33's default) calls nothing after `pre_forward` when
+            # the forward raises: the fault is noted here, as `_note_failed_forward` does
+            # under V1's `finally`, and the jobs never submitted fail below.
+            self._failed_epoch = max(self._plan_epoch, self._failed_epoch or 0)
+        if previous is not None:
+            self._hold_failures(self._unsubmitted(previous))
         self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
         self._plan_epoch = metadata.fault_epoch
         last, step_id = self._last_step_id, metadata.plan.step_id
@@ -207,7 +219,13 @@ class WorkerSide:
         self._resend = self.outbox.acknowledge(metadata.acks, metadata.processed_step)
         plan = metadata.plan
         self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
-        self._loads_submitted = self._stores_submitted = False
+        self._loads_submitted = self._stores_submitted = self._results_taken = False
+
+    def _unsubmitted(self, plan: TransferPlan) -> Iterator[int]:
+        """Yield the events of the bound `plan`'s jobs never handed to the worker."""
+        for job in plan.jobs:
+            if not (self._stores_submitted if job.is_store else self._loads_submitted):
+                yield job.event_id
 
     def clear(self) -> None:
         """Forget this step's plan."""
@@ -326,6 +344,7 @@ class WorkerSide:
         While the forward's exception propagates, nothing is polled: vLLM drops that
         step's output, and what finished is reported in the next step.
         """
+        self._results_taken = True
         if self._note_failed_forward():
             return set(), set()
         report = self.worker.poll()
