@@ -282,8 +282,9 @@ class OffloadScheduler:
         block_ids_per_group: Sequence[Sequence[int]],
         *,
         computed: bool = True,
-    ) -> None:
-        """Queue the request's remaining confirmed blocks for storing and drop its state.
+    ) -> bool:
+        """Queue the request's remaining confirmed blocks for storing and drop its state;
+        return True when it drops a load of the request never issued (no report names it).
 
         `computed=False`: the engine cannot vouch that the compute it counts in
         `num_computed_tokens` ran (a forward pass failed and the engine finishes the
@@ -297,7 +298,8 @@ class OffloadScheduler:
         """
         request_id = request.request_id
         # Blocks a load has not filled yet hold no valid KV: store nothing of this request.
-        loading = self.loads.drop_request(request_id) or any(
+        dropped = self.loads.drop_request(request_id)
+        loading = dropped or any(
             load.request_id == request_id for transfer in self._book for load in transfer.loads
         )
         selector = self.selector
@@ -314,6 +316,7 @@ class OffloadScheduler:
         selector.across_reset.discard(request_id)
         if self.tags is not None:
             self.tags.drop(request_id)
+        return dropped
 
     def has_pending_stores(self) -> bool:
         """Return True while any store or demotion is queued, in flight or abandoned.

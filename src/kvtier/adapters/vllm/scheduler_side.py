@@ -289,9 +289,16 @@ class SchedulerSide:
         handler of its busy loop (`fault_tolerant_wrapper` → `EngineCoreSentinel.on_fault`)
         without any output of that step. An abort seen while an exception is being
         handled is that one: kvtier is told the request's compute is unconfirmed.
+
+        A load allocated but not yet issued is dropped, and echoed as never issued: vLLM
+        frees a request waiting for its load only once the load is reported. (An abort
+        lands there when vLLM defers `update_state_after_alloc` to `update_from_output`:
+        `defer_async_loads`, overlapped steps with HiSparse.)
         """
         fault = request.status == RequestStatus.FINISHED_ABORTED and sys.exc_info()[1] is not None
-        self.offload.on_finished(self.add_request(request), block_ids, computed=not fault)
+        view = self.add_request(request)
+        if self.offload.on_finished(view, block_ids, computed=not fault):
+            self._unissued_failures.append(request.request_id)
         del self._requests[request.request_id]
 
     def has_pending_stores(self) -> bool:
