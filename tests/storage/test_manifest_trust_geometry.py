@@ -1,0 +1,42 @@
+"""`read_manifest` trusts only a manifest no one else can write (group-writable counts:
+its bytes are served as KV), and takes only one of this tier's exact number of slots
+(one of a smaller tier is `read_manifest_any_size`'s to resize)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.offload.plan import SlotRecord
+from kvtier.storage import ManifestIdentity
+from kvtier.storage.manifest import ManifestError, read_manifest, read_manifest_any_size
+from kvtier.storage.manifest_log import ManifestLog
+
+SMALL = ManifestIdentity("model-a|kv|sha256:0", 5, 4096, "kv[0]:4096")
+LARGE = ManifestIdentity("model-a|kv|sha256:0", 8, 4096, "kv[0]:4096")
+
+
+def manifest(tmp_path: Path) -> str:
+    path = str(tmp_path / "m.manifest")
+    log = ManifestLog(path, SMALL.encode(), {})
+    log.put([1], [1], [SlotRecord(b"one", 4)])
+    log.close()
+    return path
+
+
+def test_a_group_writable_manifest_is_not_trusted(tmp_path: Path) -> None:
+    path = manifest(tmp_path)
+    os.chmod(path, 0o620)
+    with pytest.raises(ManifestError, match="writable by group or others"):
+        read_manifest(path, SMALL)
+
+
+def test_a_manifest_of_fewer_slots_is_refused_by_read_manifest(tmp_path: Path) -> None:
+    path = manifest(tmp_path)
+    assert sorted(read_manifest(path, SMALL)) == [1]
+    with pytest.raises(ManifestError, match="geometry changed: num_slots 5 != 8"):
+        read_manifest(path, LARGE)
+    live, num_slots = read_manifest_any_size(path, LARGE)
+    assert (sorted(live), num_slots) == ([1], 5)

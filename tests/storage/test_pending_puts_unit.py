@@ -1,0 +1,61 @@
+"""`PendingPuts` on its own: a group's age counts from its oldest pending record
+(`COMMIT_SECONDS`), so records added one after another while writes stay queued (a busy
+store queue) do not keep pushing the commit back, which would leave every record of a
+steady stream of stores unsynced, lost to a crash, for as long as the stream lasts; and
+a failed sync tombstones the older records of the group's slots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_group_commit import _put
+from test_manifest_durability import rec
+
+from kvtier.storage import pending_puts
+from kvtier.storage.manifest_log import ManifestLog
+from kvtier.storage.pending_puts import PendingPuts
+
+
+def test_a_group_is_due_once_its_oldest_record_waited_commit_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(pending_puts.time, "monotonic", lambda: now[0])
+    log = ManifestLog(str(tmp_path / "m.manifest"), b"header", {})
+    pending = PendingPuts(log, lambda: None, bytes_per_slot=4096, commit_seconds=1.0)
+    for _ in range(4):
+        pending.queued()  # the queue never empties while the records are added
+    pending.add([1], [1], [rec(1)])
+    now[0] = 100.6
+    assert not pending.write_done()  # 0.6 s old, writes still queued
+    pending.add([2], [2], [rec(2)])
+    now[0] = 101.2
+    assert pending.write_done()  # slot 1's record waited 1.2 s (slot 2's only 0.6 s)
+    assert pending.commit()
+    assert len(pending) == 0
+    now[0] = 105.0
+    pending.add([3], [3], [rec(3)])  # a new group: its age starts now, not at 100.0
+    now[0] = 105.5
+    assert not pending.write_done()
+    log.close()
+
+
+def test_a_failed_sync_tombstones_the_older_records_of_the_groups_slots(
+    tmp_path: Path,
+) -> None:
+    """`PendingPuts.commit` on its own (the tier's `prepare_overwrite` usually tombstoned
+    the older record already): after a failed sync the slot's bytes are unknown, so
+    neither its new record nor its older one may stay in the manifest."""
+    log = ManifestLog(str(tmp_path / "m.manifest"), b"header", {})
+    log.put([1, 2], [1, 2], [rec(1), rec(2)])
+
+    def failing() -> None:
+        raise OSError(5, "Input/output error")
+
+    pending = PendingPuts(log, failing, bytes_per_slot=4096)
+    pending.add([1], [9], [rec(9)])
+    assert pending.commit()  # the tombstone was appended: persistence goes on
+    assert len(pending) == 0
+    assert log._live == {2: _put(2, 2, rec(2))}
+    log.close()
