@@ -116,8 +116,8 @@ class BlockPool(PoolKeyRemoval):
         block_id = NULL_BLOCK_ID
         try:
             for block_id in block_ids:
-                if block_id <= NULL_BLOCK_ID:
-                    if block_id == NULL_BLOCK_ID:
+                if block_id <= NULL_BLOCK_ID or block_id is True:
+                    if block_id == NULL_BLOCK_ID and block_id is not False:
                         continue
                     self._check_id(block_id)  # raises: a negative id aliases another block
                 if refs[block_id] == 0:
@@ -156,10 +156,10 @@ class BlockPool(PoolKeyRemoval):
         block_id = NULL_BLOCK_ID
         try:
             for block_id in block_ids:
-                if block_id <= NULL_BLOCK_ID:
-                    if block_id == NULL_BLOCK_ID:
+                if block_id <= NULL_BLOCK_ID or block_id is True:
+                    if block_id == NULL_BLOCK_ID and block_id is not False:
                         continue
-                    self._check_id(block_id)  # raises: a negative id aliases another block
+                    self._check_id(block_id)  # raises: a negative id (or a bool) aliases a block
                 left = refs[block_id] - 1
                 if left > 0:
                     refs[block_id] = left
@@ -258,7 +258,7 @@ class BlockPool(PoolKeyRemoval):
         inline = not self._record_events
         refs = self._refs
         max_count = pool_checks.MAX_NUM_TOKENS
-        for key, block_id, count in zip(keys, block_ids, num_tokens, strict=True):
+        for i, (key, block_id, count) in enumerate(zip(keys, block_ids, num_tokens, strict=True)):
             if (
                 inline
                 and type(block_id) is int
@@ -274,22 +274,15 @@ class BlockPool(PoolKeyRemoval):
                 counts[block_id] = count
                 note_key(block_id, key)
                 index[key] = block_id
+                if tags:
+                    tag = tags.get(i)
+                    if tag is not None:
+                        self._tags[block_id] = tag
             else:
                 if hasattr(count, "__index__") and not isinstance(count, bool):
                     count = count.__index__()  # a numpy int becomes an int
-                self.insert_key(key, block_id, count)
-        if tags:
-            self._set_tags(keys, block_ids, tags)
-
-    def _set_tags(
-        self, keys: Sequence[Key], block_ids: Sequence[int], tags: dict[int, Tag]
-    ) -> None:
-        """Record `tags[i]` for `block_ids[i]` where `keys[i]` became its primary key."""
-        block_keys = self._keys
-        for i, tag in tags.items():
-            block_id = block_ids[i]
-            if block_keys[block_id] == keys[i]:
-                self._tags[block_id] = tag
+                # The tag applies only where this entry's key becomes the primary key.
+                self.insert_key(key, block_id, count, tag=tags.get(i) if tags else None)
 
     def reset(self) -> bool:
         """Drop every key; return False (and change nothing) while any block is referenced."""

@@ -271,12 +271,18 @@ class LRUFreeQueue:
         """Ignore keys: recency alone decides."""
 
     def check_invariants(self) -> None:
-        """Raise AssertionError when the links and the length disagree."""
+        """Raise AssertionError when the links and the length disagree, or a back link
+        (`remove` and `push_cached` follow them) is not the reverse of a forward one."""
         seen = set()
-        for block_id in self.iter_after(None):
-            assert block_id not in seen, f"block {block_id} queued twice"
-            seen.add(block_id)
+        prev, node = self._sentinel, self._next[self._sentinel]
+        while node != self._sentinel:
+            assert node not in seen, f"block {node} queued twice"
+            back = self._prev[node]
+            assert back == prev, f"block {node}: back link {back}, not {prev}"
+            seen.add(node)
             assert len(seen) <= len(self), "free queue longer than its length"
+            prev, node = node, self._next[node]
+        assert self._prev[self._sentinel] == prev, "the tail link is not the last block"
         assert len(seen) == len(self), "free queue shorter than its length"
 
     @property

@@ -8,6 +8,7 @@ checks read the pool's internal arrays and dicts directly, as its own method wou
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from kvtier.core.keys import Key
@@ -61,7 +62,8 @@ def check_pool_invariants(pool: BlockPool) -> None:
 
 def _check_free_queue(pool: BlockPool) -> None:
     refs = pool._refs
-    free_blocks = list(pool._free.iter_after(None))
+    # Bounded: links that cycle past the sentinel must fail, not loop forever.
+    free_blocks = list(islice(pool._free.iter_after(None), len(pool._free) + 1))
     assert len(free_blocks) == len(pool._free), "free queue length disagrees with its links"
     assert len(set(free_blocks)) == len(free_blocks), "a block is queued twice"
     assert NULL_BLOCK_ID not in free_blocks, "the null block is in the free queue"
