@@ -53,3 +53,23 @@ def test_the_same_document_written_differently_is_still_reported() -> None:
     stored = json.dumps({"a": 1, "b": 2})
     current = json.dumps({"b": 2, "a": 1})
     assert describe_difference(stored, current).startswith("fingerprint '{")
+
+
+def test_a_fingerprint_nested_too_deep_to_parse_is_shown_shortened() -> None:
+    # Regression (review): json.loads raised RecursionError, not ValueError, and a
+    # persistent tier written with such a fingerprint failed every later open (with
+    # another fingerprint) instead of being discarded with this warning.
+    for stored in ("[" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
+        message = describe_difference(stored, '{"model": "b"}')
+        assert message.startswith("fingerprint '")
+        assert message.endswith("""differs from '{"model": "b"}'""")
+
+
+def test_a_fingerprint_nested_deeper_than_its_leaves_can_walk_is_shown_shortened() -> None:
+    depth = 900  # parses, but walking it from a deep stack would recurse too far
+    stored = '{"a":' * depth + "1" + "}" * depth
+
+    def nested(levels: int) -> str:
+        return describe_difference(stored, "{}") if levels == 0 else nested(levels - 1)
+
+    assert nested(200).startswith("fingerprint ")

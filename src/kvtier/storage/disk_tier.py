@@ -34,7 +34,7 @@ import xxhash
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
-from kvtier.storage.disk_io import consecutive_runs, io_pool
+from kvtier.storage.disk_io import check_slot_ids, consecutive_runs, io_pool, slot_id_list
 from kvtier.storage.disk_tier_close import close_dropped, close_files
 from kvtier.storage.disk_tier_config import DiskTierConfig
 from kvtier.storage.disk_tier_records import DiskRecords
@@ -189,12 +189,8 @@ class DiskTier:
             self._records.prepare_overwrite(self._slot_ids(slots))
 
     def _slot_ids(self, slots: Sequence[int]) -> list[int]:
-        """Return `slots` as ints; raise ValueError naming those out of range."""
-        ids = [int(slot) for slot in slots]
-        bad = [slot for slot in ids if not 0 <= slot < self.num_slots]
-        if bad:
-            raise ValueError(f"slot ids outside [0, {self.num_slots}): {bad}")
-        return ids
+        """Return `slots` as ints (see `slot_id_list`)."""
+        return slot_id_list(slots, self.num_slots)
 
     def check_records(self, records: Sequence[SlotRecord], context: str = "") -> None:
         """Raise ValueError (message prefixed by `context`) for a record a persistent tier
@@ -213,12 +209,15 @@ class DiskTier:
         hot in its cache; the I/O thread only writes. The future raises DiskIOError on an
         I/O error or a short write; the slots are then invalid (a later load of them
         fails). Sorted slot ids make fewer, larger writes. `records` (one per slot) are
-        appended to a persistent tier's manifest once the data is written; a
-        non-persistent tier ignores them.
+        appended to a persistent tier's manifest once the data is written (ValueError,
+        nothing queued, for one it cannot hold: see `check_records`); a non-persistent
+        tier ignores them.
         """
         self._check_batch(buffer, slot_ids)
         if records is not None and len(records) != len(slot_ids):
             raise ValueError(f"{len(records)} records for {len(slot_ids)} slots")
+        if records is not None:  # one the manifest cannot hold would fail the group's commit
+            self.check_records(records)
         size = self.config.bytes_per_slot
         sums = np.array(
             [
@@ -269,10 +268,9 @@ class DiskTier:
 
     def _check_batch(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         self._refuse_closed()
+        check_slot_ids(slot_ids, self.num_slots)
         if len(slot_ids) > buffer.capacity:
             raise ValueError(f"{len(slot_ids)} slots do not fit a {buffer.capacity}-slot buffer")
-        if len(slot_ids) and (slot_ids.min() < 0 or slot_ids.max() >= self.num_slots):
-            raise ValueError(f"slot ids outside [0, {self.num_slots}): {slot_ids.tolist()}")
 
     def _write(
         self,

@@ -35,8 +35,15 @@ class DiskTierConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(self.io_mode, DiskIOMode):  # "direct" would silently be page cache
             raise ValueError(f"io_mode must be a DiskIOMode, got {self.io_mode!r}")
-        if self.fingerprint is not None and not self.fingerprint:
-            raise ValueError("fingerprint must be None or a non-empty string, got ''")
+        for name in ("path", "region_layout"):  # a Path or bytes failed deep in the open
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a str, got {getattr(self, name)!r}")
+        if self.fingerprint is not None and (
+            not isinstance(self.fingerprint, str) or not self.fingerprint
+        ):
+            raise ValueError(
+                f"fingerprint must be None or a non-empty string, got {self.fingerprint!r}"
+            )
         manifest_path_for(self.path)  # raises ValueError unless it ends in ".slots"
 
     @property

@@ -18,10 +18,13 @@ MAX_VALUE_CHARS = 60
 def describe_difference(stored: str, current: str) -> str:
     """Return how `stored` differs from `current`, naming the changed keys when both are
     JSON objects (a key one side lacks shows as null), else the two values shortened."""
-    old, new = _json_object(stored), _json_object(current)
-    if old is None or new is None:
+    try:  # a document nested too deep to parse or walk is shown as text
+        old, new = _json_object(stored), _json_object(current)
+        if old is None or new is None:
+            return f"fingerprint {_short(stored)} differs from {_short(current)}"
+        old_leaves, new_leaves = _leaves(old), _leaves(new)
+    except RecursionError:
         return f"fingerprint {_short(stored)} differs from {_short(current)}"
-    old_leaves, new_leaves = _leaves(old), _leaves(new)
     changed = [
         f"{path}: {_short(old_leaves.get(path))} -> {_short(new_leaves.get(path))}"
         for path in sorted(old_leaves.keys() | new_leaves.keys())

@@ -93,7 +93,7 @@ class PendingPuts:
         with self._lock:
             for slot, checksum, record in zip(slots, checksums, records, strict=True):
                 self._pending[int(slot)] = _Pending(int(checksum), record)
-            if self._oldest is None:
+            if self._oldest is None and self._pending:  # a write of no slots adds none
                 self._oldest = time.monotonic()
 
     def forget(self, slots: Sequence[int]) -> bool:
