@@ -53,6 +53,17 @@ def test_touch_and_free_refuse_a_bool_block_id(op: str) -> None:
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("block_id", [-1, 4])
+def test_tag_refuses_an_id_out_of_range(block_id: int) -> None:
+    """tag(-1) read the last block's tag, as a list index does; key(), num_tokens() and
+    secondary_keys() already refuse an id out of range."""
+    pool = BlockPool(4)
+    [b] = pool.allocate(1)
+    pool.insert_key(make_test_key(1), b, 16, tag=b"t" * 16)
+    with pytest.raises(PoolError, match=str(block_id)):
+        pool.tag(block_id)
+
+
 def test_check_invariants_catches_a_broken_back_link() -> None:
     """A wrong `_prev` link of the LRU queue passed check_invariants; the next removal of
     that block then unlinks the wrong neighbour (blocks vanish from the queue)."""

@@ -52,6 +52,20 @@ class Machine(RuleBasedStateMachine):
             self.rec(removed(key, "CPU"))
         self.tags.pop(b, None)
 
+    def model_insert(self, key: Key, b: int, tag) -> None:
+        """The model's side of inserting `key` on block `b` (first key: primary, tagged)."""
+        held = self.keys.setdefault(b, [])
+        if key in held:
+            return
+        if not held:
+            if tag is not None:
+                self.tags[b] = tag
+            if self.refs[b] == 0:
+                self.free.remove(b)
+                self.free.append(b)
+        held.append(key)
+        self.rec(BlockStored(key_block_hash(key), key_group_id(key), 16, medium="CPU"))
+
     @rule(data=st.data())
     def allocate(self, data) -> None:
         num = data.draw(st.integers(0, len(self.free)))
@@ -93,16 +107,7 @@ class Machine(RuleBasedStateMachine):
     @rule(data=st.data(), key=st.sampled_from(KEYS), tag=st.sampled_from(TAGS))
     def insert_key(self, data, key: Key, tag) -> None:
         b = data.draw(st.integers(1, self.n - 1))
-        held = self.keys.setdefault(b, [])
-        if key not in held:
-            if not held:
-                if tag is not None:
-                    self.tags[b] = tag
-                if self.refs[b] == 0:
-                    self.free.remove(b)
-                    self.free.append(b)
-            held.append(key)
-            self.rec(BlockStored(key_block_hash(key), key_group_id(key), 16, medium="CPU"))
+        self.model_insert(key, b, tag)
         self.pool.insert_key(key, b, 16, tag=tag)
 
     @rule(data=st.data())
@@ -114,16 +119,7 @@ class Machine(RuleBasedStateMachine):
             )
         )
         for key, b, tag in entries:
-            held = self.keys.setdefault(b, [])
-            if key not in held:
-                if not held:
-                    if tag is not None:
-                        self.tags[b] = tag
-                    if self.refs[b] == 0:
-                        self.free.remove(b)
-                        self.free.append(b)
-                held.append(key)
-                self.rec(BlockStored(key_block_hash(key), key_group_id(key), 16, medium="CPU"))
+            self.model_insert(key, b, tag)
         tags = {i: t for i, (_, _, t) in enumerate(entries) if t is not None}
         self.pool.insert_keys(
             [k for k, _, _ in entries], [b for _, b, _ in entries], [16] * len(entries), tags

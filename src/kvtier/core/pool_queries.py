@@ -86,7 +86,10 @@ class PoolQueries:
 
     def tag(self, block_id: int, key: Key | None = None) -> bytes | None:
         """Return the token tag recorded with the block's primary key, or None; with
-        `key`, None too unless `key` is that primary key (a secondary key has no tag)."""
+        `key`, None too unless `key` is that primary key (a secondary key has no tag).
+        Raises PoolError for an id out of range."""
+        if not 0 <= block_id < self.num_blocks:
+            self._check_id(block_id)  # raises
         if key is not None and self._keys[block_id] != key:
             return None
         return self._tags.get(block_id)
