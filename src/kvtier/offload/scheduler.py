@@ -23,6 +23,7 @@ This module wires the tier state and owns the requests' lifecycle and observabil
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import KVEvent
@@ -328,6 +329,18 @@ class OffloadScheduler:
         """
         queued_moves = self.cascade is not None and bool(self.cascade.queued)
         return bool(self.selector.queued) or queued_moves or self._book.has_stores()
+
+    def holds_gpu_blocks_alone(self) -> bool:
+        """Return True when a queued or issued transfer holds the only reference on a
+        GPU block: the block goes back to the GPU pool once that transfer is reported
+        (vLLM's `has_pending_block_frees`: wait for it rather than preempt a request).
+        Walks every pinned block: for when an allocation failed, not for each step."""
+        pool = self.gpu_pool
+        queued_loads = (b for item in self.loads.queued for b in item.gpu_block_ids)
+        pinned = chain(self.selector.queued.gpu_block_ids, queued_loads)
+        return any(
+            pool.block(b).ref_count == 1 for b in chain(pinned, self._book.pinned_gpu_blocks())
+        )
 
     @property
     def persistence_ended(self) -> bool:

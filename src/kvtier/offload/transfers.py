@@ -281,6 +281,16 @@ class TransferBook:
             if transfer.stores or transfer.moves:
                 transfer.abandoned = True
 
+    def pinned_gpu_blocks(self) -> Iterator[int]:
+        """Yield the GPU blocks the issued transfers still pin: the stores' sources and
+        the loads' destinations of every event whose pins none of its applied steps
+        released (`IssuedTransfer.num_applied`)."""
+        for transfer in self._issued.values():
+            if transfer.num_applied == 0:
+                yield from transfer.stores.gpu_block_ids
+                for load in transfer.loads:
+                    yield from load.gpu_block_ids
+
     def load_request_ids(self) -> dict[int, tuple[str, ...]]:
         """Return every outstanding load event with the request ids it serves."""
         return dict(self._load_request_ids)

@@ -262,6 +262,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Return True while stores are queued or in flight, so vLLM keeps stepping."""
         return self._scheduler is not None and self._scheduler.has_pending_stores()
 
+    def has_pending_block_frees(self) -> bool:
+        """Return True when a store or load in flight holds the last reference on a GPU
+        block: vLLM, short of blocks, then waits for the transfer to be reported instead
+        of preempting a running request (whose KV it would recompute or reload)."""
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
     def take_events(self) -> Iterable[Any]:
         """Return this step's tier events as vLLM KV events (medium CPU or STORAGE)."""
         return self.scheduler_side.take_events()

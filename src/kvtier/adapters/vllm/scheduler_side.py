@@ -305,6 +305,11 @@ class SchedulerSide:
         """Return True while stores are queued or in flight (vLLM keeps stepping)."""
         return self.offload.has_pending_stores()
 
+    def has_pending_block_frees(self) -> bool:
+        """Return True when a transfer holds the last reference on a GPU block (it comes
+        back to vLLM's pool once the transfer is reported)."""
+        return self.offload.holds_gpu_blocks_alone()
+
     def reset(self) -> bool:
         """Drop the tier's contents; False while issued transfers are outstanding."""
         done = self.offload.reset()
