@@ -16,7 +16,8 @@ Regions of one storage with the same stride are merged when their in-block byte 
 overlap or touch: this deduplicates groups overlaying the same memory and turns the
 per-layer views of one packed allocation (or the K and V halves of `[num_blocks, 2, ...]`)
 into a single wider region. Regions that overlay the same bytes with a different block
-geometry cannot be addressed by block id and are rejected.
+geometry cannot be addressed by block id and are rejected, compared by address so that
+views in storages of their own (built from a raw pointer) that alias one memory count too.
 """
 
 from __future__ import annotations
@@ -139,9 +140,10 @@ def discover_regions(
         spans.setdefault(ptr, []).extend(_tensor_spans(order, name, tensor, layout))
     merged: list[tuple[int, Region]] = []
     for ptr, storage_spans in spans.items():
-        storage_regions = _merge(storage_spans, bases[ptr])
-        _check_no_conflicting_overlays([region for _, region in storage_regions])
-        merged.extend(storage_regions)
+        merged.extend(_merge(storage_spans, bases[ptr]))
+    # By address, over every storage: views built from a raw pointer (frombuffer, DLPack)
+    # get storages of their own that may alias another's bytes.
+    _check_no_conflicting_overlays([region for _, region in merged])
     merged.sort(key=lambda item: (item[0], item[1].offset))
     regions = tuple(region for _, region in merged)
     counts = {r.name: r.num_blocks for r in regions}
@@ -272,23 +274,33 @@ def _region(spans: list[_Span], base: torch.Tensor, size: int, stride: int) -> t
     return min(s.order for s in spans), region
 
 
+def _address_range(region: Region) -> tuple[int, int]:
+    """Return the `[start, end)` addresses the region spans (its extent in memory)."""
+    start, end = region.extent
+    return region.storage_ptr + start, region.storage_ptr + end
+
+
 def _check_no_conflicting_overlays(regions: list[Region]) -> None:
-    """Raise when two regions of one storage map the same bytes to different block ids."""
-    ordered = sorted(regions, key=lambda r: r.extent[0])
+    """Raise when two regions map the same bytes to different block ids (compared by
+    address, so regions of different storages that alias one memory count too)."""
+    ordered = sorted(regions, key=_address_range)
     for i, first in enumerate(ordered):
+        first_start, first_end = _address_range(first)
         for second in ordered[i + 1 :]:
-            if second.extent[0] >= first.extent[1]:
+            second_start, _ = _address_range(second)
+            if second_start >= first_end:
                 break
-            shift = second.offset - first.offset
-            interleaved = (
+            shift = second_start - first_start
+            # Same stride, and each block of the second inside the same block period of
+            # the first: shared bytes (if any) have one block id in both.
+            same_blocks = (
                 first.block_stride == second.block_stride
-                and first.bytes_per_block <= shift
                 and shift + second.bytes_per_block <= first.block_stride
             )
-            if not interleaved:
+            if not same_blocks:
                 raise ValueError(
                     f"regions {first.name} and {second.name} overlay the same memory with a "
-                    f"different block geometry (offsets {first.offset}/{second.offset} B, "
+                    f"different block geometry ({shift} B apart, "
                     f"block strides {first.block_stride}/{second.block_stride} B, blocks "
                     f"{first.bytes_per_block}/{second.bytes_per_block} B)"
                 )

@@ -1,0 +1,69 @@
+"""Region discovery over storages that alias one memory (views built from a raw pointer:
+`torch.frombuffer` on the CPU, DLPack imports on a GPU), checked by address, not storage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.transfer.regions import discover_regions
+
+NB, BLOCK = 6, 64
+
+
+def aliased_view(pool: np.ndarray, start: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Return a uint8 view of `pool` from byte `start`, in a storage of its own."""
+    count = int(np.prod(shape))
+    tensor = torch.frombuffer(pool, dtype=torch.uint8, offset=start, count=count)
+    return tensor.view(shape)
+
+
+def test_a_shifted_overlay_through_another_storage_is_rejected() -> None:
+    """Regression: the same shifted overlay as in one storage (block b of one view is half
+    of blocks b and b+1 of the other) was accepted when the second view had a storage of
+    its own starting inside the first: a load into block b then overwrote half of block
+    b+1, a block the job never named."""
+    pool = np.zeros((NB + 1) * BLOCK, dtype=np.uint8)
+    a = aliased_view(pool, 0, (NB, BLOCK))
+    b = aliased_view(pool, BLOCK // 2, (NB, BLOCK))
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="different block geometry"):
+        discover_regions([a, b])
+
+
+def test_a_different_geometry_through_another_storage_is_rejected() -> None:
+    """Block i of the second view is half of block i // 2 of the first."""
+    pool = np.zeros(NB * BLOCK + BLOCK, dtype=np.uint8)
+    a = aliased_view(pool, 0, (NB, BLOCK))
+    b = aliased_view(pool, BLOCK, (NB, BLOCK // 2))
+    with pytest.raises(ValueError, match="different block geometry"):
+        discover_regions([a, b])
+
+
+def test_disjoint_views_of_one_pool_in_several_storages_are_accepted() -> None:
+    """Per-layer views cut from one pool, each in its own storage, share no byte."""
+    pool = np.zeros(3 * NB * BLOCK, dtype=np.uint8)
+    layers = [aliased_view(pool, i * NB * BLOCK, (NB, BLOCK)) for i in range(3)]
+    regions = discover_regions(layers)
+    assert len(regions.regions) == 3
+    assert regions.bytes_per_slot == 3 * BLOCK
+
+
+def test_a_consistent_overlay_through_another_storage_still_round_trips() -> None:
+    """The V halves of a `[blocks, 2, ...]` cache imported again in a storage of their own
+    map every shared byte to the same block id: accepted (stored twice), and a load of
+    one block writes that block only."""
+    pool = np.zeros(NB * BLOCK, dtype=np.uint8)
+    cache = aliased_view(pool, 0, (NB, 2, BLOCK // 2))
+    halves = aliased_view(pool, BLOCK // 2, (NB * BLOCK - BLOCK // 2,))
+    values = halves.as_strided((NB, BLOCK // 2), (BLOCK, 1))
+    regions = discover_regions([cache, values])
+    pool[:] = np.random.default_rng(0).integers(0, 256, pool.shape, dtype=np.uint8)
+    before = cache.clone()
+    slot_rows = [view[1].clone() for view in regions.block_views()]
+    for view, row in zip(regions.block_views(), slot_rows, strict=True):
+        view[4].copy_(row)  # load block 1's slot into block 4
+    assert torch.equal(cache[4], before[1])
+    untouched = [b for b in range(NB) if b != 4]
+    assert torch.equal(cache[untouched], before[untouched])
