@@ -202,6 +202,7 @@ class BlockPool(PoolKeyRemoval):
         if block_id == NULL_BLOCK_ID:
             raise PoolError(f"block {block_id} cannot hold a key (the null block)")
         pool_checks.check_key(key, num_tokens)
+        block_id = int(block_id)  # a numpy id: the index hands out plain ints
         primary = self._keys[block_id]
         if primary is None:
             self._num_tokens[block_id] = num_tokens

@@ -72,6 +72,13 @@ def _check_free_queue(pool: BlockPool) -> None:
     num_zero = sum(1 for b in range(1, pool.num_blocks) if refs[b] == 0)
     assert num_zero == len(free_blocks), "free queue differs from the ref-0 blocks"
     assert all(refs[b] == 0 for b in free_blocks), "a referenced block is free"
+    keys = pool._keys
+    first_cached = next(
+        (i for i, b in enumerate(free_blocks) if keys[b] is not None), len(free_blocks)
+    )
+    assert all(keys[b] is not None for b in free_blocks[first_cached:]), (
+        "an unhashed free block is queued behind a cached one (SPEC §4: reused first)"
+    )
 
 
 def _check_keys(pool: BlockPool) -> None:

@@ -174,3 +174,9 @@ class ARCPolicy(OneByOne):
         assert not (self._b1.keys() & self._b2.keys()), "a key is in both ghost lists"
         for block_id in self._lists.iter_list(_REUSABLE):
             assert self._keys[block_id] is None, f"unhashed block {block_id} has a key"
+        for list_id in (_T1, _T2):
+            for block_id in self._lists.iter_list(list_id):
+                assert self._keys[block_id] is not None, f"cached block {block_id} has no key"
+                assert self._dest[block_id] == list_id, (
+                    f"block {block_id} queued in list {list_id} is bound for {self._dest[block_id]}"
+                )

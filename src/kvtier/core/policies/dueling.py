@@ -168,7 +168,8 @@ class DuelingPolicy(OneByOne):
         self._lfu.take(block_id)
 
     def _would_age(self, block_id: int) -> bool:
-        return self.lfu_order or self._lfu.peek_cached_victim() == block_id
+        # bool(): a numpy id compares to a numpy bool, which `_ages` (a bytearray) refuses.
+        return self.lfu_order or bool(self._lfu.peek_cached_victim() == block_id)
 
     def evict(self, block_id: int) -> None:
         """Take a free cached block out as `pop_victim` evicts: LFU-DA ages when its

@@ -198,5 +198,6 @@ class LFUDAPolicy(OneByOne):
                     f"[{self.level}, {self.level + self._max_f}]"
                 )
                 assert priority % self._num_levels == list_id, f"block {block_id} misfiled"
+                assert self._keys[block_id] is not None, f"cached block {block_id} has no key"
         for block_id in self._lists.iter_list(self._reusable):
             assert self._keys[block_id] is None, f"unhashed block {block_id} has a key"

@@ -205,3 +205,12 @@ class S3FIFOPolicy(OneByOne):
         assert all(f in (0, 1) for f in self._freq), "frequency bit out of range"
         for block_id in self._lists.iter_list(_REUSABLE):
             assert self._keys[block_id] is None, f"unhashed block {block_id} has a key"
+        for list_id in (_SMALL, _MAIN):
+            for block_id in self._lists.iter_list(list_id):
+                assert self._keys[block_id] is not None, f"cached block {block_id} has no key"
+                assert self._dest[block_id] == list_id, (
+                    f"block {block_id} queued in list {list_id} is bound for {self._dest[block_id]}"
+                )
+                assert list_id == _MAIN or not self._freq[block_id], (
+                    f"block {block_id} in the small FIFO has its frequency bit set"
+                )
