@@ -25,6 +25,7 @@ def _write(tmp_path: Path, **overrides: Any) -> Path:
         "num_key_value_heads": 2,
         "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
         "eos_token_id": [5, 7],
+        "use_sliding_window": True,  # Qwen2's default is off (test_hf_config_windows)
     }
     hf.update(overrides)
     hf = {k: v for k, v in hf.items() if v is not None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,12 +87,23 @@ class ModelConfig:
         eos = self.eos_token_ids
         if not isinstance(eos, tuple) or any(type(t) is not int or t < 0 for t in eos):
             raise ValueError(f"eos_token_ids must be a tuple of token ids (ints >= 0), got {eos!r}")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+        self._check_numbers_and_flags()
+
+    def _check_numbers_and_flags(self) -> None:
+        # A NaN or infinite theta or eps makes every logit NaN; a truthy non-bool flag
+        # ("false") would tie the embeddings or add biases.
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not is_number or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a finite number > 0")
+        for name in ("qkv_bias", "o_proj_bias", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(
-                f"rope_theta={self.rope_theta} and rms_norm_eps={self.rms_norm_eps} must be > 0"
+                f"ModelConfig.dtype must be a floating point torch.dtype, got {self.dtype!r}"
             )
-        if not self.dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating point dtype, got {self.dtype}")
 
     def layer_groups(self) -> tuple[LayerGroup, ...]:
         """Return the KV groups: full-attention layers first, then sliding layers, if any."""

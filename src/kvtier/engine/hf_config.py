@@ -19,13 +19,17 @@ from kvtier.engine.config import SUPPORTED_ARCHITECTURES, AttentionKind, ModelCo
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+_QWEN2_DEFAULT_WINDOW = 4096
+_QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
 def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> ModelConfig:
     """Read a local HF `config.json` (a file or the checkpoint directory holding it).
 
-    Supports LlamaForCausalLM and Qwen2ForCausalLM with default RoPE and SiLU. Sliding
-    layers come from `layer_types`, else `max_window_layers`, when the window is on.
+    Supports LlamaForCausalLM and Qwen2ForCausalLM with default RoPE and SiLU. Read as
+    transformers reads them: Llama has no sliding window (a `sliding_window` key is
+    ignored); Qwen2's is off unless `use_sliding_window` is true, and then its sliding
+    layers come from `layer_types`, else `max_window_layers` (both defaulting as Qwen2Config).
     A missing required key raises KeyError naming it; any other problem ValueError.
     """
     path = Path(path)
@@ -60,7 +64,7 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
     hidden_size = _hf_positive_int(hf, "hidden_size")
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     attention_bias = _hf_bool(hf, "attention_bias")
-    window, kinds = _hf_layer_kinds(hf, num_layers, source)
+    window, kinds = _hf_layer_kinds(hf, num_layers, source, is_qwen2)
     eos = hf.get("eos_token_id")
     eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     if any(type(token) is not int or token < 0 for token in eos_token_ids):
@@ -134,9 +138,12 @@ def _hf_rope_theta(hf: dict[str, Any]) -> float:
 
 
 def _hf_layer_kinds(
-    hf: dict[str, Any], num_layers: int, source: str
+    hf: dict[str, Any], num_layers: int, source: str, is_qwen2: bool
 ) -> tuple[int | None, tuple[AttentionKind, ...]]:
-    window = hf.get("sliding_window") if _hf_bool(hf, "use_sliding_window", True) else None
+    # transformers' LlamaAttention never slides; Qwen2Config defaults use_sliding_window
+    # to false, sliding_window to 4096 and max_window_layers to 28.
+    use_window = is_qwen2 and _hf_bool(hf, "use_sliding_window")
+    window = hf.get("sliding_window", _QWEN2_DEFAULT_WINDOW) if use_window else None
     if window is None:
         return None, (AttentionKind.FULL,) * num_layers
     names = {"full_attention": AttentionKind.FULL, "sliding_attention": AttentionKind.SLIDING}
@@ -148,7 +155,7 @@ def _hf_layer_kinds(
             raise ValueError(f"layer_types {sorted(unknown)} not supported")
         kinds = tuple(names[t] for t in hf["layer_types"])
     else:
-        first_sliding = hf.get("max_window_layers", 0)
+        first_sliding = hf.get("max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS)
         if type(first_sliding) is not int or first_sliding < 0:
             raise ValueError(f"max_window_layers must be an int >= 0, got {first_sliding!r}")
         kinds = tuple(
@@ -157,7 +164,7 @@ def _hf_layer_kinds(
         )
     if AttentionKind.SLIDING not in kinds:
         return None, kinds
-    window = _hf_positive_int(hf, "sliding_window")
+    window = _hf_positive_int(hf, "sliding_window", _QWEN2_DEFAULT_WINDOW)
     logger.info("%s: sliding window of %d tokens on %d layers", source, window,
                 kinds.count(AttentionKind.SLIDING))  # fmt: skip
     return window, kinds

@@ -77,10 +77,10 @@ def parameter_name(hf_name: str) -> str | None:
 def load_weights(model: DecoderModel, path: str | Path) -> None:
     """Copy every parameter of `model` from the checkpoint at `path`, casting dtypes.
 
-    Raises ValueError on an unknown tensor, a shape mismatch, a parameter the
-    checkpoint lacks, or one stored in two files (a stale shard beside a newer copy:
-    which one is meant cannot be told). With tied embeddings a stored `lm_head.weight` is
-    ignored.
+    Raises ValueError on an unknown tensor, a shape mismatch, a tensor that is not
+    floating point, a parameter the checkpoint lacks, or one stored in two files (a
+    stale shard beside a newer copy: which one is meant cannot be told). With tied
+    embeddings a stored `lm_head.weight` is ignored.
     """
     params = dict(model.named_parameters())
     loaded: dict[str, str] = {}  # parameter -> the file it came from
@@ -99,11 +99,7 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
                     )
                 tensor = f.get_tensor(hf_name)
                 param = params[name]
-                if tensor.shape != param.shape:
-                    raise ValueError(
-                        f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, the model "
-                        f"expects {tuple(param.shape)}"
-                    )
+                _check_tensor(file.name, hf_name, tensor, param)
                 with torch.no_grad():
                     param.copy_(tensor)
                 loaded[name] = file.name
@@ -111,6 +107,21 @@ def load_weights(model: DecoderModel, path: str | Path) -> None:
     if missing:
         raise ValueError(f"checkpoint {path} lacks parameters: {missing}")
     logger.info("loaded %d tensors from %s", len(loaded), path)
+
+
+def _check_tensor(file: str, hf_name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
+    """Raise ValueError unless `tensor` can be cast into `param`: the same shape, and a
+    floating point dtype (an integer one is a quantized weight, not loadable by a cast)."""
+    if tensor.shape != param.shape:
+        raise ValueError(
+            f"{file}: {hf_name} has shape {tuple(tensor.shape)}, the model "
+            f"expects {tuple(param.shape)}"
+        )
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(
+            f"{file}: {hf_name} is {tensor.dtype}, not floating point (quantized "
+            "checkpoints are not supported)"
+        )
 
 
 def load_model(
