@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from replay_helpers import BLOCK, doc_trace
 
-from kvtier.replay.cli import add_parser, main, parse_tokens
+from kvtier.replay.cli import add_parser, configure, main, parse_tokens
 from kvtier.replay.trace import write_trace
 
 
@@ -145,3 +145,21 @@ def test_verbose_logs_each_point_as_it_is_done(
     assert lines[0].startswith("lru at 40 tokens: lower-tier token hit ratio ")
     assert lines[1].startswith("arc at 40 tokens: ")
     assert lines[1].endswith("(point 2 of 2)")
+
+
+def test_the_help_says_what_the_independent_disk_tier_is_offered() -> None:
+    """Without --cascade DISK is offered every block it lacks, also one the CPU holds:
+    CPU 2 blocks, DISK 1; A, B, A: the CPU serves A at request 3 and DISK stores A again
+    (3 stores), which "every block the CPU lacks is offered to both" denied."""
+    from kvtier.replay.tier_replay import ReplayConfig, TierConfig, replay_trace
+    from kvtier.replay.trace import TraceRecord
+
+    records = [TraceRecord(i, BLOCK, 1, (h,)) for i, h in enumerate([1, 2, 1])]
+    tiers = (TierConfig("CPU", 2 * BLOCK, 25.0), TierConfig("DISK", BLOCK, 5.0))
+    cpu, disk = replay_trace(records, ReplayConfig(tiers=tiers, block_size=BLOCK)).tiers
+    assert (cpu.num_hit_blocks, cpu.num_stored_blocks, disk.num_stored_blocks) == (1, 2, 3)
+    parser = argparse.ArgumentParser(prog="kvtier replay")
+    configure(parser)
+    text = " ".join(parser.format_help().split())
+    assert "every block the CPU lacks is offered to both" not in text
+    assert "every block a tier lacks is offered to it, whether or not the CPU holds it" in text

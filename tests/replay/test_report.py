@@ -103,3 +103,32 @@ def test_sweep_plot_marks_every_policy_at_a_single_capacity() -> None:
         assert lines["Belady (offline reference)"].get_marker() not in (None, "", "None")
     finally:
         plt.close(fig)
+
+
+def test_the_plots_ceiling_behind_a_gpu_tier_is_what_the_gpu_leaves() -> None:
+    """The plot shows lower-tier hit ratios; behind a GPU tier (LRU, the same at every
+    point) an infinite lower tier serves every reuse the GPU misses: infinite - GPU."""
+    records = doc_trace(seed=2, num_requests=40)
+    seen: set[int] = set()
+    reused = 0
+    for record in records:  # the trace's infinite-cache hit tokens, restated
+        n = 0
+        while n < len(record.hash_ids) and record.hash_ids[n] in seen:
+            n += 1
+        reused += min(n * BLOCK, record.input_length)
+        seen.update(record.hash_ids)
+    infinite = reused / sum(r.input_length for r in records)
+    base = ReplayConfig(
+        tiers=(TierConfig("CPU", 40, 25.0),), gpu_capacity_tokens=20 * BLOCK, block_size=BLOCK
+    )
+    points = run_sweep(records, base, ["lru"], [len(seen) * BLOCK])
+    gpu = points[0].result.gpu
+    assert gpu is not None
+    assert gpu.token_hit_ratio > 0
+    assert points[0].result.token_hit_ratio == pytest.approx(infinite - gpu.token_hit_ratio)
+    fig = sweep_figure(points, "behind a GPU", infinite)
+    try:
+        (ceiling,) = [line for line in fig.axes[0].get_lines() if "infinite" in line.get_label()]
+        assert ceiling.get_ydata()[0] == pytest.approx(infinite - gpu.token_hit_ratio)
+    finally:
+        plt.close(fig)

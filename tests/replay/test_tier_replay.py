@@ -279,3 +279,21 @@ def test_a_huge_capacity_allocates_what_the_trace_holds() -> None:
     assert result.tiers[0].num_blocks == 10**18 // BLOCK
     assert result.gpu is not None
     assert result.gpu.num_blocks == 10**18 // BLOCK
+
+
+def test_the_gpu_row_counts_its_hit_blocks() -> None:
+    """The GPU row's hit blocks agree with its hit tokens: request 1 hits A (a whole
+    block) and request 2 hits A and B (B partial), so 3 blocks and 2.5 blocks' tokens."""
+    a, b = 1, 2
+    half = BLOCK // 2
+    records = [
+        TraceRecord(0, BLOCK + half, 1, (a, b)),
+        TraceRecord(1, BLOCK, 1, (a,)),
+        TraceRecord(2, BLOCK + half, 1, (a, b)),
+    ]
+    cpu = TierConfig("CPU", 4 * BLOCK, 25.0)
+    config = ReplayConfig(tiers=(cpu,), gpu_capacity_tokens=4 * BLOCK, block_size=BLOCK)
+    result = replay_trace(records, config)
+    assert result.gpu is not None
+    assert result.gpu.hit_tokens == 2 * BLOCK + half
+    assert result.gpu.num_hit_blocks == 3

@@ -90,7 +90,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="TOKENS",
         help="a DISK tier behind the CPU tier, same policy (default 0: none); without "
-        "--cascade it is fed independently (every block the CPU lacks is offered to both)",
+        "--cascade it is fed independently (every block a tier lacks is offered to it, "
+        "whether or not the CPU holds it)",
     )
     parser.add_argument(
         "--cascade",

@@ -198,8 +198,25 @@ def plot_sweep(
         plt.close(fig)
 
 
+def _lower_tier_ceiling(
+    points: Sequence[SweepPoint], infinite_hit_ratio: float
+) -> tuple[float, str]:
+    """Return the most the plotted (lower-tier) hit ratio can reach, and its label.
+
+    The GPU tier in front is LRU and independent of the tiers behind, so it serves the
+    same tokens at every point; an infinite lower tier serves every other reuse.
+    """
+    gpu = points[0].result.gpu if points else None
+    if gpu is None:
+        return infinite_hit_ratio, "infinite cache"
+    return max(0.0, infinite_hit_ratio - gpu.token_hit_ratio), "infinite cache (behind the GPU)"
+
+
 def sweep_figure(points: Sequence[SweepPoint], title: str, infinite_hit_ratio: float) -> Figure:
     """Return the sweep plot; the caller closes it (`plt.close`).
+
+    `infinite_hit_ratio` is the whole trace's (`summarize`); the plot's ceiling line
+    takes a GPU tier's hits off it, as its curves are the lower tiers' hit ratios.
 
     Every policy's line carries markers, so a sweep of a single capacity still shows
     each policy (a point of a line without markers is invisible). Selects the Agg
@@ -252,7 +269,8 @@ def sweep_figure(points: Sequence[SweepPoint], title: str, infinite_hit_ratio: f
             markersize=8,
             label="0.8 x Belady",
         )
-    ax.axhline(infinite_hit_ratio, color="grey", linestyle=":", label="infinite cache")
+    ceiling, label = _lower_tier_ceiling(points, infinite_hit_ratio)
+    ax.axhline(ceiling, color="grey", linestyle=":", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("lower-tier capacity (tokens)")
     ax.set_ylabel("token hit ratio")

@@ -150,6 +150,7 @@ class TierReplay:
         policies += [t.admission for t in self.tiers[: 1 if self.cascade else None]]
         self._observers = [p for p in policies if isinstance(p, RequestObserver)]
         self._gpu_hit_tokens = 0
+        self._gpu_hit_blocks = 0
         self._ttft_s = 0.0
         self._next = 0
 
@@ -223,6 +224,7 @@ class TierReplay:
         if self.gpu_pool is not None:  # independent of the tiers behind: served first
             g = serve_on_gpu(self.gpu_pool, keys, tokens)
             self._gpu_hit_tokens += sum(tokens[:g])
+            self._gpu_hit_blocks += g
         if self.cascade is not None:
             loads = list(self.cascade.lookup(keys, g))
         else:
@@ -273,7 +275,7 @@ class TierReplay:
                 num_blocks=self.config.gpu_capacity_tokens // self.config.block_size,
                 hit_tokens=self._gpu_hit_tokens,
                 token_hit_ratio=self._gpu_hit_tokens / ratio_base,
-                num_hit_blocks=0,
+                num_hit_blocks=self._gpu_hit_blocks,
                 num_stored_blocks=0,
                 num_evicted_blocks=0,
                 num_rejected_blocks=0,
