@@ -6,6 +6,9 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+import torch
+
 import kvtier
 from kvtier.core.hashing import BlockHasher, HashAlgo
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
@@ -102,3 +105,11 @@ def test_release_device_and_hashing_are_in_it_but_not_the_root_hash() -> None:
     assert fingerprint(None, seed="a") != fingerprint(None, seed="b")
     root = BlockHasher(4, HashAlgo.SHA256, None).root_hash.hex()
     assert root not in fingerprint(None)  # it stands for the hash seed: kept out of files
+
+
+def test_the_torch_release_is_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another torch release's kernels may round differently, as another device's do."""
+    before = fingerprint(None)
+    assert json.loads(before)["torch"] == torch.__version__
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert fingerprint(None) != before

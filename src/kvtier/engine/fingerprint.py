@@ -13,7 +13,9 @@ A persistent disk tier is reused only by an engine whose fingerprint is identica
 - the same block hashing: algorithm, block size and a digest of the root hash (which
   stands for the seed; the root itself stays out of files and logs);
 - the same kvtier release: a release may change the model code or how KV lies inside a
-  block without changing any size, so a cache outlives no upgrade.
+  block without changing any size, so a cache outlives no upgrade;
+- the same torch release, for the reason the device type is there: another release's
+  kernels may round differently.
 The string is readable JSON, so a mismatch warning can name what changed
 (`storage.fingerprint_diff` compares the two documents key by key: a changed file by
 its path).
@@ -26,6 +28,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
 import xxhash
 
 from kvtier import __version__
@@ -58,6 +61,7 @@ def kv_fingerprint(
     root_digest = hashlib.sha256(b"kvtier fingerprint\0" + hasher.root_hash).hexdigest()[:32]
     document = {
         "kvtier": __version__,
+        "torch": torch.__version__,
         "device": device_type,
         "model": shape,
         "weights": weights,
