@@ -272,3 +272,20 @@ def test_write_back_leaves_the_cpu_tier_hitting_as_it_would_alone(policy: str, s
     rng = random.Random(seed)
     ids = [rng.randrange(12) if rng.random() < 0.6 else 100 + n for n in range(400)]
     assert cpu_hits(policy, ids, cascade=True) == cpu_hits(policy, ids, cascade=False)
+
+
+def test_write_back_victims_enter_the_disk_order_oldest_first() -> None:
+    """A prefix freed tail first in the CPU tier (its tail the next victim) keeps that
+    order on disk once demoted together: the disk evicts its tail before its root, as
+    the replay's cascade models it (docs/policies.md). Regression: the batch was freed
+    reversed, so the root became the disk's least recently used block."""
+    cpu, disk, cascade = make(WB, reserve=3)
+    block_ids = cpu.allocate(8)
+    for i, block_id in enumerate(block_ids):
+        cpu.insert_key(key(i), block_id, 16)
+    cpu.free(block_ids[::-1])  # tail first: key 7 is the next victim, key 0 the last
+    cascade.select_write_back()
+    assert finish(cascade) == [key(7), key(6), key(5)]
+    assert free_keys(disk)[-3:] == [key(7), key(6), key(5)]
+    cpu.check_invariants()
+    disk.check_invariants()

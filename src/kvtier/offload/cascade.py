@@ -336,8 +336,12 @@ class Cascade(WriteThroughRetries):
             elif registered:
                 self.dropped_slots.add([item.disk_block_id])
         if succeeded or abandoned:
-            # Tail first, as every release: the pins may be the blocks' last references.
-            disk_pool.free(disk_ids[::-1])
+            # Write-through's moves are a request's stores, in position order: tail first,
+            # as every release. Write-back's are CPU victims, oldest first: freed in that
+            # order, they keep the CPU's order on disk (a prefix freed tail first in the
+            # CPU tier is evicted tail first from the disk too; reversed, root first).
+            back = self.mode is CascadeMode.WRITE_BACK
+            disk_pool.free(disk_ids if back else disk_ids[::-1])
             if registered:
                 self.set_aside.note_succeeded(disk_ids)
         else:  # a bad slot would be reused first, failing every later job: held instead
