@@ -47,6 +47,14 @@ class _Request:
         return ()
 
 
+def trace_request(index: int, hash_ids: Sequence[int]) -> tuple[_Request, tuple[bytes, ...]]:
+    """Return request `r{index}` of a trace record's blocks, and its block hashes."""
+    hashes = tuple(h.to_bytes(8, "little") for h in hash_ids)
+    # Every trace block is a full hash block here; +1 so the last-token cap never bites.
+    num_tokens = len(hash_ids) * BLOCK + 1
+    return _Request(f"r{index}", num_tokens, num_tokens, 0, hashes), hashes
+
+
 def _complete(scheduler: OffloadScheduler, plan: TransferPlan) -> None:
     scheduler.apply_report(WorkerReport(done={job.event_id: 1 for job in plan.jobs}))
 
@@ -68,9 +76,7 @@ def _drive_scheduler(
     hits = []
     for i, record in enumerate(records):
         n = len(record.hash_ids)
-        hashes = tuple(h.to_bytes(8, "little") for h in record.hash_ids)
-        # Every trace block is a full hash block here; +1 so the last-token cap never bites.
-        request = _Request(f"r{i}", n * BLOCK + 1, n * BLOCK + 1, 0, hashes)
+        request, hashes = trace_request(i, record.hash_ids)
         external = scheduler.lookup(request, 0)
         table = gpu.allocate(n)
         request.num_computed_tokens = external

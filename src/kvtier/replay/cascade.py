@@ -84,7 +84,7 @@ class Cascade:
             stored = store_missing(cpu, keys, tokens, cpu_hits, order, make_room=self._demote)
             release_request(disk, disk_hits, (), order)
         else:
-            stored = store_missing(cpu, keys, tokens, cpu_hits, order)
+            stored = store_missing(cpu, keys, tokens, cpu_hits, order, release=False)
             self._refresh_disk(keys, [j for j, _ in cpu_hits] + [j for j, _ in stored])
             written = store_missing(
                 disk,
@@ -96,9 +96,22 @@ class Cascade:
                 use_admission=False,
             )
             cpu.demoted += len(written)
+            self._release_cpu(cpu_hits, stored, {j for j, _ in written})
         if disk_hits:
             served = {j for j, _ in disk_hits}
             cpu.promoted += sum(1 for j, _ in stored if j in served)
+
+    def _release_cpu(
+        self, hits: Sequence[Placed], stored: Sequence[Placed], written: set[int]
+    ) -> None:
+        """Free write-through's CPU blocks: in the scheduler's orders, a stored block
+        being copied to DISK stays pinned until its copy lands, so it is freed after
+        the stores that needed no copy (each group as its order says)."""
+        if self.order is ReleaseOrder.TAIL_FIRST:
+            release_request(self.cpu, hits, stored, self.order)
+            return
+        release_request(self.cpu, (), [p for p in stored if p[0] not in written], self.order)
+        release_request(self.cpu, (), [p for p in stored if p[0] in written], self.order)
 
     def _refresh_disk(self, keys: Sequence[Key], positions: list[int]) -> None:
         """Move the free DISK copies of `keys[positions]` to the MRU end, tail first."""

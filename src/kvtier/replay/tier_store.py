@@ -107,6 +107,7 @@ def store_missing(
     positions: Sequence[int] | None = None,
     use_admission: bool = True,
     make_room: MakeRoom | None = None,
+    release: bool = True,
 ) -> list[Placed]:
     """Store the request's blocks the tier lacks; release the request's tier blocks.
 
@@ -114,7 +115,8 @@ def store_missing(
     order; the candidates are the keys missing when the selection starts (a key evicted
     by this request's own stores is not re-stored); ask the admission policy (unless
     `use_admission` is False); stop when no slot is free (every one pinned). Before each
-    slot is allocated `make_room()` may empty its victim (write-back demotion).
+    slot is allocated `make_room()` may empty its victim (write-back demotion). With
+    `release` False the caller frees the request's blocks (`release_request`).
     Returns the stored `(position, block)` pairs.
     """
     release_loads(tier, hits, order)
@@ -140,5 +142,6 @@ def store_missing(
         pool.insert_key(keys[j], block_id, tokens[j])
         note_key(block_id, keys[j])  # the BlockPool hook already did; idempotent
     tier.stored += len(stored)
-    release_request(tier, hits, stored, order)
+    if release:
+        release_request(tier, hits, stored, order)
     return stored
