@@ -17,7 +17,11 @@ same batch as the computed blocks', as the replay stores them. In the scheduler 
 block copied to DISK stays pinned in the CPU tier until its copy lands, so it is
 freed after the stored blocks DISK already held; the replay releases them in that
 order (regression: it released them in one batch, and e.g. the doc trace below with
-11 CPU and 29 DISK blocks hit the CPU 65 times instead of the scheduler's 56).
+11 CPU and 29 DISK blocks hit the CPU 65 times instead of the scheduler's 56). The DISK
+loads land before the stores, so a promoted block's DISK copy is free when its store's
+demotion finds it there and refreshes it: a second touch, which S3-FIFO (frequency bit)
+and LFU-DA (count) tell from one (regression: the replay kept DISK hits pinned through
+the refresh; s3fifo and lfuda differed on 6 of these runs).
 
 Write-back has no such test: the scheduler demotes the next `reserve` victims of the
 CPU tier at each plan (ahead of need, or too few for a burst of stores: docs/policies.md),
@@ -47,8 +51,7 @@ from kvtier.replay.tier_replay import TierReplay
 from kvtier.replay.trace import TraceRecord
 
 BYTES_PER_BLOCK = 64
-# s3fifo, lfuda and duel differ on some of these runs (not investigated yet).
-POLICIES = ["lru", "lru+door", "arc"]
+POLICIES = ["lru", "lru+door", "arc", "s3fifo", "lfuda", "duel"]
 
 Result = tuple[list[tuple[int, int]], set[Key], set[Key], tuple[int, int]]
 

@@ -23,9 +23,11 @@ class ReleaseOrder(enum.Enum):
     TAIL_FIRST: hit blocks stay pinned until the request's stores are registered, then
     all of the request's tier blocks are freed last position first (SPEC §4's intent:
     prefix tails are evicted before their roots). The README's reference model.
-    SCHEDULER_TAIL_FIRST: what `OffloadScheduler` does: a finished load frees its
-    blocks before the request's stores allocate their slots; the stores are freed when
-    they complete; each free last position first (tests/replay/test_scheduler_parity.py).
+    SCHEDULER_TAIL_FIRST: what `OffloadScheduler` does: the hits are pinned last
+    position first (its lookup pin; `duel`'s shadows see them in that order); a
+    finished load frees its blocks before the request's stores allocate their slots;
+    the stores are freed when they complete; each free last position first
+    (tests/replay/test_scheduler_parity.py).
     SCHEDULER: the same timing with each free in position order (the scheduler's order
     before it freed tail first; kept for comparison, docs/policies.md).
     """

@@ -230,8 +230,12 @@ class TierReplay:
         else:
             loads = self._lookup(keys, g)
         ttft = 0.0
+        # The load pin; `scheduler_tail_first` pins tail first, as the scheduler's lookup
+        # (the order `duel`'s shadows see the hits in).
+        tail_first_pin = self.config.release_order is ReleaseOrder.SCHEDULER_TAIL_FIRST
         for tier, hits in zip(self.tiers, loads, strict=True):
-            tier.pool.touch([block_id for _, block_id in hits])  # the load pin
+            pinned = [block_id for _, block_id in hits]
+            tier.pool.touch(pinned[::-1] if tail_first_pin else pinned)
             tier.hit_tokens += sum(tokens[j] for j, _ in hits)
             tier.hit_blocks += len(hits)
             ttft += cost.load_s(len(hits) * bytes_per_block, tier.config.link_gbps)
