@@ -215,6 +215,7 @@ class LLM(StallChecks):
         step = self.scheduler.schedule()
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(step.preempted_ids)
+        self.stats.num_waits_for_frees += step.waits_for_frees
         if step.stuck is not None or self._is_stalled(step):
             head = step.stuck or self.scheduler.waiting[0]
             self._abort(head)

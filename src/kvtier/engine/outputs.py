@@ -39,6 +39,9 @@ class EngineStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    # Steps in which a request short of GPU blocks waited for transfers to give some
+    # back instead of preempting one (`Scheduler._frees_pending`).
+    num_waits_for_frees: int = 0
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_local_hit_tokens: int = 0

@@ -1,7 +1,8 @@
 """The reference engine's scheduler: continuous batching over a paged GPU cache.
 
 Each step it first continues running requests (decode, or the next prefill chunk),
-preempting the newest when the GPU pool runs out, then admits waiting requests in FCFS
+preempting the newest when the GPU pool runs out (unless a transfer is about to give
+blocks back: then the step waits for them, `_frees_pending`), then admits waiting requests in FCFS
 order within the token budget. Admission follows SPEC §2.2: local GPU prefix hit, then
 kvtier's `lookup`, allocation, `on_allocated`; a request with external tokens waits for
 its load. All GPU blocks come from one `BlockPool` shared by every KV group.
@@ -112,6 +113,9 @@ class Scheduler(QueueRecovery, BlockGrowth):
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             new_ids = self._grow(request, num_new)
+            if new_ids is None and self._frees_pending():
+                step.waits_for_frees = True  # this and later running requests wait
+                break
             while new_ids is None and self.running[-1] is not request:
                 self._preempt(self.running[-1], step)
                 new_ids = self._grow(request, num_new)
@@ -131,7 +135,12 @@ class Scheduler(QueueRecovery, BlockGrowth):
             budget -= num_new
             index += 1
         num_preempted = len(step.preempted_ids)
-        while self.waiting and budget > 0 and len(step.preempted_ids) == num_preempted:
+        while (
+            self.waiting
+            and budget > 0
+            and len(step.preempted_ids) == num_preempted
+            and not step.waits_for_frees  # the blocks coming back are the running ones'
+        ):
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             request = self.waiting[0]
@@ -160,6 +169,15 @@ class Scheduler(QueueRecovery, BlockGrowth):
             step.work.append(self._work(request, num_new, new_ids))
             budget -= num_new
         return step
+
+    def _frees_pending(self) -> bool:
+        """Return True when a transfer holds the last reference on a GPU block: it goes
+        back to the pool once the worker reports the copy (every queued transfer is
+        issued by the next plan, every issued one is reported, failed or not), so a
+        request short of blocks waits for it rather than preempting one (vLLM's
+        `has_pending_block_frees`). The finished requests' stores, lazy stores and the
+        loads of aborted requests hold such blocks."""
+        return self.offload is not None and self.offload.holds_gpu_blocks_alone()
 
     def _release_idle_blocks(self, step: SchedulerStep, requests: Sequence[Request]) -> bool:
         """Free the blocks that the waiting `requests` hold; return True if any had some.

@@ -35,3 +35,6 @@ class SchedulerStep:
     # A running request that cannot compute one more token though it could use the
     # whole pool: it never will (the engine aborts it), where preempting it would loop.
     stuck: Request | None = None
+    # A running request was short of blocks that transfers are about to give back: it
+    # and the running requests after it wait a step, and nothing new is admitted.
+    waits_for_frees: bool = False
