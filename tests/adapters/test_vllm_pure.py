@@ -119,6 +119,18 @@ def test_a_uniform_type_group_s_block_bytes_are_its_layers_pages_summed() -> Non
     assert layout.groups[0].bytes_per_block == 1024 + 2048
 
 
+def test_a_uniform_type_sliding_window_group_takes_its_layers_window() -> None:
+    """The wrapper has no `sliding_window`; its layers share one (vLLM merges no others)."""
+    specs = {"a": SlidingWindowSpec(), "b": SlidingWindowSpec(page_size_bytes=2048)}
+    uniform = UniformTypeKVCacheSpecs(specs, page_size_bytes=1024 + 2048)
+    (window_group,) = kv_layout(kv_config([group(["a", "b"], uniform)], [])).groups
+    assert (window_group.kind, window_group.sliding_window) == (GroupKind.SLIDING_WINDOW, 64)
+    two_windows = {"a": SlidingWindowSpec(), "b": SlidingWindowSpec(sliding_window=32)}
+    mixed = UniformTypeKVCacheSpecs(two_windows)
+    with pytest.raises(UnsupportedLayoutError, match=r"mixes sliding windows \[32, 64\]"):
+        kv_layout(kv_config([group(["a", "b"], mixed)], []))
+
+
 def test_specs_are_matched_by_exact_class() -> None:
     assert group_kind(MambaSpec()) is GroupKind.STATE
     uniform = UniformTypeKVCacheSpecs({"a": FullAttentionSpec(), "b": FullAttentionSpec()})

@@ -17,6 +17,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MambaSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 from vllm_harness import HarnessConfig, VllmHarness
 
@@ -197,3 +198,23 @@ def test_events_translate_to_vllm_classes() -> None:
     assert isinstance(cleared, vllm_events.BlockRemoved)
     assert (cleared.block_hashes, cleared.medium) == ([maybe_convert_block_hash(HASH)], "CPU")
     assert vllm_medium(None) is None
+
+
+def test_a_uniform_type_sliding_window_group_keeps_its_window() -> None:
+    """vLLM merges sliding-window layers of one window but different page sizes into a
+    `UniformTypeKVCacheSpecs`, which has no `sliding_window` of its own: reading it there
+    raised AttributeError at start-up."""
+    specs = {
+        name: SlidingWindowSpec(
+            block_size=16, num_kv_heads=heads, head_size=16, dtype=torch.float16, sliding_window=64
+        )
+        for name, heads in (("a", 2), ("b", 4))
+    }
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    assert uniform is not None
+    config = KVCacheConfig(
+        num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a", "b"], uniform)]
+    )
+    (group,) = kv_layout(config, hash_block_size=16).groups
+    assert (group.kind, group.sliding_window) == (GroupKind.SLIDING_WINDOW, 64)
+    assert group.bytes_per_block == uniform.page_size_bytes

@@ -76,8 +76,19 @@ def _group_spec(group: Any, num_layers: int) -> KVGroupSpec:
     if not getattr(group, "enable_kv_transfer", True) or not spec.prefix_cacheable:
         return KVGroupSpec(GroupKind.SCRATCH, int(spec.block_size), page_bytes)
     kind = group_kind(spec)
-    window = int(spec.sliding_window) if kind is GroupKind.SLIDING_WINDOW else None
+    window = _sliding_window(spec) if kind is GroupKind.SLIDING_WINDOW else None
     return KVGroupSpec(kind, int(spec.block_size), page_bytes, sliding_window=window)
+
+
+def _sliding_window(spec: Any) -> int:
+    """Return a sliding-window spec's window; a `UniformTypeKVCacheSpecs` has none of
+    its own, only its layers' (vLLM merges only layers of one window)."""
+    if type(spec).__name__ != _UNIFORM_SPECS:
+        return int(spec.sliding_window)
+    windows = {_sliding_window(inner) for inner in spec.kv_cache_specs.values()}
+    if len(windows) != 1:
+        raise UnsupportedLayoutError(f"group mixes sliding windows {sorted(windows)}")
+    return windows.pop()
 
 
 def kv_layout(kv_cache_config: Any, hash_block_size: int | None = None) -> KVLayout:
