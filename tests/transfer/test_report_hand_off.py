@@ -73,3 +73,23 @@ def test_a_worker_peek_is_repeated_until_acknowledged_and_poll_lets_go_at_once()
     assert worker.poll().done == {4: 1}
     assert worker.peek() == WorkerReport()
     worker.shutdown()
+
+
+def test_an_event_peeked_and_not_acknowledged_cannot_be_submitted_again() -> None:
+    """Regression: `peek` takes an event out of the in-flight set while its lane still
+    holds its report, so `submit` accepted its id again: two pending jobs of one event,
+    and the next peek handed the old job's report out as the new one's."""
+    kv = kv_per_layer(1, num_blocks=8)
+    with make_worker(WorkerConfig(cpu_num_slots=8), kv) as worker:
+        worker.submit(TransferPlan(step_id=0, jobs=(job(1, Tier.GPU, Tier.CPU, [1], [1]),)))
+        worker.flush()
+        assert worker.peek().done == {1: 1}
+        again = job(1, Tier.CPU, Tier.GPU, [1], [2])
+        with pytest.raises(ValueError, match="event 1"):
+            worker.submit(TransferPlan(step_id=1, jobs=(again,)))
+        worker.check_invariants()
+        worker.acknowledge()
+        worker.submit(TransferPlan(step_id=2, jobs=(again,)))  # reported and acknowledged
+        worker.flush()
+        assert worker.poll().done == {1: 1}
+        worker.check_invariants()

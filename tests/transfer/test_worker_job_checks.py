@@ -125,3 +125,30 @@ def test_unallocatable_host_tier_names_the_slots_and_bytes() -> None:
     assert worker.state is WorkerState.CREATED
     assert worker.host_tier is None
     worker.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"forget_slots": 5}, r"TransferPlan\.forget_slots must be a tuple of slot ids, got 5"),
+        ({"forget_slots": "12"}, r"TransferPlan\.forget_slots must be a tuple .*got '12'"),
+        ({"need_flush": "no"}, r"TransferPlan\.need_flush must be a bool, got 'no'"),
+        ({"end_persistence": 1}, r"TransferPlan\.end_persistence must be a bool, got 1"),
+    ],
+)
+def test_plan_fields_of_the_wrong_type_are_named(fields: dict[str, object], message: str) -> None:
+    """Regression: a pickled plan's `forget_slots` of 5 raised TypeError ('int' object is
+    not iterable) on a worker with a disk tier, a str was taken character by character,
+    and on a worker without one both were ignored; need_flush='no' flushed. Nothing of
+    the plan runs."""
+    kv = kv_per_layer(1, 16)
+    with make_worker(WorkerConfig(cpu_num_slots=8), kv) as worker:
+        good = TransferJob(2, Tier.GPU, Tier.CPU, (1,), (1,))
+        plan = TransferPlan(1, jobs=(good,))
+        for name, value in fields.items():
+            object.__setattr__(plan, name, value)
+        with pytest.raises(ValueError, match=message):
+            worker.submit(plan)
+        worker.flush()
+        assert worker.poll().is_empty
+        worker.check_invariants()

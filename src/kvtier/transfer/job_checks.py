@@ -11,10 +11,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvtier.offload.plan import Tier, TransferJob
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 
 _EXACT_INT = frozenset({int})
 _MAX_SHOWN = 8  # bad ids quoted in a message
+
+
+def check_plan_fields(plan: TransferPlan) -> None:
+    """Raise ValueError naming the field and value unless the plan's flags are bools and
+    its `forget_slots` a tuple (a pickled plan skips any check; the slot ids themselves
+    are the disk tier's to check)."""
+    for name in ("need_flush", "end_persistence"):
+        value = getattr(plan, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"TransferPlan.{name} must be a bool, got {value!r}")
+    if not isinstance(plan.forget_slots, tuple | list):
+        raise ValueError(
+            f"TransferPlan.forget_slots must be a tuple of slot ids, got {plan.forget_slots!r}"
+        )
 
 
 def check_job_fields(job: TransferJob) -> None:

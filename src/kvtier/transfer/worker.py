@@ -53,6 +53,7 @@ from kvtier.transfer.job_checks import (
     check_counts,
     check_distinct,
     check_job_fields,
+    check_plan_fields,
 )
 from kvtier.transfer.lanes import TransferLane
 from kvtier.transfer.regions import RegionSet, TensorLayout, discover_regions
@@ -249,22 +250,22 @@ class OffloadWorker(WorkerReports):
         """
         if self.state is not WorkerState.REGISTERED:
             raise RuntimeError(f"submit() on a worker that is {self.state.value}")
-        if not isinstance(plan.end_persistence, bool):
-            raise ValueError(
-                f"TransferPlan.end_persistence must be a bool, got {plan.end_persistence!r}"
-            )
+        check_plan_fields(plan)
         if plan.end_persistence:
             self.end_persistence()
         if plan.forget_slots:
             self.forget_slots(plan.forget_slots)
         if plan.need_flush:
             self.flush()
-        seen: set[int] = set()
+        # In flight, or reported and not acknowledged: the lane holds its report still.
+        seen = {e for lane in self._lanes.values() for e in lane.pending_event_ids()}
         prepared = []
         for job in plan.jobs:
             checked = self._validate(job)
-            if job.event_id in self._in_flight or job.event_id in seen:
-                raise ValueError(f"event {job.event_id} is already in flight")
+            if job.event_id in seen:
+                raise ValueError(
+                    f"event {job.event_id} is already in flight (or its report is not acknowledged)"
+                )
             seen.add(job.event_id)
             prepared.append((job, *checked))
         marker = self._take_compute_marker(any(job.src_tier is Tier.GPU for job in plan.jobs))
