@@ -1,7 +1,7 @@
 """Byte counters of a hybrid model count what one tier slot holds (SPEC §6.10 Beyond).
 
 vLLM's KV cache groups share one allocation: a block id spans one page per layer of a
-group, not every group's pages. The tier slot is sized that way (`bytes_per_block_id`);
+group, not every group's pages. The tier slot is sized that way (`bytes_per_slot`);
 the byte counters (`bytes_stored`, `bytes_loaded`, `transfer_bytes`) counted the sum of
 every group's page bytes instead, twice the bytes moved with two groups.
 """
@@ -17,7 +17,7 @@ from kvtier_vllm import kvtier_harness, scheduler_side
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
-from kvtier.adapters.vllm.layout import bytes_per_block_id
+from kvtier.adapters.vllm.layout import bytes_per_slot
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 
 
@@ -34,7 +34,7 @@ def test_a_hybrid_models_byte_counters_count_one_slot_per_block() -> None:
         kv_cache_config.hash_block_size = 16
         side = SchedulerSide(harness.vllm_config, kv_cache_config, config, [])
         side.bind_gpu_block_pool(harness.scheduler.kv_cache_manager.block_pool)
-        slot = bytes_per_block_id(kv_cache_config)
+        slot = bytes_per_slot(kv_cache_config)
         assert side.layout.bytes_per_block == 2 * slot  # both groups' pages
         assert side.offload.bytes_per_slot == slot
         side.offload._counters.num_stored_blocks = 3  # as three completed stores count

@@ -18,6 +18,7 @@ from kvtier.adapters.vllm.events import EventTranslator, vllm_medium
 from kvtier.adapters.vllm.layout import (
     UnsupportedLayoutError,
     bytes_per_block_id,
+    bytes_per_slot,
     check_direct_io,
     group_kind,
     kv_layout,
@@ -145,7 +146,8 @@ def test_specs_are_matched_by_exact_class() -> None:
 
 def test_tier_size_is_one_slot_per_block_id() -> None:
     tensors = [placement(["a"], 0, 4096, 10 * 4096)]
-    config = kv_config([group(["a"], FullAttentionSpec())], tensors, num_blocks=10)
+    spec = FullAttentionSpec(page_size_bytes=4096)
+    config = kv_config([group(["a"], spec)], tensors, num_blocks=10)
     assert num_tier_blocks(OffloadConfig(cpu_bytes=100 * 4096 + 4095), config) == 100
     assert num_tier_blocks(OffloadConfig(cpu_bytes=4096 * 8, num_blocks=5), config) == 5
     cascade = OffloadConfig(
@@ -153,6 +155,25 @@ def test_tier_size_is_one_slot_per_block_id() -> None:
     )
     assert tier_sizes(cascade, config) == {Tier.CPU: 5, Tier.DISK: 20}
     assert tier_sizes(OffloadConfig(cpu_bytes=4096 * 8), config) == {Tier.CPU: 8}
+
+
+def test_a_padded_block_id_s_slot_holds_only_its_pages() -> None:
+    """vLLM rounds a block-outermost block up to its layers' alignment; the worker's slot
+    holds the pages (aliased groups' bytes once), so tiers are sized and direct I/O checked
+    by it (test_vllm_padded_blocks.py with vLLM's planner)."""
+
+    def padded(state_offset: int, state_page: int) -> Any:
+        tensors = [placement(["a"], 0, 20480, 8 * 20480), placement(["m"], 0, 20480, 8 * 20480)]
+        tensors[1].offset = state_offset
+        state = group(["m"], MambaSpec(page_size_bytes=state_page))
+        return kv_config([group(["a"], FullAttentionSpec(page_size_bytes=2048)), state], tensors)
+
+    config = padded(0, 17000)  # the groups alias from byte 0
+    assert (bytes_per_block_id(config), bytes_per_slot(config)) == (20480, 17000)
+    assert tier_sizes(OffloadConfig(cpu_bytes=10 * 17000), config) == {Tier.CPU: 10}
+    with pytest.raises(ConfigError, match="pages hold 17000 B"):
+        tier_sizes(OffloadConfig(disk_bytes=1 << 20, disk_path="/tmp"), config)
+    assert bytes_per_slot(padded(4096, 1024)) == 2048 + 1024  # apart: two regions
 
 
 @pytest.mark.parametrize(
@@ -173,7 +194,8 @@ def test_tier_size_is_one_slot_per_block_id() -> None:
 def test_tier_sizing_errors_name_the_simple_offload_keys(extra: dict, message: str) -> None:
     """Regression: these named only kvtier keys the user had not written."""
     tensors = [placement(["a"], 0, 4096, 10 * 4096)]
-    config = kv_config([group(["a"], FullAttentionSpec())], tensors, num_blocks=10)
+    spec = FullAttentionSpec(page_size_bytes=4096)
+    config = kv_config([group(["a"], spec)], tensors, num_blocks=10)
     translated = offload_config_from_vllm(extra, 2, max_batched_tokens=64, events=False)
     with pytest.raises(ConfigError) as error:
         tier_sizes(translated, config)

@@ -32,7 +32,7 @@ class SchedulerSetup:
     slot (one block id's copy) holds, for the byte counters of `take_stats`; 0 means
     `layout.bytes_per_block`, every group's page bytes (a block id spanning all groups'
     tensors, as in the reference engine). vLLM's groups share one allocation, so there a
-    block id spans less (`adapters.vllm.layout.bytes_per_block_id`). `queue_by_priority`:
+    slot holds less (`adapters.vllm.layout.bytes_per_slot`). `queue_by_priority`:
     the engine orders waiting requests by priority, not arrival (`LoadPlanner`, offers).
     `eagle_drafter`: the engine drafts with an EAGLE-style drafter (its draft KV of a
     position saw the next token): hits need the unit after them cached in attention

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -241,12 +241,19 @@ def _check_dense(name: str, tensor: torch.Tensor, inner: list[tuple[int, int]]) 
         expected *= size
 
 
-def _merge(spans: list[_Span], base: torch.Tensor) -> list[tuple[int, Region]]:
-    """Merge spans of one storage whose in-block byte ranges overlap or touch."""
+def slot_bytes(rows: Iterable[tuple[int, int, int]]) -> int:
+    """Return the bytes of one tier slot over block rows of one storage, each given as
+    `(offset, block_stride, bytes_per_block)`, merged as `discover_regions` merges them
+    (the rows of several blocks: lets a caller size tiers before the worker registers)."""
+    spans = [_Span(0, "", offset, stride, size, 0) for offset, stride, size in rows]
+    return sum(end - start for _, start, end in _runs(spans))
+
+
+def _runs(spans: list[_Span]) -> Iterator[tuple[list[_Span], int, int]]:
+    """Yield the spans of each merged region, and its `[start, end)` bytes in the storage."""
     groups: dict[tuple[int, int], list[_Span]] = {}
     for span in spans:
         groups.setdefault((span.block_stride, span.num_blocks), []).append(span)
-    out: list[tuple[int, Region]] = []
     for (stride, _), group in groups.items():
         group.sort(key=lambda s: s.offset)
         current = [group[0]]
@@ -257,10 +264,16 @@ def _merge(spans: list[_Span], base: torch.Tensor) -> list[tuple[int, Region]]:
                 current.append(span)
                 end = max(end, span_end)
                 continue
-            out.append(_region(current, base, end - start, stride))
+            yield current, start, end
             current, start, end = [span], span.offset, span_end
-        out.append(_region(current, base, end - start, stride))
-    return out
+        yield current, start, end
+
+
+def _merge(spans: list[_Span], base: torch.Tensor) -> list[tuple[int, Region]]:
+    """Merge spans of one storage whose in-block byte ranges overlap or touch."""
+    return [
+        _region(run, base, end - start, run[0].block_stride) for run, start, end in _runs(spans)
+    ]
 
 
 def _region(spans: list[_Span], base: torch.Tensor, size: int, stride: int) -> tuple[int, Region]:

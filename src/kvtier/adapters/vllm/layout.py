@@ -2,11 +2,13 @@
 
 vLLM places every KV cache group in one backing allocation; groups alias the same bytes
 (a block id belongs to one group at a time). One tier slot must therefore hold every
-byte one block id spans in that allocation: `bytes_per_block_id`, not the sum of the
-groups' pages. `KVGroupSpec.bytes_per_block` is filled with each group's own page bytes
-(its layers' pages), which is what the group's KV occupies. Under pipeline parallelism
-each stage holds its own layers, so its block ids span different bytes: every rank sizes
-its tiers for the largest stage (`tier_sizes`), so all agree on the slot count.
+page of one block id in that allocation, aliased bytes once: `bytes_per_slot`, not the
+sum of the groups' pages, and not the padding vLLM may add to align a block
+(`bytes_per_block_id` counts it). `KVGroupSpec.bytes_per_block` is filled with each
+group's own page bytes (its layers' pages), which is what the group's KV occupies. Under
+pipeline parallelism each stage holds its own layers, so its slots hold different bytes:
+every rank sizes its tiers for the largest stage (`tier_sizes`), so all agree on the slot
+count.
 
 No vLLM import: specs are recognised by their exact class name, so this module (and the
 main test suite) runs without vLLM.
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.adapters.vllm.regions import PlacementError, placement_slot_bytes
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig, agree_num_tier_blocks
 from kvtier.offload.plan import Tier
@@ -106,11 +109,21 @@ def kv_layout(kv_cache_config: Any, hash_block_size: int | None = None) -> KVLay
 
 
 def bytes_per_block_id(kv_cache_config: Any) -> int:
-    """Return the bytes one GPU block id spans in vLLM's KV allocation (one tier slot)."""
+    """Return the bytes one GPU block id spans in vLLM's KV allocation, padding included."""
     sizes = [int(t.size) for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
     if not sizes:
         raise UnsupportedLayoutError("the model has no KV cache tensors on the device")
     return max(sizes) // int(kv_cache_config.num_blocks)
+
+
+def bytes_per_slot(kv_cache_config: Any) -> int:
+    """Return the bytes of one tier slot: the pages of one GPU block id, without the
+    padding vLLM adds when it rounds a block-outermost block up to its layers'
+    `block_stride_alignment` (exactly what the worker's regions hold)."""
+    try:
+        return placement_slot_bytes(kv_cache_config)
+    except PlacementError as error:
+        raise UnsupportedLayoutError(str(error)) from error
 
 
 def num_tier_blocks(config: OffloadConfig, kv_cache_config: Any) -> int:
@@ -125,24 +138,24 @@ def tier_sizes(
 
     vLLM asks workers for a tier size only for its own offload connector, so the
     scheduler and every worker derive it identically, each from its own
-    `kv_cache_config`: one slot per GPU block id's bytes, as many as the per-rank budget
-    holds (or the explicit `num_blocks`).
+    `kv_cache_config`: slots of a GPU block id's pages (`bytes_per_slot`), as many as
+    the per-rank budget holds (or the explicit `num_blocks`).
 
     `stage_layers` holds the hidden layers of each pipeline stage as vLLM splits them
-    (empty without pipeline parallelism). The stages' block ids span different bytes,
+    (empty without pipeline parallelism). The stages' slots hold different bytes,
     and the scheduler sees only stage 0's config, so every rank then sizes the tiers for
     the largest stage (`stage_slot_bytes`): the same slot count everywhere, within every
     rank's budget. Raises `ConfigError` / `UnsupportedLayoutError` at start-up when this
     rank's blocks cannot be stored as configured.
     """
-    own_bytes = bytes_per_block_id(kv_cache_config)
+    own_bytes = bytes_per_slot(kv_cache_config)
     check_direct_io(config, own_bytes)
     per_stage = [own_bytes]
     if len(stage_layers) > 1:
         per_stage = stage_slot_bytes(kv_cache_config, stage_layers)
         if own_bytes > max(per_stage):
             raise UnsupportedLayoutError(
-                f"a KV block id of this pipeline stage spans {own_bytes} B, more than the "
+                f"a KV block id of this pipeline stage holds {own_bytes} B, more than the "
                 f"{max(per_stage)} B kvtier sizes tier slots for (the largest stage's "
                 f"{max(stage_layers)} layers x one layer's page): kvtier cannot size its "
                 "tier for this model under pipeline parallelism"
@@ -154,7 +167,7 @@ def tier_sizes(
 
 
 def stage_slot_bytes(kv_cache_config: Any, stage_layers: Sequence[int]) -> list[int]:
-    """Return the most bytes a block id can span on each pipeline stage.
+    """Return the most bytes a tier slot can hold on each pipeline stage.
 
     Every rank computes the same list: vLLM gives all stages the same KV cache groups
     and specs (only the layer names differ), so one layer's page is the same everywhere,
@@ -178,17 +191,17 @@ def stage_slot_bytes(kv_cache_config: Any, stage_layers: Sequence[int]) -> list[
     return [num_layers * max(pages) for num_layers in stage_layers]
 
 
-def check_direct_io(config: OffloadConfig, bytes_per_block: int) -> None:
-    """Raise `ConfigError` when the disk tier's direct I/O cannot hold `bytes_per_block`.
+def check_direct_io(config: OffloadConfig, slot_bytes: int) -> None:
+    """Raise `ConfigError` when the disk tier's direct I/O cannot hold `slot_bytes`.
 
     O_DIRECT moves whole 4096-byte pages, so a slot must be a multiple of them; checked
     at start-up in both roles rather than when the worker opens its file.
     """
     disk_io = config.disk_bytes > 0 and config.disk_io_mode is DiskIOMode.DIRECT
-    if disk_io and bytes_per_block % DIRECT_IO_ALIGNMENT:
+    if disk_io and slot_bytes % DIRECT_IO_ALIGNMENT:
         raise ConfigError(
             f"the disk tier's direct I/O needs blocks of a multiple of {DIRECT_IO_ALIGNMENT} "
-            f"bytes, but one KV block id spans {bytes_per_block} B: use the page cache in "
+            f"bytes, but one KV block id's pages hold {slot_bytes} B: use the page cache in "
             'kv_connector_extra_config, with the key that chose direct I/O: "disk_io_mode": '
             '"page_cache", "disk_direct_io": false, or (SimpleCPUOffloadConnector\'s keys) '
             '"use_page_cache": true'

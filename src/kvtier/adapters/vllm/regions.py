@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvtier.transfer.regions import slot_bytes
+
 KVCacheValue = torch.Tensor | Sequence[torch.Tensor]
 
 
@@ -54,33 +56,49 @@ def placement_block_views(
             "kvtier copies whole pages: use a layer- or block-outermost layout such as "
             "LBNHC (VLLM_KV_CACHE_LAYOUT)"
         )
+    pages = _placed_pages(kv_cache_config)
+    base, size = _backing_bytes(kv_caches)
+    num_blocks = int(kv_cache_config.num_blocks)
+    views: dict[str, torch.Tensor] = {}
+    for name, start, stride, page in pages:
+        end = start + (num_blocks - 1) * stride + page
+        if num_blocks > 1 and page > stride:
+            raise PlacementError(
+                f"layer {name!r}: page of {page} B exceeds the block stride {stride} B"
+            )
+        if start < 0 or end > size:
+            raise PlacementError(
+                f"layer {name!r}: bytes [{start}, {end}) lie outside the {size}-byte KV allocation"
+            )
+        _check_view_start(name, kv_caches.get(name), start, base)
+        views[name] = base.as_strided((num_blocks, page), (stride, 1), start)
+    return views
+
+
+def placement_slot_bytes(kv_cache_config: Any) -> int:
+    """Return the bytes of one tier slot for this placement, as the worker's regions of
+    `placement_block_views` will hold it: every page of one block id, bytes that groups
+    alias once, and none of the padding vLLM may add to align a block."""
+    rows = [(start, stride, page) for _, start, stride, page in _placed_pages(kv_cache_config)]
+    return slot_bytes(rows)
+
+
+def _placed_pages(kv_cache_config: Any) -> list[tuple[str, int, int, int]]:
+    """Return (layer name, byte of its block 0, block stride, page bytes) of every layer
+    placed on the device."""
     placements = [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
     if not placements:
         raise PlacementError("the KV cache config places no tensor on the device")
-    base, size = _backing_bytes(kv_caches)
     page_bytes = _page_bytes_by_layer(kv_cache_config)
-    num_blocks = int(kv_cache_config.num_blocks)
-    views: dict[str, torch.Tensor] = {}
+    pages = []
     for placement in placements:
-        stride = int(placement.block_stride)
         for index, name in enumerate(placement.layers):
             page = page_bytes.get(name)
             if page is None:
                 raise PlacementError(f"layer {name!r} is placed but belongs to no KV group")
             start = int(placement.offset) + index * int(placement.layer_stride)
-            end = start + (num_blocks - 1) * stride + page
-            if num_blocks > 1 and page > stride:
-                raise PlacementError(
-                    f"layer {name!r}: page of {page} B exceeds the block stride {stride} B"
-                )
-            if start < 0 or end > size:
-                raise PlacementError(
-                    f"layer {name!r}: bytes [{start}, {end}) lie outside the {size}-byte "
-                    "KV allocation"
-                )
-            _check_view_start(name, kv_caches.get(name), start, base)
-            views[name] = base.as_strided((num_blocks, page), (stride, 1), start)
-    return views
+            pages.append((name, start, int(placement.block_stride), page))
+    return pages
 
 
 def _backing_bytes(kv_caches: Mapping[str, KVCacheValue]) -> tuple[torch.Tensor, int]:

@@ -39,7 +39,7 @@ from vllm.v1.request import RequestStatus
 from kvtier.adapters.vllm.events import EventTranslator
 from kvtier.adapters.vllm.layout import (
     block_level_failures,
-    bytes_per_block_id,
+    bytes_per_slot,
     kv_layout,
     tier_sizes,
 )
@@ -110,7 +110,7 @@ class SchedulerSide:
                 self.num_tier_blocks,
                 num_workers=parallel.world_size,
                 num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
-                bytes_per_slot=bytes_per_block_id(kv_cache_config),
+                bytes_per_slot=bytes_per_slot(kv_cache_config),
                 queue_by_priority=vllm_config.scheduler_config.policy == "priority",
                 # EAGLE-style drafters: vLLM ends prefix hits a block (a hash block with
                 # fine-grained hits) before the last one it matched; kvtier's end there.
