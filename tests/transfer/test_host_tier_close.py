@@ -1,4 +1,5 @@
-"""`HostTier.close` (SPEC §7): one region failing to unpin must not leave the others pinned."""
+"""`HostTier.close` (SPEC §7): one region failing to unpin must not leave the others pinned;
+the cleanup of a failed pin must not hide the pin failure."""
 
 from __future__ import annotations
 
@@ -29,3 +30,28 @@ def test_close_unpins_every_region_and_raises_the_first_failure(
     assert not tier.is_pinned
     tier.close()  # idempotent: nothing left to unpin
     assert len(unpinned) == 3
+
+
+def test_a_failed_pin_is_raised_even_when_its_cleanup_fails_to_unpin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: the second region failing to pin, then the first failing to unpin,
+    raised the unpin error (the cause, the pin failure, only as its context)."""
+    pinned: list[int] = []
+
+    def pin(tensor: torch.Tensor) -> None:
+        if pinned:
+            raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+        pinned.append(tensor.shape[1])
+
+    def unpin(tensor: torch.Tensor) -> None:
+        raise RuntimeError("cudaHostUnregister failed with CUDA error 1")
+
+    monkeypatch.setattr(host_tier, "pin_host_memory", pin)
+    monkeypatch.setattr(host_tier, "unpin_host_memory", unpin)
+    with pytest.raises(RuntimeError, match="CUDA error 2") as info:
+        HostTier([16, 32], num_slots=2, pin=True)
+    assert pinned == [16]
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1
+    assert "CUDA error 1" in notes[0]

@@ -4,6 +4,7 @@ other destination holds its slot's bytes, whatever the batch boundaries."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -80,3 +81,24 @@ def test_a_partly_loaded_event_reports_its_copy_time(tmp_path: Path) -> None:
         assert (dict(report.failed), dict(report.bad_blocks)) == ({2: 1}, {2: frozenset({1})})
         assert set(report.seconds) == {2}
         assert report.seconds[2] >= 0.0
+
+
+def test_the_error_of_a_load_with_bad_slots_in_several_reads_counts_them_consistently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the first read's count came first, unqualified, so the logged error
+    read "slot 0 ... (and 1 more bad slots) (3 bad slots: [0, 1, 4])"."""
+    kv = kv_per_layer(2, 16, SLOT_KV)
+    fill_random(kv, seed=34)
+    with make_worker(config(tmp_path, 2), kv) as w:
+        run_plan(w, job(1, Tier.GPU, Tier.DISK, [1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5]))
+        assert w.disk_path is not None
+        for slot in (0, 1, 4):  # two bad slots in the first read, one in the third
+            corrupt_slot(w.disk_path, slot)
+        with caplog.at_level(logging.WARNING, logger="kvtier.transfer.lanes"):
+            report = run_plan(w, job(2, Tier.DISK, Tier.GPU, range(6), range(8, 14)))
+        assert dict(report.bad_blocks) == {2: frozenset({0, 1, 4})}
+    assert (
+        "checksum mismatch in slot 0 (and 1 more bad slots in this read);"
+        " 3 bad slots in the load: [0, 1, 4]" in caplog.text
+    )

@@ -48,8 +48,8 @@ class PartlyLoadedError(DiskIOError):
     @classmethod
     def after(cls, slots: set[int], first: BadSlotsError, path: str) -> PartlyLoadedError:
         """Return the error of a load whose bad slots were `slots`; `first` the first
-        `BadSlotsError` its reads raised."""
-        more = f" ({len(slots)} bad slots: {sorted(slots)})" if len(slots) > 1 else ""
+        `BadSlotsError` its reads raised (its message counts that read's bad slots only)."""
+        more = f"; {len(slots)} bad slots in the load: {sorted(slots)}" if len(slots) > 1 else ""
         return cls(slots, f"{first.strerror}{more}", path, first.errno)
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -19,7 +19,8 @@ class HostTier:
     place with `cudaHostRegister`, so memory use is exactly `num_slots * bytes_per_slot`.
     Holds no policy: which slot holds what is the scheduler's business. `close()` unpins;
     it must run before the tensors are dropped. Raises MemoryError naming the slot count
-    and bytes when the memory cannot be allocated.
+    and bytes when the memory cannot be allocated; a failed pin unpins the regions pinned
+    before it and is raised (a failed unpin there is added to it as a note).
     """
 
     def __init__(self, bytes_per_block: Sequence[int], num_slots: int, pin: bool) -> None:
@@ -35,8 +36,11 @@ class HostTier:
                 for view in self.views:
                     pin_host_memory(view)
                     self._pinned.append(view)
-            except BaseException:
-                self.close()
+            except BaseException as exc:
+                try:
+                    self.close()
+                except Exception as unpin_error:  # the pin error says why: raise that one
+                    exc.add_note(f"unpinning the regions pinned so far failed: {unpin_error!r}")
                 raise
         logger.info(
             "host tier: %d slots x %d B = %.1f MiB%s",
