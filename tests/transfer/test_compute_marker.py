@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transfer_helpers import job, kv_per_layer, make_worker, run_plan
 
-from kvtier.offload.plan import Tier
+from kvtier.offload.plan import Tier, TransferPlan
 from kvtier.transfer import WorkerConfig
 from kvtier.transfer import worker as worker_module
 from kvtier.transfer.routes import Route, Task
@@ -32,7 +32,7 @@ def test_stores_from_gpu_blocks_wait_for_the_compute_marker_and_nothing_else(
     with make_worker(config, kv) as worker:
         asked: list[bool] = []
 
-        def take_marker(needed: bool) -> object | None:
+        def take_marker(needed: bool, recorded: object | None) -> object | None:
             asked.append(needed)
             return MARKER if needed else None
 
@@ -43,7 +43,7 @@ def test_stores_from_gpu_blocks_wait_for_the_compute_marker_and_nothing_else(
             markers[task.route] = task.marker
             return real_run_task(dataclasses.replace(task, marker=None), *args)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(worker, "_take_compute_marker", take_marker)
+        monkeypatch.setattr(worker, "_compute_marker_for", take_marker)
         monkeypatch.setattr(worker_module, "run_task", spy)
         run_plan(
             worker, job(1, Tier.GPU, Tier.CPU, [1], [0]), job(2, Tier.GPU, Tier.DISK, [2], [0])
@@ -62,3 +62,37 @@ def test_stores_from_gpu_blocks_wait_for_the_compute_marker_and_nothing_else(
         Route.DEMOTE: None,
         Route.PROMOTE: None,
     }
+
+
+@pytest.mark.parametrize("failure", ["bad job", "end_persistence"])
+def test_a_failed_submit_uses_up_the_recorded_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Regression: a submit failing before it took the marker `record_compute_done()` left
+    kept it, so the next submit's stores waited on that stale marker (an earlier forward
+    pass) instead of recording one for its own step."""
+    kv = kv_per_layer(2, 8)
+    with make_worker(WorkerConfig(cpu_num_slots=8), kv) as worker:
+        markers: list[object | None] = []
+        real_run_task = worker_module.run_task
+
+        def spy(task: Task, *args: object) -> object:
+            markers.append(task.marker)
+            return real_run_task(dataclasses.replace(task, marker=None), *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(worker_module, "run_task", spy)
+        worker._compute_marker = MARKER  # what record_compute_done() leaves on CUDA
+        if failure == "bad job":
+            with pytest.raises(ValueError, match="event 1"):
+                run_plan(worker, job(1, Tier.GPU, Tier.CPU, [99], [0]))
+        else:
+            with monkeypatch.context() as patch:
+                patch.setattr(worker, "end_persistence", fail_end_persistence)
+                with pytest.raises(OSError, match="manifest"):
+                    worker.submit(TransferPlan(step_id=1, end_persistence=True))
+        run_plan(worker, job(2, Tier.GPU, Tier.CPU, [1], [0]))
+    assert markers == [None]  # on the CPU, no marker but a recorded one
+
+
+def fail_end_persistence() -> None:
+    raise OSError("cannot rewrite the manifest")

@@ -24,7 +24,7 @@ from transfer_helpers import (
 from kvtier.core.keys import make_key
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob
 from kvtier.storage import DiskIOMode, DiskTierBusyError
-from kvtier.transfer import WorkerConfig
+from kvtier.transfer import OffloadWorker, WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -343,6 +343,24 @@ def test_second_worker_on_the_same_files_is_refused(tmp_path: Path) -> None:
         pytest.raises(DiskTierBusyError, match="locked by another"),
     ):
         make_worker(config(tmp_path, rank=1), new_kv(seed=4))
+
+
+def test_a_worker_not_yet_registered_refuses_to_drop_records(tmp_path: Path) -> None:
+    """Regression: `forget_slots` and `end_persistence` before register() returned quietly
+    (no tier open yet), and register() then restored the records they were to drop."""
+    first_run(tmp_path)
+    worker = OffloadWorker(config(tmp_path))
+    for name, call in (
+        ("forget_slots", lambda: worker.forget_slots([3])),
+        ("end_persistence", worker.end_persistence),
+    ):
+        with pytest.raises(RuntimeError, match=rf"{name}\(\) on a worker that is created"):
+            call()
+    worker.register(new_kv(seed=1))
+    try:
+        assert len(worker.recovered_slots()) == 4
+    finally:
+        worker.shutdown()
 
 
 def test_a_stopped_worker_refuses_to_drop_records(tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ from kvtier.storage import DiskIOMode
 from kvtier.storage.slot_file import DiskTierBusyError
 from kvtier.transfer import OffloadWorker, WorkerConfig, WorkerState
 from kvtier.transfer.host_tier import HostTier
-from kvtier.transfer.worker_resources import WorkerResources
+from kvtier.transfer.lanes import TransferLane
+from kvtier.transfer.worker_resources import WorkerResources, release_dropped
 
 JOIN_S = 10
 
@@ -188,3 +189,40 @@ def test_shutdown_of_a_worker_never_registered() -> None:
     worker.shutdown()
     assert worker.state is WorkerState.SHUT_DOWN
     worker.check_invariants()
+
+
+@pytest.mark.parametrize("dropped_on", ["lane", "stranger"])
+def test_a_dropped_worker_with_no_thread_to_release_it_never_waits_for_itself(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, dropped_on: str
+) -> None:
+    """Regression: when no thread could start (a thread limit), a finalizer run on one of
+    the worker's lane threads released inline, so that thread waited for its own job for
+    good. It now leaves the tiers held and says so; on any other thread it releases
+    them inline, as before."""
+    lane = TransferLane("test-release")
+    host = HostTier([16], num_slots=2, pin=False)
+    resources = WorkerResources(0, (lane,), threading.current_thread(), host=host)
+    go, ran = threading.Event(), threading.Event()
+
+    def drop() -> None:  # what a collection dropping the worker on this thread runs
+        go.wait(JOIN_S)
+        release_dropped(resources)
+        ran.set()
+
+    if dropped_on == "lane":
+        lane.submit(1, drop)
+    else:
+        threading.Thread(target=drop, daemon=True).start()
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.transfer.worker_resources"):
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+        go.set()
+        assert ran.wait(JOIN_S), "the release waited for the thread running it"
+        monkeypatch.undo()
+    assert resources.has_tiers is (dropped_on == "lane")
+    assert ("stay held" in caplog.text) is (dropped_on == "lane")
+    resources.release()  # what is left: the lane's thread ends, the tiers are released
+    assert not resources.has_tiers

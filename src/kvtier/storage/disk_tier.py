@@ -327,7 +327,11 @@ class DiskTier:
         self._records.forget_bad(mismatched)  # a restart must not offer them again
         if problems:
             first = min(problems)
-            more = f" (and {len(problems) - 1} more bad slots)" if len(problems) > 1 else ""
+            more = (
+                f" (and {len(problems) - 1} more bad slots in this read)"
+                if len(problems) > 1
+                else ""
+            )
             raise BadSlotsError(problems, problems[first] + more, self.path)
 
     def check_invariants(self) -> None:
@@ -364,10 +368,14 @@ class DiskTier:
         released all the same. Nor does a slot file that cannot be removed: it is left,
         with a warning naming it (see `SlotFile.close`).
         """
-        if threading.get_ident() in self._io_threads:
+        if self.is_io_thread(threading.current_thread()):
             self._close_elsewhere()
         else:
             self._closing.run(self._close_now)
+
+    def is_io_thread(self, thread: threading.Thread) -> bool:
+        """Return True if `thread` is one of the tier's I/O threads."""
+        return thread.ident in self._io_threads
 
     def _close_elsewhere(self) -> None:
         if self._closing.is_closed:

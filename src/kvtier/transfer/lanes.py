@@ -160,6 +160,10 @@ class TransferLane:
         weakref.finalize(self, self._jobs.put, None)
         _OPEN.add(self)
 
+    def is_own_thread(self, thread: threading.Thread) -> bool:
+        """Return True if `thread` is the lane's (the one running its jobs)."""
+        return thread is self._thread
+
     @property
     def num_pending(self) -> int:
         """Return the number of jobs submitted and not yet acknowledged."""

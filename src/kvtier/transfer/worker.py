@@ -232,8 +232,8 @@ class OffloadWorker(WorkerReports):
         """Mark the end of the forward pass just launched on the current CUDA stream.
 
         Optional: `submit()` records the marker itself when this was not called since the
-        previous submit. Call it when `submit()` runs later or on another stream. No-op on
-        the CPU.
+        previous submit (one that failed included: it used the marker up). Call it when
+        `submit()` runs later or on another stream. No-op on the CPU.
         """
         regions = self._require_regions()
         if regions.device.type == "cuda":
@@ -250,6 +250,8 @@ class OffloadWorker(WorkerReports):
         """
         if self.state is not WorkerState.REGISTERED:
             raise RuntimeError(f"submit() on a worker that is {self.state.value}")
+        # This submit's, even if it fails below: a later one must not wait on a stale marker.
+        recorded, self._compute_marker = self._compute_marker, None
         check_plan_fields(plan)
         if plan.end_persistence:
             self.end_persistence()
@@ -268,7 +270,8 @@ class OffloadWorker(WorkerReports):
                 )
             seen.add(job.event_id)
             prepared.append((job, *checked))
-        marker = self._take_compute_marker(any(job.src_tier is Tier.GPU for job in plan.jobs))
+        needed = any(job.src_tier is Tier.GPU for job in plan.jobs)
+        marker = self._compute_marker_for(needed, recorded)
         for job, route, src_ids, dst_ids in prepared:
             records = job.dst_records if job.dst_tier is Tier.DISK and job.dst_records else None
             job_marker = marker if job.src_tier is Tier.GPU else None
@@ -291,11 +294,12 @@ class OffloadWorker(WorkerReports):
                     self._in_flight.discard(job.event_id)
                 raise
 
-    def _take_compute_marker(self, needed: bool) -> torch.cuda.Event | None:
-        marker, self._compute_marker = self._compute_marker, None
-        if needed and marker is None and self._require_regions().device.type == "cuda":
-            marker = record_compute_marker(self._require_regions().device)
-        return marker
+    def _compute_marker_for(
+        self, needed: bool, recorded: torch.cuda.Event | None
+    ) -> torch.cuda.Event | None:
+        if needed and recorded is None and self._require_regions().device.type == "cuda":
+            return record_compute_marker(self._require_regions().device)
+        return recorded
 
     def _validate(self, job: TransferJob) -> tuple[Route, np.ndarray, np.ndarray]:
         check_job_fields(job)
@@ -331,20 +335,22 @@ class OffloadWorker(WorkerReports):
     def end_persistence(self) -> None:
         """End a persistent disk tier's persistence now (idempotent; see
         `DiskTier.end_persistence`): for a reset that no later plan carried. RuntimeError
-        once shutdown() began: the manifest's records would stay."""
-        self._refuse_stopping("end_persistence()")
+        unless registered: before register() the tier is not open (register would restore
+        the records), once shutdown() began it is released (the records would stay)."""
+        self._require_registered("end_persistence()")
         if self._held.disk_tier is not None:
             self._held.disk_tier.end_persistence()
 
     def forget_slots(self, slots: Sequence[int]) -> None:
         """`DiskTier.forget` now: for dropped copies that no later plan carried.
-        RuntimeError once shutdown() began: a restart would restore them."""
-        self._refuse_stopping("forget_slots()")
+        RuntimeError unless registered, as `end_persistence`: a restart would restore
+        them."""
+        self._require_registered("forget_slots()")
         if self._held.disk_tier is not None:
             self._held.disk_tier.forget(slots)
 
-    def _refuse_stopping(self, call: str) -> None:
-        if self.state in (WorkerState.SHUTTING_DOWN, WorkerState.SHUT_DOWN):
+    def _require_registered(self, call: str) -> None:
+        if self.state is not WorkerState.REGISTERED:
             raise RuntimeError(f"{call} on a worker that is {self.state.value}")
 
     def shutdown(self) -> None:

@@ -7,6 +7,8 @@ file — and how: at `shutdown()`, on a retry after an interrupted shutdown, aft
     failed register()         -                              close all (first error raised)
     finalizer, owner / main   drop queued jobs, wait, stop   close all (errors logged)
     finalizer, other thread   the same, on a new thread      (never joins its own thread)
+      ... no new thread       the same inline, unless on one of the worker's threads
+                              (it would wait for): then the tiers stay held, logged
 
 The holder references no worker, so the copy threads (which hold only the holder's parts)
 never keep a dropped worker alive and its finalizer does run.
@@ -43,6 +45,13 @@ class WorkerResources:
     host: HostTier | None = None
     disk_tier: DiskTier | None = None
     pinned_staging: list[torch.Tensor] = field(default_factory=list)
+
+    def is_own_thread(self, thread: threading.Thread) -> bool:
+        """Return True if `release()` may wait for `thread`: a lane's, or a disk I/O one."""
+        disk = self.disk_tier
+        return any(lane.is_own_thread(thread) for lane in self.lanes) or (
+            disk is not None and disk.is_io_thread(thread)
+        )
 
     @property
     def has_tiers(self) -> bool:
@@ -92,7 +101,9 @@ def release_dropped(resources: WorkerResources) -> None:
     pool threads; at interpreter exit finalizers run on the main thread) that happens
     inline, as in `shutdown()`, so the disk tier's path is free again once the worker is
     collected. Anywhere else — possibly a transfer thread that happened to run a garbage
-    collection — a new thread does it, so no thread ever waits for itself.
+    collection — a new thread does it, so no thread ever waits for itself. When no thread
+    can start (the interpreter exiting, a thread limit) it happens inline all the same,
+    except on one of the worker's own threads: there the tiers stay held (logged).
     """
     if resources.has_tiers:
         logger.warning(
@@ -109,8 +120,17 @@ def release_dropped(resources: WorkerResources) -> None:
     thread = threading.Thread(target=_release_logged, args=(resources,), name=name, daemon=True)
     try:
         thread.start()
-    except RuntimeError:  # interpreter exiting: no new threads, the lane threads are joined
-        _release_logged(resources)
+    except RuntimeError as exc:  # interpreter exiting, or a thread limit
+        if not resources.is_own_thread(current):
+            _release_logged(resources)
+            return
+        logger.error(
+            "offload worker rank %d dropped on its own thread %s, where no thread can start"
+            " to release it (%s): its tiers stay held",
+            resources.rank,
+            current.name,
+            exc,
+        )
 
 
 def _release_logged(resources: WorkerResources) -> None:
