@@ -2,15 +2,16 @@
 
 A compaction replaces the manifest with its header and one put record per live slot. The
 new content goes to `<manifest>.tmp` in the same directory, is fsynced, and is renamed
-over the manifest, after which the directory is fsynced: at every instant the file at the
-manifest path is either the complete old log or the complete new one. A leftover `.tmp`
-(a crash between writing it and the rename) is never read; the next rewrite removes it.
+over the manifest, after which the directory is fsynced (by `rewrite_manifest` with
+`durable_rename`, else by its caller, `ManifestLog`, which tries again before it relies
+on the rename): at every instant the file at the manifest path is either the complete
+old log or the complete new one. A leftover `.tmp` (a crash between writing it and the
+rename) is never read; the next rewrite removes it.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 
 from kvtier.storage.file_lock import unlink_quietly
@@ -22,8 +23,6 @@ __all__ = [
     "rewrite_manifest",
     "sync_directory",
 ]
-
-logger = logging.getLogger(__name__)
 
 COMPACT_RATIO = 4  # compact when the log holds more than this many records per live slot
 COMPACT_FLOOR = 4096  # ... and more than this many records (~256 KiB with 36-byte keys)
@@ -49,11 +48,13 @@ def rewrite_manifest(path: str, content: bytes, *, durable_rename: bool = False)
     Raises OSError naming the file (after removing the temporary file) when the content
     cannot be written, synced or renamed; the file at `path` is then unchanged. The
     temporary file is created exclusively (never opened when something is already there),
-    so nothing at its path can make this wait. A failed fsync of the directory after the
-    rename is only logged: the new file is complete and in place, and should the rename
-    be lost in a crash the old log is back, which is consistent too (a compaction keeps
-    every live record). With `durable_rename` (the old log must never come back) it
-    raises OSError naming the file instead; the new file is then in place.
+    so nothing at its path can make this wait. Without `durable_rename` the directory is
+    not synced: the new file is complete and in place, and should the rename be lost in a
+    crash the old log is back, which is consistent too (a compaction keeps every live
+    record) until a record appended to the new file must be durable; the caller syncs the
+    directory (`sync_directory`) before that. With `durable_rename` (the old log must
+    never come back) the directory is synced here, and when that fails OSError naming
+    the file is raised; the new file is then in place.
     """
     tmp = path + ".tmp"
     unlink_quietly(tmp)  # a leftover of a crash; the slot file's lock makes it ours
@@ -66,15 +67,15 @@ def rewrite_manifest(path: str, content: bytes, *, durable_rename: bool = False)
         os.close(fd)
         unlink_quietly(tmp)
         raise
+    if not durable_rename:
+        return fd
     try:
         sync_directory(path)
     except OSError as exc:
-        if durable_rename:
-            os.close(fd)
-            raise OSError(
-                exc.errno, f"cannot sync the new manifest's directory: {exc.strerror or exc}", path
-            ) from exc
-        logger.warning("disk tier manifest %s: cannot sync its directory: %s", path, exc)
+        os.close(fd)
+        raise OSError(
+            exc.errno, f"cannot sync the new manifest's directory: {exc.strerror or exc}", path
+        ) from exc
     return fd
 
 

@@ -68,6 +68,13 @@ class ManifestLog:
         self._tombstoned = 0  # the append count when a tombstone was last appended
         self.syncs = 0  # fsyncs `sync()` made (tests and benchmarks count them)
         self._broken = False
+        # The last rewrite's rename is not durable (its directory's fsync failed): a crash
+        # may bring the replaced log back, without the records appended since.
+        self._unnamed = False
+        # An fsync of the log failed outside `sync()` (a compaction's): Linux reports a
+        # failed writeback once and may drop its pages, so a later fsync that succeeds
+        # does not make the records appended before it durable.
+        self._sync_failed = False
         self._ended = False  # `end()`: records nothing more in this run
         self._drop_failed = False  # `end()` could neither empty nor remove the file
         self._lock = threading.Lock()
@@ -142,6 +149,7 @@ class ManifestLog:
             old, self._fd = self._fd, fd
             self._size, self._records = len(self._header), 0
             self._synced = self._appends  # the rewrite was synced
+            self._unnamed = False  # and its rename too
             os.close(old)
 
     def _remove_after(self, exc: OSError) -> None:
@@ -178,18 +186,27 @@ class ManifestLog:
     def sync(self, tombstones_only: bool = False) -> bool:
         """Make every record appended so far durable (fsync), unless none was appended
         since the last sync (`tombstones_only`: no tombstone); return False, with a
-        warning, when the fsync fails.
+        warning, when the fsync fails, and from then on once a compaction's fsync failed
+        (the records it was to make durable may be lost, and a later fsync succeeds).
 
         The fsync runs on a duplicate of the descriptor, outside the lock, so appends
         from other threads do not wait for it (records they append meanwhile are synced
         by the next call). A compaction or `end()` meanwhile rewrote the file and synced
-        it itself; the duplicate then syncs the replaced file, which harms nothing.
+        it itself; the duplicate then syncs the replaced file, which harms nothing. A
+        rewrite whose rename is not durable yet (`_rewrite`) has its directory synced
+        first, under the lock: until then a crash may bring the replaced log back without
+        the records this call is to make durable.
         """
         try:
             with self._lock:
                 newest = self._tombstoned if tombstones_only else self._appends
                 if self._fd is None or newest <= self._synced:
                     return True
+                if self._sync_failed:
+                    raise OSError(errno.EIO, "an earlier fsync of it failed")
+                if self._unnamed:
+                    sync_directory(self.path)
+                    self._unnamed = False
                 target = self._appends
                 fd = os.dup(self._fd)
             try:
@@ -243,12 +260,22 @@ class ManifestLog:
         rename (its directory's fsync failed), the old log comes back with them, and no
         record `forget` or an overwrite dropped is live again."""
         if self._fd is not None and self._tombstoned > self._synced:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError:
+                self._sync_failed = True  # `sync()` and `close()` fail from now on
+                raise
         content = self._header + b"".join(self._live.values())
         fd = rewrite_manifest(self.path, content)
         old, self._fd = self._fd, fd
         self._size, self._records = len(content), len(self._live)
         self._synced = self._appends  # the rewrite was synced, and holds every live record
+        try:
+            sync_directory(self.path)
+            self._unnamed = False
+        except OSError as exc:  # `sync()` and `close()` try again before they rely on it
+            self._unnamed = True
+            logger.warning("disk tier manifest %s: cannot sync its directory: %s", self.path, exc)
         if old is not None:
             self.compactions += 1
             os.close(old)  # the replaced log: no longer reachable by its path
@@ -270,7 +297,11 @@ class ManifestLog:
         try:
             if self._drop_failed:
                 raise OSError(errno.EIO, "its records could not be dropped at a reset")
+            if self._sync_failed and not self._ended:  # `end()` rewrote or removed it
+                raise OSError(errno.EIO, "an earlier fsync of it failed")
             os.fsync(fd)
+            if self._unnamed:  # or a crash may bring the replaced log back
+                sync_directory(self.path)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"cannot sync the manifest: {exc.strerror or exc}", self.path
