@@ -407,9 +407,13 @@ class OffloadScheduler:
         """Return True when `take_stats` would report a non-zero counter or new hit tokens."""
         return self._stats.has_new_counts()
 
-    def take_stats(self) -> OffloadStats:
-        """Return this step's counters (then reset them), the gauges and the totals."""
-        return self._stats.take(*self.stats_gauges())
+    def take_stats(self, gauges: tuple[int, int, int] | None = None) -> OffloadStats:
+        """Return this step's counters (then reset them), the gauges and the totals.
+
+        `gauges`: what `stats_gauges` returned just before, with nothing changed since
+        (a caller that compared them first need not have them computed twice).
+        """
+        return self._stats.take(*(self.stats_gauges() if gauges is None else gauges))
 
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""

@@ -35,18 +35,24 @@ from kvtier.offload.store_batch import StoreBatch
 from kvtier.offload.store_queueing import StoreQueueing
 from kvtier.offload.store_runs import select_run
 
+_NEVER = 2**63  # `_Tracked.next_ready` of a request with no positional group
+
 
 @dataclass(slots=True)
 class _Tracked:
     """Store tracking of one request (eager mode): its block table and a cursor per group.
 
     `deferred` is, per group, the position last counted as deferred by a full tier (-1:
-    none), so a block that waits for a slot over many steps counts once.
+    none), so a block that waits for a slot over many steps counts once. `next_ready`:
+    the fewest confirmed tokens that complete the block at some positional group's cursor
+    (`_NEVER` without such a group), kept with the cursors: one comparison per step
+    tells whether the request has anything to select.
     """
 
     block_ids: list[list[int]]
     cursors: list[int]
     deferred: list[int]
+    next_ready: int
 
 
 @dataclass(slots=True)
@@ -97,7 +103,17 @@ class StoreSelector(StoreQueueing):
 
     def _empty(self) -> _Tracked:
         num_groups = len(self.layout.groups)
-        return _Tracked([[] for _ in range(num_groups)], [0] * num_groups, [-1] * num_groups)
+        cursors = [0] * num_groups
+        return _Tracked(
+            [[] for _ in range(num_groups)], cursors, [-1] * num_groups, self._next_ready(cursors)
+        )
+
+    def _next_ready(self, cursors: list[int]) -> int:
+        """Return `_Tracked.next_ready` of `cursors`."""
+        return min(
+            ((cursors[group_id] + 1) * size for group_id, size in self.layout.positional_groups),
+            default=_NEVER,
+        )
 
     # ------------------------------------------------------------ selection
 
@@ -119,11 +135,11 @@ class StoreSelector(StoreQueueing):
 
         The eager hot path of a step, in one loop: a request preempted this step and not
         resumed, or not tracked, is skipped; one with no newly confirmed block (most
-        decode steps) costs a table update and one comparison per group.
+        decode steps) costs a table update and one comparison.
         """
         tracked = self.tracked
-        positional = self.layout.positional_groups
         unit = self._confirm_unit()
+        replace_table = TableUpdate.REPLACE
         if self.tags is not None:  # every new block's old note goes before anyone reads it
             scheduled = tuple(scheduled)
             for item in scheduled:  # where each request's new blocks start, per group
@@ -131,10 +147,9 @@ class StoreSelector(StoreQueueing):
                 replace = item.table_update is TableUpdate.REPLACE or found is None
                 firsts = [0 if replace else len(t) for t in found.block_ids] if found else None
                 self.tags.forget_fills(item.request.request_id, item.block_ids, firsts)
-        for item in scheduled:
-            request = item.request
+        for request, block_ids, _, table_update in scheduled:
             request_id = request.request_id
-            if item.table_update is TableUpdate.REPLACE:
+            if table_update is replace_table:
                 if request_id in self.across_reset:
                     continue
                 state = tracked[request_id] = self._empty()
@@ -145,16 +160,13 @@ class StoreSelector(StoreQueueing):
                 if found is None:
                     continue
                 state = found
-            for table, new_ids in zip(state.block_ids, item.block_ids, strict=True):
+            for table, new_ids in zip(state.block_ids, block_ids, strict=True):
                 if new_ids:
                     table.extend(new_ids)
             confirmed = request.num_computed_tokens - request.num_output_placeholders
-            ready_tokens = max(0, confirmed) // unit * unit
-            cursors = state.cursors
-            for group_id, block_size in positional:
-                if (cursors[group_id] + 1) * block_size <= ready_tokens:
-                    self._select_ready(request, state, ready_tokens)
-                    break
+            ready_tokens = confirmed // unit * unit  # below 0: less than `next_ready`
+            if ready_tokens >= state.next_ready:
+                self._select_ready(request, state, ready_tokens)
 
     def select_request(self, request: RequestView, state: _Tracked, final: bool = False) -> None:
         """Select a request's confirmed, positionally stable blocks from its cursors on.
@@ -195,6 +207,7 @@ class StoreSelector(StoreQueueing):
                     self.counters.count_store(StoreOutcome.DEFERRED)
                     state.deferred[group_id] = pos
             state.cursors[group_id] = pos
+        state.next_ready = self._next_ready(state.cursors)
 
     def _count_unselected(
         self, request: RequestView, group_id: int, table: Sequence[int], pos: int, end: int

@@ -334,7 +334,7 @@ class SchedulerSide:
         if not due and gauges_now == self._last_gauge_values and not offload.has_new_counts():
             return None  # the common decode step: skip building the payload
         self._last_gauge_values = gauges_now
-        stats = offload.take_stats()
+        stats = offload.take_stats(gauges_now)
         new_hits = {
             tier: count - self._hit_tokens.get(tier, 0) for tier, count in stats.hit_tokens.items()
         }
