@@ -3,6 +3,11 @@
 `kvtier.replay.signals.signals_deferred` wraps them for good on first use (by design:
 see that module), and a command's `sigterm_unwinds` puts back whatever it found; without
 this, which handler a test sees would depend on the tests that ran before it.
+
+Torch runs on one intra-op thread: the tests' models and tensors are tiny, and on a busy
+machine (more runnable threads than cores) torch's worker threads wait for each other on
+every operation, so a test took 7x (two busy processes beside it) to 100x as long and
+tripped the 300 s timeout.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+import torch
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
