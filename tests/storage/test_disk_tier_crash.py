@@ -205,6 +205,16 @@ def test_a_manifest_left_for_the_close_to_remove_is_removed_durably(
     assert restart_reads(tmp_path) == []
 
 
+def reopened_compacting_early(
+    tier: DiskTier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> DiskTier:
+    """Close `tier` and open it again with a manifest that compacts from 8 records on."""
+    tier.close()
+    real_open = disk_tier_module.open_manifest
+    monkeypatch.setattr(disk_tier_module, "open_manifest", lambda f, i: real_open(f, i, 8))
+    return DiskTier(tier_config(tmp_path))
+
+
 def test_a_compaction_whose_rename_a_crash_undoes_keeps_the_tombstones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,10 +222,7 @@ def test_a_compaction_whose_rename_a_crash_undoes_keeps_the_tombstones(
     rename may be lost in a crash, and the old log come back. It must then hold the
     tombstones, or the copies `forget` let go are restored."""
     tier = persisted(tmp_path, {slot: slot for slot in range(1, 7)})
-    tier.close()
-    real_open = disk_tier_module.open_manifest
-    monkeypatch.setattr(disk_tier_module, "open_manifest", lambda f, i: real_open(f, i, 8))
-    tier = DiskTier(tier_config(tmp_path))
+    tier = reopened_compacting_early(tier, tmp_path, monkeypatch)
     crash = CrashImage(monkeypatch, tmp_path)
     tracked = os.fsync
 
@@ -259,10 +266,7 @@ def test_a_tombstone_after_a_compaction_whose_directory_sync_failed_survives_a_c
     log restored the copy `forget` let go. The rename must be made durable before such
     a tombstone counts as synced."""
     tier = persisted(tmp_path, {slot: slot for slot in range(1, 8)})
-    tier.close()
-    real_open = disk_tier_module.open_manifest
-    monkeypatch.setattr(disk_tier_module, "open_manifest", lambda f, i: real_open(f, i, 8))
-    tier = DiskTier(tier_config(tmp_path))
+    tier = reopened_compacting_early(tier, tmp_path, monkeypatch)
     crash = CrashImage(monkeypatch, tmp_path)
     fail_next_directory_syncs(monkeypatch, tmp_path, 1)
     tier.forget([1, 2, 3, 4, 5])  # 12 records for 2 live slots: compacted
@@ -290,10 +294,7 @@ def test_tombstones_whose_fsync_failed_in_a_compaction_are_never_taken_for_durab
     never reached the device: a crash restored the copies `forget` let go. A failed
     fsync must end persistence, as one in `sync()` does."""
     tier = persisted(tmp_path, {slot: slot for slot in range(1, 8)})
-    tier.close()
-    real_open = disk_tier_module.open_manifest
-    monkeypatch.setattr(disk_tier_module, "open_manifest", lambda f, i: real_open(f, i, 8))
-    tier = DiskTier(tier_config(tmp_path))
+    tier = reopened_compacting_early(tier, tmp_path, monkeypatch)
     crash = CrashImage(monkeypatch, tmp_path)
     manifest = tmp_path / "rank0.manifest"
     tracked = os.fsync
