@@ -1,6 +1,7 @@
 """How a scheduled request's GPU blocks grow: the blocks more tokens need, the most
-tokens that fit the pool, whether a request holds the pool alone, and the step's entry
-that carries the new blocks (or the whole tables, after a preemption)."""
+tokens that fit the pool, whether a request holds the pool alone, whether transfers are
+about to give blocks back, and the step's entry that carries the new blocks (or the
+whole tables, after a preemption)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kvtier.engine.block_counts import most_that_fit, num_new_blocks
 from kvtier.engine.request import Request
 from kvtier.engine.scheduler_step import ScheduledWork
 from kvtier.offload.protocols import TableUpdate
+from kvtier.offload.scheduler import OffloadScheduler
 
 
 class BlockGrowth:
@@ -19,6 +21,7 @@ class BlockGrowth:
     pool: BlockPool
     running: list[Request]
     loading: dict[str, Request]
+    offload: OffloadScheduler | None
 
     def _shrink_to_fit(self, request: Request, num_new: int) -> int | None:
         """Return the most of `num_new` tokens whose blocks fit the pool (None if none)."""
@@ -31,6 +34,15 @@ class BlockGrowth:
             return False
         own = {b for table in request.block_tables for b in table if b != NULL_BLOCK_ID}
         return self.pool.num_free() + len(own) >= self.pool.num_usable_blocks
+
+    def _frees_pending(self) -> bool:
+        """Return True when a transfer holds the last reference on a GPU block: it goes
+        back to the pool once the worker reports the copy (every queued transfer is
+        issued by the next plan, every issued one is reported, failed or not), so a
+        request short of blocks waits for it rather than preempting one (vLLM's
+        `has_pending_block_frees`). The finished requests' stores, lazy stores and the
+        loads of aborted requests hold such blocks."""
+        return self.offload is not None and self.offload.holds_gpu_blocks_alone()
 
     def _work(self, request: Request, num_new: int, new_ids: list[list[int]]) -> ScheduledWork:
         if request.needs_full_table:

@@ -170,15 +170,6 @@ class Scheduler(QueueRecovery, BlockGrowth):
             budget -= num_new
         return step
 
-    def _frees_pending(self) -> bool:
-        """Return True when a transfer holds the last reference on a GPU block: it goes
-        back to the pool once the worker reports the copy (every queued transfer is
-        issued by the next plan, every issued one is reported, failed or not), so a
-        request short of blocks waits for it rather than preempting one (vLLM's
-        `has_pending_block_frees`). The finished requests' stores, lazy stores and the
-        loads of aborted requests hold such blocks."""
-        return self.offload is not None and self.offload.holds_gpu_blocks_alone()
-
     def _release_idle_blocks(self, step: SchedulerStep, requests: Sequence[Request]) -> bool:
         """Free the blocks that the waiting `requests` hold; return True if any had some.
 
