@@ -130,6 +130,28 @@ def test_invalid_batches_are_rejected() -> None:
     runner.run(BatchInput((step([1], 12, ((1, 2, 5, 6), (0, 4, 7, 8))),)))
 
 
+def test_repeated_blocks_are_rejected() -> None:
+    # Two positions in one block would overwrite each other's K/V, or read the wrong ones.
+    runner = make_runner(ModelConfig.tiny_hybrid())  # block size 4, window 8
+    with pytest.raises(ValueError, match=r"group 0: block 5 appears more than once"):
+        runner.run(BatchInput((step([1] * 8, 0, ((5, 5), (3, 4))),)))
+    with pytest.raises(ValueError, match=r"group 1: block 7 appears more than once"):
+        runner.run(BatchInput((step([1], 4, ((1, 2), (7, 7))),)))
+    # Outside the window the null block may repeat, and blocks nobody reads are not checked.
+    runner.run(BatchInput((step([1], 16, ((1, 2, 5, 6, 9), (0, 0, 7, 8, 10))),)))
+
+
+def test_blocks_written_by_two_sequences_are_rejected() -> None:
+    runner = make_runner(ModelConfig.tiny())  # block size 4
+    written = step([1, 2], 4, ((1, 2),))  # writes block 2
+    with pytest.raises(ValueError, match=r"sequence 0, group 0: block 2, which the step writes"):
+        runner.run(BatchInput((written, step([3], 4, ((3, 2),)))))
+    with pytest.raises(ValueError, match=r"block 2, which the step writes, is also used by seq"):
+        runner.run(BatchInput((step([3], 8, ((3, 2, 4),)), written)))
+    # A full block both only read is a shared prefix: allowed.
+    runner.run(BatchInput((step([1, 2], 4, ((1, 2),)), step([3], 4, ((1, 3),)))))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", CONFIGS)

@@ -65,7 +65,10 @@ class SequenceInput:
     `token_ids` are computed at positions `num_cached_tokens`, `num_cached_tokens + 1`, …;
     the earlier positions' K/V must already be in the cache. `block_tables[g]` is the
     sequence's block table in KV group g; it must cover every new token, and every block
-    a new token may attend to must be a real (non-null) block.
+    a new token may attend to must be a real (non-null) block. Those blocks must be
+    distinct, and a block the step writes (one holding a new token) must not be among
+    the blocks any other sequence of the batch reads or writes: sequences may share only
+    blocks that are already full.
     """
 
     token_ids: tuple[int, ...]
@@ -199,10 +202,13 @@ class ModelRunner:
                     f"sequence {index}: {len(seq.block_tables)} block tables for "
                     f"{num_groups} KV groups"
                 )
-            for group in self.layer_groups:
-                self._check_block_table(index, seq, group)
+        for group in self.layer_groups:
+            touched = [self._check_block_table(i, s, group) for i, s in enumerate(batch.sequences)]
+            if len(touched) > 1:
+                self._check_no_shared_writes(batch, group, touched)
 
-    def _check_block_table(self, index: int, seq: SequenceInput, group: LayerGroup) -> None:
+    def _check_block_table(self, index: int, seq: SequenceInput, group: LayerGroup) -> set[int]:
+        """Check one table; return the ids of the blocks the step reads or writes."""
         table = seq.block_tables[group.group_id]
         first_block = first_key_position(seq.num_cached_tokens, group.sliding_window)
         first_block //= self.block_size
@@ -223,3 +229,31 @@ class ModelRunner:
             raise ValueError(
                 f"{where}: block ids outside 0..{self.cache_config.num_blocks - 1}: {table}"
             )
+        touched = set(needed)
+        if len(touched) < len(needed):
+            # Two positions in one block: one's K/V would overwrite or stand in for the other's.
+            repeated = next(b for b in needed if needed.count(b) > 1)
+            raise ValueError(
+                f"{where}: block {repeated} appears more than once in blocks "
+                f"{first_block}..{end_block - 1}, which the step reads or writes: {needed}"
+            )
+        return touched
+
+    def _check_no_shared_writes(
+        self, batch: BatchInput, group: LayerGroup, touched: list[set[int]]
+    ) -> None:
+        """Raise if a block one sequence writes is read or written by another one."""
+        users: dict[int, list[int]] = {}
+        for index, blocks in enumerate(touched):
+            for block in blocks:
+                users.setdefault(block, []).append(index)
+        for index, seq in enumerate(batch.sequences):
+            table = seq.block_tables[group.group_id]
+            end_block = -(-seq.num_tokens // self.block_size)
+            for block in table[seq.num_cached_tokens // self.block_size : end_block]:
+                others = [i for i in users[block] if i != index]
+                if others:
+                    raise ValueError(
+                        f"sequence {index}, group {group.group_id}: block {block}, which the "
+                        f"step writes, is also used by sequence {others[0]} in the same step"
+                    )
