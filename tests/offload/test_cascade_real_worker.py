@@ -21,6 +21,7 @@ from sim import Content, SimEngine, full_layout, make_request
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig, StoreMode
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.transfer import OffloadWorker, WorkerConfig
+from kvtier.transfer.regions import TensorLayout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +36,7 @@ class RealWorker:
         self.kv = [torch.zeros((2, NUM_GPU_BLOCKS, 4, 2, 64), dtype=torch.float16)]
         self.kv.append(torch.zeros_like(self.kv[0]))
         self.worker = OffloadWorker(config)
-        self.worker.register(self.kv)
+        self.worker.register(self.kv, TensorLayout.KV_FIRST)
         self.views = self.worker.regions.block_views()
         self.known: dict[bytes, Content] = {self._digest(None): None}
         self.in_flight: set[int] = set()

@@ -34,6 +34,7 @@ from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
 from kvtier.storage import DiskIOMode
 from kvtier.storage.slot_file import SlotFile
 from kvtier.transfer import OffloadWorker, WorkerConfig
+from kvtier.transfer.regions import TensorLayout
 
 SLOT_KV = (16, 8, 64)  # fp16 blocks: 16 KiB per K or V block, 2 layers -> 64 KiB slots
 NUM_LAYERS = 2
@@ -167,7 +168,7 @@ def main(directory: str, seed: int, kill_point: str, arm_after: int) -> None:
     kv = new_kv()
     num_slots = config(directory).disk_num_slots
     with OffloadWorker(config(directory)) as worker:
-        worker.register(kv)
+        worker.register(kv, TensorLayout.KV_FIRST)
         # Slots holding a record (recovered, or written here with one): the armed store
         # overwrites some, so a kill inside it finds old records to have been tombstoned.
         recorded = {slot for slot, _ in worker.recovered_slots()}

@@ -15,6 +15,7 @@ from transfer_helpers import (
 
 from kvtier.offload.plan import Tier
 from kvtier.transfer import WorkerConfig
+from kvtier.transfer.regions import TensorLayout
 
 
 def layouts() -> dict[str, list[torch.Tensor]]:
@@ -37,7 +38,8 @@ def test_store_overwrite_load_into_other_blocks(name: str) -> None:
     """Store random blocks, clobber the engine cache, load into different blocks: exact bytes."""
     kv = layouts()[name]
     fill_random(kv, seed=7)
-    with make_worker(WorkerConfig(cpu_num_slots=16), kv) as worker:
+    layout = TensorLayout.KV_FIRST if name == "kv_first" else TensorLayout.BLOCKS_FIRST
+    with make_worker(WorkerConfig(cpu_num_slots=16), kv, layout=layout) as worker:
         src_blocks, slots = [3, 9, 1, 30, 12, 13, 14], [0, 15, 4, 5, 6, 2, 7]
         images = [block_bytes(worker.regions, b) for b in src_blocks]
         report = run_plan(worker, job(1, Tier.GPU, Tier.CPU, src_blocks, slots))

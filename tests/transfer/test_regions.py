@@ -26,7 +26,7 @@ def test_kv_first_per_layer_gives_k_and_v_regions() -> None:
     """[2, num_blocks, ...] per layer: two regions (K rows, V rows) per tensor."""
     kv = [torch.zeros(2, NB, 4, 2, 8, dtype=torch.float16) for _ in range(3)]
     fill_random(kv, seed=1)
-    regions = discover_regions(kv)
+    regions = discover_regions(kv, TensorLayout.KV_FIRST)
     assert len(regions.regions) == 6
     assert regions.num_blocks == NB
     assert regions.bytes_per_slot == 3 * 2 * 4 * 2 * 8 * 2
@@ -71,7 +71,9 @@ def test_groups_overlaying_the_same_memory_are_deduplicated() -> None:
     shared = torch.zeros(2, NB, 4, 2, 8, dtype=torch.float16)
     other = torch.zeros(2, NB, 4, 2, 8, dtype=torch.float16)
     alias = shared.view(torch.int16)  # another view of the same bytes
-    regions = discover_regions({"g0.l0": shared, "g1.l0": alias, "g0.l1": other})
+    regions = discover_regions(
+        {"g0.l0": shared, "g1.l0": alias, "g0.l1": other}, TensorLayout.KV_FIRST
+    )
     assert len(regions.regions) == 4
     assert regions.bytes_per_slot == 2 * shared[:, 0].nbytes
 
@@ -92,24 +94,33 @@ def test_permuted_inner_dims_are_still_one_dense_block() -> None:
     base = torch.zeros(2, NB, 2, 4, 8, dtype=torch.float16)  # physical [2, nb, heads, bs, dim]
     fill_random([base], seed=6)
     logical = base.permute(0, 1, 3, 2, 4)  # logical [2, nb, bs, heads, dim]
-    regions = discover_regions([logical])
+    regions = discover_regions([logical], TensorLayout.KV_FIRST)
     assert len(regions.regions) == 2
     assert_addresses(regions, [base[0], base[1]])
 
 
-def test_explicit_blocks_first_for_two_blocks() -> None:
-    """AUTO reads a leading 2 as K/V; BLOCKS_FIRST addresses a 2-block cache."""
-    cache = torch.zeros(2, 3, 4, dtype=torch.float16)
-    assert len(discover_regions([cache]).regions) == 2
+def test_auto_refuses_a_two_block_cache_it_would_read_as_kv_first() -> None:
+    """Regression: AUTO read [2 blocks, block_size, ...] as [2 (K, V), block_size blocks,
+    ...]: registration succeeded and every block's copy took a row of each real block."""
+    cache = torch.zeros(2, 16, 2, 8, dtype=torch.float16)  # blocks first, 2 blocks
+    with pytest.raises(ValueError, match=r"\(2, 16, 2, 8\): TensorLayout.AUTO cannot tell"):
+        discover_regions({"layer.0": cache})
     regions = discover_regions([cache], TensorLayout.BLOCKS_FIRST)
-    assert regions.num_blocks == 2
-    assert len(regions.regions) == 1
+    assert (regions.num_blocks, len(regions.regions)) == (2, 1)
+    regions = discover_regions([cache], TensorLayout.KV_FIRST)
+    assert (regions.num_blocks, len(regions.regions)) == (16, 2)
+
+
+def test_auto_reads_unambiguous_shapes_as_blocks_first() -> None:
+    for shape in [(2, 8), (3, 2, 8), (NB, 2, 4)]:
+        regions = discover_regions([torch.zeros(shape)])
+        assert (regions.num_blocks, len(regions.regions)) == (shape[0], 1)
 
 
 def test_region_views_alias_engine_memory() -> None:
     """Writing through a region view changes the engine tensor (no copies)."""
     kv = torch.zeros(2, NB, 4, dtype=torch.float32)
-    regions = discover_regions([kv])
+    regions = discover_regions([kv], TensorLayout.KV_FIRST)
     regions.block_views()[1][2].fill_(0xFF)  # V of block 2
     assert torch.isnan(kv[1, 2]).all()
     assert not torch.isnan(kv[0]).any()
@@ -118,7 +129,7 @@ def test_region_views_alias_engine_memory() -> None:
 @pytest.mark.parametrize(
     ("tensors", "message"),
     [
-        ([torch.zeros(2, NB, 4, 8)[:, :, :, ::2]], "not contiguous"),
+        ([torch.zeros(NB, 4, 8)[:, :, ::2]], "not contiguous"),
         ([torch.zeros(NB, 4, 8), torch.zeros(NB + 1, 4, 8)], "disagree on the number of blocks"),
         ([torch.zeros(16)], "at least"),
         ([torch.zeros(NB, 0, 4)], "zero-sized"),

@@ -35,6 +35,7 @@ from transfer_helpers import job, run_plan
 
 from kvtier.offload.plan import Tier
 from kvtier.transfer import OffloadWorker
+from kvtier.transfer.regions import TensorLayout
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -68,7 +69,7 @@ def check_recovered(directory: Path) -> tuple[int, int]:
     kv = new_kv()
     right = refused = 0
     with OffloadWorker(config(str(directory))) as worker:
-        worker.register(kv)
+        worker.register(kv, TensorLayout.KV_FIRST)
         recovered = worker.recovered_slots()
         for event, (slot, record) in enumerate(recovered, start=1):
             block_id = NUM_GPU_BLOCKS - 1

@@ -25,6 +25,7 @@ from kvtier.offload.plan import Tier, TransferPlan
 from kvtier.storage import DiskIOMode
 from kvtier.transfer import OffloadWorker, WorkerConfig, WorkerState
 from kvtier.transfer.lanes import TransferLane
+from kvtier.transfer.regions import TensorLayout
 
 JOIN_S = 10
 
@@ -272,9 +273,9 @@ def test_register_once_and_before_use() -> None:
         worker.submit(TransferPlan(1))
     with pytest.raises(RuntimeError, match="register"):
         _ = worker.num_blocks
-    worker.register(kv_per_layer(1, 4))
+    worker.register(kv_per_layer(1, 4), TensorLayout.KV_FIRST)
     with pytest.raises(RuntimeError, match="registered"):
-        worker.register(kv_per_layer(1, 4))
+        worker.register(kv_per_layer(1, 4), TensorLayout.KV_FIRST)
     worker.shutdown()
 
 

@@ -25,6 +25,7 @@ from kvtier.core.keys import make_key
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob
 from kvtier.storage import DiskIOMode, DiskTierBusyError
 from kvtier.transfer import OffloadWorker, WorkerConfig
+from kvtier.transfer.regions import TensorLayout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -356,7 +357,7 @@ def test_a_worker_not_yet_registered_refuses_to_drop_records(tmp_path: Path) -> 
     ):
         with pytest.raises(RuntimeError, match=rf"{name}\(\) on a worker that is created"):
             call()
-    worker.register(new_kv(seed=1))
+    worker.register(new_kv(seed=1), TensorLayout.KV_FIRST)
     try:
         assert len(worker.recovered_slots()) == 4
     finally:

@@ -16,6 +16,7 @@ from transfer_helpers import block_bytes, job, make_worker, run_plan
 
 from kvtier.offload.plan import Tier, TransferPlan
 from kvtier.transfer import OffloadWorker
+from kvtier.transfer.regions import TensorLayout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,5 +131,5 @@ def test_a_process_that_dies_after_the_flag_leaves_nothing_to_restore(tmp_path: 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])}
     subprocess.run([sys.executable, "-c", CRASHING, str(tmp_path)], check=True, env=env, timeout=50)
     with OffloadWorker(config(tmp_path)) as worker:
-        worker.register(new_kv(seed=3))
+        worker.register(new_kv(seed=3), TensorLayout.KV_FIRST)
         assert worker.recovered_slots() == []

@@ -17,6 +17,7 @@ from transfer_helpers import FaultyIO, block_bytes, fill_random, job, kv_per_lay
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 from kvtier.storage import DiskIOMode
 from kvtier.transfer import WorkerConfig
+from kvtier.transfer.regions import TensorLayout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,7 +91,7 @@ def test_register_failing_after_the_tiers_were_allocated_releases_them(
     worker = OffloadWorker(config)
     try:
         with pytest.raises(RuntimeError, match="out of memory"):
-            worker.register(kv_per_layer(2, 8))
+            worker.register(kv_per_layer(2, 8), TensorLayout.KV_FIRST)
         assert not pinned, "register() raised but host memory stays page-locked"
         assert worker.host_tier is None
         assert worker.disk_path is None

@@ -22,6 +22,7 @@ from kvtier.storage.slot_file import DiskTierBusyError
 from kvtier.transfer import OffloadWorker, WorkerConfig, WorkerState
 from kvtier.transfer.host_tier import HostTier
 from kvtier.transfer.lanes import TransferLane
+from kvtier.transfer.regions import TensorLayout
 from kvtier.transfer.worker_resources import WorkerResources, release_dropped
 
 JOIN_S = 10
@@ -173,12 +174,12 @@ def test_failed_register_detaches_the_tiers(tmp_path: Path) -> None:
     holder = make_worker(disk_config(tmp_path), kv_per_layer(2, 16))
     worker = OffloadWorker(disk_config(tmp_path))
     with pytest.raises(DiskTierBusyError):
-        worker.register(kv_per_layer(2, 16))
+        worker.register(kv_per_layer(2, 16), TensorLayout.KV_FIRST)
     assert worker.state is WorkerState.CREATED
     assert worker.host_tier is None
     worker.check_invariants()
     holder.shutdown()
-    worker.register(kv_per_layer(2, 16))  # the path is free again
+    worker.register(kv_per_layer(2, 16), TensorLayout.KV_FIRST)  # the path is free again
     worker.check_invariants()
     worker.shutdown()
 

@@ -20,7 +20,7 @@ import torch
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
 from kvtier.transfer import OffloadWorker, WorkerConfig
 from kvtier.transfer.lanes import TransferLane
-from kvtier.transfer.regions import RegionSet
+from kvtier.transfer.regions import RegionSet, TensorLayout
 
 
 def kv_per_layer(
@@ -113,11 +113,14 @@ def take_finished(lane: TransferLane) -> tuple[dict[int, float], dict[int, BaseE
 
 
 def make_worker(
-    config: WorkerConfig, kv: Sequence[torch.Tensor], file_io: FaultyIO | None = None
+    config: WorkerConfig,
+    kv: Sequence[torch.Tensor],
+    file_io: FaultyIO | None = None,
+    layout: TensorLayout = TensorLayout.KV_FIRST,
 ) -> OffloadWorker:
-    """Return a worker registered on `kv`."""
+    """Return a worker registered on `kv` (by default `kv_per_layer`'s caches)."""
     worker = OffloadWorker(config, file_io)
-    worker.register(list(kv))
+    worker.register(list(kv), layout)
     worker.check_invariants()
     return worker
 

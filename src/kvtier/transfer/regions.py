@@ -4,12 +4,16 @@ A region is `num_blocks` rows of `bytes_per_block` bytes, `block_stride` bytes a
 starting `offset` bytes into one storage. A tier slot is the concatenation of every
 region's bytes for one block id, in region order.
 
-How one KV tensor becomes regions (`TensorLayout.AUTO` picks per tensor):
+How one KV tensor becomes regions:
 
     shape                      layout        regions
     [2, num_blocks, ...]       KV_FIRST      2: K rows, then V rows (same block stride)
     [num_blocks, ...]          BLOCKS_FIRST  1
     ndim < 2, zero-sized       -             error
+
+`TensorLayout.AUTO` reads a tensor as BLOCKS_FIRST unless its shape also reads as
+KV_FIRST ([2, n, ...], ndim >= 3: n blocks, or 2 blocks?); it refuses those rather than
+guess, since a wrong guess copies the wrong bytes as a block's KV.
 
 A block's bytes must be one dense run (inner dims may be permuted, e.g. HND vs NHD).
 Regions of one storage with the same stride are merged when their in-block byte ranges
@@ -36,7 +40,7 @@ _DEVICE_TYPES = ("cpu", "cuda")  # devices whose bytes the worker can copy
 class TensorLayout(enum.Enum):
     """Where the block dimension of a KV tensor is."""
 
-    AUTO = "auto"  # KV_FIRST when ndim >= 3 and shape[0] == 2, else BLOCKS_FIRST
+    AUTO = "auto"  # BLOCKS_FIRST; refuses [2, ...] (ndim >= 3), which reads both ways
     BLOCKS_FIRST = "blocks_first"  # [num_blocks, ...]
     KV_FIRST = "kv_first"  # [2, num_blocks, ...]
 
@@ -184,13 +188,12 @@ def _resolve(layout: TensorLayout, tensor: torch.Tensor, name: str) -> TensorLay
     if layout is not TensorLayout.AUTO:
         return layout
     if tensor.dim() >= 3 and tensor.shape[0] == 2:
-        if tensor.shape[1] == 2:  # [2 (K, V), 2 blocks, ...] or [2 blocks, 2 (K, V), ...]
-            raise ValueError(
-                f"KV tensor {name!r} has shape {tuple(tensor.shape)}: TensorLayout.AUTO "
-                "cannot tell K/V from blocks; pass layout=TensorLayout.KV_FIRST or "
-                "TensorLayout.BLOCKS_FIRST"
-            )
-        return TensorLayout.KV_FIRST
+        # [2 (K, V), n blocks, ...] or [2 blocks, ...]: both address bytes, different ones.
+        raise ValueError(
+            f"KV tensor {name!r} has shape {tuple(tensor.shape)}: TensorLayout.AUTO "
+            "cannot tell K/V from blocks; pass layout=TensorLayout.KV_FIRST "
+            f"({tensor.shape[1]} blocks) or TensorLayout.BLOCKS_FIRST (2 blocks)"
+        )
     return TensorLayout.BLOCKS_FIRST
 
 
