@@ -148,6 +148,7 @@ def tier_sizes(
     rank's budget. Raises `ConfigError` / `UnsupportedLayoutError` at start-up when this
     rank's blocks cannot be stored as configured.
     """
+    check_one_page_per_group(kv_cache_config)
     own_bytes = bytes_per_slot(kv_cache_config)
     check_direct_io(config, own_bytes)
     per_stage = [own_bytes]
@@ -164,6 +165,29 @@ def tier_sizes(
         tier: agree_num_tier_blocks([config.num_tier_blocks(b, tier) for b in per_stage])
         for tier in config.tiers
     }
+
+
+def check_one_page_per_group(kv_cache_config: Any) -> None:
+    """Raise `UnsupportedLayoutError` when a group's layers have different page sizes.
+
+    vLLM merges such layers into one `UniformTypeKVCacheSpecs` group, but hands the
+    scheduler role a copy holding only one of its layers' specs
+    (`generate_scheduler_kv_cache_config`): sized from it, the scheduler's tiers would
+    hold another number of slots than the workers' (more slots than they have when that
+    layer's page is the smallest). Only a worker sees the layers, so it refuses at start-up.
+    """
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if type(spec).__name__ != _UNIFORM_SPECS:
+            continue
+        pages = sorted({int(inner.page_size_bytes) for inner in spec.kv_cache_specs.values()})
+        if len(pages) > 1:
+            raise UnsupportedLayoutError(
+                f"KV cache group {index} has layers with different page sizes {pages} B: "
+                "vLLM's scheduler sees only one of its layers, so kvtier's scheduler role "
+                "would size the tiers for other slots than its workers hold; kvtier does "
+                "not support this model, disable the connector for it"
+            )
 
 
 def stage_slot_bytes(kv_cache_config: Any, stage_layers: Sequence[int]) -> list[int]:

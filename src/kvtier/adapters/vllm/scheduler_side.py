@@ -110,6 +110,7 @@ class SchedulerSide:
                 self.num_tier_blocks,
                 num_workers=parallel.world_size,
                 num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
+                # Stage 0's under pipeline parallelism: its byte counters (`stats`).
                 bytes_per_slot=bytes_per_slot(kv_cache_config),
                 queue_by_priority=vllm_config.scheduler_config.policy == "priority",
                 # EAGLE-style drafters: vLLM ends prefix hits a block (a hash block with

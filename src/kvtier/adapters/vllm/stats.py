@@ -28,6 +28,9 @@ labelled `store_outcome.<outcome>` / `handoff_outcome.<outcome>` (kvtier's
 `StoreOutcome` values), `tier_hit_tokens.<tier>` (`CPU` / `DISK`), and
 `transfer_bytes.<type>` / `transfer_seconds.<type>` (a float) per direction (`GPU_to_CPU`,
 `CPU_to_GPU`, `GPU_to_DISK`, `DISK_to_GPU`, `CPU_to_DISK`, as vLLM labels transfers).
+Bytes are per rank; under pipeline parallelism, per rank of the first stage: vLLM gives
+the scheduler role only that stage's KV cache config, and the other stages' slot bytes
+(their own layers' pages) are known exactly only on their workers.
 Prometheus exposes them as `kvtier:<name>_total` (a labelled family as one metric with an
 `outcome`, `tier` or `transfer_type` label), gauges as `kvtier:<name>`, and the info
 labels on `kvtier:info` (value 1).

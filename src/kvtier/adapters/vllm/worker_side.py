@@ -43,7 +43,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvtier.adapters.vllm.layout import block_level_failures, tier_sizes
+from kvtier.adapters.vllm.layout import block_level_failures, bytes_per_slot, tier_sizes
 from kvtier.adapters.vllm.load_tracker import LoadTracker
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.redelivery import Outbox, Output
@@ -123,6 +123,7 @@ class WorkerSide:
         # made goes again if the worker never starts (`_remove_created_directory`).
         self._created_directory = config.prepare_host()
         self.num_tier_blocks = self.tier_sizes[config.tier]
+        self._slot_bytes = bytes_per_slot(kv_cache_config)  # what `tier_sizes` sized for
         self._kv_cache_config = kv_cache_config
         self._layout_name = layout_name
         self._worker: OffloadWorker | None = None
@@ -159,6 +160,7 @@ class WorkerSide:
             rank = file_rank(device.index)
             worker = OffloadWorker(worker_config(self.config, self.tier_sizes, rank))
             worker.register(views, TensorLayout.BLOCKS_FIRST)
+            self._check_slot_bytes(worker.bytes_per_slot)
         except BaseException:
             if worker is not None:
                 with contextlib.suppress(Exception):  # the start's error is the one to see
@@ -172,6 +174,18 @@ class WorkerSide:
             ", ".join(f"{n} {tier.value}" for tier, n in self.tier_sizes.items()),
             worker.bytes_per_slot,
         )
+
+    def _check_slot_bytes(self, registered: int) -> None:
+        """Raise when the worker's regions hold other bytes per block id than the tiers
+        were sized for: the tiers would overrun their budget (or waste it), and the
+        direct-I/O check and the scheduler role's byte counters would be off."""
+        if registered != self._slot_bytes:
+            raise RuntimeError(
+                f"kvtier's worker regions hold {registered} B per KV block id, but its tiers "
+                f"were sized for {self._slot_bytes} B (layout.bytes_per_slot of this rank's "
+                "KVCacheConfig): a kvtier bug; please report it with the KVCacheConfig "
+                "(kv_cache_groups, kv_cache_tensors) and the KV cache layout"
+            )
 
     # ------------------------------------------------------------------ step
 
