@@ -21,7 +21,7 @@ reports the scheduler hands `complete`, and hooks both pools to see every key go
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key
@@ -55,7 +55,7 @@ class DiskCoverage:
         after_stores, complete = cascade.after_stores, cascade.complete
         insert_key = cascade.disk_pool.insert_key
 
-        def storing(cpu_block_ids: Sequence[int]) -> None:
+        def storing(cpu_block_ids: Sequence[int], loaded: Collection[int] = ()) -> None:
             # As the cascade sees them: its own demotions' disk slots may evict copies.
             now = self._tick()
             for block_id in cpu_block_ids:
@@ -66,7 +66,7 @@ class DiskCoverage:
                         self.covered_when_owed.add((block_id, key))
                     else:
                         self.covered_when_owed.discard((block_id, key))
-            after_stores(cpu_block_ids)
+            after_stores(cpu_block_ids, loaded)
 
         def completing(items: Sequence[MoveItem], succeeded: bool, abandoned: bool) -> None:
             complete(items, succeeded, abandoned)

@@ -44,10 +44,10 @@ def test_dropped_demotions_stay_consistent(mode: CascadeMode, seed: int, num_ops
     visited: list[int] = []
     demote = cascade._demote
 
-    def demoting(cpu_block_ids: Iterable[int]) -> None:
+    def demoting(cpu_block_ids: Iterable[int], counted: set[int] | None = None) -> None:
         ids = list(cpu_block_ids)
         visited.extend(ids)
-        demote(ids)
+        demote(ids, counted)
 
     cascade._demote = demoting  # type: ignore[method-assign]
     before: set[tuple[int, Key]] = set()

@@ -43,7 +43,7 @@ class AnyTagWillDo(Cascade):
 class NeverDemotes(Cascade):
     """Demotes nothing."""
 
-    def _demote(self, cpu_block_ids: Iterable[int]) -> None:
+    def _demote(self, cpu_block_ids: Iterable[int], counted: set[int] | None = None) -> None:
         pass
 
 

@@ -19,9 +19,9 @@ freed after the stored blocks DISK already held; the replay releases them in tha
 order (regression: it released them in one batch, and e.g. the doc trace below with
 11 CPU and 29 DISK blocks hit the CPU 65 times instead of the scheduler's 56). The DISK
 loads land before the stores, so a promoted block's DISK copy is free when its store's
-demotion finds it there and refreshes it: a second touch, which S3-FIFO (frequency bit)
-and LFU-DA (count) tell from one (regression: the replay kept DISK hits pinned through
-the refresh; s3fifo and lfuda differed on 6 of these runs).
+demotion finds it there; neither refreshes it (the load counted the request's use),
+which S3-FIFO (frequency bit) and LFU-DA (count) would tell from one touch (regression:
+the scheduler alone touching it again failed 7 of these runs, s3fifo, lfuda and duel).
 
 Write-back has no such test: the scheduler demotes the next `reserve` victims of the
 CPU tier at each plan (ahead of need, or too few for a burst of stores: docs/policies.md),

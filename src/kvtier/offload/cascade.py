@@ -34,7 +34,9 @@ mode and replaces it.
 Promotion (DISK → CPU, SPEC §1) reuses the GPU copy a disk hit leaves behind: the
 block is on the GPU after its load and the CPU tier lacks it, so store selection picks
 it like any other block (the CPU tier's admission policy decides whether it is worth
-keeping). That costs one host copy instead of a second disk read.
+keeping). That costs one host copy instead of a second disk read. The demotion that
+store queues finds the disk copy and, unlike for other stored blocks, does not refresh
+it: the request's load counted its use (`after_stores`).
 
 Pins, as for GPU ↔ CPU transfers: the CPU source is pinned and the disk destination is
 freshly allocated, both until every worker reported the move. The destination's keys
@@ -47,7 +49,7 @@ register (`dropped_slots`), so a restart does not restore them either.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.block_pool import BlockPool
@@ -153,10 +155,16 @@ class Cascade(WriteThroughRetries):
 
     # ------------------------------------------------------------ selection
 
-    def after_stores(self, cpu_block_ids: Sequence[int]) -> None:
-        """Write-through: demote blocks the CPU tier has just registered (still pinned)."""
+    def after_stores(self, cpu_block_ids: Sequence[int], loaded: Collection[int] = ()) -> None:
+        """Write-through: demote blocks the CPU tier has just registered (still pinned).
+
+        A block already on disk has its disk copy refreshed, as a use by the request
+        that stored it, except at the indices in `loaded` (`StoreBatch.loaded`): that
+        request's load counted its use of the copy (one use, one touch: S3-FIFO and
+        LFU-DA count touches)."""
         if self.mode is CascadeMode.WRITE_THROUGH:
-            self._demote(cpu_block_ids)
+            counted = {cpu_block_ids[i] for i in loaded} if loaded else None
+            self._demote(cpu_block_ids, counted)
 
     def select_write_back(self) -> None:
         """Write-back: demote the cached blocks among the CPU tier's next victims.
@@ -185,7 +193,9 @@ class Cascade(WriteThroughRetries):
                 break
         self._demote(victims)
 
-    def _demote(self, cpu_block_ids: Iterable[int]) -> None:
+    def _demote(self, cpu_block_ids: Iterable[int], counted: set[int] | None = None) -> None:
+        """Queue copies of the cached CPU blocks the disk lacks; refresh (write-through)
+        the disk copies of the others but those of `counted`."""
         cpu_pool, disk_pool = self.cpu_pool, self.disk_pool
         chosen: list[tuple[int, Key]] = []
         on_disk: list[int] = []
@@ -202,7 +212,8 @@ class Cascade(WriteThroughRetries):
                 continue
             disk_block = self._disk_copy(block_id, key)
             if disk_block is not None:  # held on disk (maybe by another block's demotion):
-                on_disk.append(disk_block)  # nothing to retry, nor dropped any more
+                if counted is None or block_id not in counted:  # nothing to retry, nor
+                    on_disk.append(disk_block)  # dropped any more
                 if self.retry:
                     self.retry.pop((block_id, key), None)
                 if self.dropped:

@@ -133,7 +133,7 @@ class TransferCompletion:
                 transfer.num_applied += 1
                 selector.gpu_pool.free(load.gpu_block_ids[::-1])
             elif part == 2:
-                self._settle_load(transfer, load)
+                self._settle_load(transfer, load, selector)
             else:
                 self._note_done(load.progress)
                 transfer.num_applied += 1
@@ -148,17 +148,25 @@ class TransferCompletion:
                 assert self._cascade is not None
                 self._cascade.complete(transfer.moves, transfer.succeeded, transfer.abandoned)
 
-    def _settle_load(self, transfer: IssuedTransfer, load: LoadItem) -> None:
+    def _settle_load(
+        self, transfer: IssuedTransfer, load: LoadItem, selector: StoreSelector
+    ) -> None:
         """Count a load part's blocks, or discard its suspect ones; take it off its
-        request's pending parts in the statement that counts the step."""
+        request's pending parts in the statement that counts the step.
+
+        With a cascade, the GPU blocks a load filled are noted for the request's stores:
+        the load counted its use of their disk copies (DISK: the lookup's touch; CPU:
+        `after_cpu_loads`), which their stores' demotions must not count again."""
         progress = load.progress
         # A failed event whose workers named its bad blocks copied every other block
         # whole: only the loads reading a bad one fail.
         suspect = transfer.suspect(load.tier_block_ids)
         if not suspect:
             self._counters.num_loaded_blocks += len(load.tier_block_ids)
-            if self._cascade is not None and load.tier is Tier.CPU:
-                self._cascade.after_cpu_loads(load.tier_block_ids)
+            if self._cascade is not None:
+                selector.note_loaded(load.request_id, load.gpu_block_ids)
+                if load.tier is Tier.CPU:
+                    self._cascade.after_cpu_loads(load.tier_block_ids)
         else:
             progress.failed = True
             progress.failed_whole |= not transfer.bad_blocks  # no bad block named
@@ -220,7 +228,7 @@ class TransferCompletion:
             else:
                 held = sum(1 for key in stores.keys if key in disk_pool.index)
             self.num_promoted += held
-            self._cascade.after_stores(stores.tier_block_ids)
+            self._cascade.after_stores(stores.tier_block_ids, stores.loaded)
         # Tail first (SPEC §4): these pins may be the blocks' last references.
         gpu_pool.free(stores.gpu_block_ids[::-1])
         self._tier_pool.free(stores.tier_block_ids[::-1])

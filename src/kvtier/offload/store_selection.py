@@ -46,13 +46,15 @@ class _Tracked:
     none), so a block that waits for a slot over many steps counts once. `next_ready`:
     the fewest confirmed tokens that complete the block at some positional group's cursor
     (`_NEVER` without such a group), kept with the cursors: one comparison per step
-    tells whether the request has anything to select.
+    tells whether the request has anything to select. `loaded`: the GPU blocks its
+    loads filled (with a cascade), whose stores are marked in `StoreBatch.loaded`.
     """
 
     block_ids: list[list[int]]
     cursors: list[int]
     deferred: list[int]
     next_ready: int
+    loaded: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -95,6 +97,13 @@ class StoreSelector(StoreQueueing):
     def untrack(self, request_id: str) -> None:
         """Forget a request's table and cursors."""
         self.tracked.pop(request_id, None)
+
+    def note_loaded(self, request_id: str, gpu_block_ids: Iterable[int]) -> None:
+        """Remember that a load of `request_id` filled `gpu_block_ids` (a cascade's
+        promotions: see `StoreBatch.loaded`); nothing for an untracked request."""
+        state = self.tracked.get(request_id)
+        if state is not None:
+            state.loaded.update(gpu_block_ids)
 
     def reset_request(self, request_id: str) -> None:
         """Reset a preempted request's table and cursors."""
@@ -152,7 +161,10 @@ class StoreSelector(StoreQueueing):
             if table_update is replace_table:
                 if request_id in self.across_reset:
                     continue
+                found = tracked.get(request_id)
                 state = tracked[request_id] = self._empty()
+                if found is not None:  # a load may have landed before the full table
+                    state.loaded = found.loaded
             elif request_id in preempted:
                 continue
             else:
@@ -182,6 +194,7 @@ class StoreSelector(StoreQueueing):
         """Select from the cursors up to `ready_tokens`; a full tier stops a group's walk
         (the block is retried next step and counted once as deferred) unless `final`."""
         cursors = state.cursors
+        first = len(self.queued)
         for group_id, block_size in self.layout.positional_groups:
             pos = cursors[group_id]
             if (pos + 1) * block_size > ready_tokens:
@@ -208,6 +221,8 @@ class StoreSelector(StoreQueueing):
                     state.deferred[group_id] = pos
             state.cursors[group_id] = pos
         state.next_ready = self._next_ready(state.cursors)
+        if state.loaded:
+            self.queued.note_loaded(first, state.loaded)
 
     def _count_unselected(
         self, request: RequestView, group_id: int, table: Sequence[int], pos: int, end: int

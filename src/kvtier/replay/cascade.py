@@ -14,9 +14,9 @@ What the offload scheduler's cascade does, synchronously (docs/policies.md):
   request's CPU hits and of the stored blocks DISK already holds are refreshed (moved
   to DISK's most-recently-used end, tail first), as the scheduler does when a CPU load
   completes and when a demotion finds the disk copy present: DISK keeps what the CPU
-  serves. With the `scheduler*` orders the DISK loads are freed first (after the CPU
-  hits' refresh), as the scheduler frees a load when it lands, so a promoted block's
-  disk copy is refreshed too: a second hit after its load's.
+  serves. A promoted block's DISK copy is not refreshed: the request's DISK hit
+  touched it (one use, one touch). With the `scheduler*` orders the DISK loads are
+  freed first (after the CPU hits' refresh), as the scheduler frees a load when it lands.
 - **write_back:** before the CPU tier allocates each slot, the block that allocation
   would evict (the first of its free queue, `iter_free_after(None)`; the request's own
   pinned blocks are never there), if cached, is **demoted**: inserted into DISK unless
@@ -112,22 +112,21 @@ class Cascade:
     ) -> list[Placed]:
         """Store into the CPU tier and refresh the DISK copies of its hits and stores.
 
-        `tail_first`: every hit stays pinned until the stores are registered, so a
-        DISK-served block's copy (pinned) is not refreshed. The scheduler's orders: as
-        the scheduler completes the loads before the stores, the CPU hits' DISK copies
-        are refreshed, then the DISK loads freed, then the stores' DISK copies refreshed,
-        so a promoted block's copy is touched twice: its load, then its store's demotion
-        finding it on disk (a second hit for S3-FIFO's and LFU-DA's counts).
+        A promoted block's DISK copy is not refreshed: the request's DISK hit touched it
+        (one use, one touch, as the scheduler counts it). `tail_first`: every hit stays
+        pinned until the stores are registered. The scheduler's orders: as the scheduler
+        completes the loads before the stores, the CPU hits' DISK copies are refreshed,
+        then the DISK loads freed, then the other stores' DISK copies refreshed.
         """
         cpu, order = self.cpu, self.order
-        if order is ReleaseOrder.TAIL_FIRST:
-            stored = store_missing(cpu, keys, tokens, cpu_hits, order, release=False)
-            self._refresh_disk(keys, [j for j, _ in cpu_hits] + [j for j, _ in stored])
-            return stored
-        self._refresh_disk(keys, [j for j, _ in cpu_hits])
-        release_loads(self.disk, disk_hits, order)
+        served = {j for j, _ in disk_hits}
+        refresh = [j for j, _ in cpu_hits]
+        if order is not ReleaseOrder.TAIL_FIRST:
+            self._refresh_disk(keys, refresh)
+            release_loads(self.disk, disk_hits, order)
+            refresh = []
         stored = store_missing(cpu, keys, tokens, cpu_hits, order, release=False)
-        self._refresh_disk(keys, [j for j, _ in stored])
+        self._refresh_disk(keys, refresh + [j for j, _ in stored if j not in served])
         return stored
 
     def _release_cpu(
