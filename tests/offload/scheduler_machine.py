@@ -2,12 +2,15 @@
 
 `SchedulerDriver` drives a `SimEngine` at random: arrivals from two prefix families,
 admissions taking all, none or part of their tier hit, chunked scheduling, preemption,
-aborts, GPU cache eviction, scheduler resets, and 1-4 fake workers that complete, delay,
-fail or re-report transfers, or report events never issued. The layout may add a sliding
-window (blocks nulled as they leave it) or a state group (stored from hand-offs) to the
-full-attention group; the tiers run any eviction and admission policy. On the way it
-records what the model checks in `test_scheduler_stateful` need: lookup pins, queued
-loads, abandoned events and the (tier, key) pairs a completed, kept copy holds.
+aborts (some after a failed forward: `computed=False`), requests skipping the prefix
+cache, tokens counted computed ahead of the forward as output placeholders (async
+scheduling), GPU cache eviction, scheduler resets, and 1-4 fake workers that complete,
+delay, fail or re-report transfers, or report events never issued. The layout may add
+a sliding window (blocks nulled as they leave it), a state group (stored from
+hand-offs), both, or a scratch group to the full-attention group; the tiers run any
+eviction and admission policy. On the way it records what the model checks in
+`test_scheduler_stateful` need: lookup pins, queued loads, abandoned events and the
+(tier, key) pairs a completed, kept copy holds.
 """
 
 from __future__ import annotations
@@ -52,7 +55,11 @@ SETUP_ARGS = {  # `SchedulerDriver.setup`'s draws (a subclass's own setup may ad
     "num_tier_blocks": st.integers(3, 8),
     "fine": st.booleans(),
     "num_disk_blocks": st.integers(3, 10),
-    "second": st.sampled_from([None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE]),
+    # Groups beside full attention: none, a sliding window, a state, a scratch group, or
+    # both a sliding window and a state.
+    "second": st.sampled_from(
+        [None, None, GroupKind.SLIDING_WINDOW, GroupKind.STATE, GroupKind.SCRATCH, "both"]
+    ),
     "token_check": st.booleans(),
     "policy": st.sampled_from(POLICIES),
     "events": st.booleans(),
@@ -103,7 +110,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         num_tier_blocks: int,
         fine: bool,
         num_disk_blocks: int,
-        second: GroupKind | None,
+        second: GroupKind | str | None,
         token_check: bool,
         policy: tuple[str, str],
         events: bool,
@@ -111,7 +118,8 @@ class SchedulerDriver(RuleBasedStateMachine):
         """Build the engine: one full-attention group of 4 (or 8 with fine-grained hits).
 
         `second` adds a group of 4: a sliding window of 8 tokens (the engine nulls blocks
-        that left it) or a recurrent state (stored from hand-offs). A cascade machine
+        that left it), a recurrent state (stored from hand-offs), a scratch group (never
+        stored or loaded), or ("both") a sliding window and a state. A cascade machine
         puts a disk tier of `num_disk_blocks` behind the CPU tier; a disk-only machine's
         one tier of `num_tier_blocks` is a disk. `token_check` (eager
         only) tags every store and checks every hit's tags. `policy` is the tiers'
@@ -121,10 +129,12 @@ class SchedulerDriver(RuleBasedStateMachine):
         fine = fine and self.mode is StoreMode.EAGER
         token_check = token_check and self.mode is StoreMode.EAGER
         layout = full_layout(8, HASH_BLOCK) if fine else full_layout(4)
-        if second is not None:
-            window = 8 if second is GroupKind.SLIDING_WINDOW else None
-            groups = (*layout.groups, KVGroupSpec(second, HASH_BLOCK, BYTES_PER_BLOCK, window))
-            layout = KVLayout(groups, HASH_BLOCK)
+        kinds = [GroupKind.SLIDING_WINDOW, GroupKind.STATE] if second == "both" else [second]
+        for kind in kinds:
+            if isinstance(kind, GroupKind):
+                window = 8 if kind is GroupKind.SLIDING_WINDOW else None
+                group = KVGroupSpec(kind, HASH_BLOCK, BYTES_PER_BLOCK, window)
+                layout = KVLayout((*layout.groups, group), HASH_BLOCK)
         tiers: dict[str, object] = {"cpu_bytes": 0 if self.disk_only else 1 << 20}
         if self.cascade is not None or self.disk_only:
             tiers.update(disk_bytes=1 << 21, disk_path="unused-by-the-fake-worker")
@@ -188,6 +198,14 @@ class SchedulerDriver(RuleBasedStateMachine):
             if engine.gpu.can_allocate(engine.num_blocks_to_schedule(request_id, chunk)):
                 note(f"schedule {chunk} tokens of {request_id}")
                 engine.schedule(request_id, chunk)
+                # Async scheduling: the plan sees them computed. Not with a sliding window:
+                # the scheduler's table keeps a dropped block's id, and once that block is
+                # reused and hashed ahead the store reads it before the forward writes it
+                # (harmless on a GPU, where stores wait for the forward; the fake worker
+                # reads at submission).
+                if rng.randrange(3) == 0 and self.group_id(GroupKind.SLIDING_WINDOW) is None:
+                    note(f"{request_id} counts them computed, as output placeholders")
+                    engine.count_ahead(request_id)
         self.offer_handoffs(rng)
         self.run_step()
         self.work(rng)
@@ -207,10 +225,13 @@ class SchedulerDriver(RuleBasedStateMachine):
         prefix = family[: HASH_BLOCK * rng.choice([0, 1, 2, 2, 3, 3])]
         tokens = prefix + [rng.randrange(3) for _ in range(rng.randrange(6))] or [7]
         outputs = [rng.randrange(3) for _ in range(rng.randrange(4))]
+        skip = rng.randrange(10) == 0  # wants prompt logprobs: no prefix cache
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        note(f"arrive {request_id}: {tokens} then {outputs}")
-        self.waiting[request_id] = make_request(request_id, tokens, HASH_BLOCK, outputs=outputs)
+        note(f"arrive {request_id}: {tokens} then {outputs}{' (skips the cache)' * skip}")
+        self.waiting[request_id] = make_request(
+            request_id, tokens, HASH_BLOCK, outputs=outputs, skip_prefix_cache=skip
+        )
 
     def admit(self, request_id: str, rng: random.Random) -> None:
         """Admit a waiting request, taking all, none or part of its tier hit.
@@ -228,6 +249,9 @@ class SchedulerDriver(RuleBasedStateMachine):
         pin.update(old_pin)
         pin = +pin
         offered = found.num_offered_tokens
+        if request.skip_prefix_cache:
+            assert offered == 0, "a request skipping the cache got a hit"
+            assert not pin, "a request skipping the cache left a pin"
         assert found.num_local_tokens + offered <= request.num_tokens - 1
         assert offered % HASH_BLOCK == 0
         accepted = rng.choice(
@@ -323,45 +347,49 @@ class SchedulerDriver(RuleBasedStateMachine):
     def offer_handoffs(self, rng: random.Random) -> None:
         """Hand off some computed state blocks of running requests (state layouts)."""
         engine = self.engine
-        groups = engine.layout.groups
-        if len(groups) == 1 or groups[1].kind is not GroupKind.STATE:
+        group_id = self.group_id(GroupKind.STATE)
+        if group_id is None:
             return
         for request_id in sorted(engine.requests):
-            num_full = engine.requests[request_id].num_computed_tokens // HASH_BLOCK
+            request = engine.requests[request_id]  # blocks computed, not just scheduled
+            num_full = (request.num_computed_tokens - request.num_output_placeholders) // HASH_BLOCK
             if engine.is_runnable(request_id) and num_full and rng.randrange(2):
-                block_id = engine.tables[request_id][1][rng.randrange(num_full)]
+                block_id = engine.tables[request_id][group_id][rng.randrange(num_full)]
                 note(f"hand off state block {block_id} of {request_id}")
-                engine.handoff(request_id, 1, block_id)
+                engine.handoff(request_id, group_id, block_id)
 
     def drop_window_blocks(self, rng: random.Random) -> None:
         """Null blocks that left the sliding window of running requests (window layouts)."""
         engine = self.engine
-        groups = engine.layout.groups
-        if len(groups) == 1 or groups[1].kind is not GroupKind.SLIDING_WINDOW:
+        group_id = self.group_id(GroupKind.SLIDING_WINDOW)
+        if group_id is None:
             return
+        num_window_blocks = engine.layout.groups[group_id].num_window_blocks
         for request_id in sorted(engine.requests):
             if not engine.is_runnable(request_id) or rng.randrange(3):
                 continue
             whole = engine.requests[request_id].num_computed_tokens // HASH_BLOCK
-            table = engine.tables[request_id][1]
-            gone = [p for p in range(whole - groups[1].num_window_blocks) if table[p]]
+            table = engine.tables[request_id][group_id]
+            gone = [p for p in range(whole - num_window_blocks) if table[p]]
             if gone:
                 note(f"{request_id}: sliding window drops blocks {gone}")
-                engine.drop_blocks(request_id, 1, gone)
+                engine.drop_blocks(request_id, group_id, gone)
 
     def incident(self, incident: int, rng: random.Random) -> None:
         """Sometimes abort a request, reset the scheduler or report between steps."""
         if incident == 0 and self.live_ids():
-            self.abort(rng.choice(self.live_ids()))
+            # A third of the aborts come from a failed forward pass: `computed=False`.
+            self.abort(rng.choice(self.live_ids()), computed=rng.randrange(3) != 0)
         elif incident == 1:
             self.reset()
         elif incident in (2, 3):
             self.work(rng)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, computed: bool = True) -> None:
         """Finish a live request early, whatever it is doing (waiting, loading, running)."""
-        note(f"abort {request_id}")
-        self.engine.finish(request_id, self.waiting.pop(request_id, None))
+        note(f"abort {request_id}{'' if computed else ' (computed=False)'}")
+        request = self.waiting.pop(request_id, None)
+        self.engine.finish(request_id, request, computed=computed)
         self.lookup_pins.pop(request_id, None)
         self.queued_loads.pop(request_id, None)
 
@@ -406,6 +434,11 @@ class SchedulerDriver(RuleBasedStateMachine):
         self.num_seen_reports = len(reported)
 
     # ------------------------------------------------------------ views
+
+    def group_id(self, kind: GroupKind) -> int | None:
+        """Return the id of the layout's group of `kind`, if it has one."""
+        groups = self.engine.layout.groups
+        return next((i for i, g in enumerate(groups) if g.kind is kind), None)
 
     @property
     def block_size(self) -> int:

@@ -103,6 +103,30 @@ class SimEngine(SimEngineCore):
         self._scheduled[request_id] = num_tokens
         return num_tokens
 
+    def count_ahead(self, request_id: str) -> None:
+        """Count the tokens scheduled for the next step as computed but unconfirmed
+        (output placeholders), as async scheduling does, until the forward pass runs.
+
+        The blocks they fill get their keys now, as vLLM hashes blocks as it schedules
+        them: only the placeholders tell the scheduler their KV is not written yet.
+        """
+        request = self.requests[request_id]
+        num_tokens = self._scheduled[request_id]
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_tokens
+        request.num_output_placeholders += num_tokens
+        self._ahead[request_id] = num_tokens
+        self.learn_chain(request)
+        table = self.tables[request_id]
+        for group_id in self.layout.cacheable_group_ids:  # the blocks the forward writes
+            group = self.layout.groups[group_id]
+            first = start // group.block_size
+            for pos in range(first, request.num_computed_tokens // group.block_size):
+                block_id = table[group_id][pos]
+                if block_id != NULL_BLOCK_ID and self.gpu.key(block_id) is None:
+                    key = block_key(self.layout, request, group_id, pos)
+                    self.gpu.insert_key(key, block_id, group.block_size)
+
     def store_of_finished(self, request: SimRequest) -> TransferJob:
         """Run `request` in one step, finish it and return the store job of its blocks.
 
@@ -179,12 +203,14 @@ class SimEngine(SimEngineCore):
         self._appended.pop(request_id, None)
         self._replace.discard(request_id)
         self._finished.add(request_id)
+        self._take_ahead(request)
 
     def preempt(self, request_id: str) -> SimRequest:
         """Preempt a running request: free its blocks; it must be admitted again."""
         assert self.is_runnable(request_id), f"{request_id} cannot be preempted"
         request = self.requests.pop(request_id)
         self._free_table(self.tables.pop(request_id))
+        self._take_ahead(request)
         request.num_computed_tokens = 0
         self._scheduled.pop(request_id, None)
         self._appended.pop(request_id, None)

@@ -81,6 +81,7 @@ class SimEngineCore:
         self._finished: set[str] = set()
         self._preempted: set[str] = set()
         self._handoffs: list[Handoff] = []
+        self._ahead: dict[str, int] = {}  # tokens counted computed before the forward
 
     # ------------------------------------------------------------ admission
 
@@ -141,6 +142,7 @@ class SimEngineCore:
 
     def compute(self, request: SimRequest, num_tokens: int) -> None:
         """Run the forward pass for `num_tokens` tokens: check reads, write, cache full blocks."""
+        self._take_ahead(request)
         self.check_kv(request)
         start = request.num_computed_tokens
         end = start + num_tokens
@@ -156,6 +158,12 @@ class SimEngineCore:
         self.cache_full_blocks(request)
         if request.num_computed_tokens == request.num_tokens and request.future_token_ids:
             request.append_output()
+
+    def _take_ahead(self, request: SimRequest) -> None:
+        """Uncount the tokens `count_ahead` counted: the forward pass computes them now."""
+        num_tokens = self._ahead.pop(request.request_id, 0)
+        request.num_computed_tokens -= num_tokens
+        request.num_output_placeholders -= num_tokens
 
     def cache_full_blocks(self, request: SimRequest) -> None:
         """Register the key of every computed full block of the request (no-op if held).
