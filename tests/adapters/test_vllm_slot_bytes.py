@@ -2,9 +2,10 @@
 
 Regressions: a `UniformTypeKVCacheSpecs` group (layers of one kind, different page
 sizes) reaches vLLM's scheduler as one of its layers' specs, so the scheduler role sized
-the tiers for 256 slots while the worker held 170 (slots past the worker's tier); and
-nothing checked that the worker's registered regions hold the bytes its tiers were
-sized for.
+the tiers for 256 slots while the worker held 170 (slots past the worker's tier); such
+groups were then refused, and are now sized from their placements in the scheduler
+role (refused only where a padded layer-outermost page hides its size); and nothing
+checked that the worker's registered regions hold the bytes its tiers were sized for.
 """
 
 from __future__ import annotations
@@ -13,18 +14,29 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from types import SimpleNamespace
+
 import torch
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvtier.adapters.vllm import layout
-from kvtier.adapters.vllm.layout import UnsupportedLayoutError, bytes_per_slot, tier_sizes
+from kvtier.adapters.vllm.layout import (
+    UnsupportedLayoutError,
+    bytes_per_slot,
+    kv_layout,
+    tier_sizes,
+)
 from kvtier.adapters.vllm.worker_side import WorkerSide
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier
@@ -61,8 +73,8 @@ def uniform_config() -> KVCacheConfig:
     return KVCacheConfig(NUM_BLOCKS, tensors, [KVCacheGroupSpec(["a", "b"], uniform)])
 
 
-def registered_side(config: KVCacheConfig) -> WorkerSide:
-    side = WorkerSide(config, BUDGET, LAYOUT, ())
+def registered_side(config: KVCacheConfig, layout_name: str = LAYOUT) -> WorkerSide:
+    side = WorkerSide(config, BUDGET, layout_name, ())
     buffer = torch.zeros(max(int(t.size) for t in config.kv_cache_tensors), dtype=torch.uint8)
     side.register_kv_caches({name: buffer for t in config.kv_cache_tensors for name in t.layers})
     return side
@@ -85,12 +97,112 @@ def test_register_refuses_regions_of_other_slot_bytes(monkeypatch: pytest.Monkey
         registered_side(one_layer_config())
 
 
-def test_a_group_of_different_page_sizes_is_refused_by_the_worker() -> None:
+def test_a_group_of_different_page_sizes_is_sized_alike_in_both_roles() -> None:
+    """The scheduler's copy holds one layer's spec; its tiers still hold the worker's
+    170 slots of 2048 + 4096 B (pages read from the placement), not 256 of 2048 B."""
     worker_config = uniform_config()
     scheduler_config = generate_scheduler_kv_cache_config([worker_config])  # vLLM's own
-    assert tier_sizes(BUDGET, scheduler_config) == {Tier.CPU: (1 << 20) // (2 * 2048)}
-    # The worker's slots hold 2048 + 4096 B: 170 slots, not the scheduler's 256.
-    with pytest.raises(UnsupportedLayoutError, match=r"group 0 .* page sizes \[2048, 4096\]"):
+    assert tier_sizes(BUDGET, scheduler_config) == tier_sizes(BUDGET, worker_config)
+    assert tier_sizes(BUDGET, worker_config) == {Tier.CPU: (1 << 20) // (2048 + 4096)}
+    side = registered_side(worker_config)
+    try:
+        assert side.worker.bytes_per_slot == bytes_per_slot(scheduler_config) == 2048 + 4096
+    finally:
+        side.worker.shutdown()
+
+
+def planned(layout_name: str, *group_specs: dict[str, AttentionSpec]) -> KVCacheConfig:
+    """A group of each of `group_specs` placed by vLLM's own planner in `layout_name`."""
+    groups = []
+    for specs in group_specs:
+        uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+        assert uniform is not None
+        groups.append(KVCacheGroupSpec(list(specs), uniform))
+    layout_of = SimpleNamespace(get_resolved_kv_cache_layout=lambda: KVCacheLayout[layout_name])
+    vllm_config = SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=None),
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=layout_of.get_resolved_kv_cache_layout,
+            num_gpu_blocks_override=None,
+            prefix_cache_retention_interval=None,
+        ),
+    )
+    return get_kv_cache_config_from_groups(vllm_config, groups, 1 << 20)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout_name", ["LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+@pytest.mark.parametrize("alignment", [None, 1000])
+def test_vllm_s_placements_of_mixed_pages_are_sized_alike_in_both_roles(
+    layout_name: str, alignment: int | None
+) -> None:
+    """Layer- and block-outermost placements, blocks padded to 1000-byte multiples or not
+    (block-outermost: the padding follows the block's pages); the first layer's spec
+    is the one vLLM's scheduler keeps, the later ones differ from it."""
+    if alignment and layout_name.startswith("L"):
+        pytest.skip("padded pages of a layer-outermost placement: refused, tested below")
+    specs = {
+        name: FullAttentionSpec(
+            block_size=16, num_kv_heads=h, head_size=16, dtype=torch.float16,
+            block_stride_alignment=alignment,
+        )
+        for name, h in (("a", 2), ("b", 4), ("c", 2), ("d", 1))
+    }  # fmt: skip
+    worker_config = planned(layout_name, specs)
+    scheduler_config = generate_scheduler_kv_cache_config([worker_config])
+    pages = 2048 + 4096 + 2048 + 1024
+    assert bytes_per_slot(scheduler_config) == bytes_per_slot(worker_config) == pages
+    assert tier_sizes(BUDGET, scheduler_config) == tier_sizes(BUDGET, worker_config)
+    (scheduler_group,) = kv_layout(scheduler_config, 16).groups
+    assert scheduler_group == kv_layout(worker_config, 16).groups[0]
+    assert scheduler_group.bytes_per_block == pages
+    side = registered_side(worker_config, layout_name)
+    try:
+        assert side.worker.bytes_per_slot == pages
+    finally:
+        side.worker.shutdown()
+
+
+def test_a_hybrid_model_s_groups_of_mixed_pages_share_a_block_alike_in_both_roles() -> None:
+    """Full-attention and sliding-window groups, each of mixed pages, alias one
+    block-outermost allocation (vLLM places mixed pages of several groups only so)."""
+    full = {n: spec(h) for n, h in (("a", 2), ("b", 4))}
+    window = {
+        n: SlidingWindowSpec(
+            block_size=16, num_kv_heads=h, head_size=16, dtype=torch.float16, sliding_window=64
+        )
+        for n, h in (("c", 4), ("d", 1))
+    }
+    worker_config = planned("BLHNC", full, window)
+    scheduler_config = generate_scheduler_kv_cache_config([worker_config])
+    assert bytes_per_slot(scheduler_config) == bytes_per_slot(worker_config) == 2048 + 4096
+    scheduler_layout = kv_layout(scheduler_config, 16)
+    assert scheduler_layout == kv_layout(worker_config, 16)
+    assert [g.bytes_per_block for g in scheduler_layout.groups] == [2048 + 4096, 4096 + 1024]
+    assert scheduler_layout.groups[1].sliding_window == 64
+    side = registered_side(worker_config, "BLHNC")
+    try:
+        assert side.worker.bytes_per_slot == 2048 + 4096
+    finally:
+        side.worker.shutdown()
+
+
+def test_padded_layer_outermost_pages_of_other_sizes_are_refused_by_the_worker() -> None:
+    """A layer-outermost block stride of another layer's spec is its page rounded up to
+    the spec's alignment: the scheduler cannot tell the page from it, so the worker,
+    which sees both, refuses rather than let the roles size the tiers differently."""
+    specs = {
+        name: FullAttentionSpec(
+            block_size=16, num_kv_heads=h, head_size=16, dtype=torch.float16,
+            block_stride_alignment=1000,
+        )
+        for name, h in (("a", 2), ("b", 4))
+    }  # fmt: skip
+    worker_config = planned("LBNHC", specs)
+    scheduler_config = generate_scheduler_kv_cache_config([worker_config])
+    assert bytes_per_slot(scheduler_config) == 2048 + 5000  # "b"'s stride, not its page
+    with pytest.raises(
+        UnsupportedLayoutError, match=r"group\(s\) \[0\] .*hold 6144 B.* of 7048 B.*BLHNC"
+    ):
         WorkerSide(worker_config, BUDGET, LAYOUT, ())
 
 

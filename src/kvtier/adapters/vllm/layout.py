@@ -16,10 +16,11 @@ main test suite) runs without vLLM.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.adapters.vllm.regions import PlacementError, placement_slot_bytes
+from kvtier.adapters.vllm.regions import PlacementError, layer_page_bytes, placement_slot_bytes
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig, agree_num_tier_blocks
 from kvtier.offload.plan import Tier
@@ -71,11 +72,11 @@ def block_level_failures(kv_cache_config: Any) -> bool:
     return len(groups) == 1 and group_kind(groups[0].kv_cache_spec) is GroupKind.FULL_ATTENTION
 
 
-def _group_spec(group: Any, num_layers: int) -> KVGroupSpec:
+def _group_spec(group: Any, pages: dict[str, int]) -> KVGroupSpec:
     spec = group.kv_cache_spec
-    page_bytes = int(spec.page_size_bytes)
-    if type(spec).__name__ != _UNIFORM_SPECS:  # its page is already the sum over its layers
-        page_bytes *= num_layers
+    page_bytes = int(spec.page_size_bytes)  # a UniformTypeKVCacheSpecs sums its layers'
+    if type(spec).__name__ != _UNIFORM_SPECS:  # maybe one layer's of one (scheduler role)
+        page_bytes = sum(pages[name] for name in group.layer_names)
     if not getattr(group, "enable_kv_transfer", True) or not spec.prefix_cacheable:
         return KVGroupSpec(GroupKind.SCRATCH, int(spec.block_size), page_bytes)
     kind = group_kind(spec)
@@ -100,9 +101,8 @@ def kv_layout(kv_cache_config: Any, hash_block_size: int | None = None) -> KVLay
     `hash_block_size` defaults to `kv_cache_config.hash_block_size` (set by vLLM's engine
     core); it must match the granularity of `Request.block_hashes`.
     """
-    groups = tuple(
-        _group_spec(group, len(group.layer_names)) for group in kv_cache_config.kv_cache_groups
-    )
+    pages = layer_page_bytes(kv_cache_config)
+    groups = tuple(_group_spec(group, pages) for group in kv_cache_config.kv_cache_groups)
     if hash_block_size is None:
         hash_block_size = kv_cache_config.hash_block_size
     return KVLayout(groups, configured_hash_block_size=hash_block_size)
@@ -148,7 +148,7 @@ def tier_sizes(
     rank's budget. Raises `ConfigError` / `UnsupportedLayoutError` at start-up when this
     rank's blocks cannot be stored as configured.
     """
-    check_one_page_per_group(kv_cache_config)
+    check_scheduler_agrees(kv_cache_config)
     own_bytes = bytes_per_slot(kv_cache_config)
     check_direct_io(config, own_bytes)
     per_stage = [own_bytes]
@@ -167,27 +167,43 @@ def tier_sizes(
     }
 
 
-def check_one_page_per_group(kv_cache_config: Any) -> None:
-    """Raise `UnsupportedLayoutError` when a group's layers have different page sizes.
+def check_scheduler_agrees(kv_cache_config: Any) -> None:
+    """Raise `UnsupportedLayoutError` when vLLM's scheduler role would size other tier
+    slots than this worker's `kv_cache_config` holds.
 
-    vLLM merges such layers into one `UniformTypeKVCacheSpecs` group, but hands the
-    scheduler role a copy holding only one of its layers' specs
-    (`generate_scheduler_kv_cache_config`): sized from it, the scheduler's tiers would
-    hold another number of slots than the workers' (more slots than they have when that
-    layer's page is the smallest). Only a worker sees the layers, so it refuses at start-up.
+    vLLM hands the scheduler a copy in which a `UniformTypeKVCacheSpecs` group holds only
+    its first layer's spec (`generate_scheduler_kv_cache_config`); the other layers'
+    pages are then read from their placements (`regions.layer_page_bytes`), which cannot
+    tell a layer-outermost page from the padding its spec's alignment added. Only a
+    worker sees both, so it builds the same copy and refuses at start-up on a mismatch.
     """
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if type(spec).__name__ != _UNIFORM_SPECS:
-            continue
-        pages = sorted({int(inner.page_size_bytes) for inner in spec.kv_cache_specs.values()})
-        if len(pages) > 1:
-            raise UnsupportedLayoutError(
-                f"KV cache group {index} has layers with different page sizes {pages} B: "
-                "vLLM's scheduler sees only one of its layers, so kvtier's scheduler role "
-                "would size the tiers for other slots than its workers hold; kvtier does "
-                "not support this model, disable the connector for it"
-            )
+    groups = kv_cache_config.kv_cache_groups
+    uniform = [i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == _UNIFORM_SPECS]
+    if not uniform:
+        return
+    view = copy.copy(kv_cache_config)
+    view.kv_cache_groups = [_as_scheduler_sees(group) for group in groups]
+    own, seen = bytes_per_slot(kv_cache_config), bytes_per_slot(view)
+    if own != seen:
+        raise UnsupportedLayoutError(
+            f"KV cache group(s) {uniform} merge layers of different specs: this worker's "
+            f"tier slots hold {own} B, but vLLM's scheduler sees one layer's spec of "
+            f"each and kvtier's scheduler role would size slots of {seen} B (a "
+            "layer-outermost placement pads some pages to their alignment); use a "
+            "block-outermost layout (VLLM_KV_CACHE_LAYOUT=BLHNC or BLNHC) or disable "
+            "the connector for this model"
+        )
+
+
+def _as_scheduler_sees(group: Any) -> Any:
+    """Return `group` as vLLM's scheduler gets it: a UniformTypeKVCacheSpecs replaced
+    by its first layer's spec (`generate_scheduler_kv_cache_config`)."""
+    spec = group.kv_cache_spec
+    if type(spec).__name__ != _UNIFORM_SPECS:
+        return group
+    seen = copy.copy(group)
+    seen.kv_cache_spec = next(iter(spec.kv_cache_specs.values()))
+    return seen
 
 
 def stage_slot_bytes(kv_cache_config: Any, stage_layers: Sequence[int]) -> list[int]:

@@ -89,7 +89,7 @@ def _placed_pages(kv_cache_config: Any) -> list[tuple[str, int, int, int]]:
     placements = [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
     if not placements:
         raise PlacementError("the KV cache config places no tensor on the device")
-    page_bytes = _page_bytes_by_layer(kv_cache_config)
+    page_bytes = layer_page_bytes(kv_cache_config)
     pages = []
     for placement in placements:
         for index, name in enumerate(placement.layers):
@@ -128,15 +128,59 @@ def _tensors(value: KVCacheValue) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else list(value)
 
 
-def _page_bytes_by_layer(kv_cache_config: Any) -> dict[str, int]:
+def layer_page_bytes(kv_cache_config: Any) -> dict[str, int]:
+    """Return the page bytes of every layer of a KV cache group, by layer name.
+
+    A worker's `UniformTypeKVCacheSpecs` group names each layer's spec, but vLLM's
+    scheduler role gets a copy holding one of them for the whole group
+    (`generate_scheduler_kv_cache_config`). A layer placed as that spec's pages could not
+    be holds another spec's: its page is read from its placement (`_placed_page`).
+    """
+    placed = {
+        name: t
+        for t in kv_cache_config.kv_cache_tensors
+        if not t.host_resident
+        for name in t.layers
+    }
+    num_blocks = int(kv_cache_config.num_blocks)
     pages: dict[str, int] = {}
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         per_layer = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
         for name in group.layer_names:
-            layer_spec = per_layer[name] if per_layer is not None else spec
-            pages[name] = int(layer_spec.page_size_bytes)
+            if per_layer is not None:
+                pages[name] = int(per_layer[name].page_size_bytes)
+            else:
+                pages[name] = _placed_page(spec, placed.get(name), num_blocks)
     return pages
+
+
+def _placed_page(spec: Any, placement: Any, num_blocks: int) -> int:
+    """Return the page of a layer of `spec`'s group placed by `placement`.
+
+    vLLM's planner gives each distinct layer spec its own placement: block-outermost,
+    its layer stride is the page; layer-outermost (layer stride = block stride x
+    blocks), its block stride is the page rounded up to the spec's
+    `block_stride_alignment`. A placement `spec` could have made holds `spec`'s pages;
+    another holds another spec's, whose page is the stride (exact unless that spec's
+    alignment rounded it up: `layout.check_scheduler_agrees` refuses that on the worker).
+    """
+    page = int(spec.page_size_bytes)
+    if placement is None:
+        return page
+    layer_stride, block_stride = int(placement.layer_stride), int(placement.block_stride)
+    if block_stride > 0 and layer_stride == block_stride * num_blocks:  # layer-outermost
+        return page if block_stride in (page, _padded_page(spec)) else block_stride
+    if layer_stride > 0 and layer_stride * len(placement.layers) <= block_stride:
+        return layer_stride  # block-outermost: the layers' pages side by side in a block
+    return page  # a placement vLLM's planner does not make: the spec's page, as it says
+
+
+def _padded_page(spec: Any) -> int:
+    """Return `spec`'s page rounded up to its block stride alignment, as vLLM's planner
+    strides a layer-outermost block."""
+    alignment = getattr(spec, "get_block_stride_alignment", lambda: 1)()
+    return -(-int(spec.page_size_bytes) // alignment) * alignment
 
 
 def _check_view_start(
