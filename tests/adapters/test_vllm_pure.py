@@ -319,9 +319,10 @@ def test_events_keep_vllm_field_names_and_media() -> None:
         "mamba",
         "LOCAL",
     )
-    assert (fields["token_ids"], fields["group_idx"], fields["extra_keys"]) == ([1, 2], 0, None)
+    assert (fields["token_ids"], fields["group_idx"], fields["extra_keys"]) == ([1, 2], 0, [None])
     _, fields = TRANSLATOR.translate(BlockStored(HASH, 3, 8, group_kind="state", medium="CPU"))
     assert (fields["kv_cache_spec_kind"], fields["medium"]) == ("state", "CPU")
+    assert fields["extra_keys"] is None  # payload-free: made without the request, unknown
     assert TRANSLATOR.translate(BlockRemoved(HASH, 1, "CPU"))[1]["medium"] == "CPU"
     # A reset names what the tier held, per group, with its medium (vLLM's clear has none).
     held = (BlockRemoved(HASH, 0, "CPU"), BlockRemoved(HASH[::-1], 1, "CPU"))

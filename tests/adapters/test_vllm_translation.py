@@ -189,7 +189,7 @@ def test_events_translate_to_vllm_classes() -> None:
         "mamba",
         "LOCAL",
     )
-    assert (stored.lora_id, stored.lora_name, stored.extra_keys) == (3, "l", None)
+    assert (stored.lora_id, stored.lora_name, stored.extra_keys) == (3, "l", [None])
     removed = translator.translate(BlockRemoved(HASH, 0, "CPU"))
     assert isinstance(removed, vllm_events.BlockRemoved)
     assert removed.block_hashes == [maybe_convert_block_hash(HASH)]

@@ -6,6 +6,7 @@ import pytest
 from sim import SimEngine, SimRequest, block_key, config, full_layout, make_request
 
 from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
@@ -181,6 +182,26 @@ def test_scenario_14_partial_tail_is_flushed_once_and_later_hit_whole() -> None:
     assert engine.loading == {}
     engine.check_kv(b)
     engine.check()
+
+
+def test_a_partial_tail_s_event_describes_its_last_hash_block_as_vllm_does() -> None:
+    """The fine-grained tail's `BlockStored` spans the tail key's last hash block (its
+    tokens, the hash before it as parent), as vLLM's `cache_partial_block` event for the
+    same hash does; it was payload-free (no tokens, no parent)."""
+    engine = SimEngine(fine_layout(), config(fine_grained_hits=True, events=True))
+    a = make_request("a", range(12), outputs=[40, 41])
+    engine.run(a)
+    engine.drain()
+    events = engine.scheduler.take_events()
+    (tail,) = [
+        e for e in events if isinstance(e, BlockStored) and e.block_hash == a.block_hashes[2]
+    ]
+    assert (tail.block_size, tail.token_ids, tail.parent_block_hash) == (
+        4,
+        (8, 9, 10, 11),
+        a.block_hashes[1],
+    )
+    assert (tail.group_kind, tail.medium) == ("full_attention", "CPU")
 
 
 def test_scenario_14_a_partial_tail_shared_by_two_flushes_is_stored_once() -> None:

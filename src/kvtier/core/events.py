@@ -15,10 +15,12 @@ from kvtier.core.keys import BlockHash
 class BlockStored:
     """A key became visible in a tier.
 
-    `block_size` is the number of tokens the block covers (a partial tail covers fewer
-    than the group's block size). Lazy stores, hand-offs and partial tails carry no
-    payload: no `token_ids`, and no `session_id` (the engine's session of the request
-    whose block was stored).
+    `block_size` is the number of tokens the event spans: a whole block's, or for a
+    partial key (a fine-grained tail, a secondary key) its last hash block's, as vLLM's
+    events have it (the tier's own count is the pool's `num_tokens`). Lazy stores,
+    hand-offs, secondary keys and cascade demotions carry no payload: no `token_ids`,
+    parent, extra keys or `session_id` (the engine's session of the request whose block
+    was stored).
     """
 
     block_hash: BlockHash

@@ -21,21 +21,42 @@ def request_key(layout: KVLayout, request: RequestView, group_id: int, pos: int)
 
 def block_payload(layout: KVLayout, request: RequestView, group_id: int, pos: int) -> BlockStored:
     """Return the `BlockStored` payload of the request's block `pos` in a group."""
-    group = layout.groups[group_id]
     ratio = layout.blocks_per_hash(group_id)
+    size = layout.groups[group_id].block_size
+    return _payload(layout, request, group_id, (pos + 1) * ratio - 1, pos * size, size)
+
+
+def tail_payload(
+    layout: KVLayout, request: RequestView, group_id: int, num_tokens: int
+) -> BlockStored:
+    """Return the `BlockStored` payload of the partial key ending at prefix `num_tokens`.
+
+    `num_tokens`: a multiple of the hash block size, not of the group's block size. As
+    vLLM's event for the same hash (`BlockPool.cache_partial_block`), it describes the
+    key's last hash block: those tokens, its extra keys, and the hash before it as parent.
+    """
+    size = layout.hash_block_size
+    return _payload(layout, request, group_id, num_tokens // size - 1, num_tokens - size, size)
+
+
+def _payload(
+    layout: KVLayout, request: RequestView, group_id: int, index: int, start: int, size: int
+) -> BlockStored:
+    """Return the payload of hash `index`, over the `size` tokens from `start`, chained to
+    the hash one span (`size` tokens) earlier."""
+    group = layout.groups[group_id]
     hashes = request.block_hashes
-    parent = hashes[pos * ratio - 1] if pos > 0 else None
-    start = pos * group.block_size
+    step = size // layout.hash_block_size
     lora = request.lora
     return BlockStored(
-        block_hash=hashes[(pos + 1) * ratio - 1],
+        block_hash=hashes[index],
         group_id=group_id,
-        block_size=group.block_size,
-        parent_block_hash=parent,
-        token_ids=tuple(request.token_ids[start : start + group.block_size]),
+        block_size=size,
+        parent_block_hash=hashes[index - step] if index >= step else None,
+        token_ids=tuple(request.token_ids[start : start + size]),
         lora_id=None if lora is None else lora.lora_id,
         lora_name=None if lora is None else lora.lora_name,
-        extra_keys=request.block_extra_keys(start, start + group.block_size),
+        extra_keys=request.block_extra_keys(start, start + size),
         group_kind=group.kind.value,
         sliding_window=group.sliding_window,
         session_id=request.session_id,

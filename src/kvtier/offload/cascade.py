@@ -110,7 +110,7 @@ class Cascade(WriteThroughRetries):
         disk_pool: BlockPool,
         mode: CascadeMode,
         reserve: int,
-        event: Callable[[Key, int], BlockStored] | None = None,
+        event: Callable[[Key, int | None], BlockStored] | None = None,
         dropped: DroppedSlots | None = None,
         retries_per_plan: int | None = None,
     ) -> None:
@@ -381,10 +381,11 @@ class Cascade(WriteThroughRetries):
                     disk_pool.discard_keys(stale)
                     self.dropped_slots.add([stale])  # a restart must not restore it either
         keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]
+        num_tokens: int | None = item.num_tokens  # a secondary key's count is not recorded
         for key in keys:
-            event = None if self._event is None else self._event(key, item.num_tokens)
+            event = None if self._event is None else self._event(key, num_tokens)
             disk_pool.insert_key(key, item.disk_block_id, item.num_tokens, event, tag)
-            tag = None  # a tag goes with the primary key only
+            tag, num_tokens = None, None  # a tag goes with the primary key only
         self.counters.num_demoted_blocks += 1
 
     def release(self, items: Iterable[MoveItem]) -> None:

@@ -44,7 +44,12 @@ class Registrar:
         tail_num_tokens = stores.tails.get(index, 0)
         tag = stores.tags.get(index)
         if tail_num_tokens:
-            event = self.event(own_key, tail_num_tokens)
+            tail = stores.payloads.get(index)  # captured at selection (events on, eager)
+            event = (
+                self.event(own_key, tail_num_tokens)
+                if tail is None
+                else replace(tail, medium=self.tier.value)
+            )
             tier_pool.insert_key(own_key, tier_block, tail_num_tokens, event, tag)
             return
         gpu_block_id = stores.gpu_block_ids[index]
@@ -64,9 +69,7 @@ class Registrar:
             event = self.event(key, num_tokens)
         tier_pool.insert_key(key, tier_block, num_tokens, event, tag)
         for secondary in gpu_pool.secondary_keys(gpu_block_id):
-            tier_pool.insert_key(
-                secondary, tier_block, num_tokens, self.event(secondary, num_tokens)
-            )
+            tier_pool.insert_key(secondary, tier_block, num_tokens, self.event(secondary, None))
 
     def register_all(self, stores: StoreBatch, gpu_pool: GpuPoolView) -> None:
         """`register` each store; with events off, with batched reads (a step's hot path)."""
@@ -101,10 +104,19 @@ class Registrar:
                     for secondary in extra.get(gpu_block_id, ()):
                         self.tier_pool.insert_key(secondary, tier_ids[i], count)
 
-    def event(self, key: Key, num_tokens: int, tier: Tier | None = None) -> BlockStored:
-        """Return the payload-free `BlockStored` of `key`, with its group's kind and window."""
+    def event(self, key: Key, num_tokens: int | None, tier: Tier | None = None) -> BlockStored:
+        """Return the payload-free `BlockStored` of `key`, with its group's kind and window.
+
+        `num_tokens`: the tokens of its block `key` covers; None for a secondary key (no
+        pool records its count). A key covering less than a whole block (a partial tail,
+        a secondary key) is a partial entry, which vLLM's events describe by its last
+        hash block: its `block_size` is the hash block size, as vLLM's own event for
+        the same hash has it (`BlockPool.cache_partial_block`).
+        """
         group_id = key_group_id(key)
         group = self.layout.groups[group_id]
+        if num_tokens is None or num_tokens < group.block_size:
+            num_tokens = self.layout.hash_block_size
         return BlockStored(
             key_block_hash(key),
             group_id,

@@ -54,7 +54,7 @@ def make_cascade(
     setup: SchedulerSetup,
     policy: PolicySpec,
     cpu_pool: BlockPool,
-    event: Callable[[Key, int], BlockStored],
+    event: Callable[[Key, int | None], BlockStored],
     dropped: DroppedSlots,
 ) -> Cascade | None:
     """Return the cascade of a CPU+disk config over `cpu_pool`, or None for one tier.

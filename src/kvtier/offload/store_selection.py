@@ -18,7 +18,7 @@ from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
-from kvtier.offload.block_payload import block_payload, request_key
+from kvtier.offload.block_payload import block_payload, request_key, tail_payload
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.lazy_walk import LazyWalk
@@ -338,7 +338,12 @@ class StoreSelector(StoreQueueing):
             tag = None
             if self.tags is not None and pos >= self.tags.floor(request.request_id, group_id):
                 tag = (key, self.tags.of(request)[last_hash])
-            outcome = self.try_select(table[pos], tail_key=key, tail_num_tokens=rest, tag=tag)
+            stored = None
+            if self.record_payload:
+                stored = tail_payload(self.layout, request, group_id, confirmed)
+            outcome = self.try_select(
+                table[pos], tail_key=key, tail_num_tokens=rest, stored=stored, tag=tag
+            )
             self.counters.count_store(outcome)
 
     def take_queued(self) -> StoreBatch:

@@ -52,7 +52,7 @@ class EventTranslator:
     block_removed: Callable[..., Any]
     convert_hash: Callable[[BlockHash], Any]
     group_spec_kinds: tuple[str | None, ...] = ()
-    convert_extra_keys: Callable[[list[tuple[Any, ...]]], Any] = list
+    convert_extra_keys: Callable[[list[tuple[Any, ...] | None]], Any] = list
 
     @staticmethod
     def for_vllm(kv_cache_config: Any) -> EventTranslator:
@@ -129,12 +129,21 @@ class EventTranslator:
             lora_id=event.lora_id,
             medium=vllm_medium(event.medium),
             lora_name=event.lora_name,
-            extra_keys=(
-                self.convert_extra_keys([tuple(event.extra_keys)]) if event.extra_keys else None
-            ),
+            extra_keys=self._extra_keys(event),
             group_idx=event.group_id,
             kv_cache_spec_kind=spec_kind if spec_kind is not None else event.group_kind,
             kv_cache_spec_sliding_window=event.sliding_window,
             locality=LOCAL,
             session_id=event.session_id,
         )
+
+    def _extra_keys(self, event: BlockStored) -> Any:
+        """Return the event's extra keys as vLLM publishes them: one entry per block.
+
+        vLLM's GPU events say `[None]` for a block without extra keys. An event without a
+        token payload (lazy store, hand-off, cascade) was made without the request, so
+        its extra keys are unknown: `None`, as vLLM says when it has no entries at all.
+        """
+        if event.extra_keys:
+            return self.convert_extra_keys([tuple(event.extra_keys)])
+        return self.convert_extra_keys([None]) if event.token_ids else None
