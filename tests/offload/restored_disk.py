@@ -1,4 +1,4 @@
-"""A disk that starts with copies restored from a manifest, for the write-through runs.
+"""A disk that starts with copies restored from a manifest, for the runs with a disk tier.
 
 A restart indexes what a persistent disk kept (`OffloadScheduler.restore`). Here some
 blocks of the two prefix families (`FAMILIES`, first group) start on disk, each copy
@@ -10,8 +10,9 @@ restored with one of three token tags when the token check is on:
   served, and it holds that prefix's KV (`FOREIGN`), so serving it is wrong KV.
 
 Write-through must not take the last two for the CPU copy's disk copy: it demotes the
-tagged CPU copy, which replaces them (`Cascade._disk_copy`, `_register`). Without the
-check, tags are not kept and every copy holds the right bytes.
+tagged CPU copy, which replaces them (`Cascade._disk_copy`, `_register`); write-back and
+disk-only runs must never serve them either. Without the check, tags are not kept and
+every copy holds the right bytes.
 """
 
 from __future__ import annotations

@@ -30,16 +30,28 @@ from sim import (
     needed_positions,
 )
 
+from kvtier.core.extra_keys import MultiModalItem, RequestExtras
 from kvtier.core.keys import BlockHash, Key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvtier.offload.config import CascadeMode, OffloadConfig, StoreMode
 from kvtier.offload.plan import Tier, TransferJob
+from kvtier.offload.protocols import LoRAInfo
 
 HASH_BLOCK = 4
 FAMILIES = [[1000 * f + i for i in range(12)] for f in range(2)]
 MAX_LIVE_REQUESTS = 4
 SEEDS = st.integers(0, 2**32 - 1)
+# What besides tokens a request's hashes take: mostly nothing, else a LoRA adapter, a
+# cache salt, an image across the first two hash blocks, or a LoRA and a salt. Requests
+# of a family with other extras share tokens, never KV.
+LORA = LoRAInfo(1, "adapter")
+EXTRAS: list[tuple[LoRAInfo | None, RequestExtras]] = [(None, RequestExtras())] * 4 + [
+    (LORA, RequestExtras()),
+    (None, RequestExtras(cache_salt="tenant")),
+    (None, RequestExtras(mm_items=(MultiModalItem("image", 2, 4),))),
+    (LORA, RequestExtras(cache_salt="tenant")),
+]
 WORKER_ACTIONS = ["done"] * 6 + ["wait"] * 3 + ["fail", "corrupt"]
 # The tiers' (eviction, admission) policies: LRU alone half the time, else any other pair.
 OTHER_POLICIES = [
@@ -101,6 +113,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         self.next_id = 0
         self.hits_reported = 0  # cumulative hit tokens at the last take_stats
         self.event_keys: dict[str, Counter[tuple[BlockHash, int]]] = {}  # per tier, replayed
+        self.admitted = False  # this step's admissions ran (`abort`)
 
     @initialize(**SETUP_ARGS)
     def setup(
@@ -175,6 +188,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         while len(self.live_ids()) < MAX_LIVE_REQUESTS and rng.randrange(3) == 0:
             self.arrive(rng)
         incident, after_admission = rng.randrange(10), rng.randrange(2)
+        self.admitted = False
         if not after_admission:
             self.incident(incident, rng)
         if rng.randrange(3) == 0:
@@ -183,6 +197,7 @@ class SchedulerDriver(RuleBasedStateMachine):
         for request_id in sorted(self.waiting):
             if rng.randrange(4):
                 self.admit(request_id, rng)
+        self.admitted = True
         if after_admission:  # queued loads and lookup pins exist only now
             self.incident(incident, rng)
         preempted = []
@@ -226,11 +241,20 @@ class SchedulerDriver(RuleBasedStateMachine):
         tokens = prefix + [rng.randrange(3) for _ in range(rng.randrange(6))] or [7]
         outputs = [rng.randrange(3) for _ in range(rng.randrange(4))]
         skip = rng.randrange(10) == 0  # wants prompt logprobs: no prefix cache
+        lora, extras = rng.choice(EXTRAS)
         request_id = f"r{self.next_id}"
         self.next_id += 1
         note(f"arrive {request_id}: {tokens} then {outputs}{' (skips the cache)' * skip}")
+        if lora is not None or extras != RequestExtras():
+            note(f"{request_id} has {lora} and {extras}")
         self.waiting[request_id] = make_request(
-            request_id, tokens, HASH_BLOCK, outputs=outputs, skip_prefix_cache=skip
+            request_id,
+            tokens,
+            HASH_BLOCK,
+            outputs=outputs,
+            lora=lora,
+            extras=extras,
+            skip_prefix_cache=skip,
         )
 
     def admit(self, request_id: str, rng: random.Random) -> None:
@@ -386,8 +410,17 @@ class SchedulerDriver(RuleBasedStateMachine):
             self.work(rng)
 
     def abort(self, request_id: str, computed: bool = True) -> None:
-        """Finish a live request early, whatever it is doing (waiting, loading, running)."""
+        """Finish a live request early, whatever it is doing (waiting, loading, running).
+
+        `computed=False` before this step's admissions: its part of the last forward pass
+        failed, so the blocks it wrote hold no KV of their keys (`fail_forward`); no tier
+        may ever take them for their keys (the model checks find the wrong bytes). After
+        admissions a new request may already read them from the GPU cache: not this case.
+        """
         note(f"abort {request_id}{'' if computed else ' (computed=False)'}")
+        if not computed and not self.admitted and request_id in self.engine.requests:
+            note(f"{request_id}'s last forward failed: {self.engine.last_forward.get(request_id)}")
+            self.engine.fail_forward(request_id)
         request = self.waiting.pop(request_id, None)
         self.engine.finish(request_id, request, computed=computed)
         self.lookup_pins.pop(request_id, None)

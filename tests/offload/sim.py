@@ -173,6 +173,7 @@ class SimEngine(SimEngineCore):
     def step(self) -> TransferPlan:
         """Build the plan, hand it to the worker, run the forward pass and apply the report."""
         scheduled = dict(self._scheduled)
+        self.last_forward.clear()
         step = self.step_input()
         self._scheduled.clear()
         plan = self.scheduler.build_plan(step)

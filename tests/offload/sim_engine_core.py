@@ -25,6 +25,8 @@ from kvtier.offload.protocols import Handoff
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 from kvtier.offload.transfers import ReportOutcome
 
+FAILED_FORWARD = "a failed forward's KV"  # what a failed forward pass leaves in a block
+
 
 @dataclass(frozen=True)
 class Lookup:
@@ -82,17 +84,31 @@ class SimEngineCore:
         self._preempted: set[str] = set()
         self._handoffs: list[Handoff] = []
         self._ahead: dict[str, int] = {}  # tokens counted computed before the forward
+        # Per request of the last forward pass: the GPU blocks it wrote and what each
+        # held before (`fail_forward`).
+        self.last_forward: dict[str, list[tuple[int, Content]]] = {}
 
     # ------------------------------------------------------------ admission
 
     def local_hit(self, request: SimRequest) -> tuple[int, list[list[int]]]:
         """Return the GPU prefix hit in tokens and its block ids per group."""
         hit = find_longest_hit(
-            self.layout, request.block_hashes, request.num_tokens - 1, self.gpu.cached_block
+            self.layout, request.block_hashes, request.num_tokens - 1, self.cached_block
         )
         if request.skip_prefix_cache or hit.num_tokens == 0:
             return 0, [[] for _ in self.layout.groups]
         return hit.num_tokens, [list(ids) for ids in hit.block_ids]
+
+    def cached_block(self, key: Key) -> int | None:
+        """Return the GPU block cached under `key`, unless it holds other KV on a worker
+        (a failed forward's, `fail_forward`: the engine frees it with its key, as vLLM
+        does, but it is not this engine's cache that is under test)."""
+        block_id = self.gpu.cached_block(key)
+        if block_id is None:
+            return None
+        if all(key in self.covered.get(gpu.get(block_id), ()) for gpu in self.worker.gpu):
+            return block_id
+        return None
 
     def lookup(self, request: SimRequest) -> Lookup:
         """Find the request's local (GPU) hit, then ask the tier for more (pins the hit)."""
@@ -147,17 +163,27 @@ class SimEngineCore:
         start = request.num_computed_tokens
         end = start + num_tokens
         table = self.tables[request.request_id]
+        written = self.last_forward.setdefault(request.request_id, [])
         for group_id, group in enumerate(self.layout.groups):
             if not group.is_cacheable:
                 continue
             first = start // group.block_size
             for pos in range(first, math.ceil(end / group.block_size)):
+                before = block_content(self.layout, request, group_id, pos, start)
+                written.append((table[group_id][pos], before or FAILED_FORWARD))
                 content = block_content(self.layout, request, group_id, pos, end)
                 self.worker.write_gpu(table[group_id][pos], content)
         request.num_computed_tokens = end
         self.cache_full_blocks(request)
         if request.num_computed_tokens == request.num_tokens and request.future_token_ids:
             request.append_output()
+
+    def fail_forward(self, request_id: str) -> None:
+        """Let the request's part of the last forward pass have failed: every block it
+        wrote holds only what it held before, and `FAILED_FORWARD` past that (the whole
+        block when it held no whole hash block before)."""
+        for block_id, before in self.last_forward.get(request_id, ()):
+            self.worker.write_gpu(block_id, before)
 
     def _take_ahead(self, request: SimRequest) -> None:
         """Uncount the tokens `count_ahead` counted: the forward pass computes them now."""

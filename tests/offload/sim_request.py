@@ -7,12 +7,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.hashing import BlockHasher, RequestExtras, RequestHasher
+from kvtier.core.hashing import NO_EXTRAS, BlockHasher, RequestExtras, RequestHasher
 from kvtier.core.keys import BlockHash, Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import OffloadConfig
@@ -101,11 +102,15 @@ def make_request(
     *,
     outputs: Iterable[int] = (),
     lora: LoRAInfo | None = None,
+    extras: RequestExtras = NO_EXTRAS,
     skip_prefix_cache: bool = False,
 ) -> SimRequest:
-    """Return a request whose prompt is `token_ids`; `outputs` are sampled one per step."""
+    """Return a request whose prompt is `token_ids`; `outputs` are sampled one per step.
+
+    Its hashes take `extras` (multimodal items, cache salt...), with `lora`'s name.
+    """
     tokens = list(token_ids)
-    extras = RequestExtras(lora_name=None if lora is None else lora.lora_name)
+    extras = dataclasses.replace(extras, lora_name=None if lora is None else lora.lora_name)
     hasher = RequestHasher(BlockHasher(hash_block_size), extras)
     hasher.extend(tokens)
     return SimRequest(

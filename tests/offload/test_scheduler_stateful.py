@@ -241,20 +241,12 @@ class LazySchedulerMachine(SchedulerMachine):
     mode = StoreMode.LAZY
 
 
-class WriteThroughMachine(SchedulerMachine):
-    """The same runs with a CPU+disk cascade, write-through: once drained, every block
-    the CPU tier holds is on disk too, or has a reason not to be (`DiskCoverage`).
+class RestoredDiskMachine(SchedulerMachine):
+    """The same runs with a disk that may start with restored copies of family blocks,
+    with the token check on some tagged for another prefix or not at all
+    (`restored_disk`): never served, and a stored copy must replace them or leave them
+    be. A reset drops them all, so half the runs have none."""
 
-    The disk may start with restored copies of family blocks, with the token check on
-    some tagged for another prefix or not at all (`restored_disk`): the CPU copy must
-    replace them. A reset drops them all, so half the runs have none. Demotions linger,
-    loads of CPU blocks being demoted often fail, and such demotions mostly wait
-    (`stuck`): the key may be stored again into another CPU block while its demotion is
-    in flight, and that block's demotion must wait as a retry.
-    """
-
-    cascade = CascadeMode.WRITE_THROUGH
-    coverage: DiskCoverage | None = None
     resets = True
 
     @initialize(**SETUP_ARGS, disk_seed=SEEDS)
@@ -264,8 +256,30 @@ class WriteThroughMachine(SchedulerMachine):
         token_check = kwargs["token_check"] and self.mode is StoreMode.EAGER
         self.legit.update(("DISK", key) for key in restore_disk(self.engine, token_check, rng))
         self.resets = rng.randrange(2) == 0
-        self.demoting: dict[int, list[Key | None]] = {}  # event -> its sources' keys then
         note(f"resets: {self.resets}")
+
+    def incident(self, incident: int, rng: random.Random) -> None:
+        """Without resets, a reset's turn reports instead (the restored copies stay)."""
+        super().incident(2 if incident == 1 and not self.resets else incident, rng)
+
+
+class WriteThroughMachine(RestoredDiskMachine):
+    """The same runs with a CPU+disk cascade, write-through: once drained, every block
+    the CPU tier holds is on disk too, or has a reason not to be (`DiskCoverage`).
+
+    Restored disk copies the token check cannot serve must be replaced by the CPU
+    copy's. Demotions linger, loads of CPU blocks being demoted often fail, and such
+    demotions mostly wait (`stuck`): the key may be stored again into another CPU block
+    while its demotion is in flight, and that block's demotion must wait as a retry.
+    """
+
+    cascade = CascadeMode.WRITE_THROUGH
+    coverage: DiskCoverage | None = None
+
+    @initialize(**SETUP_ARGS, disk_seed=SEEDS)
+    def setup(self, disk_seed: int, **kwargs: Any) -> None:
+        super().setup(disk_seed, **kwargs)
+        self.demoting: dict[int, list[Key | None]] = {}  # event -> its sources' keys then
 
     def run_step(self) -> None:
         super().run_step()
@@ -314,10 +328,6 @@ class WriteThroughMachine(SchedulerMachine):
         self.poll()
         worker.complete_all()
 
-    def incident(self, incident: int, rng: random.Random) -> None:
-        """Without resets, a reset's turn reports instead (the restored copies stay)."""
-        super().incident(2 if incident == 1 and not self.resets else incident, rng)
-
     @invariant()
     def watch_disk_coverage(self) -> None:
         """Hook the cascade once, right after `setup`: before any store."""
@@ -339,26 +349,26 @@ class WriteThroughLazyMachine(WriteThroughMachine):
     mode = StoreMode.LAZY
 
 
-class WriteBackLazyMachine(SchedulerMachine):
+class WriteBackLazyMachine(RestoredDiskMachine):
     """The same runs with a CPU+disk cascade, write-back, lazy store selection."""
 
     mode = StoreMode.LAZY
     cascade = CascadeMode.WRITE_BACK
 
 
-class WriteBackMachine(SchedulerMachine):
+class WriteBackMachine(RestoredDiskMachine):
     """The same runs with a CPU+disk cascade, write-back, eager store selection."""
 
     cascade = CascadeMode.WRITE_BACK
 
 
-class DiskOnlyMachine(SchedulerMachine):
+class DiskOnlyMachine(RestoredDiskMachine):
     """The same runs with a disk-only tier (no cascade), eager store selection."""
 
     disk_only = True
 
 
-class DiskOnlyLazyMachine(SchedulerMachine):
+class DiskOnlyLazyMachine(RestoredDiskMachine):
     """The same runs with a disk-only tier (no cascade), lazy store selection."""
 
     mode = StoreMode.LAZY
