@@ -70,6 +70,20 @@ def test_gpu_pool_view_reads_blocks_and_keys() -> None:
     assert list(view.block(ids[1]).secondary_keys) == [extra]
 
 
+def test_gpu_pool_view_names_every_block_of_a_hash_cached_twice() -> None:
+    """vLLM caches a hash twice when two requests computed it; `cached_blocks` names both
+    (an unconfirmed finish holds back every block of a dropped position's key)."""
+    pool, ids = cached_pool()
+    view = VllmGpuPoolView(pool, (16, 16))
+    key = view.block(ids[1]).key
+    assert key is not None
+    assert view.cached_blocks(key) == [ids[1]]
+    (again,) = pool.get_new_blocks(1)
+    pool._insert_block_hash(key, again, num_tokens=16)
+    assert sorted(view.cached_blocks(key)) == sorted([ids[1], again.block_id])
+    assert view.cached_blocks(make_key(HASH, 0)) == []
+
+
 def test_gpu_pool_view_touch_free_and_free_queue_order() -> None:
     pool, ids = cached_pool()
     view = VllmGpuPoolView(pool, (16, 16))

@@ -10,6 +10,7 @@ from sim_request import config, full_layout, make_request, store_selector
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 from kvtier.offload.plan import WorkerReport
 from kvtier.offload.protocols import ScheduledRequest, StepInput
@@ -235,3 +236,28 @@ def test_blocks_of_an_unconfirmed_finish_are_not_stored_until_used_again(
         stored = {b for _ in range(3) for job in engine.step().jobs for b in job.src_block_ids}
         assert set(held[:2]) <= stored
         engine.scheduler.check_invariants()
+
+
+def test_blocks_a_window_dropped_before_an_unconfirmed_finish_are_not_stored() -> None:
+    """Regression (lazy, sliding window): a forward that failed wrote blocks the window
+    then dropped (freed with their keys; vLLM drops at schedule time, before an
+    overlapped forward's failure is known). `on_finished(computed=False)` held back
+    only the table's blocks, so the next walks stored the dropped ones: KV never
+    computed, under its valid key, in the tier."""
+    layout = KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64), window_group()))
+    engine = SimEngine(
+        layout, config(store_mode=StoreMode.LAZY, max_batched_tokens=16), num_gpu_blocks=12
+    )
+    engine.admit(make_request("r", range(17)))
+    engine.schedule("r")
+    engine.step()  # one chunk of 16 tokens: 4 whole blocks per group, hashed
+    dropped = engine.tables["r"][1][:2]
+    engine.drop_blocks("r", 1, [0, 1])  # out of the 8-token window
+    engine.finish("r", computed=False)
+    stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
+    assert stored.isdisjoint(dropped)
+    engine.scheduler.check_invariants()
+
+
+def window_group() -> KVGroupSpec:
+    return KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 8)

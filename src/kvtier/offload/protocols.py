@@ -119,6 +119,10 @@ class GpuPoolView(Protocol):
         """Return a block id holding `key`, or None."""
         ...
 
+    def cached_blocks(self, key: Key) -> list[int]:
+        """Return every block id holding `key` (a hash two requests computed is cached twice)."""
+        ...
+
     def iter_free_after(self, cursor: int | None) -> Iterator[int]:
         """Yield free block ids in eviction order, after `cursor` (from the head if None)."""
         ...

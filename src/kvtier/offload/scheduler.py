@@ -29,12 +29,11 @@ from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import KVEvent
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
-from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
-from kvtier.offload.lazy_walk import lazy_target
+from kvtier.offload.lazy_walk import lazy_target, unconfirmed_blocks
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
 from kvtier.offload.plan_assembly import PlanAssembler
@@ -291,8 +290,9 @@ class OffloadScheduler:
         `num_computed_tokens` ran (a forward pass failed and the engine finishes the
         request from its fault handler): its blocks may hold another prefix's KV, so
         none is queued here. Blocks selected in earlier plans were confirmed by then.
-        In lazy mode the walk skips its blocks until a request uses them again, though
-        the engine frees them with their keys (vLLM hashes blocks as it schedules them).
+        In lazy mode the walk skips its blocks (`unconfirmed_blocks`: a window's dropped
+        ones too) until a request uses them again, though the engine frees them with
+        their keys (vLLM hashes blocks as it schedules them).
 
         Never delays the engine freeing its GPU blocks: selected blocks are pinned here.
         Issued transfers keep their pins until the workers report them.
@@ -311,8 +311,9 @@ class OffloadScheduler:
             if self.config.fine_grained_hits:
                 selector.select_partial_tail(request, state)
         if not computed and self.config.store_mode is StoreMode.LAZY:
-            block_ids = [b for ids in block_ids_per_group for b in ids if b != NULL_BLOCK_ID]
-            selector.lazy.hold_back(block_ids, selector.gpu_pool.keys(block_ids))
+            gpu_pool = selector.gpu_pool
+            block_ids = unconfirmed_blocks(self.layout, request, block_ids_per_group, gpu_pool)
+            selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
         selector.untrack(request_id)
         selector.across_reset.discard(request_id)
         if self.tags is not None:

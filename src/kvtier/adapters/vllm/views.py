@@ -234,6 +234,19 @@ class VllmGpuPoolView:
         block = self.pool.cached_block_hash_to_block.get_one_block(key)
         return None if block is None else int(block.block_id)
 
+    def cached_blocks(self, key: Key) -> list[int]:
+        """Return every block id holding `key` in vLLM's prefix cache.
+
+        vLLM's map has no public call for all of them: it holds one block, or a dict of
+        the blocks by id when the hash was cached twice (`BlockHashToBlockMap.insert`).
+        """
+        blocks = self.pool.cached_block_hash_to_block._cache.get(key)
+        if blocks is None:
+            return []
+        if isinstance(blocks, dict):
+            return [int(block_id) for block_id in blocks]
+        return [int(blocks.block_id)]
+
     def iter_free_after(self, cursor: int | None) -> Iterator[int]:
         """Return an iterator of free block ids in eviction order after `cursor`.
 
