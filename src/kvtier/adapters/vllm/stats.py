@@ -64,6 +64,8 @@ INFO_LABELS = (
     "cascade",
     "num_disk_blocks",
 )
+# Byte counts come from the scheduler role's KV cache config: a first-stage rank's.
+_RANK_NOTE = " (of the first stage under pipeline parallelism)"
 # payload prefix -> (metric name, label name, documentation)
 _LABELLED_COUNTERS = {
     "store_outcome": ("store_outcomes", "outcome", "store outcomes of kvtier's store selection"),
@@ -75,7 +77,8 @@ _LABELLED_COUNTERS = {
     "transfer_bytes": (
         "transfer_bytes",
         "transfer_type",
-        "bytes of completed transfers per direction (GPU_to_CPU, CPU_to_GPU, ...), per rank",
+        "bytes of completed transfers per direction (GPU_to_CPU, CPU_to_GPU, ...), per rank"
+        + _RANK_NOTE,
     ),
     "transfer_seconds": (
         "transfer_seconds",
@@ -93,8 +96,8 @@ _PLAIN_COUNTERS = {
     "loaded_blocks": "KV blocks loaded back from the tier into the GPU cache",
     "failed_loads": "loads that failed; their tokens were recomputed",
     "failed_stores": "store candidates whose copy failed; nothing was registered",
-    "bytes_stored": "bytes copied down to the tier, per rank",
-    "bytes_loaded": "bytes loaded from the tier, per rank",
+    "bytes_stored": "bytes copied down to the tier, per rank" + _RANK_NOTE,
+    "bytes_loaded": "bytes loaded from the tier, per rank" + _RANK_NOTE,
     "hit_tokens": "prompt tokens served from the tier instead of recomputed",
     "demoted_blocks": "KV blocks copied from the CPU tier down to the disk tier (cascade)",
     "failed_demotions": "CPU to disk copies that failed; nothing was registered (cascade)",
