@@ -159,9 +159,9 @@ class Cascade(WriteThroughRetries):
         """Write-through: demote blocks the CPU tier has just registered (still pinned).
 
         A block already on disk has its disk copy refreshed, as a use by the request
-        that stored it, except at the indices in `loaded` (`StoreBatch.loaded`): that
-        request's load counted its use of the copy (one use, one touch: S3-FIFO and
-        LFU-DA count touches)."""
+        that stored it, except at the indices in `loaded` (`LoadedBlocks.take_stores`):
+        the load that filled the GPU block counted that use of the copy (one use, one
+        touch: S3-FIFO and LFU-DA count touches)."""
         if self.mode is CascadeMode.WRITE_THROUGH:
             counted = {cpu_block_ids[i] for i in loaded} if loaded else None
             self._demote(cpu_block_ids, counted)

@@ -154,9 +154,9 @@ class TransferCompletion:
         """Count a load part's blocks, or discard its suspect ones; take it off its
         request's pending parts in the statement that counts the step.
 
-        With a cascade, the GPU blocks a load filled are noted for the request's stores:
-        the load counted its use of their disk copies (DISK: the lookup's touch; CPU:
-        `after_cpu_loads`), which their stores' demotions must not count again."""
+        With a cascade, the GPU blocks a load filled are noted (`loaded_blocks`): the load
+        counted its use of their disk copies (DISK: the lookup's touch; CPU:
+        `after_cpu_loads`), which their first store's demotion must not count again."""
         progress = load.progress
         # A failed event whose workers named its bad blocks copied every other block
         # whole: only the loads reading a bad one fail.
@@ -164,7 +164,9 @@ class TransferCompletion:
         if not suspect:
             self._counters.num_loaded_blocks += len(load.tier_block_ids)
             if self._cascade is not None:
-                selector.note_loaded(load.request_id, load.gpu_block_ids)
+                # The tier blocks, freed in an earlier step, keep their keys till reused.
+                keys = self._index.pools[load.tier].keys(load.tier_block_ids)
+                selector.loaded.note_loaded(load.request_id, load.gpu_block_ids, keys)
                 if load.tier is Tier.CPU:
                     self._cascade.after_cpu_loads(load.tier_block_ids)
         else:
@@ -228,7 +230,8 @@ class TransferCompletion:
             else:
                 held = sum(1 for key in stores.keys if key in disk_pool.index)
             self.num_promoted += held
-            self._cascade.after_stores(stores.tier_block_ids, stores.loaded)
+            loaded = selector.loaded.take_stores(stores)
+            self._cascade.after_stores(stores.tier_block_ids, loaded)
         # Tail first (SPEC §4): these pins may be the blocks' last references.
         gpu_pool.free(stores.gpu_block_ids[::-1])
         self._tier_pool.free(stores.tier_block_ids[::-1])

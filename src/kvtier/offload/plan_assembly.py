@@ -68,6 +68,9 @@ class PlanAssembler:
             selector.lazy.note_blocks_in_use(
                 ([b for scheduled in step.scheduled for ids in scheduled.block_ids for b in ids],)
             )
+            if selector.loaded.by_block:  # eager: `select_scheduled` notes them
+                for scheduled in step.scheduled:
+                    selector.loaded.note_in_use(scheduled.request.request_id, scheduled.block_ids)
             if walk:
                 selector.select_lazy(self._lazy_target)
         jobs = []

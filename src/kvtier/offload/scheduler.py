@@ -223,10 +223,12 @@ class OffloadScheduler:
         load cannot be queued, the next `apply_report` returns it as a failed load.
         Returns how many of the tokens each tier serves (empty when none is loaded).
         """
+        selector = self.selector
         if self.config.store_mode is StoreMode.EAGER:
-            self.selector.track(request.request_id)
+            selector.track(request.request_id)
         else:
-            self.selector.lazy.note_blocks_in_use(block_ids_per_group)
+            selector.lazy.note_blocks_in_use(block_ids_per_group)
+        selector.loaded.note_in_use(request.request_id, block_ids_per_group)
         return self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
 
     def holds_load(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]]) -> bool:

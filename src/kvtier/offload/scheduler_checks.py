@@ -52,7 +52,7 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
         gpu_refs.update(load.gpu_block_ids)
     for stores in store_batches:
         assert len(stores.gpu_block_ids) == len(stores.tier_block_ids) == len(stores)
-        indices = [*stores.tails, *stores.payloads, *stores.tags, *stores.loaded]
+        indices = [*stores.tails, *stores.payloads, *stores.tags]
         assert all(0 <= i < len(stores) for i in indices)
         refs[scheduler.tier].update(stores.tier_block_ids)
         gpu_refs.update(stores.gpu_block_ids)
@@ -75,6 +75,10 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     copied = {b for stores in store_batches for b in stores.gpu_block_ids}
     assert scheduler.selector.lazy.copying <= copied, "a lazy copy is tracked but not in flight"
     lazy = scheduler.selector.lazy
+    scheduler.selector.loaded.check_invariants()
+    assert scheduler.cascade is not None or not scheduler.selector.loaded.by_block, (
+        "loaded blocks noted without a cascade (nothing refreshes a disk copy)"
+    )
     assert lazy.held.items() <= lazy.stored.items(), "a held-back block the walk may store"
     if scheduler.cascade is not None:
         assert scheduler.cascade.in_flight_keys == live_moves, "in-flight demotions"

@@ -23,9 +23,7 @@ class StoreBatch:
     registers its `keys` entry instead of the GPU block's own keys. `payloads` maps an
     index to the `BlockStored` payload captured at selection time (events on, eager).
     `tags` maps an index to the token tag of the copied KV (the token check on), for
-    stores whose GPU key is the hash the tag was computed for. `loaded` holds the
-    indices whose GPU block the storing request's own load filled (a promotion, with a
-    cascade): that load counted the request's use of the block's disk copy.
+    stores whose GPU key is the hash the tag was computed for.
     """
 
     gpu_block_ids: list[int] = field(default_factory=list)
@@ -34,7 +32,6 @@ class StoreBatch:
     tails: dict[int, int] = field(default_factory=dict)
     payloads: dict[int, BlockStored] = field(default_factory=dict)
     tags: dict[int, Tag] = field(default_factory=dict)
-    loaded: set[int] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -75,9 +72,3 @@ class StoreBatch:
         self.gpu_block_ids.extend(gpu_block_ids)
         self.tier_block_ids.extend(tier_block_ids)
         self.keys.extend(keys)
-
-    def note_loaded(self, first: int, gpu_block_ids: set[int]) -> None:
-        """Add to `loaded` the stores from index `first` on whose GPU block is one of
-        `gpu_block_ids` (those the storing request's loads filled)."""
-        ids = self.gpu_block_ids
-        self.loaded.update(i for i in range(first, len(ids)) if ids[i] in gpu_block_ids)

@@ -22,6 +22,7 @@ from kvtier.offload.block_payload import block_payload, request_key, tail_payloa
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.lazy_walk import LazyWalk
+from kvtier.offload.loaded_blocks import LoadedBlocks
 from kvtier.offload.protocols import (
     GpuPoolView,
     Handoff,
@@ -46,15 +47,13 @@ class _Tracked:
     none), so a block that waits for a slot over many steps counts once. `next_ready`:
     the fewest confirmed tokens that complete the block at some positional group's cursor
     (`_NEVER` without such a group), kept with the cursors: one comparison per step
-    tells whether the request has anything to select. `loaded`: the GPU blocks its
-    loads filled (with a cascade), whose stores are marked in `StoreBatch.loaded`.
+    tells whether the request has anything to select.
     """
 
     block_ids: list[list[int]]
     cursors: list[int]
     deferred: list[int]
     next_ready: int
-    loaded: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -74,6 +73,8 @@ class StoreSelector(StoreQueueing):
     in_flight_keys: set[Key] = field(default_factory=set)
     tracked: dict[str, _Tracked] = field(default_factory=dict)
     lazy: LazyWalk = field(default_factory=LazyWalk)
+    # With a cascade: the GPU blocks landed loads filled, until their first store.
+    loaded: LoadedBlocks = field(default_factory=LoadedBlocks)
     admission: AdmissionPolicy = field(default_factory=AdmitAll)
     # The token check on: the requests' tags, recorded with what their blocks' stores copy.
     tags: RequestTags | None = None
@@ -97,13 +98,6 @@ class StoreSelector(StoreQueueing):
     def untrack(self, request_id: str) -> None:
         """Forget a request's table and cursors."""
         self.tracked.pop(request_id, None)
-
-    def note_loaded(self, request_id: str, gpu_block_ids: Iterable[int]) -> None:
-        """Remember that a load of `request_id` filled `gpu_block_ids` (a cascade's
-        promotions: see `StoreBatch.loaded`); nothing for an untracked request."""
-        state = self.tracked.get(request_id)
-        if state is not None:
-            state.loaded.update(gpu_block_ids)
 
     def reset_request(self, request_id: str) -> None:
         """Reset a preempted request's table and cursors."""
@@ -156,15 +150,15 @@ class StoreSelector(StoreQueueing):
                 replace = item.table_update is TableUpdate.REPLACE or found is None
                 firsts = [0 if replace else len(t) for t in found.block_ids] if found else None
                 self.tags.forget_fills(item.request.request_id, item.block_ids, firsts)
+        loaded = self.loaded
         for request, block_ids, _, table_update in scheduled:
             request_id = request.request_id
+            if loaded.by_block:  # another request's use of a loaded block is its own
+                loaded.note_in_use(request_id, block_ids)
             if table_update is replace_table:
                 if request_id in self.across_reset:
                     continue
-                found = tracked.get(request_id)
                 state = tracked[request_id] = self._empty()
-                if found is not None:  # a load may have landed before the full table
-                    state.loaded = found.loaded
             elif request_id in preempted:
                 continue
             else:
@@ -194,7 +188,6 @@ class StoreSelector(StoreQueueing):
         """Select from the cursors up to `ready_tokens`; a full tier stops a group's walk
         (the block is retried next step and counted once as deferred) unless `final`."""
         cursors = state.cursors
-        first = len(self.queued)
         for group_id, block_size in self.layout.positional_groups:
             pos = cursors[group_id]
             if (pos + 1) * block_size > ready_tokens:
@@ -221,8 +214,6 @@ class StoreSelector(StoreQueueing):
                     state.deferred[group_id] = pos
             state.cursors[group_id] = pos
         state.next_ready = self._next_ready(state.cursors)
-        if state.loaded:
-            self.queued.note_loaded(first, state.loaded)
 
     def _count_unselected(
         self, request: RequestView, group_id: int, table: Sequence[int], pos: int, end: int
@@ -313,6 +304,7 @@ class StoreSelector(StoreQueueing):
             elif not self.layout.groups[handoff.group_id].is_cacheable:
                 outcome = StoreOutcome.NULL
             else:
+                self.loaded.note_in_use(handoff.request_id, ((handoff.gpu_block_id,),))
                 tag = None
                 if self.tags is not None:
                     tag = self.tags.of_block(

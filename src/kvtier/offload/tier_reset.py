@@ -73,6 +73,7 @@ class TierReset:
         if self._tags is not None:
             self._tags.clear()
         selector.lazy.clear()
+        selector.loaded.clear()
         if self._cascade is not None:
             self._cascade.release(self._cascade.take_queued())
             self._cascade.forget_all()
