@@ -98,6 +98,16 @@ def test_config_validates_persistence() -> None:
     assert cfg.disk_manifest_file() == "/d/kvtier-rank3.manifest"
 
 
+def test_a_persistent_tier_past_the_record_slot_ids_is_refused_at_config() -> None:
+    """Manifest records hold u32 slot ids: the worker's config refuses more slots when
+    persisting (before, only the disk tier's own config did, at `register()`)."""
+    big = (1 << 32) + 1
+    with pytest.raises(ValueError, match=f"disk_num_slots={big} "):
+        WorkerConfig(disk_num_slots=big, disk_path="/d", disk_persist=True, disk_fingerprint="f")
+    WorkerConfig(disk_num_slots=big, disk_path="/d")  # no manifest: no cap
+    WorkerConfig(disk_num_slots=1 << 32, disk_path="/d", disk_persist=True, disk_fingerprint="f")
+
+
 @pytest.mark.parametrize(
     ("first", "second"),
     [

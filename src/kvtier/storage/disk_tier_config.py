@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.storage.manifest import ManifestIdentity, manifest_path_for
+from kvtier.storage.manifest_format import MAX_RECORD_SLOTS
 from kvtier.storage.slot_file import DiskIOMode
 
 
@@ -44,6 +45,17 @@ class DiskTierConfig:
             raise ValueError(
                 f"fingerprint must be None or a non-empty string, got {self.fingerprint!r}"
             )
+        if self.fingerprint is not None and self.num_slots > MAX_RECORD_SLOTS:
+            raise ValueError(
+                f"num_slots={self.num_slots} is more than a persistent tier's manifest records"
+                f" can name (slot ids are u32: at most {MAX_RECORD_SLOTS} slots)"
+            )
+        for name in ("fingerprint", "region_layout"):  # both go into the manifest's header
+            text = getattr(self, name) or ""
+            try:
+                text.encode()
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{name} is not valid text: {text!r}") from exc
         manifest_path_for(self.path)  # raises ValueError unless it ends in ".slots"
 
     @property

@@ -44,6 +44,7 @@ __all__ = [
     "HEADER",
     "MAGIC",
     "MANIFEST_VERSION",
+    "MAX_RECORD_SLOTS",
     "PUT",
     "TAGGED_PUT",
     "RECORD",
@@ -64,6 +65,7 @@ CHECKSUM = struct.Struct("<Q")
 PUT, TOMBSTONE, TAGGED_PUT = 1, 2, 3
 _MAX_KEY = (1 << 16) - 1
 _MAX_TOKENS = (1 << 32) - 1
+MAX_RECORD_SLOTS = 1 << 32  # a record's slot field is a u32
 
 
 class ManifestError(ValueError):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvtier.offload.config import DiskIOMode
 from kvtier.storage.manifest import manifest_path_for
+from kvtier.storage.manifest_format import MAX_RECORD_SLOTS
 
 MAX_IO_BYTES = 0x7FFFF000  # the most one read or write call moves on Linux (2 GiB - 4 KiB)
 
@@ -91,6 +92,11 @@ class WorkerConfig:
             raise ValueError(
                 "WorkerConfig.disk_persist=True needs a non-empty disk_fingerprint, "
                 f"got disk_fingerprint={self.disk_fingerprint!r}"
+            )
+        if self.disk_persist and self.disk_num_slots > MAX_RECORD_SLOTS:
+            raise ValueError(
+                f"WorkerConfig.disk_num_slots={self.disk_num_slots} is more than a persistent"
+                f" tier's manifest records can name (at most {MAX_RECORD_SLOTS} slots)"
             )
         try:
             self.disk_fingerprint.encode()
