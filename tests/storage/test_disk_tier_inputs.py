@@ -24,6 +24,7 @@ import pytest
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOMode, DiskTier, DiskTierConfig
+from kvtier.storage.staging import StagingBuffer
 
 SLOT = 4096
 
@@ -151,3 +152,53 @@ def test_slot_ids_to_forget_that_are_not_integers_are_refused(
         assert [slot for slot, _ in reopened.recovered_slots()] == [1]
     finally:
         reopened.close()
+
+
+def test_a_persistent_tier_with_more_slots_than_a_record_holds_is_refused_by_value(
+    tmp_path: Path,
+) -> None:
+    # Regression (review): manifest records hold slot ids as u32, but num_slots was
+    # uncapped: a persistent tier of 2**32 + 1 slots opened, and the first write to slot
+    # 2**32 failed its group's commit with a struct.error on the store I/O thread.
+    path = str(tmp_path / "rank0.slots")
+    with pytest.raises(ValueError, match="num_slots=4294967297"):
+        DiskTierConfig(path, num_slots=2**32 + 1, bytes_per_slot=SLOT, fingerprint="fp")
+    DiskTierConfig(path, num_slots=2**32, bytes_per_slot=SLOT, fingerprint="fp")
+    DiskTierConfig(path, num_slots=2**32 + 1, bytes_per_slot=SLOT)  # no manifest: no cap
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("call", ["write_slots", "read_slots"])
+def test_a_staging_buffer_of_another_slot_size_is_refused_by_size(
+    tmp_path: Path, call: str
+) -> None:
+    # Regression (review): only the buffer's slot count was checked. A buffer of
+    # 2048-byte rows read 2 slots as 4096 bytes: slot 1 came back a "checksum mismatch"
+    # and its good record was tombstoned; written, slot 1 got no bytes but was marked
+    # valid with the checksum of an empty slice.
+    tier = DiskTier(config(tmp_path))
+    tier.store_buffers[0].tensor[:2] = 7
+    records = [SlotRecord(b"a", 1), SlotRecord(b"b", 1)]
+    tier.write_slots(tier.store_buffers[0], ids(0, 1), records).result()
+    small = StagingBuffer.allocate(2, SLOT // 2)
+    with pytest.raises(ValueError, match=f"2048-byte rows, not the tier's {SLOT}"):
+        getattr(tier, call)(small, ids(0, 1))
+    tier.check_invariants()
+    tier.close()
+    reopened = DiskTier(config(tmp_path))
+    try:
+        assert [slot for slot, _ in reopened.recovered_slots()] == [0, 1]
+    finally:
+        reopened.close()
+
+
+@pytest.mark.parametrize("field", ["fingerprint", "region_layout"])
+def test_config_text_the_manifest_cannot_encode_is_refused_by_name(
+    tmp_path: Path, field: str
+) -> None:
+    # Regression (review): accepted, then the open failed with a bare UnicodeEncodeError
+    # naming no field, leaving a persistent slot file without a manifest behind.
+    fields = {"fingerprint": "fp", "region_layout": "k:4096", field: "k\ud800"}
+    with pytest.raises(ValueError, match=f"{field} is not valid text"):
+        DiskTierConfig(str(tmp_path / "rank0.slots"), 8, SLOT, **fields)  # type: ignore[arg-type]
+    assert os.listdir(tmp_path) == []

@@ -269,6 +269,13 @@ class DiskTier:
     def _check_batch(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         self._refuse_closed()
         check_slot_ids(slot_ids, self.num_slots)
+        size = self.config.bytes_per_slot
+        width = buffer.tensor.shape[1] if buffer.tensor.dim() == 2 else None
+        if width != size or buffer.memory.nbytes != buffer.capacity * size:
+            # Rows of another size would be read or written as the wrong slots.
+            raise ValueError(
+                f"staging buffer has {width}-byte rows, not the tier's {size}-byte slots"
+            )
         if len(slot_ids) > buffer.capacity:
             raise ValueError(f"{len(slot_ids)} slots do not fit a {buffer.capacity}-slot buffer")
 
