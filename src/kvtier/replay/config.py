@@ -10,7 +10,7 @@ from kvtier.core.policies import PolicySpec
 from kvtier.offload.config import CascadeMode  # the modes the offload scheduler runs
 from kvtier.replay.belady import OFFLINE_POLICIES
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
-from kvtier.replay.trace import DEFAULT_BLOCK_SIZE
+from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 
 
 class ReplayError(ValueError):
@@ -46,6 +46,10 @@ class TierConfig:
     link_gbps: float
 
     def __post_init__(self) -> None:
+        if not _is_int(self.capacity_tokens):
+            raise ReplayError(
+                f"tier {self.name}: capacity must be an int (tokens), got {self.capacity_tokens!r}"
+            )
         if self.capacity_tokens <= 0:
             raise ReplayError(
                 f"tier {self.name}: capacity must be > 0 tokens, got {self.capacity_tokens}"
@@ -77,14 +81,19 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if not self.tiers:
             raise ReplayError("at least one lower tier is needed")
-        if self.policy not in OFFLINE_POLICIES:
-            offline = self.policy.partition("+")[0]
-            if offline in OFFLINE_POLICIES:
-                raise ReplayError(
-                    f"policy {self.policy!r}: {offline!r} is offline, with its own admission "
-                    "rule; it takes no admission filter"
-                )
-            PolicySpec.parse(self.policy)  # raises ValueError naming a bad name
+        if not _is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ReplayError(
+                f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (tokens), got "
+                f"{self.block_size!r}"
+            )
+        if not _is_int(self.gpu_capacity_tokens):
+            raise ReplayError(
+                f"gpu_capacity_tokens must be an int (tokens), got {self.gpu_capacity_tokens!r}"
+            )
+        if not _is_int(self.check_every) or self.check_every < 0:
+            raise ReplayError(f"check_every must be an int >= 0, got {self.check_every!r}")
+        self._check_release_order()
+        self._check_policy()
         if self.cascade is not None:
             self._check_cascade()
         for tier in self.tiers:
@@ -98,6 +107,36 @@ class ReplayConfig:
                 f"gpu capacity must be 0 (no GPU tier) or at least one {self.block_size}-token "
                 f"block, got {self.gpu_capacity_tokens}"
             )
+
+    def _check_policy(self) -> None:
+        """Normalize the policy's name as the CLI does (" BELADY ": belady, "Arc+ALL": arc)."""
+        if not isinstance(self.policy, str):
+            raise ReplayError(
+                f"policy must be a str such as 'lru' or 'arc+door', got {self.policy!r}"
+            )
+        name = self.policy.strip().lower()
+        if name not in OFFLINE_POLICIES:
+            offline = name.partition("+")[0].strip()
+            if offline in OFFLINE_POLICIES:
+                raise ReplayError(
+                    f"policy {self.policy!r}: {offline!r} is offline, with its own admission "
+                    "rule; it takes no admission filter"
+                )
+            name = PolicySpec.parse(name).name  # raises ValueError naming a bad name
+        object.__setattr__(self, "policy", name)
+
+    def _check_release_order(self) -> None:
+        """Accept a release order's value ("scheduler"), as `cascade` accepts its own: a
+        string never matched the replay's `is ReleaseOrder.X` tests and ran another order."""
+        if isinstance(self.release_order, ReleaseOrder):
+            return
+        try:
+            object.__setattr__(self, "release_order", ReleaseOrder(self.release_order))
+        except ValueError:
+            choices = ", ".join(o.value for o in ReleaseOrder)
+            raise ReplayError(
+                f"unknown release_order {self.release_order!r}; choose one of {choices}"
+            ) from None
 
     def _check_cascade(self) -> None:
         if isinstance(self.cascade, str):  # accept the value, e.g. "write_back"
@@ -121,6 +160,10 @@ class ReplayConfig:
                 f"{self.policy!r} ranks the current request's blocks, and a demotion moves "
                 "another request's block"
             )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

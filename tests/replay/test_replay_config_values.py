@@ -1,0 +1,88 @@
+"""`ReplayConfig` and `TierConfig` built by hand (the library API, not the CLI): a value
+of the wrong kind is refused with a `ReplayError` naming the field, never run as
+something else or left to fail deep inside the replay."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from replay_helpers import BLOCK, chat_trace
+
+from kvtier.replay.config import ReleaseOrder, ReplayConfig, ReplayError, TierConfig
+from kvtier.replay.tier_replay import replay_trace
+from kvtier.replay.trace import MAX_BLOCK_SIZE
+
+
+def cpu(tokens: Any = 1_000_000) -> TierConfig:
+    return TierConfig("CPU", tokens, 25.0)
+
+
+@pytest.mark.parametrize("order", list(ReleaseOrder))
+def test_release_order_given_as_its_value_runs_as_that_order(order: ReleaseOrder) -> None:
+    # As `cascade="write_back"` is: before, a string matched no `is ReleaseOrder.X` test,
+    # so "tail_first" ran a mix of the scheduler's orders, silently.
+    records = chat_trace()
+    tier = TierConfig("CPU", 12 * BLOCK, 25.0)
+    by_member = ReplayConfig(tiers=(tier,), block_size=BLOCK, policy="arc", release_order=order)
+    by_value = ReplayConfig(
+        tiers=(tier,),
+        block_size=BLOCK,
+        policy="arc",
+        release_order=order.value,  # type: ignore[arg-type]
+    )
+    assert by_value.release_order is order
+    by_value_run, by_member_run = (
+        dataclasses.replace(replay_trace(records, config), runtime_s=0.0)
+        for config in (by_value, by_member)
+    )
+    assert by_value_run == by_member_run
+
+
+@pytest.mark.parametrize("order", ["bogus", 1, None])
+def test_unknown_release_order_is_named_with_the_choices(order: object) -> None:
+    with pytest.raises(ReplayError, match=rf"release_order.*{order!r}.*tail_first, scheduler"):
+        ReplayConfig(tiers=(cpu(),), release_order=order)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [0, -512, 512.0, True, MAX_BLOCK_SIZE + 1])
+def test_block_size_out_of_range_is_named(size: object) -> None:
+    # Before: 0 was a ZeroDivisionError in the replay, -512 an LRUPolicy error about
+    # num_blocks, 512.0 an error about num_tokens.
+    with pytest.raises(ReplayError, match=rf"block_size must be an int in \[1, .*got {size!r}"):
+        ReplayConfig(tiers=(cpu(),), block_size=size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tokens", [float("nan"), float("inf"), 1.5e6, True])
+def test_tier_capacity_must_be_whole_tokens(tokens: object) -> None:
+    # Before: NaN and 1.5e6 were accepted (NaN failed in LRUPolicy, 1.5e6 reported a
+    # float block count).
+    with pytest.raises(ReplayError, match=rf"tier CPU: capacity must be an int.*got {tokens!r}"):
+        cpu(tokens)
+
+
+@pytest.mark.parametrize("tokens", [1024.0, True])
+def test_gpu_capacity_must_be_whole_tokens(tokens: object) -> None:
+    with pytest.raises(ReplayError, match=rf"gpu_capacity_tokens must be an int.*got {tokens!r}"):
+        ReplayConfig(tiers=(cpu(),), gpu_capacity_tokens=tokens)  # type: ignore[arg-type]
+
+
+def test_negative_check_every_is_named() -> None:
+    with pytest.raises(ReplayError, match="check_every must be an int >= 0, got -1"):
+        ReplayConfig(tiers=(cpu(),), check_every=-1)
+
+
+@pytest.mark.parametrize(
+    ("given", "name"),
+    [("BELADY", "belady"), (" Oracle-LFU ", "oracle-lfu"), (" LRU ", "lru"), ("Arc+ALL", "arc")],
+)
+def test_policy_name_is_read_as_the_cli_reads_it(given: str, name: str) -> None:
+    # Before: "BELADY" was an "unknown eviction policy 'belady'" (it is a valid offline
+    # policy), and " LRU " ran but was reported under that label.
+    assert ReplayConfig(tiers=(cpu(),), policy=given).policy == name
+
+
+def test_policy_of_another_type_is_named() -> None:
+    with pytest.raises(ReplayError, match=r"policy must be a str .* got None"):
+        ReplayConfig(tiers=(cpu(),), policy=None)  # type: ignore[arg-type]
