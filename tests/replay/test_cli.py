@@ -27,6 +27,18 @@ def test_parse_tokens_rejects_garbage() -> None:
         parse_tokens("3X")
 
 
+@pytest.mark.parametrize("text", ["10MiB", "10MB", "10 mb", "1.5GiB", "512B", "4 KiB"])
+def test_a_capacity_in_bytes_is_told_it_counts_tokens(text: str) -> None:
+    """`--capacity 10MiB` was told only to use digits and k, M or G: not that a capacity
+    counts tokens, nor where the bytes per token are set."""
+    with pytest.raises(
+        argparse.ArgumentTypeError,
+        match=rf"invalid token count {text!r}: a capacity counts tokens, not bytes.*"
+        "--bytes-per-token",
+    ):
+        parse_tokens(text)
+
+
 def test_a_near_whole_capacity_is_refused_with_its_exact_value() -> None:
     """Regression: the message printed the value as a float: '1000000000.0 is not a whole
     number of tokens', then as a fraction ('30864/25' for 1.23456k)."""

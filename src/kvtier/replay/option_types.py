@@ -19,6 +19,8 @@ _SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 # ASCII only: `\d` alone also matches other scripts' digits (Arabic-Indic, full-width) and
 # IGNORECASE the Kelvin sign as k; Fraction and int() would read those digits as numbers.
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)\s*$", re.IGNORECASE | re.ASCII)
+# A size in bytes (10MiB, 10MB, 512B): a capacity counts tokens, so it is refused with that.
+_BYTES = re.compile(r"^\s*\d+(?:\.\d+)?\s*(?:[kmgt]i?)?b\s*$", re.IGNORECASE | re.ASCII)
 # The least rate the TTFT model takes (tokens/s, GB/s): slower ones make estimates of
 # centuries, printed with hundreds of digits, or infinite (JSON has no infinity).
 MIN_RATE = 1e-6
@@ -59,6 +61,11 @@ def attach_dashed_values(argv: Sequence[str]) -> list[str]:
 def parse_tokens(text: str) -> int:
     """Parse a whole token count like `300k`, `1M`, `1.5M` or `2000000`."""
     match = _CAPACITY.match(text)
+    if match is None and _BYTES.match(text):
+        raise argparse.ArgumentTypeError(
+            f"invalid token count {text!r}: a capacity counts tokens, not bytes (KV bytes "
+            "per token: --bytes-per-token); e.g. 300k, 1M, 1.5M or 2000000"
+        )
     if match is None:
         raise argparse.ArgumentTypeError(
             f"invalid token count {text!r}: use digits 0-9 and an optional k, M or G, e.g. "
