@@ -201,6 +201,9 @@ def test_two_disk_io_keys_are_refused_naming_both(extra: dict[str, object], mess
             "disk_bytes",
         ),
         ({"disk_capacity_bytes": 1.5}, "disk_capacity_bytes must be an int", "disk_bytes"),
+        ({"cpu_bytes_to_use": 8.5}, "cpu_bytes_to_use must be a whole number", "cpu_bytes="),
+        ({"cpu_bytes_to_use": float("nan")}, "cpu_bytes_to_use must be a whole", "cpu_bytes="),
+        ({"cpu_bytes_to_use_per_rank": "8GB"}, "must be an int, got '8GB'", "cpu_bytes="),
     ],
 )
 def test_simple_offload_values_are_refused_under_their_own_names(
@@ -247,3 +250,12 @@ def test_host_checks_name_the_simple_offload_keys(tmp_path: Path) -> None:
         convert({**disk, "disk_path": str(tmp_path)}).prepare_host()
     with pytest.raises(ConfigError, match=r"memory.*bytes\)$"):  # kvtier's own keys: as written
         convert({"cpu_bytes": 1 << 60}).prepare_host()
+
+
+@pytest.mark.parametrize("spelling", [8e9, "8000000000", " 8000000000 "])
+def test_vllm_byte_keys_are_read_as_vllm_reads_them(spelling: object) -> None:
+    """vLLM's own connector takes `int(value)`: a JSON 8e9 or a digit string is a byte
+    count there, so the same config works with kvtier (a fraction is refused, not cut)."""
+    assert convert({"cpu_bytes_to_use": spelling}, world_size=4).cpu_bytes == 2_000_000_000
+    per_rank = convert({"cpu_bytes_to_use_per_rank": spelling}, world_size=4)
+    assert per_rank.cpu_bytes == 8_000_000_000

@@ -127,6 +127,9 @@ def _from_simple_offload_keys(
     if backend not in _BACKENDS:
         choices = ", ".join(repr(b) for b in _BACKENDS)
         raise ConfigError(f"kv_offload_backend must be one of {choices}, got {backend!r}")
+    for key in _VLLM_BYTE_KEYS:
+        if key in values:
+            values[key] = _whole_bytes(key, values[key])
     for key in ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "disk_capacity_bytes"):
         if key in values:
             _positive_int(key, values[key], minimum=1)
@@ -248,6 +251,23 @@ def _policy(value: object, values: Mapping[str, Any]) -> dict[str, str]:
     except ValueError as error:
         raise ConfigError(f"policy={value!r} is invalid: {error}") from None
     return {"eviction_policy": spec.eviction, "admission_policy": spec.admission}
+
+
+# vLLM's SimpleCPUOffloadConnector reads these with int(): a JSON 8e9 or "8589934592"
+# works there, so it works here (a config moves between connectors unchanged).
+_VLLM_BYTE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank")
+
+
+def _whole_bytes(key: str, value: object) -> object:
+    """Return a whole-number float or a string of decimal digits as an int; anything
+    else unchanged (for `_positive_int` to check). int() would truncate 1.5 silently."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, float):
+        raise ConfigError(f"{key} must be a whole number of bytes, got {value!r}")
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        return int(value.strip())
+    return value
 
 
 def _positive_int(key: str, value: object, minimum: int) -> int:
