@@ -92,7 +92,8 @@ class ReplayConfig:
             )
         if not _is_int(self.check_every) or self.check_every < 0:
             raise ReplayError(f"check_every must be an int >= 0, got {self.check_every!r}")
-        self._check_release_order()
+        # A string never matched the replay's `is ReleaseOrder.X` tests and ran another order.
+        _take_enum_value(self, "release_order", ReleaseOrder, "release_order")
         self._check_policy()
         if self.cascade is not None:
             self._check_cascade()
@@ -125,28 +126,8 @@ class ReplayConfig:
             name = PolicySpec.parse(name).name  # raises ValueError naming a bad name
         object.__setattr__(self, "policy", name)
 
-    def _check_release_order(self) -> None:
-        """Accept a release order's value ("scheduler"), as `cascade` accepts its own: a
-        string never matched the replay's `is ReleaseOrder.X` tests and ran another order."""
-        if isinstance(self.release_order, ReleaseOrder):
-            return
-        try:
-            object.__setattr__(self, "release_order", ReleaseOrder(self.release_order))
-        except ValueError:
-            choices = ", ".join(o.value for o in ReleaseOrder)
-            raise ReplayError(
-                f"unknown release_order {self.release_order!r}; choose one of {choices}"
-            ) from None
-
     def _check_cascade(self) -> None:
-        if isinstance(self.cascade, str):  # accept the value, e.g. "write_back"
-            choices = ", ".join(m.value for m in CascadeMode)
-            try:
-                object.__setattr__(self, "cascade", CascadeMode(self.cascade))
-            except ValueError:
-                raise ReplayError(
-                    f"unknown cascade mode {self.cascade!r}; choose one of {choices}"
-                ) from None
+        _take_enum_value(self, "cascade", CascadeMode, "cascade mode")
         assert isinstance(self.cascade, CascadeMode)
         names = tuple(tier.name for tier in self.tiers)
         if names != ("CPU", "DISK"):
@@ -160,6 +141,19 @@ class ReplayConfig:
                 f"{self.policy!r} ranks the current request's blocks, and a demotion moves "
                 "another request's block"
             )
+
+
+def _take_enum_value(config: object, field_name: str, kind: type[enum.Enum], what: str) -> None:
+    """Replace `config`'s field given as its enum's value ("write_back") by the member;
+    raise ReplayError naming an unknown one with the choices."""
+    value = getattr(config, field_name)
+    if isinstance(value, kind):
+        return
+    try:
+        object.__setattr__(config, field_name, kind(value))
+    except ValueError:
+        choices = ", ".join(str(m.value) for m in kind)
+        raise ReplayError(f"unknown {what} {value!r}; choose one of {choices}") from None
 
 
 def _is_int(value: object) -> bool:
