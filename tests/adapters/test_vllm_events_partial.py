@@ -101,7 +101,7 @@ def test_tier_events_of_a_block_s_keys_match_vllm_s_gpu_events() -> None:
     assert cpu_events[full] == gpu_events[full]
     assert cpu_events[tail_hash] == gpu_events[tail_hash]
     assert gpu_events[tail_hash][:3] == (HBS, request.all_token_ids[SIZE:], full)
-    # The secondary key's event has no payload: vLLM records no token count for it, and
-    # the store has no request to read its tokens, parent and extra keys from.
+    # A store batch without the secondary key's payload (selection captures it: see
+    # test_vllm_events_payloads) publishes it payload-free: unknown, not wrong.
     assert cpu_events[partial][0] == gpu_events[partial][0] == HBS
     assert cpu_events[partial][1:] == ([], None, None)

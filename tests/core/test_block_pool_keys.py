@@ -166,3 +166,43 @@ def test_events_off_records_nothing() -> None:
     pool.free([1, 2])
     assert pool.reset() is True
     assert pool.take_events() == []
+
+
+def test_kept_payloads_last_while_the_block_holds_the_key() -> None:
+    """`keep_payloads`: a key's payload-carrying event is kept until the block loses that
+    key (secondary key dropped, keys discarded, block evicted or reused, reset); a
+    payload-free insertion keeps nothing, and nothing is kept without events."""
+    plain = make_pool(4)
+    plain.keep_payloads()  # without events: nothing to keep
+    assert plain.payload(1, make_test_key(1)) is None
+    pool = make_pool(4, events=True)
+    pool.keep_payloads()
+    a, b, c = pool.allocate(3)
+    keys = [make_test_key(i) for i in range(5)]
+
+    def stored(i: int) -> BlockStored:
+        return BlockStored(key_block_hash(keys[i]), 0, 16, token_ids=(i,) * 16)
+
+    pool.insert_key(keys[0], a, 16, stored(0))
+    pool.insert_key(keys[1], a, 8, stored(1))  # secondary
+    pool.insert_key(keys[2], b, 16)  # payload-free
+    pool.insert_key(keys[3], c, 16, stored(3))
+    assert pool.payload(a, keys[0]) == stored(0)
+    assert pool.payload(a, keys[1]) == stored(1)
+    assert pool.payload(b, keys[2]) is None
+    assert pool.payload(b, keys[0]) is None
+    pool.discard_secondary_key(a, keys[1])
+    assert pool.payload(a, keys[1]) is None
+    assert pool.payload(a, keys[0]) == stored(0)
+    pool.discard_keys(a)
+    assert pool.payload(a, keys[0]) is None
+    pool.insert_key(keys[0], a, 16)  # held again, stored without a payload: none
+    assert pool.payload(a, keys[0]) is None
+    pool.free([c, b, a])
+    pool.evict_keys(c)
+    assert pool.payload(c, keys[3]) is None
+    pool.touch([a])
+    pool.insert_key(keys[4], a, 8, stored(4))
+    pool.free([a])
+    assert pool.reset()
+    assert pool.payload(a, keys[4]) is None

@@ -64,6 +64,8 @@ class BlockPool(PoolKeyRemoval):
                 f"the pool's {num_blocks}; make it for num_blocks={num_blocks}"
             ) from None
         self._events: list[KVEvent] = []
+        # `keep_payloads`: (block, key) -> the payload-carrying event that stored it.
+        self._payloads: dict[tuple[int, Key], BlockStored] | None = None
         # Called with (block id, primary key) just before `allocate` evicts a cached block.
         self.on_evict: Callable[[int, Key], None] | None = None
 
@@ -230,6 +232,20 @@ class BlockPool(PoolKeyRemoval):
                     key_block_hash(key), key_group_id(key), num_tokens, medium=self.medium
                 )
             self._events.append(stored)
+            if self._payloads is not None and stored.token_ids:
+                self._payloads[block_id, key] = stored
+
+    def keep_payloads(self) -> None:
+        """Keep, while a block holds a key, the payload-carrying event that stored it there
+        (`payload`); events on only. A cascade's CPU tier keeps them for its demotions'
+        disk events. Costs the event (its token tuple, most of it) per key kept."""
+        if self._record_events and self._payloads is None:
+            self._payloads = {}
+
+    def payload(self, block_id: int, key: Key) -> BlockStored | None:
+        """Return the event with a token payload that stored `key` in `block_id`, while
+        the block holds it (`keep_payloads`); None if there was none or none is kept."""
+        return None if self._payloads is None else self._payloads.get((block_id, key))
 
     def insert_keys(
         self,
@@ -302,6 +318,8 @@ class BlockPool(PoolKeyRemoval):
         self._tags.clear()
         self._index.clear()
         self._more_blocks.clear()
+        if self._payloads:
+            self._payloads.clear()
         self._free.clear_and_fill(range(1, self.num_blocks))
         if self._record_events:
             self._events.append(AllCleared(self.medium, removed))

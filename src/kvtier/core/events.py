@@ -17,10 +17,11 @@ class BlockStored:
 
     `block_size` is the number of tokens the event spans: a whole block's, or for a
     partial key (a fine-grained tail, a secondary key) its last hash block's, as vLLM's
-    events have it (the tier's own count is the pool's `num_tokens`). Lazy stores,
-    hand-offs, secondary keys and cascade demotions carry no payload: no `token_ids`,
-    parent, extra keys or `session_id` (the engine's session of the request whose block
-    was stored).
+    events have it (the tier's own count is the pool's `num_tokens`). Lazy stores and
+    hand-offs carry no payload: no `token_ids`, parent, extra keys or `session_id` (the
+    engine's session of the request whose block was stored); nor do secondary keys the
+    storing request's hashes do not name, nor cascade demotions of keys whose CPU event
+    had none (a demotion reuses its key's CPU payload).
     """
 
     block_hash: BlockHash

@@ -7,7 +7,7 @@ each removal is recorded as a `BlockRemoved` event when the pool records events.
 
 from __future__ import annotations
 
-from kvtier.core.events import BlockRemoved, KVEvent
+from kvtier.core.events import BlockRemoved, BlockStored, KVEvent
 from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.core.pool_checks import PoolError
@@ -20,6 +20,7 @@ class PoolKeyRemoval(PoolQueries):
     medium: str | None
     _record_events: bool
     _events: list[KVEvent]
+    _payloads: dict[tuple[int, Key], BlockStored] | None
 
     def discard_keys(self, block_id: int) -> None:
         """Drop every key of `block_id` (its content is no longer trusted).
@@ -47,6 +48,8 @@ class PoolKeyRemoval(PoolQueries):
         self._unindex(key, block_id)
         if self._record_events:
             self._events.append(BlockRemoved(key_block_hash(key), key_group_id(key), self.medium))
+            if self._payloads:
+                self._payloads.pop((block_id, key), None)
 
     def discard_all_keys(self) -> None:
         """`discard_keys` of every block, referenced ones included: nothing cached so far
@@ -109,6 +112,8 @@ class PoolKeyRemoval(PoolQueries):
             if self._record_events:
                 removed = BlockRemoved(key_block_hash(key), key_group_id(key), self.medium)
                 self._events.append(removed)
+                if self._payloads:
+                    self._payloads.pop((block_id, key), None)
 
     def _unindex(self, key: Key, block_id: int) -> None:
         more = self._more_blocks.get(key)

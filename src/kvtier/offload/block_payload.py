@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import KVLayout
@@ -37,6 +39,29 @@ def tail_payload(
     """
     size = layout.hash_block_size
     return _payload(layout, request, group_id, num_tokens // size - 1, num_tokens - size, size)
+
+
+def secondary_payloads(
+    layout: KVLayout, request: RequestView, group_id: int, pos: int, keys: Iterable[Key]
+) -> tuple[BlockStored, ...]:
+    """Return the payloads of those `keys` (a GPU block's secondary keys) that are the
+    request's partial entries of its block `pos` in a group, as `tail_payload` has them.
+
+    A secondary key is a hash the block held before it filled (vLLM's partial entry): it
+    is the request's only where it equals one of the block's hashes before its last
+    (a chained hash names its tokens, parent and extra keys); other keys have none.
+    """
+    ratio = layout.blocks_per_hash(group_id)
+    hashes = request.block_hashes
+    first = pos * ratio
+    last = min(first + ratio - 1, len(hashes))  # the block's own (last) hash excluded
+    wanted = set(keys)
+    size = layout.hash_block_size
+    return tuple(
+        tail_payload(layout, request, group_id, (index + 1) * size)
+        for index in range(first, last)
+        if make_key(hashes[index], group_id) in wanted
+    )
 
 
 def _payload(

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import BlockStored
@@ -152,6 +152,8 @@ class Cascade(WriteThroughRetries):
         # Disk copies dropped or not registered: their manifest records go too.
         self.dropped_slots = dropped if dropped is not None else DroppedSlots(active=False)
         cpu_pool.on_evict = self._on_cpu_evict
+        if event is not None:  # demotions' disk events reuse the CPU events' payloads
+            cpu_pool.keep_payloads()
 
     # ------------------------------------------------------------ selection
 
@@ -380,10 +382,14 @@ class Cascade(WriteThroughRetries):
                 elif disk_pool.tag(stale) != tag:  # its secondary keys go with it
                     disk_pool.discard_keys(stale)
                     self.dropped_slots.add([stale])  # a restart must not restore it either
-        keys = [item.key, *self.cpu_pool.secondary_keys(item.cpu_block_id)]
+        cpu_pool, cpu_block_id = self.cpu_pool, item.cpu_block_id
+        keys = [item.key, *cpu_pool.secondary_keys(cpu_block_id)]
         num_tokens: int | None = item.num_tokens  # a secondary key's count is not recorded
         for key in keys:
             event = None if self._event is None else self._event(key, num_tokens)
+            kept = cpu_pool.payload(cpu_block_id, key)  # the CPU event's, while it holds `key`
+            if event is not None and kept is not None:
+                event = replace(kept, medium=event.medium)
             disk_pool.insert_key(key, item.disk_block_id, item.num_tokens, event, tag)
             tag, num_tokens = None, None  # a tag goes with the primary key only
         self.counters.num_demoted_blocks += 1

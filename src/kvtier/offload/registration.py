@@ -15,7 +15,7 @@ from typing import cast
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.events import BlockStored
-from kvtier.core.keys import Key, key_block_hash, key_group_id
+from kvtier.core.keys import Key, key_block_hash, key_group_id, make_key
 from kvtier.core.kv_groups import KVLayout, tokens_inside_block
 from kvtier.offload.plan import SlotRecord, Tier
 from kvtier.offload.protocols import GpuPoolView
@@ -68,8 +68,17 @@ class Registrar:
         else:
             event = self.event(key, num_tokens)
         tier_pool.insert_key(key, tier_block, num_tokens, event, tag)
+        found = {  # the secondary keys' payloads captured at selection (eager)
+            make_key(p.block_hash, p.group_id): p for p in stores.secondary_payloads.get(index, ())
+        }
         for secondary in gpu_pool.secondary_keys(gpu_block_id):
-            tier_pool.insert_key(secondary, tier_block, num_tokens, self.event(secondary, None))
+            payload = found.get(secondary)
+            event = (
+                self.event(secondary, None)
+                if payload is None
+                else replace(payload, medium=self.tier.value)
+            )
+            tier_pool.insert_key(secondary, tier_block, num_tokens, event)
 
     def register_all(self, stores: StoreBatch, gpu_pool: GpuPoolView) -> None:
         """`register` each store; with events off, with batched reads (a step's hot path)."""

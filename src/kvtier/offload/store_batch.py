@@ -21,7 +21,9 @@ class StoreBatch:
 
     `tails` maps an index to the token count of a fine-grained partial tail: that store
     registers its `keys` entry instead of the GPU block's own keys. `payloads` maps an
-    index to the `BlockStored` payload captured at selection time (events on, eager).
+    index to the `BlockStored` payload captured at selection time (events on, eager);
+    `secondary_payloads` those of the GPU block's secondary keys the request's hashes
+    name (one per key found, any order).
     `tags` maps an index to the token tag of the copied KV (the token check on), for
     stores whose GPU key is the hash the tag was computed for.
     """
@@ -31,6 +33,7 @@ class StoreBatch:
     keys: list[Key] = field(default_factory=list)
     tails: dict[int, int] = field(default_factory=dict)
     payloads: dict[int, BlockStored] = field(default_factory=dict)
+    secondary_payloads: dict[int, tuple[BlockStored, ...]] = field(default_factory=dict)
     tags: dict[int, Tag] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -18,7 +18,12 @@ from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
-from kvtier.offload.block_payload import block_payload, request_key, tail_payload
+from kvtier.offload.block_payload import (
+    block_payload,
+    request_key,
+    secondary_payloads,
+    tail_payload,
+)
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.lazy_walk import LazyWalk
@@ -274,6 +279,12 @@ class StoreSelector(StoreQueueing):
         )
         if outcome is not StoreOutcome.TIER_FULL:  # the caller counts it: dropped or deferred
             self.counters.count_store(outcome)
+        if payload is not None and outcome is StoreOutcome.STORED:
+            secondary = self.gpu_pool.secondary_keys(gpu_block_id)  # fine-grained entries
+            if secondary:
+                found = secondary_payloads(self.layout, request, group_id, pos, secondary)
+                if found:
+                    self.queued.secondary_payloads[len(self.queued) - 1] = found
         return outcome
 
     def select_lazy(self, target: int) -> None:
