@@ -206,3 +206,17 @@ def test_kept_payloads_last_while_the_block_holds_the_key() -> None:
     pool.free([a])
     assert pool.reset()
     assert pool.payload(a, keys[4]) is None
+
+
+def test_check_invariants_finds_a_payload_its_block_no_longer_holds() -> None:
+    """A kept payload outliving its key (a removal path that forgot it) is reported."""
+    pool = make_pool(4, events=True)
+    pool.keep_payloads()
+    (block,) = pool.allocate(1)
+    key = make_test_key(7)
+    pool.insert_key(key, block, 16, BlockStored(key_block_hash(key), 0, 16, token_ids=(7,) * 16))
+    pool.check_invariants()
+    assert pool._payloads is not None
+    pool._payloads[block, make_test_key(8)] = pool._payloads[block, key]
+    with pytest.raises(AssertionError, match="no longer holds"):
+        pool.check_invariants()

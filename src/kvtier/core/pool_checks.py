@@ -108,3 +108,8 @@ def _check_keys(pool: BlockPool) -> None:
             assert indexed == block_id or block_id in more.get(key, ()), (
                 f"block {block_id} holds a key the index maps elsewhere only"
             )
+    for (block_id, key), stored in (pool._payloads or {}).items():
+        assert key in (keys[block_id], *secondary.get(block_id, ())), (
+            f"block {block_id}: a payload kept for a key it no longer holds"
+        )
+        assert stored.token_ids, f"block {block_id}: a payload-free event kept"
