@@ -35,7 +35,7 @@ from kvtier.core.keys import Key
 from kvtier.offload.disk_slots import SetAsideSlots
 
 if TYPE_CHECKING:
-    from kvtier.offload.cascade import MoveItem
+    from kvtier.offload.demotion_completion import MoveItem
 
 # Demotions of one (CPU block, key), the first included, before giving up.
 MAX_DEMOTION_ATTEMPTS = 3
