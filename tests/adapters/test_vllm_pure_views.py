@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView, tokens_in_block
+from kvtier.adapters.vllm.views import (
+    VllmGpuPoolView,
+    VllmRequestView,
+    reads_hash_slots,
+    tokens_in_block,
+)
 from kvtier.core.keys import make_key
 
 HASH = bytes(range(32))
@@ -128,3 +133,19 @@ def test_pool_view_passes_keys_through_unchanged() -> None:
     assert view.secondary_keys_of([1, 2, 3]) == {2: [tail]}
     pool.cached_block_hashes_by_block = {}
     assert view.secondary_keys_of([1, 2, 3]) == {}
+
+
+def test_batched_reads_of_vllm_blocks_read_their_slots_as_the_properties_do() -> None:
+    """`keys` and `token_counts` read vLLM's `KVCacheBlock` slots directly: the same
+    values as its properties; stand-in blocks (no slots) are read through the names."""
+    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    blocks = [kv_cache_utils.KVCacheBlock(i) for i in range(4)]
+    blocks[2].set_block_hash(make_key(HASH, 0), 48)
+    blocks[3].set_block_hash(make_key(HASH[::-1], 0), 53)  # a partial entry
+    assert reads_hash_slots(blocks)
+    assert not reads_hash_slots([SimpleNamespace(block_hash=None, block_hash_num_tokens=None)])
+    for sizes in ((16,), (16, 16)):  # the one-group path and the general one
+        view = VllmGpuPoolView(SimpleNamespace(blocks=blocks), sizes)
+        ids = [3, 1, 2, 3]
+        assert view.keys(ids) == [blocks[i].block_hash for i in ids]
+        assert view.token_counts(ids) == [5, 0, 16, 5]

@@ -21,6 +21,24 @@ from kvtier.offload.protocols import LoRAInfo
 _BLOCK_ID = attrgetter("block_id")
 
 
+def reads_hash_slots(blocks: Sequence[Any]) -> bool:
+    """Return True when `blocks` are vLLM `KVCacheBlock`s whose `block_hash` and
+    `block_hash_num_tokens` properties return the slots `_block_hash` and
+    `_block_hash_num_tokens` (vLLM 0.33).
+
+    The batched reads of a step's blocks then read the slots: a property is a Python
+    call per block (~3x the read). Other blocks (tests' stand-ins) go through the names.
+    """
+    if not blocks:
+        return False
+    attrs = type(blocks[0]).__dict__
+    return all(
+        isinstance(attrs.get(name), property)
+        and type(attrs.get(f"_{name}")).__name__ == "member_descriptor"
+        for name in ("block_hash", "block_hash_num_tokens")
+    )
+
+
 def tokens_in_block(block: Any, block_sizes: Sequence[int]) -> int:
     """Return how many of `block`'s own tokens its primary key covers; 0 when not recorded.
 
@@ -177,6 +195,7 @@ class VllmGpuPoolView:
         self.pool = pool
         self._blocks = pool.blocks
         self._block_sizes = tuple(block_sizes)
+        self._slots = reads_hash_slots(pool.blocks)
 
     def block(self, block_id: int) -> VllmGpuBlockView:
         """Return a view of block `block_id`."""
@@ -190,6 +209,8 @@ class VllmGpuPoolView:
     def keys(self, block_ids: Sequence[int]) -> list[Key | None]:
         """Return each block's primary key (None when not cached), in order."""
         blocks = self._blocks
+        if self._slots:
+            return [blocks[block_id]._block_hash for block_id in block_ids]
         return [blocks[block_id].block_hash for block_id in block_ids]
 
     def num_tokens(self, block_id: int) -> int:
@@ -207,6 +228,11 @@ class VllmGpuPoolView:
         if len(sizes) > 1:
             return [tokens_in_block(blocks[block_id], sizes) for block_id in block_ids]
         size = sizes[0]  # one group: `tokens_inside_block` inlined (a step's stores)
+        if self._slots:
+            return [
+                (end - 1) % size + 1 if (end := blocks[block_id]._block_hash_num_tokens) else 0
+                for block_id in block_ids
+            ]
         return [
             (end - 1) % size + 1 if (end := blocks[block_id].block_hash_num_tokens) else 0
             for block_id in block_ids
