@@ -56,12 +56,16 @@ class LazyWalk:
         fresh candidate again once freed, like any block a request used.
         """
         copying = self.copying
-        self.stored.update(
-            (gpu_block_id, key)
-            for gpu_block_id, key in zip(stores.gpu_block_ids, stores.keys, strict=True)
-            if gpu_block_id in copying
-        )
-        copying.difference_update(stores.gpu_block_ids)
+        gpu_ids = stores.gpu_block_ids
+        if copying.issuperset(gpu_ids):  # the common case: no request used one meanwhile
+            self.stored.update(zip(gpu_ids, stores.keys, strict=True))
+        else:
+            self.stored.update(
+                (gpu_block_id, key)
+                for gpu_block_id, key in zip(gpu_ids, stores.keys, strict=True)
+                if gpu_block_id in copying
+            )
+        copying.difference_update(gpu_ids)
 
     def hold_back(self, block_ids: Iterable[int], keys: Iterable[Key | None]) -> None:
         """Remember blocks of unconfirmed compute (a failed forward) as if copied, under
