@@ -270,7 +270,10 @@ class BlockPool(PoolKeyRemoval):
         block_keys = self._keys
         counts = self._num_tokens
         index = self._index
-        note_key = self._free.note_key
+        # Recency ignores keys: the default queue's no-op is not called per block.
+        note_key = (
+            None if type(self._free).note_key is LRUFreeQueue.note_key else self._free.note_key
+        )
         limit = self.num_blocks
         inline = not self._record_events
         refs = self._refs
@@ -289,7 +292,8 @@ class BlockPool(PoolKeyRemoval):
             ):
                 block_keys[block_id] = key
                 counts[block_id] = count
-                note_key(block_id, key)
+                if note_key is not None:
+                    note_key(block_id, key)
                 index[key] = block_id
                 if tags:
                     tag = tags.get(i)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvtier.core.free_queue import LRUFreeQueue
-from kvtier.core.keys import Key
 
 
 class LRUPolicy(LRUFreeQueue):
@@ -14,6 +13,4 @@ class LRUPolicy(LRUFreeQueue):
 
     __slots__ = ()
     name = "lru"
-
-    def note_key(self, block_id: int, key: Key) -> None:
-        """Ignore keys: recency alone decides."""
+    # `note_key` is `LRUFreeQueue`'s no-op, which `BlockPool.insert_keys` skips calling.
