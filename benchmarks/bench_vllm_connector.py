@@ -10,6 +10,15 @@ and `get_finished` polls it right after, before the copy ran. (Reported in the s
 instead, a quick lazy run of vLLM stored 7924 blocks, not 9423, and served 5120 hit
 tokens, not 7168, and the lazy ratio read 2.5x, not 1.5x.) Loads complete in their step.
 The model runner is the harness's fake (no fingerprint checks here).
+kvtier's worker copies on its own threads. By default (`--copies steps`) the harness's
+`FaultyWorker`, injecting no faults, makes it wait for its copies at each poll and report
+them as the stand-in does: a load in its step, a store one step later. Left to its threads
+(`--copies threads`, as until 2026-12-05), a copy is reported at the first poll after its
+thread finished it; which step that is depends on the OS, and it changes what the
+scheduler does next (a request waits a step more for its load, a block stays pinned and
+its copy unserved a step more), so the same code served different hit tokens run to run
+(lazy, 256 requests: 56320-59392 in 8 runs, eager 52512-55584); with the copies stepped,
+every run is the same, under any PYTHONHASHSEED.
 The harness sets the GIL switch interval to 0.2 ms: its engine loop never releases the
 GIL (a GPU engine does, waiting on the device), so kvtier's copy threads would otherwise
 lag 5 ms per handoff, and the kvtier engine took up to 30x the steps of vLLM's
@@ -68,6 +77,8 @@ from vllm_connector_options import CLOCKS, DEFAULTS, QUICK
 from vllm_connector_options import build_parser as options_parser
 
 try:  # --help and option errors need no vLLM; a run does (`make bench-vllm`)
+    from faulty_worker import FaultyWorker
+    from kvtier_vllm import offload_worker
     from vllm_harness import (
         SIMPLE_CPU_OFFLOAD,
         HarnessConfig,
@@ -162,6 +173,9 @@ def build(connector: str, mode: str, args: argparse.Namespace) -> Run:
             **common,
         )
         harness = VllmHarness(cfg, connector_worker_factory, check_kv=False)
+        if args.copies == "steps":
+            worker = FaultyWorker(offload_worker(harness), lambda block_ids: None)
+            worker.hold["store"] = 1  # loads: 0, reported in their step
     else:
         cfg = HarnessConfig(
             connector=SIMPLE_CPU_OFFLOAD,

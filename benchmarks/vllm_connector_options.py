@@ -56,6 +56,15 @@ def build_parser(doc: str | None) -> argparse.ArgumentParser:
         help="run kvtier with its token check on (eager mode only: pass --modes eager)",
     )
     parser.add_argument(
+        "--copies",
+        choices=("steps", "threads"),
+        default="steps",
+        help="steps (default): kvtier's worker waits for its copies at each poll and"
+        " reports a load in its step, a store one step later, as vLLM's stand-in does,"
+        " so runs repeat exactly; threads: each copy is reported at the first poll after"
+        " its copy thread finished it, which varies run to run",
+    )
+    parser.add_argument(
         "--gc",
         choices=("on", "off"),
         default="off",

@@ -59,6 +59,7 @@ BAD_VALUES = [
     ("bench_transfer", ["--regions", "1", "-3"], "--regions: expected a number >= 1, got -3"),
     ("bench_vllm_connector", ["--modes", "lazy,lazy"], "--modes: expected a comma list"),
     ("bench_vllm_connector", ["--window", "0"], "--window: expected a number >= 1, got 0"),
+    ("bench_vllm_connector", ["--copies", "sync"], "--copies: invalid choice: 'sync'"),
 ]
 
 
