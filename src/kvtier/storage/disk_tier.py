@@ -12,7 +12,8 @@ bytes that differ from what was stored. A slot whose last write failed, or that 
 written, fails to load. Failures surface as `DiskIOError` from the future; the I/O threads
 themselves never die from them. Checksums are computed by the thread that filled a store
 buffer and verified by the thread that consumes a load buffer (the data is hot in their
-caches, and the I/O threads keep the device busy with nothing but reads and writes).
+caches, and the I/O threads keep the device busy with nothing but reads and writes);
+they are `slot_checksums`'s.
 
 A persistent tier (`DiskTierConfig.fingerprint` set) keeps its slot file and a manifest
 (see `manifest`) across runs; its records, and the order in which data and records are
@@ -30,7 +31,6 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import numpy as np
-import xxhash
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
@@ -46,12 +46,8 @@ from kvtier.storage.manifest import (
     remove_manifest,
 )
 from kvtier.storage.pending_puts import PendingPuts
-from kvtier.storage.slot_file import (
-    DIRECT_IO_ALIGNMENT,
-    BadSlotsError,
-    FileIO,
-    SlotFile,
-)
+from kvtier.storage.slot_checksums import SlotChecksums, bad_slots_error
+from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT, FileIO, SlotFile
 from kvtier.storage.staging import SlotRead, StagingBuffer
 
 __all__ = ["DiskTier", "DiskTierConfig", "SlotRead", "StagingBuffer"]
@@ -77,8 +73,7 @@ class DiskTier:
         check_manifest_paths(config.path)
         if identity is None:
             check_no_persistent_tier(config.path)
-        self._checksums = np.zeros(config.num_slots, dtype=np.uint64)
-        self._valid = np.zeros(config.num_slots, dtype=np.bool_)
+        self._checksums = SlotChecksums(config.num_slots, config.bytes_per_slot)
         # Allocated before the files are opened: a failure here has nothing to release.
         self.store_buffers = self._allocate_buffers()
         self.load_buffers = self._allocate_buffers()
@@ -99,8 +94,7 @@ class DiskTier:
             else:
                 log, live = open_manifest(self._file, identity)
                 for slot in sorted(live):
-                    self._checksums[slot] = live[slot].checksum
-                    self._valid[slot] = True
+                    self._checksums.restore(slot, live[slot].checksum)
                     recovered[slot] = live[slot].record
                 pending = PendingPuts(log, self._file.sync_data, config.bytes_per_slot)
         except BaseException:
@@ -218,14 +212,7 @@ class DiskTier:
             raise ValueError(f"{len(records)} records for {len(slot_ids)} slots")
         if records is not None:  # one the manifest cannot hold would fail the group's commit
             self.check_records(records)
-        size = self.config.bytes_per_slot
-        sums = np.array(
-            [
-                xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
-                for i in range(len(slot_ids))
-            ],
-            dtype=np.uint64,
-        )
+        sums = self._checksums.compute(buffer.memory, len(slot_ids))
         kept = self._records.kept(records)
         # Counted before it is queued: the queue is not seen idle. The slots' recovered
         # records no longer describe them.
@@ -302,15 +289,14 @@ class DiskTier:
         size = self.config.bytes_per_slot
         slots = slot_ids.tolist()
         self._records.prepare_write(slots)
-        self._valid[slot_ids] = False
+        self._checksums.invalidate(slot_ids)
         try:
             for a, b in consecutive_runs(slot_ids):
                 self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
         except BaseException:
             self._records.write_failed(slots)
             raise
-        self._checksums[slot_ids] = sums
-        self._valid[slot_ids] = True
+        self._checksums.written(slot_ids, sums)
         self._records.written(slots, sums, records)  # appended at the group's commit
 
     def _read(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
@@ -320,26 +306,10 @@ class DiskTier:
 
     def _verify(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> None:
         """Check every slot of a finished read; raise BadSlotsError naming all bad ones."""
-        size = self.config.bytes_per_slot
-        problems: dict[int, str] = {}
-        mismatched: list[int] = []
-        for i, slot in enumerate(slot_ids.tolist()):
-            if not self._valid[slot]:
-                problems.setdefault(slot, f"slot {slot} holds no valid data")
-                continue
-            actual = xxhash.xxh3_64_intdigest(buffer.memory[i * size : (i + 1) * size])
-            if actual != int(self._checksums[slot]):
-                mismatched.append(slot)
-                problems.setdefault(slot, f"checksum mismatch in slot {slot}")
+        problems, mismatched = self._checksums.find_bad(buffer.memory, slot_ids)
         self._records.forget_bad(mismatched)  # a restart must not offer them again
         if problems:
-            first = min(problems)
-            more = (
-                f" (and {len(problems) - 1} more bad slots in this read)"
-                if len(problems) > 1
-                else ""
-            )
-            raise BadSlotsError(problems, problems[first] + more, self.path)
+            raise bad_slots_error(problems, self.path)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the file or buffers disagree with the configuration."""
@@ -352,8 +322,9 @@ class DiskTier:
         assert (log is not None) == self.persistent, "manifest without persistence"
         assert log is None or log.is_open, "open persistent tier without manifest"
         assert self._file.file_size() == cfg.num_slots * cfg.bytes_per_slot, "file size drifted"
-        assert self._checksums.shape == self._valid.shape == (cfg.num_slots,)
-        self._records.check(self._valid, self._checksums)
+        sums, valid = self._checksums.sums, self._checksums.valid
+        assert sums.shape == valid.shape == (cfg.num_slots,)
+        self._records.check(valid, sums)
         for buffer in (*self.store_buffers, *self.load_buffers):
             assert buffer.tensor.shape == (cfg.batch_slots, cfg.bytes_per_slot)
             assert buffer.tensor.data_ptr() % DIRECT_IO_ALIGNMENT == 0, "unaligned staging buffer"
