@@ -13,12 +13,13 @@ from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
+from kvtier.engine.forward import run_forward
 from kvtier.engine.model import build_model
 from kvtier.engine.offload_side import OffloadSide, layout_of
-from kvtier.engine.outputs import EngineStats, RequestOutput
+from kvtier.engine.outputs import EngineStats, RequestOutput, output_of
 from kvtier.engine.request import Request, RequestStatus
-from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
-from kvtier.engine.sampling import SamplingParams, sample
+from kvtier.engine.runner import ModelRunner
+from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
 from kvtier.engine.stall_checks import StallChecks
 from kvtier.engine.validation import (
@@ -35,9 +36,6 @@ from kvtier.offload.config import OffloadConfig
 from kvtier.offload.host import remove_created_directory
 
 _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
-# Idle steps after a worker flush before `drain` gives up: a real worker reports every
-# flushed event at once; the margin covers wrappers that hold reports back a few polls.
-_MAX_STALLED_STEPS = 100
 
 
 class LLM(StallChecks):
@@ -46,7 +44,7 @@ class LLM(StallChecks):
     `model` is a local HF-format checkpoint directory, a `ModelConfig` (random weights
     with `engine.seed`), or None for `ModelConfig.tiny()`. Nothing is ever downloaded.
     After `shutdown()` (or leaving a `with` block) the engine refuses new work. The
-    stall checks of `step` and `drain` come from `StallChecks`.
+    stall checks of `step`, and `drain`, come from `StallChecks`.
     """
 
     def __init__(
@@ -166,7 +164,7 @@ class LLM(StallChecks):
             raise
         finally:
             self.scheduler.unreturned[:0] = others
-        return [self._output(r) for r in requests]
+        return [output_of(r) for r in requests]
 
     def add_request(
         self, prompt: Sequence[int], params: SamplingParams, *, session_id: str | None = None
@@ -264,38 +262,6 @@ class LLM(StallChecks):
         self.pool.discard_all_keys()  # free blocks, and those finish-time stores still pin
         return done
 
-    def drain(self) -> None:
-        """Step until every finish-time store has completed.
-
-        Raises RuntimeError, naming what is pending, when the stores can never complete:
-        `_MAX_STALLED_STEPS` steps in a row computed nothing, preempted nothing, issued
-        no transfer and got no report, though the worker was flushed before each one (so
-        it had nothing left to report). Slow transfers are waited for, however slow.
-        Requests queued by `add_request` run too; those that finish here are returned
-        by the next `step`.
-        """
-        offload = self.offload
-        num_stalled = 0
-        finished: list[Request] = []
-        try:
-            while offload is not None and offload.has_pending_work():
-                mark = self._progress_mark()
-                if num_stalled:
-                    offload.flush()  # its poll then reports everything submitted before
-                finished += self.step()
-                if self._progress_mark() != mark:
-                    num_stalled = 0
-                    continue
-                num_stalled += 1
-                if num_stalled > _MAX_STALLED_STEPS:
-                    raise RuntimeError(
-                        f"drain() made no progress in {_MAX_STALLED_STEPS} steps with an "
-                        f"idle offload worker: {offload.describe_pending()} will never "
-                        f"complete; {self._describe_unfinished()}"
-                    )
-        finally:
-            self.scheduler.unreturned[:0] = finished
-
     def shutdown(self) -> None:
         """Drain pending stores and stop the offload worker (idempotent).
 
@@ -378,43 +344,10 @@ class LLM(StallChecks):
         self.offload.outcome_applied()
 
     def _forward(self, step: SchedulerStep) -> list[int | None]:
-        sequences = []
-        for work in step.work:
-            request = work.request
-            start = request.num_computed_tokens
-            tokens = request.token_ids[start : start + work.num_new_tokens]
-            tables = tuple(tuple(t) for t in request.block_tables)
-            sequences.append(SequenceInput(tuple(tokens), start, tables))
-            self.stats.num_computed_tokens += work.num_new_tokens
-        logits = self.runner.run(BatchInput(tuple(sequences)))
-        sampled: list[int | None] = []
-        rows = []
-        for index, work in enumerate(step.work):
-            request = work.request
-            if request.num_computed_tokens + work.num_new_tokens == request.num_tokens:
-                rows.append(index)
-        tokens = sample(
-            logits[rows],
-            [step.work[i].request.params for i in rows],
-            [step.work[i].request.generator for i in rows],
-        )
-        by_row = dict(zip(rows, tokens, strict=True))
-        for index, work in enumerate(step.work):
-            sampled.append(by_row.get(index))
-            if index in by_row and self.engine_config.keep_logits:
-                work.request.kept_logits.append(logits[index].detach().float().cpu())
+        self.stats.num_computed_tokens += sum(work.num_new_tokens for work in step.work)
+        sampled, logits = run_forward(self.runner, step)
+        if self.engine_config.keep_logits:
+            for index, work in enumerate(step.work):
+                if sampled[index] is not None:
+                    work.request.kept_logits.append(logits[index].detach().float().cpu())
         return sampled
-
-    def _output(self, request: Request) -> RequestOutput:
-        rows = request.kept_logits
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=tuple(request.prompt_token_ids),
-            output_token_ids=tuple(request.output_token_ids),
-            finish_reason=request.finish_reason.value if request.finish_reason else "",
-            ttft_s=request.ttft or 0.0,
-            tpot_s=request.tpot or 0.0,
-            num_local_hit_tokens=request.num_local_tokens_total,
-            num_external_hit_tokens=request.num_external_tokens_total,
-            logits=torch.stack(rows) if rows else None,
-        )

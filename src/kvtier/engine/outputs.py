@@ -1,10 +1,13 @@
-"""What the reference engine returns per request (`RequestOutput`) and counts (`EngineStats`)."""
+"""What the reference engine returns per request (`RequestOutput`, made by `output_of`) and
+counts (`EngineStats`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kvtier.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -46,3 +49,19 @@ class EngineStats:
     num_computed_tokens: int = 0
     num_local_hit_tokens: int = 0
     num_external_hit_tokens: int = 0
+
+
+def output_of(request: Request) -> RequestOutput:
+    """Return the `RequestOutput` of a finished request (its kept logits stacked)."""
+    rows = request.kept_logits
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        output_token_ids=tuple(request.output_token_ids),
+        finish_reason=request.finish_reason.value if request.finish_reason else "",
+        ttft_s=request.ttft or 0.0,
+        tpot_s=request.tpot or 0.0,
+        num_local_hit_tokens=request.num_local_tokens_total,
+        num_external_hit_tokens=request.num_external_tokens_total,
+        logits=torch.stack(rows) if rows else None,
+    )

@@ -1,23 +1,64 @@
 """How the engine tells it can make no progress: a waiting head that no later step can
-ever run (`step` aborts it), and the counters `drain` watches for a step that did
-anything, with what is still unfinished when it gives up."""
+ever run (`step` aborts it), and `drain`, which steps until every finish-time store has
+completed, watching counters for a step that did anything, and names what is still
+unfinished when it gives up."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.engine.offload_side import OffloadSide
 from kvtier.engine.outputs import EngineStats
+from kvtier.engine.request import Request
 from kvtier.engine.scheduler import Scheduler, SchedulerStep
+
+# Idle steps after a worker flush before `drain` gives up: a real worker reports every
+# flushed event at once; the margin covers wrappers that hold reports back a few polls.
+_MAX_STALLED_STEPS = 100
 
 
 class StallChecks:
-    """Stall detection and progress description (a base of `LLM`, which sets these up
-    in its `_start`)."""
+    """Stall detection, progress description and `drain` (a base of `LLM`, which sets
+    these up in its `_start` and provides `step`)."""
 
     pool: BlockPool
     scheduler: Scheduler
     stats: EngineStats
     offload: OffloadSide | None
+    step: Callable[[], list[Request]]
+
+    def drain(self) -> None:
+        """Step until every finish-time store has completed.
+
+        Raises RuntimeError, naming what is pending, when the stores can never complete:
+        `_MAX_STALLED_STEPS` steps in a row computed nothing, preempted nothing, issued
+        no transfer and got no report, though the worker was flushed before each one (so
+        it had nothing left to report). Slow transfers are waited for, however slow.
+        Requests queued by `add_request` run too; those that finish here are returned
+        by the next `step`.
+        """
+        offload = self.offload
+        num_stalled = 0
+        finished: list[Request] = []
+        try:
+            while offload is not None and offload.has_pending_work():
+                mark = self._progress_mark()
+                if num_stalled:
+                    offload.flush()  # its poll then reports everything submitted before
+                finished += self.step()
+                if self._progress_mark() != mark:
+                    num_stalled = 0
+                    continue
+                num_stalled += 1
+                if num_stalled > _MAX_STALLED_STEPS:
+                    raise RuntimeError(
+                        f"drain() made no progress in {_MAX_STALLED_STEPS} steps with an "
+                        f"idle offload worker: {offload.describe_pending()} will never "
+                        f"complete; {self._describe_unfinished()}"
+                    )
+        finally:
+            self.scheduler.unreturned[:0] = finished
 
     def _progress_mark(self) -> tuple[int, ...]:
         """Return counters that change whenever a step does anything."""
