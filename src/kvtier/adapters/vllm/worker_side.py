@@ -31,23 +31,24 @@ of the failure (`KVTierMetadata.fault_epoch`) are reported failed.
 
 The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
 cascade a request's load may be split into one event per tier; `LoadTracker` reports
-the request once all of them finished.
+the request once all of them finished. What the result calls and the worker metadata
+hand vLLM, and the failed forward's epoch, are `worker_results`'s (`WorkerResults`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvtier.adapters.vllm.layout import block_level_failures, bytes_per_slot, tier_sizes
 from kvtier.adapters.vllm.load_tracker import LoadTracker
-from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.adapters.vllm.metadata import KVTierMetadata
 from kvtier.adapters.vllm.redelivery import Outbox, Output
 from kvtier.adapters.vllm.regions import KVCacheValue, placement_block_views
+from kvtier.adapters.vllm.worker_results import WorkerResults
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.host import remove_created_directory
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
@@ -98,7 +99,7 @@ def file_rank(device_index: int | None) -> int:
     return (device_index or 0) if rank is None else rank
 
 
-class WorkerSide:
+class WorkerSide(WorkerResults):
     """Drive one rank's `OffloadWorker` from vLLM's worker-role connector calls.
 
     Thread affinity: the model runner's thread. The worker's copies run on its own lanes.
@@ -293,22 +294,6 @@ class WorkerSide:
             self.worker.record_compute_done()
             self._submit(replace(self._plan, jobs=jobs, forget_slots=(), end_persistence=False))
 
-    @property
-    def _stores_unsafe(self) -> bool:
-        """Return True when a forward failed on this rank during a step whose plan was
-        built no later than the bound one (`KVTierMetadata.fault_epoch`)."""
-        return self._failed_epoch is not None and self._plan_epoch <= self._failed_epoch
-
-    def _note_failed_forward(self) -> bool:
-        """Return True, and remember the bound plan's epoch, when vLLM calls the
-        connector while an exception propagates: its model runner calls
-        `get_transfer_results` and `build_connector_worker_meta` in a `finally` around
-        the forward, and drops that step's output when the forward raised."""
-        if sys.exc_info()[1] is None:
-            return False
-        self._failed_epoch = max(self._plan_epoch, self._failed_epoch or 0)
-        return True
-
     def _submit(self, plan: TransferPlan) -> None:
         """Hand `plan` to the worker; if it raises, fail what it never started."""
         try:
@@ -337,80 +322,6 @@ class WorkerSide:
             return
         reported = {*started.done, *started.failed}
         self._hold_failures(job.event_id for job in plan.jobs if job.event_id not in reported)
-
-    def _hold_failures(self, event_ids: Iterable[int]) -> None:
-        """Report `event_ids` failed on this rank at the next `take_results`."""
-        failed = dict.fromkeys(event_ids, 1)
-        if failed:
-            held = [self._held_failures, WorkerReport(failed=failed)]
-            self._held_failures = WorkerReport.merge(held)
-
-    def take_results(self) -> tuple[set[str], set[str]]:
-        """Poll the worker; return (finished_recving, failed_recving) request ids.
-
-        A request is finished once every load event listing it finished on this rank,
-        and failed if any of them failed, unless every failure named its bad blocks
-        and the layout takes errors by block: then it is only finished, and its
-        suspect GPU blocks wait in `take_invalid_blocks`, which vLLM calls next in the
-        same step. A failed request is also finished: vLLM releases it from waiting
-        for its load.
-
-        While the forward's exception propagates, nothing is polled: vLLM drops that
-        step's output, and what finished is reported in the next step.
-        """
-        self._results_taken = True
-        if self._note_failed_forward():
-            return set(), set()
-        report = self.worker.poll()
-        if self._held_failures.failed:  # events of refused plans (`_fail_unsubmitted`)
-            report = WorkerReport.merge([self._held_failures, report])
-            self._held_failures = WorkerReport()
-        finished, failed = self.loads.complete(report.done, report.failed, report.bad_blocks)
-        unsplit = self.loads.unsplit  # failed whole here: whole for the scheduler too
-        if unsplit:
-            named = {e: b for e, b in report.bad_blocks.items() if e not in unsplit}
-            report = replace(report, bad_blocks=named)
-        self._report = WorkerReport.merge([self._report, report])
-        if failed:
-            logger.warning("kvtier loads failed for requests %s", sorted(failed))
-        finished.update(self._echo_failed)
-        failed.update(self._echo_failed)
-        self._echo_failed = ()
-        self._output = Output(
-            self._last_step_id, WorkerReport(), frozenset(finished), frozenset(failed)
-        )
-        if self._resend is not None:  # outputs vLLM dropped: to vLLM again, exactly once
-            finished.update(self._resend.finished_recving)
-            failed.update(self._resend.failed_recving)
-        return finished, failed
-
-    def take_invalid_blocks(self) -> set[int]:
-        """Return the suspect GPU blocks of the failed loads `take_results` reported as
-        finished (vLLM keeps each request's tokens before its first one)."""
-        invalid = self.loads.take_invalid_blocks()
-        if invalid:
-            self._output = replace(self._output, invalid_blocks=frozenset(invalid))
-        if self._resend is not None and self._resend.invalid_blocks:
-            invalid = invalid | self._resend.invalid_blocks
-        return invalid
-
-    def take_worker_metadata(self) -> KVTierWorkerMetadata | None:
-        """Return what finished since the last call, and the epoch of a failed forward
-        until a plan of a later epoch came; None when there is nothing (or while the
-        forward's exception propagates: vLLM would drop it)."""
-        if self._note_failed_forward():
-            return None
-        failed_epoch = self._failed_epoch if self._stores_unsafe else None
-        report, self._report = self._report, WorkerReport()
-        output = replace(self._output, step_id=self._last_step_id, report=report)
-        self._output = Output(self._last_step_id)
-        sent = self.outbox.record(output)
-        if self._resend is not None:
-            report = WorkerReport.merge([report, self._resend.report])
-            self._resend = None
-        if report.is_empty and failed_epoch is None and not sent:
-            return None
-        return KVTierWorkerMetadata(report, failed_epoch, sent)
 
     def shutdown(self) -> None:
         """Finish outstanding transfers and release the tier (idempotent)."""
