@@ -230,3 +230,24 @@ def test_a_directory_at_the_path_of_a_recreated_file_is_named(
     reopened = open_slot_file(path, persistent=True)
     assert not reopened.reused
     reopened.close()
+
+
+@pytest.mark.parametrize("failing", ["fstat", "set_blocking"])
+def test_an_existing_file_whose_checks_fail_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """Regression: open_or_create() left the descriptor of an existing file open when
+    os.fstat or os.set_blocking raised after os.open succeeded. It is closed now and the
+    error passes through unchanged."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"\xab" * SLOT)
+
+    def fail(*args: Any) -> None:
+        raise OSError(errno.EIO, "injected", str(path))
+
+    num_fds = num_open_fds()
+    monkeypatch.setattr(os, failing, fail)
+    with pytest.raises(OSError, match="injected"):
+        slot_file_open.open_or_create(str(path), DiskIOMode.PAGE_CACHE)
+    monkeypatch.undo()
+    assert num_open_fds() == num_fds

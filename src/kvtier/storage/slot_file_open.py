@@ -55,10 +55,13 @@ def open_or_create(path: str, mode: DiskIOMode) -> tuple[int, bool]:
             if exc.errno == errno.EISDIR:  # O_RDWR refuses a directory before fstat
                 raise OSError(errno.EINVAL, _NOT_REGULAR, path) from exc
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, _NOT_REGULAR, path)
+            os.set_blocking(fd, True)
+        except BaseException:
             os.close(fd)
-            raise OSError(errno.EINVAL, _NOT_REGULAR, path)
-        os.set_blocking(fd, True)
+            raise
         return fd, True
     raise OSError(errno.EAGAIN, "disk tier file keeps appearing and vanishing", path)
 
