@@ -27,6 +27,18 @@ def convert(extra: dict[str, object], world_size: int = 1) -> OffloadConfig:
         ({**DISK, "disk_buffer_slots": 65}, r"disk_buffer_slots=65 is invalid: must be <= 64"),
         # Regression: accepted, then `ValueError: embedded null byte` naming no key.
         ({**DISK, "disk_path": "/tmp/a\x00b"}, "disk_path=.* a path cannot hold a NUL"),
+        # Regression: "disk_bytes=1073741824 needs disk_path", as if it were not given.
+        ({**DISK, "disk_path": ""}, r"disk_path='' is invalid: it is empty; give the dir"),
+        ({"kv_offload_backend": "disk", "disk_path": ""}, r"disk_path='' is invalid: it is empty"),
+        # Regression: taken as a directory named by three spaces in the working directory.
+        ({**DISK, "disk_path": "   "}, r"disk_path='   ' is invalid: it is empty"),
+        # Regression: "choose one of lru, arc, ...", not where 'lru+door' goes.
+        (
+            {**DISK, "eviction_policy": "lru+door"},
+            r"eviction_policy='lru\+door' is invalid: eviction_policy takes one of lru, arc, "
+            r".*; give an 'EVICTION\+ADMISSION' name as policy='lru\+door'",
+        ),
+        ({**DISK, "admission_policy": "lru+door"}, r"takes one of all, door; .* as policy="),
     ],
 )
 def test_values_that_failed_late_are_refused_naming_the_key(
@@ -34,6 +46,15 @@ def test_values_that_failed_late_are_refused_naming_the_key(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         convert(extra)
+
+
+def test_a_combined_policy_name_in_a_policy_field_says_how_to_split_it() -> None:
+    """Regression: OffloadConfig's eviction_policy='lru+door' listed the eviction policies
+    only; it now also names the two fields the halves go in."""
+    with pytest.raises(ConfigError, match=r"admission_policy='door'"):
+        OffloadConfig.from_dict({**DISK, "eviction_policy": "LRU + door"})
+    with pytest.raises(ConfigError, match=r"disk_path='' is invalid: it is empty"):
+        OffloadConfig(cpu_bytes=GIB, disk_path="")
 
 
 def test_an_empty_hash_seed_is_refused_naming_the_key() -> None:

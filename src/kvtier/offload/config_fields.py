@@ -134,7 +134,9 @@ def valid_value(name: str, value: object) -> object:
     """
     value = as_enum(name, value)
     check_type(name, value)
-    if name == "disk_path" and isinstance(value, str) and value:
+    if name == "disk_path" and isinstance(value, str):
+        rule = "it is empty; give the directory of the disk tier's files, or leave it out"
+        _require(value.strip() != "", name, value, rule)
         _require("\x00" not in value, name, value, "a path cannot hold a NUL character")
         return os.path.abspath(os.path.expanduser(value))
     if isinstance(value, int) and name in _MINIMUMS:
@@ -150,9 +152,20 @@ def valid_value(name: str, value: object) -> object:
     registry = _REGISTRIES.get(name)
     if registry is not None and isinstance(value, str):
         ok = value.strip().lower() in registry
-        _require(ok, name, value, f"choose one of {', '.join(registry)}")
+        _require(ok, name, value, f"choose one of {', '.join(registry)}{_split_hint(value)}")
         return value.strip().lower()
     return value
+
+
+def _split_hint(value: str) -> str:
+    """Say how to give a combined `EVICTION+ADMISSION` name given as one policy key."""
+    if "+" not in value:
+        return ""
+    eviction, _, admission = value.partition("+")
+    return (
+        f"; {value!r} names an eviction and an admission policy: give them as "
+        f"eviction_policy={eviction.strip()!r} and admission_policy={admission.strip()!r}"
+    )
 
 
 def as_enum(name: str, value: object) -> object:

@@ -38,7 +38,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.core.policies import PolicySpec
+from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from kvtier.offload.config import (
     CONFIG_KEYS,
     CascadeMode,
@@ -91,6 +91,7 @@ def offload_config_from_vllm(
         _check_cascade(values["cascade"])
     if "policy" in values:
         values.update(_policy(values.pop("policy"), values))
+    _check_policy_halves(values)
     sources: dict[str, str] = {}
     no_disk_tier = None
     if any(key in values for key in _ALIASES):
@@ -251,6 +252,21 @@ def _policy(value: object, values: Mapping[str, Any]) -> dict[str, str]:
     except ValueError as error:
         raise ConfigError(f"policy={value!r} is invalid: {error}") from None
     return {"eviction_policy": spec.eviction, "admission_policy": spec.admission}
+
+
+def _check_policy_halves(values: Mapping[str, Any]) -> None:
+    """Point a combined `EVICTION+ADMISSION` name given as one half to `policy`."""
+    names_of: dict[str, Mapping[str, object]] = {
+        "eviction_policy": EVICTION_POLICIES,
+        "admission_policy": ADMISSION_POLICIES,
+    }
+    for key, names in names_of.items():
+        value = values.get(key)
+        if isinstance(value, str) and "+" in value:
+            raise ConfigError(
+                f"{key}={value!r} is invalid: {key} takes one of {', '.join(names)}; give "
+                f"an 'EVICTION+ADMISSION' name as policy={value!r}"
+            )
 
 
 # vLLM's SimpleCPUOffloadConnector reads these with int(): a JSON 8e9 or "8589934592"
