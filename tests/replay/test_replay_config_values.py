@@ -11,6 +11,7 @@ import pytest
 from replay_helpers import BLOCK, chat_trace
 
 from kvtier.replay.config import ReleaseOrder, ReplayConfig, ReplayError, TierConfig
+from kvtier.replay.cost import CostModel
 from kvtier.replay.tier_replay import replay_trace
 from kvtier.replay.trace import MAX_BLOCK_SIZE
 
@@ -86,3 +87,21 @@ def test_policy_name_is_read_as_the_cli_reads_it(given: str, name: str) -> None:
 def test_policy_of_another_type_is_named() -> None:
     with pytest.raises(ReplayError, match=r"policy must be a str .* got None"):
         ReplayConfig(tiers=(cpu(),), policy=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [1.5, 131072.0, float("nan"), float("inf"), True, "128", 0, -1])
+def test_bytes_per_token_that_is_not_a_positive_int_is_refused(value: Any) -> None:
+    # Regression: 1.5, 131072.0, NaN and inf were taken (a float byte count per block),
+    # True as 1 byte, and "128" failed with a bare TypeError.
+    with pytest.raises(ValueError, match=rf"bytes_per_token must be an int > 0 .*got {value!r}"):
+        CostModel(bytes_per_token=value)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "10"])
+def test_rates_that_are_not_positive_finite_numbers_are_refused(value: Any) -> None:
+    # NaN, inf and <= 0 were refused already; True ran as 1 and "10" failed with a bare
+    # TypeError.
+    with pytest.raises(ValueError, match=rf"prefill_tokens_per_s must be a number > 0 .*{value!r}"):
+        CostModel(prefill_tokens_per_s=value)
+    with pytest.raises(ReplayError, match=rf"tier CPU: link_gbps must be a number > 0 .*{value!r}"):
+        TierConfig("CPU", 1_000_000, value)

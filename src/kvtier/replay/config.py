@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from kvtier.core.policies import PolicySpec
 from kvtier.offload.config import CascadeMode  # the modes the offload scheduler runs
 from kvtier.replay.belady import OFFLINE_POLICIES
-from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
+from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel, is_int, is_positive_finite
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 
 
@@ -46,7 +45,7 @@ class TierConfig:
     link_gbps: float
 
     def __post_init__(self) -> None:
-        if not _is_int(self.capacity_tokens):
+        if not is_int(self.capacity_tokens):
             raise ReplayError(
                 f"tier {self.name}: capacity must be an int (tokens), got {self.capacity_tokens!r}"
             )
@@ -54,9 +53,10 @@ class TierConfig:
             raise ReplayError(
                 f"tier {self.name}: capacity must be > 0 tokens, got {self.capacity_tokens}"
             )
-        if not 0 < self.link_gbps < math.inf:
+        if not is_positive_finite(self.link_gbps):
             raise ReplayError(
-                f"tier {self.name}: link_gbps must be > 0 and finite, got {self.link_gbps}"
+                f"tier {self.name}: link_gbps must be a number > 0 and finite, got "
+                f"{self.link_gbps!r}"
             )
 
     @staticmethod
@@ -81,16 +81,16 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if not self.tiers:
             raise ReplayError("at least one lower tier is needed")
-        if not _is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+        if not is_int(self.block_size) or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ReplayError(
                 f"block_size must be an int in [1, {MAX_BLOCK_SIZE}] (tokens), got "
                 f"{self.block_size!r}"
             )
-        if not _is_int(self.gpu_capacity_tokens):
+        if not is_int(self.gpu_capacity_tokens):
             raise ReplayError(
                 f"gpu_capacity_tokens must be an int (tokens), got {self.gpu_capacity_tokens!r}"
             )
-        if not _is_int(self.check_every) or self.check_every < 0:
+        if not is_int(self.check_every) or self.check_every < 0:
             raise ReplayError(f"check_every must be an int >= 0, got {self.check_every!r}")
         # A string never matched the replay's `is ReleaseOrder.X` tests and ran another order.
         _take_enum_value(self, "release_order", ReleaseOrder, "release_order")
@@ -154,10 +154,6 @@ def _take_enum_value(config: object, field_name: str, kind: type[enum.Enum], wha
     except ValueError:
         choices = ", ".join(str(m.value) for m in kind)
         raise ReplayError(f"unknown {what} {value!r}; choose one of {choices}") from None
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

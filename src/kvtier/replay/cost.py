@@ -27,12 +27,15 @@ class CostModel:
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
 
     def __post_init__(self) -> None:
-        if not 0 < self.prefill_tokens_per_s < math.inf:
+        if not is_positive_finite(self.prefill_tokens_per_s):
             raise ValueError(
-                f"prefill_tokens_per_s must be > 0 and finite, got {self.prefill_tokens_per_s}"
+                "prefill_tokens_per_s must be a number > 0 and finite, got "
+                f"{self.prefill_tokens_per_s!r}"
             )
-        if self.bytes_per_token <= 0:
-            raise ValueError(f"bytes_per_token must be > 0, got {self.bytes_per_token}")
+        if not is_int(self.bytes_per_token) or self.bytes_per_token <= 0:
+            raise ValueError(
+                f"bytes_per_token must be an int > 0 (bytes), got {self.bytes_per_token!r}"
+            )
 
     def prefill_s(self, num_tokens: int) -> float:
         """Return the seconds to recompute `num_tokens` prompt tokens."""
@@ -42,3 +45,13 @@ class CostModel:
     def load_s(num_bytes: int, link_gbps: float) -> float:
         """Return the seconds to move `num_bytes` over a `link_gbps` GB/s link."""
         return num_bytes / (link_gbps * 1e9)
+
+
+def is_int(value: object) -> bool:
+    """Return True for an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_finite(value: object) -> bool:
+    """Return True for an int or float (not a bool) above 0 and below infinity."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
