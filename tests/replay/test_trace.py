@@ -233,6 +233,15 @@ def test_chat_generator_caps_the_block_references_small_blocks_make(
     assert not (tmp_path / "chat.jsonl").exists()
 
 
+def test_chat_generator_help_states_each_option_range_and_default() -> None:
+    """Regression: the help gave defaults only; the ranges showed up as errors."""
+    text = " ".join(generate.build_parser().format_help().split())
+    assert "random seed, 0 ... 2**64-1 (default 0)" in text
+    assert "number of conversations, 1 ... 100,000 (default 600)" in text
+    assert "at most 100,000,000 block references" in text
+    assert "tokens per hash block, 1 ... 1,048,576 (default 512)" in text
+
+
 def _no_work(config: object) -> object:
     pytest.fail(f"the generator started on {config}")
 

@@ -49,6 +49,12 @@ MAX_SEED = (1 << 64) - 1
 MAX_CONVERSATIONS = 100_000  # ~750 k requests, ~24 M block references at 512 tokens
 TOKENS_PER_CONVERSATION = 121_000
 MAX_BLOCK_REFERENCES = 100_000_000  # about 1 GiB of hash ids
+# Each option's accepted range, checked by `check_options` and stated in its help.
+OPTION_RANGES = {
+    "--seed": (0, MAX_SEED),
+    "--conversations": (1, MAX_CONVERSATIONS),
+    "--block-size": (1, MAX_BLOCK_SIZE),
+}
 
 
 class ProgressBar(Protocol):
@@ -196,21 +202,24 @@ def build_parser() -> argparse.ArgumentParser:
         action=StoreOnce,
         type=ascii_int,
         default=defaults.seed,
-        help="random seed (default 0)",
+        help=f"random seed, {_range('--seed')} (default {defaults.seed})",
     )
     parser.add_argument(
         "--conversations",
         action=StoreOnce,
         type=ascii_int,
         default=defaults.num_conversations,
-        help=f"number of conversations (default {defaults.num_conversations})",
+        help=f"number of conversations, {_range('--conversations')} (default "
+        f"{defaults.num_conversations}); each makes about {TOKENS_PER_CONVERSATION:,} "
+        f"tokens of prompts, and the trace may hold at most {MAX_BLOCK_REFERENCES:,} "
+        "block references (conversations x tokens / block size)",
     )
     parser.add_argument(
         "--block-size",
         action=StoreOnce,
         type=ascii_int,
         default=defaults.block_size,
-        help=f"tokens per hash block (default {defaults.block_size})",
+        help=f"tokens per hash block, {_range('--block-size')} (default {defaults.block_size})",
     )
     return parser
 
@@ -257,11 +266,8 @@ def check_options(args: argparse.Namespace) -> None:
     negative `--seed` gave the trace of its absolute value (`random.Random`), so two
     seeds gave one trace.
     """
-    for option, value, least, most in (
-        ("--seed", args.seed, 0, MAX_SEED),
-        ("--conversations", args.conversations, 1, MAX_CONVERSATIONS),
-        ("--block-size", args.block_size, 1, MAX_BLOCK_SIZE),
-    ):
+    for option, (least, most) in OPTION_RANGES.items():
+        value = getattr(args, option[2:].replace("-", "_"))
         if not least <= value <= most:
             raise ValueError(f"argument {option}: must be {least} ... {most}, got {value}")
     refs = args.conversations * TOKENS_PER_CONVERSATION // args.block_size
@@ -271,6 +277,12 @@ def check_options(args: argparse.Namespace) -> None:
             f" {refs:,} block references; the generator makes at most"
             f" {MAX_BLOCK_REFERENCES:,}: give fewer conversations or a larger block size"
         )
+
+
+def _range(option: str) -> str:
+    """Return the range `option` accepts, as its help states it."""
+    least, most = OPTION_RANGES[option]
+    return f"{least} ... {'2**64-1' if most == MAX_SEED else f'{most:,}'}"
 
 
 def _generate_with_progress(config: ChatWorkloadConfig) -> list[TraceRecord]:
