@@ -176,13 +176,13 @@ def test_verbose_is_taken_before_or_after_the_command(argv: list[str], verbose: 
     assert build_parser().parse_args(argv).verbose is verbose
 
 
-@pytest.mark.parametrize("command", ["replay", "demo"])
+@pytest.mark.parametrize("command", ["replay", "demo", "generate"])
 def test_an_unknown_option_shows_the_usage_of_its_command(
     command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Regression: `kvtier replay t.jsonl --bogus` printed the top-level usage line
     # (`kvtier [-h] [-v] [--version] COMMAND ...`), which shows none of replay's options.
-    argv = [command, "t.jsonl", "--bogus"] if command == "replay" else [command, "--bogus"]
+    argv = [command, "t.jsonl", "--bogus"] if command != "demo" else [command, "--bogus"]
     with pytest.raises(SystemExit) as exit_info:
         parse_arguments(build_parser(), argv)
     assert exit_info.value.code == 2
@@ -199,6 +199,7 @@ def test_an_unknown_option_shows_the_usage_of_its_command(
         ("replay", ["t.jsonl", "--cpu", "-1.5k"], "--cpu: invalid token count '-1.5k'"),
         ("replay", ["t.jsonl", "--cpu-link-gbps", "-1e3"], "must be >= 1e-06 and finite"),
         ("generate", ["t.jsonl", "--seed", "-1e3"], "--seed: invalid integer '-1e3'"),
+        ("kvtier", ["generate", "t.jsonl", "--seed", "-1e3"], "--seed: invalid integer '-1e3'"),
     ],
 )
 def test_a_value_like_minus_1m_is_reported_by_its_option(

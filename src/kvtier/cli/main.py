@@ -1,4 +1,4 @@
-"""The `kvtier` command: `kvtier demo`, `kvtier replay`."""
+"""The `kvtier` command: `kvtier demo`, `kvtier replay`, `kvtier generate`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
     from kvtier.cli import demo_options
     from kvtier.replay import cli as replay_cli
+    from kvtier.replay import generate
 
     parser = argparse.ArgumentParser(
         prog="kvtier",
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo_options.add_parser(subparsers)
     replay_cli.add_parser(subparsers)
+    generate.add_parser(subparsers)
     for command in subparsers.choices.values():  # `kvtier demo -v` as `kvtier -v demo`
         command.add_argument(
             "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose_help

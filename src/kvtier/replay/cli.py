@@ -200,7 +200,7 @@ examples:
   kvtier replay trace.jsonl --policy lru --policy lfuda --capacity 1M --capacity 3M
   kvtier replay trace.jsonl --sweep --policy arc --policy s3fifo --out out/ --json r.json
   kvtier replay trace.jsonl --cpu 1M --disk 4M --cascade write_back
-  python -m kvtier.replay.generate chat.jsonl     # the multi-turn chat workload
+  kvtier generate chat.jsonl     # write the multi-turn chat workload to replay
 """
 
 

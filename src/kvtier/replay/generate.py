@@ -15,7 +15,8 @@ The defaults give about 4,500 requests, 142 k block references and 21 k distinct
 enough that LRU needs ~5 M tokens to come close to that, so 100 k ... 30 M is an
 informative sweep, like the Mooncake trace's.
 
-Run: `python -m kvtier.replay.generate OUT.jsonl [--seed N] [--conversations N]`.
+Run: `kvtier generate OUT.jsonl [--seed N] [--conversations N]` (or
+`python -m kvtier.replay.generate ...`, the same command).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.option_types import attach_dashed_values
@@ -188,14 +189,35 @@ def generate_chat_trace(
     return records
 
 
+DESCRIPTION = (
+    "Write a multi-turn chat workload (shared system prompts) as a Mooncake-format trace"
+    " for `kvtier replay`."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Return the generator's argument parser."""
-    defaults = ChatWorkloadConfig()
+    """Return the generator's argument parser (`python -m kvtier.replay.generate`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m kvtier.replay.generate",
-        description="Write a multi-turn chat workload (shared system prompts) as a "
-        "Mooncake-format trace for `kvtier replay`.",
+        prog="python -m kvtier.replay.generate", description=DESCRIPTION
     )
+    configure(parser)
+    return parser
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `kvtier generate`: the same options and checks as the module form."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="write a multi-turn chat workload trace (shared system prompts) for replay",
+        description=DESCRIPTION,
+    )
+    configure(parser)
+    parser.set_defaults(run=lambda args: write(args, parser), command="generate")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the generator's options to `parser`."""
+    defaults = ChatWorkloadConfig()
     parser.add_argument("out", type=output_path, help="output .jsonl path")
     parser.add_argument(
         "--seed",
@@ -221,7 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.block_size,
         help=f"tokens per hash block, {_range('--block-size')} (default {defaults.block_size})",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,6 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGTERM, with no partial file left behind)."""
     parser = build_parser()
     args = parser.parse_args(attach_dashed_values(sys.argv[1:] if argv is None else argv))
+    return write(args, parser)
+
+
+def write(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Check the parsed options, generate the trace and write it; return the exit status.
+
+    A bad option ends in `parser.error` (status 2), naming the option and its value.
+    """
     try:
         check_options(args)
     except ValueError as exc:  # named as the option, not as the config field it sets
