@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -23,8 +24,9 @@ from kvtier.transfer.worker import OffloadWorker
 logger = logging.getLogger("kvtier.adapters.vllm.worker_side")
 
 
-class WorkerResults:
-    """Hand vLLM a rank's transfer results (a base of `WorkerSide`, which sets these up).
+class WorkerResults(ABC):
+    """Hand vLLM a rank's transfer results (a base of `WorkerSide`, which sets these up
+    and provides `worker`).
 
     Thread affinity: the model runner's thread.
     """
@@ -42,9 +44,10 @@ class WorkerResults:
     _failed_epoch: int | None
 
     @property
+    @abstractmethod
     def worker(self) -> OffloadWorker:
-        """Return the offload worker (`WorkerSide.worker`)."""
-        raise NotImplementedError
+        """Return the offload worker (`WorkerSide.worker`: raises before its KV caches
+        are registered)."""
 
     @property
     def _stores_unsafe(self) -> bool:
