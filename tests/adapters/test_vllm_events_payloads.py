@@ -10,24 +10,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_vllm_events_partial import by_hash
-from vllm.distributed import kv_events as vllm_events
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    maybe_convert_block_hash,
-    to_event_extra_keys,
-)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import Request
+from vllm_event_fixtures import HBS, LAYOUT, SIZE, TRANSLATOR, by_hash, gpu_pool
+from vllm_event_fixtures import make_request as make_sized_request
 
-from kvtier.adapters.vllm.events import EventTranslator
 from kvtier.adapters.vllm.views import VllmGpuPoolView, VllmRequestView
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import make_key
-from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.block_payload import secondary_payloads
 from kvtier.offload.cascade import Cascade
 from kvtier.offload.config import CascadeMode
@@ -36,32 +27,15 @@ from kvtier.offload.registration import Registrar
 from kvtier.offload.stats import StepCounters
 from kvtier.offload.store_selection import StoreSelector
 
-SIZE, HBS = 64, 16
-LAYOUT = KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, SIZE, 1),), configured_hash_block_size=HBS)
-TRANSLATOR = EventTranslator(
-    vllm_events.BlockStored,
-    vllm_events.BlockRemoved,
-    maybe_convert_block_hash,
-    convert_extra_keys=to_event_extra_keys,
-)
-
 
 def make_request() -> Request:
-    init_none_hash(sha256)
-    return Request(
-        request_id="r",
-        prompt_token_ids=list(range(1000, 1000 + 2 * SIZE)),
-        sampling_params=SamplingParams(max_tokens=1),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(HBS, sha256),
-        cache_salt="salt",  # extra keys on the first hash block
-    )
+    return make_sized_request(2 * SIZE, cache_salt="salt")  # extra keys on hash block 0
 
 
 def gpu_with_partial_entries(request: Request) -> tuple[VllmBlockPool, list[Any]]:
     """Two whole blocks, the second also holding two shorter partial entries (vLLM keeps
     them besides its primary hash), and the GPU pool."""
-    gpu = VllmBlockPool(8, enable_caching=True, hash_block_size=HBS, enable_kv_cache_events=True)
+    gpu = gpu_pool()
     blocks = gpu.get_new_blocks(2)
     gpu.cache_full_blocks(request, blocks, 0, 2, SIZE, 0)
     gpu.cache_partial_block(request, blocks[1], SIZE + HBS, 0, SIZE)
