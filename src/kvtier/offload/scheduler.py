@@ -16,7 +16,8 @@ With CPU and disk tiers both configured, GPU blocks are stored into the CPU tier
 `Cascade` demotes CPU blocks to disk, and a lookup serves each block from the fastest
 tier holding it; a request's load then has one part per tier (one job per tier).
 
-This module wires the tier state and owns the requests' lifecycle and observability;
+This module wires the tier state and owns the requests' lifecycle (its events, stats
+and gauges: `scheduler_observability`);
 `PlanAssembler` builds each step's plan and `TransferCompletion` applies the reports.
 """
 
@@ -26,7 +27,6 @@ from collections.abc import Iterable, Sequence
 from itertools import chain
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.events import KVEvent
 from kvtier.core.longest_hit import HitGranularity
 from kvtier.core.policies import PolicySpec
 from kvtier.offload.completion import TransferCompletion
@@ -41,9 +41,10 @@ from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.request_tags import RequestTags
 from kvtier.offload.scheduler_checks import check_scheduler_invariants
+from kvtier.offload.scheduler_observability import SchedulerObservability
 from kvtier.offload.scheduler_setup import SchedulerSetup as SchedulerSetup
 from kvtier.offload.scheduler_setup import make_cascade
-from kvtier.offload.stats import OffloadStats, StepCounters
+from kvtier.offload.stats import StepCounters
 from kvtier.offload.stats_taking import StatsTaker, info_labels
 from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
@@ -51,8 +52,9 @@ from kvtier.offload.tier_reset import TierReset
 from kvtier.offload.transfers import ReportOutcome, TransferBook
 
 
-class OffloadScheduler:
-    """Plan stores and loads between the engine's GPU pool and the lower tiers."""
+class OffloadScheduler(SchedulerObservability):
+    """Plan stores and loads between the engine's GPU pool and the lower tiers (its
+    events, stats and gauges: `SchedulerObservability`)."""
 
     def __init__(self, config: OffloadConfig, setup: SchedulerSetup) -> None:
         if setup.num_workers < 1:
@@ -167,14 +169,6 @@ class OffloadScheduler:
             else None,
         )
         self._completion.selector = self._selector
-
-    @property
-    def disk_set_aside(self) -> SetAsideSlots | None:
-        """Return the disk slots held after failed writes (`disk_slots`): the cascade's
-        demotions', or a disk-only tier's stores'; None without a disk tier."""
-        if self.cascade is not None:
-            return self.cascade.set_aside
-        return self._store_set_aside
 
     @property
     def selector(self) -> StoreSelector:
@@ -378,45 +372,6 @@ class OffloadScheduler:
         if tier is Tier.DISK:
             self.dropped_slots.add(dropped)
         return num_restored
-
-    # ------------------------------------------------------------------ observability
-
-    def take_events(self) -> list[KVEvent]:
-        """Return and forget the tiers' events (medium = the tier), oldest first per tier."""
-        return [event for pool in self.index.pools.values() for event in pool.take_events()]
-
-    def stats_gauges(self) -> tuple[int, int, int]:
-        """Return (tier blocks in use, blocks pending store, disk slots held): `take_stats`'s
-        gauges, each O(1).
-
-        In use: pinned by transfers or lookups, not a disk-only tier's held slots of failed
-        stores (`disk_slots`), which an idle tier keeps until a reset. Held: the disk slots
-        set aside after failed writes (the cascade's demotions' or a disk-only tier's
-        stores'), suspects and bad slots together; 0 without a disk tier.
-        """
-        pool = self.tier_pool
-        pending = len(self.selector.queued) + self._book.num_store_blocks
-        store_held = len(self._store_set_aside) if self._store_set_aside is not None else 0
-        set_aside = self.disk_set_aside
-        disk_held = len(set_aside) if set_aside is not None else 0
-        return pool.num_usable_blocks - pool.num_free() - store_held, pending, disk_held
-
-    def store_events_in_flight(self) -> tuple[int, int]:
-        """Return (store and demotion events issued and not yet reported, how many of
-        them a reset abandoned), for messages about what a drain waits for."""
-        return self._book.store_events()
-
-    def has_new_counts(self) -> bool:
-        """Return True when `take_stats` would report a non-zero counter or new hit tokens."""
-        return self._stats.has_new_counts()
-
-    def take_stats(self, gauges: tuple[int, int, int] | None = None) -> OffloadStats:
-        """Return this step's counters (then reset them), the gauges and the totals.
-
-        `gauges`: what `stats_gauges` returned just before, with nothing changed since
-        (a caller that compared them first need not have them computed twice).
-        """
-        return self._stats.take(*(self.stats_gauges() if gauges is None else gauges))
 
     def check_invariants(self) -> None:
         """Raise AssertionError when pins, in-flight keys or pools disagree."""
