@@ -134,6 +134,18 @@ def test_rejects_ids_outside_the_rows(src_id: int, dst_id: int, message: str) ->
     assert not dst.any(), "nothing is copied when an id is out of range"
 
 
+@pytest.mark.parametrize(("num_src", "num_dst"), [(3, 1), (1, 3), (4, 2)])
+def test_rejects_id_lists_of_different_lengths(num_src: int, num_dst: int) -> None:
+    """Regression: 3 source ids for 1 destination id copied one row and returned as if
+    done; 1 for 3 failed with numpy's IndexError. Both now name the counts, copy nothing."""
+    src = random_rows(8, 16, seed=5)
+    dst = torch.zeros(8, 16, dtype=torch.uint8)
+    message = f"{num_src} source ids but {num_dst} destination ids"
+    with pytest.raises(ValueError, match=message):
+        copy_blocks(src, np.arange(num_src), dst, np.arange(4, 4 + num_dst))
+    assert not dst.any(), "nothing is copied when the id lists differ in length"
+
+
 def test_a_source_row_copied_twice_is_never_read_as_a_run() -> None:
     """One source row copied into two destination rows (a slot loaded into two blocks):
     the repeated id does not extend a run of consecutive source rows, so each destination

@@ -83,9 +83,12 @@ def new_scratch(row_width: int, dtype: torch.dtype = torch.uint8) -> torch.Tenso
 def plan_copy(src_ids: np.ndarray, dst_ids: np.ndarray, row_bytes: int) -> CopyPlan:
     """Return the cheapest plan for copying rows `src_ids` to rows `dst_ids` (int64 arrays).
 
-    `dst_ids` must not repeat (the last write would win arbitrarily).
+    `dst_ids` must not repeat (the last write would win arbitrarily). Raises ValueError
+    naming the counts unless both have one id per copied row.
     """
     num = len(src_ids)
+    if len(dst_ids) != num:
+        raise ValueError(f"{num} source ids but {len(dst_ids)} destination ids")
     spans = _span(src_ids), _span(dst_ids)
     for strategy, ordered, other in (
         (CopyStrategy.DST_RUNS, dst_ids, src_ids),
