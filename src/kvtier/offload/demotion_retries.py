@@ -27,6 +27,7 @@ one plan's work is O(issued) and every retry gets its turn.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ _MAX_BACKOFF = 32
 _VISIT_SPAN = 4
 
 
-class WriteThroughRetries:
+class WriteThroughRetries(ABC):
     """The retry state and choices of a `Cascade`, over the state its `__init__` sets up."""
 
     cpu_pool: BlockPool
@@ -60,9 +61,9 @@ class WriteThroughRetries:
     _retry_at: int
     _failures_in_a_row: int
 
+    @abstractmethod
     def _demote(self, cpu_block_ids: Iterable[int]) -> None:
-        """Queue demotions of `cpu_block_ids` (`Cascade._demote`, which overrides this)."""
-        raise NotImplementedError("Cascade provides _demote")
+        """Queue demotions of `cpu_block_ids` (`Cascade._demote` implements it)."""
 
     def select_retries(self) -> None:
         """Write-through: demote again the blocks whose demotion failed or was dropped,

@@ -25,10 +25,11 @@ a recompute that does not fit no longer stops its scan before them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 
-class RecomputeGate:
+class RecomputeGate(ABC):
     """The failed-load recompute state of a `LoadPlanner`, over the state its `__init__`
     sets up."""
 
@@ -38,9 +39,9 @@ class RecomputeGate:
     _recompute_asked: set[str]
     allocated: set[str]
 
+    @abstractmethod
     def release_pin(self, request_id: str) -> None:
         """Drop a request's lookup pin, if any (`LoadPlanner.release_pin`)."""
-        raise NotImplementedError("LoadPlanner provides release_pin")
 
     def offer(self, request_id: str, num_tokens: int) -> int | None:
         """Return the tokens to offer for the hit its last lookup found: `num_tokens`, 0
