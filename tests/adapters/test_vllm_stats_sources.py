@@ -13,7 +13,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.adapters.vllm.stats import claim_source, live_sources, release_source
+from kvtier.adapters.vllm import stats
+from kvtier.adapters.vllm.stats import (
+    claim_source,
+    is_sole_source,
+    live_sources,
+    release_source,
+)
 
 
 class Owner:
@@ -57,3 +63,30 @@ def test_live_sources_survives_claims_made_while_it_reads() -> None:
         assert found[source] is owner  # every owner live before the call is listed
     for source, owner in zip(sources, owners, strict=True):
         release_source(source, owner)
+
+
+def test_sole_source_only_while_no_other_number_is_claimed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connector alone skips its siblings' scan (`is_sole_source`); a second claim, or
+    a dead owner's number not yet reused, sends it down the full scan."""
+    monkeypatch.setattr(stats, "_SOURCES", {})  # other tests' dead claims stay otherwise
+    first = Owner()
+    source = claim_source(first)
+    try:
+        assert is_sole_source(first)
+        assert not is_sole_source(Owner())
+        second = Owner()
+        other = claim_source(second)
+        assert not is_sole_source(first)
+        assert not is_sole_source(second)
+        release_source(other, second)
+        assert is_sole_source(first)
+        dead = Owner()
+        claim_source(dead)
+        del dead  # its number stays claimed until reused: not alone, by the cheap test
+        assert not is_sole_source(first)
+        assert [owner for _, owner in live_sources()] == [first]
+    finally:
+        release_source(source, first)
+    assert not is_sole_source(first)

@@ -49,6 +49,8 @@ from kvtier.adapters.vllm.stats import (
     GAUGES,
     KVTierStats,
     claim_source,
+    info_section,
+    is_sole_source,
     live_sources,
     release_source,
     stats_payload,
@@ -136,6 +138,7 @@ class SchedulerSide:
         # Its siblings in one MultiConnector share vLLM's KV cache config (one object).
         self._stats_group = kv_cache_config
         self._last_gauge_values: tuple[int, int, int] | None = None
+        self._info: dict[str, str] | None = None  # the payloads' info labels, once built
         self._stats_sent_at = _clock()
 
     # ------------------------------------------------------------------ admission
@@ -340,7 +343,9 @@ class SchedulerSide:
             tier: count - self._hit_tokens.get(tier, 0) for tier, count in stats.hit_tokens.items()
         }
         self._hit_tokens = dict(stats.hit_tokens)
-        payload = stats_payload(stats, new_hits, self.stats_source)
+        if self._info is None:  # fixed for the scheduler's life
+            self._info = info_section(stats.info)
+        payload = stats_payload(stats, new_hits, self.stats_source, self._info)
         gauges = payload[GAUGES][self.stats_source]
         if not due and not payload["counters"] and gauges == self._last_gauges:
             return None
@@ -359,6 +364,8 @@ class SchedulerSide:
         payload of the same step comes later (MultiConnector asks its children in
         order) or was sent already, and its last gauges are its current ones.
         """
+        if is_sole_source(self):  # the common deployment: one kvtier connector
+            return {}
         return {
             owner.stats_source: dict(owner._last_gauges)
             for _, owner in live_sources()

@@ -147,6 +147,12 @@ def release_source(source: str, owner: object) -> None:
             del _SOURCES[int(source)]
 
 
+def is_sole_source(owner: object) -> bool:
+    """Return True when `owner` holds the only source number claimed (it has no siblings)."""
+    held = tuple(_SOURCES.values())  # one C-level copy: safe beside other threads
+    return len(held) == 1 and held[0]() is owner
+
+
 def live_sources() -> list[tuple[str, object]]:
     """Return (source, owner) of every live owner of a source number."""
     entries = _SOURCES.copy()  # one C-level copy: safe beside other threads
@@ -164,49 +170,61 @@ def summed_gauges(gauges: Mapping[str, Mapping[str, float]]) -> dict[str, float]
 
 
 def stats_payload(
-    stats: OffloadStats, new_hit_tokens: Mapping[str, int], source: str = "0"
+    stats: OffloadStats,
+    new_hit_tokens: Mapping[str, int],
+    source: str = "0",
+    info: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Return the payload of one step's `OffloadStats`, from connector `source`.
 
     `new_hit_tokens` are the hit tokens per tier since the last payload (`stats.hit_tokens`
-    is cumulative).
+    is cumulative). `info`: the info section's labels, if already built (`info_section`
+    of the same `stats.info`); copied into the payload.
     """
-    counters: dict[str, float] = {
-        "stored_blocks": stats.num_stored_blocks,
-        "loaded_blocks": stats.num_loaded_blocks,
-        "failed_loads": stats.num_failed_loads,
-        "failed_stores": stats.num_failed_stores,
-        "bytes_stored": stats.num_bytes_stored,
-        "bytes_loaded": stats.num_bytes_loaded,
-        "hit_tokens": sum(new_hit_tokens.values()),
-        "demoted_blocks": stats.num_demoted_blocks,
-        "failed_demotions": stats.num_failed_demotions,
-        "dropped_demotions": stats.num_dropped_demotions,
-        "promoted_blocks": stats.num_promoted_blocks,
-        "lost_blocks": stats.num_lost_blocks,
-        "tag_mismatches": stats.num_tag_mismatches,
-    }
-    for outcome, count in stats.store_outcomes.items():
-        counters[f"store_outcome.{outcome}"] = count
-    for outcome, count in stats.handoff_outcomes.items():
-        counters[f"handoff_outcome.{outcome}"] = count
-    for tier, count in new_hit_tokens.items():
-        counters[f"tier_hit_tokens.{tier}"] = count
-    for kind, num_bytes in stats.transfer_bytes.items():
-        counters[f"transfer_bytes.{kind}"] = num_bytes
-    for kind, seconds in stats.transfer_seconds.items():
-        counters[f"transfer_seconds.{kind}"] = seconds
+    counters: dict[str, float] = {}
+    for name, value in (
+        ("stored_blocks", stats.num_stored_blocks),
+        ("loaded_blocks", stats.num_loaded_blocks),
+        ("failed_loads", stats.num_failed_loads),
+        ("failed_stores", stats.num_failed_stores),
+        ("bytes_stored", stats.num_bytes_stored),
+        ("bytes_loaded", stats.num_bytes_loaded),
+        ("hit_tokens", sum(new_hit_tokens.values())),
+        ("demoted_blocks", stats.num_demoted_blocks),
+        ("failed_demotions", stats.num_failed_demotions),
+        ("dropped_demotions", stats.num_dropped_demotions),
+        ("promoted_blocks", stats.num_promoted_blocks),
+        ("lost_blocks", stats.num_lost_blocks),
+        ("tag_mismatches", stats.num_tag_mismatches),
+    ):
+        if value:
+            counters[name] = value
+    labelled: tuple[tuple[str, Mapping[str, float]], ...] = (
+        ("store_outcome.", stats.store_outcomes),
+        ("handoff_outcome.", stats.handoff_outcomes),
+        ("tier_hit_tokens.", new_hit_tokens),
+        ("transfer_bytes.", stats.transfer_bytes),
+        ("transfer_seconds.", stats.transfer_seconds),
+    )
+    for prefix, values in labelled:
+        for label, count in values.items():
+            if count:
+                counters[prefix + label] = count
     gauges = {
         "tier_blocks_in_use": stats.num_tier_blocks_in_use,
         "blocks_pending_store": stats.num_blocks_pending_store,
         "disk_slots_held": stats.num_disk_slots_held,
     }
-    info = {label: str(stats.info.get(label, "")) for label in INFO_LABELS}
     return {
-        COUNTERS: {k: v for k, v in counters.items() if v},
+        COUNTERS: counters,
         GAUGES: {source: gauges},
-        INFO: {source: info},
+        INFO: {source: info_section(stats.info) if info is None else dict(info)},
     }
+
+
+def info_section(info: Mapping[str, str]) -> dict[str, str]:
+    """Return a payload's info labels of `OffloadStats.info` (absent labels empty)."""
+    return {label: str(info.get(label, "")) for label in INFO_LABELS}
 
 
 @dataclass
