@@ -67,3 +67,22 @@ def test_a_consistent_overlay_through_another_storage_still_round_trips() -> Non
     assert torch.equal(cache[4], before[1])
     untouched = [b for b in range(NB) if b != 4]
     assert torch.equal(cache[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("layer_first", [False, True])
+def test_storages_starting_at_one_address_merge_whatever_their_order(layer_first: bool) -> None:
+    """Regression: two storages at one address (a whole packed `[blocks, layers, ...]`
+    pool and its layer 0, each imported on its own) shared the first one's storage as
+    the base of their regions; with the smaller one first, the merged region was refused
+    as running past the end of its storage, though both views are valid."""
+    layers = 3
+    pool = np.zeros(NB * layers * BLOCK, dtype=np.uint8)
+    whole = aliased_view(pool, 0, (NB, layers, BLOCK))
+    layer0 = aliased_view(pool, 0, ((NB - 1) * layers * BLOCK + BLOCK,))
+    layer0 = layer0.as_strided((NB, BLOCK), (layers * BLOCK, 1))
+    assert whole.untyped_storage().data_ptr() == layer0.untyped_storage().data_ptr()
+    regions = discover_regions([layer0, whole] if layer_first else [whole, layer0])
+    assert len(regions.regions) == 1
+    assert regions.bytes_per_slot == layers * BLOCK
+    pool[:] = np.random.default_rng(1).integers(0, 256, pool.shape, dtype=np.uint8)
+    assert torch.equal(regions.block_views()[0], whole.reshape(NB, -1))

@@ -139,7 +139,9 @@ def discover_regions(
     for order, (name, tensor) in enumerate(named):
         storage = tensor.untyped_storage()
         ptr = int(storage.data_ptr())
-        if ptr not in bases:
+        # Storages of their own (frombuffer, DLPack) may start at one address with
+        # different sizes: the largest holds every view of them.
+        if ptr not in bases or storage.nbytes() > bases[ptr].numel():
             bases[ptr] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
         spans.setdefault(ptr, []).extend(_tensor_spans(order, name, tensor, layout))
     merged: list[tuple[int, Region]] = []
