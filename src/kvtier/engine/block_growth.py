@@ -52,13 +52,15 @@ class BlockGrowth:
         return ScheduledWork(request, num_new, tuple(map(tuple, new_ids)), TableUpdate.APPEND)
 
     def _grow(self, request: Request, num_new: int) -> list[list[int]] | None:
-        """Append the blocks `num_new` more tokens need; None if the pool is short."""
+        """Append the blocks `num_new` more tokens need; None if the pool is short.
+
+        A table takes its blocks in the statement that takes them from the pool: cut
+        short (an interrupt) between the two, they would be in no table, never freed."""
         if num_new_blocks(self.layout, request, num_new) > self.pool.num_free():
             return None
         new_ids = []
         for group, table in zip(self.layout.groups, request.block_tables, strict=True):
             need = -(-(request.num_computed_tokens + num_new) // group.block_size)
-            fresh = self.pool.allocate(max(0, need - len(table)))
-            table.extend(fresh)
+            table.extend(fresh := self.pool.allocate(max(0, need - len(table))))
             new_ids.append(fresh)
         return new_ids
