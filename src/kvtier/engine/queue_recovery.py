@@ -10,6 +10,7 @@ interrupt left half done, `_settle` finishes before the next schedule or applied
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.kv_groups import KVLayout
@@ -30,6 +31,9 @@ class QueueRecovery:
     loading: dict[str, Request]
     # Tables taken from requests, their blocks not freed yet (an interrupt): `_settle`.
     _unfreed: list[list[int]]
+    # Requests whose abort (`Scheduler.abort`) has not ended: `_settle` ends it.
+    _aborting: dict[str, Request]
+    abort: Callable[[Request], None]
 
     def _settle(self) -> None:
         """Finish a move between queues that an interrupt (Ctrl-C) cut short.
@@ -40,8 +44,10 @@ class QueueRecovery:
         `waiting`, admitted (loading, or running last) or preempted (running last). One
         admitted to a load that an interrupt kept from being queued is rewound (`_unload`).
         One whose admission was cut short as it took blocks (waiting, holding blocks with
-        nothing computed) gives them back.
+        nothing computed) gives them back. An abort cut short is ended first.
         """
+        for request in [*self._aborting.values()]:
+            self.abort(request)
         self._free_unfreed()
         if not self.waiting:
             return

@@ -51,6 +51,7 @@ class Scheduler(QueueRecovery, Admission):
         self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
         self._unfreed = []
+        self._aborting: dict[str, Request] = {}
         # Finished by `complete`, not yet returned by the engine's step: kept in the
         # statement that finishes them, so a step cut short loses none (`LLM.step`).
         self.unreturned: list[Request] = []
@@ -79,19 +80,27 @@ class Scheduler(QueueRecovery, Admission):
 
         Its transfers already issued keep their own pins until the worker reports them
         (SPEC §6.7); a load finishing later is ignored. A finished request is left as is.
+
+        Against an interrupt (Ctrl-C): noted in `_aborting` first, it stays in its queues
+        until it is FINISHED, so a retry finds it, and the next `_settle` ends an abort
+        cut short if no retry comes (the request never runs on without its blocks). Its
+        offload state and blocks go first (both safe to repeat), then it is FINISHED,
+        and it leaves its queues and `_aborting` last.
         """
-        if request.status is RequestStatus.FINISHED:
-            return
+        if request.status is not RequestStatus.FINISHED:
+            self._aborting[request.request_id] = request
+            if self.offload is not None:
+                self.offload.on_finished(request, request.block_tables)
+            self._free_blocks(request)
+            request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+        if self._aborting.get(request.request_id) is not request:
+            return  # finished otherwise (or its abort ended already)
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
             self.running.remove(request)
         self.loading.pop(request.request_id, None)
-        if self.offload is not None:
-            self.offload.on_finished(request, request.block_tables)
-        self._free_blocks(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = FinishReason.ABORT
+        del self._aborting[request.request_id]
 
     # ------------------------------------------------------------------ schedule
 
