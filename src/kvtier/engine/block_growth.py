@@ -55,9 +55,15 @@ class BlockGrowth:
         """Append the blocks `num_new` more tokens need; None if the pool is short.
 
         A table takes its blocks in the statement that takes them from the pool: cut
-        short (an interrupt) between the two, they would be in no table, never freed."""
+        short (an interrupt) between the two, they would be in no table, never freed.
+        The offload side learns of them from this step's plan: grown again before
+        `complete` applied the last work (the step that grew it, or cleared its
+        `needs_full_table`, was cut short), the request sends its tables whole."""
         if num_new_blocks(self.layout, request, num_new) > self.pool.num_free():
             return None
+        if request.has_unconfirmed_work:
+            request.needs_full_table = True
+        request.has_unconfirmed_work = True
         new_ids = []
         for group, table in zip(self.layout.groups, request.block_tables, strict=True):
             need = -(-(request.num_computed_tokens + num_new) // group.block_size)

@@ -55,6 +55,9 @@ class Request:
     finish_time: float | None = None
     finish_reason: FinishReason | None = None
     needs_full_table: bool = True
+    # Scheduled work `complete` has not applied: a step cut short (Ctrl-C) before its
+    # plan was built may have grown the tables unbeknownst to the offload side.
+    has_unconfirmed_work: bool = False
     skip_external: bool = False  # a tier load failed: recompute instead
     kept_logits: list[torch.Tensor] = field(default_factory=list)
     session_id: str | None = None  # carried by the tier's stored-block events

@@ -233,6 +233,7 @@ class Scheduler(QueueRecovery, Admission):
         finished = []
         for work, token in zip(step.work, sampled, strict=True):
             request = work.request
+            request.has_unconfirmed_work = False  # its tables reached the offload side
             before = request.num_computed_tokens
             request.num_computed_tokens += work.num_new_tokens
             cache_full_blocks(self.layout, self.pool, request, before)
