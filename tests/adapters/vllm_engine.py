@@ -24,6 +24,7 @@ from vllm.config import (
     DeviceConfig,
     KVEventsConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -95,6 +96,8 @@ class HarnessConfig:
     (`EagleStandIn`: no drafter runs) so its scheduler and KV cache manager drop the last
     block of prefix hits and, in a Mamba group, keep the state where such a hit ends; the
     fake runner rejects every draft position vLLM schedules (synchronous scheduling only).
+    `max_loras` (0: LoRA off) turns on vLLM's LoRA support (`LoRAConfig`): its scheduler
+    then runs requests of at most that many adapters in one step.
     """
 
     connector: str | None = None
@@ -118,6 +121,7 @@ class HarnessConfig:
     scheduling_policy: str = "fcfs"
     kv_groups: tuple[KVGroupDef, ...] = ()
     eagle: bool = False
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_queue_size > 1 and not self.async_scheduling:
@@ -294,6 +298,7 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         kv_transfer_config=kv_transfer_config,
         kv_events_config=kv_events_config,
         device_config=DeviceConfig("cpu"),
+        lora_config=LoRAConfig(max_loras=cfg.max_loras) if cfg.max_loras else None,
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_gpu_blocks
     if cfg.eagle:

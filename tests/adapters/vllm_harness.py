@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -177,11 +178,14 @@ class VllmHarness:
         max_tokens: int = 4,
         cache_salt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
         **sampling: Any,
     ) -> Request:
         """Create a hashed request and add it to the scheduler's waiting queue.
 
         `priority` is vLLM's: under the "priority" policy a lower value runs first.
+        `lora_request` runs it with that adapter (needs `HarnessConfig.max_loras`); its
+        name and path are hashed into every block, as vLLM's engine does.
         """
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
         request = Request(
@@ -192,6 +196,7 @@ class VllmHarness:
             block_hasher=self._block_hasher,
             cache_salt=cache_salt,
             priority=priority,
+            lora_request=lora_request,
         )
         self.requests[request_id] = request
         self._unadmitted.add(request_id)
