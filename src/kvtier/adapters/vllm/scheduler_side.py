@@ -64,6 +64,7 @@ from kvtier.offload.transfers import FailedLoad
 
 logger = logging.getLogger(__name__)
 
+_new_tuple = tuple.__new__
 _NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyType({}))
 
 
@@ -222,14 +223,19 @@ class SchedulerSide:
         scheduled = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         requests, no_new_blocks = self._requests, self._no_new_blocks
+        replace, append = TableUpdate.REPLACE, TableUpdate.APPEND
         for req_id, block_ids, is_full_table in yield_req_data(scheduler_output):
             view = requests.get(req_id)
             if view is None:
                 continue  # not admitted through this connector (cannot happen in vLLM)
             # vLLM's lists pass as they are: kvtier copies them into its table at once.
             ids = no_new_blocks if block_ids is None else block_ids
-            update = TableUpdate.REPLACE if is_full_table else TableUpdate.APPEND
-            scheduled.append(ScheduledRequest(view, ids, num_scheduled[req_id], update))
+            update = replace if is_full_table else append
+            # `ScheduledRequest(...)` goes through the NamedTuple's Python `__new__`:
+            # built directly, one per running request costs 0.2 µs less.
+            scheduled.append(
+                _new_tuple(ScheduledRequest, (view, ids, num_scheduled[req_id], update))
+            )
         plan = self.offload.build_plan(
             StepInput(
                 scheduled=tuple(scheduled),
