@@ -8,7 +8,7 @@ import pytest
 from test_llm_lifecycle import PARAMS, assert_idle
 
 from kvtier.engine.llm import LLM, EngineConfig
-from kvtier.engine.request import RequestStatus
+from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, SamplingParams
 from kvtier.offload.config import OffloadConfig
 
@@ -39,18 +39,25 @@ def test_an_aborted_request_frees_its_blocks_and_is_never_returned(when: str) ->
     assert_idle(llm)
 
 
-def test_a_request_aborted_while_its_load_is_in_flight_leaves_the_tier_consistent() -> None:
-    """The load's pins hold its GPU blocks until the worker reports it; the prompt is
-    then served again, from the tier, with the tokens of a fresh engine."""
-    engine = EngineConfig(num_gpu_blocks=12, block_size=4)
-    llm = LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine)
-    prompt = list(range(60, 92))
+def start_a_load(llm: LLM, prompt: list[int]) -> Request:
+    """Store `prompt`, evict it from the GPU pool, then add it again and step once:
+    return the request, waiting for its load from the tier (issued, not reported)."""
     llm.generate([prompt], PARAMS)
     llm.generate([list(range(40))], PARAMS)  # evicts the prompt from the GPU pool
     llm.drain()
     request = llm.add_request(prompt, PARAMS)
     llm.step()  # the load is issued
     assert request.status is RequestStatus.WAITING_FOR_LOAD
+    return request
+
+
+def test_a_request_aborted_while_its_load_is_in_flight_leaves_the_tier_consistent() -> None:
+    """The load's pins hold its GPU blocks until the worker reports it; the prompt is
+    then served again, from the tier, with the tokens of a fresh engine."""
+    engine = EngineConfig(num_gpu_blocks=12, block_size=4)
+    llm = LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine)
+    prompt = list(range(60, 92))
+    request = start_a_load(llm, prompt)
     llm.abort_request(request)
     assert_idle(llm)
     (again,) = llm.generate([prompt], PARAMS)

@@ -15,7 +15,7 @@ from itertools import count
 from typing import Any
 
 import pytest
-from test_llm_abort import LONG, MIB
+from test_llm_abort import LONG, MIB, start_a_load
 from test_llm_lifecycle import PARAMS, assert_idle
 from test_llm_poll_interrupts import LineInterrupt
 
@@ -93,12 +93,7 @@ def test_an_interrupt_at_any_line_of_an_abort_while_a_load_is_in_flight() -> Non
     (fresh,) = LLM(None, engine=engine).generate([prompt], PARAMS)
     for n in count(1):  # always retried: a load cut short is for other tests
         with LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine) as llm:
-            llm.generate([prompt], PARAMS)
-            llm.generate([list(range(40))], PARAMS)  # evicts the prompt from the GPU pool
-            llm.drain()
-            request = llm.add_request(prompt, PARAMS)
-            llm.step()  # the load is issued
-            assert request.status is RequestStatus.WAITING_FOR_LOAD
+            request = start_a_load(llm, prompt)
             try:
                 landed = aborted_with_an_interrupt(llm, request, n)
                 assert_idle(llm)
