@@ -164,7 +164,7 @@ def test_data_parallel_engines_gauges_add_up_in_the_aggregated_log_line(
     named its gauges' source "0", so the last engine's gauges replaced the others'."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvtier.adapters.vllm import scheduler_side as scheduler_side_module
+    from kvtier.adapters.vllm import scheduler_stats
 
     harness = kvtier_harness()
     try:
@@ -180,7 +180,7 @@ def test_data_parallel_engines_gauges_add_up_in_the_aggregated_log_line(
         first = harness.scheduler.connector.scheduler_side
         # Engine 1 is another process: it claims the same small number, 0, and has its
         # own KV cache config (no sibling of engine 0's connector).
-        monkeypatch.setattr(scheduler_side_module, "claim_source", lambda owner: "0")
+        monkeypatch.setattr(scheduler_stats, "claim_source", lambda owner: "0")
         harness.vllm_config.parallel_config.data_parallel_index = 1
         other = KVTierConnector(
             harness.vllm_config, KVConnectorRole.SCHEDULER, copy.copy(harness.kv_cache_config)

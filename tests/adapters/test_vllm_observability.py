@@ -33,7 +33,7 @@ from vllm_harness import (
     shared_prefix_prompts,
 )
 
-from kvtier.adapters.vllm import KVTierConnector, scheduler_side
+from kvtier.adapters.vllm import KVTierConnector, scheduler_stats
 from kvtier.adapters.vllm.connector import register_with_vllm
 from kvtier.adapters.vllm.stats import (
     KVTierStats,
@@ -229,9 +229,9 @@ def test_unchanged_gauges_are_sent_again_after_the_heartbeat(
     harness, _ = collect_stats()
     connector = harness.scheduler.connector
     assert connector.get_kv_connector_stats() is None
-    sent_at = scheduler_side._clock()
-    later = sent_at + scheduler_side.STATS_HEARTBEAT_S
-    monkeypatch.setattr(scheduler_side, "_clock", lambda: later)
+    sent_at = scheduler_stats._clock()
+    later = sent_at + scheduler_stats.STATS_HEARTBEAT_S
+    monkeypatch.setattr(scheduler_stats, "_clock", lambda: later)
     stats = connector.get_kv_connector_stats()
     assert stats is not None
     assert stats.data["counters"] == {}
