@@ -23,6 +23,7 @@ and gauges: `scheduler_observability`);
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import chain
 
@@ -328,16 +329,18 @@ class OffloadScheduler(SchedulerObservability):
         return bool(self.selector.queued) or queued_moves or self._book.has_stores()
 
     def holds_gpu_blocks_alone(self) -> bool:
-        """Return True when a queued or issued transfer holds the only reference on a
-        GPU block: the block goes back to the GPU pool once that transfer is reported
-        (vLLM's `has_pending_block_frees`: wait for it rather than preempt a request).
-        Walks every pinned block: for when an allocation failed, not for each step."""
+        """Return True when queued or issued transfers hold every reference on a GPU
+        block: the block goes back to the GPU pool once they are reported (vLLM's
+        `has_pending_block_frees`: wait for it rather than preempt a request).
+
+        A block may carry more than one transfer's pin: a store a reset abandoned keeps
+        its pin, and the same block's key may be stored afresh meanwhile. Walks every
+        pinned block: for when an allocation failed, not for each step."""
         pool = self.gpu_pool
         queued_loads = (b for item in self.loads.queued for b in item.gpu_block_ids)
         pinned = chain(self.selector.queued.gpu_block_ids, queued_loads)
-        return any(
-            pool.block(b).ref_count == 1 for b in chain(pinned, self._book.pinned_gpu_blocks())
-        )
+        pins = Counter(chain(pinned, self._book.pinned_gpu_blocks()))
+        return any(pool.block(b).ref_count == n for b, n in pins.items())
 
     @property
     def persistence_ended(self) -> bool:
