@@ -72,16 +72,21 @@ class HostTier:
     def close(self) -> None:
         """Unpin the memory (idempotent); the tensors stay usable as plain memory.
 
-        Every region is unpinned even when one fails; the first failure is raised after
-        them all. A region whose unpin failed is not retried.
+        Every region is unpinned even when one fails or is interrupted (the worker drops
+        the tier once `close()` returns or raises, so nobody could finish the job later).
+        After them all, an interrupt (KeyboardInterrupt, SystemExit) is re-raised, else the
+        first failure. A region whose unpin failed is not retried.
         """
         first: BaseException | None = None
         while self._pinned:
             try:
                 unpin_host_memory(self._pinned.pop())
-            except Exception as exc:
-                logger.warning("host tier: unpinning a region failed: %s", exc)
-                first = first or exc
+            except BaseException as exc:
+                logger.warning("host tier: unpinning a region failed: %r", exc)
+                if first is None or (
+                    isinstance(first, Exception) and not isinstance(exc, Exception)
+                ):
+                    first = exc
         if first is not None:
             raise first
 
