@@ -68,29 +68,32 @@ def pin_host_memory(tensor: torch.Tensor) -> None:
 
     `torch.Tensor.pin_memory()` would copy into the caching host allocator, which rounds
     sizes up to powers of two; registering keeps memory use equal to the budget. Call
-    `unpin_host_memory` before the tensor is freed. Raises RuntimeError with the CUDA
-    error code on failure.
+    `unpin_host_memory` before the tensor is freed. Raises RuntimeError naming the CUDA
+    error code, the address and the byte size on failure.
     """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(
             f"can only pin a contiguous CPU tensor, got {tensor.device} "
             f"with strides {tensor.stride()}"
         )
-    nbytes = tensor.numel() * tensor.element_size()
-    code = int(
-        torch.cuda.cudart().cudaHostRegister(
-            tensor.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE
-        )
-    )
+    ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
     if code != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} B failed with CUDA error {code}")
+        raise RuntimeError(_cuda_error("cudaHostRegister", ptr, nbytes, code))
 
 
 def unpin_host_memory(tensor: torch.Tensor) -> None:
-    """Undo `pin_host_memory`; raises RuntimeError with the CUDA error code on failure."""
-    code = int(torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr()))
+    """Undo `pin_host_memory`; raises RuntimeError naming the CUDA error code, the address
+    and the byte size on failure."""
+    ptr = tensor.data_ptr()
+    code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if code != 0:
-        raise RuntimeError(f"cudaHostUnregister failed with CUDA error {code}")
+        nbytes = tensor.numel() * tensor.element_size()
+        raise RuntimeError(_cuda_error("cudaHostUnregister", ptr, nbytes, code))
+
+
+def _cuda_error(call: str, ptr: int, nbytes: int, code: int) -> str:
+    return f"{call} of {nbytes} B at {ptr:#x} failed with CUDA error {code}"
 
 
 def lowest_priority_stream(device: torch.device) -> torch.cuda.Stream:
