@@ -162,9 +162,14 @@ def test_shifted_overlay_is_rejected() -> None:
 
 
 def test_wrong_explicit_layout_and_non_tensors_are_rejected() -> None:
-    """KV_FIRST on a tensor without a leading 2, and a non-tensor, name the culprit."""
+    """KV_FIRST on a tensor without a leading 2 or with 2 dims only (regression: that one
+    was told it was "not [2, ...]"), and a non-tensor, name the culprit."""
     with pytest.raises(ValueError, match=r"not \[2, \.\.\.\]"):
         discover_regions({"odd": torch.zeros(3, NB, 4)}, TensorLayout.KV_FIRST)
+    with pytest.raises(ValueError, match=r"'kv' has shape \(2, 8\): TensorLayout.KV_FIRST needs"):
+        discover_regions({"kv": torch.zeros(2, 8)}, TensorLayout.KV_FIRST)  # 2 dims, not 3
+    with pytest.raises(ValueError, match=r"\(2,\): TensorLayout.KV_FIRST needs at least 3 dims"):
+        discover_regions({"kv": torch.zeros(2)}, TensorLayout.KV_FIRST)
     with pytest.raises(TypeError, match="'x' is a list"):
         discover_regions({"x": [1, 2]})  # type: ignore[dict-item]
 

@@ -201,6 +201,11 @@ def _resolve(layout: TensorLayout, tensor: torch.Tensor, name: str) -> TensorLay
 
 def _tensor_spans(order: int, name: str, tensor: torch.Tensor, layout: TensorLayout) -> list[_Span]:
     """Return the 1 (BLOCKS_FIRST) or 2 (KV_FIRST) spans of one tensor."""
+    if layout is TensorLayout.KV_FIRST and tensor.dim() < 3:
+        raise ValueError(
+            f"KV tensor {name!r} has shape {tuple(tensor.shape)}: TensorLayout.KV_FIRST needs "
+            f"at least 3 dims, [2 (K, V), num_blocks, ...], got {tensor.dim()}"
+        )
     if tensor.dim() < 2 or tensor.numel() == 0:
         raise ValueError(
             f"KV tensor {name!r} has shape {tuple(tensor.shape)}: need at least "
@@ -208,7 +213,7 @@ def _tensor_spans(order: int, name: str, tensor: torch.Tensor, layout: TensorLay
         )
     kind = _resolve(layout, tensor, name)
     block_dim = 1 if kind is TensorLayout.KV_FIRST else 0
-    if kind is TensorLayout.KV_FIRST and (tensor.dim() < 3 or tensor.shape[0] != 2):
+    if kind is TensorLayout.KV_FIRST and tensor.shape[0] != 2:
         raise ValueError(f"KV tensor {name!r} has shape {tuple(tensor.shape)}, not [2, ...]")
     elem = tensor.element_size()
     shape, strides = [int(n) for n in tensor.shape], [int(n) for n in tensor.stride()]
