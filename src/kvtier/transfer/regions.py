@@ -19,9 +19,10 @@ A block's bytes must be one dense run (inner dims may be permuted, e.g. HND vs N
 Regions of one storage with the same stride are merged when their in-block byte ranges
 overlap or touch: this deduplicates groups overlaying the same memory and turns the
 per-layer views of one packed allocation (or the K and V halves of `[num_blocks, 2, ...]`)
-into a single wider region. Regions that overlay the same bytes with a different block
-geometry cannot be addressed by block id and are rejected, compared by address so that
-views in storages of their own (built from a raw pointer) that alias one memory count too.
+into a single wider region. Regions that put one byte in blocks of two different ids
+cannot be addressed by block id and are rejected (`region_overlays`), compared by address
+so that views in storages of their own (built from a raw pointer) that alias one memory
+count too; regions that share bytes only within blocks of one id are kept.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvtier.transfer.region_overlays import check_no_conflicting_overlays
 
 _ONE_BLOCK_STRIDE = 1 << 62
 _DEVICE_TYPES = ("cpu", "cuda")  # devices whose bytes the worker can copy
@@ -123,8 +126,8 @@ def discover_regions(
     a layout that cannot be addressed by block id:
     a sparse (non-strided) tensor, a device other than cpu or cuda (e.g. meta), fewer than
     2 dims, zero size, a block whose bytes are not one dense run, a block stride smaller
-    than the block, overlays with different geometry, or tensors that disagree on the
-    number of blocks or the device.
+    than the block, overlays that put one byte in blocks of two ids, or tensors that
+    disagree on the number of blocks or the device.
     """
     if not isinstance(layout, TensorLayout):  # "kv_first" would silently be BLOCKS_FIRST
         raise ValueError(f"layout must be a TensorLayout, got {layout!r}")
@@ -149,7 +152,7 @@ def discover_regions(
         merged.extend(_merge(storage_spans, bases[ptr]))
     # By address, over every storage: views built from a raw pointer (frombuffer, DLPack)
     # get storages of their own that may alias another's bytes.
-    _check_no_conflicting_overlays([region for _, region in merged])
+    check_no_conflicting_overlays([region for _, region in merged])
     merged.sort(key=lambda item: (item[0], item[1].offset))
     regions = tuple(region for _, region in merged)
     counts = {r.name: r.num_blocks for r in regions}
@@ -295,35 +298,3 @@ def _region(spans: list[_Span], base: torch.Tensor, size: int, stride: int) -> t
     if region.extent[1] > base.numel():
         raise ValueError(f"region {label} runs past the end of its storage")
     return min(s.order for s in spans), region
-
-
-def _address_range(region: Region) -> tuple[int, int]:
-    """Return the `[start, end)` addresses the region spans (its extent in memory)."""
-    start, end = region.extent
-    return region.storage_ptr + start, region.storage_ptr + end
-
-
-def _check_no_conflicting_overlays(regions: list[Region]) -> None:
-    """Raise when two regions map the same bytes to different block ids (compared by
-    address, so regions of different storages that alias one memory count too)."""
-    ordered = sorted(regions, key=_address_range)
-    for i, first in enumerate(ordered):
-        first_start, first_end = _address_range(first)
-        for second in ordered[i + 1 :]:
-            second_start, _ = _address_range(second)
-            if second_start >= first_end:
-                break
-            shift = second_start - first_start
-            # Same stride, and each block of the second inside the same block period of
-            # the first: shared bytes (if any) have one block id in both.
-            same_blocks = (
-                first.block_stride == second.block_stride
-                and shift + second.bytes_per_block <= first.block_stride
-            )
-            if not same_blocks:
-                raise ValueError(
-                    f"regions {first.name} and {second.name} overlay the same memory with a "
-                    f"different block geometry ({shift} B apart, "
-                    f"block strides {first.block_stride}/{second.block_stride} B, blocks "
-                    f"{first.bytes_per_block}/{second.bytes_per_block} B)"
-                )
