@@ -254,11 +254,15 @@ def _check_dense(name: str, tensor: torch.Tensor, inner: list[tuple[int, int]]) 
         expected *= size
 
 
-def slot_bytes(rows: Iterable[tuple[int, int, int]]) -> int:
+def slot_bytes(rows: Iterable[tuple[int, int, int]], num_blocks: int) -> int:
     """Return the bytes of one tier slot over block rows of one storage, each given as
-    `(offset, block_stride, bytes_per_block)`, merged as `discover_regions` merges them
-    (the rows of several blocks: lets a caller size tiers before the worker registers)."""
-    spans = [_Span(0, "", offset, stride, size, 0) for offset, stride, size in rows]
+    `(offset, block_stride, bytes_per_block)` for `num_blocks` blocks, merged as
+    `discover_regions` merges them (lets a caller size tiers before the worker registers).
+    With one block the strides are ignored, as there."""
+    spans = [
+        _Span(0, "", offset, stride if num_blocks > 1 else _ONE_BLOCK_STRIDE, size, num_blocks)
+        for offset, stride, size in rows
+    ]
     return sum(end - start for _, start, end in _runs(spans))
 
 

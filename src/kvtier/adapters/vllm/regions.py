@@ -80,7 +80,7 @@ def placement_slot_bytes(kv_cache_config: Any) -> int:
     `placement_block_views` will hold it: every page of one block id, bytes that groups
     alias once, and none of the padding vLLM may add to align a block."""
     rows = [(start, stride, page) for _, start, stride, page in _placed_pages(kv_cache_config)]
-    return slot_bytes(rows)
+    return slot_bytes(rows, int(kv_cache_config.num_blocks))
 
 
 def _placed_pages(kv_cache_config: Any) -> list[tuple[str, int, int, int]]:
