@@ -23,7 +23,7 @@ from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, finish_reason
 from kvtier.engine.scheduler_step import ScheduledWork, SchedulerLimits, SchedulerStep
 from kvtier.offload.scheduler import OffloadScheduler
-from kvtier.offload.transfers import ReportOutcome
+from kvtier.offload.transfers import FailedLoad, ReportOutcome
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +277,7 @@ class Scheduler(QueueRecovery, Admission):
 
     def apply_offload(self, outcome: ReportOutcome) -> None:
         """Make requests whose load finished schedulable; rewind those whose load failed.
+        They go to the front of `waiting` in the order they were admitted (fairness).
 
         Safe to repeat with the same outcome, as the engine does when a call was cut short
         (KeyboardInterrupt), before it schedules again: a request leaves `loading` last,
@@ -286,19 +287,22 @@ class Scheduler(QueueRecovery, Admission):
         outcome is not this one.
         """
         self._settle()  # before `_resume` queues a request in front of the one caught
-        for request_id in outcome.finished_loads:
-            request = self.loading.get(request_id)
-            if request is not None:
-                cache_full_blocks(self.layout, self.pool, request, 0)
-                self._resume(request)
+        finished = set(outcome.finished_loads)  # a request both finished and failed: finished
+        failures: dict[str, FailedLoad] = {}
         for failed in outcome.failed_loads:
-            request = self.loading.get(failed.request_id)
-            if request is not None:
-                suspects = outcome.suspect_gpu_blocks.get(failed.request_id)
-                if rewind(self.layout, request, failed, suspects) > 0:
-                    cache_full_blocks(
-                        self.layout, self.pool, request, 0
-                    )  # its blocks up to there stand
-                else:  # recompute from scratch
-                    self._free_blocks(request)
-                self._resume(request)
+            failures.setdefault(failed.request_id, failed)  # its first failure counts
+        back = [r for i, r in self.loading.items() if i in finished or i in failures]
+        # Each goes to the front of `waiting`, the last admitted first: they end up in the
+        # order they were admitted (their queue order), whatever order the report gives.
+        # Cut short, a repeat queues those still loading in front of those queued.
+        for request in reversed(back):
+            request_id = request.request_id
+            keeps_blocks = request_id in finished
+            if not keeps_blocks:  # rewound; the blocks of the tokens it keeps stand
+                suspects = outcome.suspect_gpu_blocks.get(request_id)
+                keeps_blocks = rewind(self.layout, request, failures[request_id], suspects) > 0
+            if keeps_blocks:
+                cache_full_blocks(self.layout, self.pool, request, 0)
+            else:  # recompute from scratch
+                self._free_blocks(request)
+            self._resume(request)
