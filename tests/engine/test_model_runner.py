@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from engine_helpers import dense_logits, make_runner, shuffled_tables, step
 
 from kvtier.engine.config import AttentionKind, CacheConfig, ModelConfig
 from kvtier.engine.model import build_model
-from kvtier.engine.runner import BatchInput, LogitsSelection, ModelRunner
+from kvtier.engine.runner import BatchInput, LogitsSelection, ModelRunner, SequenceInput
 
 CONFIGS = {"full": ModelConfig.tiny(), "hybrid": ModelConfig.tiny_hybrid()}
 
@@ -128,6 +131,33 @@ def test_invalid_batches_are_rejected() -> None:
             runner.run(BatchInput((seq,)))
     # A sliding window of 8 at position 12 only needs blocks 1..3: block 0 may be null.
     runner.run(BatchInput((step([1], 12, ((1, 2, 5, 6), (0, 4, 7, 8))),)))
+
+
+@pytest.mark.parametrize(
+    ("seq", "message"),
+    [
+        (step([1.9, 2], 0, ((1,), (3,))), "sequence 0: token id 1.9 is not an int"),
+        (step([True, 2], 0, ((1,), (3,))), "sequence 0: token id True is not an int"),
+        (step([1, 2], 0, ((1.5,), (3,))), "sequence 0, group 0: block id 1.5 is not an int"),
+        (step([1], 4, ((1, 2), (3, 4.0))), "sequence 0, group 1: block id 4.0 is not an int"),
+        (step([1], 4.0, ((1, 2), (3, 4))), "sequence 0: num_cached_tokens 4.0 is not an int"),  # type: ignore[arg-type]
+    ],
+)
+def test_non_integer_ids_are_refused(seq: SequenceInput, message: str) -> None:
+    """Regression: a float token or block id was truncated into a valid one (1.9 ran as
+    token 1, block 1.5 as block 1) and the step computed on silently."""
+    runner = make_runner(ModelConfig.tiny_hybrid())
+    with pytest.raises(TypeError, match=re.escape(message)):
+        runner.run(BatchInput((seq,)))
+
+
+def test_numpy_integer_ids_are_ids() -> None:
+    runner = make_runner(ModelConfig.tiny_hybrid())
+    as_int = runner.run(BatchInput((step([1, 2], 4, ((1, 2), (3, 4))),)))
+    runner = make_runner(ModelConfig.tiny_hybrid())
+    tokens, tables = np.array([1, 2]), np.array([[1, 2], [3, 4]])
+    numpy_seq = step(list(tokens), np.int64(4), tuple(tuple(t) for t in tables))  # type: ignore[arg-type]
+    assert torch.equal(runner.run(BatchInput((numpy_seq,))), as_int)
 
 
 def test_repeated_blocks_are_rejected() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -68,7 +70,8 @@ class SequenceInput:
     a new token may attend to must be a real (non-null) block. Those blocks must be
     distinct, and a block the step writes (one holding a new token) must not be among
     the blocks any other sequence of the batch reads or writes: sequences may share only
-    blocks that are already full.
+    blocks that are already full. Ids and counts are ints (numpy integers too): `run`
+    refuses a float, which a tensor would truncate into another valid id.
     """
 
     token_ids: tuple[int, ...]
@@ -184,6 +187,8 @@ class ModelRunner:
             raise ValueError("empty batch")
         num_groups = len(self.layer_groups)
         for index, seq in enumerate(batch.sequences):
+            if type(seq.num_cached_tokens) is not int:
+                _require_ints([seq.num_cached_tokens], f"sequence {index}: num_cached_tokens")
             if not seq.token_ids or seq.num_cached_tokens < 0:
                 raise ValueError(
                     f"sequence {index}: {len(seq.token_ids)} new tokens after "
@@ -194,7 +199,7 @@ class ModelRunner:
                     f"sequence {index}: {seq.num_tokens} tokens exceed "
                     f"max_position={self.config.max_position}"
                 )
-            bad_ids = [t for t in seq.token_ids if not 0 <= t < self.config.vocab_size]
+            bad_ids = _outside(seq.token_ids, self.config.vocab_size, f"sequence {index}: token id")
             if bad_ids:
                 raise ValueError(f"sequence {index}: token ids {bad_ids[:5]} outside the vocab")
             if len(seq.block_tables) != num_groups:
@@ -225,7 +230,7 @@ class ModelRunner:
                 f"{where}: null block in blocks {first_block}..{end_block - 1}, which the "
                 f"step reads or writes: {needed}"
             )
-        if any(not 0 <= b < self.cache_config.num_blocks for b in table):
+        if _outside(table, self.cache_config.num_blocks, f"{where}: block id"):
             raise ValueError(
                 f"{where}: block ids outside 0..{self.cache_config.num_blocks - 1}: {table}"
             )
@@ -257,3 +262,24 @@ class ModelRunner:
                         f"sequence {index}, group {group.group_id}: block {block}, which the "
                         f"step writes, is also used by sequence {others[0]} in the same step"
                     )
+
+
+def _outside(values: Sequence[Any], end: int, what: str) -> list[Any]:
+    """Return the ids in `values` outside [0, end); raise TypeError naming `what` and the
+    first that is not an int (a float would be truncated into a valid id: 1.9 read as 1).
+
+    One type test per id on the way (Python ints, as the engine passes them); numpy
+    integers are accepted too."""
+    suspects = [v for v in values if type(v) is not int or not 0 <= v < end]
+    if not suspects:
+        return suspects
+    _require_ints(suspects, what)
+    return [v for v in suspects if not 0 <= v < end]
+
+
+def _require_ints(values: Sequence[Any], what: str) -> None:
+    """Raise TypeError naming `what` and the first of `values` that is not an integer
+    (a bool is not one)."""
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, Integral):
+            raise TypeError(f"{what} {value!r} is not an int")
