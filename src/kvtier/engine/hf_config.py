@@ -19,6 +19,11 @@ from kvtier.engine.config import SUPPORTED_ARCHITECTURES, AttentionKind, ModelCo
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+# transformers' LlamaConfig and Qwen2Config defaults, for keys a config.json leaves out.
+_LLAMA_DEFAULT_MAX_POSITION = 2048
+_LLAMA_DEFAULT_EOS = 2
+_QWEN2_DEFAULT_MAX_POSITION = 32768
+_QWEN2_DEFAULT_NUM_KV_HEADS = 32
 _QWEN2_DEFAULT_WINDOW = 4096
 _QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
 
@@ -30,6 +35,9 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     transformers reads them: Llama has no sliding window (a `sliding_window` key is
     ignored); Qwen2's is off unless `use_sliding_window` is true, and then its sliding
     layers come from `layer_types`, else `max_window_layers` (both defaulting as Qwen2Config).
+    Keys left out take LlamaConfig's or Qwen2Config's defaults (Llama: eos_token_id 2,
+    max_position_embeddings 2048; Qwen2: no eos, 32768, 32 KV heads); a null optional
+    value takes the same, but null KV heads are as many as the query heads (both configs).
     A missing required key raises KeyError naming it; any other problem ValueError.
     """
     path = Path(path)
@@ -65,7 +73,8 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
     is_qwen2 = architecture == "Qwen2ForCausalLM"
     attention_bias = _hf_bool(hf, "attention_bias")
     window, kinds = _hf_layer_kinds(hf, num_layers, source, is_qwen2)
-    eos = hf.get("eos_token_id")
+    # Absent, LlamaConfig's eos_token_id is 2 (Qwen2Config's None); null means none.
+    eos = hf.get("eos_token_id", None if is_qwen2 else _LLAMA_DEFAULT_EOS)
     eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     if any(type(token) is not int or token < 0 for token in eos_token_ids):
         raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
@@ -75,14 +84,18 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
         intermediate_size=_hf_positive_int(hf, "intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
-        # absent or null: as many KV heads as query heads, a head dim from the hidden size
-        num_kv_heads=_hf_positive_int(hf, "num_key_value_heads", num_heads),
+        num_kv_heads=_hf_num_kv_heads(hf, num_heads, is_qwen2),
+        # absent or null: a head dim from the hidden size, as both configs derive it
         head_dim=_hf_positive_int(hf, "head_dim", hidden_size // num_heads),
         layer_kinds=kinds,
         sliding_window=window,
         rope_theta=_hf_rope_theta(hf),
         rms_norm_eps=_hf_positive_number(hf, "rms_norm_eps", 1e-6),
-        max_position=_hf_positive_int(hf, "max_position_embeddings", 32768),
+        max_position=_hf_positive_int(
+            hf,
+            "max_position_embeddings",
+            _QWEN2_DEFAULT_MAX_POSITION if is_qwen2 else _LLAMA_DEFAULT_MAX_POSITION,
+        ),
         qkv_bias=is_qwen2 or attention_bias,
         o_proj_bias=attention_bias and not is_qwen2,
         tie_word_embeddings=_hf_bool(hf, "tie_word_embeddings"),
@@ -102,6 +115,20 @@ def _hf_positive_int(hf: dict[str, Any], key: str, default: Any = _MISSING) -> i
     if type(value) is not int or value <= 0:
         raise ValueError(f"{key} must be a positive int, got {value!r}")
     return value
+
+
+def _hf_num_kv_heads(hf: dict[str, Any], num_heads: int, is_qwen2: bool) -> int:
+    """Return the KV heads as transformers reads them: null, and absent for Llama, as many
+    as query heads; absent for Qwen2, Qwen2Config's 32, which must divide the heads."""
+    if is_qwen2 and "num_key_value_heads" not in hf:
+        if num_heads % _QWEN2_DEFAULT_NUM_KV_HEADS:
+            raise ValueError(
+                f"num_key_value_heads is absent, so Qwen2Config's default of "
+                f"{_QWEN2_DEFAULT_NUM_KV_HEADS} applies, which num_attention_heads={num_heads} "
+                "is not a multiple of; set num_key_value_heads"
+            )
+        return _QWEN2_DEFAULT_NUM_KV_HEADS
+    return _hf_positive_int(hf, "num_key_value_heads", num_heads)
 
 
 def _hf_positive_number(hf: dict[str, Any], key: str, default: float) -> float:
