@@ -8,7 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.transfer.block_copy import copy_blocks, new_scratch, row_dtype, runs_of
+from kvtier.transfer.block_copy import (
+    CopyStrategy,
+    copy_blocks,
+    new_scratch,
+    plan_copy,
+    row_dtype,
+    runs_of,
+)
 
 
 def reference_copy(
@@ -32,8 +39,14 @@ def copy_cases(draw: st.DrawFn) -> tuple[int, int, np.ndarray, np.ndarray]:
     width = draw(st.sampled_from([1, 12, 64, 4096, 70000]))
     num = draw(st.integers(0, rows))
     dst_ids = draw(st.permutations(range(rows)))[:num]
-    pattern = draw(st.sampled_from(["random", "sorted", "repeated"]))
-    if pattern == "sorted":
+    if draw(st.booleans()):  # one run, as fresh tier slots and staging rows are
+        first = draw(st.integers(0, rows - num))
+        dst_ids = list(range(first, first + num))
+    pattern = draw(st.sampled_from(["random", "sorted", "repeated", "one run"]))
+    if pattern == "one run":
+        first = draw(st.integers(0, rows - num))
+        src_ids = list(range(first, first + num))
+    elif pattern == "sorted":
         src_ids = sorted(draw(st.permutations(range(rows)))[:num])
     elif pattern == "repeated":
         src_ids = draw(st.lists(st.integers(0, rows - 1), min_size=num, max_size=num))
@@ -82,6 +95,42 @@ def test_fragmented_small_rows_use_the_scratch_path() -> None:
     dst_ids = rng.permutation(rows)[:2500].astype(np.int64)
     expected = reference_copy(src, src_ids, dst, dst_ids)
     copy_blocks(src, src_ids, dst, dst_ids, torch.zeros((7, width), dtype=torch.uint8))
+    assert torch.equal(dst, expected)
+
+
+def test_ids_in_one_ascending_run_are_planned_without_sorting() -> None:
+    """A side that counts up by one (fresh tier slots, staging rows) is one run as given:
+    the other side's ids, unsorted, are the index, and the spans are exact."""
+    plan = plan_copy(np.array([9, 3, 4]), np.arange(10, 13), 64)
+    assert (plan.strategy, plan.runs) == (CopyStrategy.DST_RUNS, ((0, 3, 10),))
+    assert plan.index.tolist() == [9, 3, 4]
+    assert [t.tolist() for t in plan.run_indices] == [[9, 3, 4]]
+    assert (plan.src_span, plan.dst_span) == ((3, 9), (10, 12))
+    # Small rows, destinations scattered in many runs: the copy goes by source runs.
+    dst_ids = np.array([40, 2, 31, 17, 8, 25])
+    plan = plan_copy(np.arange(5, 11), dst_ids, 8)
+    assert (plan.strategy, plan.runs) == (CopyStrategy.SRC_RUNS, ((0, 6, 5),))
+    assert plan.index.tolist() == dst_ids.tolist()
+    assert (plan.src_span, plan.dst_span) == ((5, 10), (2, 40))
+    # Ends one run apart but out of order: sorted as before (index follows the sort).
+    plan = plan_copy(np.arange(4), np.array([10, 12, 11, 13]), 64)
+    assert (plan.strategy, plan.runs) == (CopyStrategy.DST_RUNS, ((0, 4, 10),))
+    assert plan.index.tolist() == [0, 2, 1, 3]
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"),
+    [([5, 7, 7, 8], [3, 0, 6, 1]), ([6, 8, 7, 9], [2, 4, 0, 6]), ([4, 4], [1, 0])],
+)
+def test_ids_whose_ends_look_like_one_run_copy_exactly(
+    src_ids: list[int], dst_ids: list[int]
+) -> None:
+    """Ids whose first and last are `len - 1` apart but repeat or go out of order are not
+    taken for one run: every destination row gets its own source row."""
+    src, dst = random_rows(10, 16, seed=7), random_rows(10, 16, seed=8)
+    s, d = np.array(src_ids), np.array(dst_ids)
+    expected = reference_copy(src, s, dst, d)
+    copy_blocks(src, s, dst, d)
     assert torch.equal(dst, expected)
 
 

@@ -11,9 +11,12 @@ a strategy once per id pair; `run_copy` applies it to as many regions as share t
 
 A run is a stretch of consecutive ids once the pairs are sorted by that side. Runs count
 as long when they average at least `MIN_RUN_BYTES`, where per-call overhead (~10 µs) is
-small against the copy. Callers should hand in rows of `row_dtype(...)` (int64 whenever
-the geometry allows): torch's CPU kernels move uint8 rows one element at a time, about
-10x slower, and re-viewing tensors on every call costs more than small copies.
+small against the copy. A side whose ids already count up by one (fresh tier slots,
+staging rows) is one run as given and is not sorted: small jobs are mostly fixed cost.
+
+Callers should hand in rows of `row_dtype(...)` (int64 whenever the geometry allows):
+torch's CPU kernels move uint8 rows one element at a time, about 10x slower, and
+re-viewing tensors on every call costs more than small copies.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ class CopyPlan:
     """A copy of `num` rows, decided once and applied to any number of regions.
 
     DST_RUNS: `index` holds source ids sorted by destination; SRC_RUNS: destination ids
-    sorted by source; `runs` are `(a, b, first row)` of the consecutive side. SCRATCH:
+    sorted by source; `runs` are `(a, b, first row)` of the consecutive side, and
+    `run_indices[i]` is `index[a:b]` of run i, sliced once for every region. SCRATCH:
     `index` and `other_index` are the source and destination ids as given. `src_span` and
     `dst_span` are the lowest and highest id of each side (`(0, -1)` when empty).
     """
@@ -54,6 +58,7 @@ class CopyPlan:
     runs: tuple[tuple[int, int, int], ...]
     src_span: tuple[int, int]
     dst_span: tuple[int, int]
+    run_indices: tuple[torch.Tensor, ...] = ()
 
 
 def runs_of(sorted_ids: np.ndarray) -> np.ndarray:
@@ -89,11 +94,17 @@ def plan_copy(src_ids: np.ndarray, dst_ids: np.ndarray, row_bytes: int) -> CopyP
     num = len(src_ids)
     if len(dst_ids) != num:
         raise ValueError(f"{num} source ids but {len(dst_ids)} destination ids")
-    spans = _span(src_ids), _span(dst_ids)
     for strategy, ordered, other in (
         (CopyStrategy.DST_RUNS, dst_ids, src_ids),
         (CopyStrategy.SRC_RUNS, src_ids, dst_ids),
     ):
+        if _is_one_run(ordered):  # already in order: the plan the general case would make
+            index = _index(other)
+            first = int(ordered[0])
+            spans = _spans(strategy, (first, first + num - 1), _span(other))
+            return CopyPlan(
+                strategy, num, index, index, ((0, num, first),), *spans, run_indices=(index,)
+            )
         order = np.argsort(ordered, kind="stable")
         sorted_ids = ordered[order]
         cuts = runs_of(sorted_ids).tolist()
@@ -101,7 +112,10 @@ def plan_copy(src_ids: np.ndarray, dst_ids: np.ndarray, row_bytes: int) -> CopyP
         if num_runs <= 2 or num * row_bytes >= num_runs * MIN_RUN_BYTES:
             runs = tuple((a, b, int(sorted_ids[a])) for a, b in itertools.pairwise(cuts))
             index = _index(other[order])
-            return CopyPlan(strategy, num, index, index, runs, *spans)
+            spans = _spans(strategy, _ends(sorted_ids), _span(other))
+            run_indices = tuple(index[a:b] for a, b, _ in runs)
+            return CopyPlan(strategy, num, index, index, runs, *spans, run_indices=run_indices)
+    spans = _span(src_ids), _span(dst_ids)
     return CopyPlan(CopyStrategy.SCRATCH, num, _index(src_ids), _index(dst_ids), (), *spans)
 
 
@@ -126,11 +140,11 @@ def run_copy(
     if plan.strategy is CopyStrategy.SCRATCH:
         _copy_through_scratch(plan, src, dst, scratch)
     elif plan.strategy is CopyStrategy.DST_RUNS:
-        for a, b, lo in plan.runs:
-            torch.index_select(src, 0, plan.index[a:b], out=dst[lo : lo + b - a])
+        for (a, b, lo), index in zip(plan.runs, plan.run_indices, strict=True):
+            torch.index_select(src, 0, index, out=dst[lo : lo + b - a])
     else:
-        for a, b, lo in plan.runs:
-            dst.index_copy_(0, plan.index[a:b], src[lo : lo + b - a])
+        for (a, b, lo), index in zip(plan.runs, plan.run_indices, strict=True):
+            dst.index_copy_(0, index, src[lo : lo + b - a])
 
 
 def copy_blocks(
@@ -152,8 +166,30 @@ def copy_blocks(
     run_copy(plan_copy(src_ids, dst_ids, row_bytes), src, dst, scratch)
 
 
+def _is_one_run(ids: np.ndarray) -> bool:
+    """Return True if `ids` are not empty and count up by one: one run, already sorted."""
+    num = len(ids)
+    if num == 0 or int(ids[-1]) - int(ids[0]) != num - 1:
+        return False
+    return num == 1 or bool((np.diff(ids) == 1).all())
+
+
 def _span(ids: np.ndarray) -> tuple[int, int]:
     return (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
+
+
+def _ends(sorted_ids: np.ndarray) -> tuple[int, int]:
+    """Return `_span` of sorted ids: their first and last."""
+    return (int(sorted_ids[0]), int(sorted_ids[-1])) if len(sorted_ids) else (0, -1)
+
+
+def _spans(
+    strategy: CopyStrategy, run_side: tuple[int, int], other_side: tuple[int, int]
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Return `(src_span, dst_span)` from the spans of a plan's run side and other side."""
+    if strategy is CopyStrategy.DST_RUNS:
+        return other_side, run_side
+    return run_side, other_side
 
 
 def _check_span(side: str, span: tuple[int, int], num_rows: int) -> None:

@@ -24,7 +24,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvtier.transfer.block_copy import CopyPlan, new_scratch, plan_copy, run_copy, runs_of
+from kvtier.transfer.block_copy import (
+    CopyPlan,
+    CopyStrategy,
+    new_scratch,
+    plan_copy,
+    run_copy,
+    runs_of,
+)
 from kvtier.transfer.device import (
     Completion,
     CudaCompletion,
@@ -135,7 +142,10 @@ class CpuCopier:
             plan = plans.get(width)
             if plan is None:
                 plan = plans[width] = plan_copy(src_ids, dst_ids, width * src.element_size())
-            run_copy(plan, src, dst, self._scratch_for(width, src.dtype))
+            scratch = None  # only a SCRATCH plan uses one
+            if plan.strategy is CopyStrategy.SCRATCH:
+                scratch = self._scratch_for(width, src.dtype)
+            run_copy(plan, src, dst, scratch)
 
     def _scratch_for(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         scratch = self._scratch.get((width, dtype))
