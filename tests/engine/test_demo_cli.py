@@ -45,6 +45,7 @@ def test_demo_runs_every_configuration(
     for direction in ("GPU → CPU", "GPU → DISK", "CPU → DISK"):  # this run only stores
         assert direction in out
     assert "MiB/s" in out
+    assert "queueing excluded" in out  # what the copy time is, under the table
     assert (tmp_path / "out" / "demo_ttft.png").is_file()
 
 
