@@ -207,8 +207,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the options; the summary (and its target) is over blocks of >= 64 KiB, so
+    at least one --block-kib must be that big."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if max(args.block_kib) < 64:
+        parser.error(
+            f"argument --block-kib: the summary and its target are over blocks of >= 64 KiB; "
+            f"got only {' '.join(map(str, args.block_kib))}"
+        )
+    return args
+
+
 def main() -> None:
-    args = build_parser().parse_args()
+    args = parse_args()
     started = time.perf_counter()
     machine = (
         f"{os.cpu_count()} cores, torch {torch.__version__}, "

@@ -106,6 +106,22 @@ def test_the_vllm_benchmark_without_vllm_says_where_to_run_it(
     assert "make bench-vllm" in capsys.readouterr().err
 
 
+def test_bench_transfer_needs_a_block_size_its_summary_covers(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: with every --block-kib below 64 the run ended, after all its work, in
+    `min() arg is an empty sequence` where the summary's sizes were selected."""
+    bench_transfer = script("bench_transfer", monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_transfer.parse_args(["--block-kib", "4", "16"])
+    assert exit_info.value.code == 2
+    assert (
+        "--block-kib: the summary and its target are over blocks of >= 64 KiB; got only 4 16"
+        in (capsys.readouterr().err)
+    )
+    assert bench_transfer.parse_args(["--block-kib", "4", "64"]).block_kib == [4, 64]
+
+
 def test_bench_engine_reports_no_ratio_when_no_history_left_the_gpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
