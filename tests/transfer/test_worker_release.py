@@ -18,6 +18,7 @@ from transfer_helpers import FaultyIO, job, kv_per_layer, make_worker, run_plan
 
 from kvtier.offload.plan import Tier, TransferPlan
 from kvtier.storage import DiskIOMode
+from kvtier.storage.disk_tier import DiskTier
 from kvtier.storage.slot_file import DiskTierBusyError
 from kvtier.transfer import OffloadWorker, WorkerConfig, WorkerState
 from kvtier.transfer.host_tier import HostTier
@@ -121,6 +122,32 @@ def test_a_failing_tier_close_does_not_stop_the_others(
     assert worker.state is WorkerState.SHUT_DOWN
     worker.check_invariants()
     assert_released(tmp_path, path, threads_before)
+
+
+def test_an_interrupt_while_releasing_wins_over_an_earlier_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: a Ctrl-C in the disk tier's close, after the host tier's close had
+    failed, was logged and the host tier's OSError raised in its place, so the interrupt
+    the user asked for did not end the program."""
+    worker = make_worker(disk_config(tmp_path), kv_per_layer(2, 16))
+    real_close = DiskTier.close
+
+    def broken_close(self: HostTier) -> None:
+        raise OSError("cannot unpin")
+
+    def interrupted_close(self: Any) -> None:
+        real_close(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(HostTier, "close", broken_close)
+    monkeypatch.setattr(DiskTier, "close", interrupted_close)
+    with caplog.at_level(logging.ERROR), pytest.raises(KeyboardInterrupt):
+        worker.shutdown()
+    assert "cannot unpin" in caplog.text  # the failure it won over is still told
+    monkeypatch.undo()
+    worker.shutdown()
+    assert worker.state is WorkerState.SHUT_DOWN
 
 
 def test_dropped_worker_releases_its_tiers(

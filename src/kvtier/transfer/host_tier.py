@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.transfer.device import pin_host_memory, unpin_host_memory
+from kvtier.transfer.release_errors import error_to_raise
 
 logger = logging.getLogger(__name__)
 
@@ -77,18 +78,15 @@ class HostTier:
         After them all, an interrupt (KeyboardInterrupt, SystemExit) is re-raised, else the
         first failure. A region whose unpin failed is not retried.
         """
-        first: BaseException | None = None
+        errors: list[BaseException] = []
         while self._pinned:
             try:
                 unpin_host_memory(self._pinned.pop())
             except BaseException as exc:
                 logger.warning("host tier: unpinning a region failed: %r", exc)
-                if first is None or (
-                    isinstance(first, Exception) and not isinstance(exc, Exception)
-                ):
-                    first = exc
-        if first is not None:
-            raise first
+                errors.append(exc)
+        if errors:
+            raise error_to_raise(errors)
 
 
 def _allocate(bytes_per_block: Sequence[int], num_slots: int) -> tuple[torch.Tensor, ...]:

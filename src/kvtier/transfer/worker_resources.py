@@ -27,6 +27,7 @@ from kvtier.storage.disk_tier import DiskTier
 from kvtier.transfer.device import unpin_host_memory
 from kvtier.transfer.host_tier import HostTier
 from kvtier.transfer.lanes import TransferLane
+from kvtier.transfer.release_errors import error_to_raise
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ class WorkerResources:
         removes its file, or syncs a persistent one), and drop them all.
 
         Each tier is detached before its close runs, so it is closed at most once, and a
-        close that raises does not stop the others: once all ran, the first error is
-        re-raised and any later one is logged.
+        close that raises does not stop the others: once all ran, the first interrupt
+        (else the first error) is re-raised and the others are logged.
         """
         errors: list[BaseException] = []
         host, self.host = self.host, None
@@ -86,10 +87,15 @@ class WorkerResources:
         disk, self.disk_tier = self.disk_tier, None
         if disk is not None:
             _attempt(errors, disk.close)
-        for error in errors[1:]:
-            logger.error("offload worker rank %d: releasing a tier failed: %r", self.rank, error)
-        if errors:
-            raise errors[0]
+        if not errors:
+            return
+        raised = error_to_raise(errors)
+        for error in errors:
+            if error is not raised:
+                logger.error(
+                    "offload worker rank %d: releasing a tier failed: %r", self.rank, error
+                )
+        raise raised
 
 
 def release_dropped(resources: WorkerResources) -> None:
