@@ -148,7 +148,7 @@ def test_overlay_with_different_geometry_is_rejected() -> None:
     flat = torch.zeros(NB * 64, dtype=torch.uint8)
     a = flat.view(NB, 64)
     b = flat.view(NB * 2, 32)[:NB]  # block i of b is half of block i // 2 of a
-    with pytest.raises(ValueError, match="different block geometry"):
+    with pytest.raises(ValueError, match="under different block ids: block"):
         discover_regions([a, b])
 
 
@@ -157,7 +157,7 @@ def test_shifted_overlay_is_rejected() -> None:
     flat = torch.zeros((NB + 1) * 64, dtype=torch.uint8)
     a = flat[: NB * 64].view(NB, 64)
     b = flat[32 : 32 + NB * 64].view(NB, 64)
-    with pytest.raises(ValueError, match="different block geometry"):
+    with pytest.raises(ValueError, match="under different block ids: block"):
         discover_regions([a, b])
 
 

@@ -36,8 +36,8 @@ def check_no_conflicting_overlays(regions: Sequence[Region]) -> None:
                 clash = _clash(first, second, shift)
             if clash is not None:
                 raise ValueError(
-                    f"regions {first.name} and {second.name} overlay the same memory with a "
-                    f"different block geometry: block {clash[1]} of {second.name} shares "
+                    f"regions {first.name} and {second.name} overlay the same memory under "
+                    f"different block ids: block {clash[1]} of {second.name} shares "
                     f"bytes with block {clash[0]} of {first.name} ({shift} B apart, "
                     f"block strides {first.block_stride}/{second.block_stride} B, blocks "
                     f"{first.bytes_per_block}/{second.bytes_per_block} B)"
