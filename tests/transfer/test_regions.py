@@ -152,6 +152,15 @@ def test_overlay_with_different_geometry_is_rejected() -> None:
         discover_regions([a, b])
 
 
+def test_views_of_different_block_counts_are_told_so_before_any_overlay() -> None:
+    """Regression: views of one memory that disagree on the number of blocks were reported
+    as an overlay of different block ids, which hid the plainer mistake."""
+    flat = torch.zeros(NB * 64, dtype=torch.uint8)
+    whole, halves = flat.view(NB, 64), flat.view(NB * 2, 32)
+    with pytest.raises(ValueError, match="disagree on the number of blocks"):
+        discover_regions([whole, halves])
+
+
 def test_shifted_overlay_is_rejected() -> None:
     """Same stride but shifted by half a block: block b of one overlaps block b+1 of the other."""
     flat = torch.zeros((NB + 1) * 64, dtype=torch.uint8)

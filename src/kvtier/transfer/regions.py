@@ -150,14 +150,14 @@ def discover_regions(
     merged: list[tuple[int, Region]] = []
     for ptr, storage_spans in spans.items():
         merged.extend(_merge(storage_spans, bases[ptr]))
-    # By address, over every storage: views built from a raw pointer (frombuffer, DLPack)
-    # get storages of their own that may alias another's bytes.
-    check_no_conflicting_overlays([region for _, region in merged])
     merged.sort(key=lambda item: (item[0], item[1].offset))
     regions = tuple(region for _, region in merged)
     counts = {r.name: r.num_blocks for r in regions}
-    if len(set(counts.values())) != 1:
+    if len(set(counts.values())) != 1:  # before the overlays: the plainer error
         raise ValueError(f"KV tensors disagree on the number of blocks: {counts}")
+    # By address, over every storage: views built from a raw pointer (frombuffer, DLPack)
+    # get storages of their own that may alias another's bytes.
+    check_no_conflicting_overlays(regions)
     return RegionSet(regions=regions, num_blocks=regions[0].num_blocks, device=devices.pop())
 
 
