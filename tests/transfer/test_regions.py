@@ -173,7 +173,10 @@ def test_shifted_overlay_is_rejected() -> None:
 def test_wrong_explicit_layout_and_non_tensors_are_rejected() -> None:
     """KV_FIRST on a tensor without a leading 2 or with 2 dims only (regression: that one
     was told it was "not [2, ...]"), and a non-tensor, name the culprit."""
-    with pytest.raises(ValueError, match=r"not \[2, \.\.\.\]"):
+    first_dim = (
+        r"\(3, 6, 4\): TensorLayout.KV_FIRST needs \[2 \(K, V\), num_blocks, \.\.\.\], got 3"
+    )
+    with pytest.raises(ValueError, match=first_dim):
         discover_regions({"odd": torch.zeros(3, NB, 4)}, TensorLayout.KV_FIRST)
     with pytest.raises(ValueError, match=r"'kv' has shape \(2, 8\): TensorLayout.KV_FIRST needs"):
         discover_regions({"kv": torch.zeros(2, 8)}, TensorLayout.KV_FIRST)  # 2 dims, not 3

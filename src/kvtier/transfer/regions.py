@@ -217,7 +217,10 @@ def _tensor_spans(order: int, name: str, tensor: torch.Tensor, layout: TensorLay
     kind = _resolve(layout, tensor, name)
     block_dim = 1 if kind is TensorLayout.KV_FIRST else 0
     if kind is TensorLayout.KV_FIRST and tensor.shape[0] != 2:
-        raise ValueError(f"KV tensor {name!r} has shape {tuple(tensor.shape)}, not [2, ...]")
+        raise ValueError(
+            f"KV tensor {name!r} has shape {tuple(tensor.shape)}: {kind} needs "
+            f"[2 (K, V), num_blocks, ...], got {tensor.shape[0]} in the first dim"
+        )
     elem = tensor.element_size()
     shape, strides = [int(n) for n in tensor.shape], [int(n) for n in tensor.stride()]
     inner = list(zip(shape[block_dim + 1 :], strides[block_dim + 1 :], strict=True))
