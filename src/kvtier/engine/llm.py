@@ -253,9 +253,11 @@ class LLM(StallChecks):
         Returns False, dropping nothing, while a request is unfinished (finish or abort
         it first). Otherwise True, or False while transfers are outstanding (their slots
         come back as they are reported; nothing stored before is served either way). A
-        persistent disk tier's manifest is emptied before this returns.
+        persistent disk tier's manifest is emptied before this returns. An abort that an
+        interrupt (Ctrl-C) cut short is ended first, as the next step would end it.
         """
         self._require_running()
+        self.scheduler.end_aborts()  # cut short, a retry (or the next step) ends the rest
         if self.scheduler.has_unfinished():
             return False
         done = self.offload is None or self.offload.reset()

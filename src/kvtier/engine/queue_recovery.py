@@ -46,9 +46,7 @@ class QueueRecovery:
         One whose admission was cut short as it took blocks (waiting, holding blocks with
         nothing computed) gives them back. An abort cut short is ended first.
         """
-        for request in [*self._aborting.values()]:
-            self.abort(request)
-        self._free_unfreed()
+        self.end_aborts()
         if not self.waiting:
             return
         head = self.waiting[0]
@@ -63,6 +61,16 @@ class QueueRecovery:
             self.running.pop()
         elif head.num_computed_tokens == 0 and any(head.block_tables):
             self._free_blocks(head)  # admitted, cut short as it took its blocks
+
+    def end_aborts(self) -> None:
+        """End the aborts an interrupt (Ctrl-C) cut short and no retry ended, and free the
+        tables taken whose frees it cut short: the state a completed abort leaves. Done
+        by `_settle`, and before anything that reads `has_unfinished` between steps
+        (`LLM.reset_prefix_cache`). Safe to cut short in turn: `abort` is safe to repeat,
+        and a request leaves `_aborting` only once its abort has ended."""
+        for request in [*self._aborting.values()]:
+            self.abort(request)
+        self._free_unfreed()
 
     def _load_queued(self, request: Request) -> bool:
         assert self.offload is not None, "only an offloading engine loads"

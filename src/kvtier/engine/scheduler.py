@@ -72,7 +72,8 @@ class Scheduler(QueueRecovery, Admission):
         return request in self.running or request in self.waiting
 
     def has_unfinished(self) -> bool:
-        """Return True while any request is waiting, loading or running."""
+        """Return True while any request is waiting, loading or running; one whose abort
+        an interrupt cut short counts until `end_aborts` (or the next step) ends it."""
         return bool(self.waiting or self.running or self.loading)
 
     def abort(self, request: Request) -> None:
