@@ -12,7 +12,7 @@ from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 from kvtier.offload.lazy_walk import lazy_target
-from kvtier.offload.protocols import StepInput
+from kvtier.offload.protocols import ScheduledRequest, StepInput, TableUpdate
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
 
 FULL = GroupKind.FULL_ATTENTION
@@ -113,6 +113,27 @@ def test_the_finish_flush_stores_only_confirmed_blocks() -> None:
     engine.finish("a")
     (store,) = engine.step().jobs
     assert store.src_block_ids == (table[0],)
+
+
+@pytest.mark.parametrize("update", list(TableUpdate), ids=lambda update: update.value)
+@pytest.mark.parametrize("num_groups", [1, 3])
+def test_block_ids_of_another_number_of_groups_are_refused(
+    update: TableUpdate, num_groups: int
+) -> None:
+    """A scheduled request's block ids hold one sequence per KV group. Eager selection
+    skips the per-group table update of a request with no new block (most decode steps);
+    a step listing another number of groups still raises, new blocks or not."""
+    layout = KVLayout((KVGroupSpec(FULL, 4, 64), KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 6)))
+    engine = SimEngine(layout, num_gpu_blocks=16)
+    a = make_request("a", range(8), outputs=[1, 2])
+    engine.admit(a)
+    engine.schedule("a")
+    engine.step()  # "a" is tracked, its tables filled
+    fine = ScheduledRequest(a, ((), ()), 0, update)
+    engine.scheduler.build_plan(StepInput((fine,)))  # two groups, nothing new: no error
+    wrong = ScheduledRequest(a, ((),) * num_groups, 0, update)
+    with pytest.raises(ValueError):
+        engine.scheduler.build_plan(StepInput((wrong,)))
 
 
 def test_lazy_target_follows_the_group_kinds() -> None:
