@@ -132,8 +132,15 @@ def test_block_ids_of_another_number_of_groups_are_refused(
     fine = ScheduledRequest(a, ((), ()), 0, update)
     engine.scheduler.build_plan(StepInput((fine,)))  # two groups, nothing new: no error
     wrong = ScheduledRequest(a, ((),) * num_groups, 0, update)
-    with pytest.raises(ValueError):
+    message = f"request 'a': block ids for {num_groups} KV groups, the layout has 2"
+    with pytest.raises(ValueError, match=message):
         engine.scheduler.build_plan(StepInput((wrong,)))
+    if update is TableUpdate.APPEND:  # regression: the zip had extended the first tables
+        tables = [list(t) for t in engine.scheduler._selector.tracked["a"].block_ids]
+        with_new = ScheduledRequest(a, ((15,),) * num_groups, 0, update)
+        with pytest.raises(ValueError, match=message):
+            engine.scheduler.build_plan(StepInput((with_new,)))
+        assert [list(t) for t in engine.scheduler._selector.tracked["a"].block_ids] == tables
 
 
 def test_lazy_target_follows_the_group_kinds() -> None:

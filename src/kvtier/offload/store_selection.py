@@ -171,9 +171,14 @@ class StoreSelector(StoreQueueing):
                 if found is None:
                     continue
                 state = found
+            if len(block_ids) != len(state.block_ids):  # before any table changes
+                raise ValueError(
+                    f"request {request_id!r}: block ids for {len(block_ids)} KV groups, "
+                    f"the layout has {len(state.block_ids)}"
+                )
             # Most decode steps bring no new block: the zip then changes nothing, and
-            # skipping it saves 0.3 µs a request (a mismatch still raises in the zip).
-            if any(block_ids) or len(block_ids) != len(state.block_ids):
+            # skipping it saves 0.3 µs a request.
+            if any(block_ids):
                 for table, new_ids in zip(state.block_ids, block_ids, strict=True):
                     if new_ids:
                         table.extend(new_ids)
