@@ -33,9 +33,8 @@ class DoorkeeperAdmission:
 
     def admit(self, key: Key) -> bool:
         """Return True when `key` was offered recently; otherwise remember it and say no."""
-        if self._doorkeeper.contains(key):
+        if self._doorkeeper.seen_or_insert(key):
             return True
-        self._doorkeeper.insert(key)
         self.num_rejected += 1
         return False
 
