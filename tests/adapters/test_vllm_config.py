@@ -200,7 +200,7 @@ def test_two_disk_io_keys_are_refused_naming_both(extra: dict[str, object], mess
             "disk_capacity_bytes=-1 is invalid",
             "disk_bytes",
         ),
-        ({"disk_capacity_bytes": 1.5}, "disk_capacity_bytes must be an int", "disk_bytes"),
+        ({"disk_capacity_bytes": 1.5}, "disk_capacity_bytes must be a whole number", "disk_bytes"),
         ({"cpu_bytes_to_use": 8.5}, "cpu_bytes_to_use must be a whole number", "cpu_bytes="),
         ({"cpu_bytes_to_use": float("nan")}, "cpu_bytes_to_use must be a whole", "cpu_bytes="),
         ({"cpu_bytes_to_use_per_rank": "8GB"}, "must be an int, got '8GB'", "cpu_bytes="),
@@ -259,3 +259,5 @@ def test_vllm_byte_keys_are_read_as_vllm_reads_them(spelling: object) -> None:
     assert convert({"cpu_bytes_to_use": spelling}, world_size=4).cpu_bytes == 2_000_000_000
     per_rank = convert({"cpu_bytes_to_use_per_rank": spelling}, world_size=4)
     assert per_rank.cpu_bytes == 8_000_000_000
+    disk = {"kv_offload_backend": "disk", "disk_path": "/tmp/kv"}
+    assert convert({**disk, "disk_capacity_bytes": spelling}).disk_bytes == 8_000_000_000

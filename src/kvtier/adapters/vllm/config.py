@@ -271,7 +271,7 @@ def _check_policy_halves(values: Mapping[str, Any]) -> None:
 
 # vLLM's SimpleCPUOffloadConnector reads these with int(): a JSON 8e9 or "8589934592"
 # works there, so it works here (a config moves between connectors unchanged).
-_VLLM_BYTE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank")
+_VLLM_BYTE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "disk_capacity_bytes")
 
 
 def _whole_bytes(key: str, value: object) -> object:
