@@ -5,6 +5,7 @@ something else or left to fail deep inside the replay."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -105,3 +106,24 @@ def test_rates_that_are_not_positive_finite_numbers_are_refused(value: Any) -> N
         CostModel(prefill_tokens_per_s=value)
     with pytest.raises(ReplayError, match=rf"tier CPU: link_gbps must be a number > 0 .*{value!r}"):
         TierConfig("CPU", 1_000_000, value)
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (("CPU", "cpu"), "tiers 'CPU' and 'cpu' both name the result columns 'cpu_"),
+        (("CPU", "DISK", "Disk"), "tiers 'DISK' and 'Disk' both name the result columns 'disk_"),
+        (("GPU",), "tier 'GPU' would name the result column 'gpu_token_hit_ratio'"),
+        (("CPU", "Total"), "tier 'Total' would name the result column 'total_token_hit_ratio'"),
+    ],
+)
+def test_tier_names_that_share_result_columns_are_refused(
+    names: tuple[str, ...], message: str
+) -> None:
+    # Before: accepted, and each point's CSV / JSON row (`point_row`) kept only the last
+    # of the tiers' `{name}_...` columns (CPU 3 blocks and cpu 30 blocks: one row
+    # cpu_token_hit_ratio 0.064, the CPU tier's 0.030 gone), or overwrote the GPU tier's
+    # and the total hit ratio with a lower tier's.
+    tiers = tuple(TierConfig(name, 8 * BLOCK, 25.0) for name in names)
+    with pytest.raises(ReplayError, match=re.escape(message)):
+        ReplayConfig(tiers=tiers, block_size=BLOCK)

@@ -96,7 +96,8 @@ class ReplayConfig:
         _take_enum_value(self, "release_order", ReleaseOrder, "release_order")
         self._check_policy()
         if self.cascade is not None:
-            self._check_cascade()
+            self._check_cascade()  # names the tiers a cascade needs, before any clash
+        _check_tier_names(self.tiers)
         for tier in self.tiers:
             if tier.capacity_tokens < self.block_size:
                 raise ReplayError(
@@ -141,6 +142,32 @@ class ReplayConfig:
                 f"{self.policy!r} ranks the current request's blocks, and a demotion moves "
                 "another request's block"
             )
+
+
+# Prefixes of a result row's columns that are not a lower tier's (`sweep.point_row`).
+_NOT_TIER_COLUMNS = ("gpu", "total")
+
+
+def _check_tier_names(tiers: tuple[TierConfig, ...]) -> None:
+    """Raise ReplayError for tier names that would share a result row's columns.
+
+    A row names each lower tier's columns by its lower-cased name (`cpu_token_hit_ratio`):
+    names equal but for case, or `gpu` / `total`, would overwrite another's numbers.
+    """
+    seen: dict[str, str] = {}
+    for tier in tiers:
+        column = str(tier.name).lower()
+        if column in _NOT_TIER_COLUMNS:
+            raise ReplayError(
+                f"tier {tier.name!r} would name the result column '{column}_token_hit_ratio', "
+                "which is not a lower tier's; give it another name"
+            )
+        if column in seen:
+            raise ReplayError(
+                f"tiers {seen[column]!r} and {tier.name!r} both name the result columns "
+                f"'{column}_...'; tier names must differ, ignoring case"
+            )
+        seen[column] = tier.name
 
 
 def _take_enum_value(config: object, field_name: str, kind: type[enum.Enum], what: str) -> None:
