@@ -16,11 +16,13 @@ DOORKEEPER_WINDOW_PER_BLOCK = 2
 
 
 class DoorkeeperAdmission:
-    """Admit a key the second time it is offered within about 2-4 x capacity offers.
+    """Admit a key the second time it is offered within about 2-4 x capacity refusals.
 
-    A first sighting is remembered and rejected. Parameter: the window, 2 x the tier's
+    A first sighting is remembered and refused. Only refusals age the filter (an
+    admitted offer is not remembered again). Parameter: the window, 2 x the tier's
     usable blocks per Bloom generation (a reuse must come back before about that many
-    other blocks were offered). Memory: about 5 bytes per tier block. O(1) per call.
+    other first sightings were refused). Memory: about 5 bytes per tier block. O(1)
+    per call.
     """
 
     name = "door"
