@@ -115,7 +115,8 @@ Rank = Callable[[Key], int]
 
 
 class OraclePolicy(OneByOne):
-    """Evict the free block of highest rank (ties: the least recently freed); unhashed first.
+    """Evict the free block of highest rank, unhashed first. Ties: the block freed or
+    ranked again longest ago (a rank read anew restamps the block).
 
     `rank` reads the future of a key of the current request: `FutureOracle.belady_rank`
     or `FutureOracle.oracle_lfu_rank`. A block is ranked when it is freed, and ranked
