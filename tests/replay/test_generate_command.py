@@ -64,3 +64,22 @@ def test_the_help_states_each_range_and_default(capsys: pytest.CaptureFixture[st
     assert "random seed, 0 ... 2**64-1 (default 0)" in help_text
     assert "number of conversations, 1 ... 100,000 (default 600)" in help_text
     assert "tokens per hash block, 1 ... 1,048,576 (default 512)" in help_text
+
+
+def test_a_dash_writes_the_trace_to_stdout_for_replay_to_read(tmp_path: Path) -> None:
+    """Regression: `kvtier generate - | kvtier replay -` wrote a file named `-` in the
+    current folder and "wrote N requests to -" into the pipe, so replay failed on that
+    line; `-` is stdout, as replay's trace `-` is stdin and its `--json -` stdout."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "generate", "-", "--conversations", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert list(tmp_path.iterdir()) == []  # no file named `-`
+    trace = tmp_path / "chat.jsonl"
+    trace.write_text(done.stdout)
+    assert len(read_trace(trace)) > 2
+    assert done.stderr == f"wrote {len(read_trace(trace))} requests to /dev/stdout\n"

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.option_types import attach_dashed_values
-from kvtier.replay.outputs import check_file_path, output_path
+from kvtier.replay.outputs import check_file_path, json_output_path
 from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.stdout_lines import progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
@@ -218,7 +218,10 @@ def add_parser(subparsers: Any) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the generator's options to `parser`."""
     defaults = ChatWorkloadConfig()
-    parser.add_argument("out", type=output_path, help="output .jsonl path")
+    # `-` is stdout, as `kvtier replay`'s trace `-` is stdin: `generate - | replay -`.
+    parser.add_argument(
+        "out", type=json_output_path, help="output .jsonl path (.gz: gzipped); - writes to stdout"
+    )
     parser.add_argument(
         "--seed",
         action=StoreOnce,

@@ -30,7 +30,8 @@ def output_path(text: str) -> str:
 
 
 def json_output_path(text: str) -> str:
-    """`output_path`, with `-` naming stdout (`/dev/stdout`) as the trace's `-` names stdin."""
+    """`output_path`, with `-` naming stdout (`/dev/stdout`) as the trace's `-` names stdin
+    (`kvtier replay --json -`, `kvtier generate -`)."""
     return "/dev/stdout" if text == "-" else output_path(text)
 
 
