@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,21 @@ def test_an_option_out_of_range_is_refused_before_the_engine_is_imported(
     assert done.stdout == "2 []\n", done.stderr
     assert done.stderr.startswith("kvtier demo: error: ")
     assert message in done.stderr
+
+
+def test_a_folder_where_the_plot_goes_is_refused_before_the_engine_is_imported(
+    tmp_path: Path,
+) -> None:
+    """Regression: `--out D` with a folder D/demo_ttft.png passed the checks; the demo
+    served every configuration (two minutes by default) and then could not write its
+    plot ("Is a directory"), ending with status 1."""
+    (tmp_path / "demo_ttft.png").mkdir()
+    code = REFUSED_WITHOUT_TORCH.format(
+        options=["--out", str(tmp_path), "--conversations", "1", "--turns", "1"]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "2 []\n", done.stderr
+    assert done.stderr == (
+        f"kvtier demo: error: --out={tmp_path}: {tmp_path / 'demo_ttft.png'} is a directory;"
+        " the demo writes its plot there\n"
+    )

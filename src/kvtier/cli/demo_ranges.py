@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvtier.cli.demo_plot import PLOT_NAME
 from kvtier.replay.outputs import check_creates_files, nearest_existing
 
 # The least value of each numeric option (message lengths may be 0, not all of them).
@@ -57,14 +58,19 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def check_dirs(args: argparse.Namespace) -> None:
-    """Raise ValueError when --disk-dir or --out cannot hold the demo's files, or
-    --model-dir is not a folder (its contents are checked with the engine imported)."""
+    """Raise ValueError when --disk-dir or --out cannot hold the demo's files (the plot's
+    path in --out a folder too), or --model-dir is not a folder (its contents are checked
+    with the engine imported)."""
     if args.disk_dir is not None:
         disk_dir = Path(args.disk_dir)
         if not disk_dir.exists():  # the demo makes its temporary directory inside it
             raise ValueError(f"--disk-dir={disk_dir} does not exist")
         _check_writable_dir("--disk-dir", disk_dir)
-    _check_writable_dir("--out", Path(args.out))
+    out = Path(args.out)
+    _check_writable_dir("--out", out)
+    plot = out / PLOT_NAME
+    if plot.is_dir():  # the plot replaces a file there, never a folder
+        raise ValueError(f"--out={out}: {plot} is a directory; the demo writes its plot there")
     if args.model_dir is not None:
         check_model_dir_is_dir(args.model_dir)
 
