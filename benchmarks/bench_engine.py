@@ -18,6 +18,7 @@ import tempfile
 import torch
 
 from bench_common import new_parser, output_file, positive_int
+from kvtier.cli.demo_checks import check_sizes
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
@@ -45,14 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     """Run the benchmark and print its table and summary line."""
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
     print(
         f"machine: {os.cpu_count()} cores, torch {torch.__version__} with "
         f"{torch.get_num_threads()} threads, python {platform.python_version()}"
     )
     model = ModelConfig.demo()
     workload = ChatWorkload(args.conversations, args.turns, vocab_size=model.vocab_size)
-    engine = EngineConfig(num_gpu_blocks=args.gpu_blocks)
+    try:
+        engine = EngineConfig(num_gpu_blocks=args.gpu_blocks)
+    except ValueError as exc:
+        parser.error(f"argument --gpu-blocks: {exc}")
     numbers: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         configs: list[tuple[str, OffloadConfig | None]] = [
@@ -67,6 +72,10 @@ def main() -> None:
             )
             configs.append(("disk", disk))
         with LLM(model, engine=engine) as warm:  # warm up kernels and allocator
+            try:  # the pool holds a last turn (the warm-up's turns are shorter)
+                check_sizes(workload, [], warm.layout, args.gpu_blocks)
+            except ValueError as exc:
+                parser.error(str(exc))
             run_chat(warm, ChatWorkload(2, 2, 64, 64, vocab_size=model.vocab_size), "warm-up")
         for rep in range(args.reps):
             for name, offload in configs:

@@ -133,3 +133,28 @@ def test_bench_engine_reports_no_ratio_when_no_history_left_the_gpu(
     summary = bench_engine._report({"off": run, "cpu": dict(run, tokens_per_s=[120.0])})
     assert summary == {"cpu_ttft_off_gpu_ratio": None, "cpu_throughput_ratio": 1.2}
     assert "TTFT (history off GPU) n/a" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("gpu_blocks", "message"),
+    [
+        ("1", "argument --gpu-blocks: EngineConfig.num_gpu_blocks=1 leaves no block besides"),
+        ("10", "more than --gpu-blocks=10 can hold (9 usable blocks): raise --gpu-blocks to"),
+    ],
+)
+def test_bench_engine_refuses_a_gpu_pool_too_small_for_its_workload(
+    gpu_blocks: str,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Regression: `--gpu-blocks 1` and `--gpu-blocks 10` passed the option's type and
+    ended in a ValueError traceback naming EngineConfig, or a prompt of the warm-up,
+    not the option; now a usage error names it (and the least pool that fits)."""
+    bench_engine = script("bench_engine", monkeypatch)
+    argv = ["--gpu-blocks", gpu_blocks, "--reps", "1", "--conversations", "1", "--turns", "1"]
+    monkeypatch.setattr(sys, "argv", ["bench_engine.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_engine.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
