@@ -15,7 +15,9 @@ No GPU tier, tail-first release, the replay's default cost model (Llama-3-8B bf1
 128 KiB of KV per token, 10 k prefill tokens/s). Printed per workload: token hit ratio of
 each tier and overall, mean estimated TTFT and its ratio to cpu-only (the baseline in
 the same run: the same bytes as host memory), and the GB written to DISK. The summary
-line gives Mooncake with `lru`. `--json PATH` writes every row.
+line gives Mooncake with `lru`. `--json PATH` writes every row. The four (workload,
+policy) runs share --jobs processes; a progress bar on stderr (on a terminal) counts the
+requests they replayed (its total grows as each run starts).
 
 Run: `python benchmarks/bench_cascade.py [--json PATH] [--jobs N] [--requests N]`.
 """
@@ -28,7 +30,6 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from kvtier.replay.config import CascadeMode, ReplayConfig, TierConfig
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.tier_replay import TierReplay, trace_keys
 from kvtier.replay.trace import TraceRecord, read_trace
+from pool_progress import Progress, run_with_progress
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 TOTALS = (1_000_000, 3_000_000)
@@ -92,16 +94,19 @@ def load_workload(name: str, trace: Path, requests: int | None) -> list[TraceRec
     return records[:requests] if requests else records
 
 
-def run_workload(name: str, trace: Path, policy: str, requests: int | None) -> list[Row]:
+def run_workload(
+    name: str, trace: Path, policy: str, requests: int | None, progress: Progress
+) -> list[Row]:
     """Replay every setup and total of one workload and policy (runs in a worker)."""
     records = load_workload(name, trace, requests)
+    progress.add_total(len(TOTALS) * len(SETUPS) * len(records))
     keys = trace_keys(records)
     rows = []
     for total in TOTALS:
         baseline = 0.0
         for setup in SETUPS:
             config = setup_config(setup, total, policy)
-            result = TierReplay(records, config, keys).run()
+            result = TierReplay(records, config, keys).run(progress.advance)
             by_name = {t.name: t for t in result.tiers}
             cpu, disk = by_name.get("CPU"), by_name.get("DISK")
             if setup == "cpu-only":
@@ -196,9 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     names = ("mooncake", "chat")
     tasks = [(n, p) for n in names for p in POLICIES]
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_workload, n, args.trace, p, args.requests) for n, p in tasks]
-        results = [f.result() for f in futures]
+    calls = [(run_workload, (n, args.trace, p, args.requests)) for n, p in tasks]
+    results = run_with_progress(args.jobs, calls, unit="req")
     rows = [row for result in results for row in result]
     for name in names:
         mine = sorted(

@@ -18,7 +18,8 @@ Writes per workload a CSV and a PNG plot to --out, and with --json every printed
 
 An oracle LFU (evicts the block with the fewest uses left in the trace) is replayed as a
 second reference: what perfect popularity knowledge alone is worth. The two workloads
-run in two worker processes (--jobs); each pass is single-threaded Python.
+run in two worker processes (--jobs); each pass is single-threaded Python. A progress
+bar on stderr (on a terminal) counts the requests replayed by all of them.
 
 Run: `python benchmarks/bench_replay.py [--quick] [--json PATH] [--out DIR] [--jobs N]`.
 """
@@ -33,7 +34,6 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,11 @@ from kvtier.replay.sweep import (
     hit_ratio_table,
     plot_sweep,
     run_sweep,
+    sweep_passes,
     write_csv,
 )
 from kvtier.replay.trace import TraceRecord, read_trace, summarize, write_trace
+from pool_progress import Progress, run_with_progress
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 CANDIDATES = ("arc", "s3fifo", "lfuda", "duel", "lru+door", "lfuda+door")
@@ -105,14 +107,17 @@ def load_workload(name: str, trace: Path, out: Path) -> list[TraceRecord]:
     return records
 
 
-def run_workload(name: str, trace: Path, capacities: Sequence[int], out: Path) -> dict[str, Any]:
+def run_workload(
+    name: str, trace: Path, capacities: Sequence[int], out: Path, progress: Progress
+) -> dict[str, Any]:
     """Replay every policy at every capacity on one workload (runs in a worker process)."""
     records = load_workload(name, trace, out)
     summary = summarize(records, 512)
     base = ReplayConfig(tiers=(TierConfig.named("CPU", capacities[0]),))
     policies = [LRU, *CANDIDATES, ORACLE_LFU, BELADY]
+    progress.add_total(sweep_passes(base, policies, capacities) * len(records))
     start = time.perf_counter()
-    points = run_sweep(records, base, policies, capacities)
+    points = run_sweep(records, base, policies, capacities, progress.advance)
     runtime = time.perf_counter() - start
     write_csv(out / f"{name}.csv", points)
     plot_sweep(out / f"{name}.png", points, name, summary.infinite_token_hit_ratio)
@@ -158,9 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.perf_counter()
     names = ("mooncake", "chat")
-    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, len(names)))) as pool:
-        futures = [pool.submit(run_workload, n, args.trace, capacities, args.out) for n in names]
-        workloads = dict(zip(names, (f.result() for f in futures), strict=True))
+    calls = [(run_workload, (n, args.trace, capacities, args.out)) for n in names]
+    results = run_with_progress(min(args.jobs, len(names)), calls, unit="req")
+    workloads = dict(zip(names, results, strict=True))
     for name, workload in workloads.items():
         print(workload.pop("header"))
         print_table(name, workload.pop("analysis"), capacities)
