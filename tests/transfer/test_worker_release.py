@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from transfer_helpers import FaultyIO, job, kv_per_layer, make_worker, run_plan
 
-from kvtier.offload.plan import Tier, TransferPlan
+from kvtier.core.keys import make_key
+from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
 from kvtier.storage import DiskIOMode
 from kvtier.storage.disk_tier import DiskTier
 from kvtier.storage.slot_file import DiskTierBusyError
@@ -254,3 +255,43 @@ def test_a_dropped_worker_with_no_thread_to_release_it_never_waits_for_itself(
     assert ("stay held" in caplog.text) is (dropped_on == "lane")
     resources.release()  # what is left: the lane's thread ends, the tiers are released
     assert not resources.has_tiers
+
+
+def test_a_shutdown_interrupted_in_the_slot_file_sync_closes_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: a Ctrl-C in a persistent disk tier's slot file sync at shutdown (a
+    long fsync with page-cache I/O) left its manifest open and unsynced, and the worker,
+    which detaches the tier before closing it, never closed it again: the retried
+    shutdown returned with the manifest's descriptor held for good."""
+    config = WorkerConfig(
+        cpu_num_slots=8,
+        disk_num_slots=8,
+        disk_path=str(tmp_path),
+        disk_io_mode=DiskIOMode.PAGE_CACHE,
+        disk_persist=True,
+        disk_fingerprint="fp",
+    )
+    fds_before = len(os.listdir("/proc/self/fd"))
+    worker = make_worker(config, kv_per_layer(2, 16))
+    path = worker.disk_path
+    assert path is not None
+    record = SlotRecord(make_key(b"k" * 32, 0), 16)
+    run_plan(worker, TransferJob(1, Tier.GPU, Tier.DISK, (1,), (3,), (record,)))
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") == path:
+            raise InterruptError
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(InterruptError):
+        worker.shutdown()
+    monkeypatch.undo()
+    worker.shutdown()
+    assert worker.state is WorkerState.SHUT_DOWN
+    assert len(os.listdir("/proc/self/fd")) == fds_before, "a descriptor was left open"
+    again = make_worker(config, kv_per_layer(2, 16))
+    assert again.recovered_slots() == [(3, record)]
+    again.shutdown()

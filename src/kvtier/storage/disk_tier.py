@@ -344,7 +344,9 @@ class DiskTier:
         manifest is removed (the next run starts empty instead of offering slots whose
         bytes may not have reached the device), and both files are closed and the lock
         released all the same. Nor does a slot file that cannot be removed: it is left,
-        with a warning naming it (see `SlotFile.close`).
+        with a warning naming it (see `SlotFile.close`). A close cut short by an interrupt
+        (KeyboardInterrupt) is finished by the next call; one in the slot file's sync still
+        syncs and closes the manifest before it is raised.
         """
         if self.is_io_thread(threading.current_thread()):
             self._close_elsewhere()
@@ -369,7 +371,7 @@ class DiskTier:
         """Wait for the I/O threads, then close the files; safe to repeat."""
         self._store_io.shutdown(wait=True)
         self._load_io.shutdown(wait=True)
-        if self._finalizer.alive:
+        if self._finalizer.alive:  # detached last: a close cut short is finished by a retry
             self._records.commit()  # the I/O threads are done: nothing else commits or writes
-        if self._finalizer.detach() is not None:
             close_files(self._file, self._records.log)
+            self._finalizer.detach()

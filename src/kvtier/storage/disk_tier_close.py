@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 
 def close_files(file: SlotFile, log: ManifestLog | None) -> None:
     """Close a tier's files as `DiskTier.close` describes; the slot file (and its lock)
-    last, so that the manifest is synced, or removed, while the lock is held."""
+    last, so that the manifest is synced, or removed, while the lock is held. Safe to
+    repeat (a closed file is left as it is); an interrupt (KeyboardInterrupt) is raised
+    once both files are closed."""
     try:
         if log is not None:
             _sync_and_close_log(file, log)
@@ -40,16 +42,21 @@ def close_dropped(file: SlotFile, log: ManifestLog | None) -> None:
 
 def _sync_and_close_log(file: SlotFile, log: ManifestLog) -> None:
     failure: OSError | None = None
-    try:
-        file.sync()
-    except OSError as exc:
-        failure = exc
-    try:
-        log.close()
-    except OSError as exc:
-        failure = failure or exc
-    if failure is None:
-        return
+    interrupt: BaseException | None = None
+    for step in (file.sync, log.close):
+        try:
+            step()
+        except OSError as exc:
+            failure = failure or exc
+        except BaseException as exc:  # a Ctrl-C in the slot file's (long) sync: the
+            interrupt = interrupt or exc  # manifest is still synced and closed, then it is raised
+    if failure is not None:
+        _remove_log(log, failure)
+    if interrupt is not None:
+        raise interrupt
+
+
+def _remove_log(log: ManifestLog, failure: OSError) -> None:
     try:
         unlink_quietly(log.path)  # still under the slot file's lock
         sync_directory(log.path)  # or a crash may bring it back

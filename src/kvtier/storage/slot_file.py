@@ -325,8 +325,8 @@ class SlotFile:
         self._closing.run(self._close_now)
 
     def _close_now(self) -> None:
-        if self._finalizer.detach() is not None:
-            _release(self._handle)
+        _release(self._handle)  # before the detach: a close cut short is finished by a retry
+        self._finalizer.detach()
 
 
 @dataclass(slots=True)
