@@ -7,6 +7,7 @@ on a string, and never a silent misreading (`"tie_word_embeddings": "false"` is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvtier.engine.config import SUPPORTED_ARCHITECTURES, AttentionKind, ModelCo
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+GENERATION_CONFIG_FILE = "generation_config.json"
 # transformers' LlamaConfig and Qwen2Config defaults, for keys a config.json leaves out.
 _LLAMA_DEFAULT_MAX_POSITION = 2048
 _LLAMA_DEFAULT_EOS = 2
@@ -39,6 +41,10 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     max_position_embeddings 2048; Qwen2: no eos, 32768, 32 KV heads); a null optional
     value takes the same, but null KV heads are as many as the query heads (both configs).
     A missing required key raises KeyError naming it; any other problem ValueError.
+
+    The EOS tokens are config.json's `eos_token_id`s, then those of a
+    `generation_config.json` beside it (as vLLM and transformers stop at them: chat
+    checkpoints name their end-of-turn token there alone).
     """
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
@@ -48,9 +54,38 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
         raise ValueError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
     source = str(config_path)
     try:
-        return _from_hf_dict(hf, dtype, source)
+        config = _from_hf_dict(hf, dtype, source)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
+    more = _generation_eos_token_ids(config_path.parent / GENERATION_CONFIG_FILE)
+    eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + more))
+    return dataclasses.replace(config, eos_token_ids=eos_token_ids)
+
+
+def _generation_eos_token_ids(path: Path) -> tuple[int, ...]:
+    """Return the `eos_token_id`s of the generation config `path` (none if it is absent);
+    raise ValueError naming the file if it is not a JSON object or the value is no id."""
+    if not path.is_file():
+        return ()
+    try:
+        with path.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return _eos_token_ids(data.get("eos_token_id"))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _eos_token_ids(eos: Any) -> tuple[int, ...]:
+    """Return an `eos_token_id` value (null, an id or a list of ids) as a tuple of ids."""
+    eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    if any(type(token) is not int or token < 0 for token in eos_token_ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+    return eos_token_ids
 
 
 def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelConfig:
@@ -74,10 +109,7 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
     attention_bias = _hf_bool(hf, "attention_bias")
     window, kinds = _hf_layer_kinds(hf, num_layers, source, is_qwen2)
     # Absent, LlamaConfig's eos_token_id is 2 (Qwen2Config's None); null means none.
-    eos = hf.get("eos_token_id", None if is_qwen2 else _LLAMA_DEFAULT_EOS)
-    eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-    if any(type(token) is not int or token < 0 for token in eos_token_ids):
-        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+    eos_token_ids = _eos_token_ids(hf.get("eos_token_id", None if is_qwen2 else _LLAMA_DEFAULT_EOS))
     return ModelConfig(
         vocab_size=_hf_positive_int(hf, "vocab_size"),
         hidden_size=hidden_size,
