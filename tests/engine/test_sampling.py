@@ -102,3 +102,43 @@ def test_stop_token_ids_may_be_any_int_sequence() -> None:
     assert all(type(t) is int for t in params.stop_token_ids)
     assert finish_reason(7, 1, params, eos_token_ids=()) is FinishReason.STOP
     assert SamplingParams(temperature=1, seed=2**63 - 1).make_generator() is not None
+
+
+@pytest.mark.parametrize(
+    ("changes", "stored"),
+    [
+        ({"max_tokens": np.int64(4)}, {"max_tokens": 4}),
+        ({"seed": np.uint32(7), "temperature": 1.0}, {"seed": 7, "temperature": 1.0}),
+        ({"temperature": np.float32(0.5)}, {"temperature": 0.5}),
+        ({"temperature": np.float64(0.25)}, {"temperature": 0.25}),
+        ({"temperature": np.int64(2)}, {"temperature": 2.0}),
+    ],
+)
+def test_numpy_numbers_are_taken_as_python_ones(
+    changes: dict[str, object], stored: dict[str, object]
+) -> None:
+    """Regression: np.int64(4) was refused as 'max_tokens must be a positive int, got
+    np.int64(4)' and np.float32(0.5) as 'temperature must be a float >= 0' (np.float64,
+    a float subclass, passed and was kept as numpy), though token ids may be numpy ints."""
+    params = SamplingParams(**changes)  # type: ignore[arg-type]
+    for name, value in stored.items():
+        assert getattr(params, name) == value
+        assert type(getattr(params, name)) is type(value), name
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"max_tokens": np.True_}, TypeError),
+        ({"max_tokens": np.float64(2.0)}, TypeError),
+        ({"max_tokens": np.int64(0)}, ValueError),
+        ({"seed": np.int8(-1)}, ValueError),
+        ({"temperature": np.float32("nan")}, ValueError),
+        ({"temperature": np.bool_(False)}, TypeError),
+    ],
+)
+def test_numpy_numbers_are_checked_as_python_ones(
+    changes: dict[str, object], error: type[Exception]
+) -> None:
+    with pytest.raises(error, match=next(iter(changes))):
+        SamplingParams(**changes)  # type: ignore[arg-type]

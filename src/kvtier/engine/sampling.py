@@ -6,8 +6,9 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
 
+import numpy as np
 import torch
 
 
@@ -26,8 +27,8 @@ class SamplingParams:
     `temperature == 0` is greedy. With a temperature, `seed` makes the request's tokens
     reproducible whatever else is in the batch; without a seed the generator is seeded
     from torch's global RNG. A value of the wrong type raises TypeError, one out of range
-    ValueError, both naming the field; `stop_token_ids` may be any sequence of ints and
-    is stored as a tuple.
+    ValueError, both naming the field; numpy numbers are taken as and stored as Python
+    ones; `stop_token_ids` may be any sequence of ints and is stored as a tuple.
     """
 
     max_tokens: int = 16
@@ -37,25 +38,29 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        # Numpy numbers are checked as Python ones and stored as them (as token ids are).
         if not _is_int(self.max_tokens):
             raise TypeError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        if not isinstance(self.temperature, Real) or _is_bool(self.temperature):
             raise TypeError(f"temperature must be a float >= 0, got {self.temperature!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        object.__setattr__(self, "temperature", float(self.temperature))
         if self.seed is not None:
             if not _is_int(self.seed):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             if not 0 <= self.seed < 2**63:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            object.__setattr__(self, "seed", int(self.seed))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got {stop!r}")
-        if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in stop):
+        if not all(_is_int(t) for t in stop):
             raise TypeError(f"stop_token_ids must hold int token ids, got {stop!r}")
         if any(t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be >= 0, got {stop!r}")
@@ -80,7 +85,12 @@ class SamplingParams:
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Return True for an integer (a numpy one too) that is not a bool."""
+    return isinstance(value, Integral) and not _is_bool(value)
+
+
+def _is_bool(value: object) -> bool:
+    return isinstance(value, (bool, np.bool_))
 
 
 def sample(
