@@ -89,3 +89,13 @@ def test_a_malformed_generation_config_is_named(tmp_path: Path, text: str, messa
     with pytest.raises(ValueError, match=message) as info:
         ModelConfig.from_hf_config(tmp_path)
     assert "generation_config.json" in str(info.value)
+
+
+def test_a_config_json_that_is_not_json_is_named(tmp_path: Path) -> None:
+    """Regression: `LLM` / `read_hf_config` raised json's bare JSONDecodeError ("Expecting
+    property name ...: line 1 column 2"), naming no file; only the demo's option check
+    named it."""
+    (tmp_path / "config.json").write_text("{vocab_size: 128")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON \(Expecting") as info:
+        ModelConfig.from_hf_config(tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)

@@ -49,7 +49,10 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
     with config_path.open(encoding="utf-8") as f:
-        hf = json.load(f)
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_path} is not valid JSON ({exc})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
     source = str(config_path)
