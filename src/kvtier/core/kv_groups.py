@@ -141,6 +141,15 @@ class KVLayout:
             if g.is_cacheable and g.is_positional
         )
 
+    @cached_property
+    def lone_full_group(self) -> int | None:
+        """Return the id of the only cacheable group when it is full attention, else None
+        (`find_longest_hit`'s fast path: most models' layouts)."""
+        cacheable = self.cacheable_group_ids
+        if len(cacheable) == 1 and self.groups[cacheable[0]].kind is GroupKind.FULL_ATTENTION:
+            return cacheable[0]
+        return None
+
     def blocks_per_hash(self, group_id: int) -> int:
         """Return how many hash blocks one block of `group_id` spans."""
         return self.groups[group_id].block_size // self.hash_block_size

@@ -219,7 +219,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Return the tokens the tier holds past the local hit, loaded asynchronously."""
-        return self.scheduler_side.lookup(request, num_computed_tokens)
+        side = self._scheduler  # not `scheduler_side`: one call less per lookup (hot)
+        if side is None:
+            side = self.scheduler_side  # raises: not the scheduler role
+        return side.lookup(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Queue the load of the accepted external tokens into the allocated blocks."""

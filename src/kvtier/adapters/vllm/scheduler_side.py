@@ -162,7 +162,9 @@ class SchedulerSide(SchedulerStats):
         waits, or recomputes under the priority policy), never wrong KV; it is kept for
         one rule with the no-prefix case (`test_vllm_priority`: a kept prefix costs no hit).
         """
-        view = self.add_request(request)
+        view = self._requests.get(request.request_id)  # `add_request`, inlined (hot)
+        if view is None or view.request is not request:
+            view = self.add_request(request)
         num_tokens = self.offload.lookup(view, num_computed_tokens)
         offered = self.offload.offer(request.request_id, num_tokens)
         return offered, bool(offered)
