@@ -34,7 +34,7 @@ def test_on_allocated_refuses_a_negative_number_of_external_tokens() -> None:
     """SPEC §6.3: bad input raises an error naming the value, and leaks no pin.
 
     `on_allocated(request, table, -4)` passes the hash-block check (-4 % 4 == 0) and the
-    `> pin.hit.num_tokens` check, then `_pair` computes ceil(-4 / 4) = -1 blocks and
+    `> pin.hit.num_tokens` check, then `pair_blocks` computes ceil(-4 / 4) = -1 blocks and
     slices `hit.block_ids[g][:-1]`: it queues a real load of 2 tier blocks into the
     request's GPU blocks, with a FailedLoad range [0, -4) and -4 hit tokens."""
     engine = _first_request_stored()

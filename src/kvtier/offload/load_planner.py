@@ -17,6 +17,7 @@ from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.core.keys import Key, key_block_hash
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.longest_hit import CachedBlockFn, HitGranularity, LongestHit, find_longest_hit
+from kvtier.offload.load_pairing import pair_blocks
 from kvtier.offload.plan import Tier
 from kvtier.offload.protocols import GpuPoolView, RequestView
 from kvtier.offload.recompute_gate import RecomputeGate
@@ -98,8 +99,7 @@ class LoadPlanner(RecomputeGate):
         `max_tokens` (None: no cap) caps the hit: the longest servable hit of at most
         that many tokens, which in a hybrid layout is not the longest hit cut short.
         """
-        # Checks, pin release and the tier lookup inlined where they cost nothing to read:
-        # lookups run cold between engine steps, where every Python call costs ~0.5 µs.
+        # Checks, pin release, tier lookup inlined: a lookup runs cold, ~0.5 µs a call.
         if type(num_local_tokens) is not int or num_local_tokens < 0:
             _check_count("num_local_tokens", num_local_tokens)
         if max_tokens is not None:
@@ -199,8 +199,8 @@ class LoadPlanner(RecomputeGate):
             self._fail_unissued(request_id, block_ids_per_group, FailedLoad(request_id, start, end))
             return {}
         try:
-            tier_ids, gpu_ids = self._pair(
-                pin.num_local_tokens, hit, block_ids_per_group, num_external_tokens
+            tier_ids, gpu_ids = pair_blocks(
+                self.layout, pin.num_local_tokens, hit, block_ids_per_group, num_external_tokens
             )
         except ValueError:
             self.release_pin(request_id)  # the engine's error must not leak the pin
@@ -317,35 +317,6 @@ class LoadPlanner(RecomputeGate):
             return None
 
         return checked
-
-    def _pair(
-        self,
-        num_local_tokens: int,
-        hit: LongestHit,
-        block_ids_per_group: Sequence[Sequence[int]],
-        num_tokens: int,
-    ) -> tuple[list[int], list[int]]:
-        tier_ids: list[int] = []
-        gpu_ids: list[int] = []
-        for group_id in self.layout.cacheable_group_ids:
-            block_size = self.layout.groups[group_id].block_size
-            first = num_local_tokens // block_size
-            table = block_ids_per_group[group_id]
-            num_blocks = -(-num_tokens // block_size)
-            if len(table) < first + num_blocks:
-                raise ValueError(
-                    f"group {group_id}: a block table of {len(table)} blocks cannot hold "
-                    f"{num_local_tokens} local + {num_tokens} external tokens"
-                )
-            for i, tier_block in enumerate(hit.block_ids[group_id][:num_blocks]):
-                if tier_block == NULL_BLOCK_ID:
-                    continue
-                gpu_block = table[first + i]
-                if gpu_block == NULL_BLOCK_ID:
-                    raise ValueError(f"group {group_id}: load destination {first + i} is null")
-                tier_ids.append(tier_block)
-                gpu_ids.append(gpu_block)
-        return tier_ids, gpu_ids
 
     def release_pin(self, request_id: str) -> None:
         """Drop a request's lookup pin, if any."""

@@ -91,6 +91,8 @@ class StoreSelector(StoreQueueing):
     # The token check on a disk-only tier: where the slots of the untagged copies a
     # tagged store replaces go (their manifest records are dropped); None: no replacing.
     replaced: DroppedSlots | None = None
+    # `_next_ready` of all-zero cursors (every fresh table's), computed once.
+    _first_ready: int = field(init=False, default=-1)
 
     # ------------------------------------------------------------ request tracking
 
@@ -112,8 +114,10 @@ class StoreSelector(StoreQueueing):
     def _empty(self) -> _Tracked:
         num_groups = len(self.layout.groups)
         cursors = [0] * num_groups
+        if self._first_ready < 0:
+            self._first_ready = self._next_ready(cursors)
         return _Tracked(
-            [[] for _ in range(num_groups)], cursors, [-1] * num_groups, self._next_ready(cursors)
+            [[] for _ in range(num_groups)], cursors, [-1] * num_groups, self._first_ready
         )
 
     def _next_ready(self, cursors: list[int]) -> int:

@@ -226,7 +226,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Queue the load of the accepted external tokens into the allocated blocks."""
-        self.scheduler_side.on_allocated(request, blocks, num_external_tokens)
+        side = self._scheduler  # not `scheduler_side`: one call less (hot)
+        if side is None:
+            side = self.scheduler_side  # raises: not the scheduler role
+        side.on_allocated(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int

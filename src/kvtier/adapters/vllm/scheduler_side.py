@@ -171,10 +171,14 @@ class SchedulerSide(SchedulerStats):
 
     def on_allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Hand the request's whole block table and accepted external tokens to kvtier."""
-        split = self.offload.on_allocated(
-            self.add_request(request), blocks.get_block_ids(), num_external_tokens
+        view = self._requests.get(request.request_id)  # `add_request`, inlined (hot)
+        if view is None or view.request is not request:
+            view = self.add_request(request)
+        split = self.offload.on_allocated(view, blocks.get_block_ids(), num_external_tokens)
+        self._last_split = (
+            request.request_id,
+            {t: n for t, n in split.items() if n} if split else {},
         )
-        self._last_split = (request.request_id, {t: n for t, n in split.items() if n})
 
     def hit_split(self, request_id: str, num_tokens: int) -> dict[Tier, int] | None:
         """Return the tiers serving `request_id`'s accepted hit, by tokens, or None.
