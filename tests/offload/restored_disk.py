@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from hypothesis import note
-from scheduler_machine import FAMILIES, HASH_BLOCK
+from scheduler_setup import FAMILIES, HASH_BLOCK
 from sim import SimEngine, block_key, make_request
 
 from kvtier.core.keys import Key
