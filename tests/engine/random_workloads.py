@@ -1,4 +1,4 @@
-"""Random workloads for the offload-off parity property (SPEC scenario 31), and their runner.
+"""Random workloads for the offload-off parity property (SPEC scenario 31).
 
 A `Workload` holds prompts built from a few shared (nested) prefixes, random tails and
 follow-ups that extend an earlier answer, their sampling params, how they are split into
@@ -6,32 +6,23 @@ follow-ups that extend an earlier answer, their sampling params, how they are sp
 request, and a tiny tier (CPU, disk, or a write-through / write-back cascade) with a store
 mode and policies; optionally the worker finishes every copy within its step, or reports
 some loads or stores as failed (failed loads also scribble over their destination
-blocks). `workloads()` draws one; `run_workload` serves it through an engine with the tier
-and the same engine with offload off, call by call, compares tokens and logits, checks the
-offload scheduler's invariants and adds hit counters to a running total.
+blocks). `workloads()` draws one; `plan_submissions` resolves its follow-ups into each
+call's prompts; `workload_runner.run_workload` serves it with offload on and off.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tempfile
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
-from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
-from kvtier.engine.config import AttentionKind, LayerGroup, ModelConfig
-from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
+from kvtier.engine.config import AttentionKind, ModelConfig
 from kvtier.engine.sampling import SamplingParams
-from kvtier.engine.validation import num_peak_blocks
-from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig, StoreMode
-from kvtier.offload.plan import TransferPlan, WorkerReport
+from kvtier.offload.config import StoreMode
 
 MODELS = {"full": ModelConfig.tiny(), "hybrid": ModelConfig.tiny_hybrid()}
 # Narrower windows, for `test_llm_random_tight_pools`: a window of 3 or 5 tokens spans
@@ -194,114 +185,6 @@ def plan_submissions(workload: Workload) -> list[list[Submission]]:
     return calls
 
 
-# ---------------------------------------------------------------- engines
-
-
-class Faults:
-    """Wrap an offload worker: optionally finish every copy in its step, fail some jobs.
-
-    With `fail_loads` (`fail_stores`), every load (store or demotion) with an even event
-    id is reported failed though its copy happened. A failed load first scribbles over
-    its GPU destination blocks, so a scheduler that used them anyway yields wrong tokens.
-    """
-
-    def __init__(self, worker: Any, llm: LLM, workload: Workload) -> None:
-        self.worker = worker
-        self.kv_tensors = llm.runner.kv_tensors
-        self.workload = workload
-        self.load_dst: dict[int, tuple[int, ...]] = {}
-        self.num_failed = Counter[str]()
-
-    def submit(self, plan: TransferPlan) -> None:
-        for job in plan.jobs:
-            if job.is_load:
-                self.load_dst[job.event_id] = job.dst_block_ids
-        self.worker.submit(plan)
-        if self.workload.synchronous:
-            self.worker.flush()
-
-    def peek(self) -> WorkerReport:
-        report = self.worker.peek()
-        done = dict(report.done)
-        failed = dict(report.failed)
-        for event_id in list(done):
-            is_load = event_id in self.load_dst
-            wanted = self.workload.fail_loads if is_load else self.workload.fail_stores
-            if wanted and event_id % 2 == 0:
-                failed[event_id] = done.pop(event_id)
-                self.num_failed["load" if is_load else "store"] += 1
-                for block_id in self.load_dst.get(event_id, ()):
-                    for layer in self.kv_tensors:
-                        layer[:, block_id] = 1e3
-        for event_id in (*done, *failed):
-            self.load_dst.pop(event_id, None)
-        return WorkerReport(done=done, failed=failed)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.worker, name)
-
-
-def offload_config(workload: Workload, bytes_per_block: int, disk_path: str) -> OffloadConfig:
-    """Return the drawn tier, sized in blocks of the drawn layout."""
-    cpu_bytes = workload.cpu_blocks * bytes_per_block
-    disk_bytes = workload.disk_blocks * bytes_per_block
-    sizes: dict[str, Any] = {
-        "cpu": {"cpu_bytes": cpu_bytes},
-        "disk": {"disk_bytes": disk_bytes},
-        "write_through": {"cpu_bytes": cpu_bytes, "disk_bytes": disk_bytes},
-        "write_back": {
-            "cpu_bytes": cpu_bytes,
-            "disk_bytes": disk_bytes,
-            "cascade": CascadeMode.WRITE_BACK,
-        },
-    }[workload.tier]
-    return OffloadConfig(
-        disk_path=disk_path if "disk_bytes" in sizes else None,  # else: warned of as ignored
-        disk_io_mode=DiskIOMode.PAGE_CACHE,  # tmpfs may refuse O_DIRECT
-        store_mode=workload.store_mode,
-        eviction_policy=workload.eviction_policy,
-        admission_policy=workload.admission_policy,
-        max_batched_tokens=workload.max_num_batched_tokens,  # as the vLLM adapter sets it
-        **sizes,
-    )
-
-
-def with_watchdog(llm: LLM, max_steps: int) -> Callable[[], None]:
-    """Make `llm.step` raise after `max_steps` steps; return a function that re-arms it.
-
-    A request that can never be scheduled, or stores that never drain, would make
-    `generate` or `drain` spin forever; an idle step sleeps 0.5 ms, so the cap is seconds.
-    """
-    step = llm.step
-    left = [0]
-
-    def guarded() -> Any:
-        left[0] -= 1
-        if left[0] < 0:
-            raise AssertionError(f"no progress within {max_steps} engine steps")
-        return step()
-
-    def arm() -> None:
-        left[0] = max_steps
-
-    llm.step = guarded  # type: ignore[method-assign]
-    return arm
-
-
-def assert_same(reference: RequestOutput, other: RequestOutput) -> None:
-    """Check the tokens are identical and the logits equal within float32 noise, and
-    that `other`'s hits fit its prompt (the last token is always computed)."""
-    num_hits = other.num_local_hit_tokens + other.num_external_hit_tokens
-    assert 0 <= other.num_external_hit_tokens <= num_hits < len(other.prompt_token_ids), other
-    assert other.output_token_ids == reference.output_token_ids, (
-        f"{other.request_id}: {other.output_token_ids} != {reference.output_token_ids} "
-        f"({other.num_external_hit_tokens} tokens from the tier)"
-    )
-    assert reference.logits is not None
-    assert other.logits is not None
-    assert torch.allclose(reference.logits, other.logits, atol=1e-4, rtol=0), other.request_id
-
-
 # The settings of the random-workload properties but their number of examples.
 WORKLOAD_SETTINGS: dict[str, Any] = {
     "deadline": None,
@@ -309,112 +192,3 @@ WORKLOAD_SETTINGS: dict[str, Any] = {
     "database": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }
-
-
-def on_one_thread(check: Callable[[], None]) -> None:
-    """Run `check` with one torch intra-op thread: the model is tiny, one thread is as
-    fast, and an OpenMP team spinning on a busy machine can be 10x slower."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        check()
-    finally:
-        torch.set_num_threads(num_threads)
-
-
-def kv_group_spec(group: LayerGroup, block_size: int) -> KVGroupSpec:
-    """Return the KV group of a model's layer group (its block sizes and bytes aside)."""
-    kind = (
-        GroupKind.SLIDING_WINDOW if group.sliding_window is not None else GroupKind.FULL_ATTENTION
-    )
-    return KVGroupSpec(kind, block_size, 0, group.sliding_window)
-
-
-def run_workload(
-    workload: Workload,
-    totals: Counter[str],
-    max_steps: int = MAX_STEPS_PER_CALL,
-    tight: bool = False,
-) -> None:
-    """Serve `workload` with offload off and on, call by call; compare every output.
-
-    The GPU pool holds the longest request's blocks of every group plus
-    `gpu_slack_blocks`; `tight`: only its peak at one position (`num_peak_blocks`, which
-    a hybrid model's sliding group keeps below the whole sequence) plus the slack.
-    """
-    model = MODELS[workload.model]
-    groups = len(model.layer_groups())
-    calls = plan_submissions(workload)
-    longest = max(sub.num_tokens for call in calls for sub in call) - 1  # last: not computed
-    blocks_per_group = -(-longest // workload.block_size)
-    needed = groups * blocks_per_group
-    if tight:
-        specs = (kv_group_spec(group, workload.block_size) for group in model.layer_groups())
-        needed = num_peak_blocks(KVLayout(tuple(specs)), longest)
-    engine = EngineConfig(
-        block_size=workload.block_size,
-        num_gpu_blocks=needed + 1 + workload.gpu_slack_blocks,
-        max_num_batched_tokens=workload.max_num_batched_tokens,
-        keep_logits=True,
-    )
-    bytes_per_block = model.kv_bytes_per_token() * workload.block_size
-    with tempfile.TemporaryDirectory(prefix="kvtier-random-") as disk_path:
-        config = offload_config(workload, bytes_per_block, disk_path)
-        # No `with` around the engine under test: its exit would drain, and a stuck drain
-        # is what the watchdog reports.
-        with LLM(model, engine=engine) as reference:
-            llm = LLM(model, config, engine)
-            try:
-                serve(workload, calls, reference, llm, totals, max_steps)
-            finally:
-                assert llm.offload is not None
-                llm.offload.shutdown()
-
-
-def serve(
-    workload: Workload,
-    calls: list[list[Submission]],
-    reference: LLM,
-    llm: LLM,
-    totals: Counter[str],
-    max_steps: int,
-) -> None:
-    """Submit `calls` to both engines; compare outputs; add counters to `totals`."""
-    assert llm.offload is not None
-    faults = Faults(llm.offload.worker, llm, workload)
-    llm.offload.worker = faults
-    arm = with_watchdog(llm, max_steps)
-    finished: list[RequestOutput] = []
-    for call in calls:
-        prompts = []
-        for sub in call:
-            if sub.parent is None:
-                head = list(sub.head)
-            else:
-                parent = finished[sub.parent]
-                head = [*parent.prompt_token_ids, *parent.output_token_ids]
-            prompts.append(head + list(sub.tail))
-        params = [sub.params for sub in call]
-        expected = reference.generate(prompts, params)
-        arm()
-        outputs = llm.generate(prompts, params)
-        llm.offload.scheduler.check_invariants()
-        for want, got in zip(expected, outputs, strict=True):
-            assert_same(want, got)
-        finished.extend(expected)
-        totals["external_hit_tokens"] += sum(o.num_external_hit_tokens for o in outputs)
-    arm()
-    llm.drain()
-    llm.offload.scheduler.check_invariants()
-    hits = llm.offload.totals.hit_tokens
-    totals["examples"] += 1
-    totals["examples_with_hits"] += sum(hits.values()) > 0
-    totals[f"examples_with_hits_{workload.tier}"] += sum(hits.values()) > 0
-    totals["cpu_hit_tokens"] += hits.get("CPU", 0)
-    totals["disk_hit_tokens"] += hits.get("DISK", 0)
-    totals["local_hit_tokens"] += llm.stats.num_local_hit_tokens
-    totals["prompt_tokens"] += llm.stats.num_prompt_tokens
-    totals["preemptions"] += llm.stats.num_preemptions
-    totals["failed_loads"] += faults.num_failed["load"]
-    totals["failed_stores"] += faults.num_failed["store"]
-    totals["demoted_blocks"] += llm.offload.totals.num_demoted_blocks

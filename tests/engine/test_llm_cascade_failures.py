@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from random_workloads import with_watchdog
+from step_watchdog import with_watchdog
 
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig

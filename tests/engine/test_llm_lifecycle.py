@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from random_workloads import with_watchdog
+from step_watchdog import with_watchdog
 
 from kvtier.engine import validation
 from kvtier.engine.config import ModelConfig

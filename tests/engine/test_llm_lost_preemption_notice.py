@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from random_workloads import with_watchdog
+from step_watchdog import with_watchdog
 from test_llm_poll_interrupts import interrupt_once
 from test_llm_queue_move_interrupts import TIGHT, stepped_to_the_end
 from test_llm_submit_failures import MAX_STEPS, assert_consistent_and_drained, prompts

@@ -29,16 +29,9 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from random_workloads import (
-    MAX_STEPS_PER_CALL,
-    MODELS,
-    Workload,
-    assert_same,
-    offload_config,
-    plan_submissions,
-    with_watchdog,
-    workloads,
-)
+from random_workloads import MAX_STEPS_PER_CALL, MODELS, Workload, plan_submissions, workloads
+from step_watchdog import with_watchdog
+from workload_runner import assert_same, offload_config
 
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
 from kvtier.offload.plan import TransferPlan, WorkerReport

@@ -14,14 +14,8 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from random_workloads import (
-    MODELS,
-    WORKLOAD_SETTINGS,
-    Workload,
-    on_one_thread,
-    run_workload,
-    workloads,
-)
+from random_workloads import MODELS, WORKLOAD_SETTINGS, Workload, workloads
+from workload_runner import on_one_thread, run_workload
 
 
 def test_random_workloads_in_tight_pools_match_offload_off() -> None:

@@ -9,7 +9,7 @@ reports some loads or stores as failed (failed loads also scribble over their de
 blocks). The engine with the tier must give the same tokens, and logits within float32
 noise, as the same engine with offload off, call by call; the offload scheduler's
 invariants hold after every call. Across all examples the tiers must really serve hits.
-The workloads, and the code that runs one, live in `random_workloads`.
+The workloads live in `random_workloads`, the code that runs one in `workload_runner`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,8 @@ from __future__ import annotations
 from collections import Counter
 
 from hypothesis import HealthCheck, Phase, example, given, settings
-from random_workloads import (
-    TIER_KINDS,
-    PromptSpec,
-    Workload,
-    on_one_thread,
-    run_workload,
-    workloads,
-)
+from random_workloads import TIER_KINDS, PromptSpec, Workload, workloads
+from workload_runner import on_one_thread, run_workload
 
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import StoreMode

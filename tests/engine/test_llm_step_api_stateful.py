@@ -15,17 +15,18 @@ import tempfile
 from typing import Any
 
 import torch
+from fail_next_worker import FailNext
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from random_workloads import with_watchdog
+from step_watchdog import with_watchdog
 
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import FinishReason, SamplingParams
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig, StoreMode
-from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
+from kvtier.offload.plan import Tier
 
 MODELS = {"full": ModelConfig.tiny(), "hybrid": ModelConfig.tiny_hybrid()}
 BLOCK_SIZE = 4
@@ -49,75 +50,6 @@ prompts = st.tuples(
     st.lists(st.integers(0, 127), max_size=MAX_TAIL),
     st.integers(1, MAX_TOKENS),
 )
-
-
-class FailNext:
-    """Wrap an offload worker: once armed, the next job submitted is reported failed
-    (though its copy ran); a failed load first scribbles over its GPU destination, so a
-    scheduler that used those blocks anyway yields wrong tokens.
-
-    With `synchronous`, every plan finishes within the step that submits it (reports do
-    not depend on timing). With `slow` > 1, the worker's reports reach the engine at
-    every `slow`-th poll only (a slow tier: `drain` then runs queued requests to their
-    end), but at every poll after a flush, as its contract says.
-    """
-
-    def __init__(self, worker: Any, llm: LLM, synchronous: bool, slow: int) -> None:
-        self.worker = worker
-        self.kv_tensors = llm.runner.kv_tensors
-        self.synchronous = synchronous
-        self.slow = slow
-        self.num_polls = 0
-        self.flushed = False  # since the last submit: report everything
-        self.armed = False
-        self.doomed: dict[int, tuple[int, ...]] = {}  # event id -> load destinations
-        self.num_failed = 0
-        self.seen: WorkerReport | None = None  # what the worker's last `peek` returned
-
-    def submit(self, plan: TransferPlan) -> None:
-        if self.armed and plan.jobs:
-            job = plan.jobs[0]
-            self.doomed[job.event_id] = job.dst_block_ids if job.is_load else ()
-            self.armed = False
-        self.flushed = False
-        self.worker.submit(plan)
-        if self.synchronous:
-            self.worker.flush()
-
-    def flush(self) -> None:
-        self.worker.flush()
-        self.flushed = True
-
-    def peek(self) -> WorkerReport:
-        self.num_polls += 1
-        if self.slow > 1 and not self.flushed and self.num_polls % self.slow:
-            self.seen = None  # held back: the worker was not asked
-            return WorkerReport()
-        report = self.seen = self.worker.peek()
-        done, failed = dict(report.done), dict(report.failed)
-        seconds = dict(report.seconds)
-        for event_id, dst in self.doomed.items():
-            if event_id in done:
-                failed[event_id] = done.pop(event_id)
-                seconds.pop(event_id, None)
-                for block_id in dst:
-                    for layer in self.kv_tensors:
-                        layer[:, block_id] = 1e3
-        return WorkerReport(done=done, failed=failed, seconds=seconds, bad_blocks=report.bad_blocks)
-
-    def acknowledge(self) -> None:
-        # What the last `peek` returned, not a new `peek`: the worker forgets what it last
-        # reported, and events finished since must be reported again.
-        if self.seen is None:
-            return
-        reported = {*self.seen.done, *self.seen.failed}
-        self.num_failed += len(reported & self.doomed.keys())
-        for event_id in reported:
-            self.doomed.pop(event_id, None)
-        self.worker.acknowledge()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.worker, name)
 
 
 class StepApiMachine(RuleBasedStateMachine):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from random_workloads import with_watchdog
+from step_watchdog import with_watchdog
 
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.sampling import SamplingParams
