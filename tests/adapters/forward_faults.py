@@ -1,5 +1,5 @@
 """`ForwardFaults`: steps whose forward raises under vLLM's fault tolerance, for
-`random_ops_driver` (its `Fault` operation).
+`random_ops` (its `Fault` operation).
 
 Test helper only: import it after `pytest.importorskip("vllm")`. What
 `test_vllm_fault_tolerance` does in one scenario each (`failed_forward`, `fault_abort`,

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import check_quiescent, kvtier_harness, scheduler_side
-from random_ops_driver import Engine
+from random_ops import Engine
 from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef
 from vllm_harness import (

@@ -26,7 +26,8 @@ pytest.importorskip("vllm")
 
 import random_ops_driver
 from kvtier_vllm import drain_collecting_stats, kvtier_harness
-from random_ops_driver import Add, Drain, Engine, Reset, Run
+from random_ops import Add, Drain, Engine, Reset
+from random_ops_driver import Run
 from test_vllm_mamba import mamba_harness, run_checked
 from test_vllm_partial_load_failure import serve
 from test_vllm_partial_load_races import run, store_two_prefixes

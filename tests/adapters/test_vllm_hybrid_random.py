@@ -25,7 +25,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import kvtier_harness
-from random_ops_driver import KINDS, Add, Delay, Engine, Fail, Run, Step
+from random_ops import KINDS, Add, Delay, Engine, Fail, Step
+from random_ops_driver import Run
 from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef, KVMismatchError
 

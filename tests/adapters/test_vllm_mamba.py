@@ -34,7 +34,7 @@ from kvtier_vllm import (
     scheduler_side,
     zero_blocks,
 )
-from random_ops_driver import Engine
+from random_ops import Engine
 from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef, KVMismatchError
 from vllm_harness import VllmHarness, shared_prefix_prompts

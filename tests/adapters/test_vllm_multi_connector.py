@@ -33,7 +33,7 @@ from faulty_worker import FaultyWorker
 from hypothesis import strategies as st
 from kvtier_vllm import check_quiescent, drain, offload_worker, scheduler_side, zero_blocks
 from multi_connector import multi_harness, simple_worker
-from random_ops_driver import Engine, Fail
+from random_ops import Engine, Fail
 from test_vllm_priority import PRIORITY_ADDS
 from vllm.v1.request import RequestStatus
 from vllm_engine import KVGroupDef

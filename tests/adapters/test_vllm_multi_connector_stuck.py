@@ -32,7 +32,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from random_ops_driver import Add, Engine, Fail, Run, Step, run_example
+from random_ops import Add, Engine, Fail, Step
+from random_ops_driver import Run, run_example
 from test_vllm_multi_connector import (
     KVTIER_FIRST,
     SIMPLE_FIRST,

@@ -30,7 +30,7 @@ from kvtier_vllm import (
     scheduler_side,
     zero_blocks,
 )
-from random_ops_driver import MAX_PREFIX_BLOCKS, NUM_FAMILIES, Add, Engine
+from random_ops import MAX_PREFIX_BLOCKS, NUM_FAMILIES, Add, Engine
 from test_vllm_connector_faults import run_a_failed_load_on_the_tight_hybrid_pool
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm_engine import KVGroupDef

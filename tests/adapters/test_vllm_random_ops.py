@@ -40,7 +40,7 @@ pytest.importorskip("vllm")
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from random_ops_driver import (
+from random_ops import (
     KINDS,
     MAX_PREFIX_BLOCKS,
     NUM_FAMILIES,
@@ -52,10 +52,9 @@ from random_ops_driver import (
     Fail,
     Fault,
     Reset,
-    Run,
     Step,
-    run_example,
 )
+from random_ops_driver import Run, run_example
 
 RANKS = st.integers(0, 1)
 STEPS = st.builds(Step, st.integers(1, 8))

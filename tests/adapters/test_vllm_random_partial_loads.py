@@ -23,7 +23,8 @@ pytest.importorskip("vllm")
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from random_ops_driver import Engine, FailPart, run_example
+from random_ops import Engine, FailPart
+from random_ops_driver import run_example
 from test_vllm_random_ops import OP_KINDS, RANKS
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_engine import KVGroupDef
