@@ -120,13 +120,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_chat(
-    llm: LLM, workload: ChatWorkload, name: str, on_turn: Callable[[], None] | None = None
+    llm: LLM,
+    workload: ChatWorkload,
+    name: str,
+    on_turn: Callable[[], None] | None = None,
+    on_request: Callable[[], object] | None = None,
 ) -> RunResult:
     """Serve the workload on `llm`, one request at a time, conversations round-robin.
 
     Each user waits for the answer before the next turn, and the conversations take
     turns, so by a conversation's next turn the others have pushed its history out of
     a small GPU pool. TTFT is then the request's own prefill (or load) time.
+
+    `on_request` is called after each answer, `on_turn` after each round of turns (a
+    progress bar's updates); the time spent in them is left out of `wall_s`.
     """
     rng = random.Random(workload.seed)
     system = [rng.randrange(workload.vocab_size) for _ in range(workload.num_system_tokens)]
@@ -136,6 +143,7 @@ def run_chat(
     ]
     params = SamplingParams(max_tokens=workload.num_answer_tokens, ignore_eos=True)
     turns = []
+    in_callbacks = 0.0
     start = time.perf_counter()
     for turn in range(workload.num_turns):
         for conversation, history in enumerate(histories):
@@ -154,10 +162,10 @@ def run_chat(
                     output.num_external_hit_tokens,
                 )
             )
-        if on_turn is not None:
-            on_turn()
+            in_callbacks += _call(on_request)
+        in_callbacks += _call(on_turn)
     llm.drain()
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start - in_callbacks
     offload = llm.offload
     return RunResult(
         name=name,
@@ -169,3 +177,12 @@ def run_chat(
         transfer_bytes={} if offload is None else dict(offload.totals.transfer_bytes),
         transfer_seconds={} if offload is None else dict(offload.totals.transfer_seconds),
     )
+
+
+def _call(callback: Callable[[], object] | None) -> float:
+    """Call `callback` (if any); return the seconds it took."""
+    if callback is None:
+        return 0.0
+    start = time.perf_counter()
+    callback()
+    return time.perf_counter() - start
