@@ -3,7 +3,9 @@
 Runs the demo workload on the reference engine with offload off and through the CPU tier
 (and the disk tier with --disk), side by side in one process, repeated --reps times.
 Reports the TTFT of turns whose history had left the GPU pool as a ratio to offload off
-(target <= 0.25x) and the throughput ratio.
+(target <= 0.25x) and the throughput ratio. A progress bar (stderr, a terminal only) counts
+each run's requests; it moves between requests, and its time is left out of the run's wall
+time (`run_chat`'s `on_request`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.offload.config import DiskIOMode, OffloadConfig
+from progress_bar import progress_bar
 
 MIB = 1 << 20
 
@@ -77,10 +80,14 @@ def main() -> None:
             except ValueError as exc:
                 parser.error(str(exc))
             run_chat(warm, ChatWorkload(2, 2, 64, 64, vocab_size=model.vocab_size), "warm-up")
+        num_requests = args.conversations * args.turns
         for rep in range(args.reps):
             for name, offload in configs:
-                with LLM(model, kv_offload=offload, engine=engine) as llm:
-                    result = run_chat(llm, workload, name)
+                with (
+                    progress_bar(num_requests, unit="req", desc=f"rep {rep}: {name}") as bar,
+                    LLM(model, kv_offload=offload, engine=engine) as llm,
+                ):
+                    result = run_chat(llm, workload, name, on_request=bar.update)
                 _record(numbers.setdefault(name, {}), result)
                 print(f"rep {rep}: {name:4s} wall {result.wall_s:6.2f}s")
     summary = _report(numbers)

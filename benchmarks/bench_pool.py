@@ -28,6 +28,9 @@ each kind (in rounds of at most a quarter of the pool); a quarter-rep warm-up, t
 and min-max of `--reps` reps. Random access is deliberate: at 10M blocks it defeats the
 CPU caches, as a big tier's traffic does.
 
+Progress bars (stderr, a terminal only) count the blocks built and churned and the reps
+timed; each moves between timed sections (build chunks, reps), outside the timers.
+
 Run: `python benchmarks/bench_pool.py [--sizes 10000,1000000,10000000] [--json PATH]
 [--clock cpu]`.
 """
@@ -35,13 +38,11 @@ Run: `python benchmarks/bench_pool.py [--sizes 10000,1000000,10000000] [--json P
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,46 +51,17 @@ import numpy as np
 
 from bench_common import new_parser, nonnegative_int, output_file, positive_int, positive_int_list
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.keys import Key, make_key
+from pool_build import NUM_TOKENS, KeyMaker, build_size
+from progress_bar import progress_bar
 
 DEFAULT_SIZES = (10_000, 1_000_000, 10_000_000)
 OPS = ("allocate", "touch", "free", "insert_key", "cached_block")
 # The same probes through the pool's own dict without the method call: the limit that
 # CPython's dict sets on cached_block at each size. Printed, not part of the target.
 BASELINE = "bare_dict_get"
-BUILD_CHUNK = 1 << 16
-# Blocks evicted and re-cached at a time while churning: a step's worth, so the index's
-# length stays near the pool size when it resizes (as in a running tier).
-CHURN_BATCH = 256
-NUM_TOKENS = 16
 TARGET_RATIO = 1.5
 TARGET_BYTES = 200
 CLOCKS: dict[str, Callable[[], int]] = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
-
-
-class KeyMaker:
-    """Hands out distinct realistic 36-byte keys: a 32-byte digest + group id 0.
-
-    The digests are random bytes (same size and randomness as sha256 output; hashing 10 M
-    counters would add ~10 s to the build without changing what the pool stores).
-    """
-
-    def __init__(self, seed: int) -> None:
-        self._rng = random.Random(seed)
-
-    def take(self, count: int) -> list[Key]:
-        """Return `count` new keys."""
-        digests = self._rng.randbytes(32 * count)
-        return [make_key(digests[i : i + 32], 0) for i in range(0, 32 * count, 32)]
-
-
-def rss_bytes() -> int | None:
-    """Return the resident set size of this process, or None where /proc is missing."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None
 
 
 def transparent_hugepages() -> str | None:
@@ -99,85 +71,6 @@ def transparent_hugepages() -> str | None:
     except OSError:
         return None
     return text.split("[")[1].split("]")[0] if "[" in text else text.strip()
-
-
-def build_cached_pool(num_blocks: int, order: np.ndarray, keys: KeyMaker) -> BlockPool:
-    """Return a pool with every usable block cached and free, evicted in `order`."""
-    pool = BlockPool(num_blocks)
-    num_usable = pool.num_usable_blocks
-    for start in range(0, num_usable, BUILD_CHUNK):
-        taken = pool.allocate(min(BUILD_CHUNK, num_usable - start))
-        for key, block_id in zip(keys.take(len(taken)), taken, strict=True):
-            pool.insert_key(key, block_id, NUM_TOKENS)
-    for start in range(0, num_usable, BUILD_CHUNK):
-        pool.free(order[start : start + BUILD_CHUNK].tolist())
-    return pool
-
-
-def memory_breakdown(pool: BlockPool) -> dict[str, float]:
-    """Return `sys.getsizeof` bytes per cached block of each of the pool's structures."""
-    # Private fields on purpose: this is a diagnostic of where the bytes go.
-    index, queue = pool._index, pool._free
-    arrays = (pool._refs, pool._num_tokens, queue._next, queue._prev)
-    sizes = {
-        "key_objects": sum(map(sys.getsizeof, filter(None, pool._keys))),
-        "index_dict": sys.getsizeof(index),
-        "index_int_values": sum(map(sys.getsizeof, index.values())),
-        "keys_list": sys.getsizeof(pool._keys),
-        "arrays": sum(map(sys.getsizeof, arrays)),
-    }
-    return {name: size / pool.num_usable_blocks for name, size in sizes.items()}
-
-
-def churn_until_index_regrows(pool: BlockPool, keys: KeyMaker) -> int:
-    """Evict and re-cache blocks until the index dict resizes; return blocks churned.
-
-    Deleted keys leave dummy slots, so a dict under delete/insert churn resizes to a
-    table sized for 3 x its length and never shrinks back: that is its steady size.
-    """
-    index_bytes = sys.getsizeof(pool._index)  # private on purpose: the diagnostic
-    num_churned = 0
-    while sys.getsizeof(pool._index) == index_bytes and num_churned <= pool.num_usable_blocks:
-        taken = pool.allocate(min(CHURN_BATCH, pool.num_usable_blocks))
-        for key, block_id in zip(keys.take(len(taken)), taken, strict=True):
-            pool.insert_key(key, block_id, NUM_TOKENS)
-        pool.free(taken)
-        num_churned += len(taken)
-    return num_churned
-
-
-def build_size(num_blocks: int, rng: np.random.Generator, keys: KeyMaker) -> tuple[BlockPool, dict]:
-    """Build one cached pool, churn it to its steady size; return it with its memory numbers."""
-    order = rng.permutation(num_blocks - 1) + 1
-    gc.collect()
-    rss_before = rss_bytes()
-    t0 = time.perf_counter()
-    pool = build_cached_pool(num_blocks, order, keys)
-    build_s = time.perf_counter() - t0
-    gc.collect()
-    rss_after = rss_bytes()
-    num_cached = pool.num_usable_blocks
-    assert pool.num_free() == num_cached
-    built = memory_breakdown(pool)
-    num_churned = churn_until_index_regrows(pool, keys)
-    steady = memory_breakdown(pool)
-    rss_built = rss_steady = None
-    if rss_before is not None and rss_after is not None:
-        rss_built = (rss_after - rss_before) / num_cached
-        # The regrown table's pages become resident as its entries fill, before its next
-        # resize: that is the most RSS the pool reaches in steady churn.
-        rss_steady = rss_built + steady["index_dict"] - built["index_dict"]
-    return pool, {
-        "num_blocks": num_blocks,
-        "build_s": build_s,
-        "num_churned_blocks": num_churned,
-        "rss_bytes_per_cached_block": rss_built,
-        "steady_rss_bytes_per_cached_block": rss_steady,
-        "getsizeof_bytes_per_cached_block": built,
-        "getsizeof_total_per_cached_block": sum(built.values()),
-        "steady_getsizeof_bytes_per_cached_block": steady,
-        "steady_getsizeof_total_per_cached_block": sum(steady.values()),
-    }
 
 
 def time_rep(
@@ -231,19 +124,21 @@ def run(sizes: list[int], args: argparse.Namespace) -> list[dict]:
     keys = KeyMaker(args.seed)
     pools, results = [], []
     for num_blocks in sizes:
-        pool, result = build_size(num_blocks, np_rng, keys)
+        pool, result = build_size(num_blocks, np_rng, keys, label(num_blocks))
         pools.append(pool)
         results.append(result)
         print(f"  built {label(num_blocks)} blocks in {result['build_s']:.1f} s", flush=True)
     clock = CLOCKS[args.clock]
     reps: list[dict[str, list[float]]] = [{op: [] for op in (*OPS, BASELINE)} for _ in sizes]
-    for rep in range(-1, args.reps):  # rep -1 is a shorter warm-up
-        num_ops = args.ops if rep >= 0 else max(1, args.ops // 4)
-        for i in [(rep + k) % len(sizes) for k in range(len(sizes))]:
-            times = time_rep(pools[i], num_ops, rng, keys, clock)
-            for op in (*OPS, BASELINE):
-                if rep >= 0:
-                    reps[i][op].append(times[op])
+    with progress_bar((args.reps + 1) * len(sizes), unit="rep", desc="time") as bar:
+        for rep in range(-1, args.reps):  # rep -1 is a shorter warm-up
+            num_ops = args.ops if rep >= 0 else max(1, args.ops // 4)
+            for i in [(rep + k) % len(sizes) for k in range(len(sizes))]:
+                times = time_rep(pools[i], num_ops, rng, keys, clock)
+                bar.update(1)  # between reps: time_rep's clocks are inside it
+                for op in (*OPS, BASELINE):
+                    if rep >= 0:
+                        reps[i][op].append(times[op])
     for result, per_op in zip(results, reps, strict=True):
         result["ns_per_op"] = {}
         for op, values in per_op.items():

@@ -15,7 +15,8 @@ eager and lazy mode (lookup, on_allocated, building the StepInput, build_plan,
 apply_report, on_finished, take_stats) and their ratio, per step and per step and
 request; external hit tokens and tier traffic to show the tier is used. One step of each
 loop runs in turn (rotating order) so machine noise hits all modes alike; ratios are
-paired per window; median and min-max over windows are printed.
+paired per window; median and min-max over windows are printed. A progress bar (stderr, a
+terminal only) counts the rounds of steps; it moves between rounds, outside the loops' timers.
 
 Run: `python benchmarks/bench_scheduler.py [--quick] [--json PATH] [--clock cpu]`.
 """
@@ -30,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -55,6 +57,7 @@ from kvtier.core.keys import make_key
 from kvtier.core.kv_groups import KVLayout
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
+from progress_bar import progress_bar
 
 MODES = ("off", "eager", "lazy")
 BLOCK_SIZE = 16
@@ -107,8 +110,11 @@ def fill_with_cold_blocks(pool: BlockPool) -> None:
     pool.free(blocks)
 
 
-def run_interleaved(loops: dict[str, EngineLoop], num_steps: int) -> dict[str, dict]:
-    """Step every loop `num_steps` times, one step each in turn; return per-mode numbers."""
+def run_interleaved(
+    loops: dict[str, EngineLoop], num_steps: int, on_step: Callable[[int], object]
+) -> dict[str, dict]:
+    """Step every loop `num_steps` times, one step each in turn, then `on_step(1)`; return
+    per-mode numbers."""
     before = {mode: asdict(loop.counters) for mode, loop in loops.items()}
     for loop in loops.values():
         loop.reset_times()
@@ -117,6 +123,7 @@ def run_interleaved(loops: dict[str, EngineLoop], num_steps: int) -> dict[str, d
         k = i % len(order)  # rotate, so no mode always runs right after another
         for loop in order[k:] + order[:k]:
             loop.step()
+        on_step(1)
     result = {}
     for mode, loop in loops.items():
         t = loop.times
@@ -154,7 +161,12 @@ def median_spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_size(num_running: int, args: argparse.Namespace) -> dict:
+def window_steps(num_running: int, args: argparse.Namespace) -> int:
+    """Return the rounds of steps in one window at `num_running` requests."""
+    return max(args.steps, args.steps * 256 // num_running)
+
+
+def run_size(num_running: int, args: argparse.Namespace, on_step: Callable[[int], object]) -> dict:
     """Warm the three loops up, then time interleaved windows; return every number."""
     min_out, max_out = args.output_tokens
     workload_config = WorkloadConfig(
@@ -167,15 +179,15 @@ def run_size(num_running: int, args: argparse.Namespace) -> dict:
     workload = Workload(workload_config, BlockHasher(BLOCK_SIZE))
     loops = {mode: build_loop(num_running, mode, workload, args) for mode in MODES}
     t0 = time.perf_counter()
-    run_interleaved(loops, args.warmup)
+    run_interleaved(loops, args.warmup, on_step)
     warmup_s = time.perf_counter() - t0
     gc.collect()
     gc.freeze()  # as engines do after start-up: long-lived objects leave the GC's way
-    num_steps = max(args.steps, args.steps * 256 // num_running)
+    num_steps = window_steps(num_running, args)
     windows: dict[str, list[dict]] = {mode: [] for mode in MODES}
     t0 = time.perf_counter()
     for _ in range(args.reps):
-        for mode, numbers in run_interleaved(loops, num_steps).items():
+        for mode, numbers in run_interleaved(loops, num_steps, on_step).items():
             windows[mode].append(numbers)
     measure_s = time.perf_counter() - t0
     gc.unfreeze()
@@ -363,7 +375,12 @@ def main() -> None:
         f" >={args.steps} steps; seed {args.seed}"
     )
     t0 = time.perf_counter()
-    results = [run_size(n, args) for n in args.sizes]
+    results = []
+    total = sum(args.warmup + args.reps * window_steps(n, args) for n in args.sizes)
+    with progress_bar(total, unit="step") as bar:
+        for n in args.sizes:
+            bar.set_description(f"{n} running")
+            results.append(run_size(n, args, bar.update))
     for r in results:
         print_size(r)
     summary, line = summarize(results)
