@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli.main import main
+from kvtier.cli.main import BROKEN_PIPE_STATUS, main
 from kvtier.replay import generate
 from kvtier.replay.trace import read_trace
 
@@ -83,3 +83,23 @@ def test_a_dash_writes_the_trace_to_stdout_for_replay_to_read(tmp_path: Path) ->
     trace.write_text(done.stdout)
     assert len(read_trace(trace)) > 2
     assert done.stderr == f"wrote {len(read_trace(trace))} requests to /dev/stdout\n"
+
+
+@pytest.mark.parametrize("program", ["kvtier.cli.main", "kvtier.replay.generate"])
+def test_a_reader_that_leaves_ends_generate_quietly(program: str, tmp_path: Path) -> None:
+    """Regression: `kvtier generate - | head -1` ended in a usage error (status 2, the
+    usage lines and 'cannot write /dev/stdout: Broken pipe' on stderr), where every
+    other kvtier output piped into a reader that stops early ends quietly with 141."""
+    args = [program, "generate"] if program == "kvtier.cli.main" else [program]
+    reader_gone = subprocess.Popen(
+        [sys.executable, "-m", *args, "-", "--conversations", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert reader_gone.stdout is not None
+    reader_gone.stdout.close()  # before the trace is written: its first write breaks
+    _, stderr = reader_gone.communicate(timeout=120)
+    assert (reader_gone.returncode, stderr) == (BROKEN_PIPE_STATUS, "")
+    assert list(tmp_path.iterdir()) == []

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvtier.replay.ascii_number import ascii_int
+from kvtier.replay.command import BROKEN_PIPE_STATUS
 from kvtier.replay.option_types import attach_dashed_values
 from kvtier.replay.outputs import check_file_path, json_output_path
 from kvtier.replay.signals import sigterm_unwinds
@@ -250,7 +251,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Write a chat workload trace; return the exit status (130 after Ctrl-C, 143 after
-    SIGTERM, with no partial file left behind)."""
+    SIGTERM, with no partial file left behind; 141, quietly, when OUT's reader left)."""
     parser = build_parser()
     args = parser.parse_args(attach_dashed_values(sys.argv[1:] if argv is None else argv))
     return write(args, parser)
@@ -281,6 +282,8 @@ def write(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 130
     except ValueError as exc:  # ReplayError: OUT cannot be written
         parser.error(str(exc))
+    except BrokenPipeError:  # OUT's reader left (`generate - | head -1`): quietly, as kvtier does
+        return BROKEN_PIPE_STATUS
     except OSError as exc:  # the disk filled up, or the folder changed since the check
         parser.error(f"cannot write {args.out}: {exc.strerror or exc}")
     # The trace itself may be going to stdout (`generate /dev/stdout | kvtier replay ...`).
