@@ -20,6 +20,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.model import build_model
 from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.weights import checkpoint_files
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -99,3 +100,19 @@ def test_a_config_json_that_is_not_json_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON \(Expecting") as info:
         ModelConfig.from_hf_config(tmp_path)
     assert str(tmp_path / "config.json") in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["config.json", "generation_config.json", "model.safetensors.index.json"]
+)
+def test_a_json_file_that_is_not_utf8_is_named(tmp_path: Path, name: str) -> None:
+    """Regression: a checkpoint's JSON file holding a byte that is not UTF-8 (JSON is
+    UTF-8) raised the bare UnicodeDecodeError ("'utf-8' codec can't decode byte 0xff in
+    position 17"), naming no file, where bad JSON names it."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "a"}}')
+    (tmp_path / name).write_bytes(b'{"eos_token_id": "\xff"}')
+    read = checkpoint_files if name.startswith("model.") else ModelConfig.from_hf_config
+    with pytest.raises(ValueError, match="is not valid JSON \\('utf-8' codec") as info:
+        read(tmp_path)
+    assert str(info.value).startswith(str(tmp_path / name))

@@ -51,7 +51,7 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     with config_path.open(encoding="utf-8") as f:
         try:
             hf = json.load(f)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # JSON is UTF-8
             raise ValueError(f"{config_path} is not valid JSON ({exc})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
@@ -73,7 +73,7 @@ def _generation_eos_token_ids(path: Path) -> tuple[int, ...]:
     try:
         with path.open(encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # JSON is UTF-8
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")

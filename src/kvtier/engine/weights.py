@@ -51,7 +51,7 @@ def _shard_names(index: Path) -> list[str]:
     try:
         with index.open(encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # JSON is UTF-8
         raise ValueError(f"{index} is not valid JSON ({exc})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
