@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from random_workloads import MAX_STEPS_PER_CALL, MODELS, Workload, plan_submissions, workloads
 from step_watchdog import with_watchdog
-from workload_runner import assert_same, offload_config
+from workload_runner import generate_both, offload_config
 
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
 from kvtier.offload.plan import TransferPlan, WorkerReport
@@ -170,20 +170,7 @@ def serve_harshly(workload: Workload, faults: dict[str, Any], totals: Counter[st
                 arm = with_watchdog(llm, MAX_STEPS_PER_CALL)
                 finished: list[RequestOutput] = []
                 for call in calls:
-                    prompts = []
-                    for sub in call:
-                        head = list(sub.head)
-                        if sub.parent is not None:
-                            parent = finished[sub.parent]
-                            head = [*parent.prompt_token_ids, *parent.output_token_ids]
-                        prompts.append(head + list(sub.tail))
-                    params = [sub.params for sub in call]
-                    expected = reference.generate(prompts, params)
-                    arm()
-                    outputs = llm.generate(prompts, params)
-                    for want, got in zip(expected, outputs, strict=True):
-                        assert_same(want, got)
-                    finished.extend(expected)
+                    outputs = generate_both(call, finished, reference, llm, arm)
                     totals["hit_tokens"] += sum(o.num_external_hit_tokens for o in outputs)
                 faults["p_reset"] = 0.0  # let drain finish
                 arm()

@@ -167,6 +167,37 @@ def run_workload(
                 llm.offload.shutdown()
 
 
+def generate_both(
+    call: list[Submission],
+    finished: list[RequestOutput],
+    reference: LLM,
+    llm: LLM,
+    arm: Callable[[], None],
+) -> list[RequestOutput]:
+    """Run one `generate` call on `reference`, then (armed) on `llm`; assert the same
+    outputs, append the reference's to `finished`, return `llm`'s.
+
+    A submission's prompt is its head (or its parent's whole conversation so far, from
+    `finished`) followed by its tail.
+    """
+    prompts = []
+    for sub in call:
+        if sub.parent is None:
+            head = list(sub.head)
+        else:
+            parent = finished[sub.parent]
+            head = [*parent.prompt_token_ids, *parent.output_token_ids]
+        prompts.append(head + list(sub.tail))
+    params = [sub.params for sub in call]
+    expected = reference.generate(prompts, params)
+    arm()
+    outputs = llm.generate(prompts, params)
+    for want, got in zip(expected, outputs, strict=True):
+        assert_same(want, got)
+    finished.extend(expected)
+    return outputs
+
+
 def serve(
     workload: Workload,
     calls: list[list[Submission]],
@@ -182,22 +213,8 @@ def serve(
     arm = with_watchdog(llm, max_steps)
     finished: list[RequestOutput] = []
     for call in calls:
-        prompts = []
-        for sub in call:
-            if sub.parent is None:
-                head = list(sub.head)
-            else:
-                parent = finished[sub.parent]
-                head = [*parent.prompt_token_ids, *parent.output_token_ids]
-            prompts.append(head + list(sub.tail))
-        params = [sub.params for sub in call]
-        expected = reference.generate(prompts, params)
-        arm()
-        outputs = llm.generate(prompts, params)
+        outputs = generate_both(call, finished, reference, llm, arm)
         llm.offload.scheduler.check_invariants()
-        for want, got in zip(expected, outputs, strict=True):
-            assert_same(want, got)
-        finished.extend(expected)
         totals["external_hit_tokens"] += sum(o.num_external_hit_tokens for o in outputs)
     arm()
     llm.drain()
