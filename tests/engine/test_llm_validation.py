@@ -318,3 +318,26 @@ def test_a_request_validation_accepts_runs_in_the_smallest_pool_it_allows(
                 tighter = EngineConfig(block_size=block_size, num_gpu_blocks=need)
                 with pytest.raises(ValueError, match=f"needs at least {need} KV blocks"):
                     small_llm(model, tighter).generate([list(range(num_prompt))], params)
+
+
+def test_engine_config_takes_numpy_integers_as_python_ones() -> None:
+    """Regression: EngineConfig(block_size=np.int64(16)) was refused as 'must be a positive
+    int, got np.int64(16)', as SamplingParams was until 00dc857."""
+    config = EngineConfig(
+        block_size=np.int64(16),  # type: ignore[arg-type]
+        num_gpu_blocks=np.int32(64),  # type: ignore[arg-type]
+        max_num_seqs=np.uint8(4),  # type: ignore[arg-type]
+        max_num_batched_tokens=np.int16(128),  # type: ignore[arg-type]
+        seed=np.uint64(2**63),  # type: ignore[arg-type]
+    )
+    assert (config.block_size, config.num_gpu_blocks, config.seed) == (16, 64, 2**63)
+    assert all(type(v) is int for v in dataclasses.astuple(config)[:4])
+    assert type(config.seed) is int
+    for field, value, error in [
+        ("block_size", np.True_, TypeError),
+        ("num_gpu_blocks", np.float64(64.0), TypeError),
+        ("max_num_seqs", np.int64(0), ValueError),
+        ("seed", np.float32(1.0), TypeError),
+    ]:
+        with pytest.raises(error, match=field):
+            EngineConfig(**{field: value})

@@ -142,3 +142,17 @@ def test_numpy_numbers_are_checked_as_python_ones(
 ) -> None:
     with pytest.raises(error, match=next(iter(changes))):
         SamplingParams(**changes)  # type: ignore[arg-type]
+
+
+def test_stop_token_ids_may_be_a_numpy_array() -> None:
+    """Regression: a numpy array of stop ids was refused as 'stop_token_ids must be a
+    sequence of token ids', though a prompt may be one."""
+    params = SamplingParams(stop_token_ids=np.array([3, 5], dtype=np.int32))  # type: ignore[arg-type]
+    assert params.stop_token_ids == (3, 5)
+    assert all(type(t) is int for t in params.stop_token_ids)
+    with pytest.raises(TypeError, match=r"must hold int token ids, got \[1\.5\]"):
+        SamplingParams(stop_token_ids=np.array([1.5]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be a sequence of token ids"):
+        SamplingParams(stop_token_ids=np.array([[1, 2]]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        SamplingParams(stop_token_ids=np.array([-1]))  # type: ignore[arg-type]

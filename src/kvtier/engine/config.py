@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -195,7 +196,7 @@ class EngineConfig:
     """Sizes and limits of the reference engine. `num_gpu_blocks` includes the null block.
 
     A value of the wrong type raises TypeError, one out of range ValueError, both naming
-    the field.
+    the field. Numpy integers are taken as, and stored as, Python ints.
     """
 
     block_size: int = 16
@@ -207,21 +208,24 @@ class EngineConfig:
     keep_logits: bool = False
 
     def __post_init__(self) -> None:
+        # Numpy integers are taken as, and stored as, Python ones (as in SamplingParams).
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, Integral) or isinstance(value, bool):
                 raise TypeError(f"EngineConfig.{name} must be a positive int, got {value!r}")
             if value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         if self.num_gpu_blocks < 2:
             raise ValueError(
                 f"EngineConfig.num_gpu_blocks={self.num_gpu_blocks} leaves no block besides "
                 "the null block"
             )
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not isinstance(self.seed, Integral) or isinstance(self.seed, bool):
             raise TypeError(f"EngineConfig.seed must be an int, got {self.seed!r}")
         if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed accepts
             raise ValueError(f"EngineConfig.seed must be in [-2**63, 2**64), got {self.seed}")
+        object.__setattr__(self, "seed", int(self.seed))
         if not isinstance(self.keep_logits, bool):
             raise TypeError(f"EngineConfig.keep_logits must be a bool, got {self.keep_logits!r}")
         if not isinstance(self.device, str):

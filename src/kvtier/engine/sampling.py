@@ -28,7 +28,8 @@ class SamplingParams:
     reproducible whatever else is in the batch; without a seed the generator is seeded
     from torch's global RNG. A value of the wrong type raises TypeError, one out of range
     ValueError, both naming the field; numpy numbers are taken as and stored as Python
-    ones; `stop_token_ids` may be any sequence of ints and is stored as a tuple.
+    ones; `stop_token_ids` may be any sequence of ints (a 1-D numpy array too) and is
+    stored as a tuple.
     """
 
     max_tokens: int = 16
@@ -58,6 +59,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = self.stop_token_ids
+        if isinstance(stop, np.ndarray) and stop.ndim == 1:
+            stop = stop.tolist()  # numpy ids as Python ones (floats stay floats: refused)
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
             raise TypeError(f"stop_token_ids must be a sequence of token ids, got {stop!r}")
         if not all(_is_int(t) for t in stop):
