@@ -24,7 +24,7 @@ from kvtier.replay.option_types import (
     rate,
     trace_path,
 )
-from kvtier.replay.outputs import json_output_path, output_path
+from kvtier.replay.outputs import folders_to_make, json_output_path, output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
 from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
@@ -252,7 +252,7 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
         if bar is not None:
             bar.close()
     failure: OSError | None = None
-    written: list[Path] = []
+    written: list[str] = []
     try:  # the files first: a reader closing stdout early must not lose them
         _write_outputs(args, plan, points, summary, written)
     except OSError as exc:  # the paths were checked before the run; a disk may still fill up
@@ -291,10 +291,10 @@ def _write_outputs(
     plan: ReplayPlan,
     points: list[SweepPoint],
     summary: TraceSummary,
-    written: list[Path],
+    written: list[str],
 ) -> None:
     """Write the sweep's CSV and plot and the JSON results asked for; add their paths to
-    `written` as they are written.
+    `written` (the JSON's as typed) as they are written.
 
     The files are replaced together at the end (`file_set`): an interrupted or failed
     write leaves every one of them as it was, not a mix of this run's and an older one's,
@@ -302,21 +302,21 @@ def _write_outputs(
     named pipe) comes after them, so a reader that leaves early costs only the JSON.
     """
     json_in_place = bool(args.json) and written_in_place(args.json)
-    files = []
+    files: list[str] = []
     made: list[Path] = []
     try:
         if plan.out is not None:
-            made = [f for f in (plan.out, *plan.out.parents) if not f.exists()]  # deepest first
+            made = folders_to_make(plan.out)  # deepest first
             plan.out.mkdir(parents=True, exist_ok=True)
         with file_set():
             if plan.out is not None:
                 title = Path(args.trace).name
                 write_csv(plan.out / "sweep.csv", points)
                 plot_sweep(plan.out / "sweep.png", points, title, summary.infinite_token_hit_ratio)
-                files += [plan.out / "sweep.csv", plan.out / "sweep.png"]
+                files += [str(plan.out / "sweep.csv"), str(plan.out / "sweep.png")]
             if args.json and not json_in_place:
                 write_json(args.json, points, args.trace, summary)
-                files.append(Path(args.json))
+                files.append(args.json)
     except BaseException:
         for folder in made:
             with contextlib.suppress(OSError):  # not empty: something else wrote there
@@ -325,7 +325,7 @@ def _write_outputs(
     written += files
     if json_in_place:
         write_json(args.json, points, args.trace, summary)
-        written.append(Path(args.json))
+        written.append(args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,6 @@ import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Protocol
 
 from kvtier.replay.ascii_number import ascii_int
@@ -274,7 +273,7 @@ def write(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     try:
         with sigterm_unwinds():
-            check_file_path("out", Path(args.out))  # before the work, not after it
+            check_file_path("out", args.out)  # before the work, not after it
             records = _generate_with_progress(config)
             write_trace(args.out, records)
     except KeyboardInterrupt:

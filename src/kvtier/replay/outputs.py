@@ -35,33 +35,50 @@ def json_output_path(text: str) -> str:
     return "/dev/stdout" if text == "-" else output_path(text)
 
 
-def check_file_path(option: str, path: Path) -> None:
-    """Raise `ReplayError` unless a file can be written at `path` (its folder exists)."""
+def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
+    """Raise `ReplayError` unless a file can be written at `text` (its folder exists).
+
+    `text` is the path as the user typed it, and the messages name it so. A path that
+    can only name a folder (`d/`, `d/.`) is refused, as the shell refuses `> d/`. `made`
+    are the folders the command creates before it writes the file (`--out` and its new
+    parents, see `folders_to_make`): the file may go in one of them.
+    """
+    path = Path(text)
+    if names_a_folder(text) and not path.is_dir():
+        raise ReplayError(f"{option} {text}: names a directory, give a file name")
+    if any(is_same_file(path.parent, folder) for folder in made):
+        return  # `check_folder_path` checked that the folders can be created
     descriptor = descriptor_of(path)
     if descriptor is not None:
-        _check_descriptor(option, path, descriptor)
+        _check_descriptor(option, text, descriptor)
         return
     try:
         path.stat()
     except OSError as exc:  # a new file passes: the checks below apply to its folder
         if exc.errno == errno.ELOOP:
-            raise ReplayError(f"{option} {path}: a loop of symbolic links") from None
+            raise ReplayError(f"{option} {text}: a loop of symbolic links") from None
     if path.is_dir():
-        raise ReplayError(f"{option} {path}: is a directory, give a file name")
+        raise ReplayError(f"{option} {text}: is a directory, give a file name")
     folder = path.parent
     if not folder.exists():
-        raise ReplayError(f"{option} {path}: no such directory {folder}")
+        raise ReplayError(f"{option} {text}: no such directory {folder}")
     if not folder.is_dir():
-        raise ReplayError(f"{option} {path}: {folder} is not a directory")
+        raise ReplayError(f"{option} {text}: {folder} is not a directory")
     if path.exists() and not os.access(path, os.W_OK):  # root may replace it: the shell would
-        raise ReplayError(f"{option} {path}: the file is not writable")
+        raise ReplayError(f"{option} {text}: the file is not writable")
     if path.exists() and not path.is_file():  # a named pipe or a device, written in place
         return
     target = Path(os.path.realpath(path))  # a symbolic link: the file it names is replaced
-    check_creates_files(f"{option} {path}", target.parent)
+    check_creates_files(f"{option} {text}", target.parent)
 
 
-def _check_descriptor(option: str, path: Path, descriptor: int) -> None:
+def names_a_folder(text: str) -> bool:
+    """Return True when the path `text` can only name a folder: it ends in `/`, or its
+    last part is `.` or `..` (`Path` drops a trailing `/` and a `/.`)."""
+    return text.endswith("/") or os.path.basename(text) in (".", "..")
+
+
+def _check_descriptor(option: str, path: str, descriptor: int) -> None:
     """Raise `ReplayError` unless `descriptor` is open for writing."""
     try:
         flags = fcntl.fcntl(descriptor, fcntl.F_GETFL)
@@ -86,6 +103,11 @@ def check_creates_files(what: str, folder: Path) -> None:
             os.unlink(probe)
 
 
+def folders_to_make(folder: Path) -> list[Path]:
+    """Return the folders mkdir(parents=True) creates for `folder`, deepest first."""
+    return [f for f in (folder, *folder.parents) if not f.exists()]
+
+
 def nearest_existing(path: Path) -> Path:
     """Return `path`, or its nearest ancestor that exists: where mkdir(parents=True)
     would start creating folders."""
@@ -94,22 +116,25 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_folder_path(option: str, folder: Path, names: Sequence[str]) -> None:
-    """Raise `ReplayError` unless `folder` is, or can be made, a folder to write `names` in."""
+def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
+    """Raise `ReplayError` unless the folder `text` (as typed) is, or can be made, a folder
+    to write `names` in."""
+    folder = Path(text)
     if folder.exists():
         if not folder.is_dir():
-            raise ReplayError(f"{option} {folder}: is not a directory (it is a file)")
+            raise ReplayError(f"{option} {text}: is not a directory (it is a file)")
         for name in names:
-            check_file_path(option, folder / name)
+            check_file_path(option, os.path.join(text, name))
         return
     ancestor = nearest_existing(folder)
     if not ancestor.is_dir():
-        raise ReplayError(f"{option} {folder}: cannot create it, {ancestor} is not a directory")
-    check_creates_files(f"{option} {folder}", ancestor)
+        raise ReplayError(f"{option} {text}: cannot create it, {ancestor} is not a directory")
+    check_creates_files(f"{option} {text}", ancestor)
 
 
-def check_distinct_paths(trace: Path, outputs: Sequence[tuple[str, Path]]) -> None:
-    """Raise `ReplayError` when an output `(option, path)` is the trace or another output.
+def check_distinct_paths(trace: str, outputs: Sequence[tuple[str, str]]) -> None:
+    """Raise `ReplayError` when an output `(option, path)` is the trace or another output
+    (each path as typed).
 
     Paths are compared after resolving symbolic links, and existing files by identity
     (a hard link), so no output overwrites the trace or one written before it.
@@ -125,8 +150,8 @@ def check_distinct_paths(trace: Path, outputs: Sequence[tuple[str, Path]]) -> No
         written.append((option, path))
 
 
-def is_same_file(a: Path, b: Path) -> bool:
+def is_same_file(a: str | Path, b: str | Path) -> bool:
     """Return True when `a` and `b` name the same file or folder (existing or not)."""
     if os.path.realpath(a) == os.path.realpath(b):  # unlike Path.resolve, no error on a loop
         return True
-    return a.exists() and b.exists() and os.path.samefile(a, b)
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)

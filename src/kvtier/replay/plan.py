@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from kvtier.replay.outputs import (
     check_distinct_paths,
     check_file_path,
     check_folder_path,
+    folders_to_make,
     is_same_file,
 )
 from kvtier.replay.report import format_tokens
@@ -143,18 +145,9 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     for capacity in capacities:  # validate every configuration before the long run
         first = TierConfig("CPU", capacity, args.cpu_link_gbps)
         dataclasses.replace(base, tiers=(first, *base.tiers[1:]))
-    out = Path(args.out or DEFAULT_OUT) if args.sweep else None
-    outputs: list[tuple[str, Path]] = []
-    if out is not None:
-        check_folder_path("--out", out, SWEEP_FILES)
-        outputs += [("--out", out / name) for name in SWEEP_FILES]
-    if args.json:
-        json_path = Path(args.json)
-        # A JSON file inside a new --out folder: the sweep creates the folder first.
-        if out is None or out.exists() or not is_same_file(json_path.parent, out):
-            check_file_path("--json", json_path)
-        outputs.append(("--json", json_path))
-    check_distinct_paths(Path(args.trace), outputs)
+    out_text = (args.out or DEFAULT_OUT) if args.sweep else None
+    out = None if out_text is None else Path(out_text)
+    _check_outputs(args, out_text)
     try:
         numbered = read_numbered_trace(args.trace, args.block_size)
     except OSError as exc:  # missing, a directory, no permission
@@ -162,6 +155,30 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     if base.gpu_capacity_tokens:
         _check_gpu_fits(args, numbered)
     return ReplayPlan([record for _, record in numbered], base, policies, capacities, out)
+
+
+def _check_outputs(args: argparse.Namespace, out_text: str | None) -> None:
+    """Raise `ReplayError` naming an output path (as typed) that cannot be written.
+
+    The sweep creates its --out folder with its parents before any file is written, so
+    --json may name a file in one of those folders, but not one of them.
+    """
+    outputs: list[tuple[str, str]] = []
+    made: list[Path] = []
+    if out_text is not None:
+        check_folder_path("--out", out_text, SWEEP_FILES)
+        outputs += [("--out", os.path.join(out_text, name)) for name in SWEEP_FILES]
+        made = folders_to_make(Path(out_text))
+    if args.json:
+        for folder in made:
+            if is_same_file(args.json, folder):
+                raise ReplayError(
+                    f"--json {args.json}: is a folder that --out {out_text} creates; give a "
+                    "file name"
+                )
+        check_file_path("--json", args.json, made)
+        outputs.append(("--json", args.json))
+    check_distinct_paths(args.trace, outputs)
 
 
 def _check_gpu_fits(args: argparse.Namespace, numbered: list[tuple[int, TraceRecord]]) -> None:

@@ -1,0 +1,108 @@
+"""Output paths of `kvtier replay` and `kvtier generate`, checked before the run and
+named as typed.
+
+Regressions: `--sweep --out new/sub --json new/r.json` was refused ("no such directory
+new") though the sweep creates `new`; `--json` naming a folder the sweep creates
+(`--out new --json new`) was accepted, and failed after the whole run; a path ending in
+`/` was read without it, so `--json d/` was named `d`, `--json new/` wrote a file
+`new`, and `kvtier generate t.jsonl/` replaced the file t.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from replay_helpers import BLOCK, doc_trace
+
+from kvtier.cli.main import main as kvtier_main
+from kvtier.replay.cli import main
+from kvtier.replay.trace import write_trace
+
+
+def trace_file(tmp_path: Path) -> Path:
+    path = tmp_path / "doc.jsonl"
+    write_trace(path, doc_trace(seed=5, num_requests=40))
+    return path
+
+
+def replay(tmp_path: Path, *options: str) -> int:
+    argv = [str(trace_file(tmp_path)), "--block-size", str(BLOCK), "--quiet", "--capacity", "80"]
+    return main([*argv, *options])
+
+
+def test_a_json_file_in_a_parent_the_sweep_creates_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "sub"
+    json_path = tmp_path / "new" / "r.json"
+    assert replay(tmp_path, "--sweep", "--out", str(out), "--json", str(json_path)) == 0
+    assert json.loads(json_path.read_text())["points"]
+    assert (out / "sweep.csv").exists()
+
+
+@pytest.mark.parametrize("json_path", ["new", "new/", "new/sub", "new/sub/."])
+def test_a_folder_the_sweep_creates_is_refused_as_the_json_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], json_path: str
+) -> None:
+    out = f"{tmp_path}/new/sub"
+    typed = f"{tmp_path}/{json_path}"
+    assert replay(tmp_path, "--sweep", "--out", out, "--json", typed) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == ""
+    assert f"--json {typed}: is a folder that --out {out} creates; give a file name" in err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    ("typed", "error"),
+    [
+        ("folder/", "is a directory, give a file name"),
+        ("folder/.", "is a directory, give a file name"),
+        ("new/", "names a directory, give a file name"),
+        ("doc.jsonl/", "names a directory, give a file name"),
+        ("new/..", "names a directory, give a file name"),
+    ],
+)
+def test_a_json_path_naming_a_folder_is_refused_as_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], typed: str, error: str
+) -> None:
+    (tmp_path / "folder").mkdir()
+    path = f"{tmp_path}/{typed}"
+    assert replay(tmp_path, "--json", path) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == ""
+    assert err == f"kvtier replay: error: --json {path}: {error}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.jsonl", "folder"]
+
+
+def test_an_out_folder_that_is_a_file_is_named_as_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = f"{tmp_path}/doc.jsonl/"
+    assert replay(tmp_path, "--sweep", "--out", path) == 2
+    assert f"--out {path}: is not a directory (it is a file)" in capsys.readouterr().err
+
+
+def test_the_json_written_is_named_as_typed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert replay(tmp_path, "--json", "./r.json") == 0
+    assert capsys.readouterr().out.endswith("\nwrote ./r.json\n")
+    assert json.loads((tmp_path / "r.json").read_text())["points"]
+
+
+@pytest.mark.parametrize("typed", ["chat.jsonl/", "new.jsonl/"])
+def test_generate_refuses_a_path_naming_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], typed: str
+) -> None:
+    before = tmp_path / "chat.jsonl"
+    before.write_text("kept\n")
+    path = f"{tmp_path}/{typed}"
+    with pytest.raises(SystemExit) as exit_info:
+        kvtier_main(["generate", path, "--conversations", "2"])
+    assert exit_info.value.code == 2
+    error = f"kvtier generate: error: out {path}: names a directory, give a file name"
+    assert error in capsys.readouterr().err
+    assert before.read_text() == "kept\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]
