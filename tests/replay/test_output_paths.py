@@ -10,6 +10,7 @@ new") though the sweep creates `new`; `--json` naming a folder the sweep creates
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from replay_helpers import BLOCK, doc_trace
 
 from kvtier.cli.main import main as kvtier_main
+from kvtier.replay import cli as replay_cli
 from kvtier.replay.cli import main
 from kvtier.replay.trace import write_trace
 
@@ -38,6 +40,19 @@ def test_a_json_file_in_a_parent_the_sweep_creates_is_written(tmp_path: Path) ->
     assert replay(tmp_path, "--sweep", "--out", str(out), "--json", str(json_path)) == 0
     assert json.loads(json_path.read_text())["points"]
     assert (out / "sweep.csv").exists()
+
+
+def test_a_failed_json_write_removes_the_folders_the_sweep_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def full_disk(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "r.json")
+
+    monkeypatch.setattr(replay_cli, "write_json", full_disk)  # after the CSV and plot
+    out, json_path = f"{tmp_path}/new/sub", f"{tmp_path}/new/r.json"
+    assert replay(tmp_path, "--sweep", "--out", out, "--json", json_path) == 1
+    assert "writing the results failed: [Errno 28] No space left" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.jsonl"]
 
 
 @pytest.mark.parametrize("json_path", ["new", "new/", "new/sub", "new/sub/."])
