@@ -268,11 +268,14 @@ class LLM(StallChecks):
         """Drain pending stores and stop the offload worker (idempotent).
 
         Afterwards `generate`, `add_request` and `step` raise RuntimeError. A drain that
-        can never finish raises its RuntimeError; the worker is stopped all the same.
+        can never finish raises its RuntimeError; the worker is stopped all the same. An
+        abort that an interrupt (Ctrl-C) cut short is ended first (its request finished,
+        its blocks freed, its finish-time stores drained), as the next step would end it.
         """
         if self._is_shut_down:
             return
         try:
+            self.scheduler.end_aborts()  # `drain` may run no step (no store pending)
             self.drain()
         finally:
             self._is_shut_down = True
