@@ -13,9 +13,32 @@ def _logits() -> torch.Tensor:
     return torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
 
 
+def _source() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def test_only_unseeded_temperature_requests_draw_from_the_seed_source() -> None:
+    """Regression: an unseeded request drew its seed from torch's global RNG."""
+    torch.manual_seed(1)
+    first = SamplingParams(temperature=1.0).make_generator(_source())
+    torch.manual_seed(2)
+    second = SamplingParams(temperature=1.0).make_generator(_source())
+    assert first is not None
+    assert second is not None
+    assert first.initial_seed() == second.initial_seed()
+    source = _source()
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+        params.make_generator(source)
+    assert torch.equal(source.get_state(), _source().get_state())  # no draw
+    state = torch.get_rng_state()
+    SamplingParams(temperature=1.0).make_generator(source)
+    assert not torch.equal(source.get_state(), _source().get_state())
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_greedy_takes_argmax_without_generator() -> None:
     params = [SamplingParams()] * 3
-    assert params[0].make_generator() is None
+    assert params[0].make_generator(_source()) is None
     assert sample(_logits(), params, [None] * 3) == _logits().argmax(-1).tolist()
 
 
@@ -23,7 +46,7 @@ def test_seeded_sampling_is_reproducible_per_request() -> None:
     params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0, seed=8)]
 
     def draw() -> list[list[int]]:
-        generators = [p.make_generator() for p in params]
+        generators = [p.make_generator(_source()) for p in params]
         return [sample(_logits()[:2], params, generators) for _ in range(20)]
 
     first = draw()
@@ -33,7 +56,7 @@ def test_seeded_sampling_is_reproducible_per_request() -> None:
 
 def test_low_temperature_concentrates_on_argmax() -> None:
     params = [SamplingParams(temperature=1e-3, seed=1)] * 3
-    tokens = sample(_logits(), params, [p.make_generator() for p in params])
+    tokens = sample(_logits(), params, [p.make_generator(_source()) for p in params])
     assert tokens == _logits().argmax(-1).tolist()
 
 
@@ -42,7 +65,7 @@ def test_a_tiny_temperature_takes_the_argmax(temperature: float) -> None:
     # Regression: logits / 1e-40 overflowed float32 to inf, the softmax gave NaN and
     # torch.multinomial raised, aborting every request of the step.
     params = [SamplingParams(temperature=temperature, seed=1)] * 3
-    tokens = sample(_logits(), params, [p.make_generator() for p in params])
+    tokens = sample(_logits(), params, [p.make_generator(_source()) for p in params])
     assert tokens == _logits().argmax(-1).tolist()
 
 
@@ -101,7 +124,7 @@ def test_stop_token_ids_may_be_any_int_sequence() -> None:
     assert params.stop_token_ids == (5, 7)
     assert all(type(t) is int for t in params.stop_token_ids)
     assert finish_reason(7, 1, params, eos_token_ids=()) is FinishReason.STOP
-    assert SamplingParams(temperature=1, seed=2**63 - 1).make_generator() is not None
+    assert SamplingParams(temperature=1, seed=2**63 - 1).make_generator(_source()) is not None
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,9 @@ class LLM(StallChecks):
 
     `model` is a local HF-format checkpoint directory, a `ModelConfig` (random weights
     with `engine.seed`), or None for `ModelConfig.tiny()`. Nothing is ever downloaded.
+    `engine.seed` also seeds the temperature sampling of requests without
+    `SamplingParams.seed`, in the order they are queued (not torch's global RNG): two
+    engines with the same seed given the same calls sample the same tokens.
     After `shutdown()` (or leaving a `with` block) the engine refuses new work. The
     stall checks of `step`, and `drain`, come from `StallChecks`.
     """
@@ -113,6 +116,9 @@ class LLM(StallChecks):
             self.pool.num_usable_blocks,
         )
         self._next_id = 0
+        # Seeds unseeded temperature requests (SamplingParams.make_generator), not the
+        # global RNG: other torch users neither change nor see the engine's sampling.
+        self._seed_source = torch.Generator().manual_seed(engine.seed)
         self._is_shut_down = False
 
     # ------------------------------------------------------------------ API
@@ -312,6 +318,7 @@ class LLM(StallChecks):
             prompt_token_ids=token_ids,
             params=params,
             hasher=RequestHasher(self._hasher),
+            generator=params.make_generator(self._seed_source),
             session_id=session_id,
         )
         self._next_id += 1

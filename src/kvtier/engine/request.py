@@ -35,7 +35,8 @@ class Request:
     into it). `block_tables[g]` is the request's block table in KV group g; positions a
     sliding-window group no longer needs hold the null block. `kept_logits` holds, when
     `EngineConfig.keep_logits` is set, the float32 logits row each output token was
-    sampled from (kept on the request, so they go when it goes).
+    sampled from (kept on the request, so they go when it goes). `generator` is the one
+    `SamplingParams.make_generator` gave the engine for it (None when greedy).
     """
 
     request_id: str
@@ -64,7 +65,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.hasher.extend(self.prompt_token_ids)
-        self.generator = self.params.make_generator()
 
     # ------------------------------------------------------------ RequestView
 

@@ -25,8 +25,10 @@ class SamplingParams:
     """How to pick a request's output tokens and when to stop.
 
     `temperature == 0` is greedy. With a temperature, `seed` makes the request's tokens
-    reproducible whatever else is in the batch; without a seed the generator is seeded
-    from torch's global RNG. A value of the wrong type raises TypeError, one out of range
+    reproducible whatever else is in the batch and whatever came before; without a seed
+    the engine seeds the request's generator from `EngineConfig.seed` and the request's
+    arrival order (`make_generator`), so the same engine seed and the same calls give the
+    same tokens, as in vLLM. A value of the wrong type raises TypeError, one out of range
     ValueError, both naming the field; numpy numbers are taken as and stored as Python
     ones; `stop_token_ids` may be any sequence of ints (a 1-D numpy array too) and is
     stored as a tuple.
@@ -75,16 +77,20 @@ class SamplingParams:
         """Return True when the most likely token is always taken."""
         return self.temperature == 0.0
 
-    def make_generator(self) -> torch.Generator | None:
-        """Return a fresh CPU generator for one request, or None when greedy."""
+    def make_generator(self, seed_source: torch.Generator) -> torch.Generator | None:
+        """Return a fresh CPU generator for one request, or None when greedy.
+
+        Without `seed`, the generator is seeded with one draw from `seed_source` (the
+        engine's, seeded from `EngineConfig.seed`, drawn from once per unseeded
+        temperature request as requests arrive); greedy and seeded requests leave it
+        untouched. torch's global RNG is neither used nor advanced.
+        """
         if self.is_greedy:
             return None
-        generator = torch.Generator()
-        if self.seed is None:
-            generator.manual_seed(int(torch.randint(2**62, ()).item()))
-        else:
-            generator.manual_seed(self.seed)
-        return generator
+        seed = self.seed
+        if seed is None:
+            seed = int(torch.randint(2**62, (), generator=seed_source).item())
+        return torch.Generator().manual_seed(seed)
 
 
 def _is_int(value: object) -> bool:
