@@ -38,7 +38,7 @@ class ModelConfig:
 
     `layer_kinds[i]` is the attention kind of layer i; `sliding_window` (in tokens) is
     required exactly when some layer is `SLIDING`: a query at position p then attends to
-    keys at positions in (p - sliding_window, p].
+    keys at positions in (p - sliding_window, p]. `eos_token_ids` must lie in the vocab.
     """
 
     vocab_size: int
@@ -88,6 +88,12 @@ class ModelConfig:
         eos = self.eos_token_ids
         if not isinstance(eos, tuple) or any(type(t) is not int or t < 0 for t in eos):
             raise ValueError(f"eos_token_ids must be a tuple of token ids (ints >= 0), got {eos!r}")
+        beyond = [t for t in eos if t >= self.vocab_size]
+        if beyond:
+            raise ValueError(
+                f"eos_token_ids {beyond} outside the vocab [0, {self.vocab_size}): "
+                "never sampled, they could never stop generation"
+            )
         self._check_numbers_and_flags()
 
     def _check_numbers_and_flags(self) -> None:

@@ -44,7 +44,9 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
 
     The EOS tokens are config.json's `eos_token_id`s, then those of a
     `generation_config.json` beside it (as vLLM and transformers stop at them: chat
-    checkpoints name their end-of-turn token there alone).
+    checkpoints name their end-of-turn token there alone). An EOS id outside the vocab
+    (a checkpoint whose vocab was cut down) is left out with a warning: the model can
+    never sample it, and vLLM serves such checkpoints too.
     """
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
@@ -60,9 +62,25 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
         config = _from_hf_dict(hf, dtype, source)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
-    more = _generation_eos_token_ids(config_path.parent / GENERATION_CONFIG_FILE)
+    generation_path = config_path.parent / GENERATION_CONFIG_FILE
+    more = _in_vocab(_generation_eos_token_ids(generation_path), config.vocab_size, generation_path)
     eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + more))
     return dataclasses.replace(config, eos_token_ids=eos_token_ids)
+
+
+def _in_vocab(eos_token_ids: tuple[int, ...], vocab_size: int, source: object) -> tuple[int, ...]:
+    """Return the ids of `eos_token_ids` below `vocab_size`, logging a warning naming
+    `source` for the others: never sampled, they could never stop generation (vLLM
+    keeps them silently; a hand-built `ModelConfig` refuses them)."""
+    beyond = [t for t in eos_token_ids if t >= vocab_size]
+    if beyond:
+        logger.warning(
+            "%s: eos_token_id %s outside the vocab [0, %d) ignored (it can never be sampled)",
+            source,
+            beyond,
+            vocab_size,
+        )
+    return tuple(t for t in eos_token_ids if t < vocab_size)
 
 
 def _generation_eos_token_ids(path: Path) -> tuple[int, ...]:
@@ -113,8 +131,9 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
     window, kinds = _hf_layer_kinds(hf, num_layers, source, is_qwen2)
     # Absent, LlamaConfig's eos_token_id is 2 (Qwen2Config's None); null means none.
     eos_token_ids = _eos_token_ids(hf.get("eos_token_id", None if is_qwen2 else _LLAMA_DEFAULT_EOS))
+    vocab_size = _hf_positive_int(hf, "vocab_size")
     return ModelConfig(
-        vocab_size=_hf_positive_int(hf, "vocab_size"),
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=_hf_positive_int(hf, "intermediate_size"),
         num_layers=num_layers,
@@ -134,7 +153,7 @@ def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelC
         qkv_bias=is_qwen2 or attention_bias,
         o_proj_bias=attention_bias and not is_qwen2,
         tie_word_embeddings=_hf_bool(hf, "tie_word_embeddings"),
-        eos_token_ids=eos_token_ids,
+        eos_token_ids=_in_vocab(eos_token_ids, vocab_size, source),
         dtype=dtype,
     )
 

@@ -181,8 +181,9 @@ class LLM(StallChecks):
         `session_id` (e.g. a conversation's id) is carried by the tier's stored-block
         events of this request's blocks, as vLLM's are. Raises TypeError for a prompt,
         params or session id of the wrong type, and ValueError for an empty prompt, token
-        ids outside the vocab, or a prompt plus `max_tokens` that would exceed the model's
-        `max_position` or the whole GPU pool; nothing is queued.
+        ids or stop token ids outside the vocab (as vLLM), or a prompt plus `max_tokens`
+        that would exceed the model's `max_position` or the whole GPU pool; nothing is
+        queued.
         """
         self._require_running()
         if not isinstance(params, SamplingParams):

@@ -1,8 +1,9 @@
 """Checks on what callers hand the reference engine, made before anything is queued.
 
 A request that could never run (a token id outside the vocab, more positions than the
-model has, more KV blocks than the whole GPU pool) is refused here with a message that
-names it, instead of failing inside a step after compute was spent on it.
+model has, more KV blocks than the whole GPU pool), or names a stop id it could never
+sample, is refused here with a message that names it, instead of failing inside a step
+after compute was spent on it (or running on to `max_tokens`).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def as_session_list(session_ids: object, num_prompts: int) -> list[str | None]:
 def check_request(
     token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits, where: str
 ) -> None:
-    """Raise ValueError, naming `where`, if the request could never run to `max_tokens`.
+    """Raise ValueError, naming `where`, if the request could never run to `max_tokens`,
+    or names a stop token outside the vocab.
 
     The request's last sampled token is never fed back, so it computes
     `len(token_ids) + max_tokens - 1` positions; the KV blocks (over every group) of
@@ -129,6 +131,13 @@ def check_request(
     bad = [t for t in token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise ValueError(f"{where}: token ids {bad[:5]} outside the vocab [0, {limits.vocab_size})")
+    # Never sampled, they would never stop it (as vLLM, which refuses them too).
+    bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise ValueError(
+            f"{where}: stop_token_ids {bad[:5]} outside the vocab [0, {limits.vocab_size}): "
+            "they could never stop it"
+        )
     num_prompt = len(token_ids)
     num_positions = num_prompt + params.max_tokens - 1
     sizes = f"prompt of {num_prompt} tokens + max_tokens={params.max_tokens}"
