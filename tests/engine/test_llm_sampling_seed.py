@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from engine_helpers import TINY_HF_CONFIG
 from safetensors.torch import save_file
@@ -82,7 +83,9 @@ def test_unseeded_requests_are_seeded_in_arrival_order_whatever_the_batch() -> N
     with _engine(seed=5) as llm:
         together = _tokens(llm, PROMPTS)
     with _engine(seed=5) as llm:
-        # One call per prompt, with greedy and seeded requests (no draw) in between.
+        # One call per prompt, with greedy, seeded and refused requests (no draw) between.
+        with pytest.raises(ValueError, match="outside the vocab"):
+            llm.generate([PROMPTS[0], [1000]], HOT)
         apart = []
         for prompt in PROMPTS:
             _tokens(llm, [prompt], SamplingParams(max_tokens=2))
