@@ -179,3 +179,11 @@ def test_stop_token_ids_may_be_a_numpy_array() -> None:
         SamplingParams(stop_token_ids=np.array([[1, 2]]))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=">= 0"):
         SamplingParams(stop_token_ids=np.array([-1]))  # type: ignore[arg-type]
+
+
+def test_stop_token_ids_may_be_none_as_in_vllm() -> None:
+    """Regression: `stop_token_ids=None`, vLLM's default (code written for it passes it
+    through), was refused as 'stop_token_ids must be a sequence of token ids'."""
+    params = SamplingParams(stop_token_ids=None)  # type: ignore[arg-type]
+    assert params.stop_token_ids == ()
+    assert params == SamplingParams()

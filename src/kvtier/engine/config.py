@@ -201,6 +201,9 @@ class CacheConfig:
 class EngineConfig:
     """Sizes and limits of the reference engine. `num_gpu_blocks` includes the null block.
 
+    `seed` seeds a random model's weights and the temperature sampling of requests
+    without `SamplingParams.seed` (see `LLM`); torch's global RNG is left alone.
+
     A value of the wrong type raises TypeError, one out of range ValueError, both naming
     the field. Numpy integers are taken as, and stored as, Python ints.
     """

@@ -30,8 +30,8 @@ class SamplingParams:
     arrival order (`make_generator`), so the same engine seed and the same calls give the
     same tokens, as in vLLM. A value of the wrong type raises TypeError, one out of range
     ValueError, both naming the field; numpy numbers are taken as and stored as Python
-    ones; `stop_token_ids` may be any sequence of ints (a 1-D numpy array too) and is
-    stored as a tuple.
+    ones; `stop_token_ids` may be any sequence of ints (a 1-D numpy array too) or None
+    (none, as in vLLM) and is stored as a tuple.
     """
 
     max_tokens: int = 16
@@ -61,6 +61,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         stop = self.stop_token_ids
+        if stop is None:
+            stop = ()  # vLLM's default, so code written for it runs unchanged
         if isinstance(stop, np.ndarray) and stop.ndim == 1:
             stop = stop.tolist()  # numpy ids as Python ones (floats stay floats: refused)
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
