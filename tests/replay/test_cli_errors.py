@@ -315,3 +315,15 @@ def test_no_progress_bar_is_drawn_when_stderr_is_not_a_terminal(
     argv = [str(trace_file(tmp_path)), "--block-size", str(BLOCK), "--policy", "belady"]
     assert main(argv) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_sweep_without_matplotlib_is_an_error_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # matplotlib is optional (kvtier[engine]); it was first imported to draw the plot,
+    # after the whole sweep, which ended in a traceback with neither file written.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    out = tmp_path / "sweep_out"
+    assert replay(tmp_path, "--capacity", "80", "--sweep", "--out", str(out)) == 2
+    assert_error_before_the_run(capsys, "--sweep", "matplotlib", "pip install")
+    assert not out.exists()

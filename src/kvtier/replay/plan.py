@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,7 @@ def _check_outputs(args: argparse.Namespace, out_text: str | None) -> None:
     made: list[Path] = []
     if out_text is not None:
         check_folder_path("--out", out_text, SWEEP_FILES)
+        _check_plotting()
         outputs += [("--out", os.path.join(out_text, name)) for name in SWEEP_FILES]
         made = folders_to_make(Path(out_text))
     if args.json:
@@ -179,6 +181,21 @@ def _check_outputs(args: argparse.Namespace, out_text: str | None) -> None:
         check_file_path("--json", args.json, made)
         outputs.append(("--json", args.json))
     check_distinct_paths(args.trace, outputs)
+
+
+def _check_plotting() -> None:
+    """Raise `ReplayError` when matplotlib, which draws --sweep's plot, cannot be imported.
+
+    It is an optional dependency (`kvtier[engine]`); found missing only when the plot is
+    drawn, it cost the whole sweep and its CSV (the files are written together).
+    """
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError as exc:
+        raise ReplayError(
+            f"--sweep draws sweep.png with matplotlib, which cannot be imported ({exc}): "
+            "pip install matplotlib (or kvtier[engine])"
+        ) from None
 
 
 def _check_gpu_fits(args: argparse.Namespace, numbered: list[tuple[int, TraceRecord]]) -> None:
