@@ -59,3 +59,14 @@ def test_a_folder_where_the_plot_goes_is_refused_before_the_engine_is_imported(
         f"kvtier demo: error: --out={tmp_path}: {tmp_path / 'demo_ttft.png'} is a directory;"
         " the demo writes its plot there\n"
     )
+
+
+def test_a_missing_optional_dependency_is_refused_before_the_demo_runs() -> None:
+    """Regression: without matplotlib (the `engine` extra) the demo served every
+    configuration and then ended in a ModuleNotFoundError traceback, drawing its plot."""
+    code = "import sys\nsys.modules['matplotlib'] = None  # `import matplotlib` fails\n"
+    code += REFUSED_WITHOUT_TORCH.format(options=["--conversations", "1", "--turns", "1"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "2 []\n", done.stderr
+    assert done.stderr.startswith("kvtier demo: error: the demo needs matplotlib, not installed")
+    assert "pip install 'kvtier[engine]'" in done.stderr

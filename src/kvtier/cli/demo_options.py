@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.demo_ranges import check_dirs, check_options
+from kvtier.cli.demo_ranges import check_dependencies, check_dirs, check_options
 from kvtier.offload.config import CascadeMode, DiskIOMode
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.outputs import output_path
@@ -113,6 +113,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     try:  # before the import: a value out of range is refused at once, not after it
         check_options(args)
         check_dirs(args)
+        check_dependencies()
     except ValueError as exc:
         print(f"kvtier demo: error: {exc}", file=sys.stderr)
         return 2

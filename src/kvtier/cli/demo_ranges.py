@@ -7,6 +7,7 @@ imported (about 3 s), as argparse refuses a value that is not a number.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from kvtier.cli.demo_plot import PLOT_NAME
@@ -26,6 +27,9 @@ OPTION_MINIMUMS = {
     "disk_mib": 1,
     "cascade_cpu_mib": 1,
 }
+# The `engine` extra, which the demo imports beside torch. torch is not looked up: its
+# import comes at once (under the demo's deferred signals) and names it if missing.
+ENGINE_MODULES = ("safetensors", "matplotlib")
 # The most turns (conversations x turns) one run serves: every configuration serves each
 # one as a request on the CPU engine, and every conversation's history is held at once.
 MAX_TURNS = 10_000
@@ -93,3 +97,16 @@ def _check_writable_dir(flag: str, path: Path) -> None:
     if not existing.is_dir():
         raise ValueError(f"{flag}={path} cannot be created: {existing} is not a directory")
     check_creates_files(f"{flag}={path}", existing)  # raises ReplayError, a ValueError
+
+
+def check_dependencies() -> None:
+    """Raise ValueError naming the `engine` extra's modules that cannot be found.
+
+    Looked up without importing them: a missing matplotlib was found only when the plot
+    was drawn, after every configuration had been served.
+    """
+    missing = [name for name in ENGINE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"the demo needs {', '.join(missing)}, not installed: pip install 'kvtier[engine]'"
+        )
