@@ -58,9 +58,14 @@ def test_a_combined_policy_name_in_a_policy_field_says_how_to_split_it() -> None
 
 
 def test_an_empty_hash_seed_is_refused_naming_the_key() -> None:
-    """Regression: accepted, then the engine failed with 'hash seed must not be empty'."""
-    with pytest.raises(ConfigError, match="hash_seed='' is invalid: must not be empty"):
+    """Regression: accepted, then the engine failed with 'hash seed must not be empty'.
+
+    The message said unset meant "a random seed per process", true of xxhash only: with
+    the default sha256 an unset seed is the fixed public one (hashes match across runs).
+    """
+    with pytest.raises(ConfigError, match="hash_seed='' is invalid: must not be empty") as err:
         OffloadConfig(cpu_bytes=GIB, hash_seed="")
+    assert "sha256's fixed public seed" in str(err.value)
 
 
 @pytest.mark.parametrize(("direct", "mode"), [(False, "direct"), (True, "page_cache")])

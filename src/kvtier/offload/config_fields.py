@@ -148,7 +148,11 @@ def valid_value(name: str, value: object) -> object:
         )
         _require(value <= MAX_DISK_BUFFER_SLOTS, name, value, rule)
     if name == "hash_seed":
-        _require(value != "", name, value, "must not be empty (None: a random seed per process)")
+        rule = (
+            "must not be empty (leave it unset for the default: sha256's fixed public seed, "
+            "or with xxhash a random seed per process)"
+        )
+        _require(value != "", name, value, rule)
     registry = _REGISTRIES.get(name)
     if registry is not None and isinstance(value, str):
         ok = value.strip().lower() in registry
