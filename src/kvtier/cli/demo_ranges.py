@@ -1,7 +1,8 @@
-"""The ranges of `kvtier demo`'s options and its folders, checked without importing the engine.
+"""The ranges of `kvtier demo`'s options, its folders and its optional dependencies,
+checked without importing the engine.
 
-`kvtier demo --turns 0` or `--out` in a read-only place is refused before torch is
-imported (about 3 s), as argparse refuses a value that is not a number.
+`kvtier demo --turns 0`, `--out` in a read-only place or a missing matplotlib is refused
+before torch is imported (about 3 s), as argparse refuses a value that is not a number.
 """
 
 from __future__ import annotations
