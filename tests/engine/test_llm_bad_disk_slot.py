@@ -87,7 +87,9 @@ def serve(tmp_path: Path | None, index: int = 0) -> tuple[list[RequestOutput], A
 
 
 @pytest.mark.parametrize(
-    "index", [0, 12, 15], ids=["first-request", "second-request", "second-request-last"]
+    "index",
+    [0, 3, 12, 15],
+    ids=["first-request", "first-request-4th", "second-request", "second-request-last"],
 )
 def test_a_corrupted_slot_fails_only_the_request_that_reads_it(tmp_path: Path, index: int) -> None:
     """The request reading the bad slot keeps the blocks it loaded before it (block
