@@ -26,7 +26,7 @@ _SIZE_OPTIONS = (
     ("--document-tokens", 512, "tokens of each conversation's document"),
     ("--user-tokens", 64, "tokens per user message"),
     ("--answer-tokens", 16, "tokens per answer"),
-    ("--gpu-blocks", 96, "GPU pool size in blocks"),
+    ("--gpu-blocks", 96, "GPU pool size in blocks, the null block included"),
     ("--block-size", 16, "tokens per block"),
     ("--cpu-mib", 256, "CPU tier size in MiB"),
     ("--disk-mib", 256, "disk tier size in MiB"),
