@@ -21,6 +21,7 @@ from sim_request import store_selector
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
+from kvtier.offload.stats import StoreOutcome
 from kvtier.offload.store_runs import select_run, take_whole_run
 from kvtier.offload.store_selection import StoreSelector
 
@@ -126,3 +127,36 @@ def test_the_whole_run_path_is_taken_for_a_run_of_new_keys() -> None:
     assert list(selector.queued.gpu_block_ids) == gpu_ids
     duplicate = [gpu_ids[0], gpu_ids[0]]
     assert take_whole_run(selector, duplicate, gpu.keys(duplicate)) is None  # in flight now
+
+
+class AdmitEveryKey:
+    """Admits every key, as `AdmitAll` does, without being one: `select_run` asks it."""
+
+    name = "every"
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def admit(self, key: Key) -> bool:
+        self.asked += 1
+        return True
+
+    def check_invariants(self) -> None:
+        """Nothing to check."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(selector_and_run())
+def test_admit_all_is_not_asked_and_selects_as_a_policy_asked_per_block(
+    case: tuple[StoreSelector, list[int], int, int],
+) -> None:
+    """`select_run` skips asking `AdmitAll` (one call per block): the per-block loop then
+    leaves what it leaves when an admit-everything policy is asked."""
+    selector, table, pos, end = case
+    asked = copy.deepcopy(selector)
+    asked.admission = policy = AdmitEveryKey()
+    assert state(selector, select_run(selector, table, pos, end, whole_runs=False)) == state(
+        asked, select_run(asked, table, pos, end, whole_runs=False)
+    )
+    stored = selector.counters.store_outcomes.get(StoreOutcome.STORED.value, 0)
+    assert policy.asked >= stored  # asked about every block it stored, at least

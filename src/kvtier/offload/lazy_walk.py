@@ -88,10 +88,14 @@ class LazyWalk:
         for block_ids in block_ids_per_group:
             if self.cursor is not None and self.cursor in block_ids:
                 self.cursor = None
-            if stored_before and not stored_before.keys().isdisjoint(block_ids):
-                for block_id in block_ids:
-                    stored_before.pop(block_id, None)
-                    self.held.pop(block_id, None)
+            # Only the blocks found are visited (a step's new blocks are mostly others).
+            reused = stored_before.keys() & block_ids if stored_before else None
+            if reused:
+                for block_id in reused:
+                    del stored_before[block_id]
+                if self.held:
+                    for block_id in self.held.keys() & block_ids:
+                        del self.held[block_id]
             if copying:
                 copying.difference_update(block_ids)
             if deferred:

@@ -48,7 +48,8 @@ def select_run(
     in_flight = selector.in_flight_keys
     tier_index = selector.tier_pool.index
     room = selector.tier_pool.num_free()
-    admit = selector.admission.admit
+    # The default policy admits every key: not asked (a call per block saved).
+    admit = None if type(selector.admission) is AdmitAll else selector.admission.admit
     stored_before = selector.lazy.stored  # empty in eager mode
     gpu_ids: list[int] = []
     keys: list[Key] = []
@@ -69,7 +70,7 @@ def select_run(
             num_cached += 1
         elif stored_before and stored_before.get(gpu_block_id) == key:
             num_stored_before += 1  # the tier evicted this block's copy: not again
-        elif not admit(key):
+        elif admit is not None and not admit(key):
             num_refused += 1
         elif tag_of is not None and tag is None:
             num_untagged += 1  # never served with the check on: not worth a slot
