@@ -319,11 +319,8 @@ class LoadPlanner(RecomputeGate):
         return checked
 
     def release_pin(self, request_id: str) -> None:
-        """Drop a request's lookup pin, if any."""
-        self._release_pinned(self.pins.pop(request_id, None))
-
-    def _release_pinned(self, pin: LookupPin | None) -> None:
-        """Free the tier blocks `pin` holds (None: nothing)."""
+        """Drop a request's lookup pin, if any: free the tier blocks it holds."""
+        pin = self.pins.pop(request_id, None)
         if pin is not None:
             self.index.free(pin.pinned)
 

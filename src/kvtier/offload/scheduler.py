@@ -303,7 +303,7 @@ class OffloadScheduler(SchedulerObservability):
         loading = dropped or any(
             load.request_id == request_id for transfer in self._book for load in transfer.loads
         )
-        selector = self.selector
+        selector = self._selector if self._selector is not None else self.selector  # (hot)
         state = selector.tracked.get(request_id)
         if state is not None and not loading and computed:
             state.block_ids = [list(ids) for ids in block_ids_per_group]

@@ -197,7 +197,9 @@ class StoreSelector(StoreQueueing):
         `final` (the request finished): nothing is retried, so the blocks a full tier
         stops at are counted as dropped (`_count_unselected`).
         """
-        self._select_ready(request, state, self.confirmed_tokens(request), final)
+        ready_tokens = self.confirmed_tokens(request)
+        if ready_tokens >= state.next_ready:  # else no group has a block to select
+            self._select_ready(request, state, ready_tokens, final)
 
     def _select_ready(
         self, request: RequestView, state: _Tracked, ready_tokens: int, final: bool = False

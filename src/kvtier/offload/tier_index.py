@@ -29,8 +29,9 @@ class TierIndex:
         self.first = pools[0][1]
         self._offset = self.first.num_blocks
         self._second = pools[1][1] if len(pools) == 2 else None
-        # With one tier these are the pool's own methods: no extra call per key.
-        self.cached_block: Callable[[Key], int | None] = self.first.cached_block
+        # With one tier these are the pool's own: no extra call per key, and a lookup
+        # is its live key index's `get` (`BlockPool.cached_block` without its call).
+        self.cached_block: Callable[[Key], int | None] = self.first.index.get
         self.touch: Callable[[Iterable[int]], None] = self.first.touch
         self.free: Callable[[Iterable[int]], None] = self.first.free
         if self._second is not None:

@@ -283,7 +283,9 @@ class SchedulerSide(SchedulerStats):
         `defer_async_loads`, overlapped steps with HiSparse.)
         """
         fault = request.status == RequestStatus.FINISHED_ABORTED and sys.exc_info()[1] is not None
-        view = self.add_request(request)
+        view = self._requests.get(request.request_id)  # `add_request`, inlined (hot)
+        if view is None or view.request is not request:
+            view = self.add_request(request)
         if self.offload.on_finished(view, block_ids, computed=not fault):
             self._unissued_failures.append(request.request_id)
         del self._requests[request.request_id]
