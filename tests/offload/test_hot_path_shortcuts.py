@@ -4,7 +4,9 @@
   confirmed block past its cursor (most finishing requests in eager mode);
 - `LazyWalk.note_blocks_in_use` forgets copied blocks by a set intersection, not by a
   pop per block in use;
-- `TierIndex.cached_block` of one tier is its pool's key index's `get`.
+- `TierIndex.cached_block` of one tier is its pool's key index's `get`;
+- `pair_blocks` pairs a group's hit with its table by slices where neither holds a
+  null block.
 
 Each is compared with the general code on random states.
 """
@@ -20,9 +22,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim_request import make_request, store_selector
 
-from kvtier.core.block_pool import BlockPool
+from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.core.longest_hit import LongestHit
 from kvtier.offload.lazy_walk import LazyWalk
+from kvtier.offload.load_pairing import pair_blocks
 from kvtier.offload.plan import Tier
 from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
@@ -161,3 +166,60 @@ def test_one_tier_index_looks_keys_up_as_its_pool(ops: list[tuple[str, int]]) ->
         assert [index.cached_block(key(j)) for j in range(10)] == [
             pool.cached_block(key(j)) for j in range(10)
         ]
+
+
+def pair_each(
+    layout: KVLayout,
+    num_local_tokens: int,
+    hit: LongestHit,
+    block_ids_per_group: Sequence[Sequence[int]],
+    num_tokens: int,
+) -> tuple[list[int], list[int]]:
+    """`pair_blocks` as it was: each position paired in a loop (its length check left out)."""
+    tier_ids: list[int] = []
+    gpu_ids: list[int] = []
+    for group_id in layout.cacheable_group_ids:
+        block_size = layout.groups[group_id].block_size
+        first = num_local_tokens // block_size
+        table = block_ids_per_group[group_id]
+        for i, tier_block in enumerate(hit.block_ids[group_id][: -(-num_tokens // block_size)]):
+            if tier_block == NULL_BLOCK_ID:
+                continue
+            if table[first + i] == NULL_BLOCK_ID:
+                raise ValueError(f"group {group_id}: load destination {first + i} is null")
+            tier_ids.append(tier_block)
+            gpu_ids.append(table[first + i])
+    return tier_ids, gpu_ids
+
+
+HYBRID = KVLayout(
+    (
+        KVGroupSpec(GroupKind.FULL_ATTENTION, BLOCK, 64),
+        KVGroupSpec(GroupKind.SLIDING_WINDOW, BLOCK, 64, sliding_window=2 * BLOCK),
+    )
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    local=st.integers(0, 4),
+    hit=st.lists(st.lists(st.integers(0, 3), max_size=8), min_size=2, max_size=2),
+    tables=st.lists(st.lists(st.integers(0, 3), min_size=12, max_size=12), min_size=2, max_size=2),
+    num_tokens=st.integers(1, 8 * BLOCK),
+)
+def test_pairing_a_hit_by_slices_pairs_as_a_loop_over_its_positions(
+    local: int, hit: list[list[int]], tables: list[list[int]], num_tokens: int
+) -> None:
+    """Hits and tables with null blocks (skipped sources, refused destinations) or none
+    (paired by slices), over a full-attention and a sliding-window group."""
+    found = LongestHit(num_tokens, (tuple(hit[0]), tuple(hit[1])))
+    args = (HYBRID, local * BLOCK, found, tables, num_tokens)
+    try:
+        expected: object = pair_each(*args)
+    except ValueError as error:
+        expected = str(error)
+    try:
+        got: object = pair_blocks(*args)
+    except ValueError as error:
+        got = str(error)
+    assert got == expected

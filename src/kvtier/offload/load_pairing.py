@@ -38,7 +38,14 @@ def pair_blocks(
                 f"group {group_id}: a block table of {len(table)} blocks cannot hold "
                 f"{num_local_tokens} local + {num_tokens} external tokens"
             )
-        for i, tier_block in enumerate(hit.block_ids[group_id][:num_blocks]):
+        sources = hit.block_ids[group_id][:num_blocks]
+        destinations = table[first : first + len(sources)]
+        if NULL_BLOCK_ID not in sources and NULL_BLOCK_ID not in destinations:
+            # The common hit (full attention): every position paired, by C slices.
+            tier_ids.extend(sources)
+            gpu_ids.extend(destinations)
+            continue
+        for i, tier_block in enumerate(sources):
             if tier_block == NULL_BLOCK_ID:
                 continue
             gpu_block = table[first + i]
