@@ -236,7 +236,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Split the request's accepted hit by the tier serving it (host / disk)."""
         if num_external_tokens == 0:
             return {}
-        split = self.scheduler_side.hit_split(request.request_id, num_external_tokens)
+        split = (self._scheduler or self.scheduler_side).hit_split(
+            request.request_id, num_external_tokens
+        )
         if split is None:
             return {self._cache_hit_source: num_external_tokens}
         return {_HIT_SOURCES[tier]: n for tier, n in split.items() if n}
@@ -275,7 +277,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> Iterable[Any]:
         """Return this step's tier events as vLLM KV events (medium CPU or STORAGE)."""
-        return self.scheduler_side.take_events()
+        return (self._scheduler or self.scheduler_side).take_events()
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """Return this step's offload stats (scheduler role; workers report none)."""
