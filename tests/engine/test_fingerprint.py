@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -113,3 +114,20 @@ def test_the_torch_release_is_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
     assert json.loads(before)["torch"] == torch.__version__
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert fingerprint(None) != before
+
+
+def test_eos_ids_which_change_no_kv_keep_the_fingerprint() -> None:
+    """Regression (review): the model's EOS ids were part of it, so a
+    generation_config.json added beside a checkpoint (its end-of-turn id joins the EOS
+    ids) made the persistent disk tier drop every block, though no KV byte changed."""
+    hasher = BlockHasher(4, HashAlgo.SHA256, None)
+    model = ModelConfig.tiny()
+    other = dataclasses.replace(model, eos_token_ids=(*model.eos_token_ids, 5))
+    assert model != other
+    assert kv_fingerprint(None, other, 0, LAYOUT, hasher, "cpu") == kv_fingerprint(
+        None, model, 0, LAYOUT, hasher, "cpu"
+    )
+    wider = dataclasses.replace(model, hidden_size=2 * model.hidden_size)
+    assert kv_fingerprint(None, wider, 0, LAYOUT, hasher, "cpu") != kv_fingerprint(
+        None, model, 0, LAYOUT, hasher, "cpu"
+    )

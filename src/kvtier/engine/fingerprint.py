@@ -1,7 +1,8 @@
 """What the reference engine's KV bytes depend on, as one string (a persistent tier's key).
 
 A persistent disk tier is reused only by an engine whose fingerprint is identical:
-- the same model shape and dtype;
+- the same model shape and dtype (not its EOS ids, which stop generation and change no
+  KV: a `generation_config.json` added beside a checkpoint keeps its cache);
 - the same weights: random weights, the seed; a checkpoint, the size and content digest
   (xxh3-128) of config.json and each weights file the engine loads, by relative path.
   Contents, not file metadata: a file
@@ -38,6 +39,8 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.weights import checkpoint_files
 
 _CHUNK_BYTES = 8 << 20
+# ModelConfig fields that no KV byte depends on.
+_NOT_KV_FIELDS = frozenset({"eos_token_ids"})
 
 
 def kv_fingerprint(
@@ -54,7 +57,11 @@ def kv_fingerprint(
         weights: object = _checkpoint_identity(Path(source))
     else:
         weights = {"random_seed": weights_seed}
-    shape = {f.name: str(getattr(model, f.name)) for f in dataclasses.fields(model)}
+    shape = {
+        f.name: str(getattr(model, f.name))
+        for f in dataclasses.fields(model)
+        if f.name not in _NOT_KV_FIELDS
+    }
     groups = [
         [g.kind.value, g.block_size, g.bytes_per_block, g.sliding_window] for g in layout.groups
     ]
