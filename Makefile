@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 # https://download.pytorch.org/whl/cpu" (2.13.0+cpu then wins over 2.13.0).
 TORCH_PIP_ARGS ?=
 
-.PHONY: demo test lint types pytest setup line-budget clean bench-cascade
+.PHONY: demo test lint types pytest setup line-budget clean bench-cascade \
+	bench-policies
 
 include mk/vllm.mk
 
@@ -44,6 +45,11 @@ pytest: $(STAMP)
 # on 2 cores; BENCH_ARGS=--json PATH).
 bench-cascade: $(STAMP)
 	$(BIN)/python benchmarks/bench_cascade.py $(BENCH_ARGS)
+
+# Each tier policy's µs per operation and bytes per cached block, against LRU, at 20k and
+# 200k blocks (~1.5 min on 2 busy cores; BENCH_ARGS=--quick, --json PATH).
+bench-policies: $(STAMP)
+	$(BIN)/python benchmarks/bench_policies.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -26,7 +26,7 @@ def script(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 
 def test_every_script_is_covered() -> None:
-    assert len(SCRIPTS) == 9
+    assert len(SCRIPTS) == 10
     assert {name for name, _, _ in BAD_VALUES} == set(SCRIPTS)
 
 
@@ -52,6 +52,8 @@ BAD_VALUES = [
     ("bench_engine", ["--turns", "x"], "--turns: expected a whole number, got 'x'"),
     ("bench_manifest", ["--records", "-5"], "--records: expected a number >= 1, got -5"),
     ("bench_manifest", ["--json", "/nonexistent/r.json"], "--json: /nonexistent does not"),
+    ("bench_policies", ["--policy", "lru+nope"], "--policy: unknown admission policy 'nope'"),
+    ("bench_policies", ["--reuse", "2"], "--reuse: expected a number in [0, 1], got 2"),
     ("bench_pool", ["--sizes", "1000,0"], "--sizes: expected a number >= 1, got 0"),
     ("bench_replay", ["--out", "/proc/out"], "--out: /proc: cannot create files in /proc"),
     ("bench_replay", ["--jobs", "0"], "--jobs: expected a number >= 1, got 0"),
