@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,15 @@ def write_json(
     record["rows"] = [asdict(row) for row in rows]
     with open(path, "w", encoding="utf-8") as out:
         json.dump(record, out, indent=2, default=str)
+
+
+def machine_info() -> dict[str, Any]:
+    """Return what a benchmark's JSON records about the machine it ran on."""
+    return {
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }

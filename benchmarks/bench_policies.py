@@ -34,13 +34,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 
-from bench_common import new_parser, nonnegative_int, output_file, positive_int
+from bench_common import machine_info, new_parser, nonnegative_int, output_file, positive_int
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from policy_workload import PolicyTier, owned_bytes
 from progress_bar import progress_bar
@@ -269,15 +267,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     capacities = [args.capacity, SCALE * args.capacity]
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    machine = {
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "load_average": load,
-    }
+    machine = machine_info()
+    load = machine["load_average"]
     print(
         f"bench_policies: {machine['cpus_usable']} cores, {machine['implementation']}"
         f" {machine['python']}, load {load[0] if load else 'n/a'}; capacities"

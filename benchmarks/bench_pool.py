@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -49,7 +48,14 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_common import new_parser, nonnegative_int, output_file, positive_int, positive_int_list
+from bench_common import (
+    machine_info,
+    new_parser,
+    nonnegative_int,
+    output_file,
+    positive_int,
+    positive_int_list,
+)
 from kvtier.core.block_pool import BlockPool
 from pool_build import NUM_TOKENS, KeyMaker, build_size
 from progress_bar import progress_bar
@@ -255,12 +261,7 @@ def main() -> None:
     args = build_parser().parse_args()
     sizes = sorted(set(args.sizes))
     machine = {
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        **machine_info(),
         "transparent_hugepages": transparent_hugepages(),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
     }
