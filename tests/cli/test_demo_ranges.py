@@ -68,5 +68,19 @@ def test_a_missing_optional_dependency_is_refused_before_the_demo_runs() -> None
     code += REFUSED_WITHOUT_TORCH.format(options=["--conversations", "1", "--turns", "1"])
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout == "2 []\n", done.stderr
-    assert done.stderr.startswith("kvtier demo: error: the demo needs matplotlib, not installed")
-    assert "pip install 'kvtier[engine]'" in done.stderr
+    assert done.stderr.startswith("kvtier demo: error: the demo needs matplotlib (")
+    assert "cannot be imported: pip install 'kvtier[engine]'" in done.stderr
+
+
+def test_a_broken_optional_dependency_is_refused_before_the_demo_runs(tmp_path: Path) -> None:
+    """Regression (review): the check only looked the module up, so a matplotlib that is
+    installed but fails to import passed it, and the demo failed after serving."""
+    broken = tmp_path / "matplotlib"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('a broken matplotlib')\n")
+    code = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n"
+    code += "sys.modules['torch'] = None  # the old code would go on to import it\n"
+    code += REFUSED_WITHOUT_TORCH.format(options=["--conversations", "1", "--turns", "1"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "2 ['torch']\n", done.stderr  # torch only as blocked above
+    assert "the demo needs matplotlib (a broken matplotlib), which cannot" in done.stderr

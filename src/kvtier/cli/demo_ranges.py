@@ -8,7 +8,7 @@ before torch is imported (about 3 s), as argparse refuses a value that is not a 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 from pathlib import Path
 
 from kvtier.cli.demo_plot import PLOT_NAME
@@ -101,13 +101,19 @@ def _check_writable_dir(flag: str, path: Path) -> None:
 
 
 def check_dependencies() -> None:
-    """Raise ValueError naming the `engine` extra's modules that cannot be found.
+    """Raise ValueError naming the `engine` extra's modules that cannot be imported.
 
-    Looked up without importing them: a missing matplotlib was found only when the plot
-    was drawn, after every configuration had been served.
+    Imported here, before torch: a missing or broken matplotlib was found only when the
+    plot was drawn, after every configuration had been served.
     """
-    missing = [name for name in ENGINE_MODULES if importlib.util.find_spec(name) is None]
-    if missing:
+    failed = []
+    for name in ENGINE_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a broken install may raise more than ImportError
+            failed.append(f"{name} ({exc})")
+    if failed:
         raise ValueError(
-            f"the demo needs {', '.join(missing)}, not installed: pip install 'kvtier[engine]'"
+            f"the demo needs {', '.join(failed)}, which cannot be imported: "
+            "pip install 'kvtier[engine]'"
         )
