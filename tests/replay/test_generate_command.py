@@ -40,7 +40,7 @@ def test_kvtier_generate_runs_as_a_program(tmp_path: Path) -> None:
         (["--conversations", "0"], "argument --conversations: must be 1 ... 100000, got 0"),
         (["--block-size", "0"], "argument --block-size: must be 1 ... 1048576, got 0"),
         (["--seed", "x"], "argument --seed: invalid integer 'x'"),
-        (["--seed", "1", "--seed", "2"], "argument --seed: given twice (1, then 2)"),
+        (["--seed", "1", "--seed", "2"], "argument --seed: given twice ('1', then '2')"),
     ],
 )
 def test_a_bad_option_is_named_with_its_value(

@@ -61,6 +61,25 @@ def test_two_json_paths_write_neither(tmp_path: Path, capsys: pytest.CaptureFixt
     assert list(tmp_path.iterdir()) == [trace]
 
 
+@pytest.mark.parametrize(
+    ("option", "first", "second"),
+    [("--json", "-", "x.json"), ("--gpu-capacity", "1k", "1k"), ("--block-size", "016", "16")],
+)
+def test_a_repeat_names_both_values_as_typed(
+    capsys: pytest.CaptureFixture[str], option: str, first: str, second: str
+) -> None:
+    """Regression: the error showed the values converted (`'/dev/stdout'` for `--json -`,
+    `1000` for `1k`), which the user never typed."""
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    argv = ["t.jsonl", option, first, option, second]
+    expect_usage_error(
+        capsys,
+        lambda: parser.parse_args(argv),
+        f"argument {option}: given twice ({first!r}, then {second!r}): give it once",
+    )
+
+
 def test_an_alias_and_its_option_count_as_the_same_option(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -106,6 +125,6 @@ def test_a_generator_option_given_twice_is_a_usage_error(
     out = tmp_path / "chat.jsonl"
     argv = [str(out), option, "3", option, "4"]
     expect_usage_error(
-        capsys, lambda: generate.main(argv), f"argument {option}: given twice (3, then 4)"
+        capsys, lambda: generate.main(argv), f"argument {option}: given twice ('3', then '4')"
     )
     assert not out.exists()
