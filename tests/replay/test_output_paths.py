@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,24 @@ def test_an_out_folder_that_is_a_file_is_named_as_typed(
     path = f"{tmp_path}/doc.jsonl/"
     assert replay(tmp_path, "--sweep", "--out", path) == 2
     assert f"--out {path}: is not a directory (it is a file)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"), [(None, "a character device"), (os.mkfifo, "a named pipe")]
+)
+def test_an_out_folder_that_is_a_device_or_a_pipe_says_what_it_is(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make: Callable[[str], None] | None,
+    kind: str,
+) -> None:
+    """Regression: /dev/null and a named pipe were called "a file"."""
+    path = os.devnull
+    if make is not None:
+        path = str(tmp_path / "pipe")
+        make(path)
+    assert replay(tmp_path, "--sweep", "--out", path) == 2
+    assert f"--out {path}: is not a directory (it is {kind})\n" in capsys.readouterr().err
 
 
 def test_the_json_written_is_named_as_typed(

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -122,7 +123,7 @@ def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
     folder = Path(text)
     if folder.exists():
         if not folder.is_dir():
-            raise ReplayError(f"{option} {text}: is not a directory (it is a file)")
+            raise ReplayError(f"{option} {text}: is not a directory (it is {_kind(folder)})")
         for name in names:
             check_file_path(option, os.path.join(text, name))
         return
@@ -130,6 +131,19 @@ def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
     if not ancestor.is_dir():
         raise ReplayError(f"{option} {text}: cannot create it, {ancestor} is not a directory")
     check_creates_files(f"{option} {text}", ancestor)
+
+
+def _kind(path: Path) -> str:
+    """Return what `path`, which exists and is no folder, is: "a file", "a named pipe"..."""
+    mode = path.stat().st_mode
+    kinds = [
+        (stat.S_ISREG, "a file"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((name for is_kind, name in kinds if is_kind(mode)), "another kind of file")
 
 
 def check_distinct_paths(trace: str, outputs: Sequence[tuple[str, str]]) -> None:
