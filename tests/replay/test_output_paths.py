@@ -118,6 +118,22 @@ def test_an_out_folder_that_is_a_device_or_a_pipe_says_what_it_is(
     assert f"--out {path}: is not a directory (it is {kind})\n" in capsys.readouterr().err
 
 
+def test_out_dash_is_refused_as_a_sweep_cannot_go_to_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: `--out -` made a folder named `-`, where `--json -` writes to stdout."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        replay(tmp_path, "--sweep", "--out", "-")
+    assert exit_info.value.code == 2
+    assert "error: argument --out: - would be stdout, but --sweep writes two files" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "-").exists()
+    assert replay(tmp_path, "--sweep", "--out", "./-") == 0  # a folder named -, as typed
+    assert sorted(p.name for p in (tmp_path / "-").iterdir()) == ["sweep.csv", "sweep.png"]
+
+
 def test_the_json_written_is_named_as_typed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

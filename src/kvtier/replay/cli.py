@@ -24,7 +24,7 @@ from kvtier.replay.option_types import (
     rate,
     trace_path,
 )
-from kvtier.replay.outputs import folders_to_make, json_output_path, output_path
+from kvtier.replay.outputs import folder_output_path, folders_to_make, json_output_path
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
 from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
@@ -120,7 +120,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         action=StoreOnce,
-        type=output_path,
+        type=folder_output_path,
         help=f"with --sweep: folder for the sweep CSV and plot (default {DEFAULT_OUT})",
     )
     parser.add_argument(

@@ -36,6 +36,17 @@ def json_output_path(text: str) -> str:
     return "/dev/stdout" if text == "-" else output_path(text)
 
 
+def folder_output_path(text: str) -> str:
+    """`output_path` for `--out`, refusing `-`: where `--json -` writes to stdout, a sweep
+    writes two files into a folder, which stdout cannot be (`./-` names a folder `-`)."""
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "- would be stdout, but --sweep writes two files (sweep.csv, sweep.png) into a "
+            "folder: give a folder path (./- for a folder named -)"
+        )
+    return output_path(text)
+
+
 def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
     """Raise `ReplayError` unless a file can be written at `text` (its folder exists).
 
