@@ -237,11 +237,14 @@ def test_belady_asked_for_with_a_cascade_is_an_error_with_sweep_or_json_too(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], outputs: list[str]
 ) -> None:
     """--sweep and --json drop belady from their reference lines under --cascade; one the
-    user asked for was dropped with them, silently, instead of being refused."""
+    user asked for was dropped with them, silently, instead of being refused. The error
+    names the options typed (it named the config's field: `cascade=write_back`)."""
     options = ["--capacity", "80", "--disk", "160", "--cascade", "write_back"]
     options += ["--policy", "belady", *(o.format(tmp=tmp_path) for o in outputs)]
     assert replay(tmp_path, *options) == 2
-    assert_error_before_the_run(capsys, "'belady'", "online policies only")
+    assert_error_before_the_run(
+        capsys, "--cascade write_back works with online policies only, not --policy belady"
+    )
     assert not (tmp_path / "sweep").exists()
     assert not (tmp_path / "r.json").exists()
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.replay.belady import BELADY
+from kvtier.replay.belady import BELADY, OFFLINE_POLICIES
 from kvtier.replay.config import (
     CascadeMode,
     ReleaseOrder,
@@ -136,6 +136,12 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
     base = build_config(args)
     policies = list(dict.fromkeys(args.policy or [LRU]))
     for policy in policies:  # what was asked for, before the reference lines replace it
+        if base.cascade and policy in OFFLINE_POLICIES:  # named as the options, not the config
+            raise ReplayError(
+                f"--cascade {args.cascade} works with online policies only, not --policy "
+                f"{policy}: it ranks the current request's blocks, and a demotion moves "
+                "another request's block"
+            )
         dataclasses.replace(base, policy=policy)
     capacities = list(dict.fromkeys(args.capacity or [DEFAULT_CAPACITY]))
     if args.sweep and not args.capacity:
