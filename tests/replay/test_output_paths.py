@@ -134,6 +134,21 @@ def test_out_dash_is_refused_as_a_sweep_cannot_go_to_stdout(
     assert sorted(p.name for p in (tmp_path / "-").iterdir()) == ["sweep.csv", "sweep.png"]
 
 
+def test_the_default_out_is_named_as_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: without --out the errors read `--out replay_out ...`, an option the user
+    never typed."""
+    monkeypatch.chdir(tmp_path)
+    assert replay(tmp_path, "--sweep", "--json", "replay_out") == 2
+    error = "--json replay_out: is a folder that the default --out replay_out creates"
+    assert error in capsys.readouterr().err
+    (tmp_path / "replay_out").write_text("")
+    assert replay(tmp_path, "--sweep") == 2
+    error = "error: the default --out replay_out: is not a directory (it is a file)\n"
+    assert error in capsys.readouterr().err
+
+
 def test_the_json_written_is_named_as_typed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

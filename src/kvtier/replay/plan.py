@@ -172,17 +172,18 @@ def _check_outputs(args: argparse.Namespace, out_text: str | None) -> None:
     """
     outputs: list[tuple[str, str]] = []
     made: list[Path] = []
+    out_option = "--out" if args.out is not None else "the default --out"  # not typed
     if out_text is not None:
-        check_folder_path("--out", out_text, SWEEP_FILES)
+        check_folder_path(out_option, out_text, SWEEP_FILES)
         _check_plotting()
-        outputs += [("--out", os.path.join(out_text, name)) for name in SWEEP_FILES]
+        outputs += [(out_option, os.path.join(out_text, name)) for name in SWEEP_FILES]
         made = folders_to_make(Path(out_text))
     if args.json:
         for folder in made:
             if is_same_file(args.json, folder):
                 raise ReplayError(
-                    f"--json {args.json}: is a folder that --out {out_text} creates; give a "
-                    "file name"
+                    f"--json {args.json}: is a folder that {out_option} {out_text} creates; "
+                    "give a file name"
                 )
         check_file_path("--json", args.json, made)
         outputs.append(("--json", args.json))
