@@ -26,6 +26,11 @@ from kvtier.replay.trace import (
 GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}
 
 
+# A record whose timestamp is written as given. Regression: a bad value was shown as Python
+# shows what json.loads made of it (True, None, inf, 100.0, {'a': [False]}).
+AS_WRITTEN = '{{"timestamp": {}, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}}'
+
+
 def write_lines(path: Path, rows: list[object]) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
@@ -35,12 +40,16 @@ def write_lines(path: Path, rows: list[object]) -> Path:
     ("bad", "message"),
     [
         ("{not json", "not valid JSON"),
-        ([1, 2], "expected a JSON object"),
-        ({**GOOD, "hash_ids": None}, "hash_ids must be a list of ints >= 0, got None"),
+        ([1, 2], r"expected a JSON object, got \[1, 2\]$"),
+        ({**GOOD, "hash_ids": None}, "hash_ids must be a list of ints >= 0, got null$"),
         ({**GOOD, "hash_ids": [1, 2.0]}, r"hash_ids\[1\] must be an int >= 0, got 2\.0"),
         ({**GOOD, "hash_ids": [-3, 2]}, r"hash_ids\[0\] must be an int >= 0, got -3"),
-        ({**GOOD, "hash_ids": [1, "2"]}, r"hash_ids\[1\] must be an int >= 0, got '2'"),
-        ({**GOOD, "hash_ids": [True, 2]}, r"hash_ids\[0\] must be an int >= 0, got True"),
+        ({**GOOD, "hash_ids": [1, "2"]}, r'hash_ids\[1\] must be an int >= 0, got "2"$'),
+        ({**GOOD, "hash_ids": [True, 2]}, r"hash_ids\[0\] must be an int >= 0, got true$"),
+        (AS_WRITTEN.format("1e400"), "timestamp must be an int >= 0, got 1e400$"),
+        (AS_WRITTEN.format("1E2"), "timestamp must be an int >= 0, got 1E2$"),
+        (AS_WRITTEN.format("NaN"), "timestamp must be an int >= 0, got NaN$"),
+        (AS_WRITTEN.format('{"a": [false]}'), r'timestamp .*, got {"a": \[false\]}$'),
         ({k: v for k, v in GOOD.items() if k != "timestamp"}, "missing field"),
         ({**GOOD, "input_length": -1}, "input_length must be an int >= 0"),
         ({**GOOD, "hash_ids": [1, 2, 3]}, "3 hash_ids for input_length=1000, expected 2"),

@@ -3,6 +3,7 @@
 | module | holds |
 |---|---|
 | `trace` | Mooncake-format records: read (validated, errors name the line), write, summarize |
+| `trace_values` | a trace's bad value in an error, as written in the file (`true`, `1e400`) |
 | `config` | `ReplayConfig`, `TierConfig`, `ReleaseOrder`, `CascadeMode` and the frozen results |
 | `tier_replay` | `TierReplay`: one pass through a GPU pool and the lower tiers' `BlockPool`s |
 | `tier_store` | one lower tier's state; store selection and release (shared) |
