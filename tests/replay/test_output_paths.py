@@ -149,6 +149,23 @@ def test_the_default_out_is_named_as_the_default(
     assert error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("typed", ["dangling", "dangling/sub"])
+def test_an_out_folder_through_a_dangling_link_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], typed: str
+) -> None:
+    """Regression: a symbolic link to nothing passed the checks (it does not "exist"),
+    and mkdir failed on it after the whole sweep ("File exists", status 1)."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    path = f"{tmp_path}/{typed}"
+    assert replay(tmp_path, "--sweep", "--out", path) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"kvtier replay: error: --out {path}: cannot create it, {tmp_path}/dangling is a "
+        f"symbolic link to {tmp_path}/nowhere, which does not exist\n"
+    )
+
+
 def test_the_json_written_is_named_as_typed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -122,8 +122,8 @@ def folders_to_make(folder: Path) -> list[Path]:
 
 def nearest_existing(path: Path) -> Path:
     """Return `path`, or its nearest ancestor that exists: where mkdir(parents=True)
-    would start creating folders."""
-    while not path.exists() and path != path.parent:
+    would start creating folders (a symbolic link to nothing exists: mkdir fails there)."""
+    while not os.path.lexists(path) and path != path.parent:
         path = path.parent
     return path
 
@@ -139,6 +139,11 @@ def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
             check_file_path(option, os.path.join(text, name))
         return
     ancestor = nearest_existing(folder)
+    if ancestor.is_symlink() and not ancestor.exists():
+        raise ReplayError(
+            f"{option} {text}: cannot create it, {ancestor} is a symbolic link to "
+            f"{os.readlink(ancestor)}, which does not exist"
+        )
     if not ancestor.is_dir():
         raise ReplayError(f"{option} {text}: cannot create it, {ancestor} is not a directory")
     check_creates_files(f"{option} {text}", ancestor)
