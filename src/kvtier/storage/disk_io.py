@@ -1,5 +1,5 @@
-"""The disk tier's I/O plumbing: one-thread pools that record their thread's ident (a
-close called from one of them must not wait for itself), the check of a batch's slot
+"""The disk tier's I/O plumbing: one-thread pools that record their thread (a close
+called from one of them must not wait for itself), the check of a batch's slot
 ids, and the runs of consecutive slot ids a batch becomes (one read or write each)."""
 
 from __future__ import annotations
@@ -12,18 +12,21 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 
-def io_pool(side: str, idents: set[int]) -> ThreadPoolExecutor:
-    """Return a one-thread pool whose thread adds its ident to `idents` as it starts."""
+def io_pool(side: str, threads: set[threading.Thread]) -> ThreadPoolExecutor:
+    """Return a one-thread pool whose thread adds itself to `threads` as it starts.
+
+    The thread object, not its ident: an ident is reused by a thread started after this
+    one exited, which would then be taken for an I/O thread."""
     return ThreadPoolExecutor(
         1,
         thread_name_prefix=f"kvtier-disk-{side}",
         initializer=_record_thread,
-        initargs=(idents,),
+        initargs=(threads,),
     )
 
 
-def _record_thread(idents: set[int]) -> None:
-    idents.add(threading.get_ident())
+def _record_thread(threads: set[threading.Thread]) -> None:
+    threads.add(threading.current_thread())
 
 
 def check_slot_ids(slot_ids: object, num_slots: int) -> None:

@@ -101,9 +101,9 @@ class DiskTier:
             close_files(self._file, log)  # never raises for a failed sync or removal
             raise
         self._records = DiskRecords(self._file.path, log, pending, recovered)
-        # Idents of the I/O threads, recorded by each as it starts: close() from one of them
-        # (a future's done-callback) must not wait for it.
-        self._io_threads: set[int] = set()
+        # The I/O threads, recorded by each as it starts: close() from one of them (a
+        # future's done-callback) must not wait for it.
+        self._io_threads: set[threading.Thread] = set()
         self._store_io = io_pool("store", self._io_threads)
         self._load_io = io_pool("load", self._io_threads)
         self._closing = CloseGate()
@@ -355,7 +355,7 @@ class DiskTier:
 
     def is_io_thread(self, thread: threading.Thread) -> bool:
         """Return True if `thread` is one of the tier's I/O threads."""
-        return thread.ident in self._io_threads
+        return thread in self._io_threads
 
     def _close_elsewhere(self) -> None:
         if self._closing.is_closed:
