@@ -19,11 +19,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import threading
-import warnings
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvtier.offload.config import DiskIOMode
@@ -36,6 +33,14 @@ from kvtier.storage.file_lock import (
     lock_or_close,
     remove_held_file,
     unlink_quietly,
+)
+from kvtier.storage.slot_file_handles import (
+    OPEN_FILES,
+    OPEN_LOCK,
+    OpenFile,
+    free_if_unnamed,
+    release,
+    release_dropped,
 )
 
 __all__ = [
@@ -138,11 +143,11 @@ class SlotFile:
         self.persistent = persistent
         self._io: FileIO = file_io if file_io is not None else OsFileIO()
         self._closing = CloseGate()
-        self._handle = _OpenFile(path, persistent)
-        with _OPEN_LOCK:  # a fork meanwhile waits: the child must know of this file
+        self._handle = OpenFile(path, persistent)
+        with OPEN_LOCK:  # a fork meanwhile waits: the child must know of this file
             self._handle.fd, self.reused = self._open()
-            _OPEN_FILES[id(self._handle)] = self._handle
-        self._finalizer = weakref.finalize(self, _release_dropped, self._handle)
+            OPEN_FILES[id(self._handle)] = self._handle
+        self._finalizer = weakref.finalize(self, release_dropped, self._handle)
 
     def _open(self) -> tuple[int, bool]:
         """Return the locked descriptor and whether it is an existing file, reused."""
@@ -222,12 +227,12 @@ class SlotFile:
         returns quietly)."""
         if not self.persistent:
             raise RuntimeError("recreate() is only for a persistent slot file")
-        with _OPEN_LOCK:
+        with OPEN_LOCK:
             old, self._handle.fd = self._handle.fd, None
             try:
                 slot_file_open.unlink_file(self.path)
                 if old is not None:
-                    _free_if_unnamed(old)
+                    free_if_unnamed(old)
                 fd = slot_file_open.create_exclusive(self.path, self.mode)
                 lock_or_close(fd, self.path)
                 self._size_or_remove(fd)
@@ -325,75 +330,5 @@ class SlotFile:
         self._closing.run(self._close_now)
 
     def _close_now(self) -> None:
-        _release(self._handle)  # before the detach: a close cut short is finished by a retry
+        release(self._handle)  # before the detach: a close cut short is finished by a retry
         self._finalizer.detach()
-
-
-@dataclass(slots=True)
-class _OpenFile:
-    """What a `SlotFile`'s finalizer releases: shared with it so that the finalizer never
-    holds the `SlotFile` itself. `fd` is None once closed."""
-
-    path: str
-    persistent: bool
-    fd: int | None = None
-    owner_pid: int = field(default_factory=os.getpid)  # the process that opened it
-
-
-# The open files of this process, by id of their handle: a forked child closes its copies
-# at once (`_close_in_child`), or one that outlived its parent would hold the lock and the
-# next engine's open of the path would fail as busy. `_OPEN_LOCK` is held while a
-# descriptor is opened or closed and across `fork`, so no child inherits one unlisted.
-# Reentrant: a finalizer may close a file in a thread that is opening another.
-_OPEN_FILES: dict[int, _OpenFile] = {}
-_OPEN_LOCK = threading.RLock()
-
-
-def _free_if_unnamed(fd: int) -> None:
-    """Give back the space of an unlinked file now, not when `fd` closes (a new file may
-    need it), unless another name still holds it (a hard link: a backup's copy)."""
-    with contextlib.suppress(OSError):
-        if os.fstat(fd).st_nlink == 0:
-            os.ftruncate(fd, 0)
-
-
-def _close_in_child() -> None:
-    """Close every slot file inherited through `fork` (the parent's lock stays held)."""
-    for handle in _OPEN_FILES.values():
-        fd, handle.fd = handle.fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-    _OPEN_FILES.clear()
-    _OPEN_LOCK.release()
-
-
-os.register_at_fork(
-    before=_OPEN_LOCK.acquire, after_in_parent=_OPEN_LOCK.release, after_in_child=_close_in_child
-)
-
-
-def _release(handle: _OpenFile) -> None:
-    """Close the file of `handle`, first removing it unless it is persistent."""
-    with _OPEN_LOCK:
-        _OPEN_FILES.pop(id(handle), None)
-        fd, handle.fd = handle.fd, None
-        if fd is None:
-            return
-        try:
-            if not handle.persistent and os.getpid() == handle.owner_pid:
-                remove_held_file(fd, handle.path)  # under the lock: see `file_lock`
-        finally:
-            os.close(fd)
-
-
-def _release_dropped(handle: _OpenFile) -> None:
-    """Release the file of a `SlotFile` collected without `close()`, then warn."""
-    was_open = handle.fd is not None
-    _release(handle)
-    if was_open:
-        warnings.warn(
-            f"disk tier file {handle.path} was not closed; closed it at collection",
-            ResourceWarning,
-            stacklevel=2,
-        )
