@@ -20,14 +20,14 @@ from storage_helpers import num_open_fds
 
 import kvtier.storage
 from kvtier.offload.plan import SlotRecord
-from kvtier.storage import DiskIOMode, DiskTier, DiskTierConfig, disk_tier_close
+from kvtier.storage import DiskIOMode, DiskTier, DiskTierConfig, disk_tier_close, file_lock
 from kvtier.storage.slot_file import SlotFile, is_locked
 
 pytestmark = pytest.mark.timeout(120)
 
 SLOT = 4096
 # The system calls a close makes; a signal arriving during one is raised once it returns.
-CALLS = ("fsync", "fdatasync", "close", "unlink", "open", "write", "replace")
+CALLS = ("fsync", "fdatasync", "close", "unlink", "open", "write", "replace", "fstat", "lstat")
 STORAGE = os.path.dirname(kvtier.storage.__file__)
 # The lines a close runs in these (deeper ones, such as a lock's `with`, are CPython's).
 CODES = (
@@ -35,6 +35,8 @@ CODES = (
     disk_tier_close.close_files.__code__,
     disk_tier_close._sync_and_close_log.__code__,
     SlotFile._close_now.__code__,
+    file_lock.remove_held_file.__code__,
+    file_lock._names_held_file.__code__,
 )
 RETRY_TIMEOUT_S = 10.0
 

@@ -23,6 +23,7 @@ import os
 __all__ = [
     "DiskTierBusyError",
     "LockedFileRemovedError",
+    "finish_removal",
     "is_locked",
     "lock_exclusive",
     "lock_or_close",
@@ -91,17 +92,16 @@ def remove_held_file(fd: int, path: str) -> None:
     """Remove `path` if it names the file `fd` holds the lock of; call it before closing
     `fd`, so that the file is gone before the lock is released.
 
-    Never raises: it runs in a close, which must release the lock and the descriptor
-    whatever happens here. A path that names nothing or another file (removed or replaced
-    by a process that ignored the lock) is left alone, and a file that cannot be removed (a
-    read-only directory, an I/O error) is left in place, each with a warning naming the
-    path. A file left there is stale once its lock is released: the next non-persistent
-    open of the path replaces it (see `slot_file_open.create_replacing_stale`).
+    Never raises an OSError: it runs in a close, which must release the lock and the
+    descriptor whatever happens here. A path that names nothing or another file (removed
+    or replaced by a process that ignored the lock) is left alone, and a file that cannot
+    be removed (a read-only directory, an I/O error) is left in place, each with a warning
+    naming the path. A file left there is stale once its lock is released: the next
+    non-persistent open of the path replaces it (see `slot_file_open.create_replacing_stale`).
+    A call cut short by an interrupt (KeyboardInterrupt) is finished by `finish_removal`.
     """
     try:
-        held = os.fstat(fd)
-        named = os.lstat(path)
-        if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
+        if not _names_held_file(path, fd):
             logger.warning("disk tier file %s was replaced by another file; leaving it", path)
             return
         os.unlink(path)
@@ -114,6 +114,23 @@ def remove_held_file(fd: int, path: str) -> None:
             path,
             exc.strerror or exc,
         )
+
+
+def finish_removal(fd: int, path: str) -> None:
+    """Finish a `remove_held_file` cut short by an interrupt, before `fd` is closed: once
+    the lock is released nobody may remove the file (as large as the tier's disk budget).
+    Quiet (no warning, no OSError): the call cut short may have removed it already."""
+    with contextlib.suppress(OSError):
+        if _names_held_file(path, fd):
+            os.unlink(path)
+
+
+def _names_held_file(path: str, fd: int) -> bool:
+    """Return True if `path` names the file open as `fd` (a symlink is not followed);
+    raise FileNotFoundError when it names nothing."""
+    held = os.fstat(fd)
+    named = os.lstat(path)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def is_locked(path: str) -> bool:

@@ -326,7 +326,9 @@ class SlotFile:
         A forked child closes its copy at the fork and never removes the file. A
         file that cannot be removed (a read-only directory, an I/O error) does not raise:
         it is left, with a warning naming it and the error, and the descriptor and lock
-        are released all the same (see `remove_held_file`)."""
+        are released all the same (see `remove_held_file`). A close cut short by an
+        interrupt (KeyboardInterrupt) still removes the file and releases both before it
+        is raised (see `slot_file_handles.release`)."""
         self._closing.run(self._close_now)
 
     def _close_now(self) -> None:

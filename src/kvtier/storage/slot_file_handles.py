@@ -10,7 +10,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 
-from kvtier.storage.file_lock import remove_held_file
+from kvtier.storage.file_lock import finish_removal, remove_held_file
 
 __all__ = ["OPEN_FILES", "OPEN_LOCK", "OpenFile", "free_if_unnamed", "release", "release_dropped"]
 
@@ -60,15 +60,24 @@ os.register_at_fork(
 
 
 def release(handle: OpenFile) -> None:
-    """Close the file of `handle`, first removing it unless it is persistent."""
+    """Close the file of `handle`, first removing it unless it is persistent; an interrupt
+    (KeyboardInterrupt) in the removal is raised once it is finished and the file closed:
+    a retried close finds nothing to do, and nobody may remove the file once unlocked."""
     with OPEN_LOCK:
+        removes = not handle.persistent and os.getpid() == handle.owner_pid
         OPEN_FILES.pop(id(handle), None)
+        # No call from here to the `try`: CPython raises a Ctrl-C at calls (and at function
+        # entries and loops), so it cannot lose the descriptor in between.
         fd, handle.fd = handle.fd, None
         if fd is None:
             return
         try:
-            if not handle.persistent and os.getpid() == handle.owner_pid:
+            if removes:
                 remove_held_file(fd, handle.path)  # under the lock: see `file_lock`
+        except BaseException:
+            if removes:
+                finish_removal(fd, handle.path)
+            raise
         finally:
             os.close(fd)
 
