@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
@@ -46,6 +47,9 @@ class ManifestLog:
     compacted file (100k live slots: ~6 MB, typically tens of milliseconds on an SSD),
     which happens only after the log has grown to several times its compacted size. A
     failed rewrite is logged, and retried once the log has doubled in records.
+
+    Once closed, calls return without taking that lock: a close cut short by an interrupt
+    (KeyboardInterrupt) as it releases the lock may leave it taken (see `_close_now`).
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class ManifestLog:
         self._live = {slot: encode_put(slot, live[slot]) for slot in sorted(live)}
         self._compact_floor = compact_floor
         self._fd: int | None = None
+        self._closing_fd: _Descriptor | None = None  # taken by `close()`, not closed yet
         self._size = self._records = self._retry_at = self.compactions = 0
         self._appends = self._synced = 0  # appends so far, and how many of them are synced
         self._tombstoned = 0  # the append count when a tombstone was last appended
@@ -95,6 +100,8 @@ class ManifestLog:
             for slot, checksum, record in zip(slots, checksums, records, strict=True)
         ]
         data = b"".join(record for _, record in encoded)
+        if self._fd is None:  # closed: see the class
+            return
         with self._lock:
             if self._append_locked(data, len(encoded)):
                 self._live.update(encoded)  # in order: the last record of a slot wins
@@ -103,6 +110,8 @@ class ManifestLog:
     def forget(self, slots: Iterable[int]) -> bool:
         """Append a tombstone for each slot whose last record is a put; return False when
         the tombstones could not be appended (their puts are still in the file)."""
+        if self._fd is None:  # closed: see the class
+            return not any(int(slot) in self._live for slot in slots)
         with self._lock:
             dead = [s for s in dict.fromkeys(int(s) for s in slots) if s in self._live]
             if not dead:
@@ -134,6 +143,10 @@ class ManifestLog:
         raises too, so that the tier's close removes the manifest then (see
         `disk_tier_close`). Appends stop either way.
         """
+        if self._fd is None:  # closed: see the class
+            self._ended = True
+            self._live.clear()
+            return
         with self._lock:
             if self._ended:
                 return
@@ -197,6 +210,8 @@ class ManifestLog:
         first, under the lock: until then a crash may bring the replaced log back without
         the records this call is to make durable.
         """
+        if self._fd is None:  # closed: see the class
+            return True
         try:
             with self._lock:
                 newest = self._tombstoned if tombstones_only else self._appends
@@ -285,15 +300,24 @@ class ManifestLog:
         return once the log is flushed and closed (see `CloseGate`).
 
         Raises OSError naming the manifest when the flush fails; the log is closed anyway
-        (a later call returns quietly).
+        (a later call returns quietly). A close cut short by an interrupt
+        (KeyboardInterrupt) is finished by the next call, from any thread.
         """
         self._closing.run(self._close_now)
 
     def _close_now(self) -> None:
-        with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is None:
+        # The descriptor stays in `_closing_fd` until it is closed, so that a close cut short
+        # by an interrupt (KeyboardInterrupt) at any line is finished by the next call, from
+        # any thread. That call takes no lock: one cut short as its `with` exits (before
+        # `__exit__` runs) leaves the lock taken for good.
+        if self._fd is not None:
+            with self._lock:  # appends in flight finish first
+                self._closing_fd, self._fd = _Descriptor.of(self._fd), None
+        closing = self._closing_fd
+        if closing is None or not closing.is_open():  # closed already
+            self._closing_fd = None
             return
+        fd = closing.fd
         try:
             if self._drop_failed:
                 raise OSError(errno.EIO, "its records could not be dropped at a reset")
@@ -308,3 +332,29 @@ class ManifestLog:
             ) from exc
         finally:
             os.close(fd)
+            self._closing_fd = None  # once closed: a call cut short between finds it closed
+
+
+@dataclass(frozen=True, slots=True)
+class _Descriptor:
+    """A descriptor and the file it is open on: a close cut short right after closing it
+    can tell that the number is closed, or open on another file, and must not close it
+    again."""
+
+    fd: int
+    dev: int
+    ino: int
+
+    @classmethod
+    def of(cls, fd: int) -> _Descriptor:
+        """Return `fd` with the file it is open on now."""
+        info = os.fstat(fd)
+        return cls(fd, info.st_dev, info.st_ino)
+
+    def is_open(self) -> bool:
+        """Return True while `fd` is open on that file."""
+        try:
+            info = os.fstat(self.fd)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == (self.dev, self.ino)
