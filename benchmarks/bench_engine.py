@@ -2,6 +2,16 @@
 
 Runs the demo workload on the reference engine with offload off and through the CPU tier
 (and the disk tier with --disk), side by side in one process, repeated --reps times.
+
+Steady state: first every configuration serves a warm-up pass, not counted (the workload's
+turns for --warmup-conversations conversations: its longest prompts, so the heap, its
+pages and the kernels of those shapes are warm); then the measured reps alternate the
+order of the configurations (off, cpu; cpu, off; ...), so no configuration always runs
+right after another's teardown. Torch runs --threads intra-op threads: with an OpenMP team
+as large as a shared machine's cores, a run stalls each time another process takes a
+core from one of the team (on 2 busy cores the same run took 3 s or 38 s with 2 threads,
+6.5-8.5 s with 1).
+
 Reports the TTFT of turns whose history had left the GPU pool as a ratio to offload off
 (target <= 0.25x) and the throughput ratio. A progress bar (stderr, a terminal only) counts
 each run's requests; it moves between requests, and its time is left out of the run's wall
@@ -11,6 +21,7 @@ time (`run_chat`'s `on_request`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -19,7 +30,7 @@ import tempfile
 
 import torch
 
-from bench_common import new_parser, output_file, positive_int
+from bench_common import new_parser, nonnegative_int, output_file, positive_int
 from kvtier.cli.demo_checks import check_sizes
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
@@ -33,7 +44,10 @@ MIB = 1 << 20
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser(__doc__)
     parser.add_argument(
-        "--reps", type=positive_int, default=2, help="repetitions (median reported)"
+        "--reps",
+        type=positive_int,
+        default=2,
+        help="measured repetitions, the configurations in alternating order (median reported)",
     )
     parser.add_argument(
         "--conversations", type=positive_int, default=8, help="conversations per run"
@@ -43,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-blocks", type=positive_int, default=96, help="GPU pool blocks (null block included)"
     )
     parser.add_argument("--disk", action="store_true", help="also run the disk tier")
+    parser.add_argument(
+        "--warmup-conversations",
+        type=nonnegative_int,
+        default=2,
+        help="conversations of each configuration's uncounted warm-up pass (0: none)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=nonnegative_int,
+        default=1,
+        help="torch intra-op threads (0: torch's default, one per core)",
+    )
     parser.add_argument("--json", type=output_file, help="write every number here")
     return parser
 
@@ -51,9 +77,13 @@ def main() -> None:
     """Run the benchmark and print its table and summary line."""
     parser = build_parser()
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(
         f"machine: {os.cpu_count()} cores, torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads, python {platform.python_version()}"
+        f"{torch.get_num_threads()} threads, python {platform.python_version()}; "
+        f"warm-up: {args.warmup_conversations} conversations per configuration, not counted; "
+        "measured reps alternate the configurations' order"
     )
     model = ModelConfig.demo()
     workload = ChatWorkload(args.conversations, args.turns, vocab_size=model.vocab_size)
@@ -63,36 +93,56 @@ def main() -> None:
         parser.error(f"argument --gpu-blocks: {exc}")
     numbers: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
-        configs: list[tuple[str, OffloadConfig | None]] = [
-            ("off", None),
-            ("cpu", OffloadConfig(cpu_bytes=256 * MIB)),
-        ]
+        configs: dict[str, OffloadConfig | None] = {
+            "off": None,
+            "cpu": OffloadConfig(cpu_bytes=256 * MIB),
+        }
         if args.disk:
-            disk = OffloadConfig(
+            configs["disk"] = OffloadConfig(
                 disk_bytes=256 * MIB,
                 disk_path=tmp,
                 disk_io_mode=DiskIOMode.PAGE_CACHE,
             )
-            configs.append(("disk", disk))
-        with LLM(model, engine=engine) as warm:  # warm up kernels and allocator
-            try:  # the pool holds a last turn (the warm-up's turns are shorter)
-                check_sizes(workload, [], warm.layout, args.gpu_blocks)
+        with LLM(model, engine=engine) as llm:
+            try:  # the pool holds a last turn
+                check_sizes(workload, [], llm.layout, args.gpu_blocks)
             except ValueError as exc:
                 parser.error(str(exc))
-            run_chat(warm, ChatWorkload(2, 2, 64, 64, vocab_size=model.vocab_size), "warm-up")
-        num_requests = args.conversations * args.turns
-        for rep in range(args.reps):
-            for name, offload in configs:
-                with (
-                    progress_bar(num_requests, unit="req", desc=f"rep {rep}: {name}") as bar,
-                    LLM(model, kv_offload=offload, engine=engine) as llm,
-                ):
-                    result = run_chat(llm, workload, name, on_request=bar.update)
-                _record(numbers.setdefault(name, {}), result)
-                print(f"rep {rep}: {name:4s} wall {result.wall_s:6.2f}s")
-    summary = _report(numbers)
+        if args.warmup_conversations:
+            warmup = dataclasses.replace(workload, num_conversations=args.warmup_conversations)
+            for name, offload in configs.items():
+                result = _serve(model, engine, offload, warmup, f"warm-up: {name}")
+                print(f"warm-up: {name:4s} wall {result.wall_s:6.2f}s (not counted)")
+        for rep, name in run_order(list(configs), args.reps):
+            result = _serve(model, engine, configs[name], workload, f"rep {rep}: {name}")
+            _record(numbers.setdefault(name, {}), result)
+            print(f"rep {rep}: {name:4s} wall {result.wall_s:6.2f}s")
+    summary = _report({name: numbers[name] for name in configs})
     if args.json:
         args.json.write_text(json.dumps({"runs": numbers, "summary": summary}, indent=2))
+
+
+def run_order(names: list[str], reps: int) -> list[tuple[int, str]]:
+    """Return the measured runs as (rep, configuration): even reps in `names` order, odd
+    reps reversed, so each configuration runs as often first as last, right after the
+    same others (its share of a cold or noisy stretch is the same)."""
+    return [(rep, name) for rep in range(reps) for name in names[:: -1 if rep % 2 else 1]]
+
+
+def _serve(
+    model: ModelConfig,
+    engine: EngineConfig,
+    offload: OffloadConfig | None,
+    workload: ChatWorkload,
+    desc: str,
+) -> RunResult:
+    """Serve `workload` on a fresh engine with `offload`, counting requests on a bar."""
+    num_requests = workload.num_conversations * workload.num_turns
+    with (
+        progress_bar(num_requests, unit="req", desc=desc) as bar,
+        LLM(model, kv_offload=offload, engine=engine) as llm,
+    ):
+        return run_chat(llm, workload, desc, on_request=bar.update)
 
 
 def _record(into: dict[str, list[float]], result: RunResult) -> None:

@@ -120,12 +120,16 @@ def test_bench_engine_counts_each_runs_requests(
     bench_engine.main()
     runs = json.loads(out.read_text())["runs"]
     assert [bar.descs for bar in bars] == [
+        ["warm-up: off"],
+        ["warm-up: cpu"],
         ["rep 0: off"],
         ["rep 0: cpu"],
-        ["rep 1: off"],
         ["rep 1: cpu"],
+        ["rep 1: off"],
     ]
-    for bar in bars:
+    for bar in bars[:2]:  # the default 2 warm-up conversations
+        assert bar.total == bar.n == 2 * 2
+    for bar in bars[2:]:
         assert bar.total == bar.n == 3 * 2
     assert len(runs["off"]["tokens_per_s"]) == len(runs["cpu"]["tokens_per_s"]) == 2
 
