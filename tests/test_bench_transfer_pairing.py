@@ -1,0 +1,101 @@
+"""`benchmarks/bench_transfer.py` times each transfer between two copies of its baseline
+(same direction) and divides their mean by it, so a machine whose speed drifts during a
+repetition (other processes taking cores or memory bandwidth) leaves the ratio unbiased.
+
+Regression: each repetition timed the down and up copies once, then the four patterns, so
+a pattern's time was divided by a copy timed up to five operations earlier; a machine
+slowing by 10% per operation turned a true 0.8x into 0.55-0.66x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SLOWDOWN_PER_OP = 1.1  # each operation takes 10% longer than the one before
+TRANSFER_COST = 1.25  # a transfer takes 1.25 copies: its true ratio is 0.8
+
+
+def script(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+class DriftingCase:
+    """Stands in for `bench_transfer.Case` on a machine that slows down steadily: records
+    each operation and the time it would take."""
+
+    def __init__(self, *_: Any) -> None:
+        self.ops: list[str] = []
+        self.speed = 1.0
+        self.last_s = 0.0
+        self.worker = self
+
+    def shutdown(self) -> None:
+        pass
+
+    def _op(self, name: str, cost: float) -> None:
+        self.ops.append(name)
+        self.last_s = cost * self.speed
+        self.speed *= SLOWDOWN_PER_OP
+
+    def copy_down(self) -> None:
+        self._op("down", 1.0)
+
+    def copy_up(self) -> None:
+        self._op("up", 1.0)
+
+    def transfer(self, pattern: str) -> None:
+        self._op(pattern, TRANSFER_COST)
+
+
+def drifting_bench(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, list[DriftingCase]]:
+    bench_transfer = script("bench_transfer", monkeypatch)
+    cases: list[DriftingCase] = []
+
+    def new_case(*args: Any) -> DriftingCase:
+        cases.append(DriftingCase(*args))
+        return cases[-1]
+
+    def timed(fn: Any) -> float:
+        fn()
+        return cases[-1].last_s
+
+    monkeypatch.setattr(bench_transfer, "Case", new_case)
+    monkeypatch.setattr(bench_transfer, "timed", timed)
+    return bench_transfer, cases
+
+
+def test_each_transfer_is_timed_between_two_copies_of_its_direction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench_transfer, cases = drifting_bench(monkeypatch)
+    args = argparse.Namespace(total_mib=1, reps=3, device="cpu", copy_threads=None)
+    bench_transfer.run_config(64, 1, args)
+    ops = cases[0].ops
+    warm_up = ["down", "up", *bench_transfer.PATTERNS]
+    assert ops[: len(warm_up)] == warm_up
+    timed_ops = ops[len(warm_up) :]
+    assert timed_ops.count("store") == 3
+    for i, op in enumerate(timed_ops):
+        if op in bench_transfer.PATTERNS:
+            expected = "down" if "store" in op else "up"
+            assert timed_ops[i - 1] == timed_ops[i + 1] == expected, (i, timed_ops)
+
+
+def test_a_steadily_slowing_machine_leaves_the_ratios_unbiased(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bench_transfer, _ = drifting_bench(monkeypatch)
+    args = argparse.Namespace(total_mib=1, reps=5, device="cpu", copy_threads=None)
+    row = bench_transfer.run_config(64, 1, args)
+    for pattern in bench_transfer.PATTERNS:  # (1 + 1.21) / 2 / (1.25 * 1.1) = 0.804
+        assert row.ratio[pattern] == pytest.approx(1 / TRANSFER_COST, rel=0.01), row.ratio
+        low, high = row.ratio_spread[pattern]
+        assert high - low < 1e-9  # the same bias-free ratio in every repetition
