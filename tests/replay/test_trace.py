@@ -22,6 +22,7 @@ from kvtier.replay.trace import (
     summarize,
     write_trace,
 )
+from kvtier.replay.trace_values import MAX_CHARS
 
 GOOD = {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]}
 
@@ -66,6 +67,36 @@ def test_malformed_record_names_its_line(tmp_path: Path, bad: object, message: s
     path = write_lines(tmp_path / "t.jsonl", [GOOD, "", bad])
     with pytest.raises(TraceError, match=rf"t\.jsonl:3: .*{message}"):
         read_trace(path, 512)
+
+
+@pytest.mark.parametrize("field", [None, "timestamp", "hash_ids"])
+def test_a_bad_value_nested_as_deep_as_the_reader_reads_is_named(
+    tmp_path: Path, field: str | None
+) -> None:
+    """Regression: naming the value decodes the line again, a call deeper than the
+    reader's decode; at the deepest nesting the reader decodes that raised RecursionError
+    (kvtier replay printed a traceback) instead of the TraceError naming the line."""
+
+    def read(depth: int) -> str:
+        """Read a line whose bad value is nested `depth` deep; return the error."""
+        deep = "[" * depth + "]" * depth
+        line = deep if field is None else json.dumps({**GOOD, field: 0})
+        line = line.replace(f'"{field}": 0', f'"{field}": {deep}')
+        with pytest.raises((TraceError, RecursionError)) as error:
+            read_trace(write_lines(tmp_path / "t.jsonl", [line]), 512)
+        return f"{error.type.__name__}: {error.value}"
+
+    decoded, too_deep = 1, 100_000  # the reader decodes the first, not the second
+    assert "nested too deeply" not in read(decoded)
+    assert "nested too deeply" in read(too_deep)
+    while too_deep - decoded > 1:
+        middle = (decoded + too_deep) // 2
+        if "nested too deeply" in read(middle):
+            too_deep = middle
+        else:
+            decoded = middle
+    for depth in range(decoded - 3, decoded + 1):
+        assert read(depth).endswith("[" * MAX_CHARS + " ..."), (depth, read(depth)[:200])
 
 
 @pytest.mark.parametrize(

@@ -67,16 +67,16 @@ def parse_record(line: str, block_size: int, where: str) -> TraceRecord:
         message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise TraceError(f"{where}: not valid JSON ({message})") from None
     if not isinstance(raw, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {value_as_written(line)}")
+        raise TraceError(f"{where}: expected a JSON object, got {value_as_written(line, raw)}")
     missing = [name for name in _FIELDS if name not in raw]
     if missing:
         raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
     for name in _FIELDS[:3]:
         value = raw[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            written = value_as_written(line, name)
+            written = value_as_written(line, raw, name)
             raise TraceError(f"{where}: {name} must be an int >= 0, got {written}")
-    hash_ids = _check_hash_ids(raw["hash_ids"], line, where)
+    hash_ids = _check_hash_ids(raw, line, where)
     expected = _num_blocks(raw["input_length"], block_size)
     if len(hash_ids) != expected:
         fits = [b for b in _BLOCK_SIZES if _num_blocks(raw["input_length"], b) == len(hash_ids)]
@@ -115,15 +115,16 @@ def _num_blocks(num_tokens: int, block_size: int) -> int:
 _BLOCK_SIZES = tuple(2**i for i in range(14))
 
 
-def _check_hash_ids(hash_ids: object, line: str, where: str) -> tuple[int, ...]:
-    """Return `hash_ids` (read from `line`) as a tuple: distinct ints in [0, 2**64) (the
-    replay's 8-byte keys)."""
+def _check_hash_ids(raw: dict[str, object], line: str, where: str) -> tuple[int, ...]:
+    """Return the `hash_ids` of `raw` (read from `line`) as a tuple: distinct ints in
+    [0, 2**64) (the replay's 8-byte keys)."""
+    hash_ids = raw["hash_ids"]
     if not isinstance(hash_ids, list):
-        written = value_as_written(line, "hash_ids")
+        written = value_as_written(line, raw, "hash_ids")
         raise TraceError(f"{where}: hash_ids must be a list of ints >= 0, got {written}")
     for j, h in enumerate(hash_ids):
         if not isinstance(h, int) or isinstance(h, bool) or h < 0:
-            written = value_as_written(line, "hash_ids", j)
+            written = value_as_written(line, raw, "hash_ids", j)
             raise TraceError(f"{where}: hash_ids[{j}] must be an int >= 0, got {written}")
     too_large = next((h for h in hash_ids if h >= MAX_HASH_ID), None)
     if too_large is not None:

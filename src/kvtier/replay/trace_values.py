@@ -13,14 +13,21 @@ import json
 MAX_CHARS = 60  # a longer value is cut there and ends with " ..."
 
 
-def value_as_written(line: str, *keys: str | int) -> str:
+def value_as_written(line: str, read: object, *keys: str | int) -> str:
     """Return the value at `keys` (field names, list positions) of the JSON text `line` as
-    written there, cut to MAX_CHARS; `line` must be valid JSON holding that value.
+    written there, cut to MAX_CHARS; `read` is what the reader's `json.loads` made of
+    `line` (valid JSON holding that value).
 
     Numbers that are not ints and the words (`true`, `null`) come out as written;
     strings, lists and objects are written again (JSON escapes and spacing may differ).
+    A line the reader decoded only just under the recursion limit cannot be decoded again
+    here, deeper in the stack: the value is then rendered from `read` (a number that is
+    not an int as Python's `json` writes it: `1E2` as `100.0`).
     """
-    value = json.loads(line, parse_float=_Written, parse_constant=_Written)
+    try:
+        value = json.loads(line, parse_float=_Written, parse_constant=_Written)
+    except RecursionError:
+        value = read
     for key in keys:
         value = value[key]
     return _shortened(value)
