@@ -11,6 +11,7 @@ from replay_helpers import BLOCK, doc_trace
 
 from kvtier.replay import generate
 from kvtier.replay.cli import configure, main
+from kvtier.replay.option_types import parse_tokens
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import write_trace
 
@@ -128,3 +129,23 @@ def test_a_generator_option_given_twice_is_a_usage_error(
         capsys, lambda: generate.main(argv), f"argument {option}: given twice ('3', then '4')"
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "both"),
+    [
+        (["--pair", "1k", "2k", "--pair", "3k", "4k"], "(['1k', '2k'], then ['3k', '4k'])"),
+        (["--level", "5k", "--level"], "('5k', then 7)"),  # the second is `const`
+        (["--level", "--level", "5k"], "(7, then '5k')"),
+    ],
+)
+def test_a_repeat_of_a_multi_or_optional_valued_option_names_what_was_given(
+    capsys: pytest.CaptureFixture[str], argv: list[str], both: str
+) -> None:
+    """Regression: StoreOnce named the text its type converted last: only the last of
+    the values of `nargs=2`, and for a `const` (no text converted) the text of an
+    earlier occurrence, or None."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pair", action=StoreOnce, type=parse_tokens, nargs=2)
+    parser.add_argument("--level", action=StoreOnce, type=parse_tokens, nargs="?", const=7)
+    expect_usage_error(capsys, lambda: parser.parse_args(argv), f"given twice {both}:")

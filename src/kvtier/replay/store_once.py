@@ -34,8 +34,7 @@ class StoreOnce(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
-        # argparse converts an option's text with `type` just before it calls the action.
-        text = self.type.text if isinstance(self.type, _KeepsText) else values
+        text = self.type.as_typed(values) if isinstance(self.type, _KeepsText) else values
         given: dict[str, Any] = getattr(namespace, _GIVEN, None) or {}
         if self.dest in given:
             raise argparse.ArgumentError(
@@ -47,7 +46,7 @@ class StoreOnce(argparse.Action):
 
 
 class _KeepsText:
-    """An argparse `type` that keeps the text it converted last, for `StoreOnce`'s error.
+    """An argparse `type` that keeps the texts it converted, for `StoreOnce`'s error.
 
     It carries the wrapped type's `__name__`, which argparse names in an "invalid ...
     value" error.
@@ -55,9 +54,27 @@ class _KeepsText:
 
     def __init__(self, convert: Callable[[str], Any]) -> None:
         self.convert = convert
-        self.text: str | None = None
+        # (value, text) of each conversion since the action last took them: argparse
+        # converts an occurrence's texts just before it calls the action, and a string
+        # default after the last one.
+        self.converted: list[tuple[Any, str]] = []
         self.__name__ = getattr(convert, "__name__", repr(convert))
 
     def __call__(self, text: str) -> Any:
-        self.text = text
-        return self.convert(text)
+        value = self.convert(text)
+        self.converted.append((value, text))
+        return value
+
+    def as_typed(self, values: Any) -> Any:
+        """Return `values`, what argparse hands the action, as typed: the text of each
+        value converted for this occurrence (all of a list, for `nargs`), else `values`
+        itself (a `const` or a default, which no text of this occurrence made)."""
+        converted, self.converted = self.converted, []
+        items = values if isinstance(values, list) else [values]
+        if not items or len(converted) < len(items):
+            return values
+        last = converted[-len(items) :]
+        if any(c is not v for (c, _), v in zip(last, items, strict=True)):
+            return values
+        texts = [text for _, text in last]
+        return texts if isinstance(values, list) else texts[0]
