@@ -301,13 +301,15 @@ class ManifestLog:
 
         Raises OSError naming the manifest when the flush fails; the log is closed anyway
         (a later call returns quietly). A close cut short by an interrupt
-        (KeyboardInterrupt) is finished by the next call, from any thread.
+        (KeyboardInterrupt) before its descriptor was closed is finished by the next call,
+        from any thread; one cut short in the flush itself (`os.fsync`, `sync_directory`)
+        has closed the descriptor on the way out, and the flush is not redone.
         """
         self._closing.run(self._close_now)
 
     def _close_now(self) -> None:
         # The descriptor stays in `_closing_fd` until it is closed, so that a close cut short
-        # by an interrupt (KeyboardInterrupt) at any line is finished by the next call, from
+        # by an interrupt (KeyboardInterrupt) before that is finished by the next call, from
         # any thread. That call takes no lock: one cut short as its `with` exits (before
         # `__exit__` runs) leaves the lock taken for good.
         if self._fd is not None:
