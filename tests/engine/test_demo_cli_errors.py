@@ -181,6 +181,8 @@ def test_demo_names_a_last_turn_beyond_max_position_before_serving(
         ("--disk-dir={tmp}/missing", "--disk-dir={tmp}/missing does not exist"),
         ("--disk-dir={tmp}/afile", "--disk-dir={tmp}/afile is a file, not a directory"),
         ("--out={tmp}/afile", "--out={tmp}/afile is a file, not a directory"),
+        # Regression (review): any existing non-folder was called 'a file'.
+        ("--out=/dev/null", "--out=/dev/null is a character device, not a directory"),
         (
             "--out={tmp}/afile/plots",
             "--out={tmp}/afile/plots cannot be created: {tmp}/afile is not a directory",
@@ -200,6 +202,19 @@ def test_demo_names_a_bad_path_before_serving(
     captured = capsys.readouterr()
     assert captured.err.startswith(f"kvtier demo: error: {message.format(tmp=tmp_path)}")
     assert "serving" not in captured.out
+
+
+def test_demo_refuses_out_dash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (review): `--out -` served every run and plotted into a new folder
+    named '-', while `-` means stdout to kvtier replay and generate."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_demo(tmp_path, "--out=-")
+    assert exit_info.value.code == 2
+    assert "--out: - would be stdout, but the demo writes its plot" in capsys.readouterr().err
+    assert not (tmp_path / "-").exists()
 
 
 @pytest.mark.parametrize("option", ["--out", "--disk-dir", "--model-dir"])

@@ -95,11 +95,22 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--out",
         action=StoreOnce,
-        type=output_path,
+        type=_plot_folder,
         default="out",
         help="folder for the plot (default ./out)",
     )
     parser.set_defaults(run=_run_demo)
+
+
+def _plot_folder(text: str) -> str:
+    """`output_path` for `--out`, refusing `-`: the plot goes into a folder, and `-` reads
+    as stdout elsewhere in kvtier (`./-` names a folder `-`)."""
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "- would be stdout, but the demo writes its plot into a folder: give a folder "
+            "path (./- for a folder named -)"
+        )
+    return output_path(text)
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import importlib
 from pathlib import Path
 
 from kvtier.cli.demo_plot import PLOT_NAME
-from kvtier.replay.outputs import check_creates_files, nearest_existing
+from kvtier.replay.outputs import check_creates_files, file_kind, nearest_existing
 
 # The least value of each numeric option (message lengths may be 0, not all of them).
 OPTION_MINIMUMS = {
@@ -93,7 +93,7 @@ def check_model_dir_is_dir(model_dir: str) -> None:
 def _check_writable_dir(flag: str, path: Path) -> None:
     """Raise ValueError unless `path` is, or mkdir(parents=True) can make, a writable folder."""
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag}={path} is a file, not a directory")
+        raise ValueError(f"{flag}={path} is {file_kind(path)}, not a directory")
     existing = nearest_existing(path)
     if not existing.is_dir():
         raise ValueError(f"{flag}={path} cannot be created: {existing} is not a directory")

@@ -134,7 +134,7 @@ def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
     folder = Path(text)
     if folder.exists():
         if not folder.is_dir():
-            raise ReplayError(f"{option} {text}: is not a directory (it is {_kind(folder)})")
+            raise ReplayError(f"{option} {text}: is not a directory (it is {file_kind(folder)})")
         for name in names:
             check_file_path(option, os.path.join(text, name))
         return
@@ -149,7 +149,7 @@ def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
     check_creates_files(f"{option} {text}", ancestor)
 
 
-def _kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
     """Return what `path`, which exists and is no folder, is: "a file", "a named pipe"..."""
     mode = path.stat().st_mode
     kinds = [
