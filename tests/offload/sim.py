@@ -177,9 +177,9 @@ class SimEngine(SimEngineCore):
         step = self.step_input()
         self._scheduled.clear()
         plan = self.scheduler.build_plan(step)
-        self.worker.submit(plan)
-        if plan.need_flush:
+        if plan.need_flush:  # the worker waits for what is in flight, then takes the plan
             self.worker.complete_all()
+        self.worker.submit(plan)
         for request_id, num_tokens in scheduled.items():
             self.compute(self.requests[request_id], num_tokens)
         if self.auto_complete:

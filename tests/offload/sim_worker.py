@@ -67,6 +67,7 @@ class FakeWorker:
     def submit(self, plan: TransferPlan) -> None:
         """Accept a plan; its jobs stay in flight until completed or failed."""
         self.plans.append(plan)
+        self._check_no_overlap(plan.jobs)
         for job in plan.jobs:
             assert job.event_id not in self.jobs, f"event id {job.event_id} repeated"
             assert max(self.jobs, default=0) < job.event_id, "event ids must increase"
@@ -74,6 +75,24 @@ class FakeWorker:
             self.jobs[job.event_id] = job
             sources = [self._read(w, job.src_tier.value, job.src_block_ids) for w in self.workers]
             self.in_flight[job.event_id] = _InFlight(job, set(self.workers), sources)
+
+    def _check_no_overlap(self, jobs: Sequence[TransferJob]) -> None:
+        """Assert no block is written by one job while another reads or writes it.
+
+        Checked at submission, so it does not depend on the order the jobs finish in: on
+        a real worker a store and a load run on two lanes at once.
+        """
+        reads: set[tuple[str, int]] = set()
+        writes: set[tuple[str, int]] = set()
+        for job in [flight.job for flight in self.in_flight.values()] + list(jobs):
+            src = {(job.src_tier.value, b) for b in job.src_block_ids}
+            dst = {(job.dst_tier.value, b) for b in job.dst_block_ids}
+            clash = dst & (reads | writes)
+            assert not clash, f"event {job.event_id} writes blocks in use: {sorted(clash)}"
+            clash = src & writes
+            assert not clash, f"event {job.event_id} reads blocks being written: {sorted(clash)}"
+            reads |= src
+            writes |= dst
 
     @property
     def workers(self) -> range:
