@@ -11,6 +11,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import NO_EXTRAS, BlockHasher, RequestExtras, RequestHasher
@@ -43,6 +44,17 @@ def store_selector(gpu: BlockPool, tier: BlockPool) -> StoreSelector:
         record_payload=False,
         fine_grained=False,
     )
+
+
+def pool_states(selector: StoreSelector) -> list[tuple[list[Any], list[int], list[int]]]:
+    """Check both pools' invariants; return each one's keys, reference counts and free
+    order (what a selection may change in them)."""
+    states = []
+    for pool in (selector.gpu_pool, selector.tier_pool):
+        assert isinstance(pool, BlockPool)
+        pool.check_invariants()
+        states.append((list(pool._keys), list(pool._refs), list(pool._free.iter_after(None))))
+    return states
 
 
 def config(**kwargs: object) -> OffloadConfig:

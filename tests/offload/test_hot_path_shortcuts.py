@@ -20,7 +20,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_request import make_request, store_selector
+from sim_request import make_request, pool_states, store_selector
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
@@ -39,11 +39,7 @@ def selected(selector: StoreSelector, request_id: str) -> tuple[Any, ...]:
     """Return what a selection may change: its queue, counters, keys in flight, the
     request's cursors, and both pools."""
     state = selector.tracked[request_id]
-    pools = []
-    for pool in (selector.gpu_pool, selector.tier_pool):
-        assert isinstance(pool, BlockPool)
-        pool.check_invariants()
-        pools.append((list(pool._keys), list(pool._refs), list(pool._free.iter_after(None))))
+    pools = pool_states(selector)
     return (
         list(selector.queued.gpu_block_ids),
         list(selector.queued.tier_block_ids),

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_request import store_selector
+from sim_request import pool_states, store_selector
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
@@ -73,11 +73,7 @@ def selector_and_run(draw: st.DrawFn) -> tuple[StoreSelector, list[int], int, in
 
 def state(selector: StoreSelector, returned: int) -> tuple[Any, ...]:
     queued = selector.queued
-    pools = []
-    for pool in (selector.gpu_pool, selector.tier_pool):
-        assert isinstance(pool, BlockPool)
-        pool.check_invariants()
-        pools.append((list(pool._keys), list(pool._refs), list(pool._free.iter_after(None))))
+    pools = pool_states(selector)
     return (
         returned,
         list(queued.gpu_block_ids),
