@@ -94,7 +94,7 @@ def test_fragmented_small_rows_use_the_scratch_path() -> None:
     src_ids = rng.permutation(rows)[:2500].astype(np.int64)
     dst_ids = rng.permutation(rows)[:2500].astype(np.int64)
     expected = reference_copy(src, src_ids, dst, dst_ids)
-    copy_blocks(src, src_ids, dst, dst_ids, torch.zeros((7, width), dtype=torch.uint8))
+    copy_blocks(src, src_ids, dst, dst_ids, np.zeros((7, width), dtype=np.uint8))
     assert torch.equal(dst, expected)
 
 
@@ -104,7 +104,7 @@ def test_ids_in_one_ascending_run_are_planned_without_sorting() -> None:
     plan = plan_copy(np.array([9, 3, 4]), np.arange(10, 13), 64)
     assert (plan.strategy, plan.runs) == (CopyStrategy.DST_RUNS, ((0, 3, 10),))
     assert plan.index.tolist() == [9, 3, 4]
-    assert [t.tolist() for t in plan.run_indices] == [[9, 3, 4]]
+    assert plan.run_starts == (0,)
     assert (plan.src_span, plan.dst_span) == ((3, 9), (10, 12))
     # Small rows, destinations scattered in many runs: the copy goes by source runs.
     dst_ids = np.array([40, 2, 31, 17, 8, 25])
@@ -113,9 +113,23 @@ def test_ids_in_one_ascending_run_are_planned_without_sorting() -> None:
     assert plan.index.tolist() == dst_ids.tolist()
     assert (plan.src_span, plan.dst_span) == ((5, 10), (2, 40))
     # Ends one run apart but out of order: sorted as before (index follows the sort).
-    plan = plan_copy(np.arange(4), np.array([10, 12, 11, 13]), 64)
+    plan = plan_copy(np.array([0, 5, 2, 7]), np.array([10, 12, 11, 13]), 64)
     assert (plan.strategy, plan.runs) == (CopyStrategy.DST_RUNS, ((0, 4, 10),))
-    assert plan.index.tolist() == [0, 2, 1, 3]
+    assert plan.index.tolist() == [0, 2, 5, 7]
+
+
+def test_the_side_in_fewer_runs_is_copied_by_runs() -> None:
+    """Regression: a load from consecutive tier slots into scattered blocks went by
+    destination runs (about one numpy call per block: 8 GB/s against 24 at 64 KiB
+    blocks) because that side was tried first and its runs were long enough. The side
+    that is one run, or in fewer runs, wins."""
+    scattered = np.random.default_rng(0).permutation(2048)[:1024]
+    plan = plan_copy(np.arange(1024), scattered, 64 << 10)
+    assert (plan.strategy, plan.runs) == (CopyStrategy.SRC_RUNS, ((0, 1024, 0),))
+    src_runs = np.concatenate([np.arange(0, 8), np.arange(100, 108)])
+    plan = plan_copy(src_runs, scattered[:16], 64 << 10)
+    assert plan.strategy is CopyStrategy.SRC_RUNS
+    assert [(a, b) for a, b, _ in plan.runs] == [(0, 8), (8, 16)]
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from transfer_helpers import (
     run_plan,
 )
 
+import kvtier.transfer.copy_crew as copy_crew
 from kvtier.offload.plan import Tier
 from kvtier.transfer import WorkerConfig
 from kvtier.transfer.regions import TensorLayout
@@ -36,10 +37,24 @@ def layouts() -> dict[str, list[torch.Tensor]]:
 @pytest.mark.parametrize("name", sorted(layouts()))
 def test_store_overwrite_load_into_other_blocks(name: str) -> None:
     """Store random blocks, clobber the engine cache, load into different blocks: exact bytes."""
+    _store_overwrite_load(name, WorkerConfig(cpu_num_slots=16))
+
+
+@pytest.mark.parametrize("name", sorted(layouts()))
+def test_copies_split_over_a_crew_of_threads_are_exact(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same round trip with every region's rows shared out over three threads (any
+    share is worth a hand-off here): each block lands whole, nothing else changes."""
+    monkeypatch.setattr(copy_crew, "MIN_SHARE_BYTES", 1)
+    _store_overwrite_load(name, WorkerConfig(cpu_num_slots=16, copy_threads=3))
+
+
+def _store_overwrite_load(name: str, config: WorkerConfig) -> None:
     kv = layouts()[name]
     fill_random(kv, seed=7)
     layout = TensorLayout.KV_FIRST if name == "kv_first" else TensorLayout.BLOCKS_FIRST
-    with make_worker(WorkerConfig(cpu_num_slots=16), kv, layout=layout) as worker:
+    with make_worker(config, kv, layout=layout) as worker:
         src_blocks, slots = [3, 9, 1, 30, 12, 13, 14], [0, 15, 4, 5, 6, 2, 7]
         images = [block_bytes(worker.regions, b) for b in src_blocks]
         report = run_plan(worker, job(1, Tier.GPU, Tier.CPU, src_blocks, slots))

@@ -5,7 +5,7 @@ per region, all of one row dtype (int64 when the geometry allows, see `row_dtype
 are int64 numpy arrays, validated by the worker.
 
 - `CpuCopier`: engine tensors on the CPU (and host tier ↔ disk staging on any machine);
-  every copy is synchronous, `finish()` returns None.
+  every copy is synchronous (split over the lane's `CopyCrew`), `finish()` returns None.
 - `CudaCopier`: engine tensors on a GPU, host tensors page-locked. Work is queued on the
   lane's lowest-priority stream: a gather/scatter kernel on the device side plus one DMA
   per run of consecutive host rows; `finish()` returns a completion event. Copies into or
@@ -24,14 +24,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvtier.transfer.block_copy import (
-    CopyPlan,
-    CopyStrategy,
-    new_scratch,
-    plan_copy,
-    run_copy,
-    runs_of,
-)
+from kvtier.transfer.block_copy import CopyPlan, as_rows, check_region, plan_copy, runs_of
+from kvtier.transfer.copy_crew import CopyCrew, RegionCopy
 from kvtier.transfer.device import (
     Completion,
     CudaCompletion,
@@ -96,10 +90,10 @@ class BlockCopier(Protocol):
 
 
 class CpuCopier:
-    """`BlockCopier` for CPU tensors; keeps one pre-touched scratch per row shape."""
+    """`BlockCopier` for CPU tensors; splits each batch over its lane's crew of threads."""
 
-    def __init__(self) -> None:
-        self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    def __init__(self, crew: CopyCrew) -> None:
+        self._crew = crew
 
     def wait_for_compute(self, marker: torch.cuda.Event | None) -> None:
         """Do nothing: a CPU forward pass has finished when the engine submits."""
@@ -135,23 +129,19 @@ class CpuCopier:
         src_ids: np.ndarray,
         dst_ids: np.ndarray,
     ) -> None:
-        """Copy every (source, destination) region pair, planning once per row width."""
+        """Copy every (source, destination) region pair, planning once per row width.
+
+        Every region is checked before any is copied: a bad one copies nothing."""
         plans: dict[int, CopyPlan] = {}
+        copies = []
         for src, dst in pairs:
             width = int(src.shape[1])
             plan = plans.get(width)
             if plan is None:
                 plan = plans[width] = plan_copy(src_ids, dst_ids, width * src.element_size())
-            scratch = None  # only a SCRATCH plan uses one
-            if plan.strategy is CopyStrategy.SCRATCH:
-                scratch = self._scratch_for(width, src.dtype)
-            run_copy(plan, src, dst, scratch)
-
-    def _scratch_for(self, width: int, dtype: torch.dtype) -> torch.Tensor:
-        scratch = self._scratch.get((width, dtype))
-        if scratch is None:
-            scratch = self._scratch[(width, dtype)] = new_scratch(width, dtype)
-        return scratch
+            check_region(plan, src, dst)
+            copies.append(RegionCopy(plan, as_rows(src), as_rows(dst)))
+        self._crew.run(copies)
 
 
 class CudaCopier:

@@ -10,7 +10,9 @@ A reported job stays in the lane, and in every later `finished`, until `acknowle
 the caller acknowledges once it stored (or applied) the report, so a report taken by a
 call that an interrupt (KeyboardInterrupt) cut short is reported again, never lost.
 A job that raises is reported failed and logged; the thread lives on. `copy_threads`
-bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`).
+bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`)
+and sizes the lane's `crew`, the threads its CPU block copies are split over
+(`copy_crew`).
 
 Each job has the lane's own future, recorded before the job is handed to the thread.
 A `submit` interrupted on the way (KeyboardInterrupt) cancels that future: a job not yet
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Literal
 
+from kvtier.transfer.copy_crew import CopyCrew, crew_size
 from kvtier.transfer.device import Completion
 from kvtier.transfer.threads import limit_intra_op_threads
 
@@ -135,8 +138,8 @@ def _close_open_lanes() -> None:
 class TransferLane:
     """Run jobs FIFO on one thread; report them FIFO. Call from one (the engine's) thread.
 
-    `copy_threads`: OpenMP threads for torch CPU ops on the lane's thread; None keeps
-    torch's process-wide setting.
+    `copy_threads`: OpenMP threads for torch CPU ops on the lane's thread (None keeps
+    torch's process-wide setting), and the threads of its `crew` (`copy_crew.crew_size`).
     """
 
     def __init__(self, name: str, copy_threads: int | None = None) -> None:
@@ -144,6 +147,7 @@ class TransferLane:
         self._jobs: _Queue = SimpleQueue()
         self._pending: deque[_Pending] = deque()
         self._closed = False
+        self.crew = CopyCrew(crew_size(copy_threads), name)
         ready: Future[None] = Future()
         self._thread = threading.Thread(
             target=_serve, args=(self._jobs, copy_threads, ready), name=f"kvtier-{name}"
@@ -154,6 +158,7 @@ class TransferLane:
             ready.result()
         except BaseException as exc:
             self._jobs.put(None)  # stop the thread, if it started
+            self.crew.close()
             if isinstance(exc, Exception):
                 raise RuntimeError(f"lane {name}: its thread failed to start ({exc})") from exc
             raise
@@ -161,8 +166,9 @@ class TransferLane:
         _OPEN.add(self)
 
     def is_own_thread(self, thread: threading.Thread) -> bool:
-        """Return True if `thread` is the lane's (the one running its jobs)."""
-        return thread is self._thread
+        """Return True if `thread` is the lane's: the one running its jobs, or a helper of
+        its crew."""
+        return thread is self._thread or self.crew.is_own_thread(thread)
 
     @property
     def num_pending(self) -> int:
@@ -250,6 +256,7 @@ class TransferLane:
         self._closed = True
         self._jobs.put(None)  # behind the queued jobs; a second one is never read
         self._thread.join()
+        self.crew.close()
         _OPEN.discard(self)
 
     def cancel_queued(self) -> None:

@@ -129,7 +129,7 @@ class OffloadWorker(WorkerReports):
             self._allocate_tiers(regions, on_cuda)
             copiers = {}
             for direction in Direction:  # CUDA streams: may fail (out of memory) too
-                host = CpuCopier()
+                host = CpuCopier(self._lanes[direction].crew)
                 engine = CudaCopier(regions.device) if on_cuda else host
                 copiers[direction] = LaneCopiers(engine=engine, host=host)
         except BaseException:

@@ -34,9 +34,10 @@ class WorkerConfig:
     disk_buffer_slots: int = 2  # staging buffers per direction; 2 = double buffering
     disk_batch_bytes: int = 4 << 20  # bytes per staging buffer, rounded down to whole slots
     rank: int = 0
-    # OpenMP threads each transfer thread's CPU copies may use. None: torch's process-wide
-    # setting (best bandwidth on a quiet machine). 1: one core per transfer thread, which is
-    # steadier on small or busy machines and leaves the engine's cores alone.
+    # Threads each transfer lane splits its CPU block copies over (`copy_crew`), and the
+    # OpenMP team of its thread's torch CPU ops. None: torch's intra-op thread count, at
+    # most 4 (best bandwidth on a quiet machine). 1: one core per lane, which is steadier
+    # on small or busy machines and leaves the engine's cores alone.
     copy_threads: int | None = None
     disk_persist: bool = False
     disk_fingerprint: str = ""
