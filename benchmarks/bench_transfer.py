@@ -17,6 +17,13 @@ second to second, are the same for both sides of each ratio; the table shows the
 Target (BENCHMARKS.md): >= 0.7x at >= 64 KiB blocks on CPU, >= 0.9x of a pinned
 contiguous copy on a GPU.
 
+OpenMP: after each parallel op, torch's OpenMP threads spin for a while (libgomp's
+default wait policy) before they sleep. A transfer timed right after the baseline `copy_`
+then shares the cores with them: on 2 cores that halved its speed (summary 0.46x against
+0.71x), while the `copy_` alone runs at the same 22-24 GB/s either way. So the benchmark
+runs itself with OMP_WAIT_POLICY=PASSIVE (re-started with it when the environment has
+another value); `--omp-wait-policy inherit` keeps the environment's.
+
     python benchmarks/bench_transfer.py [--device cuda] [--json out.json]
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,6 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="regions (layers x K/V) per block",
     )
     add_copy_threads(parser)
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=["passive", "inherit"],
+        default="passive",
+        help="passive: run with OMP_WAIT_POLICY=PASSIVE, so that the baseline copy's OpenMP "
+        "threads do not spin on the cores the transfer timed next needs; inherit: as the "
+        "environment says (default: passive)",
+    )
     parser.add_argument("--json", type=output_file, help="write every number to this file")
     return parser
 
@@ -226,11 +242,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.omp_wait_policy == "passive" and os.environ.get("OMP_WAIT_POLICY") != "PASSIVE":
+        # The OpenMP runtime read the policy when torch loaded it: start again with it set.
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     started = time.perf_counter()
     machine = (
         f"{os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads, device {args.device}, "
-        f"copy_threads={args.copy_threads}"
+        f"copy_threads={args.copy_threads}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}"
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )
     print(
