@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import kvtier.transfer.copy_crew as copy_crew
 from kvtier.transfer.block_copy import CopyStrategy, as_rows, plan_copy
-from kvtier.transfer.copiers import CpuCopier
+from kvtier.transfer.copiers import CpuCopier, StagingRows
 from kvtier.transfer.copy_crew import CopyCrew, RegionCopy, crew_size, share_out
 from kvtier.transfer.lanes import TransferLane
 
@@ -243,3 +243,33 @@ def test_rows_of_a_dtype_numpy_lacks_are_seen_as_bytes() -> None:
     rows = torch.randn(4, 6).to(torch.bfloat16)
     assert as_rows(rows).dtype == np.uint8
     assert as_rows(rows).shape == (4, 12)
+
+
+def test_staging_copies_stay_on_the_lanes_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staging copies feed a disk that one thread outpaces: no helper takes a share (they
+    would take the cores of the disk tier's I/O threads), while a host copy is shared."""
+    threads: list[str] = []
+    copy_rows = copy_crew.copy_rows
+
+    def spying(plan, src, dst, a, b, scratch):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        copy_rows(plan, src, dst, a, b, scratch)
+
+    monkeypatch.setattr(copy_crew, "copy_rows", spying)
+    crew = CopyCrew(3, "staging", min_share_bytes=1)
+    try:
+        copier = CpuCopier(crew)
+        engine = [torch.randint(0, 2**62, (16, 64), dtype=torch.int64) for _ in range(2)]
+        staging = StagingRows.of(torch.zeros(8, 128, dtype=torch.int64), [(0, 64), (64, 128)])
+        blocks = np.array([9, 2, 14, 5, 7, 0, 11, 3])
+        copier.store_to_staging(engine, blocks, staging)
+        back = [torch.zeros_like(t) for t in engine]
+        copier.load_from_staging(staging, back, blocks)
+        assert set(threads) == {threading.current_thread().name}
+        for original, copied in zip(engine, back, strict=True):
+            assert torch.equal(copied[blocks], original[blocks])
+        threads.clear()
+        copier.store(engine, blocks, back, blocks)
+        assert len(set(threads)) == 3
+    finally:
+        crew.close()

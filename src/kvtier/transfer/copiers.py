@@ -36,6 +36,9 @@ from kvtier.transfer.device import (
 Views = Sequence[torch.Tensor]
 
 _DEVICE_CHUNK_BYTES = 256 << 20  # bound on device scratch per region and call
+# Staging copies feed a disk (about 2 GB/s here), which one copying thread outpaces;
+# helpers would take the cores the disk tier's I/O threads need.
+_STAGING_THREADS = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,14 +113,14 @@ class CpuCopier:
         self._copy(zip(src, dst, strict=True), src_ids, dst_ids)
 
     def store_to_staging(self, src: Views, src_ids: np.ndarray, staging: StagingRows) -> None:
-        """Gather engine blocks into the leading staging rows."""
+        """Gather engine blocks into the leading staging rows, on the lane's thread only."""
         rows = np.arange(len(src_ids), dtype=np.int64)
-        self._copy(zip(src, staging.columns, strict=True), src_ids, rows)
+        self._copy(zip(src, staging.columns, strict=True), src_ids, rows, _STAGING_THREADS)
 
     def load_from_staging(self, staging: StagingRows, dst: Views, dst_ids: np.ndarray) -> None:
-        """Scatter the leading staging rows into engine blocks."""
+        """Scatter the leading staging rows into engine blocks, on the lane's thread only."""
         rows = np.arange(len(dst_ids), dtype=np.int64)
-        self._copy(zip(staging.columns, dst, strict=True), rows, dst_ids)
+        self._copy(zip(staging.columns, dst, strict=True), rows, dst_ids, _STAGING_THREADS)
 
     def finish(self) -> Completion | None:
         """Return None: every copy already finished."""
@@ -128,6 +131,7 @@ class CpuCopier:
         pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
         src_ids: np.ndarray,
         dst_ids: np.ndarray,
+        max_threads: int | None = None,
     ) -> None:
         """Copy every (source, destination) region pair, planning once per row width.
 
@@ -141,7 +145,7 @@ class CpuCopier:
                 plan = plans[width] = plan_copy(src_ids, dst_ids, width * src.element_size())
             check_region(plan, src, dst)
             copies.append(RegionCopy(plan, as_rows(src), as_rows(dst)))
-        self._crew.run(copies)
+        self._crew.run(copies, max_threads)
 
 
 class CudaCopier:

@@ -117,10 +117,12 @@ class CopyCrew:
             raise
         weakref.finalize(self, _stop, self._queues)
 
-    def run(self, copies: Sequence[RegionCopy]) -> None:
-        """Copy every region of the batch; raise the first share's error once all stopped."""
+    def run(self, copies: Sequence[RegionCopy], max_threads: int | None = None) -> None:
+        """Copy every region of the batch over at most `max_threads` of the crew's threads
+        (None: all); raise the first share's error once every share stopped."""
         total = sum(c.plan.num * c.row_bytes for c in copies)
-        parts = max(1, min(self.size, total // self.min_share_bytes))
+        threads = self.size if max_threads is None else max(1, min(self.size, max_threads))
+        parts = max(1, min(threads, total // self.min_share_bytes))
         shares = share_out([(c.plan.num, c.row_bytes) for c in copies], parts)
         handed: list[Future[None]] = []
         try:
