@@ -173,7 +173,7 @@ def copy_rows(
         for c in range(a, b, chunk):
             e = min(c + chunk, b)
             rows = scratch[: e - c]
-            np.take(src, plan.index[c:e], axis=0, out=rows, mode="clip")
+            _gather(src, plan.index[c:e], rows)
             dst[plan.other_index[c:e]] = rows
         return
     gather = plan.strategy is CopyStrategy.DST_RUNS
@@ -183,10 +183,25 @@ def copy_rows(
             break
         s, e = max(a, ra), min(b, rb)
         ids, block = plan.index[s:e], slice(lo + s - ra, lo + e - ra)
-        if gather:  # mode="clip" writes straight into `out` (ids were checked in range)
-            np.take(src, ids, axis=0, out=dst[block], mode="clip")
+        if gather:
+            _gather(src, ids, dst[block])
         else:
             dst[ids] = src[block]
+
+
+def _gather(src: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
+    """Copy rows `src[ids]` into `out` (ids already checked in range).
+
+    `take` with mode="clip" writes straight into a C-contiguous `out`, but it first copies
+    a source that is not C-contiguous whole (a strided engine region, a staging column):
+    gigabytes to move a few rows. Such rows are gathered by indexing, a chunk at a time.
+    """
+    if src.flags.c_contiguous:
+        np.take(src, ids, axis=0, out=out, mode="clip")
+        return
+    step = max(1, SCRATCH_BYTES // max(1, src.shape[1] * src.dtype.itemsize))
+    for c in range(0, len(ids), step):
+        out[c : c + step] = src[ids[c : c + step]]
 
 
 def run_copy(
@@ -219,7 +234,9 @@ def copy_blocks(
     dtype = row_dtype(src, dst)
     if dtype != src.dtype:
         src, dst = src.view(dtype), dst.view(dtype)
-        scratch = scratch.view(np.int64) if scratch is not None else None
+        # As bytes, then as the rows' dtype (int64, or uint8 when the rows are bytes).
+        row_np = np.int64 if dtype == torch.int64 else np.uint8
+        scratch = scratch.view(np.uint8).view(row_np) if scratch is not None else None
     run_copy(plan_copy(src_ids, dst_ids, row_bytes), src, dst, scratch)
 
 

@@ -1,0 +1,76 @@
+"""numpy block copies from strided rows (engine regions with a block stride wider than a
+block, staging columns): a gather reads the asked rows only, never a copy of the whole
+source; and `copy_blocks` keeps working with a scratch for rows it views as bytes."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.transfer.block_copy import CopyStrategy, copy_blocks, new_scratch, plan_copy
+from kvtier.transfer.copiers import CpuCopier
+from kvtier.transfer.copy_crew import CopyCrew
+
+_WIDTH = 1024  # int64 elements: 8 KiB rows
+_BLOCKS = 4096  # 32 MiB of strided source rows
+
+
+def _strided_source() -> torch.Tensor:
+    """Return `[_BLOCKS, _WIDTH]` int64 rows every other row of a wider allocation (the K
+    half of a `[num_blocks, 2, ...]` tensor), filled with distinct values."""
+    base = torch.arange(_BLOCKS * 2 * _WIDTH, dtype=torch.int64).view(_BLOCKS, 2 * _WIDTH)
+    view = base[:, :_WIDTH]
+    assert not view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "strategy"),
+    [
+        (np.array([7, 100, 3000]), np.array([0, 1, 2]), CopyStrategy.DST_RUNS),
+        (np.arange(0, 96, 3), np.arange(64, 0, -2), CopyStrategy.SCRATCH),
+    ],
+)
+def test_gather_from_strided_rows_allocates_no_copy_of_the_source(
+    src_ids: np.ndarray, dst_ids: np.ndarray, strategy: CopyStrategy
+) -> None:
+    """A host store from a strided engine region: np.take copied all 32 MiB of the source
+    (C-contiguous first) for every call, to move a few 8 KiB rows."""
+    src = _strided_source()
+    dst = torch.zeros((80, _WIDTH), dtype=torch.int64)
+    src_ids, dst_ids = src_ids.astype(np.int64), dst_ids.astype(np.int64)
+    assert plan_copy(src_ids, dst_ids, _WIDTH * 8).strategy is strategy
+    crew = CopyCrew(1, "strided")
+    try:
+        copier = CpuCopier(crew)
+        copier.store([src], src_ids, [dst], dst_ids)  # warm: scratch, plans
+        tracemalloc.start()
+        try:
+            copier.store([src], src_ids, [dst], dst_ids)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        crew.close()
+    expected = torch.zeros_like(dst)
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
+        expected[d] = src[s]
+    assert torch.equal(dst, expected)
+    assert peak < 8 << 20, f"{peak / 2**20:.1f} MiB allocated to copy {len(src_ids)} rows"
+
+
+def test_copy_blocks_with_scratch_on_rows_it_views_as_bytes() -> None:
+    """float16 rows of 6 bytes are copied as uint8 rows; the scratch handed in must be
+    viewed as bytes too (it was viewed as int64: ValueError, 6 bytes per row)."""
+    src = torch.arange(40 * 3, dtype=torch.float16).view(40, 3)
+    dst = torch.zeros((40, 3), dtype=torch.float16)
+    src_ids = np.array([5, 1, 9, 30, 2, 17], dtype=np.int64)
+    dst_ids = np.array([3, 20, 0, 11, 39, 7], dtype=np.int64)
+    assert plan_copy(src_ids, dst_ids, 6).strategy is CopyStrategy.SCRATCH
+    copy_blocks(src, src_ids, dst, dst_ids, scratch=new_scratch(3, np.float16))
+    expected = torch.zeros_like(dst)
+    expected[torch.from_numpy(dst_ids)] = src[torch.from_numpy(src_ids)]
+    assert torch.equal(dst, expected)
