@@ -194,9 +194,11 @@ def _gather(src: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
 
     `take` with mode="clip" writes straight into a C-contiguous `out`, but it first copies
     a source that is not C-contiguous whole (a strided engine region, a staging column):
-    gigabytes to move a few rows. Such rows are gathered by indexing, a chunk at a time.
+    gigabytes to move a few rows; and it stages a strided `out` (a staging column) in a
+    copy read from `out` and written back (3 passes; indexing takes 2). Those cases are
+    gathered by indexing, a chunk at a time.
     """
-    if src.flags.c_contiguous:
+    if src.flags.c_contiguous and out.flags.c_contiguous:
         np.take(src, ids, axis=0, out=out, mode="clip")
         return
     step = max(1, SCRATCH_BYTES // max(1, src.shape[1] * src.dtype.itemsize))
