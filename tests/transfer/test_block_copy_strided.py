@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.transfer.block_copy import CopyStrategy, copy_blocks, new_scratch, plan_copy
+from kvtier.transfer.block_copy import (
+    CopyStrategy,
+    copy_blocks,
+    new_scratch,
+    plan_copy,
+    run_copy,
+)
 from kvtier.transfer.copiers import CpuCopier
 from kvtier.transfer.copy_crew import CopyCrew
 
@@ -74,3 +80,17 @@ def test_copy_blocks_with_scratch_on_rows_it_views_as_bytes() -> None:
     expected = torch.zeros_like(dst)
     expected[torch.from_numpy(dst_ids)] = src[torch.from_numpy(src_ids)]
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_run_copy_rows_of_a_dtype_numpy_lacks(dtype: torch.dtype) -> None:
+    """Rows numpy has no dtype for are copied as their bytes (torch's index kernels took
+    float8 rows; the numpy path raised TypeError for all but bfloat16)."""
+    src = torch.arange(16 * 4, dtype=torch.uint8).view(16, 4).view(dtype)
+    dst = torch.zeros((16, 4), dtype=torch.uint8).view(dtype)
+    src_ids = np.array([3, 0, 9, 15], dtype=np.int64)
+    dst_ids = np.array([1, 2, 3, 4], dtype=np.int64)
+    run_copy(plan_copy(src_ids, dst_ids, 4 * src.element_size()), src, dst)
+    expected = torch.zeros((16, 4), dtype=torch.uint8)
+    expected[1:5] = src.view(torch.uint8)[torch.from_numpy(src_ids)]
+    assert torch.equal(dst.view(torch.uint8), expected)

@@ -88,11 +88,13 @@ def row_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def as_rows(t: torch.Tensor) -> np.ndarray:
     """Return the numpy view of a 2-D CPU tensor of rows (its memory, not a copy).
 
-    Rows of a dtype numpy lacks (bfloat16) are seen as bytes; that needs unit-stride rows.
+    Rows of a dtype numpy lacks (bfloat16, float8, ...) are seen as bytes; that needs
+    unit-stride rows.
     """
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.uint8)
-    return t.numpy()
+    try:
+        return t.numpy()
+    except TypeError:  # "unsupported ScalarType": no numpy dtype for it
+        return t.view(torch.uint8).numpy()
 
 
 def new_scratch(row_width: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
