@@ -17,7 +17,7 @@ from kvtier.transfer.block_copy import (
     plan_copy,
     run_copy,
 )
-from kvtier.transfer.copiers import CpuCopier
+from kvtier.transfer.copiers import CpuCopier, StagingRows
 from kvtier.transfer.copy_crew import CopyCrew
 
 _WIDTH = 1024  # int64 elements: 8 KiB rows
@@ -94,3 +94,30 @@ def test_run_copy_rows_of_a_dtype_numpy_lacks(dtype: torch.dtype) -> None:
     expected = torch.zeros((16, 4), dtype=torch.uint8)
     expected[1:5] = src.view(torch.uint8)[torch.from_numpy(src_ids)]
     assert torch.equal(dst.view(torch.uint8), expected)
+
+
+@pytest.mark.parametrize("crew_size", [1, 2])
+@pytest.mark.parametrize("row_kib", [8, 64, 256])
+def test_strided_gathers_row_by_row_or_by_chunks_copy_exactly(row_kib: int, crew_size: int) -> None:
+    """Rows of >= ROW_LOOP_BYTES from a strided source go row by row, smaller ones by
+    chunks; into contiguous host rows (a store) and into staging columns (a disk store)."""
+    width = row_kib << 7  # int64 elements
+    base = torch.randint(0, 2**62, (24, 3 * width), dtype=torch.int64)
+    src = base[:, width : 2 * width]  # the middle third: strided rows
+    src_ids = np.array([17, 3, 22, 9, 0, 11, 5], dtype=np.int64)
+    crew = CopyCrew(crew_size, "rowloop", min_share_bytes=1)
+    try:
+        copier = CpuCopier(crew)
+        host = torch.zeros((8, width), dtype=torch.int64)
+        copier.store([src], src_ids, [host], np.arange(1, 8))
+        assert torch.equal(host[1:], src[torch.from_numpy(src_ids)])
+        assert not host[0].any()
+        staging = StagingRows.of(
+            torch.zeros(8, 2 * width, dtype=torch.int64), [(0, width), (width, 2 * width)]
+        )
+        copier.store_to_staging([src, base[:, :width]], src_ids, staging)
+        assert torch.equal(staging.columns[0][:7], src[torch.from_numpy(src_ids)])
+        assert torch.equal(staging.columns[1][:7], base[torch.from_numpy(src_ids), :width])
+        assert not staging.rows[7].any()
+    finally:
+        crew.close()

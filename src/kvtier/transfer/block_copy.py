@@ -35,6 +35,7 @@ import torch
 
 MIN_RUN_BYTES = 64 << 10
 SCRATCH_BYTES = 4 << 20
+ROW_LOOP_BYTES = 64 << 10  # strided rows this big are gathered one at a time (`_gather`)
 
 
 class CopyStrategy(enum.Enum):
@@ -197,13 +198,21 @@ def _gather(src: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     `take` with mode="clip" writes straight into a C-contiguous `out`, but it first copies
     a source that is not C-contiguous whole (a strided engine region, a staging column):
     gigabytes to move a few rows; and it stages a strided `out` (a staging column) in a
-    copy read from `out` and written back (3 passes; indexing takes 2). Those cases are
-    gathered by indexing, a chunk at a time.
+    copy read from `out` and written back (3 passes). Those cases go row by row when rows
+    have >= ROW_LOOP_BYTES, else by indexing a chunk at a time (through a temporary: 2
+    passes). Measured on 2 cores, GB/s, one thread / two: row by row 6.6-7.8 / 8.5-14 at
+    64 KiB - 1 MiB rows, 5.0 / 4.1 at 16 KiB (two threads contend for the GIL); indexing
+    3.7-4.8 / 5.8-8.2.
     """
     if src.flags.c_contiguous and out.flags.c_contiguous:
         np.take(src, ids, axis=0, out=out, mode="clip")
         return
-    step = max(1, SCRATCH_BYTES // max(1, src.shape[1] * src.dtype.itemsize))
+    row_bytes = max(1, src.shape[1] * src.dtype.itemsize)
+    if row_bytes >= ROW_LOOP_BYTES:
+        for row, i in enumerate(ids.tolist()):
+            out[row] = src[i]
+        return
+    step = max(1, SCRATCH_BYTES // row_bytes)
     for c in range(0, len(ids), step):
         out[c : c + step] = src[ids[c : c + step]]
 
