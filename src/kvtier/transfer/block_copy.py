@@ -180,8 +180,10 @@ def copy_rows(
             dst[plan.other_index[c:e]] = rows
         return
     gather = plan.strategy is CopyStrategy.DST_RUNS
-    first_run = bisect.bisect_right(plan.run_starts, a) - 1
-    for ra, rb, lo in itertools.islice(plan.runs, first_run, None):
+    runs = plan.runs
+    if len(runs) > 1:  # skip the runs before row a
+        runs = runs[bisect.bisect_right(plan.run_starts, a) - 1 :]
+    for ra, rb, lo in runs:
         if ra >= b:
             break
         s, e = max(a, ra), min(b, rb)
@@ -205,7 +207,7 @@ def _gather(src: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     3.7-4.8 / 5.8-8.2.
     """
     if src.flags.c_contiguous and out.flags.c_contiguous:
-        np.take(src, ids, axis=0, out=out, mode="clip")
+        src.take(ids, axis=0, out=out, mode="clip")
         return
     row_bytes = max(1, src.shape[1] * src.dtype.itemsize)
     if row_bytes >= ROW_LOOP_BYTES:

@@ -120,10 +120,16 @@ class CopyCrew:
     def run(self, copies: Sequence[RegionCopy], max_threads: int | None = None) -> None:
         """Copy every region of the batch over at most `max_threads` of the crew's threads
         (None: all); raise the first share's error once every share stopped."""
-        total = sum(c.plan.num * c.row_bytes for c in copies)
+        sizes = [(c.plan.num, c.row_bytes) for c in copies]
+        total = sum(rows * row_bytes for rows, row_bytes in sizes)
         threads = self.size if max_threads is None else max(1, min(self.size, max_threads))
         parts = max(1, min(threads, total // self.min_share_bytes))
-        shares = share_out([(c.plan.num, c.row_bytes) for c in copies], parts)
+        if parts == 1:  # all on this thread: every region whole
+            _copy_share(
+                self._scratch[0], copies, [(i, 0, rows) for i, (rows, _) in enumerate(sizes)]
+            )
+            return
+        shares = share_out(sizes, parts)
         handed: list[Future[None]] = []
         try:
             for member in range(1, parts):
