@@ -184,6 +184,9 @@ def test_a_helper_share_error_reaches_the_caller(monkeypatch: pytest.MonkeyPatch
 def test_helpers_stop_on_close_and_when_the_crew_is_dropped() -> None:
     """`close()` joins the helpers; a crew dropped unclosed stops them too."""
     crew = CopyCrew(3, "closing")
+    assert _helpers("closing") == []  # none until a batch needs them
+    src = np.ones((64, 1 << 14), dtype=np.int64)  # 8 MiB: every helper gets a share
+    crew.run([RegionCopy(plan_copy(np.arange(64), np.arange(64), 1 << 17), src, src * 0)])
     assert len(_helpers("closing")) == 2
     crew.close()
     crew.close()  # idempotent
@@ -204,6 +207,8 @@ def test_a_lane_closes_its_crew() -> None:
     """The lane's helper threads end with the lane."""
     lane = TransferLane("lanecrew", copy_threads=3)
     assert lane.crew.size == 3
+    src = np.ones((64, 1 << 14), dtype=np.int64)
+    lane.crew.run([RegionCopy(plan_copy(np.arange(64), np.arange(64), 1 << 17), src, src * 0)])
     assert len(_helpers("lanecrew")) == 2
     # A worker dropped on one of them is released from another thread (no self-join).
     assert all(lane.is_own_thread(t) for t in _helpers("lanecrew"))
@@ -271,5 +276,45 @@ def test_staging_copies_stay_on_the_lanes_thread(monkeypatch: pytest.MonkeyPatch
         threads.clear()
         copier.store(engine, blocks, back, blocks)
         assert len(set(threads)) == 3
+    finally:
+        crew.close()
+
+
+def test_a_helper_that_cannot_start_fails_the_batch_without_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Helpers start when first needed: a thread limit there fails that batch (the job is
+    reported failed) instead of queueing a share no thread would run; a later batch
+    starts the helper."""
+    start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name.startswith("kvtier-limited-copy"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    crew = CopyCrew(2, "limited", min_share_bytes=1)
+    src = np.arange(64, dtype=np.int64).reshape(16, 4)
+    plan = plan_copy(np.arange(16), np.arange(16), 32)
+    outcome: list[BaseException | None] = []
+
+    def run_batch() -> None:
+        try:
+            crew.run([RegionCopy(plan, src, np.zeros_like(src))])
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        runner = threading.Thread(target=run_batch)
+        start(runner)
+        runner.join(timeout=10)
+        assert not runner.is_alive(), "run() hung"
+        assert isinstance(outcome[0], RuntimeError)
+        monkeypatch.setattr(threading.Thread, "start", start)
+        dst = np.zeros_like(src)
+        crew.run([RegionCopy(plan, src, dst)])
+        assert np.array_equal(dst, src)
     finally:
         crew.close()

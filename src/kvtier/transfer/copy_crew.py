@@ -13,7 +13,9 @@ Shares write disjoint rows (a plan's destination ids never repeat), so they neve
 
 `run` returns, or raises, only after every share stopped: a failed job leaves no copy
 running into slots or blocks handed on since. Helpers are daemon threads that hold only
-their queue; `close()` (from the lane) or the crew's garbage collection stops them.
+their queue, started when a batch first needs them (a GPU worker's CPU copies, all to or
+from disk staging, never do); `close()` (from the lane) or the crew's garbage collection
+stops them.
 """
 
 from __future__ import annotations
@@ -104,17 +106,8 @@ class CopyCrew:
         self._queues: tuple[SimpleQueue[_Task | None], ...] = tuple(
             SimpleQueue() for _ in range(size - 1)
         )
-        self._threads: list[threading.Thread] = []
-        try:
-            for number, queue in enumerate(self._queues, 1):
-                thread = threading.Thread(
-                    target=_serve, args=(queue,), name=f"kvtier-{name}-copy{number}", daemon=True
-                )
-                thread.start()
-                self._threads.append(thread)
-        except BaseException:
-            _stop(self._queues)
-            raise
+        self._threads: list[threading.Thread] = []  # started when first needed, in order
+        self._name = name
         weakref.finalize(self, _stop, self._queues)
 
     def run(self, copies: Sequence[RegionCopy], max_threads: int | None = None) -> None:
@@ -155,6 +148,15 @@ class CopyCrew:
             thread.join()
 
     def _hand(self, member: int, copies: Sequence[RegionCopy], share: Share) -> Future[None]:
+        if member > len(self._threads):  # members are handed out in order: 1, 2, ...
+            thread = threading.Thread(
+                target=_serve,
+                args=(self._queues[member - 1],),
+                name=f"kvtier-{self._name}-copy{member}",
+                daemon=True,
+            )
+            thread.start()  # before the hand-off: a share no thread would run is never queued
+            self._threads.append(thread)
         future: Future[None] = Future()
         scratch = self._scratch[member]  # the task holds no reference to the crew
         self._queues[member - 1].put((future, partial(_copy_share, scratch, copies, share)))
