@@ -318,3 +318,57 @@ def test_a_helper_that_cannot_start_fails_the_batch_without_hanging(
         assert np.array_equal(dst, src)
     finally:
         crew.close()
+
+
+def test_a_helper_first_needed_after_a_later_one_is_started_for_its_own_share() -> None:
+    """Regression: helpers were started in hand-off order and counted by number. A batch
+    whose middle share was empty (one large row, then a small one) started the helper for
+    member 2 and counted it as member 1's, so the next batch queued member 1's share where
+    no thread reads: run() hung."""
+    crew = CopyCrew(3, "skipped", min_share_bytes=1)
+    try:
+        big, small = np.arange(100, dtype=np.int64)[None], np.arange(1, dtype=np.int64)[None]
+        one_row = plan_copy(np.arange(1), np.arange(1), 8)
+        first = [
+            RegionCopy(one_row, big, np.zeros_like(big)),
+            RegionCopy(one_row, small, small * 0),
+        ]
+        assert [bool(s) for s in share_out([(1, 800), (1, 8)], 3)] == [True, False, True]
+        crew.run(first)
+        src = np.arange(96, dtype=np.int64).reshape(12, 8)
+        dst = np.zeros_like(src)
+        plan = plan_copy(np.arange(12), np.arange(12), 64)
+        runner = threading.Thread(
+            target=crew.run, args=([RegionCopy(plan, src, dst)],), daemon=True
+        )
+        runner.start()
+        runner.join(timeout=10)
+        assert not runner.is_alive(), "run() hung on a share no helper reads"
+        assert np.array_equal(dst, src)
+        assert len(_helpers("skipped")) == 2
+    finally:
+        crew.close()
+
+
+def test_a_batch_after_close_is_refused_not_left_hanging() -> None:
+    """After `close()` no helper reads its queue: a batch that needed one would wait for
+    good. It is refused (the lane never submits one after closing; this guards that)."""
+    crew = CopyCrew(2, "closed", min_share_bytes=1)
+    crew.close()
+    src = np.arange(96, dtype=np.int64).reshape(12, 8)
+    plan = plan_copy(np.arange(12), np.arange(12), 64)
+    outcome: list[BaseException | None] = []
+
+    def run_batch() -> None:
+        try:
+            crew.run([RegionCopy(plan, src, np.zeros_like(src))])
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    runner = threading.Thread(target=run_batch, daemon=True)
+    runner.start()
+    runner.join(timeout=10)
+    assert not runner.is_alive(), "run() after close() hung"
+    assert isinstance(outcome[0], RuntimeError)
+    assert "copy crew closed is closed" in str(outcome[0])

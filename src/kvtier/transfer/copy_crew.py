@@ -106,13 +106,17 @@ class CopyCrew:
         self._queues: tuple[SimpleQueue[_Task | None], ...] = tuple(
             SimpleQueue() for _ in range(size - 1)
         )
-        self._threads: list[threading.Thread] = []  # started when first needed, in order
+        # Helper i runs member i + 1's shares; started when first handed one.
+        self._helpers: list[threading.Thread | None] = [None] * (size - 1)
         self._name = name
+        self._closed = False
         weakref.finalize(self, _stop, self._queues)
 
     def run(self, copies: Sequence[RegionCopy], max_threads: int | None = None) -> None:
         """Copy every region of the batch over at most `max_threads` of the crew's threads
         (None: all); raise the first share's error once every share stopped."""
+        if self._closed:
+            raise RuntimeError(f"copy crew {self._name} is closed")
         sizes = [(c.plan.num, c.row_bytes) for c in copies]
         total = sum(rows * row_bytes for rows, row_bytes in sizes)
         threads = self.size if max_threads is None else max(1, min(self.size, max_threads))
@@ -139,16 +143,18 @@ class CopyCrew:
 
     def is_own_thread(self, thread: threading.Thread) -> bool:
         """Return True if `thread` is one of the crew's helpers."""
-        return any(thread is own for own in self._threads)
+        return any(thread is own for own in self._helpers)
 
     def close(self) -> None:
         """Stop the helper threads once idle (the lane's jobs are done); idempotent."""
+        self._closed = True
         _stop(self._queues)
-        for thread in self._threads:
-            thread.join()
+        for thread in self._helpers:
+            if thread is not None:
+                thread.join()
 
     def _hand(self, member: int, copies: Sequence[RegionCopy], share: Share) -> Future[None]:
-        if member > len(self._threads):  # members are handed out in order: 1, 2, ...
+        if self._helpers[member - 1] is None:
             thread = threading.Thread(
                 target=_serve,
                 args=(self._queues[member - 1],),
@@ -156,7 +162,7 @@ class CopyCrew:
                 daemon=True,
             )
             thread.start()  # before the hand-off: a share no thread would run is never queued
-            self._threads.append(thread)
+            self._helpers[member - 1] = thread
         future: Future[None] = Future()
         scratch = self._scratch[member]  # the task holds no reference to the crew
         self._queues[member - 1].put((future, partial(_copy_share, scratch, copies, share)))
