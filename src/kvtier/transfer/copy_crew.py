@@ -14,8 +14,8 @@ Shares write disjoint rows (a plan's destination ids never repeat), so they neve
 `run` returns, or raises, only after every share stopped: a failed job leaves no copy
 running into slots or blocks handed on since. Helpers are daemon threads that hold only
 their queue, started when a batch first needs them (a GPU worker's CPU copies, all to or
-from disk staging, never do); `close()` (from the lane) or the crew's garbage collection
-stops them.
+from disk staging, never do; one that cannot start leaves its share to the lane thread);
+`close()` (from the lane) or the crew's garbage collection stops them.
 """
 
 from __future__ import annotations
@@ -128,11 +128,17 @@ class CopyCrew:
             return
         shares = share_out(sizes, parts)
         handed: list[Future[None]] = []
+        kept: list[Share] = []  # shares whose helper could not start: copied here
         try:
             for member in range(1, parts):
                 if shares[member]:
-                    handed.append(self._hand(member, copies, shares[member]))
-            self._copy_share(0, copies, shares[0])
+                    future = self._hand(member, copies, shares[member])
+                    if future is None:
+                        kept.append(shares[member])
+                    else:
+                        handed.append(future)
+            for share in (shares[0], *kept):  # one after another: one scratch
+                self._copy_share(0, copies, share)
         finally:
             for future in handed:  # never return while a helper still copies
                 future.exception()
@@ -153,7 +159,10 @@ class CopyCrew:
             if thread is not None:
                 thread.join()
 
-    def _hand(self, member: int, copies: Sequence[RegionCopy], share: Share) -> Future[None]:
+    def _hand(self, member: int, copies: Sequence[RegionCopy], share: Share) -> Future[None] | None:
+        """Queue `share` for member's helper, started first if need be; return None,
+        queueing nothing, when it cannot start (a thread limit; Python 3.12 once the
+        interpreter exits, where lanes still run their queued jobs): the caller copies it."""
         if self._helpers[member - 1] is None:
             thread = threading.Thread(
                 target=_serve,
@@ -161,7 +170,10 @@ class CopyCrew:
                 name=f"kvtier-{self._name}-copy{member}",
                 daemon=True,
             )
-            thread.start()  # before the hand-off: a share no thread would run is never queued
+            try:
+                thread.start()  # before the hand-off: no share is queued where none reads
+            except RuntimeError:
+                return None
             self._helpers[member - 1] = thread
         future: Future[None] = Future()
         scratch = self._scratch[member]  # the task holds no reference to the crew
