@@ -4,8 +4,11 @@ come back only once every share stopped, and the helper threads go away."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -377,3 +380,40 @@ def test_a_batch_after_close_is_refused_not_left_hanging() -> None:
     assert not runner.is_alive(), "run() after close() hung"
     assert isinstance(outcome[0], RuntimeError)
     assert "copy crew closed is closed" in str(outcome[0])
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, time, weakref
+import numpy as np
+from kvtier.transfer.block_copy import plan_copy
+from kvtier.transfer.copy_crew import RegionCopy
+from kvtier.transfer.lanes import TransferLane
+
+lane = TransferLane("atexit", copy_threads=2)
+src = np.ones((64, 1 << 14), dtype=np.int64)  # 8 MiB: the helper gets a share
+dst = np.zeros_like(src)
+plan = plan_copy(np.arange(64), np.arange(64), 1 << 17)
+
+def job():
+    time.sleep(0.5)  # still queued when the interpreter starts to exit
+    lane.crew.run([RegionCopy(plan, src, dst)])
+    with open(sys.argv[1], "w") as out:
+        out.write(str(int(dst.sum())))
+
+lane.submit(1, lambda: job() or None)
+lane.submit(2, lambda: job() or None)
+# Finalizers' exit hook last registered, so first to run: before the lanes' own.
+atexit.unregister(weakref.finalize._exitfunc)
+atexit.register(weakref.finalize._exitfunc)
+"""
+
+
+def test_jobs_run_at_exit_still_have_their_crew(tmp_path: Path) -> None:
+    """Lanes finish their queued jobs at interpreter exit. Had the crew's finalizer run
+    at exit first (its order only depends on what registered its hook first), it would
+    have stopped the helpers, and the job handing them a share would wait for good."""
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    result = tmp_path / "copied"
+    subprocess.run([sys.executable, str(script), str(result)], check=True, timeout=60)
+    assert result.read_text() == str(64 << 14)

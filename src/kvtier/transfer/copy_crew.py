@@ -110,7 +110,9 @@ class CopyCrew:
         self._helpers: list[threading.Thread | None] = [None] * (size - 1)
         self._name = name
         self._closed = False
-        weakref.finalize(self, _stop, self._queues)
+        # Not at interpreter exit: the lanes still run their queued jobs then (atexit), and
+        # daemon helpers need no stopping once the interpreter ends.
+        weakref.finalize(self, _stop, self._queues).atexit = False
 
     def run(self, copies: Sequence[RegionCopy], max_threads: int | None = None) -> None:
         """Copy every region of the batch over at most `max_threads` of the crew's threads
