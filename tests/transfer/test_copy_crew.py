@@ -4,6 +4,7 @@ test_copy_crew_lifecycle.py)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -174,6 +175,43 @@ def test_a_helper_share_error_reaches_the_caller(monkeypatch: pytest.MonkeyPatch
         assert np.array_equal(dst, src)
     finally:
         crew.close()
+
+
+@pytest.mark.parametrize("lane_fails", [True, False])
+def test_every_failed_share_is_told_the_first_raised_the_others_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, lane_fails: bool
+) -> None:
+    """Several shares of one batch fail (the lane's own and a helper's, or two helpers'):
+    `run` raises the first in batch order and logs each other one with its traceback."""
+
+    def copy_rows(plan, src, dst, a, b, scratch):  # type: ignore[no-untyped-def]
+        name = threading.current_thread().name
+        if name.startswith("kvtier-many-copy"):
+            raise ValueError(f"share of {name} failed")
+        if lane_fails:
+            raise OSError("lane share failed")
+
+    monkeypatch.setattr(copy_crew, "copy_rows", copy_rows)
+    crew = CopyCrew(3, "many", min_share_bytes=1)
+    src = np.zeros((12, 4), dtype=np.int64)
+    plan = plan_copy(np.arange(12), np.arange(12), 32)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger=copy_crew.__name__),
+            pytest.raises(OSError if lane_fails else ValueError) as raised,
+        ):
+            crew.run([RegionCopy(plan, src, np.zeros_like(src))])
+    finally:
+        crew.close()
+    helpers = [f"share of kvtier-many-copy{m} failed" for m in (1, 2)]
+    told = [str(r.exc_info[1]) for r in caplog.records if r.exc_info and r.exc_info[1]]
+    if lane_fails:
+        assert str(raised.value) == "lane share failed"
+        assert told == helpers
+    else:
+        assert str(raised.value) == helpers[0]
+        assert told == helpers[1:]
+    assert all("copy crew many" in r.getMessage() for r in caplog.records)
 
 
 def test_crew_size_follows_copy_threads_and_caps_the_default() -> None:

@@ -12,14 +12,19 @@ A batch smaller than `MIN_SHARE_BYTES` per thread is copied by fewer threads: a 
 Shares write disjoint rows (a plan's destination ids never repeat), so they never race.
 
 `run` returns, or raises, only after every share stopped: a failed job leaves no copy
-running into slots or blocks handed on since. Helpers are daemon threads that hold only
-their queue, started when a batch first needs them (a GPU worker's CPU copies, all to or
-from disk staging, never do; one that cannot start leaves its share to the lane thread);
-`close()` (from the lane) or the crew's garbage collection stops them.
+running into slots or blocks handed on since. It raises one error, the first failed
+share's in batch order (the lane reports one per job), and logs each other one with its
+traceback: its type is kept for the lane's callers, and no failure goes untold.
+
+Helpers are daemon threads that hold only their queue, started when a batch first needs
+them (a GPU worker's CPU copies, all to or from disk staging, never do; one that cannot
+start leaves its share to the lane thread); `close()` (from the lane) or the crew's
+garbage collection stops them.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,6 +37,8 @@ import numpy as np
 import torch
 
 from kvtier.transfer.block_copy import CopyPlan, CopyStrategy, copy_rows, fits, new_scratch
+
+logger = logging.getLogger(__name__)
 
 MIN_SHARE_BYTES = 1 << 20
 # Threads a crew gets when the config leaves it open: torch's intra-op count, up to this.
@@ -116,7 +123,8 @@ class CopyCrew:
 
     def run(self, copies: Sequence[RegionCopy], max_threads: int | None = None) -> None:
         """Copy every region of the batch over at most `max_threads` of the crew's threads
-        (None: all); raise the first share's error once every share stopped."""
+        (None: all); once every share stopped, raise the first failed share's error (in
+        batch order) and log the others."""
         if self._closed:
             raise RuntimeError(f"copy crew {self._name} is closed")
         sizes = [(c.plan.num, c.row_bytes) for c in copies]
@@ -141,13 +149,13 @@ class CopyCrew:
                         handed.append(future)
             for share in (shares[0], *kept):  # one after another: one scratch
                 self._copy_share(0, copies, share)
-        finally:
-            for future in handed:  # never return while a helper still copies
-                future.exception()
-        for future in handed:
-            error = future.exception()
-            if error is not None:
-                raise error
+        except BaseException:
+            self._log_unraised(_wait(handed))  # never return while a helper still copies
+            raise
+        errors = _wait(handed)
+        if errors:
+            self._log_unraised(errors[1:])
+            raise errors[0]
 
     def is_own_thread(self, thread: threading.Thread) -> bool:
         """Return True if `thread` is one of the crew's helpers."""
@@ -185,6 +193,17 @@ class CopyCrew:
     def _copy_share(self, member: int, copies: Sequence[RegionCopy], share: Share) -> None:
         _copy_share(self._scratch[member], copies, share)
 
+    def _log_unraised(self, errors: Sequence[BaseException]) -> None:
+        """Log, with its traceback, each error of a failed batch that `run` does not raise
+        (one error is raised per batch; the lane reports only that one)."""
+        for error in errors:
+            logger.warning(
+                "copy crew %s: another share of the failed batch failed too: %s",
+                self._name,
+                error,
+                exc_info=error,
+            )
+
 
 def _copy_share(scratch: _Scratch, copies: Sequence[RegionCopy], share: Share) -> None:
     """Copy one share, with the scratch rows of the thread that runs it."""
@@ -197,6 +216,12 @@ def _copy_share(scratch: _Scratch, copies: Sequence[RegionCopy], share: Share) -
             if rows is None or not fits(rows, copy.dst):
                 rows = scratch[key] = new_scratch(*key)
         copy_rows(copy.plan, copy.src, copy.dst, a, b, rows)
+
+
+def _wait(handed: Sequence[Future[None]]) -> list[BaseException]:
+    """Wait for every handed share; return their errors in batch order."""
+    errors = [future.exception() for future in handed]
+    return [error for error in errors if error is not None]
 
 
 def _serve(queue: SimpleQueue[_Task | None]) -> None:
