@@ -121,3 +121,42 @@ def test_strided_gathers_row_by_row_or_by_chunks_copy_exactly(row_kib: int, crew
         assert not staging.rows[7].any()
     finally:
         crew.close()
+
+
+def _every_other_column(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Return `[rows, 2 * width]` random values of `dtype`; its even columns are the rows
+    under test, whose elements are 2 apart."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 100, (rows, 2 * width), generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float8_e5m2, torch.float16, torch.float32, torch.int64]
+)
+@pytest.mark.parametrize("entry", ["copy_blocks", "run_copy", "CpuCopier"])
+def test_rows_whose_elements_are_not_adjacent_copy_in_every_dtype(
+    dtype: torch.dtype, entry: str
+) -> None:
+    """Rows with an innermost stride of 2 elements, through each CPU entry point. Viewing
+    them as bytes raised RuntimeError ("self.stride(-1) must be 1"): bfloat16 everywhere
+    (numpy lacks it), and every dtype but one-byte ones in `copy_blocks` (which saw rows
+    of any other dtype as bytes)."""
+    src = _every_other_column(16, 6, dtype, seed=1)[:, ::2]
+    wide_dst = _every_other_column(16, 6, dtype, seed=2)
+    dst = wide_dst[:, ::2]
+    assert src.stride() == dst.stride() == (12, 2)
+    expected = wide_dst.clone()
+    src_ids = np.array([3, 0, 9, 15, 4], dtype=np.int64)
+    dst_ids = np.array([1, 2, 7, 4, 11], dtype=np.int64)
+    expected[torch.from_numpy(dst_ids), ::2] = src[torch.from_numpy(src_ids)]
+    if entry == "copy_blocks":
+        copy_blocks(src, src_ids, dst, dst_ids)
+    elif entry == "run_copy":
+        run_copy(plan_copy(src_ids, dst_ids, 6 * src.element_size()), src, dst)
+    else:
+        crew = CopyCrew(2, "every-other", min_share_bytes=1)
+        try:
+            CpuCopier(crew).store([src], src_ids, [dst], dst_ids)
+        finally:
+            crew.close()
+    assert torch.equal(wide_dst.float(), expected.float())  # odd columns untouched too

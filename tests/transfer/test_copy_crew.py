@@ -240,11 +240,14 @@ def test_cpu_copier_checks_every_region_before_copying_any() -> None:
         crew.close()
 
 
-def test_rows_of_a_dtype_numpy_lacks_are_seen_as_bytes() -> None:
-    """bfloat16 rows (which numpy has no dtype for) are copied as their bytes."""
-    rows = torch.randn(4, 6).to(torch.bfloat16)
-    assert as_rows(rows).dtype == np.uint8
-    assert as_rows(rows).shape == (4, 12)
+def test_rows_of_a_dtype_numpy_lacks_are_seen_as_integers_of_its_size() -> None:
+    """bfloat16 rows (which numpy has no dtype for) are copied as int16 rows, float8 rows
+    as bytes: the same memory, strides kept."""
+    rows = torch.randn(4, 12).to(torch.bfloat16)[:, ::2]
+    seen = as_rows(rows)
+    assert (seen.dtype, seen.shape, seen.strides) == (np.int16, (4, 6), (24, 4))
+    assert seen.ctypes.data == rows.data_ptr()
+    assert as_rows(torch.zeros(4, 6, dtype=torch.float8_e4m3fn)).dtype == np.uint8
 
 
 def test_staging_copies_stay_on_the_lanes_thread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,8 @@ import torch
 MIN_RUN_BYTES = 64 << 10
 SCRATCH_BYTES = 4 << 20
 ROW_LOOP_BYTES = 64 << 10  # strided rows this big are gathered one at a time (`_gather`)
+# Integer dtypes numpy has, by element size: how rows of a dtype numpy lacks are seen.
+_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class CopyStrategy(enum.Enum):
@@ -89,13 +91,15 @@ def row_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def as_rows(t: torch.Tensor) -> np.ndarray:
     """Return the numpy view of a 2-D CPU tensor of rows (its memory, not a copy).
 
-    Rows of a dtype numpy lacks (bfloat16, float8, ...) are seen as bytes; that needs
-    unit-stride rows.
+    Rows of a dtype numpy lacks (bfloat16, float8, ...) are seen as integers of the same
+    size, which keeps every stride: seen as bytes, rows whose elements are not adjacent
+    (the even columns of a wider tensor) could not be viewed at all.
     """
     try:
         return t.numpy()
     except TypeError:  # "unsupported ScalarType": no numpy dtype for it
-        return t.view(torch.uint8).numpy()
+        same_size = _SAME_SIZE_INTS.get(t.element_size(), torch.uint8)
+        return t.view(same_size).numpy()
 
 
 def new_scratch(row_width: int, dtype: np.dtype | type = np.uint8) -> np.ndarray:
@@ -243,15 +247,15 @@ def copy_blocks(
 ) -> None:
     """Copy rows `src[src_ids[i]]` into `dst[dst_ids[i]]` (see `plan_copy` / `run_copy`).
 
-    Views both sides as int64 rows when possible (a convenience for one-off copies).
+    Views byte rows as int64 rows when possible (a convenience for one-off copies); rows
+    of other dtypes are copied as they are, whatever their strides. `scratch`, of any
+    dtype, is seen as rows of the copied dtype.
     """
     row_bytes = src.shape[1] * src.element_size()
-    dtype = row_dtype(src, dst)
-    if dtype != src.dtype:
-        src, dst = src.view(dtype), dst.view(dtype)
-        # As bytes, then as the rows' dtype (int64, or uint8 when the rows are bytes).
-        row_np = np.int64 if dtype == torch.int64 else np.uint8
-        scratch = scratch.view(np.uint8).view(row_np) if scratch is not None else None
+    if row_dtype(src, dst) == torch.int64:  # byte rows that read as 8-byte words
+        src, dst = src.view(torch.int64), dst.view(torch.int64)
+    if scratch is not None:  # as bytes, then as the rows numpy copies
+        scratch = scratch.view(np.uint8).view(as_rows(dst).dtype)
     run_copy(plan_copy(src_ids, dst_ids, row_bytes), src, dst, scratch)
 
 
