@@ -76,7 +76,7 @@ def test_sampling_checks_arguments() -> None:
         sample(_logits(), [SamplingParams()], [None])
     with pytest.raises(ValueError, match="max_tokens must be a positive int, got 0"):
         SamplingParams(max_tokens=0)
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\], got -1.0"):
         SamplingParams(temperature=-1.0)
 
 
@@ -93,13 +93,13 @@ def test_finish_reason() -> None:
 @pytest.mark.parametrize(
     ("changes", "error", "message"),
     [
-        ({"temperature": float("nan")}, ValueError, "temperature must be >= 0 and finite, got nan"),
-        ({"temperature": float("inf")}, ValueError, "temperature must be >= 0 and finite, got inf"),
-        ({"temperature": "0.5"}, TypeError, "temperature must be a float >= 0, got '0.5'"),
-        ({"temperature": None}, TypeError, "temperature must be a float >= 0, got None"),
+        ({"temperature": float("nan")}, ValueError, r"temperature must be in \[0, 2\], got nan"),
+        ({"temperature": float("inf")}, ValueError, r"temperature must be in \[0, 2\], got inf"),
+        ({"temperature": "0.5"}, TypeError, r"temperature must be a float in \[0, 2\], got '0.5'"),
+        ({"temperature": None}, TypeError, r"temperature must be a float in \[0, 2\], got None"),
         ({"max_tokens": True}, TypeError, "max_tokens must be a positive int, got True"),
         ({"max_tokens": 2.0}, TypeError, "max_tokens must be a positive int, got 2.0"),
-        ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*63\), got -1"),
+        ({"seed": -2}, ValueError, r"seed must be in \[0, 2\*\*63\) or -1 \(no seed\), got -2"),
         ({"seed": 2**70}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
         ({"seed": "x"}, TypeError, "seed must be an int or None, got 'x'"),
         ({"seed": 1.0}, TypeError, "seed must be an int or None, got 1.0"),
@@ -155,7 +155,7 @@ def test_numpy_numbers_are_taken_as_python_ones(
         ({"max_tokens": np.True_}, TypeError),
         ({"max_tokens": np.float64(2.0)}, TypeError),
         ({"max_tokens": np.int64(0)}, ValueError),
-        ({"seed": np.int8(-1)}, ValueError),
+        ({"seed": np.int8(-2)}, ValueError),
         ({"temperature": np.float32("nan")}, ValueError),
         ({"temperature": np.bool_(False)}, TypeError),
     ],
@@ -187,3 +187,34 @@ def test_stop_token_ids_may_be_none_as_in_vllm() -> None:
     params = SamplingParams(stop_token_ids=None)  # type: ignore[arg-type]
     assert params.stop_token_ids == ()
     assert params == SamplingParams()
+
+
+@pytest.mark.parametrize("seed", [-1, np.int64(-1)])
+def test_seed_minus_one_means_no_seed_as_in_vllm(seed: object) -> None:
+    """Regression: `seed=-1`, vLLM's "no seed" (its SamplingParams stores None), was
+    refused as 'seed must be in [0, 2**63), got -1', so code written for vLLM failed."""
+    params = SamplingParams(temperature=1.0, seed=seed)  # type: ignore[arg-type]
+    assert params.seed is None
+    assert params == SamplingParams(temperature=1.0)
+    source = _source()
+    generator = params.make_generator(source)
+    assert generator is not None
+    assert not torch.equal(source.get_state(), _source().get_state())  # drew, as unseeded
+
+
+@pytest.mark.parametrize("temperature", [2.0001, 3, 100.0, np.float32(2.5)])
+def test_a_temperature_above_two_is_refused_as_in_vllm(temperature: object) -> None:
+    """Regression: any finite temperature was taken, where vLLM's SamplingParams refuses
+    one above 2 ('temperature must be in [0, 2]'): a request vLLM refuses ran here."""
+    with pytest.raises(ValueError, match=rf"temperature must be in \[0, 2\], got {temperature}"):
+        SamplingParams(temperature=temperature)  # type: ignore[arg-type]
+    assert SamplingParams(temperature=2).temperature == 2.0
+
+
+@pytest.mark.parametrize("ignore_eos", [np.True_, np.False_])
+def test_ignore_eos_may_be_a_numpy_bool(ignore_eos: np.bool_) -> None:
+    """Regression: `ignore_eos=np.True_` was refused as 'ignore_eos must be a bool', though
+    numpy numbers are taken for the other fields."""
+    params = SamplingParams(ignore_eos=ignore_eos)  # type: ignore[arg-type]
+    assert params.ignore_eos is bool(ignore_eos)
+    assert params == SamplingParams(ignore_eos=bool(ignore_eos))

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 
 import numpy as np
 import torch
+
+# vLLM's SamplingParams refuses a higher temperature; taken the same, a request written
+# for vLLM is refused or served alike.
+_MAX_TEMPERATURE = 2.0
 
 
 class FinishReason(enum.Enum):
@@ -29,9 +32,13 @@ class SamplingParams:
     the engine seeds the request's generator from `EngineConfig.seed` and the request's
     arrival order (`make_generator`), so the same engine seed and the same calls give the
     same tokens, as in vLLM. A value of the wrong type raises TypeError, one out of range
-    ValueError, both naming the field; numpy numbers are taken as and stored as Python
-    ones; `stop_token_ids` may be any sequence of ints (a 1-D numpy array too) or None
-    (none, as in vLLM) and is stored as a tuple.
+    ValueError, both naming the field; numpy numbers and bools are taken as and stored as
+    Python ones; `stop_token_ids` may be any sequence of ints (a 1-D numpy array too) or
+    None (none, as in vLLM) and is stored as a tuple.
+
+    Taken at this boundary as vLLM's `SamplingParams` takes them, so code written for
+    vLLM runs unchanged: `temperature` in [0, 2] (vLLM refuses more); `seed=-1` means no
+    seed and is stored as None (vLLM's convention; other negative seeds are refused).
     """
 
     max_tokens: int = 16
@@ -47,19 +54,23 @@ class SamplingParams:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        bounds = f"[0, {_MAX_TEMPERATURE:g}]"
         if not isinstance(self.temperature, Real) or _is_bool(self.temperature):
-            raise TypeError(f"temperature must be a float >= 0, got {self.temperature!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+            raise TypeError(f"temperature must be a float in {bounds}, got {self.temperature!r}")
+        if not 0 <= self.temperature <= _MAX_TEMPERATURE:  # NaN fails too
+            raise ValueError(f"temperature must be in {bounds}, got {self.temperature}")
         object.__setattr__(self, "temperature", float(self.temperature))
+        if _is_int(self.seed) and self.seed == -1:
+            object.__setattr__(self, "seed", None)  # vLLM's "no seed"
         if self.seed is not None:
             if not _is_int(self.seed):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             if not 0 <= self.seed < 2**63:
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+                raise ValueError(f"seed must be in [0, 2**63) or -1 (no seed), got {self.seed}")
             object.__setattr__(self, "seed", int(self.seed))
-        if not isinstance(self.ignore_eos, bool):
+        if not _is_bool(self.ignore_eos):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         stop = self.stop_token_ids
         if stop is None:
             stop = ()  # vLLM's default, so code written for it runs unchanged
