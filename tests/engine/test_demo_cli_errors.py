@@ -131,7 +131,7 @@ BAD_MODEL_DIRS = {  # case -> (how to make the directory, what the error says)
     ),
     "architecture": (
         lambda d: _with_config(d, architectures=["GPT2LMHeadModel"]),
-        "architectures=['GPT2LMHeadModel'] not supported",
+        'architectures=["GPT2LMHeadModel"] not supported',
     ),
     "weights of another shape": (
         lambda d: _with_config(d, hidden_size=32),

@@ -120,11 +120,17 @@ def test_llama_with_old_style_rope_theta(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"architectures": ["GPT2LMHeadModel"]}, r"architectures=\['GPT2LMHeadModel'\]"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
-        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"mlp_bias": True}, "mlp_bias=True"),
-        ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 4}, "chunked_attention"),
+        ({"architectures": ["GPT2LMHeadModel"]}, r'architectures=\["GPT2LMHeadModel"\]'),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+            'rope_type="llama3" not supported',
+        ),
+        ({"hidden_act": "gelu"}, 'hidden_act="gelu" not supported'),
+        ({"mlp_bias": True}, "mlp_bias=true not supported"),
+        (
+            {"sliding_window": 8, "layer_types": ["chunked_attention"] * 4},
+            'layer_types "chunked_attention" not supported',
+        ),
     ],
 )
 def test_unsupported_hf_configs_are_rejected(
@@ -139,16 +145,19 @@ def test_unsupported_hf_configs_are_rejected(
     [
         ("[]", "expected a JSON object, got list"),
         ('{"num_attention_heads": 0}', "num_attention_heads must be a positive int, got 0"),
-        ('{"hidden_size": "abc"}', "hidden_size must be a positive int, got 'abc'"),
+        ('{"hidden_size": "abc"}', 'hidden_size must be a positive int, got "abc"'),
         ('{"num_hidden_layers": 2.5}', "num_hidden_layers must be a positive int, got 2.5"),
         ('{"rope_parameters": 5}', r"rope_parameters \(or rope_scaling\) must be an object"),
         ('{"architectures": 5}', "architectures must be a list, got 5"),
-        ('{"rope_parameters": {"rope_theta": "x"}}', "rope_theta must be a number, got 'x'"),
+        (
+            '{"rope_parameters": {"rope_theta": "x"}}',
+            'rope_theta must be a finite number > 0, got "x"',
+        ),
         ('{"num_key_value_heads": 0}', "num_key_value_heads must be a positive int, got 0"),
-        ('{"eos_token_id": "2"}', "eos_token_id must be a token id or a list of them, got '2'"),
+        ('{"eos_token_id": "2"}', 'eos_token_id must be a token id or a list of them, got "2"'),
         (
             '{"sliding_window": 8, "max_window_layers": "2"}',
-            "max_window_layers must be an int >= 0, got '2'",
+            'max_window_layers must be an int >= 0, got "2"',
         ),
         ('{"sliding_window": 8, "layer_types": 5}', "layer_types must be a list, got 5"),
     ],
@@ -173,15 +182,18 @@ def test_a_malformed_hf_config_is_a_value_error_naming_the_key(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a positive number, got 'x'"),
-        ({"vocab_size": "abc"}, "vocab_size must be a positive int, got 'abc'"),
-        ({"head_dim": "64"}, "head_dim must be a positive int, got '64'"),
+        ({"rms_norm_eps": "x"}, 'rms_norm_eps must be a finite number > 0, got "x"'),
+        ({"vocab_size": "abc"}, 'vocab_size must be a positive int, got "abc"'),
+        ({"head_dim": "64"}, 'head_dim must be a positive int, got "64"'),
         ({"max_position_embeddings": 1.5}, "max_position_embeddings must be a positive int"),
-        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'f"),
+        (
+            {"tie_word_embeddings": "false"},
+            'tie_word_embeddings must be true or false, got "false"',
+        ),
         ({"attention_bias": 1}, "attention_bias must be true or false, got 1"),
         (
             {"sliding_window": "8", "layer_types": ["sliding_attention"] * 4},
-            "sliding_window must be a positive int, got '8'",
+            'sliding_window must be a positive int, got "8"',
         ),
         ({"num_key_value_heads": 3}, "num_heads=4 is not a multiple of num_kv_heads=3"),
     ],
@@ -193,6 +205,34 @@ def test_a_value_of_the_wrong_type_is_named_with_its_file_and_key(
     vocab_size or head_dim was named by ModelConfig's field, not by the file and key;
     `"tie_word_embeddings": "false"` was read as true, so lm_head.weight was ignored."""
     path = _write(tmp_path, **overrides)
+    with pytest.raises(ValueError) as error:
+        ModelConfig.from_hf_config(path)
+    assert str(error.value).startswith(f"{path / 'config.json'}: ")
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"tie_word_embeddings": "yes"}', 'tie_word_embeddings must be true or false, got "yes"'),
+        ('{"head_dim": null, "hidden_size": true}', "hidden_size must be a positive int, got true"),
+        ('{"architectures": ["Gpt\u00e9"]}', 'architectures=["Gpt\u00e9"] not supported'),
+        (
+            '{"rope_parameters": {"rope_theta": NaN}}',
+            "rope_theta must be a finite number > 0, got NaN",
+        ),
+        ('{"rope_parameters": {"rope_theta": 0}}', "rope_theta must be a finite number > 0, got 0"),
+        ('{"rms_norm_eps": 1e400}', "rms_norm_eps must be a finite number > 0, got Infinity"),
+        ('{"layer_types": [1, null, "full_attention", 1]}', "layer_types 1, null not supported"),
+    ],
+)
+def test_a_bad_value_is_shown_as_json(tmp_path: Path, text: str, message: str) -> None:
+    """Regression: config.json values were shown as Python shows what the JSON reader
+    made of them (`True`, `None`, `'yes'`, `['1', 'None']`), not as the file holds them;
+    a NaN or zero rope_theta or rms_norm_eps was named as `ModelConfig.rope_theta=nan`."""
+    path = _write(tmp_path)
+    hf = json.loads(path.joinpath("config.json").read_text())
+    path.joinpath("config.json").write_text(json.dumps({**hf, **json.loads(text)}))
     with pytest.raises(ValueError) as error:
         ModelConfig.from_hf_config(path)
     assert str(error.value).startswith(f"{path / 'config.json'}: ")

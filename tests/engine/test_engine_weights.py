@@ -93,12 +93,16 @@ def test_a_tensor_stored_in_two_files_is_refused(tmp_path: Path) -> None:
         ('{"weight_map": ["a.safetensors"]}', "must hold a non-empty object weight_map"),
         ("[1]", "must hold a non-empty object weight_map"),
         ('{"weight_map": {"w": 3}}', "weight_map names 3, not shard file names"),
-        ('{"weight_map": {"w": "../a.safetensors"}}', "names '../a.safetensors', not shard"),
+        ('{"weight_map": {"w": "../a.safetensors"}}', 'names "../a.safetensors", not shard'),
+        ('{"weight_map": {"w": null, "v": null}}', "weight_map names null, not shard"),
+        ('{"weight_map": {"w": ["a"], "v": 1}}', 'weight_map names 1, ["a"], not shard'),
     ],
 )
 def test_a_malformed_index_is_named(tmp_path: Path, index: str, message: str) -> None:
     """Regression: a weight_map list was an AttributeError traceback; a missing one was
-    reported by `kvtier demo` as config.json lacking a key, bad JSON as config.json's."""
+    reported by `kvtier demo` as config.json lacking a key, bad JSON as config.json's; a
+    list among the shard names was a TypeError (unhashable), and bad names were shown as
+    Python shows them (`None`, `'../a'`), not as JSON."""
     _save_checkpoint(tmp_path)
     index_path = tmp_path / "model.safetensors.index.json"
     index_path.write_text(index)
@@ -106,3 +110,12 @@ def test_a_malformed_index_is_named(tmp_path: Path, index: str, message: str) ->
         checkpoint_files(tmp_path)
     assert str(error.value).startswith(str(index_path))
     assert message in str(error.value)
+
+
+def test_missing_shards_are_named_as_the_index_holds_them(tmp_path: Path) -> None:
+    """Regression: shard names read from the index were shown as a Python list
+    (`['b.safetensors']`), not as JSON like the index's other bad values."""
+    _save_checkpoint(tmp_path)
+    (tmp_path / "b.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r'names missing shards: \["b\.safetensors"\]'):
+        checkpoint_files(tmp_path)

@@ -77,9 +77,11 @@ def test_eos_tokens_are_config_then_generation_config(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"eos_token_id": "2"}', "eos_token_id must be a token id or a list of them, got '2'"),
+        ('{"eos_token_id": "2"}', 'eos_token_id must be a token id or a list of them, got "2"'),
         ('{"eos_token_id": [2, -1]}', r"got \[2, -1\]"),
-        ('{"eos_token_id": true}', "got True"),
+        ('{"eos_token_id": true}', "got true"),
+        ('{"eos_token_id": [2, null]}', r"got \[2, null\]"),
+        (r'{"eos_token_id": {"id": "\u00e9"}}', 'got {"id": "\u00e9"}'),  # é, not its escape
         ("[1, 2]", "expected a JSON object, got list"),
         ("{eos", "not valid JSON"),
     ],

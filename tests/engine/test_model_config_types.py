@@ -42,7 +42,9 @@ def test_bad_values_are_named(changes: dict[str, Any], message: str) -> None:
 @pytest.mark.parametrize("key", ["rope_theta", "rms_norm_eps"])
 def test_a_nan_in_config_json_is_refused(tmp_path: Path, key: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**TINY_HF_CONFIG, key: float("nan")}))
-    with pytest.raises(ValueError, match=f"{key}"):
+    with pytest.raises(
+        ValueError, match=f"config.json: {key} must be a finite number > 0, got NaN"
+    ):
         ModelConfig.from_hf_config(tmp_path)
 
 

@@ -3,6 +3,8 @@
 Every value is checked for its type before it is used: a malformed file raises
 ValueError naming the file, the key and the value, never a TypeError from arithmetic
 on a string, and never a silent misreading (`"tie_word_embeddings": "false"` is not true).
+The value is shown as JSON, as the file holds it (`true`, `null`, `"x"`), not as Python
+shows what the JSON reader made of it (`True`, `None`, `'x'`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -105,24 +108,24 @@ def _eos_token_ids(eos: Any) -> tuple[int, ...]:
     """Return an `eos_token_id` value (null, an id or a list of ids) as a tuple of ids."""
     eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
     if any(type(token) is not int or token < 0 for token in eos_token_ids):
-        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {_json(eos)}")
     return eos_token_ids
 
 
 def _from_hf_dict(hf: dict[str, Any], dtype: torch.dtype, source: str) -> ModelConfig:
     architectures = hf.get("architectures") or []
     if not isinstance(architectures, list):
-        raise ValueError(f"architectures must be a list, got {architectures!r}")
+        raise ValueError(f"architectures must be a list, got {_json(architectures)}")
     architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
     if architecture is None:
         raise ValueError(
-            f"architectures={architectures} not supported "
+            f"architectures={_json(architectures)} not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act={hf['hidden_act']!r} not supported (only 'silu')")
+        raise ValueError(f'hidden_act={_json(hf["hidden_act"])} not supported (only "silu")')
     if _hf_bool(hf, "mlp_bias"):
-        raise ValueError("mlp_bias=True not supported")
+        raise ValueError("mlp_bias=true not supported")
     num_layers = _hf_positive_int(hf, "num_hidden_layers")
     num_heads = _hf_positive_int(hf, "num_attention_heads")
     hidden_size = _hf_positive_int(hf, "hidden_size")
@@ -167,7 +170,7 @@ def _hf_positive_int(hf: dict[str, Any], key: str, default: Any = _MISSING) -> i
     if value is None and default is not _MISSING:
         return int(default)
     if type(value) is not int or value <= 0:
-        raise ValueError(f"{key} must be a positive int, got {value!r}")
+        raise ValueError(f"{key} must be a positive int, got {_json(value)}")
     return value
 
 
@@ -189,8 +192,8 @@ def _hf_positive_number(hf: dict[str, Any], key: str, default: float) -> float:
     value = hf.get(key)
     if value is None:
         return default
-    if type(value) not in (int, float) or value <= 0:
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{key} must be a finite number > 0, got {_json(value)}")
     return float(value)
 
 
@@ -199,7 +202,7 @@ def _hf_bool(hf: dict[str, Any], key: str, default: bool = False) -> bool:
     if value is None:
         return default
     if type(value) is not bool:
-        raise ValueError(f"{key} must be true or false, got {value!r}")
+        raise ValueError(f"{key} must be true or false, got {_json(value)}")
     return value
 
 
@@ -208,13 +211,13 @@ def _hf_rope_theta(hf: dict[str, Any]) -> float:
     # top-level `rope_theta` and `rope_scaling`.
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise ValueError(f"rope_parameters (or rope_scaling) must be an object, got {rope!r}")
+        raise ValueError(f"rope_parameters (or rope_scaling) must be an object, got {_json(rope)}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"rope_type={rope_type!r} not supported (only 'default')")
+        raise ValueError(f'rope_type={_json(rope_type)} not supported (only "default")')
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if type(theta) not in (int, float):
-        raise ValueError(f"rope_theta must be a number, got {theta!r}")
+    if type(theta) not in (int, float) or not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"rope_theta must be a finite number > 0, got {_json(theta)}")
     return float(theta)
 
 
@@ -230,15 +233,16 @@ def _hf_layer_kinds(
     names = {"full_attention": AttentionKind.FULL, "sliding_attention": AttentionKind.SLIDING}
     if hf.get("layer_types") is not None:
         if not isinstance(hf["layer_types"], list):
-            raise ValueError(f"layer_types must be a list, got {hf['layer_types']!r}")
-        unknown = set(map(str, hf["layer_types"])) - names.keys()
+            raise ValueError(f"layer_types must be a list, got {_json(hf['layer_types'])}")
+        unknown = [t for t in hf["layer_types"] if not (isinstance(t, str) and t in names)]
         if unknown:
-            raise ValueError(f"layer_types {sorted(unknown)} not supported")
+            shown = ", ".join(dict.fromkeys(map(_json, unknown)))  # each once, in file order
+            raise ValueError(f"layer_types {shown} not supported")
         kinds = tuple(names[t] for t in hf["layer_types"])
     else:
         first_sliding = hf.get("max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS)
         if type(first_sliding) is not int or first_sliding < 0:
-            raise ValueError(f"max_window_layers must be an int >= 0, got {first_sliding!r}")
+            raise ValueError(f"max_window_layers must be an int >= 0, got {_json(first_sliding)}")
         kinds = tuple(
             AttentionKind.SLIDING if i >= first_sliding else AttentionKind.FULL
             for i in range(num_layers)
@@ -249,3 +253,8 @@ def _hf_layer_kinds(
     logger.info("%s: sliding window of %d tokens on %d layers", source, window,
                 kinds.count(AttentionKind.SLIDING))  # fmt: skip
     return window, kinds
+
+
+def _json(value: object) -> str:
+    """Return a value read from a JSON file as JSON shows it, for an error message."""
+    return json.dumps(value, ensure_ascii=False)

@@ -34,7 +34,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
         files = [path / name for name in _shard_names(index)]
         missing = [f.name for f in files if not f.exists()]
         if missing:
-            raise FileNotFoundError(f"{index} names missing shards: {missing}")
+            raise FileNotFoundError(f"{index} names missing shards: {json.dumps(missing)}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -58,11 +58,12 @@ def _shard_names(index: Path) -> list[str]:
         raise ValueError(
             f"{index} must hold a non-empty object weight_map (tensor name -> shard file)"
         )
-    names = set(weight_map.values())
-    bad = sorted(map(repr, (n for n in names if not isinstance(n, str) or Path(n).name != n)))
+    names = list(weight_map.values())  # a list or object among them cannot go in a set
+    # As JSON, as the index holds them (`null`, `"../a"`), not as Python shows them.
+    bad = sorted({json.dumps(n) for n in names if not isinstance(n, str) or Path(n).name != n})
     if bad:
         raise ValueError(f"{index}: weight_map names {', '.join(bad)}, not shard file names")
-    return sorted(names)
+    return sorted(set(names))
 
 
 def parameter_name(hf_name: str) -> str | None:
