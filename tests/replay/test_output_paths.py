@@ -175,6 +175,20 @@ def test_the_json_written_is_named_as_typed(
     assert json.loads((tmp_path / "r.json").read_text())["points"]
 
 
+def test_written_paths_starting_with_a_dash_are_shown_pasteable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: `--sweep --out ./-` showed "wrote -/sweep.csv", which a command given
+    it reads as an option; so did `--json=-r.json` and `generate -- -t.jsonl`."""
+    monkeypatch.chdir(tmp_path)
+    assert replay(tmp_path, "--sweep", "--out", "./-", "--json=-r.json") == 0
+    lines = capsys.readouterr().out.splitlines()[-3:]
+    assert lines == ["wrote ./-/sweep.csv", "wrote ./-/sweep.png", "wrote ./-r.json"]
+    assert kvtier_main(["generate", "--conversations", "2", "--", "-t.jsonl"]) == 0
+    assert capsys.readouterr().out.endswith(" requests to ./-t.jsonl\n")
+    assert (tmp_path / "-t.jsonl").exists()
+
+
 @pytest.mark.parametrize("typed", ["chat.jsonl/", "new.jsonl/"])
 def test_generate_refuses_a_path_naming_a_folder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], typed: str

@@ -24,7 +24,12 @@ from kvtier.replay.option_types import (
     rate,
     trace_path,
 )
-from kvtier.replay.outputs import folder_output_path, folders_to_make, json_output_path
+from kvtier.replay.outputs import (
+    folder_output_path,
+    folders_to_make,
+    json_output_path,
+    shell_word,
+)
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
 from kvtier.replay.report import format_table
 from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
@@ -266,7 +271,7 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
         f"(without any cache: {points[0].result.mean_ttft_no_cache_s:.3f} s)"
     )
     for path in written:
-        stdout.print(f"wrote {path}")
+        stdout.print(f"wrote {shell_word(path)}")
     if failure is not None:
         print(f"kvtier replay: error: writing the results failed: {failure}", file=sys.stderr)
         return 1

@@ -47,6 +47,12 @@ def folder_output_path(text: str) -> str:
     return output_path(text)
 
 
+def shell_word(path: str) -> str:
+    """Return `path` as a user can paste it into a shell command: with `./` before a
+    relative path starting with `-` (`-/sweep.csv`), which a command reads as an option."""
+    return f"./{path}" if path.startswith("-") else path
+
+
 def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
     """Raise `ReplayError` unless a file can be written at `text` (its folder exists).
 
