@@ -44,6 +44,20 @@ def test_a_json_file_in_a_parent_the_sweep_creates_is_written(tmp_path: Path) ->
     assert (out / "sweep.csv").exists()
 
 
+def test_a_json_path_through_a_folder_no_one_creates_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: `--sweep --out new --json new/a/../r.json` wrote new/r.json, though
+    new/a is never made (a shell refuses `> new/a/../r.json`, and so does --json
+    without the sweep). Through a folder the sweep makes, it is written."""
+    out, typed = f"{tmp_path}/new", f"{tmp_path}/new/a/../r.json"
+    assert replay(tmp_path, "--sweep", "--out", out, "--json", typed) == 2
+    assert f"--json {typed}: no such directory {tmp_path}/new/a/.." in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    assert replay(tmp_path, "--sweep", "--out", f"{out}/a", "--json", typed) == 0
+    assert json.loads((tmp_path / "new" / "r.json").read_text())["points"]
+
+
 def test_a_failed_json_write_removes_the_folders_the_sweep_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

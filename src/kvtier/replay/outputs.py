@@ -64,7 +64,8 @@ def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
     path = Path(text)
     if names_a_folder(text) and not path.is_dir():
         raise ReplayError(f"{option} {text}: names a directory, give a file name")
-    if any(is_same_file(path.parent, folder) for folder in made):
+    in_made = any(is_same_file(path.parent, folder) for folder in made)
+    if in_made and _steps_out_of_folders(path.parent, made):
         return  # `check_folder_path` checked that the folders can be created
     descriptor = descriptor_of(path)
     if descriptor is not None:
@@ -88,6 +89,18 @@ def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
         return
     target = Path(os.path.realpath(path))  # a symbolic link: the file it names is replaced
     check_creates_files(f"{option} {text}", target.parent)
+
+
+def _steps_out_of_folders(folder: Path, made: Sequence[Path]) -> bool:
+    """Return True when each folder that `folder` (as typed) leaves by `..` exists or is
+    one of `made`: the system, as a shell's `> new/a/../r.json`, needs `new/a` there,
+    though `realpath` (which `is_same_file` compares) reads it as `new`."""
+    parts = folder.parts
+    for i, part in enumerate(parts):
+        left = Path(*parts[:i])
+        if part == ".." and not left.is_dir() and not any(is_same_file(left, f) for f in made):
+            return False
+    return True
 
 
 def names_a_folder(text: str) -> bool:
