@@ -90,8 +90,11 @@ def test_a_folder_the_sweep_creates_is_refused_as_the_json_file(
         ("folder/", "is a directory, give a file name"),
         ("folder/.", "is a directory, give a file name"),
         ("new/", "names a directory, give a file name"),
-        ("doc.jsonl/", "names a directory, give a file name"),
         ("new/..", "names a directory, give a file name"),
+        # Regression: these said "names a directory", of a path naming a file.
+        ("doc.jsonl/", "ends in / but {tmp}/doc.jsonl is a file"),
+        ("doc.jsonl//", "ends in / but {tmp}/doc.jsonl is a file"),
+        ("doc.jsonl/.", "ends in /. but {tmp}/doc.jsonl is a file"),
     ],
 )
 def test_a_json_path_naming_a_folder_is_refused_as_typed(
@@ -102,7 +105,7 @@ def test_a_json_path_naming_a_folder_is_refused_as_typed(
     assert replay(tmp_path, "--json", path) == 2
     stdout, err = capsys.readouterr()
     assert stdout == ""
-    assert err == f"kvtier replay: error: --json {path}: {error}\n"
+    assert err == f"kvtier replay: error: --json {path}: {error.format(tmp=tmp_path)}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.jsonl", "folder"]
 
 
@@ -214,6 +217,8 @@ def test_generate_refuses_a_path_naming_a_folder(
         kvtier_main(["generate", path, "--conversations", "2"])
     assert exit_info.value.code == 2
     error = f"kvtier generate: error: out {path}: names a directory, give a file name"
+    if typed == "chat.jsonl/":  # regression: it said "names a directory" of the file
+        error = f"kvtier generate: error: out {path}: ends in / but {before} is a file"
     assert error in capsys.readouterr().err
     assert before.read_text() == "kept\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl"]

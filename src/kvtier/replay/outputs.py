@@ -63,6 +63,11 @@ def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
     """
     path = Path(text)
     if names_a_folder(text) and not path.is_dir():
+        if path.exists():  # `t.jsonl/`: the folder it names is a file
+            ending = "/" if text.endswith("/") else f"/{os.path.basename(text)}"
+            named = text.rstrip("/") if ending == "/" else text[: -len(ending)]
+            kind = file_kind(path)
+            raise ReplayError(f"{option} {text}: ends in {ending} but {named} is {kind}")
         raise ReplayError(f"{option} {text}: names a directory, give a file name")
     in_made = any(is_same_file(path.parent, folder) for folder in made)
     if in_made and _steps_out_of_folders(path.parent, made):
