@@ -183,6 +183,21 @@ def test_an_out_folder_through_a_dangling_link_is_refused_before_the_run(
     )
 
 
+@pytest.mark.parametrize("typed", ["a", "a/sub"])
+def test_an_out_folder_through_a_loop_of_links_is_named_a_loop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], typed: str
+) -> None:
+    """Regression: with a -> b -> a, `--out a` said a links to b "which does not exist"."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    path = f"{tmp_path}/{typed}"
+    assert replay(tmp_path, "--sweep", "--out", path) == 2
+    assert capsys.readouterr().err == (
+        f"kvtier replay: error: --out {path}: cannot create it, {tmp_path}/a is a symbolic "
+        f"link to {tmp_path}/b, a loop of symbolic links\n"
+    )
+
+
 def test_the_json_written_is_named_as_typed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -164,13 +164,23 @@ def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
         return
     ancestor = nearest_existing(folder)
     if ancestor.is_symlink() and not ancestor.exists():
+        why = "a loop of symbolic links" if _is_a_loop(ancestor) else "which does not exist"
         raise ReplayError(
             f"{option} {text}: cannot create it, {ancestor} is a symbolic link to "
-            f"{os.readlink(ancestor)}, which does not exist"
+            f"{os.readlink(ancestor)}, {why}"
         )
     if not ancestor.is_dir():
         raise ReplayError(f"{option} {text}: cannot create it, {ancestor} is not a directory")
     check_creates_files(f"{option} {text}", ancestor)
+
+
+def _is_a_loop(path: Path) -> bool:
+    """Return True when following the symbolic links of `path` goes round (ELOOP)."""
+    try:
+        path.stat()
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
 
 
 def file_kind(path: Path) -> str:
