@@ -138,24 +138,48 @@ def label(num_blocks: int) -> str:
     return str(num_blocks)
 
 
+HEADER = (
+    "policy", "blocks", "µs/ref", "(min-max)", "x lru", "O(1)", "µs/hit", "x lru", "µs/offer",
+    "x lru", "µs/store", "evict/st", "refused", "hits", "B/block", "vs lru",
+)  # fmt: skip
+
+
 def print_table(rows: list[dict]) -> None:
     """Print each tier's row: times (median, x lru, O(1)), op mix, memory."""
-    print(
-        f"{'policy':10}{'blocks':>7}{'µs/ref':>7}{'(min-max)':>13}{'x lru':>6}{'O(1)':>6}"
-        f"{'µs/hit':>7}{'x lru':>6}{'µs/offer':>9}{'x lru':>6}{'µs/store':>9}"
-        f"{'evict/st':>9}{'refused':>8}{'hits':>6}{'B/block':>8}{'vs lru':>7}"
-    )
-    for r in rows:
-        ref, hit, offer = r["us_per_ref"], r["us_per_hit"], r["us_per_offer"]
-        span = f"({ref['min']:.2f}-{ref['max']:.2f})"
-        print(
-            f"{r['policy']:10}{label(r['capacity_blocks']):>7}{ref['median']:7.2f}{span:>13}"
-            f"{ref['x_lru']:6.2f}{ref['x_small']:6.2f}{hit['median']:7.2f}{hit['x_lru']:6.2f}"
-            f"{offer['median']:9.2f}{offer['x_lru']:6.2f}{r['us_per_store']['median']:9.2f}"
-            f"{r['evictions_per_store']['median']:9.2f}{r['refused_per_offer']['median']:8.2f}"
-            f"{r['hit_ratio']['median']:6.2f}{r['bytes_per_block']:8.0f}"
-            f"{r['extra_bytes_per_block_vs_lru']:+7.0f}"
-        )
+    for line in table_lines(rows):
+        print(line)
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """Return the table's header and a line per row, each column as wide as its widest
+    cell (at a fixed width, a slow rep's min-max ran into the median beside it)."""
+    lines = [list(HEADER), *(row_cells(r) for r in rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
+    return [_aligned(line, widths) for line in lines]
+
+
+def _aligned(cells: list[str], widths: list[int]) -> str:
+    """Join `cells` two spaces apart: the policy left-aligned, the numbers right-aligned."""
+    padded = [cells[0].ljust(widths[0])]
+    padded += [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
+    return "  ".join(padded).rstrip()
+
+
+def row_cells(r: dict) -> list[str]:
+    """Return a row's cells in HEADER's order."""
+    ref, hit, offer = r["us_per_ref"], r["us_per_hit"], r["us_per_offer"]
+    times = [ref["x_lru"], ref["x_small"], hit["median"], hit["x_lru"], offer["median"]]
+    times += [offer["x_lru"], r["us_per_store"]["median"]]
+    mix = [r[k]["median"] for k in ("evictions_per_store", "refused_per_offer", "hit_ratio")]
+    return [
+        r["policy"],
+        label(r["capacity_blocks"]),
+        f"{ref['median']:.2f}",
+        f"({ref['min']:.2f}-{ref['max']:.2f})",
+        *(f"{value:.2f}" for value in (*times, *mix)),
+        f"{r['bytes_per_block']:.0f}",
+        f"{r['extra_bytes_per_block_vs_lru']:+.0f}",
+    ]
 
 
 def summarize(rows: list[dict], capacities: list[int]) -> tuple[dict, str]:

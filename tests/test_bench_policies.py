@@ -109,3 +109,30 @@ def test_owned_bytes_agrees_with_tracemalloc(policy: str, monkeypatch: pytest.Mo
     owned = workload.owned_bytes(item.tier)
     assert 0.9 * traced < owned <= traced
     assert owned / 5000 > 100  # a pool slot and its 36-byte key object are counted
+
+
+def table_row(policy: str, us_min: float, us_max: float) -> dict[str, Any]:
+    """A row as `collect` returns it, with the numbers the table prints."""
+    times = {"median": 2.5, "min": us_min, "max": us_max, "x_lru": 1.25, "x_small": 1.0}
+    row: dict[str, Any] = {"policy": policy, "capacity_blocks": 20_000}
+    row |= dict.fromkeys(("us_per_ref", "us_per_hit", "us_per_offer", "us_per_store"), times)
+    row |= {name: {"median": 0.5} for name in ("evictions_per_store", "refused_per_offer")}
+    row |= {"hit_ratio": {"median": 0.25}, "bytes_per_block": 188.0}
+    return row | {"extra_bytes_per_block_vs_lru": 40.0}
+
+
+def test_table_columns_fit_their_widest_cell(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: a `(min-max)` wider than 13 characters ran into the µs/ref median
+    beside it ("2.50(123.45-1234.56)")."""
+    bench = script("bench_policies", monkeypatch)
+    bench.print_table([table_row("lru", 1.5, 3.5), table_row("lru+door", 123.45, 1234.56)])
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == [
+        "lru+door", "20k", "2.50", "(123.45-1234.56)", "1.25", "1.00", "2.50", "1.25", "2.50",
+        "1.25", "2.50", "0.50", "0.50", "0.25", "188", "+40",
+    ]  # fmt: skip
+    for column in ("(min-max)", "B/block", "vs lru"):  # right-aligned under the header
+        end = header.index(column) + len(column)
+        assert all(line[end - 1] != " " and line[end : end + 1] in ("", " ") for line in lines)
