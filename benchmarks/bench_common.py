@@ -18,8 +18,9 @@ from typing import Any
 from kvtier.replay.outputs import check_creates_files, nearest_existing
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Append `(default: X)` to each option's help that has a default worth stating."""
+class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keep the description's lines and paragraphs as written; append `(default: X)` to
+    each option's help that has a default worth stating."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -32,8 +33,9 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 def new_parser(doc: str | None) -> argparse.ArgumentParser:
-    """Return a benchmark's parser: its docstring's first line, option defaults in --help."""
-    description = (doc or "").strip().splitlines()[0] if doc else None
+    """Return a benchmark's parser: its whole docstring (what it measures and how to read
+    the numbers) as --help's description, option defaults in each option's help."""
+    description = doc.strip() if doc else None
     return argparse.ArgumentParser(description=description, formatter_class=_DefaultsFormatter)
 
 

@@ -44,6 +44,14 @@ def test_help_states_each_default(name: str, monkeypatch: pytest.MonkeyPatch) ->
     parser.format_help()  # every help string formats
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_shows_the_whole_docstring(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: --help showed only the docstring's first line, not what the benchmark
+    measures or how to read it; the paragraphs and lists keep their lines."""
+    module = script(name, monkeypatch)
+    assert module.__doc__.strip() in module.build_parser().format_help()
+
+
 BAD_VALUES = [
     ("bench_cascade", ["--trace", "/nonexistent/t.jsonl"], "--trace: /nonexistent/t.jsonl does"),
     ("bench_cascade", ["--requests", "0"], "--requests: expected a number >= 1, got 0"),
