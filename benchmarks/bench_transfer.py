@@ -55,7 +55,7 @@ class Row:
     regions: int
     blocks: int
     mib: float
-    copy_gbs: float
+    copy_gbs: float  # from the median baseline copy, each timed copy counted once
     gbs: dict[str, float]
     ratio: dict[str, float]
     ratio_spread: dict[str, tuple[float, float]]
@@ -121,18 +121,24 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure(case: Case, reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Warm up, then time every pattern `reps` times, each between two baseline copies.
+@dataclass(frozen=True)
+class Timings:
+    """What `measure` timed, in seconds."""
 
-    Returns (baseline times by pattern: the mean of the copies just before and just after
-    each transfer, transfer times by pattern), pairwise in rep order.
-    """
+    base: dict[str, list[float]]  # by pattern: the mean of the copies beside each transfer
+    times: dict[str, list[float]]  # by pattern, pairwise with `base` in rep order
+    copies: list[float]  # every baseline copy once (the middle one of a group is in two means)
+
+
+def measure(case: Case, reps: int) -> Timings:
+    """Warm up, then time every pattern `reps` times, each between two baseline copies."""
     case.copy_down()
     case.copy_up()
     for pattern in PATTERNS:
         case.transfer(pattern)
     base: dict[str, list[float]] = {p: [] for p in PATTERNS}
     times: dict[str, list[float]] = {p: [] for p in PATTERNS}
+    copies: list[float] = []
     by_direction = (
         (case.copy_down, ("store", "frag_store")),
         (case.copy_up, ("load", "frag_load")),
@@ -140,12 +146,14 @@ def measure(case: Case, reps: int) -> tuple[dict[str, list[float]], dict[str, li
     for _ in range(reps):
         for copy, patterns in by_direction:
             before = timed(copy)
+            copies.append(before)
             for pattern in patterns:
                 times[pattern].append(timed(lambda p=pattern: case.transfer(p)))  # type: ignore[misc]
                 after = timed(copy)
+                copies.append(after)
                 base[pattern].append((before + after) / 2)
                 before = after
-    return base, times
+    return Timings(base, times, copies)
 
 
 def run_config(block_kib: int, regions: int, args: argparse.Namespace) -> Row:
@@ -153,18 +161,18 @@ def run_config(block_kib: int, regions: int, args: argparse.Namespace) -> Row:
     num = max(4, (args.total_mib << 20) // (block_bytes * regions))
     case = Case(block_bytes, regions, num, args.device, args.copy_threads)
     try:
-        base, times = measure(case, args.reps)
+        timings = measure(case, args.reps)
     finally:
         case.worker.shutdown()
+    base, times = timings.base, timings.times
     nbytes = num * block_bytes * regions
-    base_med = statistics.median([t for p in PATTERNS for t in base[p]])
     ratios = {p: [b / t for b, t in zip(base[p], times[p], strict=True)] for p in PATTERNS}
     return Row(
         block_kib=block_kib,
         regions=regions,
         blocks=num,
         mib=nbytes / 2**20,
-        copy_gbs=nbytes / base_med / 1e9,
+        copy_gbs=nbytes / statistics.median(timings.copies) / 1e9,
         gbs={p: nbytes / statistics.median(times[p]) / 1e9 for p in PATTERNS},
         ratio={p: statistics.median(ratios[p]) for p in PATTERNS},
         ratio_spread={p: (min(ratios[p]), max(ratios[p])) for p in PATTERNS},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import statistics
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,6 +34,7 @@ class DriftingCase:
 
     def __init__(self, *_: Any) -> None:
         self.ops: list[str] = []
+        self.seconds: list[float] = []  # each operation's, in `ops`' order
         self.speed = 1.0
         self.last_s = 0.0
         self.worker = self
@@ -43,6 +45,7 @@ class DriftingCase:
     def _op(self, name: str, cost: float) -> None:
         self.ops.append(name)
         self.last_s = cost * self.speed
+        self.seconds.append(self.last_s)
         self.speed *= SLOWDOWN_PER_OP
 
     def copy_down(self) -> None:
@@ -99,3 +102,20 @@ def test_a_steadily_slowing_machine_leaves_the_ratios_unbiased(
         assert row.ratio[pattern] == pytest.approx(1 / TRANSFER_COST, rel=0.01), row.ratio
         low, high = row.ratio_spread[pattern]
         assert high - low < 1e-9  # the same bias-free ratio in every repetition
+
+
+def test_copy_gbs_is_from_the_median_of_every_copy_counted_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: "copy GB/s" came from the median of the per-transfer baselines, the
+    means of the copies on either side, so the middle copy of each `copy, store, copy,
+    frag store, copy` group counted twice and the end ones once."""
+    bench_transfer, cases = drifting_bench(monkeypatch)
+    args = argparse.Namespace(total_mib=1, reps=4, device="cpu", copy_threads=None)
+    row = bench_transfer.run_config(64, 1, args)
+    num_warm_up = 2 + len(bench_transfer.PATTERNS)  # a copy each way, then each pattern
+    timed_ops = zip(cases[0].ops[num_warm_up:], cases[0].seconds[num_warm_up:], strict=True)
+    copies = [seconds for op, seconds in timed_ops if op in ("down", "up")]
+    assert len(copies) == 4 * 2 * 3  # reps x directions x copies per group
+    expected = row.mib * 2**20 / statistics.median(copies) / 1e9
+    assert row.copy_gbs == pytest.approx(expected, rel=1e-12)
