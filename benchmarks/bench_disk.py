@@ -215,7 +215,7 @@ def summarize(rows: list[Row], seconds: float) -> dict[str, float]:
     summary["target"] = 0.8
     summary["seconds"] = seconds
     print(
-        f"summary: direct I/O store {summary['direct_min_store_ratio']:.2f}x / load "
+        f"bench_disk: direct I/O store {summary['direct_min_store_ratio']:.2f}x / load "
         f"{summary['direct_min_load_ratio']:.2f}x, page cache store "
         f"{summary['page_cache_min_store_ratio']:.2f}x / load "
         f"{summary['page_cache_min_load_ratio']:.2f}x of sequential direct I/O (min over "

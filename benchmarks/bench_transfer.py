@@ -193,7 +193,7 @@ def summarize(rows: list[Row], device: str, seconds: float) -> dict[str, float]:
         "seconds": seconds,
     }
     print(
-        f"summary: store/load at >= 64 KiB blocks {summary['median_ratio_ge_64k']:.2f}x of "
+        f"bench_transfer: store/load at >= 64 KiB blocks {summary['median_ratio_ge_64k']:.2f}x of "
         f"contiguous copy_ (median over configs; min {summary['min_ratio_ge_64k']:.2f}x; "
         f"target >= {summary['target']}x); fragmented {summary['median_frag_ratio_ge_64k']:.2f}x "
         f"(min {summary['min_frag_ratio_ge_64k']:.2f}x); {seconds:.0f} s"

@@ -53,6 +53,6 @@ bench_rc=${PIPESTATUS[0]}
 echo "== summary"
 {
     echo "gpu tests: rc=$tests_rc $(tail -n 1 "$OUT_DIR/gpu_tests.log")"
-    echo "bench_transfer --device cuda: rc=$bench_rc $(grep '^summary' "$OUT_DIR/bench_transfer_cuda.log")"
+    echo "bench_transfer --device cuda: rc=$bench_rc $(grep '^bench_transfer: store/load' "$OUT_DIR/bench_transfer_cuda.log")"
 } | tee "$OUT_DIR/summary.txt"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -132,6 +132,26 @@ def test_bench_transfer_needs_a_block_size_its_summary_covers(
     assert bench_transfer.parse_args(["--block-kib", "4", "64"]).block_kib == [4, 64]
 
 
+def test_bench_transfer_and_bench_disk_name_themselves_in_the_summary_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression: their summary lines began `summary:`, where every other benchmark's
+    begins with its name (what scripts/gpu_check.sh and a reader of mixed logs grep)."""
+    transfer = script("bench_transfer", monkeypatch)
+    ratios = dict.fromkeys(transfer.PATTERNS, 0.8)
+    spreads = dict.fromkeys(transfer.PATTERNS, (0.7, 0.9))
+    row = transfer.Row(64, 1, 16, 1.0, 10.0, ratios, ratios, spreads)
+    transfer.summarize([row], "cpu", 1.0)
+    assert capsys.readouterr().out.startswith("bench_transfer: store/load at >= 64 KiB ")
+    disk = script("bench_disk", monkeypatch)
+    rows = [
+        disk.Row(mode, 64, 1, 16, 5.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.9, (0.8, 1.0), (0.8, 1.0))
+        for mode in ("direct", "page_cache")
+    ]
+    disk.summarize(rows, 1.0)
+    assert capsys.readouterr().out.startswith("bench_disk: direct I/O store 0.90x / load ")
+
+
 class _StoppedError(Exception):
     """What a stubbed call raises, to stop the script there."""
 
