@@ -115,6 +115,20 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
     assert capsys.readouterr().out == f"kvtier {kvtier.__version__}\n"
 
 
+def test_python_m_kvtier_runs_the_kvtier_command() -> None:
+    # Regression: `python -m kvtier` failed ("kvtier is a package and cannot be directly
+    # executed"); the script's folder is not always on PATH.
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"kvtier {kvtier.__version__}\n", "")
+    usage = subprocess.run(
+        [sys.executable, "-m", "kvtier", "replay"], capture_output=True, text=True, timeout=120
+    )
+    assert usage.returncode == 2
+    assert usage.stderr.startswith("usage: kvtier replay ")
+
+
 def test_every_option_of_every_command_states_its_default() -> None:
     # Regression: `kvtier replay --help` gave no default for --cascade and --json.
     subparsers = next(
