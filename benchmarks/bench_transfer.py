@@ -17,6 +17,17 @@ second to second, are the same for both sides of each ratio; the table shows the
 Target (BENCHMARKS.md): >= 0.7x at >= 64 KiB blocks on CPU, >= 0.9x of a pinned
 contiguous copy on a GPU.
 
+Baseline buffers (CPU): the copies take turns over as many buffer pairs as span the
+worker's own memory (engine regions + host tier, 4 transfers' bytes: 2 pairs), so the
+baseline's memory is as far from the CPU caches as the transfers'. With one pair, reused
+by every copy, a machine whose last-level cache holds that pair (this 2-core VM reports a
+480 MiB L3) times the baseline from cache while the transfers, which walk twice its bytes,
+run from memory: a 64 MiB `copy_` took 3.1 ms back to back and 5.9 ms after touching 1 GiB
+(2026-12-06). `--baseline-pairs 1` reproduces the single pair. On this VM the transfers
+ran at 10-12 GB/s either way, the baseline at 17-20 GB/s from one pair and 12 from two:
+the summary read 0.61x (min 0.54x) with one pair and 0.92-0.93x (min 0.84x) with two. On
+a GPU the copy is a DMA (no CPU cache in the way) and one pair is used.
+
 OpenMP: after each parallel op, torch's OpenMP threads spin for a while (libgomp's
 default wait policy) before they sleep. A transfer timed right after the baseline `copy_`
 then shares the cores with them: on 2 cores that halved its speed (summary 0.46x against
@@ -65,7 +76,13 @@ class Case:
     """Engine tensors, a registered worker and the baseline buffers of one configuration."""
 
     def __init__(
-        self, block_bytes: int, regions: int, num: int, device: str, copy_threads: int | None
+        self,
+        block_bytes: int,
+        regions: int,
+        num: int,
+        device: str,
+        copy_threads: int | None,
+        baseline_pairs: int | None = None,
     ) -> None:
         self.num = num
         self.device = device
@@ -77,8 +94,17 @@ class Case:
         self.worker = OffloadWorker(WorkerConfig(cpu_num_slots=2 * num, copy_threads=copy_threads))
         self.worker.register(self.kv, TensorLayout.BLOCKS_FIRST)
         nbytes = num * block_bytes * regions
-        self.src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-        self.dst = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+        worker_bytes = (num_blocks + 2 * num) * block_bytes * regions  # regions + host tier
+        if baseline_pairs is None:
+            baseline_pairs = 1 if device == "cuda" else max(1, round(worker_bytes / (2 * nbytes)))
+        self.pairs = [
+            (
+                torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device),
+                torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device == "cuda"),
+            )
+            for _ in range(baseline_pairs)
+        ]
+        self._turn = 0  # the pair the next baseline copy uses
         self.event_id = 0
         rng = np.random.default_rng(0)
         blocks = rng.permutation(np.arange(1, num_blocks))
@@ -96,13 +122,21 @@ class Case:
 
     def copy_down(self) -> None:
         """The store baseline: engine device → host, one contiguous copy."""
-        self.dst.copy_(self.src, non_blocking=self.device == "cuda")
+        src, dst = self._next_pair()
+        dst.copy_(src, non_blocking=self.device == "cuda")
         self.sync()
 
     def copy_up(self) -> None:
         """The load baseline: host → engine device, one contiguous copy."""
-        self.src.copy_(self.dst, non_blocking=self.device == "cuda")
+        src, dst = self._next_pair()
+        src.copy_(dst, non_blocking=self.device == "cuda")
         self.sync()
+
+    def _next_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the baseline buffers whose turn it is (engine side, host side)."""
+        pair = self.pairs[self._turn % len(self.pairs)]
+        self._turn += 1
+        return pair
 
     def transfer(self, pattern: str) -> None:
         src_ids, dst_ids = self.ids[pattern]
@@ -159,7 +193,7 @@ def measure(case: Case, reps: int) -> Timings:
 def run_config(block_kib: int, regions: int, args: argparse.Namespace) -> Row:
     block_bytes = block_kib << 10
     num = max(4, (args.total_mib << 20) // (block_bytes * regions))
-    case = Case(block_bytes, regions, num, args.device, args.copy_threads)
+    case = Case(block_bytes, regions, num, args.device, args.copy_threads, args.baseline_pairs)
     try:
         timings = measure(case, args.reps)
     finally:
@@ -224,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_copy_threads(parser)
     parser.add_argument(
+        "--baseline-pairs",
+        type=positive_int,
+        help="buffer pairs the baseline copies take turns over (default: on a CPU as many "
+        "as span the worker's engine regions and host tier, 2; on a GPU 1)",
+    )
+    parser.add_argument(
         "--omp-wait-policy",
         choices=["passive", "inherit"],
         default="passive",
@@ -258,7 +298,7 @@ def main() -> None:
     machine = (
         f"{os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} intra-op threads, device {args.device}, "
-        f"copy_threads={args.copy_threads}, "
+        f"copy_threads={args.copy_threads}, baseline_pairs={args.baseline_pairs or 'auto'}, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}"
         + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
     )

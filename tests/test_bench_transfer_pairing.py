@@ -79,7 +79,9 @@ def test_each_transfer_is_timed_between_two_copies_of_its_direction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     bench_transfer, cases = drifting_bench(monkeypatch)
-    args = argparse.Namespace(total_mib=1, reps=3, device="cpu", copy_threads=None)
+    args = argparse.Namespace(
+        total_mib=1, reps=3, device="cpu", copy_threads=None, baseline_pairs=None
+    )
     bench_transfer.run_config(64, 1, args)
     ops = cases[0].ops
     warm_up = ["down", "up", *bench_transfer.PATTERNS]
@@ -96,7 +98,9 @@ def test_a_steadily_slowing_machine_leaves_the_ratios_unbiased(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     bench_transfer, _ = drifting_bench(monkeypatch)
-    args = argparse.Namespace(total_mib=1, reps=5, device="cpu", copy_threads=None)
+    args = argparse.Namespace(
+        total_mib=1, reps=5, device="cpu", copy_threads=None, baseline_pairs=None
+    )
     row = bench_transfer.run_config(64, 1, args)
     for pattern in bench_transfer.PATTERNS:  # (1 + 1.21) / 2 / (1.25 * 1.1) = 0.804
         assert row.ratio[pattern] == pytest.approx(1 / TRANSFER_COST, rel=0.01), row.ratio
@@ -111,7 +115,9 @@ def test_copy_gbs_is_from_the_median_of_every_copy_counted_once(
     means of the copies on either side, so the middle copy of each `copy, store, copy,
     frag store, copy` group counted twice and the end ones once."""
     bench_transfer, cases = drifting_bench(monkeypatch)
-    args = argparse.Namespace(total_mib=1, reps=4, device="cpu", copy_threads=None)
+    args = argparse.Namespace(
+        total_mib=1, reps=4, device="cpu", copy_threads=None, baseline_pairs=None
+    )
     row = bench_transfer.run_config(64, 1, args)
     num_warm_up = 2 + len(bench_transfer.PATTERNS)  # a copy each way, then each pattern
     timed_ops = zip(cases[0].ops[num_warm_up:], cases[0].seconds[num_warm_up:], strict=True)
@@ -119,3 +125,33 @@ def test_copy_gbs_is_from_the_median_of_every_copy_counted_once(
     assert len(copies) == 4 * 2 * 3  # reps x directions x copies per group
     expected = row.mib * 2**20 / statistics.median(copies) / 1e9
     assert row.copy_gbs == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_baseline_copies_take_turns_over_as_much_memory_as_the_worker_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Regression: every baseline copy reused one buffer pair, which a machine with a large
+    # last-level cache (a 480 MiB L3) kept in cache, while the transfers' memory (engine
+    # regions + host tier, twice the pair's bytes) was not: the baseline copied from cache.
+    bench_transfer = script("bench_transfer", monkeypatch)
+    block_bytes, regions, num = 4096, 2, 8
+    case = bench_transfer.Case(block_bytes, regions, num, "cpu", 1)
+    try:
+        nbytes = num * block_bytes * regions
+        worker_bytes = sum(t.numel() for t in case.kv) + sum(
+            t.numel() for t in case.worker.host_tier.views
+        )
+        used = []
+        for copy in (case.copy_down, case.copy_up, case.copy_down, case.copy_up):
+            copy()
+            used.append(case._turn)
+        buffers = {t.data_ptr() for pair in case.pairs for t in pair}
+        assert all(t.numel() == nbytes for pair in case.pairs for t in pair)
+        assert len(buffers) * nbytes >= worker_bytes - regions * block_bytes  # its spare block
+        assert len(case.pairs) == 2
+        assert used == [1, 2, 3, 4]
+        single = bench_transfer.Case(block_bytes, regions, num, "cpu", 1, baseline_pairs=1)
+        assert len(single.pairs) == 1
+        single.worker.shutdown()
+    finally:
+        case.worker.shutdown()
