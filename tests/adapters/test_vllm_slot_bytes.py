@@ -218,3 +218,25 @@ def test_a_group_of_one_page_size_is_sized_alike_in_both_roles() -> None:
     )
     scheduler_config = generate_scheduler_kv_cache_config([config])
     assert tier_sizes(BUDGET, config) == tier_sizes(BUDGET, scheduler_config) == {Tier.CPU: 256}
+
+
+def test_a_hisparse_host_group_is_refused_by_both_roles_at_start_up() -> None:
+    """HiSparse's source group lives in a host pool of its own block ids; copied by
+    block id from the device allocation it would store other blocks' bytes. It used to
+    pass start-up and fail only at `register_kv_caches` (KV tensors "outside the shared
+    KV allocation"); the scheduler role never refused it."""
+    device = one_layer_config()
+    host_spec = spec(1)
+    host_page = host_spec.page_size_bytes
+    host = KVCacheTensor(64 * host_page, ["src"], 64 * host_page, host_page, 0, True)
+    config = KVCacheConfig(
+        NUM_BLOCKS,
+        [host, *device.kv_cache_tensors],
+        [KVCacheGroupSpec(["src"], host_spec, host_resident=True), *device.kv_cache_groups],
+        hisparse_host_num_blocks=64,
+    )
+    named = r"group\(s\) \[0\] \(layers \['src'\]\).*HiSparse"
+    with pytest.raises(UnsupportedLayoutError, match=named):
+        tier_sizes(BUDGET, config)  # the scheduler role's sizing
+    with pytest.raises(UnsupportedLayoutError, match="HiSparse"):
+        WorkerSide(config, BUDGET, LAYOUT, ())

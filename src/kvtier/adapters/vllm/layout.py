@@ -148,6 +148,7 @@ def tier_sizes(
     rank's budget. Raises `ConfigError` / `UnsupportedLayoutError` at start-up when this
     rank's blocks cannot be stored as configured.
     """
+    check_device_resident(kv_cache_config)
     check_scheduler_agrees(kv_cache_config)
     own_bytes = bytes_per_slot(kv_cache_config)
     check_direct_io(config, own_bytes)
@@ -165,6 +166,29 @@ def tier_sizes(
         tier: agree_num_tier_blocks([config.num_tier_blocks(b, tier) for b in per_stage])
         for tier in config.tiers
     }
+
+
+def check_device_resident(kv_cache_config: Any) -> None:
+    """Raise `UnsupportedLayoutError` when a KV cache group that takes part in KV
+    transfer lives in HiSparse's host pool (`host_resident`).
+
+    Its block ids count that pool's blocks, not the device allocation's that a tier slot
+    copies: stored by block id, they would copy other blocks' bytes. Checked in both
+    roles at start-up; the worker would otherwise only fail at `register_kv_caches`,
+    on KV tensors outside the device allocation.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    hosted = [
+        i
+        for i, group in enumerate(groups)
+        if getattr(group, "host_resident", False) and getattr(group, "enable_kv_transfer", True)
+    ]
+    if hosted:
+        raise UnsupportedLayoutError(
+            f"KV cache group(s) {hosted} (layers {list(groups[hosted[0]].layer_names)[:3]}) "
+            "live in HiSparse's host pool (host_resident), whose block ids are not the "
+            "device KV cache's: kvtier cannot store them; disable HiSparse or the connector"
+        )
 
 
 def check_scheduler_agrees(kv_cache_config: Any) -> None:
