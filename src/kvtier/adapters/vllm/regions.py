@@ -53,8 +53,9 @@ def placement_block_views(
     if not is_block_compact(layout_name):
         raise PlacementError(
             f"KV cache layout {layout_name} splits a block's page into several runs; "
-            "kvtier copies whole pages: use a layer- or block-outermost layout such as "
-            "LBNHC (VLLM_KV_CACHE_LAYOUT)"
+            "kvtier copies whole pages: set VLLM_KV_CACHE_LAYOUT to one of LBNHC, LBHNC, "
+            "BLNHC, BLHNC that the attention backend supports (ROCm's backends that "
+            "prefer LHBNC also take LBHNC)"
         )
     pages = _placed_pages(kv_cache_config)
     base, size = _backing_bytes(kv_caches)
