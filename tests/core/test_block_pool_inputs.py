@@ -233,3 +233,17 @@ def test_insert_keys_takes_numpy_token_counts() -> None:
     pool.insert_keys([make_test_key(1), make_test_key(2)], block_ids, np.array([16, 8]))
     assert [pool.num_tokens(b) for b in block_ids] == [16, 8]
     pool.check_invariants()
+
+
+def test_insert_key_takes_a_numpy_token_count() -> None:
+    """Regression: `insert_key` refused `np.int64(16)` with "num_tokens must be an int in
+    [0, ...], got np.int64(16)" (an int in range), though `insert_keys`, `allocate`,
+    `touch` and `free` take numpy integers."""
+    pool = BlockPool(8)
+    (block_id,) = pool.allocate(1)
+    pool.insert_key(make_test_key(1), block_id, np.int64(16))  # type: ignore[arg-type]
+    assert pool.num_tokens(block_id) == 16
+    assert type(pool.num_tokens(block_id)) is int
+    with pytest.raises(ValueError, match="got -1"):
+        pool.insert_key(make_test_key(2), block_id, np.int64(-1))  # type: ignore[arg-type]
+    pool.check_invariants()

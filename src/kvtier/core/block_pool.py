@@ -203,7 +203,7 @@ class BlockPool(PoolKeyRemoval):
         self._check_id(block_id)
         if block_id == NULL_BLOCK_ID:
             raise PoolError(f"block {block_id} cannot hold a key (the null block)")
-        pool_checks.check_key(key, num_tokens)
+        num_tokens = pool_checks.check_key(key, num_tokens)
         block_id = int(block_id)  # a numpy id: the index hands out plain ints
         primary = self._keys[block_id]
         if primary is None:
@@ -300,8 +300,6 @@ class BlockPool(PoolKeyRemoval):
                     if tag is not None:
                         self._tags[block_id] = tag
             else:
-                if hasattr(count, "__index__") and not isinstance(count, bool):
-                    count = count.__index__()  # a numpy int becomes an int
                 # The tag applies only where this entry's key becomes the primary key.
                 self.insert_key(key, block_id, count, tag=tags.get(i) if tags else None)
 

@@ -25,16 +25,21 @@ class PoolError(RuntimeError):
     """A pool operation was asked for something the pool cannot do."""
 
 
-def check_key(key: Key, num_tokens: int) -> None:
-    """Raise naming the bad value when `key` is not a key or `num_tokens` not a count."""
+def check_key(key: Key, num_tokens: int) -> int:
+    """Return `num_tokens` as an int (a numpy integer too, as `insert_keys` takes it);
+    raise naming the bad value when `key` is not a key or `num_tokens` not a count."""
     if not isinstance(key, bytes):
         raise TypeError(f"key {key!r} has type {type(key).__name__}; expected bytes")
+    numpy_int = not isinstance(num_tokens, int) and hasattr(num_tokens, "__index__")
+    if numpy_int:
+        num_tokens = num_tokens.__index__()
     if (
         isinstance(num_tokens, bool)
         or not isinstance(num_tokens, int)
         or not 0 <= num_tokens <= MAX_NUM_TOKENS
     ):
         raise ValueError(f"num_tokens must be an int in [0, {MAX_NUM_TOKENS}], got {num_tokens!r}")
+    return num_tokens
 
 
 def as_block_count(value: object) -> int:
