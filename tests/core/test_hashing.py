@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from itertools import pairwise
 
 import pytest
@@ -74,6 +75,29 @@ def test_hash_block_rejects_bad_parent_and_tokens() -> None:
         hasher.hash_block(None, [1, 2, 2**63, 4])
     with pytest.raises(ValueError, match="token id 'a' at position 0"):
         hasher.hash_block(None, ["a", 2, 3, 4])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("parent", [5, "x" * 32, bytearray(32)])
+def test_hash_block_names_a_parent_that_is_not_bytes(parent: object) -> None:
+    """Regression: an int parent raised "object of type 'int' has no len()", a str one
+    "string argument without an encoding", naming neither."""
+    hasher = make_hasher()
+    with pytest.raises(TypeError, match=f"parent hash {re.escape(repr(parent))}"):
+        hasher.hash_block(parent, [1, 2, 3, 4])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("extra_keys", ["ab", b"ab", None, 7])
+def test_hash_block_refuses_extra_keys_that_are_not_a_tuple(extra_keys: object) -> None:
+    """Regression: a str or bytes given as the extra keys was hashed as the tuple of its
+    items, so "ab" collided with ("a", "b") and b"ab" with (97, 98); None and an int
+    raised "has no len()" naming nothing."""
+    hasher = make_hasher()
+    with pytest.raises(TypeError, match=f"extra keys {re.escape(repr(extra_keys))}"):
+        hasher.hash_block(None, [1, 2, 3, 4], extra_keys)  # type: ignore[arg-type]
+    keys = ("a", "b")
+    assert hasher.hash_block(None, [1, 2, 3, 4], list(keys)) == hasher.hash_block(  # type: ignore[arg-type]
+        None, [1, 2, 3, 4], keys
+    )
 
 
 def test_hasher_rejects_bad_config() -> None:

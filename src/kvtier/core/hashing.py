@@ -212,8 +212,15 @@ class BlockHasher:
 
         `parent` is the previous block's hash, or None for block 0. Raises ValueError when
         `token_ids` is not exactly `hash_block_size` long, a token id is outside int64, or
-        `parent` has the wrong length; TypeError on an unsupported extra key.
+        `parent` has the wrong length; TypeError for a `parent` that is not bytes,
+        `extra_keys` that are not a tuple (or list) — a str would hash as the tuple of its
+        characters — or an unsupported extra key.
         """
+        if not isinstance(extra_keys, tuple | list):
+            raise TypeError(
+                f"extra keys {extra_keys!r} have type {type(extra_keys).__name__}; "
+                "expected a tuple of extra keys"
+            )
         if len(token_ids) != self.hash_block_size:
             raise ValueError(
                 f"block has {len(token_ids)} token ids; "
@@ -221,6 +228,10 @@ class BlockHasher:
             )
         if parent is None:
             parent = self._root_hash
+        elif not isinstance(parent, bytes):
+            raise TypeError(
+                f"parent hash {parent!r} has type {type(parent).__name__}; expected bytes"
+            )
         elif len(parent) != self._digest_size:
             raise ValueError(
                 f"parent hash has {len(parent)} bytes; {self.algo.value} hashes have "
