@@ -7,6 +7,8 @@ Full attention, sliding window, state and scratch groups, and the token cap. The
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from longest_hit_helpers import (
     FINE,
@@ -211,3 +213,21 @@ def test_a_granularity_is_taken_by_value_or_refused_naming_it() -> None:
     assert fine.num_tokens == 6 == hit(lay, hashes, index, granularity=FINE).num_tokens
     with pytest.raises(ValueError, match="'bogus' is not a valid HitGranularity"):
         find_longest_hit(lay, hashes, NO_CAP, index.get, "bogus")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "lay",
+    [
+        layout(group(FULL, 16)),  # the lone full-attention fast path
+        layout(group(FULL, 16), group(SLIDING, 16, 32)),  # the matchers' prefix scan
+    ],
+)
+@pytest.mark.parametrize("bad", ["abc", bytearray(32)])
+def test_a_block_hash_that_is_not_bytes_is_named(lay: KVLayout, bad: object) -> None:
+    """Regression: a str hash failed with "can only concatenate str (not "bytes") to
+    str" and a bytearray one with "unhashable type", naming neither it nor its index."""
+    hashes: list[object] = [*make_hashes(2), bad]
+    index: Index = {}
+    cache(index, make_hashes(2), 0, [0, 1])
+    with pytest.raises(TypeError, match=rf"block hash 2 \({re.escape(repr(bad))}\)"):
+        find_longest_hit(lay, hashes, NO_CAP, index.get)  # type: ignore[arg-type]

@@ -93,6 +93,14 @@ class _GroupMatcher:
         return self._blocks[j]
 
 
+def _raise_for_bad_hash(hashes: Sequence[BlockHash]) -> None:
+    """Raise TypeError naming the first hash that is not bytes (a prefix scan's
+    `hash + suffix` failed on it); return if there is none."""
+    for index, block_hash in enumerate(hashes):
+        if not isinstance(block_hash, bytes):
+            raise TypeError(f"block hash {index} ({block_hash!r}) is not bytes")
+
+
 def _as_token_cap(value: object) -> int:
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"max_num_tokens must be an int, got {value!r}")
@@ -133,10 +141,14 @@ class _FullMatcher(_GroupMatcher):
         blocks = self._blocks
         cached = self.cached
         ends = self.hashes[ratio - 1 : self.num_blocks * ratio : ratio]  # each block's last hash
-        for j, block_hash in enumerate(ends):
-            block = blocks[j] = cached(block_hash + suffix)
-            if block is None:
-                return j
+        try:
+            for j, block_hash in enumerate(ends):
+                block = blocks[j] = cached(block_hash + suffix)
+                if block is None:
+                    return j
+        except TypeError:
+            _raise_for_bad_hash(self.hashes)
+            raise
         return len(ends)
 
     def best_at_most(self, num_tokens: int, unit: int) -> int:
@@ -281,11 +293,15 @@ def _lone_full_hit(
         block_size = layout.groups[group_id].block_size
         ratio = block_size // hbs
         # Each whole block's last hash; `islice`: a miss at the first block copies none.
-        for block_hash in islice(hashes, ratio - 1, len(hashes) // ratio * ratio, ratio):
-            block = cached_block(block_hash + suffix)
-            if block is None:
-                break
-            ids.append(block)
+        try:
+            for block_hash in islice(hashes, ratio - 1, len(hashes) // ratio * ratio, ratio):
+                block = cached_block(block_hash + suffix)
+                if block is None:
+                    break
+                ids.append(block)
+        except TypeError:
+            _raise_for_bad_hash(hashes)
+            raise
         num_tokens = min(num_tokens, len(ids) * block_size) // unit * unit
     if num_tokens == 0:
         num_groups = len(layout.groups)
