@@ -188,8 +188,9 @@ class TransferCompletion:
 
     def _note_done(self, progress: LoadProgress) -> None:
         """Note the request's load finished or failed once its last part settled; a
-        call that repeats it (an interrupt in between) notes nothing more."""
-        if progress.num_pending != 0:
+        call that repeats it (an interrupt in between) notes nothing more. The load of a
+        request that finished meanwhile is noted nowhere (`TransferBook.drop_outcomes`)."""
+        if progress.num_pending != 0 or progress.request_gone:
             return
         if progress.failed:
             failure = progress.failure()

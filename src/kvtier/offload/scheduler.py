@@ -295,14 +295,13 @@ class OffloadScheduler(SchedulerObservability):
         their keys (vLLM hashes blocks as it schedules them).
 
         Never delays the engine freeing its GPU blocks: selected blocks are pinned here.
-        Issued transfers keep their pins until the workers report them.
+        Issued transfers keep their pins until the workers report them; an issued load's
+        outcome is then returned to no one (a new request may have taken the id).
         """
         request_id = request.request_id
         # Blocks a load has not filled yet hold no valid KV: store nothing of this request.
         dropped = self.loads.drop_request(request_id)
-        loading = dropped or any(
-            load.request_id == request_id for transfer in self._book for load in transfer.loads
-        )
+        loading = self._book.drop_outcomes(request_id) or dropped
         selector = self._selector if self._selector is not None else self.selector  # (hot)
         state = selector.tracked.get(request_id)
         if state is not None and not loading and computed:

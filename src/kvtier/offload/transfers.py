@@ -49,7 +49,8 @@ class LoadProgress:
     """One request's load over one or more tiers: parts still to finish, any failure.
 
     `tier_tokens`: the accepted tokens each tier serves (tier value -> tokens), counted as
-    hit tokens once every part finished and none failed.
+    hit tokens once every part finished and none failed. `request_gone`: the request
+    finished while the load was in flight, so its outcome is no one's (`drop_outcomes`).
     """
 
     request_id: str
@@ -60,6 +61,7 @@ class LoadProgress:
     tier_tokens: dict[str, int] = field(default_factory=dict)
     suspect_gpu_blocks: list[int] = field(default_factory=list)  # of its failed parts
     failed_whole: bool = False  # a failed part of it named no bad blocks
+    request_gone: bool = False
 
     def failure(self) -> FailedLoad:
         """Return the failed load of the whole range (conservative across tiers)."""
@@ -182,6 +184,22 @@ class TransferBook:
         if transfer.stores or transfer.moves:
             self._num_store_events += 1
             self.num_store_blocks += len(transfer.stores)
+
+    def drop_outcomes(self, request_id: str) -> bool:
+        """Mark the issued loads of finished request `request_id` as gone; return True
+        when it has one.
+
+        Their pins stay until the workers report them (SPEC §6.7), but their outcome is
+        returned to no one: a request admitted since under the same id (an engine whose
+        ids repeat) would take the earlier load's completion for its own load's, and
+        compute while its own load still copies (or be rewound by the earlier failure).
+        """
+        gone = False
+        for transfer in self._issued.values():
+            for load in transfer.loads:
+                if load.request_id == request_id:
+                    load.progress.request_gone = gone = True
+        return gone
 
     def fail_unissued(self, failure: FailedLoad) -> None:
         """Queue a load failure that never reached a worker, for the next report."""
