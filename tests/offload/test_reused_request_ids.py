@@ -78,3 +78,34 @@ def test_a_finished_requests_load_still_releases_its_pins_and_counts_its_blocks(
     tier = engine.scheduler.tier_pool
     assert tier.num_free() == tier.num_usable_blocks
     engine.check()
+
+
+def test_a_finished_requests_load_failed_before_issue_is_not_the_new_requests() -> None:
+    """A load that failed before issue (more accepted than the lookup offered) and whose
+    request finished before the next report: `on_finished` says it dropped a load never
+    issued (vLLM's adapter echoes it), and the next report does not fail the new request
+    of that id, whose load is in flight (it was rewound and held back to recompute)."""
+    engine = SimEngine(full_layout(), config())
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    engine.evict_gpu()
+    engine.auto_complete = False
+    b = make_request("b", [*range(12), 99])
+    found = engine.lookup(b)
+    assert engine.allocate(b, found, accept=12) == Admission(0, 8, 12)  # fails unissued
+    returned: list[bool] = []
+    on_finished = engine.scheduler.on_finished
+    engine.scheduler.on_finished = lambda *args, **kw: returned.append(on_finished(*args, **kw))  # type: ignore[method-assign]
+    engine.finish("b")
+    assert returned == [True]  # no report names it now
+    engine.scheduler.on_finished = on_finished  # type: ignore[method-assign]
+    assert not engine.scheduler.has_unissued_failures()
+    again = make_request("b", [*range(8), 98])
+    assert engine.admit(again) == Admission(0, 8, 8)
+    (new_load,) = engine.step().jobs
+    assert engine.outcomes[-1].failed_loads == ()
+    assert again.num_computed_tokens == 8
+    assert "b" not in engine.scheduler.loads.recompute_next
+    engine.worker.complete(new_load.event_id)
+    assert engine.poll().finished_loads == ("b",)
+    engine.check()

@@ -222,6 +222,30 @@ def test_partial_tail_of_a_request_finished_during_its_load_is_not_stored(issued
     assert not stored & destinations
 
 
+def test_partial_tail_of_a_request_finished_after_its_load_failed_unissued_is_not_stored() -> None:
+    """A load that fails before issue (a hit block lost its keys) is reported with the next
+    report; a request finished before it counts the load's tokens computed, and its
+    partial tail (stored by the request's hash, not a GPU key) held another request's
+    KV, which the tier then served under the tail's key."""
+    engine = SimEngine(fine_layout(), config(fine_grained_hits=True))
+    engine.run(make_request("a", range(16), outputs=[5]))
+    engine.drain()
+    engine.evict_gpu()
+    y = make_request("y", range(16))
+    found = engine.lookup(y)
+    assert found.num_offered_tokens == 12
+    pool = engine.scheduler.tier_pool
+    pool.discard_keys(engine.scheduler.loads.pins["y"].hit.block_ids[0][0])
+    assert engine.allocate(y, found) is not None  # the load fails unissued
+    for block_id in engine.tables["y"][0]:
+        engine.worker.write_gpu(block_id, "another request's KV")
+    engine.finish("y")
+    plan = engine.step()
+    assert not [job for job in plan.jobs if job.is_store]
+    assert pool.cached_block(make_key(y.block_hashes[2], 0)) is None
+    engine.check()
+
+
 def test_confirmed_tokens_exclude_output_placeholders() -> None:
     """Eager mode stores only blocks whose KV is confirmed: computed minus placeholders."""
     engine = SimEngine(full_layout())

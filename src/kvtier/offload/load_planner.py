@@ -330,7 +330,8 @@ class LoadPlanner(RecomputeGate):
         return queued
 
     def drop_request(self, request_id: str) -> bool:
-        """Drop a finished request's pin and queued loads; return True if it had loads."""
+        """Drop a finished request's pin, queued loads and loads failed before issue;
+        return True if it had one (no report will name it)."""
         assert self.gpu_pool is not None, "no GPU pool bound"
         self.release_pin(request_id)
         self.allocated.discard(request_id)
@@ -348,6 +349,8 @@ class LoadPlanner(RecomputeGate):
             else:
                 keep.append(load)
         self.queued = keep
+        if self.book.has_unissued_failures():
+            dropped |= self.book.drop_unissued_failures(request_id)
         return dropped
 
     def fail_all(self) -> None:

@@ -205,6 +205,15 @@ class TransferBook:
         """Queue a load failure that never reached a worker, for the next report."""
         self._unissued_failures.append(failure)
 
+    def drop_unissued_failures(self, request_id: str) -> bool:
+        """Forget the queued failures of finished request `request_id`; return True when
+        it had one. As for `drop_outcomes`: a request admitted since under its id must
+        not take them; the caller tells the engine instead (`on_finished` returns True)."""
+        failures = self._unissued_failures
+        kept = [failure for failure in failures if failure.request_id != request_id]
+        self._unissued_failures = kept
+        return len(kept) != len(failures)
+
     def has_unissued_failures(self) -> bool:
         """Return True while failures queued by `fail_unissued` await `take_unissued_failures`."""
         return bool(self._unissued_failures)
