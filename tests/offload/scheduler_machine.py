@@ -1,6 +1,7 @@
 """The random engine runs of the offload scheduler's stateful test (SPEC §6).
 
-`SchedulerDriver` drives a `SimEngine` at random: arrivals from two prefix families,
+`SchedulerDriver` drives a `SimEngine` at random: arrivals from two prefix families
+(some under the id of a request that finished: its load may still be in flight),
 admissions taking all, none or part of their tier hit, chunked scheduling, preemption,
 aborts (some after a failed forward: `computed=False`), requests skipping the prefix
 cache, tokens counted computed ahead of the forward as output placeholders (async
@@ -113,8 +114,7 @@ class SchedulerDriver(SchedulerSetup):
         outputs = [rng.randrange(3) for _ in range(rng.randrange(4))]
         skip = rng.randrange(10) == 0  # wants prompt logprobs: no prefix cache
         lora, extras = rng.choice(EXTRAS)
-        request_id = f"r{self.next_id}"
-        self.next_id += 1
+        request_id = self.new_request_id(rng)
         note(f"arrive {request_id}: {tokens} then {outputs}{' (skips the cache)' * skip}")
         if lora is not None or extras != RequestExtras():
             note(f"{request_id} has {lora} and {extras}")
@@ -128,6 +128,16 @@ class SchedulerDriver(SchedulerSetup):
             skip_prefix_cache=skip,
         )
 
+    def new_request_id(self, rng: random.Random) -> str:
+        """Return a fresh request id, or sometimes (an engine whose ids repeat) the id of
+        a request that finished."""
+        live = set(self.live_ids())
+        gone = [f"r{i}" for i in range(self.next_id) if f"r{i}" not in live]
+        if gone and rng.randrange(8) == 0:
+            return rng.choice(gone)
+        self.next_id += 1
+        return f"r{self.next_id - 1}"
+
     def admit(self, request_id: str, rng: random.Random) -> None:
         """Admit a waiting request, taking all, none or part of its tier hit.
 
@@ -138,7 +148,9 @@ class SchedulerDriver(SchedulerSetup):
         engine = self.engine
         old_pin = self.lookup_pins.pop(request_id, Counter())
         before = self.tier_refs()
-        found = engine.lookup(request)
+        # Sometimes the engine caps the hit (`max_tokens`: a token budget left).
+        max_tokens = rng.choice([None, None, None, rng.randrange(16)])
+        found = engine.lookup(request, max_tokens)
         pin = self.tier_refs()
         pin.subtract(before)
         pin.update(old_pin)
@@ -149,6 +161,7 @@ class SchedulerDriver(SchedulerSetup):
             assert not pin, "a request skipping the cache left a pin"
         assert found.num_local_tokens + offered <= request.num_tokens - 1
         assert offered % HASH_BLOCK == 0
+        assert max_tokens is None or offered <= max_tokens, "a hit over the cap"
         accepted = rng.choice(
             [offered, offered, 0, rng.randint(0, offered // self.block_size) * self.block_size]
         )
@@ -156,6 +169,11 @@ class SchedulerDriver(SchedulerSetup):
         tier_before, gpu_before = self.tier_refs(), self.gpu_refs()
         out_of_budget = rng.randrange(8) == 0  # the engine stops admitting after lookup
         if out_of_budget or engine.allocate(request, found, accepted) is None:
+            if rng.randrange(3) == 0:
+                note(f"{request_id} not allocated: the engine releases its lookup pin")
+                engine.scheduler.release_lookup(request_id)
+                assert self.tier_refs() == tier_before - pin, "release_lookup left a pin"
+                return
             note(f"{request_id} not allocated: its lookup pin stays")
             if pin:
                 self.lookup_pins[request_id] = pin
@@ -273,15 +291,23 @@ class SchedulerDriver(SchedulerSetup):
     def incident(self, incident: int, rng: random.Random) -> None:
         """Sometimes abort a request, reset the scheduler or report between steps."""
         if incident == 0 and self.live_ids():
-            # A third of the aborts come from a failed forward pass: `computed=False`.
-            self.abort(rng.choice(self.live_ids()), computed=rng.randrange(3) != 0)
+            # Half of them abort a loading request when there is one (its load is rarely
+            # in flight for long); a third come from a failed forward: `computed=False`.
+            loading = sorted(self.engine.loading)
+            victims = loading if loading and rng.randrange(2) else self.live_ids()
+            self.abort(rng.choice(victims), rng.randrange(3) != 0, rng)
         elif incident == 1:
             self.reset()
         elif incident in (2, 3):
             self.work(rng)
 
-    def abort(self, request_id: str, computed: bool = True) -> None:
+    def abort(
+        self, request_id: str, computed: bool = True, rng: random.Random | None = None
+    ) -> None:
         """Finish a live request early, whatever it is doing (waiting, loading, running).
+
+        With `rng`, a request aborted while loading is sometimes followed by a new one
+        under its id (an engine whose ids repeat), while the first one's load is in flight.
 
         `computed=False` before this step's admissions: its part of the last forward pass
         failed, so the blocks it wrote hold no KV of their keys (`fail_forward`); no tier
@@ -293,9 +319,22 @@ class SchedulerDriver(SchedulerSetup):
             note(f"{request_id}'s last forward failed: {self.engine.last_forward.get(request_id)}")
             self.engine.fail_forward(request_id)
         request = self.waiting.pop(request_id, None)
+        loading = (
+            self.engine.requests.get(request_id) if request_id in self.engine.loading else None
+        )
         self.engine.finish(request_id, request, computed=computed)
         self.lookup_pins.pop(request_id, None)
         self.queued_loads.pop(request_id, None)
+        if loading is not None and rng is not None and rng.randrange(2):
+            # An engine whose ids repeat: the same prompt again, its load still in flight.
+            note(f"arrive {request_id} again: the same prompt")
+            self.waiting[request_id] = make_request(
+                request_id,
+                loading.token_ids[: loading.num_prompt_tokens],
+                HASH_BLOCK,
+                lora=loading.lora,
+                extras=loading.hasher.extras,
+            )
 
     def reset(self) -> None:
         """Reset the scheduler: pins dropped, queued loads failed, in-flight stores abandoned."""

@@ -110,11 +110,12 @@ class SimEngineCore:
             return block_id
         return None
 
-    def lookup(self, request: SimRequest) -> Lookup:
-        """Find the request's local (GPU) hit, then ask the tier for more (pins the hit)."""
+    def lookup(self, request: SimRequest, max_tokens: int | None = None) -> Lookup:
+        """Find the request's local (GPU) hit, then ask the tier for more (pins the hit),
+        at most `max_tokens` (None: no cap)."""
         self.learn_chain(request)
         num_local, local_ids = self.local_hit(request)
-        offered = self.scheduler.lookup(request, num_local)
+        offered = self.scheduler.lookup(request, num_local, max_tokens)
         return Lookup(num_local, local_ids, offered)
 
     def allocate(

@@ -1,7 +1,9 @@
 """Random engine runs against the offload scheduler, checked against a model (SPEC §6).
 
-Requests share prefixes (two families), are admitted taking all, none or part of their
-tier hit, run in chunks, decode, finish, are preempted or aborted; the GPU cache is
+Requests share prefixes (two families), are looked up (some with a cap, some declined
+and their pin released), admitted taking all, none or part of their tier hit, run in
+chunks, decode, finish, are preempted or aborted (a new request may take the id of one
+whose load is still in flight, as in an engine whose ids repeat); the GPU cache is
 evicted and the scheduler reset at random; 1-4 fake workers complete, delay, fail or
 re-report transfers in any order, or report events never issued; a worker may find some
 source slots of a load corrupted (they hold garbage from then on, and every load of them
