@@ -41,7 +41,8 @@ class LoadPlanner(RecomputeGate):
     """Lookup pins and queued loads; `hit_tokens` counts served hit tokens per tier.
 
     A load's tokens count in `hit_tokens` once it completed on every tier it reads from
-    (`TransferCompletion` adds them); a load that fails, or is dropped, counts nothing.
+    (`TransferCompletion` adds them); a load that fails, is dropped, or whose request
+    finished before it completed, counts nothing.
     What lookups of requests whose load failed answer: `RecomputeGate`, a mixin.
 
     `eagle_proof` (an EAGLE-style drafter): a hit needs the unit after it cached in
