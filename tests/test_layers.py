@@ -43,6 +43,7 @@ LAYERS = {
     "adapters": 3,
     "replay": 3,
     "cli": 4,
+    "__main__": 5,  # `python -m kvtier`: runs the cli
 }
 NO_TORCH = frozenset({"core", "offload"})
 SAME_LAYER_ALLOWED = frozenset({frozenset({"transfer", "storage"})})
