@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from itertools import combinations
 from pathlib import Path
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.offload.plan import SlotRecord
@@ -103,12 +104,33 @@ def reaches_boundary(
     return left in boundaries or right in boundaries
 
 
+def whole_anyway(records: list[bytes], body: bytes, touched: set[int]) -> list[int]:
+    """Return the touched records whose exact bytes still occur in the damaged body.
+
+    Flips and insertions together can rebuild a record shifted by the garbage: flipping
+    `01 00` to `00 01` and inserting `00` after them gives `00` + the whole record, as if
+    the garbage went before it. `damage` sees each step alone and counts it touched; the
+    reader may rightly recover it."""
+    return [i for i in sorted(touched) if records[i] in body]
+
+
+# Found in CI (2026-12-06): a flip and an insertion that leave `00` + the whole record.
+@example(
+    history=[(0, ManifestEntry(0, SlotRecord(b"", 16, None)))],
+    flip=[(0, 2, 1)],
+    insert=[(2, b"\x00")],
+)
 @settings(max_examples=300, deadline=None)
 @given(history=histories, flip=flips, insert=inserts)
 def test_damage_costs_exactly_the_records_it_touches(
     history: History, flip: list[tuple[int, int, int]], insert: list[tuple[int, bytes]]
 ) -> None:
-    body, touched = damage(encode(history), flip, insert)
+    """The replay drops every touched record, except that one whose bytes the damage left
+    whole elsewhere (`whole_anyway`) may be kept: some subset of those is."""
+    records = encode(history)
+    body, touched = damage(records, flip, insert)
+    ambiguous = whole_anyway(records, body, touched)
+    assert len(ambiguous) <= 8, ambiguous  # random damage rebuilds a record very rarely
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kvtier-rank0.manifest"
         path.write_bytes(IDENTITY.encode() + body)
@@ -117,7 +139,12 @@ def test_damage_costs_exactly_the_records_it_touches(
             live = read_manifest(str(path), IDENTITY)
         finally:
             logging.disable(logging.NOTSET)
-    assert live == reference_replay(history, touched)
+    allowed = [
+        reference_replay(history, touched - set(kept))
+        for size in range(len(ambiguous) + 1)
+        for kept in combinations(ambiguous, size)
+    ]
+    assert live in allowed, (live, allowed[0])
 
 
 def test_garbage_equal_to_the_bytes_before_a_record_start_touches_nothing() -> None:
