@@ -21,6 +21,7 @@ from kvtier_vllm import (
     kvtier_harness,
     scheduler_side,
 )
+from test_vllm_bad_disk_slot import record_failed
 from test_vllm_fault_before_bind import num_tier_blocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -91,10 +92,16 @@ def test_stores_of_a_skipped_plan_are_failed_by_the_ranks_that_skipped_it(
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
 def test_a_load_of_a_skipped_plan_is_failed_and_its_request_freed(num_ranks: int) -> None:
+    """Every rank reports the load failed to vLLM (`failed_recving`), which frees the
+    aborted request's blocks; kvtier's scheduler gives the failure of a load whose request
+    finished to no one (a new request may have taken its id: `TransferBook.drop_outcomes`)."""
     harness = kvtier_harness(num_ranks=num_ranks)
     harness.add_request("c", PROMPT, max_tokens=2)
     drain(harness)
     assert harness.scheduler.reset_prefix_cache()  # vLLM's GPU copies only
+    reported = [set[str]() for _ in range(num_ranks)]
+    for rank in range(num_ranks):
+        record_failed(harness, rank, reported[rank], set())
     recomputed: list[str] = []
     side = scheduler_side(harness)
     apply = side.offload.apply_report
@@ -110,7 +117,8 @@ def test_a_load_of_a_skipped_plan_is_failed_and_its_request_freed(num_ranks: int
     assert any(job.is_load for job in skipped.kv_connector_metadata.plan.jobs)
     abort_all_on_fault(harness)  # vLLM keeps a's GPU blocks until its load is reported
     drain(harness, 300)
-    assert recomputed == ["a"]  # vLLM's load-error path (`failed_recving`)
+    assert reported == [{"a"}] * num_ranks  # vLLM's load-error path (`failed_recving`)
+    assert recomputed == []  # a finished request's load outcome is no one's
     check_quiescent(harness)
     serve_another(harness)
     check_quiescent(harness)
