@@ -205,6 +205,10 @@ def test_fractional_token_counts_are_rejected_naming_the_value(text: str) -> Non
     ("policy", "parts"),
     [
         ("belady+door", ["'belady' is an offline policy", "no admission filter"]),
+        # Regression: "such as '+'" (nothing after the '+'), and the bad part lowercased.
+        ("belady+", ["'belady' is an offline policy", "no '+' after it; use 'belady'"]),
+        ("LRU+Bogus", ["unknown admission policy 'Bogus' in 'LRU+Bogus'; choose one of door"]),
+        ("lru+", ["policy 'lru+': missing admission policy after '+'"]),
         ("oracle-lfu+door", ["'oracle-lfu' is an offline policy"]),
         ("foo", ["unknown policy 'foo'", "lru", "door", "belady", "oracle-lfu"]),
     ],
@@ -222,7 +226,13 @@ def test_policy_errors_say_what_exists(
 
 @pytest.mark.parametrize(
     ("text", "name"),
-    [("lru + door", "lru+door"), (" ARC+Door ", "arc+door"), ("belady ", "belady")],
+    [
+        ("lru + door", "lru+door"),
+        (" ARC+Door ", "arc+door"),
+        ("belady ", "belady"),
+        ("LRU", "lru"),
+        ("duel", "duel"),
+    ],
 )
 def test_policy_names_are_read_as_the_library_reads_them(text: str, name: str) -> None:
     """Regression: `--policy "lru + door"` was refused, though `PolicySpec.parse` (the

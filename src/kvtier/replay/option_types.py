@@ -92,8 +92,8 @@ def policy_name(text: str) -> str:
     if eviction in OFFLINE_POLICIES:
         raise argparse.ArgumentTypeError(
             f"{text!r}: {eviction!r} is an offline policy with its own admission rule (store "
-            f"only what is used again), so it takes no admission filter such as "
-            f"'+{admission}'; use {eviction!r}"
+            f"only what is used again), so it takes no admission filter: no '+' after it; "
+            f"use {eviction!r}"
         )
     if eviction not in EVICTION_POLICIES:
         raise argparse.ArgumentTypeError(
@@ -101,6 +101,12 @@ def policy_name(text: str) -> str:
             f"{', '.join(EVICTION_POLICIES)} and admission one of "
             f"{', '.join(a for a in ADMISSION_POLICIES if a != 'all')}; or an offline "
             f"policy: {', '.join(OFFLINE_POLICIES)}"
+        )
+    if admission and admission not in ADMISSION_POLICIES:  # named as typed, not lowercased
+        typed = text.strip().partition("+")[2].strip()
+        raise argparse.ArgumentTypeError(
+            f"unknown admission policy {typed!r} in {text!r}; choose one of "
+            f"{', '.join(a for a in ADMISSION_POLICIES if a != 'all')}"
         )
     try:
         return PolicySpec.parse(text).name
