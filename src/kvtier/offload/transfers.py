@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvtier.offload.cascade import MoveItem
 from kvtier.offload.plan import Tier, TransferJob, WorkerReport
+from kvtier.offload.report_checks import check_load_parts, check_report_counts
 from kvtier.offload.store_batch import StoreBatch
 
 logger = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class TransferBook:
         its loads' block counts in order (workers would fail the wrong requests)."""
         event_id = transfer.job.event_id
         if transfer.loads or transfer.job.load_parts:
-            _check_parts(transfer)
+            check_load_parts(transfer.job, transfer.loads)
         self._issued[event_id] = transfer
         if transfer.loads:
             self._load_request_ids[event_id] = tuple(item.request_id for item in transfer.loads)
@@ -235,7 +236,7 @@ class TransferBook:
         twice by some worker: it completes as failed, since which workers really copied
         it is unknown (a failed store registers nothing, a failed load is recomputed).
         """
-        _check_counts(report)
+        check_report_counts(report)
         touched: list[IssuedTransfer] = []
         unknown: list[int] = []
         completed = self._completed
@@ -358,18 +359,6 @@ class TransferBook:
         return self._num_store_events, abandoned
 
 
-def _check_parts(transfer: IssuedTransfer) -> None:
-    job, loads = transfer.job, transfer.loads
-    sizes = tuple(len(item.tier_block_ids) for item in loads)
-    if job.load_parts != sizes:
-        raise ValueError(
-            f"event {job.event_id}: load parts {job.load_parts} are not the block counts "
-            f"{sizes} of its loads {[item.request_id for item in loads]}"
-        )
-    if job.src_block_ids != tuple(b for item in loads for b in item.tier_block_ids):
-        raise ValueError(f"event {job.event_id}: source blocks are not its loads' tier blocks")
-
-
 def _copy_seconds(report: WorkerReport, event_id: int) -> float:
     """Return the copy time a report gives an event; 0 (with a warning) for one that is
     not a finite number of seconds >= 0 (a statistic: the counts still apply)."""
@@ -379,26 +368,3 @@ def _copy_seconds(report: WorkerReport, event_id: int) -> float:
         return float(seconds)
     logger.warning("worker report: seconds[%r] = %r is not a copy time; ignored", event_id, seconds)
     return 0.0
-
-
-def _check_counts(report: WorkerReport) -> None:
-    """Raise ValueError naming the first event whose worker count is not an int >= 0, or
-    whose bad blocks are not a frozenset of ints of an event the report fails."""
-    for name, counts in (("done", report.done), ("failed", report.failed)):
-        for event_id, count in counts.items():
-            if type(count) is not int or count < 0:
-                raise ValueError(
-                    f"worker report: {name}[{event_id!r}] = {count!r} is not a worker "
-                    "count (an int >= 0); report refused"
-                )
-    for event_id, blocks in report.bad_blocks.items():
-        if not report.failed.get(event_id):
-            raise ValueError(
-                f"worker report: bad_blocks names event {event_id!r}, which it does not "
-                "fail; report refused"
-            )
-        if not isinstance(blocks, frozenset) or any(type(b) is not int for b in blocks):
-            raise ValueError(
-                f"worker report: bad_blocks[{event_id!r}] = {blocks!r} is not a frozenset "
-                "of block ids; report refused"
-            )
