@@ -1,32 +1,91 @@
-"""The disk tier's I/O plumbing: one-thread pools that record their thread (a close
-called from one of them must not wait for itself), the check of a batch's slot
-ids, and the runs of consecutive slot ids a batch becomes (one read or write each)."""
+"""The disk tier's I/O plumbing: the I/O threads (`IoThread`), the check of a batch's
+slot ids, and the runs of consecutive slot ids a batch becomes (one read or write each)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from queue import SimpleQueue
+from typing import ParamSpec
 
 import numpy as np
 
-
-def io_pool(side: str, threads: set[threading.Thread]) -> ThreadPoolExecutor:
-    """Return a one-thread pool whose thread adds itself to `threads` as it starts.
-
-    The thread object, not its ident: an ident is reused by a thread started after this
-    one exited, which would then be taken for an I/O thread."""
-    return ThreadPoolExecutor(
-        1,
-        thread_name_prefix=f"kvtier-disk-{side}",
-        initializer=_record_thread,
-        initargs=(threads,),
-    )
+_P = ParamSpec("_P")
+_Call = tuple[Future[None], Callable[[], None]]
 
 
-def _record_thread(threads: set[threading.Thread]) -> None:
-    threads.add(threading.current_thread())
+class IoThread:
+    """One thread that runs submitted calls in order: a disk tier's store or load I/O.
+
+    It keeps working while the interpreter exits, until `shutdown`: an atexit callback
+    (an engine's `shutdown()`) may still queue I/O and wait for it. A
+    `ThreadPoolExecutor`'s threads are stopped before any atexit callback runs, and every
+    later submit is refused: the transfers an exit-time shutdown waited for failed. The
+    thread is a daemon holding only its queue (a non-daemon one blocked on it would keep
+    the interpreter from reaching atexit), started at the first submit, and added to
+    `threads` then: the thread object, not its ident, which a later thread may reuse.
+    Whoever owns files the calls use stops it (`shutdown`) before closing them.
+    """
+
+    def __init__(self, side: str, threads: set[threading.Thread]) -> None:
+        self._name = f"kvtier-disk-{side}"
+        self._threads = threads
+        self._calls: SimpleQueue[_Call | None] = SimpleQueue()
+        self._lock = threading.Lock()  # orders submits against `shutdown`'s stop
+        self._thread: threading.Thread | None = None
+        self._is_shut_down = False
+        # Dropped: stop the thread. Not at exit, where the tier's own finalizer stops it
+        # once its queued I/O is done (see `disk_tier_close.close_dropped`).
+        weakref.finalize(self, self._calls.put, None).atexit = False
+
+    def submit(self, fn: Callable[_P, None], *args: _P.args, **kwargs: _P.kwargs) -> Future[None]:
+        """Queue `fn(*args, **kwargs)` behind the earlier calls; return its future.
+
+        RuntimeError once `shutdown` began, or when the thread cannot start."""
+        future: Future[None] = Future()
+        with self._lock:
+            if self._is_shut_down:
+                raise RuntimeError(f"{self._name}: cannot queue I/O after shutdown")
+            if self._thread is None:
+                thread = threading.Thread(
+                    target=_serve, args=(self._calls,), name=self._name, daemon=True
+                )
+                thread.start()
+                self._threads.add(thread)
+                self._thread = thread
+            self._calls.put((future, functools.partial(fn, *args, **kwargs)))
+        return future
+
+    def shutdown(self) -> None:
+        """Refuse new calls, then wait for the queued ones (unless called from the thread
+        itself); idempotent, and a wait cut short by an interrupt is redone by the next
+        call."""
+        with self._lock:
+            if not self._is_shut_down:
+                self._is_shut_down = True
+                self._calls.put(None)  # behind the queued calls
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+
+def _serve(calls: SimpleQueue[_Call | None]) -> None:
+    """An I/O thread: run queued calls in order until the `None` that stops it."""
+    while (item := calls.get()) is not None:
+        future, call = item
+        del item
+        if future.set_running_or_notify_cancel():
+            try:
+                call()
+            except BaseException as exc:  # the caller's to raise, from the future
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        del future, call  # hold no buffer, nor the tier, while idle
 
 
 def check_slot_ids(slot_ids: object, num_slots: int) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
-from kvtier.storage.disk_io import check_slot_ids, consecutive_runs, io_pool, slot_id_list
+from kvtier.storage.disk_io import IoThread, check_slot_ids, consecutive_runs, slot_id_list
 from kvtier.storage.disk_tier_close import close_dropped, close_files
 from kvtier.storage.disk_tier_config import DiskTierConfig
 from kvtier.storage.disk_tier_records import DiskRecords
@@ -101,15 +101,17 @@ class DiskTier:
             close_files(self._file, log)  # never raises for a failed sync or removal
             raise
         self._records = DiskRecords(self._file.path, log, pending, recovered)
-        # The I/O threads, recorded by each as it starts: close() from one of them (a
-        # future's done-callback) must not wait for it.
+        # The I/O threads, recorded as each starts: close() from one of them (a future's
+        # done-callback) must not wait for it.
         self._io_threads: set[threading.Thread] = set()
-        self._store_io = io_pool("store", self._io_threads)
-        self._load_io = io_pool("load", self._io_threads)
+        self._store_io = IoThread("store", self._io_threads)
+        self._load_io = IoThread("load", self._io_threads)
         self._closing = CloseGate()
-        # Collection without close() closes the files as close() does. Queued I/O holds
-        # this object, so none is left by then, and idle I/O threads exit with their pool.
-        self._finalizer = weakref.finalize(self, close_dropped, self._file, log)
+        # Collection without close() closes the files as close() does, once the I/O
+        # threads stopped. Queued I/O holds this object, so none is left then, but at
+        # interpreter exit (finalizers run on live objects) the I/O queued is finished first.
+        io = (self._store_io, self._load_io)
+        self._finalizer = weakref.finalize(self, close_dropped, io, self._file, log)
 
     def _allocate_buffers(self) -> tuple[StagingBuffer, ...]:
         cfg = self.config
@@ -361,7 +363,8 @@ class DiskTier:
         if self._closing.is_closed:
             return
         self._closing.mark_closing()
-        closer = threading.Thread(target=self.close, name="kvtier-disk-close")
+        # Not a daemon (as the I/O thread is): the interpreter waits for it before exiting.
+        closer = threading.Thread(target=self.close, name="kvtier-disk-close", daemon=False)
         try:
             closer.start()
         except RuntimeError:  # interpreter exiting: the finalizer closes the files at exit
@@ -369,8 +372,8 @@ class DiskTier:
 
     def _close_now(self) -> None:
         """Wait for the I/O threads, then close the files; safe to repeat."""
-        self._store_io.shutdown(wait=True)
-        self._load_io.shutdown(wait=True)
+        self._store_io.shutdown()
+        self._load_io.shutdown()
         if self._finalizer.alive:  # detached last: a close cut short is finished by a retry
             self._records.commit()  # the I/O threads are done: nothing else commits or writes
             close_files(self._file, self._records.log)

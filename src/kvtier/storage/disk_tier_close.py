@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 
+from kvtier.storage.disk_io import IoThread
 from kvtier.storage.file_lock import unlink_quietly
 from kvtier.storage.manifest_compaction import sync_directory
 from kvtier.storage.manifest_log import ManifestLog
@@ -30,8 +32,11 @@ def close_files(file: SlotFile, log: ManifestLog | None) -> None:
         file.close()
 
 
-def close_dropped(file: SlotFile, log: ManifestLog | None) -> None:
-    """Close the files of a tier collected without `close()`, then warn."""
+def close_dropped(io: Sequence[IoThread], file: SlotFile, log: ManifestLog | None) -> None:
+    """Stop a tier's I/O threads (its queued I/O done: at interpreter exit there may be
+    some), then close the files of a tier collected without `close()` and warn."""
+    for thread in io:
+        thread.shutdown()
     close_files(file, log)
     warnings.warn(
         f"disk tier {file.path} was not closed; closed it at collection",
