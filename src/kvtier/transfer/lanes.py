@@ -288,7 +288,16 @@ def _outcome(lane: str, pending: _Pending) -> BaseException | Literal[True] | No
             # Kept at once: asked again (a report an interrupt cut short), the device
             # may answer done, and the copy that failed would come back done.
             pending.device_error = error = exc
-    logger.warning("lane %s: transfer event %d failed: %s", lane, pending.event_id, error)
+    # The report names the event only: this is where its error is read. An I/O error (a
+    # failing or full disk) is expected and its message says it all; anything else is a
+    # bug (maybe of no message at all: a bare assert), whose type and traceback it takes.
+    logger.warning(
+        "lane %s: transfer event %d failed: %s",
+        lane,
+        pending.event_id,
+        error,
+        exc_info=None if isinstance(error, OSError) else error,
+    )
     return error
 
 
