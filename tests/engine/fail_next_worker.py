@@ -11,9 +11,10 @@ from kvtier.offload.plan import TransferPlan, WorkerReport
 
 
 class FailNext:
-    """Wrap an offload worker: once armed, the next job submitted is reported failed
-    (though its copy ran); a failed load first scribbles over its GPU destination, so a
-    scheduler that used those blocks anyway yields wrong tokens.
+    """Wrap an offload worker: once armed, the next job submitted (with `loads_only`,
+    the next load) is reported failed (though its copy ran); a failed load first
+    scribbles over its GPU destination, so a scheduler that used those blocks anyway
+    yields wrong tokens.
 
     With `synchronous`, every plan finishes within the step that submits it (reports do
     not depend on timing). With `slow` > 1, the worker's reports reach the engine at
@@ -21,8 +22,11 @@ class FailNext:
     end), but at every poll after a flush, as its contract says.
     """
 
-    def __init__(self, worker: Any, llm: LLM, synchronous: bool, slow: int) -> None:
+    def __init__(
+        self, worker: Any, llm: LLM, synchronous: bool, slow: int, loads_only: bool = False
+    ) -> None:
         self.worker = worker
+        self.loads_only = loads_only
         self.kv_tensors = llm.runner.kv_tensors
         self.synchronous = synchronous
         self.slow = slow
@@ -34,8 +38,9 @@ class FailNext:
         self.seen: WorkerReport | None = None  # what the worker's last `peek` returned
 
     def submit(self, plan: TransferPlan) -> None:
-        if self.armed and plan.jobs:
-            job = plan.jobs[0]
+        jobs = [job for job in plan.jobs if job.is_load or not self.loads_only]
+        if self.armed and jobs:
+            job = jobs[0]
             self.doomed[job.event_id] = job.dst_block_ids if job.is_load else ()
             self.armed = False
         self.flushed = False
