@@ -180,6 +180,29 @@ def test_a_failure_mid_decode_frees_the_blocks_of_every_request_of_the_call() ->
     assert_idle(llm)
 
 
+def test_requests_a_failed_step_finished_are_not_returned_by_a_later_step() -> None:
+    """A call's request finished by the step that then failed (its poll raised: a disk
+    manifest that cannot be written) was kept as unreturned: every later `generate`
+    handed it on, and a later `step` returned it, though it was no `add_request`'s."""
+    llm = LLM(None, OFFLOADS["eager"], EngineConfig(block_size=4, num_gpu_blocks=32))
+    assert llm.offload is not None
+    poll = llm.offload.poll
+
+    def failing_poll() -> Any:
+        llm.offload.poll = poll  # type: ignore[method-assign, union-attr]
+        raise OSError("injected poll failure")
+
+    llm.offload.poll = failing_poll  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="injected poll failure"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    assert llm.generate([[4, 5, 6]], SamplingParams(max_tokens=1))[0].request_id == "req-1"
+    stepped = llm.add_request([7, 8, 9], SamplingParams(max_tokens=1))
+    assert llm.step() == [stepped]
+    assert llm.scheduler.unreturned == []
+    assert_idle(llm)
+    llm.shutdown()
+
+
 # ---------------------------------------------------------------- shutdown
 
 

@@ -137,8 +137,9 @@ class LLM(StallChecks):
         Every prompt is checked as in `add_request` before any is queued: one bad prompt
         rejects the whole call (the error names its index) and nothing runs. If a step
         fails anyway, this call's unfinished requests are aborted and their blocks freed
-        before the error propagates, so the engine stays usable. Requests queued by
-        `add_request` that finish during the call are returned by the next `step`.
+        before the error propagates, so the engine stays usable (and those the failed step
+        finished are dropped with it). Requests queued by `add_request` that finish during
+        the call are returned by the next `step`.
         """
         self._require_running()
         prompt_list = as_prompt_list(prompts)
@@ -167,6 +168,10 @@ class LLM(StallChecks):
             for request in requests:
                 if request.request_id in pending:
                     self._abort(request)
+            # Finished by the step that failed and never returned: this call owned them
+            # and raises, so no later `step` returns them (nor keeps them for good).
+            unreturned = self.scheduler.unreturned
+            self.scheduler.unreturned = [r for r in unreturned if r.request_id not in pending]
             raise
         finally:
             self.scheduler.unreturned[:0] = others
