@@ -389,10 +389,8 @@ class DiskTierMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.tier.check_invariants()
-        listed = {
-            slot: int.from_bytes(r.key[:8], "little") for slot, r in self.tier.recovered_slots()
-        }
-        assert listed == self.recovered
+        listed = self.tier.recovered_slots()
+        assert {slot: int.from_bytes(r.key[:8], "little") for slot, r in listed} == self.recovered
 
 
 DiskTierMachine.TestCase.settings = settings(
