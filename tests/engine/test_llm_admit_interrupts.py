@@ -52,9 +52,7 @@ FROM_LINE = (
     _FIRST
     + 2
     + next(
-        i
-        for i, line in enumerate(_LINES)
-        if "if not self.pool.can_allocate(num_fresh + num_free_hits):" in line
+        i for i, line in enumerate(_LINES) if "if not self.pool.can_allocate(num_taken):" in line
     )
 )
 

@@ -43,7 +43,7 @@ def serve(
     engine = EngineConfig(
         block_size=4,
         # A sliding-window group gives back out-of-window blocks: it adds fewer.
-        num_gpu_blocks=20 + 10 * (len(model.layer_groups()) - 1),
+        num_gpu_blocks=20 + 6 * (len(model.layer_groups()) - 1),
         max_num_batched_tokens=24,
         keep_logits=True,
     )

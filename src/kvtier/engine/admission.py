@@ -12,13 +12,17 @@ from kvtier.engine.block_counts import (
     most_that_fit,
     num_blocks_after,
     num_hit_blocks,
+    num_new_blocks,
 )
 from kvtier.engine.block_growth import BlockGrowth
 from kvtier.engine.request import Request, RequestStatus
+from kvtier.engine.scheduler_step import SchedulerLimits
 
 
 class Admission(BlockGrowth):
     """Admit a waiting request into the GPU pool (a base of `Scheduler`)."""
+
+    limits: SchedulerLimits
 
     def _admit(self, request: Request, budget: int, shrink: bool = False) -> int | None:
         """Give a waiting request its cached prefix and blocks; return tokens to run now.
@@ -74,7 +78,10 @@ class Admission(BlockGrowth):
             if fits is not None:
                 num_new = fits
                 num_fresh = hit_blocks - num_free_hits + num_blocks_after(layout, num_hit, num_new)
-        if not self.pool.can_allocate(num_fresh + num_free_hits):
+        num_taken = num_fresh + num_free_hits
+        if num_external and not self._has_room_after_load(request, num_hit, num_taken, shrink):
+            return None
+        if not self.pool.can_allocate(num_taken):
             return None
         # The request's tables take each block in the statement that takes it from the
         # pool: cut short before it counts them as computed, `_settle` frees them.
@@ -115,6 +122,30 @@ class Admission(BlockGrowth):
         if self.offload is not None:
             self.offload.on_allocated(request, tables, num_external)
         return num_new
+
+    def _has_room_after_load(
+        self, request: Request, num_hit: int, num_taken: int, shrink: bool
+    ) -> bool:
+        """Return True when the pool holds the `num_taken` blocks of a request's hit, the
+        blocks of the chunk it computes once its load is done, and those the requests
+        loading now need for theirs (vLLM's reservation for in-flight prefills).
+
+        A load holds its blocks for a step or more without progress. Admitted where only
+        its hit fits (while requests run, which grow meanwhile), a request back from its
+        load found no room for its chunk and held its blocks idle until a running one,
+        short of blocks, freed them (a preemption) and its hit was loaded again. With
+        offload off it would have waited for room for its hit and chunk together: so it
+        waits here too. With `shrink` and no load in flight (it would run alone), its
+        chunk is one token.
+        """
+        layout, limit = self.layout, self.limits.max_num_batched_tokens
+        alone = shrink and not self.loading  # else a load in flight frees room
+        num_next = 1 if alone else min(request.num_tokens - num_hit, limit)
+        num_blocks = num_taken + num_blocks_after(layout, num_hit, num_next)
+        for other in self.loading.values():
+            num_other = min(other.num_tokens - other.num_computed_tokens, limit)
+            num_blocks += num_new_blocks(layout, other, num_other)
+        return self.pool.can_allocate(num_blocks)
 
 
 def _touched(pool: BlockPool, block_ids: list[int]) -> list[int]:
