@@ -1,5 +1,6 @@
-"""`kvtier demo`'s table: the off-GPU column shows a time only where some turn's history
-left the GPU (it showed a made-up 0 ms when none did)."""
+"""`kvtier demo`'s tables: the off-GPU column shows a time only where some turn's history
+left the GPU (it showed a made-up 0 ms when none did); in an 80-column terminal cells wrap
+at their spaces instead of being cut to an ellipsis."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import io
 
 from rich.console import Console
 
-from kvtier.cli.demo import _print_table
+from kvtier.cli.demo import _print_table, _print_transfers
 from kvtier.engine.chat_workload import RunResult, TurnResult
 
 
@@ -15,9 +16,9 @@ def turn(turn: int, ttft_s: float, local_hit: int) -> TurnResult:
     return TurnResult(0, turn, 64, ttft_s, (1,), local_hit, 0)
 
 
-def table_text(results: list[RunResult]) -> str:
+def table_text(results: list[RunResult], width: int = 200) -> str:
     out = io.StringIO()
-    _print_table(Console(file=out, width=200), results)
+    _print_table(Console(file=out, width=width), results)
     return out.getvalue()
 
 
@@ -34,3 +35,44 @@ def test_the_off_gpu_column_compares_each_config_with_the_first() -> None:
     text = table_text([off, cpu])
     assert "400 ms (1.00x)" in text
     assert "100 ms (0.25x)" in text
+
+
+def served(name: str, ttft_s: float, loaded_mib: int) -> RunResult:
+    """A run with every cell of the table filled: off-GPU turns, tier hits of two tiers,
+    and bytes copied in every direction."""
+    turns = (turn(0, ttft_s, 0), TurnResult(0, 1, 64, ttft_s / 3, (1,), 0, 2880))
+    return RunResult(
+        name,
+        turns,
+        1.0,
+        loaded_mib << 20,
+        loaded_mib << 20,
+        {"CPU": 2880, "DISK": 1234},
+        {"GPU_to_CPU": 13 << 20, "CPU_to_GPU": 17 << 20, "GPU_to_DISK": 13 << 20},
+        {"GPU_to_CPU": 0.011, "CPU_to_GPU": 0.007, "GPU_to_DISK": 0.037},
+    )
+
+
+def test_an_80_column_terminal_wraps_cells_instead_of_cutting_them() -> None:
+    # Regression: rich narrowed both tables to 80 columns by cutting every cell
+    # ("143…", "offloa…", "…" for tok/s and the MiB columns, "12.8 at 112…").
+    results = [served("offload off", 1.143, 0), served("CPU+disk", 0.07, 17)]
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    _print_table(console, results)
+    _print_transfers(console, results)
+    text = out.getvalue()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    words = set(text.replace("│", " ").split())
+    for word in ("offload", "CPU+disk", "762", "1067", "(0.06x)", "(CPU", "DISK", "1234)"):
+        assert word in words
+    for word in ("130", "17.0", "1182", "2429", "MiB/s"):  # tok/s, MiB in, bandwidths
+        assert word in words
+
+
+def test_a_wide_terminal_keeps_one_line_per_configuration() -> None:
+    text = table_text([served("offload off", 1.143, 0), served("CPU+disk", 0.07, 17)])
+    (line,) = [line for line in text.splitlines() if "offload off" in line]
+    for cell in ("762 ms", "1067 ms", "381 ms (1.00x)", "2880 (CPU 2880, DISK 1234)"):
+        assert f" {cell} │" in line

@@ -6,9 +6,11 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -179,7 +181,7 @@ def _console() -> Console:
 
 def _print_table(console: Console, results: list[RunResult]) -> None:
     table = Table(title="multi-turn chat on the reference engine (TTFT: time to first token)")
-    for column in (
+    headers = (
         "config",
         "TTFT p50",
         "TTFT p90",
@@ -189,25 +191,58 @@ def _print_table(console: Console, results: list[RunResult]) -> None:
         "tier hits",
         "MiB in",
         "MiB out",
-    ):
-        table.add_column(column, justify="right", no_wrap=True)
+    )
+    rows = []
     base = percentile(results[0].ttfts(history_left_gpu=True), 0.5)
     for r in results:
         off_gpu_ttfts = r.ttfts(history_left_gpu=True)
         off_gpu = percentile(off_gpu_ttfts, 0.5)
         ratio = f" ({off_gpu / base:.2f}x)" if base else ""
-        table.add_row(
-            r.name,
-            f"{percentile(r.ttfts(), 0.5) * 1e3:.0f} ms",
-            f"{percentile(r.ttfts(), 0.9) * 1e3:.0f} ms",
-            f"{off_gpu * 1e3:.0f} ms{ratio}" if off_gpu_ttfts else "- (none left the GPU)",
-            f"{r.tokens_per_s:.0f}",
-            str(sum(t.num_local_hit_tokens for t in r.turns)),
-            _tier_hits(r),
-            f"{r.num_bytes_loaded / MIB:.1f}",
-            f"{r.num_bytes_stored / MIB:.1f}",
+        rows.append(
+            (
+                r.name,
+                f"{percentile(r.ttfts(), 0.5) * 1e3:.0f} ms",
+                f"{percentile(r.ttfts(), 0.9) * 1e3:.0f} ms",
+                f"{off_gpu * 1e3:.0f} ms{ratio}" if off_gpu_ttfts else "- (none left the GPU)",
+                f"{r.tokens_per_s:.0f}",
+                str(sum(t.num_local_hit_tokens for t in r.turns)),
+                _tier_hits(r),
+                f"{r.num_bytes_loaded / MIB:.1f}",
+                f"{r.num_bytes_stored / MIB:.1f}",
+            )
         )
+    _fill_table(table, console.width, headers, rows)
     console.print(table)
+
+
+def _fill_table(
+    table: Table, console_width: int, headers: Sequence[str], rows: Sequence[Sequence[str]]
+) -> None:
+    """Add right-aligned columns and `rows` to `table` (default box and padding), each
+    column narrowed to fit `console_width` but never below its longest word.
+
+    Rich narrows a table too wide for the terminal without regard to words: in an
+    80-column terminal it cut the demo's cells to a few characters and an ellipsis
+    ("143…", "…" for tok/s). Here a cell wraps at its spaces instead ("156 ms" over
+    "(1.00x)"); a terminal narrower than the longest words folds them, losing nothing.
+    """
+    cells = [list(headers), *map(list, rows)]
+    columns = range(len(headers))
+    widths = [max(cell_len(row[i]) for row in cells) for i in columns]
+    least = [
+        max((cell_len(word) for row in cells for word in row[i].split()), default=0)
+        for i in columns
+    ]
+    budget = console_width - 3 * len(headers) - 1  # a border and two spaces per column
+    while sum(widths) > budget:
+        narrowable = [i for i in columns if widths[i] > least[i]]
+        if not narrowable:
+            break
+        widths[max(narrowable, key=lambda i: widths[i])] -= 1
+    for header, width in zip(headers, widths, strict=True):
+        table.add_column(header, justify="right", width=width, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
 
 
 # Why the directions' rates differ although each is the same kind of copy (measured:
@@ -232,16 +267,16 @@ def _print_transfers(console: Console, results: list[RunResult]) -> None:
         caption=TRANSFERS_CAPTION,
         caption_justify="left",
     )
-    table.add_column("config", justify="right", no_wrap=True)
-    for kind in directions:
-        table.add_column(kind.replace("_to_", " → "), justify="right", no_wrap=True)
+    headers = ["config", *(kind.replace("_to_", " → ") for kind in directions)]
+    rows = []
     for r in results[1:]:
-        cells = []
+        cells = [r.name]
         for kind in directions:
             num_bytes, seconds = r.transfer_bytes.get(kind, 0), r.transfer_seconds.get(kind, 0.0)
             rate = f" at {num_bytes / seconds / MIB:.0f} MiB/s" if num_bytes and seconds else ""
             cells.append(f"{num_bytes / MIB:.1f}{rate}" if num_bytes else "-")
-        table.add_row(r.name, *cells)
+        rows.append(cells)
+    _fill_table(table, console.width, headers, rows)
     console.print(table)
 
 
