@@ -67,7 +67,7 @@ def test_demo_runs_every_configuration(
         ),
         (
             "--block-size=256 --gpu-blocks=8 --cpu-mib=1",
-            "--cpu-mib is too small for the CPU tier run: cpu_bytes=1048576 holds 0 block(s)",
+            "--cpu-mib=1 is too small for the CPU tier run: cpu_bytes=1048576 holds 0 block(s)",
         ),
         (
             "--cascade-cpu-mib=600 --disk-mib=100",
@@ -77,12 +77,12 @@ def test_demo_runs_every_configuration(
         # off" run had been served, naming cpu_bytes / disk_bytes, not the option.
         (
             "--cpu-mib=100000000",
-            "--cpu-mib is too large for the CPU tier run: cpu_bytes=104857600000000 exceeds"
-            " this machine's memory",
+            "--cpu-mib=100000000 is too large for the CPU tier run: cpu_bytes=104857600000000"
+            " exceeds this machine's memory",
         ),
         (
             "--disk-mib=100000000",
-            "--disk-mib is too large for the disk tier run: disk_bytes=104857600000000"
+            "--disk-mib=100000000 is too large for the disk tier run: disk_bytes=104857600000000"
             " exceeds the size of the filesystem",
         ),
         (

@@ -27,7 +27,7 @@ def test_a_disk_tier_beyond_the_free_space_is_named_before_serving(
     assert run_demo(tmp_path, "--disk-io=page_cache") == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(
-        f"kvtier demo: error: --disk-mib is too large for the disk tier run: disk_bytes={MIB}"
+        f"kvtier demo: error: --disk-mib=1 is too large for the disk tier run: disk_bytes={MIB}"
         " exceeds the free space of the filesystem holding disk_path="
     )
     assert f"({MIB // 2} bytes free)\n" in captured.err

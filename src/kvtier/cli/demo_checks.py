@@ -91,7 +91,8 @@ def check_sizes(
         if config is None:
             continue
         for tier in config.tiers:
-            option = TIER_OPTIONS[(name, "cpu_bytes" if tier is Tier.CPU else "disk_bytes")]
+            field = "cpu_bytes" if tier is Tier.CPU else "disk_bytes"
+            option = f"{TIER_OPTIONS[(name, field)]}={getattr(config, field) >> 20}"  # MiB
             try:
                 config.num_tier_blocks(layout.bytes_per_block, tier)
             except ConfigError as exc:
