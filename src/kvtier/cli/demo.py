@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import tempfile
@@ -167,15 +168,28 @@ def _setup(
     return workload, configs
 
 
+class _DemoConsole(Console):
+    """A rich Console whose closed pipe ends the demo as it ends kvtier's other commands."""
+
+    def on_broken_pipe(self) -> None:
+        """Raise BrokenPipeError, which `kvtier` ends quietly with BROKEN_PIPE_STATUS.
+
+        Rich's own handler raised SystemExit(1): `kvtier demo | head -2` exited 1, as
+        for a failed run, not 141 as `kvtier replay | head -1` does.
+        """
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
 def _console() -> Console:
     """Return the demo's console; wide enough for the table when output is not a terminal.
 
     Rich sizes a console that writes to a pipe or file (`make demo | tee`, CI logs) at 80
     columns unless COLUMNS says otherwise, which truncates every cell of the table.
     """
-    console = Console()
+    console = _DemoConsole()
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=PIPE_WIDTH)
+        console = _DemoConsole(width=PIPE_WIDTH)
     return console
 
 
