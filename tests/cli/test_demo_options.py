@@ -116,3 +116,11 @@ def test_the_demo_makes_openmp_threads_sleep_unless_the_user_chose(
     args = demo_parser().parse_args([])
     assert args.run(args) == 0
     assert seen == [user_value or "PASSIVE"]
+
+
+def test_the_help_of_a_demo_option_with_choices_explains_each_choice() -> None:
+    # Regression: --disk-io's help said "disk tier I/O mode (default direct)", leaving
+    # page_cache, and what direct requires, unexplained.
+    for action in demo_parser()._actions:
+        for choice in action.choices or ():
+            assert f"{choice} (" in (action.help or ""), (action.option_strings, choice)

@@ -90,7 +90,8 @@ def add_parser(subparsers: Any) -> None:
         action=StoreOnce,
         choices=[m.value for m in DiskIOMode],
         default=DiskIOMode.DIRECT.value,
-        help="disk tier I/O mode (default direct)",
+        help="how the disk tier reads and writes: direct (O_DIRECT, past the page cache; a "
+        "block must be a multiple of 4096 bytes) or page_cache (buffered); default direct",
     )
     parser.add_argument(
         "--out",
