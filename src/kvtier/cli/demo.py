@@ -37,6 +37,8 @@ PROMPT_VOCAB_SIZE = 1024
 def run_demo(args: argparse.Namespace) -> int:
     """Run every configuration, print the comparison, write the plot.
 
+    On a terminal, a transient line says what runs: loading the model (a checkpoint
+    may take a while), warming up, then each configuration served with a progress bar.
     Returns 0 when every configuration produced identical tokens and the plot was
     written, 1 when they differ, the plot could not be written or a run's tier could not
     be made (the verdict line and stderr say which) and 2 for a bad option (the message,
@@ -53,8 +55,9 @@ def run_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.disk_dir, prefix="kvtier-demo-") as disk_dir:
         model: str | ModelConfig = args.model_dir or ModelConfig.demo()
         engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
-        try:
-            warm = _load_engine(model, engine)
+        try:  # the status spinner is gone (stderr its own again) before the report
+            with console.status("loading the model"):
+                warm = _load_engine(model, engine)
         except ValueError as exc:
             return _report(exc)
         with warm:  # the sizes, then warm up kernels and allocator (two prompts share one)
@@ -65,7 +68,8 @@ def run_demo(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 return _report(exc)
             warm_up = replace(workload, num_conversations=2, num_turns=1)
-            run_chat(warm, warm_up, "warm-up")
+            with console.status("warming up"):
+                run_chat(warm, warm_up, "warm-up")
         del warm  # one engine's GPU pool in memory at a time
         results = []
         with Progress(console=console, transient=True) as progress:
