@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 import io
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 from test_demo_cli_errors import run_demo
 
 from kvtier.cli import demo
+from kvtier.engine.llm import LLM
+
+
+def terminal_screen(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
+    """Give the demo a terminal console; return what it writes there."""
+    screen = io.StringIO()
+    terminal = Console(file=screen, force_terminal=True, width=100)
+    monkeypatch.setattr(demo, "_console", lambda: terminal)
+    return screen
 
 
 def test_a_terminal_is_told_what_runs_before_serving(
@@ -18,11 +29,30 @@ def test_a_terminal_is_told_what_runs_before_serving(
     # Regression: nothing was shown until the first configuration was served: the
     # model's load and the warm-up (seconds for the demo model, longer for a
     # checkpoint) left a blank terminal.
-    screen = io.StringIO()
-    terminal = Console(file=screen, force_terminal=True, width=100)
-    monkeypatch.setattr(demo, "_console", lambda: terminal)
+    screen = terminal_screen(monkeypatch)
     assert run_demo(tmp_path, "--disk-io=page_cache") == 0
     text = screen.getvalue()
     positions = [text.find(line) for line in ("loading the model", "warming up", "serving")]
     assert -1 not in positions, text
     assert positions == sorted(positions)
+
+
+def test_a_run_that_cannot_start_is_reported_on_stderr_on_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression: printed while the progress bar showed, the error went through rich's
+    # redirect onto the console's stdout: `kvtier demo 2>err.log` left err.log empty.
+    class FullDiskLLM(LLM):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            offload = kwargs.get("kv_offload")
+            if offload is not None and offload.disk_bytes > 0:
+                raise OSError(errno.ENOSPC, "cannot size the disk tier file", "x.slots")
+            super().__init__(*args, **kwargs)
+
+    screen = terminal_screen(monkeypatch)
+    monkeypatch.setattr(demo, "LLM", FullDiskLLM)
+    assert run_demo(tmp_path, "--disk-io=page_cache") == 1
+    message = "kvtier demo: error: the disk tier run cannot start: [Errno 28] cannot size"
+    assert capsys.readouterr().err.startswith(message)
+    assert "cannot start" not in screen.getvalue()
+    assert list(tmp_path.glob("kvtier-demo-*")) == []

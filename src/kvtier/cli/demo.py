@@ -72,6 +72,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 run_chat(warm, warm_up, "warm-up")
         del warm  # one engine's GPU pool in memory at a time
         results = []
+        cannot_start = None
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("serving", total=len(configs) * workload.num_turns)
             for name, offload in configs:
@@ -79,10 +80,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 try:
                     llm = LLM(model, kv_offload=offload, engine=engine)
                 except OSError as exc:  # the disk filled up since check_sizes
-                    print(
-                        f"kvtier demo: error: the {name} run cannot start: {exc}", file=sys.stderr
-                    )
-                    return 1
+                    cannot_start = f"the {name} run cannot start: {exc}"
+                    break
                 with llm:
 
                     def on_turn() -> None:
@@ -91,6 +90,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
                     results.append(run_chat(llm, workload, name, on_turn))
                 del llm  # freed before the next run builds its pool
+        # Said once the bar is gone: on a terminal, rich moves what is written to stderr
+        # while the bar shows onto stdout (`kvtier demo 2>err.log` lost it there).
+        if cannot_start is not None:
+            print(f"kvtier demo: error: {cannot_start}", file=sys.stderr)
+            return 1
     _print_table(console, results)
     _print_transfers(console, results)
     by_turn = {r.name: _mean_ttft_ms_by_turn(r) for r in results}
