@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import errno
 import io
+import os
+import pty
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
-from test_demo_cli_errors import run_demo
+from test_demo_cli_errors import SMALL_RUN, run_demo
 
 from kvtier.cli import demo
 from kvtier.engine.llm import LLM
 
 
 def terminal_screen(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
-    """Give the demo a terminal console; return what it writes there."""
+    """Give the demo's progress a terminal console; return what it writes there."""
     screen = io.StringIO()
     terminal = Console(file=screen, force_terminal=True, width=100)
-    monkeypatch.setattr(demo, "_console", lambda: terminal)
+    monkeypatch.setattr(demo, "_progress_console", lambda: terminal)
     return screen
 
 
@@ -41,7 +45,8 @@ def test_a_run_that_cannot_start_is_reported_on_stderr_on_a_terminal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Regression: printed while the progress bar showed, the error went through rich's
-    # redirect onto the console's stdout: `kvtier demo 2>err.log` left err.log empty.
+    # redirect onto the bar's console: on stdout then (`kvtier demo 2>err.log` left
+    # err.log empty), and drawn as part of the display.
     class FullDiskLLM(LLM):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             offload = kwargs.get("kv_offload")
@@ -56,3 +61,37 @@ def test_a_run_that_cannot_start_is_reported_on_stderr_on_a_terminal(
     assert capsys.readouterr().err.startswith(message)
     assert "cannot start" not in screen.getvalue()
     assert list(tmp_path.glob("kvtier-demo-*")) == []
+
+
+def read_all(fd: int) -> bytes:
+    """Read a pty's master side until its slave side is closed everywhere."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the demo exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_the_progress_shows_on_a_terminal_stderr_when_stdout_is_a_pipe(tmp_path: Path) -> None:
+    # Regression: the progress went to stdout's console, so `make demo | tee log` or
+    # `kvtier demo > out.txt` showed nothing for minutes; it goes to stderr now.
+    command = [sys.executable, "-m", "kvtier", "demo", *SMALL_RUN, "--disk-io=page_cache"]
+    command += [f"--disk-dir={tmp_path}", f"--out={tmp_path / 'out'}"]
+    master, slave = pty.openpty()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=slave) as proc:
+        os.close(slave)
+        terminal = read_all(master).decode()
+        assert proc.stdout is not None
+        out = proc.stdout.read().decode()
+        assert proc.wait(timeout=120) == 0, terminal
+    os.close(master)
+    for line in ("loading the model", "warming up", "serving: CPU+disk"):
+        assert line in terminal
+    assert "identical tokens across configurations: yes" in out
+    assert "serving" not in out
+    assert "\x1b" not in out  # no terminal codes in the results

@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,14 +38,16 @@ PROMPT_VOCAB_SIZE = 1024
 def run_demo(args: argparse.Namespace) -> int:
     """Run every configuration, print the comparison, write the plot.
 
-    On a terminal, a transient line says what runs: loading the model (a checkpoint
-    may take a while), warming up, then each configuration served with a progress bar.
+    When stderr is a terminal, a transient line there says what runs: loading the
+    model (a checkpoint may take a while), warming up, then each configuration served
+    with a progress bar. The results go to stdout.
     Returns 0 when every configuration produced identical tokens and the plot was
     written, 1 when they differ, the plot could not be written or a run's tier could not
     be made (the verdict line and stderr say which) and 2 for a bad option (the message,
     on stderr, names it).
     """
     console = _console()
+    progress_console = _progress_console()
     try:
         check_options(args)
         check_dirs(args)
@@ -56,7 +59,7 @@ def run_demo(args: argparse.Namespace) -> int:
         model: str | ModelConfig = args.model_dir or ModelConfig.demo()
         engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
         try:  # the status spinner is gone (stderr its own again) before the report
-            with console.status("loading the model"):
+            with _status(progress_console, "loading the model"):
                 warm = _load_engine(model, engine)
         except ValueError as exc:
             return _report(exc)
@@ -68,12 +71,15 @@ def run_demo(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 return _report(exc)
             warm_up = replace(workload, num_conversations=2, num_turns=1)
-            with console.status("warming up"):
+            with _status(progress_console, "warming up"):
                 run_chat(warm, warm_up, "warm-up")
         del warm  # one engine's GPU pool in memory at a time
         results = []
         cannot_start = None
-        with Progress(console=console, transient=True) as progress:
+        shown = progress_console.is_terminal  # elsewhere rich adds a blank line to stderr
+        with Progress(
+            console=progress_console, transient=True, redirect_stdout=False, disable=not shown
+        ) as progress:
             task = progress.add_task("serving", total=len(configs) * workload.num_turns)
             for name, offload in configs:
                 progress.update(task, description=f"serving: {name}")
@@ -90,8 +96,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
                     results.append(run_chat(llm, workload, name, on_turn))
                 del llm  # freed before the next run builds its pool
-        # Said once the bar is gone: on a terminal, rich moves what is written to stderr
-        # while the bar shows onto stdout (`kvtier demo 2>err.log` lost it there).
+        # Said once the bar is gone: while it shows, rich redirects stderr to its console.
         if cannot_start is not None:
             print(f"kvtier demo: error: {cannot_start}", file=sys.stderr)
             return 1
@@ -199,6 +204,20 @@ def _console() -> Console:
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console = _DemoConsole(width=PIPE_WIDTH)
     return console
+
+
+def _progress_console() -> Console:
+    """Return the console of the demo's status line and progress bar: stderr's.
+
+    On stdout's, they showed only when stdout was a terminal: `kvtier demo > out.txt`
+    and `make demo | tee log` ran for minutes without a sign of progress.
+    """
+    return _DemoConsole(stderr=True)
+
+
+def _status(console: Console, text: str) -> AbstractContextManager[object]:
+    """Return a transient status line on `console` if it is a terminal, else nothing."""
+    return console.status(text) if console.is_terminal else nullcontext()
 
 
 def _print_table(console: Console, results: list[RunResult]) -> None:
