@@ -6,6 +6,7 @@ import errno
 import io
 import os
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ def terminal_screen(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
     """Give the demo's progress a terminal console; return what it writes there."""
     screen = io.StringIO()
     terminal = Console(file=screen, force_terminal=True, width=100)
-    monkeypatch.setattr(demo, "_progress_console", lambda: terminal)
+    monkeypatch.setattr(demo, "progress_console", lambda: terminal)
     return screen
 
 
@@ -77,21 +78,41 @@ def read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def test_the_progress_shows_on_a_terminal_stderr_when_stdout_is_a_pipe(tmp_path: Path) -> None:
-    # Regression: the progress went to stdout's console, so `make demo | tee log` or
-    # `kvtier demo > out.txt` showed nothing for minutes; it goes to stderr now.
+def run_with_terminal_stderr(tmp_path: Path, *options: str) -> tuple[int, str, str]:
+    """Run the small demo with stdout a pipe and stderr a pty; return its exit status,
+    what the pty showed (terminal codes dropped, one line per line or redraw) and stdout."""
     command = [sys.executable, "-m", "kvtier", "demo", *SMALL_RUN, "--disk-io=page_cache"]
-    command += [f"--disk-dir={tmp_path}", f"--out={tmp_path / 'out'}"]
+    command += [f"--disk-dir={tmp_path}", f"--out={tmp_path / 'out'}", *options]
     master, slave = pty.openpty()
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=slave) as proc:
         os.close(slave)
         terminal = read_all(master).decode()
         assert proc.stdout is not None
         out = proc.stdout.read().decode()
-        assert proc.wait(timeout=120) == 0, terminal
+        status = proc.wait(timeout=120)
     os.close(master)
+    terminal = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal).replace("\r", "\n")
+    return status, terminal, out
+
+
+def test_the_progress_shows_on_a_terminal_stderr_when_stdout_is_a_pipe(tmp_path: Path) -> None:
+    # Regression: the progress went to stdout's console, so `make demo | tee log` or
+    # `kvtier demo > out.txt` showed nothing for minutes; it goes to stderr now.
+    status, terminal, out = run_with_terminal_stderr(tmp_path)
+    assert status == 0, terminal
     for line in ("loading the model", "warming up", "serving: CPU+disk"):
         assert line in terminal
     assert "identical tokens across configurations: yes" in out
     assert "serving" not in out
     assert "\x1b" not in out  # no terminal codes in the results
+
+
+def test_verbose_log_lines_start_their_own_line_under_the_progress_bar(tmp_path: Path) -> None:
+    # Regression: `kvtier demo -v` wrote its INFO lines across the progress bar's
+    # ("25% 0:00:04INFO kvtier.transfer.worker: ..."): the handler held the stderr the
+    # live display had replaced.
+    status, terminal, _ = run_with_terminal_stderr(tmp_path, "-v")
+    assert status == 0, terminal
+    assert "INFO kvtier.transfer.worker: offload worker" in terminal
+    for line in terminal.splitlines():
+        assert "INFO" not in line or line.startswith("INFO"), line

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import errno
-import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +16,12 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 from kvtier.cli.demo_checks import check_model_dir, check_positions, check_sizes
+from kvtier.cli.demo_display import (
+    logs_above_display,
+    progress_console,
+    results_console,
+    status,
+)
 from kvtier.cli.demo_plot import save_ttft_plot
 from kvtier.cli.demo_ranges import check_dirs, check_options
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
@@ -28,7 +31,6 @@ from kvtier.engine.runner import KVCacheTooLargeError
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 from kvtier.replay.signals import raise_if_terminated
 
-PIPE_WIDTH = 160  # columns of the table when output is not a terminal
 MIB = 1 << 20
 # Prompt ids stay below this (and the model's vocab): the demo model's whole vocab, and
 # ordinary tokens of a real checkpoint's vocab, whose special tokens sit at the top.
@@ -46,8 +48,8 @@ def run_demo(args: argparse.Namespace) -> int:
     be made (the verdict line and stderr say which) and 2 for a bad option (the message,
     on stderr, names it).
     """
-    console = _console()
-    progress_console = _progress_console()
+    console = results_console()
+    display = progress_console()
     try:
         check_options(args)
         check_dirs(args)
@@ -59,7 +61,7 @@ def run_demo(args: argparse.Namespace) -> int:
         model: str | ModelConfig = args.model_dir or ModelConfig.demo()
         engine = EngineConfig(block_size=args.block_size, num_gpu_blocks=args.gpu_blocks)
         try:  # the status spinner is gone (stderr its own again) before the report
-            with _status(progress_console, "loading the model"):
+            with status(display, "loading the model"):
                 warm = _load_engine(model, engine)
         except ValueError as exc:
             return _report(exc)
@@ -71,15 +73,18 @@ def run_demo(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 return _report(exc)
             warm_up = replace(workload, num_conversations=2, num_turns=1)
-            with _status(progress_console, "warming up"):
+            with status(display, "warming up"):
                 run_chat(warm, warm_up, "warm-up")
         del warm  # one engine's GPU pool in memory at a time
         results = []
         cannot_start = None
-        shown = progress_console.is_terminal  # elsewhere rich adds a blank line to stderr
-        with Progress(
-            console=progress_console, transient=True, redirect_stdout=False, disable=not shown
-        ) as progress:
+        shown = display.is_terminal  # elsewhere rich adds a blank line to stderr
+        with (
+            Progress(
+                console=display, transient=True, redirect_stdout=False, disable=not shown
+            ) as progress,
+            logs_above_display(),
+        ):
             task = progress.add_task("serving", total=len(configs) * workload.num_turns)
             for name, offload in configs:
                 progress.update(task, description=f"serving: {name}")
@@ -179,45 +184,6 @@ def _setup(
         ),
     ]
     return workload, configs
-
-
-class _DemoConsole(Console):
-    """A rich Console whose closed pipe ends the demo as it ends kvtier's other commands."""
-
-    def on_broken_pipe(self) -> None:
-        """Raise BrokenPipeError, which `kvtier` ends quietly with BROKEN_PIPE_STATUS.
-
-        Rich's own handler raised SystemExit(1): `kvtier demo | head -2` exited 1, as
-        for a failed run, not 141 as `kvtier replay | head -1` does.
-        """
-        self.quiet = True
-        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
-
-
-def _console() -> Console:
-    """Return the demo's console; wide enough for the table when output is not a terminal.
-
-    Rich sizes a console that writes to a pipe or file (`make demo | tee`, CI logs) at 80
-    columns unless COLUMNS says otherwise, which truncates every cell of the table.
-    """
-    console = _DemoConsole()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = _DemoConsole(width=PIPE_WIDTH)
-    return console
-
-
-def _progress_console() -> Console:
-    """Return the console of the demo's status line and progress bar: stderr's.
-
-    On stdout's, they showed only when stdout was a terminal: `kvtier demo > out.txt`
-    and `make demo | tee log` ran for minutes without a sign of progress.
-    """
-    return _DemoConsole(stderr=True)
-
-
-def _status(console: Console, text: str) -> AbstractContextManager[object]:
-    """Return a transient status line on `console` if it is a terminal, else nothing."""
-    return console.status(text) if console.is_terminal else nullcontext()
 
 
 def _print_table(console: Console, results: list[RunResult]) -> None:
