@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from held_reports import reports_held_back
 from test_llm_lifecycle import PARAMS, assert_idle
 
 from kvtier.engine.llm import LLM, EngineConfig
@@ -46,7 +47,8 @@ def start_a_load(llm: LLM, prompt: list[int]) -> Request:
     llm.generate([list(range(40))], PARAMS)  # evicts the prompt from the GPU pool
     llm.drain()
     request = llm.add_request(prompt, PARAMS)
-    llm.step()  # the load is issued
+    with reports_held_back(llm):
+        llm.step()  # the load is issued
     assert request.status is RequestStatus.WAITING_FOR_LOAD
     return request
 

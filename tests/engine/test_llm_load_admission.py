@@ -11,6 +11,8 @@ whole prompt, and nothing was preempted.
 
 from __future__ import annotations
 
+from held_reports import reports_held_back
+
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.request import Request, RequestStatus
@@ -74,7 +76,8 @@ def test_a_load_leaves_room_for_the_chunks_of_those_loading() -> None:
     with warmed(tier()) as llm:
         first = llm.add_request([*P, *TAIL], ONE)
         second = llm.add_request([*Q, *TAIL], ONE)
-        llm.step()
+        with reports_held_back(llm):
+            llm.step()
         # Both hits fit (8 of 12 blocks), not both with their 3 after them (14).
         assert first.status is RequestStatus.WAITING_FOR_LOAD
         assert (second.status, second.block_tables) == (RequestStatus.WAITING, [[]])

@@ -10,14 +10,12 @@ serves; with the check switched off, the same run preempts.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from held_reports import GatedReports
 
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig, StoreMode
-from kvtier.offload.plan import WorkerReport
 
 MIB = 1 << 20
 # The first request's 6 blocks + 2 prompt blocks each for the next two + 1 to grow into
@@ -27,24 +25,6 @@ FIRST = list(range(100, 124))
 NEXT = [list(range(10, 18)), list(range(30, 38))]
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 DECODE = SamplingParams(max_tokens=10, ignore_eos=True)
-
-
-class GatedReports:
-    """A worker whose reports are held back until `opened`; everything else passes."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.opened = False
-
-    def peek(self) -> WorkerReport:
-        return self.worker.peek() if self.opened else WorkerReport()
-
-    def acknowledge(self) -> None:
-        if self.opened:
-            self.worker.acknowledge()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.worker, name)
 
 
 def served(llm: LLM, gate: GatedReports | None) -> list[tuple[int, ...]]:

@@ -250,10 +250,10 @@ class LLM(StallChecks):
             raise
         self._count_finished()  # this step's, and a step's cut short after finishing some
         if self.offload is not None:
+            if not step.work:  # before the poll: what finishes meanwhile is applied now
+                time.sleep(_IDLE_WAIT_S)
             self.offload.poll()
             self._apply_offload()
-            if not step.work:
-                time.sleep(_IDLE_WAIT_S)
         # Copied and emptied in one statement (one line): an interrupt lands before it.
         unreturned = self.scheduler.unreturned
         return (unreturned.copy(), unreturned.clear())[0]  # type: ignore[func-returns-value]
