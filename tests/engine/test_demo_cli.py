@@ -82,8 +82,7 @@ def test_demo_runs_every_configuration(
         ),
         (
             "--disk-mib=100000000",
-            "--disk-mib=100000000 is too large for the disk tier run: disk_bytes=104857600000000"
-            " exceeds the size of the filesystem",
+            "--disk-mib=100000000 is too large for the disk tier run: the filesystem holding",
         ),
         (
             "--gpu-blocks=1000000000000",

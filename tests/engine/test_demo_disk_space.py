@@ -22,15 +22,24 @@ def test_a_disk_tier_beyond_the_free_space_is_named_before_serving(
     # Regression: only the filesystem's size was checked; sizing the tier file failed
     # with an ENOSPC traceback when the disk run started, after the earlier runs.
     real = shutil.disk_usage(tmp_path)
-    small = real._replace(free=MIB // 2)  # half of --disk-mib=1
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: small)
-    assert run_demo(tmp_path, "--disk-io=page_cache") == 2
+    small = real._replace(total=8 * MIB, free=MIB + MIB // 2)  # less than --disk-mib=2
+    checked: list[Path] = []
+
+    def disk_usage(path: str | Path) -> Any:
+        checked.append(Path(path))
+        return small
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    assert run_demo(tmp_path, "--disk-io=page_cache", "--disk-mib=2") == 2
+    # Regression: the message named the demo's temporary folder (gone when it is read)
+    # and the disk_bytes key, not the folder checked, its space, or what to change.
     captured = capsys.readouterr()
-    assert captured.err.startswith(
-        f"kvtier demo: error: --disk-mib=1 is too large for the disk tier run: disk_bytes={MIB}"
-        " exceeds the free space of the filesystem holding disk_path="
+    assert captured.err == (
+        "kvtier demo: error: --disk-mib=2 is too large for the disk tier run: the filesystem"
+        f" holding {tmp_path} has 1 MiB free (8 MiB in all); point --disk-dir at a folder on"
+        " a larger filesystem, or use a smaller --disk-mib\n"
     )
-    assert f"({MIB // 2} bytes free)\n" in captured.err
+    assert checked == [tmp_path]  # --disk-dir, where the demo made its folder
     assert "serving" not in captured.out
     assert list(tmp_path.glob("kvtier-demo-*")) == []
 

@@ -97,32 +97,36 @@ def check_sizes(
                 config.num_tier_blocks(layout.bytes_per_block, tier)
             except ConfigError as exc:
                 raise ValueError(f"{option} is too small for the {name} run: {exc}") from None
+            if tier is Tier.DISK:
+                _check_free_space(config, f"{option} is too large for the {name} run")
+                continue
             try:  # what `LLM` checks (prepare_host) when the run starts, minutes later
-                if tier is Tier.CPU:
-                    check_host(config.cpu_bytes, 0, None)
-                else:
-                    check_host(0, config.disk_bytes, config.disk_path)
-                    _check_free_space(config)
+                check_host(config.cpu_bytes, 0, None)
             except ConfigError as exc:
                 raise ValueError(f"{option} is too large for the {name} run: {exc}") from None
 
     _check_direct_io(configs, layout)
 
 
-def _check_free_space(config: OffloadConfig) -> None:
-    """Raise ConfigError when the disk tier's file would not fit the free space.
+def _check_free_space(config: OffloadConfig, problem: str) -> None:
+    """Raise ValueError, starting with `problem`, when the disk tier's file would not fit
+    the free space.
 
     `prepare_host` compares `disk_bytes` with the filesystem's size, as a persistent
     tier's file may already take part of it. The demo's tier lives in a folder it has
     just made, so its whole file is new: without this check, sizing it fails with
-    ENOSPC when that run starts, after the earlier runs were served.
+    ENOSPC when that run starts, after the earlier runs were served. The message names
+    the folder that folder was made in (--disk-dir, or the system's temporary folder):
+    the demo's own is gone by the time the message is read.
     """
     assert config.disk_path is not None  # a disk tier's config names its folder
-    free = shutil.disk_usage(config.disk_path).free
-    if config.disk_bytes > free:
-        raise ConfigError(
-            f"disk_bytes={config.disk_bytes} exceeds the free space of the filesystem "
-            f"holding disk_path={config.disk_path!r} ({free} bytes free)"
+    place = Path(config.disk_path).parent
+    usage = shutil.disk_usage(place)
+    if config.disk_bytes > usage.free:
+        raise ValueError(
+            f"{problem}: the filesystem holding {place} has {usage.free >> 20} MiB free"
+            f" ({usage.total >> 20} MiB in all); point --disk-dir at a folder on a larger"
+            " filesystem, or use a smaller --disk-mib"
         )
 
 
