@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOError, DiskIOMode, DiskTier, DiskTierConfig
 from kvtier.storage.slot_file import BadSlotsError
 
@@ -46,4 +48,40 @@ def test_a_read_names_every_bad_slot_of_its_batch(tmp_path: Path) -> None:
     assert isinstance(caught.value, BadSlotsError)
     assert caught.value.slots == (4, 6, 9)
     assert buffer.tensor[1].numpy().tobytes() == good
+    tier.close()
+
+
+def test_a_bad_slot_found_after_close_is_logged_as_kept_in_the_manifest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read verified after `close()` finds a bad slot: the closed manifest cannot take
+    its tombstone, so the record stays for the next run, which fails on it and drops it.
+    Regression: the tier logged that it "dropped every record", though the manifest on
+    disk still held them all."""
+    config = DiskTierConfig(
+        os.path.join(tmp_path, "rank0.slots"),
+        num_slots=16,
+        bytes_per_slot=SLOT,
+        io_mode=DiskIOMode.PAGE_CACHE,
+        fingerprint="fp",
+    )
+    tier = DiskTier(config)
+    records = [SlotRecord(bytes([slot]) * 36, 4) for slot in (4, 5)]
+    tier.write_slots(tier.store_buffers[0], np.array([4, 5], dtype=np.int64), records).result()
+    with open(tier.path, "r+b") as raw:
+        raw.seek(4 * SLOT + 9)
+        value = raw.read(1)[0]
+        raw.seek(4 * SLOT + 9)
+        raw.write(bytes([value ^ 0x04]))
+    read = tier.read_slots(tier.load_buffers[0], np.array([4, 5], dtype=np.int64))
+    tier.close()
+    with caplog.at_level(logging.INFO), pytest.raises(BadSlotsError):
+        read.result()  # verified here, after the close
+    assert "dropped every record" not in caplog.text
+    assert (
+        "1 slots failed their checksum after the tier closed: the manifest keeps their"
+        " records, which the next run finds bad and drops"
+    ) in caplog.text
+    tier = DiskTier(config)
+    assert [slot for slot, _ in tier.recovered_slots()] == [4, 5]
     tier.close()

@@ -119,8 +119,17 @@ class DiskRecords:
         after a crash the record fails its check again, and the slot's next write syncs the
         tombstone first. When the tombstones cannot be appended, every record is dropped
         and nothing more is persisted in this run (`end`): the records would fail again
-        after every restart."""
+        after every restart. After `close()` (a read verified late) the manifest is left
+        as it is, with a warning: the next run finds the records bad and drops them."""
         if self.log is None or self.log.ended or not slots or self._forget_slots(slots):
+            return
+        if not self.log.is_open:  # `end` would only forget them in memory
+            logger.warning(
+                "disk tier %s: %d slots failed their checksum after the tier closed: the "
+                "manifest keeps their records, which the next run finds bad and drops",
+                self.path,
+                len(slots),
+            )
             return
         try:
             self.end(
