@@ -25,7 +25,7 @@ from kvtier_vllm import (
     scheduler_side,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
 from vllm_workers import WorkerSide
@@ -166,6 +166,52 @@ def test_stores_planned_before_the_fault_was_known_are_failed() -> None:
     harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
     drain(harness)
     assert num_tier_blocks(harness) == 8  # stores run again once the fault is known
+
+
+def apply_output(harness: VllmHarness, kv_output: KVConnectorOutput | None) -> None:
+    """Feed one step's connector output to the scheduler (vLLM's batch queue drain)."""
+    harness.scheduler.update_from_output(
+        SchedulerOutput.make_empty(), ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+    )
+
+
+def test_stores_planned_before_a_second_fault_was_known_are_failed() -> None:
+    """Regression: overlapped steps, two faults. The plan after the second failed step
+    (storing its unwritten blocks) is built after the scheduler role learned of the
+    first fault but before it learned of the second. The worker compared the count of
+    faults the plan knew (bumped by the first) with the one current when the second
+    forward's plan was built (before the bump), took the plan for one built after the
+    second fault, and stored c's KV under a's keys (8 tier blocks, not 4)."""
+    harness = kvtier_harness(**SCHEDULING["async_pipelined"])
+    harness.add_request("c", list(range(5000, 5065)), max_tokens=2)
+    drain(harness)
+    assert num_tier_blocks(harness) == 4
+    (worker,) = harness.workers
+    harness.add_request("w", list(range(3000, 3020)), max_tokens=4)
+    failed_forward(harness)  # the first fault
+    overlapped = harness.scheduler.schedule()  # planned before the first fault was known
+    worker.before_forward(overlapped)
+    first_report = worker.after_forward(overlapped)  # tells the scheduler of the first fault
+    fault_abort(harness)
+    harness.add_request("a", PROMPT, max_tokens=4)
+    failed_forward(harness)  # the second fault: a's prefill writes nothing
+    apply_output(harness, first_report)  # the first fault is known from here on
+    step_after = harness.scheduler.schedule()  # its plan stores a's 4 (unwritten) blocks
+    assert any(job.is_store for job in step_after.kv_connector_metadata.plan.jobs)
+    worker.before_forward(step_after)
+    kv_output = worker.after_forward(step_after)
+    fault_abort(harness)
+    harness.wait_for_copies()
+    apply_output(harness, kv_output)
+    for _ in range(3):
+        harness.step()
+    harness.wait_for_copies()
+    harness.step()
+    assert num_tier_blocks(harness) == 4  # c's only: a's blocks hold c's KV
+    harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
+    drain(harness)
+    assert num_tier_blocks(harness) == 8  # stores run again once both faults are known
+    check_quiescent(harness)
 
 
 def test_what_finished_during_a_failed_step_is_reported_in_the_next() -> None:

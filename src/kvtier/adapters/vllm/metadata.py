@@ -31,9 +31,12 @@ class KVTierMetadata(KVConnectorMetadata):
     before any worker saw it (no lookup pin at allocation, or a cache reset): each
     worker echoes them in `failed_recving` and `finished_recving`.
 
-    `fault_epoch`: how many failed forwards the scheduler role had learned of when it
-    built the plan. A worker fails the stores of every plan built before the scheduler
-    learned of a forward that failed on it (`WorkerSide.submit_stores`).
+    `fault_step`: the newest plan step id during which a forward failed on some rank, as
+    far as the scheduler role had learned when it built this plan (0: none). A worker
+    fails the stores of every plan built before the scheduler learned of a forward that
+    failed on it (`WorkerSide.submit_stores`): one whose `fault_step` is older than that
+    forward's step. A step id, not a count of failures: a count bumped by an earlier
+    fault would let a plan built before a later one was known pass as built after it.
 
     `earlier_events`: the event ids of earlier plans still in flight, by plan step id. A
     worker that never bound one of those plans (vLLM's model runner raised before it
@@ -50,7 +53,7 @@ class KVTierMetadata(KVConnectorMetadata):
 
     plan: TransferPlan
     unissued_failed_request_ids: tuple[str, ...] = ()
-    fault_epoch: int = 0
+    fault_step: int = 0
     earlier_events: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     acks: Acks = field(default_factory=dict)
     processed_step: int = 0
@@ -61,28 +64,26 @@ class KVTierMetadata(KVConnectorMetadata):
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """The transfer events one rank (or several, aggregated) finished since its last step.
 
-    `failed_forward_epoch`: the newest `KVTierMetadata.fault_epoch` of a plan during
-    whose step a forward failed on the rank, until the rank gets a plan of a later epoch;
-    None when there is none.
+    `failed_forward_step`: the newest plan step id during which a forward failed on the
+    rank, until the rank gets a plan whose `KVTierMetadata.fault_step` is that step or
+    later; None when there is none.
 
     `sent`: per worker, the step and the numbers of the outputs this one carries, for the
     scheduler role to acknowledge (`redelivery`).
     """
 
     report: WorkerReport = field(default_factory=WorkerReport)
-    failed_forward_epoch: int | None = None
+    failed_forward_step: int | None = None
     sent: Sent = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         """Return the sum of both reports (associative: counts per event add up), the
-        later failed-forward epoch and both workers' output numbers."""
+        later failed-forward step and both workers' output numbers."""
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate KVTierWorkerMetadata with {type(other).__name__}")
-        epochs = [
-            e for e in (self.failed_forward_epoch, other.failed_forward_epoch) if e is not None
-        ]
+        steps = [s for s in (self.failed_forward_step, other.failed_forward_step) if s is not None]
         return KVTierWorkerMetadata(
             WorkerReport.merge([self.report, other.report]),
-            max(epochs, default=None),
+            max(steps, default=None),
             merge_sent(self.sent, other.sent),
         )

@@ -1,8 +1,9 @@
 """What the connector's scheduler role remembers of the plans it sent and the worker
 outputs it applied, so that a fault on a rank loses nothing.
 
-- `fault_epoch`: how many failed forwards the workers reported; a plan built before the
-  scheduler learned of one fails its stores on that rank (`WorkerSide.submit_stores`).
+- `fault_step`: the newest step whose forward the workers reported failed; a plan built
+  before the scheduler learned of one fails its stores on that rank
+  (`WorkerSide.submit_stores`).
 - `earlier_events` and `earlier_echoes`: per plan still relevant, its events in flight
   and the loads it echoed as never issued that vLLM has not yet seen from every rank. A
   rank that never bound that plan (vLLM's model runner raised first) fails the events
@@ -29,7 +30,7 @@ class PlanMemory:
 
     def __init__(self, is_in_flight: Callable[[int], bool]) -> None:
         self._is_in_flight = is_in_flight
-        self.fault_epoch = 0
+        self.fault_step = 0
         self._events: dict[int, tuple[int, ...]] = {}
         self._echoes: dict[int, tuple[str, ...]] = {}
         self._receipts = Receipts()
@@ -46,7 +47,7 @@ class PlanMemory:
         return KVTierMetadata(
             plan,
             echoes,
-            self.fault_epoch,
+            self.fault_step,
             earlier,
             receipts.acks(),
             receipts.processed_step,
@@ -59,9 +60,9 @@ class PlanMemory:
         if worker_meta is not None:
             if worker_meta.sent:
                 self._receipts.note(worker_meta.sent)
-            failed_epoch = worker_meta.failed_forward_epoch
-            if failed_epoch is not None and failed_epoch >= self.fault_epoch:
-                self.fault_epoch = failed_epoch + 1  # later plans' stores run again
+            failed_step = worker_meta.failed_forward_step
+            if failed_step is not None and failed_step > self.fault_step:
+                self.fault_step = failed_step  # later plans' stores run again
         if self._echoes and finished:
             self._echoes = _without(self._echoes, lambda r: r in finished)
 

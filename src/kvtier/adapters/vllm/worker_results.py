@@ -3,7 +3,7 @@ finished or failed (with the failures held for refused or skipped plans' events)
 suspect GPU blocks of failed loads vLLM keeps a prefix of, and the worker metadata for
 the scheduler role (with the outputs vLLM dropped, sent again once: `redelivery`). None
 of it is handed over while a forward's exception propagates: vLLM drops that output, and
-the forward's plan epoch is remembered, so stores of plans built before the scheduler
+the forward's plan step is remembered, so stores of plans built before the scheduler
 role learned of the failure are reported failed."""
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class WorkerResults(ABC):
     _output: Output
     _resend: Output | None
     _last_step_id: int
-    _plan_epoch: int
-    _failed_epoch: int | None
+    _plan_fault_step: int
+    _failed_step: int | None
 
     @property
     @abstractmethod
@@ -51,18 +51,23 @@ class WorkerResults(ABC):
 
     @property
     def _stores_unsafe(self) -> bool:
-        """Return True when a forward failed on this rank during a step whose plan was
-        built no later than the bound one (`KVTierMetadata.fault_epoch`)."""
-        return self._failed_epoch is not None and self._plan_epoch <= self._failed_epoch
+        """Return True when a forward failed on this rank during a step the scheduler
+        role had not learned of when it built the bound plan (`KVTierMetadata.fault_step`
+        older than that step)."""
+        return self._failed_step is not None and self._plan_fault_step < self._failed_step
+
+    def _note_failed_step(self, step_id: int) -> None:
+        """Remember that the forward of plan `step_id` failed (or never ran) here."""
+        self._failed_step = max(step_id, self._failed_step or 0)
 
     def _note_failed_forward(self) -> bool:
-        """Return True, and remember the bound plan's epoch, when vLLM calls the
+        """Return True, and remember the bound plan's step, when vLLM calls the
         connector while an exception propagates: its model runner calls
         `get_transfer_results` and `build_connector_worker_meta` in a `finally` around
         the forward, and drops that step's output when the forward raised."""
         if sys.exc_info()[1] is None:
             return False
-        self._failed_epoch = max(self._plan_epoch, self._failed_epoch or 0)
+        self._note_failed_step(self._last_step_id)
         return True
 
     def _hold_failures(self, event_ids: Iterable[int]) -> None:
@@ -122,12 +127,12 @@ class WorkerResults(ABC):
         return invalid
 
     def take_worker_metadata(self) -> KVTierWorkerMetadata | None:
-        """Return what finished since the last call, and the epoch of a failed forward
-        until a plan of a later epoch came; None when there is nothing (or while the
-        forward's exception propagates: vLLM would drop it)."""
+        """Return what finished since the last call, and the step of a failed forward
+        until a plan built after the scheduler role learned of it came; None when there
+        is nothing (or while the forward's exception propagates: vLLM would drop it)."""
         if self._note_failed_forward():
             return None
-        failed_epoch = self._failed_epoch if self._stores_unsafe else None
+        failed_step = self._failed_step if self._stores_unsafe else None
         report, self._report = self._report, WorkerReport()
         output = replace(self._output, step_id=self._last_step_id, report=report)
         self._output = Output(self._last_step_id)
@@ -135,6 +140,6 @@ class WorkerResults(ABC):
         if self._resend is not None:
             report = WorkerReport.merge([report, self._resend.report])
             self._resend = None
-        if report.is_empty and failed_epoch is None and not sent:
+        if report.is_empty and failed_step is None and not sent:
             return None
-        return KVTierWorkerMetadata(report, failed_epoch, sent)
+        return KVTierWorkerMetadata(report, failed_step, sent)

@@ -27,12 +27,12 @@ whose output vLLM drops: then nothing is polled. Model Runner V2 (vLLM 0.33's de
 calls nothing more after `pre_forward` (`handle_preemptions`, bind, synchronous loads):
 the next bind finds the plan's results never taken and fails the jobs it never
 submitted. Either way, the stores of every plan built before the scheduler role learned
-of the failure (`KVTierMetadata.fault_epoch`) are reported failed.
+of the failure (`KVTierMetadata.fault_step`) are reported failed.
 
 The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
 cascade a request's load may be split into one event per tier; `LoadTracker` reports
 the request once all of them finished. What the result calls and the worker metadata
-hand vLLM, and the failed forward's epoch, are `worker_results`'s (`WorkerResults`).
+hand vLLM, and the failed forward's step, are `worker_results`'s (`WorkerResults`).
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ class WorkerSide(WorkerResults):
         self.loads = LoadTracker(block_level=block_level_failures(kv_cache_config))
         self._report = WorkerReport()
         self._held_failures = WorkerReport()  # of refused plans (`_fail_unsubmitted`)
-        self._plan_epoch = 0  # `KVTierMetadata.fault_epoch` of the bound plan
-        self._failed_epoch: int | None = None  # of the plan whose forward last failed
+        self._plan_fault_step = 0  # `KVTierMetadata.fault_step` of the bound plan
+        self._failed_step: int | None = None  # of the newest plan whose forward failed here
         self._last_step_id = 0  # `TransferPlan.step_id` of the last bound plan (from 1)
         self.outbox = Outbox()  # outputs until acknowledged (`redelivery`)
         self._resend: Output | None = None  # dropped outputs, sent again this step
@@ -201,11 +201,12 @@ class WorkerSide(WorkerResults):
         Jobs of the previous plan never submitted are reported failed: its stores when
         vLLM deferred `wait_for_save` past a drafter's forward that raised (speculative
         decoding), all of them when its forward raised under Model Runner V2, which
-        calls nothing after `pre_forward` then (that plan's epoch then counts as a failed
+        calls nothing after `pre_forward` then (that plan's step then counts as a failed
         forward's, as below). A plan skipped (vLLM's model runner raised before
         binding it, in `_update_states` or `_prepare_inputs`; plans are numbered from 1,
-        so the first may be the one) counts as a failed forward of this plan's epoch: a
-        plan built before the fault was known stores that step's unwritten blocks. The
+        so the first may be the one) counts as a failed forward of the newest skipped
+        step: a plan built before the fault was known (this one, unless its
+        `fault_step` says otherwise) stores that step's unwritten blocks. The
         skipped plans' jobs never ran here and never will: their events still in flight
         (`KVTierMetadata.earlier_events`) are reported failed, so their pins are released
         and their loads' requests fail (vLLM recomputes them, or frees an aborted one),
@@ -216,15 +217,15 @@ class WorkerSide(WorkerResults):
             # Model Runner V2 (vLLM 0.33's default) calls nothing after `pre_forward` when
             # the forward raises: the fault is noted here, as `_note_failed_forward` does
             # under V1's `finally`, and the jobs never submitted fail below.
-            self._failed_epoch = max(self._plan_epoch, self._failed_epoch or 0)
+            self._note_failed_step(previous.step_id)
         if previous is not None:
             self._hold_failures(self._unsubmitted(previous))
         self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
-        self._plan_epoch = metadata.fault_epoch
+        self._plan_fault_step = metadata.fault_step
         last, step_id = self._last_step_id, metadata.plan.step_id
         self._last_step_id = max(last, step_id)
         if step_id > last + 1:  # vLLM raised before binding a plan: its forward never ran here
-            self._failed_epoch = max(metadata.fault_epoch, self._failed_epoch or 0)
+            self._note_failed_step(step_id - 1)
             earlier = metadata.earlier_events.items()
             self._hold_failures(e for s, events in earlier if last < s < step_id for e in events)
             echoes = metadata.earlier_echoes.items()
