@@ -16,6 +16,16 @@ from kvtier.engine.llm import LLM
 MIB = 1 << 20
 
 
+class FullDiskLLM(LLM):
+    """An engine whose disk tier cannot be made: the disk filled up after the checks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        offload = kwargs.get("kv_offload")
+        if offload is not None and offload.disk_bytes > 0:
+            raise OSError(errno.ENOSPC, "cannot size the disk tier file", "x.slots")
+        super().__init__(*args, **kwargs)
+
+
 def test_a_disk_tier_beyond_the_free_space_is_named_before_serving(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -48,13 +58,6 @@ def test_a_tier_that_cannot_be_made_when_its_run_starts_ends_the_demo_with_one_l
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Regression: the disk filling up after the checks gave an OSError traceback.
-    class FullDiskLLM(LLM):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            offload = kwargs.get("kv_offload")
-            if offload is not None and offload.disk_bytes > 0:
-                raise OSError(errno.ENOSPC, "cannot size the disk tier file", "x.slots")
-            super().__init__(*args, **kwargs)
-
     monkeypatch.setattr(demo, "LLM", FullDiskLLM)
     assert run_demo(tmp_path, "--disk-io=page_cache") == 1
     captured = capsys.readouterr()

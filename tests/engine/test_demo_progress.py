@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import pty
@@ -10,14 +9,13 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from rich.console import Console
 from test_demo_cli_errors import SMALL_RUN, run_demo
+from test_demo_disk_space import FullDiskLLM
 
 from kvtier.cli import demo
-from kvtier.engine.llm import LLM
 
 
 def terminal_screen(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
@@ -48,13 +46,6 @@ def test_a_run_that_cannot_start_is_reported_on_stderr_on_a_terminal(
     # Regression: printed while the progress bar showed, the error went through rich's
     # redirect onto the bar's console: on stdout then (`kvtier demo 2>err.log` left
     # err.log empty), and drawn as part of the display.
-    class FullDiskLLM(LLM):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            offload = kwargs.get("kv_offload")
-            if offload is not None and offload.disk_bytes > 0:
-                raise OSError(errno.ENOSPC, "cannot size the disk tier file", "x.slots")
-            super().__init__(*args, **kwargs)
-
     screen = terminal_screen(monkeypatch)
     monkeypatch.setattr(demo, "LLM", FullDiskLLM)
     assert run_demo(tmp_path, "--disk-io=page_cache") == 1
