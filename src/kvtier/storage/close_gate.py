@@ -13,16 +13,26 @@ has finished:
     by a garbage collection inside it)       itself
     any, once it completed                   returns at once
 
-Calls that must finish before the close (`enter` ... `leave`: a manifest append) are
-refused once it began, and the close waits for those already running in other threads.
+Calls that must finish before the close (the body of a `with gate.working()`: a manifest
+append) are refused once it began, and the close waits for those already running in
+other threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 __all__ = ["CloseGate"]
+
+
+@dataclass(eq=False, slots=True)
+class _Work:
+    """One call the close waits for, compared by identity (a thread may hold several)."""
+
+    thread: int  # ident of the thread running it
 
 
 class CloseGate:
@@ -33,7 +43,7 @@ class CloseGate:
         self._runner: int | None = None  # ident of the thread running the action
         self._is_closing = False
         self._is_closed = False
-        self._working: list[int] = []  # idents of threads between `enter` and `leave`
+        self._working: list[_Work] = []  # the calls inside `working()`
 
     @property
     def is_closing(self) -> bool:
@@ -45,20 +55,26 @@ class CloseGate:
         """Return True once a close completed."""
         return self._is_closed
 
-    def enter(self) -> bool:
-        """Start a call the close must wait for; return False (nothing started) once a
-        close began. Pair a True with `leave`."""
-        with self._cond:
-            if self._is_closing:
-                return False
-            self._working.append(threading.get_ident())
-            return True
+    @contextlib.contextmanager
+    def working(self) -> Iterator[bool]:
+        """Hold off the close for the `with` body; yield False (nothing held: refuse the
+        call) once a close began.
 
-    def leave(self) -> None:
-        """End a call `enter` started."""
-        with self._cond:
-            self._working.remove(threading.get_ident())
-            self._cond.notify_all()
+        The call is registered and unregistered inside one try/finally, so an exception
+        anywhere (a KeyboardInterrupt right after the registration) leaves no entry that
+        a close in another thread would wait for forever."""
+        work = _Work(threading.get_ident())
+        try:
+            with self._cond:
+                is_open = not self._is_closing
+                if is_open:
+                    self._working.append(work)
+            yield is_open
+        finally:
+            with self._cond:
+                if work in self._working:
+                    self._working.remove(work)
+                    self._cond.notify_all()
 
     def mark_closing(self) -> None:
         """Refuse new work from now on, for a close that another thread is about to run."""
@@ -68,7 +84,7 @@ class CloseGate:
     def run(self, action: Callable[[], None]) -> None:
         """Run `action` unless it completed; while another thread runs it, wait for it.
 
-        Calls between `enter` and `leave` in other threads finish first. An `action` that
+        Calls inside `working()` in other threads finish first. An `action` that
         raises leaves the gate closing but not closed: the exception goes to its caller,
         and the next caller (a waiting one included) runs it again, so `action` must be
         safe to repeat. A call from the thread running `action` returns at once.
@@ -76,7 +92,7 @@ class CloseGate:
         me = threading.get_ident()
         with self._cond:
             self._is_closing = True
-            while self._runner not in (None, me) or any(t != me for t in self._working):
+            while self._runner not in (None, me) or any(w.thread != me for w in self._working):
                 self._cond.wait()
             if self._is_closed or self._runner == me:
                 return

@@ -244,12 +244,10 @@ class DiskTier:
         """Refuse a manifest change once a close began (RuntimeError naming the tier);
         a close waits for one already running, which would otherwise reach a closed
         manifest and return as if its records were dropped."""
-        if not self._closing.enter():
-            raise RuntimeError(f"disk tier {self.path} is closed")
-        try:
+        with self._closing.working() as is_open:
+            if not is_open:
+                raise RuntimeError(f"disk tier {self.path} is closed")
             yield
-        finally:
-            self._closing.leave()
 
     def _refuse_closed(self) -> None:
         if self._closing.is_closing:
