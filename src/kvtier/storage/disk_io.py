@@ -1,5 +1,6 @@
-"""The disk tier's I/O plumbing: the I/O threads (`IoThread`), the check of a batch's
-slot ids, and the runs of consecutive slot ids a batch becomes (one read or write each)."""
+"""The disk tier's I/O plumbing: the I/O threads (`IoThread`), the claim that decides
+whether a queued call runs or was withdrawn (`Claim`), the check of a batch's slot ids,
+and the runs of consecutive slot ids a batch becomes (one read or write each)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ class IoThread:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+class Claim:
+    """Decide once between the I/O thread starting a queued call and its caller
+    withdrawing it after an exception: the first `take` wins, whoever calls it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # acquired, never released, by the winner
+
+    def take(self) -> bool:
+        """Return True for the first call only; thread-safe, never blocks."""
+        return self._lock.acquire(blocking=False)
 
 
 def _serve(calls: SimpleQueue[_Call | None]) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.close_gate import CloseGate
-from kvtier.storage.disk_io import IoThread, check_slot_ids, consecutive_runs, slot_id_list
+from kvtier.storage.disk_io import Claim, IoThread, check_slot_ids, consecutive_runs, slot_id_list
 from kvtier.storage.disk_tier_close import close_dropped, close_files
 from kvtier.storage.disk_tier_config import DiskTierConfig
 from kvtier.storage.disk_tier_records import DiskRecords
@@ -207,7 +207,8 @@ class DiskTier:
         fails). Sorted slot ids make fewer, larger writes. `records` (one per slot) are
         appended to a persistent tier's manifest once the data is written (ValueError,
         nothing queued, for one it cannot hold: see `check_records`); a non-persistent
-        tier ignores them.
+        tier ignores them. When this raises (a KeyboardInterrupt included), the write
+        does not run unless the I/O thread had already started it.
         """
         self._check_batch(buffer, slot_ids)
         if records is not None and len(records) != len(slot_ids):
@@ -216,13 +217,18 @@ class DiskTier:
             self.check_records(records)
         sums = self._checksums.compute(buffer.memory, len(slot_ids))
         kept = self._records.kept(records)
+        claim = Claim()
         # Counted before it is queued: the queue is not seen idle. The slots' recovered
         # records no longer describe them.
         self._records.queued(slot_ids.tolist())
         try:
-            return self._store_io.submit(self._write, buffer, slot_ids.copy(), sums, kept)
+            return self._store_io.submit(self._write, claim, buffer, slot_ids.copy(), sums, kept)
         except BaseException:
-            self._records.write_done()
+            # Not queued, or queued but its future lost to an interrupt (in `submit` or
+            # just after): withdrawn and counted done here, unless the I/O thread already
+            # started it and counts it itself. Counted once either way.
+            if claim.take():
+                self._records.write_done()
             raise
 
     def read_slots(self, buffer: StagingBuffer, slot_ids: np.ndarray) -> SlotRead:
@@ -268,11 +274,14 @@ class DiskTier:
 
     def _write(
         self,
+        claim: Claim,
         buffer: StagingBuffer,
         slot_ids: np.ndarray,
         sums: np.ndarray,
         records: tuple[SlotRecord, ...] | None,
     ) -> None:
+        if not claim.take():
+            return  # withdrawn by `write_slots`, which counted it done
         try:
             self._write_now(buffer, slot_ids, sums, records)
         finally:

@@ -144,12 +144,14 @@ class PendingPuts:
             return True
 
     def check(self, valid: np.ndarray, checksums: np.ndarray) -> None:
-        """Raise AssertionError unless every pending slot holds valid data of its checksum."""
+        """Raise AssertionError unless every pending slot holds valid data of its checksum
+        and no queued write was counted done twice."""
         with self._lock:
             for slot, p in self._pending.items():
                 assert valid[slot], f"pending record of slot {slot} without valid data"
                 assert int(checksums[slot]) == p.checksum, f"pending record of slot {slot} stale"
             assert (self._oldest is None) == (not self._pending), "pending age out of step"
+            assert self._queued >= 0, f"{-self._queued} queued writes counted done twice"
 
     def _drop_locked(self, slots: Iterable[int]) -> None:
         for slot in slots:
