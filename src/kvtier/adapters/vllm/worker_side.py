@@ -26,8 +26,11 @@ A forward that raises (vLLM's fault tolerance keeps the engine up) still gets
 whose output vLLM drops: then nothing is polled. Model Runner V2 (vLLM 0.33's default)
 calls nothing more after `pre_forward` (`handle_preemptions`, bind, synchronous loads):
 the next bind finds the plan's results never taken and fails the jobs it never
-submitted. Either way, the stores of every plan built before the scheduler role learned
-of the failure (`KVTierMetadata.fault_step`) are reported failed.
+submitted. With a speculative config both runners call `wait_for_save` after the
+drafter's forward (which writes the draft layers' KV), past the result calls: a drafter
+that raises skips it, and the next bind takes that step as a failed forward too. In
+every case the stores of every plan built before the scheduler role learned of the
+failure (`KVTierMetadata.fault_step`) are reported failed.
 
 The worker holds no policy and never blocks except in `flush()`. With the CPU+disk
 cascade a request's load may be split into one event per tier; `LoadTracker` reports
@@ -201,22 +204,25 @@ class WorkerSide(WorkerResults):
         Jobs of the previous plan never submitted are reported failed: its stores when
         vLLM deferred `wait_for_save` past a drafter's forward that raised (speculative
         decoding), all of them when its forward raised under Model Runner V2, which
-        calls nothing after `pre_forward` then (that plan's step then counts as a failed
-        forward's, as below). A plan skipped (vLLM's model runner raised before
-        binding it, in `_update_states` or `_prepare_inputs`; plans are numbered from 1,
-        so the first may be the one) counts as a failed forward of the newest skipped
-        step: a plan built before the fault was known (this one, unless its
-        `fault_step` says otherwise) stores that step's unwritten blocks. The
-        skipped plans' jobs never ran here and never will: their events still in flight
-        (`KVTierMetadata.earlier_events`) are reported failed, so their pins are released
-        and their loads' requests fail (vLLM recomputes them, or frees an aborted one),
-        and the loads they echoed as never issued are echoed now (`earlier_echoes`).
+        calls nothing after `pre_forward` then. Either way that plan's step counts as a
+        failed forward's, as below: a raising drafter left the draft layers' KV of the
+        step's positions unwritten, though the step's results were taken. A plan
+        skipped (vLLM's model runner raised before binding it, in `_update_states` or
+        `_prepare_inputs`; plans are numbered from 1, so the first may be the one)
+        counts as a failed forward of the newest skipped step: a plan built before the
+        fault was known (this one, unless its `fault_step` says otherwise) stores that
+        step's unwritten blocks. The skipped plans' jobs never ran here and never will:
+        their events still in flight (`KVTierMetadata.earlier_events`) are reported
+        failed, so their pins are released and their loads' requests fail (vLLM
+        recomputes them, or frees an aborted one), and the loads they echoed as never
+        issued are echoed now (`earlier_echoes`).
         """
         previous = self._plan
-        if previous is not None and not self._results_taken:
+        if previous is not None and not (self._results_taken and self._stores_submitted):
             # Model Runner V2 (vLLM 0.33's default) calls nothing after `pre_forward` when
-            # the forward raises: the fault is noted here, as `_note_failed_forward` does
-            # under V1's `finally`, and the jobs never submitted fail below.
+            # the forward raises, and either runner skips the deferred `wait_for_save`
+            # when the drafter raises: the fault is noted here, as `_note_failed_forward`
+            # does under V1's `finally`, and the jobs never submitted fail below.
             self._note_failed_step(previous.step_id)
         if previous is not None:
             self._hold_failures(self._unsubmitted(previous))
