@@ -56,8 +56,9 @@ def assert_untouched(llm: LLM) -> None:
         ({"seed": 2**64}, ValueError, "EngineConfig.seed must be in"),
         ({"keep_logits": "no"}, TypeError, "EngineConfig.keep_logits must be a bool, got 'no'"),
         ({"device": "bogus"}, ValueError, "EngineConfig.device='bogus' is not a torch device"),
-        ({"device": 0}, TypeError, "EngineConfig.device must be a str, got 0"),
+        ({"device": 0}, TypeError, "EngineConfig.device must be a str or torch.device, got 0"),
         ({"device": "meta"}, ValueError, "device='meta': the engine runs on 'cpu' or 'cuda"),
+        ({"device": torch.device("meta")}, ValueError, "device='meta': the engine runs on"),
     ],
 )
 def test_invalid_engine_config_names_the_field(
@@ -93,6 +94,18 @@ def test_a_cuda_device_index_beyond_the_machine_is_refused(monkeypatch: pytest.M
     with pytest.raises(ValueError, match=r"device='cuda:5', but this machine has 2 CUDA device"):
         EngineConfig(device="cuda:5")
     assert EngineConfig(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValueError, match=r"device='cuda:5', but this machine has 2 CUDA device"):
+        EngineConfig(device=torch.device("cuda", 5))
+    assert EngineConfig(device=torch.device("cuda", 1)).device == "cuda:1"
+
+
+def test_a_torch_device_is_taken_as_its_str() -> None:
+    """Regression: EngineConfig(device=torch.device("cpu")) was refused as 'must be a str'."""
+    config = EngineConfig(block_size=4, num_gpu_blocks=5, device=torch.device("cpu"))
+    assert config == SMALL
+    assert type(config.device) is str
+    (output,) = small_llm(engine=config).generate([[1, 2, 3]], PARAMS)
+    assert output.output_token_ids == (57, 76, 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

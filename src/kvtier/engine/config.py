@@ -204,15 +204,17 @@ class EngineConfig:
     `seed` seeds a random model's weights and the temperature sampling of requests
     without `SamplingParams.seed` (see `LLM`); torch's global RNG is left alone.
 
-    A value of the wrong type raises TypeError, one out of range ValueError, both naming
-    the field. Numpy integers are taken as, and stored as, Python ints.
+    `device` is "cpu", "cuda" or "cuda:N", or a `torch.device` of one, stored as its
+    str ("cuda:1"). A value of the wrong type raises TypeError, one out of range
+    ValueError, both naming the field. Numpy integers are taken as, and stored as,
+    Python ints.
     """
 
     block_size: int = 16
     num_gpu_blocks: int = 256
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    device: str = "cpu"
+    device: str | torch.device = "cpu"
     seed: int = 0
     keep_logits: bool = False
 
@@ -237,8 +239,12 @@ class EngineConfig:
         object.__setattr__(self, "seed", int(self.seed))
         if not isinstance(self.keep_logits, bool):
             raise TypeError(f"EngineConfig.keep_logits must be a bool, got {self.keep_logits!r}")
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
         if not isinstance(self.device, str):
-            raise TypeError(f"EngineConfig.device must be a str, got {self.device!r}")
+            raise TypeError(
+                f"EngineConfig.device must be a str or torch.device, got {self.device!r}"
+            )
         try:
             device = torch.device(self.device)
         except RuntimeError:
