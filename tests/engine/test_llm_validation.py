@@ -156,6 +156,9 @@ def test_prompts_may_be_integer_arrays(prompt: Any) -> None:
     ("prompts", "message"),
     [
         ([1, 2, 3], "got a flat list of ints: pass one prompt as generate"),
+        (np.array([1, 2, 3]), r"got a 1-D ndarray: pass generate\(\[ids.tolist\(\)\]\) for one"),
+        (np.array([[1, 2], [3, 4]]), r"got a 2-D ndarray: pass generate\(ids.tolist\(\)\), one"),
+        (torch.tensor([[1, 2]]), r"got a 2-D Tensor: pass generate\(ids.tolist\(\)\), one prompt"),
         ("abc", "prompts must be a list of token id lists, got str"),
         (["abc"], "prompt 0 is a str: the engine takes token ids, not text"),
         ([[1, 2], None], "prompt 1 must be a sequence of token ids, got None"),

@@ -131,7 +131,9 @@ class LLM(StallChecks):
         *,
         session_ids: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run `prompts` (token id lists) to completion; outputs come in prompt order.
+        """Run `prompts` (a list of token id lists) to completion; outputs come in prompt
+        order. Each prompt is taken as `add_request` takes one; an array of prompts is
+        refused, naming the `.tolist()` call to pass instead.
 
         `session_ids`, one per prompt, are carried as `add_request`'s `session_id` is.
         Every prompt is checked as in `add_request` before any is queued: one bad prompt

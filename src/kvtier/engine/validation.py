@@ -69,8 +69,19 @@ def _array_token_ids(prompt: np.ndarray | torch.Tensor, where: str) -> list[int]
 def as_prompt_list(prompts: object) -> Sequence[object]:
     """Return `prompts` if it is a sequence of prompts; raise TypeError otherwise.
 
-    A flat list of ints is refused (it would be read as many one-token prompts).
+    A flat list of ints is refused (it would be read as many one-token prompts), and so
+    is an array or tensor (as vLLM refuses one), with the `.tolist()` call to pass instead:
+    a 2-D one's rows may hold padding. Each prompt may be a 1-D array (`as_token_ids`).
     """
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
+        hints = {
+            1: ": pass generate([ids.tolist()]) for one prompt",
+            2: ": pass generate(ids.tolist()), one prompt per row (its padding included)",
+        }
+        raise TypeError(
+            f"prompts must be a list of token id lists, got a {prompts.ndim}-D "
+            f"{type(prompts).__name__}{hints.get(prompts.ndim, '')}"
+        )
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
     if prompts and all(isinstance(p, Integral) for p in prompts):
