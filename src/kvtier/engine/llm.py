@@ -30,6 +30,7 @@ from kvtier.engine.validation import (
     as_token_ids,
     check_arguments,
     check_request,
+    one_spelling,
 )
 from kvtier.engine.weights import load_model
 from kvtier.offload.config import OffloadConfig
@@ -127,15 +128,22 @@ class LLM(StallChecks):
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        show_progress: bool = False,
+        show_progress: bool | None = None,
         *,
         session_ids: Sequence[str | None] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` (a list of token id lists) to completion; outputs come in prompt
         order. Each prompt is taken as `add_request` takes one; an array of prompts is
         refused, naming the `.tolist()` call to pass instead.
 
-        `session_ids`, one per prompt, are carried as `add_request`'s `session_id` is.
+        `params` is one `SamplingParams` for all, one per prompt, or None (the defaults).
+        `show_progress` shows a tqdm bar (None, the default: none, where vLLM shows one).
+        vLLM's names for them, `sampling_params=` and `use_tqdm=`, are taken too; giving
+        both names of one argument raises TypeError. `session_ids`, one per prompt, are
+        carried as `add_request`'s `session_id` is.
+
         Every prompt is checked as in `add_request` before any is queued: one bad prompt
         rejects the whole call (the error names its index) and nothing runs. If a step
         fails anyway, this call's unfinished requests are aborted and their blocks freed
@@ -144,8 +152,10 @@ class LLM(StallChecks):
         the call are returned by the next `step`.
         """
         self._require_running()
+        given = one_spelling("params", params, "sampling_params", sampling_params)
+        show_bar = one_spelling("show_progress", show_progress, "use_tqdm", use_tqdm)
         prompt_list = as_prompt_list(prompts)
-        params_list = as_params_list(params, len(prompt_list))
+        params_list = as_params_list(given, len(prompt_list))
         checked = [
             self._checked(prompt, sp, f"prompt {index}")
             for index, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True))
@@ -158,7 +168,7 @@ class LLM(StallChecks):
         pending = {r.request_id for r in requests}
         others: list[Request] = []  # `add_request`'s, finished here: the next step returns them
         try:
-            with tqdm(total=len(requests), disable=not show_progress, unit="req") as bar:
+            with tqdm(total=len(requests), disable=not show_bar, unit="req") as bar:
                 while pending:
                     for request in self.step():
                         if request.request_id in pending:

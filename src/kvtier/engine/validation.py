@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +21,8 @@ from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.engine.config import EngineConfig, ModelConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,16 @@ def as_prompt_list(prompts: object) -> Sequence[object]:
             "pass one prompt as generate([[1, 2, 3]])"
         )
     return prompts
+
+
+def one_spelling(name: str, value: T | None, vllm_name: str, vllm_value: T | None) -> T | None:
+    """Return the argument given as `name` or as vLLM's `vllm_name` (None: neither);
+    raise TypeError naming both when both are given (not None)."""
+    if value is not None and vllm_value is not None:
+        raise TypeError(
+            f"generate() got both {name}= and {vllm_name}= (vLLM's name for {name}): pass one"
+        )
+    return vllm_value if value is None else value
 
 
 def as_params_list(params: object, num_prompts: int) -> list[SamplingParams]:
