@@ -266,11 +266,11 @@ def test_hit_tokens_of_a_request_never_exceed_its_prompt() -> None:
     llm.generate([first, second], one)  # stored in the tier as they finish
     llm.generate([list(range(70, 102))], one)  # 8 blocks: evicts both from the GPU
     llm.drain()
-    preemptions = llm.stats.num_preemptions
+    releases = llm.stats.num_idle_releases
     prompts = [[*first, 1], [*second, 2], list(range(20, 40))]
     params = [SamplingParams(max_tokens=2, ignore_eos=True)] * 2
     outputs = llm.generate(prompts, [*params, SamplingParams(max_tokens=9, ignore_eos=True)])
-    assert llm.stats.num_preemptions > preemptions, "no request was admitted twice"
+    assert llm.stats.num_idle_releases > releases, "no request was admitted twice"
     assert [o.num_external_hit_tokens for o in outputs] == [12, 12, 0]
     assert llm.stats.num_external_hit_tokens == 24
     llm.shutdown()

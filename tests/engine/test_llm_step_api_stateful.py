@@ -254,11 +254,13 @@ class StepApiMachine(RuleBasedStateMachine):
         batch = [self.prompt(family, tail) for family, tail, _ in specs]
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, _, m in specs]
         was_clean = self.clean and len(batch) == 1
-        num_preemptions = self.llm.stats.num_preemptions
+        stats = self.llm.stats
+        num_taken_back = stats.num_preemptions + stats.num_idle_releases
         self.arm()
         outputs = self.llm.generate(batch, params)
-        # Preempted, a request may hit the blocks it computed itself since the reset.
-        was_clean = was_clean and self.llm.stats.num_preemptions == num_preemptions
+        # Preempted (or its idle blocks released), a request may hit the blocks it
+        # computed itself since the reset.
+        was_clean = was_clean and stats.num_preemptions + stats.num_idle_releases == num_taken_back
         assert len(outputs) == len(batch)
         for prompt, sp, output in zip(batch, params, outputs, strict=True):
             rid = output.request_id

@@ -236,7 +236,8 @@ class LLM(StallChecks):
             self._apply_offload()  # an earlier step's, cut short: before anything is admitted
         step = self.scheduler.schedule()
         self.stats.num_steps += 1
-        self.stats.num_preemptions += len(step.preempted_ids)
+        self.stats.num_preemptions += len(step.preempted_ids - step.released_ids)
+        self.stats.num_idle_releases += len(step.released_ids)
         self.stats.num_waits_for_frees += step.waits_for_frees
         if step.stuck is not None or self._is_stalled(step):
             head = step.stuck or self.scheduler.waiting[0]

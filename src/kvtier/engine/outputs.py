@@ -41,7 +41,11 @@ class EngineStats:
     """
 
     num_steps: int = 0
+    # Running requests preempted (their blocks freed, they compute again).
     num_preemptions: int = 0
+    # Waiting requests back from a load whose idle blocks were freed for a request that
+    # could not run otherwise (not preemptions; `Scheduler._release_idle_blocks`).
+    num_idle_releases: int = 0
     # Steps in which a request short of GPU blocks waited for transfers to give some
     # back instead of preempting one (`Scheduler._frees_pending`).
     num_waits_for_frees: int = 0

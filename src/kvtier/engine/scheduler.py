@@ -49,7 +49,8 @@ class Scheduler(QueueRecovery, Admission):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # running requests preempted
+        self.num_idle_releases = 0  # waiting requests whose idle blocks were freed
         self._unfreed = []
         self._aborting: dict[str, Request] = {}
         # Finished by `complete`, not yet returned by the engine's step: kept in the
@@ -179,14 +180,16 @@ class Scheduler(QueueRecovery, Admission):
         head does not fit, or the last running request cannot grow, they would wait for
         each other forever: the running one would preempt itself, be admitted again with
         the same chunk, and fail to grow again. Their KV stays cached in the pool, so
-        they find it again as a local hit.
+        they find it again as a local hit. Counted apart from preemptions (nothing ran
+        them), they are in `step.preempted_ids` too: the offload side drops their tables.
         """
         released = False
         for request in requests:
             if any(request.block_tables):
                 self._drop_kv(request)
                 step.preempted_ids.add(request.request_id)
-                self.num_preemptions += 1
+                step.released_ids.add(request.request_id)
+                self.num_idle_releases += 1
                 released = True
         return released
 

@@ -31,7 +31,12 @@ class SchedulerStep:
     """What `schedule` decided for one step."""
 
     work: list[ScheduledWork] = field(default_factory=list)
+    # Requests whose GPU blocks were dropped this step (the offload side resets them, as
+    # vLLM's preempted ones): preempted running ones, and `released_ids`.
     preempted_ids: set[str] = field(default_factory=set)
+    # Waiting requests back from a load whose idle blocks were freed for one that could
+    # not run otherwise (`Scheduler._release_idle_blocks`): not preemptions.
+    released_ids: set[str] = field(default_factory=set)
     # A running request that cannot compute one more token though it could use the
     # whole pool: it never will (the engine aborts it), where preempting it would loop.
     stuck: Request | None = None

@@ -32,9 +32,10 @@ class StallChecks:
         """Step until every finish-time store has completed.
 
         Raises RuntimeError, naming what is pending, when the stores can never complete:
-        `_MAX_STALLED_STEPS` steps in a row computed nothing, preempted nothing, issued
-        no transfer and got no report, though the worker was flushed before each one (so
-        it had nothing left to report). Slow transfers are waited for, however slow.
+        `_MAX_STALLED_STEPS` steps in a row computed nothing, freed no request's blocks
+        (a preemption or an idle release), issued no transfer and got no report, though
+        the worker was flushed before each one (so it had nothing left to report). Slow
+        transfers are waited for, however slow.
         Requests queued by `add_request` run too; those that finish here are returned
         by the next `step`.
         """
@@ -63,7 +64,7 @@ class StallChecks:
     def _progress_mark(self) -> tuple[int, ...]:
         """Return counters that change whenever a step does anything."""
         stats = self.stats
-        marks = (stats.num_computed_tokens, stats.num_preemptions)
+        marks = (stats.num_computed_tokens, stats.num_preemptions, stats.num_idle_releases)
         if self.offload is None:
             return marks
         totals = self.offload.totals
