@@ -63,7 +63,11 @@ def serve_beside_a_decoder(offload: OffloadConfig | None) -> tuple[list[tuple[in
         # 7 blocks run, 5 free: P's 4 fit, not with its 3 after them.
         assert hit.status is RequestStatus.WAITING
         assert hit.block_tables == [[]]
+        # Not admitted, its tier hit stays pinned until its next lookup or its finish.
+        pins = None if llm.offload is None else llm.offload.scheduler.loads.pins
+        assert pins is None or hit.request_id in pins
         outputs = run_all(llm, [decoder, hit])
+        assert pins is None or hit.request_id not in pins
         assert (hit.num_local_tokens_total, hit.num_external_tokens_total) == (
             (0, 16) if offload else (0, 0)
         )

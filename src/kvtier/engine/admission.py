@@ -27,7 +27,9 @@ class Admission(BlockGrowth):
     def _admit(self, request: Request, budget: int, shrink: bool = False) -> int | None:
         """Give a waiting request its cached prefix and blocks; return tokens to run now.
 
-        Returns None (changing nothing) when the GPU pool cannot hold the request. With
+        Returns None when the GPU pool cannot hold the request. The request and the pool
+        are then left as they were, but the tier hit its lookup found stays pinned
+        (SPEC §6.2) until the request's next lookup, finish or abort releases it. With
         `shrink`, the first chunk is cut to the longest that fits (any length): a
         sliding-window group holds every block of a chunk while it is computed, so a
         whole prompt in one chunk can need more blocks than the pool, though its chunks
