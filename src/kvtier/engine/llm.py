@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from kvtier.engine.scheduler import Scheduler, SchedulerLimits, SchedulerStep
 from kvtier.engine.stall_checks import StallChecks
 from kvtier.engine.validation import (
     RequestLimits,
+    TokenPrompt,
     as_params_list,
     as_prompt_list,
     as_session_list,
@@ -126,7 +127,7 @@ class LLM(StallChecks):
 
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[TokenPrompt] | Mapping[str, object],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         show_progress: bool | None = None,
         *,
@@ -135,8 +136,9 @@ class LLM(StallChecks):
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` (a list of token id lists) to completion; outputs come in prompt
-        order. Each prompt is taken as `add_request` takes one; an array of prompts is
-        refused, naming the `.tolist()` call to pass instead.
+        order. Each prompt is taken as `add_request` takes one, so vLLM's `TokensPrompt`
+        dicts may stand for lists, and one dict for a one-prompt list; an array of prompts
+        is refused, naming the `.tolist()` call to pass instead.
 
         `params` is one `SamplingParams` for all, one per prompt, or None (the defaults).
         `show_progress` shows a tqdm bar (None, the default: none, where vLLM shows one).
@@ -190,11 +192,13 @@ class LLM(StallChecks):
         return [output_of(r) for r in requests]
 
     def add_request(
-        self, prompt: Sequence[int], params: SamplingParams, *, session_id: str | None = None
+        self, prompt: TokenPrompt, params: SamplingParams, *, session_id: str | None = None
     ) -> Request:
         """Queue one prompt; `step` runs it.
 
-        `prompt` is a sequence of ints or a 1-D integer numpy array / torch tensor.
+        `prompt` is a sequence of ints, a 1-D integer numpy array / torch tensor, or
+        vLLM's `TokensPrompt` dict `{"prompt_token_ids": ids}`; a dict with any other key
+        (a text `"prompt"`, `"multi_modal_data"`, ...) is refused by name (no tokenizer).
         `session_id` (e.g. a conversation's id) is carried by the tier's stored-block
         events of this request's blocks, as vLLM's are. Raises TypeError for a prompt,
         params or session id of the wrong type, and ValueError for an empty prompt, token

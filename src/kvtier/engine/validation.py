@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 import numpy as np
 import torch
@@ -35,12 +35,43 @@ class RequestLimits:
     num_usable_blocks: int
 
 
+TOKENS_KEY = "prompt_token_ids"
+"""The one key of a vLLM `TokensPrompt` dict the engine takes (it has no tokenizer)."""
+
+TokenPrompt: TypeAlias = Sequence[int] | Mapping[str, object]
+"""One prompt: its token ids, or vLLM's `TokensPrompt` dict `{"prompt_token_ids": ids}`."""
+
+
 def as_token_ids(prompt: object, where: str) -> list[int]:
     """Return `prompt` as a list of ints; raise TypeError naming `where` otherwise.
 
-    Accepts a sequence of ints (numpy integers included) or a 1-D integer numpy array
-    or torch tensor. A str is refused: the engine has no tokenizer.
+    Accepts a sequence of ints (numpy integers included), a 1-D integer numpy array or
+    torch tensor, or a mapping with the one key `"prompt_token_ids"` holding one of
+    those (vLLM's `TokensPrompt`). A str is refused: the engine has no tokenizer. So is
+    any other key of the mapping (a text `"prompt"`, `"multi_modal_data"`,
+    `"cache_salt"`, ...), by name, rather than ignored.
     """
+    if isinstance(prompt, Mapping):
+        return _plain_token_ids(_tokens_of(prompt, where), f"{where}'s {TOKENS_KEY!r}")
+    return _plain_token_ids(prompt, where)
+
+
+def _tokens_of(prompt: Mapping[object, object], where: str) -> object:
+    """Return the `"prompt_token_ids"` value of a `TokensPrompt` dict; raise TypeError
+    naming the keys the engine does not take, or the missing key."""
+    others = [key for key in prompt if key != TOKENS_KEY]
+    if others:
+        names = ", ".join(f"{key!r} (text)" if key == "prompt" else repr(key) for key in others)
+        raise TypeError(
+            f"{where} has key{'s' if len(others) > 1 else ''} {names}, which the reference "
+            f"engine does not take: it has no tokenizer and takes only {TOKENS_KEY!r}"
+        )
+    if TOKENS_KEY not in prompt:  # no key at all
+        raise TypeError(f"{where} is an empty dict: give its token ids as {TOKENS_KEY!r}")
+    return prompt[TOKENS_KEY]
+
+
+def _plain_token_ids(prompt: object, where: str) -> list[int]:
     if isinstance(prompt, (str, bytes)):
         raise TypeError(
             f"{where} is a {type(prompt).__name__}: the engine takes token ids, not text "
@@ -70,12 +101,16 @@ def _array_token_ids(prompt: np.ndarray | torch.Tensor, where: str) -> list[int]
 
 
 def as_prompt_list(prompts: object) -> Sequence[object]:
-    """Return `prompts` if it is a sequence of prompts; raise TypeError otherwise.
+    """Return `prompts` if it is a sequence of prompts, or a one-prompt list if it is
+    one prompt dict (as vLLM takes one `TokensPrompt`); raise TypeError otherwise.
 
     A flat list of ints is refused (it would be read as many one-token prompts), and so
     is an array or tensor (as vLLM refuses one), with the `.tolist()` call to pass instead:
-    a 2-D one's rows may hold padding. Each prompt may be a 1-D array (`as_token_ids`).
+    a 2-D one's rows may hold padding. Each prompt may be a 1-D array or a prompt dict
+    (`as_token_ids`).
     """
+    if isinstance(prompts, Mapping):
+        return [prompts]
     if isinstance(prompts, (np.ndarray, torch.Tensor)):
         hints = {
             1: ": pass generate([ids.tolist()]) for one prompt",

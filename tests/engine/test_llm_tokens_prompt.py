@@ -1,0 +1,105 @@
+"""`generate` and `add_request` take vLLM's `TokensPrompt` dicts, `{"prompt_token_ids": ids}`,
+for token id lists, and refuse by name the dict keys the engine cannot honour.
+
+Regression: code written for vLLM's `LLM.generate({"prompt_token_ids": ids})` (or a list of
+such dicts) was refused as "must be a sequence of token ids".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.sampling import SamplingParams
+
+PROMPTS = [[1, 2, 3], [4, 5]]
+PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0)
+
+
+def small_llm() -> LLM:
+    return LLM(None, engine=EngineConfig(block_size=4, num_gpu_blocks=9))
+
+
+def results(prompts: Any, params: SamplingParams) -> list[tuple[tuple[int, ...], ...]]:
+    """Return each output's prompt and output token ids, from a fresh engine."""
+    outputs = small_llm().generate(prompts, params)
+    return [(out.prompt_token_ids, out.output_token_ids) for out in outputs]
+
+
+@pytest.mark.parametrize("params", [PARAMS, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    ("prompts", "plain"),
+    [
+        ({"prompt_token_ids": [1, 2, 3]}, [[1, 2, 3]]),
+        ([{"prompt_token_ids": [1, 2, 3]}], [[1, 2, 3]]),
+        ([{"prompt_token_ids": p} for p in PROMPTS], PROMPTS),
+        ([[1, 2, 3], {"prompt_token_ids": [4, 5]}], PROMPTS),
+        ([{"prompt_token_ids": (1, 2, 3)}, {"prompt_token_ids": np.array([4, 5])}], PROMPTS),
+    ],
+    ids=["one-dict", "list-of-one", "list-of-dicts", "mixed", "tuple-and-array"],
+)
+def test_tokens_prompts_run_as_their_token_lists(
+    prompts: Any, plain: list[list[int]], params: SamplingParams
+) -> None:
+    expected = results(plain, params)
+    assert [p for p, _ in expected] == [tuple(p) for p in plain]
+    assert results(prompts, params) == expected
+
+
+def test_add_request_takes_a_tokens_prompt() -> None:
+    finished = []
+    for prompt in ([1, 2, 3], {"prompt_token_ids": [1, 2, 3]}):
+        llm = small_llm()
+        request = llm.add_request(prompt, SAMPLED)
+        while request not in llm.step():
+            pass
+        finished.append((tuple(request.prompt_token_ids), tuple(request.output_token_ids)))
+    assert finished[0] == finished[1]
+    assert len(finished[0][1]) == 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ({"prompt": "hello"}, " has key 'prompt' \\(text\\), which the reference engine does not"),
+        ({"prompt_token_ids": [1, 2], "prompt": "a b"}, " has key 'prompt' \\(text\\)"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": None}, " has key 'multi_modal_data',"),
+        ({"prompt_token_ids": [1, 2], "cache_salt": "s"}, " has key 'cache_salt',"),
+        (
+            {"prompt_token_ids": [1], "mm_processor_kwargs": {}, "token_type_ids": [0]},
+            " has keys 'mm_processor_kwargs', 'token_type_ids',",
+        ),
+        ({"prompt_embeds": [[0.5]]}, " has key 'prompt_embeds',"),
+        ({}, " is an empty dict: give its token ids as 'prompt_token_ids'"),
+        ({"prompt_token_ids": "abc"}, "'s 'prompt_token_ids' is a str: the engine takes token ids"),
+        ({"prompt_token_ids": [1, 2.5]}, "'s 'prompt_token_ids': token 1 is 2.5, not an int"),
+    ],
+    ids=[
+        "text",
+        "text-beside-ids",
+        "multi-modal",
+        "salt",
+        "two-keys",
+        "embeds",
+        "empty",
+        "str-ids",
+        "float-id",
+    ],
+)
+def test_prompt_dicts_the_engine_cannot_honour_are_refused(prompt: Any, message: str) -> None:
+    llm = small_llm()
+    with pytest.raises(TypeError, match="prompt 1" + message):
+        llm.generate([[1, 2, 3], prompt], PARAMS)
+    with pytest.raises(TypeError, match="request req-0" + message):
+        llm.add_request(prompt, PARAMS)
+    assert llm.stats.num_steps == 0
+    assert not llm.scheduler.has_unfinished()
+
+
+def test_the_refusal_says_the_engine_has_no_tokenizer() -> None:
+    with pytest.raises(TypeError, match=r"it has no tokenizer and takes only 'prompt_token_ids'$"):
+        small_llm().generate({"prompt": "hello"}, PARAMS)
