@@ -141,21 +141,20 @@ class CopyCrew:
         kept: list[Share] = []  # shares whose helper could not start: copied here
         try:
             for member in range(1, parts):
-                if shares[member]:
-                    future = self._hand(member, copies, shares[member])
-                    if future is None:
-                        kept.append(shares[member])
-                    else:
-                        handed.append(future)
+                if shares[member] and not self._hand(handed, member, copies, shares[member]):
+                    kept.append(shares[member])
             for share in (shares[0], *kept):  # one after another: one scratch
                 self._copy_share(0, copies, share)
         except BaseException:
-            self._log_unraised(_wait(handed))  # never return while a helper still copies
+            self._log_unraised(_take_errors(handed))  # never return while a helper copies
             raise
-        errors = _wait(handed)
+        errors = _take_errors(handed)
         if errors:
             self._log_unraised(errors[1:])
-            raise errors[0]
+            try:
+                raise errors[0]
+            finally:  # the error's traceback holds this frame: no cycle through it
+                del errors
 
     def is_own_thread(self, thread: threading.Thread) -> bool:
         """Return True if `thread` is one of the crew's helpers."""
@@ -169,10 +168,13 @@ class CopyCrew:
             if thread is not None:
                 thread.join()
 
-    def _hand(self, member: int, copies: Sequence[RegionCopy], share: Share) -> Future[None] | None:
-        """Queue `share` for member's helper, started first if need be; return None,
-        queueing nothing, when it cannot start (a thread limit; Python 3.12 once the
-        interpreter exits, where lanes still run their queued jobs): the caller copies it."""
+    def _hand(
+        self, handed: list[Future[None]], member: int, copies: Sequence[RegionCopy], share: Share
+    ) -> bool:
+        """Queue `share` for member's helper, started first if need be, and add its future
+        to `handed`; return False, queueing nothing, when it cannot start (a thread limit;
+        Python 3.12 once the interpreter exits, where lanes still run their queued jobs):
+        the caller copies it."""
         if self._helpers[member - 1] is None:
             thread = threading.Thread(
                 target=_serve,
@@ -183,12 +185,13 @@ class CopyCrew:
             try:
                 thread.start()  # before the hand-off: no share is queued where none reads
             except RuntimeError:
-                return None
+                return False
             self._helpers[member - 1] = thread
         future: Future[None] = Future()
         scratch = self._scratch[member]  # the task holds no reference to the crew
         self._queues[member - 1].put((future, partial(_copy_share, scratch, copies, share)))
-        return future
+        handed.append(future)
+        return True
 
     def _copy_share(self, member: int, copies: Sequence[RegionCopy], share: Share) -> None:
         _copy_share(self._scratch[member], copies, share)
@@ -218,9 +221,11 @@ def _copy_share(scratch: _Scratch, copies: Sequence[RegionCopy], share: Share) -
         copy_rows(copy.plan, copy.src, copy.dst, a, b, rows)
 
 
-def _wait(handed: Sequence[Future[None]]) -> list[BaseException]:
-    """Wait for every handed share; return their errors in batch order."""
+def _take_errors(handed: list[Future[None]]) -> list[BaseException]:
+    """Wait for every handed share; return their errors in batch order and empty `handed`
+    (the error `run` raises holds its frame, which must hold no future holding the error)."""
     errors = [future.exception() for future in handed]
+    handed.clear()
     return [error for error in errors if error is not None]
 
 
@@ -236,6 +241,7 @@ def _settle(future: Future[None], share: Callable[[], None]) -> None:
         share()
     except BaseException as exc:  # reported to the lane thread, which raises it
         future.set_exception(exc)
+        del future, share  # the traceback holds this frame: no cycle through its future
     else:
         future.set_result(None)
 

@@ -9,10 +9,12 @@ time its function ran on the lane's thread (synchronous copies and disk I/O).
 A reported job stays in the lane, and in every later `finished`, until `acknowledge`:
 the caller acknowledges once it stored (or applied) the report, so a report taken by a
 call that an interrupt (KeyboardInterrupt) cut short is reported again, never lost.
-A job that raises is reported failed and logged; the thread lives on. `copy_threads`
-bounds the OpenMP team of the thread's torch CPU ops (see `threads.limit_intra_op_threads`)
-and sizes the lane's `crew`, the threads its CPU block copies are split over
-(`copy_crew`).
+A job that raises is reported failed and logged; the thread lives on. Once a job ran,
+the lane keeps only its outcome, and only until `acknowledge` (a failed job's error holds
+the frames that ran it, and their views): an idle thread holds no job, so none of the
+views of the tiers it copied between. `copy_threads` bounds the OpenMP team of the
+thread's torch CPU ops (see `threads.limit_intra_op_threads`) and sizes the lane's
+`crew`, the threads its CPU block copies are split over (`copy_crew`).
 
 Each job has the lane's own future, recorded before the job is handed to the thread.
 A `submit` interrupted on the way (KeyboardInterrupt) cancels that future: a job not yet
@@ -83,6 +85,9 @@ def _run(future: Future[_Ran], job: JobFn) -> None:
         completion = job()
     except BaseException as exc:
         future.set_exception(exc)
+        # The error's traceback holds this frame: without its future, no cycle keeps the
+        # job's views alive until a cyclic collection once the report is acknowledged.
+        del future, job
     else:
         future.set_result(_Ran(completion, time.perf_counter() - start))
 
@@ -121,6 +126,8 @@ def _serve(jobs: _Queue, copy_threads: int | None, ready: Future[None]) -> None:
             logger.exception("lane thread: a job escaped its future")
             if not future.done():
                 future.set_exception(exc)
+        # Idle until the next job: hold nothing of this one (its views of the tiers).
+        del item, future, job
 
 
 # Lanes still open at interpreter exit: their threads are daemons (a non-daemon thread
