@@ -21,7 +21,7 @@
 # KVTIER_EXTRA_CONFIG (the connector's kv_connector_extra_config as JSON, default
 # {"cpu_bytes": 8589934592}; e.g. the CPU+disk cascade: {"cpu_bytes": 1073741824,
 # "disk_bytes": 8589934592, "disk_path": "/tmp/kvtier-gpu-check-disk", "cascade":
-# "write_back"}; a disk tier needs an existing directory).
+# "write_back"}; a missing disk_path is created when its parent directory exists).
 # One run takes a few minutes once the venv exists (the first pip install adds ~3-5).
 set -euo pipefail
 
