@@ -60,7 +60,7 @@ class PlanAssembler:
             selector.reset_request(request_id)
         eager = self._config.store_mode is StoreMode.EAGER
         if eager:
-            selector.select_scheduled(step.scheduled, step.preempted_request_ids)
+            selector.select_scheduled(step.scheduled)
         gone = step.finished_request_ids | step.preempted_request_ids
         selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
         if not eager:

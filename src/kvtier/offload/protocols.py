@@ -161,7 +161,12 @@ class Handoff:
 
 @dataclass(frozen=True)
 class StepInput:
-    """Everything the engine tells the offload scheduler about one step."""
+    """Everything the engine tells the offload scheduler about one step.
+
+    `preempted_request_ids`: requests preempted since the last step, their GPU blocks
+    freed. One of them is in `scheduled` only resumed, with its whole new table
+    (`TableUpdate.REPLACE`), as vLLM and the reference engine send it.
+    """
 
     scheduled: tuple[ScheduledRequest, ...] = ()
     finished_request_ids: frozenset[str] = field(default_factory=frozenset)

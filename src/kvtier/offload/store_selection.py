@@ -140,14 +140,13 @@ class StoreSelector(StoreQueueing):
             self.layout.hash_block_size if self.fine_grained else self.layout.scheduler_block_size
         )
 
-    def select_scheduled(
-        self, scheduled: Iterable[ScheduledRequest], preempted: frozenset[str]
-    ) -> None:
+    def select_scheduled(self, scheduled: Iterable[ScheduledRequest]) -> None:
         """Apply each scheduled request's new block ids, then select as `select_request` does.
 
-        The eager hot path of a step, in one loop: a request preempted this step and not
-        resumed, or not tracked, is skipped; one with no newly confirmed block (most
-        decode steps) costs a table update and one comparison.
+        The eager hot path of a step, in one loop: a request not tracked is skipped; one
+        with no newly confirmed block (most decode steps) costs a table update and one
+        comparison. A request preempted this step is scheduled only resumed, its table
+        replaced (`StepInput`).
         """
         tracked = self.tracked
         unit = self._confirm_unit()
@@ -168,8 +167,6 @@ class StoreSelector(StoreQueueing):
                 if request_id in self.across_reset:
                     continue
                 state = tracked[request_id] = self._empty()
-            elif request_id in preempted:
-                continue
             else:
                 found = tracked.get(request_id)
                 if found is None:
