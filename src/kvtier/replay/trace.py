@@ -38,7 +38,8 @@ _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
 class TraceError(ValueError):
-    """A trace record is malformed; the message names the file and line."""
+    """A trace record is malformed; the message names the file and line (or, for records
+    handed to the replay directly, the record's index)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +130,26 @@ def _check_hash_ids(raw: dict[str, object], line: str, where: str) -> tuple[int,
     too_large = next((h for h in hash_ids if h >= MAX_HASH_ID), None)
     if too_large is not None:
         raise TraceError(f"{where}: hash id {too_large} does not fit in 64 bits (must be < 2**64)")
-    if len(set(hash_ids)) != len(hash_ids):
-        first: dict[int, int] = {}
-        for j, h in enumerate(hash_ids):
-            if h in first:
-                raise TraceError(
-                    f"{where}: hash id {h} repeats within the record (positions {first[h]} "
-                    f"and {j}); chained prefix hashes cannot repeat in one prompt"
-                )
-            first[h] = j
+    check_distinct_ids(hash_ids, where)
     return tuple(hash_ids)
+
+
+def check_distinct_ids(hash_ids: Sequence[int], where: str) -> None:
+    """Raise `TraceError` naming `where` if an id repeats in one record's `hash_ids`.
+
+    Ids are chained prefix hashes: the prefix up to a later block is a longer one, so a
+    repeat is a malformed record, never a legitimate one (replayed, it would be stored
+    once per repeat and hit where no prefix matched)."""
+    if len(set(hash_ids)) == len(hash_ids):
+        return
+    first: dict[int, int] = {}
+    for j, h in enumerate(hash_ids):
+        if h in first:
+            raise TraceError(
+                f"{where}: hash id {h} repeats within the record (positions {first[h]} "
+                f"and {j}); chained prefix hashes cannot repeat in one prompt"
+            )
+        first[h] = j
 
 
 def read_trace(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> list[TraceRecord]:
