@@ -37,7 +37,7 @@ from bench_common import existing_file, new_parser, output_file, positive_int, w
 from kvtier.replay.config import CascadeMode, ReplayConfig, TierConfig
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
 from kvtier.replay.tier_replay import TierReplay, trace_keys
-from kvtier.replay.trace import TraceRecord, read_trace
+from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, TraceRecord, read_trace
 from pool_progress import Progress, run_with_progress
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
@@ -100,7 +100,7 @@ def run_workload(
     """Replay every setup and total of one workload and policy (runs in a worker)."""
     records = load_workload(name, trace, requests)
     progress.add_total(len(TOTALS) * len(SETUPS) * len(records))
-    keys = trace_keys(records)
+    keys = trace_keys(records, DEFAULT_BLOCK_SIZE)  # setup_config's block size
     rows = []
     for total in TOTALS:
         baseline = 0.0

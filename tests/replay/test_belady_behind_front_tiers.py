@@ -141,7 +141,7 @@ def test_a_sweep_shares_the_first_tier_oracle_and_reports_every_pass(
     """The sweep builds the first tier's oracle once (one pass of the GPU tier alone, which
     no lower tier affects): each point equals its replay built alone, and the progress
     callback hears of every pass `sweep_passes` counts, setup passes included."""
-    records = records_of([(0, 1), (0, 1), (2, 3), (0, 1), (2,), (0, 1, 4), (2, 3), (4,)])
+    records = records_of([(0, 1), (0, 1), (2, 3), (0, 1), (2,), (0, 1, 4), (2, 3), (0, 1, 4)])
     tiers = [TierConfig("CPU", 2 * BLOCK, 25.0), TierConfig("DISK", 2 * BLOCK, 5.0)]
     base = ReplayConfig(
         tiers=tuple(tiers[:num_tiers]), gpu_capacity_tokens=gpu_blocks * BLOCK, block_size=BLOCK

@@ -171,7 +171,7 @@ def test_matches_the_reference_step_by_step(
 
 
 def hand_trace() -> list[TraceRecord]:
-    ids = [(1, 2), (3, 4), (1, 2, 5), (2,)]
+    ids = [(1, 2), (3, 4), (1, 2, 5), (1, 2)]  # chained: 2 always follows 1
     return [TraceRecord(i, len(r) * BLOCK, 1, r) for i, r in enumerate(ids)]
 
 
@@ -182,7 +182,7 @@ def test_hits_interleave_tiers_and_cost_each_link(
     mode: CascadeMode, demoted: int, disk_keys: set[int]
 ) -> None:
     # CPU 3 blocks: request 1 evicts block 2 (to DISK); request 2 hits 1 in CPU, 2 on
-    # DISK (promoted back into CPU), misses 5; request 3 hits the promoted 2 in CPU.
+    # DISK (promoted back into CPU), misses 5; request 3 hits 1 and the promoted 2 in CPU.
     records = hand_trace()
     replay = TierReplay(records, config(3, 8, mode))
     replay.step()
@@ -196,7 +196,7 @@ def test_hits_interleave_tiers_and_cost_each_link(
     replay.step()
     result = replay.result()
     cpu, disk = result.tiers
-    assert (cpu.hit_tokens, disk.hit_tokens) == (2 * BLOCK, BLOCK)
+    assert (cpu.hit_tokens, disk.hit_tokens) == (3 * BLOCK, BLOCK)
     assert (cpu.num_promoted_blocks, cpu.num_demoted_blocks) == (1, demoted)
     assert disk.bytes_stored == demoted * BYTES_PER_BLOCK
     assert cached_keys(replay.tiers[0].pool) == {key_of(h) for h in (1, 2, 5)}

@@ -49,7 +49,7 @@ def _sweep(records: Sequence[TraceRecord]) -> object:
         lambda records: replay_trace(records, CONFIG),
         lambda records: TierReplay(records, CONFIG),
         _sweep,
-        trace_keys,
+        lambda records: trace_keys(records, BLOCK),
     ],
     ids=["replay_trace", "TierReplay", "run_sweep", "trace_keys"],
 )

@@ -222,7 +222,7 @@ def test_bad_configuration_is_rejected() -> None:
 
 def test_blocks_held_counts_distinct_keys() -> None:
     records = [TraceRecord(0, 24, 1, (1, 2, 3)), TraceRecord(1, 16, 1, (1, 4))]
-    assert max_blocks_held(trace_keys(records)) == 4
+    assert max_blocks_held(trace_keys(records, 8)) == 4
 
 
 CAPPED_POLICIES = [*EVICTION_POLICIES, "lru+door", "belady", "oracle-lfu"]
@@ -252,7 +252,7 @@ def test_a_tier_larger_than_the_trace_is_capped_with_identical_results(
     setup: str, policy: str
 ) -> None:
     records = TRACES["chat"]
-    cap = max_blocks_held(trace_keys(records))
+    cap = max_blocks_held(trace_keys(records, BLOCK))
     config = capped_config(setup, policy, 5 * cap)
     capped = TierReplay(records, config)
     full = TierReplay(records, config, max_tier_blocks=10 * cap)  # no cap: 5 x cap blocks

@@ -289,7 +289,7 @@ def _no_work(config: object) -> object:
 def test_largest_64_bit_hash_id_is_accepted_and_keyed(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [{**GOOD, "hash_ids": [0, 2**64 - 1]}])
     records = read_trace(path, 512)
-    assert len(trace_keys(records)[0]) == 2
+    assert len(trace_keys(records, 512)[0]) == 2
 
 
 def test_non_utf8_line_is_an_error_naming_the_line(tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ def run_sweep(
     on_request_batch: Callable[[int], None] | None = None,
 ) -> list[SweepPoint]:
     """Replay every (policy, capacity) pair, policies outermost."""
-    keys = trace_keys(records)
+    keys = trace_keys(records, base.block_size)
     # The first tier's oracle depends on the GPU tier only: one for the whole sweep.
     oracle = None
     if set(policies) & set(OFFLINE_POLICIES):

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvtier.core.keys import Key, make_key
+from kvtier.core.keys import Key, key_suffix
 from kvtier.core.policies import RequestObserver
 from kvtier.replay.belady import OFFLINE_POLICIES, FutureOracle
 from kvtier.replay.cascade import Cascade
@@ -53,7 +53,7 @@ from kvtier.replay.gpu_tier import (
     serve_on_gpu,
 )
 from kvtier.replay.tier_store import Placed, TierState, make_tier, store_missing
-from kvtier.replay.trace import TraceRecord, check_distinct_ids
+from kvtier.replay.trace import TraceRecord, check_chain
 
 __all__ = [
     "CascadeMode",
@@ -70,23 +70,20 @@ __all__ = [
 ]
 
 
-def trace_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
+def trace_keys(records: Sequence[TraceRecord], block_size: int) -> list[list[Key]]:
     """Return each request's keys: `make_key(hash_id.to_bytes(8, "little"), 0)`, interned.
 
-    Raises `TraceError` naming the record (its index) whose hash ids repeat, as
-    `read_trace` does naming its line (`trace.check_distinct_ids`)."""
-    interned: dict[int, Key] = {}
-    out = []
+    Raises `TraceError` naming the record (its index) and the ids, as `read_trace` does
+    naming its line, where a record's ids are not chained prefix hashes at `block_size`
+    tokens a block (`trace.check_chain`): an id repeats within the record, follows
+    another id than where first seen, or covers other tokens than there (a partial last
+    block needs an id of its own). Replayed, such ids are false prefix hits."""
+    parents: dict[int, object] = {}  # check_chain's: every id of the records
     for number, record in enumerate(records):
-        check_distinct_ids(record.hash_ids, f"record {number}")
-        row = []
-        for hash_id in record.hash_ids:
-            key = interned.get(hash_id)
-            if key is None:
-                key = interned[hash_id] = make_key(hash_id.to_bytes(8, "little"), 0)
-            row.append(key)
-        out.append(row)
-    return out
+        check_chain(record, block_size, parents, enumerate(records), f"record {number}", "record")
+    suffix = key_suffix(0)  # make_key(h, 0) == h + suffix
+    interned = {hash_id: hash_id.to_bytes(8, "little") + suffix for hash_id in parents}
+    return [[interned[hash_id] for hash_id in record.hash_ids] for record in records]
 
 
 def max_blocks_held(keys: Sequence[Sequence[Key]]) -> int:
@@ -109,7 +106,8 @@ class TierReplay:
     (`_offline_oracles`): `oracle`, shared by a sweep, serves the first tier (built by
     `first_tier_oracle` for this config's GPU tier); `tier_oracles` gives every tier's (a
     replay of the tiers in front). `progress` hears of those setup passes' requests.
-    `keys`: the records' keys as `trace_keys` returns them (None: computed here).
+    `keys`: the records' keys as `trace_keys(records, config.block_size)` returns them
+    (None: computed here, which checks the records' chains; given, they are not checked).
     """
 
     def __init__(
@@ -124,7 +122,7 @@ class TierReplay:
     ) -> None:
         self.records = records
         self.config = config
-        self.keys = keys if keys is not None else trace_keys(records)
+        self.keys = keys if keys is not None else trace_keys(records, config.block_size)
         bs = config.block_size
         cap = max_tier_blocks if max_tier_blocks is not None else max_blocks_held(self.keys)
         self._tokens = request_tokens(records, bs)
@@ -339,6 +337,6 @@ def replay_trace(
     progress: ProgressFn | None = None,
 ) -> ReplayResult:
     """Replay `records` once under `config` and return the results; `progress` hears of
-    every pass, an offline policy's setup passes included. A record whose hash ids repeat
-    is malformed: `TraceError` (`trace_keys`)."""
+    every pass, an offline policy's setup passes included. Records whose ids are not
+    chained prefix hashes are malformed: `TraceError` naming the record (`trace_keys`)."""
     return TierReplay(records, config, keys, oracle, progress=progress).run(progress)

@@ -172,7 +172,7 @@ def read_numbered_trace(
         raise ValueError(f"block_size must be > 0, got {block_size}")
     records: list[tuple[int, TraceRecord]] = []
     last_timestamp = 0
-    parents: dict[int, tuple[int, int, int]] = {}  # id -> (id before it, line, tokens) first seen
+    parents: dict[int, object] = {}  # check_chain's: what each id seen so far follows
     with _open_binary(path) as file:
         for number, data in _numbered_lines(file, path):
             where = f"{path}:{number}"
@@ -192,41 +192,76 @@ def read_numbered_trace(
                     f"record's {last_timestamp}"
                 )
             last_timestamp = record.timestamp_ms
-            _check_chain(record, block_size, parents, number, where)
+            check_chain(record, block_size, parents, records, where)
             records.append((number, record))
     if not records:
         raise TraceError(f"{path}: no records")
     return records
 
 
-def _check_chain(
+def check_chain(
     record: TraceRecord,
     block_size: int,
-    parents: dict[int, tuple[int, int, int]],
-    number: int,
+    parents: dict[int, object],
+    earlier: Iterable[tuple[int, TraceRecord]],
     where: str,
+    unit: str = "line",
 ) -> None:
-    """Raise `TraceError` unless each id follows the id it followed where first seen and
-    covers as many tokens (a partial last block is another prefix than a full one)."""
+    """Raise `TraceError` naming `where` unless `record`'s ids are chained prefix hashes:
+    distinct (`check_distinct_ids`), each following the id it followed where first seen
+    and covering as many tokens (a partial last block is another prefix than a full one).
+    Shared by `read_trace` and `trace_keys`: replayed, a broken chain is a false prefix hit.
+
+    `parents` holds what the ids seen so far followed (-1: the start of a prompt; with
+    the tokens of a block shorter than `block_size`); `record`'s new ids are added.
+    `earlier`, the records before as `(number, record)` (each `number` a `unit`: a line,
+    or a record's index), is read only to name where an id was first seen."""
+    ids = record.hash_ids
+    check_distinct_ids(ids, where)
+    full = max(0, min(len(ids), record.input_length // block_size))  # of block_size tokens
+    claim = parents.setdefault
     parent = -1  # before the first block (ids are >= 0)
-    for position, hash_id in enumerate(record.hash_ids):
-        tokens = record.block_tokens(position, block_size)
-        seen = parents.get(hash_id)
-        if seen is None:
-            parents[hash_id] = (parent, number, tokens)
-        elif seen[0] != parent:
-            raise TraceError(
-                f"{where}: hash_ids[{position}] = {hash_id} {_after(parent)}, but it "
-                f"{_after(seen[0])} at line {seen[1]}; hash ids must be chained prefix "
-                "hashes (equal ids, equal prefixes)"
-            )
-        elif seen[2] != tokens:
-            raise TraceError(
-                f"{where}: hash_ids[{position}] = {hash_id} covers {tokens} tokens, but "
-                f"{seen[2]} at line {seen[1]}; a partial last block needs an id of its own "
-                "(equal ids, equal prefixes)"
-            )
+    for hash_id in ids[:full]:
+        if claim(hash_id, parent) != parent:
+            raise _chain_error(record, ids.index(hash_id), block_size, earlier, where, unit)
         parent = hash_id
+    for position in range(full, len(ids)):  # partial: another prefix than a full block's
+        expected = (parent, record.block_tokens(position, block_size))
+        if claim(ids[position], expected) != expected:
+            raise _chain_error(record, position, block_size, earlier, where, unit)
+        parent = ids[position]
+
+
+def _chain_error(
+    record: TraceRecord,
+    position: int,
+    block_size: int,
+    earlier: Iterable[tuple[int, TraceRecord]],
+    where: str,
+    unit: str,
+) -> TraceError:
+    """Return the error for `record.hash_ids[position]`, an id first seen in `earlier`
+    after another id, or covering other tokens."""
+    hash_id = record.hash_ids[position]
+    parent = record.hash_ids[position - 1] if position else -1
+    tokens = record.block_tokens(position, block_size)
+    found = next(((n, r) for n, r in earlier if hash_id in r.hash_ids), None)
+    assert found is not None, f"hash id {hash_id} is not in the records before {where}"
+    number, first = found
+    j = first.hash_ids.index(hash_id)
+    seen_parent = first.hash_ids[j - 1] if j else -1
+    seen_tokens = first.block_tokens(j, block_size)
+    if seen_parent != parent:
+        return TraceError(
+            f"{where}: hash_ids[{position}] = {hash_id} {_after(parent)}, but it "
+            f"{_after(seen_parent)} at {unit} {number}; hash ids must be chained prefix "
+            "hashes (equal ids, equal prefixes)"
+        )
+    return TraceError(
+        f"{where}: hash_ids[{position}] = {hash_id} covers {tokens} tokens, but "
+        f"{seen_tokens} at {unit} {number}; a partial last block needs an id of its own "
+        "(equal ids, equal prefixes)"
+    )
 
 
 def _after(parent: int) -> str:
