@@ -26,7 +26,7 @@ pytest.importorskip("vllm")
 
 from kvtier_vllm import kvtier_harness
 from random_ops import KINDS, Add, Delay, Engine, Fail, Step
-from random_ops_driver import Run
+from random_ops_driver import Run, run_example
 from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef, KVMismatchError
 
@@ -140,3 +140,23 @@ def test_a_request_ahead_of_a_failed_load_is_not_offered_a_load_it_cannot_get() 
             assert run.harness.finished >= set(run.prompts)
         finally:
             run.close()
+
+
+def test_a_window_block_reused_by_full_attention_is_published_under_its_own_group() -> None:
+    """Found by a fuzzer: kvtier's copy of a sliding window's block table keeps the blocks
+    vLLM's window dropped, so a store selected there can copy a block vLLM gave, with the
+    same prefix hash, to the full-attention group. The tier indexes the key the GPU block
+    holds (group 0), but its `BlockStored` took the payload captured for the window's
+    position (group 1) since the hashes matched: a router saw a window block stored and a
+    full-attention one removed that was never stored. Two equal prompts, a doorkeeper
+    admitting blocks on their second sighting; the driver replays the tiers' events."""
+    engine = Engine(
+        "window_door_events",
+        kv_groups=(FULL, KVGroupDef(16, 17)),
+        num_gpu_blocks=24,
+        events=True,
+        policy="lru+door",
+    )
+    totals: collections.Counter[str] = collections.Counter()
+    run_example(engine, totals, [Add(2, 1, 3, 21, 2, 32)], abort=False)
+    assert totals["stored_events_CPU"] > 0

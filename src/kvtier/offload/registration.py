@@ -62,8 +62,11 @@ class Registrar:
             for secondary in gpu_pool.secondary_keys(gpu_block_id):
                 tier_pool.insert_key(secondary, tier_block, num_tokens)
             return
+        # The payload names the request's block; the GPU block may hold another key
+        # now, the same hash in another group too (a window's block vLLM dropped and
+        # gave to full attention): only the key's own payload describes it.
         stored = stores.payloads.get(index)
-        if stored is not None and stored.block_hash == key_block_hash(key):
+        if stored is not None and make_key(stored.block_hash, stored.group_id) == key:
             event = replace(stored, medium=self.tier.value)
         else:
             event = self.event(key, num_tokens)
