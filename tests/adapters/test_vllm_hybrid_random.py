@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import kvtier_harness
-from random_ops import KINDS, Add, Delay, Engine, Fail, Step
+from random_ops import KINDS, Add, Delay, Engine, Fail, Fault, Step
 from random_ops_driver import Run, run_example
 from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef, KVMismatchError
@@ -160,3 +160,17 @@ def test_a_window_block_reused_by_full_attention_is_published_under_its_own_grou
     totals: collections.Counter[str] = collections.Counter()
     run_example(engine, totals, [Add(2, 1, 3, 21, 2, 32)], abort=False)
     assert totals["stored_events_CPU"] > 0
+
+
+def test_a_window_position_is_not_stored_from_a_failed_forwards_block() -> None:
+    """Found by a fuzzer (this file draws no forward faults): two requests' forward fails
+    (Model Runner V1) and vLLM aborts them, keeping the hashes it gave their unwritten
+    blocks (forward_faults.py). Two later requests of the same prefix compute it again;
+    where their window dropped a block, eager selection recovered it from vLLM's prefix
+    cache by key and found the failed step's copy first: its stale KV reached the tier
+    under the prefix's key (the tier audit's "holds KV of another prefix")."""
+    ops = [Add(2, 1, 1, 21, 0, 30), Fault(None), Add(2, 1, 3, 16, 1, 16), Step(1)]
+    totals: collections.Counter[str] = collections.Counter()
+    run_example(ENGINES[0], totals, ops, abort=True)
+    assert totals["faults"] == 1
+    assert totals["audited_tier_blocks"] > 0

@@ -292,7 +292,8 @@ class OffloadScheduler(SchedulerObservability):
         none is queued here. Blocks selected in earlier plans were confirmed by then.
         In lazy mode the walk skips its blocks (`unconfirmed_blocks`: a window's dropped
         ones too) until a request uses them again, though the engine frees them with
-        their keys (vLLM hashes blocks as it schedules them).
+        their keys (vLLM hashes blocks as it schedules them); in eager mode a window's
+        null position of another request is not stored from one (`unconfirmed`).
 
         Never delays the engine freeing its GPU blocks: selected blocks are pinned here.
         Issued transfers keep their pins until the workers report them; an issued load's
@@ -309,10 +310,13 @@ class OffloadScheduler(SchedulerObservability):
             selector.select_request(request, state, final=True)
             if self.config.fine_grained_hits:
                 selector.select_partial_tail(request, state)
-        if not computed and self.config.store_mode is StoreMode.LAZY:
+        if not computed:
             gpu_pool = selector.gpu_pool
             block_ids = unconfirmed_blocks(self.layout, request, block_ids_per_group, gpu_pool)
-            selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
+            if self.config.store_mode is StoreMode.LAZY:
+                selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
+            else:
+                selector.unconfirmed.update(block_ids)
         selector.untrack(request_id)
         selector.across_reset.discard(request_id)
         if self.tags is not None:

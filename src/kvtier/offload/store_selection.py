@@ -91,6 +91,10 @@ class StoreSelector(StoreQueueing):
     # The token check on a disk-only tier: where the slots of the untagged copies a
     # tagged store replaces go (their manifest records are dropped); None: no replacing.
     replaced: DroppedSlots | None = None
+    # Eager mode: GPU blocks of unconfirmed compute (a failed forward's requests), which
+    # vLLM keeps cached under their keys; a window's null position is never recovered
+    # from one. A block leaves once a scheduled request takes it again.
+    unconfirmed: set[int] = field(default_factory=set)
     # `_next_ready` of all-zero cursors (every fresh table's), computed once.
     _first_ready: int = field(init=False, default=-1)
 
@@ -161,6 +165,9 @@ class StoreSelector(StoreQueueing):
         loaded = self.loaded
         for request, block_ids, _, table_update in scheduled:
             request_id = request.request_id
+            if self.unconfirmed:  # a block taken again is written before it is stored
+                for ids in block_ids:
+                    self.unconfirmed.difference_update(ids)
             if loaded.by_block:  # another request's use of a loaded block is its own
                 loaded.note_in_use(request_id, block_ids)
             if table_update is replace_table:
@@ -274,6 +281,10 @@ class StoreSelector(StoreQueueing):
             # A sliding window dropped this block; it may still be cached on the GPU.
             key = request_key(self.layout, request, group_id, pos)
             cached = None if key is None else self.gpu_pool.cached_block(key)
+            if cached in self.unconfirmed:  # another copy of the key, or none
+                assert key is not None
+                copies = self.gpu_pool.cached_blocks(key)
+                cached = next((b for b in copies if b not in self.unconfirmed), None)
             if cached is None:
                 self.counters.count_store(StoreOutcome.NULL)
                 return StoreOutcome.NULL
