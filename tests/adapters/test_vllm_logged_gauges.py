@@ -52,8 +52,15 @@ def test_each_intervals_log_line_sums_every_kvtier_connectors_gauges() -> None:
     harness = multi_harness(order=("kvtier", "kvtier"))
     (worker,) = harness.workers
     assert isinstance(worker, MultiWorker)
-    late = worker.children[1]
+    first, late = worker.children
+    assert isinstance(first, ConnectorWorker)
     assert isinstance(late, ConnectorWorker)
+    # Both children's copies stepped (each poll waits for the jobs started), so the step
+    # each reports its stores in does not depend on copy threads: left to its threads,
+    # the first child reported in the stores' own step (then no interval had one child
+    # alone) or, on a loaded machine, as late as the second child.
+    early = FaultyWorker(first.connector.worker_side.worker, lambda blocks: None)
+    early.hold["store"] = 1  # the first child's stores are reported the step after
     faulty = FaultyWorker(late.connector.worker_side.worker, lambda blocks: None)
     faulty.hold["store"] = 4  # the second child's stores stay pending 4 steps longer
     logging = KVConnectorLogging(harness.vllm_config.kv_transfer_config)
