@@ -11,6 +11,7 @@ from kvtier.engine.config import AttentionKind
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
 from kvtier.engine.scheduler import SchedulerStep
+from kvtier.engine.sigint_deferral import SigintDeferral
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.offload.protocols import ScheduledRequest, StepInput
@@ -110,7 +111,9 @@ class OffloadSide:
 
         A plan never submitted (its flush failed, or an interrupt came in between) is
         failed, as the worker never saw it, by the next `prepare`; a failed flush is
-        retried then, before that step's plan.
+        retried then, before that step's plan. A Ctrl-C while the plan is built is held
+        until it is recorded (`SigintDeferral`, main thread): its KeyboardInterrupt comes
+        from there.
         """
         if self._plan is not None:
             self._fail_unsubmitted(self._plan, WorkerReport())
@@ -119,16 +122,19 @@ class OffloadSide:
             ScheduledRequest(w.request, w.new_block_ids, w.num_new_tokens, w.table_update)
             for w in step.work
         )
-        plan = self._plan = self.scheduler.build_plan(
-            StepInput(
-                scheduled=scheduled,
-                finished_request_ids=self._finished_ids,
-                preempted_request_ids=frozenset(step.preempted_ids),
-            )
+        step_input = StepInput(
+            scheduled=scheduled,
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=frozenset(step.preempted_ids),
         )
-        self._finished_ids = frozenset()
-        self.totals.num_issued_events += len(plan.jobs)
-        self._owes_flush = self._owes_flush or plan.need_flush
+        # A Ctrl-C cutting the build short would strand what it took or issued (tier
+        # slots, events no worker sees): held until the plan is recorded, it interrupts
+        # before the flush, where the next `prepare` fails the unsubmitted plan.
+        with SigintDeferral():
+            plan = self._plan = self.scheduler.build_plan(step_input)
+            self._finished_ids = frozenset()
+            self.totals.num_issued_events += len(plan.jobs)
+            self._owes_flush = self._owes_flush or plan.need_flush
         if self._owes_flush or self._unconfirmed:
             self.worker.flush()
             # Cleared only afterwards: an interrupt in between retries the whole of it.

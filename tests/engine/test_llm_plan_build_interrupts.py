@@ -1,0 +1,249 @@
+"""Ctrl-C (SIGINT) while the engine builds a step's transfer plan (`OffloadSide.prepare`).
+
+Regression: a KeyboardInterrupt inside `OffloadScheduler.build_plan` stranded what the
+build had taken or issued. Cut short after `StoreSelector.take_queued`, before the store
+event was issued, the stores' tier slots stayed allocated with no pin
+(`check_invariants`: "CPU block 1: ref 1, pins 0"); cut short after an event was issued
+or the loads were taken, before the plan was recorded, no worker ever saw the event:
+the next `generate` stepped forever and `shutdown` could not drain ("1 store or demotion
+events issued and never reported").
+
+Now the engine holds SIGINT over the build until the plan is recorded
+(`SigintDeferral`), and delivers it then to the handler that was in place; the plan,
+never submitted, is failed by the next `prepare`. The tests raise the signal by calling
+whatever SIGINT handler is installed at each line of the build (as Python would), or
+send a real SIGINT from inside it.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from itertools import count
+from types import CodeType, FrameType
+from typing import Any
+
+import pytest
+from test_llm_submit_failures import (
+    PARAMS,
+    assert_consistent_and_drained,
+    generate_all,
+    new_engine,
+    reference,
+)
+
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.offload.plan_assembly import PlanAssembler
+from kvtier.offload.scheduler import OffloadScheduler
+
+# A small pool: the second prompt evicts the first one's blocks, so the third call loads
+# them back from the CPU tier. Ten steps, with stores, a load and steps planning nothing.
+ENGINE = EngineConfig(block_size=4, num_gpu_blocks=8, max_num_batched_tokens=32)
+FIRST = [(3 * j) % 128 for j in range(16)]
+CALLS = [[FIRST], [[(5 * j + 1) % 128 for j in range(24)]], [[*FIRST, 1, 2, 3, 4]]]
+# Where a signal is sent from in the build: the method called right after it.
+POINTS = {"stores taken": "_store_records", "loads taken": "take_queued", "event issued": "issue"}
+MAX_CALLS = 5  # tries of each call: each signal fails one
+BUILD_CODES = (
+    OffloadScheduler.build_plan.__code__,
+    *(f.__code__ for f in vars(PlanAssembler).values() if hasattr(f, "__code__")),
+)
+
+
+def serve(llm: LLM, arm: Callable[[], None]) -> list[Any]:
+    """Run `CALLS` in order, each again while interrupted; return their tokens."""
+    served = []
+    for call in CALLS:
+        for _ in range(MAX_CALLS):
+            arm()
+            try:
+                served.append([o.output_token_ids for o in llm.generate(call, PARAMS)])
+                break
+            except KeyboardInterrupt:
+                continue
+        else:
+            raise AssertionError("every call was interrupted")
+    return served
+
+
+def assert_works(llm: LLM, arm: Callable[[], None], expected: list[Any]) -> None:
+    """Check the pools and pins, the drain, the tokens of a second run and the shutdown."""
+    assert_consistent_and_drained(llm, arm)
+    assert llm.offload is not None
+    llm.offload.worker.check_invariants()
+    assert serve(llm, arm) == expected  # tier hits of the run before included
+    arm()
+    llm.shutdown()
+
+
+class LineSignal:
+    """A tracer that calls the SIGINT handler installed then, as Python would for a
+    Ctrl-C (once), at the first run of the `n`th distinct line of `codes`, a line being
+    distinct also by what its frame holds (`holding`): every line of a plan with no
+    job, with stores taken, with loads taken, with a job issued..."""
+
+    def __init__(self, n: int, codes: tuple[CodeType, ...]) -> None:
+        self.n, self.codes = n, codes
+        self.seen: set[tuple[Any, ...]] = set()
+        self.landed: tuple[Any, ...] | None = None
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        return self.line if frame.f_code in self.codes and self.landed is None else None
+
+    def line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event != "line" or self.landed is not None:
+            return self.line
+        where = (frame.f_code.co_name, frame.f_lineno, *holding(frame))
+        if where not in self.seen:
+            self.seen.add(where)
+            if len(self.seen) == self.n:
+                self.landed = where
+                handler = signal.getsignal(signal.SIGINT)
+                assert callable(handler)
+                handler(signal.SIGINT, frame)
+        return self.line
+
+
+def holding(frame: FrameType) -> tuple[bool, bool, int]:
+    """Return whether the build (or `_issue`) took stores and loads, and its jobs so far."""
+    local = frame.f_locals
+    return bool(local.get("stores")), bool(local.get("loads")), len(local.get("jobs") or ())
+
+
+def test_a_signal_at_any_line_of_the_plan_build_leaves_the_engine_working() -> None:
+    expected = reference(CALLS, ENGINE)
+    landed = []
+    for n in count(1):
+        llm, arm = new_engine(ENGINE)
+        tracer = LineSignal(n, BUILD_CODES)
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            served = serve(llm, arm)
+        except AssertionError as exc:
+            raise AssertionError(f"signal at {tracer.landed}: {exc}") from exc
+        finally:
+            sys.settrace(previous)
+        if tracer.landed is None:  # past the last line
+            llm.shutdown()
+            break
+        landed.append(tracer.landed)
+        try:
+            assert served == expected
+            assert_works(llm, arm, expected)
+        except (AssertionError, RuntimeError) as exc:
+            raise AssertionError(f"signal at {tracer.landed}: {exc}") from exc
+    # Lines with stores taken, before and after their event was issued; with loads taken.
+    assert {(True, False, 0), (True, False, 1), (False, True, 0)} <= {w[2:] for w in landed}
+    assert len(landed) > 40, landed
+
+
+def signal_after(llm: LLM, point: str, send: Callable[[], None]) -> list[str]:
+    """Make the offload scheduler's plan build call `send` (once) at `point` (one of
+    `POINTS`); return a list that says "sent" once it was called, and "built" after
+    each plan built."""
+    assert llm.offload is not None
+    scheduler = llm.offload.scheduler
+    owner = {"stores taken": scheduler._plans, "loads taken": scheduler.loads}.get(
+        point, scheduler._book
+    )
+    name = POINTS[point]
+    method, build_plan = getattr(owner, name), scheduler.build_plan
+    events: list[str] = []
+
+    def sending(*args: Any) -> Any:
+        result = method(*args)
+        if "sent" not in events and (result or point != "loads taken"):
+            events.append("sent")
+            send()
+        return result
+
+    def building(step: Any) -> Any:
+        plan = build_plan(step)
+        events.append("built")
+        return plan
+
+    setattr(owner, name, sending)
+    scheduler.build_plan = building  # type: ignore[method-assign]
+    return events
+
+
+def kill() -> None:
+    import os
+
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_a_real_sigint_in_the_build_interrupts_generate_after_it(point: str) -> None:
+    expected = reference(CALLS, ENGINE)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's; put back after
+    llm, arm = new_engine(ENGINE)
+    events = signal_after(llm, point, kill)
+    with pytest.raises(KeyboardInterrupt):
+        generate_all(llm, CALLS)
+    built = events[events.index("sent") :]
+    assert_works(llm, arm, expected)
+    assert built == ["sent", "built"]  # the build ran to its end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_handler_of_the_program_is_called_once_after_the_build() -> None:
+    expected = reference(CALLS, ENGINE)
+    llm, arm = new_engine(ENGINE)
+    events = signal_after(llm, "stores taken", kill)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        events.append("handled")
+
+    signal.signal(signal.SIGINT, handler)
+    assert serve(llm, arm) == expected  # not interrupted
+    assert events.count("handled") == 1
+    assert events.index("handled") == events.index("sent") + 2  # after the plan's build
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert_works(llm, arm, expected)
+
+
+def test_an_ignored_sigint_stays_ignored_in_the_build() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    llm, arm = new_engine(ENGINE)
+    during: list[Any] = []
+    signal_after(llm, "stores taken", lambda: during.append(signal.getsignal(signal.SIGINT)))
+    kill()  # ignored
+    assert serve(llm, arm) == reference(CALLS, ENGINE)
+    assert during == [signal.SIG_IGN]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    llm.shutdown()
+
+
+def test_a_sigint_held_under_the_default_action_ends_the_process_after_the_block() -> None:
+    code = (
+        "import os, signal\n"
+        "from kvtier.engine.sigint_deferral import SigintDeferral\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        "with SigintDeferral():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    print('held', flush=True)\n"
+        "print('not ended', flush=True)\n"
+    )
+    command = [sys.executable, "-c", code]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (-signal.SIGINT, "held\n"), done.stderr
+
+
+def test_outside_the_main_thread_the_handler_is_left_alone() -> None:
+    # `signal.signal` raises ValueError there; no thread but the main one runs handlers.
+    llm, arm = new_engine(ENGINE)
+    handler = signal.getsignal(signal.SIGINT)
+    during: list[Any] = []
+    signal_after(llm, "stores taken", lambda: during.append(signal.getsignal(signal.SIGINT)))
+    served: list[Any] = []
+    thread = threading.Thread(target=lambda: served.append(serve(llm, arm)))
+    thread.start()
+    thread.join()
+    assert served == [reference(CALLS, ENGINE)]
+    assert during == [handler]
+    llm.shutdown()
