@@ -1,12 +1,12 @@
 """Ctrl-C (SIGINT) while the engine builds a step's transfer plan (`OffloadSide.prepare`).
 
 Regression: a KeyboardInterrupt inside `OffloadScheduler.build_plan` stranded what the
-build had taken or issued. Cut short after `StoreSelector.take_queued`, before the store
-event was issued, the stores' tier slots stayed allocated with no pin
-(`check_invariants`: "CPU block 1: ref 1, pins 0"); cut short after an event was issued
-or the loads were taken, before the plan was recorded, no worker ever saw the event:
-the next `generate` stepped forever and `shutdown` could not drain ("1 store or demotion
-events issued and never reported").
+build had taken or issued. Cut short after the queued stores or loads were taken, before
+their event was issued, their tier slots stayed referenced with no pin
+(`check_invariants`: "CPU block 1: ref 1, pins 0"); cut short after an event was issued,
+before the plan was recorded, no worker ever saw the event: the next `generate` stepped
+forever, or `shutdown` could not drain ("1 store or demotion events issued and never
+reported").
 
 Now the engine holds SIGINT over the build until the plan is recorded
 (`SigintDeferral`), and delivers it then to the handler that was in place; the plan,
@@ -17,11 +17,13 @@ send a real SIGINT from inside it.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from functools import partial
 from itertools import count
 from types import CodeType, FrameType
 from typing import Any
@@ -30,7 +32,6 @@ import pytest
 from test_llm_submit_failures import (
     PARAMS,
     assert_consistent_and_drained,
-    generate_all,
     new_engine,
     reference,
 )
@@ -44,9 +45,10 @@ from kvtier.offload.scheduler import OffloadScheduler
 ENGINE = EngineConfig(block_size=4, num_gpu_blocks=8, max_num_batched_tokens=32)
 FIRST = [(3 * j) % 128 for j in range(16)]
 CALLS = [[FIRST], [[(5 * j + 1) % 128 for j in range(24)]], [[*FIRST, 1, 2, 3, 4]]]
-# Where a signal is sent from in the build: the method called right after it.
+# Where a signal is sent from in the build: as a call of the method named returns
+# (`_store_records` is called once the stores are taken).
 POINTS = {"stores taken": "_store_records", "loads taken": "take_queued", "event issued": "issue"}
-MAX_CALLS = 5  # tries of each call: each signal fails one
+MAX_CALLS = 5  # tries of each call or drain: each signal fails one
 BUILD_CODES = (
     OffloadScheduler.build_plan.__code__,
     *(f.__code__ for f in vars(PlanAssembler).values() if hasattr(f, "__code__")),
@@ -54,19 +56,35 @@ BUILD_CODES = (
 
 
 def serve(llm: LLM, arm: Callable[[], None]) -> list[Any]:
-    """Run `CALLS` in order, each again while interrupted; return their tokens."""
+    """Run `CALLS` in order, each again while interrupted; return their tokens. Each
+    call's stores are drained before the next call (the third one's tier hit is sure)."""
     served = []
     for call in CALLS:
-        for _ in range(MAX_CALLS):
-            arm()
-            try:
-                served.append([o.output_token_ids for o in llm.generate(call, PARAMS)])
-                break
-            except KeyboardInterrupt:
-                continue
-        else:
-            raise AssertionError("every call was interrupted")
+        served.append(retried(partial(tokens, llm, call), arm))
+        retried(llm.drain, arm)
     return served
+
+
+def tokens(llm: LLM, call: list[list[int]]) -> list[Any]:
+    return [o.output_token_ids for o in llm.generate(call, PARAMS)]
+
+
+def run_calls(llm: LLM) -> None:
+    """Run `CALLS` in order, each call's stores drained before the next."""
+    for call in CALLS:
+        tokens(llm, call)
+        llm.drain()
+
+
+def retried(run: Callable[[], Any], arm: Callable[[], None]) -> Any:
+    """Return what `run` returns, called again while interrupted."""
+    for _ in range(MAX_CALLS):
+        arm()
+        try:
+            return run()
+        except KeyboardInterrupt:
+            continue
+    raise AssertionError("every try was interrupted")
 
 
 def assert_works(llm: LLM, arm: Callable[[], None], expected: list[Any]) -> None:
@@ -172,8 +190,6 @@ def signal_after(llm: LLM, point: str, send: Callable[[], None]) -> list[str]:
 
 
 def kill() -> None:
-    import os
-
     os.kill(os.getpid(), signal.SIGINT)
 
 
@@ -184,7 +200,7 @@ def test_a_real_sigint_in_the_build_interrupts_generate_after_it(point: str) -> 
     llm, arm = new_engine(ENGINE)
     events = signal_after(llm, point, kill)
     with pytest.raises(KeyboardInterrupt):
-        generate_all(llm, CALLS)
+        run_calls(llm)
     built = events[events.index("sent") :]
     assert_works(llm, arm, expected)
     assert built == ["sent", "built"]  # the build ran to its end
@@ -211,9 +227,13 @@ def test_an_ignored_sigint_stays_ignored_in_the_build() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     llm, arm = new_engine(ENGINE)
     during: list[Any] = []
-    signal_after(llm, "stores taken", lambda: during.append(signal.getsignal(signal.SIGINT)))
-    kill()  # ignored
-    assert serve(llm, arm) == reference(CALLS, ENGINE)
+
+    def note_and_kill() -> None:
+        during.append(signal.getsignal(signal.SIGINT))
+        kill()
+
+    signal_after(llm, "stores taken", note_and_kill)
+    assert serve(llm, arm) == reference(CALLS, ENGINE)  # not interrupted
     assert during == [signal.SIG_IGN]
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     llm.shutdown()

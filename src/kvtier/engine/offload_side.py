@@ -112,8 +112,8 @@ class OffloadSide:
         A plan never submitted (its flush failed, or an interrupt came in between) is
         failed, as the worker never saw it, by the next `prepare`; a failed flush is
         retried then, before that step's plan. A Ctrl-C while the plan is built is held
-        until it is recorded (`SigintDeferral`, main thread): its KeyboardInterrupt comes
-        from there.
+        until the plan is recorded (`SigintDeferral`, main thread only), its
+        KeyboardInterrupt raised then.
         """
         if self._plan is not None:
             self._fail_unsubmitted(self._plan, WorkerReport())
