@@ -25,18 +25,23 @@ import threading
 from collections.abc import Callable
 from functools import partial
 from itertools import count
+from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
 import pytest
+from step_watchdog import with_watchdog
 from test_llm_submit_failures import (
+    MAX_STEPS,
     PARAMS,
     assert_consistent_and_drained,
     new_engine,
     reference,
 )
 
+from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 from kvtier.offload.plan_assembly import PlanAssembler
 from kvtier.offload.scheduler import OffloadScheduler
 
@@ -46,8 +51,13 @@ ENGINE = EngineConfig(block_size=4, num_gpu_blocks=8, max_num_batched_tokens=32)
 FIRST = [(3 * j) % 128 for j in range(16)]
 CALLS = [[FIRST], [[(5 * j + 1) % 128 for j in range(24)]], [[*FIRST, 1, 2, 3, 4]]]
 # Where a signal is sent from in the build: as a call of the method named returns
-# (`_store_records` is called once the stores are taken).
-POINTS = {"stores taken": "_store_records", "loads taken": "take_queued", "event issued": "issue"}
+# (`_store_records` is called once the stores are taken). Demotions: cascades only.
+POINTS = {
+    "stores taken": "_store_records",
+    "loads taken": "take_queued",
+    "event issued": "issue",
+    "demotions taken": "take_queued",
+}
 MAX_CALLS = 5  # tries of each call or drain: each signal fails one
 BUILD_CODES = (
     OffloadScheduler.build_plan.__code__,
@@ -165,16 +175,18 @@ def signal_after(llm: LLM, point: str, send: Callable[[], None]) -> list[str]:
     each plan built."""
     assert llm.offload is not None
     scheduler = llm.offload.scheduler
-    owner = {"stores taken": scheduler._plans, "loads taken": scheduler.loads}.get(
-        point, scheduler._book
-    )
-    name = POINTS[point]
+    owners = {
+        "stores taken": scheduler._plans,
+        "loads taken": scheduler.loads,
+        "demotions taken": scheduler.cascade,
+    }
+    owner, name = owners.get(point, scheduler._book), POINTS[point]
     method, build_plan = getattr(owner, name), scheduler.build_plan
     events: list[str] = []
 
     def sending(*args: Any) -> Any:
         result = method(*args)
-        if "sent" not in events and (result or point != "loads taken"):
+        if "sent" not in events and (result or name != "take_queued"):
             events.append("sent")
             send()
         return result
@@ -194,10 +206,15 @@ def kill() -> None:
 
 
 @pytest.mark.parametrize("point", list(POINTS))
-def test_a_real_sigint_in_the_build_interrupts_generate_after_it(point: str) -> None:
+def test_a_real_sigint_in_the_build_interrupts_generate_after_it(
+    point: str, tmp_path: Path
+) -> None:
     expected = reference(CALLS, ENGINE)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's; put back after
-    llm, arm = new_engine(ENGINE)
+    if point == "demotions taken":  # from the CPU tier to the disk tier (write-back)
+        llm, arm = cascade_engine(tmp_path)
+    else:
+        llm, arm = new_engine(ENGINE)
     events = signal_after(llm, point, kill)
     with pytest.raises(KeyboardInterrupt):
         run_calls(llm)
@@ -205,6 +222,23 @@ def test_a_real_sigint_in_the_build_interrupts_generate_after_it(point: str) -> 
     assert_works(llm, arm, expected)
     assert built == ["sent", "built"]  # the build ran to its end
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def cascade_engine(disk_path: Path) -> tuple[LLM, Callable[[], None]]:
+    """Return an engine whose CPU tier (8 blocks) demotes to a disk tier as it fills,
+    and a function arming its step watchdog."""
+    block_bytes = ModelConfig.tiny().kv_bytes_per_token() * ENGINE.block_size
+    config = OffloadConfig(
+        cpu_bytes=8 * block_bytes,
+        disk_bytes=32 * block_bytes,
+        disk_path=str(disk_path),
+        disk_io_mode=DiskIOMode.PAGE_CACHE,
+        cascade=CascadeMode.WRITE_BACK,
+    )
+    llm = LLM(None, kv_offload=config, engine=ENGINE)
+    arm = with_watchdog(llm, MAX_STEPS)
+    arm()
+    return llm, arm
 
 
 def test_a_sigint_handler_of_the_program_is_called_once_after_the_build() -> None:
