@@ -15,8 +15,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import SCHEDULING, check_quiescent, drain, kvtier_harness
-from test_vllm_fault_tolerance import PROMPT, apply_output, fault_abort, num_tier_blocks
+from kvtier_vllm import SCHEDULING, drain, kvtier_harness
+from test_vllm_fault_tolerance import (
+    PROMPT,
+    check_stores_resume,
+    num_tier_blocks,
+    settle_after_fault,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm_harness import VllmHarness
 
@@ -58,15 +63,6 @@ def test_stores_planned_before_a_drafter_fault_was_known_are_failed() -> None:
     worker.before_forward(step_after)
     harness._forward(step_after)
     kv_output = worker.after_forward(step_after)
-    fault_abort(harness)
-    harness.wait_for_copies()
-    apply_output(harness, kv_output)
-    for _ in range(3):
-        harness.step()
-    harness.wait_for_copies()
-    harness.step()
+    settle_after_fault(harness, kv_output)
     assert num_tier_blocks(harness) == 4  # c's only: a's draft KV was never written
-    harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
-    drain(harness)
-    assert num_tier_blocks(harness) == 8  # stores run again once the fault is known
-    check_quiescent(harness)
+    check_stores_resume(harness)  # once the fault is known

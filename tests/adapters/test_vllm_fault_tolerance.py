@@ -175,6 +175,27 @@ def apply_output(harness: VllmHarness, kv_output: KVConnectorOutput | None) -> N
     )
 
 
+def settle_after_fault(harness: VllmHarness, kv_output: KVConnectorOutput | None) -> None:
+    """Abort every request as vLLM does after a failed step, feed it the overlapped
+    step's output (`kv_output`), and step until every store planned has been reported."""
+    fault_abort(harness)
+    harness.wait_for_copies()
+    apply_output(harness, kv_output)
+    for _ in range(3):
+        harness.step()
+    harness.wait_for_copies()
+    harness.step()
+
+
+def check_stores_resume(harness: VllmHarness) -> None:
+    """A new request's 4 blocks are stored (the tier held 4 before): the scheduler role
+    knows every fault, so no plan is failed any more; nothing is left pinned."""
+    harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
+    drain(harness)
+    assert num_tier_blocks(harness) == 8
+    check_quiescent(harness)
+
+
 def test_stores_planned_before_a_second_fault_was_known_are_failed() -> None:
     """Regression: overlapped steps, two faults. The plan after the second failed step
     (storing its unwritten blocks) is built after the scheduler role learned of the
@@ -200,18 +221,9 @@ def test_stores_planned_before_a_second_fault_was_known_are_failed() -> None:
     assert any(job.is_store for job in step_after.kv_connector_metadata.plan.jobs)
     worker.before_forward(step_after)
     kv_output = worker.after_forward(step_after)
-    fault_abort(harness)
-    harness.wait_for_copies()
-    apply_output(harness, kv_output)
-    for _ in range(3):
-        harness.step()
-    harness.wait_for_copies()
-    harness.step()
+    settle_after_fault(harness, kv_output)
     assert num_tier_blocks(harness) == 4  # c's only: a's blocks hold c's KV
-    harness.add_request("d", list(range(7000, 7065)), max_tokens=2)
-    drain(harness)
-    assert num_tier_blocks(harness) == 8  # stores run again once both faults are known
-    check_quiescent(harness)
+    check_stores_resume(harness)  # once both faults are known
 
 
 def test_what_finished_during_a_failed_step_is_reported_in_the_next() -> None:
