@@ -89,6 +89,20 @@ def test_a_done_job_is_collectable_once_reported(lane: TransferLane) -> None:
     assert _all_freed(refs, gc.collect), "an idle lane keeps its last job's views alive"
 
 
+def _check_failed_and_freed(
+    lane: TransferLane, refs: list[weakref.ref[Any]], error: type[BaseException]
+) -> None:
+    """Job 1 failed with `error`; once its report is acknowledged, with the cycle
+    collector off, nothing holds its views any more."""
+    lane.wait_all()
+    done, failed = lane.finished()
+    assert not done
+    assert isinstance(failed[1], error)
+    del failed
+    lane.acknowledge()
+    assert _all_freed(refs, lambda: None), "a failed job's views wait for the gc"
+
+
 @pytest.mark.usefixtures("no_cycle_collector")
 def test_a_failed_job_is_freed_without_the_cycle_collector(
     lane: TransferLane, monkeypatch: pytest.MonkeyPatch
@@ -101,13 +115,7 @@ def test_a_failed_job_is_freed_without_the_cycle_collector(
     src, dst, refs = _views()
     lane.submit(1, partial(_failing_copy, src, dst))
     del src, dst
-    lane.wait_all()
-    done, failed = lane.finished()
-    assert not done
-    assert isinstance(failed[1], OSError)
-    del failed
-    lane.acknowledge()
-    assert _all_freed(refs, lambda: None), "a failed job's views wait for the gc"
+    _check_failed_and_freed(lane, refs, OSError)
 
 
 @pytest.mark.usefixtures("no_cycle_collector")
@@ -134,12 +142,6 @@ def test_a_batch_failed_on_a_crew_helper_is_freed_without_the_cycle_collector(
         copies = [RegionCopy(plan_copy(np.arange(16), np.arange(16), 32), src, dst)]
         lane.submit(1, partial(lane.crew.run, copies))
         del src, dst, copies
-        lane.wait_all()
-        done, failed = lane.finished()
-        assert not done
-        assert isinstance(failed[1], ValueError)
-        del failed
-        lane.acknowledge()
-        assert _all_freed(refs, lambda: None), "a failed batch's views wait for the gc"
+        _check_failed_and_freed(lane, refs, ValueError)
     finally:
         lane.close()
