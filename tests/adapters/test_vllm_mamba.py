@@ -188,11 +188,22 @@ def test_a_failed_state_load_is_recomputed_not_served() -> None:
         harness.close()
 
 
-def test_random_operations_on_a_mamba_hybrid_serve_correct_states() -> None:
+@pytest.mark.parametrize(
+    "engine",
+    [
+        Engine("mamba_eager", kv_groups=HYBRID, num_gpu_blocks=16),
+        Engine("mamba_eager_async_pipelined", async_batches=2, kv_groups=HYBRID, num_gpu_blocks=16),
+        Engine("mamba_lazy_async", "lazy", async_batches=1, kv_groups=HYBRID, num_gpu_blocks=16),
+    ],
+    ids=lambda engine: engine.name,
+)
+def test_random_operations_on_a_mamba_hybrid_serve_correct_states(engine: Engine) -> None:
     """test_vllm_random_ops's operations (adds, steps, aborts, resets, late and failed
-    transfers) on the hybrid: every tier block is audited against its key at the end (a
-    state block against the state of its last position), and every prompt replayed."""
-    totals = explore(Engine("mamba_eager", kv_groups=HYBRID, num_gpu_blocks=16), 12)
+    transfers) on the hybrid, under vLLM's Scheduler (eager) and its AsyncScheduler
+    (eager, overlapped; lazy, lock-step): every tier block is audited against its key at
+    the end (a state block against the state of its last position), and every prompt
+    replayed. No forward faults: `ForwardFaults` does not model state groups."""
+    totals = explore(engine, 12)
     assert totals["audited_tier_blocks"] > 0
     assert totals["replay_hit_tokens"] > 0
     assert totals["random_hit_tokens"] > 0
