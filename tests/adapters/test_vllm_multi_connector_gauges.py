@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from faulty_worker import FaultyWorker
 from kvtier_vllm import PROM_LABELS, kvtier_harness
 from multi_connector import multi_harness
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,6 +43,19 @@ NAMES = ("tier_blocks_in_use", "blocks_pending_store", "disk_slots_held")
 
 def kvtier_children(harness: VllmHarness) -> list[Any]:
     return [c for c in harness.scheduler.connector.sub_connectors if hasattr(c, "scheduler_side")]
+
+
+def stores_pending_a_step(harness: VllmHarness) -> None:
+    """Step every kvtier worker side's copies (`FaultyWorker`: each poll waits for the
+    jobs started) and report each store the step after it was submitted, so the gauges
+    are above 0 in the stats of the step that submitted it. Left to the copy threads, a
+    store often finished and was reported within that step (gauges 0 in every payload:
+    4 of 15 runs on a loaded machine), or several steps later."""
+    for worker in harness.workers:
+        for part in getattr(worker, "children", [worker]):
+            side = getattr(getattr(part, "connector", None), "worker_side", None)
+            if side is not None:
+                FaultyWorker(side.worker, lambda blocks: None).hold["store"] = 1
 
 
 def true_gauges(harness: VllmHarness) -> dict[str, int]:
@@ -67,6 +81,7 @@ def prom_metrics(harness: VllmHarness) -> tuple[CollectorRegistry, Any]:
 def test_two_kvtier_childrens_gauges_add_up_in_every_view() -> None:
     harness = multi_harness(order=("kvtier", "kvtier"))
     assert len(kvtier_children(harness)) == 2
+    stores_pending_a_step(harness)
     registry, metrics = prom_metrics(harness)
     interval = MultiConnector.build_kv_connector_stats()  # as vLLM's logging accumulates
     summed_steps = 0
@@ -167,6 +182,7 @@ def test_data_parallel_engines_gauges_add_up_in_the_aggregated_log_line(
     from kvtier.adapters.vllm import scheduler_stats
 
     harness = kvtier_harness()
+    stores_pending_a_step(harness)
     try:
         for request_id, prompt in PROMPTS.items():
             harness.add_request(request_id, prompt, 3)
