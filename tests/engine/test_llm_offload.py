@@ -261,6 +261,11 @@ def test_hit_tokens_of_a_request_never_exceed_its_prompt() -> None:
     12-token prefixes again: each 13-token prompt reported 24 tier-hit tokens."""
     engine = EngineConfig(block_size=4, num_gpu_blocks=9, max_num_seqs=1, max_num_batched_tokens=3)
     llm = LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine)
+    assert llm.offload is not None
+    # Copies finished within their step: which requests hold loaded blocks when the
+    # third must grow then does not depend on when the copy threads ran (a load
+    # reported a step late left none to release: "no request was admitted twice").
+    llm.offload.worker = Synchronous(llm.offload.worker)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     first, second = list(range(12)), list(range(50, 62))
     llm.generate([first, second], one)  # stored in the tier as they finish
