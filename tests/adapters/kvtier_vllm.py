@@ -22,7 +22,7 @@ from vllm_harness import (
     connector_worker_factory,
 )
 
-from kvtier.adapters.vllm import KVTierConnector
+from kvtier.adapters.vllm import KVTierConnector, scheduler_stats
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 from kvtier.offload.plan import Tier, TransferPlan, WorkerReport
 from kvtier.transfer.worker import OffloadWorker
@@ -39,6 +39,13 @@ SCHEDULING: dict[str, dict[str, Any]] = {
     "async": {"async_scheduling": True},
     "async_pipelined": {"async_scheduling": True, "batch_queue_size": 2},
 }
+
+
+def freeze_stats_clock(monkeypatch: Any) -> None:
+    """Stop the clock of the stats heartbeat (`STATS_HEARTBEAT_S`, 5 s): a test expecting
+    no stats between two calls would get the heartbeat's if 5 s of wall time passed
+    between them (a loaded machine). A test may still set the clock itself."""
+    monkeypatch.setattr(scheduler_stats, "_clock", lambda: 0.0)
 
 
 def kvtier_config(num_cpu_blocks: int = 256, **overrides: Any) -> HarnessConfig:

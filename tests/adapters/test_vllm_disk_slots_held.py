@@ -15,6 +15,7 @@ from kvtier_vllm import (
     PROM_LABELS,
     SLOT_BYTES,
     drain_collecting_stats,
+    freeze_stats_clock,
     kvtier_harness,
     observed_metrics,
     offload_worker,
@@ -23,6 +24,11 @@ from kvtier_vllm import (
 from vllm_harness import shared_prefix_prompts
 
 from kvtier.adapters.vllm.stats import summed_gauges
+
+
+@pytest.fixture(autouse=True)
+def _stats_clock_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    freeze_stats_clock(monkeypatch)
 
 
 def test_held_disk_slots_of_failed_stores_show_in_the_stats_and_prometheus(

@@ -13,6 +13,7 @@ from kvtier_vllm import (
     SCHEDULING,
     SLOT_BYTES,
     drain_collecting_stats,
+    freeze_stats_clock,
     kvtier_config,
     kvtier_harness,
     observed_metrics,
@@ -45,6 +46,11 @@ from kvtier.offload.stats import OffloadStats
 
 PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
 AGAIN = {f"again-{r}": [*p, 9] for r, p in PROMPTS.items()}
+
+
+@pytest.fixture(autouse=True)
+def _stats_clock_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    freeze_stats_clock(monkeypatch)
 
 
 def tier_events(harness: VllmHarness, medium: str) -> list[object]:
