@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvtier
+from closed_pipe import run_into_closed_pipe
 from kvtier.cli.main import BROKEN_PIPE_STATUS, build_parser, main, parse_arguments
 from kvtier.replay import cli as replay_cli
 
@@ -40,12 +41,7 @@ def test_replay_into_a_closed_pipe_exits_without_a_traceback(tmp_path: Path) -> 
     # The read end is closed before the command writes, so every write meets EPIPE.
     trace = write_trace(tmp_path / "trace.jsonl")
     command = [*KVTIER, "replay", str(trace), "--quiet"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        proc.stdout.close()
-        stderr = proc.stderr.read().decode()
-        status = proc.wait(timeout=120)
+    status, stderr = run_into_closed_pipe(command)
     assert status == BROKEN_PIPE_STATUS, stderr
     assert stderr == ""
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 from test_demo_cli_errors import SMALL_RUN
 
+from closed_pipe import run_into_closed_pipe
 from kvtier.cli.main import BROKEN_PIPE_STATUS
 
 
@@ -19,12 +19,7 @@ def test_a_closed_pipe_ends_the_demo_with_the_broken_pipe_status(tmp_path: Path)
     disk_dir.mkdir()
     command = [sys.executable, "-m", "kvtier", "demo", *SMALL_RUN, "--disk-io=page_cache"]
     command += [f"--disk-dir={disk_dir}", f"--out={tmp_path / 'out'}"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        proc.stdout.close()
-        stderr = proc.stderr.read().decode()
-        status = proc.wait(timeout=120)
+    status, stderr = run_into_closed_pipe(command)
     assert status == BROKEN_PIPE_STATUS, stderr
     assert stderr == ""
     assert list(disk_dir.iterdir()) == []  # the disk tier's folder was removed
