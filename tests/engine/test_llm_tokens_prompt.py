@@ -1,5 +1,6 @@
 """`generate` and `add_request` take vLLM's `TokensPrompt` dicts, `{"prompt_token_ids": ids}`,
-for token id lists, and refuse by name the dict keys the engine cannot honour.
+for token id lists (a text `"prompt"` beside the ids, and None values, as vLLM does), and
+refuse by name the dict keys the engine cannot honour.
 
 Regression: code written for vLLM's `LLM.generate({"prompt_token_ids": ids})` (or a list of
 such dicts) was refused as "must be a sequence of token ids".
@@ -63,11 +64,36 @@ def test_add_request_takes_a_tokens_prompt() -> None:
 
 
 @pytest.mark.parametrize(
+    "prompt",
+    [
+        {"prompt_token_ids": [1, 2, 3], "prompt": "a b c"},
+        {"prompt_token_ids": [1, 2, 3], "multi_modal_data": None, "cache_salt": None},
+        {"prompt": "a b c", "prompt_token_ids": [1, 2, 3], "mm_processor_kwargs": None},
+    ],
+    ids=["text-beside-ids", "none-values", "text-and-none"],
+)
+def test_text_beside_the_ids_and_none_values_run_as_the_ids(prompt: dict[str, Any]) -> None:
+    """Regression: refused by key, where vLLM 0.33 runs the ids (a `TokensPrompt`'s text
+    is not tokenized, only carried) and reads a None value as no value."""
+    expected = results([[1, 2, 3]], SAMPLED)
+    assert results([prompt], SAMPLED) == expected
+    assert results(prompt, SAMPLED) == expected
+    llm = small_llm()
+    request = llm.add_request(prompt, SAMPLED)
+    while request not in llm.step():
+        pass
+    assert [(tuple(request.prompt_token_ids), tuple(request.output_token_ids))] == expected
+
+
+@pytest.mark.parametrize(
     ("prompt", "message"),
     [
         ({"prompt": "hello"}, " has key 'prompt' \\(text\\), which the reference engine does not"),
-        ({"prompt_token_ids": [1, 2], "prompt": "a b"}, " has key 'prompt' \\(text\\)"),
-        ({"prompt_token_ids": [1, 2], "multi_modal_data": None}, " has key 'multi_modal_data',"),
+        ({"prompt": "a b", "prompt_token_ids": None}, " has key 'prompt' \\(text\\), which"),
+        ({"prompt_token_ids": None}, "'s 'prompt_token_ids' is None: give the prompt's token"),
+        ({"multi_modal_data": None}, " has no 'prompt_token_ids': give the prompt's token ids"),
+        ({"prompt_token_ids": [1], "prompt": 5}, r"'s 'prompt' must be the text .* got 5 \(int\)"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, " has key 'multi_modal_data',"),
         ({"prompt_token_ids": [1, 2], "cache_salt": "s"}, " has key 'cache_salt',"),
         (
             {"prompt_token_ids": [1], "mm_processor_kwargs": {}, "token_type_ids": [0]},
@@ -80,7 +106,10 @@ def test_add_request_takes_a_tokens_prompt() -> None:
     ],
     ids=[
         "text",
-        "text-beside-ids",
+        "text-beside-none-ids",
+        "none-ids",
+        "only-none",
+        "int-text",
         "multi-modal",
         "salt",
         "two-keys",

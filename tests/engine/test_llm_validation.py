@@ -153,13 +153,26 @@ def test_prompts_may_be_integer_arrays(prompt: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    "prompt", [[1, 2, 3], (1, 2, 3), [np.int64(1), 2, 3]], ids=["list", "tuple", "numpy-ints"]
+)
+def test_a_flat_list_of_ints_is_one_prompt_as_in_vllm(prompt: Any) -> None:
+    """Regression: refused as "a flat list of ints", where vLLM 0.33's `generate([1, 2, 3])`
+    runs one prompt (`prompt_to_seq`); code written for vLLM failed."""
+    (output,) = small_llm().generate(prompt, PARAMS)
+    assert output.prompt_token_ids == (1, 2, 3)
+    assert output.output_token_ids == small_llm().generate([[1, 2, 3]], PARAMS)[0].output_token_ids
+
+
+@pytest.mark.parametrize(
     ("prompts", "message"),
     [
-        ([1, 2, 3], "got a flat list of ints: pass one prompt as generate"),
+        ([1, [2], 3], r"prompt 0: token 1 is \[2\], not an int token id"),
         (np.array([1, 2, 3]), r"got a 1-D ndarray: pass generate\(\[ids.tolist\(\)\]\) for one"),
         (np.array([[1, 2], [3, 4]]), r"got a 2-D ndarray: pass generate\(ids.tolist\(\)\), one"),
         (torch.tensor([[1, 2]]), r"got a 2-D Tensor: pass generate\(ids.tolist\(\)\), one prompt"),
-        ("abc", "prompts must be a list of token id lists, got str"),
+        ("abc", r"lists or TokensPrompt dicts\), got 'abc' \(str\): the engine takes token"),
+        (7, r"prompts must be a list of prompts \(token id lists or TokensPrompt dicts\)"),
+        (7, r"or one prompt, got 7 \(int\): pass \[\[1, 2, 3\]\] or \[{'prompt_token_ids'"),
         (["abc"], "prompt 0 is a str: the engine takes token ids, not text"),
         ([[1, 2], None], "prompt 1 must be a sequence of token ids, got None"),
         ([[1, 1.5, 3]], "prompt 0: token 1 is 1.5, not an int token id"),

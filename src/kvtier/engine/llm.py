@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from kvtier.engine.validation import (
     check_arguments,
     check_request,
     one_spelling,
+    progress_bar_maker,
 )
 from kvtier.engine.weights import load_model
 from kvtier.offload.config import OffloadConfig
@@ -129,22 +130,23 @@ class LLM(StallChecks):
         self,
         prompts: Sequence[TokenPrompt] | Mapping[str, object],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        show_progress: bool | None = None,
+        show_progress: bool | Callable[..., tqdm] | None = None,
         *,
         session_ids: Sequence[str | None] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool | None = None,
+        use_tqdm: bool | Callable[..., tqdm] | None = None,
     ) -> list[RequestOutput]:
         """Run `prompts` (a list of token id lists) to completion; outputs come in prompt
         order. Each prompt is taken as `add_request` takes one, so vLLM's `TokensPrompt`
-        dicts may stand for lists, and one dict for a one-prompt list; an array of prompts
-        is refused, naming the `.tolist()` call to pass instead.
+        dicts may stand for lists; as in vLLM, one dict or one flat list of ints is one
+        prompt. An array of prompts is refused, naming the `.tolist()` call to pass.
 
         `params` is one `SamplingParams` for all, one per prompt, or None (the defaults).
-        `show_progress` shows a tqdm bar (None, the default: none, where vLLM shows one).
-        vLLM's names for them, `sampling_params=` and `use_tqdm=`, are taken too; giving
-        both names of one argument raises TypeError. `session_ids`, one per prompt, are
-        carried as `add_request`'s `session_id` is.
+        `show_progress` shows a tqdm bar (None, the default: none, where vLLM shows one);
+        a callable makes the bar, called as vLLM calls `use_tqdm`'s. vLLM's names for
+        them, `sampling_params=` and `use_tqdm=`, are taken too; giving both names of one
+        argument raises TypeError. `session_ids`, one per prompt, are carried as
+        `add_request`'s `session_id` is.
 
         Every prompt is checked as in `add_request` before any is queued: one bad prompt
         rejects the whole call (the error names its index) and nothing runs. If a step
@@ -156,6 +158,7 @@ class LLM(StallChecks):
         self._require_running()
         given = one_spelling("params", params, "sampling_params", sampling_params)
         show_bar = one_spelling("show_progress", show_progress, "use_tqdm", use_tqdm)
+        make_bar = progress_bar_maker(show_bar)
         prompt_list = as_prompt_list(prompts)
         params_list = as_params_list(given, len(prompt_list))
         checked = [
@@ -169,15 +172,16 @@ class LLM(StallChecks):
         ]
         pending = {r.request_id for r in requests}
         others: list[Request] = []  # `add_request`'s, finished here: the next step returns them
+        bar = None
         try:
-            with tqdm(total=len(requests), disable=not show_bar, unit="req") as bar:
-                while pending:
-                    for request in self.step():
-                        if request.request_id in pending:
-                            pending.discard(request.request_id)
-                            bar.update()
-                        else:
-                            others.append(request)
+            bar = make_bar(total=len(requests))  # a callable's own bar may fail: none runs
+            while pending:
+                for request in self.step():
+                    if request.request_id in pending:
+                        pending.discard(request.request_id)
+                        bar.update(1)
+                    else:
+                        others.append(request)
         except BaseException:
             for request in requests:
                 if request.request_id in pending:
@@ -189,6 +193,8 @@ class LLM(StallChecks):
             raise
         finally:
             self.scheduler.unreturned[:0] = others
+            if bar is not None:
+                bar.close()
         return [output_of(r) for r in requests]
 
     def add_request(
@@ -197,8 +203,9 @@ class LLM(StallChecks):
         """Queue one prompt; `step` runs it.
 
         `prompt` is a sequence of ints, a 1-D integer numpy array / torch tensor, or
-        vLLM's `TokensPrompt` dict `{"prompt_token_ids": ids}`; a dict with any other key
-        (a text `"prompt"`, `"multi_modal_data"`, ...) is refused by name (no tokenizer).
+        vLLM's `TokensPrompt` dict `{"prompt_token_ids": ids}` (its text `"prompt"` beside
+        them is not tokenized, and None values count as absent, as in vLLM); a dict with
+        any other key (`"multi_modal_data"`, ...) is refused by name (no tokenizer).
         `session_id` (e.g. a conversation's id) is carried by the tier's stored-block
         events of this request's blocks, as vLLM's are. Raises TypeError for a prompt,
         params or session id of the wrong type, and ValueError for an empty prompt, token

@@ -8,14 +8,17 @@ after compute was spent on it (or running on to `max_tokens`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import reprlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from numbers import Integral
 from pathlib import Path
 from typing import TypeAlias, TypeVar
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.engine.config import EngineConfig, ModelConfig
@@ -36,7 +39,9 @@ class RequestLimits:
 
 
 TOKENS_KEY = "prompt_token_ids"
-"""The one key of a vLLM `TokensPrompt` dict the engine takes (it has no tokenizer)."""
+"""The key of a vLLM `TokensPrompt` dict the engine runs (it has no tokenizer)."""
+TEXT_KEY = "prompt"
+"""A `TokensPrompt`'s text of its token ids, beside them: carried by vLLM, not tokenized."""
 
 TokenPrompt: TypeAlias = Sequence[int] | Mapping[str, object]
 """One prompt: its token ids, or vLLM's `TokensPrompt` dict `{"prompt_token_ids": ids}`."""
@@ -46,10 +51,12 @@ def as_token_ids(prompt: object, where: str) -> list[int]:
     """Return `prompt` as a list of ints; raise TypeError naming `where` otherwise.
 
     Accepts a sequence of ints (numpy integers included), a 1-D integer numpy array or
-    torch tensor, or a mapping with the one key `"prompt_token_ids"` holding one of
-    those (vLLM's `TokensPrompt`). A str is refused: the engine has no tokenizer. So is
-    any other key of the mapping (a text `"prompt"`, `"multi_modal_data"`,
-    `"cache_salt"`, ...), by name, rather than ignored.
+    torch tensor, or vLLM's `TokensPrompt`: a mapping whose `"prompt_token_ids"` holds
+    one of those. As in vLLM, its text `"prompt"` beside the ids is not tokenized (the ids
+    run; it must be a str), and a key whose value is None counts as absent. A str is
+    refused: the engine has no tokenizer. So is any other key holding a value (a text
+    `"prompt"` alone, `"multi_modal_data"`, `"cache_salt"`, ...), by name, rather than
+    ignored.
     """
     if isinstance(prompt, Mapping):
         return _plain_token_ids(_tokens_of(prompt, where), f"{where}'s {TOKENS_KEY!r}")
@@ -59,16 +66,27 @@ def as_token_ids(prompt: object, where: str) -> list[int]:
 def _tokens_of(prompt: Mapping[object, object], where: str) -> object:
     """Return the `"prompt_token_ids"` value of a `TokensPrompt` dict; raise TypeError
     naming the keys the engine does not take, or the missing key."""
-    others = [key for key in prompt if key != TOKENS_KEY]
+    given = {key: value for key, value in prompt.items() if value is not None}
+    has_ids = TOKENS_KEY in given
+    others = [key for key in given if key != TOKENS_KEY and not (has_ids and key == TEXT_KEY)]
     if others:
-        names = ", ".join(f"{key!r} (text)" if key == "prompt" else repr(key) for key in others)
+        names = ", ".join(f"{key!r} (text)" if key == TEXT_KEY else repr(key) for key in others)
         raise TypeError(
             f"{where} has key{'s' if len(others) > 1 else ''} {names}, which the reference "
             f"engine does not take: it has no tokenizer and takes only {TOKENS_KEY!r}"
         )
-    if TOKENS_KEY not in prompt:  # no key at all
-        raise TypeError(f"{where} is an empty dict: give its token ids as {TOKENS_KEY!r}")
-    return prompt[TOKENS_KEY]
+    if not has_ids:
+        if TOKENS_KEY in prompt:
+            raise TypeError(f"{where}'s {TOKENS_KEY!r} is None: give the prompt's token ids")
+        if not prompt:
+            raise TypeError(f"{where} is an empty dict: give its token ids as {TOKENS_KEY!r}")
+        raise TypeError(f"{where} has no {TOKENS_KEY!r}: give the prompt's token ids there")
+    text = given.get(TEXT_KEY)
+    if text is not None and not isinstance(text, str):
+        raise TypeError(
+            f"{where}'s {TEXT_KEY!r} must be the text of its token ids (a str), got {_shown(text)}"
+        )
+    return given[TOKENS_KEY]
 
 
 def _plain_token_ids(prompt: object, where: str) -> list[int]:
@@ -102,32 +120,61 @@ def _array_token_ids(prompt: np.ndarray | torch.Tensor, where: str) -> list[int]
 
 def as_prompt_list(prompts: object) -> Sequence[object]:
     """Return `prompts` if it is a sequence of prompts, or a one-prompt list if it is
-    one prompt dict (as vLLM takes one `TokensPrompt`); raise TypeError otherwise.
+    one prompt: a prompt dict, or (as vLLM's `generate([1, 2, 3])`) a sequence whose
+    first item is an int; raise TypeError naming the value otherwise.
 
-    A flat list of ints is refused (it would be read as many one-token prompts), and so
-    is an array or tensor (as vLLM refuses one), with the `.tolist()` call to pass instead:
-    a 2-D one's rows may hold padding. Each prompt may be a 1-D array or a prompt dict
-    (`as_token_ids`).
+    An array or tensor is refused (as vLLM refuses one), with the `.tolist()` call to
+    pass instead: a 2-D one's rows may hold padding. Each prompt may be a 1-D array or a
+    prompt dict (`as_token_ids`).
     """
     if isinstance(prompts, Mapping):
         return [prompts]
+    expected = "prompts must be a list of prompts (token id lists or TokensPrompt dicts)"
     if isinstance(prompts, (np.ndarray, torch.Tensor)):
         hints = {
             1: ": pass generate([ids.tolist()]) for one prompt",
             2: ": pass generate(ids.tolist()), one prompt per row (its padding included)",
         }
         raise TypeError(
-            f"prompts must be a list of token id lists, got a {prompts.ndim}-D "
+            f"{expected}, got a {prompts.ndim}-D "
             f"{type(prompts).__name__}{hints.get(prompts.ndim, '')}"
         )
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a list of token id lists, got {type(prompts).__name__}")
-    if prompts and all(isinstance(p, Integral) for p in prompts):
+    if isinstance(prompts, (str, bytes)):
         raise TypeError(
-            "prompts must be a list of token id lists, got a flat list of ints: "
-            "pass one prompt as generate([[1, 2, 3]])"
+            f"{expected}, got {_shown(prompts)}: the engine takes token ids, not text "
+            "(it has no tokenizer)"
         )
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"{expected} or one prompt, got {_shown(prompts)}: pass [[1, 2, 3]] or "
+            f"[{{{TOKENS_KEY!r}: [1, 2, 3]}}]"
+        )
+    if prompts and isinstance(prompts[0], Integral):  # one prompt's token ids, as vLLM
+        return [prompts]
     return prompts
+
+
+def _shown(value: object) -> str:
+    """Return `value` for an error: its repr, shortened, and its type."""
+    return f"{_SHORT.repr(value)} ({type(value).__name__})"
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def progress_bar_maker(show: object) -> Callable[..., tqdm]:
+    """Return what makes `generate`'s progress bar over its requests: none (a disabled
+    bar) for None or False, tqdm's for True, or (as vLLM's `use_tqdm`) what a callable
+    returns when called as vLLM calls it; raise TypeError naming any other value."""
+    if show is None or isinstance(show, bool):
+        return partial(tqdm, disable=not show, unit="req")
+    if not callable(show):
+        raise TypeError(
+            "show_progress / use_tqdm must be a bool, None or a callable making a tqdm "
+            f"progress bar (vLLM's use_tqdm), got {_shown(show)}"
+        )
+    return partial(show, desc="Processed prompts", dynamic_ncols=True)
 
 
 def one_spelling(name: str, value: T | None, vllm_name: str, vllm_value: T | None) -> T | None:
