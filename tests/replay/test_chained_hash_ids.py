@@ -2,7 +2,7 @@
 always starts a prompt), and a partial last block's id is never a block of other length.
 `kvtier replay` (`read_trace`) and the Python API (`trace_keys`, so `replay_trace`,
 `TierReplay`, `run_sweep`) reject a record that breaks either rule with one message,
-naming the line or the record's index, and the ids (`trace.check_chain`, shared)."""
+naming the line or the record's index, and the ids (`trace_checks.check_chain`, shared)."""
 
 from __future__ import annotations
 

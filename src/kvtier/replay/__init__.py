@@ -3,6 +3,8 @@
 | module | holds |
 |---|---|
 | `trace` | Mooncake-format records: read (validated, errors name the line), write, summarize |
+| `trace_record` | `TraceRecord`, `TraceError` |
+| `trace_checks` | the checks of every record, read or handed to the API (`TraceChecker`) |
 | `trace_values` | a trace's bad value in an error, as written in the file (`true`, `1e400`) |
 | `config` | `ReplayConfig`, `TierConfig`, `ReleaseOrder`, `CascadeMode` and the frozen results |
 | `tier_replay` | `TierReplay`: one pass through a GPU pool and the lower tiers' `BlockPool`s |

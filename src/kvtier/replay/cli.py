@@ -250,7 +250,9 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
         progress = bar.update
     try:
         with _logs_above(bar):
-            points = run_sweep(records, plan.base, plan.policies, plan.capacities, progress)
+            points = run_sweep(
+                records, plan.base, plan.policies, plan.capacities, progress, plan.keys
+            )
     except ReplayError as exc:
         return _error(exc)
     finally:

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.core.keys import Key
 from kvtier.replay.belady import BELADY, OFFLINE_POLICIES
 from kvtier.replay.config import (
     CascadeMode,
@@ -31,6 +32,7 @@ from kvtier.replay.outputs import (
 )
 from kvtier.replay.report import format_tokens
 from kvtier.replay.sweep import DEFAULT_SWEEP_TOKENS, LRU
+from kvtier.replay.tier_replay import record_keys
 from kvtier.replay.trace import TraceRecord, read_numbered_trace
 
 DEFAULT_OUT = "replay_out"
@@ -121,6 +123,7 @@ class ReplayPlan:
     """Everything `kvtier replay` runs, checked before the first pass."""
 
     records: list[TraceRecord]
+    keys: list[list[Key]]  # the records' (`record_keys`): read_trace checked them
     base: ReplayConfig
     policies: list[str]
     capacities: list[int]
@@ -161,7 +164,8 @@ def plan_replay(args: argparse.Namespace) -> ReplayPlan:
         raise ReplayError(f"cannot read the trace {args.trace}: {exc.strerror or exc}") from None
     if base.gpu_capacity_tokens:
         _check_gpu_fits(args, numbered)
-    return ReplayPlan([record for _, record in numbered], base, policies, capacities, out)
+    records = [record for _, record in numbered]
+    return ReplayPlan(records, record_keys(records), base, policies, capacities, out)
 
 
 def _check_outputs(args: argparse.Namespace, out_text: str | None) -> None:

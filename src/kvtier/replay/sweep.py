@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.keys import Key
 from kvtier.replay.belady import BELADY, OFFLINE_POLICIES
 from kvtier.replay.config import ReplayConfig, ReplayResult
 from kvtier.replay.gpu_tier import first_tier_oracle
@@ -60,9 +61,13 @@ def run_sweep(
     policies: Sequence[str],
     capacities: Sequence[int],
     on_request_batch: Callable[[int], None] | None = None,
+    keys: Sequence[Sequence[Key]] | None = None,
 ) -> list[SweepPoint]:
-    """Replay every (policy, capacity) pair, policies outermost."""
-    keys = trace_keys(records, base.block_size)
+    """Replay every (policy, capacity) pair, policies outermost. `keys`: the records' keys
+    as `trace_keys(records, base.block_size)` returns them (None: computed here, which
+    checks the records; given, they are not checked: `kvtier replay`'s were read)."""
+    if keys is None:
+        keys = trace_keys(records, base.block_size)
     # The first tier's oracle depends on the GPU tier only: one for the whole sweep.
     oracle = None
     if set(policies) & set(OFFLINE_POLICIES):

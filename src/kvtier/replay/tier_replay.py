@@ -53,7 +53,8 @@ from kvtier.replay.gpu_tier import (
     serve_on_gpu,
 )
 from kvtier.replay.tier_store import Placed, TierState, make_tier, store_missing
-from kvtier.replay.trace import TraceRecord, check_chain
+from kvtier.replay.trace import TraceRecord
+from kvtier.replay.trace_checks import check_records
 
 __all__ = [
     "CascadeMode",
@@ -65,6 +66,7 @@ __all__ = [
     "TierReplay",
     "TierResult",
     "max_blocks_held",
+    "record_keys",
     "replay_trace",
     "trace_keys",
 ]
@@ -73,16 +75,25 @@ __all__ = [
 def trace_keys(records: Sequence[TraceRecord], block_size: int) -> list[list[Key]]:
     """Return each request's keys: `make_key(hash_id.to_bytes(8, "little"), 0)`, interned.
 
-    Raises `TraceError` naming the record (its index) and the ids, as `read_trace` does
-    naming its line, where a record's ids are not chained prefix hashes at `block_size`
-    tokens a block (`trace.check_chain`): an id repeats within the record, follows
-    another id than where first seen, or covers other tokens than there (a partial last
-    block needs an id of its own). Replayed, such ids are false prefix hits."""
-    parents: dict[int, object] = {}  # check_chain's: every id of the records
-    for number, record in enumerate(records):
-        check_chain(record, block_size, parents, enumerate(records), f"record {number}", "record")
+    Checks the records first as `read_trace` checks a file's (`trace_checks.check_records`):
+    raises `TraceError` naming the record (its index) and the bad value where a record is
+    not a `TraceRecord` of ints, a count is < 0, a hash id is outside [0, 2**64), the hash
+    ids do not match `input_length` at `block_size`, a timestamp is before the previous
+    record's, or the ids are not chained prefix hashes (an id repeats within the record,
+    follows another id than where first seen, or covers other tokens than there: replayed,
+    false prefix hits). Records `read_trace` returned are checked: `record_keys`."""
+    check_records(records, block_size)
+    return record_keys(records)
+
+
+def record_keys(records: Sequence[TraceRecord]) -> list[list[Key]]:
+    """Return `trace_keys`'s keys without checking the records (`read_trace`'s are)."""
     suffix = key_suffix(0)  # make_key(h, 0) == h + suffix
-    interned = {hash_id: hash_id.to_bytes(8, "little") + suffix for hash_id in parents}
+    interned: dict[int, Key] = {}
+    for record in records:
+        for hash_id in record.hash_ids:
+            if hash_id not in interned:
+                interned[hash_id] = hash_id.to_bytes(8, "little") + suffix
     return [[interned[hash_id] for hash_id in record.hash_ids] for record in records]
 
 
