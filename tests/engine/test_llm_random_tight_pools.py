@@ -29,3 +29,4 @@ def test_random_workloads_in_tight_pools_match_offload_off() -> None:
     on_one_thread(check)
     assert totals["external_hit_tokens"] > 0, totals
     assert totals["preemptions"] > 0, totals
+    assert totals["tables_compared"] > 0, totals

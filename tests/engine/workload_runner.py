@@ -1,8 +1,9 @@
 """The runner of the random workloads (`random_workloads`): `run_workload` serves one
 through an engine with the tier and the same engine with offload off, call by call,
-compares tokens and logits, checks the offload scheduler's invariants and adds hit
-counters to a running total. `Faults` wraps the offload worker to finish copies within
-their step or fail some of them.
+compares tokens and logits, checks the offload scheduler's invariants and its copy of
+every scheduled request's block tables (`check_tables_each_plan`) and adds hit counters
+to a running total. `Faults` wraps the offload worker to finish copies within their step
+or fail some of them.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 from random_workloads import MAX_STEPS_PER_CALL, MODELS, Submission, Workload, plan_submissions
 from step_watchdog import with_watchdog
 
+from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.engine.config import LayerGroup
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
 from kvtier.engine.validation import num_peak_blocks
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 from kvtier.offload.plan import TransferPlan, WorkerReport
+from kvtier.offload.protocols import StepInput
 
 
 class Faults:
@@ -210,6 +213,7 @@ def serve(
     assert llm.offload is not None
     faults = Faults(llm.offload.worker, llm, workload)
     llm.offload.worker = faults
+    check_tables_each_plan(llm, totals)
     arm = with_watchdog(llm, max_steps)
     finished: list[RequestOutput] = []
     for call in calls:
@@ -231,3 +235,33 @@ def serve(
     totals["failed_loads"] += faults.num_failed["load"]
     totals["failed_stores"] += faults.num_failed["store"]
     totals["demoted_blocks"] += llm.offload.totals.num_demoted_blocks
+
+
+def check_tables_each_plan(llm: LLM, totals: Counter[str]) -> None:
+    """After every plan, assert the offload side's table of each scheduled request is the
+    engine's: the same blocks, but where the engine nulled a block its window (or state
+    group) dropped, which the offload side is never told (as under vLLM). Preemptions,
+    idle releases and failed loads send the tables whole (`TableUpdate.REPLACE`)."""
+    assert llm.offload is not None
+    scheduler = llm.offload.scheduler
+    build_plan = scheduler.build_plan
+    groups = scheduler.layout.groups
+
+    def checked(step: StepInput) -> TransferPlan:
+        plan = build_plan(step)
+        for item in step.scheduled:
+            state = scheduler.selector.tracked.get(item.request.request_id)
+            if state is None:  # lazy mode, or known at a reset
+                continue
+            tables = item.request.block_tables  # type: ignore[attr-defined]
+            for group, mine, theirs in zip(groups, state.block_ids, tables, strict=True):
+                where = f"{item.request.request_id}: offload side {mine}, engine {theirs}"
+                assert len(mine) == len(theirs), where
+                for ours, real in zip(mine, theirs, strict=True):
+                    if ours != real:
+                        assert group.kind is not GroupKind.FULL_ATTENTION, where
+                        assert real == NULL_BLOCK_ID, where
+            totals["tables_compared"] += 1
+        return plan
+
+    scheduler.build_plan = checked  # type: ignore[method-assign]
