@@ -81,9 +81,9 @@ OP_KINDS = [
 OPS = st.sampled_from(OP_KINDS).flatmap(lambda kind: kind)
 # This test's engines (and test_vllm_hybrid_random's) also fail forwards, twice as likely
 # as each other kind: in lazy mode a fault's blocks reach the tier only through a later
-# tier reset and walk, rarely drawn with one. Not for the engines of the other tests that
-# reuse OP_KINDS or `explore` (EAGLE's deferred save, a MultiConnector's other child,
-# state groups): `ForwardFaults` does not model them.
+# tier reset and walk, rarely drawn with one; test_vllm_mamba's (state groups) too. Not
+# for the engines of the other tests that reuse OP_KINDS or `explore` (EAGLE's deferred
+# save, a MultiConnector's other child): `ForwardFaults` does not model them.
 FAULTS = [st.builds(Fault, st.one_of(st.none(), RANKS), st.just(v2)) for v2 in (False, True)]
 OPS_WITH_FAULTS = st.sampled_from([*OP_KINDS, *FAULTS]).flatmap(lambda kind: kind)
 
