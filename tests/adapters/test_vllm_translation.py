@@ -98,6 +98,26 @@ def test_gpu_pool_view_touch_free_and_free_queue_order() -> None:
     assert list(view.iter_free_after(None))[-1] == ids[0]  # back at the MRU end
 
 
+@pytest.mark.parametrize("slots", [True, False])
+def test_gpu_pool_view_free_after_is_iter_free_after_with_keys(slots: bool) -> None:
+    """Lazy mode's one-pass walk lists what `iter_free_after` yields, cut at `limit`, with
+    what `keys` reads (None for the unhashed head), free or busy cursor, either read."""
+    pool, ids = cached_pool()
+    view = VllmGpuPoolView(pool, (16, 16))
+    assert view._slots  # vLLM 0.33's blocks: the slot read; False reads the properties
+    view._slots = slots
+    pool.touch([pool.blocks[ids[1]]])  # busy: walks from it start at the head
+    for cursor in (None, ids[0], ids[1], ids[2]):
+        listed = list(view.iter_free_after(cursor))
+        for limit in (0, 2, len(listed), len(listed) + 5):
+            expected = listed[:limit]
+            assert view.free_after(cursor, limit) == (expected, view.keys(expected))
+    walked, keys = view.free_after(None, 100)
+    assert walked[-2:] == [ids[0], ids[2]]
+    assert keys[-2:] == [pool.blocks[ids[0]].block_hash, pool.blocks[ids[2]].block_hash]
+    assert None in keys
+
+
 def test_request_view_reads_a_live_vllm_request() -> None:
     harness = VllmHarness(HarnessConfig())
     request = harness.add_request("r", list(range(1000, 1040)), max_tokens=2)

@@ -282,6 +282,19 @@ def test_iter_free_after_restarts_at_the_head_for_a_busy_cursor(cursor: int) -> 
     assert list(pool.iter_free_after(cursor)) == [1, 2, 4]
 
 
+def test_free_after_lists_iter_free_after_to_a_limit_with_the_keys() -> None:
+    """`free_after` (lazy mode's walk) is `iter_free_after` cut at `limit`, plus `keys`."""
+    pool = make_pool(6)
+    pool.touch([1, 2, 3, 4, 5])
+    for i, block_id in enumerate((4, 1, 5)):
+        pool.insert_key(make_test_key(i), block_id, 16)
+    pool.free([4, 1, 5, 2])
+    assert pool.free_after(None, 3) == ([2, 4, 1], [None, make_test_key(0), make_test_key(1)])
+    assert pool.free_after(4, 9) == ([1, 5], [make_test_key(1), make_test_key(2)])
+    assert pool.free_after(3, 1) == ([2], [None])  # busy cursor: from the head
+    assert pool.free_after(5, 4) == ([], [])
+
+
 # --- reset --------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import islice
 
 from kvtier.core import pool_checks
 from kvtier.core.free_queue import FreeQueue
@@ -161,6 +162,11 @@ class PoolQueries:
             if cursor == NULL_BLOCK_ID or self._refs[cursor] != 0:
                 cursor = None
         return self._free.iter_after(cursor)
+
+    def free_after(self, cursor: int | None, limit: int) -> tuple[list[int], list[Key | None]]:
+        """Return the first `limit` blocks `iter_free_after(cursor)` yields, and their keys."""
+        block_ids = list(islice(self.iter_free_after(cursor), limit))
+        return block_ids, self.keys(block_ids)
 
     def _check_id(self, block_id: int) -> None:
         if isinstance(block_id, bool) or not hasattr(block_id, "__index__"):

@@ -127,6 +127,11 @@ class GpuPoolView(Protocol):
         """Yield free block ids in eviction order, after `cursor` (from the head if None)."""
         ...
 
+    def free_after(self, cursor: int | None, limit: int) -> tuple[list[int], list[Key | None]]:
+        """Return the first `limit` ids `iter_free_after(cursor)` yields and their `keys`
+        (lazy mode's walk: a pool may read both in one pass)."""
+        ...
+
 
 class TableUpdate(enum.Enum):
     """How a step's block ids relate to the request's block table."""

@@ -29,6 +29,7 @@ def select_run(
     end: int,
     tag_of: TagOf | None = None,
     whole_runs: bool = True,
+    known_keys: list[Key | None] | None = None,
 ) -> int:
     """Select positions from `pos` up to the first null block, `end`, or a full tier.
 
@@ -36,11 +37,14 @@ def select_run(
     position. `tag_of` gives a position's tag (the token check on). The caller counts
     the block a full tier stops at (deferred, or dropped at a finish). `whole_runs`
     False: every block goes through the per-block loop (tests compare the two).
+    `known_keys`: the keys of `table[pos:end]`, when the caller read them already (lazy
+    mode's walk).
     """
     run = table[pos:end]
+    run_keys = selector.gpu_pool.keys(run) if known_keys is None else known_keys
     if NULL_BLOCK_ID in run:
-        run = run[: run.index(NULL_BLOCK_ID)]
-    run_keys = selector.gpu_pool.keys(run)
+        cut = run.index(NULL_BLOCK_ID)
+        run, run_keys = run[:cut], run_keys[:cut]
     if tag_of is None and whole_runs:
         num_taken = take_whole_run(selector, run, run_keys)
         if num_taken is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
@@ -312,11 +311,11 @@ class StoreSelector(StoreQueueing):
     def select_lazy(self, target: int) -> None:
         """Walk the GPU free queue from the cursor and select up to `target` visited blocks."""
         lazy = self.lazy
-        visited = list(islice(self.gpu_pool.iter_free_after(lazy.cursor), target))
+        visited, keys = self.gpu_pool.free_after(lazy.cursor, target)
         if not visited:
             return  # nothing new since the cursor: stay where we are
         num_queued = len(self.queued)
-        end = select_run(self, visited, 0, len(visited))
+        end = select_run(self, visited, 0, len(visited), known_keys=keys)
         if end < len(visited) and visited[end] not in lazy.deferred:  # stopped: tier full
             self.counters.count_store(StoreOutcome.DEFERRED)
             lazy.deferred.add(visited[end])
