@@ -201,6 +201,9 @@ def test_a_demotion_of_a_cpu_copy_a_failed_load_dropped_is_not_restored(
         for _ in range(10):  # until the prompt's stores completed and their demotion went out
             if faults.demotions:
                 break
+            # Each step's poll sees every copy issued before it: 10 idle steps (a few ms)
+            # were not always time enough for the copy threads (slow stores, busy cores).
+            faults.flush()
             llm.step()
         assert faults.demotions
         evict_gpu(llm)
