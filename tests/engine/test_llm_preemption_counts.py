@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from test_llm_offload import Synchronous
+
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig
@@ -34,9 +36,14 @@ def counted_calls(llm: LLM, name: str) -> list[str]:
 def test_idle_releases_are_not_counted_as_preemptions() -> None:
     """The scenario of test_llm_lifecycle's livelock regression: A' and B' come back from
     their loads while Q runs (max_num_seqs=1 keeps them waiting); Q, short of blocks,
-    frees their idle blocks. Every `_drop_kv` not made by `_preempt` is such a release."""
+    frees their idle blocks. Every `_drop_kv` not made by `_preempt` is such a release.
+
+    The copies run synchronously: whether the loads end while Q runs followed the copy
+    threads (a slow load thread, 2 busy cores, left no idle blocks to release)."""
     engine = EngineConfig(block_size=4, num_gpu_blocks=9, max_num_seqs=1, max_num_batched_tokens=3)
     with LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine) as llm:
+        assert llm.offload is not None
+        llm.offload.worker = Synchronous(llm.offload.worker)  # type: ignore[assignment]
         first, second = list(range(12)), list(range(50, 62))
         llm.generate([first, second], ONE)  # stored in the tier when they finish
         llm.generate([list(range(70, 102))], ONE)  # 8 blocks: evicts both from the GPU
