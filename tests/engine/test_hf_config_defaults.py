@@ -9,7 +9,6 @@ Llama was no eos (LlamaConfig: 2, so generation ran past it), and an absent
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,6 @@ def test_left_out_keys_take_transformers_defaults(tmp_path: Path, case: str) -> 
 
 @pytest.mark.parametrize("case", CASES)
 def test_left_out_keys_match_transformers_config(tmp_path: Path, case: str) -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
     transformers = pytest.importorskip("transformers")
     architecture, overrides = CASES[case]
     path = _write(tmp_path, architecture, overrides)

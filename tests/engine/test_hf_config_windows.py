@@ -10,7 +10,6 @@ absent `max_window_layers` (28) and `sliding_window` (4096) were not transformer
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,6 @@ def test_windows_follow_transformers_defaults(tmp_path: Path, case: str) -> None
 
 @pytest.mark.parametrize("case", CASES)
 def test_windows_match_transformers_config(tmp_path: Path, case: str) -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
     transformers = pytest.importorskip("transformers")
     path = _write(tmp_path, CASES[case])
     llama = CASES[case].get("architectures") == ["LlamaForCausalLM"]

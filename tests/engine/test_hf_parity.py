@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ from kvtier.engine.config import AttentionKind, CacheConfig
 from kvtier.engine.runner import BatchInput, LogitsSelection, ModelRunner
 from kvtier.engine.weights import INDEX_FILE, load_model
 
-os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4
