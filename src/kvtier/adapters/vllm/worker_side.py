@@ -218,29 +218,42 @@ class WorkerSide(WorkerResults):
         issued are echoed now (`earlier_echoes`).
         """
         previous = self._plan
-        if previous is not None and not (self._results_taken and self._stores_submitted):
-            # Model Runner V2 (vLLM 0.33's default) calls nothing after `pre_forward` when
-            # the forward raises, and either runner skips the deferred `wait_for_save`
-            # when the drafter raises: the fault is noted here, as `_note_failed_forward`
-            # does under V1's `finally`, and the jobs never submitted fail below.
-            self._note_failed_step(previous.step_id)
         if previous is not None:
+            if not (self._results_taken and self._stores_submitted):
+                # Model Runner V2 (vLLM 0.33's default) calls nothing after `pre_forward`
+                # when the forward raises, and either runner skips the deferred
+                # `wait_for_save` when the drafter raises: the fault is noted here, as
+                # `_note_failed_forward` does under V1's `finally`, and the jobs never
+                # submitted fail below.
+                self._note_failed_step(previous.step_id)
             self._hold_failures(self._unsubmitted(previous))
-        self._plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
-        self._plan_fault_step = metadata.fault_step
-        last, step_id = self._last_step_id, metadata.plan.step_id
-        self._last_step_id = max(last, step_id)
+            self._plan = None  # its jobs are failed or submitted: never again
+        # What may raise comes first (no step of vLLM makes it raise, but a MemoryError
+        # may come from any call): a bind cut short leaves this plan unbound, as one vLLM
+        # skipped, and the next bind fails its jobs. Bound, it would pass for one that ran
+        # here: its jobs never failed, its step's unwritten blocks stored by later plans.
+        plan = replace(metadata.plan, need_flush=False)  # flushed in handle_preemptions
+        last, step_id = self._last_step_id, plan.step_id
+        skipped_events: tuple[int, ...] = ()
+        skipped_echoes: tuple[str, ...] = ()
         if step_id > last + 1:  # vLLM raised before binding a plan: its forward never ran here
-            self._note_failed_step(step_id - 1)
             earlier = metadata.earlier_events.items()
-            self._hold_failures(e for s, events in earlier if last < s < step_id for e in events)
+            skipped_events = tuple(e for s, events in earlier if last < s < step_id for e in events)
             echoes = metadata.earlier_echoes.items()
-            self._echo_failed += tuple(r for s, ids in echoes if last < s < step_id for r in ids)
+            skipped_echoes = tuple(r for s, ids in echoes if last < s < step_id for r in ids)
+        resend = self.outbox.acknowledge(metadata.acks, metadata.processed_step)
+        self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
+        # Bound from here on; nothing below raises.
+        if step_id > last + 1:
+            self._note_failed_step(step_id - 1)
+            self._hold_failures(skipped_events)
+            self._echo_failed += skipped_echoes
         # Kept until `take_results` hands them to vLLM: not in a step whose forward raised.
         self._echo_failed += metadata.unissued_failed_request_ids
-        self._resend = self.outbox.acknowledge(metadata.acks, metadata.processed_step)
-        plan = metadata.plan
-        self.loads.update(plan.load_request_ids, (job for job in plan.jobs if job.is_load))
+        self._resend = resend
+        self._plan = plan
+        self._plan_fault_step = metadata.fault_step
+        self._last_step_id = max(last, step_id)
         self._loads_submitted = self._stores_submitted = self._results_taken = False
 
     def _unsubmitted(self, plan: TransferPlan) -> Iterator[int]:
