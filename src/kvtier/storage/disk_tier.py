@@ -107,11 +107,12 @@ class DiskTier:
         self._store_io = IoThread("store", self._io_threads)
         self._load_io = IoThread("load", self._io_threads)
         self._closing = CloseGate()
-        # Collection without close() closes the files as close() does, once the I/O
-        # threads stopped. Queued I/O holds this object, so none is left then, but at
-        # interpreter exit (finalizers run on live objects) the I/O queued is finished first.
+        # Collection without close() commits the pending records and closes the files as
+        # close() does, once the I/O threads stopped. Queued I/O holds this object, so
+        # none is left then, but at interpreter exit (finalizers run on live objects) the
+        # I/O queued is finished first.
         io = (self._store_io, self._load_io)
-        self._finalizer = weakref.finalize(self, close_dropped, io, self._file, log)
+        self._finalizer = weakref.finalize(self, close_dropped, io, self._file, self._records)
 
     def _allocate_buffers(self) -> tuple[StagingBuffer, ...]:
         cfg = self.config

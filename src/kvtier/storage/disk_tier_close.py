@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Sequence
 
 from kvtier.storage.disk_io import IoThread
+from kvtier.storage.disk_tier_records import DiskRecords
 from kvtier.storage.file_lock import unlink_quietly
 from kvtier.storage.manifest_compaction import sync_directory
 from kvtier.storage.manifest_log import ManifestLog
@@ -32,12 +33,15 @@ def close_files(file: SlotFile, log: ManifestLog | None) -> None:
         file.close()
 
 
-def close_dropped(io: Sequence[IoThread], file: SlotFile, log: ManifestLog | None) -> None:
+def close_dropped(io: Sequence[IoThread], file: SlotFile, records: DiskRecords) -> None:
     """Stop a tier's I/O threads (its queued I/O done: at interpreter exit there may be
-    some), then close the files of a tier collected without `close()` and warn."""
+    some), then commit the pending records and close the files of a tier collected
+    without `close()`, as `close()` does, and warn. A record pends at collection after a
+    write an interrupt withdrew, the queue not idle when the one before it ended."""
     for thread in io:
         thread.shutdown()
-    close_files(file, log)
+    records.commit()  # never raises
+    close_files(file, records.log)
     warnings.warn(
         f"disk tier {file.path} was not closed; closed it at collection",
         ResourceWarning,
