@@ -118,3 +118,4 @@ class Engine:
     eagle: bool = False  # vLLM runs an EAGLE speculative config (HarnessConfig.eagle)
     policy: str = "lru"  # the tiers' policy, EVICTION[+ADMISSION] (kvtier's "policy" key)
     token_check: bool = False  # kvtier tags stores and checks hits' tokens (eager only)
+    num_cpu_blocks: int = 25  # the CPU tier's slots (7 with a cascade)

@@ -61,7 +61,7 @@ class Run:
             extra["token_check"] = True
         if engine.fine_grained_hits:
             extra["fine_grained_hits"] = True
-        num_cpu_blocks = 25
+        num_cpu_blocks = engine.num_cpu_blocks
         if engine.cascade is not None:
             num_cpu_blocks = 7
             extra.update(

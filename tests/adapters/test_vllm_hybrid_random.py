@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import tempfile
+from typing import Any
 
 import pytest
 
@@ -27,10 +28,14 @@ pytest.importorskip("vllm")
 
 import test_vllm_random_ops
 from kvtier_vllm import kvtier_harness
-from random_ops import KINDS, Add, Delay, Engine, Fail, Fault, Step
+from random_ops import KINDS, Abort, Add, Delay, Drain, Engine, Fail, Fault, Reset, Step
 from random_ops_driver import Run, run_example
 from test_vllm_random_ops import explore
 from vllm_engine import KVGroupDef, KVMismatchError
+
+from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.offload import store_selection
+from kvtier.offload.block_payload import request_key
 
 FULL = KVGroupDef(16)
 ENGINES = [
@@ -190,4 +195,76 @@ def test_a_window_position_is_not_stored_from_a_failed_forwards_block() -> None:
     totals: collections.Counter[str] = collections.Counter()
     run_example(ENGINES[0], totals, ops, abort=True)
     assert totals["faults"] == 1
+    assert totals["audited_tier_blocks"] > 0
+
+
+def count_reads_of_reused_blocks(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Count store selections from a request's table that find a block holding another
+    key than the request's at that position (vLLM gave the block to another position
+    after the window dropped it), by whether a store of it was queued."""
+    counts: collections.Counter[str] = collections.Counter()
+    select_ready = store_selection.StoreSelector._select_ready
+
+    def counting(
+        self: Any, request: Any, state: Any, ready_tokens: int, final: bool = False
+    ) -> None:
+        reused = set()
+        for group_id, size in self.layout.positional_groups:
+            table = state.block_ids[group_id]
+            for pos in range(state.cursors[group_id], min(ready_tokens // size, len(table))):
+                key = self.gpu_pool.key(table[pos]) if table[pos] != NULL_BLOCK_ID else None
+                if key is not None and key != request_key(self.layout, request, group_id, pos):
+                    reused.add(table[pos])
+        first = len(self.queued)
+        select_ready(self, request, state, ready_tokens, final)
+        queued = set(self.queued.gpu_block_ids[first:])
+        counts["stored"] += len(reused & queued)
+        counts["skipped"] += len(reused - queued)
+
+    monkeypatch.setattr(store_selection.StoreSelector, "_select_ready", counting)
+    return counts
+
+
+def test_a_window_block_vllm_gave_another_position_is_stored_under_its_new_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Carried doubt: kvtier's copy of a window's table keeps the blocks vLLM's window
+    dropped, and vLLM gives them to other positions or requests. A tier too small for the
+    stores defers them, so a cursor lags behind the window and reaches such a block. A
+    store takes the key the block holds now, never the position's: vLLM evicts a block's
+    hash when it reallocates it (unhashed, it is skipped) and hashes it anew when the
+    new owner's tokens fill it, in the step whose forward writes it, before any store of
+    that step runs (a failed forward's hashes: test above). The tier audit checks every
+    slot against its key. Found by a fuzzer (a 6-slot tier, 30 examples: 22 such blocks
+    stored, 17 skipped, every audit passing)."""
+    reads = count_reads_of_reused_blocks(monkeypatch)
+    engine = Engine(
+        "window_small_tier",
+        kv_groups=(FULL, KVGroupDef(16, 32)),
+        num_gpu_blocks=24,
+        num_cpu_blocks=6,
+    )
+    family = {"family": 4, "tail_seed": 2, "priority": 0}
+    ops = [
+        Drain(),
+        Add(3, num_blocks=4, tail_len=21, max_tokens=15, **family),
+        Drain(),
+        Step(7),
+        Step(8),
+        Abort(0),
+        Step(6),
+        Abort(5),
+        Reset("connector"),
+        Add(2, num_blocks=3, tail_len=0, max_tokens=3, **family),
+        Step(5),
+        Fail("store", 0),
+        Fail("load", 1),
+        Add(1, 3, 1, 16, 2, 11, 0),
+        Step(1),
+        Add(3, num_blocks=4, tail_len=21, max_tokens=15, **family),
+        Step(8),
+    ]
+    totals: collections.Counter[str] = collections.Counter()
+    run_example(engine, totals, ops, abort=False)
+    assert reads["stored"] > 0
     assert totals["audited_tier_blocks"] > 0
