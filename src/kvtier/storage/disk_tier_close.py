@@ -1,6 +1,6 @@
 """How a disk tier's files are closed (see `disk_tier`), by `DiskTier.close` or, for a tier
-collected without it, by its finalizer: the slot file is synced, then the manifest, and a
-failed sync removes the manifest instead of raising.
+collected without it, by its finalizer: the pending records are committed, the slot file
+is synced, then the manifest, and a failed sync removes the manifest instead of raising.
 """
 
 from __future__ import annotations
