@@ -44,6 +44,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from open_harnesses import OPEN, forget
 from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.lora.request import LoRARequest
@@ -158,10 +159,12 @@ class VllmHarness:
             publish(batch)
 
         publisher.publish = record  # type: ignore[method-assign]
+        OPEN.append(self)  # closed at the test's teardown at the latest (conftest.py)
 
     def close(self) -> None:
         """Shut down the workers' connectors (idempotent; a `MultiConnector` worker side's
         children's too) and remove the model directory."""
+        forget(self)
         for worker in self.workers:
             for part in getattr(worker, "children", [worker]):
                 connector = getattr(part, "connector", None)
