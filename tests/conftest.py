@@ -12,16 +12,22 @@ tripped the 300 s timeout.
 The Hugging Face hub is offline for the whole run (set before any test module imports
 transformers, which reads it at import): no test downloads, and none sees it set or not
 depending on which tests ran before it.
+
+Every test shuts down the offload workers it builds: one that leaves one to the garbage
+collector fails at its teardown (worker_drops.py), unless marked `drops_workers`.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+from worker_drops import DropRecorder, freeze_imported_objects
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 torch.set_num_threads(1)
@@ -33,3 +39,24 @@ def _signal_handlers_restored() -> Iterator[None]:
     yield
     for signum, handler in before.items():
         signal.signal(signum, handler)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _imports_frozen() -> None:
+    freeze_imported_objects()  # after collection: every test module is imported
+
+
+@pytest.fixture(autouse=True)
+def _workers_shut_down(request: pytest.FixtureRequest) -> Iterator[None]:
+    on_purpose = request.node.get_closest_marker("drops_workers") is not None
+    num_failed = request.session.testsfailed
+    with DropRecorder() as recorder:
+        yield
+        gc.collect()  # release whatever the test dropped now, not inside a later test
+    # A failed test skipped its shutdowns: its failure says enough.
+    if recorder.dropped and not on_purpose and request.session.testsfailed == num_failed:
+        pytest.fail(
+            f"{len(recorder.dropped)} offload worker(s) left to the garbage collector"
+            f" (shut down what the test builds): {recorder.dropped[0]}",
+            pytrace=False,
+        )

@@ -151,6 +151,7 @@ def test_an_interrupt_while_releasing_wins_over_an_earlier_failure(
     assert worker.state is WorkerState.SHUT_DOWN
 
 
+@pytest.mark.drops_workers
 def test_dropped_worker_releases_its_tiers(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -170,6 +171,7 @@ def test_dropped_worker_releases_its_tiers(
     assert_released(tmp_path, path, threads_before)
 
 
+@pytest.mark.drops_workers
 def test_worker_dropped_on_another_thread_is_released_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,6 +222,7 @@ def test_shutdown_of_a_worker_never_registered() -> None:
     worker.check_invariants()
 
 
+@pytest.mark.drops_workers
 @pytest.mark.parametrize("dropped_on", ["lane", "stranger"])
 def test_a_dropped_worker_with_no_thread_to_release_it_never_waits_for_itself(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, dropped_on: str
