@@ -57,16 +57,16 @@ def test_a_request_aborted_while_its_load_is_in_flight_leaves_the_tier_consisten
     """The load's pins hold its GPU blocks until the worker reports it; the prompt is
     then served again, from the tier, with the tokens of a fresh engine."""
     engine = EngineConfig(num_gpu_blocks=12, block_size=4)
-    llm = LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine)
     prompt = list(range(60, 92))
-    request = start_a_load(llm, prompt)
-    llm.abort_request(request)
-    assert_idle(llm)
-    (again,) = llm.generate([prompt], PARAMS)
-    assert again.num_external_hit_tokens > 0
-    (fresh,) = LLM(None, engine=engine).generate([prompt], PARAMS)
-    assert again.output_token_ids == fresh.output_token_ids
-    assert_idle(llm)
+    with LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine) as llm:
+        request = start_a_load(llm, prompt)
+        llm.abort_request(request)
+        assert_idle(llm)
+        (again,) = llm.generate([prompt], PARAMS)
+        assert again.num_external_hit_tokens > 0
+        (fresh,) = LLM(None, engine=engine).generate([prompt], PARAMS)
+        assert again.output_token_ids == fresh.output_token_ids
+        assert_idle(llm)
 
 
 def test_abort_request_refuses_what_is_not_this_engine_s_request() -> None:

@@ -108,53 +108,53 @@ def served_with(tracer: FromAllocation, expected: list[torch.Tensor]) -> None:
     """Run the second turn by `step` under `tracer`, each interrupted step called again;
     check it ends as an engine without offloading, drained with no block leaked."""
     llm, arm = loaded_engine()
-    assert llm.offload is not None
-    llm.engine_config = dataclasses.replace(llm.engine_config, keep_logits=True)
-    llm.offload.worker = HoldsTheNextLoad(llm.offload.worker, tracer.landed)
-    scheduler = llm.scheduler
-    offload, admit = scheduler.offload, scheduler._admit
-    assert offload is not None
-    lookup = offload.lookup
+    with llm:  # shut down however the run ends
+        assert llm.offload is not None
+        llm.engine_config = dataclasses.replace(llm.engine_config, keep_logits=True)
+        llm.offload.worker = HoldsTheNextLoad(llm.offload.worker, tracer.landed)
+        scheduler = llm.scheduler
+        offload, admit = scheduler.offload, scheduler._admit
+        assert offload is not None
+        lookup = offload.lookup
 
-    def looking_up(*args: Any) -> int:
-        num = lookup(*args)
-        tracer.armed = tracer.armed or (num > 0 and not tracer.spent)
-        return num
+        def looking_up(*args: Any) -> int:
+            num = lookup(*args)
+            tracer.armed = tracer.armed or (num > 0 and not tracer.spent)
+            return num
 
-    def admitting(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return admit(*args, **kwargs)
-        finally:
-            tracer.spent = tracer.spent or tracer.counting  # one admission only
-            tracer.armed = tracer.counting = False
-
-    offload.lookup = looking_up  # type: ignore[method-assign]
-    scheduler._admit = admitting  # type: ignore[method-assign]
-    _, second, _ = turns()
-    arm()
-    requests = [llm.add_request(prompt, PARAMS) for prompt in second]
-    previous = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        for _ in range(MAX_STEPS):
-            if not scheduler.has_unfinished():
-                break
+        def admitting(*args: Any, **kwargs: Any) -> Any:
             try:
-                llm.step()
-            except KeyboardInterrupt:
-                continue
-    finally:
-        sys.settrace(previous)
-    assert tracer.landed == [True], "the interrupt never landed"
-    unfinished = [r.request_id for r in requests if r.status is not RequestStatus.FINISHED]
-    assert not unfinished, f"never finished: {unfinished}"
-    for request, logits in zip(requests, expected, strict=True):
-        got = torch.stack(request.kept_logits)
-        diff = float((got - logits).abs().max())
-        assert diff < 1e-4, f"{request.request_id}: logits off by {diff}"
-    assert_consistent_and_drained(llm, arm)
-    llm.offload.worker.check_invariants()
-    llm.shutdown()
+                return admit(*args, **kwargs)
+            finally:
+                tracer.spent = tracer.spent or tracer.counting  # one admission only
+                tracer.armed = tracer.counting = False
+
+        offload.lookup = looking_up  # type: ignore[method-assign]
+        scheduler._admit = admitting  # type: ignore[method-assign]
+        _, second, _ = turns()
+        arm()
+        requests = [llm.add_request(prompt, PARAMS) for prompt in second]
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            for _ in range(MAX_STEPS):
+                if not scheduler.has_unfinished():
+                    break
+                try:
+                    llm.step()
+                except KeyboardInterrupt:
+                    continue
+        finally:
+            sys.settrace(previous)
+        assert tracer.landed == [True], "the interrupt never landed"
+        unfinished = [r.request_id for r in requests if r.status is not RequestStatus.FINISHED]
+        assert not unfinished, f"never finished: {unfinished}"
+        for request, logits in zip(requests, expected, strict=True):
+            got = torch.stack(request.kept_logits)
+            diff = float((got - logits).abs().max())
+            assert diff < 1e-4, f"{request.request_id}: logits off by {diff}"
+        assert_consistent_and_drained(llm, arm)
+        llm.offload.worker.check_invariants()
 
 
 def test_an_interrupt_at_any_line_of_admitting_a_load() -> None:

@@ -111,27 +111,27 @@ def served_local_hits(tracer: LineInterrupt, expected: list[Any]) -> None:
     stored); check its tokens, hit counts and stores, and that it drains."""
     first, second, _ = turns()
     llm, arm = new_engine(ROOMY)
-    llm.generate(first, PARAMS)
-    llm.drain()
-    offload = llm.offload
-    assert offload is not None
-    sys.settrace(tracer)
-    try:
-        requests = stepped(llm, second)
-    finally:
-        sys.settrace(None)
-    assert tracer.landed == [True], "the interrupt never landed"
-    assert [[tuple(r.output_token_ids) for r in requests]] == expected
-    llm.drain()
-    index = offload.scheduler.index
-    for request in requests:
-        assert request.num_local_tokens_total == 24, request.request_id
-        full = request.num_tokens // llm.layout.hash_block_size
-        missing = [
-            pos
-            for pos, h in enumerate(request.block_hashes[:full])
-            if index.cached_block(make_key(h, 0)) is None
-        ]
-        assert not missing, f"{request.request_id}: blocks {missing} never stored"
-    assert_consistent_and_drained(llm, arm)
-    llm.shutdown()
+    with llm:  # shut down however the run ends
+        llm.generate(first, PARAMS)
+        llm.drain()
+        offload = llm.offload
+        assert offload is not None
+        sys.settrace(tracer)
+        try:
+            requests = stepped(llm, second)
+        finally:
+            sys.settrace(None)
+        assert tracer.landed == [True], "the interrupt never landed"
+        assert [[tuple(r.output_token_ids) for r in requests]] == expected
+        llm.drain()
+        index = offload.scheduler.index
+        for request in requests:
+            assert request.num_local_tokens_total == 24, request.request_id
+            full = request.num_tokens // llm.layout.hash_block_size
+            missing = [
+                pos
+                for pos, h in enumerate(request.block_hashes[:full])
+                if index.cached_block(make_key(h, 0)) is None
+            ]
+            assert not missing, f"{request.request_id}: blocks {missing} never stored"
+        assert_consistent_and_drained(llm, arm)
