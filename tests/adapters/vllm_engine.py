@@ -86,7 +86,9 @@ class HarnessConfig:
     processes step N's output. 1 runs lock-step; more needs `async_scheduling`.
     `kv_role` is vLLM's. `scheduling_policy` is vLLM's: "fcfs" (its default) or "priority"
     (waiting requests ordered by `Request.priority`, lower first, then arrival; a running
-    request that lacks blocks preempts the lowest-priority running one). `kv_groups`
+    request that lacks blocks preempts the lowest-priority running one).
+    `long_prefill_token_threshold` is vLLM's: while more than one request is eligible, a
+    prefill chunk takes at most that many tokens (0: no cap). `kv_groups`
     (empty: one full-attention group of `block_size`) makes the model hybrid: one group
     per entry, `num_layers` layers each, the KV heads scaled so that every group's page
     has the same size (vLLM's shared allocation needs it); `block_size` is then the hash
@@ -119,6 +121,7 @@ class HarnessConfig:
     batch_queue_size: int = 1
     kv_role: str = "kv_both"
     scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
     kv_groups: tuple[KVGroupDef, ...] = ()
     eagle: bool = False
     max_loras: int = 0
@@ -272,6 +275,7 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         is_encoder_decoder=False,
         async_scheduling=cfg.async_scheduling,
         policy=cfg.scheduling_policy,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
     )
     cache_config = CacheConfig(
         block_size=cfg.block_size,
