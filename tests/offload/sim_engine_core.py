@@ -58,16 +58,23 @@ class SimEngineCore:
         num_tier_blocks: int = 8,
         num_workers: int = 1,
         num_disk_blocks: int = 0,
+        preempts_scheduled: bool = False,
     ) -> None:
         """Build the engine; the tier has `num_tier_blocks` blocks, null block included.
 
         `num_disk_blocks` sizes the disk tier of a CPU+disk cascade config.
+        `preempts_scheduled`: `SchedulerSetup`'s (a test preempts a request it scheduled).
         """
         self.layout = layout
         self.gpu = BlockPool(num_gpu_blocks)
         offload_config = config() if offload_config is None else offload_config
         setup = SchedulerSetup(
-            layout, num_tier_blocks, num_workers, self.gpu, num_disk_blocks=num_disk_blocks
+            layout,
+            num_tier_blocks,
+            num_workers,
+            self.gpu,
+            num_disk_blocks=num_disk_blocks,
+            preempts_scheduled=preempts_scheduled,
         )
         self.scheduler = OffloadScheduler(offload_config, setup)
         self.worker = FakeWorker(num_workers, offload_config.tier.value)

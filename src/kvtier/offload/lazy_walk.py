@@ -142,3 +142,32 @@ def unconfirmed_blocks(
                 break  # not hashed, nor any later position
             found.extend(gpu_pool.cached_blocks(key))
     return found
+
+
+def unwritten_blocks(
+    layout: KVLayout,
+    request: RequestView,
+    written_tokens: int,
+    max_new_tokens: int,
+    gpu_pool: GpuPoolView,
+) -> list[int]:
+    """Return the free GPU blocks cached under the keys a preempted request's unwritten
+    positions may have: those past `written_tokens`, up to `max_new_tokens` further.
+
+    vLLM hashes a request's full blocks as it schedules them, before any forward writes
+    them, and its priority policy may preempt a running request scheduled earlier in
+    the same `schedule()` call: that step's blocks are freed with their keys, never
+    written (the partly written block at `written_tokens` too). A block of another
+    request under the same key (a prefix two requests computed) is held back too if
+    free, a lost store at worst; one still in use is not.
+    """
+    found: list[int] = []
+    end = written_tokens + max_new_tokens
+    for group_id, group in enumerate(layout.groups):
+        size = group.block_size
+        for pos in range(written_tokens // size, end // size):
+            key = request_key(layout, request, group_id, pos)
+            if key is None:
+                break  # not hashed, nor any later position
+            found.extend(b for b in gpu_pool.cached_blocks(key) if not gpu_pool.block(b).ref_count)
+    return found

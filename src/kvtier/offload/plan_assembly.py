@@ -13,9 +13,10 @@ from itertools import chain
 from kvtier.offload.cascade import Cascade, MoveItem
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.dropped_slots import DroppedSlots
+from kvtier.offload.lazy_walk import unwritten_blocks
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
-from kvtier.offload.protocols import GpuPoolView, StepInput
+from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.store_batch import StoreBatch
 from kvtier.offload.store_selection import StoreSelector
@@ -24,7 +25,11 @@ from kvtier.offload.transfers import IssuedTransfer, LoadItem, TransferBook
 
 
 class PlanAssembler:
-    """Build and issue each step's plan; `lazy_target` is lazy mode's per-step visit count."""
+    """Build and issue each step's plan; `lazy_target` is lazy mode's per-step visit count.
+
+    `keep_written`: keep where each request's last scheduled step ends, for an engine that
+    may preempt a request it scheduled earlier in the same step (`_hold_back_unwritten`).
+    """
 
     def __init__(
         self,
@@ -36,6 +41,7 @@ class PlanAssembler:
         cascade: Cascade | None,
         lazy_target: int,
         dropped: DroppedSlots | None = None,
+        keep_written: bool = False,
     ) -> None:
         self._config = config
         self._tier = config.tier
@@ -49,6 +55,10 @@ class PlanAssembler:
         self._next_step_id = 0
         # A reset ended a persistent disk tier's persistence: every later plan says so.
         self.persistence_ended = False
+        # With `keep_written`: request id -> (its view, the tokens its last scheduled step
+        # writes through), for the requests scheduled since their admission
+        # (`_hold_back_unwritten`); a finished one's goes with `forget`.
+        self._written: dict[str, tuple[RequestView, int]] | None = {} if keep_written else None
 
     def build(self, step: StepInput, selector: StoreSelector, walk: bool = True) -> TransferPlan:
         """Select this step's stores; issue them as one event, the queued loads as one per tier.
@@ -58,6 +68,16 @@ class PlanAssembler:
         """
         for request_id in step.preempted_request_ids:
             selector.reset_request(request_id)
+        written = self._written
+        if written is not None:
+            for request_id in step.preempted_request_ids:
+                last = written.pop(request_id, None)
+                if last is not None:
+                    self._hold_back_unwritten(selector, *last)
+            for scheduled in step.scheduled:  # before this step counts as computed
+                request = scheduled.request
+                end = request.num_computed_tokens + scheduled.num_scheduled_tokens
+                written[request.request_id] = (request, end)
         eager = self._config.store_mode is StoreMode.EAGER
         if eager:
             selector.select_scheduled(step.scheduled)
@@ -115,6 +135,38 @@ class PlanAssembler:
             # Taken last: this step's completions and evictions are all noted by now.
             forget_slots=self._dropped.take() if self._dropped is not None else (),
         )
+
+    def forget(self, request_id: str) -> None:
+        """Forget a finished request's last scheduled step."""
+        if self._written is not None:
+            self._written.pop(request_id, None)
+
+    def _hold_back_unwritten(
+        self, selector: StoreSelector, request: RequestView, written_tokens: int
+    ) -> None:
+        """Keep a preempted request's blocks that no forward wrote out of the tier.
+
+        The engine may have scheduled the request again before preempting it in the same
+        step (vLLM's priority policy: a running request short of blocks preempts the
+        lowest-priority one, even one scheduled earlier in that `schedule()` call, and
+        drops it from the step), hashing the blocks of that step's tokens as it
+        allocated them; it frees them with their keys. Written are the tokens of its last
+        scheduled step, less any draft tokens it rejected (`num_tokens - 1` bounds a
+        decoding request's). Such blocks are held back as a failed forward's are (lazy:
+        the walk skips them; eager: no window position is recovered from one) until a
+        request takes them again.
+        """
+        written_tokens = min(written_tokens, max(0, request.num_tokens - 1))
+        gpu_pool = selector.gpu_pool
+        block_ids = unwritten_blocks(
+            selector.layout, request, written_tokens, self._config.max_batched_tokens, gpu_pool
+        )
+        if not block_ids:
+            return
+        if self._config.store_mode is StoreMode.LAZY:
+            selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
+        else:
+            selector.unconfirmed.update(block_ids)
 
     @property
     def _persisting(self) -> bool:

@@ -170,7 +170,10 @@ class StepInput:
 
     `preempted_request_ids`: requests preempted since the last step, their GPU blocks
     freed. One of them is in `scheduled` only resumed, with its whole new table
-    (`TableUpdate.REPLACE`), as vLLM and the reference engine send it.
+    (`TableUpdate.REPLACE`), as vLLM and the reference engine send it. The engine may
+    have scheduled (and hashed the blocks of) tokens of one in this very step before it
+    preempted it, telling kvtier nothing of them (vLLM's priority policy): past the end
+    of its last scheduled step in an earlier plan, its freed cached blocks are held back.
     """
 
     scheduled: tuple[ScheduledRequest, ...] = ()

@@ -125,6 +125,7 @@ class OffloadScheduler(SchedulerObservability):
             self.cascade,
             lazy_target(self.layout, config.max_batched_tokens),
             self.dropped_slots,
+            keep_written=setup.preempts_scheduled,
         )
         self._completion = TransferCompletion(
             self.tier_pool,
@@ -319,6 +320,7 @@ class OffloadScheduler(SchedulerObservability):
                 selector.unconfirmed.update(block_ids)
         selector.untrack(request_id)
         selector.across_reset.discard(request_id)
+        self._plans.forget(request_id)
         if self.tags is not None:
             self.tags.drop(request_id)
         return dropped

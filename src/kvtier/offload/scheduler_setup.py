@@ -34,6 +34,10 @@ class SchedulerSetup:
     tensors, as in the reference engine). vLLM's groups share one allocation, so there a
     slot holds less (`adapters.vllm.layout.bytes_per_slot`). `queue_by_priority`:
     the engine orders waiting requests by priority, not arrival (`LoadPlanner`, offers).
+    `preempts_scheduled`: the engine may preempt a request it scheduled earlier in the
+    same step, its blocks of that step hashed but never written (vLLM's priority
+    policy): the end of each request's last scheduled step is kept for that
+    (`PlanAssembler`).
     `eagle_drafter`: the engine drafts with an EAGLE-style drafter (its draft KV of a
     position saw the next token): hits need the unit after them cached in attention
     groups (`core.longest_hit`).
@@ -46,6 +50,7 @@ class SchedulerSetup:
     num_disk_blocks: int = 0
     bytes_per_slot: int = 0
     queue_by_priority: bool = False
+    preempts_scheduled: bool = False
     eagle_drafter: bool = False
 
 

@@ -99,6 +99,8 @@ class SchedulerSide(SchedulerStats):
                 # Stage 0's under pipeline parallelism: its byte counters (`stats`).
                 bytes_per_slot=bytes_per_slot(kv_cache_config),
                 queue_by_priority=vllm_config.scheduler_config.policy == "priority",
+                # and may then preempt a request it scheduled earlier in the step
+                preempts_scheduled=vllm_config.scheduler_config.policy == "priority",
                 # EAGLE-style drafters: vLLM ends prefix hits a block (a hash block with
                 # fine-grained hits) before the last one it matched; kvtier's end there.
                 eagle_drafter=spec is not None and spec.use_eagle_block_drop(),

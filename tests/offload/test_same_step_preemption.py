@@ -1,0 +1,94 @@
+"""A request preempted in the step that scheduled it (vLLM's priority policy).
+
+vLLM hashes a request's full blocks as it schedules them, before the forward writes
+them. Under its priority policy a running request short of blocks preempts the
+lowest-priority running one, even one scheduled earlier in the same `schedule()` call:
+that one is dropped from the step and its blocks are freed with their keys, never
+written. kvtier is told only that it was preempted. (Through vLLM's real scheduler:
+tests/adapters/test_vllm_priority_victim.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, block_key
+from sim_request import config, full_layout, make_request
+
+from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.offload.config import StoreMode
+
+
+def schedule_then_preempt(engine: SimEngine, request_id: str, num_tokens: int) -> set[int]:
+    """Schedule `num_tokens` more tokens of the request, hash the blocks they fill (as
+    vLLM's `allocate_slots` does), then preempt it in the same step, before any forward
+    ran; return the GPU blocks hashed but never written."""
+    request = engine.requests[request_id]
+    start = request.num_computed_tokens
+    engine.schedule(request_id, num_tokens)
+    table = engine.tables[request_id]
+    unwritten = set()
+    for group_id in engine.layout.cacheable_group_ids:
+        size = engine.layout.groups[group_id].block_size
+        for pos in range(start // size, (start + num_tokens) // size):
+            block_id = table[group_id][pos]
+            if block_id != NULL_BLOCK_ID and engine.gpu.key(block_id) is None:
+                key = block_key(engine.layout, request, group_id, pos)
+                engine.gpu.insert_key(key, block_id, size)
+                unwritten.add(block_id)
+    engine.preempt(request_id)
+    return unwritten
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["aligned", "partly_written_block"])
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_a_same_step_victims_unwritten_blocks_are_held_back(mode: StoreMode, partial: bool) -> None:
+    """Regression (lazy): the walk over the GPU free queue copied the victim's blocks of
+    the step it was dropped from into the tier, under their valid keys (the partly
+    written block too, when the last chunk it ran ended inside one): KV never computed,
+    served to any later hit, persisted by a disk tier. Eager mode never selects them
+    from the victim's table (vLLM never sent them), but recovers a window's dropped
+    position from vLLM's prefix cache by key: they are held out of that as a failed
+    forward's blocks are (`StoreSelector.unconfirmed`)."""
+    engine = SimEngine(
+        full_layout(),
+        config(store_mode=mode, max_batched_tokens=16),
+        num_gpu_blocks=16,
+        preempts_scheduled=True,
+    )
+    engine.admit(make_request("r", range(33)))
+    engine.schedule("r", 6 if partial else 8)
+    engine.step()  # blocks 0 and 1 written (block 1 partly, when partial)
+    written = set(engine.tables["r"][0][: 1 if partial else 2])
+    unwritten = schedule_then_preempt(engine, "r", 10 if partial else 8)
+    assert len(unwritten) == (3 if partial else 2)
+    stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
+    assert stored.isdisjoint(unwritten)
+    if mode is StoreMode.LAZY:
+        assert written <= stored  # what its forwards wrote is stored
+    else:
+        assert engine.scheduler.selector.unconfirmed == unwritten
+    engine.check()
+
+
+def test_blocks_another_request_holds_under_the_victims_keys_are_not_held_back() -> None:
+    """Only free blocks are held back: a block in use under one of those keys was
+    computed by its own request (two requests prefilling the same prompt at once)."""
+    engine = SimEngine(
+        full_layout(),
+        config(store_mode=StoreMode.LAZY, max_batched_tokens=16),
+        num_gpu_blocks=16,
+        preempts_scheduled=True,
+    )
+    engine.admit(make_request("r", range(17)))
+    engine.admit(make_request("s", range(17)))  # the same prompt; neither hits
+    engine.schedule("r", 2)
+    engine.schedule("s", 16)
+    engine.step()
+    computed = set(engine.tables["s"][0])
+    unwritten = schedule_then_preempt(engine, "r", 14)
+    engine.step()
+    assert set(engine.scheduler.selector.lazy.held) == unwritten
+    engine.finish("s")
+    stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
+    assert computed <= stored
+    engine.check()
