@@ -8,6 +8,7 @@ fake forward writes and the checks read back.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec, create_kv_cache_views
@@ -113,6 +114,13 @@ class FakeKVCache:
         """Return the block size of a one-group cache."""
         (block_size,) = self.block_sizes
         return block_size
+
+    def copy_blocks(self, copies: Sequence[Any]) -> None:
+        """Copy whole blocks in every layer, as vLLM's worker runs a step's
+        `kv_cache_block_copies` (`src_block_id` to `dst_block_id`) before its forward."""
+        for copy in copies:
+            for tensor in self.tensors.values():
+                tensor[copy.dst_block_id] = tensor[copy.src_block_id].clone()
 
     def write(
         self, tables: Sequence[Sequence[int]], start: int, fingerprints: Sequence[int]

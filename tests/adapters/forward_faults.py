@@ -3,11 +3,12 @@
 
 Test helper only: import it after `pytest.importorskip("vllm")`. What
 `test_vllm_fault_tolerance` does in one scenario each (`failed_forward`, `fault_abort`,
-`failed_forward_on_one_rank`), here at any point of a random run: a step is scheduled and
-every rank binds its plan; the forward raises on one rank or on all, nothing is written,
-yet the raising ranks' connectors still run their after-forward calls (Model Runner V1's
-`finally`; V2 calls none) while the other ranks' outputs are salvaged into the next
-step's aggregate; then the engine core aborts every request.
+`failed_forward_on_one_rank`), here at any point of a random run: a step is scheduled,
+its block copies run and every rank binds its plan (vLLM's model runner copies first);
+the forward raises on one rank or on all, nothing is written, yet the raising ranks'
+connectors still run their after-forward calls (Model Runner V1's `finally`; V2 calls
+none) while the other ranks' outputs are salvaged into the next step's aggregate; then
+the engine core aborts every request.
 
 vLLM 0.33 keeps the hashes it gave the failed step's blocks when it scheduled them, so it
 would serve those unwritten blocks to a later request as local prefix hits: its own bug,
@@ -78,6 +79,8 @@ class ForwardFaults:
             return False
         scheduler_output = scheduler.schedule()
         self._note_unwritten(scheduler_output)
+        for cache in harness.caches:  # the model runner copies before the connector's calls
+            cache.copy_blocks(scheduler_output.kv_cache_block_copies or ())
         for worker in harness.workers:
             worker.before_forward(scheduler_output)
         salvaged = []

@@ -119,3 +119,4 @@ class Engine:
     policy: str = "lru"  # the tiers' policy, EVICTION[+ADMISSION] (kvtier's "policy" key)
     token_check: bool = False  # kvtier tags stores and checks hits' tokens (eager only)
     num_cpu_blocks: int = 25  # the CPU tier's slots (7 with a cascade)
+    prefix_match_unit: int | None = None  # vLLM's hash block size (HarnessConfig's)

@@ -91,6 +91,7 @@ class Run:
             enable_kv_events=engine.events,
             scheduling_policy=engine.scheduling_policy,
             eagle=engine.eagle,
+            prefix_match_unit=engine.prefix_match_unit,
             extra=extra,
         )
         self.side = scheduler_side(self.harness)
@@ -252,7 +253,7 @@ class Run:
         request, index = blocks[key_block_hash(key)]
         for cache in self.harness.caches:
             size = cache.block_sizes[group]
-            end = (index + 1) * self.harness.cfg.block_size
+            end = (index + 1) * self.harness.cfg.hash_block_size
             first = end - 1 if cache.is_state[group] else (end - 1) // size * size
             table = [0] * (first // size) + [gpu_block]
             prints = fingerprints.upto(request, end)

@@ -8,7 +8,7 @@ where vLLM's is not the null block (vLLM nulls the blocks a window drops in plac
 its model runner, like kvtier, keeps what it was sent: append-only); in a Mamba state
 group, of the same length (vLLM moves a running request's scratch state blocks in place:
 kvtier never reads those by position). A request vLLM does not run has an empty table.
-`audit_tier` copies every tier block back and checks its KV against its key.
+`audit_tier` copies every tier block back and checks its KV (or state) against its key.
 """
 
 from __future__ import annotations
@@ -83,11 +83,13 @@ class TableMirror:
 
 
 def audit_tier(harness: VllmHarness) -> int:
-    """Copy every block of group 0 (full attention, the harness's hash block size) the
-    tiers index to scratch GPU blocks of every rank and check it holds the KV of the
-    prefix its key hashes; return how many.
+    """Copy every block the tiers index to scratch GPU blocks of every rank and check it
+    holds the KV of the prefix its key hashes; return how many.
 
-    Call when vLLM is idle and its GPU prefix cache reset: every GPU block is scratch.
+    The key names the hash block that ends it: in a group of a larger block size a whole
+    block ends at its last hash block, a partial one earlier; a state group's block holds
+    the state of that end's last token. Call when vLLM is idle and its GPU prefix cache
+    reset: every GPU block is scratch.
     """
     blocks: dict[Any, tuple[Any, int]] = {}  # vLLM block hash -> (request, block index)
     for request in harness.requests.values():
@@ -95,11 +97,10 @@ def audit_tier(harness: VllmHarness) -> int:
             blocks.setdefault(block_hash, (request, index))
     fingerprints = PrefixFingerprints()
     scratch = range(1, harness.cfg.num_gpu_blocks)
-    size = harness.cfg.block_size
     num_audited = 0
     for tier, pool in scheduler_side(harness).offload.index.pools.items():
         keys = {slot: pool.key(slot) for slot in range(1, pool.num_blocks)}
-        slots = [slot for slot, key in keys.items() if key is not None and key_group_id(key) == 0]
+        slots = [slot for slot, key in keys.items() if key is not None]
         for start in range(0, len(slots), len(scratch)):
             batch = tuple(slots[start : start + len(scratch)])
             event_id = AUDIT_EVENT_ID + num_audited
@@ -113,11 +114,15 @@ def audit_tier(harness: VllmHarness) -> int:
             for slot, gpu_block in zip(batch, scratch, strict=False):
                 key = keys[slot]
                 assert key is not None
+                group = key_group_id(key)
                 request, index = blocks[key_block_hash(key)]
-                prints = fingerprints.upto(request, (index + 1) * size)
-                table = [0] * index + [gpu_block]
-                positions = range(index * size, (index + 1) * size)
+                end = (index + 1) * harness.cfg.hash_block_size
+                prints = fingerprints.upto(request, end)
                 for cache in harness.caches:
-                    cache.check_positions(f"{tier.value} slot {slot}", 0, table, prints, positions)
+                    size = cache.block_sizes[group]
+                    first = end - 1 if cache.is_state[group] else (end - 1) // size * size
+                    table = [0] * (first // size) + [gpu_block]
+                    what = f"{tier.value} slot {slot}"
+                    cache.check_positions(what, group, table, prints, range(first, end))
                 num_audited += 1
     return num_audited

@@ -91,10 +91,15 @@ class HarnessConfig:
     prefill chunk takes at most that many tokens (0: no cap). `kv_groups`
     (empty: one full-attention group of `block_size`) makes the model hybrid: one group
     per entry, `num_layers` layers each, the KV heads scaled so that every group's page
-    has the same size (vLLM's shared allocation needs it); `block_size` is then the hash
-    block size, the smallest group's. A Mamba group (`KVGroupDef.mamba`) turns on vLLM's
-    "align" cache mode; its block size must be `block_size`, where vLLM's scheduler ends
-    the prefill chunks of that mode. `eagle` gives vLLM an EAGLE speculative config
+    has the same size (vLLM's shared allocation needs it); `block_size` is then the
+    smallest group's. A Mamba group (`KVGroupDef.mamba`) turns on vLLM's "align" cache
+    mode; its block size must be `block_size`, where vLLM's scheduler ends the prefill
+    chunks of that mode. `prefix_match_unit` is vLLM's (None: `block_size`): the hash
+    block size, finer than the groups' blocks (a hybrid model's large blocks with
+    `--prefix-match-unit`); with a Mamba group vLLM then keeps the state at the prompt's
+    last hash boundary inside a block (a "partial tail") and copies it aside when the
+    request goes on (`kv_cache_block_copies`, which the harness runs before a forward).
+    `eagle` gives vLLM an EAGLE speculative config
     (`EagleStandIn`: no drafter runs) so its scheduler and KV cache manager drop the last
     block of prefix hits and, in a Mamba group, keep the state where such a hit ends; the
     fake runner rejects every draft position vLLM schedules (synchronous scheduling only).
@@ -125,6 +130,7 @@ class HarnessConfig:
     kv_groups: tuple[KVGroupDef, ...] = ()
     eagle: bool = False
     max_loras: int = 0
+    prefix_match_unit: int | None = None
 
     def __post_init__(self) -> None:
         if self.batch_queue_size > 1 and not self.async_scheduling:
@@ -134,9 +140,17 @@ class HarnessConfig:
             # asynchronous scheduling drafts are placeholders too, which it does not model.
             raise ValueError("the harness runs an EAGLE config with vLLM's Scheduler only")
         if self.kv_groups and self.block_size != min(g.block_size for g in self.kv_groups):
-            raise ValueError("block_size must be the smallest group's (the hash block size)")
+            raise ValueError("block_size must be the smallest group's block size")
         if any(g.mamba and g.block_size != self.block_size for g in self.kv_groups):
             raise ValueError("a Mamba group's block size must be block_size (align mode)")
+        unit = self.prefix_match_unit
+        if unit is not None and (not self.kv_groups or self.block_size % unit):
+            raise ValueError("prefix_match_unit must divide block_size of a hybrid model")
+
+    @property
+    def hash_block_size(self) -> int:
+        """Return the hash block size: `prefix_match_unit`, else `block_size`."""
+        return self.prefix_match_unit or self.block_size
 
     @property
     def groups(self) -> tuple[KVGroupDef, ...]:
@@ -281,6 +295,7 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
         block_size=cfg.block_size,
         enable_prefix_caching=True,
         mamba_cache_mode="align" if cfg.has_mamba else "none",
+        prefix_match_unit=cfg.prefix_match_unit,
     )
     kv_transfer_config = None
     if cfg.connector is not None:
@@ -329,11 +344,11 @@ def build_kv_cache_config(cfg: HarnessConfig, vllm_config: VllmConfig) -> KVCach
     assert config.num_blocks == cfg.num_gpu_blocks
     # The engine core resolves these before building the scheduler.
     config.kv_cache_layout = cfg.kv_cache_layout
-    config.hash_block_size = cfg.block_size
+    config.hash_block_size = cfg.hash_block_size
     config.cache_hit_alignment_tokens = cfg.block_size
     if cfg.kv_groups:
         scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(config, vllm_config)
-        assert hash_block_size == cfg.block_size, (hash_block_size, cfg.block_size)
+        assert hash_block_size == cfg.hash_block_size, (hash_block_size, cfg.hash_block_size)
         config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
             config, vllm_config, scheduler_block_size, hash_block_size
         )
@@ -360,7 +375,7 @@ def build_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=scheduler_block_size,
-        hash_block_size=cfg.block_size,
+        hash_block_size=cfg.hash_block_size,
         log_stats=True,
     )
     return scheduler, vllm_config, kv_cache_config

@@ -135,7 +135,7 @@ class VllmHarness:
         self.scheduler, self.vllm_config, self.kv_cache_config = build_scheduler(
             cfg, self._model_dir.name
         )
-        self._block_hasher = get_request_block_hasher(cfg.block_size, sha256)  # hash blocks
+        self._block_hasher = get_request_block_hasher(cfg.hash_block_size, sha256)  # hash blocks
         self.check_kv = check_kv
         self.caches = [FakeKVCache(self.kv_cache_config) for _ in range(cfg.num_ranks)]
         factory = worker_factory or (lambda harness, cache: NoWorker())
@@ -249,6 +249,8 @@ class VllmHarness:
     def _launch(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         scheduler_output = self.scheduler.schedule()
         self._record_admissions()
+        for cache in self.caches:  # vLLM's model runner: before the connector's calls
+            cache.copy_blocks(scheduler_output.kv_cache_block_copies or ())
         for worker in self.workers:
             worker.before_forward(scheduler_output)
         sampled = self._forward(scheduler_output)
