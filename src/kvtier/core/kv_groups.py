@@ -150,6 +150,22 @@ class KVLayout:
             return cacheable[0]
         return None
 
+    @cached_property
+    def coarse_state_groups(self) -> dict[int, int]:
+        """Return {group id: block size} of the cacheable state groups whose block spans
+        several hash blocks.
+
+        Hits end on whole blocks of such a group (`supports_fine_grained_hits` is off), so
+        a block of it keyed where a hash block ends inside it (an engine's partial tail)
+        is never served: it is not stored.
+        """
+        hbs = self.hash_block_size
+        return {
+            i: g.block_size
+            for i, g in enumerate(self.groups)
+            if g.kind is GroupKind.STATE and g.block_size > hbs
+        }
+
     def blocks_per_hash(self, group_id: int) -> int:
         """Return how many hash blocks one block of `group_id` spans."""
         return self.groups[group_id].block_size // self.hash_block_size

@@ -21,6 +21,8 @@ class StoreOutcome(enum.Enum):
     UNHASHED = "dropped_unhashed"
     NOT_ADMITTED = "dropped_not_admitted"  # the tier's admission policy refused it
     NO_TAG = "skipped_no_token_tag"  # token check on: no tag known for the block's KV
+    # A state block keyed inside its block (`KVLayout.coarse_state_groups`): never served
+    PARTIAL_STATE = "dropped_partial_state"
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.lazy_walk import LazyWalk
 from kvtier.offload.loaded_blocks import LoadedBlocks
+from kvtier.offload.partial_states import is_partial_state, without_partial_states
 from kvtier.offload.protocols import (
     GpuPoolView,
     Handoff,
@@ -314,16 +315,23 @@ class StoreSelector(StoreQueueing):
         visited, keys = self.gpu_pool.free_after(lazy.cursor, target)
         if not visited:
             return  # nothing new since the cursor: stay where we are
+        run, run_keys = visited, keys
+        if self.layout.coarse_state_groups:
+            run, run_keys = without_partial_states(self.layout, self.gpu_pool, visited, keys)
+            self.counters.count_many(StoreOutcome.PARTIAL_STATE, len(visited) - len(run))
         num_queued = len(self.queued)
-        end = select_run(self, visited, 0, len(visited), known_keys=keys)
-        if end < len(visited) and visited[end] not in lazy.deferred:  # stopped: tier full
-            self.counters.count_store(StoreOutcome.DEFERRED)
-            lazy.deferred.add(visited[end])
+        end = select_run(self, run, 0, len(run), known_keys=run_keys)
+        stop = len(visited)
+        if end < len(run):  # stopped: tier full
+            stop = end if run is visited else visited.index(run[end])
+            if run[end] not in lazy.deferred:
+                self.counters.count_store(StoreOutcome.DEFERRED)
+                lazy.deferred.add(run[end])
         selected = set(self.queued.gpu_block_ids[num_queued:])
         lazy.deferred.difference_update(selected)
         lazy.copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
-        lazy.cursor = next((b for b in reversed(visited[:end]) if b not in selected), lazy.cursor)
+        lazy.cursor = next((b for b in reversed(visited[:stop]) if b not in selected), lazy.cursor)
 
     def select_handoffs(
         self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
@@ -335,6 +343,10 @@ class StoreSelector(StoreQueueing):
                 outcome = StoreOutcome.REQUEST_GONE
             elif not self.layout.groups[handoff.group_id].is_cacheable:
                 outcome = StoreOutcome.NULL
+            elif self.layout.coarse_state_groups and is_partial_state(
+                self.layout, self.gpu_pool, handoff.gpu_block_id
+            ):
+                outcome = StoreOutcome.PARTIAL_STATE
             else:
                 self.loaded.note_in_use(handoff.request_id, ((handoff.gpu_block_id,),))
                 tag = None
