@@ -212,19 +212,25 @@ class OffloadScheduler(SchedulerObservability):
         request: RequestView,
         block_ids_per_group: Sequence[Sequence[int]],
         num_external_tokens: int,
+        scheduled: bool = False,
     ) -> dict[Tier, int]:
         """Queue the load of `num_external_tokens` accepted tokens into the request's blocks.
 
         `block_ids_per_group` is the request's whole GPU block table per group. If the
         load cannot be queued, the next `apply_report` returns it as a failed load.
         Returns how many of the tokens each tier serves (empty when none is loaded).
+
+        `scheduled`: the next plan schedules the request with this whole table (vLLM runs
+        a request allocated without external tokens in the step that allocated it). Lazy
+        mode then notes its blocks in use once, in that plan, not here too: a note only
+        drops walk state, and only the plan's walk reads it.
         """
         # `selector` and empty calls skipped: called once per request between engine
         # steps, it runs cold, where every Python call costs ~0.5-1 µs.
         selector = self._selector if self._selector is not None else self.selector
         if self.config.store_mode is StoreMode.EAGER:
             selector.track(request.request_id)
-        else:
+        elif not scheduled:
             selector.lazy.note_blocks_in_use(block_ids_per_group)
         if selector.loaded.by_block:
             selector.loaded.note_in_use(request.request_id, block_ids_per_group)

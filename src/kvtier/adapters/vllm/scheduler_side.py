@@ -176,7 +176,11 @@ class SchedulerSide(SchedulerStats):
         view = self._requests.get(request.request_id)  # `add_request`, inlined (hot)
         if view is None or view.request is not request:
             view = self.add_request(request)
-        split = self.offload.on_allocated(view, blocks.get_block_ids(), num_external_tokens)
+        # Without external tokens (kvtier's loads are asynchronous) vLLM schedules the
+        # request in this step, with this whole table: the plan notes its blocks.
+        split = self.offload.on_allocated(
+            view, blocks.get_block_ids(), num_external_tokens, num_external_tokens == 0
+        )
         self._last_split = (
             request.request_id,
             {t: n for t, n in split.items() if n} if split else {},
