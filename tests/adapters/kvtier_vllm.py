@@ -90,6 +90,19 @@ def offload_worker(harness: VllmHarness, rank: int = 0) -> OffloadWorker:
     return kvtier_worker(harness, rank).connector.worker_side.worker  # type: ignore[attr-defined,no-any-return]
 
 
+def flush_before_polls(worker: OffloadWorker) -> None:
+    """Make `worker` finish every copy before each poll: none is in flight between steps
+    (vLLM's reset raises while any GPU block is referenced, and kvtier pins the blocks of
+    stores in flight)."""
+    poll = worker.poll
+
+    def poll_after_flush() -> WorkerReport:
+        worker.flush()
+        return poll()
+
+    worker.poll = poll_after_flush  # type: ignore[method-assign]
+
+
 def num_resent(harness: VllmHarness) -> int:
     """Return how many outputs the ranks sent again because vLLM dropped them
     (`redelivery.Outbox`): none unless a test drops one."""

@@ -23,6 +23,7 @@ from kvtier_vllm import (
     PollGate,
     check_quiescent,
     drain,
+    flush_before_polls,
     kvtier_config,
     kvtier_harness,
     offload_worker,
@@ -166,16 +167,7 @@ def test_preemption_flushes_and_resumed_requests_stay_correct(
 
 def test_reset_with_running_requests_preempts_them_and_they_finish() -> None:
     harness = kvtier_harness()
-    # vLLM's reset raises while any GPU block is referenced, and kvtier pins the blocks
-    # of stores in flight: finish every copy within its step so none is at the reset.
-    worker = offload_worker(harness)
-    poll = worker.poll
-
-    def poll_after_flush() -> WorkerReport:
-        worker.flush()
-        return poll()
-
-    worker.poll = poll_after_flush  # type: ignore[method-assign]
+    flush_before_polls(offload_worker(harness))  # no copy in flight at a reset
     prompts = shared_prefix_prompts(6, prefix_len=64, suffix_len=24, num_prefixes=2)
     for request_id, prompt in prompts.items():
         harness.add_request(request_id, prompt, max_tokens=16)

@@ -26,6 +26,7 @@ from kvtier_vllm import (
     SCHEDULING,
     PollGate,
     check_quiescent,
+    flush_before_polls,
     kvtier_harness,
     offload_worker,
     scheduler_side,
@@ -34,7 +35,6 @@ from table_mirror import TableMirror, audit_tier
 from vllm_engine import KVGroupDef
 from vllm_harness import VllmHarness, shared_prefix_prompts
 
-from kvtier.offload.plan import WorkerReport
 from kvtier.offload.protocols import StepInput, TableUpdate
 from kvtier.offload.store_selection import StoreSelector
 
@@ -164,16 +164,7 @@ def test_a_reset_preempting_running_requests_between_steps(scheduling: str, runn
     same; the in-flight step's output for them comes back after they resumed."""
     harness = kvtier_harness(**SCHEDULING[scheduling])
     harness.scheduler.use_v2_model_runner = runner == "v2"
-    # vLLM's reset raises while any GPU block is referenced, and kvtier pins the blocks
-    # of stores in flight: finish every copy within its step so none is at the reset.
-    worker = offload_worker(harness)
-    poll = worker.poll
-
-    def poll_after_flush() -> WorkerReport:
-        worker.flush()
-        return poll()
-
-    worker.poll = poll_after_flush  # type: ignore[method-assign]
+    flush_before_polls(offload_worker(harness))  # no copy in flight at a reset
     mirror = TableMirror(harness)
     prompts = shared_prefix_prompts(6, prefix_len=64, suffix_len=24, num_prefixes=2)
     for request_id, prompt in prompts.items():

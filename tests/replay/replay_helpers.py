@@ -1,10 +1,15 @@
-"""Small traces for the replay tests: a chat workload and a document-reuse workload."""
+"""Small traces for the replay tests (a chat workload and a document-reuse workload), and
+the Python API's entries into a replay."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 
+from kvtier.replay import ReplayConfig, TierConfig, TierReplay, replay_trace
 from kvtier.replay.generate import ChatWorkloadConfig, generate_chat_trace
+from kvtier.replay.sweep import run_sweep
+from kvtier.replay.tier_replay import trace_keys
 from kvtier.replay.trace import TraceRecord
 
 BLOCK = 8  # tokens per block in the small traces
@@ -49,3 +54,20 @@ def doc_trace(seed: int = 0, num_requests: int = 150) -> list[TraceRecord]:
             tokens = len(ids) * BLOCK
         records.append(TraceRecord(i * 10, tokens, rng.randint(1, 50), tuple(ids)))
     return records
+
+
+API_CONFIG = ReplayConfig(tiers=(TierConfig("CPU", 10 * BLOCK, 25.0),), block_size=BLOCK)
+"""One CPU tier of 10 blocks: what `API_ENTRIES` replay through."""
+
+
+def _sweep(records: Sequence[TraceRecord]) -> object:
+    return run_sweep(records, API_CONFIG, ["lru", "belady"], [10 * BLOCK])
+
+
+API_ENTRIES: dict[str, Callable[[Sequence[TraceRecord]], object]] = {
+    "replay_trace": lambda records: replay_trace(records, API_CONFIG),
+    "TierReplay": lambda records: TierReplay(records, API_CONFIG),
+    "run_sweep": _sweep,
+    "trace_keys": lambda records: trace_keys(records, BLOCK),
+}
+"""The Python API's ways into a replay, by name: each checks the records handed to it."""

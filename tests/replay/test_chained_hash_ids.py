@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from replay_helpers import BLOCK
+from replay_helpers import API_CONFIG, API_ENTRIES, BLOCK
 
-from kvtier.replay import ReplayConfig, TierConfig, TierReplay, TraceError, replay_trace
-from kvtier.replay.sweep import run_sweep
+from kvtier.replay import TraceError, replay_trace
 from kvtier.replay.tier_replay import trace_keys
 from kvtier.replay.trace import TraceRecord, read_trace
 
-CONFIG = ReplayConfig(tiers=(TierConfig("CPU", 10 * BLOCK, 25.0),), block_size=BLOCK)
 GOOD = TraceRecord(0, 2 * BLOCK, 1, (1, 2))
 CHAINED = "; hash ids must be chained prefix hashes (equal ids, equal prefixes)"
 OWN_ID = "; a partial last block needs an id of its own (equal ids, equal prefixes)"
@@ -60,29 +57,17 @@ CASES = {
 }
 
 
-def _sweep(records: Sequence[TraceRecord]) -> object:
-    return run_sweep(records, CONFIG, ["lru", "belady"], [10 * BLOCK])
-
-
-ENTRIES: dict[str, Callable[[Sequence[TraceRecord]], object]] = {
-    "replay_trace": lambda records: replay_trace(records, CONFIG),
-    "TierReplay": lambda records: TierReplay(records, CONFIG),
-    "run_sweep": _sweep,
-    "trace_keys": lambda records: trace_keys(records, BLOCK),
-}
-
-
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("entry", API_ENTRIES)
 def test_the_api_rejects_a_broken_chain_naming_the_record_and_ids(entry: str, case: str) -> None:
     """Regression: the API replayed such records (the CLI refused them), a reused id
     serving a prefix hit where the prompts differ."""
     after, first, template = CASES[case]
     records = [GOOD, *after]
-    ENTRIES[entry](records[:-1])  # the records before the last replay
+    API_ENTRIES[entry](records[:-1])  # the records before the last replay
     message = template.format(where=f"record {len(after)}", first=f"record {first}")
     with pytest.raises(TraceError, match="^" + re.escape(message) + "$"):
-        ENTRIES[entry](records)
+        API_ENTRIES[entry](records)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -111,4 +96,4 @@ def test_chained_records_replay_alike_through_the_api_and_the_reader(tmp_path: P
     ]
     keys = trace_keys(records, BLOCK)
     assert keys[0] == keys[1][:2] == keys[3][:2]
-    assert replay_trace(records, CONFIG).tiers[0].num_hit_blocks == 2 + 1 + 2
+    assert replay_trace(records, API_CONFIG).tiers[0].num_hit_blocks == 2 + 1 + 2

@@ -14,33 +14,19 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
 import pytest
-from replay_helpers import BLOCK, chat_trace
+from replay_helpers import API_ENTRIES, BLOCK, chat_trace
 
-from kvtier.replay import ReplayConfig, TierConfig, TierReplay, TraceError, replay_trace
+from kvtier.replay import TraceError
 from kvtier.replay.cli import main
-from kvtier.replay.sweep import run_sweep
 from kvtier.replay.tier_replay import trace_keys
 from kvtier.replay.trace import TraceRecord, read_trace, write_trace
 
-CONFIG = ReplayConfig(tiers=(TierConfig("CPU", 10 * BLOCK, 25.0),), block_size=BLOCK)
 GOOD = TraceRecord(10, 2 * BLOCK, 1, (1, 2))
 
-
-def _sweep(records: Sequence[TraceRecord]) -> object:
-    return run_sweep(records, CONFIG, ["lru", "belady"], [10 * BLOCK])
-
-
-ENTRIES: dict[str, Callable[[Sequence[TraceRecord]], object]] = {
-    "replay_trace": lambda records: replay_trace(records, CONFIG),
-    "TierReplay": lambda records: TierReplay(records, CONFIG),
-    "run_sweep": _sweep,
-    "trace_keys": lambda records: trace_keys(records, BLOCK),
-}
 
 # (the record after GOOD, the error naming it: record 1)
 CASES: dict[str, tuple[object, str]] = {
@@ -90,12 +76,12 @@ CASES: dict[str, tuple[object, str]] = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("entry", API_ENTRIES)
 def test_the_api_rejects_a_bad_record_naming_its_index_and_value(entry: str, case: str) -> None:
     bad, message = CASES[case]
-    ENTRIES[entry]([GOOD])  # the good record alone replays
+    API_ENTRIES[entry]([GOOD])  # the good record alone replays
     with pytest.raises(TraceError, match=f"^record 1: {re.escape(message)}$"):
-        ENTRIES[entry]([GOOD, bad])  # type: ignore[list-item]
+        API_ENTRIES[entry]([GOOD, bad])  # type: ignore[list-item]
 
 
 def test_equal_timestamps_partial_blocks_and_the_largest_id_replay() -> None:
@@ -106,7 +92,7 @@ def test_equal_timestamps_partial_blocks_and_the_largest_id_replay() -> None:
         TraceRecord(0, 2 * BLOCK, 4, (0, 1)),
         TraceRecord(7, BLOCK, 0, (2**64 - 1,)),
     ]
-    for entry in ENTRIES.values():
+    for entry in API_ENTRIES.values():
         entry(records)
 
 
