@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from worker_drops import DropRecorder, freeze_imported_objects
+from worker_drops import DropRecorder, freeze_imported_objects, workers_pending
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 torch.set_num_threads(1)
@@ -52,7 +52,8 @@ def _workers_shut_down(request: pytest.FixtureRequest) -> Iterator[None]:
     num_failed = request.session.testsfailed
     with DropRecorder() as recorder:
         yield
-        gc.collect()  # release whatever the test dropped now, not inside a later test
+        if workers_pending():  # release what the test dropped now, not in a later test
+            gc.collect()
     # A failed test skipped its shutdowns: its failure says enough.
     if recorder.dropped and not on_purpose and request.session.testsfailed == num_failed:
         pytest.fail(
