@@ -175,3 +175,14 @@ def test_the_help_says_what_the_independent_disk_tier_is_offered() -> None:
     text = " ".join(parser.format_help().split())
     assert "every block the CPU lacks is offered to both" not in text
     assert "every block a tier lacks is offered to it, whether or not the CPU holds it" in text
+
+
+def test_the_cost_model_options_name_their_units() -> None:
+    # Regression: --prefill-tokens-per-s said "prefill speed (default 10000)", no unit.
+    parser = argparse.ArgumentParser(prog="kvtier replay")
+    configure(parser)
+    helps = {action.dest: action.help or "" for action in parser._actions}
+    assert "tokens/s" in helps["prefill_tokens_per_s"]
+    assert "bytes per token" in helps["bytes_per_token"]
+    assert "GB/s" in helps["cpu_link_gbps"]
+    assert "GB/s" in helps["disk_link_gbps"]

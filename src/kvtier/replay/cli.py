@@ -154,7 +154,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action=StoreOnce,
         type=rate,
         default=defaults.prefill_tokens_per_s,
-        help=f"TTFT model: prefill speed (default {defaults.prefill_tokens_per_s:g})",
+        help=f"TTFT model: prefill speed in tokens/s (default {defaults.prefill_tokens_per_s:g})",
     )
     parser.add_argument(
         "--bytes-per-token",
