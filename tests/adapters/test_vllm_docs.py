@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+import kvtier.adapters.vllm.config as vllm_config
 from kvtier.adapters.vllm.config import offload_config_from_vllm
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from kvtier.offload.config import OffloadConfig
@@ -87,6 +88,28 @@ def test_documented_settings_defaults_are_the_configs(doc: str) -> None:
         documented, code = parse_default(default), code_default(key)
         unset = code is None or (type(code) is int and code == 0)
         assert documented == code or (documented is None and unset), (key, default, code)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_documented_settings_are_the_keys_the_connector_takes(doc: str) -> None:
+    keys = set(vllm_config._KEYS) - {"disk_persist"}  # refused unless false: in the prose
+    own = keys - set(vllm_config._ALIASES)
+    assert table_keys(doc) == own
+    assert keys <= set(re.findall(r"`([a-z_]+)`", subsection(doc, "Settings")))
+
+
+def test_the_config_docstring_names_every_key_of_kvtiers_spelling() -> None:
+    # Regression: it listed kvtier's own keys without token_check.
+    own = set(vllm_config._KEYS) - set(vllm_config._ALIASES) - {"disk_persist"}
+    named = set(re.findall(r"`([a-z_]+)`", vllm_config.__doc__ or ""))
+    assert sorted(own - named) == []
+
+
+def table_keys(doc: str) -> set[str]:
+    """The keys in the first column of the Settings table (a row may name two)."""
+    lines = subsection(doc, "Settings").splitlines()
+    rows = [line.split("|")[1] for line in lines if line.startswith("| `")]
+    return {key for row in rows for key in re.findall(r"`([a-z_]+)`", row)}
 
 
 def test_documented_policy_names_are_the_registered_ones() -> None:

@@ -8,7 +8,12 @@ importable without vLLM. Modules:
 - `scheduler_side` / `worker_side`: the scheduler and worker roles as calls of kvtier's
   `OffloadScheduler` / `OffloadWorker` (import vLLM).
 - `load_tracker`: which requests' (possibly multi-event) loads are complete on a worker.
-- `metadata`, `stats`: what crosses between the roles; stats and Prometheus metrics.
+- `metadata`, `stats`, `scheduler_stats`: what crosses between the roles; stats and
+  Prometheus metrics; the scheduler role's per-step stats payload.
+- `worker_results`: what the worker role hands vLLM each step (finished and failed loads,
+  suspect GPU blocks, worker metadata).
+- `plan_memory`, `redelivery`: under vLLM's fault tolerance, what a rank that skipped a
+  plan must still report or echo, and a worker output vLLM dropped, sent again once.
 - `views`: vLLM's `Request` and GPU `BlockPool` as kvtier's `RequestView` / `GpuPoolView`.
 - `layout`: vLLM's `KVCacheConfig` as kvtier's `KVLayout`; tier sizing.
 - `regions`: byte views of vLLM's KV allocation from its placement.

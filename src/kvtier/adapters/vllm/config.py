@@ -5,7 +5,7 @@ Two spellings are accepted, never mixed for one setting:
 - kvtier's own keys (SPEC §8, `OffloadConfig.from_dict`): `cpu_bytes`, `disk_bytes`,
   `disk_path` (a directory; each rank creates its own file in it), `disk_io_mode` /
   `disk_direct_io`, `disk_buffer_slots`, `num_blocks`, `store_mode`, `fine_grained_hits`,
-  `cascade`, and `policy` (`"EVICTION[+ADMISSION]"`, e.g. `"arc"` or `"lru+door"`; or
+  `token_check`, `cascade`, and `policy` (`"EVICTION[+ADMISSION]"`, e.g. `"arc"` or `"lru+door"`; or
   the two halves as `eviction_policy` / `admission_policy`). Byte budgets are per rank.
 - vLLM SimpleCPUOffloadConnector's keys, so a deployment can swap connectors without
   touching its config: `cpu_bytes_to_use` (one engine's total, divided by vLLM's world size,
