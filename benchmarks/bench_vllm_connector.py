@@ -48,7 +48,8 @@ two engines in one process its cost would land on either connector at random.
 Run (the vLLM venv, see mk/vllm.mk):
 `VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 .venv-vllm/bin/python benchmarks/bench_vllm_connector.py [--quick] [--json PATH]`;
-`--token-check --modes eager` measures kvtier with its token check on (SPEC §3 Beyond).
+`--token-check --modes eager` measures kvtier with its token check on (SPEC §3 Beyond),
+`--policy duel` with another tier policy.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ import torch
 
 from call_timer import CallTimer, clock_overhead_ns
 from kvtier.offload.plan import Tier
-from vllm_connector_options import CLOCKS, DEFAULTS, QUICK
+from vllm_connector_options import CLOCKS, DEFAULTS, QUICK, kvtier_extra_config
 from vllm_connector_options import build_parser as options_parser
 
 try:  # --help and option errors need no vLLM; a run does (`make bench-vllm`)
@@ -164,11 +165,7 @@ def build(connector: str, mode: str, args: argparse.Namespace) -> Run:
         cfg = HarnessConfig(
             connector="KVTierConnector",
             connector_module="kvtier.adapters.vllm",
-            extra_config={
-                "cpu_bytes": tier_bytes,
-                "store_mode": mode,
-                "token_check": args.token_check,
-            },
+            extra_config=kvtier_extra_config(tier_bytes, mode, args),
             kv_load_failure_policy="recompute",
             **common,
         )
@@ -365,7 +362,8 @@ def main() -> None:
         f" {machine['torch_threads']}, load {machine['load_avg_at_start'][0]:.1f};"
         f" {args.num_requests} requests x {args.reps} runs per mode, seed {args.seed},"
         f" clock {args.clock} ({args.clock_overhead_ns:.0f} ns per timed call, subtracted),"
-        f" gc {args.gc}" + (", kvtier token check on" if args.token_check else "")
+        f" gc {args.gc}, kvtier policy {args.policy}"
+        + (", kvtier token check on" if args.token_check else "")
     )
     requests = workload(args.num_requests, args.seed)
     results: dict[str, list[dict]] = {}

@@ -1,4 +1,4 @@
-"""`bench_vllm_connector.py`'s options: store modes, clocks, run sizes and the parser."""
+"""`bench_vllm_connector.py`'s options: store modes, clocks, run sizes, kvtier's config."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import time
 
 from bench_common import new_parser, nonnegative_int, output_file, positive_int
+from kvtier.core.policies import PolicySpec
 
 MODES = ("eager", "lazy")
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
@@ -22,6 +23,24 @@ def store_modes(text: str) -> list[str]:
             f"expected a comma list of distinct modes from {', '.join(MODES)}, got {text!r}"
         )
     return modes
+
+
+def tier_policy(text: str) -> str:
+    """An argparse type: kvtier's tier policy, `EVICTION[+ADMISSION]` (`duel`, `lru+door`)."""
+    try:
+        return PolicySpec.parse(text).name
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def kvtier_extra_config(tier_bytes: int, mode: str, args: argparse.Namespace) -> dict:
+    """Return kvtier's `kv_connector_extra_config` for a run in store `mode`."""
+    return {
+        "cpu_bytes": tier_bytes,
+        "store_mode": mode,
+        "token_check": args.token_check,
+        "policy": args.policy,
+    }
 
 
 def build_parser(doc: str | None) -> argparse.ArgumentParser:
@@ -54,6 +73,13 @@ def build_parser(doc: str | None) -> argparse.ArgumentParser:
         "--token-check",
         action="store_true",
         help="run kvtier with its token check on (eager mode only: pass --modes eager)",
+    )
+    parser.add_argument(
+        "--policy",
+        type=tier_policy,
+        default="lru",
+        help="kvtier's tier policy, EVICTION[+ADMISSION] (default lru; vLLM's connector"
+        " evicts LRU)",
     )
     parser.add_argument(
         "--copies",

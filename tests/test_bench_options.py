@@ -70,6 +70,7 @@ BAD_VALUES = [
     ("bench_vllm_connector", ["--modes", "lazy,lazy"], "--modes: expected a comma list"),
     ("bench_vllm_connector", ["--window", "0"], "--window: expected a number >= 1, got 0"),
     ("bench_vllm_connector", ["--copies", "sync"], "--copies: invalid choice: 'sync'"),
+    ("bench_vllm_connector", ["--policy", "lru+nope"], "--policy: unknown admission policy"),
 ]
 
 
