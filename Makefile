@@ -38,8 +38,13 @@ types: $(STAMP)
 line-budget:
 	$(PYTHON) scripts/check_line_budget.py src tests benchmarks scripts
 
+# The tests run one torch thread each (tests/conftest.py), so pytest runs one process per
+# core (at most PYTEST_WORKERS); PYTEST_WORKERS=0 runs them in this process.
+PYTEST_WORKERS ?= 4
+PYTEST_ARGS := $(if $(filter 0,$(PYTEST_WORKERS)),,-n auto --maxprocesses $(PYTEST_WORKERS))
+
 pytest: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 # CPU-only vs DISK-only vs the CPU -> DISK cascade at equal bytes (trace replay, ~1 min
 # on 2 cores; BENCH_ARGS=--json PATH).

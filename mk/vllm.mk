@@ -25,7 +25,7 @@ $(VLLM_STAMP): $(VLLM_REQS) pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_ENV) timeout 1200 $(VLLM_BIN)/python -m pytest -q tests/adapters
+	$(VLLM_ENV) timeout 1200 $(VLLM_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/adapters
 
 # kvtier's connector vs vLLM's SimpleCPUOffloadConnector, scheduler side (BENCH_ARGS=--quick).
 bench-vllm: $(VLLM_STAMP)
