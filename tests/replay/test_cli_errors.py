@@ -117,9 +117,11 @@ def test_json_and_sweep_folder_are_written_when_valid(tmp_path: Path) -> None:
     [
         (["--out", "somewhere"], ["--out", "--sweep"]),
         (["--disk-link-gbps", "3"], ["--disk-link-gbps", "--disk-capacity"]),
-        (["--capacity", "0"], ["--capacity 0 holds no 8-token block (--block-size 8)"]),
-        (["--capacity", "1M", "--capacity", "7"], ["--capacity 7 holds no 8-token block"]),
-        (["--disk-capacity", "7"], ["--disk-capacity 7 holds no", "or 0 for none"]),
+        (["--capacity", "0"], ["--capacity/--cpu 0 holds no 8-token block (--block-size 8)"]),
+        (["--capacity", "1M", "--capacity", "7"], ["--capacity/--cpu 7 holds no 8-token"]),
+        (["--cpu", "7"], ["--capacity/--cpu 7 holds no 8-token block"]),
+        (["--disk-capacity", "7"], ["--disk-capacity/--disk 7 holds no", "or 0 for none"]),
+        (["--disk", "7"], ["--disk-capacity/--disk 7 holds no", "or 0 for none"]),
         (["--gpu-capacity", "7"], ["--gpu-capacity 7 holds no", "or 0 for none"]),
         (
             ["--capacity", "64", "--disk", "32", "--cascade", "write_through"],

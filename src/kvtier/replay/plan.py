@@ -89,12 +89,14 @@ def _check_capacities(args: argparse.Namespace) -> None:
     block = args.block_size
     if not args.capacity:
         _check_default_capacities(args)
-    sizes = [("--capacity", tokens) for tokens in args.capacity or []]
-    sizes += [("--disk-capacity", args.disk_capacity), ("--gpu-capacity", args.gpu_capacity)]
+    # Named with their aliases, as argparse names them: the user may have typed either.
+    sizes = [("--capacity/--cpu", tokens) for tokens in args.capacity or []]
+    sizes += [("--disk-capacity/--disk", args.disk_capacity)]
+    sizes += [("--gpu-capacity", args.gpu_capacity)]
     for option, tokens in sizes:
-        is_none = option != "--capacity" and tokens == 0  # no tier: 0 for the other two
-        if tokens < block and not is_none:
-            none = "" if option == "--capacity" else ", or 0 for none"
+        is_lower = option.startswith("--capacity")
+        if tokens < block and (is_lower or tokens != 0):  # 0: no such tier, for the other two
+            none = "" if is_lower else ", or 0 for none"
             raise ReplayError(
                 f"{option} {format_tokens(tokens)} holds no {block}-token block "
                 f"(--block-size {block}): give at least {block} tokens{none}"
