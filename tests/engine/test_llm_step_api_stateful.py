@@ -268,7 +268,7 @@ class StepApiMachine(RuleBasedStateMachine):
             assert rid not in self.returned
             assert rid not in self.aborted
             self.returned.add(rid)
-            assert output.prompt_token_ids == tuple(prompt)
+            assert output.prompt_token_ids == list(prompt)
             assert output.finish_reason == "length", output
             assert output.output_token_ids == self.expected_tokens(prompt, sp.max_tokens), (
                 f"{rid}: {output} ({self.faults.num_failed} transfers failed)"

@@ -47,7 +47,7 @@ def test_tokens_prompts_run_as_their_token_lists(
     prompts: Any, plain: list[list[int]], params: SamplingParams
 ) -> None:
     expected = results(plain, params)
-    assert [p for p, _ in expected] == [tuple(p) for p in plain]
+    assert [p for p, _ in expected] == [list(p) for p in plain]
     assert results(prompts, params) == expected
 
 
@@ -69,12 +69,22 @@ def test_add_request_takes_a_tokens_prompt() -> None:
         {"prompt_token_ids": [1, 2, 3], "prompt": "a b c"},
         {"prompt_token_ids": [1, 2, 3], "multi_modal_data": None, "cache_salt": None},
         {"prompt": "a b c", "prompt_token_ids": [1, 2, 3], "mm_processor_kwargs": None},
+        {
+            "prompt_token_ids": [1, 2, 3],
+            "prompt": "",
+            "multi_modal_data": {},
+            "mm_processor_kwargs": {},
+            "multi_modal_uuids": {},
+            "cache_salt": "",
+            "token_type_ids": [],
+        },
     ],
-    ids=["text-beside-ids", "none-values", "text-and-none"],
+    ids=["text-beside-ids", "none-values", "text-and-none", "empty-values"],
 )
 def test_text_beside_the_ids_and_none_values_run_as_the_ids(prompt: dict[str, Any]) -> None:
     """Regression: refused by key, where vLLM 0.33 runs the ids (a `TokensPrompt`'s text
-    is not tokenized, only carried) and reads a None value as no value."""
+    is not tokenized, only carried) and reads a None value as no value, and an empty one
+    too (`multi_modal_data: {}`: its `if data := prompt.get(key)` tests skip it)."""
     expected = results([[1, 2, 3]], SAMPLED)
     assert results([prompt], SAMPLED) == expected
     assert results(prompt, SAMPLED) == expected
@@ -82,7 +92,33 @@ def test_text_beside_the_ids_and_none_values_run_as_the_ids(prompt: dict[str, An
     request = llm.add_request(prompt, SAMPLED)
     while request not in llm.step():
         pass
-    assert [(tuple(request.prompt_token_ids), tuple(request.output_token_ids))] == expected
+    assert [(request.prompt_token_ids, tuple(request.output_token_ids))] == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text"),
+    [
+        ({"prompt_token_ids": [1, 2, 3], "prompt": "a b c"}, "a b c"),
+        ({"prompt_token_ids": [1, 2, 3], "prompt": ""}, None),
+        ({"prompt_token_ids": [1, 2, 3], "prompt": None}, None),
+        ({"prompt_token_ids": [1, 2, 3]}, None),
+        ([1, 2, 3], None),
+    ],
+    ids=["text", "empty-text", "none-text", "no-text", "list"],
+)
+def test_a_tokens_prompts_text_is_carried_to_its_output(prompt: Any, text: str | None) -> None:
+    """Regression: a `TokensPrompt`'s text was dropped (`RequestOutput` had no `prompt`),
+    where vLLM 0.33 carries it to `RequestOutput.prompt` (None when absent or empty)."""
+    llm = small_llm()
+    (output,) = llm.generate([prompt], PARAMS)
+    assert output.prompt == text
+    assert [out.prompt for out in llm.generate([prompt, [4, 5], prompt], PARAMS)] == [
+        text,
+        None,
+        text,
+    ]
+    request = llm.add_request(prompt, PARAMS)
+    assert request.prompt == text
 
 
 @pytest.mark.parametrize(
@@ -93,10 +129,10 @@ def test_text_beside_the_ids_and_none_values_run_as_the_ids(prompt: dict[str, An
         ({"prompt_token_ids": None}, "'s 'prompt_token_ids' is None: give the prompt's token"),
         ({"multi_modal_data": None}, " has no 'prompt_token_ids': give the prompt's token ids"),
         ({"prompt_token_ids": [1], "prompt": 5}, r"'s 'prompt' must be the text .* got 5 \(int\)"),
-        ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, " has key 'multi_modal_data',"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": 0}}, " has key 'multi_modal"),
         ({"prompt_token_ids": [1, 2], "cache_salt": "s"}, " has key 'cache_salt',"),
         (
-            {"prompt_token_ids": [1], "mm_processor_kwargs": {}, "token_type_ids": [0]},
+            {"prompt_token_ids": [1], "mm_processor_kwargs": {"a": 1}, "token_type_ids": [0]},
             " has keys 'mm_processor_kwargs', 'token_type_ids',",
         ),
         ({"prompt_embeds": [[0.5]]}, " has key 'prompt_embeds',"),

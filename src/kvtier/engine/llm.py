@@ -26,9 +26,9 @@ from kvtier.engine.validation import (
     RequestLimits,
     TokenPrompt,
     as_params_list,
+    as_prompt,
     as_prompt_list,
     as_session_list,
-    as_token_ids,
     check_arguments,
     check_request,
     one_spelling,
@@ -167,8 +167,8 @@ class LLM(StallChecks):
         ]
         sessions = as_session_list(session_ids, len(checked))
         requests = [
-            self._enqueue(token_ids, sp, session)
-            for (token_ids, sp), session in zip(checked, sessions, strict=True)
+            self._enqueue(*prompt, session)
+            for prompt, session in zip(checked, sessions, strict=True)
         ]
         pending = {r.request_id for r in requests}
         others: list[Request] = []  # `add_request`'s, finished here: the next step returns them
@@ -195,7 +195,7 @@ class LLM(StallChecks):
             self.scheduler.unreturned[:0] = others
             if bar is not None:
                 bar.close()
-        return [output_of(r) for r in requests]
+        return [output_of(r, self.model_config.eos_token_ids) for r in requests]
 
     def add_request(
         self, prompt: TokenPrompt, params: SamplingParams, *, session_id: str | None = None
@@ -204,8 +204,8 @@ class LLM(StallChecks):
 
         `prompt` is a sequence of ints, a 1-D integer numpy array / torch tensor, or
         vLLM's `TokensPrompt` dict `{"prompt_token_ids": ids}` (its text `"prompt"` beside
-        them is not tokenized, and None values count as absent, as in vLLM); a dict with
-        any other key (`"multi_modal_data"`, ...) is refused by name (no tokenizer).
+        them is carried as `Request.prompt`, not tokenized; None or empty values count as
+        absent, as in vLLM); any other key (`"cache_salt"`, ...) is refused by name.
         `session_id` (e.g. a conversation's id) is carried by the tier's stored-block
         events of this request's blocks, as vLLM's are. Raises TypeError for a prompt,
         params or session id of the wrong type, and ValueError for an empty prompt, token
@@ -217,8 +217,8 @@ class LLM(StallChecks):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
         (session_id,) = as_session_list([session_id], 1)
-        token_ids, params = self._checked(prompt, params, f"request req-{self._next_id}")
-        return self._enqueue(token_ids, params, session_id)
+        checked = self._checked(prompt, params, f"request req-{self._next_id}")
+        return self._enqueue(*checked, session_id)
 
     def abort_request(self, request: Request) -> None:
         """Stop a request `add_request` returned: its GPU blocks are freed now, a load in
@@ -335,13 +335,13 @@ class LLM(StallChecks):
 
     def _checked(
         self, prompt: object, params: SamplingParams, where: str
-    ) -> tuple[list[int], SamplingParams]:
-        token_ids = as_token_ids(prompt, where)
+    ) -> tuple[list[int], str | None, SamplingParams]:
+        token_ids, text = as_prompt(prompt, where)
         check_request(token_ids, params, self._limits, where)
-        return token_ids, params
+        return token_ids, text, params
 
     def _enqueue(
-        self, token_ids: list[int], params: SamplingParams, session_id: str | None = None
+        self, token_ids: list[int], text: str | None, params: SamplingParams, session_id: str | None
     ) -> Request:
         request = Request(
             request_id=f"req-{self._next_id}",
@@ -350,6 +350,7 @@ class LLM(StallChecks):
             hasher=RequestHasher(self._hasher),
             generator=params.make_generator(self._seed_source),
             session_id=session_id,
+            prompt=text,
         )
         self._next_id += 1
         self.stats.num_prompt_tokens += len(token_ids)

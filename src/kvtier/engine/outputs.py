@@ -3,11 +3,38 @@ counts (`EngineStats`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.engine.request import Request
+from kvtier.engine.sampling import FinishReason
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's `CompletionOutput` of a request's one completion (`index` 0: the engine
+    makes one per prompt), so code reading `output.outputs[0]` runs unchanged.
+
+    `token_ids` is a list, as vLLM's. `text` is "" (the engine has no tokenizer: as
+    vLLM's with `detokenize=False`); `cumulative_logprob` and `logprobs` are None (as
+    vLLM's when no logprobs are asked for: the engine computes none). `stop_reason` is
+    the stop token id that ended it (one of `SamplingParams.stop_token_ids`), None when
+    an EOS token, `max_tokens` or an abort did, as in vLLM.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """Return True once the completion has a finish reason (as vLLM's)."""
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
@@ -19,10 +46,15 @@ class RequestOutput:
     from; a later re-admission (after a preemption) does not count. `logits` holds, when
     `EngineConfig.keep_logits` is set, the float32 logits each output token was sampled
     from ([num_output_tokens, vocab_size]).
+
+    vLLM's `RequestOutput` fields are there too, with vLLM's types: `prompt` (a
+    `TokensPrompt`'s text, None without one), `prompt_token_ids` (a list), `outputs`
+    (one `CompletionOutput`), `finished` (True) and `num_cached_tokens` (the prompt
+    tokens not computed at that admission: both hit counts).
     """
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: list[int]
     output_token_ids: tuple[int, ...]
     finish_reason: str
     ttft_s: float
@@ -30,6 +62,10 @@ class RequestOutput:
     num_local_hit_tokens: int
     num_external_hit_tokens: int
     logits: torch.Tensor | None = None
+    prompt: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -55,17 +91,44 @@ class EngineStats:
     num_external_hit_tokens: int = 0
 
 
-def output_of(request: Request) -> RequestOutput:
-    """Return the `RequestOutput` of a finished request (its kept logits stacked)."""
+def output_of(request: Request, eos_token_ids: Sequence[int]) -> RequestOutput:
+    """Return the `RequestOutput` of a finished request (its kept logits stacked);
+    `eos_token_ids` are the model's, which stop it with no `stop_reason` (as vLLM's)."""
     rows = request.kept_logits
+    reason = request.finish_reason
+    completion = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=list(request.output_token_ids),
+        cumulative_logprob=None,
+        logprobs=None,
+        finish_reason=reason.value if reason else None,
+        stop_reason=_stop_reason(request, eos_token_ids),
+    )
+    num_local, num_external = request.num_local_tokens_total, request.num_external_tokens_total
     return RequestOutput(
         request_id=request.request_id,
-        prompt_token_ids=tuple(request.prompt_token_ids),
+        prompt_token_ids=list(request.prompt_token_ids),
         output_token_ids=tuple(request.output_token_ids),
-        finish_reason=request.finish_reason.value if request.finish_reason else "",
+        finish_reason=reason.value if reason else "",
         ttft_s=request.ttft or 0.0,
         tpot_s=request.tpot or 0.0,
-        num_local_hit_tokens=request.num_local_tokens_total,
-        num_external_hit_tokens=request.num_external_tokens_total,
+        num_local_hit_tokens=num_local,
+        num_external_hit_tokens=num_external,
         logits=torch.stack(rows) if rows else None,
+        prompt=request.prompt,
+        outputs=[completion],
+        finished=request.finish_reason is not None,
+        num_cached_tokens=num_local + num_external,
     )
+
+
+def _stop_reason(request: Request, eos_token_ids: Sequence[int]) -> int | None:
+    """Return the stop token id that finished `request`, or None. As vLLM checks an EOS
+    first, an EOS token (unless `ignore_eos`) stops with None even if it is a stop id."""
+    if request.finish_reason is not FinishReason.STOP or not request.output_token_ids:
+        return None
+    token, params = request.output_token_ids[-1], request.params
+    if not params.ignore_eos and token in eos_token_ids:
+        return None
+    return token if token in params.stop_token_ids else None

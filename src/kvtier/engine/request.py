@@ -62,6 +62,7 @@ class Request:
     skip_external: bool = False  # a tier load failed: recompute instead
     kept_logits: list[torch.Tensor] = field(default_factory=list)
     session_id: str | None = None  # carried by the tier's stored-block events
+    prompt: str | None = None  # a `TokensPrompt`'s text of its ids (not tokenized)
 
     def __post_init__(self) -> None:
         self.hasher.extend(self.prompt_token_ids)

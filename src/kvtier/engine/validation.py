@@ -47,26 +47,39 @@ TokenPrompt: TypeAlias = Sequence[int] | Mapping[str, object]
 """One prompt: its token ids, or vLLM's `TokensPrompt` dict `{"prompt_token_ids": ids}`."""
 
 
-def as_token_ids(prompt: object, where: str) -> list[int]:
-    """Return `prompt` as a list of ints; raise TypeError naming `where` otherwise.
+def as_prompt(prompt: object, where: str) -> tuple[list[int], str | None]:
+    """Return `prompt`'s token ids as a list of ints, and its text (None: none); raise
+    TypeError naming `where` otherwise.
 
     Accepts a sequence of ints (numpy integers included), a 1-D integer numpy array or
     torch tensor, or vLLM's `TokensPrompt`: a mapping whose `"prompt_token_ids"` holds
-    one of those. As in vLLM, its text `"prompt"` beside the ids is not tokenized (the ids
-    run; it must be a str), and a key whose value is None counts as absent. A str is
-    refused: the engine has no tokenizer. So is any other key holding a value (a text
-    `"prompt"` alone, `"multi_modal_data"`, `"cache_salt"`, ...), by name, rather than
-    ignored.
+    one of those. As in vLLM, its text `"prompt"` beside the ids is not tokenized but
+    carried (the ids run; it must be a str; an empty one is no text), and a key whose
+    value vLLM reads as no value (None, or an empty dict, list, tuple or str, such as
+    `"multi_modal_data": {}`) counts as absent. A str is refused: the engine has no
+    tokenizer. So is any other key holding a value (a text `"prompt"` alone,
+    `"multi_modal_data"`, `"cache_salt"`, ...), by name, rather than ignored.
     """
     if isinstance(prompt, Mapping):
-        return _plain_token_ids(_tokens_of(prompt, where), f"{where}'s {TOKENS_KEY!r}")
-    return _plain_token_ids(prompt, where)
+        ids, text = _tokens_of(prompt, where)
+        return _plain_token_ids(ids, f"{where}'s {TOKENS_KEY!r}"), text
+    return _plain_token_ids(prompt, where), None
 
 
-def _tokens_of(prompt: Mapping[object, object], where: str) -> object:
-    """Return the `"prompt_token_ids"` value of a `TokensPrompt` dict; raise TypeError
-    naming the keys the engine does not take, or the missing key."""
-    given = {key: value for key, value in prompt.items() if value is not None}
+def _is_no_value(key: object, value: object) -> bool:
+    """Return True for a prompt dict value vLLM reads as no value: None, or (but for the
+    token ids, whose emptiness is refused as an empty prompt) an empty str, bytes, dict,
+    list or tuple, which vLLM's `if value := prompt.get(key)` tests skip."""
+    if value is None:
+        return True
+    empty = isinstance(value, (str, bytes, Mapping, list, tuple)) and len(value) == 0
+    return empty and key != TOKENS_KEY
+
+
+def _tokens_of(prompt: Mapping[object, object], where: str) -> tuple[object, str | None]:
+    """Return the `"prompt_token_ids"` value of a `TokensPrompt` dict and its text; raise
+    TypeError naming the keys the engine does not take, or the missing key."""
+    given = {key: value for key, value in prompt.items() if not _is_no_value(key, value)}
     has_ids = TOKENS_KEY in given
     others = [key for key in given if key != TOKENS_KEY and not (has_ids and key == TEXT_KEY)]
     if others:
@@ -86,7 +99,7 @@ def _tokens_of(prompt: Mapping[object, object], where: str) -> object:
         raise TypeError(
             f"{where}'s {TEXT_KEY!r} must be the text of its token ids (a str), got {_shown(text)}"
         )
-    return given[TOKENS_KEY]
+    return given[TOKENS_KEY], text
 
 
 def _plain_token_ids(prompt: object, where: str) -> list[int]:
@@ -120,8 +133,10 @@ def _array_token_ids(prompt: np.ndarray | torch.Tensor, where: str) -> list[int]
 
 def as_prompt_list(prompts: object) -> Sequence[object]:
     """Return `prompts` if it is a sequence of prompts, or a one-prompt list if it is
-    one prompt: a prompt dict, or (as vLLM's `generate([1, 2, 3])`) a sequence whose
-    first item is an int; raise TypeError naming the value otherwise.
+    one prompt: a prompt dict, or (as vLLM's `generate([1, 2, 3])`) a list whose first
+    item is an int; raise TypeError naming the value otherwise. Another sequence of ints
+    (a tuple, a range) is refused, as vLLM refuses it (it reads it as prompts, each an
+    int).
 
     An array or tensor is refused (as vLLM refuses one), with the `.tolist()` call to
     pass instead: a 2-D one's rows may hold padding. Each prompt may be a 1-D array or a
@@ -149,8 +164,14 @@ def as_prompt_list(prompts: object) -> Sequence[object]:
             f"{expected} or one prompt, got {_shown(prompts)}: pass [[1, 2, 3]] or "
             f"[{{{TOKENS_KEY!r}: [1, 2, 3]}}]"
         )
-    if prompts and isinstance(prompts[0], Integral):  # one prompt's token ids, as vLLM
-        return [prompts]
+    if prompts and isinstance(prompts[0], Integral):
+        if isinstance(prompts, list):  # one prompt's token ids, as vLLM
+            return [prompts]
+        # vLLM takes it as a sequence of prompts and refuses each int: so is it here.
+        raise TypeError(
+            f"{expected}, got a {type(prompts).__name__} of token ids {_shown(prompts)}: "
+            "as in vLLM, only a list of ints is one prompt: pass list(ids) or [ids]"
+        )
     return prompts
 
 
