@@ -39,6 +39,10 @@ class SamplingParams:
     Taken at this boundary as vLLM's `SamplingParams` takes them, so code written for
     vLLM runs unchanged: `temperature` in [0, 2] (vLLM refuses more); `seed=-1` means no
     seed and is stored as None (vLLM's convention; other negative seeds are refused).
+    vLLM's `n`, `logprobs`, `detokenize` and `stop` are taken at the values the engine
+    honours: `n=1`, `logprobs=None`, either `detokenize` (no text is made either way)
+    and no stop strings (None or empty, stored as ()); other values raise ValueError
+    naming the value and what to do instead.
     """
 
     max_tokens: int = 16
@@ -46,6 +50,12 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's, taken at the values the engine honours (it has no tokenizer, computes no
+    # logprobs and makes one completion per prompt); others are refused by value.
+    n: int = 1
+    logprobs: int | None = None
+    detokenize: bool = True
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Numpy numbers are checked as Python ones and stored as them (as token ids are).
@@ -84,6 +94,42 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be >= 0, got {stop!r}")
         # Frozen, but a list given by the caller is stored as a tuple (hashable, immutable).
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
+        self._check_vllm_only_fields()
+
+    def _check_vllm_only_fields(self) -> None:
+        """Take vLLM's `n`, `logprobs`, `detokenize` and `stop` at the values the engine
+        honours; raise TypeError / ValueError naming the field and value otherwise."""
+        if not _is_int(self.n):
+            raise TypeError(f"n must be an int, got {self.n!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")  # vLLM's message
+        if self.n != 1:
+            raise ValueError(
+                f"n={self.n}: the reference engine makes one completion per prompt (n=1); "
+                "pass the prompt n times instead (vLLM seeds its n samples seed, seed+1, ...)"
+            )
+        object.__setattr__(self, "n", 1)
+        if self.logprobs is not None:
+            raise ValueError(
+                f"logprobs={self.logprobs!r}: the reference engine computes no logprobs; "
+                "EngineConfig(keep_logits=True) keeps each output token's logits "
+                "(RequestOutput.logits)"
+            )
+        if not _is_bool(self.detokenize):
+            raise TypeError(f"detokenize must be a bool, got {self.detokenize!r}")
+        object.__setattr__(self, "detokenize", bool(self.detokenize))
+        stop = self.stop
+        if stop is None or (isinstance(stop, (list, tuple)) and not stop):
+            object.__setattr__(self, "stop", ())  # vLLM's default: none
+        elif isinstance(stop, str) or (
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)
+        ):
+            raise ValueError(
+                f"stop={stop!r}: stop strings need a tokenizer, which the reference engine "
+                "has not; give the stop tokens' ids as stop_token_ids"
+            )
+        else:
+            raise TypeError(f"stop must be a str, a list of str or None, got {stop!r}")
 
     @property
     def is_greedy(self) -> bool:

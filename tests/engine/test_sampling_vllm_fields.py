@@ -1,0 +1,57 @@
+"""`SamplingParams` takes vLLM's `n`, `logprobs`, `detokenize` and `stop` at the values the
+reference engine honours, and refuses others by value, saying what to do instead.
+
+Regression: code written for vLLM failed on `SamplingParams(n=1)`,
+`SamplingParams(detokenize=False)` or `SamplingParams(stop=None)` with "unexpected keyword
+argument", and `SamplingParams(n=4)` or `logprobs=5` did not say what the engine lacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.sampling import SamplingParams
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+def tokens(params: SamplingParams) -> tuple[int, ...]:
+    llm = LLM(None, engine=EngineConfig(block_size=4, num_gpu_blocks=16))
+    (out,) = llm.generate([PROMPT], params)
+    return out.output_token_ids
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"n": 1}, {"logprobs": None}, {"detokenize": False}, {"stop": None}, {"stop": []}],
+    ids=["n", "logprobs", "detokenize", "stop-none", "stop-empty"],
+)
+def test_vllm_fields_at_values_the_engine_honours_run_unchanged(fields: dict[str, Any]) -> None:
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **fields)
+    assert params.stop == ()
+    assert params.n == 1
+    assert tokens(params) == tokens(SamplingParams(max_tokens=6, ignore_eos=True))
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"n": 2}, ValueError, r"n=2: the reference engine makes one completion per prompt"),
+        ({"n": 0}, ValueError, r"n must be at least 1, got 0"),
+        ({"n": 1.0}, TypeError, r"n must be an int, got 1.0"),
+        ({"logprobs": 5}, ValueError, r"logprobs=5: the reference engine computes no logprobs"),
+        ({"logprobs": 0}, ValueError, r"logprobs=0: .* EngineConfig\(keep_logits=True\)"),
+        ({"detokenize": "no"}, TypeError, r"detokenize must be a bool, got 'no'"),
+        ({"stop": "\n"}, ValueError, r"stop='\\n': stop strings need a tokenizer, .* stop_token_"),
+        ({"stop": ["a", "b"]}, ValueError, r"stop=\['a', 'b'\]: stop strings need a tokenizer"),
+        ({"stop": [3]}, TypeError, r"stop must be a str, a list of str or None, got \[3\]"),
+    ],
+)
+def test_vllm_fields_at_other_values_are_refused_by_value(
+    fields: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        SamplingParams(**fields)
