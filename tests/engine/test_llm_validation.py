@@ -285,9 +285,16 @@ def test_prompt_plus_max_tokens_beyond_max_position() -> None:
     with pytest.raises(
         ValueError,
         match="prompt 1: prompt of 14 tokens \\+ max_tokens=4 needs 17 positions, more than "
-        "the model's max_position=16",
+        "the model's max_position=16: give max_tokens <= 3 \\(vLLM would cut the output short",
     ):
         llm.generate([[1, 2], list(range(14))], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert_untouched(llm)
+    # Regression: a prompt longer than the model was named by its sum with max_tokens.
+    llm = small_llm(model, EngineConfig(block_size=4, num_gpu_blocks=64))
+    with pytest.raises(
+        ValueError, match=r"^prompt 0: prompt of 17 tokens is longer than the model's max_posit"
+    ):
+        llm.generate([list(range(17))], SamplingParams(max_tokens=1))
     assert_untouched(llm)
     # The last sampled token takes no position: 13 + 4 - 1 = 16 positions fit exactly.
     (output,) = llm.generate([list(range(13))], SamplingParams(max_tokens=4, ignore_eos=True))

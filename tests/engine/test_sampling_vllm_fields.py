@@ -48,6 +48,8 @@ def test_vllm_fields_at_values_the_engine_honours_run_unchanged(fields: dict[str
         ({"stop": "\n"}, ValueError, r"stop='\\n': stop strings need a tokenizer, .* stop_token_"),
         ({"stop": ["a", "b"]}, ValueError, r"stop=\['a', 'b'\]: stop strings need a tokenizer"),
         ({"stop": [3]}, TypeError, r"stop must be a str, a list of str or None, got \[3\]"),
+        # vLLM's None runs to the model's length; the engine needs a bound.
+        ({"max_tokens": None}, TypeError, r"got None: give the most tokens to generate$"),
     ],
 )
 def test_vllm_fields_at_other_values_are_refused_by_value(

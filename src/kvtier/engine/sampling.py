@@ -60,7 +60,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Numpy numbers are checked as Python ones and stored as them (as token ids are).
         if not _is_int(self.max_tokens):
-            raise TypeError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+            # vLLM reads None as "up to the model's length"; the engine wants a bound.
+            hint = ": give the most tokens to generate" if self.max_tokens is None else ""
+            raise TypeError(f"max_tokens must be a positive int, got {self.max_tokens!r}{hint}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         object.__setattr__(self, "max_tokens", int(self.max_tokens))

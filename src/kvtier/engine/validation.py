@@ -268,10 +268,17 @@ def check_request(
     num_prompt = len(token_ids)
     num_positions = num_prompt + params.max_tokens - 1
     sizes = f"prompt of {num_prompt} tokens + max_tokens={params.max_tokens}"
+    if num_prompt > limits.max_position:
+        raise ValueError(
+            f"{where}: prompt of {num_prompt} tokens is longer than the model's "
+            f"max_position={limits.max_position}"
+        )
     if num_positions > limits.max_position:
+        # vLLM would run it, cut at max_model_len ('length'); the engine refuses instead.
         raise ValueError(
             f"{where}: {sizes} needs {num_positions} positions, more than the model's "
-            f"max_position={limits.max_position}"
+            f"max_position={limits.max_position}: give max_tokens <= "
+            f"{limits.max_position - num_prompt + 1} (vLLM would cut the output short there)"
         )
     num_blocks = num_peak_blocks(limits.layout, num_positions)
     if num_blocks > limits.num_usable_blocks:
