@@ -1,9 +1,10 @@
-"""`SamplingParams` takes vLLM's `n`, `logprobs`, `detokenize` and `stop` at the values the
-reference engine honours, and refuses others by value, saying what to do instead.
+"""`SamplingParams` takes vLLM's `n`, `detokenize` and `stop` at the values the reference
+engine honours, refusing others by value and saying what to do instead, and `logprobs` as
+vLLM does (what they return: test_llm_vllm_logprobs).
 
-Regression: code written for vLLM failed on `SamplingParams(n=1)`,
-`SamplingParams(detokenize=False)` or `SamplingParams(stop=None)` with "unexpected keyword
-argument", and `SamplingParams(n=4)` or `logprobs=5` did not say what the engine lacks.
+Regression: code written for vLLM failed on `SamplingParams(n=1)`, `(detokenize=False)`,
+`(stop=None)` or `(logprobs=5)` with "unexpected keyword argument", and `n=4` or stop
+strings did not say what the engine lacks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def tokens(params: SamplingParams) -> tuple[int, ...]:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"n": 1}, {"logprobs": None}, {"detokenize": False}, {"stop": None}, {"stop": []}],
+    [{"n": 1}, {"logprobs": 3}, {"detokenize": False}, {"stop": None}, {"stop": []}],
     ids=["n", "logprobs", "detokenize", "stop-none", "stop-empty"],
 )
 def test_vllm_fields_at_values_the_engine_honours_run_unchanged(fields: dict[str, Any]) -> None:
@@ -42,8 +43,8 @@ def test_vllm_fields_at_values_the_engine_honours_run_unchanged(fields: dict[str
         ({"n": 2}, ValueError, r"n=2: the reference engine makes one completion per prompt"),
         ({"n": 0}, ValueError, r"n must be at least 1, got 0"),
         ({"n": 1.0}, TypeError, r"n must be an int, got 1.0"),
-        ({"logprobs": 5}, ValueError, r"logprobs=5: the reference engine computes no logprobs"),
-        ({"logprobs": 0}, ValueError, r"logprobs=0: .* EngineConfig\(keep_logits=True\)"),
+        ({"logprobs": -2}, ValueError, r"logprobs must be non-negative or -1, got -2"),
+        ({"logprobs": 1.5}, TypeError, r"logprobs must be an int or None, got 1.5"),
         ({"detokenize": "no"}, TypeError, r"detokenize must be a bool, got 'no'"),
         ({"stop": "\n"}, ValueError, r"stop='\\n': stop strings need a tokenizer, .* stop_token_"),
         ({"stop": ["a", "b"]}, ValueError, r"stop=\['a', 'b'\]: stop strings need a tokenizer"),

@@ -1,12 +1,13 @@
-"""One engine step's forward pass: the batch its scheduled work reads and writes, and the
-tokens sampled for the requests whose computed tokens reach their end."""
+"""One engine step's forward pass: the batch its scheduled work reads and writes, the
+tokens sampled for the requests whose computed tokens reach their end, and what is kept of
+their logits (`keep_sampled`)."""
 
 from __future__ import annotations
 
 import torch
 
 from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
-from kvtier.engine.sampling import sample
+from kvtier.engine.sampling import Logprob, sample
 from kvtier.engine.scheduler_step import SchedulerStep
 
 
@@ -36,3 +37,33 @@ def run_forward(runner: ModelRunner, step: SchedulerStep) -> tuple[list[int | No
     )
     by_row = dict(zip(rows, sampled_rows, strict=True))
     return [by_row.get(index) for index in range(len(step.work))], logits
+
+
+def keep_sampled(
+    step: SchedulerStep, sampled: list[int | None], logits: torch.Tensor, keep_logits: bool
+) -> None:
+    """Keep, on each request a token was sampled for, its logits row (with `keep_logits`)
+    and, when its `params.logprobs` is set, the token's logprob and the top ones.
+
+    As vLLM's: raw logprobs (the log-softmax of the logits, before temperature), the
+    sampled token first with its rank in the vocab, then the `logprobs` most likely
+    (-1: all), and the sampled tokens' logprobs summed in `cumulative_logprob`.
+    """
+    for index, work in enumerate(step.work):
+        token, request = sampled[index], work.request
+        num_top = request.params.logprobs
+        if token is None or (num_top is None and not keep_logits):
+            continue
+        row = logits[index].detach().float().cpu()
+        if keep_logits:
+            request.kept_logits.append(row)
+        if num_top is None:
+            continue
+        logprobs = torch.log_softmax(row, dim=-1)
+        chosen = float(logprobs[token])
+        position = {token: Logprob(chosen, int((logprobs > chosen).sum()) + 1)}
+        top = logprobs.topk(len(logprobs) if num_top == -1 else num_top)
+        for rank, (value, top_token) in enumerate(zip(top.values, top.indices, strict=True)):
+            position.setdefault(int(top_token), Logprob(float(value), rank + 1))
+        request.sample_logprobs.append(position)
+        request.cumulative_logprob += chosen

@@ -13,7 +13,7 @@ from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
-from kvtier.engine.forward import run_forward
+from kvtier.engine.forward import keep_sampled, run_forward
 from kvtier.engine.model import build_model
 from kvtier.engine.offload_side import OffloadSide, layout_of
 from kvtier.engine.outputs import EngineStats, RequestOutput, output_of
@@ -389,8 +389,5 @@ class LLM(StallChecks):
     def _forward(self, step: SchedulerStep) -> list[int | None]:
         self.stats.num_computed_tokens += sum(work.num_new_tokens for work in step.work)
         sampled, logits = run_forward(self.runner, step)
-        if self.engine_config.keep_logits:
-            for index, work in enumerate(step.work):
-                if sampled[index] is not None:
-                    work.request.kept_logits.append(logits[index].detach().float().cpu())
+        keep_sampled(step, sampled, logits, self.engine_config.keep_logits)
         return sampled

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.engine.request import Request
-from kvtier.engine.sampling import FinishReason
+from kvtier.engine.sampling import FinishReason, Logprob
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,9 @@ class CompletionOutput:
     makes one per prompt), so code reading `output.outputs[0]` runs unchanged.
 
     `token_ids` is a list, as vLLM's. `text` is "" (the engine has no tokenizer: as
-    vLLM's with `detokenize=False`); `cumulative_logprob` and `logprobs` are None (as
-    vLLM's when no logprobs are asked for: the engine computes none). `stop_reason` is
+    vLLM's with `detokenize=False`). With `SamplingParams.logprobs` set, `logprobs`
+    holds per output token its `Logprob` and the top ones' (`keep_sampled`) and
+    `cumulative_logprob` their sum; both are None otherwise, as vLLM's. `stop_reason` is
     the stop token id that ended it (one of `SamplingParams.stop_token_ids`), None when
     an EOS token, `max_tokens` or an abort did, as in vLLM.
     """
@@ -28,7 +29,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
 
@@ -96,12 +97,13 @@ def output_of(request: Request, eos_token_ids: Sequence[int]) -> RequestOutput:
     `eos_token_ids` are the model's, which stop it with no `stop_reason` (as vLLM's)."""
     rows = request.kept_logits
     reason = request.finish_reason
+    no_logprobs = request.params.logprobs is None
     completion = CompletionOutput(
         index=0,
         text="",
         token_ids=list(request.output_token_ids),
-        cumulative_logprob=None,
-        logprobs=None,
+        cumulative_logprob=None if no_logprobs else request.cumulative_logprob,
+        logprobs=None if no_logprobs else list(request.sample_logprobs),
         finish_reason=reason.value if reason else None,
         stop_reason=_stop_reason(request, eos_token_ids),
     )

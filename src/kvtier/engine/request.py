@@ -11,7 +11,7 @@ import torch
 
 from kvtier.core.hashing import RequestHasher
 from kvtier.core.keys import BlockHash
-from kvtier.engine.sampling import FinishReason, SamplingParams
+from kvtier.engine.sampling import FinishReason, Logprob, SamplingParams
 from kvtier.offload.protocols import LoRAInfo
 
 
@@ -63,6 +63,9 @@ class Request:
     kept_logits: list[torch.Tensor] = field(default_factory=list)
     session_id: str | None = None  # carried by the tier's stored-block events
     prompt: str | None = None  # a `TokensPrompt`'s text of its ids (not tokenized)
+    # With `params.logprobs` set: per output token, its and the top tokens' `Logprob`s.
+    sample_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # the sum of the sampled tokens' logprobs
 
     def __post_init__(self) -> None:
         self.hasher.extend(self.prompt_token_ids)

@@ -24,6 +24,17 @@ class FinishReason(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """vLLM's `Logprob` of one token at one output position: its raw logprob (from the
+    logits before temperature, as vLLM's default `logprobs_mode`) and its rank in the
+    vocab (1: the most likely). `decoded_token` is None: the engine has no tokenizer."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick a request's output tokens and when to stop.
 
@@ -39,10 +50,10 @@ class SamplingParams:
     Taken at this boundary as vLLM's `SamplingParams` takes them, so code written for
     vLLM runs unchanged: `temperature` in [0, 2] (vLLM refuses more); `seed=-1` means no
     seed and is stored as None (vLLM's convention; other negative seeds are refused).
-    vLLM's `n`, `logprobs`, `detokenize` and `stop` are taken at the values the engine
-    honours: `n=1`, `logprobs=None`, either `detokenize` (no text is made either way)
-    and no stop strings (None or empty, stored as ()); other values raise ValueError
-    naming the value and what to do instead.
+    vLLM's `n`, `detokenize` and `stop` are taken at the values the engine honours:
+    `n=1`, either `detokenize` (no text is made either way) and no stop strings (None or
+    empty, stored as ()); other values raise ValueError naming the value and what to do
+    instead. `logprobs` is taken as vLLM takes it (True is 1).
     """
 
     max_tokens: int = 16
@@ -50,8 +61,10 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    # vLLM's, taken at the values the engine honours (it has no tokenizer, computes no
-    # logprobs and makes one completion per prompt); others are refused by value.
+    # vLLM's, taken at the values the engine honours (it has no tokenizer and makes one
+    # completion per prompt); others are refused by value. `logprobs`: as vLLM's, the
+    # number of most likely tokens whose raw logprobs are returned beside each sampled
+    # token's (-1: the whole vocab; None: none, and no `cumulative_logprob`).
     n: int = 1
     logprobs: int | None = None
     detokenize: bool = True
@@ -111,12 +124,16 @@ class SamplingParams:
                 "pass the prompt n times instead (vLLM seeds its n samples seed, seed+1, ...)"
             )
         object.__setattr__(self, "n", 1)
-        if self.logprobs is not None:
-            raise ValueError(
-                f"logprobs={self.logprobs!r}: the reference engine computes no logprobs; "
-                "EngineConfig(keep_logits=True) keeps each output token's logits "
-                "(RequestOutput.logits)"
-            )
+        logprobs = self.logprobs
+        if logprobs is True:
+            logprobs = 1  # as vLLM
+        if logprobs is not None:
+            if not _is_int(logprobs):
+                raise TypeError(f"logprobs must be an int or None, got {logprobs!r}")
+            if logprobs < -1:
+                raise ValueError(f"logprobs must be non-negative or -1, got {logprobs}")
+            logprobs = int(logprobs)
+        object.__setattr__(self, "logprobs", logprobs)
         if not _is_bool(self.detokenize):
             raise TypeError(f"detokenize must be a bool, got {self.detokenize!r}")
         object.__setattr__(self, "detokenize", bool(self.detokenize))

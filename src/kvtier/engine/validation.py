@@ -265,6 +265,11 @@ def check_request(
             f"{where}: stop_token_ids {bad[:5]} outside the vocab [0, {limits.vocab_size}): "
             "they could never stop it"
         )
+    if params.logprobs is not None and params.logprobs > limits.vocab_size:
+        raise ValueError(
+            f"{where}: logprobs={params.logprobs}, more than the vocab's "
+            f"{limits.vocab_size} tokens (-1 asks for them all)"
+        )
     num_prompt = len(token_ids)
     num_positions = num_prompt + params.max_tokens - 1
     sizes = f"prompt of {num_prompt} tokens + max_tokens={params.max_tokens}"

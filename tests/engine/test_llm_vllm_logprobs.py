@@ -1,0 +1,98 @@
+"""`SamplingParams.logprobs` returns vLLM's sample logprobs: per output token a dict of
+`Logprob`s (the sampled token first, with its rank, then the `logprobs` most likely), raw
+(before temperature), and their sum as `cumulative_logprob`.
+
+Regression: `SamplingParams(logprobs=...)` was refused ("unexpected keyword argument"),
+and `CompletionOutput.logprobs` / `cumulative_logprob` did not exist, where code written
+for vLLM reads them (e.g. to score outputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.sampling import SamplingParams
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+
+
+def run(params: SamplingParams, keep_logits: bool = True) -> list[RequestOutput]:
+    engine = EngineConfig(block_size=4, num_gpu_blocks=16, keep_logits=keep_logits)
+    return LLM(None, engine=engine).generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("num_top", [0, 1, 3])
+def test_logprobs_are_the_raw_log_softmax_of_the_sampled_logits(
+    num_top: int, temperature: float
+) -> None:
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=temperature, seed=7)
+    with_logprobs = SamplingParams(
+        max_tokens=5, ignore_eos=True, temperature=temperature, seed=7, logprobs=num_top
+    )
+    outputs = run(with_logprobs)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in run(params)]
+    for output in outputs:
+        (completion,) = output.outputs
+        assert output.logits is not None
+        assert completion.logprobs is not None
+        assert len(completion.logprobs) == len(completion.token_ids)
+        total = 0.0
+        for token, row, position in zip(
+            completion.token_ids, output.logits, completion.logprobs, strict=True
+        ):
+            expected = torch.log_softmax(row, dim=-1)
+            order = expected.argsort(descending=True).tolist()
+            assert next(iter(position)) == token  # the sampled token first, as vLLM
+            assert position[token].rank == order.index(token) + 1
+            assert set(position) == {token, *order[:num_top]}
+            for top_token, logprob in position.items():
+                assert logprob.logprob == pytest.approx(float(expected[top_token]), abs=1e-5)
+                assert logprob.decoded_token is None
+                if top_token != token:
+                    assert logprob.rank == order.index(top_token) + 1
+            total += position[token].logprob
+        assert completion.cumulative_logprob == pytest.approx(total, abs=1e-5)
+        assert completion.cumulative_logprob < 0
+
+
+def test_logprobs_minus_one_gives_the_whole_vocab_and_none_gives_none() -> None:
+    (everything, _) = run(SamplingParams(max_tokens=2, logprobs=-1), keep_logits=False)
+    assert everything.outputs[0].logprobs is not None
+    for position in everything.outputs[0].logprobs:
+        assert len(position) == 128
+        assert math.fsum(math.exp(p.logprob) for p in position.values()) == pytest.approx(1.0)
+    (nothing, _) = run(SamplingParams(max_tokens=2), keep_logits=False)
+    assert (nothing.outputs[0].logprobs, nothing.outputs[0].cumulative_logprob) == (None, None)
+
+
+def test_more_logprobs_than_the_vocab_are_refused_by_value() -> None:
+    llm = LLM(None, engine=EngineConfig(block_size=4, num_gpu_blocks=16))
+    with pytest.raises(ValueError, match=r"prompt 1: logprobs=129, more than the vocab's 128"):
+        llm.generate(PROMPTS, [SamplingParams(), SamplingParams(logprobs=129)])
+    assert llm.stats.num_steps == 0
+
+
+def test_a_preempted_request_keeps_one_logprobs_entry_per_token() -> None:
+    prompts = [[i, 1, 4, 1, 5, 9, 2, 6] for i in range(3)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    tight = LLM(None, engine=EngineConfig(block_size=4, num_gpu_blocks=7))
+    outputs = tight.generate(prompts, params)
+    assert tight.stats.num_preemptions > 0
+    roomy = LLM(None, engine=EngineConfig(block_size=4, num_gpu_blocks=64)).generate(
+        prompts, params
+    )
+    for output, expected in zip(outputs, roomy, strict=True):
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+        logprobs, expected_logprobs = output.outputs[0].logprobs, expected.outputs[0].logprobs
+        assert logprobs is not None
+        assert expected_logprobs is not None
+        assert [list(p) for p in logprobs] == [list(p) for p in expected_logprobs]
+        assert output.outputs[0].cumulative_logprob == pytest.approx(
+            expected.outputs[0].cumulative_logprob, abs=1e-4
+        )
