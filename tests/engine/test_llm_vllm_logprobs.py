@@ -10,10 +10,13 @@ for vLLM reads them (e.g. to score outputs).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from kvtier.engine.forward import keep_sampled
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.sampling import SamplingParams
@@ -96,3 +99,21 @@ def test_a_preempted_request_keeps_one_logprobs_entry_per_token() -> None:
         assert output.outputs[0].cumulative_logprob == pytest.approx(
             expected.outputs[0].cumulative_logprob, abs=1e-4
         )
+
+
+def test_a_tied_sampled_token_ranks_after_its_ties_as_in_vllm() -> None:
+    """vLLM ranks the sampled token by the tokens at least as likely, itself included
+    (`batched_count_greater_than`: x >= value)."""
+    request = SimpleNamespace(
+        params=SamplingParams(logprobs=0),
+        kept_logits=[],
+        sample_logprobs=[],
+        cumulative_logprob=0.0,
+    )
+    step: Any = SimpleNamespace(work=[SimpleNamespace(request=request)])
+    keep_sampled(step, [2], torch.tensor([[1.0, 3.0, 3.0, 0.0]]), keep_logits=False)
+    ((only,),) = [list(position.items()) for position in request.sample_logprobs]
+    assert (only[0], only[1].rank) == (2, 2)
+    expected = math.log(math.e**3 / (2 * math.e**3 + math.e + 1))
+    assert only[1].logprob == pytest.approx(expected)
+    assert request.cumulative_logprob == pytest.approx(expected)

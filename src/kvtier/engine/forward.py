@@ -61,7 +61,8 @@ def keep_sampled(
             continue
         logprobs = torch.log_softmax(row, dim=-1)
         chosen = float(logprobs[token])
-        position = {token: Logprob(chosen, int((logprobs > chosen).sum()) + 1)}
+        # Its rank counts the tokens at least as likely, itself included, as vLLM's does.
+        position = {token: Logprob(chosen, int((logprobs >= chosen).sum()))}
         top = logprobs.topk(len(logprobs) if num_top == -1 else num_top)
         for rank, (value, top_token) in enumerate(zip(top.values, top.indices, strict=True)):
             position.setdefault(int(top_token), Logprob(float(value), rank + 1))
