@@ -214,7 +214,8 @@ def test_blocks_of_an_unconfirmed_finish_are_not_stored_until_used_again(
     """Regression (lazy): a request finished with `computed=False` (its forward failed)
     whose blocks the engine frees with their keys, as vLLM does, had them stored by the
     next walk: a later hit would have loaded KV that was never computed. A tier reset
-    in between used to forget that they were held back."""
+    in between used to forget that they were held back. A hit on them released them
+    (tests/offload/test_same_step_victim_hits.py)."""
     engine = SimEngine(
         full_layout(), config(store_mode=mode, max_batched_tokens=8), num_gpu_blocks=8
     )
@@ -228,13 +229,24 @@ def test_blocks_of_an_unconfirmed_finish_are_not_stored_until_used_again(
     for _ in range(3):
         assert [job for job in engine.step().jobs if job.is_store] == []
         engine.scheduler.check_invariants()
-    if mode is StoreMode.LAZY:  # used again (a GPU hit, computed since), then stored
-        engine.admit(make_request("s", range(12)))
+    if mode is StoreMode.LAZY:
+        # A GPU hit reads them and writes nothing: still held once freed again (the sim
+        # wrote them, but the engine's failed forward may not have).
+        assert engine.admit(make_request("s", range(12))).num_local_tokens == 8
         engine.schedule("s")
         engine.step()
         engine.finish("s")
         stored = {b for _ in range(3) for job in engine.step().jobs for b in job.src_block_ids}
-        assert set(held[:2]) <= stored
+        assert stored.isdisjoint(held[:2])
+        # Taken afresh and computed again, a request's blocks are stored as any others.
+        engine.evict_gpu()
+        engine.admit(make_request("t", range(12)))
+        computed = engine.tables["t"][0][:2]
+        engine.schedule("t")
+        engine.step()
+        engine.finish("t")
+        stored = {b for _ in range(3) for job in engine.step().jobs for b in job.src_block_ids}
+        assert set(computed) <= stored
         engine.scheduler.check_invariants()
 
 

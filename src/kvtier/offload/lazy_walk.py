@@ -15,7 +15,7 @@ from kvtier.core.keys import Key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.offload.block_payload import request_key
-from kvtier.offload.protocols import GpuPoolView, RequestView
+from kvtier.offload.protocols import GpuPoolView, RequestView, ScheduledRequest, TableUpdate
 from kvtier.offload.store_batch import StoreBatch
 
 
@@ -75,6 +75,26 @@ class LazyWalk:
         self.held.update(held)
         self.stored.update(held)
 
+    def note_allocated(
+        self, block_ids_per_group: Sequence[Sequence[int]], gpu_pool: GpuPoolView
+    ) -> None:
+        """Note a request's table at its allocation (`note_blocks_in_use`), but a held-back
+        block still under its held key stays held: the engine gave it as a prefix hit (a
+        block it allocates afresh loses its key then), which reads the block and writes
+        nothing (vLLM serves a same-step victim's unwritten blocks so)."""
+        kept = None
+        if self.held:
+            held = self.held
+            kept = {
+                b: key
+                for ids in block_ids_per_group
+                for b in ids
+                if (key := held.get(b)) is not None and gpu_pool.key(b) == key
+            }
+        self.note_blocks_in_use(block_ids_per_group)
+        if kept:
+            self.hold_back(kept, kept.values())
+
     def note_blocks_in_use(self, block_ids_per_group: Iterable[Sequence[int]]) -> None:
         """Note GPU blocks a request now uses.
 
@@ -100,6 +120,29 @@ class LazyWalk:
                 copying.difference_update(block_ids)
             if deferred:
                 deferred.difference_update(block_ids)
+
+
+def held_hits(
+    layout: KVLayout,
+    held: dict[int, Key],
+    gpu_pool: GpuPoolView,
+    scheduled: Iterable[ScheduledRequest],
+) -> dict[int, Key]:
+    """Return the held-back blocks (`LazyWalk.held`) that scheduled requests hold as
+    prefix hits, still under their held keys: a new or resumed request's (its whole
+    table, `TableUpdate.REPLACE`) at the positions it counts computed before the step.
+    A hit reads a block and writes nothing: it stays held after the plan notes it."""
+    found: dict[int, Key] = {}
+    for item in scheduled:
+        if item.table_update is not TableUpdate.REPLACE:
+            continue  # appended blocks are new: the step writes them
+        computed = item.request.num_computed_tokens
+        for group_id, ids in enumerate(item.block_ids):
+            for b in ids[: computed // layout.groups[group_id].block_size]:
+                key = held.get(b)
+                if key is not None and gpu_pool.key(b) == key:
+                    found[b] = key
+    return found
 
 
 def lazy_target(layout: KVLayout, max_batched_tokens: int) -> int:

@@ -13,7 +13,7 @@ from itertools import chain
 from kvtier.offload.cascade import Cascade, MoveItem
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.dropped_slots import DroppedSlots
-from kvtier.offload.lazy_walk import unwritten_blocks
+from kvtier.offload.lazy_walk import held_hits, unwritten_blocks
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
@@ -87,8 +87,14 @@ class PlanAssembler:
             if step.preempted_request_ids:  # its freed blocks may have held the cursor
                 selector.lazy.cursor = None
             # Blocks allocated to running requests, as one batch (flattened in C).
+            lazy = selector.lazy
+            hits = None
+            if lazy.held:  # rare: a failed forward's or a same-step victim's blocks
+                hits = held_hits(selector.layout, lazy.held, selector.gpu_pool, step.scheduled)
             in_use = chain.from_iterable(ids for s in step.scheduled for ids in s.block_ids)
-            selector.lazy.note_blocks_in_use((list(in_use),))
+            lazy.note_blocks_in_use((list(in_use),))
+            if hits:  # read, not written: still held
+                lazy.hold_back(hits, hits.values())
             if selector.loaded.by_block:  # eager: `select_scheduled` notes them
                 for scheduled in step.scheduled:
                     selector.loaded.note_in_use(scheduled.request.request_id, scheduled.block_ids)

@@ -231,7 +231,7 @@ class OffloadScheduler(SchedulerObservability):
         if self.config.store_mode is StoreMode.EAGER:
             selector.track(request.request_id)
         elif not scheduled:
-            selector.lazy.note_blocks_in_use(block_ids_per_group)
+            selector.lazy.note_allocated(block_ids_per_group, selector.gpu_pool)
         if selector.loaded.by_block:
             selector.loaded.note_in_use(request.request_id, block_ids_per_group)
         return self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)
