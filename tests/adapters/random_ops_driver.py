@@ -275,18 +275,29 @@ class Run:
         )
 
     def _check_tier_events(self) -> None:
-        """Check the tiers' published events: stored ones are whole blocks with payloads of
-        one block, and all of them, replayed in order (stored +1, removed -1 per hash),
-        name exactly the keys each tier's blocks hold now (vLLM is idle: nothing is left
-        unpublished). Events a faulted step took are published with a later step's."""
-        block_sizes = {group.block_size for group in self.harness.cfg.groups}
+        """Check the tiers' published events: a stored one spans what vLLM's GPU event for
+        its hash spans (a whole block of its group; a partial key, one ending inside a
+        block of its group, its last hash block) with a payload of those tokens or none,
+        and all of them, replayed in order (stored +1, removed -1 per hash), name exactly
+        the keys each tier's blocks hold now (vLLM is idle: nothing is left unpublished).
+        Events a faulted step took are published with a later step's."""
+        sizes = [group.block_size for group in self.harness.cfg.groups]
+        unit = self.harness.cfg.hash_block_size
+        ends: dict[object, int] = {}  # an event's block hash -> the prefix length it hashes
+        for request in self.harness.requests.values():
+            for index, block_hash in enumerate(request.block_hashes):
+                ends.setdefault(maybe_convert_block_hash(block_hash), (index + 1) * unit)
         published: collections.Counter[tuple[str, int, object]] = collections.Counter()
         for event in flatten_events(self.harness.event_batches):
             if getattr(event, "medium", None) not in ("CPU", "STORAGE"):  # GPU, AllBlocksCleared
                 continue
             step = 1 if isinstance(event, BlockStored) else -1
             if isinstance(event, BlockStored):
-                assert event.block_size in block_sizes, event
+                size = sizes[event.group_idx]
+                for block_hash in event.block_hashes:
+                    partial = ends[block_hash] % size != 0
+                    assert event.block_size == (unit if partial else size), event
+                    self.totals["stored_events_partial"] += partial
                 assert len(event.token_ids) in (0, event.block_size), event
                 self.totals[f"stored_events_{event.medium}"] += 1
                 self.totals["stored_events_with_tokens"] += bool(event.token_ids)

@@ -152,6 +152,13 @@ COARSE_32 = (KVGroupDef(32), KVGroupDef(32, mamba=True))
     "engine",
     [
         Engine("coarse_eager", kv_groups=COARSE_32, num_gpu_blocks=16, prefix_match_unit=UNIT),
+        Engine(  # partial keys' events span a hash block (16), no group's block size
+            "coarse_eager_events",
+            kv_groups=COARSE_32,
+            num_gpu_blocks=16,
+            prefix_match_unit=UNIT,
+            events=True,
+        ),
         Engine(
             "coarse_lazy_async",
             "lazy",
@@ -173,6 +180,8 @@ def test_random_operations_on_a_coarse_mamba_hybrid_serve_correct_states(
     monkeypatch.setattr(test_vllm_random_ops, "OPS", test_vllm_random_ops.OPS_WITH_FAULTS)
     totals = explore(engine, 12)
     assert totals["audited_tier_blocks"] > 0
+    if engine.events:  # the driver checked each event's span (partial keys: one hash block)
+        assert totals["stored_events_partial"] > 0
     assert totals["replay_hit_tokens"] > 0
     assert totals["faults"] > 0
     assert totals["faults_v2"] > 0
