@@ -16,6 +16,7 @@ from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.lazy_walk import held_hits, unwritten_blocks
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferJob, TransferPlan
+from kvtier.offload.preempted_stores import select_preempted
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.store_batch import StoreBatch
@@ -27,8 +28,9 @@ from kvtier.offload.transfers import IssuedTransfer, LoadItem, TransferBook
 class PlanAssembler:
     """Build and issue each step's plan; `lazy_target` is lazy mode's per-step visit count.
 
-    `keep_written`: keep where each request's last scheduled step ends, for an engine that
-    may preempt a request it scheduled earlier in the same step (`_hold_back_unwritten`).
+    `keep_written`: an engine that may preempt a request it scheduled earlier in the same
+    step (`_hold_back_unwritten`). Where each request's last scheduled step ends is kept
+    for that, and in eager mode for a preempted request's last stores (`select_preempted`).
     """
 
     def __init__(
@@ -55,10 +57,13 @@ class PlanAssembler:
         self._next_step_id = 0
         # A reset ended a persistent disk tier's persistence: every later plan says so.
         self.persistence_ended = False
-        # With `keep_written`: request id -> (its view, the tokens its last scheduled step
-        # writes through), for the requests scheduled since their admission
-        # (`_hold_back_unwritten`); a finished one's goes with `forget`.
-        self._written: dict[str, tuple[RequestView, int]] | None = {} if keep_written else None
+        # With `keep_written` or in eager mode: request id -> (its view, the tokens its
+        # last scheduled step writes through), for the requests scheduled since their
+        # admission (`_hold_back_unwritten`, `preempted_stores`); a
+        # finished one's goes with `forget`.
+        self._keep_written = keep_written
+        keep = keep_written or config.store_mode is StoreMode.EAGER
+        self._written: dict[str, tuple[RequestView, int]] | None = {} if keep else None
 
     def build(self, step: StepInput, selector: StoreSelector, walk: bool = True) -> TransferPlan:
         """Select this step's stores; issue them as one event, the queued loads as one per tier.
@@ -66,19 +71,21 @@ class PlanAssembler:
         `walk` False (a reset waits): no lazy walk, no write-back demotion and no
         write-through retry.
         """
-        for request_id in step.preempted_request_ids:
-            selector.reset_request(request_id)
+        eager = self._config.store_mode is StoreMode.EAGER
         written = self._written
-        if written is not None:
-            for request_id in step.preempted_request_ids:
-                last = written.pop(request_id, None)
-                if last is not None:
+        for request_id in step.preempted_request_ids:
+            last = None if written is None else written.pop(request_id, None)
+            if last is not None:
+                if self._keep_written:
                     self._hold_back_unwritten(selector, *last)
+                if eager:  # before its table goes: the blocks its forwards wrote
+                    select_preempted(selector, *last)
+            selector.reset_request(request_id)
+        if written is not None:
             for scheduled in step.scheduled:  # before this step counts as computed
                 request = scheduled.request
                 end = request.num_computed_tokens + scheduled.num_scheduled_tokens
                 written[request.request_id] = (request, end)
-        eager = self._config.store_mode is StoreMode.EAGER
         if eager:
             selector.select_scheduled(step.scheduled)
         gone = step.finished_request_ids | step.preempted_request_ids

@@ -135,11 +135,11 @@ class StoreSelector(StoreQueueing):
 
     def confirmed_tokens(self, request: RequestView) -> int:
         """Return the tokens whose KV is confirmed computed, rounded down to the unit."""
-        unit = self._confirm_unit()
+        unit = self.confirm_unit()
         confirmed = request.num_computed_tokens - request.num_output_placeholders
         return max(0, confirmed) // unit * unit
 
-    def _confirm_unit(self) -> int:
+    def confirm_unit(self) -> int:
         return (
             self.layout.hash_block_size if self.fine_grained else self.layout.scheduler_block_size
         )
@@ -153,7 +153,7 @@ class StoreSelector(StoreQueueing):
         replaced (`StepInput`).
         """
         tracked = self.tracked
-        unit = self._confirm_unit()
+        unit = self.confirm_unit()
         replace_table = TableUpdate.REPLACE
         if self.tags is not None:  # every new block's old note goes before anyone reads it
             scheduled = tuple(scheduled)
@@ -204,6 +204,13 @@ class StoreSelector(StoreQueueing):
         ready_tokens = self.confirmed_tokens(request)
         if ready_tokens >= state.next_ready:  # else no group has a block to select
             self._select_ready(request, state, ready_tokens, final)
+
+    def select_over(self, request: RequestView, tables: list[list[int]], ready_tokens: int) -> None:
+        """Select a tracked request's blocks from its cursors up to `ready_tokens` over
+        `tables` (its own, cut short: `preempted_stores`), retrying nothing."""
+        state = self.tracked[request.request_id]
+        found = _Tracked(tables, list(state.cursors), list(state.deferred), state.next_ready)
+        self._select_ready(request, found, ready_tokens, final=True)
 
     def _select_ready(
         self, request: RequestView, state: _Tracked, ready_tokens: int, final: bool = False

@@ -1,0 +1,61 @@
+"""Eager mode: a preempted request's blocks of its last step are stored before its table
+goes (`offload/preempted_stores.py`), and only those its forwards wrote."""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, block_key
+from sim_request import config, full_layout, make_request
+
+from kvtier.offload.config import StoreMode
+
+
+def engine_with(num_tokens: int, num_gpu_blocks: int = 16) -> SimEngine:
+    layout, eager = full_layout(), config(store_mode=StoreMode.EAGER)
+    engine = SimEngine(layout, eager, num_gpu_blocks=num_gpu_blocks)
+    engine.admit(make_request("r", range(num_tokens)))
+    return engine
+
+
+def tier_hit(engine: SimEngine, num_tokens: int) -> int:
+    """Return the tier's hit for a request of the same prompt, the GPU cache emptied."""
+    engine.evict_gpu()
+    return engine.lookup(make_request("s", range(num_tokens))).num_offered_tokens
+
+
+def test_a_preempted_requests_last_step_is_stored() -> None:
+    # Regression: its table was reset before selection, so tokens 8-16 (computed in the
+    # step before the preemption, confirmed only in the step that preempted it) never
+    # reached the tier: the later request's hit was 8 tokens, not 16.
+    engine = engine_with(20)
+    engine.schedule("r", 8)
+    engine.step()
+    engine.schedule("r", 8)
+    engine.step()  # selects tokens 0-8; computes 8-16
+    engine.preempt("r")
+    stored = {b for job in engine.step().jobs for b in job.src_block_ids}
+    assert len(stored) == 2
+    assert tier_hit(engine, 20) == 16
+    engine.check()
+
+
+@pytest.mark.parametrize("taken", [False, True], ids=["free", "taken_by_another"])
+def test_a_block_given_to_another_request_since_is_not_stored(taken: bool) -> None:
+    """Freed at the preemption, its blocks may go to another request in the same step
+    (vLLM's preemptor), which gives them its own keys as it schedules them, before its
+    forward writes them: the walk stops at the first block not under the request's key."""
+    engine = engine_with(17, num_gpu_blocks=5)  # r's 4 blocks, no other free one
+    engine.schedule("r", 16)
+    engine.step()  # computes 0-16: nothing selected yet
+    table = list(engine.tables["r"][0])
+    engine.preempt("r")
+    if taken:  # the preemptor takes the block freed first (the tail) and hashes it
+        q = make_request("q", range(100, 104))
+        engine.admit(q)
+        engine.schedule("q", 4)
+        (block_id,) = engine.tables["q"][0]
+        assert block_id == table[3]
+        engine.gpu.insert_key(block_key(engine.layout, q, 0, 0), block_id, 4)  # as vLLM
+    stored = [b for job in engine.step().jobs for b in job.src_block_ids]
+    assert stored == (table[:3] if taken else table)
+    engine.check()
