@@ -28,9 +28,8 @@ from kvtier.offload.transfers import IssuedTransfer, LoadItem, TransferBook
 class PlanAssembler:
     """Build and issue each step's plan; `lazy_target` is lazy mode's per-step visit count.
 
-    `keep_written`: an engine that may preempt a request it scheduled earlier in the same
-    step (`_hold_back_unwritten`). Where each request's last scheduled step ends is kept
-    for that, and in eager mode for a preempted request's last stores (`select_preempted`).
+    `keep_written`: keep where each request's last scheduled step ends, for an engine that
+    may preempt a request it scheduled earlier in the same step (`_hold_back_unwritten`).
     """
 
     def __init__(
@@ -57,13 +56,10 @@ class PlanAssembler:
         self._next_step_id = 0
         # A reset ended a persistent disk tier's persistence: every later plan says so.
         self.persistence_ended = False
-        # With `keep_written` or in eager mode: request id -> (its view, the tokens its
-        # last scheduled step writes through), for the requests scheduled since their
-        # admission (`_hold_back_unwritten`, `preempted_stores`); a
-        # finished one's goes with `forget`.
-        self._keep_written = keep_written
-        keep = keep_written or config.store_mode is StoreMode.EAGER
-        self._written: dict[str, tuple[RequestView, int]] | None = {} if keep else None
+        # With `keep_written`: request id -> (its view, the tokens its last scheduled step
+        # writes through), for the requests scheduled since their admission
+        # (`_hold_back_unwritten`); a finished one's goes with `forget`.
+        self._written: dict[str, tuple[RequestView, int]] | None = {} if keep_written else None
 
     def build(self, step: StepInput, selector: StoreSelector, walk: bool = True) -> TransferPlan:
         """Select this step's stores; issue them as one event, the queued loads as one per tier.
@@ -76,10 +72,9 @@ class PlanAssembler:
         for request_id in step.preempted_request_ids:
             last = None if written is None else written.pop(request_id, None)
             if last is not None:
-                if self._keep_written:
-                    self._hold_back_unwritten(selector, *last)
-                if eager:  # before its table goes: the blocks its forwards wrote
-                    select_preempted(selector, *last)
+                self._hold_back_unwritten(selector, *last)
+            if eager:  # before its table goes: the blocks its forwards wrote
+                select_preempted(selector, request_id)
             selector.reset_request(request_id)
         if written is not None:
             for scheduled in step.scheduled:  # before this step counts as computed

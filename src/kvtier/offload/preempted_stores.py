@@ -10,28 +10,29 @@ from __future__ import annotations
 
 from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.offload.block_payload import request_key
-from kvtier.offload.protocols import RequestView
 from kvtier.offload.store_selection import StoreSelector
 
 
-def select_preempted(selector: StoreSelector, request: RequestView, written_tokens: int) -> None:
+def select_preempted(selector: StoreSelector, request_id: str) -> None:
     """Select what a request preempted this step had computed, as the step's selection
     would have had it run on.
 
-    `written_tokens`: where its last scheduled step ends. The view's counts are reset by
-    now; less the draft tokens it rejected, `num_tokens - 1` bounds what its forwards
-    wrote, and under async scheduling a decode step in flight has no new token yet: the
-    count a selection of this step confirms. A block must still hold the request's key
-    at its position (the engine may have given it to another request since, which lost
-    or changed the key) and be out of `unconfirmed` (a same-step victim's, a failed
-    forward's): a group's walk stops at the first that does not. Not with the token
-    check (its tags note the blocks' fills as scheduled requests take them).
+    From where its last scheduled step ends (`written_end`, kept by `select_scheduled`;
+    the view's counts are reset by now), less the draft tokens it rejected:
+    `num_tokens - 1` bounds what its forwards wrote, and under async scheduling a decode
+    step in flight has no new token yet: the count a selection of this step confirms.
+    A block must still hold the request's key at its position (the engine may have
+    given it to another request since, which lost or changed the key) and be out of
+    `unconfirmed` (a same-step victim's, a failed forward's): a group's walk stops at
+    the first that does not. Not with the token check (its tags note the blocks' fills
+    as scheduled requests take them).
     """
-    state = selector.tracked.get(request.request_id)
-    if state is None or selector.tags is not None:
+    state = selector.tracked.get(request_id)
+    if state is None or state.view is None or selector.tags is not None:
         return
+    request = state.view
     unit = selector.confirm_unit()
-    ready_tokens = min(written_tokens, request.num_tokens - 1) // unit * unit
+    ready_tokens = min(state.written_end, request.num_tokens - 1) // unit * unit
     if ready_tokens < state.next_ready:
         return  # nothing new is confirmed (a decode step's block not yet full)
     layout, gpu_pool, unconfirmed = selector.layout, selector.gpu_pool, selector.unconfirmed

@@ -52,13 +52,16 @@ class _Tracked:
     none), so a block that waits for a slot over many steps counts once. `next_ready`:
     the fewest confirmed tokens that complete the block at some positional group's cursor
     (`_NEVER` without such a group), kept with the cursors: one comparison per step
-    tells whether the request has anything to select.
+    tells whether the request has anything to select. `view` and `written_end`: the
+    request as last scheduled and where that step ends (`preempted_stores`).
     """
 
     block_ids: list[list[int]]
     cursors: list[int]
     deferred: list[int]
     next_ready: int
+    view: RequestView | None = None
+    written_end: int = 0
 
 
 @dataclass(slots=True)
@@ -163,7 +166,7 @@ class StoreSelector(StoreQueueing):
                 firsts = [0 if replace else len(t) for t in found.block_ids] if found else None
                 self.tags.forget_fills(item.request.request_id, item.block_ids, firsts)
         loaded = self.loaded
-        for request, block_ids, _, table_update in scheduled:
+        for request, block_ids, num_scheduled, table_update in scheduled:
             request_id = request.request_id
             if self.unconfirmed:  # a block taken again is written before it is stored
                 for ids in block_ids:
@@ -190,8 +193,9 @@ class StoreSelector(StoreQueueing):
                 for table, new_ids in zip(state.block_ids, block_ids, strict=True):
                     if new_ids:
                         table.extend(new_ids)
-            confirmed = request.num_computed_tokens - request.num_output_placeholders
-            ready_tokens = confirmed // unit * unit  # below 0: less than `next_ready`
+            computed = request.num_computed_tokens
+            state.view, state.written_end = request, computed + num_scheduled
+            ready_tokens = (computed - request.num_output_placeholders) // unit * unit
             if ready_tokens >= state.next_ready:
                 self._select_ready(request, state, ready_tokens)
 
