@@ -8,6 +8,7 @@ from sim import SimEngine, block_key
 from sim_request import config, full_layout, make_request
 
 from kvtier.offload.config import StoreMode
+from kvtier.offload.preempted_stores import forget_last_step
 
 
 def engine_with(num_tokens: int, num_gpu_blocks: int = 16) -> SimEngine:
@@ -58,4 +59,19 @@ def test_a_block_given_to_another_request_since_is_not_stored(taken: bool) -> No
         engine.gpu.insert_key(block_key(engine.layout, q, 0, 0), block_id, 4)  # as vLLM
     stored = [b for job in engine.step().jobs for b in job.src_block_ids]
     assert stored == (table[:3] if taken else table)
+    engine.check()
+
+
+def test_nothing_is_stored_after_a_failed_load_of_its_last_step() -> None:
+    """vLLM's recompute policy keeps a failed load's blocks (and those its step computed
+    on them) cached under their keys and counts fewer tokens computed: where that step
+    ended no longer bounds what is written (`Scheduler.apply_report` forgets it)."""
+    engine = engine_with(20)
+    engine.schedule("r", 8)
+    engine.step()
+    engine.schedule("r", 8)
+    engine.step()
+    forget_last_step(engine.scheduler.selector, ["r"])  # as a failed load's report does
+    engine.preempt("r")
+    assert not engine.step().jobs
     engine.check()

@@ -73,7 +73,7 @@ class PlanAssembler:
             last = None if written is None else written.pop(request_id, None)
             if last is not None:
                 self._hold_back_unwritten(selector, *last)
-            if eager:  # before its table goes: the blocks its forwards wrote
+            if eager and not self._loading(request_id):  # before its table goes
                 select_preempted(selector, request_id)
             selector.reset_request(request_id)
         if written is not None:
@@ -143,6 +143,10 @@ class PlanAssembler:
             # Taken last: this step's completions and evictions are all noted by now.
             forget_slots=self._dropped.take() if self._dropped is not None else (),
         )
+
+    def _loading(self, request_id: str) -> bool:
+        """Return True while a load into the request's blocks awaits its report."""
+        return any(request_id in ids for ids in self._book.load_request_ids().values())
 
     def forget(self, request_id: str) -> None:
         """Forget a finished request's last scheduled step."""

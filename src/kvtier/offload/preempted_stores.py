@@ -8,9 +8,23 @@ request's smaller hit).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.offload.block_payload import request_key
 from kvtier.offload.store_selection import StoreSelector
+
+
+def forget_last_step(selector: StoreSelector, request_ids: Iterable[str]) -> None:
+    """Forget the last scheduled step of requests whose load failed: the engine counts
+    fewer tokens computed once it learns of it (vLLM's recompute policy keeps the
+    failed blocks, and those its step computed on them, cached under their keys), so
+    where that step ended no longer bounds what is written. Scheduled again, a request
+    notes its step afresh (`select_scheduled`)."""
+    for request_id in request_ids:
+        state = selector.tracked.get(request_id)
+        if state is not None:
+            state.view = None
 
 
 def select_preempted(selector: StoreSelector, request_id: str) -> None:
@@ -25,7 +39,8 @@ def select_preempted(selector: StoreSelector, request_id: str) -> None:
     given it to another request since, which lost or changed the key) and be out of
     `unconfirmed` (a same-step victim's, a failed forward's): a group's walk stops at
     the first that does not. Not with the token check (its tags note the blocks' fills
-    as scheduled requests take them).
+    as scheduled requests take them). Not after a failed load (`forget_last_step`); the
+    caller skips a request whose load is still in flight (its outcome unknown).
     """
     state = selector.tracked.get(request_id)
     if state is None or state.view is None or selector.tags is not None:

@@ -38,6 +38,7 @@ from kvtier.offload.lazy_walk import lazy_target, unconfirmed_blocks
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
 from kvtier.offload.plan_assembly import PlanAssembler
+from kvtier.offload.preempted_stores import forget_last_step
 from kvtier.offload.protocols import GpuPoolView, RequestView, StepInput
 from kvtier.offload.registration import Registrar
 from kvtier.offload.request_tags import RequestTags
@@ -264,6 +265,8 @@ class OffloadScheduler(SchedulerObservability):
         """
         outcome = self._completion.apply(report)
         self.loads.note_failed(failed.request_id for failed in outcome.failed_loads)
+        if outcome.failed_loads and self._selector is not None:
+            forget_last_step(self._selector, (failed.request_id for failed in outcome.failed_loads))
         self._reset.note_report()
         self._completion.outcome_taken()  # last: a call cut short returns it again
         return outcome
