@@ -20,7 +20,9 @@ def forget_last_step(selector: StoreSelector, request_ids: Iterable[str]) -> Non
     fewer tokens computed once it learns of it (vLLM's recompute policy keeps the
     failed blocks, and those its step computed on them, cached under their keys), so
     where that step ended no longer bounds what is written. Scheduled again, a request
-    notes its step afresh (`select_scheduled`)."""
+    notes its step afresh (`select_scheduled`). A guard: kvtier's loads are vLLM's async
+    loads, whose failure vLLM 0.33 handles while the request waits, before any step is
+    noted (`tests/adapters/test_vllm_preempted_failed_load.py` passes without it)."""
     for request_id in request_ids:
         state = selector.tracked.get(request_id)
         if state is not None:
