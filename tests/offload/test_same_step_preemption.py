@@ -18,6 +18,17 @@ from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.offload.config import StoreMode
 
 
+def victim_engine(mode: StoreMode) -> SimEngine:
+    """A one-group engine under vLLM's priority policy (a step may preempt a request it
+    scheduled), 16 GPU blocks, 16 tokens per step."""
+    return SimEngine(
+        full_layout(),
+        config(store_mode=mode, max_batched_tokens=16),
+        num_gpu_blocks=16,
+        preempts_scheduled=True,
+    )
+
+
 def schedule_then_preempt(engine: SimEngine, request_id: str, num_tokens: int) -> set[int]:
     """Schedule `num_tokens` more tokens of the request, hash the blocks they fill (as
     vLLM's `allocate_slots` does), then preempt it in the same step, before any forward
@@ -50,12 +61,7 @@ def test_a_same_step_victims_unwritten_blocks_are_held_back(mode: StoreMode, par
     position from vLLM's prefix cache by key: they are held out of that as a failed
     forward's blocks are (`StoreSelector.unconfirmed`). Eager mode stores the blocks of
     the victim's last completed step as it goes (`offload/preempted_stores.py`)."""
-    engine = SimEngine(
-        full_layout(),
-        config(store_mode=mode, max_batched_tokens=16),
-        num_gpu_blocks=16,
-        preempts_scheduled=True,
-    )
+    engine = victim_engine(mode)
     engine.admit(make_request("r", range(33)))
     engine.schedule("r", 6 if partial else 8)
     engine.step()  # blocks 0 and 1 written (block 1 partly, when partial)
@@ -73,12 +79,7 @@ def test_a_same_step_victims_unwritten_blocks_are_held_back(mode: StoreMode, par
 def test_blocks_another_request_holds_under_the_victims_keys_are_not_held_back() -> None:
     """Only free blocks are held back: a block in use under one of those keys was
     computed by its own request (two requests prefilling the same prompt at once)."""
-    engine = SimEngine(
-        full_layout(),
-        config(store_mode=StoreMode.LAZY, max_batched_tokens=16),
-        num_gpu_blocks=16,
-        preempts_scheduled=True,
-    )
+    engine = victim_engine(StoreMode.LAZY)
     engine.admit(make_request("r", range(17)))
     engine.admit(make_request("s", range(17)))  # the same prompt; neither hits
     engine.schedule("r", 2)

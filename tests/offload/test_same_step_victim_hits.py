@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 from sim import SimEngine
-from sim_request import config, full_layout, make_request
-from test_same_step_preemption import schedule_then_preempt
+from sim_request import make_request
+from test_same_step_preemption import schedule_then_preempt, victim_engine
 
 from kvtier.offload.config import StoreMode
 
@@ -38,12 +38,7 @@ def test_unwritten_blocks_taken_by_a_prefix_hit_stay_out_of_the_tier(mode: Store
     """Regression (lazy): the hit's allocation noted the held blocks in use, which
     released them; freed again, the walk copied them into the tier under their keys
     (stored blocks {1, 2, 3, 4, 5}, unwritten {3, 4})."""
-    engine = SimEngine(
-        full_layout(),
-        config(store_mode=mode, max_batched_tokens=16),
-        num_gpu_blocks=16,
-        preempts_scheduled=True,
-    )
+    engine = victim_engine(mode)
     engine.admit(make_request("r", range(33)))
     engine.schedule("r", 8)
     engine.step()  # blocks 0 and 1 written
