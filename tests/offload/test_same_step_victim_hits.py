@@ -24,20 +24,12 @@ def serve_cached_blocks(engine: SimEngine) -> None:
     engine.check_kv = lambda request: None  # type: ignore[method-assign]
 
 
-EAGER_KEEPS_NO_HOLD = pytest.mark.xfail(
-    strict=True,
-    reason="eager mode: select_scheduled drops a block from `unconfirmed` once any scheduled "
-    "request holds it, a hit too, and selects the hit blocks of a resumed table from 0",
-)
-
-
-@pytest.mark.parametrize(
-    "mode", [StoreMode.LAZY, pytest.param(StoreMode.EAGER, marks=EAGER_KEEPS_NO_HOLD)]
-)
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
 def test_unwritten_blocks_taken_by_a_prefix_hit_stay_out_of_the_tier(mode: StoreMode) -> None:
     """Regression (lazy): the hit's allocation noted the held blocks in use, which
     released them; freed again, the walk copied them into the tier under their keys
-    (stored blocks {1, 2, 3, 4, 5}, unwritten {3, 4})."""
+    (stored blocks {1, 2, 3, 4, 5}, unwritten {3, 4}). Eager: the hit's table dropped
+    them from `unconfirmed` and was selected from position 0 (the same sets)."""
     engine = victim_engine(mode)
     engine.admit(make_request("r", range(33)))
     engine.schedule("r", 8)

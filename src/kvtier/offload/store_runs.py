@@ -4,6 +4,7 @@ and lazy store selection (`StoreSelector`, store_selection.py).
 `select_run` applies the same rules as `StoreSelector.try_select` to each block of a run
 (no null block, no payload recorded), then pins, allocates and queues the accepted ones
 together. `take_whole_run` is its common eager case, decided by set operations in C.
+`count_unselected` counts the blocks a full tier left of a finished request's run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.core.keys import Key
 from kvtier.core.policies import AdmitAll
 from kvtier.core.token_tags import Tag
+from kvtier.offload.block_payload import request_key
+from kvtier.offload.protocols import RequestView
 from kvtier.offload.request_tags import TagOf
 from kvtier.offload.stats import StoreOutcome
 
@@ -138,3 +141,38 @@ def take_whole_run(
         selector.queued.extend(gpu_ids, selector.tier_pool.allocate(num_stored), stored_keys)
         selector.counters.count_many(StoreOutcome.STORED, num_stored)
     return num_stored
+
+
+def count_unselected(
+    selector: StoreSelector,
+    request: RequestView,
+    group_id: int,
+    table: Sequence[int],
+    pos: int,
+    end: int,
+) -> None:
+    """Count the outcome of each position in [pos, end) a full tier left unselected
+    (a finished request's, never retried): a block that needed a slot is dropped.
+
+    Nothing is asked of the admission policy or noted for the token check: blocks a
+    full tier stops at were never offered, and offering them has side effects.
+    """
+    count = selector.counters.count_store
+    in_flight, tier_index = selector.in_flight_keys, selector.tier_pool.index
+    for i in range(pos, end):
+        gpu_block_id = table[i]
+        if gpu_block_id == NULL_BLOCK_ID:
+            key = request_key(selector.layout, request, group_id, i)
+            if key is None or selector.gpu_pool.cached_block(key) is None:
+                count(StoreOutcome.NULL)
+                continue
+        else:
+            key = selector.gpu_pool.key(gpu_block_id)
+        if key is None:
+            count(StoreOutcome.UNHASHED)
+        elif key in in_flight:
+            count(StoreOutcome.IN_FLIGHT)
+        elif key in tier_index:
+            count(StoreOutcome.ALREADY_CACHED)
+        else:
+            count(StoreOutcome.TIER_FULL)

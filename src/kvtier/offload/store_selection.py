@@ -39,7 +39,8 @@ from kvtier.offload.request_tags import RequestTags, TagOf
 from kvtier.offload.stats import StepCounters, StoreOutcome
 from kvtier.offload.store_batch import StoreBatch
 from kvtier.offload.store_queueing import StoreQueueing
-from kvtier.offload.store_runs import select_run
+from kvtier.offload.store_runs import count_unselected, select_run
+from kvtier.offload.unconfirmed_hits import skip_hit, take_unconfirmed
 
 _NEVER = 2**63  # `_Tracked.next_ready` of a request with no positional group
 
@@ -94,9 +95,10 @@ class StoreSelector(StoreQueueing):
     # The token check on a disk-only tier: where the slots of the untagged copies a
     # tagged store replaces go (their manifest records are dropped); None: no replacing.
     replaced: DroppedSlots | None = None
-    # Eager mode: GPU blocks of unconfirmed compute (a failed forward's requests), which
-    # vLLM keeps cached under their keys; a window's null position is never recovered
-    # from one. A block leaves once a scheduled request takes it again.
+    # Eager mode: GPU blocks of unconfirmed compute (a failed forward's, a priority
+    # victim's dropped step), which vLLM keeps cached under their keys; a window's null
+    # position is never recovered from one. A block leaves once a scheduled request
+    # writes it again, not when it reads it as a hit (`unconfirmed_hits`).
     unconfirmed: set[int] = field(default_factory=set)
     # `_next_ready` of all-zero cursors (every fresh table's), computed once.
     _first_ready: int = field(init=False, default=-1)
@@ -168,9 +170,11 @@ class StoreSelector(StoreQueueing):
         loaded = self.loaded
         for request, block_ids, num_scheduled, table_update in scheduled:
             request_id = request.request_id
-            if self.unconfirmed:  # a block taken again is written before it is stored
-                for ids in block_ids:
-                    self.unconfirmed.difference_update(ids)
+            held_hit = 0  # a block taken again is written, unless read as a hit
+            if self.unconfirmed:
+                held_hit = take_unconfirmed(
+                    self.unconfirmed, self.layout, request, block_ids, table_update
+                )
             if loaded.by_block:  # another request's use of a loaded block is its own
                 loaded.note_in_use(request_id, block_ids)
             if table_update is replace_table:
@@ -193,6 +197,9 @@ class StoreSelector(StoreQueueing):
                 for table, new_ids in zip(state.block_ids, block_ids, strict=True):
                     if new_ids:
                         table.extend(new_ids)
+            if held_hit:  # a hit on unwritten KV: none of the hit's blocks is stored
+                skip_hit(self.layout, state.cursors, held_hit)
+                state.next_ready = self._next_ready(state.cursors)
             computed = request.num_computed_tokens
             state.view, state.written_end = request, computed + num_scheduled
             ready_tokens = (computed - request.num_output_placeholders) // unit * unit
@@ -203,7 +210,7 @@ class StoreSelector(StoreQueueing):
         """Select a request's confirmed, positionally stable blocks from its cursors on.
 
         `final` (the request finished): nothing is retried, so the blocks a full tier
-        stops at are counted as dropped (`_count_unselected`).
+        stops at are counted as dropped (`count_unselected`).
         """
         ready_tokens = self.confirmed_tokens(request)
         if ready_tokens >= state.next_ready:  # else no group has a block to select
@@ -241,42 +248,13 @@ class StoreSelector(StoreQueueing):
                 pos += 1
             if pos < num_ready:  # stopped at a full tier
                 if final:
-                    self._count_unselected(request, group_id, table, pos, num_ready)
+                    count_unselected(self, request, group_id, table, pos, num_ready)
                     pos = num_ready
                 elif state.deferred[group_id] != pos:
                     self.counters.count_store(StoreOutcome.DEFERRED)
                     state.deferred[group_id] = pos
             state.cursors[group_id] = pos
         state.next_ready = self._next_ready(state.cursors)
-
-    def _count_unselected(
-        self, request: RequestView, group_id: int, table: Sequence[int], pos: int, end: int
-    ) -> None:
-        """Count the outcome of each position in [pos, end) a full tier left unselected
-        (a finished request's, never retried): a block that needed a slot is dropped.
-
-        Nothing is asked of the admission policy or noted for the token check: blocks a
-        full tier stops at were never offered, and offering them has side effects.
-        """
-        count = self.counters.count_store
-        in_flight, tier_index = self.in_flight_keys, self.tier_pool.index
-        for i in range(pos, end):
-            gpu_block_id = table[i]
-            if gpu_block_id == NULL_BLOCK_ID:
-                key = request_key(self.layout, request, group_id, i)
-                if key is None or self.gpu_pool.cached_block(key) is None:
-                    count(StoreOutcome.NULL)
-                    continue
-            else:
-                key = self.gpu_pool.key(gpu_block_id)
-            if key is None:
-                count(StoreOutcome.UNHASHED)
-            elif key in in_flight:
-                count(StoreOutcome.IN_FLIGHT)
-            elif key in tier_index:
-                count(StoreOutcome.ALREADY_CACHED)
-            else:
-                count(StoreOutcome.TIER_FULL)
 
     def _select_position(
         self,
