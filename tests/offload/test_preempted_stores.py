@@ -75,3 +75,25 @@ def test_nothing_is_stored_after_a_failed_load_of_its_last_step() -> None:
     engine.preempt("r")
     assert not engine.step().jobs
     engine.check()
+
+
+def test_tokens_counted_computed_ahead_are_not_counted_twice() -> None:
+    """Regression (found by test_scheduler_stateful's write-back machine): with its
+    step's tokens counted computed ahead of the forward (output placeholders), the end
+    of a request's last step was noted as computed + scheduled, counting them twice.
+    Preempted, its walk went past what its forward wrote, onto a block the same-prompt
+    request that took it had keyed ahead of writing it: the store copied it unwritten
+    (the fake worker: 'event 1: a source block changed while the copy was in flight')."""
+    engine = engine_with(16)  # 4 tokens a block
+    engine.schedule("r", 6)
+    engine.count_ahead("r")
+    engine.step()  # computes 0-6: block 1 half written
+    (table,) = engine.tables["r"]
+    engine.preempt("r")
+    assert engine.admit(make_request("s", range(16))).num_local_tokens == 4
+    engine.schedule("s", 4)
+    assert engine.tables["s"][0][1] == table[1]  # r's half-written block, taken again
+    engine.count_ahead("s")  # keyed under r's key at that position, not yet written
+    stored = {b for job in engine.step().jobs for b in job.src_block_ids}
+    assert table[1] not in stored
+    engine.check()

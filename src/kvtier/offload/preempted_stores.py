@@ -33,10 +33,11 @@ def select_preempted(selector: StoreSelector, request_id: str) -> None:
     """Select what a request preempted this step had computed, as the step's selection
     would have had it run on.
 
-    From where its last scheduled step ends (`written_end`, kept by `select_scheduled`;
-    the view's counts are reset by now), less the draft tokens it rejected:
-    `num_tokens - 1` bounds what its forwards wrote, and under async scheduling a decode
-    step in flight has no new token yet: the count a selection of this step confirms.
+    From where its last scheduled step ends (`written_end`, kept by `select_scheduled`
+    from the tokens confirmed then, so a step in flight before it is not counted; the
+    view's counts are reset by now), less the draft tokens it rejected: `num_tokens - 1`
+    bounds what its forwards wrote, and under async scheduling a decode step in flight
+    has no new token yet: the count a selection of this step confirms.
     A block must still hold the request's key at its position (the engine may have
     given it to another request since, which lost or changed the key) and be out of
     `unconfirmed` (a same-step victim's, a failed forward's): a group's walk stops at

@@ -54,7 +54,9 @@ class _Tracked:
     the fewest confirmed tokens that complete the block at some positional group's cursor
     (`_NEVER` without such a group), kept with the cursors: one comparison per step
     tells whether the request has anything to select. `view` and `written_end`: the
-    request as last scheduled and where that step ends (`preempted_stores`).
+    request as last scheduled and where that step ends, counted from its confirmed
+    tokens (an engine may count a step's own tokens computed ahead of its forward, as
+    placeholders; `preempted_stores`).
     """
 
     block_ids: list[list[int]]
@@ -200,9 +202,9 @@ class StoreSelector(StoreQueueing):
             if held_hit:  # a hit on unwritten KV: none of the hit's blocks is stored
                 skip_hit(self.layout, state.cursors, held_hit)
                 state.next_ready = self._next_ready(state.cursors)
-            computed = request.num_computed_tokens
-            state.view, state.written_end = request, computed + num_scheduled
-            ready_tokens = (computed - request.num_output_placeholders) // unit * unit
+            confirmed = request.num_computed_tokens - request.num_output_placeholders
+            state.view, state.written_end = request, confirmed + num_scheduled
+            ready_tokens = confirmed // unit * unit
             if ready_tokens >= state.next_ready:
                 self._select_ready(request, state, ready_tokens)
 
