@@ -15,7 +15,8 @@ admitted behind it runs short of blocks in the step that scheduled the low one's
 112-160 (3 blocks): the low one is preempted, two of those blocks stay cached (the
 high one takes the third). Same-step victims in decode leave one such block (the one
 whose last token the step would have computed); the offload tests cover that case's
-bookkeeping (tests/offload/test_same_step_preemption.py).
+bookkeeping (tests/offload/test_same_step_preemption.py). kvtier drops those blocks'
+hashes from vLLM's prefix cache in the plan of that step.
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ def tokens(seed: int, count: int) -> list[int]:
     return [gen.randrange(1000, 30000) for _ in range(count)]
 
 
-def preempt_in_the_step_that_scheduled_it(harness: VllmHarness) -> list[int]:
+def preempt_in_the_step_that_scheduled_it(harness: VllmHarness) -> dict[int, int]:
     """Run the low request until the high one preempts it in the step that scheduled it;
     return the GPU blocks vLLM then holds cached under the low request's keys of that
-    step's tokens (checked unwritten)."""
+    step's tokens, by block index (none with kvtier: it drops their hashes)."""
     low = harness.add_request("low", tokens(1, 170), max_tokens=4, priority=LOW)
     assert harness.step().num_scheduled_tokens == {"low": 64}  # alone: no cap
     harness.add_request("high", tokens(2, 40), max_tokens=4, priority=HIGH)
@@ -67,14 +68,17 @@ def preempt_in_the_step_that_scheduled_it(harness: VllmHarness) -> list[int]:
         found = pool.get_cached_block(low.block_hashes[index], [0])
         if found is not None:
             cached[index] = found[0].block_id
-    assert list(cached) == [7, 8]  # "high" took the third (it was freed first)
-    prints = PrefixFingerprints().upto(low, 160)
+    return cached
+
+
+def check_unwritten(harness: VllmHarness, cached: dict[int, int]) -> None:
+    """Assert each of the low request's cached blocks holds KV never written."""
+    prints = PrefixFingerprints().upto(harness.requests["low"], 160)
     for index, block_id in cached.items():
         table = [0] * index + [block_id]
         positions = range(index * BLOCK, (index + 1) * BLOCK)
         with pytest.raises(KVMismatchError):  # vLLM's cache: valid key, KV never written
             harness.caches[0].check_positions("vLLM", 0, table, prints, positions)
-    return list(cached.values())
 
 
 @pytest.mark.parametrize("mode", ["lazy", "eager"])
@@ -82,11 +86,10 @@ def test_a_same_step_victims_unwritten_blocks_never_reach_the_tier(mode: str) ->
     # Regression (lazy): the walk over vLLM's free queue copied the two blocks into the
     # CPU tier under their keys; the tier audit failed with KVMismatchError 'CPU slot 1:
     # position 128 (group 0, block 1, layer 0) holds KV of another prefix'. The victim
-    # is aborted while it waits: resumed, vLLM would serve it those blocks as a local
-    # prefix hit itself (test_vllm_serves_a_same_step_victim_its_own_unwritten_blocks).
+    # is aborted while it waits (resumed: test_vllm_priority_victim_hits.py).
     harness = kvtier_harness(extra={"store_mode": mode}, **CONFIG)
     try:
-        preempt_in_the_step_that_scheduled_it(harness)
+        assert preempt_in_the_step_that_scheduled_it(harness) == {}  # dropped from vLLM's
         harness.scheduler.finish_requests(["low"], RequestStatus.FINISHED_ABORTED)
         drain(harness)
         assert harness.scheduler.reset_prefix_cache()
@@ -102,7 +105,9 @@ def test_vllm_serves_a_same_step_victim_its_own_unwritten_blocks() -> None:
     # a later vLLM reset those hashes on preemption, this fails: update docs/vllm.md.
     harness = VllmHarness(HarnessConfig(**CONFIG))  # type: ignore[arg-type]
     try:
-        preempt_in_the_step_that_scheduled_it(harness)
+        cached = preempt_in_the_step_that_scheduled_it(harness)
+        assert list(cached) == [7, 8]  # "high" took the third (it was freed first)
+        check_unwritten(harness, cached)
         with pytest.raises(KVMismatchError, match="request low: position 112"):
             harness.run()
     finally:

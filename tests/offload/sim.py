@@ -54,6 +54,7 @@ __all__ = [
     "config",
     "content_index",
     "full_layout",
+    "keep_unwritten_keys",
     "make_request",
     "needed_positions",
 ]
@@ -278,3 +279,10 @@ class SimEngine(SimEngineCore):
         slot = self.scheduler.index.pools[tier].cached_block(key)
         assert slot is not None, f"key not in the {tier.value} tier"
         return [space.get(slot) for space in self.worker.lower[tier.value]]
+
+
+def keep_unwritten_keys(engine: SimEngine) -> None:
+    """Make the engine's GPU pool ignore `discard_keys_of`: an engine that keeps serving
+    blocks the offload scheduler knows were never written (vLLM 0.33 without the
+    connector's call), for the guards behind that call."""
+    engine.gpu.discard_keys_of = lambda block_ids: None  # type: ignore[method-assign]

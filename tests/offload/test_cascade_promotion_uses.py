@@ -11,7 +11,7 @@ the first request's compute failed: a hit writes nothing).
 
 from __future__ import annotations
 
-from sim import SimEngine, make_request
+from sim import SimEngine, keep_unwritten_keys, make_request
 from test_scenarios_cascade import cascade_engine, holds, keys_of
 
 from kvtier.core.keys import Key
@@ -94,6 +94,7 @@ def test_a_hit_on_an_unconfirmed_finishs_blocks_stores_and_counts_nothing() -> N
     c stored them, a use each: this test checked [3, 3, 3]. A priority victim's blocks
     served so are KV never written: tests/offload/test_same_step_victim_hits.py.)"""
     engine = cascade_engine(CascadeMode.WRITE_THROUGH, 4, 12, eviction_policy="lfuda")
+    keep_unwritten_keys(engine)  # an engine that serves them (kvtier asks it not to)
     engine.run(make_request("a", range(12)))
     engine.drain()
     _evict_from_cpu(engine, 100)

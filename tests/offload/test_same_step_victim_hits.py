@@ -4,13 +4,15 @@ vLLM leaves a same-step victim's never-written blocks cached under their keys
 (tests/adapters/test_vllm_priority_victim.py) and serves them as local prefix hits: to
 the victim itself when it resumes, or to a request with the same prompt. A hit reads a
 block, it writes nothing: the block still holds KV never computed, and kvtier must keep
-it out of the tier after the hit as before it.
+it out of the tier after the hit as before it. (kvtier drops those blocks' keys from the
+engine's pool, so vLLM serves none of them: `keep_unwritten_keys` plays an engine that
+keeps them, for the guard behind that.)
 """
 
 from __future__ import annotations
 
 import pytest
-from sim import SimEngine
+from sim import SimEngine, keep_unwritten_keys
 from sim_request import make_request
 from test_same_step_preemption import schedule_then_preempt, victim_engine
 
@@ -31,6 +33,7 @@ def test_unwritten_blocks_taken_by_a_prefix_hit_stay_out_of_the_tier(mode: Store
     (stored blocks {1, 2, 3, 4, 5}, unwritten {3, 4}). Eager: the hit's table dropped
     them from `unconfirmed` and was selected from position 0 (the same sets)."""
     engine = victim_engine(mode)
+    keep_unwritten_keys(engine)
     engine.admit(make_request("r", range(33)))
     engine.schedule("r", 8)
     engine.step()  # blocks 0 and 1 written

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from sim import SimEngine
+from sim import SimEngine, keep_unwritten_keys
 from sim_request import config, full_layout, make_request, store_selector
 
 from kvtier.core.block_pool import BlockPool
@@ -215,10 +215,12 @@ def test_blocks_of_an_unconfirmed_finish_are_not_stored_until_used_again(
     whose blocks the engine frees with their keys, as vLLM does, had them stored by the
     next walk: a later hit would have loaded KV that was never computed. A tier reset
     in between used to forget that they were held back. A hit on them released them
-    (tests/offload/test_same_step_victim_hits.py)."""
+    (tests/offload/test_same_step_victim_hits.py). The engine here keeps the blocks'
+    keys (`keep_unwritten_keys`; kvtier asks it to drop them)."""
     engine = SimEngine(
         full_layout(), config(store_mode=mode, max_batched_tokens=8), num_gpu_blocks=8
     )
+    keep_unwritten_keys(engine)
     engine.admit(make_request("r", range(12)))
     engine.schedule("r")
     engine.step()  # its 2 whole blocks are cached in the GPU pool

@@ -7,6 +7,8 @@ each removal is recorded as a `BlockRemoved` event when the pool records events.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvtier.core.events import BlockRemoved, BlockStored, KVEvent
 from kvtier.core.keys import Key, key_block_hash, key_group_id
 from kvtier.core.pool_block import NULL_BLOCK_ID
@@ -34,6 +36,12 @@ class PoolKeyRemoval(PoolQueries):
         if block_id != NULL_BLOCK_ID and self._refs[block_id] == 0:
             self._free.discard(block_id)  # not `remove`, which policies count as a hit
             self._free.push_reusable(block_id)
+
+    def discard_keys_of(self, block_ids: Iterable[int]) -> None:
+        """`discard_keys` of each block (blocks whose KV no forward wrote: the offload
+        scheduler's `GpuPoolView.discard_keys_of`)."""
+        for block_id in block_ids:
+            self.discard_keys(block_id)
 
     def discard_secondary_key(self, block_id: int, key: Key) -> None:
         """Drop `key` from `block_id` where the block holds it as a secondary key; its

@@ -187,6 +187,18 @@ def unconfirmed_blocks(
     return found
 
 
+def keys_to_drop(
+    block_ids_per_group: Sequence[Sequence[int]], held: Sequence[int], gpu_pool: GpuPoolView
+) -> list[int]:
+    """Return the blocks of an unconfirmed finish (`held`, `unconfirmed_blocks`) whose
+    keys the engine's pool must drop (`GpuPoolView.discard_keys_of`): its table's, and
+    the free ones cached under the keys of its null positions. One another request
+    uses under such a key stays cached: that request holds it in its own table (an
+    engine aborting every request after a fault drops it with that request's)."""
+    own = {b for ids in block_ids_per_group for b in ids}
+    return [b for b in held if b in own or not gpu_pool.block(b).ref_count]
+
+
 def unwritten_blocks(
     layout: KVLayout,
     request: RequestView,

@@ -164,9 +164,10 @@ class PlanAssembler:
         drops it from the step), hashing the blocks of that step's tokens as it
         allocated them; it frees them with their keys. Written are the tokens of its last
         scheduled step, less any draft tokens it rejected (`num_tokens - 1` bounds a
-        decoding request's). Such blocks are held back as a failed forward's are (lazy:
-        the walk skips them; eager: no window position is recovered from one) until a
-        request takes them again.
+        decoding request's). Such blocks lose their keys in the engine's pool
+        (`GpuPoolView.discard_keys_of`), so it serves none of them as a prefix hit, and
+        are held back as a failed forward's are (lazy: the walk skips them; eager: no
+        window position is recovered from one) until a request takes them again.
         """
         written_tokens = min(written_tokens, max(0, request.num_tokens - 1))
         gpu_pool = selector.gpu_pool
@@ -179,6 +180,7 @@ class PlanAssembler:
             selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
         else:
             selector.unconfirmed.update(block_ids)
+        gpu_pool.discard_keys_of(block_ids)  # the engine must not serve them either
 
     @property
     def _persisting(self) -> bool:

@@ -115,6 +115,15 @@ class GpuPoolView(Protocol):
         """Drop one reference on each block, in order."""
         ...
 
+    def discard_keys_of(self, block_ids: Sequence[int]) -> None:
+        """Drop every key of each block, referenced or free: no forward wrote their KV.
+
+        The engine must serve none of them as a prefix hit again (vLLM 0.33 keeps the
+        keys it gave the blocks of a failed forward, or of a request it preempted in the
+        step that scheduled it, and would).
+        """
+        ...
+
     def cached_block(self, key: Key) -> int | None:
         """Return a block id holding `key`, or None."""
         ...

@@ -34,7 +34,7 @@ from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
-from kvtier.offload.lazy_walk import lazy_target, unconfirmed_blocks
+from kvtier.offload.lazy_walk import keys_to_drop, lazy_target, unconfirmed_blocks
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
 from kvtier.offload.plan_assembly import PlanAssembler
@@ -300,10 +300,11 @@ class OffloadScheduler(SchedulerObservability):
         `num_computed_tokens` ran (a forward pass failed and the engine finishes the
         request from its fault handler): its blocks may hold another prefix's KV, so
         none is queued here. Blocks selected in earlier plans were confirmed by then.
-        In lazy mode the walk skips its blocks (`unconfirmed_blocks`: a window's dropped
-        ones too) until a request uses them again, though the engine frees them with
-        their keys (vLLM hashes blocks as it schedules them); in eager mode a window's
-        null position of another request is not stored from one (`unconfirmed`).
+        Its blocks (`unconfirmed_blocks`: a window's dropped ones too) lose their keys
+        in the engine's pool, which serves none of them as a prefix hit then
+        (`GpuPoolView.discard_keys_of`; vLLM hashes blocks as it schedules them), and
+        are held back: lazy mode's walk skips them until a request uses them again; in
+        eager mode a window's null position is not stored from one (`unconfirmed`).
 
         Never delays the engine freeing its GPU blocks: selected blocks are pinned here.
         Issued transfers keep their pins until the workers report them; an issued load's
@@ -327,6 +328,7 @@ class OffloadScheduler(SchedulerObservability):
                 selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
             else:
                 selector.unconfirmed.update(block_ids)
+            gpu_pool.discard_keys_of(keys_to_drop(block_ids_per_group, block_ids, gpu_pool))
         selector.untrack(request_id)
         selector.across_reset.discard(request_id)
         self._plans.forget(request_id)

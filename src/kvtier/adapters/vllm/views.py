@@ -256,6 +256,13 @@ class VllmGpuPoolView:
         blocks = self._blocks
         self.pool.free_blocks([blocks[block_id] for block_id in block_ids])
 
+    def discard_keys_of(self, block_ids: Sequence[int]) -> None:
+        """Drop the blocks' hashes from vLLM's prefix cache (`BlockPool.evict_blocks`, the
+        call vLLM makes for blocks a failed load left invalid; referenced blocks stay
+        with their requests, and vLLM emits their `BlockRemoved` events)."""
+        if block_ids:
+            self.pool.evict_blocks(set(block_ids))
+
     def cached_block(self, key: Key) -> int | None:
         """Return a block id holding `key` in vLLM's prefix cache, or None."""
         block = self.pool.cached_block_hash_to_block.get_one_block(key)

@@ -1,0 +1,64 @@
+"""Blocks the offload scheduler knows no forward wrote lose their keys in the engine's pool.
+
+vLLM 0.33 hashes blocks as it schedules them and keeps those hashes when a failed
+forward's requests are aborted, or when the priority policy preempts a request in the
+step that scheduled it; its prefix cache then serves KV never written. The offload
+scheduler holds such blocks back from its tiers and asks the engine's pool to drop their
+keys (`GpuPoolView.discard_keys_of`), so a later request with that prompt recomputes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, config, full_layout, make_request
+from test_same_step_preemption import schedule_then_preempt, victim_engine
+
+from kvtier.offload.config import StoreMode
+
+
+def stored_blocks(engine: SimEngine, steps: int) -> set[int]:
+    """Return the GPU blocks the store jobs of the next `steps` steps copy."""
+    return {b for _ in range(steps) for job in engine.step().jobs for b in job.src_block_ids}
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_a_same_step_victims_unwritten_blocks_lose_their_keys(mode: StoreMode) -> None:
+    engine = victim_engine(mode)
+    engine.admit(make_request("r", range(33)))
+    engine.schedule("r", 8)
+    engine.step()  # blocks 0 and 1 written
+    written = engine.tables["r"][0][:2]
+    unwritten = schedule_then_preempt(engine, "r", 8)
+    assert len(unwritten) == 2
+    engine.step()  # the plan that learns of the preemption
+    assert [engine.gpu.key(b) for b in unwritten] == [None, None]
+    assert all(engine.gpu.key(b) is not None for b in written)  # only those
+    hit = engine.admit(make_request("s", range(33)))  # the same prompt
+    assert hit is not None
+    assert hit.num_local_tokens == 8  # the written blocks only (the sim checks its reads)
+    engine.check()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_an_unconfirmed_finishs_blocks_lose_their_keys_and_are_computed_again(
+    mode: StoreMode,
+) -> None:
+    engine = SimEngine(
+        full_layout(), config(store_mode=mode, max_batched_tokens=8), num_gpu_blocks=8
+    )
+    engine.admit(make_request("r", range(12)))
+    engine.schedule("r")
+    engine.step()  # its 2 whole blocks are cached in the GPU pool
+    held = engine.tables["r"][0][:2]
+    engine.finish("r", computed=False)
+    assert [engine.gpu.key(b) for b in held] == [None, None]
+    assert stored_blocks(engine, 3).isdisjoint(held)
+    admission = engine.run(make_request("s", range(12)))
+    assert admission.num_local_tokens == 0  # recomputed
+    stored_blocks(engine, 4)  # lazy: the walks after its finish store its blocks
+    engine.drain()
+    engine.evict_gpu()
+    again = engine.admit(make_request("t", range(12)))
+    assert again is not None
+    assert (again.num_local_tokens, again.num_offered_tokens) == (0, 8)  # s's, stored
+    engine.check()
