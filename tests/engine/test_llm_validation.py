@@ -54,6 +54,10 @@ def assert_untouched(llm: LLM) -> None:
         ({"num_gpu_blocks": 1}, ValueError, "num_gpu_blocks=1 leaves no block besides the null"),
         ({"seed": "x"}, TypeError, "EngineConfig.seed must be an int, got 'x'"),
         ({"seed": 2**64}, ValueError, "EngineConfig.seed must be in"),
+        # torch seeds -1 as 2**64 - 1: two seeds would give one model (and -1 is
+        # vLLM's "no seed" in SamplingParams).
+        ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*64\), got -1 \(torch would"),
+        ({"seed": -(2**63)}, ValueError, r"EngineConfig.seed must be in \[0, 2\*\*64\), got -"),
         ({"keep_logits": "no"}, TypeError, "EngineConfig.keep_logits must be a bool, got 'no'"),
         ({"device": "bogus"}, ValueError, "EngineConfig.device='bogus' is not a torch device"),
         ({"device": 0}, TypeError, "EngineConfig.device must be a str or torch.device, got 0"),

@@ -202,7 +202,8 @@ class EngineConfig:
     """Sizes and limits of the reference engine. `num_gpu_blocks` includes the null block.
 
     `seed` seeds a random model's weights and the temperature sampling of requests
-    without `SamplingParams.seed` (see `LLM`); torch's global RNG is left alone.
+    without `SamplingParams.seed` (see `LLM`); torch's global RNG is left alone. It is in
+    [0, 2**64): torch would seed a negative one as another, 2**64 + seed.
 
     `device` is "cpu", "cuda" or "cuda:N", or a `torch.device` of one, stored as its
     str ("cuda:1"). A value of the wrong type raises TypeError, one out of range
@@ -234,8 +235,14 @@ class EngineConfig:
             )
         if not isinstance(self.seed, Integral) or isinstance(self.seed, bool):
             raise TypeError(f"EngineConfig.seed must be an int, got {self.seed!r}")
-        if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed accepts
-            raise ValueError(f"EngineConfig.seed must be in [-2**63, 2**64), got {self.seed}")
+        # torch.manual_seed takes [-2**63, 2**64) but seeds a negative seed as 2**64 + seed,
+        # so -1 would silently give the model and samples of 2**64 - 1 (and is vLLM's
+        # "no seed" in SamplingParams): refused, as negative seeds elsewhere.
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(
+                f"EngineConfig.seed must be in [0, 2**64), got {self.seed}"
+                + (f" (torch would seed it as {2**64 + self.seed})" if self.seed < 0 else "")
+            )
         object.__setattr__(self, "seed", int(self.seed))
         if not isinstance(self.keep_logits, bool):
             raise TypeError(f"EngineConfig.keep_logits must be a bool, got {self.keep_logits!r}")
