@@ -9,7 +9,7 @@ import pickle
 
 from sim import BYTES_PER_BLOCK, Admission, SimEngine, config, full_layout, make_request
 from sim_worker import SECONDS_PER_BLOCK
-from test_scenarios_cascade import cascade_engine, keys_of
+from test_scenarios_cascade import cascade_engine, keys_of, next_job
 
 from kvtier.offload.config import CascadeMode
 from kvtier.offload.plan import Tier
@@ -187,6 +187,31 @@ def test_blocks_pending_store_count_queued_and_in_flight_stores() -> None:
     engine.worker.complete(store.event_id)
     engine.poll()
     assert engine.scheduler.take_stats().num_blocks_pending_store == 0
+
+
+def test_blocks_pending_store_count_a_cascades_demotions() -> None:
+    """A cascade's demotions (CPU -> DISK copies) are blocks towards a tier too, queued
+    and in flight, as `has_pending_stores` counts them. Regression: the gauge left them
+    out and read 0 while a drain still waited for them."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH)
+    engine.auto_complete = False
+    engine.admit(make_request("a", range(8)))
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")  # queues blocks 0 and 1
+    (store,) = engine.step().jobs
+    engine.worker.complete(store.event_id)
+    engine.poll()  # both in the CPU tier; write-through queues their demotions
+    scheduler = engine.scheduler
+    assert scheduler.has_pending_stores()
+    assert scheduler.take_stats().num_blocks_pending_store == 2  # queued demotions
+    demotion = next_job(engine, Tier.CPU, Tier.DISK)
+    assert len(demotion.src_block_ids) == 2
+    assert scheduler.take_stats().num_blocks_pending_store == 2  # in flight
+    engine.worker.complete(demotion.event_id)
+    engine.poll()
+    assert not scheduler.has_pending_stores()
+    assert scheduler.take_stats().num_blocks_pending_store == 0
 
 
 def test_served_hit_tokens_are_new_counts_until_taken_once() -> None:

@@ -48,13 +48,18 @@ class SchedulerObservability(ABC):
         """Return (tier blocks in use, blocks pending store, disk slots held): `take_stats`'s
         gauges, each O(1).
 
-        In use: pinned by transfers or lookups, not a disk-only tier's held slots of failed
-        stores (`disk_slots`), which an idle tier keeps until a reset. Held: the disk slots
-        set aside after failed writes (the cascade's demotions' or a disk-only tier's
-        stores'), suspects and bad slots together; 0 without a disk tier.
+        Pending: blocks queued or in flight towards a tier, GPU -> tier stores and a
+        cascade's CPU -> DISK demotions alike. In use: pinned by transfers or lookups,
+        not a disk-only tier's held slots of failed stores (`disk_slots`), which an idle
+        tier keeps until a reset. Held: the disk slots set aside after failed writes (the
+        cascade's demotions' or a disk-only tier's stores'), suspects and bad slots
+        together; 0 without a disk tier.
         """
         pool = self.tier_pool
+        # A cascade's demotions are blocks towards a tier too (`has_pending_stores`).
         pending = len(self.selector.queued) + self._book.num_store_blocks
+        if self.cascade is not None:
+            pending += len(self.cascade.queued)
         store_held = len(self._store_set_aside) if self._store_set_aside is not None else 0
         set_aside = self.disk_set_aside
         disk_held = len(set_aside) if set_aside is not None else 0

@@ -166,7 +166,7 @@ class TransferBook:
         # Kept as transfers are issued and completed, so a step never scans `_issued`.
         self._load_request_ids: dict[int, tuple[str, ...]] = {}
         self._num_store_events = 0  # issued events carrying stores or demotions
-        self.num_store_blocks = 0  # store items of issued events
+        self.num_store_blocks = 0  # store items and demotions of issued events
 
     def next_event_id(self) -> int:
         """Return a new event id; ids never repeat, not even after a reset."""
@@ -184,7 +184,7 @@ class TransferBook:
             self._load_request_ids[event_id] = tuple(item.request_id for item in transfer.loads)
         if transfer.stores or transfer.moves:
             self._num_store_events += 1
-            self.num_store_blocks += len(transfer.stores)
+            self.num_store_blocks += len(transfer.stores) + len(transfer.moves)
 
     def drop_outcomes(self, request_id: str) -> bool:
         """Mark the issued loads of finished request `request_id` as gone; return True
@@ -294,7 +294,7 @@ class TransferBook:
         if not transfer.forgotten:
             has_stores = transfer.stores or transfer.moves
             num_events = self._num_store_events - 1 if has_stores else self._num_store_events
-            num_blocks = self.num_store_blocks - len(transfer.stores)
+            num_blocks = self.num_store_blocks - len(transfer.stores) - len(transfer.moves)
             transfer.forgotten, self._num_store_events, self.num_store_blocks = (
                 True,
                 num_events,
@@ -337,7 +337,8 @@ class TransferBook:
         assert kept == loads, "outstanding load events"
         with_stores = [t for t in issued.values() if (t.stores or t.moves) and not t.forgotten]
         assert self._num_store_events == len(with_stores), "store events in flight"
-        assert self.num_store_blocks == sum(len(t.stores) for t in with_stores), "store blocks"
+        num_blocks = sum(len(t.stores) + len(t.moves) for t in with_stores)
+        assert self.num_store_blocks == num_blocks, "store blocks"
 
     def __iter__(self) -> Iterator[IssuedTransfer]:
         return iter(self._issued.values())

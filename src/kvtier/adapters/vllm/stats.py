@@ -110,7 +110,7 @@ _PLAIN_COUNTERS = {
 }
 _GAUGES = {
     "tier_blocks_in_use": "tier blocks pinned by transfers or lookups (capacity minus free)",
-    "blocks_pending_store": "blocks queued or in flight towards the tier",
+    "blocks_pending_store": "blocks queued or in flight towards a tier (a cascade's demotions too)",
     "disk_slots_held": "disk slots held aside after failed copies (0 without a disk tier)",
 }
 
