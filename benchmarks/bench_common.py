@@ -67,6 +67,14 @@ def positive_int_list(text: str) -> list[int]:
     return [positive_int(part) for part in text.split(",")]
 
 
+def output_range(text: str) -> tuple[int, int]:
+    """An argparse type: `MIN,MAX` output tokens, 1 <= MIN <= MAX."""
+    parts = positive_int_list(text)
+    if len(parts) != 2 or parts[0] > parts[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with MIN <= MAX, got {text!r}")
+    return parts[0], parts[1]
+
+
 def existing_file(text: str) -> Path:
     """An argparse type: a file that can be read."""
     path = Path(text)

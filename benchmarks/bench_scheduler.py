@@ -19,6 +19,8 @@ paired per window; median and min-max over windows are printed. A progress bar (
 terminal only) counts the rounds of steps; it moves between rounds, outside the loops' timers.
 
 Run: `python benchmarks/bench_scheduler.py [--quick] [--json PATH] [--clock cpu]`.
+`--vllm` (first): the loop in vLLM 0.33's Scheduler, kvtier's connector against vLLM's
+SimpleCPUOffloadConnector (`bench_vllm_connector.py`; `make bench-vllm` runs it so).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -38,9 +38,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (
+    machine_info,
     new_parser,
     nonnegative_int,
     output_file,
+    output_range,
     positive_int,
     positive_int_list,
 )
@@ -301,14 +303,6 @@ def summarize(results: list[dict]) -> tuple[dict, str]:
     return summary, line
 
 
-def output_range(text: str) -> tuple[int, int]:
-    """An argparse type: `MIN,MAX` output tokens, 1 <= MIN <= MAX."""
-    parts = positive_int_list(text)
-    if len(parts) != 2 or parts[0] > parts[1]:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX with MIN <= MAX, got {text!r}")
-    return parts[0], parts[1]
-
-
 def build_parser() -> argparse.ArgumentParser:
     quick = ", ".join(f"{k} {v}" for k, v in QUICK.items())
     parser = new_parser(__doc__)
@@ -316,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help=f"a short run (about a minute: {quick})"
     )
     parser.add_argument("--json", type=output_file, help="write every number to this file")
+    vllm_help = "first option only: the vLLM connector mode (options: --vllm --help)"
+    parser.add_argument("--vllm", action="store_true", help=vllm_help)
     parser.add_argument(
         "--sizes",
         type=positive_int_list,
@@ -355,19 +351,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    if sys.argv[1:2] == ["--vllm"]:  # issue #8's mode, in vLLM's real Scheduler
+        import bench_vllm_connector
+
+        sys.argv[:2] = [f"{sys.argv[0]} --vllm"]
+        bench_vllm_connector.main()
+        return
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.vllm:
+        parser.error("--vllm must come first (its options follow it)")
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    load_avg = os.getloadavg()
-    machine = {
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "load_avg_at_start": load_avg,
-    }
+    machine = machine_info()
+    load_avg = machine["load_average"]
     print(
         f"bench_scheduler: {machine['cpus_usable']} cores, {machine['implementation']}"
         f" {machine['python']}, load average {load_avg[0]:.1f};"

@@ -29,4 +29,4 @@ test-vllm: $(VLLM_STAMP)
 
 # kvtier's connector vs vLLM's SimpleCPUOffloadConnector, scheduler side (BENCH_ARGS=--quick).
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_ENV) timeout 1800 $(VLLM_BIN)/python benchmarks/bench_vllm_connector.py $(BENCH_ARGS)
+	$(VLLM_ENV) timeout 1800 $(VLLM_BIN)/python benchmarks/bench_scheduler.py --vllm $(BENCH_ARGS)

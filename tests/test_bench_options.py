@@ -117,6 +117,24 @@ def test_the_vllm_benchmark_without_vllm_says_where_to_run_it(
     assert "make bench-vllm" in capsys.readouterr().err
 
 
+def test_bench_scheduler_s_vllm_mode_is_the_vllm_connector_benchmark(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue #8's mode: `bench_scheduler.py --vllm ARGS` runs `bench_vllm_connector.py ARGS`
+    (its options, its errors); `--vllm` after another option is refused."""
+    bench_scheduler = script("bench_scheduler", monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--vllm", "--window", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_scheduler.main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "bench_scheduler.py --vllm: error: argument --window: expected a number >= 1" in err
+    monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--quick", "--vllm"])
+    with pytest.raises(SystemExit):
+        bench_scheduler.main()
+    assert "--vllm must come first" in capsys.readouterr().err
+
+
 def test_bench_transfer_needs_a_block_size_its_summary_covers(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
