@@ -34,7 +34,7 @@ from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
-from kvtier.offload.lazy_walk import keys_to_drop, lazy_target, unconfirmed_blocks
+from kvtier.offload.lazy_walk import lazy_target
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
 from kvtier.offload.plan_assembly import PlanAssembler
@@ -52,6 +52,7 @@ from kvtier.offload.store_selection import StoreSelector
 from kvtier.offload.tier_index import TierIndex
 from kvtier.offload.tier_reset import TierReset
 from kvtier.offload.transfers import ReportOutcome, TransferBook
+from kvtier.offload.unconfirmed_finish import hold_back_unconfirmed
 
 
 class OffloadScheduler(SchedulerObservability):
@@ -300,11 +301,8 @@ class OffloadScheduler(SchedulerObservability):
         `num_computed_tokens` ran (a forward pass failed and the engine finishes the
         request from its fault handler): its blocks may hold another prefix's KV, so
         none is queued here. Blocks selected in earlier plans were confirmed by then.
-        Its blocks (`unconfirmed_blocks`: a window's dropped ones too) lose their keys
-        in the engine's pool, which serves none of them as a prefix hit then
-        (`GpuPoolView.discard_keys_of`; vLLM hashes blocks as it schedules them), and
-        are held back: lazy mode's walk skips them until a request uses them again; in
-        eager mode a window's null position is not stored from one (`unconfirmed`).
+        Its blocks are held back and lose their keys in the engine's pool
+        (`unconfirmed_finish`; `unconfirm_finished` for a finish the engine learns later).
 
         Never delays the engine freeing its GPU blocks: selected blocks are pinned here.
         Issued transfers keep their pins until the workers report them; an issued load's
@@ -322,19 +320,21 @@ class OffloadScheduler(SchedulerObservability):
             if self.config.fine_grained_hits:
                 selector.select_partial_tail(request, state)
         if not computed:
-            gpu_pool = selector.gpu_pool
-            block_ids = unconfirmed_blocks(self.layout, request, block_ids_per_group, gpu_pool)
-            if self.config.store_mode is StoreMode.LAZY:
-                selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
-            else:
-                selector.unconfirmed.update(block_ids)
-            gpu_pool.discard_keys_of(keys_to_drop(block_ids_per_group, block_ids, gpu_pool))
+            hold_back_unconfirmed(selector, self.config.store_mode, request, block_ids_per_group)
         selector.untrack(request_id)
         selector.across_reset.discard(request_id)
         self._plans.forget(request_id)
         if self.tags is not None:
             self.tags.drop(request_id)
         return dropped
+
+    def unconfirm_finished(
+        self, request: RequestView, block_ids_per_group: Sequence[Sequence[int]]
+    ) -> None:
+        """Take an earlier `on_finished` of `request` as `computed=False` (learned since)."""
+        hold_back_unconfirmed(
+            self.selector, self.config.store_mode, request, block_ids_per_group, True
+        )
 
     def has_pending_stores(self) -> bool:
         """Return True while any store or demotion is queued, in flight or abandoned.

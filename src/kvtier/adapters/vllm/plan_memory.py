@@ -66,6 +66,11 @@ class PlanMemory:
         if self._echoes and finished:
             self._echoes = _without(self._echoes, lambda r: r in finished)
 
+    @property
+    def processed_step(self) -> int:
+        """Return the newest plan step whose worker outputs vLLM applied (0: none)."""
+        return self._receipts.processed_step
+
     def _earlier_events(self) -> dict[int, tuple[int, ...]]:
         """Return the events of earlier plans still in flight, by step id (forgetting
         the rest): a rank that skipped one of those plans has not reported them."""

@@ -56,6 +56,11 @@ logger = logging.getLogger(__name__)
 
 _new_tuple = tuple.__new__
 _NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyType({}))
+# Plans after which a finished request is no longer suspected when a forward fails: a
+# rank reports a failed forward in its next output, and vLLM keeps at most a pipeline's
+# stages (or 2, overlapped) steps in flight; worker outputs with nothing to acknowledge
+# do not advance `PlanMemory.processed_step`.
+_FAULT_HORIZON = 16
 
 
 class SchedulerSide(SchedulerStats):
@@ -110,6 +115,10 @@ class SchedulerSide(SchedulerStats):
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
         self._plans = PlanMemory(self.offload.is_in_flight)  # for ranks a fault hit
+        self._last_step = 0  # the newest plan's step id
+        # Requests finished while a plan built since their last step awaited its
+        # outputs, by that plan's step: (step id, view, block ids) (`_unconfirm_finishes`).
+        self._finished_in_flight: list[tuple[int, VllmRequestView, list[list[int]]]] = []
         self._no_new_blocks: tuple[tuple[int, ...], ...] = tuple(() for _ in self.layout.groups)
         self._last_split: tuple[str, dict[Tier, int]] | None = None
         engine = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
@@ -228,6 +237,10 @@ class SchedulerSide(SchedulerStats):
             )
         )
         failed, self._unissued_failures = tuple(self._unissued_failures), []
+        self._last_step = last = plan.step_id
+        finished = self._finished_in_flight
+        if finished and finished[0][0] <= last - _FAULT_HORIZON:  # bounded, oldest first
+            self._finished_in_flight = [f for f in finished if f[0] > last - _FAULT_HORIZON]
         return self._plans.metadata(plan, failed)
 
     def apply_output(self, connector_output: Any) -> None:
@@ -240,7 +253,15 @@ class SchedulerSide(SchedulerStats):
             report = worker_meta.report
         else:
             raise TypeError(f"unexpected worker metadata {type(worker_meta).__name__}")
-        self._plans.applied(worker_meta, connector_output.finished_recving or set())
+        plans = self._plans
+        fault_step = plans.fault_step
+        plans.applied(worker_meta, connector_output.finished_recving or set())
+        if self._finished_in_flight:
+            if plans.fault_step > fault_step:
+                self._unconfirm_finishes()
+            else:  # their forwards all ran
+                done = plans.processed_step
+                self._finished_in_flight = [f for f in self._finished_in_flight if f[0] > done]
         outcome = self.offload.apply_report(report)
         for failed in outcome.failed_loads:  # issued: the workers reported them to vLLM
             logger.warning(
@@ -292,9 +313,23 @@ class SchedulerSide(SchedulerStats):
         view = self._requests.get(request.request_id)  # `add_request`, inlined (hot)
         if view is None or view.request is not request:
             view = self.add_request(request)
+        if fault and self._finished_in_flight:
+            self._unconfirm_finishes()
         if self.offload.on_finished(view, block_ids, computed=not fault):
             self._unissued_failures.append(request.request_id)
         del self._requests[request.request_id]
+        if not fault and self._last_step > self._plans.processed_step:
+            tables = [list(ids) for ids in block_ids]
+            self._finished_in_flight.append((self._last_step, view, tables))
+
+    def _unconfirm_finishes(self) -> None:
+        """A forward failed: the requests that finished while a plan was in flight may
+        have counted its compute (vLLM: a user's abort between scheduling a step and
+        learning that its forward failed, with steps overlapped): take their finishes as
+        unconfirmed (`OffloadScheduler.unconfirm_finished`), a lost store at worst."""
+        for _, view, tables in self._finished_in_flight:
+            self.offload.unconfirm_finished(view, tables)
+        self._finished_in_flight = []
 
     def has_pending_stores(self) -> bool:
         """Return True while stores are queued or in flight (vLLM keeps stepping)."""
