@@ -10,18 +10,17 @@ connectors still run their after-forward calls (Model Runner V1's `finally`; V2 
 none) while the other ranks' outputs are salvaged into the next step's aggregate; then
 the engine core aborts every request.
 
-vLLM 0.33 keeps the hashes it gave the failed step's blocks when it scheduled them, so it
-would serve those unwritten blocks to a later request as local prefix hits: its own bug,
-not kvtier's. `ForwardFaults` hides them from vLLM's prefix lookups only; kvtier's lazy
-walk still finds them, hashes and all, in vLLM's free queue, as it would in vLLM.
+vLLM 0.33 keeps the hashes it gave the failed step's blocks when it scheduled them, and
+would serve those unwritten blocks to a later request as local prefix hits (its own
+bug): kvtier drops them from vLLM's prefix cache at the fault's aborts
+(`GpuPoolView.discard_keys_of`), and the harness's read check fails a run where vLLM
+serves one all the same.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
-from vllm.v1.core.kv_cache_utils import BlockHash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
@@ -44,25 +43,10 @@ def raise_from_forward(worker: WorkerSide, scheduler_output: SchedulerOutput, v2
 
 
 class ForwardFaults:
-    """Fail the forward of a harness's next step; hide its blocks from vLLM's lookups."""
+    """Fail the forward of a harness's next step."""
 
     def __init__(self, harness: VllmHarness) -> None:
         self.harness = harness
-        pool = harness.scheduler.kv_cache_manager.block_pool
-        self._blocks = pool.blocks
-        # GPU block id -> the hash vLLM gave it in a failed step; void once it has another
-        self.unwritten: dict[int, Any] = {}
-        self.num_hidden_hits = 0
-        lookup = pool.get_cached_block
-
-        def get_cached_block(block_hash: BlockHash, group_ids: list[int]) -> Any:
-            blocks = lookup(block_hash, group_ids)
-            if blocks and any(self.unwritten.get(b.block_id) == b.block_hash for b in blocks):
-                self.num_hidden_hits += 1
-                return None
-            return blocks
-
-        pool.get_cached_block = get_cached_block  # type: ignore[method-assign]
 
     def fail_step(self, failing_rank: int | None, v2: bool = False) -> bool:
         """Run a step whose forward raises on `failing_rank` (on every rank: None) under
@@ -78,7 +62,6 @@ class ForwardFaults:
         if not scheduler.has_requests():
             return False
         scheduler_output = scheduler.schedule()
-        self._note_unwritten(scheduler_output)
         for cache in harness.caches:  # the model runner copies before the connector's calls
             cache.copy_blocks(scheduler_output.kv_cache_block_copies or ())
         for worker in harness.workers:
@@ -101,14 +84,3 @@ class ForwardFaults:
             scheduler.processed_step_seq = scheduler.sched_step_seq
             scheduler._drain_deferred_frees()
         return True
-
-    def _note_unwritten(self, scheduler_output: SchedulerOutput) -> None:
-        """Note the blocks of the positions the failed step was to compute."""
-        manager = self.harness.scheduler.kv_cache_manager
-        block_sizes = self.harness.caches[0].block_sizes
-        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            end = self.harness.scheduler.requests[request_id].num_computed_tokens
-            for group, table in enumerate(manager.get_block_ids(request_id)):
-                size = block_sizes[group]
-                for block_id in table[(end - num_new) // size : -(-end // size)]:
-                    self.unwritten[block_id] = self._blocks[block_id].block_hash

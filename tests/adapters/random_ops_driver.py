@@ -330,7 +330,6 @@ class Run:
         for tier, tokens in self.side.offload.take_stats().hit_tokens.items():
             self.totals[f"hit_tokens_{tier}"] += tokens
         self._check_tier_events()
-        self.totals["fault_hidden_hits"] += self.faults.num_hidden_hits
         for worker in self.workers:
             self.totals.update({f"failed_{k}": n for k, n in worker.num_failed.items()})
             self.totals["jobs_run"] += worker.num_run
