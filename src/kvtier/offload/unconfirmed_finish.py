@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtier.core.kv_groups import KVLayout
 from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.offload.block_payload import request_key
 from kvtier.offload.config import StoreMode
-from kvtier.offload.lazy_walk import keys_to_drop, unconfirmed_blocks
-from kvtier.offload.protocols import RequestView
+from kvtier.offload.protocols import GpuPoolView, RequestView
 from kvtier.offload.store_selection import StoreSelector
 
 
@@ -54,3 +54,42 @@ def hold_back_unconfirmed(
     else:
         selector.unconfirmed.update(block_ids)
     gpu_pool.discard_keys_of(keys_to_drop(block_ids_per_group, block_ids, gpu_pool))
+
+
+def unconfirmed_blocks(
+    layout: KVLayout,
+    request: RequestView,
+    block_ids_per_group: Sequence[Sequence[int]],
+    gpu_pool: GpuPoolView,
+) -> list[int]:
+    """Return the GPU blocks an unconfirmed finish must hold back (`LazyWalk.hold_back`):
+    its table's blocks, and every block cached under the key of a null position.
+
+    A sliding window (or a state group) drops blocks from the table while the request
+    runs, and the engine frees them with their keys; one its failed forward wrote and
+    then dropped (vLLM drops at schedule time, before an overlapped forward's failure is
+    known) leaves no other trace. Each such key may name several blocks (another
+    request's copy among them): all are held back, a lost store at worst.
+    """
+    found = [b for ids in block_ids_per_group for b in ids if b != NULL_BLOCK_ID]
+    for group_id, table in enumerate(block_ids_per_group):
+        for pos, block_id in enumerate(table):
+            if block_id != NULL_BLOCK_ID:
+                continue
+            key = request_key(layout, request, group_id, pos)
+            if key is None:
+                break  # not hashed, nor any later position
+            found.extend(gpu_pool.cached_blocks(key))
+    return found
+
+
+def keys_to_drop(
+    block_ids_per_group: Sequence[Sequence[int]], held: Sequence[int], gpu_pool: GpuPoolView
+) -> list[int]:
+    """Return the blocks of an unconfirmed finish (`held`, `unconfirmed_blocks`) whose
+    keys the engine's pool must drop (`GpuPoolView.discard_keys_of`): its table's, and
+    the free ones cached under the keys of its null positions. One another request
+    uses under such a key stays cached: that request holds it in its own table (an
+    engine aborting every request after a fault drops it with that request's)."""
+    own = {b for ids in block_ids_per_group for b in ids}
+    return [b for b in held if b in own or not gpu_pool.block(b).ref_count]
