@@ -59,6 +59,8 @@ def assert_untouched(llm: LLM) -> None:
         ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*64\), got -1 \(torch would"),
         ({"seed": -(2**63)}, ValueError, r"EngineConfig.seed must be in \[0, 2\*\*64\), got -"),
         ({"keep_logits": "no"}, TypeError, "EngineConfig.keep_logits must be a bool, got 'no'"),
+        ({"max_logprobs": 2.0}, TypeError, "EngineConfig.max_logprobs must be an int, got 2.0"),
+        ({"max_logprobs": -2}, ValueError, r"max_logprobs must be >= 0, or -1 \(no cap\), got -2"),
         ({"device": "bogus"}, ValueError, "EngineConfig.device='bogus' is not a torch device"),
         ({"device": 0}, TypeError, "EngineConfig.device must be a str or torch.device, got 0"),
         ({"device": "meta"}, ValueError, "device='meta': the engine runs on 'cpu' or 'cuda"),

@@ -24,8 +24,12 @@ from kvtier.engine.sampling import SamplingParams
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 
 
-def run(params: SamplingParams, keep_logits: bool = True) -> list[RequestOutput]:
-    engine = EngineConfig(block_size=4, num_gpu_blocks=16, keep_logits=keep_logits)
+def run(
+    params: SamplingParams, keep_logits: bool = True, max_logprobs: int = 20
+) -> list[RequestOutput]:
+    engine = EngineConfig(
+        block_size=4, num_gpu_blocks=16, keep_logits=keep_logits, max_logprobs=max_logprobs
+    )
     return LLM(None, engine=engine).generate(PROMPTS, params)
 
 
@@ -65,7 +69,8 @@ def test_logprobs_are_the_raw_log_softmax_of_the_sampled_logits(
 
 
 def test_logprobs_minus_one_gives_the_whole_vocab_and_none_gives_none() -> None:
-    (everything, _) = run(SamplingParams(max_tokens=2, logprobs=-1), keep_logits=False)
+    everything_params = SamplingParams(max_tokens=2, logprobs=-1)
+    (everything, _) = run(everything_params, keep_logits=False, max_logprobs=-1)
     assert everything.outputs[0].logprobs is not None
     for position in everything.outputs[0].logprobs:
         assert len(position) == 128
@@ -79,6 +84,29 @@ def test_more_logprobs_than_the_vocab_are_refused_by_value() -> None:
     with pytest.raises(ValueError, match=r"prompt 1: logprobs=129, more than the vocab's 128"):
         llm.generate(PROMPTS, [SamplingParams(), SamplingParams(logprobs=129)])
     assert llm.stats.num_steps == 0
+
+
+@pytest.mark.parametrize(
+    ("max_logprobs", "logprobs", "message"),
+    [
+        (20, 21, r"prompt 1: logprobs=21 is more than max_logprobs=20: ask for at most 20"),
+        (20, -1, r"prompt 1: logprobs=-1 \(the whole vocab, 128\) is more than max_logprobs=20"),
+        (0, 1, r"prompt 1: logprobs=1 is more than max_logprobs=0"),
+    ],
+)
+def test_more_logprobs_than_max_logprobs_are_refused_by_value(
+    max_logprobs: int, logprobs: int, message: str
+) -> None:
+    """Regression: any count up to the vocab was served where vLLM (`max_logprobs`, 20 by
+    default) refuses more, so code tested here failed when moved to vLLM."""
+    engine = EngineConfig(block_size=4, num_gpu_blocks=16, max_logprobs=max_logprobs)
+    llm = LLM(None, engine=engine)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPTS, [SamplingParams(), SamplingParams(logprobs=logprobs)])
+    assert llm.stats.num_steps == 0
+    # At the cap it runs (0 logprobs: the sampled token's alone).
+    (_, at_cap) = llm.generate(PROMPTS, [SamplingParams(), SamplingParams(logprobs=max_logprobs)])
+    assert at_cap.outputs[0].logprobs is not None
 
 
 def test_a_preempted_request_keeps_one_logprobs_entry_per_token() -> None:

@@ -209,6 +209,10 @@ class EngineConfig:
     str ("cuda:1"). A value of the wrong type raises TypeError, one out of range
     ValueError, both naming the field. Numpy integers are taken as, and stored as,
     Python ints.
+
+    `max_logprobs` is vLLM's: the most `SamplingParams.logprobs` a request may ask for
+    (20, as vLLM's default; -1: no cap, the whole vocab); a request asking for more
+    (`logprobs=-1` asks for the vocab) is refused.
     """
 
     block_size: int = 16
@@ -218,6 +222,7 @@ class EngineConfig:
     device: str | torch.device = "cpu"
     seed: int = 0
     keep_logits: bool = False
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         # Numpy integers are taken as, and stored as, Python ones (as in SamplingParams).
@@ -244,6 +249,13 @@ class EngineConfig:
                 + (f" (torch would seed it as {2**64 + self.seed})" if self.seed < 0 else "")
             )
         object.__setattr__(self, "seed", int(self.seed))
+        if not isinstance(self.max_logprobs, Integral) or isinstance(self.max_logprobs, bool):
+            raise TypeError(f"EngineConfig.max_logprobs must be an int, got {self.max_logprobs!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(
+                f"EngineConfig.max_logprobs must be >= 0, or -1 (no cap), got {self.max_logprobs}"
+            )
+        object.__setattr__(self, "max_logprobs", int(self.max_logprobs))
         if not isinstance(self.keep_logits, bool):
             raise TypeError(f"EngineConfig.keep_logits must be a bool, got {self.keep_logits!r}")
         if isinstance(self.device, torch.device):

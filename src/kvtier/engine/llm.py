@@ -117,6 +117,7 @@ class LLM(StallChecks):
             self.model_config.max_position,
             self.layout,
             self.pool.num_usable_blocks,
+            engine.max_logprobs,
         )
         self._next_id = 0
         # Seeds unseeded temperature requests (SamplingParams.make_generator), not the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -10,9 +11,15 @@ from numbers import Integral, Real
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 # vLLM's SamplingParams refuses a higher temperature; taken the same, a request written
 # for vLLM is refused or served alike.
 _MAX_TEMPERATURE = 2.0
+# vLLM's: a temperature in (0, this) is raised to it, with a warning (a lower one risks
+# inf / NaN in vLLM's kernels); below _SAMPLING_EPS (only 0 after that) is greedy.
+_MIN_TEMPERATURE = 1e-2
+_SAMPLING_EPS = 1e-5
 
 
 class FinishReason(enum.Enum):
@@ -38,7 +45,8 @@ class Logprob:
 class SamplingParams:
     """How to pick a request's output tokens and when to stop.
 
-    `temperature == 0` is greedy. With a temperature, `seed` makes the request's tokens
+    `temperature == 0` is greedy; as in vLLM, one in (0, 0.01) is raised to 0.01 with a
+    warning (so only 0 is greedy). With a temperature, `seed` makes the request's tokens
     reproducible whatever else is in the batch and whatever came before; without a seed
     the engine seeds the request's generator from `EngineConfig.seed` and the request's
     arrival order (`make_generator`), so the same engine seed and the same calls give the
@@ -53,7 +61,15 @@ class SamplingParams:
     vLLM's `n`, `detokenize` and `stop` are taken at the values the engine honours:
     `n=1`, either `detokenize` (no text is made either way) and no stop strings (None or
     empty, stored as ()); other values raise ValueError naming the value and what to do
-    instead. `logprobs` is taken as vLLM takes it (True is 1).
+    instead. `logprobs` is taken as vLLM takes it (True is 1); the engine refuses more
+    than `EngineConfig.max_logprobs` (vLLM's `max_logprobs`, 20 by default) per request.
+
+    vLLM's `top_k` (an int; 0 or -1: off), `top_p` (in (0, 1]) and `min_p` (in [0, 1])
+    filter the temperature-scaled distribution as vLLM's sampler does, in its order:
+    `min_p` drops the tokens less likely than `min_p` times the most likely one, `top_k`
+    keeps the `top_k` most likely (and any tied with the last), `top_p` the fewest most
+    likely whose probabilities sum to at least `top_p` (the most likely always). They
+    change sampled requests only: as in vLLM, a greedy one stores them as off.
     """
 
     max_tokens: int = 16
@@ -69,6 +85,9 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     stop: tuple[str, ...] = ()
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         # Numpy numbers are checked as Python ones and stored as them (as token ids are).
@@ -85,6 +104,14 @@ class SamplingParams:
         if not 0 <= self.temperature <= _MAX_TEMPERATURE:  # NaN fails too
             raise ValueError(f"temperature must be in {bounds}, got {self.temperature}")
         object.__setattr__(self, "temperature", float(self.temperature))
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning(
+                "temperature %s is below %s: raised to %s, as vLLM does",
+                self.temperature,
+                _MIN_TEMPERATURE,
+                _MIN_TEMPERATURE,
+            )
+            object.__setattr__(self, "temperature", _MIN_TEMPERATURE)
         if _is_int(self.seed) and self.seed == -1:
             object.__setattr__(self, "seed", None)  # vLLM's "no seed"
         if self.seed is not None:
@@ -110,6 +137,30 @@ class SamplingParams:
         # Frozen, but a list given by the caller is stored as a tuple (hashable, immutable).
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         self._check_vllm_only_fields()
+        self._check_filters()
+
+    def _check_filters(self) -> None:
+        """Check `top_p`, `top_k` and `min_p` as vLLM does, raising TypeError / ValueError
+        naming the field and value; store them as Python numbers (off when greedy)."""
+        for name, low_open in (("top_p", True), ("min_p", False)):
+            value = getattr(self, name)
+            bounds = "(0, 1]" if low_open else "[0, 1]"
+            if not isinstance(value, Real) or _is_bool(value):
+                raise TypeError(f"{name} must be a float in {bounds}, got {value!r}")
+            number = float(value)
+            inside = 0 < number <= 1 if low_open else 0 <= number <= 1  # NaN fails too
+            if not inside:
+                raise ValueError(f"{name} must be in {bounds}, got {value}")
+            object.__setattr__(self, name, number)
+        if not _is_int(self.top_k):
+            raise TypeError(f"top_k must be an int (0 or -1: off), got {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off), or at least 1, got {self.top_k}")
+        object.__setattr__(self, "top_k", int(self.top_k))
+        if self.is_greedy:  # as vLLM: the argmax is taken whatever they say
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", 0)
+            object.__setattr__(self, "min_p", 0.0)
 
     def _check_vllm_only_fields(self) -> None:
         """Take vLLM's `n`, `logprobs`, `detokenize` and `stop` at the values the engine
@@ -153,7 +204,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         """Return True when the most likely token is always taken."""
-        return self.temperature == 0.0
+        return self.temperature < _SAMPLING_EPS
 
     def make_generator(self, seed_source: torch.Generator) -> torch.Generator | None:
         """Return a fresh CPU generator for one request, or None when greedy.
@@ -187,6 +238,8 @@ def sample(
 ) -> list[int]:
     """Pick one token per row of `logits` ([num_seqs, vocab_size]).
 
+    A sampled row is scaled by its request's temperature, filtered by its `min_p`,
+    `top_k` and `top_p` (`_filtered`), and one token drawn from what is left.
     `generators[i]` is request i's generator from `SamplingParams.make_generator`; it is
     advanced by one draw per sampled token. Sampling runs on CPU in float32, so results
     do not depend on the device.
@@ -208,9 +261,29 @@ def sample(
         # overflowing to inf or dividing 0 by 0 (a NaN softmax).
         top = row.max()
         scaled = torch.where(row == top, 0.0, (row - top) / param.temperature)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = torch.softmax(_filtered(scaled, param), dim=-1)
         tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
     return tokens
+
+
+def _filtered(scaled: torch.Tensor, param: SamplingParams) -> torch.Tensor:
+    """Return `scaled` (temperature-scaled logits whose top one is 0) with the tokens
+    that `min_p`, then `top_k`, then `top_p` rule out at -inf (vLLM's order). The most
+    likely token is never ruled out."""
+    out = scaled
+    if param.min_p > 0:
+        # The top logit is 0, so exp(logit) is each token's probability over the top's.
+        out = out.masked_fill(out.exp() < param.min_p, -torch.inf)
+    if 0 < param.top_k < out.numel():
+        kth = out.topk(param.top_k).values[-1]
+        out = out.masked_fill(out < kth, -torch.inf)
+    if param.top_p < 1:
+        ascending, order = torch.softmax(out, dim=-1).sort()
+        # Drop the least likely tokens while those dropped sum to at most 1 - top_p.
+        drop = ascending.cumsum(dim=-1) <= 1 - param.top_p
+        drop[-1] = False
+        out = out.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -torch.inf)
+    return out
 
 
 def finish_reason(

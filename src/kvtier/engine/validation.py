@@ -30,12 +30,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one request may use: its vocab, its positions and the usable GPU pool."""
+    """What one request may use: its vocab, its positions, the usable GPU pool and
+    `EngineConfig.max_logprobs` (-1: no cap)."""
 
     vocab_size: int
     max_position: int
     layout: KVLayout
     num_usable_blocks: int
+    max_logprobs: int
 
 
 TOKENS_KEY = "prompt_token_ids"
@@ -270,6 +272,7 @@ def check_request(
             f"{where}: logprobs={params.logprobs}, more than the vocab's "
             f"{limits.vocab_size} tokens (-1 asks for them all)"
         )
+    _check_logprobs_cap(params.logprobs, limits, where)
     num_prompt = len(token_ids)
     num_positions = num_prompt + params.max_tokens - 1
     sizes = f"prompt of {num_prompt} tokens + max_tokens={params.max_tokens}"
@@ -291,6 +294,21 @@ def check_request(
             f"{where}: {sizes} needs at least {num_blocks} KV blocks at one step, more "
             f"than the GPU pool's {limits.num_usable_blocks} usable blocks (raise "
             "EngineConfig.num_gpu_blocks or lower max_tokens)"
+        )
+
+
+def _check_logprobs_cap(logprobs: int | None, limits: RequestLimits, where: str) -> None:
+    """Raise ValueError, naming `where` and the value, if `logprobs` asks for more than
+    `limits.max_logprobs` (as vLLM refuses more than its `max_logprobs`)."""
+    cap = limits.max_logprobs
+    if logprobs is None or cap == -1:
+        return
+    num = limits.vocab_size if logprobs == -1 else logprobs
+    if num > cap:
+        asked = f"logprobs={logprobs}" + (f" (the whole vocab, {num})" if logprobs == -1 else "")
+        raise ValueError(
+            f"{where}: {asked} is more than max_logprobs={cap}: ask for at most {cap}, "
+            "or raise EngineConfig.max_logprobs (-1: no cap), as vLLM's --max-logprobs"
         )
 
 
