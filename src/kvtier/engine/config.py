@@ -39,6 +39,11 @@ class ModelConfig:
     `layer_kinds[i]` is the attention kind of layer i; `sliding_window` (in tokens) is
     required exactly when some layer is `SLIDING`: a query at position p then attends to
     keys at positions in (p - sliding_window, p]. `eos_token_ids` must lie in the vocab.
+
+    `eos_stop_token_ids` are those of `eos_token_ids` that vLLM takes as stop token ids
+    (a checkpoint's generation config EOS ids besides its tokenizer's EOS): they stop a
+    request as the others do (not with `ignore_eos`) but are its `stop_reason`, as in
+    vLLM; the others stop it with no `stop_reason`.
     """
 
     vocab_size: int
@@ -58,6 +63,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     dtype: torch.dtype = torch.float32
+    eos_stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -93,6 +99,11 @@ class ModelConfig:
             raise ValueError(
                 f"eos_token_ids {beyond} outside the vocab [0, {self.vocab_size}): "
                 "never sampled, they could never stop generation"
+            )
+        stops = self.eos_stop_token_ids
+        if not isinstance(stops, tuple) or not set(stops) <= set(eos):
+            raise ValueError(
+                f"eos_stop_token_ids must be a tuple of some of eos_token_ids {eos}, got {stops!r}"
             )
         self._check_numbers_and_flags()
 

@@ -40,7 +40,7 @@ from kvtier.engine.weights import checkpoint_files
 
 _CHUNK_BYTES = 8 << 20
 # ModelConfig fields that no KV byte depends on.
-_NOT_KV_FIELDS = frozenset({"eos_token_ids"})
+_NOT_KV_FIELDS = frozenset({"eos_token_ids", "eos_stop_token_ids"})
 
 
 def kv_fingerprint(

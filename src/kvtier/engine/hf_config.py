@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvtier.engine.config import SUPPORTED_ARCHITECTURES, AttentionKind, ModelConfig
+from kvtier.engine.hf_tokenizer_eos import tokenizer_eos_token_id
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,10 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
 
     The EOS tokens are config.json's `eos_token_id`s, then those of a
     `generation_config.json` beside it (as vLLM and transformers stop at them: chat
-    checkpoints name their end-of-turn token there alone). An EOS id outside the vocab
+    checkpoints name their end-of-turn token there alone), then the tokenizer's EOS
+    (`tokenizer_eos_token_id`), at which vLLM stops too. As vLLM, the generation
+    config's EOS ids but the tokenizer's are reported as `stop_reason`
+    (`ModelConfig.eos_stop_token_ids`). An EOS id outside the vocab
     (a checkpoint whose vocab was cut down) is left out with a warning: the model can
     never sample it, and vLLM serves such checkpoints too.
     """
@@ -67,8 +71,18 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
         raise ValueError(f"{source}: {exc}") from None
     generation_path = config_path.parent / GENERATION_CONFIG_FILE
     more = _in_vocab(_generation_eos_token_ids(generation_path), config.vocab_size, generation_path)
-    eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + more))
-    return dataclasses.replace(config, eos_token_ids=eos_token_ids)
+    tokenizer_eos = tokenizer_eos_token_id(config_path.parent)
+    tokenizer_ids = _in_vocab(
+        () if tokenizer_eos is None else (tokenizer_eos,), config.vocab_size, config_path.parent
+    )
+    eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + more + tokenizer_ids))
+    # vLLM's generation config: the file's, else one made from config.json (transformers'
+    # from_model_config). Its EOS ids but the tokenizer's (unknown: config.json's first)
+    # are the request's stop token ids there, so they are reported as its stop_reason.
+    generated = more if generation_path.is_file() else config.eos_token_ids
+    primary = tokenizer_ids or config.eos_token_ids[:1]
+    stops = tuple(token for token in dict.fromkeys(generated) if token not in primary)
+    return dataclasses.replace(config, eos_token_ids=eos_token_ids, eos_stop_token_ids=stops)
 
 
 def _in_vocab(eos_token_ids: tuple[int, ...], vocab_size: int, source: object) -> tuple[int, ...]:

@@ -196,7 +196,7 @@ class LLM(StallChecks):
             self.scheduler.unreturned[:0] = others
             if bar is not None:
                 bar.close()
-        return [output_of(r, self.model_config.eos_token_ids) for r in requests]
+        return [output_of(r, self.model_config) for r in requests]
 
     def add_request(
         self, prompt: TokenPrompt, params: SamplingParams, *, session_id: str | None = None

@@ -3,11 +3,11 @@ counts (`EngineStats`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.engine.config import ModelConfig
 from kvtier.engine.request import Request
 from kvtier.engine.sampling import FinishReason, Logprob
 
@@ -92,9 +92,10 @@ class EngineStats:
     num_external_hit_tokens: int = 0
 
 
-def output_of(request: Request, eos_token_ids: Sequence[int]) -> RequestOutput:
-    """Return the `RequestOutput` of a finished request (its kept logits stacked);
-    `eos_token_ids` are the model's, which stop it with no `stop_reason` (as vLLM's)."""
+def output_of(request: Request, model: ModelConfig) -> RequestOutput:
+    """Return the `RequestOutput` of a finished request (its kept logits stacked) of an
+    engine running `model` (whose EOS ids but its `eos_stop_token_ids` stop a request
+    with no `stop_reason`, as vLLM's tokenizer EOS does)."""
     rows = request.kept_logits
     reason = request.finish_reason
     no_logprobs = request.params.logprobs is None
@@ -105,7 +106,7 @@ def output_of(request: Request, eos_token_ids: Sequence[int]) -> RequestOutput:
         cumulative_logprob=None if no_logprobs else request.cumulative_logprob,
         logprobs=None if no_logprobs else list(request.sample_logprobs),
         finish_reason=reason.value if reason else None,
-        stop_reason=_stop_reason(request, eos_token_ids),
+        stop_reason=_stop_reason(request, model),
     )
     num_local, num_external = request.num_local_tokens_total, request.num_external_tokens_total
     return RequestOutput(
@@ -125,12 +126,14 @@ def output_of(request: Request, eos_token_ids: Sequence[int]) -> RequestOutput:
     )
 
 
-def _stop_reason(request: Request, eos_token_ids: Sequence[int]) -> int | None:
-    """Return the stop token id that finished `request`, or None. As vLLM checks an EOS
-    first, an EOS token (unless `ignore_eos`) stops with None even if it is a stop id."""
+def _stop_reason(request: Request, model: ModelConfig) -> int | None:
+    """Return the stop token id that finished `request`, or None. As vLLM checks its EOS
+    first, a silent EOS token (unless `ignore_eos`) stops with None even if it is a stop
+    id; an EOS id of `model.eos_stop_token_ids` is a stop id there (not with ignore_eos)."""
     if request.finish_reason is not FinishReason.STOP or not request.output_token_ids:
         return None
     token, params = request.output_token_ids[-1], request.params
-    if not params.ignore_eos and token in eos_token_ids:
+    eos_stops = () if params.ignore_eos else model.eos_stop_token_ids
+    if not params.ignore_eos and token in model.eos_token_ids and token not in eos_stops:
         return None
-    return token if token in params.stop_token_ids else None
+    return token if token in params.stop_token_ids or token in eos_stops else None
