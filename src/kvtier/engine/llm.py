@@ -14,6 +14,7 @@ from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
 from kvtier.engine.forward import keep_sampled, run_forward
+from kvtier.engine.generation_defaults import default_sampling_params
 from kvtier.engine.model import build_model
 from kvtier.engine.offload_side import OffloadSide, layout_of
 from kvtier.engine.outputs import EngineStats, RequestOutput, output_of
@@ -81,6 +82,7 @@ class LLM(StallChecks):
         else:
             network = build_model(model or ModelConfig.tiny(), device, seed=engine.seed)
         self.model_config = network.config
+        self._default_params = default_sampling_params(model)
         cache = CacheConfig(block_size=engine.block_size, num_blocks=engine.num_gpu_blocks)
         self.runner = ModelRunner(network, cache)
         self.layout = layout_of(self.runner)
@@ -120,8 +122,7 @@ class LLM(StallChecks):
             engine.max_logprobs,
         )
         self._next_id = 0
-        # Seeds unseeded temperature requests (SamplingParams.make_generator), not the
-        # global RNG: other torch users neither change nor see the engine's sampling.
+        # Seeds unseeded temperature requests (make_generator); torch's global RNG is unused.
         self._seed_source = torch.Generator().manual_seed(engine.seed)
         self._is_shut_down = False
 
@@ -142,7 +143,8 @@ class LLM(StallChecks):
         dicts may stand for lists; as in vLLM, one dict or one flat list of ints is one
         prompt. An array of prompts is refused, naming the `.tolist()` call to pass.
 
-        `params` is one `SamplingParams` for all, one per prompt, or None (the defaults).
+        `params` is one `SamplingParams` for all, one per prompt, or None (as vLLM:
+        `get_default_sampling_params()`).
         `show_progress` shows a tqdm bar (None, the default: none, where vLLM shows one);
         a callable makes the bar, called as vLLM calls `use_tqdm`'s. vLLM's names for
         them, `sampling_params=` and `use_tqdm=`, are taken too; giving both names of one
@@ -161,7 +163,7 @@ class LLM(StallChecks):
         show_bar = one_spelling("show_progress", show_progress, "use_tqdm", use_tqdm)
         make_bar = progress_bar_maker(show_bar)
         prompt_list = as_prompt_list(prompts)
-        params_list = as_params_list(given, len(prompt_list))
+        params_list = as_params_list(given, len(prompt_list), self._default_params)
         checked = [
             self._checked(prompt, sp, f"prompt {index}")
             for index, (prompt, sp) in enumerate(zip(prompt_list, params_list, strict=True))
@@ -197,6 +199,10 @@ class LLM(StallChecks):
             if bar is not None:
                 bar.close()
         return [output_of(r, self.model_config) for r in requests]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Return `generate`'s params when given none (`generation_defaults`), as vLLM's."""
+        return self._default_params
 
     def add_request(
         self, prompt: TokenPrompt, params: SamplingParams, *, session_id: str | None = None

@@ -210,10 +210,13 @@ def one_spelling(name: str, value: T | None, vllm_name: str, vllm_value: T | Non
     return vllm_value if value is None else value
 
 
-def as_params_list(params: object, num_prompts: int) -> list[SamplingParams]:
-    """Return one `SamplingParams` per prompt from None, one params, or a sequence of them."""
+def as_params_list(
+    params: object, num_prompts: int, default: SamplingParams
+) -> list[SamplingParams]:
+    """Return one `SamplingParams` per prompt from None (`default`), one params, or a
+    sequence of them."""
     if params is None:
-        return [SamplingParams()] * num_prompts
+        return [default] * num_prompts
     if isinstance(params, SamplingParams):
         return [params] * num_prompts
     if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):

@@ -1,0 +1,75 @@
+"""A checkpoint's default sampling parameters, from its `generation_config.json`.
+
+As vLLM's `LLM.get_default_sampling_params` (`ModelConfig.get_diff_sampling_param`):
+the file's `temperature`, `top_k`, `top_p`, `min_p` and `max_new_tokens` (vLLM's
+`max_tokens`) are the defaults of a `generate` call given no sampling params; what the
+file leaves out keeps `SamplingParams`' default. vLLM reads the file through
+transformers' `GenerationConfig.to_diff_dict`, which drops a `top_k` of 50
+(transformers' default): so is it here. The engine has no penalties: a
+`repetition_penalty`, `presence_penalty` or `frequency_penalty` other than neutral is
+not applied, with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvtier.engine.hf_config import GENERATION_CONFIG_FILE
+from kvtier.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# The file's key -> SamplingParams' field.
+_FIELDS = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+_NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_TRANSFORMERS_DEFAULT_TOP_K = 50
+
+
+def default_sampling_params(model: str | Path | object) -> SamplingParams:
+    """Return the defaults for `generate` calls given no sampling params: from the
+    `generation_config.json` of the checkpoint directory `model` names (or beside the
+    config.json it names), else `SamplingParams()`. Raise ValueError naming the file for
+    a value `SamplingParams` refuses (the file is read as `ModelConfig.from_hf_config`
+    reads it, which names a file that is no JSON object)."""
+    if not isinstance(model, (str, Path)):
+        return SamplingParams()
+    directory = Path(model) if Path(model).is_dir() else Path(model).parent
+    path = directory / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return SamplingParams()
+    with path.open(encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)  # read already by ModelConfig.from_hf_config
+    fields = {
+        field: data[key]
+        for key, field in _FIELDS.items()
+        if data.get(key) is not None
+        and not (key == "top_k" and data[key] == _TRANSFORMERS_DEFAULT_TOP_K)
+    }
+    ignored = {
+        key: data[key]
+        for key, neutral in _NEUTRAL_PENALTIES.items()
+        if data.get(key) is not None and data[key] != neutral
+    }
+    if ignored:
+        logger.warning(
+            "%s: %s not applied: the reference engine has no penalties",
+            path,
+            ", ".join(f"{key}={value}" for key, value in ignored.items()),
+        )
+    try:
+        params = SamplingParams(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if fields:
+        shown = ", ".join(f"{field}={value}" for field, value in fields.items())
+        logger.info("%s sets the default sampling params: %s", path, shown)
+    return params
