@@ -93,3 +93,27 @@ def test_blocks_another_request_holds_under_the_victims_keys_are_not_held_back()
     stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
     assert computed <= stored
     engine.check()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_tokens_counted_computed_ahead_do_not_move_a_victims_unwritten_blocks(
+    mode: StoreMode,
+) -> None:
+    """Regression: with its step's tokens counted computed ahead of the forward (output
+    placeholders: the plan sees them computed), where a request's last scheduled step
+    ends was noted as computed + scheduled, counting them twice (as eager's walk of a
+    preempted request once did: test_preempted_stores.py). Preempted in the step that
+    scheduled it again, the victim's unwritten blocks were looked for from that doubled
+    end on: the walk (lazy) stored them, vLLM-style keyed and never written."""
+    engine = victim_engine(mode)
+    engine.admit(make_request("r", range(33)))
+    engine.schedule("r", 6)
+    engine.count_ahead("r")
+    engine.step()  # computes 0-6: block 1 half written
+    unwritten = schedule_then_preempt(engine, "r", 6)  # blocks 1 and 2, keyed
+    assert len(unwritten) == 2
+    stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
+    assert stored.isdisjoint(unwritten)
+    for block_id in unwritten:  # nor served as a hit by the engine
+        assert engine.gpu.key(block_id) is None
+    engine.check()

@@ -57,8 +57,9 @@ class PlanAssembler:
         # A reset ended a persistent disk tier's persistence: every later plan says so.
         self.persistence_ended = False
         # With `keep_written`: request id -> (its view, the tokens its last scheduled step
-        # writes through), for the requests scheduled since their admission
-        # (`_hold_back_unwritten`); a finished one's goes with `forget`.
+        # writes through, counted from its confirmed tokens: an engine may count a step's
+        # tokens computed ahead of its forward), for the requests scheduled since their
+        # admission (`_hold_back_unwritten`); a finished one's goes with `forget`.
         self._written: dict[str, tuple[RequestView, int]] | None = {} if keep_written else None
 
     def build(self, step: StepInput, selector: StoreSelector, walk: bool = True) -> TransferPlan:
@@ -77,10 +78,10 @@ class PlanAssembler:
                 select_preempted(selector, request_id)
             selector.reset_request(request_id)
         if written is not None:
-            for scheduled in step.scheduled:  # before this step counts as computed
+            for scheduled in step.scheduled:  # from its confirmed tokens, as `written_end`
                 request = scheduled.request
-                end = request.num_computed_tokens + scheduled.num_scheduled_tokens
-                written[request.request_id] = (request, end)
+                confirmed = request.num_computed_tokens - request.num_output_placeholders
+                written[request.request_id] = (request, confirmed + scheduled.num_scheduled_tokens)
         if eager:
             selector.select_scheduled(step.scheduled)
         gone = step.finished_request_ids | step.preempted_request_ids
@@ -163,11 +164,12 @@ class PlanAssembler:
         lowest-priority one, even one scheduled earlier in that `schedule()` call, and
         drops it from the step), hashing the blocks of that step's tokens as it
         allocated them; it frees them with their keys. Written are the tokens of its last
-        scheduled step, less any draft tokens it rejected (`num_tokens - 1` bounds a
-        decoding request's). Such blocks lose their keys in the engine's pool
-        (`GpuPoolView.discard_keys_of`), so it serves none of them as a prefix hit, and
-        are held back as a failed forward's are (lazy: the walk skips them; eager: no
-        window position is recovered from one) until a request takes them again.
+        scheduled step (from those confirmed then), less any draft tokens it rejected
+        (`num_tokens - 1` bounds a decoding request's). Such blocks lose their keys in the
+        engine's pool (`GpuPoolView.discard_keys_of`), so it serves none of them as a
+        prefix hit, and are held back as a failed forward's are (lazy: the walk skips
+        them; eager: no window position is recovered from one) until a request takes them
+        again.
         """
         written_tokens = min(written_tokens, max(0, request.num_tokens - 1))
         gpu_pool = selector.gpu_pool
