@@ -28,6 +28,7 @@ from table_mirror import audit_tier
 from test_vllm_fault_tolerance import (
     PROMPT,
     apply_output,
+    failed_forward,
     fault_abort,
     num_tier_blocks,
     raising_forward,
@@ -121,5 +122,32 @@ def test_vllm_serves_the_unwritten_blocks_of_a_request_aborted_before_the_fault(
         harness.add_request("b", [*PROMPT, 7], max_tokens=2)
         with pytest.raises(KVMismatchError, match="request b: position 0"):
             drain(harness)
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("store_mode", ["eager", "lazy"])
+def test_without_overlapped_steps_a_finish_before_a_fault_keeps_its_blocks(
+    store_mode: str,
+) -> None:
+    # Without overlapped steps no plan is in flight when a request finishes (vLLM runs
+    # each forward to its end first), so its finish is confirmed for good. Was: it was
+    # remembered for 16 plans (worker outputs with nothing to acknowledge do not advance
+    # `processed_step`) and taken as unconfirmed at the next fault: its blocks lost their
+    # hashes ('assert 0 == 64'), and lazy mode never stored them.
+    harness = kvtier_harness(extra={"store_mode": store_mode})
+    try:
+        harness.add_request("a", PROMPT, max_tokens=2)
+        drain(harness)
+        harness.add_request("a2", [*PROMPT, 5], max_tokens=2)  # stores nothing new
+        drain(harness)
+        harness.add_request("x", list(range(9000, 9020)), max_tokens=50)
+        failed_forward(harness)
+        fault_abort(harness)
+        drain(harness)
+        harness.add_request("b", [*PROMPT, 7], max_tokens=2)
+        drain(harness)
+        assert harness.local_hit_tokens("b") == 64
+        check_quiescent(harness)
     finally:
         harness.close()

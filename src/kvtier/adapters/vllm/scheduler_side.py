@@ -116,6 +116,9 @@ class SchedulerSide(SchedulerStats):
         self._unissued_failures: list[str] = []
         self._plans = PlanMemory(self.offload.is_in_flight)  # for ranks a fault hit
         self._last_step = 0  # the newest plan's step id
+        # vLLM launches a step before the last one's forward ended (async scheduling, a
+        # pipeline): only then may a request finish while a forward it counts may fail.
+        self._overlapped = getattr(vllm_config, "max_concurrent_batches", 2) > 1
         # Requests finished while a plan built since their last step awaited its
         # outputs, by that plan's step: (step id, view, block ids) (`_unconfirm_finishes`).
         self._finished_in_flight: list[tuple[int, VllmRequestView, list[list[int]]]] = []
@@ -318,7 +321,7 @@ class SchedulerSide(SchedulerStats):
         if self.offload.on_finished(view, block_ids, computed=not fault):
             self._unissued_failures.append(request.request_id)
         del self._requests[request.request_id]
-        if not fault and self._last_step > self._plans.processed_step:
+        if not fault and self._overlapped and self._last_step > self._plans.processed_step:
             tables = [list(ids) for ids in block_ids]
             self._finished_in_flight.append((self._last_step, view, tables))
 
