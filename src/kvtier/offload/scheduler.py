@@ -333,7 +333,11 @@ class OffloadScheduler(SchedulerObservability):
     ) -> None:
         """Take an earlier `on_finished` of `request` as `computed=False` (learned since)."""
         hold_back_unconfirmed(
-            self.selector, self.config.store_mode, request, block_ids_per_group, True
+            self.selector,
+            self.config.store_mode,
+            request,
+            block_ids_per_group,
+            finished_earlier=True,
         )
 
     def has_pending_stores(self) -> bool:
