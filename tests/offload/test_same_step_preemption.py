@@ -50,9 +50,11 @@ def schedule_then_preempt(engine: SimEngine, request_id: str, num_tokens: int) -
     return unwritten
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["aligned", "partly_written_block"])
+@pytest.mark.parametrize(
+    "written", [8, 6, 7], ids=["aligned", "partly_written_block", "one_token_short"]
+)
 @pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
-def test_a_same_step_victims_unwritten_blocks_are_held_back(mode: StoreMode, partial: bool) -> None:
+def test_a_same_step_victims_unwritten_blocks_are_held_back(mode: StoreMode, written: int) -> None:
     """Regression (lazy): the walk over the GPU free queue copied the victim's blocks of
     the step it was dropped from into the tier, under their valid keys (the partly
     written block too, when the last chunk it ran ended inside one): KV never computed,
@@ -63,14 +65,15 @@ def test_a_same_step_victims_unwritten_blocks_are_held_back(mode: StoreMode, par
     the victim's last completed step as it goes (`offload/preempted_stores.py`)."""
     engine = victim_engine(mode)
     engine.admit(make_request("r", range(33)))
-    engine.schedule("r", 6 if partial else 8)
-    engine.step()  # blocks 0 and 1 written (block 1 partly, when partial)
-    written = set(engine.tables["r"][0][: 1 if partial else 2])
-    unwritten = schedule_then_preempt(engine, "r", 10 if partial else 8)
+    engine.schedule("r", written)
+    engine.step()  # blocks 0 and 1 written (block 1 partly, unless aligned)
+    partial = written % 4 != 0  # one token short: from a mutation check (end + 1)
+    written_ids = set(engine.tables["r"][0][: 1 if partial else 2])
+    unwritten = schedule_then_preempt(engine, "r", 16 - written)
     assert len(unwritten) == (3 if partial else 2)
     stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
     assert stored.isdisjoint(unwritten)
-    assert written <= stored  # what its forwards wrote is stored (eager: as it goes)
+    assert written_ids <= stored  # what its forwards wrote is stored (eager: as it goes)
     if mode is StoreMode.EAGER:
         assert engine.scheduler.selector.unconfirmed == unwritten
     engine.check()
