@@ -62,3 +62,38 @@ def test_an_unconfirmed_finishs_blocks_lose_their_keys_and_are_computed_again(
     assert again is not None
     assert (again.num_local_tokens, again.num_offered_tokens) == (0, 8)  # s's, stored
     engine.check()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_a_late_unconfirmed_finish_leaves_blocks_another_request_took_since(
+    mode: StoreMode,
+) -> None:
+    """A finish learned unconfirmed only later (`unconfirm_finished`: vLLM's user abort
+    while the failed step was in flight): the engine may have given its blocks to another
+    request since, which keys them as its own; those keep their keys and are stored.
+    Written by a mutation check: holding back the finished request's whole table dropped
+    the other request's keys (a lost hit, and a lost store) unnoticed."""
+    engine = SimEngine(
+        full_layout(), config(store_mode=mode, max_batched_tokens=12), num_gpu_blocks=4
+    )
+    r = make_request("r", range(12))
+    engine.admit(r)
+    engine.schedule("r")
+    engine.step()
+    table = [list(ids) for ids in engine.tables["r"]]
+    engine.finish("r")
+    engine.drain()  # r's stores release its blocks
+    engine.admit(make_request("y", range(100, 112)))
+    engine.schedule("y")
+    engine.step()
+    assert sorted(engine.tables["y"][0]) == sorted(table[0])  # every block of r, taken
+    engine.scheduler.unconfirm_finished(r, table)
+    assert None not in [engine.gpu.key(b) for b in table[0][:2]]  # y's keys
+    engine.finish("y")
+    stored_blocks(engine, 4)
+    engine.drain()
+    engine.evict_gpu()
+    again = engine.admit(make_request("t", range(100, 112)))
+    assert again is not None
+    assert again.num_offered_tokens == 8  # y's 2 whole blocks, stored
+    engine.check()
