@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 from sim import SimEngine, config, full_layout, make_request
 from test_same_step_preemption import schedule_then_preempt, victim_engine
+from test_store_selection_lazy import window_group
 
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 
 
@@ -96,4 +98,26 @@ def test_a_late_unconfirmed_finish_leaves_blocks_another_request_took_since(
     again = engine.admit(make_request("t", range(100, 112)))
     assert again is not None
     assert again.num_offered_tokens == 8  # y's 2 whole blocks, stored
+    engine.check()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_blocks_a_window_dropped_before_an_unconfirmed_finish_lose_their_keys(
+    mode: StoreMode,
+) -> None:
+    """The blocks a sliding window dropped (freed with the request's keys) before a
+    failed forward's finish are held back and lose their keys too: with another
+    request's valid full-attention blocks at those positions still cached, the engine
+    could otherwise serve them in a prefix hit. Written by a mutation check: dropping
+    the keys of the table's blocks only (`keys_to_drop`) went unnoticed."""
+    layout = KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64), window_group()))
+    engine = SimEngine(layout, config(store_mode=mode, max_batched_tokens=16), num_gpu_blocks=12)
+    engine.admit(make_request("r", range(17)))
+    engine.schedule("r")
+    engine.step()  # one chunk of 16 tokens: 4 whole blocks per group, hashed
+    dropped = engine.tables["r"][1][:2]
+    engine.drop_blocks("r", 1, [0, 1])  # out of the 8-token window
+    assert None not in [engine.gpu.key(b) for b in dropped]
+    engine.finish("r", computed=False)
+    assert [engine.gpu.key(b) for b in dropped] == [None, None]
     engine.check()
