@@ -30,7 +30,10 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+from vllm.v1.core.kv_cache_planning import (
+    estimate_max_model_len,
+    get_kv_cache_config_from_groups,
+)
 from vllm.v1.core.kv_cache_utils import (
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
@@ -75,7 +78,10 @@ class HarnessConfig:
 
     `connector` is the `kv_connector` class name (None: no connector); with
     `connector_module` it is loaded from that module, otherwise from vLLM's registry.
-    `num_gpu_blocks` counts the null block. `kv_cache_layout` is a `KVCacheLayout` name
+    `num_gpu_blocks` counts the null block; `max_model_len` is lowered to what they hold
+    (vLLM's auto-fit: it refuses to start when one request of that length cannot fit, and
+    its scheduler readmits a preempted request only when its whole sequence fits).
+    `kv_cache_layout` is a `KVCacheLayout` name
     (LBNHC: layer-outermost, vLLM's usual; BLNHC: block-outermost). `num_ranks` is the
     tensor-parallel size: the world size connectors see, and one fake worker per rank.
     `kv_load_failure_policy` is vLLM's: "fail" (its default) or "recompute".
@@ -342,6 +348,12 @@ def build_kv_cache_config(cfg: HarnessConfig, vllm_config: VllmConfig) -> KVCach
         vllm_config, groups, cfg.num_gpu_blocks * bytes_per_block
     )
     assert config.num_blocks == cfg.num_gpu_blocks
+    specs = {name: group.kv_cache_spec for group in groups for name in group.layer_names}
+    usable = (cfg.num_gpu_blocks - 1) * bytes_per_block  # less vLLM's null block
+    model_config = vllm_config.model_config
+    model_config.max_model_len = min(
+        model_config.max_model_len, estimate_max_model_len(vllm_config, specs, usable)
+    )
     # The engine core resolves these before building the scheduler.
     config.kv_cache_layout = cfg.kv_cache_layout
     config.hash_block_size = cfg.hash_block_size
