@@ -42,6 +42,16 @@ def raise_from_forward(worker: WorkerSide, scheduler_output: SchedulerOutput, v2
                 worker.after_forward(scheduler_output)
 
 
+def drain_deferred_frees(harness: VllmHarness) -> None:
+    """Free what vLLM fenced behind a failed step: that step is never processed, so the
+    frees deferred behind it (overlapped steps) would wait forever (vLLM's matter);
+    recover as if it had been."""
+    scheduler = harness.scheduler
+    if scheduler.defer_block_free:
+        scheduler.processed_step_seq = scheduler.sched_step_seq
+        scheduler._drain_deferred_frees()
+
+
 class ForwardFaults:
     """Fail the forward of a harness's next step."""
 
@@ -78,9 +88,5 @@ class ForwardFaults:
             raise ForwardError("One or more workers failed")
         except ForwardError:  # vLLM's `fault_tolerant_wrapper` → `on_fault`
             scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-        if scheduler.defer_block_free:
-            # The failed step is never processed, so the frees vLLM fences behind it would
-            # wait forever (vLLM's matter): recover as if it had been.
-            scheduler.processed_step_seq = scheduler.sched_step_seq
-            scheduler._drain_deferred_frees()
+        drain_deferred_frees(harness)
         return True

@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from forward_faults import drain_deferred_frees
 from kvtier_vllm import SCHEDULING, check_quiescent, drain, kvtier_harness
 from table_mirror import audit_tier
 from test_vllm_fault_tolerance import (
@@ -30,6 +31,7 @@ from test_vllm_fault_tolerance import (
     apply_output,
     failed_forward,
     fault_abort,
+    launch,
     num_tier_blocks,
     raising_forward,
 )
@@ -49,27 +51,29 @@ def abort_before_the_fault(harness: VllmHarness, live: bool = False) -> None:
     if live:
         harness.add_request("x", list(range(9000, 9020)), max_tokens=50)
     harness.add_request("a", PROMPT, max_tokens=4)
-    step_n = harness.scheduler.schedule()  # a's 4 full blocks hashed, not yet written
-    for worker in harness.workers:
-        worker.before_forward(step_n)
+    step_n = launch(harness)  # a's 4 full blocks hashed, not yet written
     harness.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # no fault yet
-    step_after = harness.scheduler.schedule()
-    for worker in harness.workers:
-        worker.before_forward(step_after)
+    step_after = launch(harness)
     (kv_output,) = [worker.after_forward(step_after) for worker in harness.workers]
     with pytest.raises(RuntimeError, match="forward failed"):
         raising_forward(harness, step_n)
     fault_abort(harness)
-    scheduler = harness.scheduler
-    if scheduler.defer_block_free:  # N is never processed: free what vLLM fenced behind
-        scheduler.processed_step_seq = scheduler.sched_step_seq  # it (as `forward_faults`)
-        scheduler._drain_deferred_frees()
+    drain_deferred_frees(harness)  # the failed step is never processed
     harness.wait_for_copies()
     apply_output(harness, kv_output)
     for _ in range(3):
         harness.step()
     harness.wait_for_copies()
     harness.step()
+
+
+def check_no_local_hit_on_prompt(harness: VllmHarness) -> None:
+    """Run `b`, whose prompt starts with `PROMPT`'s 4 full blocks, and check that vLLM
+    serves it none of them (they were never written) and that all settles."""
+    harness.add_request("b", [*PROMPT, 7], max_tokens=2)
+    drain(harness)
+    assert harness.local_hit_tokens("b") == 0
+    check_quiescent(harness)
 
 
 @pytest.mark.parametrize("live", [False, True], ids=["learned_from_outputs", "fault_abort"])
@@ -105,10 +109,7 @@ def test_the_unwritten_blocks_of_a_request_aborted_before_the_fault_are_not_loca
     harness = kvtier_harness(extra={"store_mode": store_mode}, **SCHEDULING["async_pipelined"])
     try:
         abort_before_the_fault(harness, live)
-        harness.add_request("b", [*PROMPT, 7], max_tokens=2)
-        drain(harness)
-        assert harness.local_hit_tokens("b") == 0
-        check_quiescent(harness)
+        check_no_local_hit_on_prompt(harness)
     finally:
         harness.close()
 

@@ -17,8 +17,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import SCHEDULING, check_quiescent, drain, kvtier_harness
-from test_vllm_fault_tolerance import PROMPT, fault_abort, raising_forward
+from forward_faults import drain_deferred_frees
+from kvtier_vllm import SCHEDULING, drain, kvtier_harness
+from test_vllm_abort_before_fault import check_no_local_hit_on_prompt
+from test_vllm_fault_tolerance import PROMPT, fault_abort, launch, raising_forward
 from vllm.v1.request import RequestStatus
 
 
@@ -34,26 +36,16 @@ def test_the_fault_handlers_abort_unconfirms_a_finish_while_the_step_was_in_flig
         drain(harness)  # c's KV is left in the GPU blocks a gets
         harness.add_request("x", list(range(9000, 9020)), max_tokens=50)
         harness.add_request("a", PROMPT, max_tokens=4)
-        step_n = harness.scheduler.schedule()  # a's 4 full blocks hashed, not yet written
-        for worker in harness.workers:
-            worker.before_forward(step_n)
+        step_n = launch(harness)  # a's 4 full blocks hashed, not yet written
         harness.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # no fault yet
-        step_after = harness.scheduler.schedule()
-        for worker in harness.workers:
-            worker.before_forward(step_after)
+        step_after = launch(harness)
         for worker in harness.workers:
             worker.after_forward(step_after)  # its output is dropped
         with pytest.raises(RuntimeError, match="forward failed"):
             raising_forward(harness, step_n)
         fault_abort(harness)  # x is still running: aborted inside the exception
-        scheduler = harness.scheduler
-        if scheduler.defer_block_free:  # N is never processed: free what vLLM fenced
-            scheduler.processed_step_seq = scheduler.sched_step_seq  # behind it
-            scheduler._drain_deferred_frees()
+        drain_deferred_frees(harness)  # the failed step is never processed
         harness.wait_for_copies()
-        harness.add_request("b", [*PROMPT, 7], max_tokens=2)
-        drain(harness)
-        assert harness.local_hit_tokens("b") == 0
-        check_quiescent(harness)
+        check_no_local_hit_on_prompt(harness)
     finally:
         harness.close()

@@ -18,8 +18,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import check_quiescent, drain, kvtier_harness
-from test_vllm_fault_tolerance import PROMPT, apply_output, fault_abort, raising_forward
+from forward_faults import drain_deferred_frees
+from kvtier_vllm import drain, kvtier_harness
+from test_vllm_abort_before_fault import check_no_local_hit_on_prompt
+from test_vllm_fault_tolerance import PROMPT, apply_output, fault_abort, launch, raising_forward
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
 
@@ -34,26 +36,19 @@ def abort_with_an_earlier_step_in_flight(harness: VllmHarness) -> None:
     harness.add_request("x", list(range(9000, 9020)), max_tokens=50)
     outputs = []
     for _ in range(3):  # x's prefill; its decode, storing its block 0; its next decode
-        step = harness.scheduler.schedule()
-        for worker in harness.workers:
-            worker.before_forward(step)
+        step = launch(harness)
         outputs += [worker.after_forward(step) for worker in harness.workers]
         harness.wait_for_copies()
     for output in outputs[:2]:
         apply_output(harness, output)
     harness.add_request("a", PROMPT, max_tokens=4)
-    step_n = harness.scheduler.schedule()  # a's 4 full blocks hashed, not yet written
-    for worker in harness.workers:
-        worker.before_forward(step_n)
+    step_n = launch(harness)  # a's 4 full blocks hashed, not yet written
     harness.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # no fault yet
     apply_output(harness, outputs[2])  # N-1's forward ran: confirms plans up to N-1 only
     with pytest.raises(RuntimeError, match="forward failed"):
         raising_forward(harness, step_n)
     fault_abort(harness)  # x is still running: the fault handler aborts it
-    scheduler = harness.scheduler
-    if scheduler.defer_block_free:  # N is never processed: free what vLLM fenced behind
-        scheduler.processed_step_seq = scheduler.sched_step_seq  # it (as `forward_faults`)
-        scheduler._drain_deferred_frees()
+    drain_deferred_frees(harness)  # the failed step is never processed
     harness.wait_for_copies()
     for _ in range(3):
         harness.step()
@@ -70,9 +65,6 @@ def test_a_finish_stays_suspected_until_its_own_steps_output() -> None:
     )
     try:
         abort_with_an_earlier_step_in_flight(harness)
-        harness.add_request("b", [*PROMPT, 7], max_tokens=2)
-        drain(harness)
-        assert harness.local_hit_tokens("b") == 0
-        check_quiescent(harness)
+        check_no_local_hit_on_prompt(harness)
     finally:
         harness.close()

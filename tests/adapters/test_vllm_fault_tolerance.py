@@ -44,11 +44,17 @@ def raising_forward(harness: VllmHarness, scheduler_output: SchedulerOutput) -> 
             worker.after_forward(scheduler_output)
 
 
-def failed_forward(harness: VllmHarness) -> None:
-    """Schedule a step whose forward raises."""
+def launch(harness: VllmHarness) -> SchedulerOutput:
+    """Schedule a step and start its forward: every rank's before-forward calls."""
     scheduler_output = harness.scheduler.schedule()
     for worker in harness.workers:
         worker.before_forward(scheduler_output)
+    return scheduler_output
+
+
+def failed_forward(harness: VllmHarness) -> None:
+    """Schedule a step whose forward raises."""
+    scheduler_output = launch(harness)
     with pytest.raises(RuntimeError, match="forward failed"):
         raising_forward(harness, scheduler_output)
 

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from forward_faults import drain_deferred_frees
 from kvtier_vllm import SCHEDULING, check_quiescent, drain, kvtier_harness
 from test_vllm_cascade import cascade_harness
 from test_vllm_fault_tolerance import fault_abort
@@ -34,15 +35,6 @@ def v2_failed_forward(harness: VllmHarness) -> SchedulerOutput:
     for worker in harness.workers:
         worker.before_forward(scheduler_output)
     return scheduler_output
-
-
-def drain_deferred_frees(harness: VllmHarness) -> None:
-    """Recover vLLM's frees fenced behind the never-processed failed step
-    (`forward_faults.ForwardFaults.fail_step`)."""
-    scheduler = harness.scheduler
-    if scheduler.defer_block_free:
-        scheduler.processed_step_seq = scheduler.sched_step_seq
-        scheduler._drain_deferred_frees()
 
 
 def engine(name: str, tmp_path: Path) -> VllmHarness:

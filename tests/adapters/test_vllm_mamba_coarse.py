@@ -29,6 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import test_vllm_random_ops
+from forward_faults import drain_deferred_frees
 from kvtier_vllm import check_quiescent, drain, kvtier_harness, scheduler_side
 from random_ops import Engine
 from table_mirror import audit_tier
@@ -127,9 +128,7 @@ def test_a_partial_tail_copy_a_fault_skipped_never_reaches_the_tier(store_mode: 
         target = scheduler.kv_cache_manager.block_pool.blocks[copy.dst_block_id]
         assert target.block_hash_num_tokens == 96  # the partial tail's key moved there
         scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
-        if scheduler.defer_block_free:  # the failed step is never processed
-            scheduler.processed_step_seq = scheduler.sched_step_seq
-            scheduler._drain_deferred_frees()
+        drain_deferred_frees(harness)  # the failed step is never processed
         assert target.block_hash_num_tokens == 96  # still keyed (the store planned for
         # its hand-off, in the plan no rank bound, fails when a rank binds the next one)
         totals: collections.Counter[str] = collections.Counter()
