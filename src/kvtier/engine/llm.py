@@ -105,11 +105,11 @@ class LLM(StallChecks):
                     torch.device(engine.device).type,
                 )
             self.offload = OffloadSide(kv_offload, self.runner, self.pool, fingerprint)
-        limits = SchedulerLimits(engine.max_num_seqs, engine.max_num_batched_tokens)
+        max_len = self.model_config.max_position  # vLLM's max_model_len: a request stops there
         self.scheduler = Scheduler(
             self.layout,
             self.pool,
-            limits,
+            SchedulerLimits(engine.max_num_seqs, engine.max_num_batched_tokens, max_len),
             None if self.offload is None else self.offload.scheduler,
             self.model_config.eos_token_ids,
         )
@@ -216,9 +216,9 @@ class LLM(StallChecks):
         `session_id` (e.g. a conversation's id) is carried by the tier's stored-block
         events of this request's blocks, as vLLM's are. Raises TypeError for a prompt,
         params or session id of the wrong type, and ValueError for an empty prompt, token
-        ids or stop token ids outside the vocab (as vLLM), or a prompt plus `max_tokens`
-        that would exceed the model's `max_position` or the whole GPU pool; nothing is
-        queued.
+        ids or stop token ids outside the vocab (as vLLM), a prompt of the model's
+        `max_position` tokens or more (vLLM's max_model_len; a longer output is cut there,
+        "length"), or one whose output would need more than the GPU pool; nothing queued.
         """
         self._require_running()
         if not isinstance(params, SamplingParams):
@@ -344,8 +344,7 @@ class LLM(StallChecks):
         self, prompt: object, params: SamplingParams, where: str
     ) -> tuple[list[int], str | None, SamplingParams]:
         token_ids, text = as_prompt(prompt, where)
-        check_request(token_ids, params, self._limits, where)
-        return token_ids, text, params
+        return token_ids, text, check_request(token_ids, params, self._limits, where)
 
     def _enqueue(
         self, token_ids: list[int], text: str | None, params: SamplingParams, session_id: str | None

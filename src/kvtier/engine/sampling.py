@@ -25,7 +25,7 @@ _SAMPLING_EPS = 1e-5
 class FinishReason(enum.Enum):
     """Why a request stopped generating."""
 
-    LENGTH = "length"  # produced max_tokens
+    LENGTH = "length"  # produced max_tokens, or reached the model's max_position tokens
     STOP = "stop"  # produced a stop token or, unless ignored, an EOS token
     ABORT = "abort"  # dropped before finishing (its `generate` call or step failed)
 
@@ -58,6 +58,9 @@ class SamplingParams:
     Taken at this boundary as vLLM's `SamplingParams` takes them, so code written for
     vLLM runs unchanged: `temperature` in [0, 2] (vLLM refuses more); `seed=-1` means no
     seed and is stored as None (vLLM's convention; other negative seeds are refused).
+    As in vLLM, a request stops at `max_tokens` output tokens or when it holds the
+    model's `max_position` (vLLM's `max_model_len`) tokens, whichever comes first
+    (finish reason "length"); `max_tokens=None` means up to the model's length.
     vLLM's `n`, `detokenize` and `stop` are taken at the values the engine honours:
     `n=1`, either `detokenize` (no text is made either way) and no stop strings (None or
     empty, stored as ()); other values raise ValueError naming the value and what to do
@@ -72,7 +75,7 @@ class SamplingParams:
     change sampled requests only: as in vLLM, a greedy one stores them as off.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
@@ -91,13 +94,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Numpy numbers are checked as Python ones and stored as them (as token ids are).
-        if not _is_int(self.max_tokens):
-            # vLLM reads None as "up to the model's length"; the engine wants a bound.
-            hint = ": give the most tokens to generate" if self.max_tokens is None else ""
-            raise TypeError(f"max_tokens must be a positive int, got {self.max_tokens!r}{hint}")
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        object.__setattr__(self, "max_tokens", int(self.max_tokens))
+        # None, as in vLLM: up to the model's length (the engine sets it per request).
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens):
+                raise TypeError(
+                    f"max_tokens must be a positive int, got {self.max_tokens!r} "
+                    "(or None: up to the model's length)"
+                )
+            if self.max_tokens <= 0:
+                raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+            object.__setattr__(self, "max_tokens", int(self.max_tokens))
         bounds = f"[0, {_MAX_TEMPERATURE:g}]"
         if not isinstance(self.temperature, Real) or _is_bool(self.temperature):
             raise TypeError(f"temperature must be a float in {bounds}, got {self.temperature!r}")
@@ -291,15 +297,23 @@ def finish_reason(
     num_output_tokens: int,
     params: SamplingParams,
     eos_token_ids: Sequence[int],
+    *,
+    num_tokens: int = 0,
+    max_model_len: int | None = None,
 ) -> FinishReason | None:
     """Return why a request stops after emitting `token_id`, or None to keep going.
 
-    `num_output_tokens` counts the request's output tokens including `token_id`.
+    `num_output_tokens` counts the request's output tokens including `token_id`,
+    `num_tokens` its prompt and output tokens. As vLLM's `check_stop`, a stop or EOS
+    token is STOP; then reaching `max_tokens` (None: no bound here) or `max_model_len`
+    tokens in all (None: no cap) is LENGTH.
     """
     if token_id in params.stop_token_ids:
         return FinishReason.STOP
     if not params.ignore_eos and token_id in eos_token_ids:
         return FinishReason.STOP
-    if num_output_tokens >= params.max_tokens:
+    if max_model_len is not None and num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
         return FinishReason.LENGTH
     return None

@@ -246,7 +246,12 @@ class Scheduler(QueueRecovery, Admission):
                 continue
             request.append_output(token, now)
             reason = finish_reason(
-                token, len(request.output_token_ids), request.params, self.eos_token_ids
+                token,
+                len(request.output_token_ids),
+                request.params,
+                self.eos_token_ids,
+                num_tokens=request.num_tokens,
+                max_model_len=self.limits.max_model_len,
             )
             if reason is not None:
                 request.finish_reason = reason

@@ -10,10 +10,13 @@ from kvtier.offload.protocols import TableUpdate
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    """How much work one step may carry."""
+    """How much work one step may carry, and `max_model_len`: the most tokens (prompt
+    and output) a request may hold, where it stops with finish reason "length" as in
+    vLLM (the model's `max_position`; None: no cap but `max_tokens`)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
 
 
 @dataclass(slots=True)

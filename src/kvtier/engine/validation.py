@@ -1,13 +1,15 @@
 """Checks on what callers hand the reference engine, made before anything is queued.
 
-A request that could never run (a token id outside the vocab, more positions than the
-model has, more KV blocks than the whole GPU pool), or names a stop id it could never
-sample, is refused here with a message that names it, instead of failing inside a step
-after compute was spent on it (or running on to `max_tokens`).
+A request that could never run (a token id outside the vocab, a prompt that leaves the
+model no position for an output token, more KV blocks than the whole GPU pool), or
+names a stop id it could never sample, is refused here with a message that names it,
+instead of failing inside a step after compute was spent on it (or running on to
+`max_tokens`). An output that would pass the model's positions is cut there, as vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -250,13 +252,19 @@ def as_session_list(session_ids: object, num_prompts: int) -> list[str | None]:
 
 def check_request(
     token_ids: Sequence[int], params: SamplingParams, limits: RequestLimits, where: str
-) -> None:
-    """Raise ValueError, naming `where`, if the request could never run to `max_tokens`,
-    or names a stop token outside the vocab.
+) -> SamplingParams:
+    """Return the params the request runs with, or raise ValueError, naming `where`, if
+    it could never run, or names a stop token outside the vocab.
 
-    The request's last sampled token is never fed back, so it computes
-    `len(token_ids) + max_tokens - 1` positions; the KV blocks (over every group) of
-    the position needing the most (`num_peak_blocks`) must fit the usable GPU pool.
+    As in vLLM, the model's `max_position` is its `max_model_len`: a prompt must leave
+    room for one output token (at most `max_position - 1` tokens), a request stops
+    when it holds `max_position` tokens (finish reason "length") even short of
+    `max_tokens`, and `max_tokens=None` is set to `max_position - len(token_ids)` in the
+    params returned (the given ones otherwise).
+
+    The request's last sampled token is never fed back, so it computes one position
+    less than the tokens it holds at most; the KV blocks (over every group) of the
+    position needing the most (`num_peak_blocks`) must fit the usable GPU pool.
     """
     if not token_ids:
         raise ValueError(f"{where}: empty prompt")
@@ -276,28 +284,28 @@ def check_request(
             f"{limits.vocab_size} tokens (-1 asks for them all)"
         )
     _check_logprobs_cap(params.logprobs, limits, where)
-    num_prompt = len(token_ids)
-    num_positions = num_prompt + params.max_tokens - 1
-    sizes = f"prompt of {num_prompt} tokens + max_tokens={params.max_tokens}"
-    if num_prompt > limits.max_position:
+    num_prompt, max_len = len(token_ids), limits.max_position
+    if num_prompt >= max_len:
+        room = "is longer than" if num_prompt > max_len else "leaves no room for an output within"
         raise ValueError(
-            f"{where}: prompt of {num_prompt} tokens is longer than the model's "
-            f"max_position={limits.max_position}"
+            f"{where}: prompt of {num_prompt} tokens {room} the model's "
+            f"max_position={max_len} (vLLM's max_model_len): give at most {max_len - 1} "
+            "prompt tokens"
         )
-    if num_positions > limits.max_position:
-        # vLLM would run it, cut at max_model_len ('length'); the engine refuses instead.
-        raise ValueError(
-            f"{where}: {sizes} needs {num_positions} positions, more than the model's "
-            f"max_position={limits.max_position}: give max_tokens <= "
-            f"{limits.max_position - num_prompt + 1} (vLLM would cut the output short there)"
-        )
-    num_blocks = num_peak_blocks(limits.layout, num_positions)
+    given = params.max_tokens
+    if given is None:  # as vLLM: up to the model's length
+        params = dataclasses.replace(params, max_tokens=max_len - num_prompt)
+    asked = num_prompt + (params.max_tokens or 0)
+    num_blocks = num_peak_blocks(limits.layout, min(asked, max_len) - 1)
     if num_blocks > limits.num_usable_blocks:
+        capped = f", capped at max_position={max_len}" if given is None or asked > max_len else ""
         raise ValueError(
-            f"{where}: {sizes} needs at least {num_blocks} KV blocks at one step, more "
-            f"than the GPU pool's {limits.num_usable_blocks} usable blocks (raise "
+            f"{where}: prompt of {num_prompt} tokens + max_tokens={given}"
+            f"{capped} needs at least {num_blocks} KV blocks at one step, more than the GPU "
+            f"pool's {limits.num_usable_blocks} usable blocks (raise "
             "EngineConfig.num_gpu_blocks or lower max_tokens)"
         )
+    return params
 
 
 def _check_logprobs_cap(logprobs: int | None, limits: RequestLimits, where: str) -> None:
