@@ -159,18 +159,21 @@ def test_demo_names_a_bad_model_dir(
     assert "serving" not in captured.out
 
 
+@pytest.mark.parametrize("max_position", [20, 25])
 def test_demo_names_a_last_turn_beyond_max_position_before_serving(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    max_position: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Regression: the engine refused the prompt in the warm-up (or in a later turn, after
-    # minutes of serving) with a ValueError traceback.
+    # minutes of serving) with a ValueError traceback. 25: the last turn's 26 tokens
+    # compute 25 positions, which the check let through, but the engine stops a request
+    # at max_position tokens (as vLLM): its last answer would be cut short.
     model_dir = tmp_path / "ckpt"
-    _with_config(model_dir, max_position_embeddings=20)
+    _with_config(model_dir, max_position_embeddings=max_position)
     assert run_demo(tmp_path, f"--model-dir={model_dir}", "--disk-io=page_cache") == 2
     captured = capsys.readouterr()
     assert captured.err == (
-        "kvtier demo: error: a conversation's last turn computes 25 positions, more than"
-        " the model's max_position=20: use fewer --turns or shorter messages\n"
+        "kvtier demo: error: a conversation's last turn holds 26 tokens, more than"
+        f" the model's max_position={max_position}: use fewer --turns or shorter messages\n"
     )
     assert "serving" not in captured.out
 

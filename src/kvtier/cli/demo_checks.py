@@ -50,16 +50,17 @@ def check_model_dir(model_dir: str) -> None:
 
 
 def check_positions(workload: ChatWorkload, max_position: int) -> None:
-    """Raise ValueError when a last turn needs more positions than the model has.
+    """Raise ValueError when a last turn holds more tokens than the model's positions.
 
-    The last answer token is never fed back, so a sequence computes one position less
-    than it holds.
+    As vLLM with its `max_model_len`, the engine stops a request when it holds
+    `max_position` tokens: a longer last turn would get a cut answer (and the runs would
+    not serve the workload planned).
     """
-    num_positions = workload.max_sequence_tokens - 1
-    if num_positions > max_position:
+    num_tokens = workload.max_sequence_tokens
+    if num_tokens > max_position:
         raise ValueError(
-            f"a conversation's last turn computes {num_positions} positions, more than the"
-            f" model's max_position={max_position}: use fewer --turns or shorter messages"
+            f"a conversation's last turn holds {num_tokens} tokens, more than the model's"
+            f" max_position={max_position}: use fewer --turns or shorter messages"
         )
 
 
