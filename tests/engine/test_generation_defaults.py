@@ -81,7 +81,9 @@ def test_given_params_replace_the_defaults_as_in_vllm(tmp_path: Path) -> None:
     [
         (None, SamplingParams()),
         ({"eos_token_id": 5}, SamplingParams()),
-        ({"top_k": 50, "top_p": None}, SamplingParams()),  # vLLM drops transformers' top_k
+        # transformers 5 (vLLM 0.33's) defaults every key to None: a top_k of 50 is kept.
+        ({"top_k": 50, "temperature": 0.7}, SamplingParams(temperature=0.7, top_k=50)),
+        ({"top_k": 50, "top_p": None}, SamplingParams()),  # greedy: top_k off
         ({"temperature": 0.6, "top_p": 0.9}, SamplingParams(temperature=0.6, top_p=0.9)),
         ({"temperature": 0.0, "top_k": 5}, SamplingParams()),  # greedy: filters off
         ({"min_p": 0.1, "temperature": 1.0}, SamplingParams(temperature=1.0, min_p=0.1)),

@@ -4,8 +4,9 @@ As vLLM's `LLM.get_default_sampling_params` (`ModelConfig.get_diff_sampling_para
 the file's `temperature`, `top_k`, `top_p`, `min_p` and `max_new_tokens` (vLLM's
 `max_tokens`) are the defaults of a `generate` call given no sampling params; what the
 file leaves out keeps `SamplingParams`' default. vLLM reads the file through
-transformers' `GenerationConfig.to_diff_dict`, which drops a `top_k` of 50
-(transformers' default): so is it here. The engine has no penalties: a
+transformers' `GenerationConfig.to_diff_dict`, which drops the values equal to
+transformers' defaults: with transformers 5 (vLLM 0.33's) every default is None, so
+each value the file gives is kept (a `top_k` of 50 too). The engine has no penalties: a
 `repetition_penalty`, `presence_penalty` or `frequency_penalty` other than neutral is
 not applied, with a warning naming it.
 """
@@ -31,7 +32,6 @@ _FIELDS = {
     "max_new_tokens": "max_tokens",
 }
 _NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-_TRANSFORMERS_DEFAULT_TOP_K = 50
 
 
 def default_sampling_params(model: str | Path | object) -> SamplingParams:
@@ -48,12 +48,7 @@ def default_sampling_params(model: str | Path | object) -> SamplingParams:
         return SamplingParams()
     with path.open(encoding="utf-8") as f:
         data: dict[str, Any] = json.load(f)  # read already by ModelConfig.from_hf_config
-    fields = {
-        field: data[key]
-        for key, field in _FIELDS.items()
-        if data.get(key) is not None
-        and not (key == "top_k" and data[key] == _TRANSFORMERS_DEFAULT_TOP_K)
-    }
+    fields = {field: data[key] for key, field in _FIELDS.items() if data.get(key) is not None}
     ignored = {
         key: data[key]
         for key, neutral in _NEUTRAL_PENALTIES.items()
