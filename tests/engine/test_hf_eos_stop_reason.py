@@ -57,8 +57,12 @@ def _tokenizer_json(token_id: int, added: bool) -> dict[str, Any]:
         (2, None, {"tokenizer_config.json": {"eos_token": {"content": IM_END}},
                    "tokenizer.json": _tokenizer_json(11, added=False)}, (2, 11), (2,)),
         (None, {"temperature": 0.5}, {"tokenizer_config.json": _tokenizer_config(7)}, (7,), ()),
+        # A tokenizer EOS outside the vocab (never sampled) is still vLLM's primary EOS:
+        # config.json's first EOS does not stand for it, both generation ids are stop ids.
+        (2, [2, 7], {"tokenizer_config.json": _tokenizer_config(500)}, (2, 7), (2, 7)),
     ],
-    ids=["qwen2-instruct", "no-tokenizer", "no-generation-config", "vocab-token", "only-tok"],
+    ids=["qwen2-instruct", "no-tokenizer", "no-generation-config", "vocab-token", "only-tok",
+         "tokenizer-eos-outside-vocab"],
 )  # fmt: skip
 def test_eos_stop_token_ids_are_the_generation_eos_ids_but_the_tokenizers(
     tmp_path: Path,

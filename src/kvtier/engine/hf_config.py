@@ -79,8 +79,9 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     # vLLM's generation config: the file's, else one made from config.json (transformers'
     # from_model_config). Its EOS ids but the tokenizer's (unknown: config.json's first)
     # are the request's stop token ids there, so they are reported as its stop_reason.
+    # The tokenizer's EOS is vLLM's even outside the vocab (left out of eos_token_ids).
     generated = more if generation_path.is_file() else config.eos_token_ids
-    primary = tokenizer_ids or config.eos_token_ids[:1]
+    primary = config.eos_token_ids[:1] if tokenizer_eos is None else (tokenizer_eos,)
     stops = tuple(token for token in dict.fromkeys(generated) if token not in primary)
     return dataclasses.replace(config, eos_token_ids=eos_token_ids, eos_stop_token_ids=stops)
 
