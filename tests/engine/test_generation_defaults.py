@@ -113,3 +113,21 @@ def test_a_bad_sampling_value_is_named_with_its_file(
     with pytest.raises(ValueError, match=message) as info:
         LLM(path, engine=ENGINE)
     assert str(info.value).startswith(str(path / "generation_config.json"))
+
+
+def test_filters_without_a_temperature_stay_greedy_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's default temperature is 1.0 (it would sample with the file's top_p), the
+    engine's 0: the file's filters are off, and a warning says so instead of silence."""
+    path = _checkpoint(tmp_path, {"top_p": 0.8, "top_k": 20, "max_new_tokens": 4})
+    with caplog.at_level(logging.WARNING), LLM(path, engine=ENGINE) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(max_tokens=4)
+    assert "sets top_k=20, top_p=0.8 but no temperature: greedy here" in caplog.text
+    caplog.clear()
+    with (
+        caplog.at_level(logging.WARNING),
+        LLM(_checkpoint(tmp_path, {"temperature": 0.0, "top_k": 20}), engine=ENGINE),
+    ):
+        pass
+    assert "no temperature" not in caplog.text

@@ -8,7 +8,9 @@ transformers' `GenerationConfig.to_diff_dict`, which drops the values equal to
 transformers' defaults: with transformers 5 (vLLM 0.33's) every default is None, so
 each value the file gives is kept (a `top_k` of 50 too). The engine has no penalties: a
 `repetition_penalty`, `presence_penalty` or `frequency_penalty` other than neutral is
-not applied, with a warning naming it.
+not applied, with a warning naming it. The engine's `SamplingParams()` is greedy where
+vLLM's samples at temperature 1.0: a file giving `top_k`, `top_p` or `min_p` but no
+`temperature` leaves them off here (greedy), with a warning saying so.
 """
 
 from __future__ import annotations
@@ -67,4 +69,14 @@ def default_sampling_params(model: str | Path | object) -> SamplingParams:
     if fields:
         shown = ", ".join(f"{field}={value}" for field, value in fields.items())
         logger.info("%s sets the default sampling params: %s", path, shown)
+    filters = {name: fields[name] for name in ("top_k", "top_p", "min_p") if name in fields}
+    if filters and "temperature" not in fields:
+        # vLLM's SamplingParams() samples at temperature 1.0; the engine's is greedy.
+        logger.warning(
+            "%s sets %s but no temperature: greedy here (SamplingParams()' temperature is 0),"
+            " so they are off, where vLLM (its default temperature 1.0) samples with them;"
+            " give a temperature to sample",
+            path,
+            ", ".join(f"{name}={value}" for name, value in filters.items()),
+        )
     return params
