@@ -93,6 +93,7 @@ class SchedulerDriver(SchedulerSetup):
                 if rng.randrange(3) == 0 and self.group_id(GroupKind.SLIDING_WINDOW) is None:
                     note(f"{request_id} counts them computed, as output placeholders")
                     engine.count_ahead(request_id)
+        self.preempt_scheduled(rng)
         self.offer_handoffs(rng)
         self.run_step()
         self.work(rng)
@@ -252,6 +253,9 @@ class SchedulerDriver(SchedulerSetup):
                 elif action == "corrupt":
                     worker.corrupt_or_fail(event_id, w, rng)
         self.poll()
+
+    def preempt_scheduled(self, rng: random.Random) -> None:
+        """Preempt requests in the step that scheduled them (a subclass's engine may)."""
 
     def worker_actions(self, job: TransferJob) -> list[str]:
         """Return what a worker may do with `job` this step, one picked at random."""

@@ -81,6 +81,7 @@ class SchedulerSetup(RuleBasedStateMachine):
     mode = StoreMode.EAGER
     cascade: CascadeMode | None = None
     disk_only = False  # the one tier is a disk (no cascade): GPU blocks are stored to disk
+    preempts_scheduled = False  # the engine may preempt a request it scheduled (`SimEngine`)
 
     def __init__(self) -> None:
         super().__init__()
@@ -152,6 +153,7 @@ class SchedulerSetup(RuleBasedStateMachine):
             num_tier_blocks=num_tier_blocks,
             num_workers=num_workers,
             num_disk_blocks=num_disk_blocks if self.cascade is not None else 0,
+            preempts_scheduled=self.preempts_scheduled,
         )
         self.engine.auto_complete = False
 

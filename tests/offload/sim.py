@@ -220,6 +220,38 @@ class SimEngine(SimEngineCore):
         self._preempted.add(request_id)
         return request
 
+    def scheduled_tokens(self) -> dict[str, int]:
+        """Return the tokens scheduled for the next step, per request."""
+        return dict(self._scheduled)
+
+    def ran_since_admission(self, request_id: str) -> bool:
+        """Return True when the request was scheduled in an earlier step since its
+        admission (a running request, in vLLM's terms)."""
+        return request_id in self.requests and request_id not in self._replace
+
+    def preempt_scheduled(self, request_id: str) -> tuple[SimRequest, set[int]]:
+        """Preempt a running request in the step that scheduled it, before any forward
+        ran (vLLM's priority policy: `preempts_scheduled`), keying first the full blocks
+        its scheduled tokens fill, as vLLM hashes blocks as it schedules them. Return the
+        request and the blocks so keyed: never written."""
+        assert self.ran_since_admission(request_id), f"{request_id} is not running"
+        assert request_id not in self._ahead, "vLLM counts a step's tokens after scheduling"
+        request = self.requests[request_id]
+        start = request.num_computed_tokens
+        end = start + self._scheduled[request_id]
+        self.learn_chain(request)
+        table = self.tables[request_id]
+        keyed = set()
+        for group_id in self.layout.cacheable_group_ids:
+            size = self.layout.groups[group_id].block_size
+            for pos in range(start // size, end // size):
+                block_id = table[group_id][pos]
+                if block_id != NULL_BLOCK_ID and self.gpu.key(block_id) is None:
+                    key = block_key(self.layout, request, group_id, pos)
+                    self.gpu.insert_key(key, block_id, size)
+                    keyed.add(block_id)
+        return self.preempt(request_id), keyed
+
     def drop_blocks(self, request_id: str, group_id: int, positions: Iterable[int]) -> None:
         """Null out blocks a sliding window no longer needs (they stay cached when hashed)."""
         table = self.tables[request_id][group_id]
