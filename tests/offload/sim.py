@@ -240,7 +240,13 @@ class SimEngine(SimEngineCore):
         start = request.num_computed_tokens
         end = start + self._scheduled[request_id]
         self.learn_chain(request)
-        table = self.tables[request_id]
+        keyed = self.key_full_blocks(request_id, start, end)
+        return self.preempt(request_id), keyed
+
+    def key_full_blocks(self, request_id: str, start: int, end: int) -> set[int]:
+        """Key the request's unkeyed GPU blocks that tokens [start, end) fill up, as
+        vLLM's `allocate_slots` hashes them when it schedules them; return them."""
+        request, table = self.requests[request_id], self.tables[request_id]
         keyed = set()
         for group_id in self.layout.cacheable_group_ids:
             size = self.layout.groups[group_id].block_size
@@ -250,7 +256,7 @@ class SimEngine(SimEngineCore):
                     key = block_key(self.layout, request, group_id, pos)
                     self.gpu.insert_key(key, block_id, size)
                     keyed.add(block_id)
-        return self.preempt(request_id), keyed
+        return keyed
 
     def drop_blocks(self, request_id: str, group_id: int, positions: Iterable[int]) -> None:
         """Null out blocks a sliding window no longer needs (they stay cached when hashed)."""

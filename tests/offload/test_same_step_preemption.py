@@ -11,10 +11,9 @@ tests/adapters/test_vllm_priority_victim.py.)
 from __future__ import annotations
 
 import pytest
-from sim import SimEngine, block_key
+from sim import SimEngine
 from sim_request import config, full_layout, make_request
 
-from kvtier.core.block_pool import NULL_BLOCK_ID
 from kvtier.offload.config import StoreMode
 
 
@@ -33,19 +32,9 @@ def schedule_then_preempt(engine: SimEngine, request_id: str, num_tokens: int) -
     """Schedule `num_tokens` more tokens of the request, hash the blocks they fill (as
     vLLM's `allocate_slots` does), then preempt it in the same step, before any forward
     ran; return the GPU blocks hashed but never written."""
-    request = engine.requests[request_id]
-    start = request.num_computed_tokens
+    start = engine.requests[request_id].num_computed_tokens
     engine.schedule(request_id, num_tokens)
-    table = engine.tables[request_id]
-    unwritten = set()
-    for group_id in engine.layout.cacheable_group_ids:
-        size = engine.layout.groups[group_id].block_size
-        for pos in range(start // size, (start + num_tokens) // size):
-            block_id = table[group_id][pos]
-            if block_id != NULL_BLOCK_ID and engine.gpu.key(block_id) is None:
-                key = block_key(engine.layout, request, group_id, pos)
-                engine.gpu.insert_key(key, block_id, size)
-                unwritten.add(block_id)
+    unwritten = engine.key_full_blocks(request_id, start, start + num_tokens)
     engine.preempt(request_id)
     return unwritten
 
