@@ -19,6 +19,20 @@ _FINGERPRINT_MOD = 2_147_483_629  # a prime below 2**31: fingerprints fit in int
 _FINGERPRINT_MUL = 1_000_003
 
 
+def _next_fingerprint(prev: int, token: int) -> int:
+    return (prev * _FINGERPRINT_MUL + token + 1) % _FINGERPRINT_MOD
+
+
+def chain_fingerprints(prev: int, tokens: Sequence[int]) -> list[int]:
+    """Return the fingerprints of a prefix (fingerprint `prev`) extended by `tokens`, one
+    token at a time (a speculative step's draft positions, fake_drafter.py)."""
+    values = []
+    for token in tokens:
+        prev = _next_fingerprint(prev, token)
+        values.append(prev)
+    return values
+
+
 class KVMismatchError(AssertionError):
     """A position counted as computed holds KV of a different token prefix."""
 
@@ -54,7 +68,7 @@ class PrefixFingerprints:
             else:
                 assert token_at is not None, f"{request_id}: position {pos} has no token yet"
                 token = guessed[pos] = token_at(pos)
-            prev = (prev * _FINGERPRINT_MUL + token + 1) % _FINGERPRINT_MOD
+            prev = _next_fingerprint(prev, token)
             values.append(prev)
         return values[:num_tokens]
 

@@ -116,6 +116,7 @@ class Engine:
     scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" or "priority" (`Add.priority`)
     multi: tuple[str, ...] | None = None  # kvtier in a MultiConnector (multi_connector.py)
     eagle: bool = False  # vLLM runs an EAGLE speculative config (HarnessConfig.eagle)
+    drafts: int = 0  # with eagle: a fake drafter's tokens a step (HarnessConfig.drafts)
     policy: str = "lru"  # the tiers' policy, EVICTION[+ADMISSION] (kvtier's "policy" key)
     token_check: bool = False  # kvtier tags stores and checks hits' tokens (eager only)
     num_cpu_blocks: int = 25  # the CPU tier's slots (7 with a cascade)

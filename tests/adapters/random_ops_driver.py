@@ -91,6 +91,7 @@ class Run:
             enable_kv_events=engine.events,
             scheduling_policy=engine.scheduling_policy,
             eagle=engine.eagle,
+            drafts=engine.drafts,
             prefix_match_unit=engine.prefix_match_unit,
             extra=extra,
         )
@@ -334,6 +335,9 @@ class Run:
             self.totals.update({f"failed_{k}": n for k, n in worker.num_failed.items()})
             self.totals["jobs_run"] += worker.num_run
             self.totals["jobs_late"] += worker.num_late
+        drafter = self.harness.drafter
+        if drafter is not None:  # draft tokens the forwards were fed, and accepted
+            self.totals.update(drafted=drafter.num_proposed, accepted=drafter.num_accepted)
 
 
 def run_example(

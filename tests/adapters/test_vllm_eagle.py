@@ -165,15 +165,27 @@ def test_a_resent_block_aligned_prompt_hits_up_to_its_proof(hybrid: bool) -> Non
         Engine("eagle_mamba", kv_groups=HYBRID, num_gpu_blocks=16, eagle=True),
         Engine("eagle_window", kv_groups=(KVGroupDef(16), KVGroupDef(16, 32)), eagle=True),
         Engine("eagle_small_window", kv_groups=SMALL_WINDOW, num_gpu_blocks=24, eagle=True),
+        # A fake drafter's tokens, some rejected: their positions hold KV of other prefixes.
+        Engine("eagle_drafts", eagle=True, drafts=3),
+        Engine(
+            "lazy_small_window_drafts",
+            "lazy",
+            kv_groups=SMALL_WINDOW,
+            num_gpu_blocks=24,
+            eagle=True,
+            drafts=2,
+        ),
     ],
     ids=lambda engine: engine.name,
 )
 def test_random_operations_under_eagle_serve_correct_kv(engine: Engine) -> None:
     """test_vllm_random_ops's operations with vLLM running EAGLE's cache rules: every
     loaded position and state is checked, every tier block audited, every prompt
-    replayed (the drafts vLLM schedules are rejected by the fake runner)."""
+    replayed (without `drafts`, the fake runner rejects the drafts vLLM schedules)."""
     totals = explore(engine, 12)
     assert totals["audited_tier_blocks"] > 0
     assert totals["replay_hit_tokens"] > 0
     assert totals["preemptions"] > 0
     assert totals["failed_load"] > 0
+    if engine.drafts:
+        assert totals["drafted"] > totals["accepted"] > 0

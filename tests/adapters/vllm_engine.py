@@ -109,6 +109,9 @@ class HarnessConfig:
     (`EagleStandIn`: no drafter runs) so its scheduler and KV cache manager drop the last
     block of prefix hits and, in a Mamba group, keep the state where such a hit ends; the
     fake runner rejects every draft position vLLM schedules (synchronous scheduling only).
+    `drafts` (needs `eagle`; 0: none) runs a fake drafter (fake_drafter.py): that many
+    draft tokens per decoding request, a mix seeded by `draft_seed` of right and wrong
+    ones, whose KV the forward writes and which it accepts as vLLM's rejection sampler.
     `max_loras` (0: LoRA off) turns on vLLM's LoRA support (`LoRAConfig`): its scheduler
     then runs requests of at most that many adapters in one step.
     """
@@ -135,6 +138,8 @@ class HarnessConfig:
     long_prefill_token_threshold: int = 0
     kv_groups: tuple[KVGroupDef, ...] = ()
     eagle: bool = False
+    drafts: int = 0
+    draft_seed: int = 0
     max_loras: int = 0
     prefix_match_unit: int | None = None
 
@@ -145,6 +150,8 @@ class HarnessConfig:
             # Its fake runner rejects every draft position vLLM schedules; under
             # asynchronous scheduling drafts are placeholders too, which it does not model.
             raise ValueError("the harness runs an EAGLE config with vLLM's Scheduler only")
+        if self.drafts and (not self.eagle or self.has_mamba):
+            raise ValueError("drafts need eagle and no Mamba group (states are not modelled)")
         if self.kv_groups and self.block_size != min(g.block_size for g in self.kv_groups):
             raise ValueError("block_size must be the smallest group's block size")
         if any(g.mamba and g.block_size != self.block_size for g in self.kv_groups):
@@ -222,11 +229,12 @@ class HarnessConfig:
 
 @dataclass(frozen=True)
 class EagleStandIn:
-    """vLLM's `SpeculativeConfig` as its scheduler reads it, for a one-token EAGLE drafter.
+    """vLLM's `SpeculativeConfig` as its scheduler reads it, for an EAGLE drafter.
 
-    A real one needs a draft model; the harness proposes no draft tokens, so only the
-    cache behaviour EAGLE turns on is exercised (the last-block drop of prefix hits, the
-    Mamba checkpoint one block earlier, the lookahead slot).
+    A real one needs a draft model; without `HarnessConfig.drafts` the harness proposes
+    no draft tokens, so only the cache behaviour EAGLE turns on is exercised (the
+    last-block drop of prefix hits, the Mamba checkpoint one block earlier, the lookahead
+    slot).
     """
 
     method: str = "eagle"
@@ -327,7 +335,11 @@ def build_vllm_config(cfg: HarnessConfig, model_dir: str) -> VllmConfig:
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_gpu_blocks
     if cfg.eagle:
-        object.__setattr__(vllm_config, "speculative_config", EagleStandIn())
+        object.__setattr__(
+            vllm_config,
+            "speculative_config",
+            EagleStandIn(num_speculative_tokens=max(1, cfg.drafts)),
+        )
     # vLLM's CPU platform turns asynchronous scheduling off; the harness stands in for a
     # GPU engine, where it stays as configured (and makes the scheduler defer block
     # frees for a KV consumer, `max_concurrent_batches` being 2).

@@ -10,9 +10,9 @@ model runner. Each step it "computes" the scheduled tokens by writing a fingerpr
 token prefix into a CPU tensor per layer (`FakeKVCache`), checks the fingerprints of every
 position a newly scheduled request treats as already computed (local prefix hit or
 external load) and, in a Mamba state group, the state every forward starts from, samples
-one token per request that finished its prefill, and hands each rank's worker side
-(`vllm_workers`) output back to the scheduler, merged across ranks the way vLLM's
-executor merges it. A wrong block loaded, a block loaded from the wrong
+a token per request past its prompt (and verifies drafts: fake_drafter.py), hands each
+rank's worker side (`vllm_workers`) output back to the scheduler, merged across ranks the
+way vLLM's executor merges it. A wrong block loaded, a block loaded from the wrong
 slot or a load that never happened raises `KVMismatchError`.
 
 Asynchronous scheduling (`HarnessConfig.async_scheduling`, vLLM 0.33's default): an
@@ -36,7 +36,6 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,8 @@ from functools import partial
 from typing import Any
 
 import torch
+from fake_drafter import FakeDrafter
+from fake_drafter import token_at as _token_at
 from open_harnesses import OPEN, forget
 from vllm.distributed.kv_events import KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -137,6 +138,7 @@ class VllmHarness:
         )
         self._block_hasher = get_request_block_hasher(cfg.hash_block_size, sha256)  # hash blocks
         self.check_kv = check_kv
+        self.drafter = FakeDrafter(cfg.drafts, cfg.draft_seed) if cfg.drafts else None
         self.caches = [FakeKVCache(self.kv_cache_config) for _ in range(cfg.num_ranks)]
         factory = worker_factory or (lambda harness, cache: NoWorker())
         self.workers: list[WorkerSide] = [factory(self, cache) for cache in self.caches]
@@ -276,6 +278,9 @@ class VllmHarness:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> StepRecord:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.drafter and scheduler_output.num_scheduled_tokens:  # vLLM's post_step
+            ran = [self.scheduler.requests.get(r) for r in scheduler_output.num_scheduled_tokens]
+            self.scheduler.update_draft_token_ids(self.drafter.propose(r for r in ran if r))
         finished = {
             out.request_id
             for eco in outputs.values()
@@ -339,31 +344,29 @@ class VllmHarness:
         fresh = {data.req_id for data in scheduler_output.scheduled_new_reqs}
         fresh |= scheduler_output.scheduled_cached_reqs.resumed_req_ids
         sampled: dict[str, list[int]] = {}
-        drafts = scheduler_output.scheduled_spec_decode_tokens
+        all_drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
-            # already advanced by schedule(); draft positions (an EAGLE config's, see
-            # `HarnessConfig.eagle`) are all rejected: vLLM rolls them back
-            end = request.num_computed_tokens - len(drafts.get(req_id, ()))
-            start = end - num_new + len(drafts.get(req_id, ()))
+            drafts = all_drafts.get(req_id, [])  # an EAGLE config's (`HarnessConfig.eagle`)
+            end = request.num_computed_tokens - len(drafts)  # advanced by schedule()
+            start = end - num_new + len(drafts)
+            # A request still inside its prompt samples nothing this step; otherwise the
+            # token at `end` (past a placeholder not yet delivered under async scheduling).
+            sampled[req_id] = [] if request.is_prefill_chunk else [_token_at(req_id, end)]
+            if self.drafter and drafts:  # else every draft is rejected, its KV unwritten
+                sampled[req_id] = self.drafter.sample(req_id, end, drafts)
             if self.check_kv:
                 tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)  # per group
                 prints = self._fingerprints.upto(request, end, partial(_token_at, req_id))
+                if self.drafter and drafts:
+                    prints = prints + self.drafter.draft_prints(prints, drafts)
                 for cache in self.caches:
                     if req_id in fresh:
                         cache.check(req_id, tables, prints, start)
                     else:  # a Mamba group's forward reads the state it left last step
                         cache.check_states(req_id, tables, prints, start)
                     cache.write(tables, start, prints)
-            # A request still inside its prompt samples nothing this step; otherwise the
-            # token at `end` (past a placeholder not yet delivered under async scheduling).
-            sampled[req_id] = [] if request.is_prefill_chunk else [_token_at(req_id, end)]
         return sampled
-
-
-def _token_at(request_id: str, position: int) -> int:
-    """The output token at `position`: request-specific (outputs diverge), deterministic."""
-    return 100 + (zlib.crc32(request_id.encode()) + position) % 1000
 
 
 # --------------------------------------------------------------------------- workloads
