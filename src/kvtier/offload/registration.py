@@ -37,7 +37,14 @@ class Registrar:
         self.tags = tags  # the token check is on: restored slots keep their tags
 
     def register(self, stores: StoreBatch, index: int, gpu_pool: GpuPoolView) -> None:
-        """Make store `index`'s tier slot hold what its GPU block held."""
+        """Make store `index`'s tier slot hold what its GPU block held.
+
+        Under the key selected, never one the block took since: vLLM keys a block
+        further as its request fills it (a partial entry promoted to the full block's
+        key), and the copy may predate those tokens. A block keyed otherwise since is
+        registered under no key (its slot goes back unkeyed); one that lost its key,
+        under the one selected.
+        """
         tier_pool = self.tier_pool
         tier_block = stores.tier_block_ids[index]
         own_key = stores.keys[index]
@@ -55,16 +62,16 @@ class Registrar:
         gpu_block_id = stores.gpu_block_ids[index]
         key = gpu_pool.key(gpu_block_id) or own_key
         if key != own_key:
-            tag = None  # computed for the key selected, which the block no longer holds
+            return
         num_tokens = gpu_pool.num_tokens(gpu_block_id) or self.block_size(key)
         if not self.events:
             tier_pool.insert_key(key, tier_block, num_tokens, tag=tag)
             for secondary in gpu_pool.secondary_keys(gpu_block_id):
                 tier_pool.insert_key(secondary, tier_block, num_tokens)
             return
-        # The payload names the request's block; the GPU block may hold another key
-        # now, the same hash in another group too (a window's block vLLM dropped and
-        # gave to full attention): only the key's own payload describes it.
+        # The payload names the request's block (the same hash may be another group's
+        # too, a window's block vLLM dropped and gave to full attention): only the
+        # key's own payload describes it.
         stored = stores.payloads.get(index)
         if stored is not None and make_key(stored.block_hash, stored.group_id) == key:
             event = replace(stored, medium=self.tier.value)
@@ -95,19 +102,20 @@ class Registrar:
         for i, count in stores.tails.items():  # a partial tail registers its own key
             keys[i] = stores.keys[i]
             num_tokens[i] = count
-        if None in keys or 0 in num_tokens:  # a pinned block lost its key (vLLM moved it)
-            for i, own_key in enumerate(stores.keys):
+        own = stores.keys
+        if keys != own or 0 in num_tokens:  # rare: a block lost its key, or changed it
+            for i, own_key in enumerate(own):
                 key = keys[i]
                 if key is None:
                     keys[i] = key = own_key
                 if not num_tokens[i]:
                     num_tokens[i] = self.block_size(key)
+            moved = {i for i, key in enumerate(keys) if key != own[i]}
+            if moved:
+                self._register_some(stores, gpu_pool, moved)
+                return
         tier_ids = stores.tier_block_ids
-        tags = stores.tags
-        if tags:  # a tag names the KV of the key selected: dropped where the key changed
-            own = stores.keys
-            tags = {i: tag for i, tag in tags.items() if keys[i] == own[i]}
-        self.tier_pool.insert_keys(cast("list[Key]", keys), tier_ids, num_tokens, tags)
+        self.tier_pool.insert_keys(cast("list[Key]", keys), tier_ids, num_tokens, stores.tags)
         extra = gpu_pool.secondary_keys_of(gpu_ids)
         if extra:
             tails = stores.tails
@@ -115,6 +123,14 @@ class Registrar:
                 if i not in tails:
                     for secondary in extra.get(gpu_block_id, ()):
                         self.tier_pool.insert_key(secondary, tier_ids[i], count)
+
+    def _register_some(self, stores: StoreBatch, gpu_pool: GpuPoolView, moved: set[int]) -> None:
+        """`register` the stores but those in `moved`, whose GPU blocks vLLM keyed further
+        since they were selected: their slots go back to the tier unkeyed."""
+        logger.debug("%d stores: their GPU blocks were keyed further since", len(moved))
+        for index in range(len(stores)):
+            if index not in moved:
+                self.register(stores, index, gpu_pool)
 
     def event(self, key: Key, num_tokens: int | None, tier: Tier | None = None) -> BlockStored:
         """Return the payload-free `BlockStored` of `key`, with its group's kind and window.
