@@ -1,4 +1,5 @@
-"""The harness's fake speculative decoding drafter and rejection sampler (test helper).
+"""The harness's speculative decoding: vLLM's config stand-in, a fake drafter and the
+rejection sampler (test helper).
 
 With `HarnessConfig.drafts` = k (an EAGLE config), after each step the drafter proposes
 k draft tokens for every request the step ran, as a real model runner's drafter does
@@ -19,10 +20,50 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from fake_kv_cache import chain_fingerprints
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request
+
+
+@dataclass(frozen=True)
+class EagleStandIn:
+    """vLLM's `SpeculativeConfig` as its scheduler reads it, for an EAGLE drafter.
+
+    A real one needs a draft model; without `HarnessConfig.drafts` the harness proposes
+    no draft tokens, so only the cache behaviour EAGLE turns on is exercised (the
+    last-block drop of prefix hits, the Mamba checkpoint one block earlier, the lookahead
+    slot).
+    """
+
+    method: str = "eagle"
+    num_speculative_tokens: int = 1
+    num_speculative_tokens_per_batch_size: None = None
+    disable_eagle_block_drop: bool = False
+    disable_lookahead_block_hashes: bool = False
+    max_num_new_slots_for_drafting: int = 0  # EAGLE: no query rows beyond the target's
+
+    def use_eagle(self) -> bool:
+        return True
+
+    def needs_eagle_block_drop(self) -> bool:
+        return True
+
+    def use_eagle_block_drop(self) -> bool:
+        return True
+
+    def use_dflash(self) -> bool:
+        return False
+
+    def use_dspark(self) -> bool:
+        return False
+
+    def use_multi_module_mtp(self) -> bool:
+        return False
+
+    def uses_draft_model(self) -> bool:
+        return False
 
 
 def token_at(request_id: str, position: int) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fake_drafter import EagleStandIn
 from fake_kv_cache import FakeKVCache, KVMismatchError, PrefixFingerprints
 from vllm.config import (
     CacheConfig,
@@ -225,45 +226,6 @@ class HarnessConfig:
         if group.sliding_window is None:
             return FullAttentionSpec(**common)
         return SlidingWindowSpec(**common, sliding_window=group.sliding_window)
-
-
-@dataclass(frozen=True)
-class EagleStandIn:
-    """vLLM's `SpeculativeConfig` as its scheduler reads it, for an EAGLE drafter.
-
-    A real one needs a draft model; without `HarnessConfig.drafts` the harness proposes
-    no draft tokens, so only the cache behaviour EAGLE turns on is exercised (the
-    last-block drop of prefix hits, the Mamba checkpoint one block earlier, the lookahead
-    slot).
-    """
-
-    method: str = "eagle"
-    num_speculative_tokens: int = 1
-    num_speculative_tokens_per_batch_size: None = None
-    disable_eagle_block_drop: bool = False
-    disable_lookahead_block_hashes: bool = False
-    max_num_new_slots_for_drafting: int = 0  # EAGLE: no query rows beyond the target's
-
-    def use_eagle(self) -> bool:
-        return True
-
-    def needs_eagle_block_drop(self) -> bool:
-        return True
-
-    def use_eagle_block_drop(self) -> bool:
-        return True
-
-    def use_dflash(self) -> bool:
-        return False
-
-    def use_dspark(self) -> bool:
-        return False
-
-    def use_multi_module_mtp(self) -> bool:
-        return False
-
-    def uses_draft_model(self) -> bool:
-        return False
 
 
 def write_tiny_llama(directory: str, cfg: HarnessConfig) -> None:
