@@ -14,6 +14,15 @@ that step, hold KV of another prefix until a later step rewrites them. It sample
 vLLM's rejection sampler returns: the leading right drafts, then one bonus token (the
 model's token at the first wrong draft's position, or past the last draft); vLLM rolls
 `num_computed_tokens` back over the rejected ones.
+
+Under asynchronous scheduling (`HarnessConfig.async_scheduling`, at most two steps in
+flight) vLLM's scheduler neither receives drafts (its engine core skips
+`update_draft_token_ids`) nor knows how many of a step's drafts were accepted when it
+schedules the next one: it schedules `-1` placeholders for them after positions that
+count every draft of the step in flight as accepted. vLLM's GPU model runner feeds its
+own drafts there and moves the request's positions back by the rejections of the
+previous step it ran (`correct_spec_decode_token_counts`): `verify` and `shift` do the same
+(`shift` is 0 under synchronous scheduling).
 """
 
 from __future__ import annotations
@@ -21,10 +30,16 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fake_kv_cache import chain_fingerprints
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request
+
+if TYPE_CHECKING:  # vllm_engine imports this module
+    from vllm_engine import HarnessConfig
 
 
 @dataclass(frozen=True)
@@ -75,11 +90,20 @@ def token_at(request_id: str, position: int) -> int:
 class FakeDrafter:
     """Proposes `num_drafts` tokens per request, a seeded mix of right and wrong ones."""
 
-    def __init__(self, num_drafts: int, seed: int) -> None:
+    @classmethod
+    def for_config(cls, cfg: HarnessConfig) -> FakeDrafter | None:
+        """Return the drafter of `cfg` (None without `drafts`)."""
+        return cls(cfg.drafts, cfg.draft_seed, cfg.async_scheduling) if cfg.drafts else None
+
+    def __init__(self, num_drafts: int, seed: int, async_scheduling: bool = False) -> None:
         self.num_drafts = num_drafts
         self.seed = seed
+        self.async_scheduling = async_scheduling
         self.num_proposed = 0  # draft tokens the forward was fed (vLLM's padding too)
         self.num_accepted = 0
+        # asynchronous scheduling: request -> (its latest step still in flight, the drafts
+        # that step rejected), which the scheduler has not rolled back yet
+        self._rejected_in_flight: dict[str, tuple[SchedulerOutput, int]] = {}
 
     def draft_at(self, request_id: str, position: int) -> int:
         """Return the draft token proposed for `position`: right or, seeded, wrong."""
@@ -98,15 +122,44 @@ class FakeDrafter:
             )
         return DraftTokenIds(req_ids, drafts)
 
-    def sample(self, request_id: str, end: int, drafts: Sequence[int]) -> list[int]:
-        """Return what the rejection sampler returns for `drafts` at positions `end..`:
-        the leading right drafts, then the bonus token."""
+    def after_step(self, scheduler: Scheduler, step: SchedulerOutput) -> None:
+        """vLLM's `post_step` once `step`'s output is processed: give the scheduler drafts
+        for the requests it ran (synchronous scheduling), or forget its rejections, which
+        the scheduler has rolled back (asynchronous)."""
+        if self.async_scheduling:
+            for request_id, (entry_step, _) in list(self._rejected_in_flight.items()):
+                if entry_step is step:
+                    del self._rejected_in_flight[request_id]
+        elif step.num_scheduled_tokens:
+            ran = [scheduler.requests.get(r) for r in step.num_scheduled_tokens]
+            scheduler.update_draft_token_ids(self.propose(r for r in ran if r))
+
+    def verify(
+        self, request_id: str, end: int, scheduled: Sequence[int], step: SchedulerOutput
+    ) -> tuple[list[int], list[int]]:
+        """Return the drafts the forward feeds at positions `end..` for the `scheduled`
+        ones (asynchronous scheduling: placeholders, filled with the runner's own), and
+        what the rejection sampler returns for them: the leading right drafts, then the
+        bonus token. Under asynchronous scheduling, remember the rejections until
+        `step`'s output is processed."""
+        drafts = list(scheduled)
+        if self.async_scheduling and all(token == -1 for token in scheduled):
+            drafts = [self.draft_at(request_id, end + i) for i in range(len(scheduled))]
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == token_at(request_id, end + accepted):
             accepted += 1
         self.num_proposed += len(drafts)
         self.num_accepted += accepted
-        return [*drafts[:accepted], token_at(request_id, end + accepted)]
+        if self.async_scheduling:
+            self._rejected_in_flight[request_id] = (step, len(drafts) - accepted)
+        return drafts, [*drafts[:accepted], token_at(request_id, end + accepted)]
+
+    def shift(self, request_id: str, resumed: bool) -> int:
+        """Return how far the forward moves a request's positions back from the
+        scheduler's: the drafts its step still in flight rejected (none for a new or
+        resumed request, which vLLM's runner adds afresh)."""
+        entry = self._rejected_in_flight.pop(request_id, None)
+        return 0 if entry is None or resumed else entry[1]
 
     @staticmethod
     def draft_prints(prints: Sequence[int], drafts: Sequence[int]) -> list[int]:

@@ -27,8 +27,14 @@ PROMPT = list(range(7000, 7020))  # 1 full block and 4 tokens
 NUM_OUTPUT_TOKENS = 90  # 110 tokens: 6 full blocks of 16, the last token's KV never computed
 # vLLM's schedulings, and its synchronous one with an EAGLE config: drafts scheduled every
 # step and rolled back (the harness rejects them all; vllm_engine.HarnessConfig.eagle), or
-# a fake drafter's, some accepted, the others' positions written with their KV.
-CONFIGS = {**SCHEDULING, "sync_eagle": {"eagle": True}, "sync_drafts": {"eagle": True, "drafts": 3}}
+# a fake drafter's, some accepted, the others' positions written with their KV; and its
+# drafts under overlapped asynchronous scheduling (placeholders the runner fills).
+CONFIGS = {
+    **SCHEDULING,
+    "sync_eagle": {"eagle": True},
+    "sync_drafts": {"eagle": True, "drafts": 3},
+    "async_pipelined_drafts": {**SCHEDULING["async_pipelined"], "eagle": True, "drafts": 3},
+}
 
 
 def stored_or_in_flight(harness: VllmHarness, keys: list[Key]) -> list[bool]:

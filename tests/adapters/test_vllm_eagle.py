@@ -167,6 +167,8 @@ def test_a_resent_block_aligned_prompt_hits_up_to_its_proof(hybrid: bool) -> Non
         Engine("eagle_small_window", kv_groups=SMALL_WINDOW, num_gpu_blocks=24, eagle=True),
         # A fake drafter's tokens, some rejected: their positions hold KV of other prefixes.
         Engine("eagle_drafts", eagle=True, drafts=3),
+        # Under overlapped asynchronous scheduling: placeholders the runner fills.
+        Engine("eagle_async_drafts", async_batches=2, eagle=True, drafts=3),
         Engine(
             "lazy_small_window_drafts",
             "lazy",

@@ -112,7 +112,9 @@ class HarnessConfig:
     fake runner rejects every draft position vLLM schedules (synchronous scheduling only).
     `drafts` (needs `eagle`; 0: none) runs a fake drafter (fake_drafter.py): that many
     draft tokens per decoding request, a mix seeded by `draft_seed` of right and wrong
-    ones, whose KV the forward writes and which it accepts as vLLM's rejection sampler.
+    ones, whose KV the forward writes and which it accepts as vLLM's rejection sampler;
+    also under asynchronous scheduling (`batch_queue_size` at most 2), where vLLM
+    schedules placeholders that the runner fills, correcting positions as vLLM's does.
     `max_loras` (0: LoRA off) turns on vLLM's LoRA support (`LoRAConfig`): its scheduler
     then runs requests of at most that many adapters in one step.
     """
@@ -147,10 +149,15 @@ class HarnessConfig:
     def __post_init__(self) -> None:
         if self.batch_queue_size > 1 and not self.async_scheduling:
             raise ValueError("overlapping steps need async_scheduling, as in vLLM")
-        if self.eagle and self.async_scheduling:
-            # Its fake runner rejects every draft position vLLM schedules; under
-            # asynchronous scheduling drafts are placeholders too, which it does not model.
-            raise ValueError("the harness runs an EAGLE config with vLLM's Scheduler only")
+        if (
+            self.eagle
+            and self.async_scheduling
+            and not (self.drafts and self.batch_queue_size <= 2)
+        ):
+            # Without drafts its fake runner rejects every draft position vLLM schedules,
+            # which under asynchronous scheduling are placeholders the runner fills; with
+            # a third step in flight vLLM's runner would correct its positions for one.
+            raise ValueError("EAGLE under async scheduling needs drafts, <= 2 steps in flight")
         if self.drafts and (not self.eagle or self.has_mamba):
             raise ValueError("drafts need eagle and no Mamba group (states are not modelled)")
         if self.kv_groups and self.block_size != min(g.block_size for g in self.kv_groups):

@@ -138,7 +138,7 @@ class VllmHarness:
         )
         self._block_hasher = get_request_block_hasher(cfg.hash_block_size, sha256)  # hash blocks
         self.check_kv = check_kv
-        self.drafter = FakeDrafter(cfg.drafts, cfg.draft_seed) if cfg.drafts else None
+        self.drafter = FakeDrafter.for_config(cfg)
         self.caches = [FakeKVCache(self.kv_cache_config) for _ in range(cfg.num_ranks)]
         factory = worker_factory or (lambda harness, cache: NoWorker())
         self.workers: list[WorkerSide] = [factory(self, cache) for cache in self.caches]
@@ -278,9 +278,8 @@ class VllmHarness:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> StepRecord:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if self.drafter and scheduler_output.num_scheduled_tokens:  # vLLM's post_step
-            ran = [self.scheduler.requests.get(r) for r in scheduler_output.num_scheduled_tokens]
-            self.scheduler.update_draft_token_ids(self.drafter.propose(r for r in ran if r))
+        if self.drafter:  # vLLM's post_step
+            self.drafter.after_step(self.scheduler, scheduler_output)
         finished = {
             out.request_id
             for eco in outputs.values()
@@ -349,12 +348,13 @@ class VllmHarness:
             request = self.scheduler.requests[req_id]
             drafts = all_drafts.get(req_id, [])  # an EAGLE config's (`HarnessConfig.eagle`)
             end = request.num_computed_tokens - len(drafts)  # advanced by schedule()
+            end -= self.drafter.shift(req_id, req_id in fresh) if self.drafter else 0  # async
             start = end - num_new + len(drafts)
             # A request still inside its prompt samples nothing this step; otherwise the
             # token at `end` (past a placeholder not yet delivered under async scheduling).
             sampled[req_id] = [] if request.is_prefill_chunk else [_token_at(req_id, end)]
             if self.drafter and drafts:  # else every draft is rejected, its KV unwritten
-                sampled[req_id] = self.drafter.sample(req_id, end, drafts)
+                drafts, sampled[req_id] = self.drafter.verify(req_id, end, drafts, scheduler_output)
             if self.check_kv:
                 tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)  # per group
                 prints = self._fingerprints.upto(request, end, partial(_token_at, req_id))
