@@ -332,13 +332,8 @@ class OffloadScheduler(SchedulerObservability):
         self, request: RequestView, block_ids_per_group: Sequence[Sequence[int]]
     ) -> None:
         """Take an earlier `on_finished` of `request` as `computed=False` (learned since)."""
-        hold_back_unconfirmed(
-            self.selector,
-            self.config.store_mode,
-            request,
-            block_ids_per_group,
-            finished_earlier=True,
-        )
+        mode, groups = self.config.store_mode, block_ids_per_group
+        hold_back_unconfirmed(self.selector, mode, request, groups, finished_earlier=True)
 
     def has_pending_stores(self) -> bool:
         """Return True while any store or demotion is queued, in flight or abandoned.
