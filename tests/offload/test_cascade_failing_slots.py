@@ -141,6 +141,25 @@ def test_held_slots_come_back_when_the_disk_has_no_other_room() -> None:
     assert disk.num_free() == 4
 
 
+def test_a_failed_trial_group_is_bisected_before_the_other_suspects() -> None:
+    """A trial group that failed again goes back in front of the suspects, halved, and
+    its slots are handed out again in suspect order (the pool reuses them first)."""
+    disk = BlockPool(17)
+    aside = SetAsideSlots(disk)
+    first = disk.allocate(4)
+    aside.note_failed(first)
+    aside.note_succeeded([])  # all 4 on trial
+    job = disk.allocate(4)
+    assert job == first  # given back first, in suspect order
+    fresh = disk.allocate(2)
+    aside.note_failed([*job, *fresh])  # the trial failed, with 2 slots not on trial
+    assert aside.suspects == [*first, *fresh]  # the trial's first, to be bisected
+    aside.note_succeeded([])
+    assert aside.on_trial == set(first[:2])
+    assert disk.allocate(2) == first[:2]
+    assert aside.suspects == [*first[2:], *fresh]
+
+
 # ------------------------------------------------------------ the write-back window
 
 
