@@ -18,6 +18,7 @@ from test_token_check import expected_tags
 from kvtier.core.block_pool import BlockPool
 from kvtier.offload.cascade import Cascade
 from kvtier.offload.config import CascadeMode
+from kvtier.offload.dropped_slots import DroppedSlots
 from kvtier.offload.plan import SlotRecord, Tier
 
 WT, WB = CascadeMode.WRITE_THROUGH, CascadeMode.WRITE_BACK
@@ -78,9 +79,11 @@ def test_write_back_demotes_a_tagged_cpu_copy_over_a_restored_one(tag: bytes | N
 def test_a_disk_copy_with_the_cpu_copys_tag_is_kept_and_an_untagged_cpu_copy_replaces_none() -> (
     None
 ):
-    """Only a tagged CPU copy replaces a disk copy, and only one with another tag."""
+    """Only a tagged CPU copy replaces a disk copy, and only one with another tag; a
+    persistent tier's manifest drops the replaced copy's record too."""
     cpu, disk = BlockPool(9), BlockPool(9)
-    cascade = Cascade(cpu, disk, WT, reserve=2)
+    dropped = DroppedSlots(active=True)
+    cascade = Cascade(cpu, disk, WT, reserve=2, dropped=dropped)
     keys = keys_of(range(12), 3)
     for slot, (k, tag) in enumerate(zip(keys, [b"a" * 16, None, OTHER], strict=True), 1):
         disk.touch([slot])
@@ -97,6 +100,7 @@ def test_a_disk_copy_with_the_cpu_copys_tag_is_kept_and_an_untagged_cpu_copy_rep
     assert disk.tag(items[0].disk_block_id) == b"c" * 16
     assert disk.key(3) is None  # the replaced copy is gone, its tag with it
     assert disk.tag(3) is None
+    assert dropped.take() == (3,)  # a restart must not restore the replaced copy
     cpu.free(block_ids)
     cpu.check_invariants()
     disk.check_invariants()
