@@ -123,3 +123,32 @@ def test_records_an_unsubmitted_plan_was_to_drop_go_at_shutdown(tmp_path: Path) 
     llm.shutdown()
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as again:
         assert not disk_copies(again)
+
+
+def test_records_an_unsubmitted_plan_was_to_drop_go_with_the_next_plan(tmp_path: Path) -> None:
+    """As above, but the engine steps on: the next `prepare` fails the unsubmitted plan
+    and gives its dropped slots to the plan after it, whose worker drops the records."""
+    llm = LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE)
+    side = llm.offload
+    assert side is not None
+    faults = held_on_the_tiers_only(llm, RefusingForget)
+    step_until_its_disk_load_failed(llm, faults, OSError)
+    assert len(side.scheduler.dropped_slots) == 5
+    submit = side.submit
+
+    def interrupted() -> None:  # Ctrl-C right after `prepare` returned
+        side.submit = submit  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    side.submit = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    assert not disk_copies(llm)
+    assert not side.scheduler.dropped_slots  # the unsubmitted plan holds them
+    llm.generate([list(range(90, 95))], PARAMS)  # the next plans
+    llm.drain()
+    assert not side.scheduler.dropped_slots  # handed over, none left for the shutdown
+    held = disk_copies(llm)  # the new prompt's, stored since
+    llm.shutdown()
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as again:
+        assert disk_copies(again) == held  # none of the 5 dropped ones
