@@ -75,3 +75,29 @@ class StoreBatch:
         self.gpu_block_ids.extend(gpu_block_ids)
         self.tier_block_ids.extend(tier_block_ids)
         self.keys.extend(keys)
+
+    def take(self, gpu_block_ids: set[int]) -> StoreBatch:
+        """Remove the stores of `gpu_block_ids` and return them; each store keeps its
+        extras, and the rest their order."""
+        kept, taken = StoreBatch(), StoreBatch()
+        for i, gpu_block_id in enumerate(self.gpu_block_ids):
+            batch = taken if gpu_block_id in gpu_block_ids else kept
+            index = len(batch.keys)
+            batch.add(
+                gpu_block_id,
+                self.tier_block_ids[i],
+                self.keys[i],
+                self.tails.get(i, 0),
+                self.payloads.get(i),
+                self.tags.get(i),
+            )
+            if i in self.secondary_payloads:
+                batch.secondary_payloads[index] = self.secondary_payloads[i]
+        self.gpu_block_ids, self.tier_block_ids, self.keys = (
+            kept.gpu_block_ids,
+            kept.tier_block_ids,
+            kept.keys,
+        )
+        self.tails, self.payloads, self.tags = kept.tails, kept.payloads, kept.tags
+        self.secondary_payloads = kept.secondary_payloads
+        return taken

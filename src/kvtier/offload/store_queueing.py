@@ -7,6 +7,8 @@ of stores that will register nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key
@@ -105,6 +107,14 @@ class StoreQueueing:
         if self.set_aside is not None:
             self.set_aside.make_room(needed)
         return self.tier_pool.num_free()
+
+    def drop_queued(self, gpu_block_ids: Iterable[int]) -> None:
+        """Release the queued (not yet issued) stores of `gpu_block_ids`: their compute
+        turned out unconfirmed (`unconfirmed_finish`) after they were selected."""
+        wanted = set(gpu_block_ids)
+        if not self.queued or wanted.isdisjoint(self.queued.gpu_block_ids):
+            return
+        self.release(self.queued.take(wanted))
 
     def release(self, stores: StoreBatch, forget_keys: bool = True, failed: bool = False) -> None:
         """Drop the pins (and in-flight keys) of stores that will register nothing.

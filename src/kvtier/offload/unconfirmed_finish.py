@@ -49,6 +49,9 @@ def hold_back_unconfirmed(
             for group_id, table in enumerate(block_ids_per_group)
         ]
     block_ids = unconfirmed_blocks(layout, request, block_ids_per_group, gpu_pool)
+    # Selected since the last plan (an earlier finish's stores): no plan the workers
+    # fail carries them, and their blocks are about to lose the keys they registered.
+    selector.drop_queued(block_ids)
     if store_mode is StoreMode.LAZY:
         selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
     else:

@@ -1,0 +1,40 @@
+"""`StoreBatch.take`: the stores of some GPU blocks taken out with their extras."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvtier.core.events import BlockStored
+from kvtier.core.keys import Key, make_key
+from kvtier.offload.store_batch import StoreBatch
+
+
+def key(i: int) -> Key:
+    return make_key(hashlib.sha256(b"split%d" % i).digest(), 0)
+
+
+def test_take_keeps_each_stores_extras_with_it() -> None:
+    payload = BlockStored(b"p" * 32, 0, 16)
+    secondary = (BlockStored(b"s" * 32, 0, 8),)
+    stores = StoreBatch()
+    stores.add(1, 11, key(1), tag=b"t1")
+    stores.add(2, 12, key(2), tail_num_tokens=5, payload=payload, tag=b"t2")
+    stores.add(3, 13, key(3), payload=payload)
+    stores.secondary_payloads[2] = secondary
+    stores.add(4, 14, key(4), tag=b"t4")
+    taken = stores.take({2, 4})
+    kept = stores
+    assert (kept.gpu_block_ids, kept.tier_block_ids, kept.keys) == (
+        [1, 3],
+        [11, 13],
+        [key(1), key(3)],
+    )
+    assert (kept.tails, kept.payloads, kept.tags) == ({}, {1: payload}, {0: b"t1"})
+    assert kept.secondary_payloads == {1: secondary}
+    assert (taken.gpu_block_ids, taken.tier_block_ids, taken.keys) == (
+        [2, 4],
+        [12, 14],
+        [key(2), key(4)],
+    )
+    assert (taken.tails, taken.payloads, taken.tags) == ({0: 5}, {0: payload}, {0: b"t2", 1: b"t4"})
+    assert taken.secondary_payloads == {}
