@@ -6,7 +6,9 @@ EOS (read from its files: the engine has no tokenizer) stops generation too, as 
 Regression: every EOS id gave `stop_reason` None, where vLLM names the generation
 config's extra ones (Qwen2-Instruct: tokenizer EOS <|im_end|> 151645, generation config
 [151645, 151643]: vLLM reports 151643 as the stop_reason), and a tokenizer EOS named in
-neither config did not stop generation.
+neither config did not stop generation. A legacy `special_tokens_map.json`'s
+eos_token, which transformers takes over tokenizer_config.json's when that has no
+added_tokens_decoder, was not read ('assert ((2, 7), (7,)) == ((2, 7), (2,))').
 """
 
 from __future__ import annotations
@@ -60,9 +62,22 @@ def _tokenizer_json(token_id: int, added: bool) -> dict[str, Any]:
         # A tokenizer EOS outside the vocab (never sampled) is still vLLM's primary EOS:
         # config.json's first EOS does not stand for it, both generation ids are stop ids.
         (2, [2, 7], {"tokenizer_config.json": _tokenizer_config(500)}, (2, 7), (2, 7)),
+        # transformers (5) reads a legacy special_tokens_map.json when tokenizer_config.json
+        # has no added_tokens_decoder, and its eos_token wins over tokenizer_config.json's.
+        (2, [7, 2], {"tokenizer_config.json": {"eos_token": "</s>"},
+                     "special_tokens_map.json": {"eos_token": {"content": IM_END}},
+                     "tokenizer.json": _tokenizer_json(7, added=False)}, (2, 7), (2,)),
+        (2, [7, 2], {"tokenizer_config.json": {},
+                     "special_tokens_map.json": {"eos_token": IM_END},
+                     "tokenizer.json": _tokenizer_json(7, added=True)}, (2, 7), (2,)),
+        # With an added_tokens_decoder, transformers reads no special_tokens_map.json.
+        (2, [7, 2], {"tokenizer_config.json": _tokenizer_config(7),
+                     "special_tokens_map.json": {"eos_token": "a"},
+                     "tokenizer.json": _tokenizer_json(7, added=False)}, (2, 7), (2,)),
     ],
     ids=["qwen2-instruct", "no-tokenizer", "no-generation-config", "vocab-token", "only-tok",
-         "tokenizer-eos-outside-vocab"],
+         "tokenizer-eos-outside-vocab", "special-map-wins", "special-map-only",
+         "special-map-unread"],
 )  # fmt: skip
 def test_eos_stop_token_ids_are_the_generation_eos_ids_but_the_tokenizers(
     tmp_path: Path,

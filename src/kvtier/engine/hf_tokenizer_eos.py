@@ -4,7 +4,9 @@ vLLM stops a request at its tokenizer's `eos_token_id` with no `stop_reason`, an
 a `generation_config.json`'s other EOS ids as stop token ids, reported as the
 `stop_reason` (`SamplingParams.update_from_generation_config`). The reference engine
 has no tokenizer, so it reads the id from the files transformers reads it from:
-`tokenizer_config.json`'s `eos_token` (a str or `{"content": str}`), looked up in its
+`tokenizer_config.json`'s `eos_token` (a str or `{"content": str}`; a legacy
+`special_tokens_map.json`'s wins where `tokenizer_config.json` has no
+`added_tokens_decoder`, as transformers 5 reads them), looked up in its
 `added_tokens_decoder`, then in `tokenizer.json`'s `added_tokens` and `model.vocab`.
 The files only name which id vLLM treats as the EOS: one that is missing or malformed
 is logged and left out (None), never a reason to refuse the checkpoint.
@@ -21,15 +23,18 @@ logger = logging.getLogger(__name__)
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILE = "tokenizer.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 
 
 def tokenizer_eos_token_id(directory: Path) -> int | None:
     """Return the id of the EOS token the tokenizer files in `directory` name, or None
     where they name none (no files, no `eos_token`, or a token they give no id)."""
-    config = _json_object(directory / TOKENIZER_CONFIG_FILE)
-    if config is None:
-        return None
-    eos = config.get("eos_token")
+    config = _json_object(directory / TOKENIZER_CONFIG_FILE) or {}
+    eos, source = config.get("eos_token"), TOKENIZER_CONFIG_FILE
+    if "added_tokens_decoder" not in config:  # transformers' legacy path: the map wins
+        special = _json_object(directory / SPECIAL_TOKENS_MAP_FILE)
+        if special is not None and special.get("eos_token") is not None:
+            eos, source = special["eos_token"], SPECIAL_TOKENS_MAP_FILE
     if isinstance(eos, dict):
         eos = eos.get("content")
     if eos is None:
@@ -37,7 +42,7 @@ def tokenizer_eos_token_id(directory: Path) -> int | None:
     if not isinstance(eos, str):
         logger.warning(
             "%s: eos_token is %s, not a token: the tokenizer's EOS is not known",
-            directory / TOKENIZER_CONFIG_FILE,
+            directory / source,
             json.dumps(eos),
         )
         return None
