@@ -1,12 +1,13 @@
 """The harness's fake "GPU" KV cache and the prefix fingerprints it holds (test helper).
 
 `FakeKVCache` is one rank's KV cache laid out as vLLM plans it; `PrefixFingerprints`
-gives each token prefix of a request a value (equal prefixes, equal values) that the
-fake forward writes and the checks read back.
+gives each token prefix of a request a value (equal prefixes under the same adapter and
+cache salt, equal values) that the fake forward writes and the checks read back.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,18 @@ _FINGERPRINT_MUL = 1_000_003
 
 def _next_fingerprint(prev: int, token: int) -> int:
     return (prev * _FINGERPRINT_MUL + token + 1) % _FINGERPRINT_MOD
+
+
+def request_seed(request: Request) -> int:
+    """Return the fingerprint a request's prefixes start from: 0 for a plain request; for
+    one with a LoRA adapter (name, path) or a cache salt, what vLLM hashes into its block
+    hashes' extra keys, a value of those, so that KV another adapter or salt computed for
+    the same tokens reads as another prefix's."""
+    lora = request.lora_request
+    keys = ((lora.lora_name, lora.lora_path) if lora else None, request.cache_salt)
+    if keys == (None, None):
+        return 0
+    return zlib.crc32(repr(keys).encode()) % _FINGERPRINT_MOD
 
 
 def chain_fingerprints(prev: int, tokens: Sequence[int]) -> list[int]:
@@ -38,7 +51,8 @@ class KVMismatchError(AssertionError):
 
 
 class PrefixFingerprints:
-    """Fingerprint of every token prefix of a request: equal prefixes, equal values."""
+    """Fingerprint of every token prefix of a request: equal prefixes (and adapter and
+    cache salt, `request_seed`), equal values."""
 
     def __init__(self) -> None:
         self._values: dict[str, list[int]] = {}
@@ -61,7 +75,7 @@ class PrefixFingerprints:
         for pos in [pos for pos in guessed if pos < len(token_ids)]:
             token = guessed.pop(pos)
             assert token_ids[pos] == token, f"{request_id}: position {pos} delivered another token"
-        prev = values[-1] if values else 0
+        prev = values[-1] if values else request_seed(request)
         for pos in range(len(values), num_tokens):
             if pos < len(token_ids):
                 token = token_ids[pos]

@@ -205,7 +205,9 @@ def test_overlapping_steps_need_async_scheduling() -> None:
 
 def test_a_delivered_token_other_than_the_sampled_one_is_caught() -> None:
     fingerprints = PrefixFingerprints()
-    request = SimpleNamespace(request_id="a", all_token_ids=[5, 6])
+    request = SimpleNamespace(
+        request_id="a", all_token_ids=[5, 6], lora_request=None, cache_salt=None
+    )
     sampled = fingerprints.upto(request, 3, token_at=lambda pos: 7)  # type: ignore[arg-type]
     request.all_token_ids.append(7)
     assert fingerprints.upto(request, 3) == sampled  # type: ignore[arg-type]
