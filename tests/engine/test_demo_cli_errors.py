@@ -139,7 +139,7 @@ BAD_MODEL_DIRS = {  # case -> (how to make the directory, what the error says)
     ),
     "weights not safetensors": (
         lambda d: (save_tiny_checkpoint(d) / "model.safetensors").write_bytes(bytes(64)),
-        "",
+        "model.safetensors is not a readable safetensors file",
     ),
 }
 

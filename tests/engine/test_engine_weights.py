@@ -119,3 +119,17 @@ def test_missing_shards_are_named_as_the_index_holds_them(tmp_path: Path) -> Non
     (tmp_path / "b.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r'names missing shards: \["b\.safetensors"\]'):
         checkpoint_files(tmp_path)
+
+
+@pytest.mark.parametrize("cut", ["truncated", "garbage", "empty"])
+def test_an_unreadable_shard_is_named(tmp_path: Path, cut: str) -> None:
+    """Regression: a truncated or corrupt shard raised safetensors' own error ("Error
+    while deserializing header: ..."), which names no file: with a checkpoint of many
+    shards the user could not tell which one to download again."""
+    _save_checkpoint(tmp_path)
+    shard = tmp_path / "b.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"garbage"}.get(cut, b""))
+    with pytest.raises(ValueError, match="b.safetensors") as error:
+        load_model(tmp_path)
+    assert "safetensors" in str(error.value)

@@ -13,7 +13,6 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from safetensors import SafetensorError
 
 from kvtier.cli.demo_checks import check_model_dir, check_positions, check_sizes
 from kvtier.cli.demo_display import (
@@ -138,7 +137,7 @@ def _load_engine(model: str | ModelConfig, engine: EngineConfig) -> LLM:
             f"--gpu-blocks={exc.num_blocks} blocks of --block-size={engine.block_size} tokens:"
             f" {exc.detail}"
         ) from None
-    except (OSError, ValueError, SafetensorError) as exc:
+    except (OSError, ValueError) as exc:  # weights.load_weights: unreadable files too
         if isinstance(model, ModelConfig):
             raise
         raise ValueError(f"--model-dir={model}: {exc}") from None

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import DecoderModel, empty_model
@@ -78,36 +78,47 @@ def parameter_name(hf_name: str) -> str | None:
 def load_weights(model: DecoderModel, path: str | Path) -> None:
     """Copy every parameter of `model` from the checkpoint at `path`, casting dtypes.
 
-    Raises ValueError on an unknown tensor, a shape mismatch, a tensor that is not
-    floating point, a parameter the checkpoint lacks, or one stored in two files (a
-    stale shard beside a newer copy: which one is meant cannot be told). With tied
+    Raises ValueError on a file safetensors cannot read (truncated, corrupt; named, as
+    safetensors' own error does not), an unknown tensor, a shape mismatch, a tensor that
+    is not floating point, a parameter the checkpoint lacks, or one stored in two files
+    (a stale shard beside a newer copy: which one is meant cannot be told). With tied
     embeddings a stored `lm_head.weight` is ignored.
     """
     params = dict(model.named_parameters())
     loaded: dict[str, str] = {}  # parameter -> the file it came from
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                name = parameter_name(hf_name)
-                if name is None or (name == "lm_head.weight" and model.lm_head is None):
-                    continue
-                if name not in params:
-                    raise ValueError(f"{file.name}: tensor {hf_name!r} has no model parameter")
-                if name in loaded:
-                    raise ValueError(
-                        f"tensor {hf_name!r} is stored in both {loaded[name]} and {file.name};"
-                        " remove the stale file"
-                    )
-                tensor = f.get_tensor(hf_name)
-                param = params[name]
-                _check_tensor(file.name, hf_name, tensor, param)
-                with torch.no_grad():
-                    param.copy_(tensor)
-                loaded[name] = file.name
+        try:
+            _load_file(file, model, params, loaded)
+        except SafetensorError as exc:  # its message names no file: a shard of many
+            raise ValueError(f"{file} is not a readable safetensors file ({exc})") from None
     missing = sorted(params.keys() - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks parameters: {missing}")
     logger.info("loaded %d tensors from %s", len(loaded), path)
+
+
+def _load_file(
+    file: Path, model: DecoderModel, params: dict[str, torch.nn.Parameter], loaded: dict[str, str]
+) -> None:
+    """Copy the tensors of one safetensors file into `params`, recording each in `loaded`."""
+    with safe_open(str(file), framework="pt") as f:
+        for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+            name = parameter_name(hf_name)
+            if name is None or (name == "lm_head.weight" and model.lm_head is None):
+                continue
+            if name not in params:
+                raise ValueError(f"{file.name}: tensor {hf_name!r} has no model parameter")
+            if name in loaded:
+                raise ValueError(
+                    f"tensor {hf_name!r} is stored in both {loaded[name]} and {file.name};"
+                    " remove the stale file"
+                )
+            tensor = f.get_tensor(hf_name)
+            param = params[name]
+            _check_tensor(file.name, hf_name, tensor, param)
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded[name] = file.name
 
 
 def _check_tensor(file: str, hf_name: str, tensor: torch.Tensor, param: torch.Tensor) -> None:
