@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import numbers
 import os
 from collections.abc import Collection, Iterable, Mapping
 
@@ -129,10 +130,10 @@ def valid_value(name: str, value: object) -> object:
     """Return `value` normalized for field `name`; raise ConfigError naming a bad one.
 
     Policy names ignore case and surrounding spaces, as `PolicySpec.parse` does, and so
-    do the names of enum fields' members (`cascade="write_back"`); a `disk_path` is made
-    absolute.
+    do the names of enum fields' members (`cascade="write_back"`); a `disk_path` (a str
+    or a path object) is made an absolute str, and numpy ints are taken as ints.
     """
-    value = as_enum(name, value)
+    value = _as_python(name, as_enum(name, value))
     check_type(name, value)
     if name == "disk_path" and isinstance(value, str):
         rule = "it is empty; give the directory of the disk tier's files, or leave it out"
@@ -158,6 +159,17 @@ def valid_value(name: str, value: object) -> object:
         ok = value.strip().lower() in registry
         _require(ok, name, value, f"choose one of {', '.join(registry)}{_split_hint(value)}")
         return value.strip().lower()
+    return value
+
+
+def _as_python(name: str, value: object) -> object:
+    """Return a path object (`pathlib.Path`) for `disk_path` as its str, and an integral
+    number that is not a bool (numpy's ints) for an int field as an int; `value` else."""
+    if name == "disk_path" and isinstance(value, os.PathLike):
+        return os.fspath(value)  # a bytes path stays bytes: refused as not a str
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if FIELD_TYPES[name] is int and integral:  # numpy's bool_ is not Integral
+        return int(value)
     return value
 
 
