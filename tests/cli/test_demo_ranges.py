@@ -84,3 +84,16 @@ def test_a_broken_optional_dependency_is_refused_before_the_demo_runs(tmp_path: 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout == "2 ['torch']\n", done.stderr  # torch only as blocked above
     assert "the demo needs matplotlib (a broken matplotlib), which cannot" in done.stderr
+
+
+def test_a_missing_torch_is_refused_naming_it_without_a_traceback() -> None:
+    """Regression: `pip install "kvtier[engine]"` without torch (it is not a dependency:
+    the README has the user install the build they want first), and `kvtier demo` ended
+    in a ModuleNotFoundError traceback from deep in the engine's imports."""
+    code = "import sys\nsys.modules['torch'] = None  # `import torch` fails: not installed\n"
+    code += REFUSED_WITHOUT_TORCH.format(options=["--conversations", "1", "--turns", "1"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "2 ['torch']\n", done.stderr  # torch only as blocked above
+    assert done.stderr.startswith("kvtier demo: error: the demo needs torch, which is not ")
+    assert "pip install torch" in done.stderr
+    assert "Traceback" not in done.stderr

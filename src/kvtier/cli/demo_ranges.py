@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 from pathlib import Path
 
 from kvtier.cli.demo_plot import PLOT_NAME
@@ -28,9 +29,15 @@ OPTION_MINIMUMS = {
     "disk_mib": 1,
     "cascade_cpu_mib": 1,
 }
-# The `engine` extra, which the demo imports beside torch. torch is not looked up: its
-# import comes at once (under the demo's deferred signals) and names it if missing.
+# The `engine` extra, which the demo imports beside torch. torch is only looked up (not
+# imported: that takes seconds, and comes at once, under the demo's deferred signals).
 ENGINE_MODULES = ("safetensors", "matplotlib")
+# torch is no dependency of kvtier's: the README has the user install the build they
+# want first (a bare `pip install torch` pulls the CUDA one on Linux).
+TORCH_HINT = (
+    "install the torch build you want first, e.g. the CPU one: pip install torch "
+    "--index-url https://download.pytorch.org/whl/cpu"
+)
 # The most turns (conversations x turns) one run serves: every configuration serves each
 # one as a request on the CPU engine, and every conversation's history is held at once.
 MAX_TURNS = 10_000
@@ -104,7 +111,8 @@ def check_dependencies() -> None:
     """Raise ValueError naming the `engine` extra's modules that cannot be imported.
 
     Imported here, before torch: a missing or broken matplotlib was found only when the
-    plot was drawn, after every configuration had been served.
+    plot was drawn, after every configuration had been served. A missing torch is named
+    too (a broken one fails at its import, with its own traceback).
     """
     failed = []
     for name in ENGINE_MODULES:
@@ -117,3 +125,13 @@ def check_dependencies() -> None:
             f"the demo needs {', '.join(failed)}, which cannot be imported: "
             "pip install 'kvtier[engine]'"
         )
+    if _not_installed("torch"):
+        raise ValueError(f"the demo needs torch, which is not installed: {TORCH_HINT}")
+
+
+def _not_installed(name: str) -> bool:
+    """Return True when no top-level module `name` can be found (it is not imported)."""
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec: leave it
+        return False
