@@ -130,6 +130,6 @@ def test_an_unreadable_shard_is_named(tmp_path: Path, cut: str) -> None:
     shard = tmp_path / "b.safetensors"
     data = shard.read_bytes()
     shard.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"garbage"}.get(cut, b""))
-    with pytest.raises(ValueError, match="b.safetensors") as error:
+    with pytest.raises(ValueError) as error:
         load_model(tmp_path)
-    assert "safetensors" in str(error.value)
+    assert str(error.value).startswith(f"{shard} is not a readable safetensors file (")

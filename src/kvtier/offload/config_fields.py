@@ -167,8 +167,8 @@ def _as_python(name: str, value: object) -> object:
     number that is not a bool (numpy's ints) for an int field as an int; `value` else."""
     if name == "disk_path" and isinstance(value, os.PathLike):
         return os.fspath(value)  # a bytes path stays bytes: refused as not a str
-    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if FIELD_TYPES[name] is int and integral:  # numpy's bool_ is not Integral
+    is_int_field = FIELD_TYPES[name] is int and not isinstance(value, bool)
+    if is_int_field and isinstance(value, numbers.Integral):  # numpy's bool_ is not one
         return int(value)
     return value
 
