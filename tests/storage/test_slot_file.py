@@ -131,8 +131,11 @@ def test_direct_io_requires_4096_aligned_slots(tmp_path: Path) -> None:
     """SPEC scenario 28: direct I/O rejects 1000-byte slots naming the value; page cache
     accepts them, and no file is left behind by the rejected attempt."""
     path = str(tmp_path / "rank0.slots")
-    with pytest.raises(ValueError, match="bytes_per_slot=1000"):
+    with pytest.raises(ValueError, match="bytes_per_slot=1000") as error:
         SlotFile(path, 4, 1000, DiskIOMode.DIRECT)
+    # Regression: it said "use DiskIOMode.PAGE_CACHE", not which setting takes it (a user
+    # of the engine's OffloadConfig, or of a JSON config, writes disk_io_mode='page_cache').
+    assert "use disk_io_mode=DiskIOMode.PAGE_CACHE ('page_cache')" in str(error.value)
     assert not os.path.exists(path)
     slot_file = SlotFile(path, 4, 1000, DiskIOMode.PAGE_CACHE)
     slot_file.write(memoryview(bytes(range(250)) * 8), 1)

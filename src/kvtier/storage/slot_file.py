@@ -134,7 +134,8 @@ class SlotFile:
         if mode is DiskIOMode.DIRECT and bytes_per_slot % DIRECT_IO_ALIGNMENT:
             raise ValueError(
                 f"direct I/O needs slot bytes that are a multiple of {DIRECT_IO_ALIGNMENT}, "
-                f"got bytes_per_slot={bytes_per_slot}; use DiskIOMode.PAGE_CACHE"
+                f"got bytes_per_slot={bytes_per_slot}; use disk_io_mode=DiskIOMode.PAGE_CACHE "
+                "('page_cache')"
             )
         self.path = path
         self.num_slots = num_slots
