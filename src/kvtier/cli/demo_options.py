@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.demo_ranges import check_dependencies, check_dirs, check_options
+from kvtier.cli.demo_ranges import TORCH_HINT, check_dependencies, check_dirs, check_options
 from kvtier.offload.config import CascadeMode, DiskIOMode
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.outputs import output_path
@@ -131,7 +131,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     quiet_openmp_waits()
     with signals_deferred():
-        from kvtier.cli.demo import run_demo
+        try:
+            from kvtier.cli.demo import run_demo
+        except ModuleNotFoundError as exc:  # torch is installed apart from kvtier (README)
+            if exc.name != "torch":  # a broken install's traceback says more
+                raise
+            print(f"kvtier demo: error: the demo needs torch: {TORCH_HINT}", file=sys.stderr)
+            return 2
 
     return run_demo(args)
 

@@ -8,8 +8,11 @@ before torch is imported (about 3 s), as argparse refuses a value that is not a 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
-import importlib.util
+import os
+import tempfile
 from pathlib import Path
 
 from kvtier.cli.demo_plot import PLOT_NAME
@@ -29,8 +32,8 @@ OPTION_MINIMUMS = {
     "disk_mib": 1,
     "cascade_cpu_mib": 1,
 }
-# The `engine` extra, which the demo imports beside torch. torch is only looked up (not
-# imported: that takes seconds, and comes at once, under the demo's deferred signals).
+# The `engine` extra, which the demo imports beside torch. torch is not looked up: its
+# import comes at once (under the demo's deferred signals; a missing torch is named there).
 ENGINE_MODULES = ("safetensors", "matplotlib")
 # torch is no dependency of kvtier's: the README has the user install the build they
 # want first (a bare `pip install torch` pulls the CUDA one on Linux).
@@ -78,6 +81,8 @@ def check_dirs(args: argparse.Namespace) -> None:
         if not disk_dir.exists():  # the demo makes its temporary directory inside it
             raise ValueError(f"--disk-dir={disk_dir} does not exist")
         _check_writable_dir("--disk-dir", disk_dir)
+    if args.disk_io == "direct":
+        _check_direct_io(args.disk_dir)
     out = Path(args.out)
     _check_writable_dir("--out", out)
     plot = out / PLOT_NAME
@@ -85,6 +90,38 @@ def check_dirs(args: argparse.Namespace) -> None:
         raise ValueError(f"--out={out}: {plot} is a directory; the demo writes its plot there")
     if args.model_dir is not None:
         check_model_dir_is_dir(args.model_dir)
+
+
+def _check_direct_io(disk_dir: str | None) -> None:
+    """Raise ValueError when the filesystem of the disk tier's folder (--disk-dir, else
+    the temp dir the demo makes its folder in) refuses O_DIRECT.
+
+    Unchecked, it was found when the disk tier run opened its file, after the runs before
+    it had been served. A file is created there and opened with O_DIRECT, as the tier
+    opens its own; any other failure is left to the run, which names it.
+    """
+    direct = getattr(os, "O_DIRECT", 0)
+    folder = disk_dir if disk_dir is not None else tempfile.gettempdir()
+    if not direct or not os.path.isdir(folder):
+        return
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvtier-direct-io-")
+    except OSError:
+        return
+    os.close(fd)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | direct | os.O_CLOEXEC))
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            where = f"--disk-dir={disk_dir}" if disk_dir is not None else f"the temp dir {folder}"
+            raise ValueError(
+                f"--disk-io=direct: the filesystem of {where} refused O_DIRECT (it has no "
+                "direct I/O, e.g. tmpfs before Linux 6.6): use --disk-io page_cache, or a "
+                "--disk-dir on a block device"
+            ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
 
 
 def check_model_dir_is_dir(model_dir: str) -> None:
@@ -111,8 +148,7 @@ def check_dependencies() -> None:
     """Raise ValueError naming the `engine` extra's modules that cannot be imported.
 
     Imported here, before torch: a missing or broken matplotlib was found only when the
-    plot was drawn, after every configuration had been served. A missing torch is named
-    too (a broken one fails at its import, with its own traceback).
+    plot was drawn, after every configuration had been served.
     """
     failed = []
     for name in ENGINE_MODULES:
@@ -125,13 +161,3 @@ def check_dependencies() -> None:
             f"the demo needs {', '.join(failed)}, which cannot be imported: "
             "pip install 'kvtier[engine]'"
         )
-    if _not_installed("torch"):
-        raise ValueError(f"the demo needs torch, which is not installed: {TORCH_HINT}")
-
-
-def _not_installed(name: str) -> bool:
-    """Return True when no top-level module `name` can be found (it is not imported)."""
-    try:
-        return importlib.util.find_spec(name) is None
-    except (ImportError, ValueError):  # a module in sys.modules without a spec: leave it
-        return False
