@@ -208,10 +208,12 @@ def test_chat_generator_names_an_output_path_it_cannot_write(
     assert f"error: out {out}: " in capsys.readouterr().err
 
 
-def test_a_trace_named_gz_is_written_compressed_and_reads_back(tmp_path: Path) -> None:
-    """`generate chat.jsonl.gz` wrote plain text under a .gz name."""
+@pytest.mark.parametrize("name", ["t.jsonl.gz", "T.JSONL.GZ", "t.jsonl.Gz"])
+def test_a_trace_named_gz_is_written_compressed_and_reads_back(tmp_path: Path, name: str) -> None:
+    """`generate chat.jsonl.gz` wrote plain text under a .gz name; so did `X.JSONL.GZ`
+    (a case-sensitive suffix test), which replay reads either way (by content)."""
     records = doc_trace(seed=1, num_requests=5)
-    packed, plain = tmp_path / "t.jsonl.gz", tmp_path / "t.jsonl"
+    packed, plain = tmp_path / name, tmp_path / "t.jsonl"
     write_trace(packed, records)
     write_trace(plain, records)
     assert packed.read_bytes()[:2] == b"\x1f\x8b"

@@ -164,7 +164,7 @@ def _numbered_lines(
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
     """Write records as Mooncake-format JSON lines (all of them, or `path` is untouched),
-    gzip-compressed when `path` ends in `.gz`."""
+    gzip-compressed when `path` ends in `.gz` (any case: `T.JSONL.GZ` too)."""
     lines = (
         json.dumps(
             {
@@ -177,7 +177,7 @@ def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
         + "\n"
         for record in records
     )
-    if not str(path).endswith(".gz"):
+    if not str(path).lower().endswith(".gz"):
         with whole_file(path) as file:
             file.writelines(lines)
         return
