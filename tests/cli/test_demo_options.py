@@ -67,10 +67,11 @@ def test_every_demo_option_refuses_a_repeat() -> None:
 
 # The demo's numeric options: the sizes, all integers.
 DEMO_NUMBERS = [option for option, first, _ in DEMO_OPTIONS if first.isdigit()]
-NOT_ASCII = ["\u0661\u0666", "\uff11\uff16", "1\u06f6"]  # Arabic-Indic, full-width, mixed 16
+# Arabic-Indic, full-width, mixed 16; and 16 with Python's digit separator (int() reads it)
+NOT_DIGITS = ["\u0661\u0666", "\uff11\uff16", "1\u06f6", "1_6"]
 
 
-@pytest.mark.parametrize("text", NOT_ASCII)
+@pytest.mark.parametrize("text", NOT_DIGITS)
 @pytest.mark.parametrize("option", DEMO_NUMBERS)
 def test_a_demo_number_in_other_digits_is_a_usage_error_naming_it(
     capsys: pytest.CaptureFixture[str], text: str, option: str
@@ -86,7 +87,7 @@ def test_a_demo_number_in_other_digits_is_a_usage_error_naming_it(
 def test_only_path_options_of_the_demo_accept_other_scripts_digits() -> None:
     """A new numeric demo option must parse with ascii_int / ascii_float too."""
     parser = demo_parser()
-    for text in NOT_ASCII:
+    for text in NOT_DIGITS:
         taken = set()
         for option, _, _ in DEMO_OPTIONS:
             try:

@@ -1,5 +1,6 @@
 """Every numeric option of `kvtier replay` and of the trace generator takes ASCII digits
-only: int() and float() read other scripts' digits, so Arabic-Indic 16 ran as 16."""
+only: int() and float() read other scripts' digits, so Arabic-Indic 16 ran as 16. They
+read `1_000` too, which the message ("use digits 0-9") and the token counts refused."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from kvtier.replay import generate
 from kvtier.replay.ascii_number import ascii_float, ascii_int
 from kvtier.replay.cli import configure
 
-NOT_ASCII = [
+NOT_DIGITS = [
     "\u0661\u0666",  # Arabic-Indic 16
     "\uff11\uff16",  # full-width 16
     "1\u06f6",  # an Extended Arabic-Indic 6 after an ASCII 1
     "\u00a016",  # 16 after a no-break space
+    "1_6",  # Python's digit separator: `--conversations 1_000` ran 1000
 ]
 
 
@@ -42,7 +44,7 @@ def accepts(parser: argparse.ArgumentParser, argv: list[str]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("text", ["16", " 16 ", "-3", "+2", "1_000"])
+@pytest.mark.parametrize("text", ["16", " 16 ", "-3", "+2", "007"])
 def test_ascii_int_reads_what_int_reads_in_ascii(text: str) -> None:
     assert ascii_int(text) == int(text)
 
@@ -52,9 +54,9 @@ def test_ascii_float_reads_what_float_reads_in_ascii(text: str) -> None:
     assert repr(ascii_float(text)) == repr(float(text))
 
 
-@pytest.mark.parametrize("text", [*NOT_ASCII, "\uff12.\uff15", "2\u0662.5"])
+@pytest.mark.parametrize("text", [*NOT_DIGITS, "\uff12.\uff15", "2\u0662.5", "2_0.5", "1e1_0"])
 @pytest.mark.parametrize(("parse", "what"), [(ascii_int, "integer"), (ascii_float, "number")])
-def test_other_scripts_digits_are_refused_naming_the_value(
+def test_other_scripts_digits_and_underscores_are_refused_naming_the_value(
     text: str, parse: Callable[[str], float], what: str
 ) -> None:
     with pytest.raises(argparse.ArgumentTypeError) as error:
@@ -62,7 +64,7 @@ def test_other_scripts_digits_are_refused_naming_the_value(
     assert str(error.value).startswith(f"invalid {what} {text!r}: use digits 0-9")
 
 
-@pytest.mark.parametrize("text", NOT_ASCII)
+@pytest.mark.parametrize("text", NOT_DIGITS)
 @pytest.mark.parametrize(
     ("option", "what"),
     [
@@ -83,7 +85,7 @@ def test_a_replay_number_in_other_digits_is_a_usage_error_naming_it(
     assert f"kvtier replay: error: argument {option}: invalid {what} {text!r}: use digits" in err
 
 
-@pytest.mark.parametrize("text", NOT_ASCII)
+@pytest.mark.parametrize("text", NOT_DIGITS)
 @pytest.mark.parametrize("option", ["--seed", "--conversations", "--block-size"])
 def test_a_generator_number_in_other_digits_is_a_usage_error_naming_it(
     capsys: pytest.CaptureFixture[str], text: str, option: str
@@ -98,7 +100,7 @@ def test_a_generator_number_in_other_digits_is_a_usage_error_naming_it(
 def test_only_path_options_accept_other_scripts_digits() -> None:
     """A new numeric option must parse with ascii_int / ascii_float too."""
     replay, generator = replay_parser(), generate.build_parser()
-    for text in NOT_ASCII:
+    for text in NOT_DIGITS:
         taken = {o for o in options_taking_a_value(replay) if accepts(replay, ["t", o, text])}
         assert taken == {"--out", "--json"}, text
         taken = {o for o in options_taking_a_value(generator) if accepts(generator, ["t", o, text])}

@@ -2,8 +2,10 @@
 
 int() and float() also read other scripts' digits (Arabic-Indic or full-width 16) and
 Unicode spaces, so a value the user never saw as a number (a paste from another
-keyboard layout, a stray no-break space) would run as one. Use these as argparse
-`type=`: argparse then names the option in front of the message (exit status 2).
+keyboard layout, a stray no-break space) would run as one. They also read Python's digit
+separator (`1_000`), which these refuse, as the token counts (`--capacity 300k`) do and
+as the message ("use digits 0-9") says. Use these as argparse `type=`: argparse then
+names the option in front of the message (exit status 2).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ Number = TypeVar("Number", int, float)
 
 
 def ascii_int(text: str) -> int:
-    """Parse an integer written in ASCII: digits 0-9, an optional sign."""
+    """Parse an integer written in ASCII: digits 0-9 (no '_'), an optional sign."""
     return _parse_ascii(text, int, "integer", "digits 0-9")
 
 
@@ -26,8 +28,9 @@ def ascii_float(text: str) -> float:
 
 
 def _parse_ascii(text: str, convert: Callable[[str], Number], what: str, hint: str) -> Number:
-    """Return `convert(text)`; raise ArgumentTypeError naming `text` unless it is ASCII."""
-    if text.isascii():
+    """Return `convert(text)`; raise ArgumentTypeError naming `text` unless it is ASCII
+    without '_'."""
+    if text.isascii() and "_" not in text:
         try:
             return convert(text)
         except ValueError:
