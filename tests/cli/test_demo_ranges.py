@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cli.main import main
+
 REFUSED_WITHOUT_TORCH = """
 import sys
 from kvtier.cli.main import main
@@ -128,3 +130,25 @@ def test_a_disk_dir_without_direct_io_is_refused_before_serving(tmp_path: Path) 
         "--disk-io page_cache, or a --disk-dir on a block device\n"
     )
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+@pytest.mark.parametrize("option", ["--disk-dir", "--model-dir"])
+def test_a_folder_under_a_file_is_refused_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    """Regression (s25 fresh-user review): `--disk-dir afile/sub` said only "does not
+    exist", not that `afile` is a file."""
+    (tmp_path / "afile").write_text("x")
+    folder = tmp_path / "afile" / "sub"
+    assert main(["demo", option, str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtier demo: error: {option}={folder} does not exist: ")
+    assert f"does not exist: {tmp_path / 'afile'} is a file, not a directory" in err
+
+
+def test_a_missing_folder_under_a_folder_is_only_said_to_be_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "missing" / "sub"
+    assert main(["demo", "--disk-dir", str(folder)]) == 2
+    assert capsys.readouterr().err.endswith(f"error: --disk-dir={folder} does not exist\n")

@@ -79,7 +79,7 @@ def check_dirs(args: argparse.Namespace) -> None:
     if args.disk_dir is not None:
         disk_dir = Path(args.disk_dir)
         if not disk_dir.exists():  # the demo makes its temporary directory inside it
-            raise ValueError(f"--disk-dir={disk_dir} does not exist")
+            raise ValueError(f"--disk-dir={disk_dir} {_missing(disk_dir)}")
         _check_writable_dir("--disk-dir", disk_dir)
     if args.disk_io == "direct":
         _check_direct_io(args.disk_dir)
@@ -128,10 +128,19 @@ def check_model_dir_is_dir(model_dir: str) -> None:
     """Raise ValueError naming --model-dir when it is not a folder."""
     path = Path(model_dir)
     if not path.is_dir():
-        state = "is not a directory" if path.exists() else "does not exist"
+        state = "is not a directory" if path.exists() else _missing(path)
         raise ValueError(
             f"--model-dir={model_dir} {state} (a local HF checkpoint directory is needed)"
         )
+
+
+def _missing(path: Path) -> str:
+    """Say that `path` does not exist, naming the part of it that is no folder (`afile` in
+    `afile/sub`): "does not exist" alone sent the user looking for a missing folder."""
+    ancestor = nearest_existing(path)
+    if ancestor != path and ancestor.exists() and not ancestor.is_dir():
+        return f"does not exist: {ancestor} is {file_kind(ancestor)}, not a directory"
+    return "does not exist"
 
 
 def _check_writable_dir(flag: str, path: Path) -> None:
