@@ -54,3 +54,15 @@ def test_either_part_or_both_failing_fails_the_request(
     assert tracker.complete(done, failed) == ({"r", "s"}, failed_requests)
     assert tracker.is_idle()
     assert len(tracker) == 0
+
+
+def test_events_the_scheduler_stops_listing_are_forgotten() -> None:
+    """An event stays remembered only while listed: a long-lived server must not keep
+    every load event id it ever finished."""
+    tracker = LoadTracker()
+    tracker.update({1: ("r",), 2: ("s",)})
+    assert tracker.complete([1], [2]) == ({"r", "s"}, {"s"})
+    tracker.update({2: ("s",)})  # another rank has not reported event 2 yet
+    assert tracker.complete([2], []) == NOTHING
+    tracker.update({})
+    assert not tracker._finished  # nothing kept for an event no longer listed
