@@ -22,6 +22,7 @@ from kvtier_vllm import (
     check_quiescent,
     drain,
     kvtier_harness,
+    kvtier_worker,
     offload_worker,
     zero_blocks,
 )
@@ -101,4 +102,52 @@ def test_the_connectors_plans_carry_no_manifest_work(tmp_path: Path) -> None:
     assert sum(faulty.num_failed.values()) >= 2
     assert plans
     assert all(plan.forget_slots == () and not plan.end_persistence for plan in plans)
+    harness.close()
+
+
+def test_a_plan_refused_after_its_jobs_started_reports_them_only_as_they_ran() -> None:
+    """A submit that raises once the worker started the plan's jobs (an interrupt after
+    the lanes took them): those jobs run and report as usual; failing them as well
+    would report each event done and failed on one rank."""
+    harness = kvtier_harness()
+    harness.add_request("a", PROMPT, max_tokens=2)
+    drain(harness)
+    assert harness.scheduler.reset_prefix_cache()
+    worker = offload_worker(harness)
+    submit = worker.submit
+    started: list[int] = []
+
+    def raising_after(plan: TransferPlan) -> None:
+        submit(plan)
+        if any(job_kind(job) == "load" for job in plan.jobs):
+            worker.submit = submit  # type: ignore[method-assign]  # once
+            started.extend(job.event_id for job in plan.jobs)
+            raise OSError("injected: raised after the jobs started")
+
+    worker.submit = raising_after  # type: ignore[method-assign]
+    side = kvtier_worker(harness).connector.worker_side  # type: ignore[attr-defined]
+    take = side.take_worker_metadata
+    reports: list[Any] = []
+
+    def recording() -> Any:
+        meta = take()
+        if meta is not None:
+            reports.append(meta.report)
+        return meta
+
+    side.take_worker_metadata = recording
+    harness.add_request("b", [*PROMPT, 7], max_tokens=2)  # a tier hit: a load
+    with pytest.raises(OSError, match="injected"):  # out of execute_model
+        harness.step()
+    harness.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)  # as vLLM's FT
+    for _ in range(20):
+        harness.step()
+        if not harness.is_busy():
+            break
+    assert started
+    failed = {e for report in reports for e in report.failed}
+    done = {e for report in reports for e in report.done}
+    assert failed.isdisjoint(started), f"started events {started} reported failed"
+    assert set(started) <= done
+    check_quiescent(harness)
     harness.close()
