@@ -28,10 +28,26 @@ from kvtier_vllm import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvtier.offload.plan import TransferPlan
+from kvtier.offload.plan import TransferPlan, WorkerReport
 from kvtier.transfer.worker_config import WorkerState
 
 PROMPT = list(range(1000, 1065))  # 4 full blocks
+
+
+def record_reports(harness: Any) -> list[WorkerReport]:
+    """Return the list the worker role's reports to the scheduler role will be added to."""
+    side = kvtier_worker(harness).connector.worker_side  # type: ignore[attr-defined]
+    take = side.take_worker_metadata
+    reports: list[WorkerReport] = []
+
+    def recording() -> Any:
+        meta = take()
+        if meta is not None:
+            reports.append(meta.report)
+        return meta
+
+    side.take_worker_metadata = recording
+    return reports
 
 
 @pytest.mark.parametrize("refused", ["load", "store"])
@@ -58,6 +74,7 @@ def test_a_refused_plan_fails_its_events_and_leaks_nothing_once_vllm_resumes(
         submit(plan)
 
     worker.submit = refusing  # type: ignore[method-assign]
+    reports = record_reports(harness)
     harness.add_request("c", list(range(5000, 5040)), max_tokens=4)  # 2 blocks to store
     harness.step()  # c computed: its stores go with the next plan, beside b's load
     harness.add_request("b", [*PROMPT, 7], max_tokens=2)  # a tier hit: a load
@@ -69,6 +86,13 @@ def test_a_refused_plan_fails_its_events_and_leaks_nothing_once_vllm_resumes(
         if not harness.is_busy():
             break
     assert not harness.is_busy(), "stores still pending"
+    harness.add_request("d", list(range(7000, 7020)), max_tokens=3)  # later steps' reports
+    drain(harness)
+    # Each refused event is reported failed once: a rank counting one twice would pass,
+    # with several ranks, for two ranks done with it while another still copies.
+    failures = [(e, n) for report in reports for e, n in report.failed.items()]
+    assert failures
+    assert sorted(failures) == sorted({e: 1 for e, _ in failures}.items())
     check_quiescent(harness)
     harness.close()
     assert worker.state is WorkerState.SHUT_DOWN
@@ -125,17 +149,7 @@ def test_a_plan_refused_after_its_jobs_started_reports_them_only_as_they_ran() -
             raise OSError("injected: raised after the jobs started")
 
     worker.submit = raising_after  # type: ignore[method-assign]
-    side = kvtier_worker(harness).connector.worker_side  # type: ignore[attr-defined]
-    take = side.take_worker_metadata
-    reports: list[Any] = []
-
-    def recording() -> Any:
-        meta = take()
-        if meta is not None:
-            reports.append(meta.report)
-        return meta
-
-    side.take_worker_metadata = recording
+    reports = record_reports(harness)
     harness.add_request("b", [*PROMPT, 7], max_tokens=2)  # a tier hit: a load
     with pytest.raises(OSError, match="injected"):  # out of execute_model
         harness.step()
