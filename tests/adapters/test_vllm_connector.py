@@ -96,6 +96,17 @@ def test_metadata_survives_pickling_between_processes() -> None:
     assert pickle.loads(pickle.dumps(stats)).data == stats.data
 
 
+def test_aggregated_metadata_keeps_the_later_failed_forward_step() -> None:
+    """Ranks whose forwards failed in different steps: the scheduler role must learn the
+    later one at once, or every rank failing there fails the stores of the plans built
+    meanwhile (and its report comes back to say it again)."""
+    early, late, none = (KVTierWorkerMetadata(failed_forward_step=s) for s in (3, 5, None))
+    for a, b in ((early, late), (late, early), (early, none), (none, late)):
+        expected = max(s for s in (a.failed_forward_step, b.failed_forward_step) if s)
+        assert a.aggregate(b).failed_forward_step == expected
+    assert none.aggregate(none).failed_forward_step is None
+
+
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("store_mode", ["eager", "lazy"])
 def test_evicted_shared_prefixes_are_served_from_the_tier(store_mode: str, scheduling: str) -> None:
