@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.offload.block_payload import request_key
@@ -34,6 +35,8 @@ def hold_back_unconfirmed(
     (vLLM: a user's abort while its step was in flight), so the engine may have given
     its blocks to other requests since: a block another request holds under another
     key is looked up by the request's key at its position instead, as a null one is.
+    The request's own block may be keyed under a partial hash of its position (vLLM's
+    partial tail, with blocks spanning several hash blocks): that key is its own too.
     """
     layout, gpu_pool = selector.layout, selector.gpu_pool
     if finished_earlier:
@@ -42,7 +45,7 @@ def hold_back_unconfirmed(
                 b
                 if b == NULL_BLOCK_ID
                 or not gpu_pool.block(b).ref_count
-                or gpu_pool.key(b) == request_key(layout, request, group_id, pos)
+                or _keyed_by(layout, request, group_id, pos, gpu_pool.key(b))
                 else NULL_BLOCK_ID
                 for pos, b in enumerate(table)
             ]
@@ -57,6 +60,19 @@ def hold_back_unconfirmed(
     else:
         selector.unconfirmed.update(block_ids)
     gpu_pool.discard_keys_of(keys_to_drop(block_ids_per_group, block_ids, gpu_pool))
+
+
+def _keyed_by(
+    layout: KVLayout, request: RequestView, group_id: int, pos: int, key: Key | None
+) -> bool:
+    """Return True when `key` is one of the request's keys of block `pos` in a group: the
+    whole block's, or a partial one of a hash block inside it."""
+    if key is None:
+        return False
+    ratio = layout.blocks_per_hash(group_id)
+    hashes = request.block_hashes
+    end = min((pos + 1) * ratio, len(hashes))
+    return any(make_key(hashes[i], group_id) == key for i in range(pos * ratio, end))
 
 
 def unconfirmed_blocks(
