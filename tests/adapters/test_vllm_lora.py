@@ -8,13 +8,20 @@ under one adapter must never be served to a request of another adapter or of non
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import SCHEDULING, check_quiescent, kvtier_harness, scheduler_side
+from kvtier_vllm import (
+    SCHEDULING,
+    SLOT_BYTES,
+    check_quiescent,
+    kvtier_harness,
+    scheduler_side,
+)
 from vllm.distributed.kv_events import BlockStored
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -144,6 +151,47 @@ def test_two_adapters_under_max_loras_one_load_their_own_prefixes(scheduling: st
         assert harness.finished == set(runs) | set(FILLERS) | set(again)
         assert [harness.local_hit_tokens(r) for r in again] == [0] * 4
         assert [harness.external_hit_tokens(r) for r in again] == [48] * 4
+        check_quiescent(harness)
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("cascade", [False, True], ids=["cpu", "cascade"])
+def test_lazy_stores_of_lora_blocks_name_the_adapter(tmp_path: Path, cascade: bool) -> None:
+    """Lazy stores carry no token payload (SPEC §6.10), but the CPU events of blocks
+    stored for adapters A and B still name the adapter as vLLM's GPU events of the same
+    hashes do, and so do the disk events of their demotions (a write-through cascade);
+    blocks of no adapter name none."""
+    extra: dict[str, Any] = {"store_mode": "lazy"}
+    if cascade:
+        extra |= {
+            "disk_bytes": 256 * SLOT_BYTES,
+            "disk_path": str(tmp_path),
+            "disk_io_mode": "page_cache",
+            "cascade": "write_through",
+        }
+    harness = kvtier_harness(max_loras=2, enable_kv_events=True, extra=extra)
+    try:
+        harness.add_request("a", PROMPT, max_tokens=2, lora_request=A)
+        harness.add_request("b", PROMPT, max_tokens=2, lora_request=B, cache_salt="tenant")
+        harness.add_request("plain", PROMPT, max_tokens=2)
+        harness.run()
+        for _ in range(8):  # the walk copies the finished requests' freed blocks
+            harness.step()
+        assert harness.finished == {"a", "b", "plain"}
+        gpu = stored_blocks(harness, "GPU")
+        hashes = {
+            r: [maybe_convert_block_hash(h) for h in harness.requests[r].block_hashes]
+            for r in ("a", "b", "plain")
+        }
+        for medium in ("CPU", "STORAGE") if cascade else ("CPU",):
+            tier = stored_blocks(harness, medium)
+            assert set(tier) == {h for request_hashes in hashes.values() for h in request_hashes}
+            assert {h: tier[h][:2] for h in tier} == {h: gpu[h][:2] for h in tier}
+            assert [tier[h][:2] for h in hashes["a"]] == [(1, "adapter-a")] * 3
+            assert [tier[h][:2] for h in hashes["b"]] == [(2, "adapter-b")] * 3
+            assert [tier[h][:2] for h in hashes["plain"]] == [(None, None)] * 3
+            assert not any(tier[h][3] for h in tier), "lazy stores carry no tokens"
         check_quiescent(harness)
     finally:
         harness.close()

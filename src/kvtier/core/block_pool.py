@@ -232,7 +232,7 @@ class BlockPool(PoolKeyRemoval):
                     key_block_hash(key), key_group_id(key), num_tokens, medium=self.medium
                 )
             self._events.append(stored)
-            if self._payloads is not None and stored.token_ids:
+            if self._payloads is not None and (stored.token_ids or stored.lora_name):
                 self._payloads[block_id, key] = stored
 
     def keep_payloads(self) -> None:
@@ -243,8 +243,9 @@ class BlockPool(PoolKeyRemoval):
             self._payloads = {}
 
     def payload(self, block_id: int, key: Key) -> BlockStored | None:
-        """Return the event with a token payload that stored `key` in `block_id`, while
-        the block holds it (`keep_payloads`); None if there was none or none is kept."""
+        """Return the event with a payload (tokens, or a LoRA adapter) that stored `key`
+        in `block_id`, while the block holds it (`keep_payloads`); None if there was none
+        or none is kept."""
         return None if self._payloads is None else self._payloads.get((block_id, key))
 
     def insert_keys(

@@ -19,7 +19,8 @@ class BlockStored:
     partial key (a fine-grained tail, a secondary key) its last hash block's, as vLLM's
     events have it (the tier's own count is the pool's `num_tokens`). Lazy stores and
     hand-offs carry no payload: no `token_ids`, parent, extra keys or `session_id` (the
-    engine's session of the request whose block was stored); nor do secondary keys the
+    engine's session of the request whose block was stored), but the LoRA adapter of
+    that request (`lora_id`, `lora_name`); nor do secondary keys the
     storing request's hashes do not name, nor cascade demotions of keys whose CPU event
     had none (a demotion reuses its key's CPU payload).
     """

@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import KVLayout
-from kvtier.offload.protocols import RequestView
+from kvtier.offload.protocols import Handoff, LoRAInfo, RequestView, StepInput
 
 
 def request_key(layout: KVLayout, request: RequestView, group_id: int, pos: int) -> Key | None:
@@ -86,3 +86,18 @@ def _payload(
         sliding_window=group.sliding_window,
         session_id=request.session_id,
     )
+
+
+def handoff_lora(
+    handoff: Handoff,
+    view: RequestView | None,
+    step: StepInput | None,
+    noted: Mapping[int, LoRAInfo],
+) -> LoRAInfo | None:
+    """Return the LoRA adapter of a hand-off's request, for its store's payload-free event:
+    from its `view` (tracked), or as the `step` schedules it, else as `noted` per GPU
+    block (`LazyWalk.loras`)."""
+    if view is None and step is not None:
+        found = (s.request for s in step.scheduled if s.request.request_id == handoff.request_id)
+        view = next(found, None)
+    return noted.get(handoff.gpu_block_id) if view is None else view.lora

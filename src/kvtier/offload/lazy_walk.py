@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from kvtier.core.keys import Key
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.offload.block_payload import request_key
-from kvtier.offload.protocols import GpuPoolView, RequestView, ScheduledRequest, TableUpdate
+from kvtier.offload.protocols import (
+    GpuPoolView,
+    LoRAInfo,
+    RequestView,
+    ScheduledRequest,
+    TableUpdate,
+)
 from kvtier.offload.store_batch import StoreBatch
 
 
@@ -38,6 +44,12 @@ class LazyWalk:
     # GPU blocks of unconfirmed compute (`hold_back`) -> their keys, also in `stored`,
     # until a request uses them again. A reset keeps them: they never held that KV.
     held: dict[int, Key] = field(default_factory=dict)
+    # Events on (`record_loras`): GPU block -> the LoRA adapter of the request that last
+    # used it, until a request uses it again, so that the event of a walk's store of it
+    # names the adapter, as vLLM's GPU event of its key does (the key is that request's:
+    # a block is keyed only while a request uses it). A reset keeps them.
+    loras: dict[int, LoRAInfo] = field(default_factory=dict)
+    record_loras: bool = False
 
     def clear(self) -> None:
         """Forget everything but the held-back blocks (a reset): the next walk starts
@@ -75,12 +87,16 @@ class LazyWalk:
         self.stored.update(held)
 
     def note_allocated(
-        self, block_ids_per_group: Sequence[Sequence[int]], gpu_pool: GpuPoolView
+        self,
+        block_ids_per_group: Sequence[Sequence[int]],
+        gpu_pool: GpuPoolView,
+        request: RequestView | None = None,
     ) -> None:
-        """Note a request's table at its allocation (`note_blocks_in_use`), but a held-back
-        block still under its held key stays held: the engine gave it as a prefix hit (a
-        block it allocates afresh loses its key then), which reads the block and writes
-        nothing (vLLM serves a same-step victim's unwritten blocks so)."""
+        """Note a request's table at its allocation (`note_blocks_in_use`; `note_lora`
+        with the request), but a held-back block still under its held key stays held:
+        the engine gave it as a prefix hit (a block it allocates afresh loses its key
+        then), which reads the block and writes nothing (vLLM serves a same-step
+        victim's unwritten blocks so)."""
         kept = None
         if self.held:
             held = self.held
@@ -91,6 +107,8 @@ class LazyWalk:
                 if (key := held.get(b)) is not None and gpu_pool.key(b) == key
             }
         self.note_blocks_in_use(block_ids_per_group)
+        if request is not None:
+            self.note_lora(request, block_ids_per_group)
         if kept:
             self.hold_back(kept, kept.values())
 
@@ -119,6 +137,19 @@ class LazyWalk:
                 copying.difference_update(block_ids)
             if deferred:
                 deferred.difference_update(block_ids)
+            if self.loras:
+                for block_id in self.loras.keys() & block_ids:
+                    del self.loras[block_id]
+
+    def note_lora(self, request: RequestView, block_ids_per_group: Iterable[Sequence[int]]) -> None:
+        """Note the adapter of a request using these GPU blocks (after
+        `note_blocks_in_use`), events on and the request of an adapter only."""
+        if not self.record_loras:
+            return
+        lora = request.lora
+        if lora is not None:
+            for block_ids in block_ids_per_group:
+                self.loras.update(dict.fromkeys(block_ids, lora))
 
 
 def held_hits(

@@ -85,7 +85,7 @@ class PlanAssembler:
         if eager:
             selector.select_scheduled(step.scheduled)
         gone = step.finished_request_ids | step.preempted_request_ids
-        selector.select_handoffs(step.handoffs, gone, require_tracked=eager)
+        selector.select_handoffs(step.handoffs, gone, require_tracked=eager, step=step)
         if not eager:
             if step.preempted_request_ids:  # its freed blocks may have held the cursor
                 selector.lazy.cursor = None
@@ -96,6 +96,9 @@ class PlanAssembler:
                 hits = held_hits(selector.layout, lazy.held, selector.gpu_pool, step.scheduled)
             in_use = chain.from_iterable(ids for s in step.scheduled for ids in s.block_ids)
             lazy.note_blocks_in_use((list(in_use),))
+            if lazy.record_loras:
+                for scheduled in step.scheduled:
+                    lazy.note_lora(scheduled.request, scheduled.block_ids)
             if hits:  # read, not written: still held
                 lazy.hold_back(hits, hits.values())
             if selector.loaded.by_block:  # eager: `select_scheduled` notes them

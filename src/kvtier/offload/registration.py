@@ -18,7 +18,7 @@ from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, key_block_hash, key_group_id, make_key
 from kvtier.core.kv_groups import KVLayout, tokens_inside_block
 from kvtier.offload.plan import SlotRecord, Tier
-from kvtier.offload.protocols import GpuPoolView
+from kvtier.offload.protocols import GpuPoolView, LoRAInfo
 from kvtier.offload.store_batch import StoreBatch
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,11 @@ class Registrar:
         own_key = stores.keys[index]
         tail_num_tokens = stores.tails.get(index, 0)
         tag = stores.tags.get(index)
+        lora = stores.loras.get(index)  # a store without payload: its request's adapter
         if tail_num_tokens:
             tail = stores.payloads.get(index)  # captured at selection (events on, eager)
             event = (
-                self.event(own_key, tail_num_tokens)
+                self.event(own_key, tail_num_tokens, lora=lora)
                 if tail is None
                 else replace(tail, medium=self.tier.value)
             )
@@ -76,7 +77,7 @@ class Registrar:
         if stored is not None and make_key(stored.block_hash, stored.group_id) == key:
             event = replace(stored, medium=self.tier.value)
         else:
-            event = self.event(key, num_tokens)
+            event = self.event(key, num_tokens, lora=lora)
         tier_pool.insert_key(key, tier_block, num_tokens, event, tag)
         found = {  # the secondary keys' payloads captured at selection (eager)
             make_key(p.block_hash, p.group_id): p for p in stores.secondary_payloads.get(index, ())
@@ -84,7 +85,7 @@ class Registrar:
         for secondary in gpu_pool.secondary_keys(gpu_block_id):
             payload = found.get(secondary)
             event = (
-                self.event(secondary, None)
+                self.event(secondary, None, lora=lora)
                 if payload is None
                 else replace(payload, medium=self.tier.value)
             )
@@ -132,8 +133,15 @@ class Registrar:
             if index not in moved:
                 self.register(stores, index, gpu_pool)
 
-    def event(self, key: Key, num_tokens: int | None, tier: Tier | None = None) -> BlockStored:
-        """Return the payload-free `BlockStored` of `key`, with its group's kind and window.
+    def event(
+        self,
+        key: Key,
+        num_tokens: int | None,
+        tier: Tier | None = None,
+        lora: LoRAInfo | None = None,
+    ) -> BlockStored:
+        """Return the payload-free `BlockStored` of `key`, with its group's kind and window
+        (and `lora`, the adapter of the request whose block it stored, when known).
 
         `num_tokens`: the tokens of its block `key` covers; None for a secondary key (no
         pool records its count). A key covering less than a whole block (a partial tail,
@@ -152,6 +160,8 @@ class Registrar:
             medium=(tier or self.tier).value,
             group_kind=group.kind.value,
             sliding_window=group.sliding_window,
+            lora_id=None if lora is None else lora.lora_id,
+            lora_name=None if lora is None else lora.lora_name,
         )
 
     def block_size(self, key: Key) -> int:

@@ -34,7 +34,7 @@ from kvtier.offload.completion import TransferCompletion
 from kvtier.offload.config import OffloadConfig, StoreMode
 from kvtier.offload.disk_slots import SetAsideSlots
 from kvtier.offload.dropped_slots import DroppedSlots
-from kvtier.offload.lazy_walk import lazy_target
+from kvtier.offload.lazy_walk import LazyWalk, lazy_target
 from kvtier.offload.load_planner import LoadPlanner
 from kvtier.offload.plan import SlotRecord, Tier, TransferPlan, WorkerReport
 from kvtier.offload.plan_assembly import PlanAssembler
@@ -164,6 +164,7 @@ class OffloadScheduler(SchedulerObservability):
             counters=self._counters,
             record_payload=self.config.events and self.config.store_mode is StoreMode.EAGER,
             fine_grained=self.config.fine_grained_hits,
+            lazy=LazyWalk(record_loras=self.config.events),  # read in lazy mode only
             admission=self._admission,
             tags=self.tags,
             set_aside=self._store_set_aside,
@@ -233,7 +234,7 @@ class OffloadScheduler(SchedulerObservability):
         if self.config.store_mode is StoreMode.EAGER:
             selector.track(request.request_id)
         elif not scheduled:
-            selector.lazy.note_allocated(block_ids_per_group, selector.gpu_pool)
+            selector.lazy.note_allocated(block_ids_per_group, selector.gpu_pool, request)
         if selector.loaded.by_block:
             selector.loaded.note_in_use(request.request_id, block_ids_per_group)
         return self.loads.on_allocated(request, block_ids_per_group, num_external_tokens)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key
 from kvtier.core.token_tags import Tag
+from kvtier.offload.protocols import LoRAInfo
 
 
 @dataclass(slots=True)
@@ -23,7 +24,8 @@ class StoreBatch:
     registers its `keys` entry instead of the GPU block's own keys. `payloads` maps an
     index to the `BlockStored` payload captured at selection time (events on, eager);
     `secondary_payloads` those of the GPU block's secondary keys the request's hashes
-    name (one per key found, any order).
+    name (one per key found, any order). `loras` maps an index without a payload (lazy
+    store, hand-off) to the LoRA adapter of the request whose block it copies.
     `tags` maps an index to the token tag of the copied KV (the token check on), for
     stores whose GPU key is the hash the tag was computed for.
     """
@@ -35,6 +37,7 @@ class StoreBatch:
     payloads: dict[int, BlockStored] = field(default_factory=dict)
     secondary_payloads: dict[int, tuple[BlockStored, ...]] = field(default_factory=dict)
     tags: dict[int, Tag] = field(default_factory=dict)
+    loras: dict[int, LoRAInfo] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -93,11 +96,13 @@ class StoreBatch:
             )
             if i in self.secondary_payloads:
                 batch.secondary_payloads[index] = self.secondary_payloads[i]
+            if i in self.loras:
+                batch.loras[index] = self.loras[i]
         self.gpu_block_ids, self.tier_block_ids, self.keys = (
             kept.gpu_block_ids,
             kept.tier_block_ids,
             kept.keys,
         )
         self.tails, self.payloads, self.tags = kept.tails, kept.payloads, kept.tags
-        self.secondary_payloads = kept.secondary_payloads
+        self.secondary_payloads, self.loras = kept.secondary_payloads, kept.loras
         return taken

@@ -19,6 +19,7 @@ from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.offload.block_payload import (
     block_payload,
+    handoff_lora,
     request_key,
     secondary_payloads,
     tail_payload,
@@ -33,6 +34,7 @@ from kvtier.offload.protocols import (
     Handoff,
     RequestView,
     ScheduledRequest,
+    StepInput,
     TableUpdate,
 )
 from kvtier.offload.request_tags import RequestTags, TagOf
@@ -319,15 +321,27 @@ class StoreSelector(StoreQueueing):
                 self.counters.count_store(StoreOutcome.DEFERRED)
                 lazy.deferred.add(run[end])
         selected = set(self.queued.gpu_block_ids[num_queued:])
+        if lazy.loras and selected:  # their events name their requests' adapters
+            for i in range(num_queued, len(self.queued)):
+                if (lora := lazy.loras.get(self.queued.gpu_block_ids[i])) is not None:
+                    self.queued.loras[i] = lora
         lazy.deferred.difference_update(selected)
         lazy.copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
         lazy.cursor = next((b for b in reversed(visited[:stop]) if b not in selected), lazy.cursor)
 
     def select_handoffs(
-        self, handoffs: Iterable[Handoff], gone: frozenset[str], require_tracked: bool
+        self,
+        handoffs: Iterable[Handoff],
+        gone: frozenset[str],
+        require_tracked: bool,
+        step: StepInput | None = None,
     ) -> None:
-        """Select hand-offs, dropping those of finished, preempted or unknown requests."""
+        """Select hand-offs, dropping those of finished, preempted or unknown requests.
+
+        A store's event names its request's adapter: the request as tracked, or as the
+        `step` schedules it, or the lazy walk's note of the block.
+        """
         for handoff in handoffs:
             known = handoff.request_id in self.tracked or not require_tracked
             if not known or handoff.request_id in gone:
@@ -346,6 +360,12 @@ class StoreSelector(StoreQueueing):
                         handoff.request_id, self.gpu_pool, handoff.gpu_block_id
                     )
                 outcome = self.try_select(handoff.gpu_block_id, tag=tag)
+                if outcome is StoreOutcome.STORED:
+                    state = self.tracked.get(handoff.request_id)
+                    view = None if state is None else state.view
+                    lora = handoff_lora(handoff, view, step, self.lazy.loras)
+                    if lora is not None:
+                        self.queued.loras[len(self.queued) - 1] = lora
             self.counters.count_handoff(outcome)
 
     def select_partial_tail(self, request: RequestView, state: _Tracked) -> None:
