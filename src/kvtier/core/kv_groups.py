@@ -166,6 +166,12 @@ class KVLayout:
             if g.kind is GroupKind.STATE and g.block_size > hbs
         }
 
+    @cached_property
+    def keys_inside_blocks(self) -> bool:
+        """Return True when a cacheable group's block spans several hash blocks: a key
+        of it may cover part of its block only (an engine's partial entry)."""
+        return any(self.blocks_per_hash(i) > 1 for i in self.cacheable_group_ids)
+
     def blocks_per_hash(self, group_id: int) -> int:
         """Return how many hash blocks one block of `group_id` spans."""
         return self.groups[group_id].block_size // self.hash_block_size

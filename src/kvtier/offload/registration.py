@@ -43,7 +43,7 @@ class Registrar:
         further as its request fills it (a partial entry promoted to the full block's
         key), and the copy may predate those tokens. A block keyed otherwise since is
         registered under no key (its slot goes back unkeyed); one that lost its key,
-        under the one selected.
+        under the one selected, with the count it had then (`StoreBatch.counts`).
         """
         tier_pool = self.tier_pool
         tier_block = stores.tier_block_ids[index]
@@ -64,7 +64,9 @@ class Registrar:
         key = gpu_pool.key(gpu_block_id) or own_key
         if key != own_key:
             return
-        num_tokens = gpu_pool.num_tokens(gpu_block_id) or self.block_size(key)
+        num_tokens = (  # the key's count, as selected where the block lost its keys
+            gpu_pool.num_tokens(gpu_block_id) or stores.counts.get(index) or self.block_size(key)
+        )
         if not self.events:
             tier_pool.insert_key(key, tier_block, num_tokens, tag=tag)
             for secondary in gpu_pool.secondary_keys(gpu_block_id):
@@ -110,7 +112,7 @@ class Registrar:
                 if key is None:
                     keys[i] = key = own_key
                 if not num_tokens[i]:
-                    num_tokens[i] = self.block_size(key)
+                    num_tokens[i] = stores.counts.get(i) or self.block_size(key)
             moved = {i for i, key in enumerate(keys) if key != own[i]}
             if moved:
                 self._register_some(stores, gpu_pool, moved)
@@ -175,7 +177,7 @@ class Registrar:
         for i, (gpu_block_id, key) in enumerate(
             zip(stores.gpu_block_ids, stores.keys, strict=True)
         ):
-            num_tokens = tails.get(i) or gpu_pool.num_tokens(gpu_block_id)
+            num_tokens = tails.get(i) or gpu_pool.num_tokens(gpu_block_id) or stores.counts.get(i)
             tag = stores.tags.get(i)
             records.append(SlotRecord(key, num_tokens or self.block_size(key), tag))
         return tuple(records)

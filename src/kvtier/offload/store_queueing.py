@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.events import BlockStored
-from kvtier.core.keys import Key
+from kvtier.core.keys import Key, key_group_id
+from kvtier.core.kv_groups import KVLayout
 from kvtier.core.policies import AdmissionPolicy
 from kvtier.core.token_tags import Tag
 from kvtier.offload.disk_slots import SetAsideSlots
@@ -28,6 +29,7 @@ class StoreQueueing:
 
     __slots__ = ()
 
+    layout: KVLayout
     gpu_pool: GpuPoolView
     tier_pool: BlockPool
     queued: StoreBatch
@@ -73,7 +75,21 @@ class StoreQueueing:
         (tier_block_id,) = self.tier_pool.allocate(1)
         self.in_flight_keys.add(key)
         self.queued.add(gpu_block_id, tier_block_id, key, tail_num_tokens, stored, own_tag)
+        if not tail_num_tokens:
+            self.note_counts(len(self.queued) - 1)
         return StoreOutcome.STORED
+
+    def note_counts(self, first: int) -> None:
+        """Record the token counts of the stores queued from `first` on whose keys cover
+        part of their GPU blocks only (`StoreBatch.counts`): a block that loses its keys
+        before the copy completes registers the key selected, with that count."""
+        if not self.layout.keys_inside_blocks:
+            return
+        queued, groups = self.queued, self.layout.groups
+        counts = self.gpu_pool.token_counts(queued.gpu_block_ids[first:])
+        for index, count in enumerate(counts, first):
+            if 0 < count < groups[key_group_id(queued.keys[index])].block_size:
+                queued.counts[index] = count
 
     def replace_untagged(self, key: Key) -> bool:
         """Drop the tier's copies of `key` when none carries a token tag, so that a

@@ -96,6 +96,7 @@ def select_run(
         selector.gpu_pool.touch(gpu_ids)
         tier_ids = selector.tier_pool.allocate(len(gpu_ids))
         selector.queued.extend(gpu_ids, tier_ids, keys, tags)
+        selector.note_counts(len(selector.queued) - len(gpu_ids))
     count_many = selector.counters.count_many
     count_many(StoreOutcome.STORED, len(gpu_ids))
     count_many(StoreOutcome.ALREADY_CACHED, num_cached)
@@ -139,6 +140,7 @@ def take_whole_run(
         selector.in_flight_keys.update(stored_keys)
         selector.gpu_pool.touch(gpu_ids)
         selector.queued.extend(gpu_ids, selector.tier_pool.allocate(num_stored), stored_keys)
+        selector.note_counts(len(selector.queued) - num_stored)
         selector.counters.count_many(StoreOutcome.STORED, num_stored)
     return num_stored
 
