@@ -70,15 +70,20 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     `sent`: per worker, the step and the numbers of the outputs this one carries, for the
     scheduler role to acknowledge (`redelivery`).
+
+    `step_id`: the step of the newest plan the rank bound when it built this output (the
+    newest of the ranks aggregated): every output carries it, an empty one too, so that
+    the scheduler role learns which steps' outputs it applied (`processed_step`).
     """
 
     report: WorkerReport = field(default_factory=WorkerReport)
     failed_forward_step: int | None = None
     sent: Sent = field(default_factory=dict)
+    step_id: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         """Return the sum of both reports (associative: counts per event add up), the
-        later failed-forward step and both workers' output numbers."""
+        later failed-forward step, both workers' output numbers and the later step."""
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate KVTierWorkerMetadata with {type(other).__name__}")
         steps = [s for s in (self.failed_forward_step, other.failed_forward_step) if s is not None]
@@ -86,4 +91,5 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
             WorkerReport.merge([self.report, other.report]),
             max(steps, default=None),
             merge_sent(self.sent, other.sent),
+            max(self.step_id, other.step_id),
         )

@@ -60,6 +60,7 @@ class PlanMemory:
         if worker_meta is not None:
             if worker_meta.sent:
                 self._receipts.note(worker_meta.sent)
+            self._receipts.note_step(worker_meta.step_id)
             failed_step = worker_meta.failed_forward_step
             if failed_step is not None and failed_step > self.fault_step:
                 self.fault_step = failed_step  # later plans' stores run again

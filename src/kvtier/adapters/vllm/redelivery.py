@@ -159,6 +159,11 @@ class Receipts:
             self._upto[worker_id] = upto
             self._acks[worker_id] = (upto, tuple(sorted(above)))
 
+    def note_step(self, step_id: int) -> None:
+        """Record that vLLM applied the outputs of step `step_id` (empty ones too)."""
+        if step_id > self.processed_step:
+            self.processed_step = step_id
+
     def acks(self) -> Acks:
         """Return, per worker, what a plan acknowledges (a copy)."""
         return dict(self._acks)

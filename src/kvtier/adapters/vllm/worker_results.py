@@ -128,8 +128,10 @@ class WorkerResults(ABC):
 
     def take_worker_metadata(self) -> KVTierWorkerMetadata | None:
         """Return what finished since the last call, and the step of a failed forward
-        until a plan built after the scheduler role learned of it came; None when there
-        is nothing (or while the forward's exception propagates: vLLM would drop it)."""
+        until a plan built after the scheduler role learned of it came, with the step of
+        the last plan bound (an empty output too: the scheduler role's `processed_step`);
+        None before any plan (or while the forward's exception propagates: vLLM would
+        drop it)."""
         if self._note_failed_forward():
             return None
         failed_step = self._failed_step if self._stores_unsafe else None
@@ -140,6 +142,7 @@ class WorkerResults(ABC):
         if self._resend is not None:
             report = WorkerReport.merge([report, self._resend.report])
             self._resend = None
-        if report.is_empty and failed_step is None and not sent:
-            return None
-        return KVTierWorkerMetadata(report, failed_step, sent)
+        step_id = self._last_step_id
+        if report.is_empty and failed_step is None and not sent and not step_id:
+            return None  # no plan bound yet
+        return KVTierWorkerMetadata(report, failed_step, sent, step_id)
