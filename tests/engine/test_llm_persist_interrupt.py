@@ -95,6 +95,21 @@ def test_an_interrupt_after_the_worker_took_a_plan_keeps_what_it_wrote(tmp_path:
         assert disk_copies(llm) == held
 
 
+def interrupt_a_step_before_its_submit(llm: LLM) -> None:
+    """Step `llm` with a Ctrl-C right after its plan was prepared, before its submit."""
+    side = llm.offload
+    assert side is not None
+    submit = side.submit
+
+    def interrupted() -> None:
+        side.submit = submit  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    side.submit = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+
+
 def test_records_an_unsubmitted_plan_was_to_drop_go_at_shutdown(tmp_path: Path) -> None:
     """A failed disk load's records go with the next plan (the worker refused them
     right after the report); an interrupt lands after that plan was prepared and before
@@ -109,15 +124,7 @@ def test_records_an_unsubmitted_plan_was_to_drop_go_at_shutdown(tmp_path: Path) 
     step_until_its_disk_load_failed(llm, faults, OSError)
     assert faults.refused is not None
     assert len(side.scheduler.dropped_slots) == 5
-    submit = side.submit
-
-    def interrupted() -> None:  # Ctrl-C right after `prepare` returned
-        side.submit = submit  # type: ignore[method-assign]
-        raise KeyboardInterrupt
-
-    side.submit = interrupted  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        llm.step()
+    interrupt_a_step_before_its_submit(llm)
     assert not disk_copies(llm)
     assert not side.has_pending_work()
     llm.shutdown()
@@ -134,15 +141,7 @@ def test_records_an_unsubmitted_plan_was_to_drop_go_with_the_next_plan(tmp_path:
     faults = held_on_the_tiers_only(llm, RefusingForget)
     step_until_its_disk_load_failed(llm, faults, OSError)
     assert len(side.scheduler.dropped_slots) == 5
-    submit = side.submit
-
-    def interrupted() -> None:  # Ctrl-C right after `prepare` returned
-        side.submit = submit  # type: ignore[method-assign]
-        raise KeyboardInterrupt
-
-    side.submit = interrupted  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        llm.step()
+    interrupt_a_step_before_its_submit(llm)
     assert not disk_copies(llm)
     assert not side.scheduler.dropped_slots  # the unsubmitted plan holds them
     llm.generate([list(range(90, 95))], PARAMS)  # the next plans
