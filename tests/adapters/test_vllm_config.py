@@ -194,7 +194,7 @@ def test_two_disk_io_keys_are_refused_naming_both(extra: dict[str, object], mess
         ({"cpu_bytes_to_use": 3}, "cpu_bytes_to_use=3 is invalid.* 4 ranks", "no lower tier"),
         ({"cpu_bytes_to_use_per_rank": 0}, "cpu_bytes_to_use_per_rank=0 is invalid", "cpu_bytes="),
         ({"num_cpu_blocks": 0}, "num_cpu_blocks=0 is invalid", "num_blocks"),
-        ({"num_cpu_blocks": "7"}, "num_cpu_blocks must be an int, got '7'", "num_blocks"),
+        ({"num_cpu_blocks": "7.0"}, "num_cpu_blocks must be an int, got '7.0'", "num_blocks"),
         (
             {"kv_offload_backend": "disk", "disk_path": "/tmp", "disk_capacity_bytes": -1},
             "disk_capacity_bytes=-1 is invalid",

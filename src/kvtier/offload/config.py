@@ -176,7 +176,9 @@ class OffloadConfig:
         Enum fields accept their string values in any case; `disk_direct_io` (bool) is accepted as
         the SPEC's spelling of `disk_io_mode`. Disk-only keys without a disk tier, and
         `cascade` without both tiers, are ignored with a warning, but their values are
-        still checked: a typo there is an error, not a silent default. The warning names
+        still checked: a typo there is an error, not a silent default. A `disk_path` that
+        is None or empty agrees with having no disk tier: it is dropped without a word
+        (with a disk tier an empty one is refused). The warning names
         the keys ignored and why there is no disk tier: `disk_bytes=0`, `disk_bytes`
         unset, or `no_disk_tier` (what an adapter's user wrote instead). `key_sources`
         becomes the config's `key_sources` (for values an adapter translated).
@@ -197,6 +199,9 @@ class OffloadConfig:
         for key, value in values.items():
             kwargs[key] = as_enum(key, value)
         if not kwargs.get("disk_bytes"):
+            path = kwargs.get("disk_path", "")
+            if path is None or (isinstance(path, str) and not path.strip()):
+                kwargs.pop("disk_path", None)  # no path for no disk tier: nothing ignored
             ignored = sorted(k for k in _DISK_KEYS if k in kwargs)
             for key in ignored:
                 valid_value(key, kwargs[key])

@@ -15,10 +15,16 @@ Two spellings are accepted, never mixed for one setting:
   `use_page_cache`, and the shared `disk_path`, `disk_buffer_slots`, `cascade`. Their
   values are checked under these names, before translation, and a later error on a
   translated value names them too. With `kv_offload_backend` `"cpu"` (its default) the
-  disk-only ones are ignored with a warning, as vLLM does.
+  disk-only ones are ignored with a warning, as vLLM does (a size of 0 silently).
 
 One key per setting: `disk_io_mode`, `disk_direct_io` and `use_page_cache` all set the
 disk I/O mode, so any two of them together are refused.
+
+As a templated config writes them: every int key takes a string of decimal digits
+(`"4"`) or a whole float (`8e9`), as vLLM reads its sizes with `int()`; a `disk_path` of
+`""` or None with no disk tier is taken as none, and a size of 0 for the tier
+`kv_offload_backend` leaves out as that tier's absence. Each stays refused where it
+would ask for a tier in use.
 
 CPU and disk together (`cpu_bytes` and `disk_bytes` both set, or `kv_offload_backend`
 `"cascade"`) form the cascade GPU → CPU → DISK; `cascade` (`"write_through"`, the
@@ -36,6 +42,7 @@ another model's KV; persistence is available in kvtier's reference engine only.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,6 +93,9 @@ def offload_config_from_vllm(
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
     check_known_keys(values, _KEYS, "kv_connector_extra_config")
+    for key in _INT_KEYS:
+        if key in values:
+            values[key] = _whole_number(key, values[key])
     _check_persistence(values)
     _check_one_disk_io_key(values)
     if "cascade" in values:
@@ -121,28 +131,32 @@ def _from_simple_offload_keys(
     """
     clash = sorted(k for k in _NATIVE_SIZING_KEYS if k in values)
     if clash:
+        theirs = ", ".join(k for k in _ALIASES if k in values)
         raise ConfigError(
-            f"{', '.join(clash)} mixed with SimpleCPUOffloadConnector keys: use one spelling"
+            f"{', '.join(clash)} mixed with SimpleCPUOffloadConnector keys ({theirs}): "
+            "use one spelling"
         )
     backend = _backend(values)  # any case, as the other names
-    values.pop("kv_offload_backend", None)
+    given = "kv_offload_backend" in values
+    written = f"kv_offload_backend={values.pop('kv_offload_backend', 'cpu')!r}"
+    written += "" if given else " (its default)"
     if backend not in _BACKENDS:
         choices = ", ".join(repr(b) for b in _BACKENDS)
         raise ConfigError(f"kv_offload_backend must be one of {choices}, got {backend!r}")
     for key in _VLLM_BYTE_KEYS:
         if key in values:
-            values[key] = _whole_bytes(key, values[key])
-    for key in ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "disk_capacity_bytes"):
-        if key in values:
-            _positive_int(key, values[key], minimum=1)
-    ignored = [key for key in _DISK_ONLY_ALIASES if key in values] if backend == "cpu" else []
+            _check_tier_size(key, values[key], backend, written)
+    # A size of 0 for the tier the backend leaves out agrees with it: nothing is ignored.
+    off = {key for key in _VLLM_BYTE_KEYS if values.get(key) == 0}
+    ignored = [k for k in _DISK_ONLY_ALIASES if k in values and k not in off]
+    ignored = ignored if backend == "cpu" else []
     sources = {
         "cpu_bytes": f"{_given_or_default('cpu_bytes_to_use', values)} / {world_size} rank(s)",
         "disk_bytes": _given_or_default("disk_capacity_bytes", values),
         "num_blocks": "num_cpu_blocks",
         "store_mode": "lazy_offload",
     }
-    _warn_of_unused_cpu_keys(values, backend, world_size)
+    _warn_of_unused_cpu_keys({k: v for k, v in values.items() if k not in off}, backend, world_size)
     server_bytes = values.pop("cpu_bytes_to_use", _DEFAULT_SERVER_CPU_BYTES)
     per_rank = values.pop("cpu_bytes_to_use_per_rank", None)
     disk_bytes = values.pop("disk_capacity_bytes", _DEFAULT_DISK_BYTES)
@@ -270,21 +284,49 @@ def _check_policy_halves(values: Mapping[str, Any]) -> None:
             )
 
 
-# vLLM's SimpleCPUOffloadConnector reads these with int(): a JSON 8e9 or "8589934592"
-# works there, so it works here (a config moves between connectors unchanged).
+# vLLM's SimpleCPUOffloadConnector reads its sizes with int(): a JSON 8e9 or "8589934592"
+# works there, so it works here (a config moves between connectors unchanged), and so
+# for every int key: a config assembled by shell or helm templating often holds "4".
 _VLLM_BYTE_KEYS = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank", "disk_capacity_bytes")
+_INT_KEYS = (
+    "cpu_bytes",
+    "disk_bytes",
+    "disk_buffer_slots",
+    "num_blocks",
+    "num_cpu_blocks",
+    *_VLLM_BYTE_KEYS,
+)
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
 
 
-def _whole_bytes(key: str, value: object) -> object:
-    """Return a whole-number float or a string of decimal digits as an int; anything
-    else unchanged (for `_positive_int` to check). int() would truncate 1.5 silently."""
+def _whole_number(key: str, value: object) -> object:
+    """Return a whole-number float or a string of decimal digits (a sign allowed) as an
+    int; anything else unchanged, for the key's own check to refuse naming it. int()
+    would truncate 1.5 silently, and read "1_000" or other scripts' digits."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, float):
-        raise ConfigError(f"{key} must be a whole number of bytes, got {value!r}")
-    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
-        return int(value.strip())
+        raise ConfigError(f"{key} must be a whole number, got {value!r}")
+    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+        try:
+            return int(value.strip())
+        except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits)
+            raise ConfigError(f"{key} must be an int, got {value[:40]!r}...") from None
     return value
+
+
+def _check_tier_size(key: str, value: object, backend: object, written: str) -> None:
+    """Refuse a byte size that is not an int, or is below 1 for a tier the backend uses
+    (0 is taken for a tier it leaves out: `disk_capacity_bytes=0` with "cpu")."""
+    cpu_key = key != "disk_capacity_bytes"
+    used = backend != ("disk" if cpu_key else "cpu")
+    if used and value == 0 and not isinstance(value, bool):
+        tier, other = ("CPU", "disk") if cpu_key else ("disk", "cpu")
+        raise ConfigError(
+            f"{key}=0 is invalid: {written} has a {tier} tier, which "
+            f"needs at least 1 byte (for none, set kv_offload_backend to {other!r})"
+        )
+    _positive_int(key, value, minimum=1 if used else 0)
 
 
 def _positive_int(key: str, value: object, minimum: int) -> int:
