@@ -130,6 +130,13 @@ def test_num_cpu_blocks_takes_a_string_of_digits_too() -> None:
     assert config.num_blocks == 10
 
 
+@pytest.mark.parametrize("extra", [{"cpu_bytes_to_use": GIB}, {"cpu_bytes": GIB}])
+def test_a_null_num_cpu_blocks_is_unset_as_vllm_reads_it(extra: dict[str, object]) -> None:
+    """Regression: "num_cpu_blocks must be an int, got None", where vLLM's connector and
+    kvtier's own num_blocks take null as unset (and with kvtier's keys it was "mixed")."""
+    assert convert({**extra, "num_cpu_blocks": None}).num_blocks is None
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [

@@ -23,8 +23,8 @@ disk I/O mode, so any two of them together are refused.
 As a templated config writes them: every int key takes a string of decimal digits
 (`"4"`) or a whole float (`8e9`), as vLLM reads its sizes with `int()`; a `disk_path` of
 `""` or None with no disk tier is taken as none, and a size of 0 for the tier
-`kv_offload_backend` leaves out as that tier's absence. Each stays refused where it
-would ask for a tier in use.
+`kv_offload_backend` leaves out as that tier's absence; a null `num_cpu_blocks` (as
+`num_blocks`) is unset. Each stays refused where it would ask for a tier in use.
 
 CPU and disk together (`cpu_bytes` and `disk_bytes` both set, or `kv_offload_backend`
 `"cascade"`) form the cascade GPU → CPU → DISK; `cascade` (`"write_through"`, the
@@ -93,6 +93,8 @@ def offload_config_from_vllm(
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
     check_known_keys(values, _KEYS, "kv_connector_extra_config")
+    if "num_cpu_blocks" in values and values["num_cpu_blocks"] is None:
+        del values["num_cpu_blocks"]  # unset, as for vLLM's connector and num_blocks
     for key in _INT_KEYS:
         if key in values:
             values[key] = _whole_number(key, values[key])
