@@ -159,9 +159,10 @@ def test_two_adapters_under_max_loras_one_load_their_own_prefixes(scheduling: st
 @pytest.mark.parametrize("cascade", [False, True], ids=["cpu", "cascade"])
 def test_lazy_stores_of_lora_blocks_name_the_adapter(tmp_path: Path, cascade: bool) -> None:
     """Lazy stores carry no token payload (SPEC §6.10), but the CPU events of blocks
-    stored for adapters A and B still name the adapter as vLLM's GPU events of the same
-    hashes do, and so do the disk events of their demotions (a write-through cascade);
-    blocks of no adapter name none."""
+    stored for adapters A and B still name the adapter and carry the extra keys (the
+    adapter's name, B's cache salt in block 0) as vLLM's GPU events of the same hashes
+    do, and so do the disk events of their demotions (a write-through cascade); blocks
+    of no adapter name none, and say `[None]` (none) as vLLM does, not None (unknown)."""
     extra: dict[str, Any] = {"store_mode": "lazy"}
     if cascade:
         extra |= {
@@ -187,7 +188,10 @@ def test_lazy_stores_of_lora_blocks_name_the_adapter(tmp_path: Path, cascade: bo
         for medium in ("CPU", "STORAGE") if cascade else ("CPU",):
             tier = stored_blocks(harness, medium)
             assert set(tier) == {h for request_hashes in hashes.values() for h in request_hashes}
-            assert {h: tier[h][:2] for h in tier} == {h: gpu[h][:2] for h in tier}
+            assert {h: tier[h][:3] for h in tier} == {h: gpu[h][:3] for h in tier}
+            assert tier[hashes["b"][0]][2] == ("adapter-b", "tenant")
+            raw = [e for e in flatten_events(harness.event_batches) if e.medium == medium]
+            assert all(e.extra_keys is not None for e in raw if isinstance(e, BlockStored))
             assert [tier[h][:2] for h in hashes["a"]] == [(1, "adapter-a")] * 3
             assert [tier[h][:2] for h in hashes["b"]] == [(2, "adapter-b")] * 3
             assert [tier[h][:2] for h in hashes["plain"]] == [(None, None)] * 3

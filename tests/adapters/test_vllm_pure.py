@@ -324,6 +324,8 @@ def test_events_keep_vllm_field_names_and_media() -> None:
     _, fields = TRANSLATOR.translate(BlockStored(HASH, 3, 8, group_kind="state", medium="CPU"))
     assert (fields["kv_cache_spec_kind"], fields["medium"]) == ("state", "CPU")
     assert fields["extra_keys"] is None  # payload-free: made without the request, unknown
+    known = [BlockStored(HASH, 0, 16, extra_keys=keys) for keys in ((), ("salt",))]
+    assert [TRANSLATOR.translate(e)[1]["extra_keys"] for e in known] == [[None], [("salt",)]]
     assert TRANSLATOR.translate(BlockRemoved(HASH, 1, "CPU"))[1]["medium"] == "CPU"
     # A reset names what the tier held, per group, with its medium (vLLM's clear has none).
     held = (BlockRemoved(HASH, 0, "CPU"), BlockRemoved(HASH[::-1], 1, "CPU"))

@@ -232,7 +232,9 @@ class BlockPool(PoolKeyRemoval):
                     key_block_hash(key), key_group_id(key), num_tokens, medium=self.medium
                 )
             self._events.append(stored)
-            if self._payloads is not None and (stored.token_ids or stored.lora_name):
+            if self._payloads is not None and (
+                stored.token_ids or stored.lora_name or stored.extra_keys is not None
+            ):
                 self._payloads[block_id, key] = stored
 
     def keep_payloads(self) -> None:
@@ -243,7 +245,7 @@ class BlockPool(PoolKeyRemoval):
             self._payloads = {}
 
     def payload(self, block_id: int, key: Key) -> BlockStored | None:
-        """Return the event with a payload (tokens, or a LoRA adapter) that stored `key`
+        """Return the event with a payload (tokens, a LoRA adapter or extra keys) that stored `key`
         in `block_id`, while the block holds it (`keep_payloads`); None if there was none
         or none is kept."""
         return None if self._payloads is None else self._payloads.get((block_id, key))

@@ -18,11 +18,12 @@ class BlockStored:
     `block_size` is the number of tokens the event spans: a whole block's, or for a
     partial key (a fine-grained tail, a secondary key) its last hash block's, as vLLM's
     events have it (the tier's own count is the pool's `num_tokens`). Lazy stores and
-    hand-offs carry no payload: no `token_ids`, parent, extra keys or `session_id` (the
-    engine's session of the request whose block was stored), but the LoRA adapter of
-    that request (`lora_id`, `lora_name`); nor do secondary keys the
+    hand-offs carry no payload: no `token_ids`, parent or `session_id` (the engine's
+    session of the request whose block was stored), but the LoRA adapter of that request
+    (`lora_id`, `lora_name`) and, where known, its extra keys; nor do secondary keys the
     storing request's hashes do not name, nor cascade demotions of keys whose CPU event
-    had none (a demotion reuses its key's CPU payload).
+    had none (a demotion reuses its key's CPU payload). `extra_keys` None: unknown (an
+    event made without the request's block); `()`: the block has none.
     """
 
     block_hash: BlockHash
@@ -32,7 +33,7 @@ class BlockStored:
     token_ids: tuple[int, ...] = ()
     lora_id: int | None = None
     lora_name: str | None = None
-    extra_keys: tuple[object, ...] = ()
+    extra_keys: tuple[object, ...] | None = None
     medium: str | None = None
     group_kind: str | None = None
     sliding_window: int | None = None

@@ -117,4 +117,6 @@ def _check_keys(pool: BlockPool) -> None:
         assert key in (keys[block_id], *secondary.get(block_id, ())), (
             f"block {block_id}: a payload kept for a key it no longer holds"
         )
-        assert stored.token_ids or stored.lora_name, f"block {block_id}: a payload-free event kept"
+        assert stored.token_ids or stored.lora_name or stored.extra_keys is not None, (
+            f"block {block_id}: a payload-free event kept"
+        )

@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvtier.core.events import BlockStored
-from kvtier.core.keys import Key, make_key
+from kvtier.core.keys import Key, key_block_hash, key_group_id, make_key
 from kvtier.core.kv_groups import KVLayout
-from kvtier.offload.protocols import Handoff, LoRAInfo, RequestView, StepInput
+from kvtier.offload.protocols import GpuPoolView, Handoff, LoRAInfo, RequestView, StepInput
+from kvtier.offload.store_batch import StoreBatch
 
 
 def request_key(layout: KVLayout, request: RequestView, group_id: int, pos: int) -> Key | None:
@@ -88,16 +89,46 @@ def _payload(
     )
 
 
-def handoff_lora(
+def describe_handoff(
+    queued: StoreBatch,
     handoff: Handoff,
     view: RequestView | None,
     step: StepInput | None,
     noted: Mapping[int, LoRAInfo],
-) -> LoRAInfo | None:
-    """Return the LoRA adapter of a hand-off's request, for its store's payload-free event:
-    from its `view` (tracked), or as the `step` schedules it, else as `noted` per GPU
-    block (`LazyWalk.loras`)."""
+    pool: tuple[KVLayout, GpuPoolView] | None,
+) -> None:
+    """Give the hand-off just queued (the last of `queued`) what its payload-free event
+    says of its request: the LoRA adapter, from its `view` (tracked) or as the `step`
+    schedules it, else as `noted` per GPU block (`LazyWalk.loras`); with `pool` (events
+    on), the extra keys of its block's key where that request's hashes name it."""
     if view is None and step is not None:
         found = (s.request for s in step.scheduled if s.request.request_id == handoff.request_id)
         view = next(found, None)
-    return noted.get(handoff.gpu_block_id) if view is None else view.lora
+    index = len(queued) - 1
+    lora = noted.get(handoff.gpu_block_id) if view is None else view.lora
+    if lora is not None:
+        queued.loras[index] = lora
+    if pool is not None and view is not None:
+        layout, gpu_pool = pool
+        keys = key_extra_keys(layout, view, gpu_pool.key(handoff.gpu_block_id))
+        if keys is not None:
+            queued.extra_keys[index] = keys
+
+
+def key_extra_keys(
+    layout: KVLayout, request: RequestView, key: Key | None
+) -> tuple[object, ...] | None:
+    """Return the extra keys of the request's whole block whose key is `key` (searched
+    from its latest hash: a hand-off offers a recent block), as its payload has them;
+    None when `key` is none of its whole blocks' keys (a partial entry's, another's)."""
+    if key is None:
+        return None
+    group_id, block_hash = key_group_id(key), key_block_hash(key)
+    hashes = request.block_hashes
+    index = next((i for i in range(len(hashes) - 1, -1, -1) if hashes[i] == block_hash), -1)
+    ratio = layout.blocks_per_hash(group_id)
+    if index < 0 or (index + 1) % ratio:
+        return None
+    size = layout.groups[group_id].block_size
+    start = ((index + 1) // ratio - 1) * size
+    return request.block_extra_keys(start, start + size)

@@ -49,6 +49,10 @@ class LazyWalk:
     # names the adapter, as vLLM's GPU event of its key does (the key is that request's:
     # a block is keyed only while a request uses it). A reset keeps them.
     loras: dict[int, LoRAInfo] = field(default_factory=dict)
+    # Events on: GPU block -> the extra keys (`RequestView.block_extra_keys`, () for
+    # none) of the key a finished request left on it (`note_finished`), until a request
+    # uses it again, for its store's event, as vLLM's GPU event of that key has them.
+    extra_keys: dict[int, tuple[object, ...]] = field(default_factory=dict)
     record_loras: bool = False
 
     def clear(self) -> None:
@@ -140,6 +144,9 @@ class LazyWalk:
             if self.loras:
                 for block_id in self.loras.keys() & block_ids:
                     del self.loras[block_id]
+            if self.extra_keys:
+                for block_id in self.extra_keys.keys() & block_ids:
+                    del self.extra_keys[block_id]
 
     def note_lora(self, request: RequestView, block_ids_per_group: Iterable[Sequence[int]]) -> None:
         """Note the adapter of a request using these GPU blocks (after
@@ -150,6 +157,49 @@ class LazyWalk:
         if lora is not None:
             for block_ids in block_ids_per_group:
                 self.loras.update(dict.fromkeys(block_ids, lora))
+
+    def describe(self, queued: StoreBatch, start: int) -> None:
+        """Give the walk's stores from index `start` of `queued` what is noted of their
+        GPU blocks: the adapter and extra keys of the request that last used each, which
+        vLLM's GPU event of its key names (the key is that request's)."""
+        loras, extra_keys = self.loras, self.extra_keys
+        for i in range(start, len(queued)):
+            block_id = queued.gpu_block_ids[i]
+            if (lora := loras.get(block_id)) is not None:
+                queued.loras[i] = lora
+            if (keys := extra_keys.get(block_id)) is not None:
+                queued.extra_keys[i] = keys
+
+    def note_finished(
+        self,
+        layout: KVLayout,
+        request: RequestView,
+        block_ids_per_group: Sequence[Sequence[int]],
+        gpu_pool: GpuPoolView,
+    ) -> None:
+        """Note the extra keys of a finished request's blocks (events on), each under the
+        key of its position in the request (a partial or other key: none noted).
+
+        Its table is whole only now (a plan names a running request's appended blocks
+        alone); a block it frees is a walk's candidate from now on.
+        """
+        if not self.record_loras:
+            return
+        noted = self.extra_keys
+        last: tuple[object, ...] = ()
+        for group_id, block_ids in enumerate(block_ids_per_group):
+            if not block_ids or not layout.groups[group_id].is_cacheable:
+                continue
+            size = layout.groups[group_id].block_size
+            for pos, (block_id, key) in enumerate(
+                zip(block_ids, gpu_pool.keys(block_ids), strict=True)
+            ):
+                expected = request_key(layout, request, group_id, pos)
+                if expected is None:
+                    break  # not hashed, nor any later position
+                if key == expected:
+                    keys = request.block_extra_keys(pos * size, (pos + 1) * size)
+                    noted[block_id] = last = last if keys == last else keys  # shared
 
 
 def held_hits(

@@ -78,8 +78,9 @@ class Registrar:
         stored = stores.payloads.get(index)
         if stored is not None and make_key(stored.block_hash, stored.group_id) == key:
             event = replace(stored, medium=self.tier.value)
-        else:
-            event = self.event(key, num_tokens, lora=lora)
+        else:  # extra keys noted for the block's own whole key only
+            extra_keys = stores.extra_keys.get(index)
+            event = self.event(key, num_tokens, lora=lora, extra_keys=extra_keys)
         tier_pool.insert_key(key, tier_block, num_tokens, event, tag)
         found = {  # the secondary keys' payloads captured at selection (eager)
             make_key(p.block_hash, p.group_id): p for p in stores.secondary_payloads.get(index, ())
@@ -141,9 +142,11 @@ class Registrar:
         num_tokens: int | None,
         tier: Tier | None = None,
         lora: LoRAInfo | None = None,
+        extra_keys: tuple[object, ...] | None = None,
     ) -> BlockStored:
         """Return the payload-free `BlockStored` of `key`, with its group's kind and window
-        (and `lora`, the adapter of the request whose block it stored, when known).
+        (and `lora`, the adapter of the request whose block it stored, and the
+        `extra_keys` of its whole block, when known: a partial entry's stay unknown).
 
         `num_tokens`: the tokens of its block `key` covers; None for a secondary key (no
         pool records its count). A key covering less than a whole block (a partial tail,
@@ -155,6 +158,7 @@ class Registrar:
         group = self.layout.groups[group_id]
         if num_tokens is None or num_tokens < group.block_size:
             num_tokens = self.layout.hash_block_size
+            extra_keys = None
         return BlockStored(
             key_block_hash(key),
             group_id,
@@ -164,6 +168,7 @@ class Registrar:
             sliding_window=group.sliding_window,
             lora_id=None if lora is None else lora.lora_id,
             lora_name=None if lora is None else lora.lora_name,
+            extra_keys=extra_keys,
         )
 
     def block_size(self, key: Key) -> int:

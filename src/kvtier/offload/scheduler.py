@@ -16,9 +16,8 @@ With CPU and disk tiers both configured, GPU blocks are stored into the CPU tier
 `Cascade` demotes CPU blocks to disk, and a lookup serves each block from the fastest
 tier holding it; a request's load then has one part per tier (one job per tier).
 
-This module wires the tier state and owns the requests' lifecycle (its events, stats
-and gauges: `scheduler_observability`);
-`PlanAssembler` builds each step's plan and `TransferCompletion` applies the reports.
+This module wires the tier state and owns the requests' lifecycle (events, stats, gauges:
+`scheduler_observability`); `PlanAssembler` builds plans, `TransferCompletion` applies reports.
 """
 
 from __future__ import annotations
@@ -225,8 +224,7 @@ class OffloadScheduler(SchedulerObservability):
 
         `scheduled`: the next plan schedules the request with this whole table (vLLM runs
         a request allocated without external tokens in the step that allocated it). Lazy
-        mode then notes its blocks in use once, in that plan, not here too: a note only
-        drops walk state, and only the plan's walk reads it.
+        mode then notes its blocks in use in that plan only: only the plan's walk reads it.
         """
         # `selector` and empty calls skipped: called once per request between engine
         # steps, it runs cold, where every Python call costs ~0.5-1 µs.
@@ -322,6 +320,10 @@ class OffloadScheduler(SchedulerObservability):
                 selector.select_partial_tail(request, state)
         if not computed:
             hold_back_unconfirmed(selector, self.config.store_mode, request, block_ids_per_group)
+        elif selector.lazy.record_loras and self.config.store_mode is StoreMode.LAZY:
+            selector.lazy.note_finished(
+                self.layout, request, block_ids_per_group, selector.gpu_pool
+            )
         selector.untrack(request_id)
         selector.across_reset.discard(request_id)
         self._plans.forget(request_id)

@@ -53,7 +53,7 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
     for stores in store_batches:
         assert len(stores.gpu_block_ids) == len(stores.tier_block_ids) == len(stores)
         indices = [*stores.tails, *stores.payloads, *stores.secondary_payloads, *stores.tags]
-        indices += [*stores.loras, *stores.counts]
+        indices += [*stores.loras, *stores.counts, *stores.extra_keys]
         assert all(0 <= i < len(stores) for i in indices)
         refs[scheduler.tier].update(stores.tier_block_ids)
         gpu_refs.update(stores.gpu_block_ids)

@@ -25,7 +25,8 @@ class StoreBatch:
     index to the `BlockStored` payload captured at selection time (events on, eager);
     `secondary_payloads` those of the GPU block's secondary keys the request's hashes
     name (one per key found, any order). `loras` maps an index without a payload (lazy
-    store, hand-off) to the LoRA adapter of the request whose block it copies. `counts`
+    store, hand-off) to the LoRA adapter of the request whose block it copies, and
+    `extra_keys` to that block's extra keys where known (() for none). `counts`
     maps an index whose key covered part of its GPU block only when selected (not a
     tail) to that key's token count, for a block that loses its keys meanwhile.
     `tags` maps an index to the token tag of the copied KV (the token check on), for
@@ -40,6 +41,7 @@ class StoreBatch:
     secondary_payloads: dict[int, tuple[BlockStored, ...]] = field(default_factory=dict)
     tags: dict[int, Tag] = field(default_factory=dict)
     loras: dict[int, LoRAInfo] = field(default_factory=dict)
+    extra_keys: dict[int, tuple[object, ...]] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -101,6 +103,8 @@ class StoreBatch:
                 batch.secondary_payloads[index] = self.secondary_payloads[i]
             if i in self.loras:
                 batch.loras[index] = self.loras[i]
+            if i in self.extra_keys:
+                batch.extra_keys[index] = self.extra_keys[i]
             if i in self.counts:
                 batch.counts[index] = self.counts[i]
         self.gpu_block_ids, self.tier_block_ids, self.keys = (
@@ -110,5 +114,5 @@ class StoreBatch:
         )
         self.tails, self.payloads, self.tags = kept.tails, kept.payloads, kept.tags
         self.secondary_payloads, self.loras = kept.secondary_payloads, kept.loras
-        self.counts = kept.counts
+        self.counts, self.extra_keys = kept.counts, kept.extra_keys
         return taken

@@ -19,7 +19,7 @@ from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.policies import AdmissionPolicy, AdmitAll
 from kvtier.offload.block_payload import (
     block_payload,
-    handoff_lora,
+    describe_handoff,
     request_key,
     secondary_payloads,
     tail_payload,
@@ -321,10 +321,8 @@ class StoreSelector(StoreQueueing):
                 self.counters.count_store(StoreOutcome.DEFERRED)
                 lazy.deferred.add(run[end])
         selected = set(self.queued.gpu_block_ids[num_queued:])
-        if lazy.loras and selected:  # their events name their requests' adapters
-            for i in range(num_queued, len(self.queued)):
-                if (lora := lazy.loras.get(self.queued.gpu_block_ids[i])) is not None:
-                    self.queued.loras[i] = lora
+        if selected and (lazy.loras or lazy.extra_keys):  # for their events
+            lazy.describe(self.queued, num_queued)
         lazy.deferred.difference_update(selected)
         lazy.copying |= selected
         # Resume after the last visited block still in the free queue (not pinned now).
@@ -363,9 +361,9 @@ class StoreSelector(StoreQueueing):
                 if outcome is StoreOutcome.STORED:
                     state = self.tracked.get(handoff.request_id)
                     view = None if state is None else state.view
-                    lora = handoff_lora(handoff, view, step, self.lazy.loras)
-                    if lora is not None:
-                        self.queued.loras[len(self.queued) - 1] = lora
+                    lazy = self.lazy  # events on: its extra keys too (`record_loras`)
+                    args = (self.layout, self.gpu_pool) if lazy.record_loras else None
+                    describe_handoff(self.queued, handoff, view, step, lazy.loras, args)
             self.counters.count_handoff(outcome)
 
     def select_partial_tail(self, request: RequestView, state: _Tracked) -> None:

@@ -140,10 +140,11 @@ class EventTranslator:
     def _extra_keys(self, event: BlockStored) -> Any:
         """Return the event's extra keys as vLLM publishes them: one entry per block.
 
-        vLLM's GPU events say `[None]` for a block without extra keys. An event without a
-        token payload (lazy store, hand-off, cascade) was made without the request, so
-        its extra keys are unknown: `None`, as vLLM says when it has no entries at all.
+        vLLM's GPU events say `[None]` for a block without extra keys. A payload-free
+        event (lazy store, hand-off, cascade) whose extra keys are unknown (None: made
+        without the request's block) says `None`, as vLLM says when it has no entries.
         """
         if event.extra_keys:
             return self.convert_extra_keys([tuple(event.extra_keys)])
-        return self.convert_extra_keys([None]) if event.token_ids else None
+        known = event.extra_keys is not None or event.token_ids
+        return self.convert_extra_keys([None]) if known else None

@@ -1,0 +1,73 @@
+"""Lazy stores and hand-offs carry no token payload (SPEC §6.10), but their events carry
+the extra keys (LoRA, multimodal items, cache salt) hashed into the block they stored, as
+an eager store's event (and vLLM's GPU event of the same hash) has them: the lazy walk
+notes them per GPU block when its request finishes; a hand-off reads its request."""
+
+from __future__ import annotations
+
+import pytest
+from sim import SimEngine, config, full_layout, make_request
+from test_scenarios_config_events import run_with_handoff, stored_events, three_group_layout
+
+from kvtier.core.extra_keys import MultiModalItem, RequestExtras
+from kvtier.offload.config import StoreMode
+from kvtier.offload.protocols import LoRAInfo
+
+EXTRAS = {
+    "plain": RequestExtras(),
+    "salt": RequestExtras(cache_salt="tenant-1"),
+    "mm": RequestExtras(mm_items=(MultiModalItem("img-1", 2, 7),)),  # blocks 0, 1, 2
+}
+
+
+def extra_keys_by_hash(engine: SimEngine) -> dict[tuple[int, bytes], object]:
+    events = stored_events(engine.scheduler.take_events())
+    return {(e.group_id, e.block_hash): e.extra_keys for e in events}
+
+
+@pytest.mark.parametrize("lora", [None, LoRAInfo(7, "sql")], ids=["base", "lora"])
+@pytest.mark.parametrize("extras", list(EXTRAS))
+def test_lazy_stores_carry_the_extra_keys_of_eager_stores(
+    extras: str, lora: LoRAInfo | None
+) -> None:
+    """The same prompt stored eagerly and lazily: every lazy event's extra keys equal the
+    eager event's of its hash (a block of none says `()`, known, not None)."""
+
+    def request() -> object:
+        return make_request("a", range(16), lora=lora, extras=EXTRAS[extras])
+
+    eager = SimEngine(full_layout(), config(events=True))
+    eager.run(request())  # type: ignore[arg-type]
+    eager.drain()
+    expected = extra_keys_by_hash(eager)
+    lazy = SimEngine(
+        full_layout(),
+        config(events=True, store_mode=StoreMode.LAZY, max_batched_tokens=16),
+        num_gpu_blocks=9,
+    )
+    lazy.run(request())  # type: ignore[arg-type]
+    for _ in range(3):  # the walk copies the finished request's freed blocks
+        lazy.step()
+    lazy.drain()
+    got = extra_keys_by_hash(lazy)
+    assert len(expected) == 4
+    assert got == expected
+    if extras != "plain" or lora is not None:
+        assert any(got.values())
+
+
+@pytest.mark.parametrize("mode", [StoreMode.EAGER, StoreMode.LAZY])
+def test_a_hand_off_s_event_carries_its_block_s_extra_keys(mode: StoreMode) -> None:
+    """A state group's block handed off (no token payload): its event carries the extra
+    keys of its hash's block, as an eager event of the same hash in another group does."""
+    cfg = config(events=True, store_mode=mode, max_batched_tokens=8)
+    engine = SimEngine(three_group_layout(), cfg, num_gpu_blocks=32)
+    extras = RequestExtras(cache_salt="t", mm_items=(MultiModalItem("img", 5, 2),))
+    a = make_request("a", range(8), outputs=[5, 6], extras=extras)
+    run_with_handoff(engine, a)
+    events = {(e.group_id, e.block_hash): e for e in stored_events(engine.scheduler.take_events())}
+    handed_off = events[(2, a.block_hashes[1])]
+    assert handed_off.token_ids == ()
+    assert handed_off.extra_keys == a.block_extra_keys(4, 8) != ()
+    if mode is StoreMode.EAGER:
+        assert handed_off.extra_keys == events[(0, a.block_hashes[1])].extra_keys
