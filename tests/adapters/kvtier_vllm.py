@@ -154,6 +154,9 @@ def check_quiescent(harness: VllmHarness) -> None:
     assert not side.offload.loads.allocated, "finished requests still held"
     assert not side.offload.loads.recompute_next, "failed-load marks leaked"
     assert not side.has_pending_stores()
+    # An echo of a load never issued is forgotten once every rank reported it: kept,
+    # every later plan would carry it again.
+    assert not side._plans.echoes, "echoes of never-issued loads leaked"
     pool = harness.scheduler.kv_cache_manager.block_pool
     held = {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt and not b.is_null}
     assert held == deferred_frees(harness), "GPU block leaked"

@@ -68,6 +68,11 @@ class PlanMemory:
             self._echoes = _without(self._echoes, lambda r: r in finished)
 
     @property
+    def echoes(self) -> dict[int, tuple[str, ...]]:
+        """Return the echoes some rank may not have reported yet, by step id (a copy)."""
+        return dict(self._echoes)
+
+    @property
     def processed_step(self) -> int:
         """Return the newest plan step whose worker outputs vLLM applied (0: none)."""
         return self._receipts.processed_step
