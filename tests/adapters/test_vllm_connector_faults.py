@@ -17,6 +17,7 @@ from kvtier_vllm import (
     scheduler_side,
     zero_blocks,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 from vllm_engine import KVGroupDef
 from vllm_harness import VllmHarness, shared_prefix_prompts
@@ -95,6 +96,28 @@ def test_loads_dropped_before_issue_are_echoed_as_failed_by_every_worker() -> No
     harness.run_requests(AGAIN, max_tokens=3)  # hangs if nobody reports the dropped loads
     assert sabotaged == set(AGAIN)
     assert all(harness.external_hit_tokens(r) == 48 for r in AGAIN)
+    check_quiescent(harness)
+
+
+def test_a_load_dropped_before_issue_still_names_the_source_of_every_hit_token() -> None:
+    """vLLM counts the accepted tokens of a load kvtier dropped as hits (it learns of the
+    failure later) and asks which tier serves them: every token gets a source, here the
+    configured tier's, though the load has no split by tier."""
+    harness = stored_then_gpu_reset()
+    sabotaged = losing_lookup_pins(harness)
+    connector = harness.scheduler.connector
+    sources = connector.get_external_cache_hit_sources  # type: ignore[union-attr]
+    answers: list[tuple[int, dict[CacheHitSource, int]]] = []
+
+    def recording(request: object, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        answer = sources(request, num_external_tokens)
+        answers.append((num_external_tokens, answer))
+        return answer
+
+    connector.get_external_cache_hit_sources = recording  # type: ignore[union-attr]
+    harness.run_requests(AGAIN, max_tokens=3)
+    assert sabotaged == set(AGAIN)
+    assert answers == [(48, {CacheHitSource.HOST: 48})] * len(AGAIN)
     check_quiescent(harness)
 
 
