@@ -262,6 +262,28 @@ def test_a_gauge_only_change_is_reported() -> None:
     drain_collecting_stats(harness)
 
 
+def test_a_counter_only_change_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts run again from the GPU prefix cache: their blocks' stores are skipped as
+    already in the tier (store outcomes count), while no gauge moves (nothing pinned or
+    pending). The counts go out though the gauges equal the last ones sent."""
+    harness, before = collect_stats()
+    now = scheduler_stats._clock()
+    monkeypatch.setattr(scheduler_stats, "_clock", lambda: now)  # no heartbeat is due
+    assert harness.scheduler.connector.get_kv_connector_stats() is None
+    last_gauges = summed_gauges(before[-1]["gauges"])  # type: ignore[arg-type]
+    for request_id, prompt in AGAIN.items():
+        harness.add_request(f"{request_id}-2", prompt, max_tokens=3)
+    payloads = drain_collecting_stats(harness)
+    outcomes = {
+        name: value
+        for payload in payloads
+        for name, value in payload["counters"].items()
+        if name.startswith("store_outcome.")
+    }
+    assert outcomes, payloads
+    assert all(summed_gauges(p["gauges"]) == last_gauges for p in payloads), payloads
+
+
 def test_prometheus_metrics_build_and_observe() -> None:
     harness, payloads = collect_stats()
     registry, _ = observed_metrics(harness, payloads)
