@@ -6,6 +6,7 @@ import hashlib
 
 from kvtier.core.events import BlockStored
 from kvtier.core.keys import Key, make_key
+from kvtier.offload.protocols import LoRAInfo
 from kvtier.offload.store_batch import StoreBatch
 
 
@@ -22,6 +23,9 @@ def test_take_keeps_each_stores_extras_with_it() -> None:
     stores.add(3, 13, key(3), payload=payload)
     stores.secondary_payloads[2] = secondary
     stores.add(4, 14, key(4), tag=b"t4")
+    lora_a, lora_b = LoRAInfo(1, "a"), LoRAInfo(2, "b")
+    stores.loras.update({0: lora_a, 3: lora_b})  # lazy stores' adapters
+    stores.counts.update({1: 9, 2: 7})  # keys covering part of their blocks
     taken = stores.take({2, 4})
     kept = stores
     assert (kept.gpu_block_ids, kept.tier_block_ids, kept.keys) == (
@@ -31,6 +35,7 @@ def test_take_keeps_each_stores_extras_with_it() -> None:
     )
     assert (kept.tails, kept.payloads, kept.tags) == ({}, {1: payload}, {0: b"t1"})
     assert kept.secondary_payloads == {1: secondary}
+    assert (kept.loras, kept.counts) == ({0: lora_a}, {1: 7})
     assert (taken.gpu_block_ids, taken.tier_block_ids, taken.keys) == (
         [2, 4],
         [12, 14],
@@ -38,3 +43,4 @@ def test_take_keeps_each_stores_extras_with_it() -> None:
     )
     assert (taken.tails, taken.payloads, taken.tags) == ({0: 5}, {0: payload}, {0: b"t2", 1: b"t4"})
     assert taken.secondary_payloads == {}
+    assert (taken.loras, taken.counts) == ({1: lora_b}, {0: 9})
