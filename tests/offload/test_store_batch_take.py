@@ -26,6 +26,7 @@ def test_take_keeps_each_stores_extras_with_it() -> None:
     lora_a, lora_b = LoRAInfo(1, "a"), LoRAInfo(2, "b")
     stores.loras.update({0: lora_a, 3: lora_b})  # lazy stores' adapters
     stores.counts.update({1: 9, 2: 7})  # keys covering part of their blocks
+    stores.extra_keys.update({0: (), 3: (("salt", "s"),)})  # lazy stores' extra keys
     taken = stores.take({2, 4})
     kept = stores
     assert (kept.gpu_block_ids, kept.tier_block_ids, kept.keys) == (
@@ -35,7 +36,7 @@ def test_take_keeps_each_stores_extras_with_it() -> None:
     )
     assert (kept.tails, kept.payloads, kept.tags) == ({}, {1: payload}, {0: b"t1"})
     assert kept.secondary_payloads == {1: secondary}
-    assert (kept.loras, kept.counts) == ({0: lora_a}, {1: 7})
+    assert (kept.loras, kept.counts, kept.extra_keys) == ({0: lora_a}, {1: 7}, {0: ()})
     assert (taken.gpu_block_ids, taken.tier_block_ids, taken.keys) == (
         [2, 4],
         [12, 14],
@@ -44,3 +45,4 @@ def test_take_keeps_each_stores_extras_with_it() -> None:
     assert (taken.tails, taken.payloads, taken.tags) == ({0: 5}, {0: payload}, {0: b"t2", 1: b"t4"})
     assert taken.secondary_payloads == {}
     assert (taken.loras, taken.counts) == ({1: lora_b}, {0: 9})
+    assert taken.extra_keys == {1: (("salt", "s"),)}
