@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.core.keys import Key, make_key
-from kvtier.core.kv_groups import KVLayout
+from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.core.pool_block import NULL_BLOCK_ID
 from kvtier.offload.block_payload import request_key
 from kvtier.offload.config import StoreMode
@@ -82,7 +82,9 @@ def unconfirmed_blocks(
     gpu_pool: GpuPoolView,
 ) -> list[int]:
     """Return the GPU blocks an unconfirmed finish must hold back (`LazyWalk.hold_back`):
-    its table's blocks, and every block cached under the key of a null position.
+    its table's blocks, every block cached under the key of a null position, and in a
+    state group every block cached under one of its keys (a boundary state the engine
+    copied out of the table).
 
     A sliding window (or a state group) drops blocks from the table while the request
     runs, and the engine frees them with their keys; one its failed forward wrote and
@@ -91,15 +93,22 @@ def unconfirmed_blocks(
     request's copy among them): all are held back, a lost store at worst.
     """
     found = [b for ids in block_ids_per_group for b in ids if b != NULL_BLOCK_ID]
+    hashes = request.block_hashes
     for group_id, table in enumerate(block_ids_per_group):
         for pos, block_id in enumerate(table):
-            if block_id != NULL_BLOCK_ID:
-                continue
-            key = request_key(layout, request, group_id, pos)
-            if key is None:
-                break  # not hashed, nor any later position
-            found.extend(gpu_pool.cached_blocks(key))
-    return found
+            if block_id == NULL_BLOCK_ID:
+                key = request_key(layout, request, group_id, pos)
+                if key is None:
+                    break  # not hashed, nor any later position
+                found.extend(gpu_pool.cached_blocks(key))
+        if layout.groups[group_id].kind is GroupKind.STATE:
+            # vLLM's Mamba "align" mode keeps a boundary state in a block it copied out
+            # of the table, keyed by the request's partial key there: the table's own
+            # block holds the running state. Those blocks are the request's too.
+            ratio = layout.blocks_per_hash(group_id)
+            for index in range(min(len(table) * ratio, len(hashes))):
+                found.extend(gpu_pool.cached_blocks(make_key(hashes[index], group_id)))
+    return list(dict.fromkeys(found))
 
 
 def keys_to_drop(
