@@ -45,38 +45,64 @@ def tail(seed: int, length: int) -> list[int]:
     return [rng.randrange(1000, 30000) for _ in range(length)]
 
 
-def add_two_sharing_the_prefix(harness: VllmHarness) -> None:
-    """Add `r1` and `r2` (64 tokens of `PREFIX` each), run them; `r1` is scheduled first."""
-    harness.add_request("r1", [*PREFIX, *tail(0, 16)], max_tokens=4)
-    harness.add_request("r2", [*PREFIX, *tail(1, 16)], max_tokens=4)
+def add_two_sharing_the_prefix(harness: VllmHarness, first: int = 1) -> None:
+    """Add two requests of 64 tokens of `PREFIX` (the first is scheduled first), run them."""
+    harness.add_request(f"r{first}", [*PREFIX, *tail(0, 16)], max_tokens=4)
+    harness.add_request(f"r{first + 1}", [*PREFIX, *tail(1, 16)], max_tokens=4)
     harness.run(200)
 
 
-def test_the_boundary_state_of_a_request_aborted_before_the_fault_loses_its_key() -> None:
+def abort_before_the_fault(harness: VllmHarness, prompts: list[list[int]], abort: str) -> None:
+    """Add `prompts` (r0, r1, ...); launch two steps, schedule step F, process the first
+    step's output, abort `abort`, schedule two more (nothing left to schedule but the
+    rest), process the second step's output, fail F's forward (Model Runner V1), abort
+    what is left as vLLM's fault handler does and feed the later steps' outputs."""
+    for index, prompt in enumerate(prompts):
+        harness.add_request(f"r{index}", prompt, max_tokens=1 if len(prompts) > 1 else 8)
+    launched = [harness._launch(), harness._launch()]
+    step_f = harness.scheduler.schedule()
+    for cache in harness.caches:
+        cache.copy_blocks(step_f.kv_cache_block_copies or ())
+    for worker in harness.workers:
+        worker.before_forward(step_f)
+    harness._complete(*launched[0])
+    harness.scheduler.finish_requests(abort, RequestStatus.FINISHED_ABORTED)
+    later = [harness.scheduler.schedule(), harness.scheduler.schedule()]
+    harness._complete(*launched[1])
+    for worker in harness.workers:
+        raise_from_forward(worker, step_f, v2=False)
+    outputs = []
+    for step in later:
+        for worker in harness.workers:
+            worker.before_forward(step)
+        outputs += [worker.after_forward(step) for worker in harness.workers]
+    fault_abort(harness)
+    drain_deferred_frees(harness)
+    for output in outputs:
+        apply_output(harness, output)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["free", "held_by_a_hit"])
+def test_the_boundary_state_of_a_request_aborted_before_the_fault_loses_its_key(
+    held: bool,
+) -> None:
     # Was: KVMismatchError 'request r2: position 0 (group 0, block 5, layer 0) holds KV
-    # of another prefix' (a 16-token local hit copied from r1's unwritten block 2).
+    # of another prefix' (a 16-token local hit copied from r1's unwritten block);
+    # held_by_a_hit (r1 hit r0's state in step F): 'request r3: position 0 (group 0,
+    # block 2, layer 0)', its key kept as another request held the block.
     harness = kvtier_harness(
         extra={"store_mode": "eager"}, async_scheduling=True, batch_queue_size=3, **CONFIG
     )
     try:
-        harness.add_request("r0", [*PREFIX[:16], *tail(0, 5)], max_tokens=8)
-        launched = [harness._launch(), harness._launch()]  # 16 tokens; 5 (the state copy)
-        step_f = harness.scheduler.schedule()  # r0's first decode: its forward fails
-        for worker in harness.workers:
-            worker.before_forward(step_f)
-        harness._complete(*launched[0])
-        harness.scheduler.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
-        step_after = harness.scheduler.schedule()  # nothing left to schedule
-        harness._complete(*launched[1])
-        for worker in harness.workers:
-            raise_from_forward(worker, step_f, v2=False)
-        for worker in harness.workers:
-            worker.before_forward(step_after)
-        outputs = [worker.after_forward(step_after) for worker in harness.workers]
-        fault_abort(harness)  # nothing left to abort
-        drain_deferred_frees(harness)
-        apply_output(harness, outputs[0])  # reports step F's failure: r0 is unconfirmed
-        add_two_sharing_the_prefix(harness)
+        if held:
+            prompts = [[*FAMILIES[3][:16], *tail(seed, 16)] for seed in (1, 2)]
+            abort_before_the_fault(harness, prompts, "r0")
+            harness.add_request("r2", [*FAMILIES[3][:64], *tail(0, 21)], max_tokens=4)
+            harness.add_request("r3", [*FAMILIES[3][:64], *tail(1, 21)], max_tokens=4)
+            harness.run(200)
+        else:
+            abort_before_the_fault(harness, [[*PREFIX[:16], *tail(0, 5)]], "r0")
+            add_two_sharing_the_prefix(harness)
     finally:
         harness.close()
 

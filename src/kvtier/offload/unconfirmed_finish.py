@@ -59,7 +59,9 @@ def hold_back_unconfirmed(
         selector.lazy.hold_back(block_ids, gpu_pool.keys(block_ids))
     else:
         selector.unconfirmed.update(block_ids)
-    gpu_pool.discard_keys_of(keys_to_drop(block_ids_per_group, block_ids, gpu_pool))
+    drop = keys_to_drop(block_ids_per_group, block_ids, gpu_pool)
+    drop += boundary_states(layout, request, block_ids_per_group, gpu_pool)
+    gpu_pool.discard_keys_of(list(dict.fromkeys(drop)))
 
 
 def _keyed_by(
@@ -82,9 +84,8 @@ def unconfirmed_blocks(
     gpu_pool: GpuPoolView,
 ) -> list[int]:
     """Return the GPU blocks an unconfirmed finish must hold back (`LazyWalk.hold_back`):
-    its table's blocks, every block cached under the key of a null position, and in a
-    state group every block cached under one of its keys (a boundary state the engine
-    copied out of the table).
+    its table's blocks, every block cached under the key of a null position, and its
+    `boundary_states`.
 
     A sliding window (or a state group) drops blocks from the table while the request
     runs, and the engine frees them with their keys; one its failed forward wrote and
@@ -93,7 +94,6 @@ def unconfirmed_blocks(
     request's copy among them): all are held back, a lost store at worst.
     """
     found = [b for ids in block_ids_per_group for b in ids if b != NULL_BLOCK_ID]
-    hashes = request.block_hashes
     for group_id, table in enumerate(block_ids_per_group):
         for pos, block_id in enumerate(table):
             if block_id == NULL_BLOCK_ID:
@@ -101,14 +101,33 @@ def unconfirmed_blocks(
                 if key is None:
                     break  # not hashed, nor any later position
                 found.extend(gpu_pool.cached_blocks(key))
+    found.extend(boundary_states(layout, request, block_ids_per_group, gpu_pool))
+    return list(dict.fromkeys(found))
+
+
+def boundary_states(
+    layout: KVLayout,
+    request: RequestView,
+    block_ids_per_group: Sequence[Sequence[int]],
+    gpu_pool: GpuPoolView,
+) -> list[int]:
+    """Return the blocks cached under the request's keys in its state groups.
+
+    vLLM's Mamba "align" mode keeps the state at a hash-block boundary in a block it
+    copied out of the table, keyed by the request's (partial) key there; the table's
+    block holds the running state. Their keys are dropped whoever holds them: one left
+    cached gave a later request a hit on the state's prefix alone, and vLLM copied the
+    attention block of that prefix from a request keyed, not yet written, in the same
+    step (its partial-hit copy-on-write).
+    """
+    hashes = request.block_hashes
+    found = []
+    for group_id, table in enumerate(block_ids_per_group):
         if layout.groups[group_id].kind is GroupKind.STATE:
-            # vLLM's Mamba "align" mode keeps a boundary state in a block it copied out
-            # of the table, keyed by the request's partial key there: the table's own
-            # block holds the running state. Those blocks are the request's too.
             ratio = layout.blocks_per_hash(group_id)
             for index in range(min(len(table) * ratio, len(hashes))):
                 found.extend(gpu_pool.cached_blocks(make_key(hashes[index], group_id)))
-    return list(dict.fromkeys(found))
+    return found
 
 
 def keys_to_drop(
