@@ -4,6 +4,8 @@ their logits (`keep_sampled`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvtier.engine.runner import BatchInput, ModelRunner, SequenceInput
@@ -11,11 +13,14 @@ from kvtier.engine.sampling import Logprob, sample
 from kvtier.engine.scheduler_step import SchedulerStep
 
 
-def run_forward(runner: ModelRunner, step: SchedulerStep) -> tuple[list[int | None], torch.Tensor]:
+def run_forward(
+    runner: ModelRunner, step: SchedulerStep, eos_token_ids: Sequence[int] = ()
+) -> tuple[list[int | None], torch.Tensor]:
     """Run `step.work` through `runner`; return a token per work entry and the logits.
 
     A work entry's token is None when its chunk stops short of the request's tokens (a
-    prefill chunk): nothing is sampled for it. The logits have one row per work entry.
+    prefill chunk): nothing is sampled for it. The logits have one row per work entry,
+    raw (before penalties and `min_tokens`, which mask the model's `eos_token_ids`).
     """
     sequences = []
     for work in step.work:
@@ -30,10 +35,17 @@ def run_forward(runner: ModelRunner, step: SchedulerStep) -> tuple[list[int | No
         request = work.request
         if request.num_computed_tokens + work.num_new_tokens == request.num_tokens:
             rows.append(index)
+    requests = [step.work[i].request for i in rows]
+    params = [request.params for request in requests]
+    histories = None
+    if any(param.adjusts_logits for param in params):
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in requests]
     sampled_rows = sample(
         logits[rows],
-        [step.work[i].request.params for i in rows],
-        [step.work[i].request.generator for i in rows],
+        params,
+        [request.generator for request in requests],
+        histories,
+        eos_token_ids,
     )
     by_row = dict(zip(rows, sampled_rows, strict=True))
     return [by_row.get(index) for index in range(len(step.work))], logits

@@ -394,6 +394,6 @@ class LLM(StallChecks):
 
     def _forward(self, step: SchedulerStep) -> list[int | None]:
         self.stats.num_computed_tokens += sum(work.num_new_tokens for work in step.work)
-        sampled, logits = run_forward(self.runner, step)
+        sampled, logits = run_forward(self.runner, step, self.model_config.eos_token_ids)
         keep_sampled(step, sampled, logits, self.engine_config.keep_logits)
         return sampled

@@ -11,6 +11,8 @@ from numbers import Integral, Real
 import numpy as np
 import torch
 
+from kvtier.engine.penalties import History, adjusted_logits, checked_penalties
+
 logger = logging.getLogger(__name__)
 
 # vLLM's SamplingParams refuses a higher temperature; taken the same, a request written
@@ -73,6 +75,11 @@ class SamplingParams:
     keeps the `top_k` most likely (and any tied with the last), `top_p` the fewest most
     likely whose probabilities sum to at least `top_p` (the most likely always). They
     change sampled requests only: as in vLLM, a greedy one stores them as off.
+
+    vLLM's `repetition_penalty` (> 0; 1: off), `presence_penalty` and
+    `frequency_penalty` (in [-2, 2]; 0: off) and `min_tokens` (>= 0, at most
+    `max_tokens`) change the logits before temperature, greedy requests' too, as vLLM's
+    sampler does (`kvtier.engine.penalties`).
     """
 
     max_tokens: int | None = 16
@@ -91,6 +98,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Numpy numbers are checked as Python ones and stored as them (as token ids are).
@@ -144,6 +155,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
         self._check_vllm_only_fields()
         self._check_filters()
+        checked = checked_penalties(
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.min_tokens,
+            self.max_tokens,
+        )
+        for name, value in zip(_PENALTY_FIELDS, checked, strict=True):
+            object.__setattr__(self, name, value)
 
     def _check_filters(self) -> None:
         """Check `top_p`, `top_k` and `min_p` as vLLM does, raising TypeError / ValueError
@@ -212,6 +232,16 @@ class SamplingParams:
         """Return True when the most likely token is always taken."""
         return self.temperature < _SAMPLING_EPS
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Return True when a penalty or `min_tokens` may change the logits."""
+        return (
+            self.min_tokens > 0
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def make_generator(self, seed_source: torch.Generator) -> torch.Generator | None:
         """Return a fresh CPU generator for one request, or None when greedy.
 
@@ -228,6 +258,9 @@ class SamplingParams:
         return torch.Generator().manual_seed(seed)
 
 
+_PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+
+
 def _is_int(value: object) -> bool:
     """Return True for an integer (a numpy one too) that is not a bool."""
     return isinstance(value, Integral) and not _is_bool(value)
@@ -241,9 +274,14 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[History] | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> list[int]:
     """Pick one token per row of `logits` ([num_seqs, vocab_size]).
 
+    First, as vLLM, the rows of requests with penalties or `min_tokens` are changed
+    (`adjusted_logits`: `histories[i]` is request i's prompt and output token ids, needed
+    then, and `eos_token_ids` the model's EOS ids); a greedy row's argmax is then taken.
     A sampled row is scaled by its request's temperature, filtered by its `min_p`,
     `top_k` and `top_p` (`_filtered`), and one token drawn from what is left.
     `generators[i]` is request i's generator from `SamplingParams.make_generator`; it is
@@ -255,6 +293,8 @@ def sample(
             f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators"
         )
     rows = logits.detach().float().cpu()
+    if any(param.adjusts_logits for param in params):  # no tensor work otherwise
+        rows = adjusted_logits(rows, params, histories, eos_token_ids)
     tokens: list[int] = []
     for row, param, generator in zip(rows, params, generators, strict=True):
         if param.is_greedy:
