@@ -7,6 +7,7 @@ Regression: `generate(prompts)` on a chat checkpoint (Qwen2.5-Instruct's file: t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -48,13 +49,13 @@ def test_generate_without_params_samples_with_the_generation_config(
         "do_sample": True,
     }
     path = _checkpoint(tmp_path, generation)
-    expected = SamplingParams(temperature=2.0, top_p=0.95, top_k=20, max_tokens=6)
+    expected = SamplingParams(
+        temperature=2.0, top_p=0.95, top_k=20, max_tokens=6, repetition_penalty=1.05
+    )
     with caplog.at_level(logging.WARNING), LLM(path, engine=ENGINE) as llm:
         assert llm.get_default_sampling_params() == expected
         defaulted = [out.output_token_ids for out in llm.generate(PROMPTS)]
-    assert "repetition_penalty=1.05 not applied: the reference engine has no penalties" in (
-        caplog.text
-    )
+    assert "not applied" not in caplog.text
     # The same engine seed and calls sample the same tokens: as given explicitly.
     with LLM(path, engine=ENGINE) as llm:
         explicit = [out.output_token_ids for out in llm.generate(PROMPTS, expected)]
@@ -87,6 +88,12 @@ def test_given_params_replace_the_defaults_as_in_vllm(tmp_path: Path) -> None:
         ({"temperature": 0.6, "top_p": 0.9}, SamplingParams(temperature=0.6, top_p=0.9)),
         ({"temperature": 0.0, "top_k": 5}, SamplingParams()),  # greedy: filters off
         ({"min_p": 0.1, "temperature": 1.0}, SamplingParams(temperature=1.0, min_p=0.1)),
+        # As vLLM's get_diff_sampling_param: the penalties too (greedy ones as well).
+        (
+            {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -1},
+            SamplingParams(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-1.0),
+        ),
+        ({"repetition_penalty": 1.0, "min_new_tokens": 3}, SamplingParams()),  # not vLLM's
     ],
 )
 def test_the_defaults_take_the_files_sampling_keys(
@@ -104,6 +111,8 @@ def test_the_defaults_take_the_files_sampling_keys(
         ({"temperature": 3}, r"temperature must be in \[0, 2\], got 3"),
         ({"max_new_tokens": 0}, r"max_tokens must be a positive int, got 0"),
         ({"top_k": "20"}, r"top_k must be an int \(0 or -1: off\), got '20'"),
+        ({"repetition_penalty": 0}, r"repetition_penalty must be greater than zero, got 0"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
     ],
 )
 def test_a_bad_sampling_value_is_named_with_its_file(
@@ -113,6 +122,18 @@ def test_a_bad_sampling_value_is_named_with_its_file(
     with pytest.raises(ValueError, match=message) as info:
         LLM(path, engine=ENGINE)
     assert str(info.value).startswith(str(path / "generation_config.json"))
+
+
+def test_the_files_penalties_apply_to_generate_without_params(tmp_path: Path) -> None:
+    """A greedy default with the file's repetition penalty makes the tokens of those
+    params given explicitly, not the unpenalized greedy ones."""
+    path = _checkpoint(tmp_path, {"repetition_penalty": 20.0, "max_new_tokens": 8})
+    plain = SamplingParams(max_tokens=8)
+    with LLM(path, engine=ENGINE) as llm:
+        defaulted = [out.output_token_ids for out in llm.generate(PROMPTS)]
+        penalized = dataclasses.replace(plain, repetition_penalty=20.0)
+        assert defaulted == [out.output_token_ids for out in llm.generate(PROMPTS, penalized)]
+        assert defaulted != [out.output_token_ids for out in llm.generate(PROMPTS, plain)]
 
 
 def test_filters_without_a_temperature_stay_greedy_with_a_warning(

@@ -1,16 +1,16 @@
 """A checkpoint's default sampling parameters, from its `generation_config.json`.
 
 As vLLM's `LLM.get_default_sampling_params` (`ModelConfig.get_diff_sampling_param`):
-the file's `temperature`, `top_k`, `top_p`, `min_p` and `max_new_tokens` (vLLM's
-`max_tokens`) are the defaults of a `generate` call given no sampling params; what the
-file leaves out keeps `SamplingParams`' default. vLLM reads the file through
-transformers' `GenerationConfig.to_diff_dict`, which drops the values equal to
-transformers' defaults: with transformers 5 (vLLM 0.33's) every default is None, so
-each value the file gives is kept (a `top_k` of 50 too). The engine has no penalties: a
-`repetition_penalty`, `presence_penalty` or `frequency_penalty` other than neutral is
-not applied, with a warning naming it. The engine's `SamplingParams()` is greedy where
-vLLM's samples at temperature 1.0: a file giving `top_k`, `top_p` or `min_p` but no
-`temperature` leaves them off here (greedy), with a warning saying so.
+the file's `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `temperature`,
+`top_k`, `top_p`, `min_p` and `max_new_tokens` (vLLM's `max_tokens`) are the defaults
+of a `generate` call given no sampling params; what the file leaves out keeps
+`SamplingParams`' default. vLLM reads the file through transformers'
+`GenerationConfig.to_diff_dict`, which drops the values equal to transformers' defaults:
+with transformers 5 (vLLM 0.33's) every default is None, so each value the file gives is
+kept (a `top_k` of 50 too). The penalties apply to greedy requests too, as in vLLM. The
+engine's `SamplingParams()` is greedy where vLLM's samples at temperature 1.0: a file
+giving `top_k`, `top_p` or `min_p` but no `temperature` leaves them off here (greedy),
+with a warning saying so.
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ logger = logging.getLogger(__name__)
 
 # The file's key -> SamplingParams' field.
 _FIELDS = {
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
     "temperature": "temperature",
     "top_k": "top_k",
     "top_p": "top_p",
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
-_NEUTRAL_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def default_sampling_params(model: str | Path | object) -> SamplingParams:
@@ -51,17 +53,6 @@ def default_sampling_params(model: str | Path | object) -> SamplingParams:
     with path.open(encoding="utf-8") as f:
         data: dict[str, Any] = json.load(f)  # read already by ModelConfig.from_hf_config
     fields = {field: data[key] for key, field in _FIELDS.items() if data.get(key) is not None}
-    ignored = {
-        key: data[key]
-        for key, neutral in _NEUTRAL_PENALTIES.items()
-        if data.get(key) is not None and data[key] != neutral
-    }
-    if ignored:
-        logger.warning(
-            "%s: %s not applied: the reference engine has no penalties",
-            path,
-            ", ".join(f"{key}={value}" for key, value in ignored.items()),
-        )
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as exc:
