@@ -71,3 +71,33 @@ def test_a_hand_off_s_event_carries_its_block_s_extra_keys(mode: StoreMode) -> N
     assert handed_off.extra_keys == a.block_extra_keys(4, 8) != ()
     if mode is StoreMode.EAGER:
         assert handed_off.extra_keys == events[(0, a.block_hashes[1])].extra_keys
+
+
+def test_a_block_used_again_loses_what_was_noted_of_its_last_request() -> None:
+    """Blocks noted when a request finishes (its adapter, its extra keys) that another
+    request then fills and frees unfinished (preempted) are stored under that request's
+    keys: their events never name the first request's adapter or extra keys (unknown
+    extra keys, None, are right: nothing noted them at a finish)."""
+    cfg = config(events=True, store_mode=StoreMode.LAZY, max_batched_tokens=16)
+    engine = SimEngine(full_layout(), cfg, num_gpu_blocks=5, num_tier_blocks=12)
+    salt = RequestExtras(cache_salt="tenant-1")
+    first = make_request("a", range(16), lora=LoRAInfo(7, "sql"), extras=salt)
+    engine.run(first)  # type: ignore[arg-type]
+    engine.drain()
+    engine.scheduler.take_events()
+    second = make_request("b", range(100, 116), extras=RequestExtras(cache_salt="tenant-2"))
+    assert engine.admit(second) is not None  # type: ignore[arg-type]
+    engine.schedule("b")
+    assert set(engine.tables["b"][0]) == set(range(1, 5))  # the first request's blocks
+    engine.step()
+    engine.preempt("b")
+    for _ in range(3):  # the walk copies its freed blocks
+        engine.step()
+    engine.drain()
+    events = {e.block_hash: e for e in stored_events(engine.scheduler.take_events())}
+    hashes = list(second.block_hashes)
+    assert set(events) == set(hashes)  # the walk stored its four blocks
+    for pos, block_hash in enumerate(hashes):
+        event = events[block_hash]
+        assert (event.lora_id, event.lora_name) == (None, None)
+        assert event.extra_keys in (None, second.block_extra_keys(4 * pos, 4 * pos + 4))
