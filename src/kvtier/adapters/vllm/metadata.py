@@ -71,25 +71,38 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     `sent`: per worker, the step and the numbers of the outputs this one carries, for the
     scheduler role to acknowledge (`redelivery`).
 
-    `step_id`: the step of the newest plan the rank bound when it built this output (the
-    newest of the ranks aggregated): every output carries it, an empty one too, so that
-    the scheduler role learns which steps' outputs it applied (`processed_step`).
+    `steps`: per worker (`Outbox.worker_id`), the step of the newest plan the rank bound
+    when it built this output: every output carries it, an empty one too, so that the
+    scheduler role learns which steps' outputs of every rank it applied
+    (`processed_step`). Per worker, not the newest of all: vLLM may apply one rank's
+    output of a step without the others' (Model Runner V1 with a batch queue: a rank
+    whose `execute_model` raised answers the step's `sample_tokens` with an empty
+    output, and the healthy ranks' outputs are applied to the failed step alone).
     """
 
     report: WorkerReport = field(default_factory=WorkerReport)
     failed_forward_step: int | None = None
     sent: Sent = field(default_factory=dict)
-    step_id: int = 0
+    steps: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def step_id(self) -> int:
+        """Return the newest step any worker aggregated here had bound (0: none)."""
+        return max(self.steps.values(), default=0)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         """Return the sum of both reports (associative: counts per event add up), the
-        later failed-forward step, both workers' output numbers and the later step."""
+        later failed-forward step, both workers' output numbers and each worker's later
+        step."""
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate KVTierWorkerMetadata with {type(other).__name__}")
         steps = [s for s in (self.failed_forward_step, other.failed_forward_step) if s is not None]
+        bound = dict(self.steps)
+        for worker_id, step_id in other.steps.items():
+            bound[worker_id] = max(step_id, bound.get(worker_id, 0))
         return KVTierWorkerMetadata(
             WorkerReport.merge([self.report, other.report]),
             max(steps, default=None),
             merge_sent(self.sent, other.sent),
-            max(self.step_id, other.step_id),
+            bound,
         )

@@ -28,12 +28,12 @@ class PlanMemory:
     """The scheduler role's memory of its plans; `is_in_flight(event_id)` tells an
     event the offload scheduler still waits for."""
 
-    def __init__(self, is_in_flight: Callable[[int], bool]) -> None:
+    def __init__(self, is_in_flight: Callable[[int], bool], num_workers: int = 1) -> None:
         self._is_in_flight = is_in_flight
         self.fault_step = 0
         self._events: dict[int, tuple[int, ...]] = {}
         self._echoes: dict[int, tuple[str, ...]] = {}
-        self._receipts = Receipts()
+        self._receipts = Receipts(num_workers)
 
     def metadata(self, plan: TransferPlan, echoes: tuple[str, ...]) -> KVTierMetadata:
         """Return the metadata that sends `plan`, echoing `echoes` as never issued."""
@@ -60,7 +60,7 @@ class PlanMemory:
         if worker_meta is not None:
             if worker_meta.sent:
                 self._receipts.note(worker_meta.sent)
-            self._receipts.note_step(worker_meta.step_id)
+            self._receipts.note_steps(worker_meta.steps)
             failed_step = worker_meta.failed_forward_step
             if failed_step is not None and failed_step > self.fault_step:
                 self.fault_step = failed_step  # later plans' stores run again
@@ -74,7 +74,8 @@ class PlanMemory:
 
     @property
     def processed_step(self) -> int:
-        """Return the newest plan step whose worker outputs vLLM applied (0: none)."""
+        """Return the newest plan step whose outputs of every worker vLLM applied (0:
+        none)."""
         return self._receipts.processed_step
 
     def _earlier_events(self) -> dict[int, tuple[int, ...]]:

@@ -11,11 +11,12 @@ handled where it is seen: `WorkerSide`.)
 
 So every output with something in it gets a number (per worker, from 1), kept by the
 worker until the scheduler role acknowledges it: each plan carries the numbers it has
-applied per worker (`Receipts.acks`) and the newest step any output it applied came
-from (`Receipts.processed_step`). vLLM applies the outputs of every rank for one step
-together (or, salvaged, together with the next step's), and in step order: once the
-scheduler has applied an output of step `s` or later, an unacknowledged output of step
-`s` was dropped, never delayed. The worker then sends its contents again (`Outbox`);
+applied per worker (`Receipts.acks`) and the newest step whose outputs of every worker
+it applied (`Receipts.processed_step`). vLLM applies each rank's outputs in step order
+(a rank's output of a step together with the others', salvaged with the next step's, or,
+when another rank's forward raised, alone): once the scheduler has applied every
+worker's output of step `s` or later, an unacknowledged output of step `s` was dropped,
+never delayed. The worker then sends its contents again (`Outbox`);
 until it is acknowledged the worker puts an entry in every output, even an empty one,
 so that the scheduler learns which steps it has applied.
 """
@@ -135,10 +136,19 @@ def merge_outputs(outputs: Iterable[Output]) -> Output:
 
 
 class Receipts:
-    """The scheduler role's record of which worker outputs it applied."""
+    """The scheduler role's record of which worker outputs it applied.
 
-    def __init__(self) -> None:
+    `processed_step` is the newest step whose outputs of all `num_workers` workers were
+    applied: the oldest of each worker's newest applied step (0 until every worker's
+    came). Not the newest of any worker's: vLLM can apply one rank's output of a step
+    whose forward raised on another without it (Model Runner V1 with a batch queue), and
+    that other rank's report of the failure comes only with a later step's output.
+    """
+
+    def __init__(self, num_workers: int = 1) -> None:
         self.processed_step = 0
+        self._num_workers = num_workers
+        self._steps: dict[int, int] = {}  # worker id -> newest step applied from it
         self._upto: dict[int, int] = {}
         self._above: dict[int, set[int]] = {}
         self._acks: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -146,7 +156,7 @@ class Receipts:
     def note(self, sent: Sent) -> None:
         """Record the outputs of one applied worker metadata."""
         for worker_id, (step_id, numbers) in sent.items():
-            self.processed_step = max(self.processed_step, step_id)
+            self._note_worker_step(worker_id, step_id)
             upto = self._upto.get(worker_id, 0)
             above = self._above.setdefault(worker_id, set())
             again = [n for n in numbers if n <= upto or n in above]
@@ -159,10 +169,19 @@ class Receipts:
             self._upto[worker_id] = upto
             self._acks[worker_id] = (upto, tuple(sorted(above)))
 
-    def note_step(self, step_id: int) -> None:
-        """Record that vLLM applied the outputs of step `step_id` (empty ones too)."""
-        if step_id > self.processed_step:
-            self.processed_step = step_id
+    def note_steps(self, steps: Mapping[int, int]) -> None:
+        """Record that vLLM applied the outputs of the workers `steps` names (empty ones
+        too), each of the step it gives."""
+        for worker_id, step_id in steps.items():
+            self._note_worker_step(worker_id, step_id)
+
+    def _note_worker_step(self, worker_id: int, step_id: int) -> None:
+        steps = self._steps
+        if step_id <= steps.get(worker_id, 0):
+            return
+        steps[worker_id] = step_id
+        if len(steps) >= self._num_workers:
+            self.processed_step = max(self.processed_step, min(steps.values()))
 
     def acks(self) -> Acks:
         """Return, per worker, what a plan acknowledges (a copy)."""

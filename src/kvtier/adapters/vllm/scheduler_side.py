@@ -114,7 +114,8 @@ class SchedulerSide(SchedulerStats):
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
-        self._plans = PlanMemory(self.offload.is_in_flight)  # for ranks a fault hit
+        # for ranks a fault hit
+        self._plans = PlanMemory(self.offload.is_in_flight, parallel.world_size)
         self._last_step = 0  # the newest plan's step id
         # vLLM launches a step before the last one's forward ended (async scheduling, a
         # pipeline): only then may a request finish while a forward it counts may fail.

@@ -145,4 +145,5 @@ class WorkerResults(ABC):
         step_id = self._last_step_id
         if report.is_empty and failed_step is None and not sent and not step_id:
             return None  # no plan bound yet
-        return KVTierWorkerMetadata(report, failed_step, sent, step_id)
+        steps = {self.outbox.worker_id: step_id} if step_id else {}
+        return KVTierWorkerMetadata(report, failed_step, sent, steps)
