@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from gpu_eviction import evict_from_gpu
 from kvtier_vllm import check_quiescent, kvtier_harness, scheduler_side
 from random_ops import Engine
 from test_vllm_random_ops import explore
@@ -37,9 +38,6 @@ from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 HYBRID = (KVGroupDef(16), KVGroupDef(16, mamba=True))
 # Full attention in blocks of 32 beside an 8-token window in blocks of 16.
 SMALL_WINDOW = (KVGroupDef(32), KVGroupDef(16, 8))
-# Unrelated prompts that fill a 24-block GPU pool several times over: the GPU loses the
-# first prompts, the tier serves them.
-FILLERS = shared_prefix_prompts(8, prefix_len=80, suffix_len=3, num_prefixes=8, seed=7)
 Prompts = dict[str, list[int]]
 
 
@@ -68,14 +66,13 @@ def extended() -> tuple[Prompts, Prompts]:
 
 
 def tier_hits(harness: VllmHarness, workload: Callable[[], tuple[Prompts, Prompts]]) -> list[int]:
-    """Run the workload's first prompts, evict them from the GPU with the fillers, run
+    """Run the workload's first prompts, evict them from the GPU with fillers, run
     the second prompts; return their external hit tokens (the harness checks every
     loaded position and every state a forward starts from)."""
     first, again = workload()
     try:
         harness.run_requests(first, max_tokens=4)
-        for filler in FILLERS.items():  # one at a time: each evicts the previous ones
-            harness.run_requests(dict([filler]), max_tokens=4)
+        evict_from_gpu(harness, first)
         harness.run_requests(again, max_tokens=4)
         assert all(harness.local_hit_tokens(r) == 0 for r in again)
         return [harness.external_hit_tokens(r) for r in again]

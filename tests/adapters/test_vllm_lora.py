@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from gpu_eviction import evict_from_gpu
 from kvtier_vllm import (
     SCHEDULING,
     SLOT_BYTES,
@@ -30,9 +31,6 @@ from vllm_harness import VllmHarness, flatten_events, shared_prefix_prompts
 A = LoRARequest("adapter-a", 1, "/adapters/a")
 B = LoRARequest("adapter-b", 2, "/adapters/b")
 PROMPT = list(range(1000, 1053))  # 3 whole blocks of 16, then 5 tokens
-# Unrelated prompts, run one at a time, that fill a 16-block GPU pool several times over:
-# the GPU loses the earlier prompts' blocks, the tier keeps them.
-FILLERS = shared_prefix_prompts(6, prefix_len=80, suffix_len=3, num_prefixes=6, seed=7)
 
 
 def stored_blocks(harness: VllmHarness, medium: str) -> dict[Any, tuple[Any, ...]]:
@@ -53,11 +51,6 @@ def stored_blocks(harness: VllmHarness, medium: str) -> dict[Any, tuple[Any, ...
 def run_one(harness: VllmHarness, request_id: str, lora: LoRARequest | None) -> None:
     harness.add_request(request_id, PROMPT, max_tokens=3, lora_request=lora)
     harness.run()
-
-
-def evict_from_gpu(harness: VllmHarness) -> None:
-    for filler in FILLERS.items():  # one at a time: each evicts the previous ones
-        harness.run_requests(dict([filler]), max_tokens=3)
 
 
 def test_tier_events_of_lora_blocks_carry_vllm_s_lora_fields() -> None:
@@ -107,7 +100,7 @@ def test_a_prefix_stored_under_one_adapter_serves_that_adapter_only(
     )
     try:
         run_one(harness, "first", A)
-        evict_from_gpu(harness)
+        evict_from_gpu(harness, ["first"])
         for request_id, lora in (("other-adapter", B), ("base-model", None)):
             run_one(harness, request_id, lora)
             assert harness.local_hit_tokens(request_id) == 0
@@ -136,7 +129,7 @@ def test_two_adapters_under_max_loras_one_load_their_own_prefixes(scheduling: st
         for request_id, (prompt, lora) in runs.items():
             harness.add_request(request_id, prompt, max_tokens=3, lora_request=lora)
         harness.run()
-        evict_from_gpu(harness)
+        fillers = evict_from_gpu(harness, runs)
         for request_id, (prompt, lora) in runs.items():
             harness.add_request(f"again-{request_id}", [*prompt, 7], 3, lora_request=lora)
         adapters: list[set[str | None]] = []  # each run of steps' adapters, in order
@@ -148,7 +141,7 @@ def test_two_adapters_under_max_loras_one_load_their_own_prefixes(scheduling: st
                 adapters.append(names)
         assert adapters == [{"adapter-b"}, {"adapter-a"}]
         again = [f"again-{r}" for r in runs]
-        assert harness.finished == set(runs) | set(FILLERS) | set(again)
+        assert harness.finished == set(runs) | set(fillers) | set(again)
         assert [harness.local_hit_tokens(r) for r in again] == [0] * 4
         assert [harness.external_hit_tokens(r) for r in again] == [48] * 4
         check_quiescent(harness)

@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import test_vllm_random_ops
+from gpu_eviction import evict_from_gpu
 from kvtier_vllm import (
     SCHEDULING,
     PollGate,
@@ -53,8 +54,6 @@ AGAIN = {
     f"again-{r}": [*p[:PREFIX], *shared_prefix_prompts(1, 0, 9, seed=i)["req-0"]]
     for i, (r, p) in enumerate(PROMPTS.items())
 }
-# Unrelated prompts that fill a 24-block GPU pool (23 usable) several times over.
-FILLERS = shared_prefix_prompts(8, prefix_len=80, suffix_len=3, num_prefixes=8, seed=7)
 
 
 def mamba_harness(**overrides: Any) -> VllmHarness:
@@ -144,8 +143,7 @@ def test_evicted_shared_prefixes_come_back_from_the_tier_with_their_state(
         # vLLM offered every cached state block; kvtier stored one per prefix boundary.
         assert totals["handoff_outcome.stored"] > 0, totals
         assert tier_state_keys(harness) > 0
-        for filler in FILLERS.items():  # one at a time: each evicts the previous ones
-            run_checked(harness, dict([filler]))
+        evict_from_gpu(harness, PROMPTS, lambda filler: run_checked(harness, filler))
         totals = run_checked(harness, AGAIN)
         hits = {r: harness.admissions[r] for r in AGAIN}
         # The GPU lost the prefixes: the tier served them, states included (a wrong or

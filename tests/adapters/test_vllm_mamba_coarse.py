@@ -30,12 +30,13 @@ pytest.importorskip("vllm")
 
 import test_vllm_random_ops
 from forward_faults import drain_deferred_frees
+from gpu_eviction import evict_from_gpu
 from kvtier_vllm import check_quiescent, drain, kvtier_harness, scheduler_side
 from random_ops import Engine
 from table_mirror import audit_tier
 from test_vllm_mamba import run_checked
 from test_vllm_random_ops import explore
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 from vllm_engine import KVGroupDef
 from vllm_harness import VllmHarness, shared_prefix_prompts
 
@@ -83,30 +84,6 @@ def test_vllm_keeps_and_copies_a_partial_tail_state_and_kvtier_sees_whole_blocks
         harness.close()
 
 
-def gpu_hit_tokens(harness: VllmHarness, request: Request) -> int:
-    """Return the tokens of a request's prompt that vLLM's GPU prefix cache holds now."""
-    coordinator = harness.scheduler.kv_cache_manager.coordinator
-    hit = coordinator.find_longest_cache_hit(request.block_hashes, request.num_prompt_tokens - 1)
-    return int(hit[1])
-
-
-def evict_prompts(harness: VllmHarness) -> None:
-    """Run fillers, one at a time (each evicts the oldest free blocks), until vLLM's GPU
-    cache holds nothing of `PROMPTS`' requests.
-
-    How many that takes depends on when the workers' copies are reported: a store in
-    flight pins its GPU block, which goes to the free queue's MRU end once reported.
-    Reported two steps late (a CPU-starved copy thread), six fillers left every prompt's
-    first block on the GPU: the prompts came back as local hits, none from the tier.
-    """
-    prompts = [harness.requests[r] for r in PROMPTS]  # the fillers reuse their ids
-    for filler in EVICTING_FILLERS.items():
-        if not any(gpu_hit_tokens(harness, request) for request in prompts):
-            return
-        run_checked(harness, dict([filler]))
-    raise AssertionError([gpu_hit_tokens(harness, request) for request in prompts])
-
-
 @pytest.mark.parametrize("store_mode", ["eager", "lazy"])
 def test_whole_states_come_back_from_the_tier_and_partial_tails_are_dropped(
     store_mode: str,
@@ -116,7 +93,9 @@ def test_whole_states_come_back_from_the_tier_and_partial_tails_are_dropped(
         totals = run_checked(harness, PROMPTS, max_tokens=20)
         assert totals["handoff_outcome.dropped_partial_state"] > 0, totals
         assert totals["handoff_outcome.stored"] > 0, totals
-        evict_prompts(harness)
+        evict_from_gpu(
+            harness, PROMPTS, lambda filler: run_checked(harness, filler), EVICTING_FILLERS
+        )
         again = {f"again-{r}": p for r, p in PROMPTS.items()}
         totals = run_checked(harness, again, max_tokens=3)
         # The tier serves the whole first block, its state included (checked at admission),

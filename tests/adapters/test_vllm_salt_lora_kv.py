@@ -18,10 +18,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from fake_kv_cache import chain_fingerprints
+from gpu_eviction import evict_from_gpu
 from kvtier_vllm import SCHEDULING, SLOT_BYTES, check_quiescent, kvtier_harness, scheduler_side
 from vllm.lora.request import LoRARequest
 from vllm_engine import PrefixFingerprints
-from vllm_harness import shared_prefix_prompts
 
 A = LoRARequest("adapter-a", 1, "/adapters/a")
 B = LoRARequest("adapter-b", 2, "/adapters/b")
@@ -35,8 +35,6 @@ VARIANTS: dict[str, tuple[str | None, LoRARequest | None]] = {
     "a-salt-1": ("s1", A),
 }
 PROMPT = list(range(1000, 1053))  # 3 whole blocks of 16, then 5 tokens
-# Unrelated prompts, run one at a time, that fill a 16-block GPU pool several times over.
-FILLERS = shared_prefix_prompts(6, prefix_len=80, suffix_len=3, num_prefixes=6, seed=7)
 
 
 def tier_extra(tier: str, disk_dir: Path) -> dict[str, Any]:
@@ -92,13 +90,12 @@ def test_each_salt_and_adapter_gets_its_own_prefix_from_the_tiers(
             if tier == "cascade":
                 harness.run()
         harness.run()
-        for filler in FILLERS.items():  # one at a time: each evicts the previous ones
-            harness.run_requests(dict([filler]), max_tokens=2)
+        fillers = evict_from_gpu(harness, VARIANTS)
         again = {f"again-{name}": variant for name, variant in VARIANTS.items()}
         for request_id, (salt, lora) in again.items():
             harness.add_request(request_id, PROMPT, 2, cache_salt=salt, lora_request=lora)
         harness.run()
-        assert harness.finished == set(VARIANTS) | set(FILLERS) | set(again)
+        assert harness.finished == set(VARIANTS) | set(fillers) | set(again)
         assert [harness.local_hit_tokens(r) for r in again] == [0] * len(again)
         assert [harness.external_hit_tokens(r) for r in again] == [48] * len(again)
         assert scheduler_side(harness).offload.take_stats().num_tag_mismatches == 0
