@@ -63,6 +63,26 @@ _NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyT
 _FAULT_HORIZON = 16
 
 
+def _workers_heard(parallel: Any) -> int:
+    """Return how many workers' outputs reach this scheduler: every rank of the engine
+    (vLLM's `KVOutputAggregator` merges them), but one under an external launcher
+    (torchrun's `ExecutorWithExternalLauncher`: one rank per engine, nothing aggregated,
+    and a `world_size` that counts every engine's ranks). There the engines of one
+    tensor/pipeline-parallel group each plan alone, on the timing of their own rank's
+    copies, and would schedule different prefix hits: refused."""
+    if parallel.distributed_executor_backend != "external_launcher":
+        return int(parallel.world_size)
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "kvtier does not support tensor or pipeline parallelism under "
+            "distributed_executor_backend='external_launcher' (tensor_parallel_size="
+            f"{parallel.tensor_parallel_size}, pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}): each rank's engine would plan its "
+            "prefix hits alone"
+        )
+    return 1
+
+
 class SchedulerSide(SchedulerStats):
     """Translate one vLLM scheduler's connector calls for one `OffloadScheduler`.
 
@@ -94,12 +114,13 @@ class SchedulerSide(SchedulerStats):
         self.tier_sizes = tier_sizes(config, kv_cache_config, stage_layers)
         self.num_tier_blocks = self.tier_sizes[config.tier]
         spec = getattr(vllm_config, "speculative_config", None)
+        num_workers = _workers_heard(parallel)
         self.offload = OffloadScheduler(
             config,
             SchedulerSetup(
                 self.layout,
                 self.num_tier_blocks,
-                num_workers=parallel.world_size,
+                num_workers=num_workers,
                 num_disk_blocks=self.tier_sizes[Tier.DISK] if config.is_cascade else 0,
                 # Stage 0's under pipeline parallelism: its byte counters (`stats`).
                 bytes_per_slot=bytes_per_slot(kv_cache_config),
@@ -114,8 +135,7 @@ class SchedulerSide(SchedulerStats):
         self._events = EventTranslator.for_vllm(kv_cache_config) if config.events else None
         self._requests: dict[str, VllmRequestView] = {}
         self._unissued_failures: list[str] = []
-        # for ranks a fault hit
-        self._plans = PlanMemory(self.offload.is_in_flight, parallel.world_size)
+        self._plans = PlanMemory(self.offload.is_in_flight, num_workers)  # for faulted ranks
         self._last_step = 0  # the newest plan's step id
         # vLLM launches a step before the last one's forward ended (async scheduling, a
         # pipeline): only then may a request finish while a forward it counts may fail.

@@ -1,0 +1,55 @@
+"""kvtier under vLLM's external launcher (torchrun, `distributed_executor_backend=
+'external_launcher'`): each engine runs one rank (`ExecutorWithExternalLauncher`) and
+aggregates no outputs, while its `parallel_config.world_size` counts every engine's ranks
+(times `data_parallel_size`). The harness's one worker plays the engine's one rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_engine
+from kvtier_vllm import kvtier_harness, scheduler_side
+
+PROMPT = list(range(100, 165))  # 4 full blocks and one token
+
+
+def launched(monkeypatch: pytest.MonkeyPatch, data_parallel: int, tensor_parallel: int) -> None:
+    """Make the harness's vLLM config an external launcher's (world size as vLLM sets it)."""
+    build_vllm_config = vllm_engine.build_vllm_config
+
+    def with_launcher(cfg: Any, model_dir: str) -> Any:
+        vllm_config = build_vllm_config(cfg, model_dir)
+        parallel = vllm_config.parallel_config
+        parallel.distributed_executor_backend = "external_launcher"
+        parallel.data_parallel_size = data_parallel
+        parallel.tensor_parallel_size = tensor_parallel
+        parallel.world_size = tensor_parallel * data_parallel  # `ParallelConfig.__post_init__`
+        return vllm_config
+
+    monkeypatch.setattr(vllm_engine, "build_vllm_config", with_launcher)
+
+
+def test_a_data_parallel_engine_hears_its_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Was: 'engine still busy after 300 steps': every transfer event waited for a report
+    # of `world_size` (2) workers, and this engine has one, so no store ever completed.
+    launched(monkeypatch, data_parallel=2, tensor_parallel=1)
+    harness = kvtier_harness()
+    try:
+        harness.run_requests({"a": PROMPT}, max_tokens=2, max_steps=300)
+        assert not scheduler_side(harness).has_pending_stores()
+        assert harness.scheduler.reset_prefix_cache()
+        harness.run_requests({"b": [*PROMPT, 1]}, max_tokens=2, max_steps=300)
+        assert harness.external_hit_tokens("b") == 64  # checked KV (the harness's fingerprints)
+    finally:
+        harness.close()
+
+
+def test_tensor_parallel_engines_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Was: accepted, then as above (and the engines would plan different prefix hits).
+    launched(monkeypatch, data_parallel=1, tensor_parallel=2)
+    with pytest.raises(ValueError, match="external_launcher"):
+        kvtier_harness()
