@@ -58,8 +58,8 @@ _new_tuple = tuple.__new__
 _NOTHING_FINISHED = WorkerReport(done=MappingProxyType({}), failed=MappingProxyType({}))
 # Plans after which a finished request is no longer suspected when a forward fails: a
 # rank reports a failed forward in its next output, and vLLM keeps at most a pipeline's
-# stages (or 2, overlapped) steps in flight. A bound only: every worker output, an empty
-# one too, advances `PlanMemory.processed_step`, which ends the suspicion first.
+# stages (or 2, overlapped) steps in flight. A bound only: every rank's output of a step,
+# an empty one too, advances `PlanMemory.processed_step`, which ends the suspicion first.
 _FAULT_HORIZON = 16
 
 
