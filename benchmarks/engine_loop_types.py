@@ -60,6 +60,10 @@ class Request:
         """Return no extra keys: the benchmark's requests carry none."""
         return ()
 
+    def blocks_extra_keys(self, block_size: int, count: int) -> list[tuple[object, ...]]:
+        """Return no extra keys, `count` times."""
+        return [()] * count
+
 
 # --------------------------------------------------------------- config and records
 

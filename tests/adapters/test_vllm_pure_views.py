@@ -149,3 +149,45 @@ def test_batched_reads_of_vllm_blocks_read_their_slots_as_the_properties_do() ->
         ids = [3, 1, 2, 3]
         assert view.keys(ids) == [blocks[i].block_hash for i in ids]
         assert view.token_counts(ids) == [5, 0, 16, 5]
+
+
+def mm_item(identifier: str, offset: int, length: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length)
+    )
+
+
+LORA = SimpleNamespace(lora_name="a", lora_path="/p", lora_int_id=1)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"cache_salt": "salt"},
+        {"lora_request": LORA},
+        {"lora_request": LORA, "cache_salt": "salt"},
+        # Items in later blocks only (none in blocks 0 and 1), one spanning three blocks.
+        {"mm_features": [mm_item("img", 40, 30), mm_item("aud", 70, 2), mm_item("v", 100, 5)]},
+        {"mm_features": [mm_item("img", 60, 8)], "lora_request": LORA, "cache_salt": "salt"},
+        {"prompt_embeds": "embeds"},  # see below: per-block digests
+    ],
+    ids=["plain", "salt", "lora", "lora-salt", "mm", "mm-lora-salt", "embeds"],
+)
+def test_a_request_s_blocks_extra_keys_at_once_are_each_block_s(fields: dict[str, Any]) -> None:
+    """Lazy events note a finished request's extra keys for its whole table at once: each
+    block's are what `block_extra_keys` says of it, at every position (an item or an
+    embedding beyond the first blocks included)."""
+    pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    request = extra_keys_request(**fields)
+    if "prompt_embeds" in fields:
+        torch = pytest.importorskip("torch")
+        request.prompt_embeds = torch.arange(8 * 16 * 2, dtype=torch.float32).reshape(-1, 2)
+        request._prompt_embeds_per_block_hashes = {}
+    view = VllmRequestView(request)
+    each = [view.block_extra_keys(16 * i, 16 * (i + 1)) for i in range(8)]
+    assert view.blocks_extra_keys(16, 8) == each
+    assert view.blocks_extra_keys(16, 1) == each[:1]
+    assert view.blocks_extra_keys(16, 0) == []
+    if "mm_features" in fields:
+        assert all(each[2:5])  # the items' blocks have keys

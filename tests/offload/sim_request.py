@@ -91,6 +91,10 @@ class SimRequest:
     def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
         return self.hasher.block_extra_keys(start, end)
 
+    def blocks_extra_keys(self, block_size: int, count: int) -> list[tuple[object, ...]]:
+        size = block_size
+        return [self.block_extra_keys(i * size, (i + 1) * size) for i in range(count)]
+
     @property
     def is_done(self) -> bool:
         """Return True when no output is left to sample and the rest is computed.

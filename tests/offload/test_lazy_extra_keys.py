@@ -5,12 +5,17 @@ notes them per GPU block when its request finishes; a hand-off reads its request
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from sim import SimEngine, config, full_layout, make_request
 from test_scenarios_config_events import run_with_handoff, stored_events, three_group_layout
 
 from kvtier.core.extra_keys import MultiModalItem, RequestExtras
+from kvtier.core.keys import make_key
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
+from kvtier.offload.lazy_walk import LazyWalk
 from kvtier.offload.protocols import LoRAInfo
 
 EXTRAS = {
@@ -101,3 +106,54 @@ def test_a_block_used_again_loses_what_was_noted_of_its_last_request() -> None:
         event = events[block_hash]
         assert (event.lora_id, event.lora_name) == (None, None)
         assert event.extra_keys in (None, second.block_extra_keys(4 * pos, 4 * pos + 4))
+
+
+class KeyedPool:
+    """A GPU pool reduced to what `note_finished` reads: each block's primary key."""
+
+    def __init__(self, keys: dict[int, bytes | None]) -> None:
+        self.held = keys
+
+    def keys(self, block_ids: Sequence[int]) -> list[bytes | None]:
+        return [self.held.get(b) for b in block_ids]
+
+
+def test_a_finish_notes_each_block_under_its_own_position_s_key_only() -> None:
+    """Two groups, one of 8-token blocks over 4-token hashes: a finished request's block
+    is noted with the extra keys of its own position (the salt in block 0, an item in a
+    later block) only while it holds the request's key of that position; a block under
+    another key (a mid-block hash, another group's) or past the hashed prefix is not."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 8, 64),
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+        ),
+        4,
+    )
+    extras = RequestExtras(cache_salt="t", mm_items=(MultiModalItem("img", 17, 2),))
+    r = make_request("r", range(26), extras=extras)
+    h = r.block_hashes
+    assert len(h) == 6
+    pool = KeyedPool(
+        {
+            10: make_key(h[1], 0),
+            11: make_key(h[2], 0),
+            12: make_key(h[5], 0),
+            13: None,
+            **{20 + i: make_key(h[i], 1) for i in range(6)},
+            23: make_key(h[3], 0),
+            26: None,
+        }
+    )
+    walk = LazyWalk(record_loras=True)
+    walk.extra_keys[99] = ("other",)
+    walk.note_finished(layout, r, [[10, 11, 12, 13], list(range(20, 27))], pool)  # type: ignore[arg-type]
+    assert walk.extra_keys == {
+        99: ("other",),
+        10: r.block_extra_keys(0, 8),
+        12: r.block_extra_keys(16, 24),
+        **{20 + i: r.block_extra_keys(4 * i, 4 * i + 4) for i in (0, 1, 2, 4, 5)},
+    }
+    assert all(walk.extra_keys[b] for b in (10, 20))  # the salt
+    assert all(walk.extra_keys[b] for b in (12, 24))  # the item
+    assert walk.extra_keys[12] != walk.extra_keys[10]

@@ -49,6 +49,9 @@ class _Request:
     def block_extra_keys(self, start: int, end: int) -> tuple[object, ...]:
         return ()
 
+    def blocks_extra_keys(self, block_size: int, count: int) -> list[tuple[object, ...]]:
+        return [()] * count
+
 
 def trace_request(index: int, hash_ids: Sequence[int]) -> tuple[_Request, tuple[bytes, ...]]:
     """Return request `r{index}` of a trace record's blocks, and its block hashes."""

@@ -111,6 +111,11 @@ class Request:
         """Return the extra keys hashed into the block of tokens [start, end)."""
         return self.hasher.block_extra_keys(start, end)
 
+    def blocks_extra_keys(self, block_size: int, count: int) -> list[tuple[object, ...]]:
+        """Return `block_extra_keys` of the first `count` blocks of `block_size` tokens."""
+        size = block_size
+        return [self.block_extra_keys(i * size, (i + 1) * size) for i in range(count)]
+
     # ------------------------------------------------------------ engine side
 
     def append_output(self, token_id: int, now: float) -> None:

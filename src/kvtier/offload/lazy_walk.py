@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.core.keys import Key
+from kvtier.core.keys import Key, key_suffix
 from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.offload.block_payload import request_key
 from kvtier.offload.protocols import (
@@ -186,20 +186,36 @@ class LazyWalk:
         if not self.record_loras:
             return
         noted = self.extra_keys
-        last: tuple[object, ...] = ()
+        hashes = request.block_hashes
         for group_id, block_ids in enumerate(block_ids_per_group):
-            if not block_ids or not layout.groups[group_id].is_cacheable:
+            group = layout.groups[group_id]
+            if not block_ids or not group.is_cacheable:
                 continue
-            size = layout.groups[group_id].block_size
-            for pos, (block_id, key) in enumerate(
-                zip(block_ids, gpu_pool.keys(block_ids), strict=True)
-            ):
-                expected = request_key(layout, request, group_id, pos)
-                if expected is None:
-                    break  # not hashed, nor any later position
-                if key == expected:
-                    keys = request.block_extra_keys(pos * size, (pos + 1) * size)
-                    noted[block_id] = last = last if keys == last else keys  # shared
+            ratio = layout.blocks_per_hash(group_id)
+            count = min(len(block_ids), len(hashes) // ratio)  # the hashed positions
+            if not count:
+                continue
+            # Position `pos`'s key is the request's hash `(pos + 1) * ratio - 1`.
+            suffix = key_suffix(group_id)
+            matched = [
+                pos
+                for pos, (key, block_hash) in enumerate(
+                    zip(
+                        gpu_pool.keys(block_ids[:count]),
+                        hashes[ratio - 1 : count * ratio : ratio],
+                        strict=True,
+                    )
+                )
+                if key == block_hash + suffix
+            ]
+            if not matched:
+                continue
+            extra = request.blocks_extra_keys(group.block_size, matched[-1] + 1)
+            if len(matched) == count:  # the common case: every hashed position its own
+                noted.update(zip(block_ids[:count], extra, strict=True))
+            else:
+                for pos in matched:
+                    noted[block_ids[pos]] = extra[pos]
 
 
 def held_hits(

@@ -55,6 +55,12 @@ class RequestView(Protocol):
         when there are none. Read only for stored-block events' payloads."""
         ...
 
+    def blocks_extra_keys(self, block_size: int, count: int) -> Sequence[tuple[object, ...]]:
+        """Return the extra keys of the request's first `count` blocks of `block_size`
+        tokens, each as `block_extra_keys` gives it (lazy events: a finished request's
+        whole table at once)."""
+        ...
+
 
 class GpuBlockView(Protocol):
     """One block of the engine's GPU pool."""

@@ -139,6 +139,36 @@ class VllmRequestView:
         keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
         return tuple(keys) if keys else ()
 
+    def blocks_extra_keys(self, block_size: int, count: int) -> list[tuple[object, ...]]:
+        """Return `block_extra_keys` of the first `count` blocks of `block_size` tokens.
+
+        Without multimodal items or prompt embeddings (vLLM's only keys that depend on a
+        block's tokens), every block but the first has the second's keys (a LoRA's or
+        none): those two are computed and the second's repeated. Else block by block,
+        vLLM's multimodal index carried from one block to the next, as its hasher does.
+        """
+        if count <= 0:
+            return []
+        request = self.request
+        if not request.mm_features and request.prompt_embeds is None:
+            first = self.block_extra_keys(0, block_size)
+            if count == 1:
+                return [first]
+            rest = self.block_extra_keys(block_size, 2 * block_size)
+            return [first, *([rest] * (count - 1))]
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+        out: list[tuple[object, ...]] = []
+        mm_index = 0
+        last: tuple[object, ...] = ()
+        for start in range(0, count * block_size, block_size):
+            keys, mm_index = generate_block_hash_extra_keys(
+                request, start, start + block_size, mm_index
+            )
+            block = tuple(keys) if keys else ()
+            out.append(last := last if block == last else block)  # equal keys shared
+        return out
+
 
 class VllmGpuBlockView:
     """One block of vLLM's GPU pool as a kvtier `GpuBlockView`."""
