@@ -13,17 +13,12 @@ import logging
 import re
 
 import pytest
+from test_vllm_config_edges import GIB, convert
 
-from kvtier.adapters.vllm.config import offload_config_from_vllm
 from kvtier.offload.config import ConfigError, OffloadConfig
 from kvtier.offload.plan import Tier
 
-GIB = 1024**3
 DISK = {"cpu_bytes": GIB, "disk_bytes": GIB, "disk_path": "/tmp/kv"}
-
-
-def convert(extra: dict[str, object], world_size: int = 1) -> OffloadConfig:
-    return offload_config_from_vllm(extra, world_size, max_batched_tokens=2048, events=False)
 
 
 @pytest.mark.parametrize(
