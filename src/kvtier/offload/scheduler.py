@@ -320,10 +320,8 @@ class OffloadScheduler(SchedulerObservability):
                 selector.select_partial_tail(request, state)
         if not computed:
             hold_back_unconfirmed(selector, self.config.store_mode, request, block_ids_per_group)
-        elif selector.lazy.record_loras and self.config.store_mode is StoreMode.LAZY:
-            selector.lazy.note_finished(
-                self.layout, request, block_ids_per_group, selector.gpu_pool
-            )
+        elif (lazy := selector.lazy).record_loras and self.config.store_mode is StoreMode.LAZY:
+            lazy.note_finished(self.layout, request, block_ids_per_group, selector.gpu_pool)
         selector.untrack(request_id)
         selector.across_reset.discard(request_id)
         self._plans.forget(request_id)
