@@ -145,3 +145,33 @@ def test_a_tied_sampled_token_ranks_after_its_ties_as_in_vllm() -> None:
     expected = math.log(math.e**3 / (2 * math.e**3 + math.e + 1))
     assert only[1].logprob == pytest.approx(expected)
     assert request.cumulative_logprob == pytest.approx(expected)
+
+
+def test_a_tied_sampled_token_among_the_top_ones_takes_its_top_rank_as_in_vllm() -> None:
+    """vLLM builds a position's dict from the sampled token (rank: the tokens at least as
+    likely) then the `logprobs` most likely (ranks 1, 2, ...), so a sampled token among
+    them ends with its rank there. Tokens 0 and 1 tie: whichever is sampled, vLLM 0.33
+    (`Sampler.gather_logprobs` + `append_logprobs_for_next_position`) ranks them 1 and 2.
+
+    Regression: the sampled token kept its count rank 2 where topk put it first, so
+    both tied tokens were ranked 2 (found by a differential run against vLLM's sampler).
+    """
+    logits = torch.tensor([[3.0, 3.0, 0.0, 1.0]])
+    expected = math.log(math.e**3 / (2 * math.e**3 + math.e + 1))
+    for token in (0, 1):
+        request = SimpleNamespace(
+            params=SamplingParams(logprobs=2),
+            kept_logits=[],
+            sample_logprobs=[],
+            cumulative_logprob=0.0,
+        )
+        step: Any = SimpleNamespace(work=[SimpleNamespace(request=request)])
+        keep_sampled(step, [token], logits, keep_logits=False)
+        (position,) = request.sample_logprobs
+        assert next(iter(position)) == token
+        assert set(position) == {0, 1}
+        assert sorted(logprob.rank for logprob in position.values()) == [1, 2]
+        assert [logprob.logprob for logprob in position.values()] == pytest.approx(
+            [expected, expected]
+        )
+        assert request.cumulative_logprob == pytest.approx(expected)

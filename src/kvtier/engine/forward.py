@@ -59,7 +59,10 @@ def keep_sampled(
 
     As vLLM's: raw logprobs (the log-softmax of the logits, before temperature), the
     sampled token first with its rank in the vocab, then the `logprobs` most likely
-    (-1: all), and the sampled tokens' logprobs summed in `cumulative_logprob`.
+    (-1: all) ranked 1, 2, ... in order, and the sampled tokens' logprobs summed in
+    `cumulative_logprob`. A sampled token among the most likely keeps its place first
+    but takes its rank there, as vLLM's dict of them does (the two ranks differ only
+    where it ties with tokens ranked after it).
     """
     for index, work in enumerate(step.work):
         token, request = sampled[index], work.request
@@ -77,6 +80,6 @@ def keep_sampled(
         position = {token: Logprob(chosen, int((logprobs >= chosen).sum()))}
         top = logprobs.topk(len(logprobs) if num_top == -1 else num_top)
         for rank, (value, top_token) in enumerate(zip(top.values, top.indices, strict=True)):
-            position.setdefault(int(top_token), Logprob(float(value), rank + 1))
+            position[int(top_token)] = Logprob(float(value), rank + 1)
         request.sample_logprobs.append(position)
         request.cumulative_logprob += chosen
