@@ -15,6 +15,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,6 +190,21 @@ def test_min_tokens_masks_eos_even_with_ignore_eos_as_vllm() -> None:
     params = SamplingParams(min_tokens=2, ignore_eos=True)
     assert sample(torch.tensor([[0.0, 5.0, 1.0]]), [params], [None], [([0], [2])], [1]) == [2]
     assert sample(torch.tensor([[0.0, 5.0, 1.0]]), [params], [None], [([0], [2, 2])], [1]) == [1]
+
+
+def test_repetition_penalty_divides_positive_logits_as_vllms_cuda_kernel() -> None:
+    """vLLM's CUDA kernel (`apply_repetition_penalties_`) divides a seen token's positive
+    logit by the float32 penalty; its CPU fallback multiplies by 1/penalty instead, one
+    float32 bit apart on some values. The engine follows the kernel vLLM serves with."""
+    penalty = np.float32(1.3)
+    logits = np.array([4.125, 4.875, -4.125, 1.0], dtype=np.float32)
+    divided = [logits[0] / penalty, logits[1] / penalty, logits[2] * penalty, logits[3]]
+    reciprocal = [logits[0] * (np.float32(1) / penalty), logits[1] * (np.float32(1) / penalty)]
+    assert [divided[0], divided[1]] == [np.float32(3.173077), np.float32(3.7500002)]
+    assert reciprocal == [np.float32(3.1730769), np.float32(3.75)]  # the CPU fallback's
+    params = SamplingParams(repetition_penalty=1.3)
+    out = adjusted_logits(torch.from_numpy(logits).unsqueeze(0), [params], [([0, 1], [2])], ())
+    assert out[0].tolist() == [float(value) for value in divided]
 
 
 def test_penalties_without_histories_are_refused() -> None:

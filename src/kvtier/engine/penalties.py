@@ -7,7 +7,9 @@ As vLLM 0.33's sampler, on the float32 logits before temperature and the `min_p`
    (vLLM's `all_stop_token_ids`: the model's EOS ids, even with `ignore_eos`, and the
    request's `stop_token_ids`), so it cannot stop early.
 2. `repetition_penalty`: each token in its prompt or output so far has a positive logit
-   divided by it, a negative one multiplied by it (> 1 discourages repeating).
+   divided by it, a negative one multiplied by it (> 1 discourages repeating). Divided
+   as vLLM's CUDA kernel (`apply_repetition_penalties_`) divides, in float32; vLLM's
+   CPU fallback multiplies by 1/penalty instead, which may differ in the last bit.
 3. `frequency_penalty` times the token's count in the output so far, then
    `presence_penalty` once for a token in the output, are subtracted (OpenAI's
    definition; the prompt does not count).
