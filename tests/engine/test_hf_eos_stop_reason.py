@@ -74,10 +74,15 @@ def _tokenizer_json(token_id: int, added: bool) -> dict[str, Any]:
         (2, [7, 2], {"tokenizer_config.json": _tokenizer_config(7),
                      "special_tokens_map.json": {"eos_token": "a"},
                      "tokenizer.json": _tokenizer_json(7, added=False)}, (2, 7), (2,)),
+        # A generation_config.json replaces config.json's EOS ids (vLLM reads the file
+        # alone, as transformers' GenerationConfig.from_pretrained): 2 and 5 stop nothing.
+        ([2, 5], [7, 9], {"tokenizer_config.json": _tokenizer_config(7)}, (7, 9), (9,)),
+        ([2, 5], {"temperature": 0.5}, {"tokenizer_config.json": _tokenizer_config(7)},
+         (7,), ()),
     ],
     ids=["qwen2-instruct", "no-tokenizer", "no-generation-config", "vocab-token", "only-tok",
          "tokenizer-eos-outside-vocab", "special-map-wins", "special-map-only",
-         "special-map-unread"],
+         "special-map-unread", "generation-replaces-config", "generation-without-eos"],
 )  # fmt: skip
 def test_eos_stop_token_ids_are_the_generation_eos_ids_but_the_tokenizers(
     tmp_path: Path,

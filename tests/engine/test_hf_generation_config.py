@@ -1,4 +1,4 @@
-"""A checkpoint's `generation_config.json` adds its `eos_token_id`s to the EOS tokens.
+"""A checkpoint's `generation_config.json` gives its `eos_token_id`s as EOS tokens.
 
 Regression: only config.json's `eos_token_id` stopped generation. Chat checkpoints keep
 their end-of-turn token in generation_config.json alone (Qwen2-Instruct: config.json
@@ -52,14 +52,32 @@ def test_generation_stops_at_an_eos_token_of_generation_config(tmp_path: Path) -
     assert _generate(path, SamplingParams(max_tokens=8, ignore_eos=True)) == (tokens, "length")
 
 
+def test_config_json_eos_stops_nothing_beside_a_generation_config(tmp_path: Path) -> None:
+    """vLLM's generation config is the file's alone (transformers'
+    `GenerationConfig.from_pretrained`): config.json's `eos_token_id` does not stop a
+    request there (nor is masked by `min_tokens`) unless the file or the tokenizer
+    names it. Regression: the engine stopped at it too, 4 tokens in instead of 8."""
+    path = _save_checkpoint(tmp_path, {**TINY_HF_CONFIG, "eos_token_id": None})
+    tokens, _ = _generate(path, SamplingParams(max_tokens=8))
+    eos = tokens[3]
+    assert eos not in tokens[:3]
+    _save_checkpoint(tmp_path, {**TINY_HF_CONFIG, "eos_token_id": [127, eos]})
+    assert _generate(path, SamplingParams(max_tokens=8)) == (tokens[:4], "stop")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 127}))
+    assert _generate(path, SamplingParams(max_tokens=8)) == (tokens, "length")
+
+
 @pytest.mark.parametrize(
     ("config_eos", "generation", "expected"),
     [
         (2, {"eos_token_id": [7, 2]}, (2, 7)),
         (2, {"eos_token_id": 7}, (2, 7)),
-        ([2, 5], {"eos_token_id": None}, (2, 5)),
+        # The file replaces config.json's EOS ids (vLLM's and transformers' generation
+        # config); config.json's first stands for the tokenizer's (no tokenizer files).
+        ([2, 5], {"eos_token_id": None}, (2,)),
+        ([2, 5], {"eos_token_id": [7]}, (2, 7)),
         (None, {"eos_token_id": [9]}, (9,)),
-        (2, {"temperature": 0.6}, (2,)),  # no eos_token_id: config.json's alone
+        (2, {"temperature": 0.6}, (2,)),  # no eos_token_id: config.json's first alone
     ],
 )
 def test_eos_tokens_are_config_then_generation_config(

@@ -46,11 +46,14 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     value takes the same, but null KV heads are as many as the query heads (both configs).
     A missing required key raises KeyError naming it; any other problem ValueError.
 
-    The EOS tokens are config.json's `eos_token_id`s, then those of a
-    `generation_config.json` beside it (as vLLM and transformers stop at them: chat
-    checkpoints name their end-of-turn token there alone), then the tokenizer's EOS
-    (`tokenizer_eos_token_id`), at which vLLM stops too. As vLLM, the generation
-    config's EOS ids but the tokenizer's are reported as `stop_reason`
+    The EOS tokens are vLLM's: the tokenizer's EOS (`tokenizer_eos_token_id`; where
+    the tokenizer files name none, config.json's first `eos_token_id` stands for it)
+    and the generation config's `eos_token_id`s, which are a `generation_config.json`'s
+    where one lies beside config.json (chat checkpoints name their end-of-turn token
+    there alone), else config.json's (transformers' `GenerationConfig.from_model_config`).
+    The file replaces config.json's, as in vLLM and transformers: config.json's other
+    EOS ids stop nothing then. As vLLM, the generation config's EOS ids but the
+    tokenizer's are reported as `stop_reason`
     (`ModelConfig.eos_stop_token_ids`). An EOS id outside the vocab
     (a checkpoint whose vocab was cut down) is left out with a warning: the model can
     never sample it, and vLLM serves such checkpoints too.
@@ -75,7 +78,6 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     tokenizer_ids = _in_vocab(
         () if tokenizer_eos is None else (tokenizer_eos,), config.vocab_size, config_path.parent
     )
-    eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + more + tokenizer_ids))
     # vLLM's generation config: the file's, else one made from config.json (transformers'
     # from_model_config). Its EOS ids but the tokenizer's (unknown: config.json's first)
     # are the request's stop token ids there, so they are reported as its stop_reason.
@@ -83,6 +85,10 @@ def read_hf_config(path: str | Path, dtype: torch.dtype = torch.float32) -> Mode
     generated = more if generation_path.is_file() else config.eos_token_ids
     primary = config.eos_token_ids[:1] if tokenizer_eos is None else (tokenizer_eos,)
     stops = tuple(token for token in dict.fromkeys(generated) if token not in primary)
+    # vLLM stops at (and min_tokens masks) these alone: kept in the files' order.
+    kept = {*generated, *(config.eos_token_ids[:1] if tokenizer_eos is None else tokenizer_ids)}
+    named = dict.fromkeys(config.eos_token_ids + more + tokenizer_ids)
+    eos_token_ids = tuple(token for token in named if token in kept)
     return dataclasses.replace(config, eos_token_ids=eos_token_ids, eos_stop_token_ids=stops)
 
 
