@@ -152,3 +152,25 @@ def test_filters_without_a_temperature_stay_greedy_with_a_warning(
     ):
         pass
     assert "no temperature" not in caplog.text
+
+
+def test_the_files_skip_special_tokens_is_taken_or_said_not_applied(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's defaults take the file's `skip_special_tokens` (`get_diff_sampling_param`).
+    The engine makes no text: true is its own default, false (keep them in the text)
+    cannot be honoured and is not applied, with a warning naming the file, not refused.
+
+    Regression: the key was dropped without a word."""
+    path = _checkpoint(tmp_path, {"skip_special_tokens": False, "max_new_tokens": 4})
+    with caplog.at_level(logging.WARNING), LLM(path, engine=ENGINE) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams(max_tokens=4)
+        (out,) = llm.generate(PROMPTS[:1])
+    assert len(out.output_token_ids) <= 4
+    expected = f"{path / 'generation_config.json'} sets skip_special_tokens=false: not applied"
+    assert expected in caplog.text
+    caplog.clear()
+    path = _checkpoint(tmp_path, {"skip_special_tokens": True})
+    with caplog.at_level(logging.WARNING), LLM(path, engine=ENGINE) as llm:
+        assert llm.get_default_sampling_params().skip_special_tokens is True
+    assert "skip_special_tokens" not in caplog.text

@@ -1,4 +1,5 @@
-"""`SamplingParams` takes vLLM's `n`, `detokenize` and `stop` at the values the reference
+"""`SamplingParams` takes vLLM's `n`, `detokenize`, `skip_special_tokens` and `stop` at the
+values the reference
 engine honours, refusing others by value and saying what to do instead, and `logprobs` as
 vLLM does (what they return: test_llm_vllm_logprobs).
 
@@ -27,8 +28,15 @@ def tokens(params: SamplingParams) -> tuple[int, ...]:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"n": 1}, {"logprobs": 3}, {"detokenize": False}, {"stop": None}, {"stop": []}],
-    ids=["n", "logprobs", "detokenize", "stop-none", "stop-empty"],
+    [
+        {"n": 1},
+        {"logprobs": 3},
+        {"detokenize": False},
+        {"skip_special_tokens": True},
+        {"stop": None},
+        {"stop": []},
+    ],
+    ids=["n", "logprobs", "detokenize", "skip-special", "stop-none", "stop-empty"],
 )
 def test_vllm_fields_at_values_the_engine_honours_run_unchanged(fields: dict[str, Any]) -> None:
     params = SamplingParams(max_tokens=6, ignore_eos=True, **fields)
@@ -46,6 +54,13 @@ def test_vllm_fields_at_values_the_engine_honours_run_unchanged(fields: dict[str
         ({"logprobs": -2}, ValueError, r"logprobs must be non-negative or -1, got -2"),
         ({"logprobs": 1.5}, TypeError, r"logprobs must be an int or None, got 1.5"),
         ({"detokenize": "no"}, TypeError, r"detokenize must be a bool, got 'no'"),
+        # No text to keep them in: refused, not silently ignored (token_ids hold them).
+        (
+            {"skip_special_tokens": False},
+            ValueError,
+            r"skip_special_tokens=False: the reference engine has no tokenizer .* token_ids",
+        ),
+        ({"skip_special_tokens": 0}, TypeError, r"skip_special_tokens must be a bool, got 0"),
         ({"stop": "\n"}, ValueError, r"stop='\\n': stop strings need a tokenizer, .* stop_token_"),
         ({"stop": ["a", "b"]}, ValueError, r"stop=\['a', 'b'\]: stop strings need a tokenizer"),
         ({"stop": [3]}, TypeError, r"stop must be a str, a list of str or None, got \[3\]"),

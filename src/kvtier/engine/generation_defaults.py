@@ -2,9 +2,11 @@
 
 As vLLM's `LLM.get_default_sampling_params` (`ModelConfig.get_diff_sampling_param`):
 the file's `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `temperature`,
-`top_k`, `top_p`, `min_p` and `max_new_tokens` (vLLM's `max_tokens`) are the defaults
-of a `generate` call given no sampling params; what the file leaves out keeps
-`SamplingParams`' default. vLLM reads the file through transformers'
+`top_k`, `top_p`, `min_p`, `max_new_tokens` (vLLM's `max_tokens`) and
+`skip_special_tokens` are the defaults of a `generate` call given no sampling params;
+what the file leaves out keeps `SamplingParams`' default. The engine makes no text, so
+a `skip_special_tokens` of false (keep them in the text) is not applied, with a warning
+saying so, rather than refusing a checkpoint vLLM serves. vLLM reads the file through transformers'
 `GenerationConfig.to_diff_dict`, which drops the values equal to transformers' defaults:
 with transformers 5 (vLLM 0.33's) every default is None, so each value the file gives is
 kept (a `top_k` of 50 too). The penalties apply to greedy requests too, as in vLLM. The
@@ -35,6 +37,7 @@ _FIELDS = {
     "top_p": "top_p",
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
+    "skip_special_tokens": "skip_special_tokens",
 }
 
 
@@ -53,6 +56,13 @@ def default_sampling_params(model: str | Path | object) -> SamplingParams:
     with path.open(encoding="utf-8") as f:
         data: dict[str, Any] = json.load(f)  # read already by ModelConfig.from_hf_config
     fields = {field: data[key] for key, field in _FIELDS.items() if data.get(key) is not None}
+    if fields.get("skip_special_tokens") is False:
+        del fields["skip_special_tokens"]
+        logger.warning(
+            "%s sets skip_special_tokens=false: not applied, the engine has no tokenizer and "
+            "makes no text (special tokens are in the outputs' token_ids)",
+            path,
+        )
     try:
         params = SamplingParams(**fields)
     except (TypeError, ValueError) as exc:

@@ -63,10 +63,12 @@ class SamplingParams:
     As in vLLM, a request stops at `max_tokens` output tokens or when it holds the
     model's `max_position` (vLLM's `max_model_len`) tokens, whichever comes first
     (finish reason "length"); `max_tokens=None` means up to the model's length.
-    vLLM's `n`, `detokenize` and `stop` are taken at the values the engine honours:
-    `n=1`, either `detokenize` (no text is made either way) and no stop strings (None or
-    empty, stored as ()); other values raise ValueError naming the value and what to do
-    instead. `logprobs` is taken as vLLM takes it (True is 1); the engine refuses more
+    vLLM's `n`, `detokenize`, `skip_special_tokens` and `stop` are taken at the values
+    the engine honours: `n=1`, either `detokenize` (no text is made either way),
+    `skip_special_tokens=True` (the text, always "", holds no special tokens; False
+    would keep them in a text the engine has no tokenizer to make) and no stop strings
+    (None or empty, stored as ()); other values raise ValueError naming the value and
+    what to do instead. `logprobs` is taken as vLLM takes it (True is 1); the engine refuses more
     than `EngineConfig.max_logprobs` (vLLM's `max_logprobs`, 20 by default) per request.
 
     vLLM's `top_k` (an int; 0 or -1: off), `top_p` (in (0, 1]) and `min_p` (in [0, 1])
@@ -94,6 +96,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     detokenize: bool = True
+    skip_special_tokens: bool = True
     stop: tuple[str, ...] = ()
     top_p: float = 1.0
     top_k: int = 0
@@ -189,8 +192,9 @@ class SamplingParams:
             object.__setattr__(self, "min_p", 0.0)
 
     def _check_vllm_only_fields(self) -> None:
-        """Take vLLM's `n`, `logprobs`, `detokenize` and `stop` at the values the engine
-        honours; raise TypeError / ValueError naming the field and value otherwise."""
+        """Take vLLM's `n`, `logprobs`, `detokenize`, `skip_special_tokens` and `stop` at
+        the values the engine honours; raise TypeError / ValueError naming the field and
+        value otherwise."""
         if not _is_int(self.n):
             raise TypeError(f"n must be an int, got {self.n!r}")
         if self.n < 1:
@@ -214,6 +218,14 @@ class SamplingParams:
         if not _is_bool(self.detokenize):
             raise TypeError(f"detokenize must be a bool, got {self.detokenize!r}")
         object.__setattr__(self, "detokenize", bool(self.detokenize))
+        if not _is_bool(self.skip_special_tokens):
+            raise TypeError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        if not self.skip_special_tokens:
+            raise ValueError(
+                "skip_special_tokens=False: the reference engine has no tokenizer and makes "
+                "no text to keep special tokens in; read them in the output's token_ids"
+            )
+        object.__setattr__(self, "skip_special_tokens", True)
         stop = self.stop
         if stop is None or (isinstance(stop, (list, tuple)) and not stop):
             object.__setattr__(self, "stop", ())  # vLLM's default: none
