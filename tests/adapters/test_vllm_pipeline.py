@@ -56,8 +56,11 @@ def stage_kv_cache_config(cfg: HarnessConfig, vllm_config: object, stage: int) -
     return config
 
 
-def pipeline_harness(monkeypatch: pytest.MonkeyPatch) -> VllmHarness:
-    """Return a harness whose scheduler has stage 0's config and rank r is stage r."""
+def pipeline_harness(
+    monkeypatch: pytest.MonkeyPatch, first_stage: type[ConnectorWorker] = ConnectorWorker
+) -> VllmHarness:
+    """Return a harness whose scheduler has stage 0's config and rank r is stage r
+    (stage 0's worker role called as `first_stage` calls it)."""
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", ",".join(map(str, STAGE_LAYERS)))
     build_vllm_config = vllm_engine.build_vllm_config
     build_kv_cache_config = vllm_engine.build_kv_cache_config
@@ -79,8 +82,13 @@ def pipeline_harness(monkeypatch: pytest.MonkeyPatch) -> VllmHarness:
         stage = harness.caches.index(cache)
         config = stage_kv_cache_config(harness.cfg, harness.vllm_config, stage)
         harness.caches[stage] = FakeKVCache(config)  # the fake forward fills this stage's
-        with mock.patch.object(worker_side, "distributed_rank", return_value=stage):
-            return ConnectorWorker.create(harness.vllm_config, config, harness.caches[stage])
+        last = stage == len(STAGE_LAYERS) - 1
+        worker_type = first_stage if stage == 0 else ConnectorWorker
+        with (
+            mock.patch.object(worker_side, "distributed_rank", return_value=stage),
+            mock.patch.object(worker_side, "last_pipeline_stage", return_value=last),
+        ):
+            return worker_type.create(harness.vllm_config, config, harness.caches[stage])
 
     cfg = kvtier_config(
         num_layers=sum(STAGE_LAYERS),

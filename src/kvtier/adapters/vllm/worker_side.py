@@ -28,7 +28,9 @@ calls nothing more after `pre_forward` (`handle_preemptions`, bind, synchronous 
 the next bind finds the plan's results never taken and fails the jobs it never
 submitted. With a speculative config both runners call `wait_for_save` after the
 drafter's forward (which writes the draft layers' KV), past the result calls: a drafter
-that raises skips it, and the next bind takes that step as a failed forward too. In
+that raises skips it, and the next bind takes that step as a failed forward too. (V1
+defers it on every pipeline stage, but only the last, the drafter's, ever calls it: an
+earlier stage submits its stores in `get_transfer_results` instead.) In
 every case the stores of every plan built before the scheduler role learned of the
 failure (`KVTierMetadata.fault_step`) are reported failed.
 
@@ -90,6 +92,17 @@ def distributed_rank() -> int | None:
     return None if world is None else int(world.rank)
 
 
+def last_pipeline_stage() -> bool:
+    """Return whether this rank is in vLLM's last pipeline stage (True without vLLM's
+    distributed state: one process)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return bool(parallel_state.get_pp_group().is_last_rank)
+    except AssertionError:  # "pipeline model parallel group is not initialized"
+        return True
+
+
 def file_rank(device_index: int | None) -> int:
     """Return the number in this worker's tier file names (`kvtier-rank{N}.slots`).
 
@@ -145,6 +158,9 @@ class WorkerSide(WorkerResults):
         self.outbox = Outbox()  # outputs until acknowledged (`redelivery`)
         self._resend: Output | None = None  # dropped outputs, sent again this step
         self._output = Output(0)  # what this step's output carries so far, resends aside
+        # An earlier pipeline stage runs no drafter, but Model Runner V1 still defers its
+        # `wait_for_save` when speculating, to a finalize only the last stage calls.
+        self._saves_with_results = bool(stage_layers) and not last_pipeline_stage()
 
     @property
     def worker(self) -> OffloadWorker:
@@ -255,6 +271,14 @@ class WorkerSide(WorkerResults):
         self._plan_fault_step = metadata.fault_step
         self._last_step_id = max(last, step_id)
         self._loads_submitted = self._stores_submitted = self._results_taken = False
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """As `WorkerResults.take_results`; on an earlier pipeline stage submit the
+        stores first, as `wait_for_save` would have right before (the stage writes no
+        KV after its forward: the drafter runs on the last stage only)."""
+        if self._saves_with_results:
+            self.submit_stores()
+        return super().take_results()
 
     def _unsubmitted(self, plan: TransferPlan) -> Iterator[int]:
         """Yield the events of the bound `plan`'s jobs never handed to the worker."""
