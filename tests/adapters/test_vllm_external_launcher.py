@@ -12,7 +12,9 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_engine
-from kvtier_vllm import kvtier_harness, scheduler_side
+from kvtier_vllm import SLOT_BYTES, kvtier_harness, scheduler_side
+
+from kvtier.adapters.vllm.connector import connector_config
 
 PROMPT = list(range(100, 165))  # 4 full blocks and one token
 
@@ -53,3 +55,22 @@ def test_tensor_parallel_engines_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     launched(monkeypatch, data_parallel=1, tensor_parallel=2)
     with pytest.raises(ValueError, match="external_launcher"):
         kvtier_harness()
+
+
+def test_cpu_bytes_to_use_is_shared_by_the_engines_as_vllm_shares_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM 0.33's SimpleCPUOffloadConnector (`cpu_bytes_to_use // world_size`) and
+    # OffloadingConnector (chunks of `world_size` workers' blocks) divide by the
+    # launcher's world size, every engine's ranks: so does kvtier, and a config moved
+    # between them keeps its memory. `cpu_bytes_to_use_per_rank` is one engine's.
+    launched(monkeypatch, data_parallel=2, tensor_parallel=1)
+    harness = kvtier_harness()
+    try:
+        transfer = harness.vllm_config.kv_transfer_config
+        transfer.kv_connector_extra_config = {"cpu_bytes_to_use": 64 * SLOT_BYTES}
+        assert connector_config(harness.vllm_config).cpu_bytes == 32 * SLOT_BYTES
+        transfer.kv_connector_extra_config = {"cpu_bytes_to_use_per_rank": 64 * SLOT_BYTES}
+        assert connector_config(harness.vllm_config).cpu_bytes == 64 * SLOT_BYTES
+    finally:
+        harness.close()

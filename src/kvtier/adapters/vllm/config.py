@@ -9,7 +9,8 @@ Two spellings are accepted, never mixed for one setting:
   the two halves as `eviction_policy` / `admission_policy`). Byte budgets are per rank.
 - vLLM SimpleCPUOffloadConnector's keys, so a deployment can swap connectors without
   touching its config: `cpu_bytes_to_use` (one engine's total, divided by vLLM's world size,
-  tensor x pipeline ranks: each data-parallel engine takes it again),
+  tensor x pipeline ranks: each data-parallel engine takes it again; under the external
+  launcher that world size counts every engine, and vLLM's own connectors divide by it too),
   `cpu_bytes_to_use_per_rank`, `num_cpu_blocks`, `lazy_offload`, `kv_offload_backend`
   (`"cpu"` | `"disk"` | `"cascade"` / `"cpu+disk"`), `disk_capacity_bytes` (per rank),
   `use_page_cache`, and the shared `disk_path`, `disk_buffer_slots`, `cascade`. Their
