@@ -54,7 +54,7 @@ def test_a_combined_policy_name_in_a_policy_field_says_how_to_split_it() -> None
     with pytest.raises(ConfigError, match=r"admission_policy='door'"):
         OffloadConfig.from_dict({**DISK, "eviction_policy": "LRU + door"})
     with pytest.raises(ConfigError, match=r"disk_path='' is invalid: it is empty"):
-        OffloadConfig(cpu_bytes=GIB, disk_path="")
+        OffloadConfig(cpu_bytes=GIB, disk_bytes=GIB, disk_path="")
 
 
 def test_an_empty_hash_seed_is_refused_naming_the_key() -> None:

@@ -59,3 +59,32 @@ def test_an_invalid_value_in_an_ignored_disk_key_is_still_an_error() -> None:
 def test_no_tier_at_all_is_an_error_naming_both_budgets() -> None:
     with pytest.raises(ConfigError, match="set cpu_bytes or disk_bytes"):
         OffloadConfig.from_dict({"disk_bytes": 0, "disk_path": "/tmp/kv"})
+
+
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_disk_path_without_a_disk_tier_is_none_however_the_config_is_built(
+    path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Was: OffloadConfig(...) refused it ("disk_path='' is invalid: it is empty") while
+    # from_dict and the vLLM connector took it as no path (a templated config's value).
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        assert OffloadConfig(cpu_bytes=MIB, disk_path=path).disk_path is None
+        assert OffloadConfig.from_dict({"cpu_bytes": MIB, "disk_path": path}).disk_path is None
+    assert messages(caplog) == []
+    with pytest.raises(ConfigError, match=r"disk_path=.* is invalid: it is empty"):
+        OffloadConfig(cpu_bytes=MIB, disk_bytes=MIB, disk_path=path)
+
+
+@pytest.mark.parametrize("key", ["cpu_bytes", "disk_bytes"])
+def test_a_bad_size_is_refused_before_anything_is_ignored_for_it(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Was: "no disk tier (disk_bytes=''): ignoring disk_path='/tmp'" (or "cascade needs
+    # both cpu_bytes and disk_bytes: ignoring it"), then "disk_bytes must be an int".
+    values = {"cpu_bytes": MIB, "disk_bytes": MIB, "disk_path": "/tmp", "cascade": "write_back"}
+    with (
+        caplog.at_level(logging.WARNING, logger="kvtier"),
+        pytest.raises(ConfigError, match=f"{key} must be an int, got ''"),
+    ):
+        OffloadConfig.from_dict({**values, key: ""})
+    assert messages(caplog) == []

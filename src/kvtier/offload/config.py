@@ -76,9 +76,11 @@ def _naming_sources(
 class OffloadConfig:
     """Everything that shapes the offload scheduler and worker. Byte budgets are per rank.
 
-    `disk_path` is a directory; each rank creates its own file in it. It is made absolute
-    when the config is built (`~` expanded, a relative path resolved against the working
-    directory at that moment), so a later change of directory cannot move it. With `cpu_bytes`
+    `disk_path` is a directory; each rank creates its own file in it (an empty one is
+    refused with a disk tier, and taken as None without one, as `from_dict` takes it).
+    It is made absolute when the config is built (`~` expanded, a relative path resolved
+    against the working directory at that moment), so a later change of directory cannot
+    move it. With `cpu_bytes`
     and `disk_bytes` both set the tiers form a cascade GPU → CPU → DISK (`cascade` says
     how blocks reach the disk); otherwise the one tier configured is used. `num_blocks`
     sets the size of the first lower tier explicitly (it must fit the budget); it counts
@@ -112,6 +114,9 @@ class OffloadConfig:
 
     @_naming_sources
     def __post_init__(self) -> None:
+        path = self.disk_path
+        if self.disk_bytes == 0 and isinstance(path, str) and not path.strip():
+            object.__setattr__(self, "disk_path", None)  # no path for no disk tier, as None
         for name in FIELD_TYPES:  # frozen: a normalized value replaces the one given
             object.__setattr__(self, name, valid_value(name, getattr(self, name)))
         if self.cpu_bytes == 0 and self.disk_bytes == 0:
@@ -198,6 +203,9 @@ class OffloadConfig:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             kwargs[key] = as_enum(key, value)
+        for key in ("cpu_bytes", "disk_bytes"):  # refused before anything is ignored for them
+            if key in kwargs:
+                kwargs[key] = valid_value(key, kwargs[key])
         if not kwargs.get("disk_bytes"):
             path = kwargs.get("disk_path", "")
             if path is None or (isinstance(path, str) and not path.strip()):
