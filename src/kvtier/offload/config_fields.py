@@ -1,6 +1,6 @@
 """The values of `OffloadConfig`'s fields (see `config`): the mode enums, each field's
 type and bounds, and the normalization a value gets before the config holds it; and
-`check_known_keys`, which names the closest valid key for a misspelt one.
+`check_known_keys`, which names the closest valid key for a misspelt one (or lists them).
 """
 
 from __future__ import annotations
@@ -59,20 +59,51 @@ class CascadeMode(enum.Enum):
     WRITE_BACK = "write_back"
 
 
-def check_known_keys(keys: Iterable[object], valid: Collection[str], where: str) -> None:
-    """Raise ConfigError naming every key not in `valid`, with the closest valid key.
+def check_known_keys(
+    keys: Iterable[object],
+    valid: Collection[str],
+    where: str,
+    suggest: Collection[str] | None = None,
+) -> None:
+    """Raise ConfigError naming every key not in `valid`, with the closest valid key;
+    when some key has none, the message lists the valid keys.
 
     `where` names the keys' origin in the message, e.g. "unknown offload config key(s)".
+    `suggest` (default `valid`) narrows the keys offered and listed to those that go
+    with the other keys given (a caller's choice: one spelling of a setting).
     """
-    unknown = sorted({str(key) for key in keys} - set(valid))
-    if unknown:
-        named = []
-        for key in unknown:
-            by_lower = {name.lower(): name for name in valid}  # `CPU_BYTES`: cpu_bytes
-            close = difflib.get_close_matches(key.lower(), sorted(by_lower), n=1)
-            close = [by_lower[match] for match in close]
-            named.append(f"{key} (did you mean {close[0]!r}?)" if close else key)
-        raise ConfigError(f"unknown {where} key(s): {', '.join(named)}")
+    given = {str(key) for key in keys}
+    unknown = sorted(given - set(valid))
+    if not unknown:
+        return
+    offered = sorted(valid if suggest is None else set(suggest) & set(valid))
+    by_lower = {name.lower(): name for name in offered}  # `CPU_BYTES`: cpu_bytes
+    named = []
+    for key in unknown:
+        fits = sorted(  # not a key given too: the misspelt one cannot have meant it
+            n for n, name in by_lower.items() if name not in given and _could_mean(key.lower(), n)
+        )
+        close = difflib.get_close_matches(key.lower(), fits, n=1)
+        named.append(f"{key} (did you mean {by_lower[close[0]]!r}?)" if close else key)
+    message = f"unknown {where} key(s): {', '.join(named)}"
+    if len(named) > sum(" (did you mean " in name for name in named):
+        which = "valid keys" if len(offered) == len(valid) else "keys valid with the others given"
+        message += f"; {which}: {', '.join(offered)}"
+    raise ConfigError(message)
+
+
+_TIER_WORDS = {"cpu", "disk"}
+_SIZE_WORDS = {"bytes", "size", "capacity", "memory", "mem"}
+
+
+def _could_mean(key: str, name: str) -> bool:
+    """Return False when the valid key `name` cannot be what the misspelt `key` meant:
+    it names the other tier, or `key` names a size and `name` is not a byte size."""
+    words, name_words = set(key.split("_")), set(name.split("_"))
+    tiers, name_tiers = words & _TIER_WORDS, name_words & _TIER_WORDS
+    if tiers and name_tiers and tiers != name_tiers:
+        return False
+    return not (words & _SIZE_WORDS) or "bytes" in name_words
 
 
 FIELD_TYPES: dict[str, type | tuple[type, ...]] = {

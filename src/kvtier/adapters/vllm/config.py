@@ -93,7 +93,7 @@ def offload_config_from_vllm(
     for key, reason in _OWNED_BY_VLLM.items():
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
-    check_known_keys(values, _KEYS, "kv_connector_extra_config")
+    check_known_keys(values, _KEYS, "kv_connector_extra_config", _keys_to_suggest(values))
     if "num_cpu_blocks" in values and values["num_cpu_blocks"] is None:
         del values["num_cpu_blocks"]  # unset, as for vLLM's connector and num_blocks
     for key in _INT_KEYS:
@@ -115,6 +115,19 @@ def offload_config_from_vllm(
     values["max_batched_tokens"] = max_batched_tokens
     values["events"] = events
     return OffloadConfig.from_dict(values, key_sources=sources, no_disk_tier=no_disk_tier)
+
+
+def _keys_to_suggest(values: Mapping[str, Any]) -> set[str]:
+    """Return the keys an unknown key may be taken for: not those of the other spelling
+    of a setting given (refused together), nor `disk_persist` (only False is taken)."""
+    keys = set(_KEYS) - {"disk_persist"}
+    spellings = (set(_NATIVE_SIZING_KEYS), set(_ALIASES)), ({"policy"}, set(_POLICY_KEYS))
+    for ours, theirs in spellings:
+        for given, other in ((ours, theirs), (theirs, ours)):
+            if given & values.keys():
+                keys -= other
+    io_given = [key for key in _DISK_IO_KEYS if key in values]
+    return keys - set(_DISK_IO_KEYS) | set(io_given) if io_given else keys
 
 
 def _backend(values: Mapping[str, Any]) -> object:

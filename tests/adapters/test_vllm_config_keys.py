@@ -1,0 +1,91 @@
+"""Unknown keys in `kv_connector_extra_config` (pure Python: runs without vLLM): the
+closest valid key is offered only where following it works, and a key with none lists
+the keys that do. The two spellings of a setting (kvtier's `cpu_bytes`..., vLLM
+SimpleCPUOffloadConnector's `cpu_bytes_to_use`...) are refused together, so a key of the
+other spelling than the one given is never offered; nor one of the other tier, nor a
+non-size key for a size."""
+
+from __future__ import annotations
+
+import pytest
+from test_vllm_config_edges import GIB, convert
+
+from kvtier.offload.config import ConfigError, OffloadConfig
+
+
+def refusal(extra: dict[str, object]) -> str:
+    with pytest.raises(ConfigError) as error:
+        convert(extra)
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "suggestion"),
+    [
+        # Was 'cpu_bytes_to_use_per_rank' (refused with num_blocks: "use one spelling").
+        ({"num_blocks": 4, "cpu_bytes_per_rank": 1}, "cpu_bytes"),
+        ({"cpu_bytes_to_use": GIB, "cpu_bytes_per_rank": 1}, "cpu_bytes_to_use_per_rank"),
+        # Was 'num_blocks' (refused with cpu_bytes_to_use).
+        ({"cpu_bytes_to_use": GIB, "num_block": 5}, "num_cpu_blocks"),
+        # Was 'disk_persist' (a bool, and only False is taken by the connector).
+        ({"cpu_bytes": GIB, "disk_size": 5}, "disk_bytes"),
+        ({"cpu_bytes": GIB, "direct_io": True}, "disk_direct_io"),
+        # Was 'eviction_policy' (refused with policy), then 'policy', the key given.
+        ({"policy": "lru", "evicton_policy": "lru"}, None),
+    ],
+)
+def test_only_a_key_that_goes_with_the_others_is_offered(
+    extra: dict[str, object], suggestion: str | None
+) -> None:
+    message = refusal(extra)
+    if suggestion is None:
+        assert "did you mean" not in message
+    else:
+        assert f"(did you mean {suggestion!r}?)" in message
+        assert "valid" not in message  # a key with a suggestion lists nothing
+
+
+@pytest.mark.parametrize(
+    ("extra", "not_offered"),
+    [
+        # Was "did you mean 'cpu_bytes_to_use'?": the CPU tier's size.
+        ({"cpu_bytes_to_use": GIB, "disk_bytes_to_use": 5}, "cpu_bytes_to_use"),
+        # Was 'cpu_bytes_to_use_per_rank'.
+        ({"cpu_bytes_to_use": GIB, "disk_bytes_per_rank": 5}, "cpu_bytes_to_use_per_rank"),
+        # Was 'disk_capacity_bytes'.
+        ({"kv_offload_backend": "cascade", "cpu_capacity_bytes": 5}, "disk_capacity_bytes"),
+        # Was 'store_mode' (refused with SimpleCPUOffloadConnector's keys).
+        ({"cpu_bytes_to_use": GIB, "store": "lazy"}, "store_mode"),
+    ],
+)
+def test_a_key_of_the_other_tier_or_spelling_is_never_offered(
+    extra: dict[str, object], not_offered: str
+) -> None:
+    message = refusal(extra)
+    assert "did you mean" not in message, not_offered
+
+
+def test_a_key_with_no_close_match_lists_the_keys_that_go_with_the_others() -> None:
+    # Was: "unknown kv_connector_extra_config key(s): lazy", and nothing to go by.
+    message = refusal({"cpu_bytes": GIB, "lazy": True})
+    unknown, _, listed = message.partition("; keys valid with the others given: ")
+    assert unknown == "unknown kv_connector_extra_config key(s): lazy"
+    keys = listed.split(", ")
+    assert {"cpu_bytes", "disk_bytes", "num_blocks", "store_mode", "policy"} <= set(keys)
+    assert not {"lazy_offload", "cpu_bytes_to_use", "disk_persist", "hash_seed"} & set(keys)
+    clashes = []
+    for key in set(keys) - {"cpu_bytes"}:  # every key listed goes with cpu_bytes
+        try:
+            convert({"cpu_bytes": GIB, key: {"disk_path": "/tmp", "policy": "lru"}.get(key, 0)})
+        except ConfigError as error:
+            clashes += [key] if "spelling" in str(error) else []
+    assert clashes == []
+
+
+def test_the_offload_config_lists_its_keys_for_a_key_with_no_close_match() -> None:
+    with pytest.raises(ConfigError) as error:
+        OffloadConfig.from_dict({"cpu_bytes": 640, "zzz": 1})
+    unknown, _, listed = str(error.value).partition("; valid keys: ")
+    assert unknown == "unknown offload config key(s): zzz"
+    assert "cpu_bytes" in listed.split(", ")
+    assert "hash_seed" in listed.split(", ")
