@@ -7,6 +7,8 @@ non-size key for a size."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_vllm_config_edges import GIB, convert
 
@@ -89,3 +91,60 @@ def test_the_offload_config_lists_its_keys_for_a_key_with_no_close_match() -> No
     assert unknown == "unknown offload config key(s): zzz"
     assert "cpu_bytes" in listed.split(", ")
     assert "hash_seed" in listed.split(", ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "suggestion"),
+    [
+        # Was 'store_mode' (another setting: the closest, disk_io_mode, clashes).
+        ({"disk_direct_io": True, "dis_io_mode": "direct"}, None),
+        # Was 'disk_io_mode' (store_mode clashes with SimpleCPUOffloadConnector's keys).
+        ({"cpu_bytes_to_use": GIB, "stor_mode": "lazy"}, None),
+        # Was 'disk_path': the disk size in the spelling given.
+        ({"cpu_bytes_to_use": GIB, "disk_byte": 5}, "disk_capacity_bytes"),
+        # Was 'disk_path' / 'disk_bytes': False is taken, True refused with its reason.
+        ({"cpu_bytes": GIB, "disk_persit": False}, "disk_persist"),
+        ({"cpu_bytes": GIB, "disk_persis": False}, "disk_persist"),
+    ],
+)
+def test_a_key_not_offered_is_never_replaced_by_another_setting(
+    extra: dict[str, object], suggestion: str | None
+) -> None:
+    message = refusal(extra)
+    if suggestion is None:
+        assert "did you mean" not in message
+        assert "; keys valid with the others given: " in message
+    else:
+        assert f"(did you mean {suggestion!r}?)" in message
+
+
+# A setting's two spellings (kvtier's, SimpleCPUOffloadConnector's).
+_SPELLINGS = [
+    {"cpu_bytes", "cpu_bytes_to_use", "cpu_bytes_to_use_per_rank"},
+    {"disk_bytes", "disk_capacity_bytes"},
+    {"num_blocks", "num_cpu_blocks"},
+    {"store_mode", "lazy_offload"},
+]
+
+
+@pytest.mark.parametrize(
+    "others",
+    [{}, {"cpu_bytes": GIB}, {"cpu_bytes_to_use": GIB}, {"policy": "lru"}, {"disk_io_mode": "io"}],
+)
+def test_a_key_missing_a_letter_is_offered_only_as_itself_or_its_other_spelling(
+    others: dict[str, object],
+) -> None:
+    keys = sorted(set().union(*_SPELLINGS) | {"disk_io_mode", "disk_persist", "disk_path"})
+    wrong = []
+    for key in (k for k in keys if k not in others):
+        same = next((s for s in _SPELLINGS if key in s), {key})
+        for typo in {key[:i] + key[i + 1 :] for i in range(len(key))} - set(keys):
+            found = re.search(r"did you mean '(\w+)'", refusal({**others, typo: 1}))
+            if found and found[1] not in same:
+                wrong.append(f"{typo} -> {found[1]}")
+    assert wrong == []
+
+
+def test_a_key_that_reads_like_a_suggestion_still_gets_the_listing() -> None:
+    message = refusal({"cpu_bytes": GIB, "x (did you mean 'y'?)": 1})
+    assert "; keys valid with the others given: " in message

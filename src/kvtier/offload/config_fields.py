@@ -64,32 +64,55 @@ def check_known_keys(
     valid: Collection[str],
     where: str,
     suggest: Collection[str] | None = None,
+    instead: Mapping[str, str] | None = None,
 ) -> None:
     """Raise ConfigError naming every key not in `valid`, with the closest valid key;
     when some key has none, the message lists the valid keys.
 
     `where` names the keys' origin in the message, e.g. "unknown offload config key(s)".
     `suggest` (default `valid`) narrows the keys offered and listed to those that go
-    with the other keys given (a caller's choice: one spelling of a setting).
+    with the other keys given (a caller's choice: one spelling of a setting). A key is
+    offered only when it is the closest valid key a misspelt key could mean, or (when
+    that one is not offered) the key `instead` names in its place (its spelling beside
+    the keys given) and close to the misspelt key too; never a runner-up, which is
+    another setting (`dis_io_mode` is not `store_mode`).
     """
     given = {str(key) for key in keys}
     unknown = sorted(given - set(valid))
     if not unknown:
         return
     offered = sorted(valid if suggest is None else set(suggest) & set(valid))
-    by_lower = {name.lower(): name for name in offered}  # `CPU_BYTES`: cpu_bytes
-    named = []
-    for key in unknown:
-        fits = sorted(  # not a key given too: the misspelt one cannot have meant it
-            n for n, name in by_lower.items() if name not in given and _could_mean(key.lower(), n)
-        )
-        close = difflib.get_close_matches(key.lower(), fits, n=1)
-        named.append(f"{key} (did you mean {by_lower[close[0]]!r}?)" if close else key)
+    offers = {key: _offer(key, given, valid, offered, instead or {}) for key in unknown}
+    named = [f"{key} (did you mean {offer!r}?)" if offer else key for key, offer in offers.items()]
     message = f"unknown {where} key(s): {', '.join(named)}"
-    if len(named) > sum(" (did you mean " in name for name in named):
+    if None in offers.values():
         which = "valid keys" if len(offered) == len(valid) else "keys valid with the others given"
         message += f"; {which}: {', '.join(offered)}"
     raise ConfigError(message)
+
+
+def _offer(
+    key: str,
+    given: Collection[str],
+    valid: Collection[str],
+    offered: Collection[str],
+    instead: Mapping[str, str],
+) -> str | None:
+    """Return the key to offer for the misspelt `key` (see `check_known_keys`), or None."""
+    by_lower = {name.lower(): name for name in valid}  # `CPU_BYTES`: cpu_bytes
+    fits = sorted(  # not a key given too: the misspelt one cannot have meant it
+        n for n, name in by_lower.items() if name not in given and _could_mean(key.lower(), n)
+    )
+    close = difflib.get_close_matches(key.lower(), fits, n=1)
+    if not close:
+        return None
+    meant = by_lower[close[0]]
+    if meant in offered:
+        return meant
+    other = instead.get(meant)
+    if other is None or other in given or other not in valid:
+        return None
+    return other if difflib.get_close_matches(key.lower(), [other.lower()], n=1) else None
 
 
 _TIER_WORDS = {"cpu", "disk"}

@@ -93,7 +93,8 @@ def offload_config_from_vllm(
     for key, reason in _OWNED_BY_VLLM.items():
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
-    check_known_keys(values, _KEYS, "kv_connector_extra_config", _keys_to_suggest(values))
+    suggest = _keys_to_suggest(values)
+    check_known_keys(values, _KEYS, "kv_connector_extra_config", suggest, _OTHER_SPELLING)
     if "num_cpu_blocks" in values and values["num_cpu_blocks"] is None:
         del values["num_cpu_blocks"]  # unset, as for vLLM's connector and num_blocks
     for key in _INT_KEYS:
@@ -117,9 +118,27 @@ def offload_config_from_vllm(
     return OffloadConfig.from_dict(values, key_sources=sources, no_disk_tier=no_disk_tier)
 
 
+# What to offer for a misspelt key that is closest to a key not offered beside the keys
+# given: the setting's other spelling; `disk_persist` itself (unlisted: only False is
+# taken, and True gets its reason).
+_OTHER_SPELLING = {
+    "cpu_bytes": "cpu_bytes_to_use",
+    "disk_bytes": "disk_capacity_bytes",
+    "num_blocks": "num_cpu_blocks",
+    "store_mode": "lazy_offload",
+    "cpu_bytes_to_use": "cpu_bytes",
+    "cpu_bytes_to_use_per_rank": "cpu_bytes",
+    "disk_capacity_bytes": "disk_bytes",
+    "num_cpu_blocks": "num_blocks",
+    "lazy_offload": "store_mode",
+    "disk_persist": "disk_persist",
+}
+
+
 def _keys_to_suggest(values: Mapping[str, Any]) -> set[str]:
     """Return the keys an unknown key may be taken for: not those of the other spelling
-    of a setting given (refused together), nor `disk_persist` (only False is taken)."""
+    of a setting given (refused together), nor `disk_persist` (only False is taken: not
+    listed, but offered for a misspelling of it, `_OTHER_SPELLING`)."""
     keys = set(_KEYS) - {"disk_persist"}
     spellings = (set(_NATIVE_SIZING_KEYS), set(_ALIASES)), ({"policy"}, set(_POLICY_KEYS))
     for ours, theirs in spellings:
