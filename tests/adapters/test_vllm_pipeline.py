@@ -57,10 +57,12 @@ def stage_kv_cache_config(cfg: HarnessConfig, vllm_config: object, stage: int) -
 
 
 def pipeline_harness(
-    monkeypatch: pytest.MonkeyPatch, first_stage: type[ConnectorWorker] = ConnectorWorker
+    monkeypatch: pytest.MonkeyPatch,
+    first_stage: type[ConnectorWorker] = ConnectorWorker,
+    last_stage: type[ConnectorWorker] = ConnectorWorker,
 ) -> VllmHarness:
     """Return a harness whose scheduler has stage 0's config and rank r is stage r
-    (stage 0's worker role called as `first_stage` calls it)."""
+    (stage 0's worker role called as `first_stage` calls it, the last's as `last_stage`)."""
     monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", ",".join(map(str, STAGE_LAYERS)))
     build_vllm_config = vllm_engine.build_vllm_config
     build_kv_cache_config = vllm_engine.build_kv_cache_config
@@ -83,7 +85,7 @@ def pipeline_harness(
         config = stage_kv_cache_config(harness.cfg, harness.vllm_config, stage)
         harness.caches[stage] = FakeKVCache(config)  # the fake forward fills this stage's
         last = stage == len(STAGE_LAYERS) - 1
-        worker_type = first_stage if stage == 0 else ConnectorWorker
+        worker_type = first_stage if stage == 0 else last_stage if last else ConnectorWorker
         with (
             mock.patch.object(worker_side, "distributed_rank", return_value=stage),
             mock.patch.object(worker_side, "last_pipeline_stage", return_value=last),
