@@ -1,0 +1,67 @@
+"""ARC's and S3-FIFO's ghost bookkeeping, rule by rule (found by a mutation run: each test
+fails when one rule of the paper's bookkeeping is dropped or changed)."""
+
+from __future__ import annotations
+
+from policy_helpers import hit, key, store
+
+from kvtier.core.block_pool import BlockPool
+from kvtier.core.policies import ARCPolicy
+from kvtier.core.policies import arc as arc_module
+
+
+def arc_with_b2_twice_b1() -> tuple[ARCPolicy, BlockPool]:
+    """Return an ARC pool (4 usable blocks, `p` = 0) with B1 = [key 10], B2 = [key 0] and
+    an empty T1, so the next store's victim comes from T2."""
+    policy = ARCPolicy(5)
+    pool = BlockPool(5, free_queue=policy)
+    for i in range(4):  # T2 = keys 0..3
+        store(pool, policy, key(i))
+        hit(pool, key(i))
+    store(pool, policy, key(10))  # T1 is empty: key 0 leaves T2 for B2
+    store(pool, policy, key(11))  # T1 = [key 10] > p = 0: key 10 leaves T1 for B1
+    hit(pool, key(11))  # key 11 joins T2: T1 is empty again
+    assert list(policy._b1) == [key(10)]
+    assert list(policy._b2) == [key(0)]
+    assert policy.target_t1 == 0.0
+    return policy, pool
+
+
+def test_arc_a_b1_ghost_hit_grows_p_by_the_ratio_of_b2_to_b1() -> None:
+    """Storing key 10 evicts key 1 from T2 (B2 = 2 keys, B1 = 1) before the ghost look-up,
+    so `p` grows by |B2| / |B1| = 2, not by 1; the block joins T2, and the ghost is gone."""
+    policy, pool = arc_with_b2_twice_b1()
+    block_id = store(pool, policy, key(10))
+    assert list(policy._b2) == [key(0), key(1)]
+    assert policy.target_t1 == 2.0
+    assert policy._lists.where(block_id) == arc_module._T2, "a B1 ghost hit joins T2"
+    assert key(10) not in policy._b1
+    policy.check_invariants()
+
+
+def test_arc_a_b2_ghost_hit_drops_the_ghost_and_joins_t2() -> None:
+    """A key stored again from B2 is no ghost any more (it is cached) and joins T2."""
+    policy, pool = arc_with_b2_twice_b1()
+    block_id = store(pool, policy, key(0))  # key 1 leaves T2 for B2 first
+    assert list(policy._b2) == [key(1)]
+    assert key(0) not in policy._b1
+    assert policy._lists.where(block_id) == arc_module._T2, "a B2 ghost hit joins T2"
+    policy.check_invariants()
+
+
+def test_arc_a_key_evicted_again_is_the_newest_ghost() -> None:
+    """Two blocks hold key 0 (the pool allows it); the second one's eviction makes key 0
+    B1's newest ghost again, after key 1 evicted in between (the trim forgets the oldest)."""
+    policy = ARCPolicy(6)  # 5 usable blocks
+    pool = BlockPool(6, free_queue=policy)
+    first, other, second = pool.allocate(3)
+    pool.insert_key(key(0), first, 16)
+    pool.insert_key(key(1), other, 16)
+    pool.insert_key(key(0), second, 16)
+    pool.free([first, other, second])  # T1 = [first, other, second]
+    pool.allocate(3)  # the two unhashed blocks, then `first`
+    assert list(policy._b1) == [key(0)]
+    pool.allocate(1)  # `other`
+    pool.allocate(1)  # `second`: key 0 again
+    assert list(policy._b1) == [key(1), key(0)]
+    policy.check_invariants()
