@@ -65,3 +65,18 @@ def test_arc_a_key_evicted_again_is_the_newest_ghost() -> None:
     pool.allocate(1)  # `second`: key 0 again
     assert list(policy._b1) == [key(1), key(0)]
     policy.check_invariants()
+
+
+def test_arc_trims_b2_while_b1_and_t1_together_hold_exactly_c_keys() -> None:
+    """The directory trim forgets B1's oldest only while |B1| + |T1| exceeds c (4 here):
+    at the last store below B1 and T1 hold exactly 4 keys, so B2's oldest (key 1) goes."""
+    policy = ARCPolicy(5)
+    pool = BlockPool(5, free_queue=policy)
+    for i in (1, 6, 3, 1, 9, 6, 9, 10, 4, 10, 8, 5, 7):  # hit if cached, else store
+        if pool.cached_block(key(i)) is None:
+            store(pool, policy, key(i))
+        else:
+            hit(pool, key(i))
+    assert list(policy._b1) == [key(3), key(4), key(8)]
+    assert list(policy._b2) == [key(6)]
+    policy.check_invariants()
