@@ -6,7 +6,7 @@ from __future__ import annotations
 from policy_helpers import hit, key, store
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.policies import ARCPolicy
+from kvtier.core.policies import ARCPolicy, S3FIFOPolicy
 from kvtier.core.policies import arc as arc_module
 
 
@@ -79,4 +79,17 @@ def test_arc_trims_b2_while_b1_and_t1_together_hold_exactly_c_keys() -> None:
             hit(pool, key(i))
     assert list(policy._b1) == [key(3), key(4), key(8)]
     assert list(policy._b2) == [key(6)]
+    policy.check_invariants()
+
+
+def test_s3fifo_ghost_stays_bounded_when_one_allocation_evicts_the_whole_pool() -> None:
+    """The ghost is trimmed to M's size at each store; between stores (one allocation
+    evicting every block of S) it keeps at most twice that, oldest forgotten first."""
+    policy = S3FIFOPolicy(11)  # 10 usable blocks: S holds 1, the ghost 9
+    pool = BlockPool(11, free_queue=policy)
+    for i in range(19):  # a scan: S holds keys 9..18, the ghost keys 0..8
+        store(pool, policy, key(i))
+    assert list(policy._ghost) == [key(i) for i in range(9)]
+    pool.allocate(10)  # evicts keys 9..18 from S: 19 ghosts, the oldest one forgotten
+    assert list(policy._ghost) == [key(i) for i in range(1, 19)]
     policy.check_invariants()
