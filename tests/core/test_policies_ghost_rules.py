@@ -93,3 +93,18 @@ def test_s3fifo_ghost_stays_bounded_when_one_allocation_evicts_the_whole_pool() 
     pool.allocate(10)  # evicts keys 9..18 from S: 19 ghosts, the oldest one forgotten
     assert list(policy._ghost) == [key(i) for i in range(1, 19)]
     policy.check_invariants()
+
+
+def test_s3fifo_a_block_stored_anew_starts_without_its_old_frequency_bit() -> None:
+    """A block hit in M (bit set) whose keys are dropped while pinned comes back unhashed;
+    stored again under a new key it starts in S with its bit clear."""
+    policy = S3FIFOPolicy(5)
+    pool = BlockPool(5, free_queue=policy)
+    block_id = store(pool, policy, key(0))
+    hit(pool, key(0))  # hit in S: freed to M
+    pool.touch([block_id])  # hit in M: the frequency bit is set
+    pool.discard_keys(block_id)  # its KV is no longer trusted
+    pool.free([block_id])  # unhashed: reused first
+    assert store(pool, policy, key(1)) == block_id
+    assert not policy._freq[block_id]
+    policy.check_invariants()
