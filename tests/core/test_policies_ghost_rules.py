@@ -108,3 +108,19 @@ def test_s3fifo_a_block_stored_anew_starts_without_its_old_frequency_bit() -> No
     assert store(pool, policy, key(1)) == block_id
     assert not policy._freq[block_id]
     policy.check_invariants()
+
+
+def test_s3fifo_a_pin_in_main_gives_no_rounds_while_the_victim_comes_from_s() -> None:
+    """Pinning a block of M gives M's head blocks their second-chance round only when
+    `pop_victim` would take from M; with S at its share their frequency bits stay."""
+    policy = S3FIFOPolicy(11)  # 10 usable blocks: S holds 1
+    pool = BlockPool(11, free_queue=policy)
+    blocks = [store(pool, policy, key(i)) for i in range(4)]
+    for _ in range(2):  # hit in S: to M; hit in M: the frequency bit is set
+        for i in range(4):
+            hit(pool, key(i))
+    assert all(policy._freq[b] for b in blocks)
+    store(pool, policy, key(10))  # S = [key 10]: at its share, the next victim
+    pool.pin([blocks[3]])
+    assert [policy._freq[b] for b in blocks[:3]] == [1, 1, 1]
+    policy.check_invariants()
