@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference_model import BLOCK, RefTier, serve_on_gpu, traces
 
@@ -68,7 +68,31 @@ def brute_force(
     return ends
 
 
+# A request references a block its tier holds behind a miss: ranked again then, or its rank
+# points into the past (found by a mutation run; the random traces had not reached it).
+RERANKED = [
+    TraceRecord(t, n, 1, ids)
+    for t, (n, ids) in enumerate(
+        [
+            (10, (0, 1, 2)),
+            (17, (0, 1, 3, 4, 5)),
+            (32, (0, 1, 3, 4, 6, 7, 8, 9)),
+            (16, (10, 11, 12, 13)),
+            (9, (14, 15, 16)),
+            (22, (0, 1, 3, 17, 18, 19)),
+            (11, (20, 21, 22)),
+            (18, (0, 23, 24, 25, 26)),
+            (15, (14, 15, 27, 28)),
+            (19, (0, 23, 24, 29, 30)),
+            (24, (0, 23, 24, 25, 31, 32)),
+            (22, (0, 1, 3, 17, 33, 34)),
+        ]
+    )
+]
+
+
 @settings(max_examples=500, deadline=None)
+@example(records=RERANKED, gpu=0, caps=[2, 3], policy="oracle-lfu")
 @given(
     traces(),
     st.sampled_from([0, 4, 7]),
