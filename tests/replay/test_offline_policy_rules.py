@@ -1,9 +1,11 @@
-"""The offline policies' bypass on a tie: a block is stored only if it ranks strictly
-below the block it would evict (`oracle-lfu` ranks by uses left, so ties are common;
-found by a mutation run: admitting on a tie passed every other test)."""
+"""Rules of the offline policies the brute-force tests did not tell apart (found by a
+mutation run): the bypass on a tie (a block is stored only if it ranks strictly below
+the block it would evict; `oracle-lfu` ranks by uses left, so ties are common), and the
+listing of unhashed blocks."""
 
 from __future__ import annotations
 
+from kvtier.replay.belady import FutureOracle, make_oracle_policies
 from kvtier.replay.tier_replay import ReplayConfig, TierConfig, replay_trace
 from kvtier.replay.trace import TraceRecord
 
@@ -29,3 +31,14 @@ def test_oracle_lfu_keeps_the_cached_block_when_the_new_one_has_as_many_uses_lef
     result = replay_trace(records, config)
     (cpu,) = result.tiers
     assert (cpu.hit_tokens, cpu.num_stored_blocks, cpu.num_rejected_blocks) == (4, 1, 2)
+
+
+def test_offline_policies_list_unhashed_blocks_in_the_order_they_reuse_them() -> None:
+    """`iter_after` (the pool's listing of its next victims) is `pop_victim`'s order."""
+    oracle = FutureOracle([[]])
+    eviction, _ = make_oracle_policies("belady", 6, oracle)
+    eviction.clear_and_fill(range(1, 4))
+    eviction.push_reusable(5)
+    eviction.push_reusable(4)
+    listed = list(eviction.iter_after(None))
+    assert listed == [eviction.pop_victim() for _ in range(5)]
