@@ -1,12 +1,12 @@
-"""ARC's and S3-FIFO's ghost bookkeeping, rule by rule (found by a mutation run: each test
-fails when one rule of the paper's bookkeeping is dropped or changed)."""
+"""ARC's and S3-FIFO's ghost bookkeeping and duel's switch, rule by rule (found by a
+mutation run: each test fails when one rule is dropped or changed)."""
 
 from __future__ import annotations
 
 from policy_helpers import hit, key, store
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.core.policies import ARCPolicy, S3FIFOPolicy
+from kvtier.core.policies import ARCPolicy, DuelingPolicy, S3FIFOPolicy
 from kvtier.core.policies import arc as arc_module
 
 
@@ -123,4 +123,14 @@ def test_s3fifo_a_pin_in_main_gives_no_rounds_while_the_victim_comes_from_s() ->
     store(pool, policy, key(10))  # S = [key 10]: at its share, the next victim
     pool.pin([blocks[3]])
     assert [policy._freq[b] for b in blocks[:3]] == [1, 1, 1]
+    policy.check_invariants()
+
+
+def test_duel_keeps_lru_order_after_a_window_without_hits() -> None:
+    """A scan of distinct keys gives both shadows 0 hits: no lead, so no switch."""
+    policy = DuelingPolicy(9)  # 8 usable blocks: shadows of 8 keys, decided every 8 accesses
+    pool = BlockPool(9, free_queue=policy)
+    for i in range(20):
+        store(pool, policy, key(i))
+    assert not policy.lfu_order
     policy.check_invariants()
