@@ -157,6 +157,7 @@ def check_quiescent(harness: VllmHarness) -> None:
     # An echo of a load never issued is forgotten once every rank reported it: kept,
     # every later plan would carry it again.
     assert not side._plans.echoes, "echoes of never-issued loads leaked"
+    assert not side._plans.finished_loads.num_pending, "a load some rank never reported"
     pool = harness.scheduler.kv_cache_manager.block_pool
     held = {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt and not b.is_null}
     assert held == deferred_frees(harness), "GPU block leaked"

@@ -20,8 +20,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import SCHEDULING, PollGate, drain, kvtier_harness, offload_worker
-from test_vllm_abort_before_fault_v1_ranks import v1_sample_outputs
+from forward_faults import raise_from_forward
+from kvtier_vllm import (
+    SCHEDULING,
+    PollGate,
+    check_quiescent,
+    drain,
+    kvtier_harness,
+    offload_worker,
+)
 from test_vllm_fault_tolerance import launch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
@@ -74,12 +81,15 @@ def test_vllm_raises_key_error_applying_an_empty_output_to_a_running_request() -
         harness.close()
 
 
-def load_reported_by_one_rank_at_a_v1_fault(harness: VllmHarness, failing_rank: int) -> None:
-    """`b` waits for its load; the healthy rank reports it in step N, whose forward
-    raises on `failing_rank` (the output rank, a pipeline's last stage), while `r` runs:
-    vLLM's `update_from_output` raises KeyError after the aggregator counted the healthy
-    rank's report, the fault handler aborts every request, and steps go on while the
-    failing rank's copy of the load is still unreported."""
+def load_reports_around_a_fault(
+    harness: VllmHarness, failing_rank: int, runner: str, output_rank: int, early_rank: int | None
+) -> PollGate:
+    """`b` waits for its load, `r` runs; `early_rank`'s report of b's load (if any) is
+    applied before step N, the other healthy rank's comes with N, whose forward raises on
+    `failing_rank` under `runner` ("v1": an empty reply, "v2": None); the engine core
+    faults and aborts every request (V1: `update_from_output` raises KeyError after the
+    aggregator counted the healthy rank's report; V2: the aggregate fails first). Four
+    steps follow; returns the failing rank's gate (still holding unless `early_rank`)."""
     harness.add_request("x", list(range(5000, 5065)), max_tokens=2)
     drain(harness)
     assert harness.scheduler.reset_prefix_cache()
@@ -95,39 +105,83 @@ def load_reported_by_one_rank_at_a_v1_fault(harness: VllmHarness, failing_rank: 
     while harness._in_flight:
         harness._complete(*harness._in_flight.popleft())
     assert harness.scheduler.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    gates[1 - failing_rank].release()
+    if early_rank is not None:
+        gates[early_rank].release()
+        harness.step()
+        while harness._in_flight:  # the rank's report of b is applied: b 1 of 2
+            harness._complete(*harness._in_flight.popleft())
+    gates[1 - failing_rank].release()  # the healthy rank's report comes with N
     step_n = launch(harness)
-    replies = v1_sample_outputs(harness, step_n, failing_rank)
-    aggregated = harness._aggregator.aggregate(replies, output_rank=failing_rank)
-    assert aggregated is not None
-    try:
+    replies: list[ModelRunnerOutput | None] = []
+    for rank, worker in enumerate(harness.workers):
+        if rank == failing_rank:
+            raise_from_forward(worker, step_n, v2=runner == "v2")
+            replies.append(None if runner == "v2" else copy.copy(EMPTY_MODEL_RUNNER_OUTPUT))
+        else:
+            kv_output = worker.after_forward(step_n)
+            replies.append(ModelRunnerOutput.with_kv_conn_output_only(kv_output))
+    try:  # vLLM's `fault_tolerant_wrapper` → `on_fault` on any of these
+        aggregated = harness._aggregator.aggregate(replies, output_rank=output_rank)
+        if aggregated is None:
+            raise RuntimeError("One or more workers failed")  # the `execute_model` future's
         harness.scheduler.update_from_output(step_n, aggregated)
-    except KeyError:  # vLLM's `fault_tolerant_wrapper` → `on_fault`
+    except (KeyError, AssertionError, RuntimeError):
         harness.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    else:
+        raise AssertionError("the step's fault went unnoticed")
     for _ in range(4):
         step = launch(harness)
         outputs = [
             ModelRunnerOutput.with_kv_conn_output_only(worker.after_forward(step))
             for worker in harness.workers
         ]
-        aggregated = harness._aggregator.aggregate(outputs, output_rank=failing_rank)
+        aggregated = harness._aggregator.aggregate(outputs, output_rank=output_rank)
         assert aggregated is not None
         harness.scheduler.update_from_output(step, aggregated)
+    return gates[failing_rank]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvtier sends again an output vLLM's aggregator counted but never applied",
+def finish_the_load(harness: VllmHarness, gate: PollGate) -> None:
+    """Let the held rank report b's load; vLLM then frees b's blocks, leaking nothing."""
+    gate.release()
+    drain(harness)
+    assert "b" not in harness.scheduler.requests
+    check_quiescent(harness)
+
+
+@pytest.mark.parametrize(
+    ("failing_rank", "runner", "output_rank"),
+    [(1, "v1", 1), (0, "v1", 0), (1, "v2", 1), (1, "v2", 0)],
+    ids=["v1_last_stage", "v1_tensor_parallel", "v2_last_stage", "v2_tensor_parallel"],
 )
-def test_a_load_is_not_finished_for_vllm_before_every_rank_reported_it() -> None:
-    # The healthy rank's output of N was counted by `KVOutputAggregator` (b: 1 of 2) but
-    # never reached kvtier (the KeyError came first), so that rank sends it again once
-    # every rank's outputs of a later step were applied (`redelivery`): the aggregator
-    # counts b a second time and vLLM frees b's blocks while the failing rank's copy into
-    # them is still unreported (on a GPU it may still be writing them).
+def test_a_load_is_not_finished_for_vllm_before_every_rank_reported_it(
+    failing_rank: int, runner: str, output_rank: int
+) -> None:
+    # Was (V1): the healthy rank's output of N was counted by `KVOutputAggregator` (b: 1
+    # of 2) but never reached kvtier (the KeyError came first), so that rank sent it
+    # again once every rank's outputs of a later step were applied (`redelivery`): the
+    # aggregator counted b a second time and vLLM freed b's blocks while the failing
+    # rank's copy into them was still unreported (on a GPU it may still be writing them).
+    # V2 counts nothing of N: the report sent again is its first.
     harness = kvtier_harness(num_ranks=2, **SCHEDULING["async_pipelined"])
     try:
-        load_reported_by_one_rank_at_a_v1_fault(harness, failing_rank=1)
+        held = load_reports_around_a_fault(harness, failing_rank, runner, output_rank, None)
         assert "b" in harness.scheduler.requests
+        finish_the_load(harness, held)
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_load_finished_in_an_aggregate_vllm_never_applied_is_finished(failing_rank: int) -> None:
+    # Was: the failing rank reported b before N, the healthy rank in N: the aggregate of
+    # N listed b (its count's last report) but the KeyError dropped it, and the healthy
+    # rank's report sent again started a new count vLLM never completed: b's blocks were
+    # held for good ('b' still in vLLM's requests).
+    harness = kvtier_harness(num_ranks=2, **SCHEDULING["async_pipelined"])
+    try:
+        load_reports_around_a_fault(harness, failing_rank, "v1", failing_rank, failing_rank)
+        assert "b" not in harness.scheduler.requests
+        check_quiescent(harness)
     finally:
         harness.close()

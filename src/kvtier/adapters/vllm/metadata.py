@@ -78,12 +78,18 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     output of a step without the others' (Model Runner V1 with a batch queue: a rank
     whose `execute_model` raised answers the step's `sample_tokens` with an empty
     output, and the healthy ranks' outputs are applied to the failed step alone).
+
+    `recving`: per worker, the request ids the rank handed vLLM in `finished_recving`
+    with this output (sent again ones too): vLLM's `KVOutputAggregator` counts those
+    reports, but may count one twice or count one it never applies, so the scheduler
+    role counts the workers itself (`finished_loads`).
     """
 
     report: WorkerReport = field(default_factory=WorkerReport)
     failed_forward_step: int | None = None
     sent: Sent = field(default_factory=dict)
     steps: Mapping[int, int] = field(default_factory=dict)
+    recving: Mapping[int, frozenset[str]] = field(default_factory=dict)
 
     @property
     def step_id(self) -> int:
@@ -92,17 +98,21 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
         """Return the sum of both reports (associative: counts per event add up), the
-        later failed-forward step, both workers' output numbers and each worker's later
-        step."""
+        later failed-forward step, both workers' output numbers, each worker's later
+        step and each worker's finished loads."""
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate KVTierWorkerMetadata with {type(other).__name__}")
         steps = [s for s in (self.failed_forward_step, other.failed_forward_step) if s is not None]
         bound = dict(self.steps)
         for worker_id, step_id in other.steps.items():
             bound[worker_id] = max(step_id, bound.get(worker_id, 0))
+        recving = dict(self.recving)
+        for worker_id, req_ids in other.recving.items():
+            recving[worker_id] = recving.get(worker_id, frozenset()) | req_ids
         return KVTierWorkerMetadata(
             WorkerReport.merge([self.report, other.report]),
             max(steps, default=None),
             merge_sent(self.sent, other.sent),
             bound,
+            recving,
         )

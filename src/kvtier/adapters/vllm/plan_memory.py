@@ -10,13 +10,16 @@ outputs it applied, so that a fault on a rank loses nothing.
   and echoes the loads when it binds a later one.
 - `acks` and `processed_step` (`redelivery.Receipts`): which worker outputs were
   applied, for a rank to send again an output vLLM dropped.
+- `finished_loads`: which workers reported each load finished, so that vLLM is told a
+  load finished once every worker reported it, however vLLM counted their reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Set
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from kvtier.adapters.vllm.finished_loads import FinishedLoads
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.adapters.vllm.redelivery import Receipts
 from kvtier.offload.plan import TransferPlan
@@ -34,6 +37,7 @@ class PlanMemory:
         self._events: dict[int, tuple[int, ...]] = {}
         self._echoes: dict[int, tuple[str, ...]] = {}
         self._receipts = Receipts(num_workers)
+        self.finished_loads = FinishedLoads(num_workers)
 
     def metadata(self, plan: TransferPlan, echoes: tuple[str, ...]) -> KVTierMetadata:
         """Return the metadata that sends `plan`, echoing `echoes` as never issued."""
@@ -54,9 +58,13 @@ class PlanMemory:
             earlier_echoes,
         )
 
-    def applied(self, worker_meta: KVTierWorkerMetadata | None, finished: Set[str]) -> None:
-        """Note one output vLLM applied: its workers' outputs and failed forwards, and
-        the loads vLLM reported finished on every rank (`finished_recving`)."""
+    def applied(self, worker_meta: KVTierWorkerMetadata | None, connector_output: Any) -> None:
+        """Note one output vLLM is applying (its `KVConnectorOutput`): its workers'
+        outputs and failed forwards, and the loads finished on every rank, which
+        `connector_output.finished_recving` is made to list (`FinishedLoads`)."""
+        recving = worker_meta.recving if worker_meta is not None else {}
+        self.finished_loads.correct(connector_output, recving)
+        finished = connector_output.finished_recving
         if worker_meta is not None:
             if worker_meta.sent:
                 self._receipts.note(worker_meta.sent)

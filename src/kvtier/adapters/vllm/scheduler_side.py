@@ -279,7 +279,7 @@ class SchedulerSide(SchedulerStats):
             raise TypeError(f"unexpected worker metadata {type(worker_meta).__name__}")
         plans = self._plans
         fault_step = plans.fault_step
-        plans.applied(worker_meta, connector_output.finished_recving or set())
+        plans.applied(worker_meta, connector_output)  # corrects its `finished_recving`
         if self._finished_in_flight:
             if plans.fault_step > fault_step:
                 self._unconfirm_finishes()

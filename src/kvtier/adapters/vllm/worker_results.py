@@ -39,6 +39,7 @@ class WorkerResults(ABC):
     _echo_failed: tuple[str, ...]
     _output: Output
     _resend: Output | None
+    _handed: frozenset[str]
     _last_step_id: int
     _plan_fault_step: int
     _failed_step: int | None
@@ -114,6 +115,7 @@ class WorkerResults(ABC):
         if self._resend is not None:  # outputs vLLM dropped: to vLLM again, exactly once
             finished.update(self._resend.finished_recving)
             failed.update(self._resend.failed_recving)
+        self._handed = frozenset(finished)  # for the scheduler role to count (`recving`)
         return finished, failed
 
     def take_invalid_blocks(self) -> set[int]:
@@ -143,7 +145,10 @@ class WorkerResults(ABC):
             report = WorkerReport.merge([report, self._resend.report])
             self._resend = None
         step_id = self._last_step_id
+        handed, self._handed = self._handed, frozenset()
         if report.is_empty and failed_step is None and not sent and not step_id:
             return None  # no plan bound yet
-        steps = {self.outbox.worker_id: step_id} if step_id else {}
-        return KVTierWorkerMetadata(report, failed_step, sent, steps)
+        worker_id = self.outbox.worker_id
+        steps = {worker_id: step_id} if step_id else {}
+        recving = {worker_id: handed} if handed else {}
+        return KVTierWorkerMetadata(report, failed_step, sent, steps, recving)

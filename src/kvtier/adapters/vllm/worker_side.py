@@ -158,6 +158,7 @@ class WorkerSide(WorkerResults):
         self.outbox = Outbox()  # outputs until acknowledged (`redelivery`)
         self._resend: Output | None = None  # dropped outputs, sent again this step
         self._output = Output(0)  # what this step's output carries so far, resends aside
+        self._handed: frozenset[str] = frozenset()  # `finished_recving` of this output
         # An earlier pipeline stage runs no drafter, but Model Runner V1 still defers its
         # `wait_for_save` when speculating, to a finalize only the last stage calls.
         self._saves_with_results = bool(stage_layers) and not last_pipeline_stage()
