@@ -111,3 +111,56 @@ def test_ctrl_c_as_the_finished_command_gives_up_its_handlers_is_not_lost(
     assert "Traceback" not in done.stderr
     assert done.returncode == -signal.SIGINT, done.stderr
     assert "TTFT" in done.stdout  # the command had finished
+
+
+# Ctrl-C as `main` puts the caller's handlers back, before it swaps the first one: after a
+# command that held signals (`--json`'s rename set), whose wrapper stays in place then.
+CTRL_C_BEFORE_THE_HANDLERS_ARE_BACK = """
+import os, signal, sys, time, weakref
+import kvtier.replay.command as command
+
+real = command._restore_signal_handlers
+calls = []
+
+def ctrl_c_first(previous):
+    calls.append(previous)
+    if len(calls) == 1:
+        signal.raise_signal(signal.SIGINT)  # its KeyboardInterrupt is raised here
+    real(previous)
+
+command._restore_signal_handlers = ctrl_c_first
+
+class Held:
+    pass
+
+def ctrl_c_again():  # a finalizer run at exit (as torch's are): one more Ctrl-C lands there
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)  # the handler runs here
+
+held = Held()
+weakref.finalize(held, ctrl_c_again)
+sys.argv = ["kvtier", *{argv!r}]
+from kvtier.cli.main import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_before_the_handlers_are_back_still_ends_the_process_at_exit(
+    tmp_path: Path,
+) -> None:
+    """Regression: a Ctrl-C landing as `main` began to put the handlers back, after a
+    command that had held signals (`signals_deferred` leaves its wrapper of Python's
+    handler in place), left that wrapper in place; at exit it was not taken for Python's
+    handler, so one more Ctrl-C raised KeyboardInterrupt inside the interpreter's
+    shutdown: "Exception ignored in atexit callback" and a traceback, seen with
+    `kvtier demo` given 2-5 SIGINTs 10-50 ms apart (4 of 18 runs)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
+    argv = ["replay", str(trace), "--quiet", "--block-size", "20", "--json", str(tmp_path / "r")]
+    code = CTRL_C_BEFORE_THE_HANDLERS_ARE_BACK.format(argv=argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Exception ignored" not in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert done.stderr == "\nkvtier: interrupted\n"
+    assert (tmp_path / "r").exists()  # the command had finished

@@ -81,13 +81,14 @@ def signals_end_the_process(interrupted: bool = False) -> None:
     KeyboardInterrupt the caller caught as it called this (`interrupted`). A signal
     ignored (SIG_IGN: a script's `kvtier ... &` ignores SIGINT), or given a handler of
     the program's own (a program that ran `kvtier.cli.main.main`), is left as it is;
-    SIGTERM's default action already ends the process. Does nothing outside the main
-    thread.
+    SIGTERM's default action already ends the process. Python's handler wrapped by
+    `signals_deferred` counts as Python's: the caller's handler may not be back (a Ctrl-C
+    as `run_command` began to put it back). Does nothing outside the main thread.
     """
     if threading.current_thread() is not threading.main_thread():
         return
     pending = [signal.SIGINT] if interrupted else []
-    while signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    while _is_pythons_handler(signal.getsignal(signal.SIGINT)):
         try:  # a pending signal runs its handler before the swap, which is then undone
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             break
@@ -95,6 +96,14 @@ def signals_end_the_process(interrupted: bool = False) -> None:
             pending.append(signal.SIGINT)
     for signum in pending:
         signal.raise_signal(signum)
+
+
+def _is_pythons_handler(handler: Any) -> bool:
+    """Whether `handler` raises KeyboardInterrupt: Python's own, or it wrapped by
+    `signals_deferred` (outside its blocks, the wrapper does what it wraps)."""
+    if isinstance(handler, _Holding):
+        handler = handler.inner
+    return handler is signal.default_int_handler
 
 
 _at_exit = threading.Lock()
