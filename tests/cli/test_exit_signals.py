@@ -164,3 +164,48 @@ def test_ctrl_c_before_the_handlers_are_back_still_ends_the_process_at_exit(
     assert done.returncode == -signal.SIGINT, done.stderr
     assert done.stderr == "\nkvtier: interrupted\n"
     assert (tmp_path / "r").exists()  # the command had finished
+
+
+# The command's frames hold an object whose finalizer runs as the interrupted command's
+# exception is dropped (as an engine's or a tier's do): a second Ctrl-C lands there.
+CTRL_C_IN_A_FINALIZER_OF_THE_INTERRUPTED_COMMAND = """
+import os, signal, sys, time, weakref
+from kvtier.replay import cli
+
+class Engine:
+    pass
+
+def ctrl_c_again():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)  # the handler runs here
+
+def interrupted_sweep(*args):
+    engine = Engine()
+    weakref.finalize(engine, ctrl_c_again)
+    os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C
+    time.sleep(1)
+
+cli.run_sweep = interrupted_sweep
+sys.argv = ["kvtier", *{argv!r}]
+from kvtier.cli.main import main
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_in_a_finalizer_as_the_interrupted_command_ends_is_no_traceback(
+    tmp_path: Path,
+) -> None:
+    """Regression: the objects an interrupted command's frames held (the demo's engine,
+    its tiers) were freed as `kvtier` printed "interrupted", their finalizers running
+    with Ctrl-C live: a second Ctrl-C landing in one printed "Exception ignored in:
+    <finalize object ...>" and a KeyboardInterrupt traceback (`kvtier demo` given 5
+    SIGINTs 10 ms apart, 1 of 12 runs). It now waits for them, then ends the process."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1]}\n')
+    argv = ["replay", str(trace), "--quiet", "--block-size", "20"]
+    code = CTRL_C_IN_A_FINALIZER_OF_THE_INTERRUPTED_COMMAND.format(argv=argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "Exception ignored" not in done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("\nkvtier replay: interrupted\n"), done.stderr
+    assert done.returncode in (130, -signal.SIGINT), done.stderr

@@ -115,10 +115,32 @@ def _run_command(
     except BrokenPipeError:
         _discard_stdout()
         return BROKEN_PIPE_STATUS
-    except KeyboardInterrupt:  # temporary folders and engines were closed on the way out
+    except KeyboardInterrupt as interrupt:  # temporary folders and engines were closed
         print(f"\nkvtier {args.command}: interrupted", file=sys.stderr)
+        _drop_held_frames(interrupt)
         return INTERRUPTED_STATUS
     return status
+
+
+def _drop_held_frames(interrupt: BaseException) -> None:
+    """Free what the interrupted command's frames held (the demo's engine and tiers) while
+    Ctrl-C waits, then deliver one that came meanwhile (KeyboardInterrupt, one line).
+
+    Their finalizers run as the frames go; a Ctrl-C (a second one) that Python ran inside
+    one was swallowed with an "Exception ignored in: <finalize object>" traceback.
+    """
+    import gc
+
+    from kvtier.replay.signals import signals_deferred
+
+    with signals_deferred():
+        seen: set[int] = set()
+        exc: BaseException | None = interrupt
+        while exc is not None and id(exc) not in seen:  # the chain it was raised in
+            seen.add(id(exc))
+            exc.__traceback__ = None
+            exc = exc.__context__
+        gc.collect()  # frames in cycles (a torch module's) too
 
 
 def _discard_stdout() -> None:
