@@ -125,3 +125,13 @@ def test_the_help_of_a_demo_option_with_choices_explains_each_choice() -> None:
     for action in demo_parser()._actions:
         for choice in action.choices or ():
             assert f"{choice} (" in (action.help or ""), (action.option_strings, choice)
+
+
+def test_the_help_of_each_numeric_demo_option_states_its_least_value() -> None:
+    # Regression: the help gave no range, so nothing told a user that --system-tokens 0 is
+    # taken but --answer-tokens 0, --cpu-mib 0 or --gpu-blocks 1 are refused.
+    from kvtier.cli.demo_ranges import OPTION_MINIMUMS
+
+    helps = {action.dest: action.help or "" for action in demo_parser()._actions}
+    for option, least in OPTION_MINIMUMS.items():
+        assert f"at least {least}" in helps[option], (option, helps[option])

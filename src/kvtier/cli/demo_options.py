@@ -11,7 +11,13 @@ import os
 import sys
 from typing import Any
 
-from kvtier.cli.demo_ranges import TORCH_HINT, check_dependencies, check_dirs, check_options
+from kvtier.cli.demo_ranges import (
+    OPTION_MINIMUMS,
+    TORCH_HINT,
+    check_dependencies,
+    check_dirs,
+    check_options,
+)
 from kvtier.offload.config import CascadeMode, DiskIOMode
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.outputs import output_path
@@ -61,14 +67,16 @@ def add_parser(subparsers: Any) -> None:
             action=StoreOnce,
             type=ascii_int,
             default=default,
-            help=f"{what} (default %(default)s)",
+            help=f"{what} (at least {OPTION_MINIMUMS[flag[2:].replace('-', '_')]}; "
+            "default %(default)s)",
         )
     parser.add_argument(
         "--cascade-cpu-mib",
         action=StoreOnce,
         type=ascii_int,
         default=32,
-        help="CPU tier size in front of the disk tier in the CPU+disk run (MiB, default 32: "
+        help="CPU tier size in front of the disk tier in the CPU+disk run (MiB, at least "
+        f"{OPTION_MINIMUMS['cascade_cpu_mib']}; default 32: "
         "smaller than the demo's KV, so CPU evictions are demoted and served from disk)",
     )
     parser.add_argument(
