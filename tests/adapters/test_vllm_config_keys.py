@@ -3,7 +3,7 @@ closest valid key is offered only where following it works, and a key with none 
 the keys that do. The two spellings of a setting (kvtier's `cpu_bytes`..., vLLM
 SimpleCPUOffloadConnector's `cpu_bytes_to_use`...) are refused together, so a key of the
 other spelling than the one given is never offered; nor one of the other tier, nor a
-non-size key for a size."""
+non-size key for a size (Scenario 27: an unknown key raises a clear error)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`FinishedLoads`: vLLM is told a load finished once every worker reported it, each
-worker counted once however often its report arrives (`finished_loads`)."""
+worker counted once however often its report arrives (`finished_loads`): Scenario 26
+for loads under vLLM's own aggregation of worker outputs."""
 
 from __future__ import annotations
 
