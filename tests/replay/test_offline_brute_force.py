@@ -118,3 +118,21 @@ def test_offline_policies_behind_front_tiers_match_brute_force(
         )
         assert got.hit_tokens == want, got.name
         starts = ends
+
+
+# Three lower tiers: the third's oracle is the references the first two miss (a mutant
+# building every tier's oracle behind the first tier alone passed the two-tier tests).
+def test_belady_behind_two_lower_tiers_matches_brute_force() -> None:
+    records = [TraceRecord(t, 1, 0, (h,)) for t, h in enumerate([0, 1, 2, 2, 0, 1])]
+    names = ("CPU", "DISK", "NVME")
+    tiers = tuple(TierConfig(n, BLOCK, 1.0) for n in names)
+    result = replay_trace(records, ReplayConfig(tiers, "belady", 0, BLOCK, check_every=1))
+    starts = [0] * len(records)
+    got, want = [], []
+    for tier in result.tiers:
+        ends = brute_force(records, starts, 1, "belady")
+        got.append(tier.num_hit_blocks)
+        want.append(sum(e - s for s, e in zip(starts, ends, strict=True)))
+        starts = ends
+    assert got == want
+    assert want == [1, 1, 1]  # each tier keeps one of the three reused ids
