@@ -345,7 +345,7 @@ def test_a_line_without_end_is_an_error_after_max_line_bytes(
     path.write_text(record + "x" * 101)
     with pytest.raises(TraceError, match=r"t.jsonl:2: line longer than 100 bytes"):
         read_trace(path, block_size=10)
-    path.write_text(record + "x" * 99)  # the longest line taken: read, then a bad record
+    path.write_text(record + "x" * 100)  # the longest line taken: read, then a bad record
     with pytest.raises(TraceError, match=r"t.jsonl:2: ") as error:
         read_trace(path, block_size=10)
     assert "longer" not in str(error.value)
