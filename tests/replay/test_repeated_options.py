@@ -4,6 +4,7 @@ error naming it; argparse kept the last value, silently (`--json a --json b` wro
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,16 @@ def test_a_repeat_of_a_multi_or_optional_valued_option_names_what_was_given(
     parser.add_argument("--pair", action=StoreOnce, type=parse_tokens, nargs=2)
     parser.add_argument("--level", action=StoreOnce, type=parse_tokens, nargs="?", const=7)
     expect_usage_error(capsys, lambda: parser.parse_args(argv), f"given twice {both}:")
+
+
+def test_a_policy_named_twice_is_replayed_once(tmp_path: Path) -> None:
+    """--policy is repeatable: a repeat (as typed, or in another case) is one policy, and
+    the reference lines are not doubled by naming them (a mutation run found no test)."""
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, doc_trace(seed=5, num_requests=10))
+    out = tmp_path / "r.json"
+    argv = [str(trace), "--quiet", "--block-size", str(BLOCK), "--capacity", "80"]
+    argv += ["--policy", "arc", "--policy", "ARC", "--policy", "lru", "--json", str(out)]
+    assert main(argv) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [p["policy"] for p in points] == ["arc", "lru", "belady"]
