@@ -224,3 +224,13 @@ def test_duel_samples_the_shadows_above_4096_blocks() -> None:
     for i in range(200):
         store(pool, policy, key(i))
     assert 60 < policy._sampled < 140
+
+
+def test_duel_samples_a_tier_of_one_block_over_4096() -> None:
+    """The sample rate rounds up: 4,097 usable blocks sample one key in 2 (shadows of 2,048),
+    not every key into shadows larger than 4,096 (a mutant rounding down passed)."""
+    policy = DuelingPolicy(4098)
+    pool = BlockPool(4098, free_queue=policy)
+    for i in range(200):
+        store(pool, policy, key(i))
+    assert 60 < policy._sampled < 140
