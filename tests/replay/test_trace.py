@@ -310,6 +310,13 @@ def test_gzip_trace_is_read_as_is_and_a_truncated_one_names_the_file(tmp_path: P
     (tmp_path / "cut.gz").write_bytes(packed[: len(packed) // 2])
     with pytest.raises(TraceError, match=r"cut\.gz:\d+: corrupt gzip data"):
         read_trace(tmp_path / "cut.gz", 512)
+    # Two gzip members: the first, whole, holds line 1; the second is cut inside line 2,
+    # which the error names (a mutant naming the last line read passed the check above).
+    first, second = (tmp_path / "t.jsonl").read_bytes().splitlines(keepends=True)[:2]
+    cut = gzip.compress(second)
+    (tmp_path / "cut2.gz").write_bytes(gzip.compress(first) + cut[: len(cut) // 2])
+    with pytest.raises(TraceError, match=r"cut2\.gz:2: corrupt gzip data"):
+        read_trace(tmp_path / "cut2.gz", 512)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/fd"), reason="needs /dev/fd")
