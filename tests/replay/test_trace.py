@@ -356,3 +356,10 @@ def test_a_line_without_end_is_an_error_after_max_line_bytes(
     with pytest.raises(TraceError, match=r"t.jsonl:2: ") as error:
         read_trace(path, block_size=10)
     assert "longer" not in str(error.value)
+
+
+def test_the_infinite_hit_ratio_counts_a_partial_last_block_by_its_tokens() -> None:
+    """A reused 600-token prompt in 512-token blocks hits 600 tokens, not 2 x 512 (a
+    mutation run found no test of a partial block's hit)."""
+    records = [TraceRecord(0, 600, 1, (1, 2)), TraceRecord(1, 600, 1, (1, 2))]
+    assert summarize(records, 512).infinite_token_hit_ratio == 0.5
