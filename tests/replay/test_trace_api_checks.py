@@ -45,6 +45,11 @@ CASES: dict[str, tuple[object, str]] = {
         f"2 hash_ids for input_length={3 * BLOCK}, expected 3 at block size {BLOCK} (the "
         "trace's block size looks like 16: --block-size 16)",
     ),
+    "one id, many sizes fit": (  # the smallest is named (a mutant naming the largest passed)
+        TraceRecord(10, 3 * BLOCK, 1, (1,)),
+        f"1 hash_ids for input_length={3 * BLOCK}, expected 3 at block size {BLOCK} (the "
+        "trace's block size looks like 32: --block-size 32)",
+    ),
     "ids for no tokens": (
         TraceRecord(10, 0, 1, (5,)),
         f"1 hash_ids for input_length=0, expected 0 at block size {BLOCK}",
