@@ -1,20 +1,28 @@
-"""A capacity of exactly one block is enough, for every capacity option and for the
-defaults (found by a mutation run: the tests refused one token less, never the bound)."""
+"""How `kvtier replay` plans its tiers from the capacity options: a capacity of exactly one
+block is enough, a DISK tier gets the disk link by default, --sweep keeps the capacities
+given (each found by a mutation run: no test pinned it)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
+from replay_helpers import BLOCK, doc_trace
 
 from kvtier.replay.cli import configure
-from kvtier.replay.plan import build_config
+from kvtier.replay.plan import build_config, plan_replay
+from kvtier.replay.trace import write_trace
+
+
+def parse_for(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args(argv)
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    configure(parser)
-    return parser.parse_args(["t.jsonl", *argv])
+    return parse_for(["t.jsonl", *argv])
 
 
 @pytest.mark.parametrize(
@@ -29,3 +37,19 @@ def test_a_capacity_of_one_block_is_accepted(argv: list[str]) -> None:
     """build_config raised ReplayError ("holds no ...-token block") on a mutant."""
     args = parse(*argv)
     assert build_config(args).block_size == args.block_size
+
+
+def test_a_disk_tier_without_its_link_option_gets_the_disk_default() -> None:
+    """5 GB/s, not the CPU link's 25 (a mutant taking the CPU default passed)."""
+    cpu, disk = build_config(parse("--disk", "1M")).tiers
+    assert (cpu.name, cpu.link_gbps, disk.name, disk.link_gbps) == ("CPU", 25.0, "DISK", 5.0)
+
+
+def test_a_sweep_runs_the_capacities_given(tmp_path: Path) -> None:
+    """--sweep's default capacities stand in only when no --capacity is given (a mutant
+    sweeping the defaults anyway passed)."""
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, doc_trace(seed=5, num_requests=10))
+    argv = [str(trace), "--block-size", str(BLOCK), "--capacity", "80", "--capacity", "160"]
+    plan = plan_replay(parse_for([*argv, "--sweep", "--out", str(tmp_path / "out")]))
+    assert plan.capacities == [80, 160]
