@@ -36,15 +36,7 @@ class EarlierStageV1Worker(ConnectorWorker):
     def after_forward(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput | None:
         if not self._load_started:
             self.connector.start_load_kv(None)  # type: ignore[arg-type]
-        results = self.connector.get_transfer_results(scheduler_output.finished_req_ids)
-        return KVConnectorOutput(
-            finished_sending=results.finished_sending or None,
-            finished_recving=results.finished_recving or None,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=self.connector.get_block_ids_with_load_errors(),
-            kv_connector_stats=self.connector.get_kv_connector_stats(),
-            kv_connector_worker_meta=self.connector.build_connector_worker_meta(),
-        )
+        return self.results_output(scheduler_output)
 
 
 def test_an_earlier_stage_without_wait_for_save_still_stores(

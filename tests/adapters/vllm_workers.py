@@ -97,8 +97,14 @@ class ConnectorWorker:
         if not self._load_started:
             self.connector.start_load_kv(None)  # type: ignore[arg-type]
         self.connector.wait_for_save()
+        output = self.results_output(scheduler_output)
+        self.connector.clear_connector_metadata()
+        return output
+
+    def results_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
+        """This step's output as vLLM's runners collect it after `wait_for_save`."""
         results = self.connector.get_transfer_results(scheduler_output.finished_req_ids)
-        output = KVConnectorOutput(
+        return KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
             failed_recving=results.failed_recving,
@@ -106,8 +112,6 @@ class ConnectorWorker:
             kv_connector_stats=self.connector.get_kv_connector_stats(),
             kv_connector_worker_meta=self.connector.build_connector_worker_meta(),
         )
-        self.connector.clear_connector_metadata()
-        return output
 
 
 @dataclass
