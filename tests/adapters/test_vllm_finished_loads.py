@@ -12,6 +12,8 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.adapters.vllm.finished_loads import FinishedLoads
 from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
+from kvtier.adapters.vllm.plan_memory import PlanMemory
+from kvtier.offload.plan import TransferPlan
 
 
 def listed(loads: FinishedLoads, vllm_lists: set[str] | None, **recving: set[str]) -> set[str]:
@@ -44,6 +46,15 @@ def test_a_request_vllm_lists_early_is_held_back_until_every_worker_reported_it(
     assert loads.num_pending == 0
 
 
+def test_a_request_listed_early_in_an_output_naming_no_worker_s_report_is_held_back() -> None:
+    # The rule holds whatever the output carries: no worker's report in it is no reason
+    # to pass vLLM's early listing (a mutant returning whenever `recving` was empty).
+    loads = FinishedLoads(num_workers=2)
+    assert listed(loads, None, w1={"b"}) == set()
+    assert listed(loads, {"b", "other"}) == {"other"}
+    assert listed(loads, None, w2={"b"}) == {"b"}
+
+
 def test_a_request_whose_listing_vllm_lost_is_listed_once_every_worker_reported_it() -> None:
     loads = FinishedLoads(num_workers=3)
     assert listed(loads, None, w1={"b"}, w2={"b", "c"}) == set()
@@ -57,3 +68,20 @@ def test_aggregated_metadata_keeps_each_worker_s_finished_loads() -> None:
     merged = a.aggregate(b).aggregate(later)
     assert merged.recving == {1: frozenset({"x", "y"}), 2: frozenset({"x"})}
     assert b.aggregate(a).recving == a.recving
+
+
+def test_an_echo_is_forgotten_once_every_worker_reported_it_not_as_vllm_lists_it() -> None:
+    # Echoes of never-issued loads ride on every plan until each rank reported them;
+    # the scheduler role forgets one by the corrected listing: forgotten at vLLM's early
+    # listing, a rank yet to report it would never hear of it; kept past a listing vLLM
+    # lost, every later plan would carry it (a mutant reading vLLM's listing as is).
+    memory = PlanMemory(lambda event_id: False, num_workers=2)
+    memory.metadata(TransferPlan(1), ("b",))
+    early = KVConnectorOutput(finished_recving={"b"})
+    memory.applied(KVTierWorkerMetadata(recving={0: frozenset({"b"})}), early)
+    assert early.finished_recving is None
+    assert memory.echoes == {1: ("b",)}
+    lost = KVConnectorOutput()
+    memory.applied(KVTierWorkerMetadata(recving={1: frozenset({"b"})}), lost)
+    assert lost.finished_recving == {"b"}
+    assert memory.echoes == {}
