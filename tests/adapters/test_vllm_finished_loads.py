@@ -79,7 +79,7 @@ def test_an_echo_is_forgotten_once_every_worker_reported_it_not_as_vllm_lists_it
     memory.metadata(TransferPlan(1), ("b",))
     early = KVConnectorOutput(finished_recving={"b"})
     memory.applied(KVTierWorkerMetadata(recving={0: frozenset({"b"})}), early)
-    assert early.finished_recving is None
+    assert not early.finished_recving
     assert memory.echoes == {1: ("b",)}
     lost = KVConnectorOutput()
     memory.applied(KVTierWorkerMetadata(recving={1: frozenset({"b"})}), lost)
