@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from kvtier.cli import demo
 from kvtier.cli.demo_checks import check_sizes
 from kvtier.cli.main import main
-from kvtier.core.kv_groups import KVLayout
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.engine.chat_workload import ChatWorkload
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import build_model
@@ -286,3 +286,29 @@ def test_check_sizes_needs_4096_byte_blocks_for_direct_io(
     else:
         with pytest.raises(ValueError, match="a --block-size that is a multiple of 8"):
             check_sizes(workload, configs, layout, gpu_blocks=1024)
+
+
+@pytest.mark.parametrize(
+    ("num_groups", "user_tokens", "told"),
+    [
+        (1, 16, "17 tokens (2 blocks of 16), more than --gpu-blocks=2 can hold (1 usable block)"),
+        (2, 1, "2 tokens (1 block of 16 x 2 KV groups), more than --gpu-blocks=2 can hold"),
+    ],
+)
+def test_a_last_turn_too_long_for_the_gpu_pool_counts_one_in_the_singular(
+    num_groups: int, user_tokens: int, told: str
+) -> None:
+    """Regression (a fresh-user walkthrough): `kvtier demo --gpu-blocks 2` said "(1 usable
+    blocks)"; with two KV groups a short turn was "(1 blocks of 16 x 2 KV groups)"."""
+    workload = ChatWorkload(
+        num_conversations=1,
+        num_turns=1,
+        num_system_tokens=0,
+        num_document_tokens=0,
+        num_user_tokens=user_tokens,
+        num_answer_tokens=1,
+    )
+    layout = KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, 16, 8192),) * num_groups)
+    with pytest.raises(ValueError) as refused:
+        check_sizes(workload, [("offload off", None)], layout, gpu_blocks=2)
+    assert told in str(refused.value)

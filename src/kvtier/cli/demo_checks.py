@@ -20,6 +20,7 @@ from kvtier.engine.weights import checkpoint_files
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
 from kvtier.offload.host import check_host
 from kvtier.offload.plan import Tier
+from kvtier.replay.plural import counted
 from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
 # The option that sizes each run's tier budget: (run name, config field) -> option.
@@ -83,10 +84,10 @@ def check_sizes(
     if needed > gpu_blocks - 1:  # block 0 is the null block
         groups = f" x {len(layout.groups)} KV groups" if len(layout.groups) > 1 else ""
         raise ValueError(
-            f"a conversation's last turn holds {tokens} tokens ({per_group} blocks of"
-            f" {block_size}{groups}), more than --gpu-blocks={gpu_blocks} can hold"
-            f" ({gpu_blocks - 1} usable blocks): raise --gpu-blocks to at least {needed + 1},"
-            " or use fewer --turns or shorter messages"
+            f"a conversation's last turn holds {counted(tokens, 'token')} ("
+            f"{counted(per_group, 'block')} of {block_size}{groups}), more than --gpu-blocks="
+            f"{gpu_blocks} can hold ({counted(gpu_blocks - 1, 'usable block')}): raise"
+            f" --gpu-blocks to at least {needed + 1}, or use fewer --turns or shorter messages"
         )
     for name, config in configs:
         if config is None:

@@ -31,6 +31,7 @@ from kvtier.replay.outputs import (
     shell_word,
 )
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
+from kvtier.replay.plural import counted
 from kvtier.replay.report import format_table
 from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
@@ -236,8 +237,9 @@ def _run(args: argparse.Namespace, stdout: StdoutLines) -> int:
     records = plan.records
     summary = summarize(records, args.block_size)
     stdout.print(
-        f"{args.trace}: {summary.num_requests} requests, {summary.num_block_refs} block refs, "
-        f"{summary.num_distinct_blocks} distinct blocks, infinite-cache token hit ratio "
+        f"{args.trace}: {counted(summary.num_requests, 'request')}, "
+        f"{counted(summary.num_block_refs, 'block ref')}, "
+        f"{counted(summary.num_distinct_blocks, 'distinct block')}, infinite-cache token hit ratio "
         f"{summary.infinite_token_hit_ratio:.3f}"
     )
     progress = None

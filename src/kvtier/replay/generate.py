@@ -35,6 +35,7 @@ from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.command import BROKEN_PIPE_STATUS
 from kvtier.replay.option_types import attach_dashed_values
 from kvtier.replay.outputs import check_file_path, json_output_path, shell_word
+from kvtier.replay.plural import counted
 from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.stdout_lines import progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
@@ -289,7 +290,8 @@ def write(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     report = sys.stderr if descriptor_of(args.out) == 1 else sys.stdout
     if report is not None:  # None: closed (`2>&-`), and print() would fall back on stdout
         with contextlib.suppress(BrokenPipeError):
-            print(f"wrote {len(records)} requests to {shell_word(args.out)}", file=report)
+            wrote = f"wrote {counted(len(records), 'request')} to {shell_word(args.out)}"
+            print(wrote, file=report)
     return 0
 
 

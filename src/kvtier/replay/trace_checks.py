@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvtier.replay.plural import counted
 from kvtier.replay.trace_record import TraceError, TraceRecord
 
 MAX_HASH_ID = 1 << 64  # ids become 8-byte little-endian keys
@@ -191,7 +192,7 @@ def _chain_error(
             "hashes (equal ids, equal prefixes)"
         )
     return TraceError(
-        f"{where}: hash_ids[{position}] = {hash_id} covers {tokens} tokens, but "
+        f"{where}: hash_ids[{position}] = {hash_id} covers {counted(tokens, 'token')}, but "
         f"{seen_tokens} at {unit} {number}; a partial last block needs an id of its own "
         "(equal ids, equal prefixes)"
     )
