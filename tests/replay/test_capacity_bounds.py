@@ -56,8 +56,10 @@ def test_a_sweep_runs_the_capacities_given(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("option", ["--capacity", "--cpu", "--disk", "--gpu-capacity"])
-@pytest.mark.parametrize("value", ["99999999999999999999M", "1000000.000001G", "1000000000000001"])
-def test_a_capacity_beyond_a_petabyte_of_tokens_is_a_usage_error_naming_it(
+@pytest.mark.parametrize(
+    "value", ["99999999999999999999M", "1000000000.000001G", "1000000000000000001"]
+)
+def test_a_capacity_beyond_an_exabyte_of_tokens_is_a_usage_error_naming_it(
     option: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--capacity 99999999999999999999M` was taken, and the table printed it as a 26-digit
@@ -66,9 +68,9 @@ def test_a_capacity_beyond_a_petabyte_of_tokens_is_a_usage_error_naming_it(
         parse(option, value)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert f"invalid token count {value!r}: more than 1,000,000,000,000,000 tokens" in err
+    assert f"invalid token count {value!r}: more than 1,000,000,000,000,000,000 tokens" in err
 
 
 def test_the_largest_capacity_is_taken() -> None:
-    args = parse("--capacity", "1000000G", "--disk", "1000000000000000", "--gpu-capacity", "1000")
-    assert (args.capacity, args.disk_capacity, args.gpu_capacity) == ([10**15], 10**15, 1000)
+    args = parse("--capacity", "1000000000G", "--disk", str(10**18), "--gpu-capacity", "1000")
+    assert (args.capacity, args.disk_capacity, args.gpu_capacity) == ([10**18], 10**18, 1000)

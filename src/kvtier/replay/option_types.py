@@ -25,11 +25,11 @@ _BYTES = re.compile(r"^\s*\d+(?:\.\d+)?\s*(?:[kmgt]i?)?b\s*$", re.IGNORECASE | r
 # centuries, printed with hundreds of digits, or infinite (JSON has no infinity).
 MIN_RATE = 1e-6
 MAX_BYTES_PER_TOKEN = 1 << 30  # 1 GiB: a 405B model's KV in fp32 is about 1 MiB per token
-# The largest token count a capacity takes, 10**15 (1000000G): a petabyte of KV even at one
-# byte per token, and below 2**53, so JSON readers that hold numbers as doubles (jq,
-# JavaScript) read capacity_tokens exactly. `--capacity 99999999999999999999M` was taken
-# and printed as a 26-digit number.
-MAX_TOKENS = 10**15
+# The largest token count a capacity takes, 10**18 (1000000000G): an exabyte of KV even at
+# one byte per token, and below 2**63, so readers of the CSV and JSON that hold
+# capacity_tokens in a 64-bit int (pandas, numpy, SQL) read it. `--capacity
+# 99999999999999999999M` was taken and printed as a 26-digit number.
+MAX_TOKENS = 10**18
 # A value starting with a dash and a digit. argparse reads "-5" and "-0.5" as negative
 # numbers but "-1M" and "-1e3" as options, and then reports only "expected one argument".
 _DASHED_NUMBER = re.compile(r"^-\.?\d")
@@ -88,8 +88,8 @@ def parse_tokens(text: str) -> int:
         )
     if value > MAX_TOKENS:
         raise argparse.ArgumentTypeError(
-            f"invalid token count {text!r}: more than {MAX_TOKENS:,} tokens (1000000G), a "
-            "petabyte of KV even at one byte per token"
+            f"invalid token count {text!r}: more than {MAX_TOKENS:,} tokens (1000000000G), "
+            "an exabyte of KV even at one byte per token"
         )
     return int(value)
 
