@@ -50,9 +50,12 @@ def format_table(points: Sequence[SweepPoint]) -> str:
     moved to disk and promoted), as long as each row needs.
     """
     table = hit_ratio_table(points)
-    rows = [_cells(point, table) for point in points]
+    tiers = _capacity_tiers(points)
+    capacities = [f"{name} capacity" for name in tiers] if len(tiers) > 1 else [_HEADER[1]]
+    titles = [_HEADER[0], *capacities, *_HEADER[2:]]
+    rows = [_cells(point, table, tiers) for point in points]
     widths = [
-        max([len(title)] + [len(cells[i]) for cells, _ in rows]) for i, title in enumerate(_HEADER)
+        max([len(title)] + [len(cells[i]) for cells, _ in rows]) for i, title in enumerate(titles)
     ]
 
     def line(cells: Sequence[str]) -> str:
@@ -61,16 +64,30 @@ def format_table(points: Sequence[SweepPoint]) -> str:
         return _GAP.join([first, *rest])
 
     has_cascade = any(point.result.cascade is not None for point in points)
-    header = line(_HEADER) + _GAP + (_CASCADE_HEADER if has_cascade else _TIERS_HEADER)
+    header = line(titles) + _GAP + (_CASCADE_HEADER if has_cascade else _TIERS_HEADER)
     lines = [header, "-" * len(header)]
     lines += [f"{line(cells)}{_GAP}{tiers}" for cells, tiers in rows]
     return "\n".join(lines)
 
 
-def _cells(point: SweepPoint, table: dict[str, dict[int, float]]) -> tuple[list[str], str]:
+def _capacity_tiers(points: Sequence[SweepPoint]) -> list[str]:
+    """Return the names of the tiers the points have (GPU first, when there is one), each
+    shown with its capacity: with one tier, the column is just "capacity"."""
+    gpu = ["GPU"] if any(point.result.gpu is not None for point in points) else []
+    lower = (tier.name for point in points for tier in point.result.tiers)
+    return gpu + list(dict.fromkeys(lower))
+
+
+def _cells(
+    point: SweepPoint, table: dict[str, dict[int, float]], tiers: Sequence[str]
+) -> tuple[list[str], str]:
     """Return a point's table cells and its per-tier hit ratios."""
     row = point_row(point, table)
     result = point.result
+    capacities = {tier.name: tier.capacity_tokens for tier in result.tiers}
+    capacities[result.tiers[0].name] = point.capacity_tokens  # the sweep's, as the JSON's
+    if result.gpu is not None:
+        capacities["GPU"] = result.gpu.capacity_tokens
     hits = " ".join(f"{t.name}:{t.token_hit_ratio:.3f}" for t in result.tiers)
     if result.gpu is not None:
         hits = f"GPU:{result.gpu.token_hit_ratio:.3f} " + hits
@@ -79,7 +96,7 @@ def _cells(point: SweepPoint, table: dict[str, dict[int, float]]) -> tuple[list[
         hits += f" to-disk:{cpu.num_demoted_blocks} promoted:{cpu.num_promoted_blocks}"
     cells = [
         point.policy,
-        format_tokens(point.capacity_tokens),
+        *(format_tokens(capacities[name]) if name in capacities else "-" for name in tiers),
         f"{result.token_hit_ratio:.3f}",
         "-" if row["x_belady"] is None else f"{row['x_belady']:.2f}",
         "-" if row["x_lru"] is None else f"{row['x_lru']:.2f}",

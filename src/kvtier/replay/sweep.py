@@ -123,7 +123,7 @@ def point_row(point: SweepPoint, table: dict[str, dict[int, float]]) -> dict[str
     r = point.result
     row: dict[str, Any] = {
         "policy": point.policy,
-        "capacity_tokens": point.capacity_tokens,
+        "capacity_tokens": point.capacity_tokens,  # the first lower tier's, swept
         "token_hit_ratio": round(r.token_hit_ratio, 6),
         "total_token_hit_ratio": round(r.total_token_hit_ratio, 6),
         "gpu_token_hit_ratio": round(r.gpu.token_hit_ratio, 6) if r.gpu else 0.0,
@@ -156,6 +156,11 @@ def point_row(point: SweepPoint, table: dict[str, dict[int, float]]) -> dict[str
         row[f"{name}_blocks_evicted"] = tier.num_evicted_blocks
         row[f"{name}_bytes_stored"] = tier.bytes_stored
         row[f"{name}_bytes_loaded"] = tier.bytes_loaded
+    # Every tier's capacity, as the table shows them (last: the columns before keep
+    # their places in the CSV).
+    row["gpu_capacity_tokens"] = r.gpu.capacity_tokens if r.gpu else 0
+    for tier in r.tiers:
+        row[f"{tier.name.lower()}_capacity_tokens"] = tier.capacity_tokens
     return row
 
 
