@@ -29,7 +29,9 @@ from kvtier_vllm import (
     kvtier_harness,
     offload_worker,
 )
-from test_vllm_fault_tolerance import launch
+from test_vllm_connector_faults import AGAIN, losing_lookup_pins, stored_then_gpu_reset
+from test_vllm_fault_tolerance import fault_abort, launch
+from test_vllm_skipped_plan import run_on
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
@@ -182,6 +184,52 @@ def test_a_load_finished_in_an_aggregate_vllm_never_applied_is_finished(failing_
     try:
         load_reports_around_a_fault(harness, failing_rank, "v1", failing_rank, failing_rank)
         assert "b" not in harness.scheduler.requests
+        check_quiescent(harness)
+    finally:
+        harness.close()
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_an_echo_finished_in_an_aggregate_vllm_never_applied_is_finished(failing_rank: int) -> None:
+    # As above, for a load kvtier never issued (echoed as failed, `_echo_failed`): the
+    # healthy rank skipped the plan echoing x (raised before binding it; V1 answers with
+    # an empty reply, and the engine core applies the output rank's, reading the
+    # `execute_model` error only after a None), so its echo comes with N; the failing
+    # rank's was applied before. A worker leaving its echoes out of the requests it names
+    # (`recving`, mutant m54b of 7a3a610) left kvtier's count of x at the redelivered
+    # report: x and its GPU blocks held for good.
+    harness = stored_then_gpu_reset(num_ranks=2, **SCHEDULING["async_pipelined"])
+    try:
+        losing_lookup_pins(harness)
+        drain(harness)
+        harness.add_request("x", AGAIN["again-req-0"], max_tokens=3)
+        step_s = harness.scheduler.schedule()  # bound by the failing rank only
+        assert step_s.kv_connector_metadata.unissued_failed_request_ids == ("x",)
+        replies = [copy.copy(EMPTY_MODEL_RUNNER_OUTPUT) for _ in range(2)]
+        (kv_output,) = run_on(harness, range(failing_rank, failing_rank + 1), step_s)
+        replies[failing_rank] = ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        aggregated = harness._aggregator.aggregate(replies, output_rank=failing_rank)
+        assert aggregated is not None
+        harness.scheduler.update_from_output(step_s, aggregated)  # x: 1 of 2
+        assert harness.scheduler.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        harness.add_request("r", list(range(9000, 9020)), max_tokens=50)
+        step_n = launch(harness)
+        replies = [copy.copy(EMPTY_MODEL_RUNNER_OUTPUT) for _ in range(2)]
+        for rank, worker in enumerate(harness.workers):
+            if rank == failing_rank:
+                raise_from_forward(worker, step_n, v2=False)
+            else:  # x: 2 of 2, in the aggregate vLLM drops at the KeyError
+                replies[rank] = ModelRunnerOutput.with_kv_conn_output_only(
+                    worker.after_forward(step_n)
+                )
+        aggregated = harness._aggregator.aggregate(replies, output_rank=failing_rank)
+        assert aggregated is not None
+        with pytest.raises(KeyError, match="r"):
+            harness.scheduler.update_from_output(step_n, aggregated)
+        fault_abort(harness)
+        for _ in range(8):  # N's outputs sent again, applied
+            harness.step()
+        assert "x" not in harness.scheduler.requests  # was: held, with its blocks, for good
         check_quiescent(harness)
     finally:
         harness.close()
