@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from replay_helpers import BLOCK, chat_trace
 
-from kvtier.replay.config import ReleaseOrder, ReplayConfig, ReplayError, TierConfig
+from kvtier.replay.config import MAX_TOKENS, ReleaseOrder, ReplayConfig, ReplayError, TierConfig
 from kvtier.replay.cost import CostModel
 from kvtier.replay.tier_replay import replay_trace
 from kvtier.replay.trace import MAX_BLOCK_SIZE
@@ -127,3 +127,14 @@ def test_tier_names_that_share_result_columns_are_refused(
     tiers = tuple(TierConfig(name, 8 * BLOCK, 25.0) for name in names)
     with pytest.raises(ReplayError, match=re.escape(message)):
         ReplayConfig(tiers=tiers, block_size=BLOCK)
+
+
+def test_a_capacity_above_10_to_the_18_tokens_is_refused_naming_the_field() -> None:
+    """The CLI refuses such a `--capacity`; the library took any (the CSV and JSON's
+    64-bit readers cannot hold one above 2**63)."""
+    bound = "at most 1,000,000,000,000,000,000 \\(10\\*\\*18\\), got 1000000000000000001"
+    ReplayConfig(tiers=(cpu(MAX_TOKENS),), gpu_capacity_tokens=MAX_TOKENS)  # the bound is taken
+    with pytest.raises(ReplayError, match=f"^tier CPU: capacity_tokens must be {bound}$"):
+        cpu(MAX_TOKENS + 1)
+    with pytest.raises(ReplayError, match=f"^gpu_capacity_tokens must be {bound}$"):
+        ReplayConfig(tiers=(cpu(),), gpu_capacity_tokens=MAX_TOKENS + 1)

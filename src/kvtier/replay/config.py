@@ -11,6 +11,13 @@ from kvtier.replay.belady import OFFLINE_POLICIES
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel, is_int, is_positive_finite
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 
+# The largest token count a capacity takes, 10**18 (1000000000G): an exabyte of KV even at
+# one byte per token, and below 2**63, so readers of the CSV and JSON that hold
+# capacity_tokens in a 64-bit int (pandas, numpy, SQL) read it. `--capacity
+# 99999999999999999999M` was taken and printed as a 26-digit number (the CLI's
+# `parse_tokens` and the configs here refuse more).
+MAX_TOKENS = 10**18
+
 
 class ReplayError(ValueError):
     """The replay cannot model this configuration or trace."""
@@ -53,6 +60,11 @@ class TierConfig:
             raise ReplayError(
                 f"tier {self.name}: capacity must be > 0 tokens, got {self.capacity_tokens}"
             )
+        if self.capacity_tokens > MAX_TOKENS:
+            raise ReplayError(
+                f"tier {self.name}: capacity_tokens must be at most {MAX_TOKENS:,} (10**18), "
+                f"got {self.capacity_tokens}"
+            )
         if not is_positive_finite(self.link_gbps):
             raise ReplayError(
                 f"tier {self.name}: link_gbps must be a number > 0 and finite, got "
@@ -89,6 +101,11 @@ class ReplayConfig:
         if not is_int(self.gpu_capacity_tokens):
             raise ReplayError(
                 f"gpu_capacity_tokens must be an int (tokens), got {self.gpu_capacity_tokens!r}"
+            )
+        if self.gpu_capacity_tokens > MAX_TOKENS:
+            raise ReplayError(
+                f"gpu_capacity_tokens must be at most {MAX_TOKENS:,} (10**18), got "
+                f"{self.gpu_capacity_tokens}"
             )
         if not is_int(self.check_every) or self.check_every < 0:
             raise ReplayError(f"check_every must be an int >= 0, got {self.check_every!r}")

@@ -13,6 +13,7 @@ from fractions import Fraction
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from kvtier.replay.ascii_number import ascii_float, ascii_int
 from kvtier.replay.belady import OFFLINE_POLICIES
+from kvtier.replay.config import MAX_TOKENS
 from kvtier.replay.trace import MAX_BLOCK_SIZE
 
 _SUFFIXES = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
@@ -25,11 +26,6 @@ _BYTES = re.compile(r"^\s*\d+(?:\.\d+)?\s*(?:[kmgt]i?)?b\s*$", re.IGNORECASE | r
 # centuries, printed with hundreds of digits, or infinite (JSON has no infinity).
 MIN_RATE = 1e-6
 MAX_BYTES_PER_TOKEN = 1 << 30  # 1 GiB: a 405B model's KV in fp32 is about 1 MiB per token
-# The largest token count a capacity takes, 10**18 (1000000000G): an exabyte of KV even at
-# one byte per token, and below 2**63, so readers of the CSV and JSON that hold
-# capacity_tokens in a 64-bit int (pandas, numpy, SQL) read it. `--capacity
-# 99999999999999999999M` was taken and printed as a 26-digit number.
-MAX_TOKENS = 10**18
 # A value starting with a dash and a digit. argparse reads "-5" and "-0.5" as negative
 # numbers but "-1M" and "-1e3" as options, and then reports only "expected one argument".
 _DASHED_NUMBER = re.compile(r"^-\.?\d")
