@@ -90,6 +90,11 @@ def test_demo_runs_every_configuration(
             "--gpu-blocks=1000000000000",
             "--gpu-blocks=1000000000000 blocks of --block-size=16 tokens: the KV cache needs",
         ),
+        (  # Regression: "--block-size=1 tokens", "x 1 tokens x" (a count of one is singular).
+            "--block-size=1 --gpu-blocks=100000000000000",
+            "--gpu-blocks=100000000000000 blocks of --block-size=1 token: the KV cache needs "
+            "614400000000000000 bytes (100000000000000 blocks x 1 token x 6144 bytes)",
+        ),
         (  # Regression: only --gpu-blocks=96 was named, though the blocks were too large.
             "--block-size=100000",
             "--gpu-blocks=96 blocks of --block-size=100000 tokens: the KV cache needs",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli.main import main
+from kvtier.replay.config import ReplayConfig, ReplayError, TierConfig
 from kvtier.replay.trace import TraceError, read_trace
 
 ONE_BLOCK = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7]}\n'
@@ -41,3 +42,19 @@ def test_generate_reports_one_request_in_the_singular(
     assert main(["generate", str(out), "--conversations", "1", "--seed", "4"]) == 0
     assert len(read_trace(out)) == 1
     assert capsys.readouterr().out == f"wrote 1 request to {out}\n"
+
+
+def test_a_one_token_capacity_is_told_in_the_singular() -> None:
+    """The library said "capacity 1 tokens holds no 2-token block"."""
+    with pytest.raises(ReplayError, match=r"^tier CPU: capacity 1 token holds no 2-token block$"):
+        ReplayConfig(tiers=(TierConfig("CPU", 1, 25.0),), block_size=2)
+
+
+def test_a_one_token_block_is_asked_for_in_the_singular(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--capacity 0 --block-size 1` said "give at least 1 tokens"."""
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(ONE_BLOCK)
+    assert main(["replay", str(trace), "--capacity", "0", "--block-size", "1"]) == 2
+    assert "(--block-size 1): give at least 1 token\n" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.runner import KVCacheTooLargeError
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
+from kvtier.replay.plural import counted
 from kvtier.replay.signals import raise_if_terminated
 
 MIB = 1 << 20
@@ -134,8 +135,8 @@ def _load_engine(model: str | ModelConfig, engine: EngineConfig) -> LLM:
         return LLM(model, engine=engine)
     except KVCacheTooLargeError as exc:
         raise ValueError(
-            f"--gpu-blocks={exc.num_blocks} blocks of --block-size={engine.block_size} tokens:"
-            f" {exc.detail}"
+            f"--gpu-blocks={counted(exc.num_blocks, 'block')} of --block-size="
+            f"{counted(engine.block_size, 'token')}: {exc.detail}"
         ) from None
     except (OSError, ValueError) as exc:  # weights.load_weights: unreadable files too
         if isinstance(model, ModelConfig):

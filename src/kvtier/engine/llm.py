@@ -38,6 +38,7 @@ from kvtier.engine.validation import (
 from kvtier.engine.weights import load_model
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.host import remove_created_directory
+from kvtier.replay.plural import counted
 
 _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
 
@@ -261,9 +262,9 @@ class LLM(StallChecks):
             head = step.stuck or self.scheduler.waiting[0]
             self._abort(head)
             raise RuntimeError(
-                f"no progress possible: {head.request_id} ({head.num_tokens} tokens) does not "
-                f"fit the GPU pool of {self.pool.num_usable_blocks} blocks of "
-                f"{self.engine_config.block_size} tokens; it was aborted"
+                f"no progress possible: {head.request_id} ({counted(head.num_tokens, 'token')})"
+                f" does not fit the GPU pool of {counted(self.pool.num_usable_blocks, 'block')}"
+                f" of {counted(self.engine_config.block_size, 'token')}; it was aborted"
             )
         try:
             if self.offload is not None:

@@ -15,6 +15,7 @@ from kvtier.engine.config import CacheConfig, LayerGroup, ModelConfig
 from kvtier.engine.model import DecoderModel
 from kvtier.engine.paged_attention import AttentionMetadata, first_key_position, kv_cache_shape
 from kvtier.offload.host import total_memory_bytes
+from kvtier.replay.plural import counted
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,10 @@ def check_kv_cache_fits(config: ModelConfig, cache: CacheConfig, device: torch.d
     if memory is not None and need > memory:
         raise KVCacheTooLargeError(
             cache.num_blocks,
-            f"the KV cache needs {need} bytes ({cache.num_blocks} blocks x {cache.block_size} "
-            f"tokens x {config.kv_bytes_per_token()} bytes), more than this machine's memory "
-            f"or its container's limit ({memory} bytes); on the CPU device the GPU pool is "
-            "host memory",
+            f"the KV cache needs {need} bytes ({counted(cache.num_blocks, 'block')} x "
+            f"{counted(cache.block_size, 'token')} x {config.kv_bytes_per_token()} bytes), more "
+            f"than this machine's memory or its container's limit ({memory} bytes); on the CPU "
+            "device the GPU pool is host memory",
         )
 
 

@@ -26,6 +26,7 @@ from kvtier.core.kv_groups import GroupKind, KVLayout
 from kvtier.engine.config import EngineConfig, ModelConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig
+from kvtier.replay.plural import counted
 
 T = TypeVar("T")
 
@@ -288,7 +289,7 @@ def check_request(
     if num_prompt >= max_len:
         room = "is longer than" if num_prompt > max_len else "leaves no room for an output within"
         raise ValueError(
-            f"{where}: prompt of {num_prompt} tokens {room} the model's "
+            f"{where}: prompt of {counted(num_prompt, 'token')} {room} the model's "
             f"max_position={max_len} (vLLM's max_model_len): give at most {max_len - 1} "
             "prompt tokens"
         )
@@ -300,9 +301,9 @@ def check_request(
     if num_blocks > limits.num_usable_blocks:
         capped = f", capped at max_position={max_len}" if given is None or asked > max_len else ""
         raise ValueError(
-            f"{where}: prompt of {num_prompt} tokens + max_tokens={given}"
+            f"{where}: prompt of {counted(num_prompt, 'token')} + max_tokens={given}"
             f"{capped} needs at least {num_blocks} KV blocks at one step, more than the GPU "
-            f"pool's {limits.num_usable_blocks} usable blocks (raise "
+            f"pool's {counted(limits.num_usable_blocks, 'usable block')} (raise "
             "EngineConfig.num_gpu_blocks or lower max_tokens)"
         )
     return params

@@ -9,6 +9,7 @@ from kvtier.core.policies import PolicySpec
 from kvtier.offload.config import CascadeMode  # the modes the offload scheduler runs
 from kvtier.replay.belady import OFFLINE_POLICIES
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel, is_int, is_positive_finite
+from kvtier.replay.plural import counted
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 
 # The largest token count a capacity takes, 10**18 (1000000000G): an exabyte of KV even at
@@ -118,8 +119,8 @@ class ReplayConfig:
         for tier in self.tiers:
             if tier.capacity_tokens < self.block_size:
                 raise ReplayError(
-                    f"tier {tier.name}: capacity {tier.capacity_tokens} tokens holds no "
-                    f"{self.block_size}-token block"
+                    f"tier {tier.name}: capacity {counted(tier.capacity_tokens, 'token')} holds"
+                    f" no {self.block_size}-token block"
                 )
         if self.gpu_capacity_tokens < 0 or 0 < self.gpu_capacity_tokens < self.block_size:
             raise ReplayError(

@@ -30,6 +30,7 @@ from kvtier.replay.outputs import (
     folders_to_make,
     is_same_file,
 )
+from kvtier.replay.plural import counted
 from kvtier.replay.report import format_tokens
 from kvtier.replay.sweep import DEFAULT_SWEEP_TOKENS, LRU
 from kvtier.replay.tier_replay import record_keys
@@ -99,7 +100,7 @@ def _check_capacities(args: argparse.Namespace) -> None:
             none = "" if is_lower else ", or 0 for none"
             raise ReplayError(
                 f"{option} {format_tokens(tokens)} holds no {block}-token block "
-                f"(--block-size {block}): give at least {block} tokens{none}"
+                f"(--block-size {block}): give at least {counted(block, 'token')}{none}"
             )
 
 
