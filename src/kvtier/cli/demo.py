@@ -23,12 +23,12 @@ from kvtier.cli.demo_display import (
 )
 from kvtier.cli.demo_plot import save_ttft_plot
 from kvtier.cli.demo_ranges import check_dirs, check_options
+from kvtier.core.plural import counted
 from kvtier.engine.chat_workload import ChatWorkload, RunResult, percentile, run_chat
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.runner import KVCacheTooLargeError
 from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
-from kvtier.replay.plural import counted
 from kvtier.replay.signals import raise_if_terminated
 
 MIB = 1 << 20

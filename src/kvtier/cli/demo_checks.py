@@ -14,13 +14,13 @@ from pathlib import Path
 
 from kvtier.cli.demo_ranges import check_model_dir_is_dir
 from kvtier.core.kv_groups import KVLayout
+from kvtier.core.plural import counted
 from kvtier.engine.chat_workload import ChatWorkload
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.weights import checkpoint_files
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig
 from kvtier.offload.host import check_host
 from kvtier.offload.plan import Tier
-from kvtier.replay.plural import counted
 from kvtier.storage.slot_file import DIRECT_IO_ALIGNMENT
 
 # The option that sizes each run's tier budget: (run name, config field) -> option.

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import BlockHasher, RequestHasher
+from kvtier.core.plural import counted
 from kvtier.engine.config import CacheConfig, EngineConfig, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
 from kvtier.engine.forward import keep_sampled, run_forward
@@ -38,7 +39,6 @@ from kvtier.engine.validation import (
 from kvtier.engine.weights import load_model
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.host import remove_created_directory
-from kvtier.replay.plural import counted
 
 _IDLE_WAIT_S = 0.0005  # nothing to compute: let transfers progress
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
+from kvtier.core.plural import counted
 from kvtier.engine.config import CacheConfig, LayerGroup, ModelConfig
 from kvtier.engine.model import DecoderModel
 from kvtier.engine.paged_attention import AttentionMetadata, first_key_position, kv_cache_shape
 from kvtier.offload.host import total_memory_bytes
-from kvtier.replay.plural import counted
 
 logger = logging.getLogger(__name__)
 

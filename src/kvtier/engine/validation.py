@@ -23,10 +23,10 @@ import torch
 from tqdm import tqdm
 
 from kvtier.core.kv_groups import GroupKind, KVLayout
+from kvtier.core.plural import counted
 from kvtier.engine.config import EngineConfig, ModelConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig
-from kvtier.replay.plural import counted
 
 T = TypeVar("T")
 

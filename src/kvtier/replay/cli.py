@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.plural import counted
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from kvtier.replay.config import CascadeMode, ReleaseOrder, ReplayError
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel
@@ -31,7 +32,6 @@ from kvtier.replay.outputs import (
     shell_word,
 )
 from kvtier.replay.plan import DEFAULT_OUT, ReplayPlan, plan_replay
-from kvtier.replay.plural import counted
 from kvtier.replay.report import format_table
 from kvtier.replay.stdout_lines import StdoutLines, progress_bar_disable
 from kvtier.replay.store_once import StoreOnce

@@ -5,11 +5,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvtier.core.plural import counted
 from kvtier.core.policies import PolicySpec
 from kvtier.offload.config import CascadeMode  # the modes the offload scheduler runs
 from kvtier.replay.belady import OFFLINE_POLICIES
 from kvtier.replay.cost import DEFAULT_LINK_GBPS, CostModel, is_int, is_positive_finite
-from kvtier.replay.plural import counted
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 
 # The largest token count a capacity takes, 10**18 (1000000000G): an exabyte of KV even at

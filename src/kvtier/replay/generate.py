@@ -31,11 +31,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from kvtier.core.plural import counted
 from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.command import BROKEN_PIPE_STATUS
 from kvtier.replay.option_types import attach_dashed_values
 from kvtier.replay.outputs import check_file_path, json_output_path, shell_word
-from kvtier.replay.plural import counted
 from kvtier.replay.signals import sigterm_unwinds
 from kvtier.replay.stdout_lines import progress_bar_disable
 from kvtier.replay.store_once import StoreOnce

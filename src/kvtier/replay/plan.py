@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.keys import Key
+from kvtier.core.plural import counted
 from kvtier.replay.belady import BELADY, OFFLINE_POLICIES
 from kvtier.replay.config import (
     CascadeMode,
@@ -30,7 +31,6 @@ from kvtier.replay.outputs import (
     folders_to_make,
     is_same_file,
 )
-from kvtier.replay.plural import counted
 from kvtier.replay.report import format_tokens
 from kvtier.replay.sweep import DEFAULT_SWEEP_TOKENS, LRU
 from kvtier.replay.tier_replay import record_keys

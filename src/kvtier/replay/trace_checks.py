@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvtier.replay.plural import counted
+from kvtier.core.plural import counted
 from kvtier.replay.trace_record import TraceError, TraceRecord
 
 MAX_HASH_ID = 1 << 64  # ids become 8-byte little-endian keys
