@@ -20,8 +20,10 @@ serves one all the same.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
 from vllm_workers import WorkerSide
@@ -40,6 +42,18 @@ def raise_from_forward(worker: WorkerSide, scheduler_output: SchedulerOutput, v2
         finally:  # V1's `_get_kv_connector_output`; V2's `post_forward` is never reached
             if not v2:
                 worker.after_forward(scheduler_output)
+
+
+def rank_reply(kv_output: KVConnectorOutput | None = None) -> ModelRunnerOutput:
+    """A rank's `sample_tokens` reply carrying only `kv_output` (nothing: V1's empty
+    reply), as the engine core receives it: an object of its own, deserialized from the
+    rank's message. Not `ModelRunnerOutput.with_kv_conn_output_only`, which hands back
+    vLLM's shared `EMPTY_MODEL_RUNNER_OUTPUT` for an empty output:
+    `KVOutputAggregator.aggregate` writes the aggregate into its output rank's reply, and
+    every later test's empty replies would carry it (conftest.py fails such a test)."""
+    reply = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+    reply.kv_connector_output = kv_output
+    return reply
 
 
 def drain_deferred_frees(harness: VllmHarness) -> None:

@@ -23,12 +23,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from forward_faults import raise_from_forward
+from forward_faults import raise_from_forward, rank_reply
 from kvtier_vllm import SCHEDULING, drain, kvtier_harness
 from test_vllm_abort_before_fault import check_no_local_hit_on_prompt
 from test_vllm_fault_tolerance import PROMPT, launch
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
 
@@ -46,10 +46,10 @@ def v1_sample_outputs(
     for rank, worker in enumerate(harness.workers):
         if rank == failing_rank:
             raise_from_forward(worker, step, v2=False)
-            replies.append(EMPTY_MODEL_RUNNER_OUTPUT)  # no `execute_model_state`
+            replies.append(rank_reply())  # no `execute_model_state`
         else:
             kv_output = worker.after_forward(step)
-            replies.append(ModelRunnerOutput.with_kv_conn_output_only(kv_output))
+            replies.append(rank_reply(kv_output))
     return replies
 
 
@@ -67,10 +67,7 @@ def abort_before_a_fault_on_one_rank_v1(
     replies_n = v1_sample_outputs(harness, step_n, failing_rank)  # the ranks run N first
     harness.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)  # no fault yet
     step_after = launch(harness)
-    replies_after = [
-        ModelRunnerOutput.with_kv_conn_output_only(worker.after_forward(step_after))
-        for worker in harness.workers
-    ]
+    replies_after = [rank_reply(worker.after_forward(step_after)) for worker in harness.workers]
     for step, replies in ((step_n, replies_n), (step_after, replies_after)):
         aggregated = harness._aggregator.aggregate(replies, output_rank=output_rank)
         assert aggregated is not None

@@ -14,13 +14,11 @@ canaries below pin vLLM's half of that (`KVOutputAggregator.aggregate`,
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 pytest.importorskip("vllm")
 
-from forward_faults import raise_from_forward
+from forward_faults import raise_from_forward, rank_reply
 from kvtier_vllm import (
     SCHEDULING,
     PollGate,
@@ -33,14 +31,14 @@ from test_vllm_connector_faults import AGAIN, losing_lookup_pins, stored_then_gp
 from test_vllm_fault_tolerance import fault_abort, launch
 from test_vllm_skipped_plan import run_on
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 from vllm_harness import VllmHarness
 
 
 def healthy_reply() -> ModelRunnerOutput:
     """A healthy rank's `sample_tokens` reply: one sampled token, a finished load."""
-    reply = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+    reply = rank_reply()
     reply.req_ids, reply.req_id_to_index, reply.sampled_token_ids = ["r"], {"r": 0}, [[7]]
     reply.kv_connector_output = KVConnectorOutput(finished_recving={"x"})
     return reply
@@ -51,7 +49,7 @@ def test_vllm_v1_aggregates_a_failed_step_s_replies_without_error(failing_rank: 
     # V1: the failing rank's empty reply is a success; the aggregate is the output
     # rank's reply (rank 0 here) with the healthy rank's connector output merged in.
     replies = [healthy_reply(), healthy_reply()]
-    replies[failing_rank] = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+    replies[failing_rank] = rank_reply()
     aggregated = KVOutputAggregator(expected_finished_count=2).aggregate(replies)
     assert aggregated is not None
     assert aggregated.req_ids == ([] if failing_rank == 0 else ["r"])
@@ -78,7 +76,7 @@ def test_vllm_raises_key_error_applying_an_empty_output_to_a_running_request() -
         harness.add_request("r", list(range(9000, 9020)), max_tokens=50)
         step = launch(harness)
         with pytest.raises(KeyError, match="r"):
-            harness.scheduler.update_from_output(step, copy.copy(EMPTY_MODEL_RUNNER_OUTPUT))
+            harness.scheduler.update_from_output(step, rank_reply())
     finally:
         harness.close()
 
@@ -118,10 +116,10 @@ def load_reports_around_a_fault(
     for rank, worker in enumerate(harness.workers):
         if rank == failing_rank:
             raise_from_forward(worker, step_n, v2=runner == "v2")
-            replies.append(None if runner == "v2" else copy.copy(EMPTY_MODEL_RUNNER_OUTPUT))
+            replies.append(None if runner == "v2" else rank_reply())
         else:
             kv_output = worker.after_forward(step_n)
-            replies.append(ModelRunnerOutput.with_kv_conn_output_only(kv_output))
+            replies.append(rank_reply(kv_output))
     try:  # vLLM's `fault_tolerant_wrapper` → `on_fault` on any of these
         aggregated = harness._aggregator.aggregate(replies, output_rank=output_rank)
         if aggregated is None:
@@ -133,10 +131,7 @@ def load_reports_around_a_fault(
         raise AssertionError("the step's fault went unnoticed")
     for _ in range(4):
         step = launch(harness)
-        outputs = [
-            ModelRunnerOutput.with_kv_conn_output_only(worker.after_forward(step))
-            for worker in harness.workers
-        ]
+        outputs = [rank_reply(worker.after_forward(step)) for worker in harness.workers]
         aggregated = harness._aggregator.aggregate(outputs, output_rank=output_rank)
         assert aggregated is not None
         harness.scheduler.update_from_output(step, aggregated)
@@ -205,23 +200,21 @@ def test_an_echo_finished_in_an_aggregate_vllm_never_applied_is_finished(failing
         harness.add_request("x", AGAIN["again-req-0"], max_tokens=3)
         step_s = harness.scheduler.schedule()  # bound by the failing rank only
         assert step_s.kv_connector_metadata.unissued_failed_request_ids == ("x",)
-        replies = [copy.copy(EMPTY_MODEL_RUNNER_OUTPUT) for _ in range(2)]
+        replies = [rank_reply() for _ in range(2)]
         (kv_output,) = run_on(harness, range(failing_rank, failing_rank + 1), step_s)
-        replies[failing_rank] = ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        replies[failing_rank] = rank_reply(kv_output)
         aggregated = harness._aggregator.aggregate(replies, output_rank=failing_rank)
         assert aggregated is not None
         harness.scheduler.update_from_output(step_s, aggregated)  # x: 1 of 2
         assert harness.scheduler.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
         harness.add_request("r", list(range(9000, 9020)), max_tokens=50)
         step_n = launch(harness)
-        replies = [copy.copy(EMPTY_MODEL_RUNNER_OUTPUT) for _ in range(2)]
+        replies = [rank_reply() for _ in range(2)]
         for rank, worker in enumerate(harness.workers):
             if rank == failing_rank:
                 raise_from_forward(worker, step_n, v2=False)
             else:  # x: 2 of 2, in the aggregate vLLM drops at the KeyError
-                replies[rank] = ModelRunnerOutput.with_kv_conn_output_only(
-                    worker.after_forward(step_n)
-                )
+                replies[rank] = rank_reply(worker.after_forward(step_n))
         aggregated = harness._aggregator.aggregate(replies, output_rank=failing_rank)
         assert aggregated is not None
         with pytest.raises(KeyError, match="r"):
