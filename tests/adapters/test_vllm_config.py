@@ -165,12 +165,12 @@ def test_an_unknown_key_names_its_origin_and_the_closest_key(key: str, suggestio
     with pytest.raises(ConfigError) as error:
         convert({"num_cpu_blocks": 10, key: 1})
     assert str(error.value) == (
-        f"unknown kv_connector_extra_config key(s): {key} (did you mean {suggestion!r}?)"
+        f"unknown kv_connector_extra_config key: {key} (did you mean {suggestion!r}?)"
     )
 
 
 def test_an_unknown_key_is_never_steered_to_a_setting_vllm_owns() -> None:
-    with pytest.raises(ConfigError, match=r"key\(s\): hash_sed; keys valid") as error:
+    with pytest.raises(ConfigError, match=r"key: hash_sed; keys valid") as error:
         convert({"cpu_bytes": GIB, "hash_sed": "0"})
     assert "hash_seed" not in str(error.value)
 
@@ -233,7 +233,7 @@ def test_simple_offload_values_are_refused_under_their_own_names(
                 "cpu_bytes_to_use": 8 * GIB,
                 "disk_capacity_bytes": GIB,
             },
-            "(cpu_bytes is cpu_bytes_to_use / 4 rank(s); disk_bytes is disk_capacity_bytes)",
+            "(cpu_bytes is cpu_bytes_to_use / 4 ranks; disk_bytes is disk_capacity_bytes)",
         ),
         ({"lazy_offload": True, "fine_grained_hits": True}, "(store_mode is lazy_offload)"),
     ],

@@ -95,7 +95,7 @@ def test_an_unknown_key_in_another_case_names_the_key_it_looks_like() -> None:
     [
         (
             {"cpu_bytes_to_use": GIB, "cpu_bytes_to_use_per_rank": GIB // 4},
-            "cpu_bytes_to_use_per_rank=268435456 != cpu_bytes_to_use / 2 rank(s) = 536870912"
+            "cpu_bytes_to_use_per_rank=268435456 != cpu_bytes_to_use / 2 ranks = 536870912"
             ": using cpu_bytes_to_use_per_rank",
         ),
         (
@@ -140,3 +140,10 @@ def test_a_disk_path_without_a_disk_tier_is_warned_of_naming_why(
     assert [r.getMessage() for r in caplog.records] == [
         f"no disk tier ({why}): ignoring disk_path='/tmp/kv'"
     ]
+
+
+def test_the_per_rank_warning_on_one_rank_says_rank(caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: "cpu_bytes_to_use / 1 rank(s)"."""
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        convert({"cpu_bytes_to_use": GIB, "cpu_bytes_to_use_per_rank": GIB // 4})
+    assert "cpu_bytes_to_use / 1 rank = 1073741824: using" in caplog.text, caplog.text

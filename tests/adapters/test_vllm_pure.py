@@ -182,11 +182,11 @@ def test_a_padded_block_id_s_slot_holds_only_its_pages() -> None:
         (
             {"cpu_bytes_to_use": 2 * 4096 * 8, "num_cpu_blocks": 9},
             "num_blocks=9 exceeds what cpu_bytes=32768 holds at 4096 bytes per block (8) "
-            "(cpu_bytes is cpu_bytes_to_use / 2 rank(s); num_blocks is num_cpu_blocks)",
+            "(cpu_bytes is cpu_bytes_to_use / 2 ranks; num_blocks is num_cpu_blocks)",
         ),
         (
             {"cpu_bytes_to_use_per_rank": 4096},
-            "cpu_bytes=4096 holds 1 block(s) of 4096 bytes; the tier needs at least 2 (block 0 "
+            "cpu_bytes=4096 holds 1 block of 4096 bytes; the tier needs at least 2 (block 0 "
             "is the null block) (cpu_bytes is cpu_bytes_to_use_per_rank)",
         ),
     ],

@@ -201,7 +201,8 @@ def test_padded_layer_outermost_pages_of_other_sizes_are_refused_by_the_worker()
     scheduler_config = generate_scheduler_kv_cache_config([worker_config])
     assert bytes_per_slot(scheduler_config) == 2048 + 5000  # "b"'s stride, not its page
     with pytest.raises(
-        UnsupportedLayoutError, match=r"group\(s\) \[0\] .*hold 6144 B.* of 7048 B.*BLHNC"
+        UnsupportedLayoutError,
+        match=r"KV cache group 0 merges layers .*hold 6144 B.* of 7048 B.*BLHNC",
     ):
         WorkerSide(worker_config, BUDGET, LAYOUT, ())
 
@@ -235,7 +236,7 @@ def test_a_hisparse_host_group_is_refused_by_both_roles_at_start_up() -> None:
         [KVCacheGroupSpec(["src"], host_spec, host_resident=True), *device.kv_cache_groups],
         hisparse_host_num_blocks=64,
     )
-    named = r"group\(s\) \[0\] \(layers \['src'\]\).*HiSparse"
+    named = r"KV cache group 0 \(layers \['src'\]\) lives in HiSparse"
     with pytest.raises(UnsupportedLayoutError, match=named):
         tier_sizes(BUDGET, config)  # the scheduler role's sizing
     with pytest.raises(UnsupportedLayoutError, match="HiSparse"):

@@ -69,7 +69,7 @@ def test_demo_runs_every_configuration(
         ),
         (
             "--block-size=256 --gpu-blocks=8 --cpu-mib=1",
-            "--cpu-mib=1 is too small for the CPU tier run: cpu_bytes=1048576 holds 0 block(s)",
+            "--cpu-mib=1 is too small for the CPU tier run: cpu_bytes=1048576 holds 0 blocks of",
         ),
         (
             "--cascade-cpu-mib=600 --disk-mib=100",

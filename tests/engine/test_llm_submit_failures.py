@@ -250,7 +250,7 @@ def test_drain_names_the_stores_a_reset_abandoned_when_they_never_report() -> No
     assert worker.lost is not None
     assert not llm.offload.scheduler.reset()  # the lost stores are abandoned
     arm()
-    message = r"1 store or demotion events issued and never reported \(1 of them abandoned"
+    message = r"; 1 store or demotion event issued and never reported \(1 of them abandoned"
     with pytest.raises(RuntimeError, match=message):
         llm.shutdown()
 

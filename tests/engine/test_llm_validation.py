@@ -103,6 +103,9 @@ def test_a_cuda_device_index_beyond_the_machine_is_refused(monkeypatch: pytest.M
     with pytest.raises(ValueError, match=r"device='cuda:5', but this machine has 2 CUDA device"):
         EngineConfig(device=torch.device("cuda", 5))
     assert EngineConfig(device=torch.device("cuda", 1)).device == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # not "1 CUDA device(s)"
+    with pytest.raises(ValueError, match=r"this machine has 1 CUDA device \(cuda:0 \.\.\.\)"):
+        EngineConfig(device="cuda:1")
 
 
 def test_a_torch_device_is_taken_as_its_str() -> None:
@@ -200,13 +203,21 @@ def test_prompts_of_the_wrong_type(prompts: Any, message: str) -> None:
         (5, TypeError, "params must be a SamplingParams, a sequence of them .* got 5"),
         ({"max_tokens": 2}, TypeError, "params must be a SamplingParams"),
         ([PARAMS, "x"], TypeError, r"params\[1\] must be a SamplingParams, got 'x'"),
-        ([PARAMS], ValueError, "2 prompts but 1 sampling params"),
+        ([PARAMS], ValueError, "2 prompts but 1 sampling param$"),
     ],
 )
 def test_params_of_the_wrong_type(params: Any, error: type[Exception], message: str) -> None:
     llm = small_llm()
     with pytest.raises(error, match=message):
         llm.generate([[1, 2, 3], [4, 5]], params)
+    assert_untouched(llm)
+
+
+def test_one_prompt_with_two_params_is_named_in_the_singular() -> None:
+    """Regression: "1 prompts but 2 sampling params"."""
+    llm = small_llm()
+    with pytest.raises(ValueError, match=r"^1 prompt but 2 sampling params$"):
+        llm.generate([[1, 2, 3]], [PARAMS, PARAMS])
     assert_untouched(llm)
 
 

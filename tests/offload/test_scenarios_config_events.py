@@ -56,7 +56,7 @@ def test_scenario_27_unknown_key_is_rejected_by_name() -> None:
     with pytest.raises(ConfigError) as error:
         OffloadConfig.from_dict(values)
     assert str(error.value).startswith(
-        "unknown offload config key(s): disk_buffer_slot (did you mean 'disk_buffer_slots'?), "
+        "unknown offload config keys: disk_buffer_slot (did you mean 'disk_buffer_slots'?), "
         "disk_direct_i (did you mean 'disk_direct_io'?), zzz; valid keys: admission_policy, "
     )
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from kvtier.core.plural import counted
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -288,5 +290,5 @@ class EngineConfig:
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(
                 f"EngineConfig.device={self.device!r}, but this machine has "
-                f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)"
+                f"{counted(torch.cuda.device_count(), 'CUDA device')} (cuda:0 ...)"
             )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.core.plural import counted
 from kvtier.engine.config import AttentionKind
 from kvtier.engine.request import Request
 from kvtier.engine.runner import ModelRunner
@@ -298,13 +299,15 @@ class OffloadSide:
         """Return what keeps `has_pending_work()` true, for error messages."""
         scheduler = self.scheduler
         _, num_pending_blocks, _ = scheduler.stats_gauges()
-        text = f"{num_pending_blocks} blocks queued or in flight to the {scheduler.tier.value} tier"
+        blocks = counted(num_pending_blocks, "block")
+        text = f"{blocks} queued or in flight to the {scheduler.tier.value} tier"
         if scheduler.cascade is not None:
-            text += f", {len(scheduler.cascade.in_flight_keys)} demotions queued or in flight"
+            demotions = counted(len(scheduler.cascade.in_flight_keys), "demotion")
+            text += f", {demotions} queued or in flight"
         num_events, num_abandoned = scheduler.store_events_in_flight()
         if num_events:  # a reset lets go of its abandoned transfers' blocks and keys
             text += (
-                f"; {num_events} store or demotion events issued and never reported"
+                f"; {counted(num_events, 'store or demotion event')} issued and never reported"
                 f" ({num_abandoned} of them abandoned by a reset)"
             )
         return text

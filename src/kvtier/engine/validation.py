@@ -231,7 +231,9 @@ def as_params_list(
         if not isinstance(item, SamplingParams):
             raise TypeError(f"params[{index}] must be a SamplingParams, got {item!r}")
     if len(params) != num_prompts:
-        raise ValueError(f"{num_prompts} prompts but {len(params)} sampling params")
+        raise ValueError(
+            f"{counted(num_prompts, 'prompt')} but {counted(len(params), 'sampling param')}"
+        )
     return list(params)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvtier.core.hashing import HashAlgo
+from kvtier.core.plural import counted
 from kvtier.offload.config_error import ConfigError
 from kvtier.offload.config_fields import (
     CONFIG_KEYS,
@@ -267,7 +268,7 @@ class OffloadConfig:
             return self.num_blocks
         if capacity < 2:
             raise ConfigError(
-                f"{name}={budget} holds {capacity} block(s) of {bytes_per_block} "
+                f"{name}={budget} holds {counted(capacity, 'block')} of {bytes_per_block} "
                 "bytes; the tier needs at least 2 (block 0 is the null block)"
             )
         return capacity

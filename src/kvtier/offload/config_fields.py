@@ -69,7 +69,7 @@ def check_known_keys(
     """Raise ConfigError naming every key not in `valid`, with the closest valid key;
     when some key has none, the message lists the valid keys.
 
-    `where` names the keys' origin in the message, e.g. "unknown offload config key(s)".
+    `where` names the keys' origin in the message, e.g. "offload config".
     `suggest` (default `valid`) narrows the keys offered and listed to those that go
     with the other keys given (a caller's choice: one spelling of a setting). A key is
     offered only when it is the closest valid key a misspelt key could mean, or (when
@@ -84,7 +84,8 @@ def check_known_keys(
     offered = sorted(valid if suggest is None else set(suggest) & set(valid))
     offers = {key: _offer(key, given, valid, offered, instead or {}) for key in unknown}
     named = [f"{key} (did you mean {offer!r}?)" if offer else key for key, offer in offers.items()]
-    message = f"unknown {where} key(s): {', '.join(named)}"
+    noun = "key" if len(named) == 1 else "keys"
+    message = f"unknown {where} {noun}: {', '.join(named)}"
     if None in offers.values():
         which = "valid keys" if len(offered) == len(valid) else "keys valid with the others given"
         message += f"; {which}: {', '.join(offered)}"

@@ -47,6 +47,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from kvtier.core.plural import counted
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from kvtier.offload.config import (
     CONFIG_KEYS,
@@ -186,7 +187,8 @@ def _from_simple_offload_keys(
     ignored = [k for k in _DISK_ONLY_ALIASES if k in values and k not in off]
     ignored = ignored if backend == "cpu" else []
     sources = {
-        "cpu_bytes": f"{_given_or_default('cpu_bytes_to_use', values)} / {world_size} rank(s)",
+        "cpu_bytes": f"{_given_or_default('cpu_bytes_to_use', values)} / "
+        f"{counted(world_size, 'rank')}",
         "disk_bytes": _given_or_default("disk_capacity_bytes", values),
         "num_blocks": "num_cpu_blocks",
         "store_mode": "lazy_offload",
@@ -204,7 +206,7 @@ def _from_simple_offload_keys(
         elif server_bytes < world_size:
             raise ConfigError(
                 f"cpu_bytes_to_use={server_bytes} is invalid: it is divided over "
-                f"{world_size} ranks, which leaves each less than one byte"
+                f"{counted(world_size, 'rank')}, which leaves each less than one byte"
             )
         else:
             values["cpu_bytes"] = server_bytes // world_size
@@ -241,10 +243,10 @@ def _warn_of_unused_cpu_keys(values: Mapping[str, Any], backend: str, world_size
         )
     elif len(given) == 2 and values[given[0]] // world_size != values[given[1]]:
         logger.warning(
-            "cpu_bytes_to_use_per_rank=%d != cpu_bytes_to_use / %d rank(s) = %d: using "
+            "cpu_bytes_to_use_per_rank=%d != cpu_bytes_to_use / %s = %d: using "
             "cpu_bytes_to_use_per_rank",
             values[given[1]],
-            world_size,
+            counted(world_size, "rank"),
             values[given[0]] // world_size,
         )
 

@@ -185,9 +185,10 @@ def check_device_resident(kv_cache_config: Any) -> None:
     ]
     if hosted:
         raise UnsupportedLayoutError(
-            f"KV cache group(s) {hosted} (layers {list(groups[hosted[0]].layer_names)[:3]}) "
-            "live in HiSparse's host pool (host_resident), whose block ids are not the "
-            "device KV cache's: kvtier cannot store them; disable HiSparse or the connector"
+            f"{_groups_named(hosted)} (layers {list(groups[hosted[0]].layer_names)[:3]}) "
+            f"{'lives' if len(hosted) == 1 else 'live'} in HiSparse's host pool "
+            "(host_resident), whose block ids are not the device KV cache's: kvtier cannot "
+            "store them; disable HiSparse or the connector"
         )
 
 
@@ -210,7 +211,8 @@ def check_scheduler_agrees(kv_cache_config: Any) -> None:
     own, seen = bytes_per_slot(kv_cache_config), bytes_per_slot(view)
     if own != seen:
         raise UnsupportedLayoutError(
-            f"KV cache group(s) {uniform} merge layers of different specs: this worker's "
+            f"{_groups_named(uniform)} {'merges' if len(uniform) == 1 else 'merge'} layers "
+            "of different specs: this worker's "
             f"tier slots hold {own} B, but vLLM's scheduler sees one layer's spec of "
             f"each and kvtier's scheduler role would size slots of {seen} B (a "
             "layer-outermost placement pads some pages to their alignment); use a "
@@ -270,3 +272,10 @@ def check_direct_io(config: OffloadConfig, slot_bytes: int) -> None:
             '"page_cache", "disk_direct_io": false, or (SimpleCPUOffloadConnector\'s keys) '
             '"use_page_cache": true'
         )
+
+
+def _groups_named(group_ids: list[int]) -> str:
+    """Return "KV cache group 0" or "KV cache groups [0, 2]", for messages."""
+    if len(group_ids) == 1:
+        return f"KV cache group {group_ids[0]}"
+    return f"KV cache groups {group_ids}"
