@@ -148,3 +148,33 @@ def test_a_key_missing_a_letter_is_offered_only_as_itself_or_its_other_spelling(
 def test_a_key_that_reads_like_a_suggestion_still_gets_the_listing() -> None:
     message = refusal({"cpu_bytes": GIB, "x (did you mean 'y'?)": 1})
     assert "; keys valid with the others given: " in message
+
+
+@pytest.mark.parametrize("key", ["cpu_size", "cpu_memory", "host_memory", "disk_size"])
+@pytest.mark.parametrize(
+    "others",
+    [{}, {"kv_offload_backend": "cpu"}, {"cpu_bytes_to_use": GIB}, {"num_blocks": 4}],
+)
+def test_a_size_key_with_no_close_match_names_the_size_keys_that_go_with_the_others(
+    key: str, others: dict[str, object]
+) -> None:
+    """Was: no hint for `cpu_size`, only the list of some 20 keys; each key hinted at
+    works beside the others given, and none is of the other tier."""
+    message = refusal({**others, key: GIB})
+    if "did you mean" in message:
+        return  # disk_size: disk_bytes, checked by the tests above
+    found = re.search(rf"{key} \(keys like it: ([\w, ]+)\); keys valid", message)
+    assert found, message
+    other_tier = "cpu" if key.startswith("disk") else "disk"
+    for hinted in found[1].split(", "):
+        assert hinted.endswith("bytes") or "_bytes_" in hinted, hinted
+        assert other_tier not in hinted, hinted
+        path = {"disk_path": "/tmp"} if "disk" in hinted else {}
+        convert({**others, **path, hinted: GIB})  # raises nothing
+
+
+def test_host_memory_is_never_steered_to_the_disk_tier() -> None:
+    """Was "host_bytes (did you mean 'disk_bytes'?)": host memory is the CPU tier."""
+    assert "host_bytes (did you mean 'cpu_bytes'?)" in refusal({"host_bytes": GIB})
+    with pytest.raises(ConfigError, match=r"host_bytes \(did you mean 'cpu_bytes'\?\)"):
+        OffloadConfig.from_dict({"host_bytes": GIB})

@@ -83,13 +83,23 @@ def check_known_keys(
         return
     offered = sorted(valid if suggest is None else set(suggest) & set(valid))
     offers = {key: _offer(key, given, valid, offered, instead or {}) for key in unknown}
-    named = [f"{key} (did you mean {offer!r}?)" if offer else key for key, offer in offers.items()]
+    named = [_named(key, offer, given, offered) for key, offer in offers.items()]
     noun = "key" if len(named) == 1 else "keys"
     message = f"unknown {where} {noun}: {', '.join(named)}"
     if None in offers.values():
         which = "valid keys" if len(offered) == len(valid) else "keys valid with the others given"
         message += f"; {which}: {', '.join(offered)}"
     raise ConfigError(message)
+
+
+def _named(key: str, offer: str | None, given: Collection[str], offered: Iterable[str]) -> str:
+    """Return `key` with the key offered for it, or else the keys offered that share a
+    word with it, as `_could_mean` allows (`cpu_size`: the CPU tier's byte sizes)."""
+    if offer:
+        return f"{key} (did you mean {offer!r}?)"
+    lower, words = key.lower(), _words(key)
+    like = [n for n in offered if n not in given and _could_mean(lower, n) and words & _words(n)]
+    return f"{key} (keys like it: {', '.join(like)})" if like else key
 
 
 def _offer(
@@ -116,15 +126,22 @@ def _offer(
     return other if difflib.get_close_matches(key.lower(), [other.lower()], n=1) else None
 
 
-_TIER_WORDS = {"cpu", "disk"}
+_TIER_WORDS = {"cpu": "cpu", "host": "cpu", "disk": "disk"}  # host memory: the CPU tier
 _SIZE_WORDS = {"bytes", "size", "capacity", "memory", "mem"}
+
+
+def _words(key: str) -> set[str]:
+    """Return the words of `key`, a tier's and a size's by one name each."""
+    words = set(key.lower().split("_")) - {"", "to", "use", "per"}
+    return {"bytes" if w in _SIZE_WORDS else _TIER_WORDS.get(w, w) for w in words}
 
 
 def _could_mean(key: str, name: str) -> bool:
     """Return False when the valid key `name` cannot be what the misspelt `key` meant:
     it names the other tier, or `key` names a size and `name` is not a byte size."""
     words, name_words = set(key.split("_")), set(name.split("_"))
-    tiers, name_tiers = words & _TIER_WORDS, name_words & _TIER_WORDS
+    tiers = {_TIER_WORDS[w] for w in words if w in _TIER_WORDS}
+    name_tiers = {_TIER_WORDS[w] for w in name_words if w in _TIER_WORDS}
     if tiers and name_tiers and tiers != name_tiers:
         return False
     return not (words & _SIZE_WORDS) or "bytes" in name_words
