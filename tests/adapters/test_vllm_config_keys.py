@@ -178,3 +178,16 @@ def test_host_memory_is_never_steered_to_the_disk_tier() -> None:
     assert "host_bytes (did you mean 'cpu_bytes'?)" in refusal({"host_bytes": GIB})
     with pytest.raises(ConfigError, match=r"host_bytes \(did you mean 'cpu_bytes'\?\)"):
         OffloadConfig.from_dict({"host_bytes": GIB})
+
+
+@pytest.mark.parametrize(
+    "key", ["gpu_bytes_to_use", "num_gpu_blocks", "gpu_memory", "GPU_bytes", "gpu_blocks"]
+)
+def test_a_gpu_key_is_never_steered_to_a_tier_of_kvtier_s(key: str) -> None:
+    """Was "gpu_bytes_to_use (did you mean 'cpu_bytes_to_use'?)", "num_gpu_blocks (did you
+    mean 'num_cpu_blocks'?)": the GPU's KV cache is vLLM's to size, not a tier's."""
+    gpu_hint = f"{key} (kvtier sizes its CPU and disk tiers; the GPU's KV cache is the engine's)"
+    assert gpu_hint in refusal({key: GIB})
+    with pytest.raises(ConfigError) as refused:
+        OffloadConfig.from_dict({key: GIB})
+    assert gpu_hint in str(refused.value)

@@ -98,6 +98,8 @@ def _named(key: str, offer: str | None, given: Collection[str], offered: Iterabl
     if offer:
         return f"{key} (did you mean {offer!r}?)"
     lower, words = key.lower(), _words(key)
+    if "gpu" in words:
+        return f"{key} (kvtier sizes its CPU and disk tiers; the GPU's KV cache is the engine's)"
     like = [n for n in offered if n not in given and _could_mean(lower, n) and words & _words(n)]
     return f"{key} (keys like it: {', '.join(like)})" if like else key
 
@@ -126,7 +128,8 @@ def _offer(
     return other if difflib.get_close_matches(key.lower(), [other.lower()], n=1) else None
 
 
-_TIER_WORDS = {"cpu": "cpu", "host": "cpu", "disk": "disk"}  # host memory: the CPU tier
+# host memory: the CPU tier; the GPU's KV cache is the engine's (vLLM's), no key of kvtier's
+_TIER_WORDS = {"cpu": "cpu", "host": "cpu", "disk": "disk", "gpu": "gpu"}
 _SIZE_WORDS = {"bytes", "size", "capacity", "memory", "mem"}
 
 
@@ -138,11 +141,12 @@ def _words(key: str) -> set[str]:
 
 def _could_mean(key: str, name: str) -> bool:
     """Return False when the valid key `name` cannot be what the misspelt `key` meant:
-    it names the other tier, or `key` names a size and `name` is not a byte size."""
+    `key` names the GPU (no key of kvtier's sizes it), `name` names the other tier, or
+    `key` names a size and `name` is not a byte size."""
     words, name_words = set(key.split("_")), set(name.split("_"))
     tiers = {_TIER_WORDS[w] for w in words if w in _TIER_WORDS}
     name_tiers = {_TIER_WORDS[w] for w in name_words if w in _TIER_WORDS}
-    if tiers and name_tiers and tiers != name_tiers:
+    if "gpu" in tiers or (tiers and name_tiers and tiers != name_tiers):
         return False
     return not (words & _SIZE_WORDS) or "bytes" in name_words
 
