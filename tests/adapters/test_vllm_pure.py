@@ -298,6 +298,20 @@ def test_placement_refuses_what_cannot_be_copied_as_pages() -> None:
         placement_block_views(config, elsewhere, "LBNHC")
 
 
+def test_placement_bounds_are_exact_at_the_last_block() -> None:
+    """A view past the allocation would copy bytes that are not KV: the last block's page
+    must end inside it (exactly at its end is fine), and two blocks may not overlap."""
+    config, tensors, _ = layered_cache("LBNHC")  # 8 blocks of 64 B fill the 1024 B
+    assert set(placement_block_views(config, tensors, "LBNHC")) == {"l0", "l1"}
+    config.num_blocks = 9  # l1's ninth page: one page past the end
+    with pytest.raises(PlacementError, match=r"'l1': bytes \[512, 1088\) lie outside the 1024"):
+        placement_block_views(config, tensors, "LBNHC")
+    config, tensors, _ = layered_cache("BLNHC", num_blocks=2)
+    config.kv_cache_tensors[0].block_stride = 48  # block 0's pages run into block 1's
+    with pytest.raises(PlacementError, match="'l0': page of 64 B exceeds the block stride 48 B"):
+        placement_block_views(config, tensors, "BLNHC")
+
+
 # ----------------------------------------------------------------- events
 
 
