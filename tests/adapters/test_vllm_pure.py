@@ -99,13 +99,16 @@ def kv_config(groups: list[Any], tensors: list[Any], num_blocks: int = 8) -> Any
 
 def test_layout_kinds_windows_and_scratch_groups() -> None:
     scratch = group(["d"], FullAttentionSpec(prefix_cacheable=False))
+    untransferred = group(["e"], FullAttentionSpec())  # vLLM: not for KV connectors
+    untransferred.enable_kv_transfer = False
     config = kv_config(
         [group(["a"], FullAttentionSpec()), group(["b", "c"], SlidingWindowSpec()), scratch],
         [placement(["a"], 1024, 1024, 8 * 1024)],
     )
+    config.kv_cache_groups.append(untransferred)
     layout = kv_layout(config)
     kinds = [g.kind for g in layout.groups]
-    assert kinds == [GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, GroupKind.SCRATCH]
+    assert kinds == [GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW, *[GroupKind.SCRATCH] * 2]
     assert layout.groups[1].sliding_window == 64
     assert layout.groups[1].bytes_per_block == 2 * 1024  # two layers' pages
     assert bytes_per_block_id(config) == 1024
@@ -228,6 +231,14 @@ def test_a_stage_larger_than_its_layer_count_fails_at_start_up() -> None:
     mixed = kv_config([group(["a", "b"], UniformTypeKVCacheSpecs(specs))], [])
     with pytest.raises(UnsupportedLayoutError, match="pipeline parallelism"):
         stage_slot_bytes(mixed, (2, 2))
+
+
+def test_a_hybrid_stage_s_slot_bound_takes_its_largest_page() -> None:
+    """A stage's slot must hold any of its layers' pages: bounded by the largest group page
+    (the smallest would size tier slots a state page overflows)."""
+    state = group(["m"], MambaSpec(page_size_bytes=4096))
+    hybrid = kv_config([group(["a"], FullAttentionSpec(page_size_bytes=1024)), state], [])
+    assert stage_slot_bytes(hybrid, (2, 3)) == [2 * 4096, 3 * 4096]
 
 
 def test_direct_disk_io_needs_page_aligned_blocks() -> None:

@@ -16,6 +16,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
@@ -180,6 +182,26 @@ def test_layout_of_a_hybrid_config() -> None:
     assert layout.groups[1].sliding_window == 64
     assert (layout.scheduler_block_size, layout.hash_block_size) == (64, 16)
     assert bytes_per_block_id(config) == 8192
+
+
+def test_mla_specs_keep_their_kind_and_window() -> None:
+    """An MLA layer is full attention; a sliding-window MLA layer keeps its window (the
+    wrong kind stores blocks vLLM dropped, or loads a window without its prefix)."""
+    mla = {"block_size": 16, "num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
+    config = KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[KVCacheTensor(4 * 18432, ["a", "b"], 18432, 2 * 18432)],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["a"], MLAAttentionSpec(**mla)),
+            KVCacheGroupSpec(["b"], SlidingWindowMLASpec(**mla, sliding_window=128)),
+        ],
+        hash_block_size=16,
+    )
+    groups = kv_layout(config).groups
+    assert [(g.kind, g.sliding_window) for g in groups] == [
+        (GroupKind.FULL_ATTENTION, None),
+        (GroupKind.SLIDING_WINDOW, 128),
+    ]
 
 
 def test_unknown_specs_are_refused() -> None:
