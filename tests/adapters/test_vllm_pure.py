@@ -375,3 +375,20 @@ def test_events_keep_vllm_field_names_and_media() -> None:
     assert vllm_medium("GPU") == "GPU"
     with pytest.raises(TypeError, match="not a kvtier KV event"):
         TRANSLATOR.translate("BlockStored")  # type: ignore[arg-type]
+
+
+def removed(hashes: list[bytes], medium: str, group_idx: int) -> tuple[str, dict]:
+    fields = {"block_hashes": hashes, "medium": medium, "group_idx": group_idx}
+    return "removed", {**fields, "locality": "LOCAL"}
+
+
+def test_removals_name_their_group_and_vllm_s_disk_medium() -> None:
+    """A router drops the key of the group and medium a removal names: a disk tier is
+    vLLM's "STORAGE" in a reset too, and a reset's groups come out in group order."""
+    assert TRANSLATOR.translate(BlockRemoved(HASH, 2, "DISK")) == removed([HASH[-2:]], "STORAGE", 2)
+    other = HASH[::-1]
+    held = (BlockRemoved(HASH, 1, "DISK"), BlockRemoved(other, 0, "DISK"), BlockRemoved(other, 1))
+    assert TRANSLATOR.translate_all([AllCleared("DISK", held)]) == [
+        removed([other[-2:]], "STORAGE", 0),
+        removed([HASH[-2:], other[-2:]], "STORAGE", 1),
+    ]

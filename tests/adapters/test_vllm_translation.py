@@ -234,6 +234,8 @@ def test_events_translate_to_vllm_classes() -> None:
             lora_name="l",
             medium="DISK",
             group_kind="full_attention",
+            sliding_window=64,
+            session_id="s",
         )
     )
     assert isinstance(stored, vllm_events.BlockStored)
@@ -246,6 +248,7 @@ def test_events_translate_to_vllm_classes() -> None:
         "LOCAL",
     )
     assert (stored.lora_id, stored.lora_name, stored.extra_keys) == (3, "l", [None])
+    assert (stored.kv_cache_spec_sliding_window, stored.session_id) == (64, "s")
     removed = translator.translate(BlockRemoved(HASH, 0, "CPU"))
     assert isinstance(removed, vllm_events.BlockRemoved)
     assert removed.block_hashes == [maybe_convert_block_hash(HASH)]
