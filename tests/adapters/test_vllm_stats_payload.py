@@ -4,15 +4,17 @@ relies on beyond kvtier's own engine runs (test_vllm_observability.py)."""
 from __future__ import annotations
 
 import functools
+import gc
 from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier_vllm import kvtier_harness
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvtier.adapters.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.adapters.vllm.stats import KVTierPromMetrics, KVTierStats, claim_source, live_sources
 
 INFO = {"tier": "CPU", "store_mode": "eager", "num_tier_blocks": "8"}
 INFO = {**INFO, "disk_io_mode": "", "cascade": "", "num_disk_blocks": ""}
@@ -59,3 +61,30 @@ def test_prometheus_gauges_sum_each_engine_s_own_sources() -> None:
         return registry.get_sample_value("kvtier:tier_blocks_in_use", labels)
 
     assert (in_use(0), in_use(1)) == (5 + 3, 2)
+
+
+class Owner:
+    """A connector's stand-in (weak references need a class)."""
+
+
+def test_a_source_number_is_free_again_once_its_owner_is_collected() -> None:
+    """An engine rebuilt without `shutdown` (its connector collected) takes the number
+    back: otherwise every rebuild would name a new source."""
+    gc.collect()  # owners of earlier tests: collected now, not between the two claims
+    owner = Owner()
+    number = claim_source(owner)
+    del owner
+    gc.collect()
+    assert claim_source(Owner()) == number
+
+
+def test_a_shut_down_scheduler_role_frees_its_stats_source() -> None:
+    """`shutdown` releases the number while vLLM may still hold the connector."""
+    harness = kvtier_harness()
+    try:
+        connector = harness.scheduler.connector
+        assert any(owner is connector.scheduler_side for _, owner in live_sources())
+        connector.shutdown()
+        assert all(owner is not connector.scheduler_side for _, owner in live_sources())
+    finally:
+        harness.close()
