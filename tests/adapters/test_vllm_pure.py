@@ -311,9 +311,12 @@ def test_placement_refuses_what_cannot_be_copied_as_pages() -> None:
 
 def test_placement_bounds_are_exact_at_the_last_block() -> None:
     """A view past the allocation would copy bytes that are not KV: the last block's page
-    must end inside it (exactly at its end is fine), and two blocks may not overlap."""
-    config, tensors, _ = layered_cache("LBNHC")  # 8 blocks of 64 B fill the 1024 B
+    must end inside it (exactly at its end is fine), and two blocks may not overlap. A
+    layer handed the whole allocation (in its own dtype) has no start to check."""
+    config, tensors, raw = layered_cache("LBNHC")  # 8 blocks of 64 B fill the 1024 B
     assert set(placement_block_views(config, tensors, "LBNHC")) == {"l0", "l1"}
+    whole = dict(tensors, l1=raw.view(torch.int16))  # handed the whole allocation: no start
+    assert placement_block_views(config, whole, "LBNHC")["l1"].data_ptr() == raw.data_ptr() + 512
     config.num_blocks = 9  # l1's ninth page: one page past the end
     with pytest.raises(PlacementError, match=r"'l1': bytes \[512, 1088\) lie outside the 1024"):
         placement_block_views(config, tensors, "LBNHC")
