@@ -63,8 +63,9 @@ def _hf_logits(path: Path, tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", SAVERS)
 def test_prefill_and_paged_decode_match_transformers(arch: str, tmp_path: Path) -> None:
-    torch.manual_seed(0)  # transformers initialises from the global RNG
-    SAVERS[arch](tmp_path)
+    with torch.random.fork_rng(devices=[]):  # seed it for this model only, not later tests
+        torch.manual_seed(0)  # transformers initialises from the global RNG
+        SAVERS[arch](tmp_path)
     tokens = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = _hf_logits(tmp_path, tokens)
 

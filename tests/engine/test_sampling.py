@@ -19,10 +19,11 @@ def _source() -> torch.Generator:
 
 def test_only_unseeded_temperature_requests_draw_from_the_seed_source() -> None:
     """Regression: an unseeded request drew its seed from torch's global RNG."""
-    torch.manual_seed(1)
-    first = SamplingParams(temperature=1.0).make_generator(_source())
-    torch.manual_seed(2)
-    second = SamplingParams(temperature=1.0).make_generator(_source())
+    with torch.random.fork_rng(devices=[]):  # the seeds stay in this test
+        torch.manual_seed(1)
+        first = SamplingParams(temperature=1.0).make_generator(_source())
+        torch.manual_seed(2)
+        second = SamplingParams(temperature=1.0).make_generator(_source())
     assert first is not None
     assert second is not None
     assert first.initial_seed() == second.initial_seed()
