@@ -45,7 +45,7 @@ def test_stores_planned_after_a_step_that_failed_before_binding_are_failed() -> 
     except RuntimeError:  # vLLM's `fault_tolerant_wrapper` → `on_fault`
         harness.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     harness.wait_for_copies()
-    harness.scheduler.update_from_output(
+    harness.scheduler.update_from_output(  # as `EngineCoreSentinel._drain_batch_queue`
         SchedulerOutput.make_empty(), ModelRunnerOutput.with_kv_conn_output_only(kv_output)
     )
     drain(harness)

@@ -175,7 +175,9 @@ def test_stores_planned_before_the_fault_was_known_are_failed() -> None:
 
 
 def apply_output(harness: VllmHarness, kv_output: KVConnectorOutput | None) -> None:
-    """Feed one step's connector output to the scheduler (vLLM's batch queue drain)."""
+    """Feed one step's connector output to the scheduler as vLLM's batch queue drain
+    (`EngineCoreSentinel._drain_batch_queue`) does, in its very words: not a rank's reply
+    (`forward_faults.rank_reply`), as no aggregator writes into it."""
     harness.scheduler.update_from_output(
         SchedulerOutput.make_empty(), ModelRunnerOutput.with_kv_conn_output_only(kv_output)
     )

@@ -52,7 +52,8 @@ def run_on(harness: VllmHarness, ranks: range, step: SchedulerOutput) -> list[KV
 
 def apply_outputs(harness: VllmHarness, outputs: list[KVConnectorOutput]) -> None:
     """Hand outputs of a failed step's ranks to the scheduler one by one (stores only:
-    vLLM counts a request's finished load once per rank, not per output)."""
+    vLLM counts a request's finished load once per rank, not per output), as vLLM's
+    batch queue drain (`EngineCoreSentinel._drain_batch_queue`) does."""
     harness.wait_for_copies()
     for output in outputs:
         harness.scheduler.update_from_output(
