@@ -115,7 +115,7 @@ def test_a_key_not_offered_is_never_replaced_by_another_setting(
         assert "did you mean" not in message
         assert "; keys valid with the others given: " in message
     else:
-        assert f"(did you mean {suggestion!r}?)" in message
+        assert f"(did you mean {suggestion!r}?" in message  # and a note on it: see below
 
 
 # A setting's two spellings (kvtier's, SimpleCPUOffloadConnector's).
@@ -163,7 +163,7 @@ def test_a_size_key_with_no_close_match_names_the_size_keys_that_go_with_the_oth
     message = refusal({**others, key: GIB})
     if "did you mean" in message:
         return  # disk_size: disk_bytes, checked by the tests above
-    found = re.search(rf"{key} \(keys like it: ([\w, ]+)\); keys valid", message)
+    found = re.search(rf"{key} \(keys like it: ([\w, ]+)[;)]", message)
     assert found, message
     other_tier = "cpu" if key.startswith("disk") else "disk"
     for hinted in found[1].split(", "):
@@ -171,6 +171,43 @@ def test_a_size_key_with_no_close_match_names_the_size_keys_that_go_with_the_oth
         assert other_tier not in hinted, hinted
         path = {"disk_path": "/tmp"} if "disk" in hinted else {}
         convert({**others, **path, hinted: GIB})  # raises nothing
+
+
+@pytest.mark.parametrize(
+    ("extra", "typo", "offered"),
+    [
+        ({"kv_offload_backend": "cpu", "disk_size": GIB}, "disk_size", "disk_capacity_bytes"),
+        ({"cpu_bytes_to_use": GIB, "disk_size": GIB}, "disk_size", "disk_capacity_bytes"),
+        ({"disk_capacity_byte": GIB}, "disk_capacity_byte", "disk_capacity_bytes"),
+        ({"kv_offload_backend": "cpu", "use_page_cach": True}, "use_page_cach", "use_page_cache"),
+        ({"kv_offload_backend": "cpu", "disk_pth": "/tmp"}, "disk_pth", "disk_path"),
+        (
+            {"kv_offload_backend": "disk", "disk_path": "/tmp", "cpu_size": GIB},
+            "cpu_size",
+            "cpu_bytes_to_use",
+        ),
+    ],
+)
+def test_a_key_offered_that_the_backend_would_ignore_says_so(
+    extra: dict[str, object], typo: str, offered: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was "disk_size (keys like it: disk_capacity_bytes)" alone: written so, the size
+    was ignored with a warning (kv_offload_backend "cpu", the default, has no disk
+    tier), and the connector ran without the disk tier the user asked for."""
+    message = refusal(extra)
+    tier = "CPU" if extra.get("kv_offload_backend") == "disk" else "disk"
+    hint = re.search(rf"{typo} \((did you mean|keys like it:) '?{offered}\b.*", message)
+    assert hint, message
+    assert f"has no {tier} tier: set kv_offload_backend to" in hint[0]
+    config = convert({**{k: v for k, v in extra.items() if k != typo}, offered: extra[typo]})
+    assert (config.cpu_bytes if tier == "CPU" else config.disk_bytes) == 0  # the note is true
+    assert f"ignoring {offered}" in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["cascade", "disk"])
+def test_a_key_offered_for_a_tier_the_backend_has_comes_without_a_note(backend: str) -> None:
+    message = refusal({"kv_offload_backend": backend, "disk_size": GIB})
+    assert "disk_size (keys like it: disk_capacity_bytes); keys valid" in message
 
 
 def test_host_memory_is_never_steered_to_the_disk_tier() -> None:

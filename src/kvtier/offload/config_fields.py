@@ -65,6 +65,7 @@ def check_known_keys(
     where: str,
     suggest: Collection[str] | None = None,
     instead: Mapping[str, str] | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> None:
     """Raise ConfigError naming every key not in `valid`, with the closest valid key;
     when some key has none, the message lists the valid keys.
@@ -75,7 +76,8 @@ def check_known_keys(
     offered only when it is the closest valid key a misspelt key could mean, or (when
     that one is not offered) the key `instead` names in its place (its spelling beside
     the keys given) and close to the misspelt key too; never a runner-up, which is
-    another setting (`dis_io_mode` is not `store_mode`).
+    another setting (`dis_io_mode` is not `store_mode`). `notes` (key -> text) is said
+    after a key offered: that the other keys given would leave it without effect.
     """
     given = {str(key) for key in keys}
     unknown = sorted(given - set(valid))
@@ -83,7 +85,7 @@ def check_known_keys(
         return
     offered = sorted(valid if suggest is None else set(suggest) & set(valid))
     offers = {key: _offer(key, given, valid, offered, instead or {}) for key in unknown}
-    named = [_named(key, offer, given, offered) for key, offer in offers.items()]
+    named = [_named(key, offer, given, offered, notes or {}) for key, offer in offers.items()]
     noun = "key" if len(named) == 1 else "keys"
     message = f"unknown {where} {noun}: {', '.join(named)}"
     if None in offers.values():
@@ -92,16 +94,29 @@ def check_known_keys(
     raise ConfigError(message)
 
 
-def _named(key: str, offer: str | None, given: Collection[str], offered: Iterable[str]) -> str:
+def _named(
+    key: str,
+    offer: str | None,
+    given: Collection[str],
+    offered: Iterable[str],
+    notes: Mapping[str, str],
+) -> str:
     """Return `key` with the key offered for it, or else the keys offered that share a
-    word with it, as `_could_mean` allows (`cpu_size`: the CPU tier's byte sizes)."""
+    word with it, as `_could_mean` allows (`cpu_size`: the CPU tier's byte sizes); and
+    the `notes` on the keys offered."""
     if offer:
-        return f"{key} (did you mean {offer!r}?)"
+        return f"{key} ({_noted(f'did you mean {offer!r}?', [offer], notes)})"
     lower, words = key.lower(), _words(key)
     if "gpu" in words:
         return f"{key} (kvtier sizes its CPU and disk tiers; the GPU's KV cache is the engine's)"
     like = [n for n in offered if n not in given and _could_mean(lower, n) and words & _words(n)]
-    return f"{key} (keys like it: {', '.join(like)})" if like else key
+    return f"{key} ({_noted('keys like it: ' + ', '.join(like), like, notes)})" if like else key
+
+
+def _noted(text: str, keys: Iterable[str], notes: Mapping[str, str]) -> str:
+    """Return `text` followed by the notes on `keys`, each once."""
+    said = list(dict.fromkeys(notes[key] for key in keys if key in notes))
+    return " ".join([text, *said]) if text.endswith("?") else "; ".join([text, *said])
 
 
 def _offer(

@@ -95,7 +95,8 @@ def offload_config_from_vllm(
         if key in values:
             raise ConfigError(f"{key} cannot be set in kv_connector_extra_config: {reason}")
     suggest = _keys_to_suggest(values)
-    check_known_keys(values, _KEYS, "kv_connector_extra_config", suggest, _OTHER_SPELLING)
+    notes = _tier_notes(values)
+    check_known_keys(values, _KEYS, "kv_connector_extra_config", suggest, _OTHER_SPELLING, notes)
     if "num_cpu_blocks" in values and values["num_cpu_blocks"] is None:
         del values["num_cpu_blocks"]  # unset, as for vLLM's connector and num_blocks
     for key in _INT_KEYS:
@@ -148,6 +149,26 @@ def _keys_to_suggest(values: Mapping[str, Any]) -> set[str]:
                 keys -= other
     io_given = [key for key in _DISK_IO_KEYS if key in values]
     return keys - set(_DISK_IO_KEYS) | set(io_given) if io_given else keys
+
+
+def _tier_notes(values: Mapping[str, Any]) -> dict[str, str]:
+    """Return a note for each key the backend would ignore (with a warning), to say
+    beside it when it is offered for a misspelt key: `disk_size` is taken for
+    `disk_capacity_bytes`, which `kv_offload_backend="cpu"` (the default) ignores.
+    kvtier's shared disk keys are ignored only beside SimpleCPUOffloadConnector's."""
+    given = "kv_offload_backend" in values
+    written = f"kv_offload_backend={values.get('kv_offload_backend', 'cpu')!r}"
+    written += "" if given else " (its default)"
+    if _backend(values) == "cpu":
+        shared = ("disk_path", "disk_buffer_slots", "disk_io_mode", "disk_direct_io")
+        keys = (*_DISK_ONLY_ALIASES, *(shared if any(key in values for key in _ALIASES) else ()))
+        note = f'{written} has no disk tier: set kv_offload_backend to "disk" or "cascade" for one'
+    elif _backend(values) == "disk":
+        keys = ("cpu_bytes_to_use", "cpu_bytes_to_use_per_rank")
+        note = f'{written} has no CPU tier: set kv_offload_backend to "cpu" or "cascade" for one'
+    else:
+        return {}
+    return dict.fromkeys(keys, note)
 
 
 def _backend(values: Mapping[str, Any]) -> object:
