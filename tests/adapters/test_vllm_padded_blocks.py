@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
+from block_span import bytes_per_block_id
 from kvtier_vllm import kvtier_harness
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
@@ -29,7 +30,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 
-from kvtier.adapters.vllm.layout import bytes_per_block_id, tier_sizes
+from kvtier.adapters.vllm.layout import tier_sizes
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 from kvtier.adapters.vllm.worker_side import WorkerSide
 from kvtier.offload.config import ConfigError, DiskIOMode, OffloadConfig

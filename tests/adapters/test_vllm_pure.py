@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from block_span import bytes_per_block_id
 
 from kvtier.adapters.vllm.config import offload_config_from_vllm
 from kvtier.adapters.vllm.events import EventTranslator, vllm_medium
 from kvtier.adapters.vllm.layout import (
     UnsupportedLayoutError,
-    bytes_per_block_id,
     bytes_per_slot,
     check_direct_io,
     group_kind,

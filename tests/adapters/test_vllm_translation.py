@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import torch
+from block_span import bytes_per_block_id
 from vllm.distributed import kv_events as vllm_events
 from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, maybe_convert_block_hash
@@ -26,7 +27,6 @@ from vllm_harness import HarnessConfig, VllmHarness
 from kvtier.adapters.vllm.events import EventTranslator, vllm_medium
 from kvtier.adapters.vllm.layout import (
     UnsupportedLayoutError,
-    bytes_per_block_id,
     group_kind,
     kv_layout,
 )

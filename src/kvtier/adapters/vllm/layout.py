@@ -3,8 +3,8 @@
 vLLM places every KV cache group in one backing allocation; groups alias the same bytes
 (a block id belongs to one group at a time). One tier slot must therefore hold every
 page of one block id in that allocation, aliased bytes once: `bytes_per_slot`, not the
-sum of the groups' pages, and not the padding vLLM may add to align a block
-(`bytes_per_block_id` counts it). `KVGroupSpec.bytes_per_block` is filled with each
+sum of the groups' pages, and not the padding vLLM may add to align a block (the
+span of a block id in the allocation counts it). `KVGroupSpec.bytes_per_block` is filled with each
 group's own page bytes (its layers' pages), which is what the group's KV occupies. Under
 pipeline parallelism each stage holds its own layers, so its slots hold different bytes:
 every rank sizes its tiers for the largest stage (`tier_sizes`), so all agree on the slot
@@ -106,14 +106,6 @@ def kv_layout(kv_cache_config: Any, hash_block_size: int | None = None) -> KVLay
     if hash_block_size is None:
         hash_block_size = kv_cache_config.hash_block_size
     return KVLayout(groups, configured_hash_block_size=hash_block_size)
-
-
-def bytes_per_block_id(kv_cache_config: Any) -> int:
-    """Return the bytes one GPU block id spans in vLLM's KV allocation, padding included."""
-    sizes = [int(t.size) for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
-    if not sizes:
-        raise UnsupportedLayoutError("the model has no KV cache tensors on the device")
-    return max(sizes) // int(kv_cache_config.num_blocks)
 
 
 def bytes_per_slot(kv_cache_config: Any) -> int:
