@@ -315,8 +315,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in _GAUGES.items()
         }
-        # Per engine, each source's newest gauges: a payload holds only the sources
-        # that sent stats this step, and each gauge shows the sum over all of them.
+        # Per engine, each source's newest gauges; each gauge shows their sum. A kvtier
+        # payload carries every sibling that has sent stats (`SchedulerSide.take_stats`),
+        # so this only keeps the last values of a source one leaves out: a sibling shut
+        # down, or a payload built otherwise (test_vllm_stats_payload's).
         self._latest: dict[int, dict[str, dict[str, float]]] = {}
         self._info = self._gauge_cls(
             name=f"{PREFIX}info",
