@@ -3,6 +3,7 @@ with vLLM's attribute names; test_vllm_translation.py covers the real classes)."
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,8 +55,12 @@ def extra_keys_request(**fields: Any) -> SimpleNamespace:
     return SimpleNamespace(**{**base, **fields})
 
 
-def test_a_request_with_no_extras_has_no_extra_keys_without_asking_vllm() -> None:
-    """The fast path of the token check and of events: no per-block call into vLLM."""
+def test_a_request_with_no_extras_has_no_extra_keys_without_asking_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fast path of the token check and of events: no per-block call into vLLM (its
+    module made unimportable, so this holds where vLLM is installed too)."""
+    monkeypatch.setitem(sys.modules, "vllm.v1.core.kv_cache_utils", None)
     view = VllmRequestView(extra_keys_request(cache_salt="salt"))
     assert view.block_extra_keys(16, 32) == ()  # the salt goes into block 0 only
     assert VllmRequestView(extra_keys_request()).block_extra_keys(0, 16) == ()
