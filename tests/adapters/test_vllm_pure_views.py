@@ -156,6 +156,58 @@ def test_batched_reads_of_vllm_blocks_read_their_slots_as_the_properties_do() ->
         assert view.token_counts(ids) == [5, 0, 16, 5]
 
 
+def test_token_counts_count_each_group_s_blocks_with_its_own_block_size() -> None:
+    """A hybrid model's groups may have blocks of different sizes (16 and 32 tokens): the
+    batched `token_counts` reads each key's group, as `num_tokens` does."""
+    blocks = [SimpleNamespace(block_hash=None, block_hash_num_tokens=None) for _ in range(4)]
+    blocks[1].block_hash, blocks[1].block_hash_num_tokens = make_key(HASH, 0), 48
+    blocks[2].block_hash, blocks[2].block_hash_num_tokens = make_key(HASH, 1), 96
+    blocks[3].block_hash, blocks[3].block_hash_num_tokens = make_key(HASH[::-1], 1), 72
+    view = VllmGpuPoolView(SimpleNamespace(blocks=blocks), (16, 32))
+    ids = [1, 2, 3, 0]
+    assert view.token_counts(ids) == [16, 32, 8, 0]
+    assert [view.num_tokens(i) for i in ids] == [16, 32, 8, 0]
+
+
+class ComputedHashBlock:
+    """A block whose hash properties are computed: no `_block_hash` slot to read."""
+
+    def __init__(self, key: bytes, end: int) -> None:
+        self.held = (key, end)
+
+    @property
+    def block_hash(self) -> bytes:
+        return self.held[0]
+
+    @property
+    def block_hash_num_tokens(self) -> int:
+        return self.held[1]
+
+
+class HalfSlottedBlock:
+    """`block_hash` a property over its slot; `block_hash_num_tokens` a plain slot."""
+
+    __slots__ = ("_block_hash", "block_hash_num_tokens")
+
+    def __init__(self, key: bytes, end: int) -> None:
+        self._block_hash, self.block_hash_num_tokens = key, end
+
+    @property
+    def block_hash(self) -> bytes:
+        return self._block_hash
+
+
+@pytest.mark.parametrize("block_type", [ComputedHashBlock, HalfSlottedBlock])
+def test_batched_reads_of_other_blocks_go_through_the_names(block_type: type) -> None:
+    """The slots are read only where both names are properties over them (vLLM 0.33's
+    `KVCacheBlock`); any other block is read through its names, as the view says."""
+    blocks = [block_type(make_key(HASH, 0), 53), block_type(make_key(HASH[::-1], 0), 32)]
+    assert not reads_hash_slots(blocks)
+    view = VllmGpuPoolView(SimpleNamespace(blocks=blocks), (16,))
+    assert view.keys([1, 0]) == [make_key(HASH[::-1], 0), make_key(HASH, 0)]
+    assert view.token_counts([1, 0]) == [16, 5]
+
+
 def mm_item(identifier: str, offset: int, length: int) -> SimpleNamespace:
     return SimpleNamespace(
         identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length)
