@@ -100,6 +100,35 @@ def test_gpu_pool_view_touch_free_and_free_queue_order() -> None:
     assert list(view.iter_free_after(None))[-1] == ids[0]  # back at the MRU end
 
 
+def test_gpu_pool_view_takes_and_drops_a_reference_on_every_block_in_order() -> None:
+    """`touch` takes one reference on each block named and `free` drops them in the order
+    given: vLLM evicts in the order blocks were freed, which kvtier's order decides."""
+    pool, ids = cached_pool()
+    view = VllmGpuPoolView(pool, (16, 16))
+    view.touch(ids)
+    assert [pool.blocks[i].ref_cnt for i in ids] == [1, 1, 1]
+    assert not set(ids) & set(view.iter_free_after(None))
+    order = [ids[2], ids[0], ids[1]]
+    view.free(order)
+    assert [pool.blocks[i].ref_cnt for i in ids] == [0, 0, 0]
+    assert list(view.iter_free_after(None))[-3:] == order
+
+
+def test_gpu_pool_view_discards_the_keys_of_the_blocks_named_only() -> None:
+    """A failed load's blocks lose their keys in vLLM's prefix cache, a referenced one
+    included (it stays with its request), so vLLM serves none of them; others keep theirs."""
+    pool, ids = cached_pool()
+    view = VllmGpuPoolView(pool, (16, 16))
+    keys = view.keys(ids)
+    view.touch([ids[2]])
+    view.discard_keys_of([ids[0], ids[2]])
+    assert view.keys(ids) == [None, keys[1], None]
+    assert [view.cached_block(key) for key in keys if key] == [None, ids[1], None]
+    assert pool.blocks[ids[2]].ref_cnt == 1
+    view.discard_keys_of([])
+    assert view.cached_block(keys[1]) == ids[1]
+
+
 @pytest.mark.parametrize("slots", [True, False])
 def test_gpu_pool_view_free_after_is_iter_free_after_with_keys(slots: bool) -> None:
     """Lazy mode's one-pass walk lists what `iter_free_after` yields, cut at `limit`, with
