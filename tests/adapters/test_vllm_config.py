@@ -153,6 +153,22 @@ def test_bad_keys_are_rejected_by_name(extra: dict[str, object], message: str) -
 
 
 @pytest.mark.parametrize(
+    ("key", "how"),
+    [
+        ("events", "enable KV events in vLLM (kv_events_config.enable_kv_cache_events)"),
+        ("max_batched_tokens", "vLLM's --max-num-batched-tokens is used"),
+        ("hash_algo", "vLLM hashes the blocks: set --prefix-caching-hash-algo"),
+        ("hash_seed", "vLLM hashes the blocks: set PYTHONHASHSEED"),
+    ],
+)
+def test_a_setting_vllm_owns_is_refused_saying_where_to_set_it(key: str, how: str) -> None:
+    """Not merely "unknown key": the key is kvtier's, but vLLM sets it for the connector."""
+    with pytest.raises(ConfigError) as error:
+        convert({"cpu_bytes": GIB, key: 1})
+    assert str(error.value) == f"{key} cannot be set in kv_connector_extra_config: {how}"
+
+
+@pytest.mark.parametrize(
     ("key", "suggestion"),
     [
         ("cpu_byte", "cpu_bytes_to_use"),  # cpu_bytes would be refused with num_cpu_blocks
