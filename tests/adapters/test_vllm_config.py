@@ -89,6 +89,7 @@ def test_simple_offload_cpu_budget_is_split_over_ranks() -> None:
     per_rank = {"cpu_bytes_to_use": 8 * GIB, "cpu_bytes_to_use_per_rank": 3 * GIB}
     assert convert(per_rank, world_size=4).cpu_bytes == 3 * GIB
     assert convert({"lazy_offload": True}, world_size=2).cpu_bytes == 4 * GIB  # its default
+    assert convert({"cpu_bytes_to_use": 4}, world_size=4).cpu_bytes == 1  # the least: 1 each
 
 
 def test_simple_offload_keys_map_to_kvtier_settings() -> None:
@@ -225,6 +226,9 @@ def test_two_disk_io_keys_are_refused_naming_both(extra: dict[str, object], mess
         ({"cpu_bytes_to_use": 8.5}, "cpu_bytes_to_use must be a whole number", "cpu_bytes="),
         ({"cpu_bytes_to_use": float("nan")}, "cpu_bytes_to_use must be a whole", "cpu_bytes="),
         ({"cpu_bytes_to_use_per_rank": "8GB"}, "must be an int, got '8GB'", "cpu_bytes="),
+        ({"cpu_bytes_to_use_per_rank": True}, "per_rank must be an int, got True", "cpu_bytes "),
+        ({"cpu_bytes_to_use": False}, "cpu_bytes_to_use must be an int, got False", "cpu_bytes="),
+        ({"num_cpu_blocks": 1}, "num_cpu_blocks=1 is invalid: must be >= 2", "num_blocks"),
     ],
 )
 def test_simple_offload_values_are_refused_under_their_own_names(
