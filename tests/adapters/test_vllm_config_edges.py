@@ -79,6 +79,7 @@ def test_two_disk_io_keys_are_refused_by_from_dict_too(direct: bool, mode: str) 
 def test_cascade_ignores_case_like_the_other_names() -> None:
     """Regression: "Write_Back" was refused by the connector, accepted by from_dict."""
     assert convert({**DISK, "cascade": "Write_Back"}).cascade is CascadeMode.WRITE_BACK
+    assert convert({**DISK, "cascade": " write_back "}).cascade is CascadeMode.WRITE_BACK
 
 
 def test_policy_parts_ignore_spaces_around_the_plus() -> None:
@@ -111,6 +112,26 @@ def test_simple_offload_cpu_sizes_not_used_as_written_are_warned_of(
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         convert(extra, world_size=2)
     assert any(warning in record.getMessage() for record in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "world_size"),
+    [
+        ({"cpu_bytes_to_use": 8 * GIB, "cpu_bytes_to_use_per_rank": 2 * GIB}, 4),
+        ({"kv_offload_backend": "disk", "disk_capacity_bytes": GIB, "use_page_cache": True}, 1),
+        ({"kv_offload_backend": "cascade", "disk_capacity_bytes": 9 * GIB}, 2),
+        ({"kv_offload_backend": "cascade", "use_page_cache": False, "cpu_bytes_to_use": GIB}, 2),
+    ],
+)
+def test_simple_offload_sizes_used_as_written_are_not_warned_of(
+    extra: dict[str, object], world_size: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A per-rank size that is the total's share, and the disk keys with a backend that
+    has a disk tier, are used as written: no warning says otherwise."""
+    disk_path = {"disk_path": "/tmp"} if "kv_offload_backend" in extra else {}
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        convert({**extra, **disk_path}, world_size)
+    assert caplog.records == []
 
 
 def test_the_offload_backend_ignores_case_like_the_other_names() -> None:
