@@ -162,6 +162,16 @@ def test_an_int_key_still_refuses_what_is_not_a_whole_number(
         convert({**DISK, key: value})
 
 
+@pytest.mark.parametrize(("key", "extra"), [("disk_bytes", DISK), ("cpu_bytes_to_use", {})])
+def test_a_number_too_long_to_read_is_refused_with_its_start_only(
+    key: str, extra: dict[str, object]
+) -> None:
+    """More digits than int() reads: the message quotes the first 40, not all 5000."""
+    with pytest.raises(ConfigError, match=re.escape(f"{key} must be an int, got '9999")) as error:
+        convert({**extra, key: "9" * 5000})
+    assert len(str(error.value)) < 100
+
+
 def test_mixed_spellings_name_the_simple_offload_keys_too() -> None:
     """Regression: "cpu_bytes mixed with SimpleCPUOffloadConnector keys" did not say
     which (`use_page_cache` does not look like one)."""
