@@ -121,6 +121,8 @@ def test_simple_offload_disk_keys_without_a_disk_backend_are_named_when_ignored(
         ({"cpu_bytes": GIB, "events": True}, "events"),
         ({"cpu_bytes": GIB, "max_batched_tokens": 8}, "max_batched_tokens"),
         ({"cpu_bytes": GIB, "cpu_bytes_to_use": GIB}, "use one spelling"),
+        ({"num_blocks": 4, "num_cpu_blocks": 8}, r"num_blocks mixed with .* \(num_cpu_blocks\)"),
+        ({"store_mode": "lazy", "lazy_offload": False}, r"store_mode mixed with .*lazy_offload"),
         ({"kv_offload_backend": "tape"}, "kv_offload_backend must be one of"),
         ({"lazy_offload": "yes"}, "lazy_offload"),
         ({"use_page_cache": "yes"}, "use_page_cache must be a bool"),
