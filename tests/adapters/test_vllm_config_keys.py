@@ -210,6 +210,12 @@ def test_a_key_offered_for_a_tier_the_backend_has_comes_without_a_note(backend: 
     assert "disk_size (keys like it: disk_capacity_bytes); keys valid" in message
 
 
+def test_a_note_on_the_backend_says_whether_it_was_written_or_is_the_default() -> None:
+    note = "kv_offload_backend='cpu'{} has no disk tier"
+    assert note.format(" (its default)") in refusal({"cpu_bytes_to_use": GIB, "disk_size": GIB})
+    assert note.format("") in refusal({"kv_offload_backend": "cpu", "disk_size": GIB})
+
+
 def test_host_memory_is_never_steered_to_the_disk_tier() -> None:
     """Was "host_bytes (did you mean 'disk_bytes'?)": host memory is the CPU tier."""
     assert "host_bytes (did you mean 'cpu_bytes'?)" in refusal({"host_bytes": GIB})
