@@ -198,3 +198,28 @@ def test_an_output_applied_twice_is_logged_as_an_error(caplog: pytest.LogCapture
     receipts.note({7: (4, (2, 3))})
     assert "worker outputs [2] of 7 applied twice" in caplog.text
     assert receipts.acks() == {7: (3, ())}
+
+
+def test_every_output_dropped_before_an_applied_step_is_sent_again_at_once() -> None:
+    """Outputs 1 and 2 both dropped: the next resend carries the contents of both."""
+    outbox = Outbox()
+    outbox.record(Output(1, report(10), frozenset({"a"}), frozenset({"a"})))  # a failed
+    outbox.record(Output(2, report(11), frozenset({"b"}), invalid_blocks=frozenset({7})))
+    outbox.record(Output(3, report(12)))
+    resend = outbox.acknowledge({outbox.worker_id: (0, (3,))}, processed_step=3)
+    assert resend is not None
+    assert resend.report == WorkerReport.merge([report(10), report(11)])
+    assert (resend.finished_recving, resend.failed_recving) == ({"a", "b"}, {"a"})
+    assert resend.invalid_blocks == {7}  # b's suspect blocks: vLLM recomputes from there
+    assert outbox.num_resent == 2
+    assert outbox.record(Output(4)) == {outbox.worker_id: (4, (1, 2))}
+
+
+def test_an_output_sent_again_is_carried_by_one_output_only() -> None:
+    """Without a plan bound in between, the next output does not carry it a second
+    time: the scheduler would count its contents twice."""
+    outbox = Outbox()
+    outbox.record(Output(1, report(10)))
+    assert outbox.acknowledge({}, processed_step=1) is not None
+    assert outbox.record(Output(2)) == {outbox.worker_id: (2, (1,))}
+    assert outbox.record(Output(2)) == {outbox.worker_id: (2, ())}
