@@ -77,3 +77,18 @@ def test_parts_that_only_add_up_fail_every_request_with_a_warning(
     assert tracker.complete([], [1], {1: frozenset({11})}) == ({"r", "s"}, {"r", "s"})
     assert "load part 1 of (3, -1) is -1" in caplog.text
     assert tracker.is_idle()
+
+
+def test_unsplit_lists_the_named_failures_of_the_last_call_failed_whole() -> None:
+    """The worker strips the names of those from its report (the scheduler fails them
+    whole too); an event split by its names, or failed naming nothing, is not listed,
+    and each call starts afresh."""
+    tracker = LoadTracker()
+    jobs = [load(1, (1, 1)), load(2, (1, 1)), load(3, ()), load(4, (1,), first=40)]
+    tracker.update({1: ("r", "s"), 2: ("t", "u"), 3: ("v",), 4: ("w",)}, jobs)
+    named = {1: frozenset({11}), 2: frozenset({99}), 3: frozenset({10})}
+    assert tracker.complete([], [1, 2, 3, 4], named)[1] == {"s", "t", "u", "v", "w"}
+    assert tracker.unsplit == {2, 3}  # 2: a name not its source; 3: parts unknown
+    tracker.update({})
+    assert tracker.complete([], []) == (set(), set())
+    assert tracker.unsplit == set()
