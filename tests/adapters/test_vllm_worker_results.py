@@ -108,3 +108,18 @@ def test_nothing_is_handed_over_while_the_forward_s_exception_propagates(
     assert (finished, failed, invalid) == ({"r"}, {"r"}, set())
     assert meta.report.failed == {1: 1}
     assert meta.failed_forward_step == 1
+
+
+def test_results_taken_twice_before_the_worker_metadata_are_all_reported(
+    connector: Any,
+) -> None:
+    """Should a connector call between the two raise (vLLM then drops the output), the
+    next step's metadata still reports the first poll's events: else their pins stay."""
+    fake_reports(connector, WorkerReport(done={7: 1}), WorkerReport(done={8: 1}))
+    connector.bind_connector_metadata(KVTierMetadata(TransferPlan(1)))
+    connector.get_transfer_results(set())
+    connector.clear_connector_metadata()
+    connector.bind_connector_metadata(KVTierMetadata(TransferPlan(2)))
+    connector.get_transfer_results(set())
+    meta = connector.build_connector_worker_meta()
+    assert meta.report.done == {7: 1, 8: 1}
