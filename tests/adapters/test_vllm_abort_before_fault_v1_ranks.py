@@ -96,6 +96,7 @@ def test_aggregated_metadata_keeps_each_worker_s_later_step() -> None:
     assert a.aggregate(b).steps == {1: 5, 2: 4}
     assert a.aggregate(b).aggregate(a_later).steps == {1: 6, 2: 4}  # salvaged with the next
     assert a_later.aggregate(a).step_id == 6
+    assert a.aggregate(b).step_id == 5  # the newest step any worker had bound
     assert KVTierWorkerMetadata().step_id == 0
 
 

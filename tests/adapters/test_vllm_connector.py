@@ -31,7 +31,11 @@ from kvtier_vllm import (
 )
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
 from vllm_harness import HarnessConfig, VllmHarness, shared_prefix_prompts
 
 from kvtier.adapters.vllm import KVTierConnector, worker_side
@@ -105,6 +109,15 @@ def test_aggregated_metadata_keeps_the_later_failed_forward_step() -> None:
         expected = max(s for s in (a.failed_forward_step, b.failed_forward_step) if s)
         assert a.aggregate(b).failed_forward_step == expected
     assert none.aggregate(none).failed_forward_step is None
+
+
+def test_aggregating_another_connector_s_worker_metadata_is_refused() -> None:
+    class Other(KVConnectorWorkerMetadata):
+        def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+            return self
+
+    with pytest.raises(TypeError, match="cannot aggregate KVTierWorkerMetadata with Other"):
+        KVTierWorkerMetadata().aggregate(Other())
 
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
