@@ -117,7 +117,12 @@ def test_several_corrupt_records_cost_only_themselves(
 
 
 @pytest.mark.parametrize("kind", ["random", "zeros", "ones", "kind bytes"])
-@pytest.mark.parametrize("length", [1, 5, 27, 1000, 3 << 20])
+# 1 + _FIRST_SCAN and 1 + 3 * _FIRST_SCAN: the record after the garbage is the first offset
+# of the resync's second and third scan spans (the resync starts one byte past the bad one).
+@pytest.mark.parametrize(
+    "length",
+    [1, 5, 27, 1000, 1 + manifest_scan._FIRST_SCAN, 1 + 3 * manifest_scan._FIRST_SCAN, 3 << 20],
+)
 def test_garbage_inserted_in_the_middle_is_skipped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str, length: int
 ) -> None:
