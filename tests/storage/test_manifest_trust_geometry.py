@@ -1,6 +1,6 @@
-"""`read_manifest` trusts only a manifest no one else can write (group-writable counts:
-its bytes are served as KV), and takes only one of this tier's exact number of slots
-(one of a smaller tier is `read_manifest_any_size`'s to resize)."""
+"""`read_manifest` trusts only a manifest of this user that no one else can write
+(group-writable counts: its bytes are served as KV), and takes only one of this tier's
+exact number of slots (one of a smaller tier is `read_manifest_any_size`'s to resize)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.offload.plan import SlotRecord
-from kvtier.storage import ManifestIdentity
+from kvtier.storage import ManifestIdentity, manifest_read
 from kvtier.storage.manifest import ManifestError, read_manifest, read_manifest_any_size
 from kvtier.storage.manifest_log import ManifestLog
 
@@ -30,6 +30,17 @@ def test_a_group_writable_manifest_is_not_trusted(tmp_path: Path) -> None:
     path = manifest(tmp_path)
     os.chmod(path, 0o620)
     with pytest.raises(ManifestError, match="writable by group or others"):
+        read_manifest(path, SMALL)
+
+
+def test_a_manifest_another_user_owns_is_not_trusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner check without root (no chown): this process runs as another user."""
+    path = manifest(tmp_path)
+    owner = os.stat(path).st_uid
+    monkeypatch.setattr(manifest_read.os, "geteuid", lambda: owner + 1)
+    with pytest.raises(ManifestError, match=f"owned by uid {owner}, not by this user"):
         read_manifest(path, SMALL)
 
 
