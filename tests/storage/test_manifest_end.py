@@ -35,7 +35,7 @@ def test_end_empties_the_file_at_once_and_appends_nothing_more(tmp_path: Path) -
     # What a crash now leaves (the rewrite is fsynced and renamed into place).
     assert read_manifest(str(manifest_of(tmp_path)), IDENTITY) == {}
     log.put([5], [15], [rec(5)])  # a write in flight at the reset, or one after it
-    log.forget([1])
+    assert log.forget([1])  # no record of slot 1 is left to tombstone
     log.end()  # idempotent
     assert read_manifest(str(manifest_of(tmp_path)), IDENTITY) == {}
     close(slot_file, log)
