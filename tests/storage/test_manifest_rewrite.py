@@ -1,6 +1,7 @@
 """`rewrite_manifest` on its own: a write that makes no progress fails the rewrite (it
-never spins), and the new file is this user's alone (0600) whatever the umask: a
-manifest group or others may write is never trusted by the next open."""
+never spins); the new file is this user's alone (0600) whatever the umask (a manifest
+group or others may write is never trusted by the next open); the descriptor returned
+appends; a failure closes it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from storage_helpers import num_open_fds
 
 from kvtier.storage import manifest_compaction
 from kvtier.storage.manifest_compaction import rewrite_manifest
@@ -48,3 +50,30 @@ def test_the_new_file_is_this_users_alone_whatever_the_umask(tmp_path: Path) -> 
     os.close(fd)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert path.read_bytes() == b"header and records"
+
+
+def test_the_descriptor_returned_appends_after_a_cut_back(tmp_path: Path) -> None:
+    """`ManifestLog` cuts a short append off again (ftruncate) and appends on through the
+    same descriptor: the next record must follow the cut, not a hole of zeros."""
+    path = tmp_path / "m.manifest"
+    fd = rewrite_manifest(str(path), b"header")
+    try:
+        os.write(fd, b"torn")
+        os.ftruncate(fd, len(b"header"))
+        os.write(fd, b"record")
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"headerrecord"
+
+
+def test_a_rename_that_cannot_be_made_durable_leaves_no_descriptor_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(path: str) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(manifest_compaction, "sync_directory", fail)
+    before = num_open_fds()
+    with pytest.raises(OSError, match="cannot sync the new manifest's directory"):
+        rewrite_manifest(str(tmp_path / "m.manifest"), b"header", durable_rename=True)
+    assert num_open_fds() == before
