@@ -2,7 +2,8 @@
 (`COMMIT_SECONDS`), so records added one after another while writes stay queued (a busy
 store queue) do not keep pushing the commit back, which would leave every record of a
 steady stream of stores unsynced, lost to a crash, for as long as the stream lasts; and
-a failed sync tombstones the older records of the group's slots."""
+a failed sync tombstones the older records of the group's slots (or, when it
+cannot, fails the commit)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from test_group_commit import _put
 from test_manifest_durability import rec
 
-from kvtier.storage import pending_puts
+from kvtier.storage import manifest_log, pending_puts
 from kvtier.storage.manifest_log import ManifestLog
 from kvtier.storage.pending_puts import PendingPuts
 
@@ -58,4 +59,28 @@ def test_a_failed_sync_tombstones_the_older_records_of_the_groups_slots(
     assert pending.commit()  # the tombstone was appended: persistence goes on
     assert len(pending) == 0
     assert log._live == {2: _put(2, 2, rec(2))}
+    log.close()
+
+
+def test_a_failed_sync_whose_tombstones_cannot_be_appended_fails_the_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slot's older record stays in the manifest over bytes of unknown state: the
+    commit returns False and the tier ends persistence for the run."""
+    log = ManifestLog(str(tmp_path / "m.manifest"), b"header", {})
+    log.put([1], [1], [rec(1)])
+
+    def failing_sync() -> None:
+        raise OSError(5, "Input/output error")
+
+    def failing_write(fd: int, data: bytes) -> int:
+        raise OSError(28, "No space left on device")
+
+    pending = PendingPuts(log, failing_sync, bytes_per_slot=4096)
+    pending.add([1], [9], [rec(9)])
+    monkeypatch.setattr(manifest_log.os, "write", failing_write)
+    assert not pending.commit()
+    monkeypatch.undo()
+    assert len(pending) == 0
+    assert log._live == {1: _put(1, 1, rec(1))}
     log.close()
