@@ -84,3 +84,21 @@ def test_a_failed_sync_whose_tombstones_cannot_be_appended_fails_the_commit(
     assert len(pending) == 0
     assert log._live == {1: _put(1, 1, rec(1))}
     log.close()
+
+
+def test_a_group_after_clear_ages_from_its_own_first_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(pending_puts.time, "monotonic", lambda: now[0])
+    log = ManifestLog(str(tmp_path / "m.manifest"), b"header", {})
+    pending = PendingPuts(log, lambda: None, bytes_per_slot=4096, commit_seconds=1.0)
+    pending.queued()
+    pending.queued()
+    pending.add([1], [1], [rec(1)])
+    pending.clear()  # persistence ended: the records are dropped
+    now[0] = 105.0
+    pending.add([2], [2], [rec(2)])
+    now[0] = 105.5
+    assert not pending.write_done()  # 0.5 s old, a write still queued
+    log.close()
