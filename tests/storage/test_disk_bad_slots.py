@@ -12,6 +12,7 @@ import torch
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOError, DiskIOMode, DiskTier, DiskTierConfig
+from kvtier.storage.slot_checksums import bad_slots_error
 from kvtier.storage.slot_file import BadSlotsError
 
 SLOT = 8192
@@ -85,3 +86,19 @@ def test_a_bad_slot_found_after_close_is_logged_as_kept_in_the_manifest(
     tier = DiskTier(config)
     assert [slot for slot, _ in tier.recovered_slots()] == [4, 5]
     tier.close()
+
+
+@pytest.mark.parametrize(
+    ("num_bad", "message"),
+    [
+        (1, "checksum mismatch in slot 2"),
+        (2, "checksum mismatch in slot 2 (and 1 more bad slot in this read)"),
+        (3, "checksum mismatch in slot 2 (and 2 more bad slots in this read)"),
+    ],
+)
+def test_a_read_s_error_counts_the_other_bad_slots(num_bad: int, message: str) -> None:
+    """The first bad slot's problem, then how many more (none said for one alone)."""
+    problems = {slot: f"checksum mismatch in slot {slot}" for slot in range(2, 2 + num_bad)}
+    error = bad_slots_error(problems, "/cache/rank0.slots")
+    assert error.strerror == message
+    assert error.slots == tuple(range(2, 2 + num_bad))

@@ -99,6 +99,6 @@ def test_the_error_of_a_load_with_bad_slots_in_several_reads_counts_them_consist
             report = run_plan(w, job(2, Tier.DISK, Tier.GPU, range(6), range(8, 14)))
         assert dict(report.bad_blocks) == {2: frozenset({0, 1, 4})}
     assert (
-        "checksum mismatch in slot 0 (and 1 more bad slots in this read);"
+        "checksum mismatch in slot 0 (and 1 more bad slot in this read);"
         " 3 bad slots in the load: [0, 1, 4]" in caplog.text
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
+from kvtier.core.plural import counted
 from kvtier.storage.slot_file import BadSlotsError
 
 
@@ -67,5 +68,7 @@ class SlotChecksums:
 def bad_slots_error(problems: dict[int, str], path: str) -> BadSlotsError:
     """Return the error naming every bad slot of one read of the file at `path`."""
     first = min(problems)
-    more = f" (and {len(problems) - 1} more bad slots in this read)" if len(problems) > 1 else ""
+    more = ""
+    if len(problems) > 1:
+        more = f" (and {counted(len(problems) - 1, 'more bad slot')} in this read)"
     return BadSlotsError(problems, problems[first] + more, path)
