@@ -74,3 +74,16 @@ def test_a_call_from_the_running_thread_returns_at_once() -> None:
     gate.run(action)
     assert calls == ["outer", "outer done"]
     assert gate.is_closed
+
+
+def test_mark_closing_refuses_new_work_before_the_close_runs() -> None:
+    """A close handed to another thread (the disk tier's I/O thread cannot close its own
+    tier) refuses new work from the moment it is asked for, not once that thread runs."""
+    gate = CloseGate()
+    gate.mark_closing()
+    assert gate.is_closing
+    assert not gate.is_closed
+    with gate.working() as is_open:
+        assert not is_open
+    gate.run(lambda: None)
+    assert gate.is_closed
