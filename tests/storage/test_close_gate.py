@@ -87,3 +87,24 @@ def test_mark_closing_refuses_new_work_before_the_close_runs() -> None:
         assert not is_open
     gate.run(lambda: None)
     assert gate.is_closed
+
+
+def test_a_close_inside_its_own_threads_work_does_not_wait_for_it() -> None:
+    """A close run by a thread that is inside `working()` itself (a finalizer run by a
+    garbage collection during a forget) waits only for other threads' work: waiting for
+    its own would wait forever."""
+    gate = CloseGate()
+    calls: list[str] = []
+
+    def work_then_close() -> None:
+        with gate.working() as is_open:
+            assert is_open
+            gate.run(lambda: calls.append("closed"))
+            calls.append("work done")
+
+    thread = threading.Thread(target=work_then_close, name="worker", daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "the close waited for its own thread's work"
+    assert calls == ["closed", "work done"]
+    assert gate.is_closed
