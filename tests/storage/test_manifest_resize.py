@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 from pathlib import Path
 
@@ -74,6 +75,23 @@ def test_a_file_cut_inside_a_slot_keeps_the_whole_slots_below_the_cut(tmp_path: 
     os.truncate(tmp_path / "kvtier-rank0.slots", 6 * IDENTITY.bytes_per_slot + 100)
     slot_file, log, live = open_tier_files(tmp_path)
     assert live == {1: (11, rec(1))}  # slot 6 was cut
+    assert slot_file.file_size() == 8 * IDENTITY.bytes_per_slot
+    close(slot_file, log)
+
+
+def test_stray_bytes_past_the_last_slot_are_named_and_cut_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A slot file a part slot longer than its manifest's slots: every slot is kept, the
+    open says what it found, and the tail is cut off."""
+    first_run(tmp_path)
+    size = 8 * IDENTITY.bytes_per_slot + 100
+    os.truncate(tmp_path / "kvtier-rank0.slots", size)
+    with caplog.at_level(logging.WARNING):
+        slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (11, rec(1)), 6: (66, rec(6))}
+    assert f"holds {size} B, its manifest" in caplog.text
+    assert f"says 8 slots of {IDENTITY.bytes_per_slot} B" in caplog.text
     assert slot_file.file_size() == 8 * IDENTITY.bytes_per_slot
     close(slot_file, log)
 
