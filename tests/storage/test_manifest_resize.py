@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from test_disk_faults import open_paths
 from test_manifest import IDENTITY, close, open_tier_files, rec
 
 from kvtier.storage import manifest_log, slot_file_open
@@ -136,6 +137,7 @@ def test_a_failed_grow_gives_back_what_it_allocated(
     with pytest.raises(OSError, match="disk_bytes; lower it or free space"):
         open_tier_files(tmp_path, dataclasses.replace(IDENTITY, num_slots=16))
     monkeypatch.undo()
+    assert str(tmp_path / "kvtier-rank0.manifest") not in open_paths(tmp_path)  # closed
     assert (tmp_path / "kvtier-rank0.slots").stat().st_size == 8 * IDENTITY.bytes_per_slot
     slot_file, log, live = open_tier_files(tmp_path)  # lowered back: the cache is kept
     assert live == {1: (11, rec(1)), 6: (66, rec(6))}
