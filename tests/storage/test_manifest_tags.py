@@ -63,11 +63,25 @@ def test_a_tagged_put_too_short_for_its_tag_is_skipped(
     close(slot_file, log)
 
 
+def test_a_tagged_put_of_an_empty_key_replays_after_damaged_bytes(tmp_path: Path) -> None:
+    """A key field holding the tag alone is a whole tagged put, also where the replay
+    decodes it one by one (`record_at`: found by the scan past damaged bytes)."""
+    slot_file, log, _ = open_tier_files(tmp_path)
+    log.put([1], [11], [tagged(1)])
+    close(slot_file, log)
+    with open(manifest_of(tmp_path), "ab") as out:
+        out.write(b"\xff" * 7 + encode_put(2, ManifestEntry(22, SlotRecord(b"", 4, TAG))))
+    slot_file, log, live = open_tier_files(tmp_path)
+    assert live == {1: (11, tagged(1)), 2: (22, SlotRecord(b"", 4, TAG))}
+    close(slot_file, log)
+
+
 @pytest.mark.parametrize(
     ("record", "message"),
     [
         (SlotRecord(b"k", 1, b"short"), "tag must be 16 bytes"),
         (SlotRecord(b"k" * 0xFFFF, 1, TAG), "at most 65519 B"),
+        (SlotRecord(b"k", 1 << 32, TAG), "num_tokens must be an int in"),  # a u32 field
     ],
 )
 def test_check_record_refuses_a_bad_tag_or_a_key_with_no_room_for_it(
