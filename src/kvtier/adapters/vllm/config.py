@@ -51,7 +51,6 @@ from kvtier.core.plural import counted
 from kvtier.core.policies import ADMISSION_POLICIES, EVICTION_POLICIES, PolicySpec
 from kvtier.offload.config import (
     CONFIG_KEYS,
-    CascadeMode,
     ConfigError,
     OffloadConfig,
     check_known_keys,
@@ -104,8 +103,6 @@ def offload_config_from_vllm(
             values[key] = _whole_number(key, values[key])
     _check_persistence(values)
     _check_one_disk_io_key(values)
-    if "cascade" in values:
-        _check_cascade(values["cascade"])
     if "policy" in values:
         values.update(_policy(values.pop("policy"), values))
     _check_policy_halves(values)
@@ -302,15 +299,6 @@ def _check_persistence(values: dict[str, Any]) -> None:
         )
     if persist is not False:
         raise ConfigError(f"disk_persist must be a bool, got {persist!r}")
-
-
-def _check_cascade(value: object) -> None:
-    """Name a bad `cascade` value even when no cascade is configured."""
-    choices = tuple(mode.value for mode in CascadeMode)
-    if not isinstance(value, str) or value.strip().lower() not in choices:  # any case
-        raise ConfigError(
-            f"cascade must be one of {', '.join(repr(c) for c in choices)}, got {value!r}"
-        )
 
 
 def _policy(value: object, values: Mapping[str, Any]) -> dict[str, str]:
