@@ -316,23 +316,22 @@ class VllmGpuPoolView:
 
         From the head when `cursor` is None or no longer free (it was reused or touched).
         """
-        start = None
-        if cursor is not None:
-            block = self._blocks[cursor]
-            if not block.is_null and block.ref_cnt == 0:
-                start = block
-        return map(_BLOCK_ID, self.pool.free_block_queue.iter_blocks_after(start))
+        return map(_BLOCK_ID, self._free_blocks_after(cursor))
 
     def free_after(self, cursor: int | None, limit: int) -> tuple[list[int], list[Key | None]]:
         """Return the first `limit` free block ids `iter_free_after(cursor)` yields, and
         their primary keys, read from the same blocks in one pass: lazy mode's walk visits
         up to twice a step's worth of blocks every step."""
+        blocks = list(islice(self._free_blocks_after(cursor), limit))
+        if self._slots:
+            return [block.block_id for block in blocks], [block._block_hash for block in blocks]
+        return [block.block_id for block in blocks], [block.block_hash for block in blocks]
+
+    def _free_blocks_after(self, cursor: int | None) -> Iterator[Any]:
+        """Return the free blocks after `cursor`'s block while it is free, else all of them."""
         start = None
         if cursor is not None:
             block = self._blocks[cursor]
             if not block.is_null and block.ref_cnt == 0:
                 start = block
-        blocks = list(islice(self.pool.free_block_queue.iter_blocks_after(start), limit))
-        if self._slots:
-            return [block.block_id for block in blocks], [block._block_hash for block in blocks]
-        return [block.block_id for block in blocks], [block.block_hash for block in blocks]
+        return self.pool.free_block_queue.iter_blocks_after(start)
