@@ -61,7 +61,6 @@ class PendingPuts:
         self._pending: dict[int, _Pending] = {}
         self._oldest: float | None = None  # when the oldest pending record was added
         self._queued = 0  # writes queued and not finished (`queued`, `write_done`)
-        self.commits = 0  # slot file syncs made by `commit` (tests and benchmarks count)
 
     def __len__(self) -> int:
         with self._lock:
@@ -134,7 +133,6 @@ class PendingPuts:
                     failure,
                 )
                 return self._log.forget([slot for slot, _ in live])
-            self.commits += 1
             if live:
                 self._log.put(
                     [slot for slot, _ in live],
