@@ -1,0 +1,64 @@
+"""`OffloadConfig.from_dict`'s SPEC spelling `disk_direct_io`, a `cascade` given without
+both tiers, and the edges of `num_tier_blocks` (a mutation run on offload/config.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvtier.offload.config import CascadeMode, ConfigError, DiskIOMode, OffloadConfig
+from kvtier.offload.plan import Tier
+
+MIB = 1 << 20
+DISK = {"disk_bytes": 8 * MIB, "disk_path": "/tmp/kv"}
+
+
+@pytest.mark.parametrize(
+    ("direct", "mode"), [(True, DiskIOMode.DIRECT), (False, DiskIOMode.PAGE_CACHE)]
+)
+def test_disk_direct_io_is_the_spec_spelling_of_disk_io_mode(
+    direct: bool, mode: DiskIOMode
+) -> None:
+    assert OffloadConfig.from_dict({**DISK, "disk_direct_io": direct}).disk_io_mode is mode
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, None])
+def test_disk_direct_io_must_be_a_bool(value: object) -> None:
+    """A string or a number is refused, not read as true: `"false"` would be direct I/O."""
+    with pytest.raises(ConfigError, match=f"disk_direct_io must be a bool, got {value!r}"):
+        OffloadConfig.from_dict({**DISK, "disk_direct_io": value})
+
+
+def test_a_cascade_mode_without_a_cpu_tier_is_ignored_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A disk-only config has no cascade: its `cascade` is ignored as without a disk tier."""
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        config = OffloadConfig.from_dict({**DISK, "cascade": "write_back"})
+    assert [r.getMessage() for r in caplog.records] == [
+        "cascade needs both cpu_bytes and disk_bytes: ignoring it"
+    ]
+    assert config.tiers == (Tier.DISK,)
+    assert config.cascade is CascadeMode.WRITE_THROUGH  # the default, as if not given
+
+
+def test_a_block_size_of_zero_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="bytes_per_block must be > 0, got 0"):
+        OffloadConfig(cpu_bytes=MIB).num_tier_blocks(0)
+
+
+@pytest.mark.parametrize("tier", [Tier.DISK, Tier.GPU])
+def test_only_a_configured_tier_is_sized(tier: Tier) -> None:
+    with pytest.raises(ConfigError, match=f"tier {tier.value} is not configured"):
+        OffloadConfig(cpu_bytes=MIB).num_tier_blocks(1024, tier)
+    with pytest.raises(ConfigError, match=f"tier {Tier.CPU.value} is not configured"):
+        OffloadConfig(**DISK).num_tier_blocks(1024, Tier.CPU)  # type: ignore[arg-type]
+
+
+def test_num_blocks_sizes_the_first_lower_tier_only() -> None:
+    """In a cascade `num_blocks` is the CPU tier's size; the disk tier is sized by its bytes."""
+    config = OffloadConfig(cpu_bytes=4 * MIB, num_blocks=3, **DISK)  # type: ignore[arg-type]
+    assert config.num_tier_blocks(MIB) == 3
+    assert config.num_tier_blocks(MIB, Tier.CPU) == 3
+    assert config.num_tier_blocks(MIB, Tier.DISK) == 8
