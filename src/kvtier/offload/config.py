@@ -166,11 +166,6 @@ class OffloadConfig:
         """Return the lower tiers, fastest first."""
         return (Tier.CPU, Tier.DISK) if self.is_cascade else (self.tier,)
 
-    @property
-    def tier_bytes(self) -> int:
-        """Return the byte budget of the first lower tier (per rank)."""
-        return self.cpu_bytes if self.tier is Tier.CPU else self.disk_bytes
-
     @staticmethod
     def from_dict(
         values: Mapping[str, Any],
