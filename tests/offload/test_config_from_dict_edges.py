@@ -7,7 +7,14 @@ import logging
 
 import pytest
 
-from kvtier.offload.config import CascadeMode, ConfigError, DiskIOMode, OffloadConfig
+from kvtier.offload.config import (
+    MAX_DISK_BUFFER_SLOTS,
+    CascadeMode,
+    ConfigError,
+    DiskIOMode,
+    OffloadConfig,
+)
+from kvtier.offload.config_fields import FIELD_TYPES
 from kvtier.offload.plan import Tier
 
 MIB = 1 << 20
@@ -62,3 +69,24 @@ def test_num_blocks_sizes_the_first_lower_tier_only() -> None:
     assert config.num_tier_blocks(MIB) == 3
     assert config.num_tier_blocks(MIB, Tier.CPU) == 3
     assert config.num_tier_blocks(MIB, Tier.DISK) == 8
+
+
+def test_a_misspelt_key_is_never_offered_a_key_given_beside_it() -> None:
+    """`disk_pat` beside `disk_path` cannot have meant it: the next closest is offered."""
+    with pytest.raises(ConfigError, match=r"disk_pat \(did you mean 'disk_persist'\?\)$"):
+        OffloadConfig.from_dict({**DISK, "disk_pat": True})
+
+
+@pytest.mark.parametrize(
+    "name", sorted(set(FIELD_TYPES) - {"disk_path", "num_blocks", "hash_seed"})
+)
+def test_none_is_refused_for_a_field_that_is_not_optional(name: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name} must be .*, got None$"):
+        OffloadConfig.from_dict({"cpu_bytes": MIB, **DISK, name: None})
+
+
+def test_disk_buffer_slots_are_bounded_at_the_maximum_itself() -> None:
+    config = OffloadConfig(**DISK, disk_buffer_slots=MAX_DISK_BUFFER_SLOTS)  # type: ignore[arg-type]
+    assert config.disk_buffer_slots == MAX_DISK_BUFFER_SLOTS
+    with pytest.raises(ConfigError, match=f"disk_buffer_slots={MAX_DISK_BUFFER_SLOTS + 1} is"):
+        OffloadConfig(**DISK, disk_buffer_slots=MAX_DISK_BUFFER_SLOTS + 1)  # type: ignore[arg-type]
