@@ -42,6 +42,7 @@ def test_only_a_key_that_goes_with_the_others_is_offered(
     message = refusal(extra)
     if suggestion is None:
         assert "did you mean" not in message
+        assert "keys like it" not in message  # nor the key given (policy) as a hint
     else:
         assert f"(did you mean {suggestion!r}?)" in message
         assert "valid" not in message  # a key with a suggestion lists nothing
@@ -105,6 +106,8 @@ def test_the_offload_config_lists_its_keys_for_a_key_with_no_close_match() -> No
         # Was 'disk_path' / 'disk_bytes': False is taken, True refused with its reason.
         ({"cpu_bytes": GIB, "disk_persit": False}, "disk_persist"),
         ({"cpu_bytes": GIB, "disk_persis": False}, "disk_persist"),
+        # Not 'num_cpu_blocks', num_blocks' other spelling: it is given beside the typo.
+        ({"cpu_bytes": GIB, "num_cpu_blocks": 4, "num_bloks": 1}, None),
     ],
 )
 def test_a_key_not_offered_is_never_replaced_by_another_setting(
@@ -150,7 +153,9 @@ def test_a_key_that_reads_like_a_suggestion_still_gets_the_listing() -> None:
     assert "; keys valid with the others given: " in message
 
 
-@pytest.mark.parametrize("key", ["cpu_size", "cpu_memory", "host_memory", "disk_size"])
+@pytest.mark.parametrize(
+    "key", ["cpu_size", "cpu_memory", "host_memory", "disk_size", "cpu_capacity"]
+)
 @pytest.mark.parametrize(
     "others",
     [{}, {"kv_offload_backend": "cpu"}, {"cpu_bytes_to_use": GIB}, {"num_blocks": 4}],
@@ -202,6 +207,19 @@ def test_a_key_offered_that_the_backend_would_ignore_says_so(
     config = convert({**{k: v for k, v in extra.items() if k != typo}, offered: extra[typo]})
     assert (config.cpu_bytes if tier == "CPU" else config.disk_bytes) == 0  # the note is true
     assert f"ignoring {offered}" in caplog.text
+
+
+def test_a_note_on_several_keys_hinted_at_is_said_once() -> None:
+    message = refusal({"use_page_cache": False, "disk_direct_slots": 1})
+    assert "keys like it: disk_buffer_slots, disk_capacity_bytes, disk_path; " in message
+    assert message.count("has no disk tier") == 1
+
+
+@pytest.mark.parametrize("key", ["use", "to_use"])
+def test_a_key_of_filler_words_alone_is_hinted_nothing(key: str) -> None:
+    """`to`, `use`, `per` join the words of a key (`cpu_bytes_to_use_per_rank`): no hint."""
+    message = refusal({key: 1})
+    assert f"key: {key}; keys valid with the others given: " in message
 
 
 @pytest.mark.parametrize("backend", ["cascade", "disk"])
