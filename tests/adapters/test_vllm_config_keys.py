@@ -234,6 +234,14 @@ def test_a_note_on_the_backend_says_whether_it_was_written_or_is_the_default() -
     assert note.format("") in refusal({"kv_offload_backend": "cpu", "disk_size": GIB})
 
 
+def test_a_note_follows_a_question_after_a_space_and_a_list_after_a_semicolon() -> None:
+    note = "kv_offload_backend='cpu' has no disk tier"
+    offered = refusal({"kv_offload_backend": "cpu", "use_page_cach": True})
+    assert f"use_page_cach (did you mean 'use_page_cache'? {note}: set " in offered
+    hinted = refusal({"kv_offload_backend": "cpu", "disk_size": GIB})
+    assert f"disk_size (keys like it: disk_capacity_bytes; {note}: set " in hinted
+
+
 def test_host_memory_is_never_steered_to_the_disk_tier() -> None:
     """Was "host_bytes (did you mean 'disk_bytes'?)": host memory is the CPU tier."""
     assert "host_bytes (did you mean 'cpu_bytes'?)" in refusal({"host_bytes": GIB})

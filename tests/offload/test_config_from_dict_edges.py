@@ -69,6 +69,41 @@ def test_num_blocks_sizes_the_first_lower_tier_only() -> None:
     assert config.num_tier_blocks(MIB) == 3
     assert config.num_tier_blocks(MIB, Tier.CPU) == 3
     assert config.num_tier_blocks(MIB, Tier.DISK) == 8
+    assert OffloadConfig(num_blocks=3, **DISK).num_tier_blocks(MIB) == 3  # type: ignore[arg-type]
+
+
+def test_a_tier_too_small_is_named_by_its_own_budget() -> None:
+    config = OffloadConfig(cpu_bytes=4096, cascade=CascadeMode.WRITE_BACK, **DISK)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=f"^disk_bytes={8 * MIB} holds 1 block of {8 * MIB} "):
+        config.num_tier_blocks(8 * MIB, Tier.DISK)
+
+
+def test_the_disk_keys_ignored_are_named_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    values = {"disk_path": "/tmp/kv", "disk_io_mode": "direct", "disk_buffer_slots": 4}
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        OffloadConfig.from_dict({"cpu_bytes": MIB, "disk_persist": False, **values})
+    assert [r.getMessage() for r in caplog.records] == [
+        "no disk tier (disk_bytes unset): ignoring disk_buffer_slots=4, disk_io_mode='direct', "
+        "disk_path='/tmp/kv', disk_persist=False"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"memory": 1}, "memory (keys like it: cpu_bytes, disk_bytes); valid keys: "),
+        ({"HOST_MEMORY": 1}, "HOST_MEMORY (keys like it: cpu_bytes); valid keys: "),
+        ({"cpu_bytes": MIB, "CPU_BYTES": 1}, "key: CPU_BYTES; valid keys: "),
+    ],
+)
+def test_a_size_key_is_hinted_at_the_byte_sizes_of_its_own_tier(
+    values: dict[str, object], named: str
+) -> None:
+    """A size word alone names both tiers' sizes; a key in capitals is read as lower case
+    (`HOST_MEMORY` is the CPU tier's size, `CPU_BYTES` beside cpu_bytes none of disk's)."""
+    with pytest.raises(ConfigError) as refused:
+        OffloadConfig.from_dict(values)
+    assert named in str(refused.value)
 
 
 def test_a_misspelt_key_is_never_offered_a_key_given_beside_it() -> None:
