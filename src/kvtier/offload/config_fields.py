@@ -166,7 +166,7 @@ def _could_mean(key: str, name: str) -> bool:
     return not (words & _SIZE_WORDS) or "bytes" in name_words
 
 
-FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+FIELD_TYPES: dict[str, type] = {
     "cpu_bytes": int,
     "disk_bytes": int,
     "disk_path": str,
@@ -296,9 +296,7 @@ _ENUM_FIELDS: dict[str, type[enum.Enum]] = {
 }
 
 
-def _type_name(kind: type | tuple[type, ...]) -> str:
-    if isinstance(kind, tuple):
-        return " or ".join(k.__name__ for k in kind)
+def _type_name(kind: type) -> str:
     if issubclass(kind, enum.Enum):
         return "one of " + ", ".join(repr(m.value) for m in kind)
     return f"an {kind.__name__}" if kind.__name__[0] in "aeiou" else f"a {kind.__name__}"
