@@ -279,6 +279,17 @@ def test_host_checks_name_the_simple_offload_keys(tmp_path: Path) -> None:
         convert({"cpu_bytes": 1 << 60}).prepare_host()
 
 
+def test_tier_sizing_names_the_simple_offload_keys() -> None:
+    """The worker sizes the tiers (`num_tier_blocks`): its errors name the keys written."""
+    config = convert({"cpu_bytes_to_use": 4 * GIB, "num_cpu_blocks": 1 << 20}, world_size=4)
+    sources = "(cpu_bytes is cpu_bytes_to_use / 4 ranks; num_blocks is num_cpu_blocks)"
+    with pytest.raises(ConfigError, match=r"^num_blocks=.* " + re.escape(sources) + "$"):
+        config.num_tier_blocks(4096)
+    one_block = convert({"cpu_bytes_to_use": 4 * GIB}, world_size=4)
+    with pytest.raises(ConfigError, match=re.escape("(cpu_bytes is cpu_bytes_to_use / 4 ranks)")):
+        one_block.num_tier_blocks(GIB)
+
+
 @pytest.mark.parametrize("spelling", [8e9, "8000000000", " 8000000000 "])
 def test_vllm_byte_keys_are_read_as_vllm_reads_them(spelling: object) -> None:
     """vLLM's own connector takes `int(value)`: a JSON 8e9 or a digit string is a byte

@@ -4,6 +4,7 @@ both tiers, and the edges of `num_tier_blocks` (a mutation run on offload/config
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +126,14 @@ def test_disk_buffer_slots_are_bounded_at_the_maximum_itself() -> None:
     assert config.disk_buffer_slots == MAX_DISK_BUFFER_SLOTS
     with pytest.raises(ConfigError, match=f"disk_buffer_slots={MAX_DISK_BUFFER_SLOTS + 1} is"):
         OffloadConfig(**DISK, disk_buffer_slots=MAX_DISK_BUFFER_SLOTS + 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", [1, None])
+def test_a_key_that_is_not_a_str_is_named_as_unknown(key: object) -> None:
+    with pytest.raises(ConfigError, match=f"^unknown offload config key: {key}; valid keys: "):
+        OffloadConfig.from_dict({key: MIB})  # type: ignore[dict-item]
+
+
+def test_a_path_object_is_taken_for_disk_path_only() -> None:
+    with pytest.raises(ConfigError, match=r"hash_seed must be a str, got .*Path\('seed'\)"):
+        OffloadConfig(cpu_bytes=MIB, hash_seed=Path("seed"))  # type: ignore[arg-type]
