@@ -6,12 +6,19 @@ Regression: `kvtier demo --turns 0` imported torch and the engine first (about 3
 
 from __future__ import annotations
 
+import errno
+import importlib
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
+from test_demo_options import demo_parser
 
+from kvtier.cli.demo_ranges import check_dependencies, check_options
 from kvtier.cli.main import main
 
 REFUSED_WITHOUT_TORCH = """
@@ -152,3 +159,84 @@ def test_a_missing_folder_under_a_folder_is_only_said_to_be_missing(
     folder = tmp_path / "missing" / "sub"
     assert main(["demo", "--disk-dir", str(folder)]) == 2
     assert capsys.readouterr().err.endswith(f"error: --disk-dir={folder} does not exist\n")
+
+
+# The least value of each numeric option, as `kvtier demo --help` states it.
+LEAST_VALUES = {
+    "--conversations": 1,
+    "--turns": 1,
+    "--system-tokens": 0,
+    "--document-tokens": 0,
+    "--user-tokens": 0,
+    "--answer-tokens": 1,
+    "--gpu-blocks": 2,
+    "--block-size": 1,
+    "--cpu-mib": 1,
+    "--disk-mib": 1,
+    "--cascade-cpu-mib": 1,
+}
+
+
+@pytest.mark.parametrize(("option", "least"), LEAST_VALUES.items())
+def test_each_number_is_refused_just_below_its_least_value_and_taken_at_it(
+    option: str, least: int
+) -> None:
+    """Found by a mutation run (s29): `--conversations 0`, `--answer-tokens 0`, `--disk-mib
+    0` or `--cascade-cpu-mib 0` passed the range check unnoticed by any test (the first two
+    then failed after the engine loaded, naming num_conversations, not the option)."""
+    with pytest.raises(ValueError) as refused:
+        check_options(demo_parser().parse_args([option, str(least - 1)]))
+    assert str(refused.value) == f"{option} must be >= {least}, got {least - 1}"
+    cascade = [] if option == "--cascade-cpu-mib" else ["--cascade-cpu-mib", "1"]
+    check_options(demo_parser().parse_args([option, str(least), *cascade]))  # no error
+
+
+def test_the_most_turns_are_taken_and_one_more_conversation_is_refused() -> None:
+    check_options(demo_parser().parse_args(["--conversations", "100", "--turns", "100"]))
+    args = demo_parser().parse_args(["--conversations", "101", "--turns", "100"])
+    with pytest.raises(ValueError, match="is 10100 turns; the demo serves at most 10000"):
+        check_options(args)
+
+
+def test_the_temp_dir_without_direct_io_is_refused_when_no_disk_dir_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a mutation run (s29): only a --disk-dir was probed by a test; the default,
+    a folder in the temp dir (tmpfs on some distributions), was not."""
+    real_open = os.open
+
+    def refusing_direct_io(path: str, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.chdir(tmp_path)  # --out: ./out
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(os, "open", refusing_direct_io)
+    assert main(["demo", "--conversations", "1", "--turns", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvtier demo: error: --disk-io=direct: the filesystem of the temp dir {tmp_path / 'tmp'}"
+        " refused O_DIRECT (it has no direct I/O, e.g. tmpfs before Linux 6.6): use --disk-io"
+        " page_cache, or a --disk-dir on a block device\n"
+    )
+    assert list((tmp_path / "tmp").iterdir()) == []  # the probe file is gone
+
+
+def test_a_dependency_failing_with_any_error_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a mutation run (s29): only an ImportError was tested; a broken install can
+    raise anything while it imports (a RuntimeError from a backend, an AttributeError)."""
+    real_import = importlib.import_module
+
+    def import_module(name: str, package: str | None = None) -> Any:
+        if name == "matplotlib":
+            raise RuntimeError("a broken backend")
+        return real_import(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    with pytest.raises(ValueError) as refused:
+        check_dependencies()
+    assert str(refused.value) == (
+        "the demo needs matplotlib (a broken backend), which cannot be imported: "
+        "pip install 'kvtier[engine]'"
+    )
