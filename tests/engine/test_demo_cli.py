@@ -19,7 +19,7 @@ def test_demo_runs_every_configuration(
     status = main(
         [
             "demo",
-            "--conversations=2",
+            "--conversations=4",  # their histories leave the 24-block GPU pool
             "--turns=2",
             "--system-tokens=32",
             "--document-tokens=64",
@@ -41,8 +41,12 @@ def test_demo_runs_every_configuration(
         assert name in out
     assert "…" not in out
     assert "identical tokens across configurations: yes" in out
+    # Every tier served tokens, so the tokens compared test each of them. Regression
+    # (s29 mutation run): with 2 conversations every history stayed on the GPU, no tier
+    # served a token, and the verdict compared tokens computed as with offload off.
+    assert "served no tokens" not in out
     # SPEC §6.10 Beyond: bytes moved and the achieved bandwidth per direction.
-    for direction in ("GPU → CPU", "GPU → DISK", "CPU → DISK"):  # this run only stores
+    for direction in ("GPU → CPU", "CPU → GPU", "GPU → DISK", "DISK → GPU", "CPU → DISK"):
         assert direction in out
     assert "MiB/s" in out
     # What the copy time is, under the table: the caption wraps at the table's width,

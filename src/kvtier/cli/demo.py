@@ -113,6 +113,9 @@ def run_demo(args: argparse.Namespace) -> int:
         console.print(f"TTFT per turn plotted to {plot}")
     baseline = results[0].output_tokens
     identical = all(r.output_tokens == baseline for r in results[1:])
+    note = _untested_runs_note(results)
+    if note is not None:
+        console.print(note)
     console.print(
         "identical tokens across configurations: " + ("yes" if identical else "NO — a bug")
     )
@@ -285,6 +288,24 @@ def _print_transfers(console: Console, results: list[RunResult]) -> None:
         rows.append(cells)
     _fill_table(table, console.width, headers, rows)
     console.print(table)
+
+
+def _untested_runs_note(results: list[RunResult]) -> str | None:
+    """Name the offload runs whose tiers served no tokens, or return None.
+
+    Such a run computed every token as offload off did, so its identical tokens test no
+    tier: a workload whose histories stay on the GPU said "identical: yes" all the same.
+    """
+    names = [r.name for r in results[1:] if not any(t.num_external_hit_tokens for t in r.turns)]
+    if not names:
+        return None
+    runs = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    s, its = ("s", "their") if len(names) > 1 else ("", "its")
+    return (
+        f"the {runs} run{s} served no tokens from {its} tier{s}: {its} tokens were computed"
+        " as with offload off, so comparing them tests no tier; use more --conversations or"
+        " fewer --gpu-blocks, so that histories leave the GPU"
+    )
 
 
 def _tier_hits(result: RunResult) -> str:
