@@ -76,3 +76,42 @@ def test_a_wide_terminal_keeps_one_line_per_configuration() -> None:
     (line,) = [line for line in text.splitlines() if "offload off" in line]
     for cell in ("762 ms", "1067 ms", "381 ms (1.00x)", "2880 (CPU 2880, DISK 1234)"):
         assert f" {cell} │" in line
+
+
+def cells_of(text: str, name: str) -> list[str]:
+    """Return the cells of the row of configuration `name` (one line: a wide console)."""
+    (line,) = [line for line in text.splitlines() if f" {name} │" in line]
+    return [cell.strip() for cell in line.split("│")[1:-1]]
+
+
+def test_each_count_goes_to_its_own_column() -> None:
+    """Found by a mutation run (s29): tier hits in the GPU hits column, or MiB in and
+    MiB out swapped, passed every test: the tests' runs had equal values there."""
+    turns = (turn(0, 0.5, 48), TurnResult(0, 1, 96, 0.2, (1,), 16, 80))
+    off = RunResult("offload off", (turn(0, 0.5, 48), turn(1, 0.2, 16)), 1.0, 0, 0)
+    cpu = RunResult("CPU tier", turns, 1.0, 17 << 20, 13 << 20, {"CPU": 80})
+    cells = cells_of(table_text([off, cpu]), "CPU tier")
+    assert cells[5:] == ["64", "80", "17.0", "13.0"]  # GPU hits, tier hits, MiB in, MiB out
+
+
+def test_the_copies_table_has_a_row_per_offload_run_and_no_rate_without_a_time() -> None:
+    """Found by a mutation run (s29): a row for offload off (nothing but dashes), a
+    ZeroDivisionError for a copy timed at 0 s, and a direction left out because the
+    table did not know it all passed every test."""
+    moved = {"GPU_to_CPU": 3 << 20, "CPU_to_GPU": 2 << 20, "DISK_to_CPU": 1 << 20}
+    timed = {"GPU_to_CPU": 0.0, "CPU_to_GPU": 0.004, "DISK_to_CPU": 0.002}
+    off = RunResult("offload off", (turn(0, 0.5, 0),), 1.0, 0, 0)
+    cpu = RunResult("CPU tier", (turn(0, 0.5, 0),), 1.0, 0, 0, {}, moved, timed)
+    out = io.StringIO()
+    _print_transfers(Console(file=out, width=200), [off, cpu])
+    text = out.getvalue()
+    assert "offload off" not in text
+    assert cells_of(text, "CPU tier") == ["CPU tier", "3.0", "2.0 at 500 MiB/s", "1.0 at 500 MiB/s"]
+    assert "DISK → CPU ┃" in text  # its header, last
+
+
+def test_no_copies_table_when_nothing_was_copied() -> None:
+    run = RunResult("CPU tier", (turn(0, 0.5, 0),), 1.0, 0, 0)
+    out = io.StringIO()
+    _print_transfers(Console(file=out, width=200), [run, run])
+    assert out.getvalue() == ""
