@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
-from kvtier.cli.demo import _print_table, _print_transfers
+from kvtier.cli.demo import _mean_ttft_ms_by_turn, _print_table, _print_transfers
 from kvtier.engine.chat_workload import RunResult, TurnResult
 
 
@@ -115,3 +116,18 @@ def test_no_copies_table_when_nothing_was_copied() -> None:
     out = io.StringIO()
     _print_transfers(Console(file=out, width=200), [run, run])
     assert out.getvalue() == ""
+
+
+def test_the_plot_gets_each_turn_s_mean_ttft_over_the_conversations_in_ms() -> None:
+    """Found by a mutation run (s29): the plotted values summed the conversations, or were
+    keyed by conversation, with every test passing (none looked at the plot's data)."""
+    turns = (
+        TurnResult(0, 0, 64, 0.5, (1,), 0, 0),
+        TurnResult(1, 0, 64, 0.3, (1,), 0, 0),
+        TurnResult(2, 0, 64, 0.4, (1,), 0, 0),
+        TurnResult(0, 1, 96, 0.1, (1,), 0, 0),
+        TurnResult(1, 1, 96, 0.2, (1,), 0, 0),
+        TurnResult(2, 1, 96, 0.3, (1,), 0, 0),
+    )
+    by_turn = _mean_ttft_ms_by_turn(RunResult("CPU tier", turns, 1.0, 0, 0))
+    assert by_turn == pytest.approx({0: 400.0, 1: 200.0})
