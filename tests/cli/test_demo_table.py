@@ -8,8 +8,9 @@ import io
 
 import pytest
 from rich.console import Console
+from rich.table import Table
 
-from kvtier.cli.demo import _mean_ttft_ms_by_turn, _print_table, _print_transfers
+from kvtier.cli.demo import _fill_table, _mean_ttft_ms_by_turn, _print_table, _print_transfers
 from kvtier.engine.chat_workload import RunResult, TurnResult
 
 
@@ -131,3 +132,12 @@ def test_the_plot_gets_each_turn_s_mean_ttft_over_the_conversations_in_ms() -> N
     )
     by_turn = _mean_ttft_ms_by_turn(RunResult("CPU tier", turns, 1.0, 0, 0))
     assert by_turn == pytest.approx({0: 400.0, 1: 200.0})
+
+
+def test_a_table_one_column_too_wide_narrows_its_widest_column() -> None:
+    """Found by a mutation run (s29): narrowing the narrowest column first (wrapping the
+    config names before the long time cells) passed every test."""
+    table = Table()
+    # widths 8 and 14 in a budget of 28 - 3 x 2 - 1 = 21: one column loses one cell
+    _fill_table(table, 28, ["config", "TTFT"], [["CPU tier", "156 ms (1.00x)"]])
+    assert [column.width for column in table.columns] == [8, 13]
