@@ -178,6 +178,34 @@ def test_demo_names_a_last_turn_beyond_max_position_before_serving(
     assert "serving" not in captured.out
 
 
+def test_demo_serves_a_last_turn_that_exactly_fills_max_position(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by a mutation run (s29): refusing a last turn of exactly max_position tokens
+    (`>=` for `>`) passed every test; the engine serves it whole."""
+    model_dir = tmp_path / "ckpt"
+    _with_config(model_dir, max_position_embeddings=26)  # the last turn's 26 tokens
+    assert run_demo(tmp_path, f"--model-dir={model_dir}", "--disk-io=page_cache") == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_the_demo_model_s_own_errors_do_not_name_model_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a mutation run (s29): an error building the demo's own model (no
+    --model-dir given) was passed on as "--model-dir=ModelConfig(...): ..." once the
+    re-raise for a ModelConfig was dropped, with every test passing."""
+
+    def refusing(*args: object, **kwargs: object) -> None:
+        raise ValueError("the engine refuses")
+
+    monkeypatch.setattr(demo, "LLM", refusing)
+    with pytest.raises(ValueError) as refused:
+        demo._load_engine(ModelConfig.demo(), demo.EngineConfig(block_size=16, num_gpu_blocks=8))
+    assert str(refused.value) == "the engine refuses"
+    with pytest.raises(ValueError) as refused:
+        demo._load_engine("/ckpt", demo.EngineConfig(block_size=16, num_gpu_blocks=8))
+    assert str(refused.value) == "--model-dir=/ckpt: the engine refuses"
+
+
 @pytest.mark.parametrize(
     ("option", "message"),
     [

@@ -9,9 +9,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
+from rich.progress import Progress
 from test_demo_cli_errors import SMALL_RUN, run_demo
 from test_demo_disk_space import FullDiskLLM
 
@@ -107,3 +109,21 @@ def test_verbose_log_lines_start_their_own_line_under_the_progress_bar(tmp_path:
     assert "INFO kvtier.transfer.worker: offload worker" in terminal
     for line in terminal.splitlines():
         assert "INFO" not in line or line.startswith("INFO"), line
+
+
+def test_the_progress_bar_counts_every_turn_of_every_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a mutation run (s29): a bar whose total was one configuration's turns
+    (full after the first run, then past 100%) passed every test."""
+    seen: list[tuple[float | None, float]] = []
+
+    class RecordingProgress(Progress):
+        def __exit__(self, *args: Any) -> None:
+            seen.extend((task.total, task.completed) for task in self.tasks)
+            super().__exit__(*args)
+
+    monkeypatch.setattr(demo, "Progress", RecordingProgress)
+    options = ["--conversations=2", "--turns=3", "--disk-io=page_cache"]
+    assert run_demo(tmp_path, *options) == 0
+    assert seen == [(4 * 3, 4 * 3)]  # 4 configurations of 3 turns each
