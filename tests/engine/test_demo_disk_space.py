@@ -11,7 +11,9 @@ import pytest
 from test_demo_cli_errors import run_demo
 
 from kvtier.cli import demo
+from kvtier.cli.demo_checks import _check_free_space
 from kvtier.engine.llm import LLM
+from kvtier.offload.config import OffloadConfig
 
 MIB = 1 << 20
 
@@ -66,3 +68,16 @@ def test_a_tier_that_cannot_be_made_when_its_run_starts_ends_the_demo_with_one_l
         " tier file: 'x.slots'\n"
     )
     assert list(tmp_path.glob("kvtier-demo-*")) == []
+
+
+def test_a_disk_tier_of_exactly_the_free_space_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a mutation run (s29): refusing a tier of exactly the free space (`>=` for
+    `>`) passed every test; the file fits."""
+    usage = shutil.disk_usage(tmp_path)._replace(total=8 * MIB, free=2 * MIB)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
+    disk = str(tmp_path / "kvtier-demo-x")
+    _check_free_space(OffloadConfig(disk_bytes=2 * MIB, disk_path=disk), "too large")
+    with pytest.raises(ValueError, match=r"^too large: the filesystem holding .* has 2 MiB free"):
+        _check_free_space(OffloadConfig(disk_bytes=2 * MIB + 4096, disk_path=disk), "too large")
