@@ -1,19 +1,22 @@
-"""`kvtier demo`'s consoles: the results' width when stdout is not a terminal, and a
-closed pipe.
-
-Found by a mutation run (s29): ignoring COLUMNS for a pipe, and a console that kept
-writing to a closed pipe, passed every test.
-"""
+"""`kvtier demo`'s consoles: the results' width when stdout is not a terminal, a closed
+pipe, and log records beside the live display."""
 
 from __future__ import annotations
 
 import errno
 import io
+import logging
+import sys
 
 import pytest
 
 from kvtier.cli import demo_display
-from kvtier.cli.demo_display import PIPE_WIDTH, DemoConsole, results_console
+from kvtier.cli.demo_display import (
+    PIPE_WIDTH,
+    DemoConsole,
+    logs_above_display,
+    results_console,
+)
 
 
 def test_a_pipe_gets_the_wide_table_unless_columns_says_otherwise(
@@ -40,3 +43,27 @@ def test_a_closed_pipe_raises_once_then_the_console_is_quiet() -> None:
     with pytest.raises(BrokenPipeError):
         console.print("the table")
     console.print("the verdict")  # quiet: nothing written, nothing raised
+
+
+class Proxy(io.StringIO):
+    """What a rich live display puts in sys.stderr: it prints above the display."""
+
+    def __init__(self, proxied: io.StringIO) -> None:
+        super().__init__()
+        self.rich_proxied_file = proxied
+
+
+def test_log_records_go_through_the_display_while_it_shows_and_back_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a mutation run (s29): a handler left on the display's proxy once the
+    display ended passed every test."""
+    stderr, other = io.StringIO(), io.StringIO()
+    handler, elsewhere = logging.StreamHandler(stderr), logging.StreamHandler(other)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [*root.handlers, handler, elsewhere])
+    proxy = Proxy(stderr)
+    monkeypatch.setattr(sys, "stderr", proxy)
+    with logs_above_display():
+        assert (handler.stream, elsewhere.stream) == (proxy, other)  # stderr's only
+    assert (handler.stream, elsewhere.stream) == (stderr, other)
