@@ -248,3 +248,16 @@ def test_only_a_long_option_takes_the_dashed_number_after_it() -> None:
         "-1",
     ]
     assert attach_dashed_values(["t.jsonl", "--cpu"]) == ["t.jsonl", "--cpu"]
+
+
+def test_kvtier_without_a_command_is_a_usage_error_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found by a mutation run (s29): an optional COMMAND passed every test (bare `kvtier`
+    then had no command to run)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvtier [-h] [-v] [--version] COMMAND ...\n")
+    assert err.endswith("kvtier: error: the following arguments are required: COMMAND\n")
