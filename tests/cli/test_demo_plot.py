@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import matplotlib.pyplot as plt
 import pytest
 from matplotlib.figure import Figure
@@ -104,3 +105,32 @@ def test_a_plot_folder_that_cannot_be_created_is_one_line_too(
     assert capsys.readouterr().err == (
         f"kvtier demo: error: cannot write the plot {out / PLOT_NAME}: Not a directory\n"
     )
+
+
+def test_each_line_runs_by_turn_with_a_tick_per_turn_and_a_legend() -> None:
+    """Found by a mutation run (s29): points joined in the mapping's order instead of by
+    turn, no tick per turn (matplotlib's own ticks fall between turns: 0.5, 1.5) and no
+    legend (which line is which configuration) all passed every test."""
+    fig = ttft_figure({"offload off": {2: 60.0, 0: 30.0, 1: 45.0}, "CPU tier": {0: 30.0, 1: 12.0}})
+    try:
+        (ax,) = fig.axes
+        first = ax.get_lines()[0]
+        assert (list(first.get_xdata()), list(first.get_ydata())) == ([0, 1, 2], [30.0, 45.0, 60.0])
+        assert list(ax.get_xticks()) == [0, 1, 2]
+        legend = ax.get_legend()
+        assert legend is not None
+        assert [text.get_text() for text in legend.get_texts()] == ["offload off", "CPU tier"]
+    finally:
+        plt.close(fig)
+
+
+def test_the_plot_is_drawn_without_a_display() -> None:
+    """Found by a mutation run (s29): not selecting Agg passed every test, which run where
+    Agg is the default anyway; on a desktop pyplot's default backend opens windows."""
+    previous = matplotlib.get_backend()
+    plt.switch_backend("svg")  # a backend other than Agg, as a desktop's would be
+    try:
+        plt.close(ttft_figure(ttft_ms_by_turn()))
+        assert matplotlib.get_backend().lower() == "agg"
+    finally:
+        plt.switch_backend(previous)
