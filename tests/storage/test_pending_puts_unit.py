@@ -48,14 +48,7 @@ def test_a_failed_sync_tombstones_the_older_records_of_the_groups_slots(
     """`PendingPuts.commit` on its own (the tier's `prepare_overwrite` usually tombstoned
     the older record already): after a failed sync the slot's bytes are unknown, so
     neither its new record nor its older one may stay in the manifest."""
-    log = ManifestLog(str(tmp_path / "m.manifest"), b"header", {})
-    log.put([1, 2], [1, 2], [rec(1), rec(2)])
-
-    def failing() -> None:
-        raise OSError(5, "Input/output error")
-
-    pending = PendingPuts(log, failing, bytes_per_slot=4096)
-    pending.add([1], [9], [rec(9)])
+    log, pending = _slot_1_rewritten_under_a_failing_sync(tmp_path, slots=[1, 2])
     assert pending.commit()  # the tombstone was appended: persistence goes on
     assert len(pending) == 0
     assert log._live == {2: _put(2, 2, rec(2))}
@@ -67,17 +60,11 @@ def test_a_failed_sync_whose_tombstones_cannot_be_appended_fails_the_commit(
 ) -> None:
     """The slot's older record stays in the manifest over bytes of unknown state: the
     commit returns False and the tier ends persistence for the run."""
-    log = ManifestLog(str(tmp_path / "m.manifest"), b"header", {})
-    log.put([1], [1], [rec(1)])
-
-    def failing_sync() -> None:
-        raise OSError(5, "Input/output error")
+    log, pending = _slot_1_rewritten_under_a_failing_sync(tmp_path, slots=[1])
 
     def failing_write(fd: int, data: bytes) -> int:
         raise OSError(28, "No space left on device")
 
-    pending = PendingPuts(log, failing_sync, bytes_per_slot=4096)
-    pending.add([1], [9], [rec(9)])
     monkeypatch.setattr(manifest_log.os, "write", failing_write)
     assert not pending.commit()
     monkeypatch.undo()
@@ -102,3 +89,19 @@ def test_a_group_after_clear_ages_from_its_own_first_record(
     now[0] = 105.5
     assert not pending.write_done()  # 0.5 s old, a write still queued
     log.close()
+
+
+def _slot_1_rewritten_under_a_failing_sync(
+    tmp_path: Path, slots: list[int]
+) -> tuple[ManifestLog, PendingPuts]:
+    """Return a manifest holding a record per slot of `slots` (slot n: record n) and a
+    group that rewrote slot 1 (record 9) and whose sync will fail, not yet committed."""
+    log = ManifestLog(str(tmp_path / "m.manifest"), b"header", {})
+    log.put(slots, slots, [rec(slot) for slot in slots])
+
+    def failing_sync() -> None:
+        raise OSError(5, "Input/output error")
+
+    pending = PendingPuts(log, failing_sync, bytes_per_slot=4096)
+    pending.add([1], [9], [rec(9)])
+    return log, pending
