@@ -104,6 +104,7 @@ def test_finish_reason() -> None:
         ({"max_tokens": 2.0}, TypeError, "max_tokens must be a positive int, got 2.0"),
         ({"seed": -2}, ValueError, r"seed must be in \[0, 2\*\*63\) or -1 \(no seed\), got -2"),
         ({"seed": 2**70}, ValueError, r"seed must be in \[0, 2\*\*63\)"),
+        ({"seed": 2**63}, ValueError, r"seed must be in \[0, 2\*\*63\).*got 9223372036854775808"),
         ({"seed": "x"}, TypeError, "seed must be an int or None, got 'x'"),
         ({"seed": 1.0}, TypeError, "seed must be an int or None, got 1.0"),
         ({"stop_token_ids": 5}, TypeError, "stop_token_ids must be a sequence of token ids, got 5"),

@@ -170,7 +170,18 @@ def test_a_temperature_below_a_hundredth_is_raised_to_it_as_in_vllm(
     assert params.temperature == 0.01
     assert not params.is_greedy
     assert f"temperature {temperature} is below 0.01: raised to 0.01" in caplog.text
-    assert SamplingParams(temperature=0.01).temperature == 0.01
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.engine.sampling"):
+        assert SamplingParams(temperature=0.01).temperature == 0.01
+    assert caplog.text == ""  # 0.01 itself is not below 0.01: no warning
     assert SamplingParams(temperature=0).is_greedy
     row = torch.tensor([1.0, 1.01, 0.0])  # at 0.01: token 1 about 73%, token 0 about 27%
     assert set(_draws(row, params)) == {0, 1}
+
+
+def test_top_p_keeps_the_tokens_summing_exactly_to_it() -> None:
+    """vLLM drops the least likely tokens while they sum to at most 1 - top_p: four equally
+    likely tokens at top_p=0.75 keep three (they sum to exactly 0.75), never all four.
+    Mutation: dropping only while the sum was below 1 - top_p kept all four."""
+    row = torch.zeros(4)
+    assert len(set(_draws(row[None][0], SamplingParams(temperature=1.0, top_p=0.75)))) == 3

@@ -73,3 +73,12 @@ def test_vllm_fields_at_other_values_are_refused_by_value(
 ) -> None:
     with pytest.raises(error, match=message):
         SamplingParams(**fields)
+
+
+def test_logprobs_true_is_one_as_in_vllm() -> None:
+    """Mutation: without turning True into 1, `logprobs=True` was refused as 'logprobs must
+    be an int or None, got True', where vLLM takes it as 1."""
+    params = SamplingParams(logprobs=True)
+    assert params.logprobs == 1
+    assert type(params.logprobs) is int
+    assert params == SamplingParams(logprobs=1)
