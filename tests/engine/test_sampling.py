@@ -100,6 +100,7 @@ def test_finish_reason() -> None:
         ({"temperature": float("inf")}, ValueError, r"temperature must be in \[0, 2\], got inf"),
         ({"temperature": "0.5"}, TypeError, r"temperature must be a float in \[0, 2\], got '0.5'"),
         ({"temperature": None}, TypeError, r"temperature must be a float in \[0, 2\], got None"),
+        ({"temperature": True}, TypeError, r"temperature must be a float in \[0, 2\], got True"),
         ({"max_tokens": True}, TypeError, "max_tokens must be a positive int, got True"),
         ({"max_tokens": 2.0}, TypeError, "max_tokens must be a positive int, got 2.0"),
         ({"seed": -2}, ValueError, r"seed must be in \[0, 2\*\*63\) or -1 \(no seed\), got -2"),
@@ -139,6 +140,12 @@ def test_stop_token_ids_may_be_any_int_sequence() -> None:
         ({"temperature": np.float32(0.5)}, {"temperature": 0.5}),
         ({"temperature": np.float64(0.25)}, {"temperature": 0.25}),
         ({"temperature": np.int64(2)}, {"temperature": 2.0}),
+        ({"temperature": 1.0, "top_p": np.float32(0.5)}, {"top_p": 0.5}),
+        (
+            {"temperature": 1.0, "min_p": np.float64(0.25), "top_p": 1},
+            {"min_p": 0.25, "top_p": 1.0},
+        ),
+        ({"temperature": 1.0, "top_k": np.int64(5)}, {"top_k": 5}),
     ],
 )
 def test_numpy_numbers_are_taken_as_python_ones(
