@@ -168,3 +168,13 @@ def test_prompt_dicts_the_engine_cannot_honour_are_refused(prompt: Any, message:
 def test_the_refusal_says_the_engine_has_no_tokenizer() -> None:
     with pytest.raises(TypeError, match=r"it has no tokenizer and takes only 'prompt_token_ids'$"):
         small_llm().generate({"prompt": "hello"}, PARAMS)
+
+
+def test_empty_token_ids_in_a_dict_are_an_empty_prompt() -> None:
+    """Empty token ids are the prompt's, not a missing value: refused as an empty prompt,
+    as a bare empty list is. Mutation: read as no value, they were refused as "'prompt_token_ids'
+    is None", naming a value the caller never gave."""
+    llm = small_llm()
+    with pytest.raises(ValueError, match=r"^prompt 1: empty prompt$"):
+        llm.generate([[1, 2, 3], {"prompt_token_ids": []}], PARAMS)
+    assert llm.stats.num_steps == 0

@@ -188,6 +188,9 @@ def test_a_flat_list_of_ints_is_one_prompt_as_in_vllm(prompt: Any) -> None:
         ([[True, False]], "prompt 0: token 0 is True, not an int token id"),
         ([np.array([[1, 2]])], "prompt 0 must be a 1-D integer array of token ids, got 2-D"),
         ([torch.tensor([1.0, 2.0])], "prompt 0 must be a 1-D integer array .* torch.float32"),
+        ([torch.tensor([True, False])], "prompt 0 must be a 1-D integer array .* torch.bool"),
+        ([np.array([1.7, 2.2])], "prompt 0 must be a 1-D integer array .* float64"),
+        ([np.array([True, False])], "prompt 0 must be a 1-D integer array .* bool"),
     ],
 )
 def test_prompts_of_the_wrong_type(prompts: Any, message: str) -> None:
@@ -338,6 +341,14 @@ def test_num_peak_blocks_counts_a_window_that_starts_within_a_block() -> None:
     full = KVGroupSpec(GroupKind.FULL_ATTENTION, 16, 64)
     sliding = KVGroupSpec(GroupKind.SLIDING_WINDOW, 16, 64, sliding_window=8)
     assert num_peak_blocks(KVLayout((full, sliding)), 32) == 2 + 2
+    # Window 5 in blocks of 4: 5 tokens span 2 blocks at most (3..7, 4..8), never 3.
+    # Mutation: a window of one token more (from position - 5) counted 3.
+    narrow = KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, sliding_window=5)
+    assert num_peak_blocks(KVLayout((narrow,)), 16) == 2
+    # Blocks of 4 and of 16: the peak may lie up to 16 positions back (position 22: 6 full
+    # blocks and 2 per window; 31: 8 and 1). Mutation: the last 4 positions only gave 11.
+    small = KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64)
+    assert num_peak_blocks(KVLayout((small, sliding, sliding, sliding)), 32) == 6 + 3 * 2
 
 
 @pytest.mark.parametrize("first", [AttentionKind.FULL, AttentionKind.SLIDING])

@@ -84,6 +84,13 @@ def test_more_logprobs_than_the_vocab_are_refused_by_value() -> None:
     with pytest.raises(ValueError, match=r"prompt 1: logprobs=129, more than the vocab's 128"):
         llm.generate(PROMPTS, [SamplingParams(), SamplingParams(logprobs=129)])
     assert llm.stats.num_steps == 0
+    # As many as the vocab holds is taken (mutation: '>=' refused logprobs=128 as more).
+    engine = EngineConfig(block_size=4, num_gpu_blocks=16, max_logprobs=-1)
+    (out,) = LLM(None, engine=engine).generate(
+        PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=128)
+    )
+    assert out.outputs[0].logprobs is not None
+    assert [len(position) for position in out.outputs[0].logprobs] == [128]
 
 
 @pytest.mark.parametrize(
