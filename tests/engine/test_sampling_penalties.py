@@ -210,6 +210,26 @@ def test_repetition_penalty_divides_positive_logits_as_vllms_cuda_kernel() -> No
 def test_penalties_without_histories_are_refused() -> None:
     with pytest.raises(ValueError, match=r"need each request's prompt and output token ids"):
         sample(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], [None])
+    # One history for two requests: named as such (mutation: a bare zip() length error).
+    two = [SamplingParams(presence_penalty=1.0)] * 2
+    with pytest.raises(ValueError, match=r"\(histories\): got 1 for 2 requests"):
+        sample(torch.zeros(2, 4), two, [None, None], [([0], [1])])
+
+
+def test_min_tokens_skips_eos_ids_outside_the_vocab() -> None:
+    """An EOS id the logits have no column for masks nothing (mutation: it was indexed,
+    an IndexError inside the step); the stop id inside the vocab is still masked."""
+    params = SamplingParams(min_tokens=2, stop_token_ids=[1])
+    assert sample(torch.tensor([[0.0, 5.0, 1.0]]), [params], [None], [([0], [])], [3, 7]) == [2]
+
+
+def test_the_range_ends_are_taken_as_in_vllm() -> None:
+    """vLLM's ranges are closed: -2 and 2 penalties, `min_tokens` equal to `max_tokens`.
+    Mutations: an open -2 end refused -2.0; `min_tokens >= max_tokens` refused 16."""
+    for value in (-2.0, 2.0, -2):
+        params = SamplingParams(presence_penalty=value, frequency_penalty=value)
+        assert (params.presence_penalty, params.frequency_penalty) == (value, value)
+    assert SamplingParams(max_tokens=16, min_tokens=16).min_tokens == 16
 
 
 def test_neutral_values_leave_the_logits_alone() -> None:
