@@ -18,6 +18,7 @@ from engine_helpers import TINY_HF_CONFIG
 from safetensors.torch import save_file
 
 from kvtier.engine.config import ModelConfig
+from kvtier.engine.generation_defaults import default_sampling_params
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.model import build_model
 from kvtier.engine.sampling import SamplingParams
@@ -101,6 +102,8 @@ def test_the_defaults_take_the_files_sampling_keys(
 ) -> None:
     with LLM(_checkpoint(tmp_path, generation), engine=ENGINE) as llm:
         assert llm.get_default_sampling_params() == expected
+    # Named by its config.json, the file beside it is read (mutation: looked for under it).
+    assert default_sampling_params(tmp_path / "config.json") == expected
     assert LLM(None, engine=ENGINE).get_default_sampling_params() == SamplingParams()
 
 

@@ -216,6 +216,17 @@ def test_penalties_without_histories_are_refused() -> None:
         sample(torch.zeros(2, 4), two, [None, None], [([0], [1])])
 
 
+def test_penalties_change_a_copy_the_raw_logits_stay() -> None:
+    """The raw logits give the logprobs (vLLM's default `logprobs_mode`): sampling with
+    penalties leaves the caller's float32 CPU tensor alone. Mutation: adjusting the rows
+    in place (no clone) penalized them."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 0.5]])
+    raw = logits.clone()
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, min_tokens=1)
+    sample(logits, [params], [None], [([1], [1, 2])], [3])
+    assert torch.equal(logits, raw)
+
+
 def test_min_tokens_skips_eos_ids_outside_the_vocab() -> None:
     """An EOS id the logits have no column for masks nothing (mutation: it was indexed,
     an IndexError inside the step); the stop id inside the vocab is still masked."""
