@@ -1,0 +1,90 @@
+"""What one scheduler step may carry, checked on every step of small busy runs: at most
+`max_num_batched_tokens` tokens and `max_num_seqs` requests, at least one token per
+scheduled request, and (as vLLM) no new admission in a step that preempted or waits for
+blocks to come back. The tokens are those of a roomy engine.
+
+Found by a mutation run (s30): a running request's chunk not capped by the budget, the
+budget not charged for running or admitted work, and one request more than
+`max_num_seqs` left the engine's tests passing.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.scheduler import SchedulerStep
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One step: its (request id, tokens) work, and which of them were admitted in it."""
+
+    work: tuple[tuple[str, int], ...]
+    admitted: frozenset[str]
+    preempted: bool
+    waits_for_frees: bool
+
+
+def _recorded(llm: LLM) -> list[Seen]:
+    """Record every step `llm.scheduler.schedule` decides."""
+    steps: list[Seen] = []
+    schedule = llm.scheduler.schedule
+
+    def recording() -> SchedulerStep:
+        running = {r.request_id for r in llm.scheduler.running}
+        step = schedule()
+        work = tuple((w.request.request_id, w.num_new_tokens) for w in step.work)
+        admitted = frozenset(rid for rid, _ in work if rid not in running)
+        steps.append(Seen(work, admitted, bool(step.preempted_ids), step.waits_for_frees))
+        return step
+
+    llm.scheduler.schedule = recording  # type: ignore[method-assign]
+    return steps
+
+
+def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(128) for _ in range(length)] for _ in range(count)]
+
+
+def _run(
+    engine: EngineConfig, prompts: list[list[int]]
+) -> tuple[list[tuple[int, ...]], list[Seen]]:
+    with LLM(None, engine=engine) as llm:
+        steps = _recorded(llm)
+        outputs = [out.output_token_ids for out in llm.generate(prompts, PARAMS)]
+    return outputs, steps
+
+
+def test_every_step_keeps_to_the_token_budget_and_the_batch_size() -> None:
+    """Prompts of 11 tokens, 5 requests at once, a budget of 7 tokens, 3 sequences: the
+    prompts are chunked and the decodes of the running requests share the budget."""
+    prompts = _prompts(5, 11, seed=1)
+    expected, _ = _run(EngineConfig(block_size=4, num_gpu_blocks=64), prompts)
+    engine = EngineConfig(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=7, max_num_seqs=3)
+    outputs, steps = _run(engine, prompts)
+    assert outputs == expected
+    assert any(len(step.work) > 1 for step in steps)
+    for step in steps:
+        assert sum(n for _, n in step.work) <= 7, step
+        assert all(n >= 1 for _, n in step.work), step
+        assert len(step.work) <= 3, step
+
+
+def test_a_step_that_preempts_or_waits_admits_nothing_and_tokens_stay_the_same() -> None:
+    """A pool of 12 blocks of 4 tokens for 6 requests growing to 16 tokens: running
+    requests are preempted, and resume where they left."""
+    prompts = _prompts(6, 10, seed=2)
+    expected, _ = _run(EngineConfig(block_size=4, num_gpu_blocks=64), prompts)
+    engine = EngineConfig(block_size=4, num_gpu_blocks=13, max_num_batched_tokens=24)
+    outputs, steps = _run(engine, prompts)
+    assert outputs == expected
+    assert any(step.preempted for step in steps)
+    for step in steps:
+        if step.preempted or step.waits_for_frees:
+            assert not step.admitted, step
