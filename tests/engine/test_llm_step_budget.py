@@ -25,8 +25,8 @@ class Seen:
     """One step: its (request id, tokens) work, and which of them were admitted in it."""
 
     work: tuple[tuple[str, int], ...]
-    admitted: frozenset[str]
-    preempted: bool
+    admitted: tuple[str, ...]  # in the order admitted
+    preempted: frozenset[str]
     waits_for_frees: bool
 
 
@@ -39,12 +39,16 @@ def _recorded(llm: LLM) -> list[Seen]:
         running = {r.request_id for r in llm.scheduler.running}
         step = schedule()
         work = tuple((w.request.request_id, w.num_new_tokens) for w in step.work)
-        admitted = frozenset(rid for rid, _ in work if rid not in running)
-        steps.append(Seen(work, admitted, bool(step.preempted_ids), step.waits_for_frees))
+        admitted = tuple(rid for rid, _ in work if rid not in running)
+        steps.append(Seen(work, admitted, frozenset(step.preempted_ids), step.waits_for_frees))
         return step
 
     llm.scheduler.schedule = recording  # type: ignore[method-assign]
     return steps
+
+
+def _arrival(request_id: str) -> int:
+    return int(request_id.split("-")[1])
 
 
 def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
@@ -88,3 +92,17 @@ def test_a_step_that_preempts_or_waits_admits_nothing_and_tokens_stay_the_same()
     for step in steps:
         if step.preempted or step.waits_for_frees:
             assert not step.admitted, step
+    # A preempted request goes back to the front of the queue: none that arrived after it
+    # is admitted for the first time before it runs again.
+    started: set[str] = set()
+    behind: dict[str, str] = {}  # a preempted request -> the first id it must precede
+    for step in steps:
+        for rid in step.admitted:
+            assert not any(rid not in started and _arrival(rid) > _arrival(p) for p in behind), (
+                rid,
+                behind,
+            )
+            behind.pop(rid, None)
+            started.add(rid)
+        for rid in step.preempted:
+            behind[rid] = rid
