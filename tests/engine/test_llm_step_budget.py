@@ -59,9 +59,12 @@ def _prompts(count: int, length: int, seed: int) -> list[list[int]]:
 def _run(
     engine: EngineConfig, prompts: list[list[int]]
 ) -> tuple[list[tuple[int, ...]], list[Seen]]:
+    """Return the outputs and the steps; check the preemption counters against the steps."""
     with LLM(None, engine=engine) as llm:
         steps = _recorded(llm)
         outputs = [out.output_token_ids for out in llm.generate(prompts, PARAMS)]
+        num_preempted = sum(len(step.preempted) for step in steps)
+        assert llm.stats.num_preemptions == llm.scheduler.num_preemptions == num_preempted
     return outputs, steps
 
 
@@ -95,14 +98,11 @@ def test_a_step_that_preempts_or_waits_admits_nothing_and_tokens_stay_the_same()
     # A preempted request goes back to the front of the queue: none that arrived after it
     # is admitted for the first time before it runs again.
     started: set[str] = set()
-    behind: dict[str, str] = {}  # a preempted request -> the first id it must precede
+    preempted: set[str] = set()  # preempted, not yet admitted again
     for step in steps:
         for rid in step.admitted:
-            assert not any(rid not in started and _arrival(rid) > _arrival(p) for p in behind), (
-                rid,
-                behind,
-            )
-            behind.pop(rid, None)
+            if rid not in started:
+                assert all(_arrival(rid) < _arrival(p) for p in preempted), (rid, preempted)
+            preempted.discard(rid)
             started.add(rid)
-        for rid in step.preempted:
-            behind[rid] = rid
+        preempted |= step.preempted
