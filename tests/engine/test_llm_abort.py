@@ -102,3 +102,21 @@ def test_requests_compare_by_identity_in_the_scheduler_s_queues() -> None:
     (done,) = [r for _ in range(8) for r in llm.step()]
     assert done is own
     assert_idle(llm)
+
+
+def test_a_loading_request_is_unfinished_and_its_copy_is_not_this_engines() -> None:
+    """While its load is in flight a request is unfinished (a reset waits for it) and only
+    the request itself is this engine's. Mutations: `has_unfinished` not counting the
+    loading ones let `reset_prefix_cache` drop the cache under the load (True); `holds`
+    matching the loading one by id took an equal copy for it (no ValueError)."""
+    engine = EngineConfig(num_gpu_blocks=12, block_size=4)
+    prompt = list(range(60, 92))
+    with LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine) as llm:
+        request = start_a_load(llm, prompt)
+        assert llm.scheduler.has_unfinished()
+        assert llm.reset_prefix_cache() is False
+        with pytest.raises(ValueError, match="is not a request of this engine"):
+            llm.abort_request(copy.copy(request))
+        assert llm.scheduler.holds(request)
+        llm.abort_request(request)
+        assert_idle(llm)
