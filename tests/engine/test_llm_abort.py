@@ -108,7 +108,8 @@ def test_a_loading_request_is_unfinished_and_its_copy_is_not_this_engines() -> N
     """While its load is in flight a request is unfinished (a reset waits for it) and only
     the request itself is this engine's. Mutations: `has_unfinished` not counting the
     loading ones let `reset_prefix_cache` drop the cache under the load (True); `holds`
-    matching the loading one by id took an equal copy for it (no ValueError)."""
+    matching the loading one by id took an equal copy for it (no ValueError); an abort
+    not telling the offload side left the request tracked there."""
     engine = EngineConfig(num_gpu_blocks=12, block_size=4)
     prompt = list(range(60, 92))
     with LLM(None, kv_offload=OffloadConfig(cpu_bytes=4 * MIB), engine=engine) as llm:
@@ -118,5 +119,9 @@ def test_a_loading_request_is_unfinished_and_its_copy_is_not_this_engines() -> N
         with pytest.raises(ValueError, match="is not a request of this engine"):
             llm.abort_request(copy.copy(request))
         assert llm.scheduler.holds(request)
+        assert llm.offload is not None
+        tracked = llm.offload.scheduler.selector.tracked
+        assert request.request_id in tracked
         llm.abort_request(request)
+        assert request.request_id not in tracked  # its offload state went with it
         assert_idle(llm)
