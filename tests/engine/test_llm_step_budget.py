@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.sampling import SamplingParams
 from kvtier.engine.scheduler import SchedulerStep
+from kvtier.offload.config import OffloadConfig
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -106,3 +107,20 @@ def test_a_step_that_preempts_or_waits_admits_nothing_and_tokens_stay_the_same()
             preempted.discard(rid)
             started.add(rid)
         preempted |= step.preempted
+
+
+def test_a_request_back_from_its_load_keeps_to_the_token_budget() -> None:
+    """A prompt whose first 8 tokens come from the CPU tier and 20 more are computed: back
+    from its load, it computes them in chunks of the budget. Mutation: the chunk after a
+    load was not capped by the budget (20 tokens in one step)."""
+    prefix = list(range(100, 108))
+    engine = EngineConfig(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=7)
+    with LLM(None, kv_offload=OffloadConfig(cpu_bytes=1 << 22), engine=engine) as llm:
+        llm.generate([[*prefix, 1]], PARAMS)  # its two full blocks are stored
+        llm.generate([list(range(36))], PARAMS)  # evicts them from the GPU pool
+        llm.drain()
+        steps = _recorded(llm)
+        (out,) = llm.generate([[*prefix, *range(20)]], PARAMS)
+    assert out.num_external_hit_tokens == 8
+    for step in steps:
+        assert sum(n for _, n in step.work) <= 7, step
