@@ -23,7 +23,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.request import RequestStatus
 from kvtier.engine.runner import BatchInput
-from kvtier.engine.sampling import SamplingParams
+from kvtier.engine.sampling import FinishReason, SamplingParams
 from kvtier.offload.config import DiskIOMode, OffloadConfig, StoreMode
 from kvtier.offload.plan import WorkerReport
 
@@ -79,6 +79,13 @@ def test_a_request_that_never_fits_raises_instead_of_hanging(
     monkeypatch.setattr(validation, "num_peak_blocks", lambda layout, num_tokens: 0)
     with pytest.raises(RuntimeError, match=r"no progress possible: req-1 \(20 tokens\).*aborted"):
         llm.generate([[1, 2, 3], list(range(20))], params)
+    assert_idle(llm)
+    # Stepped, not generated: the step itself aborts it, so the next step runs on.
+    # Mutation: the step raised without aborting it (the engine kept it unfinished).
+    stuck = llm.add_request(list(range(20)), params)
+    with pytest.raises(RuntimeError, match=r"no progress possible: req-2 .*aborted"):
+        llm.step()
+    assert (stuck.status, stuck.finish_reason) == (RequestStatus.FINISHED, FinishReason.ABORT)
     assert_idle(llm)
     arm()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9]]
