@@ -187,6 +187,19 @@ def test_a_failure_mid_decode_frees_the_blocks_of_every_request_of_the_call() ->
     assert_idle(llm)
 
 
+def test_a_failed_step_aborts_its_stepped_requests() -> None:
+    """Requests queued by `add_request` are the failed step's to abort (no `generate`
+    call owns them). Mutation: the step re-raised without aborting them: they stayed
+    RUNNING, holding their blocks."""
+    llm = LLM(None, engine=EngineConfig(block_size=4, num_gpu_blocks=32))
+    requests = [llm.add_request(p, PARAMS) for p in chat_prompts(2, 9)]
+    failing_forward(llm, fail_on_call=1)
+    with pytest.raises(RuntimeError, match="injected forward failure"):
+        llm.step()
+    assert [r.finish_reason for r in requests] == [FinishReason.ABORT] * 2
+    assert_idle(llm)
+
+
 def test_requests_a_failed_step_finished_are_not_returned_by_a_later_step() -> None:
     """A call's request finished by the step that then failed (its poll raised: a disk
     manifest that cannot be written) was kept as unreturned: every later `generate`
