@@ -4,8 +4,10 @@ scheduled request, and (as vLLM) no new admission in a step that preempted or wa
 blocks to come back. The tokens are those of a roomy engine.
 
 Found by a mutation run (s30): a running request's chunk not capped by the budget, the
-budget not charged for running or admitted work, and one request more than
-`max_num_seqs` left the engine's tests passing.
+budget not charged for running or admitted work, one request more than
+`max_num_seqs`, FCFS broken by a preempted request queued at the back, and the
+engine's counters of preemptions, computed and prompt tokens not kept all left the
+engine's tests passing.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def _run(
         outputs = [out.output_token_ids for out in llm.generate(prompts, PARAMS)]
         num_preempted = sum(len(step.preempted) for step in steps)
         assert llm.stats.num_preemptions == llm.scheduler.num_preemptions == num_preempted
+        assert llm.stats.num_computed_tokens == sum(n for step in steps for _, n in step.work)
+        assert llm.stats.num_prompt_tokens == sum(map(len, prompts))
     return outputs, steps
 
 
