@@ -1,0 +1,86 @@
+"""Slot file edges a mutation run found untested (s30): sizes that are not positive, a
+recreated persistent file (locked, the old file's space given back before the new one
+is sized)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.storage import DiskIOMode, SlotFile, slot_file_open
+from kvtier.storage.file_lock import is_locked
+from kvtier.storage.slot_file import DiskTierBusyError
+
+SLOT = 4096
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(("num_slots", "bytes_per_slot"), [(0, SLOT), (-1, SLOT), (2, 0)])
+def test_sizes_that_are_not_positive_are_refused(
+    tmp_path: Path, num_slots: int, bytes_per_slot: int
+) -> None:
+    """No slot file is made for no slots (every transfer would be out of range) or for
+    0-byte slots (every transfer would divide by zero)."""
+    path = tmp_path / "rank0.slots"
+    with pytest.raises(ValueError, match="positive sizes"):
+        SlotFile(str(path), num_slots, bytes_per_slot, DiskIOMode.PAGE_CACHE)
+    assert not path.exists()
+
+
+def test_a_recreated_file_holds_the_lock(tmp_path: Path) -> None:
+    """The fresh file `recreate()` makes is locked: a second opener is refused as busy,
+    as it was by the file it replaced; and it is no longer `reused`."""
+    path = str(tmp_path / "rank0.slots")
+    SlotFile(path, 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True).close()
+    slot_file = SlotFile(path, 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
+    assert slot_file.reused
+    slot_file.recreate()
+    assert not slot_file.reused
+    assert is_locked(path)
+    with pytest.raises(DiskTierBusyError, match="locked by another"):
+        SlotFile(path, 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
+    slot_file.close()
+    assert not is_locked(path)
+
+
+def test_recreate_gives_back_the_old_files_space_before_sizing_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a nearly full disk the new file may need the old one's blocks: they are freed
+    (the unlinked old file cut to 0 bytes) before the new file is sized, not when the old
+    descriptor closes afterwards."""
+    path = str(tmp_path / "rank0.slots")
+    slot_file = SlotFile(path, 4, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
+    old_fd = os.dup(slot_file._handle.fd)  # type: ignore[arg-type]
+    seen: list[int] = []
+    real_reserve = slot_file_open.reserve
+
+    def reserve(fd: int, nbytes: int) -> None:
+        seen.append(os.fstat(old_fd).st_size)
+        real_reserve(fd, nbytes)
+
+    monkeypatch.setattr(slot_file_open, "reserve", reserve)
+    try:
+        slot_file.recreate()
+    finally:
+        os.close(old_fd)
+    assert seen == [0]
+    assert slot_file.file_size() == 4 * SLOT
+    slot_file.close()
+
+
+def test_a_buffer_of_part_of_a_slot_is_refused(tmp_path: Path) -> None:
+    """A transfer of a byte more or less than whole slots is a ValueError, and moves
+    nothing: a 4097-byte write to slot 0 would spill a byte into slot 1."""
+    slot_file = SlotFile(str(tmp_path / "rank0.slots"), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    with pytest.raises(ValueError, match="do not fit"):
+        slot_file.write(memoryview(b"\xff" * (SLOT + 1)), 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        slot_file.read(memoryview(bytearray(SLOT - 1)), 1)
+    out = bytearray(2 * SLOT)
+    slot_file.read(memoryview(out), 0)
+    assert out == bytes(2 * SLOT)
+    slot_file.close()
