@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.storage import DiskIOMode, SlotFile, slot_file_open
+from kvtier.storage import DiskIOMode, SlotFile, slot_file, slot_file_handles, slot_file_open
 from kvtier.storage.file_lock import is_locked
 from kvtier.storage.slot_file import DiskTierBusyError
 
@@ -84,3 +84,28 @@ def test_a_buffer_of_part_of_a_slot_is_refused(tmp_path: Path) -> None:
     slot_file.read(memoryview(out), 0)
     assert out == bytes(2 * SLOT)
     slot_file.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_file_is_opened_and_locked_under_the_fork_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: bool
+) -> None:
+    """A descriptor is opened and locked while `OPEN_LOCK` is held (as `os.fork` holds it),
+    also by `recreate()`: a child forked meanwhile by another thread would inherit a
+    locked descriptor missing from `OPEN_FILES`, never close it, and hold the lock for as
+    long as it lives."""
+    owned: list[bool] = []
+    real_lock_or_close = slot_file.lock_or_close
+
+    def lock_or_close(fd: int, path: str) -> None:
+        owned.append(slot_file_handles.OPEN_LOCK._is_owned())  # type: ignore[attr-defined]
+        real_lock_or_close(fd, path)
+
+    monkeypatch.setattr(slot_file, "lock_or_close", lock_or_close)
+    opened = SlotFile(
+        str(tmp_path / "r.slots"), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=persistent
+    )
+    if persistent:
+        opened.recreate()
+    opened.close()
+    assert owned == [True] * (1 + persistent)
