@@ -109,3 +109,15 @@ def test_the_file_is_opened_and_locked_under_the_fork_lock(
         opened.recreate()
     opened.close()
     assert owned == [True] * (1 + persistent)
+
+
+def test_recreate_refuses_a_file_that_is_not_persistent(tmp_path: Path) -> None:
+    """Only a persistent file is recreated; a fresh one is left open, as it was."""
+    path = tmp_path / "rank0.slots"
+    fresh = SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    inode = path.stat().st_ino
+    with pytest.raises(RuntimeError, match="only for a persistent slot file"):
+        fresh.recreate()
+    assert fresh.is_open
+    assert path.stat().st_ino == inode
+    fresh.close()
