@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from storage_helpers import WAIT_S, GatedIO, join_all, start_until_parked
 from test_disk_tier_inputs import SLOT, config, ids
 
 from kvtier.offload.plan import SlotRecord
-from kvtier.storage import DiskTier
+from kvtier.storage import DiskIOError, DiskTier
 from kvtier.storage.staging import StagingBuffer
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,3 +41,108 @@ def test_a_staging_buffer_whose_memory_is_not_its_rows_is_refused(
         assert [slot for slot, _ in reopened.recovered_slots()] == [0, 1]
     finally:
         reopened.close()
+
+
+def test_a_close_from_an_io_thread_lets_the_io_queued_behind_it_finish(tmp_path: Path) -> None:
+    """close() from a write's done-callback (on the store I/O thread) refuses new I/O at
+    once, yet the write queued behind that one still lands: the close runs on another
+    thread, after the queue drained, not inline on the I/O thread with the file closed
+    under the queued write."""
+    io = GatedIO()
+    tier = DiskTier(config(tmp_path, fingerprint=None), io)
+    tier.store_buffers[0].tensor[:1] = 1
+    tier.store_buffers[1].tensor[:1] = 2
+    first = tier.write_slots(tier.store_buffers[0], ids(0))
+    assert io.writing.wait(WAIT_S)
+    behind = tier.write_slots(tier.store_buffers[1], ids(1))
+    outcome: list[str] = []
+    called_back = threading.Event()
+
+    def close_from_callback(_: Future[None]) -> None:
+        try:
+            tier.close()
+            tier.write_slots(tier.store_buffers[0], ids(2))
+            outcome.append("queued after close")
+        except RuntimeError as exc:
+            outcome.append(str(exc))
+        finally:
+            called_back.set()
+
+    first.add_done_callback(close_from_callback)
+    io.release.set()
+    assert called_back.wait(WAIT_S)
+    assert outcome == [f"disk tier {tier.path} is closed"]
+    try:
+        behind.result(WAIT_S)
+    except DiskIOError as exc:
+        pytest.fail(f"the write queued behind the closing callback failed: {exc}")
+    tier.close()
+    assert not os.path.exists(tier.path)
+
+
+class _UnstartableThread(threading.Thread):
+    def start(self) -> None:
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+
+def test_a_close_from_an_io_thread_that_cannot_start_its_closer_still_refuses_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At interpreter exit no thread starts: the close from the I/O thread logs that it
+    cannot close, yet new I/O is refused from then on (the finalizer closes the files),
+    and a later close() from another thread closes the tier."""
+    tier = DiskTier(config(tmp_path, fingerprint=None))
+    tier.write_slots(tier.store_buffers[0], ids(0)).result(WAIT_S)  # the thread runs
+    refused: list[str] = []
+
+    def close_on_the_io_thread() -> None:
+        tier.close()
+        try:
+            tier.write_slots(tier.store_buffers[0], ids(1))
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+    monkeypatch.setattr(threading, "Thread", _UnstartableThread)
+    with caplog.at_level("WARNING", logger="kvtier.storage.disk_tier"):
+        tier._store_io.submit(close_on_the_io_thread).result(WAIT_S)
+    monkeypatch.undo()
+    assert "cannot close it from its own I/O thread" in caplog.text
+    assert refused == [f"disk tier {tier.path} is closed"]
+    tier.close()
+    assert not os.path.exists(tier.path)
+
+
+class _GatedReads:
+    """Real I/O, but each read first sets `reading` and waits for `release`."""
+
+    def __init__(self) -> None:
+        self.reading = threading.Event()
+        self.release = threading.Event()
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        return os.pwrite(fd, data, offset)
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int:
+        self.reading.set()
+        if not self.release.wait(WAIT_S):
+            raise OSError(errno.ETIMEDOUT, "the test never released the read")
+        return os.preadv(fd, [into], offset)
+
+
+def test_close_waits_for_a_queued_read(tmp_path: Path) -> None:
+    """A read queued before close() is finished before the file is closed: closing the
+    descriptor under it would fail it, or let it read another file that reused the
+    descriptor's number."""
+    io = _GatedReads()
+    tier = DiskTier(config(tmp_path, fingerprint=None), io)
+    tier.store_buffers[0].tensor[:1] = 5
+    tier.write_slots(tier.store_buffers[0], ids(3)).result(WAIT_S)
+    read = tier.read_slots(tier.load_buffers[0], ids(3))
+    assert io.reading.wait(WAIT_S)
+    closer = start_until_parked(tier.close, "closer")
+    assert closer.is_alive()  # waiting for the read
+    io.release.set()
+    read.result()
+    assert bool((tier.load_buffers[0].tensor[0] == 5).all())
+    join_all(closer)
+    assert not os.path.exists(tier.path)
