@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -146,3 +148,19 @@ def test_close_waits_for_a_queued_read(tmp_path: Path) -> None:
     assert bool((tier.load_buffers[0].tensor[0] == 5).all())
     join_all(closer)
     assert not os.path.exists(tier.path)
+
+
+@pytest.mark.parametrize("fingerprint", [None, "fp"])
+def test_a_closed_tier_is_collected_without_a_warning(
+    tmp_path: Path, fingerprint: str | None
+) -> None:
+    """Its finalizer is detached by close(): collection neither warns that the tier was
+    not closed nor touches its files again."""
+    tier = DiskTier(config(tmp_path, fingerprint))
+    tier.write_slots(tier.store_buffers[0], ids(0), [SlotRecord(b"a", 1)]).result(WAIT_S)
+    tier.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del tier
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
