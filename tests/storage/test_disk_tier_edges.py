@@ -58,11 +58,15 @@ def test_a_close_from_an_io_thread_lets_the_io_queued_behind_it_finish(tmp_path:
     assert io.writing.wait(WAIT_S)
     behind = tier.write_slots(tier.store_buffers[1], ids(1))
     outcome: list[str] = []
+    closers: list[bool] = []
     called_back = threading.Event()
 
     def close_from_callback(_: Future[None]) -> None:
         try:
             tier.close()
+            # The closer waits for this thread: alive, and not a daemon, so an exit
+            # meanwhile waits for it to finish the close.
+            closers.extend(t.daemon for t in threading.enumerate() if t.name == "kvtier-disk-close")
             tier.write_slots(tier.store_buffers[0], ids(2))
             outcome.append("queued after close")
         except RuntimeError as exc:
@@ -74,6 +78,7 @@ def test_a_close_from_an_io_thread_lets_the_io_queued_behind_it_finish(tmp_path:
     io.release.set()
     assert called_back.wait(WAIT_S)
     assert outcome == [f"disk tier {tier.path} is closed"]
+    assert closers == [False]
     try:
         behind.result(WAIT_S)
     except DiskIOError as exc:
