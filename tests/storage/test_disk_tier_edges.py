@@ -169,3 +169,43 @@ def test_a_closed_tier_is_collected_without_a_warning(
         del tier
         gc.collect()
     assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
+
+
+class _NamedThreads:
+    """Real I/O that records the name of the thread running each read and write."""
+
+    def __init__(self) -> None:
+        self.names: list[tuple[str, str]] = []
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        self.names.append(("write", threading.current_thread().name))
+        return os.pwrite(fd, data, offset)
+
+    def pread(self, fd: int, into: memoryview, offset: int) -> int:
+        self.names.append(("read", threading.current_thread().name))
+        return os.preadv(fd, [into], offset)
+
+
+def test_reads_and_writes_run_on_their_own_io_threads(tmp_path: Path) -> None:
+    """A load never waits behind the store queue's writes: each side has its thread."""
+    io = _NamedThreads()
+    tier = DiskTier(config(tmp_path, fingerprint=None), io)
+    try:
+        tier.write_slots(tier.store_buffers[0], ids(0)).result(WAIT_S)
+        tier.read_slots(tier.load_buffers[0], ids(0)).result()
+    finally:
+        tier.close()
+    assert io.names == [("write", "kvtier-disk-store"), ("read", "kvtier-disk-load")]
+
+
+def test_a_second_end_persistence_is_a_no_op(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = DiskTier(config(tmp_path))
+    try:
+        tier.end_persistence()
+        with caplog.at_level("INFO", logger="kvtier.storage.disk_tier_records"):
+            tier.end_persistence()
+        assert caplog.records == []
+    finally:
+        tier.close()
