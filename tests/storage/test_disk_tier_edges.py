@@ -16,6 +16,7 @@ from test_disk_tier_inputs import SLOT, config, ids
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOError, DiskTier
+from kvtier.storage.slot_file import BadSlotsError
 from kvtier.storage.staging import StagingBuffer
 
 pytestmark = pytest.mark.timeout(60)
@@ -209,3 +210,32 @@ def test_a_second_end_persistence_is_a_no_op(
         assert caplog.records == []
     finally:
         tier.close()
+
+
+def test_a_bad_slot_whose_records_cannot_be_dropped_still_raises_its_read_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checksum mismatch found while the disk refuses both the tombstone and the
+    manifest's rewrite and removal: the read raises BadSlotsError naming the slot (the
+    caller's fallback is to recompute), the manifest's failure is logged, not raised in
+    its place."""
+    tier = DiskTier(config(tmp_path))
+    tier.store_buffers[0].tensor[:1] = 9
+    tier.write_slots(tier.store_buffers[0], ids(4), [SlotRecord(b"a", 1)]).result(WAIT_S)
+    with open(tier.path, "r+b") as raw:
+        raw.seek(4 * SLOT + 9)
+        raw.write(b"\x00")
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    read = tier.read_slots(tier.load_buffers[0], ids(4))
+    with monkeypatch.context() as patch, caplog.at_level("ERROR"):
+        patch.setattr(os, "write", refuse)
+        patch.setattr(os, "unlink", refuse)
+        with pytest.raises(BadSlotsError) as caught:
+            read.result()
+    assert caught.value.slots == (4,)
+    assert "cannot drop the manifest's records" in caplog.text
+    assert "nor remove it" in caplog.text
+    tier.close()
