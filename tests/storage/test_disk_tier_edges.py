@@ -239,3 +239,20 @@ def test_a_bad_slot_whose_records_cannot_be_dropped_still_raises_its_read_error(
     assert "cannot drop the manifest's records" in caplog.text
     assert "nor remove it" in caplog.text
     tier.close()
+
+
+def test_a_recovered_slot_queued_for_a_write_is_no_longer_listed(tmp_path: Path) -> None:
+    """Once a write of a recovered slot is queued its bytes are not the record's any more:
+    a restore from the list would serve them under the old key."""
+    tier = DiskTier(config(tmp_path))
+    tier.store_buffers[0].tensor[:2] = 1
+    tier.write_slots(tier.store_buffers[0], ids(2, 3), [SlotRecord(b"a", 1)] * 2).result()
+    tier.close()
+    tier = DiskTier(config(tmp_path))
+    try:
+        assert [slot for slot, _ in tier.recovered_slots()] == [2, 3]
+        tier.store_buffers[0].tensor[:1] = 2
+        tier.write_slots(tier.store_buffers[0], ids(3)).result(WAIT_S)
+        assert [slot for slot, _ in tier.recovered_slots()] == [2]
+    finally:
+        tier.close()
