@@ -256,3 +256,30 @@ def test_a_recovered_slot_queued_for_a_write_is_no_longer_listed(tmp_path: Path)
         assert [slot for slot, _ in tier.recovered_slots()] == [2]
     finally:
         tier.close()
+
+
+def test_a_write_to_free_slots_syncs_no_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is synced before a batch only for the tombstones it must make durable
+    (slots that held records); the put records appended by earlier commits are not synced
+    as they go (a crash may lose them: a miss, never wrong bytes)."""
+    tier = DiskTier(config(tmp_path))
+    try:
+        tier.store_buffers[0].tensor[:2] = 3
+        tier.write_slots(tier.store_buffers[0], ids(0, 1), [SlotRecord(b"a", 1)] * 2).result()
+        fsyncs: list[int] = []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            fsyncs.append(fd)
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        tier.write_slots(tier.store_buffers[0], ids(4, 5), [SlotRecord(b"b", 1)] * 2).result()
+        assert fsyncs == []
+        tier.write_slots(tier.store_buffers[0], ids(0), [SlotRecord(b"c", 1)]).result()
+        assert len(fsyncs) == 1  # slot 0's tombstone, before its new bytes
+    finally:
+        monkeypatch.undo()
+        tier.close()
