@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import stat
 import threading
 import warnings
 from concurrent.futures import Future
@@ -283,3 +284,29 @@ def test_a_write_to_free_slots_syncs_no_manifest(
     finally:
         monkeypatch.undo()
         tier.close()
+
+
+def test_when_both_syncs_fail_at_close_the_slot_files_failure_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The slot file's sync failed first (its data may not be on the device): that is
+    the error logged with the manifest's removal, not the manifest's later one."""
+    tier = DiskTier(config(tmp_path))
+    tier.write_slots(tier.store_buffers[0], ids(3), [SlotRecord(b"a", 1)]).result(WAIT_S)
+
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # the directory's sync (the removal) works
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with caplog.at_level("ERROR"):
+        tier.close()
+    monkeypatch.undo()
+    (logged,) = caplog.records
+    assert logged.getMessage().startswith(
+        f"[Errno 5] cannot sync the disk tier file: Input/output error: '{tier.path}'; "
+        "removed the manifest"
+    )
