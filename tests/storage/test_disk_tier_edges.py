@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import gc
 import os
@@ -16,7 +17,7 @@ from storage_helpers import WAIT_S, GatedIO, join_all, start_until_parked
 from test_disk_tier_inputs import SLOT, config, ids
 
 from kvtier.offload.plan import SlotRecord
-from kvtier.storage import DiskIOError, DiskTier
+from kvtier.storage import DiskIOError, DiskTier, DiskTierConfig
 from kvtier.storage.slot_file import BadSlotsError
 from kvtier.storage.staging import StagingBuffer
 
@@ -310,3 +311,28 @@ def test_when_both_syncs_fail_at_close_the_slot_files_failure_is_reported(
         f"[Errno 5] cannot sync the disk tier file: Input/output error: '{tier.path}'; "
         "removed the manifest"
     )
+
+
+def test_a_persistent_tier_reopened_with_another_region_layout_restores_nothing(
+    tmp_path: Path,
+) -> None:
+    """The same slot bytes cut into other regions (K and V swapped, say) would put each
+    region's bytes where another one goes: the layout is part of the tier's identity."""
+    first = dataclasses.replace(config(tmp_path), region_layout="k:2048;v:2048")
+    tier = DiskTier(first)
+    tier.write_slots(tier.store_buffers[0], ids(1), [SlotRecord(b"a", 1)]).result(WAIT_S)
+    tier.close()
+    tier = DiskTier(first)
+    assert [slot for slot, _ in tier.recovered_slots()] == [1]
+    tier.close()
+    tier = DiskTier(dataclasses.replace(first, region_layout="v:2048;k:2048"))
+    try:
+        assert tier.recovered_slots() == []
+    finally:
+        tier.close()
+
+
+def test_a_staging_buffer_holds_no_more_slots_than_the_tier(tmp_path: Path) -> None:
+    small = DiskTierConfig(str(tmp_path / "rank0.slots"), 2, SLOT, batch_bytes=8 * SLOT)
+    assert small.batch_slots == 2
+    assert dataclasses.replace(small, batch_bytes=SLOT // 2).batch_slots == 1
