@@ -73,3 +73,22 @@ def test_a_fingerprint_nested_deeper_than_its_leaves_can_walk_is_shown_shortened
         return describe_difference(stored, "{}") if levels == 0 else nested(levels - 1)
 
     assert nested(200).startswith("fingerprint ")
+
+
+def test_a_json_object_against_plain_text_is_shown_as_both_texts() -> None:
+    """(s30 mutation run) One side a JSON object, the other not: no key-by-key diff."""
+    assert describe_difference('{"a": 1}', "fp-b") == "fingerprint '{\"a\": 1}' differs from 'fp-b'"
+    assert describe_difference("fp-a", '{"a": 1}') == "fingerprint 'fp-a' differs from '{\"a\": 1}'"
+    assert describe_difference("[1]", "[2]") == "fingerprint '[1]' differs from '[2]'"
+
+
+def test_exactly_four_differences_are_all_named_and_none_counted() -> None:
+    stored = json.dumps({f"k{i}": i for i in range(4)})
+    current = json.dumps({f"k{i}": i + 1 for i in range(4)})
+    message = describe_difference(stored, current)
+    assert message.endswith("k3: 3 -> 4")
+
+
+def test_a_long_changed_value_is_shortened() -> None:
+    message = describe_difference(json.dumps({"path": "p" * 100}), json.dumps({"path": "q"}))
+    assert message == (f"fingerprint changed (stored -> this engine): path: '{'p' * 57}...' -> 'q'")
