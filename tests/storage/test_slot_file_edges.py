@@ -4,10 +4,12 @@ is sized)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
 import pytest
+from storage_helpers import direct_io_dir
 
 from kvtier.storage import DiskIOMode, SlotFile, slot_file, slot_file_handles, slot_file_open
 from kvtier.storage.file_lock import is_locked
@@ -134,3 +136,36 @@ def test_a_persistent_open_refuses_a_symlink_and_leaves_its_target(tmp_path: Pat
         SlotFile(str(link), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
     assert target.read_bytes() == b"keep me"
     assert link.is_symlink()
+
+
+def test_a_reused_persistent_file_keeps_direct_io(tmp_path: Path) -> None:
+    """A direct-I/O tier reopened on its persistent file still bypasses the page cache."""
+    path = os.path.join(direct_io_dir(str(tmp_path)), "rank0.slots")
+    SlotFile(path, 2, SLOT, DiskIOMode.DIRECT, persistent=True).close()
+    reopened = SlotFile(path, 2, SLOT, DiskIOMode.DIRECT, persistent=True)
+    try:
+        assert reopened.reused
+        flags = fcntl.fcntl(reopened._handle.fd, fcntl.F_GETFL)  # type: ignore[arg-type]
+        assert flags & os.O_DIRECT
+    finally:
+        reopened.close()
+
+
+def test_a_persistent_file_created_by_another_opener_meanwhile_is_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path named nothing, then its exclusive create found a file there (another
+    process made it in between): the open starts over and reuses that file."""
+    path = tmp_path / "rank0.slots"
+    real_create = slot_file_open.create_exclusive
+
+    def create_exclusive(name: str, mode: DiskIOMode) -> int:
+        path.write_bytes(bytes(2 * SLOT))  # the other process wins the race
+        monkeypatch.setattr(slot_file_open, "create_exclusive", real_create)
+        return real_create(name, mode)
+
+    monkeypatch.setattr(slot_file_open, "create_exclusive", create_exclusive)
+    reopened = SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
+    assert reopened.reused
+    reopened.close()
+    assert path.exists()
