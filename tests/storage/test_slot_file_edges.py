@@ -4,12 +4,15 @@ is sized)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
+import stat
 from pathlib import Path
 
 import pytest
-from storage_helpers import direct_io_dir
+from storage_helpers import direct_io_dir, num_open_fds
 
 from kvtier.storage import DiskIOMode, SlotFile, slot_file, slot_file_handles, slot_file_open
 from kvtier.storage.file_lock import is_locked
@@ -169,3 +172,53 @@ def test_a_persistent_file_created_by_another_opener_meanwhile_is_reused(
     assert reopened.reused
     reopened.close()
     assert path.exists()
+
+
+def test_a_file_created_under_a_narrow_umask_is_still_0600(tmp_path: Path) -> None:
+    """A umask of 0277 would make it read-only for its owner: a later persistent open
+    (O_RDWR) of the kept file would fail."""
+    path = tmp_path / "rank0.slots"
+    old_umask = os.umask(0o277)
+    try:
+        created = SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    created.close()
+    SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True).close()
+
+
+def test_a_create_whose_mode_cannot_be_set_leaves_no_file_and_no_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rank0.slots"
+
+    def fchmod(fd: int, mode: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fchmod", fchmod)
+    before = num_open_fds()
+    with pytest.raises(OSError, match="Input/output error"):
+        SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    assert num_open_fds() == before
+    assert not path.exists()
+
+
+def test_a_stale_file_that_vanishes_before_it_is_replaced_is_created_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The exclusive create found a file, which its owner removed before this open looked
+    at it: the open creates the file itself, with no warning of a stale file replaced."""
+    path = tmp_path / "rank0.slots"
+    real_create = slot_file_open.create_exclusive
+
+    def create_exclusive(name: str, mode: DiskIOMode) -> int:
+        monkeypatch.setattr(slot_file_open, "create_exclusive", real_create)
+        raise FileExistsError(errno.EEXIST, "File exists", name)  # then it vanished
+
+    monkeypatch.setattr(slot_file_open, "create_exclusive", create_exclusive)
+    with caplog.at_level(logging.WARNING, logger="kvtier.storage.slot_file_open"):
+        created = SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    assert caplog.records == []
+    assert path.stat().st_size == 2 * SLOT
+    created.close()
