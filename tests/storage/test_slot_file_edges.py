@@ -222,3 +222,24 @@ def test_a_stale_file_that_vanishes_before_it_is_replaced_is_created_quietly(
     assert caplog.records == []
     assert path.stat().st_size == 2 * SLOT
     created.close()
+
+
+def test_a_stale_file_that_cannot_be_removed_is_reported_as_it_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a directory at the path is 'not a regular file': a stale file that cannot be
+    removed (a read-only directory) raises the removal's own error."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"stale")
+    real_unlink = os.unlink
+
+    def unlink(name: str, *args: object, **kwargs: object) -> None:
+        if os.fspath(name) == str(path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+        real_unlink(name)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(PermissionError) as caught:
+        SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    assert "not a regular file" not in str(caught.value)
+    assert path.read_bytes() == b"stale"
