@@ -243,3 +243,23 @@ def test_a_stale_file_that_cannot_be_removed_is_reported_as_it_failed(
         SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
     assert "not a regular file" not in str(caught.value)
     assert path.read_bytes() == b"stale"
+
+
+def test_a_taken_path_that_cannot_be_looked_at_counts_as_a_file_in_the_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exclusive create found the path taken, and the look at what took it failed
+    (it was gone again): a file in the way, so the stale-file path goes on and opens
+    the path, never 'not a regular file'."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"stale")
+    real_lstat = os.lstat
+
+    def lstat(name: str, *args: object, **kwargs: object) -> os.stat_result:
+        monkeypatch.setattr(os, "lstat", real_lstat)  # only the first look fails
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    created = SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    assert path.stat().st_size == 2 * SLOT
+    created.close()
