@@ -263,3 +263,32 @@ def test_a_taken_path_that_cannot_be_looked_at_counts_as_a_file_in_the_way(
     created = SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
     assert path.stat().st_size == 2 * SLOT
     created.close()
+
+
+def test_the_file_is_allocated_so_a_full_disk_fails_the_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slots are allocated at open (fallocate), not left sparse: a disk without room
+    fails the open naming the budget, not a store later."""
+    path = tmp_path / "rank0.slots"
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(OSError, match="cannot size the disk tier file to 2 slots"):
+        SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("code", [errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL])
+def test_a_filesystem_without_fallocate_gets_a_sized_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    created = SlotFile(str(tmp_path / "rank0.slots"), 2, SLOT, DiskIOMode.PAGE_CACHE)
+    assert created.file_size() == 2 * SLOT
+    created.close()
