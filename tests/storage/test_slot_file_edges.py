@@ -292,3 +292,16 @@ def test_a_filesystem_without_fallocate_gets_a_sized_file(
     created = SlotFile(str(tmp_path / "rank0.slots"), 2, SLOT, DiskIOMode.PAGE_CACHE)
     assert created.file_size() == 2 * SLOT
     created.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_closed_file_leaves_the_fork_list(tmp_path: Path, persistent: bool) -> None:
+    """`OPEN_FILES` lists open files only: an engine opening and closing tiers must not
+    grow it for ever."""
+    before = dict(slot_file_handles.OPEN_FILES)
+    opened = SlotFile(
+        str(tmp_path / "r.slots"), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=persistent
+    )
+    assert len(slot_file_handles.OPEN_FILES) == len(before) + 1
+    opened.close()
+    assert dict(slot_file_handles.OPEN_FILES) == before
