@@ -12,7 +12,12 @@ import pytest
 from storage_helpers import num_open_fds
 
 from kvtier.storage import DiskIOMode, SlotFile, slot_file_open
-from kvtier.storage.file_lock import DiskTierBusyError
+from kvtier.storage.file_lock import (
+    DiskTierBusyError,
+    finish_removal,
+    is_locked,
+    remove_held_file,
+)
 
 SLOT = 4096
 
@@ -197,3 +202,36 @@ def test_a_forked_child_that_outlives_the_tier_does_not_hold_its_lock(tmp_path: 
         os.close(child_ready)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_finished_removal_leaves_a_file_that_replaced_the_held_one(tmp_path: Path) -> None:
+    """(s30 mutation run) `finish_removal` after an interrupted close removes the path only
+    while it still names the held file: one another opener put there is its own."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"held")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        path.unlink()
+        path.write_bytes(b"another opener's")
+        finish_removal(fd, str(path))
+        assert path.read_bytes() == b"another opener's"
+        path.unlink()
+        finish_removal(fd, str(path))  # nothing there: quiet
+    finally:
+        os.close(fd)
+
+
+def test_a_symlink_to_the_held_file_is_not_the_held_file(tmp_path: Path) -> None:
+    """(s30 mutation run) Neither the removal at close nor the lock probe follows a
+    symlink at the path, even one to the held file itself."""
+    held = tmp_path / "held.slots"
+    link = tmp_path / "rank0.slots"
+    slot_file = open_slot_file(str(held), persistent=True)
+    link.symlink_to(held)
+    try:
+        assert is_locked(str(held))
+        assert not is_locked(str(link))
+        remove_held_file(slot_file._handle.fd, str(link))  # type: ignore[arg-type]
+        assert link.is_symlink()
+    finally:
+        slot_file.close()
