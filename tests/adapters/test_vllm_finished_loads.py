@@ -85,3 +85,15 @@ def test_an_echo_is_forgotten_once_every_worker_reported_it_not_as_vllm_lists_it
     memory.applied(KVTierWorkerMetadata(recving={1: frozenset({"b"})}), lost)
     assert lost.finished_recving == {"b"}
     assert memory.echoes == {}
+
+
+def test_every_request_completed_in_one_output_is_forgotten() -> None:
+    # Two loads completed by the same output: both counts end. A count kept past its
+    # completion (a mutant forgetting only one) would pass a later load of the same id
+    # for finished at its first worker's report: vLLM would read KV still in flight.
+    loads = FinishedLoads(num_workers=2)
+    assert listed(loads, None, w1={"a", "b"}) == set()
+    assert listed(loads, {"a", "b"}, w2={"a", "b"}) == {"a", "b"}
+    assert loads.num_pending == 0
+    assert listed(loads, None, w1={"a", "b"}) == set()  # the ids used again
+    assert listed(loads, {"a", "b"}, w2={"a", "b"}) == {"a", "b"}
