@@ -1,0 +1,104 @@
+"""The worker role's step bookkeeping, driven call by call (mutation run s30).
+
+Each test pins one rule of `WorkerSide` whose fault would report a load or store twice,
+lose a failure, or store blocks a failed step never wrote, while vLLM's usual call order
+(`vllm_harness`) still passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier_vllm import kvtier_config
+from vllm_harness import ConnectorWorker, FakeKVCache, VllmHarness
+
+from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan
+
+
+@pytest.fixture
+def worker() -> Iterator[Any]:
+    harness = VllmHarness(kvtier_config(extra={"num_blocks": 16}))
+    worker = ConnectorWorker.create(
+        harness.vllm_config, harness.kv_cache_config, FakeKVCache(harness.kv_cache_config)
+    )
+    yield worker
+    worker.connector.shutdown()
+    harness.close()
+
+
+def store(event_id: int) -> TransferJob:
+    """Return a store of GPU block 10 + event_id into CPU slot event_id."""
+    return TransferJob(event_id, Tier.GPU, Tier.CPU, (10 + event_id,), (event_id,))
+
+
+def run_step(connector: Any, metadata: KVTierMetadata) -> tuple[set[str], set[str], Any]:
+    """Run one step in Model Runner V2's order; return vLLM's results and worker metadata."""
+    connector.bind_connector_metadata(metadata)
+    connector.start_load_kv(None)
+    connector.wait_for_save()
+    connector.worker_side.worker.flush()
+    results = connector.get_transfer_results(set())
+    meta = connector.build_connector_worker_meta()
+    connector.clear_connector_metadata()
+    return results.finished_recving, results.failed_recving, meta
+
+
+def test_register_kv_caches_twice_raises_and_keeps_the_first_worker(worker: Any) -> None:
+    # A second registration would build a second offload worker over the same KV (the
+    # first one's tier and lanes leaked, its in-flight events never reported).
+    side = worker.connector.worker_side
+    first = side.worker
+    with pytest.raises(RuntimeError, match="register_kv_caches called twice"):
+        worker.connector.register_kv_caches(worker.cache.tensors)
+    assert side.worker is first
+
+
+def test_a_load_echoed_by_the_last_bound_plan_is_not_echoed_again_after_skipped_plans(
+    worker: Any,
+) -> None:
+    # Plan 1 echoes "r" (a load never issued) and this rank reports it. Plan 2 is skipped
+    # here (vLLM raised before binding it); plan 3 carries plan 1's echo in
+    # `earlier_echoes` (another rank has not reported it yet): only the skipped plans'
+    # echoes are due, so "r" is not reported twice by this rank.
+    connector = worker.connector
+    finished, failed, _ = run_step(connector, KVTierMetadata(TransferPlan(1), ("r",)))
+    assert finished == failed == {"r"}
+    skipped = {1: ("r",), 2: ("s",)}
+    metadata = KVTierMetadata(TransferPlan(3), earlier_echoes=skipped)
+    finished, failed, _ = run_step(connector, metadata)
+    assert finished == failed == {"s"}
+
+
+def test_a_store_submit_that_raised_counts_as_a_failed_forward_of_its_step(
+    worker: Any, monkeypatch: Any
+) -> None:
+    # Under Model Runner V2 a `wait_for_save` that raises ends the step: no result call
+    # follows. The next bind counts plan 1's step as failed, so plan 2 (built before the
+    # scheduler role learned of it) fails its stores instead of storing blocks whose KV
+    # the failed step may have left unwritten.
+    connector = worker.connector
+    offload = connector.worker_side.worker
+    submit = offload.submit
+
+    def refuse_stores(plan: TransferPlan) -> None:
+        if any(job.is_store for job in plan.jobs):
+            raise MemoryError("refused")
+        submit(plan)
+
+    monkeypatch.setattr(offload, "submit", refuse_stores)
+    connector.bind_connector_metadata(KVTierMetadata(TransferPlan(1, (store(1),))))
+    connector.start_load_kv(None)
+    with pytest.raises(MemoryError):
+        connector.wait_for_save()
+    monkeypatch.setattr(offload, "submit", submit)
+    _, _, meta = run_step(connector, KVTierMetadata(TransferPlan(2, (store(2),))))
+    assert isinstance(meta, KVTierWorkerMetadata)
+    assert meta.failed_forward_step == 1
+    assert set(meta.report.failed) == {1, 2}
+    assert not meta.report.done
