@@ -102,3 +102,16 @@ def test_a_store_submit_that_raised_counts_as_a_failed_forward_of_its_step(
     assert meta.failed_forward_step == 1
     assert set(meta.report.failed) == {1, 2}
     assert not meta.report.done
+
+
+def test_a_skipped_plan_fails_its_own_step_not_the_plan_bound_after_it(worker: Any) -> None:
+    # Plan 2 is skipped here; plan 3 was built once the scheduler role knew of a fault
+    # at step 2 (`fault_step=2`): its stores are safe and run. Noting plan 3's own step
+    # as failed would fail them, and report a fault at a step whose forward ran.
+    connector = worker.connector
+    run_step(connector, KVTierMetadata(TransferPlan(1)))
+    _, _, meta = run_step(connector, KVTierMetadata(TransferPlan(3, (store(3),)), fault_step=2))
+    assert isinstance(meta, KVTierWorkerMetadata)
+    assert meta.failed_forward_step is None
+    assert set(meta.report.done) == {3}
+    assert not meta.report.failed
