@@ -79,10 +79,12 @@ def test_a_store_submit_that_raised_counts_as_a_failed_forward_of_its_step(
     worker: Any, monkeypatch: Any
 ) -> None:
     # Under Model Runner V2 a `wait_for_save` that raises ends the step: no result call
-    # follows. The next bind counts plan 1's step as failed, so plan 2 (built before the
+    # follows. The next bind counts plan 2's step as failed, so plan 3 (built before the
     # scheduler role learned of it) fails its stores instead of storing blocks whose KV
-    # the failed step may have left unwritten.
+    # the failed step may have left unwritten. (Plan 1 ran whole first: its taken
+    # results say nothing of plan 2's.)
     connector = worker.connector
+    run_step(connector, KVTierMetadata(TransferPlan(1)))
     offload = connector.worker_side.worker
     submit = offload.submit
 
@@ -92,15 +94,15 @@ def test_a_store_submit_that_raised_counts_as_a_failed_forward_of_its_step(
         submit(plan)
 
     monkeypatch.setattr(offload, "submit", refuse_stores)
-    connector.bind_connector_metadata(KVTierMetadata(TransferPlan(1, (store(1),))))
+    connector.bind_connector_metadata(KVTierMetadata(TransferPlan(2, (store(2),))))
     connector.start_load_kv(None)
     with pytest.raises(MemoryError):
         connector.wait_for_save()
     monkeypatch.setattr(offload, "submit", submit)
-    _, _, meta = run_step(connector, KVTierMetadata(TransferPlan(2, (store(2),))))
+    _, _, meta = run_step(connector, KVTierMetadata(TransferPlan(3, (store(3),))))
     assert isinstance(meta, KVTierWorkerMetadata)
-    assert meta.failed_forward_step == 1
-    assert set(meta.report.failed) == {1, 2}
+    assert meta.failed_forward_step == 2
+    assert set(meta.report.failed) == {2, 3}
     assert not meta.report.done
 
 
