@@ -117,3 +117,40 @@ def test_a_skipped_plan_fails_its_own_step_not_the_plan_bound_after_it(worker: A
     assert meta.failed_forward_step is None
     assert set(meta.report.done) == {3}
     assert not meta.report.failed
+
+
+def load_plan(step_id: int, event_id: int, request_id: str) -> TransferPlan:
+    """Return a plan loading CPU slot 5 into GPU block 9 for `request_id`, and a store."""
+    load = TransferJob(event_id, Tier.CPU, Tier.GPU, (5,), (9,))
+    return TransferPlan(step_id, (load, store(event_id + 1)), {event_id: (request_id,)})
+
+
+def test_a_forward_that_raised_after_its_loads_started_fails_only_its_stores(
+    worker: Any,
+) -> None:
+    # Model Runner V2: `start_load_kv` ran before the forward, which raised; nothing else
+    # was called. The next bind fails the stores never submitted, but the load runs on:
+    # failing it too would release its request's GPU blocks to vLLM while the copy into
+    # them still runs, and report the event twice.
+    connector = worker.connector
+    connector.bind_connector_metadata(KVTierMetadata(load_plan(1, 1, "r")))
+    connector.start_load_kv(None)
+    outstanding = TransferPlan(2, load_request_ids={1: ("r",)})  # the load, in flight
+    finished, failed, meta = run_step(connector, KVTierMetadata(outstanding))
+    assert (finished, failed) == ({"r"}, set())
+    assert isinstance(meta, KVTierWorkerMetadata)
+    assert set(meta.report.done) == {1}
+    assert set(meta.report.failed) == {2}
+
+
+def test_wait_for_save_submits_the_loads_start_load_kv_never_did(worker: Any) -> None:
+    connector = worker.connector
+    connector.bind_connector_metadata(KVTierMetadata(load_plan(1, 1, "r")))
+    connector.wait_for_save()
+    connector.worker_side.worker.flush()
+    results = connector.get_transfer_results(set())
+    assert (results.finished_recving, results.failed_recving) == ({"r"}, set())
+    meta = connector.build_connector_worker_meta()
+    assert isinstance(meta, KVTierWorkerMetadata)
+    assert set(meta.report.done) == {1, 2}
+    connector.clear_connector_metadata()
