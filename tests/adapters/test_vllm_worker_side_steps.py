@@ -18,7 +18,7 @@ from kvtier_vllm import kvtier_config
 from vllm_harness import ConnectorWorker, FakeKVCache, VllmHarness
 
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.offload.plan import Tier, TransferJob, TransferPlan
+from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
 
 
 @pytest.fixture
@@ -153,4 +153,63 @@ def test_wait_for_save_submits_the_loads_start_load_kv_never_did(worker: Any) ->
     meta = connector.build_connector_worker_meta()
     assert isinstance(meta, KVTierWorkerMetadata)
     assert set(meta.report.done) == {1, 2}
+    connector.clear_connector_metadata()
+
+
+def test_a_refused_plans_event_the_worker_already_failed_is_reported_once(
+    worker: Any, monkeypatch: Any
+) -> None:
+    # The submit raised after the worker took the plan's first load, which failed at once
+    # (`peek`: reported, not yet polled): only the event it never took is failed here.
+    # Failing the taken one as well would count this rank's failure of it twice.
+    connector = worker.connector
+    offload = connector.worker_side.worker
+    failed_first = WorkerReport(failed={1: 1})
+    polls = [failed_first]
+
+    def refuse(plan: TransferPlan) -> None:  # event 1 taken (and failed: `peek`, `poll`)
+        raise OSError("injected: raised after the worker took event 1")
+
+    monkeypatch.setattr(offload, "submit", refuse)
+    monkeypatch.setattr(offload, "flush", lambda: None)
+    monkeypatch.setattr(offload, "peek", lambda: failed_first)
+    monkeypatch.setattr(offload, "poll", lambda: polls.pop() if polls else WorkerReport())
+    loads = tuple(TransferJob(e, Tier.CPU, Tier.GPU, (e,), (e,)) for e in (1, 2))
+    plan = TransferPlan(1, loads, {1: ("r",), 2: ("s",)})
+    connector.bind_connector_metadata(KVTierMetadata(plan))
+    with pytest.raises(OSError, match="injected"):
+        connector.start_load_kv(None)
+    results = connector.get_transfer_results(set())
+    assert results.failed_recving == {"r", "s"}
+    meta = connector.build_connector_worker_meta()
+    assert isinstance(meta, KVTierWorkerMetadata)
+    assert meta.report.failed == {1: 1, 2: 1}
+    connector.clear_connector_metadata()
+
+
+def test_a_refused_plan_whose_flush_fails_raises_the_submits_error_and_fails_nothing(
+    worker: Any, monkeypatch: Any
+) -> None:
+    # A copy may still write the GPU blocks: nothing is failed, and vLLM sees the
+    # submit's error, not the flush's.
+    connector = worker.connector
+    offload = connector.worker_side.worker
+
+    def refuse(plan: TransferPlan) -> None:
+        raise OSError("injected: submit")
+
+    def broken_flush() -> None:
+        raise RuntimeError("injected: flush")
+
+    monkeypatch.setattr(offload, "submit", refuse)
+    monkeypatch.setattr(offload, "flush", broken_flush)
+    connector.bind_connector_metadata(KVTierMetadata(load_plan(1, 1, "r")))
+    with pytest.raises(OSError, match="injected: submit"):
+        connector.start_load_kv(None)
+    monkeypatch.undo()
+    results = connector.get_transfer_results(set())
+    assert results.failed_recving == set()
+    meta = connector.build_connector_worker_meta()
+    assert isinstance(meta, KVTierWorkerMetadata)
+    assert set(meta.report.failed) == {2}  # the store: never handed to the worker
     connector.clear_connector_metadata()
