@@ -8,6 +8,7 @@ lose a failure, or store blocks a failed step never wrote, while vLLM's usual ca
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -213,3 +214,26 @@ def test_a_refused_plan_whose_flush_fails_raises_the_submits_error_and_fails_not
     assert isinstance(meta, KVTierWorkerMetadata)
     assert set(meta.report.failed) == {2}  # the store: never handed to the worker
     connector.clear_connector_metadata()
+
+
+def test_a_worker_that_never_started_removes_its_disk_folder_once(tmp_path: Path) -> None:
+    # Its start failed (the folder it made removed), then vLLM shuts it down: a folder
+    # made again in between (another engine starting on that `disk_path`) stays.
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    folder = tmp_path / "tier"
+    extra = {"cpu_bytes": 0, "disk_bytes": 1 << 22, "disk_path": str(folder)}
+    harness = VllmHarness(kvtier_config(extra={**extra, "disk_io_mode": "page_cache"}))
+    try:
+        connector = KVConnectorFactory.create_connector(
+            harness.vllm_config, KVConnectorRole.WORKER, harness.kv_cache_config
+        )
+        with pytest.raises(ValueError, match="no KV tensors"):
+            connector.register_kv_caches({})
+        assert not folder.exists()
+        folder.mkdir()
+        connector.shutdown()
+        assert folder.is_dir()
+    finally:
+        harness.close()
