@@ -1,0 +1,73 @@
+"""The scheduler role's translation rules, call by call (mutation run s30).
+
+Each test pins one rule of `SchedulerSide` whose fault would hand kvtier another
+request's tokens (wrong prefix, wrong KV) or misreport a hit, while vLLM's usual call
+order (`vllm_harness`) still passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier_vllm import kvtier_harness, scheduler_side
+
+from kvtier.adapters.vllm.scheduler_side import SchedulerSide
+
+
+@pytest.fixture
+def side() -> Iterator[SchedulerSide]:
+    harness = kvtier_harness()
+    yield scheduler_side(harness)
+    harness.close()
+
+
+def request(request_id: str) -> Any:
+    """Return a stand-in for a vLLM `Request` (the views read it lazily)."""
+    return SimpleNamespace(request_id=request_id)
+
+
+def capture_views(side: SchedulerSide, monkeypatch: Any, method: str, result: Any) -> list[Any]:
+    """Make `side.offload.<method>` record the view it gets and return `result`."""
+    views: list[Any] = []
+
+    def record(view: Any, *args: Any) -> Any:
+        views.append(view)
+        return result
+
+    monkeypatch.setattr(side.offload, method, record)
+    return views
+
+
+def test_a_request_id_used_again_gets_a_view_of_the_new_request(side: SchedulerSide) -> None:
+    # A view kept for the old request object would hand kvtier the old request's tokens
+    # (another prefix) under the new request's id.
+    old, new = request("a"), request("a")
+    assert side.add_request(old).request is old
+    assert side.add_request(new).request is new
+    assert side.add_request(new).request is new
+
+
+def test_lookup_reads_the_request_it_is_given_not_an_older_one_of_that_id(
+    side: SchedulerSide, monkeypatch: Any
+) -> None:
+    views = capture_views(side, monkeypatch, "lookup", 0)
+    old, new = request("a"), request("a")
+    side.add_request(old)
+    assert side.lookup(new, 0) == (0, False)
+    assert [view.request is new for view in views] == [True]
+
+
+def test_on_allocated_hands_kvtier_the_request_it_is_given(
+    side: SchedulerSide, monkeypatch: Any
+) -> None:
+    views = capture_views(side, monkeypatch, "on_allocated", {})
+    old, new = request("a"), request("a")
+    side.add_request(old)
+    side.on_allocated(new, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert [view.request is new for view in views] == [True]
