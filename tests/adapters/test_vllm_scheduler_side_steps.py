@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 from kvtier_vllm import kvtier_harness, scheduler_side
 
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
+from kvtier.offload.plan import Tier
 
 
 @pytest.fixture
@@ -71,3 +72,28 @@ def test_on_allocated_hands_kvtier_the_request_it_is_given(
     side.add_request(old)
     side.on_allocated(new, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
     assert [view.request is new for view in views] == [True]
+
+
+def test_a_hit_split_is_reported_once_for_the_request_and_tokens_just_allocated(
+    side: SchedulerSide, monkeypatch: Any
+) -> None:
+    # vLLM asks right after `update_state_after_alloc`; any other question (another
+    # request, other tokens, a second ask) gets None (the first tier takes the hit),
+    # never the last allocation's split under another request's name.
+    split = {Tier.CPU: 16, Tier.DISK: 32}
+    capture_views(side, monkeypatch, "on_allocated", split)
+    table = SimpleNamespace(get_block_ids=lambda: ([],))
+
+    def allocate(request_id: str) -> None:
+        side.on_allocated(request(request_id), table, 48)
+
+    allocate("a")
+    assert side.hit_split("a", 48) == split
+    assert side.hit_split("a", 48) is None  # asked again
+    allocate("a")
+    assert side.hit_split("b", 48) is None  # another request's
+    allocate("a")
+    assert side.hit_split("a", 32) is None  # other tokens
+    split[Tier.CPU] = 0
+    allocate("a")
+    assert side.hit_split("a", 32) == {Tier.DISK: 32}  # a tier serving nothing is left out
