@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvtier_vllm import kvtier_harness, scheduler_side
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 from kvtier.offload.plan import Tier
@@ -97,3 +99,16 @@ def test_a_hit_split_is_reported_once_for_the_request_and_tokens_just_allocated(
     split[Tier.CPU] = 0
     allocate("a")
     assert side.hit_split("a", 32) == {Tier.DISK: 32}  # a tier serving nothing is left out
+
+
+def test_a_load_dropped_before_issue_is_echoed_though_an_output_is_applied_first(
+    side: SchedulerSide,
+) -> None:
+    # Dropped at allocation (no lookup pin), then an output applied before the next plan:
+    # the drop is still echoed as a failed load, not taken for a worker's failure (no
+    # worker ran it; its request would wait for the load for good).
+    waiting = SimpleNamespace(request_id="a", num_computed_tokens=0)
+    side.on_allocated(waiting, SimpleNamespace(get_block_ids=lambda: ([],)), 16)
+    side.apply_output(KVConnectorOutput())
+    metadata = side.build_metadata(SchedulerOutput.make_empty())
+    assert metadata.unissued_failed_request_ids == ("a",)
