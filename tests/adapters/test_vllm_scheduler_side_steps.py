@@ -18,6 +18,7 @@ pytest.importorskip("vllm")
 from kvtier_vllm import kvtier_harness, scheduler_side
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 from kvtier.offload.plan import Tier
@@ -112,3 +113,25 @@ def test_a_load_dropped_before_issue_is_echoed_though_an_output_is_applied_first
     side.apply_output(KVConnectorOutput())
     metadata = side.build_metadata(SchedulerOutput.make_empty())
     assert metadata.unissued_failed_request_ids == ("a",)
+
+
+def test_only_an_abort_while_an_exception_is_handled_leaves_compute_unconfirmed(
+    side: SchedulerSide, monkeypatch: Any
+) -> None:
+    # The fault handler's aborts: their last step's compute may never have run. A request
+    # that stopped normally, or an abort with no exception in flight, counts its compute.
+    flags: list[bool] = []
+
+    def finished(view: Any, block_ids: Any, computed: bool) -> bool:
+        flags.append(computed)
+        return False
+
+    monkeypatch.setattr(side.offload, "on_finished", finished)
+    stopped, aborted = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED
+    for name, status in (("stopped", stopped), ("aborted", aborted)):
+        try:
+            raise RuntimeError("a fault")
+        except RuntimeError:
+            side.on_finished(SimpleNamespace(request_id=name, status=status), ([],))
+    side.on_finished(SimpleNamespace(request_id="user-abort", status=aborted), ([],))
+    assert flags == [True, False, True]
