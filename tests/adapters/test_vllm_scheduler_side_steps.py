@@ -135,3 +135,33 @@ def test_only_an_abort_while_an_exception_is_handled_leaves_compute_unconfirmed(
             side.on_finished(SimpleNamespace(request_id=name, status=status), ([],))
     side.on_finished(SimpleNamespace(request_id="user-abort", status=aborted), ([],))
     assert flags == [True, False, True]
+
+
+def test_finishes_during_a_plan_in_flight_are_unconfirmed_by_a_fault_only(
+    monkeypatch: Any,
+) -> None:
+    # Requests finished while plan 1 awaits its outputs: a later normal finish leaves
+    # them confirmed (their stores stand); the fault handler's abort unconfirms them.
+    harness = kvtier_harness(async_scheduling=True, batch_queue_size=2)
+    try:
+        check_fault_only(scheduler_side(harness), monkeypatch)
+    finally:
+        harness.close()
+
+
+def check_fault_only(side: SchedulerSide, monkeypatch: Any) -> None:
+    monkeypatch.setattr(side.offload, "on_finished", lambda view, ids, computed: False)
+    unconfirmed: list[str] = []
+    monkeypatch.setattr(
+        side.offload, "unconfirm_finished", lambda view, tables: unconfirmed.append(view.request_id)
+    )
+    side.build_metadata(SchedulerOutput.make_empty())
+    stopped, aborted = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED
+    for name in ("a", "b"):
+        side.on_finished(SimpleNamespace(request_id=name, status=stopped), ([1],))
+    assert unconfirmed == []
+    try:
+        raise RuntimeError("a fault")
+    except RuntimeError:
+        side.on_finished(SimpleNamespace(request_id="c", status=aborted), ([2],))
+    assert unconfirmed == ["a", "b"]
