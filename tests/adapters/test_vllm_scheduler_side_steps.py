@@ -165,3 +165,18 @@ def check_fault_only(side: SchedulerSide, monkeypatch: Any) -> None:
     except RuntimeError:
         side.on_finished(SimpleNamespace(request_id="c", status=aborted), ([2],))
     assert unconfirmed == ["a", "b"]
+
+
+def test_a_disk_tiers_hit_without_a_split_is_a_disk_hit(tmp_path: Any) -> None:
+    # No split for the request (vLLM asked of another allocation): the configured tier's
+    # source is reported, not the CPU's.
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    disk = {"cpu_bytes": 0, "disk_bytes": 1 << 22, "disk_path": str(tmp_path)}
+    harness = kvtier_harness(extra={**disk, "disk_io_mode": "page_cache"})
+    try:
+        connector: Any = harness.scheduler.connector
+        hits = connector.get_external_cache_hit_sources(request("a"), 16)
+        assert hits == {CacheHitSource.DISK: 16}
+    finally:
+        harness.close()

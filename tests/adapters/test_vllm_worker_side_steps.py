@@ -237,3 +237,22 @@ def test_a_worker_that_never_started_removes_its_disk_folder_once(tmp_path: Path
         assert folder.is_dir()
     finally:
         harness.close()
+
+
+def test_a_plan_refused_by_an_interrupt_fails_its_events(worker: Any, monkeypatch: Any) -> None:
+    # KeyboardInterrupt is no Exception: caught only as BaseException. Unfailed, the
+    # load's request would wait for it for good once vLLM resumes.
+    connector = worker.connector
+    offload = connector.worker_side.worker
+
+    def interrupted(plan: TransferPlan) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(offload, "submit", interrupted)
+    connector.bind_connector_metadata(KVTierMetadata(load_plan(1, 1, "r")))
+    with pytest.raises(KeyboardInterrupt):
+        connector.start_load_kv(None)
+    monkeypatch.undo()
+    results = connector.get_transfer_results(set())
+    assert results.failed_recving == {"r"}
+    connector.clear_connector_metadata()
