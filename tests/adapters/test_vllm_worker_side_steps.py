@@ -256,3 +256,28 @@ def test_a_plan_refused_by_an_interrupt_fails_its_events(worker: Any, monkeypatc
     results = connector.get_transfer_results(set())
     assert results.failed_recving == {"r"}
     connector.clear_connector_metadata()
+
+
+def test_get_finished_refuses_to_report_a_load_that_failed_whole_or_by_block(
+    worker: Any, monkeypatch: Any
+) -> None:
+    # The older API cannot say a load failed: reporting it finished would serve its
+    # GPU blocks as loaded.
+    connector = worker.connector
+    side = connector.worker_side
+    outcomes = [
+        (({"r"}, {"r"}), set()),  # failed whole
+        (({"r"}, set()), {3}),  # finished, block 3 not loaded
+        (({"r"}, set()), set()),
+    ]
+
+    def take(results: Any, invalid: set[int]) -> None:
+        monkeypatch.setattr(side, "take_results", lambda: results)
+        monkeypatch.setattr(side, "take_invalid_blocks", lambda: invalid)
+
+    for results, invalid in outcomes[:2]:
+        take(results, invalid)
+        with pytest.raises(RuntimeError, match="get_finished"):
+            connector.get_finished(set())
+    take(*outcomes[2])
+    assert connector.get_finished(set()) == (None, {"r"})
