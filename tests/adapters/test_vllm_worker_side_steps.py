@@ -281,3 +281,12 @@ def test_get_finished_refuses_to_report_a_load_that_failed_whole_or_by_block(
             connector.get_finished(set())
     take(*outcomes[2])
     assert connector.get_finished(set()) == (None, {"r"})
+
+
+def test_another_connectors_metadata_is_refused_by_name(worker: Any) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+    with pytest.raises(TypeError, match="expected KVTierMetadata, got KVConnectorMetadata"):
+        worker.connector.bind_connector_metadata(KVConnectorMetadata())
+    with pytest.raises(TypeError, match="expected KVTierMetadata"):
+        worker.connector.handle_preemptions(KVConnectorMetadata())
