@@ -120,3 +120,40 @@ def test_the_last_running_request_short_of_blocks_a_load_holds_is_preempted() ->
     assert step.work[0].table_update is TableUpdate.REPLACE
     assert alone.num_computed_tokens == 0  # recomputed from scratch
     assert llm.scheduler.running == [alone]
+
+
+class TierWithHit:
+    """An offload side whose tiers hold `num_tokens` past any local prefix; it records
+    the cap of each lookup and the external tokens each allocation accepted."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.caps: list[int | None] = []
+        self.accepted: list[int] = []
+
+    def lookup(self, request: Request, num_local_tokens: int, max_tokens: int | None = None) -> int:
+        self.caps.append(max_tokens)
+        return self.num_tokens if max_tokens is None else min(max_tokens, self.num_tokens)
+
+    def on_allocated(self, request: Request, tables: object, num_external_tokens: int) -> None:
+        self.accepted.append(num_external_tokens)
+
+
+def test_a_request_whose_load_failed_never_asks_the_tier_again() -> None:
+    """A failed load rewinds its request with `skip_external`: it recomputes, and every
+    later admission (after a preemption, say: the offload side's own refusal, its
+    `recompute_next`, lasts only until the request is allocated again) asks the tier for
+    nothing, though the tier has a hit. A request without it takes the hit.
+    Mutation: `cap = None` for a request with `skip_external` (it was admitted to load
+    the 8 tokens again, WAITING_FOR_LOAD)."""
+    llm = LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=9))
+    tier = TierWithHit(8)
+    llm.scheduler.offload = tier  # type: ignore[assignment]
+    failed = llm.add_request(list(range(13)), ONE)
+    failed.skip_external = True  # as `rewind` leaves it
+    fresh = llm.add_request(list(range(20, 33)), ONE)
+    step = llm.scheduler.schedule()
+    assert [(work.request, work.num_new_tokens) for work in step.work] == [(failed, 13)]
+    assert (failed.status, failed.num_external_tokens_total) == (RequestStatus.RUNNING, 0)
+    assert (fresh.status, fresh.num_external_tokens_total) == (RequestStatus.WAITING_FOR_LOAD, 8)
+    assert (tier.caps, tier.accepted) == ([0, None], [0, 8])
