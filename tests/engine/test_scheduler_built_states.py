@@ -68,10 +68,107 @@ def test_a_head_back_from_its_load_waits_for_a_pinned_block_and_is_not_aborted()
     assert llm.step() == []
     assert head.status is RequestStatus.WAITING
     assert llm.scheduler.waiting[0] is head
+    # Its blocks stay: releasing them (as idle blocks of others) would only have it load
+    # or compute them again. Mutation: the head released its own loaded blocks.
+    assert head.block_tables[0][0] == NULL_BLOCK_ID
+    assert (head.num_computed_tokens, llm.stats.num_idle_releases) == (12, 0)
     llm.pool.free([store])  # the store is reported
     assert llm.step() == [head]
     assert head.finish_reason is FinishReason.LENGTH
     llm.shutdown()
+
+
+def back_from_load(llm: LLM, prompt: list[int], num_computed: int) -> Request:
+    """Return a waiting request back from its load, holding its `num_computed` tokens."""
+    request = llm.add_request(prompt, ONE)
+    size = llm.engine_config.block_size
+    return placed(llm, request, num_computed, llm.pool.allocate(-(-num_computed // size)))
+
+
+def test_a_running_request_short_of_blocks_takes_those_held_idle_by_waiting_ones() -> None:
+    """Full attention, 4 usable blocks: the only running request needs a block; a waiting
+    request back from its load holds the other two. Its idle blocks are freed (an idle
+    release, not a preemption) and the running one goes on from its 8 tokens; a waiting
+    request holding no blocks is not counted.
+    Mutations: no idle release there (the running request preempted itself and ran
+    again from token 0); a request without blocks counted as released."""
+    llm = LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=5))
+    alone = running(llm, list(range(9)), 8)
+    idle = back_from_load(llm, list(range(40, 49)), 8)
+    blockless = llm.add_request(list(range(60, 63)), ONE)
+    assert llm.pool.num_free() == 0
+    step = llm.scheduler.schedule()
+    assert [(work.request, work.num_new_tokens) for work in step.work] == [(alone, 1)]
+    assert alone.num_computed_tokens == 8
+    assert step.released_ids == step.preempted_ids == {idle.request_id}
+    assert (llm.scheduler.num_idle_releases, llm.scheduler.num_preemptions) == (1, 0)
+    assert (idle.block_tables, idle.num_computed_tokens) == ([[]], 0)
+    assert list(llm.scheduler.waiting) == [idle, blockless]
+
+
+def test_a_head_that_does_not_fit_beside_running_ones_leaves_idle_blocks_alone() -> None:
+    """Full attention, 5 usable blocks: a request runs (and grows into the last free
+    block); the waiting head needs 3 blocks; behind it a request back from its load
+    holds 2. While a request runs, blocks come back as it finishes: the idle ones are
+    not released for the head.
+    Mutation: released while others run (an idle release, its load wasted)."""
+    llm = LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=6))
+    runner = running(llm, list(range(9)), 8)
+    head = llm.add_request(list(range(20, 29)), ONE)
+    idle = back_from_load(llm, list(range(40, 49)), 8)
+    # (The head was preempted after `idle` came back from its load.)
+    assert list(llm.scheduler.waiting) == [head, idle]
+    step = llm.scheduler.schedule()
+    assert [(work.request, work.num_new_tokens) for work in step.work] == [(runner, 1)]
+    assert step.preempted_ids == step.released_ids == set()
+    assert (idle.num_computed_tokens, len(idle.block_tables[0])) == (8, 2)
+    assert head.block_tables == [[]]
+
+
+class FreesPending:
+    """An offload side with a transfer holding a GPU block alone, and no tier hits."""
+
+    def holds_gpu_blocks_alone(self) -> bool:
+        return True
+
+    def lookup(self, request: Request, num_local_tokens: int, max_tokens: int | None = None) -> int:
+        return 0
+
+    def on_allocated(self, request: Request, tables: object, num_external_tokens: int) -> None:
+        pass
+
+
+def test_nothing_is_admitted_while_a_running_request_waits_for_frees() -> None:
+    """Full attention, 3 usable blocks: a running request needs 2 blocks for its next
+    chunk, 1 is free and a transfer holds the other alone. It waits for it; a waiting
+    request that would fit the free block is not admitted (it would take it).
+    Mutation: admission went on (the waiting request ran, RUNNING)."""
+    llm = LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=4))
+    llm.scheduler.offload = FreesPending()  # type: ignore[assignment]
+    chunked = running(llm, list(range(12)), 4)
+    pinned_block(llm)
+    small = llm.add_request([1, 2, 3], ONE)
+    assert llm.pool.num_free() == 1
+    step = llm.scheduler.schedule()
+    assert step.waits_for_frees
+    assert (step.work, step.preempted_ids) == ([], set())
+    assert (small.status, small.block_tables) == (RequestStatus.WAITING, [[]])
+    assert llm.scheduler.running == [chunked]
+
+
+def test_tables_are_sent_whole_once_then_appended() -> None:
+    """A request's first work carries its whole tables; once `complete` applied it, the
+    next work appends (its tables reached the offload side).
+    Mutation: `complete` left `has_unconfirmed_work` set (every work sent whole)."""
+    llm = LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=5))
+    request = llm.add_request(list(range(6)), SamplingParams(max_tokens=4, ignore_eos=True))
+    updates = []
+    for token in (7, 8, 9):
+        step = llm.scheduler.schedule()
+        updates.append([work.table_update for work in step.work])
+        llm.scheduler.complete(step, [token], 0.0)
+    assert updates == [[TableUpdate.REPLACE], [TableUpdate.APPEND], [TableUpdate.APPEND]]
+    assert request.output_token_ids == [7, 8, 9]
 
 
 def test_a_grow_short_after_one_preemption_preempts_the_next_one_too() -> None:
