@@ -29,7 +29,7 @@ def pinned_block(llm: LLM) -> int:
     return block
 
 
-def placed(llm: LLM, request: Request, num_computed: int, table: list[int]) -> Request:
+def placed(request: Request, num_computed: int, table: list[int]) -> Request:
     """Give a queued request `table` (one group) and `num_computed` computed tokens."""
     request.block_tables = [table]
     request.num_computed_tokens = num_computed
@@ -42,7 +42,7 @@ def running(llm: LLM, prompt: list[int], num_computed: int) -> Request:
     scheduler = llm.scheduler
     scheduler.waiting.remove(request)
     size = llm.engine_config.block_size
-    placed(llm, request, num_computed, llm.pool.allocate(-(-num_computed // size)))
+    placed(request, num_computed, llm.pool.allocate(-(-num_computed // size)))
     request.status = RequestStatus.RUNNING
     scheduler.running.append(request)
     return request
@@ -62,7 +62,7 @@ def test_a_head_back_from_its_load_waits_for_a_pinned_block_and_is_not_aborted()
     )
     llm = LLM(model, engine=EngineConfig(block_size=4, num_gpu_blocks=4))  # 3 usable
     head = llm.add_request(list(range(13)), ONE)
-    placed(llm, head, 12, [NULL_BLOCK_ID, *llm.pool.allocate(2)])
+    placed(head, 12, [NULL_BLOCK_ID, *llm.pool.allocate(2)])
     store = pinned_block(llm)
     assert llm.pool.num_free() == 0
     assert llm.step() == []
@@ -82,7 +82,7 @@ def back_from_load(llm: LLM, prompt: list[int], num_computed: int) -> Request:
     """Return a waiting request back from its load, holding its `num_computed` tokens."""
     request = llm.add_request(prompt, ONE)
     size = llm.engine_config.block_size
-    return placed(llm, request, num_computed, llm.pool.allocate(-(-num_computed // size)))
+    return placed(request, num_computed, llm.pool.allocate(-(-num_computed // size)))
 
 
 def test_a_running_request_short_of_blocks_takes_those_held_idle_by_waiting_ones() -> None:
@@ -203,7 +203,7 @@ def test_the_last_running_request_short_of_blocks_a_load_holds_is_preempted() ->
     alone = running(llm, list(range(9)), 8)
     loader = llm.add_request(list(range(40, 49)), ONE)
     llm.scheduler.waiting.remove(loader)
-    placed(llm, loader, 8, llm.pool.allocate(2))
+    placed(loader, 8, llm.pool.allocate(2))
     loader.status = RequestStatus.WAITING_FOR_LOAD
     llm.scheduler.loading[loader.request_id] = loader
     assert llm.pool.num_free() == 0
