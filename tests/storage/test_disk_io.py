@@ -43,8 +43,11 @@ def test_an_io_thread_shut_down_from_its_own_call_does_not_join_itself() -> None
     threads: set[threading.Thread] = set()
     io = IoThread("load", threads)
     ran: list[str] = []
+    release = threading.Event()
+    io.submit(release.wait, WAIT_S)  # holds the thread: both calls below are queued first
     first = io.submit(io.shutdown)
     second: Future[None] = io.submit(ran.append, "queued before the stop")
+    release.set()
     first.result(WAIT_S)
     second.result(WAIT_S)
     assert ran == ["queued before the stop"]
