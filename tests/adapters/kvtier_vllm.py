@@ -10,13 +10,15 @@ served anyway trips the harness's fingerprint check.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_harness import (
     ConnectorWorker,
+    FakeKVCache,
     HarnessConfig,
     VllmHarness,
     connector_worker_factory,
@@ -73,6 +75,21 @@ def scheduler_side(harness: VllmHarness) -> SchedulerSide:
         if hasattr(child, "scheduler_side"):
             return child.scheduler_side  # type: ignore[no-any-return]
     raise AssertionError("no kvtier connector")
+
+
+@contextlib.contextmanager
+def lone_worker() -> Iterator[ConnectorWorker]:
+    """Yield kvtier's worker role alone over a 16-block fake KV cache, driven call by call
+    (no scheduler); shut it down, then its harness, on the way out."""
+    harness = VllmHarness(kvtier_config(extra={"num_blocks": 16}))
+    try:
+        worker = ConnectorWorker.create(
+            harness.vllm_config, harness.kv_cache_config, FakeKVCache(harness.kv_cache_config)
+        )
+        yield worker
+        worker.connector.shutdown()
+    finally:
+        harness.close()
 
 
 def kvtier_worker(harness: VllmHarness, rank: int = 0) -> ConnectorWorker:

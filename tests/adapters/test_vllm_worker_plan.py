@@ -9,6 +9,7 @@ restart could restore the dropped copies' manifest records).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -16,22 +17,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import kvtier_config
-from vllm_harness import ConnectorWorker, FakeKVCache, VllmHarness
+from kvtier_vllm import lone_worker
 
 from kvtier.adapters.vllm.metadata import KVTierMetadata
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan
 
 
 @pytest.fixture
-def worker() -> Any:
-    harness = VllmHarness(kvtier_config(extra={"num_blocks": 16}))
-    worker = ConnectorWorker.create(
-        harness.vllm_config, harness.kv_cache_config, FakeKVCache(harness.kv_cache_config)
-    )
-    yield worker
-    worker.connector.shutdown()
-    harness.close()
+def worker() -> Iterator[Any]:
+    with lone_worker() as worker:
+        yield worker
 
 
 def submitted(worker: Any, plan: TransferPlan) -> list[TransferPlan]:

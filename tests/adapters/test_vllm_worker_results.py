@@ -11,8 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import kvtier_config
-from vllm_harness import ConnectorWorker, FakeKVCache, VllmHarness
+from kvtier_vllm import lone_worker
 
 from kvtier.adapters.vllm.metadata import KVTierMetadata
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
@@ -23,13 +22,8 @@ DST = (9, 10, 11, 14)
 
 @pytest.fixture
 def connector() -> Iterator[Any]:
-    harness = VllmHarness(kvtier_config(extra={"num_blocks": 16}))
-    worker = ConnectorWorker.create(
-        harness.vllm_config, harness.kv_cache_config, FakeKVCache(harness.kv_cache_config)
-    )
-    yield worker.connector
-    worker.connector.shutdown()
-    harness.close()
+    with lone_worker() as worker:
+        yield worker.connector
 
 
 def fake_reports(connector: Any, *reports: WorkerReport) -> None:

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier_vllm import kvtier_config
-from vllm_harness import ConnectorWorker, FakeKVCache, VllmHarness
+from kvtier_vllm import kvtier_config, lone_worker
+from vllm_harness import VllmHarness
 
 from kvtier.adapters.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
@@ -24,13 +24,8 @@ from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
 
 @pytest.fixture
 def worker() -> Iterator[Any]:
-    harness = VllmHarness(kvtier_config(extra={"num_blocks": 16}))
-    worker = ConnectorWorker.create(
-        harness.vllm_config, harness.kv_cache_config, FakeKVCache(harness.kv_cache_config)
-    )
-    yield worker
-    worker.connector.shutdown()
-    harness.close()
+    with lone_worker() as worker:
+        yield worker
 
 
 def store(event_id: int) -> TransferJob:
@@ -38,16 +33,22 @@ def store(event_id: int) -> TransferJob:
     return TransferJob(event_id, Tier.GPU, Tier.CPU, (10 + event_id,), (event_id,))
 
 
-def run_step(connector: Any, metadata: KVTierMetadata) -> tuple[set[str], set[str], Any]:
-    """Run one step in Model Runner V2's order; return vLLM's results and worker metadata."""
-    connector.bind_connector_metadata(metadata)
-    connector.start_load_kv(None)
-    connector.wait_for_save()
-    connector.worker_side.worker.flush()
+def end_step(connector: Any) -> tuple[set[str], set[str], Any]:
+    """End the bound step as vLLM does: return its finished and failed loads and its
+    worker metadata, then clear the step's metadata."""
     results = connector.get_transfer_results(set())
     meta = connector.build_connector_worker_meta()
     connector.clear_connector_metadata()
     return results.finished_recving, results.failed_recving, meta
+
+
+def run_step(connector: Any, metadata: KVTierMetadata) -> tuple[set[str], set[str], Any]:
+    """Run one step in Model Runner V2's order, its transfers finished; see `end_step`."""
+    connector.bind_connector_metadata(metadata)
+    connector.start_load_kv(None)
+    connector.wait_for_save()
+    connector.worker_side.worker.flush()
+    return end_step(connector)
 
 
 def test_register_kv_caches_twice_raises_and_keeps_the_first_worker(worker: Any) -> None:
@@ -149,12 +150,10 @@ def test_wait_for_save_submits_the_loads_start_load_kv_never_did(worker: Any) ->
     connector.bind_connector_metadata(KVTierMetadata(load_plan(1, 1, "r")))
     connector.wait_for_save()
     connector.worker_side.worker.flush()
-    results = connector.get_transfer_results(set())
-    assert (results.finished_recving, results.failed_recving) == ({"r"}, set())
-    meta = connector.build_connector_worker_meta()
+    finished, failed, meta = end_step(connector)
+    assert (finished, failed) == ({"r"}, set())
     assert isinstance(meta, KVTierWorkerMetadata)
     assert set(meta.report.done) == {1, 2}
-    connector.clear_connector_metadata()
 
 
 def test_a_refused_plans_event_the_worker_already_failed_is_reported_once(
@@ -180,12 +179,10 @@ def test_a_refused_plans_event_the_worker_already_failed_is_reported_once(
     connector.bind_connector_metadata(KVTierMetadata(plan))
     with pytest.raises(OSError, match="injected"):
         connector.start_load_kv(None)
-    results = connector.get_transfer_results(set())
-    assert results.failed_recving == {"r", "s"}
-    meta = connector.build_connector_worker_meta()
+    _, failed, meta = end_step(connector)
+    assert failed == {"r", "s"}
     assert isinstance(meta, KVTierWorkerMetadata)
     assert meta.report.failed == {1: 1, 2: 1}
-    connector.clear_connector_metadata()
 
 
 def test_a_refused_plan_whose_flush_fails_raises_the_submits_error_and_fails_nothing(
@@ -208,12 +205,10 @@ def test_a_refused_plan_whose_flush_fails_raises_the_submits_error_and_fails_not
     with pytest.raises(OSError, match="injected: submit"):
         connector.start_load_kv(None)
     monkeypatch.undo()
-    results = connector.get_transfer_results(set())
-    assert results.failed_recving == set()
-    meta = connector.build_connector_worker_meta()
+    _, failed, meta = end_step(connector)
+    assert failed == set()
     assert isinstance(meta, KVTierWorkerMetadata)
     assert set(meta.report.failed) == {2}  # the store: never handed to the worker
-    connector.clear_connector_metadata()
 
 
 def test_a_worker_that_never_started_removes_its_disk_folder_once(tmp_path: Path) -> None:
