@@ -38,15 +38,19 @@ def test_blocks_extra_keys_are_those_of_each_block() -> None:
 
 
 def test_lazy_stores_with_events_serve_a_prompt_again() -> None:
-    """Lazy stores with KV events on: the walk notes each request's cached blocks with
-    their extra keys (`blocks_extra_keys`); outputs match an engine without offload.
-    Mutation: as above (the walk raised ValueError inside a step)."""
+    """SPEC scenarios 5 and 31 with KV events on: a 60-token prompt pushes the first
+    prompt's blocks out of the GPU pool, lazily stored on the way (the walk notes each
+    request's cached blocks with their extra keys, `blocks_extra_keys`); the first
+    prompt again loads from the CPU tier, and every output matches an engine without
+    offload. Mutation: as above (the walk raised ValueError inside a step)."""
     tier = OffloadConfig(cpu_bytes=4 << 20, store_mode=StoreMode.LAZY, events=True)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    prompts = [list(range(13)), list(range(13)), [*range(8), 50, 51, 52]]
+    first = list(range(13))
+    prompts = [first, list(range(64, 124)), first, [*range(8), 50, 51, 52]]
     with LLM(ModelConfig.tiny(), engine=ENGINE) as plain:
         expected = [out.output_token_ids for out in plain.generate(prompts, params)]
     with LLM(ModelConfig.tiny(), tier, ENGINE) as llm:
-        outputs = [llm.generate([prompt], params)[0].output_token_ids for prompt in prompts]
+        outputs = [llm.generate([prompt], params)[0] for prompt in prompts]
         llm.drain()
-    assert outputs == expected
+    assert [out.output_token_ids for out in outputs] == expected
+    assert outputs[2].num_external_hit_tokens > 0
