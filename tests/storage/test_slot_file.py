@@ -116,15 +116,19 @@ def test_a_stale_file_locked_meanwhile_is_not_replaced(tmp_path: Path) -> None:
         os.close(fd)
 
 
-def test_symlink_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
-    """A symlink at the path (even to a writable file) is never followed."""
+@pytest.mark.parametrize("persistent", [False, True])
+def test_symlink_is_refused_and_its_target_untouched(tmp_path: Path, persistent: bool) -> None:
+    """A symlink at the path (even to a writable file) is never followed, nor removed. A
+    persistent file is reused without truncation: through a symlink it would reuse (and
+    later size) whatever file the link names."""
     target = tmp_path / "victim"
     target.write_bytes(b"keep me")
     link = tmp_path / "rank0.slots"
     link.symlink_to(target)
     with pytest.raises(FileExistsError, match="symlink"):
-        SlotFile(str(link), 2, 4096, DiskIOMode.PAGE_CACHE)
+        SlotFile(str(link), 2, 4096, DiskIOMode.PAGE_CACHE, persistent=persistent)
     assert target.read_bytes() == b"keep me"
+    assert link.is_symlink()
 
 
 def test_direct_io_requires_4096_aligned_slots(tmp_path: Path) -> None:

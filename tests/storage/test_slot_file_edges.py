@@ -128,19 +128,6 @@ def test_recreate_refuses_a_file_that_is_not_persistent(tmp_path: Path) -> None:
     fresh.close()
 
 
-def test_a_persistent_open_refuses_a_symlink_and_leaves_its_target(tmp_path: Path) -> None:
-    """A persistent file is reused without truncation: through a symlink it would reuse
-    (and later size) whatever file the link names."""
-    target = tmp_path / "elsewhere"
-    target.write_bytes(b"keep me")
-    link = tmp_path / "rank0.slots"
-    link.symlink_to(target)
-    with pytest.raises(FileExistsError, match="symlink"):
-        SlotFile(str(link), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=True)
-    assert target.read_bytes() == b"keep me"
-    assert link.is_symlink()
-
-
 def test_a_reused_persistent_file_keeps_direct_io(tmp_path: Path) -> None:
     """A direct-I/O tier reopened on its persistent file still bypasses the page cache."""
     path = os.path.join(direct_io_dir(str(tmp_path)), "rank0.slots")
