@@ -184,4 +184,4 @@ def test_top_p_keeps_the_tokens_summing_exactly_to_it() -> None:
     likely tokens at top_p=0.75 keep three (they sum to exactly 0.75), never all four.
     Mutation: dropping only while the sum was below 1 - top_p kept all four."""
     row = torch.zeros(4)
-    assert len(set(_draws(row[None][0], SamplingParams(temperature=1.0, top_p=0.75)))) == 3
+    assert len(set(_draws(row, SamplingParams(temperature=1.0, top_p=0.75)))) == 3
