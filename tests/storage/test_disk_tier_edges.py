@@ -149,31 +149,24 @@ def test_a_closed_tier_is_collected_without_a_warning(
     assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
 
 
-class _NamedThreads:
-    """Real I/O that records the name of the thread running each read and write."""
-
-    def __init__(self) -> None:
-        self.names: list[tuple[str, str]] = []
-
-    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
-        self.names.append(("write", threading.current_thread().name))
-        return os.pwrite(fd, data, offset)
-
-    def pread(self, fd: int, into: memoryview, offset: int) -> int:
-        self.names.append(("read", threading.current_thread().name))
-        return os.preadv(fd, [into], offset)
-
-
-def test_reads_and_writes_run_on_their_own_io_threads(tmp_path: Path) -> None:
-    """A load never waits behind the store queue's writes: each side has its thread."""
-    io = _NamedThreads()
+def test_a_store_never_waits_behind_a_load(tmp_path: Path) -> None:
+    """Reads and writes run on I/O threads of their own: a write completes while a read
+    is still held in the disk (as a load never waits behind a queue of stores)."""
+    io = _GatedReads()
     tier = DiskTier(config(tmp_path, fingerprint=None), io)
     try:
+        tier.store_buffers[0].tensor[:1] = 5
         tier.write_slots(tier.store_buffers[0], ids(0)).result(WAIT_S)
-        tier.read_slots(tier.load_buffers[0], ids(0)).result()
+        read = tier.read_slots(tier.load_buffers[0], ids(0))
+        assert io.reading.wait(WAIT_S)
+        tier.store_buffers[1].tensor[:1] = 6
+        tier.write_slots(tier.store_buffers[1], ids(1)).result(WAIT_S)  # not behind the read
+        io.release.set()
+        read.result()
+        assert bool((tier.load_buffers[0].tensor[0] == 5).all())
     finally:
+        io.release.set()
         tier.close()
-    assert io.names == [("write", "kvtier-disk-store"), ("read", "kvtier-disk-load")]
 
 
 def test_a_second_end_persistence_is_a_no_op(
