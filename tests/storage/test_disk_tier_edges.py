@@ -1,4 +1,7 @@
-"""Disk tier edges a mutation run found untested (s30)."""
+"""Disk tier edges: closing from an I/O thread and with I/O queued, stores that never
+wait behind loads, a second `end_persistence`, a bad slot's error surviving a failed
+record drop, recovered slots and manifest syncs around writes, both syncs failing at
+close, a reopen under another region layout, and the staging buffer's slot cap."""
 
 from __future__ import annotations
 

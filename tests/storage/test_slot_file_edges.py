@@ -1,6 +1,7 @@
-"""Slot file edges a mutation run found untested (s30): sizes that are not positive, a
-recreated persistent file (locked, the old file's space given back before the new one
-is sized)."""
+"""Slot file edges: sizes that are not positive, part-slot buffers, a recreated persistent
+file (locked, the old file's space given back before the new one is sized), opening under
+the fork lock, a file's mode under any umask, stale or foreign files at the path, space
+allocated at open (with or without fallocate), and the fork list after close."""
 
 from __future__ import annotations
 
