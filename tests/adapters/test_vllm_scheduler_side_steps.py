@@ -20,6 +20,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 from kvtier.offload.plan import Tier
 
@@ -165,6 +166,36 @@ def check_fault_only(side: SchedulerSide, monkeypatch: Any) -> None:
     except RuntimeError:
         side.on_finished(SimpleNamespace(request_id="c", status=aborted), ([2],))
     assert unconfirmed == ["a", "b"]
+
+
+def test_a_finish_after_every_plans_outputs_came_stays_confirmed_through_a_later_fault(
+    monkeypatch: Any,
+) -> None:
+    # Plan 1's outputs were all applied before the request stopped: no forward in flight
+    # can have counted compute that never ran, so the next step's fault leaves its
+    # finish confirmed (unconfirming it would drop its store for nothing).
+    harness = kvtier_harness(async_scheduling=True, batch_queue_size=2)
+    try:
+        side = scheduler_side(harness)
+        monkeypatch.setattr(side.offload, "on_finished", lambda view, ids, computed: False)
+        unconfirmed: list[str] = []
+        monkeypatch.setattr(
+            side.offload,
+            "unconfirm_finished",
+            lambda view, tables: unconfirmed.append(view.request_id),
+        )
+        step = side.build_metadata(SchedulerOutput.make_empty()).plan.step_id
+        output = KVTierWorkerMetadata(steps={0: step})
+        side.apply_output(KVConnectorOutput(kv_connector_worker_meta=output))
+        stopped, aborted = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED
+        side.on_finished(SimpleNamespace(request_id="a", status=stopped), ([1],))
+        try:
+            raise RuntimeError("a fault")
+        except RuntimeError:
+            side.on_finished(SimpleNamespace(request_id="c", status=aborted), ([2],))
+        assert unconfirmed == []
+    finally:
+        harness.close()
 
 
 def test_a_disk_tiers_hit_without_a_split_is_a_disk_hit(tmp_path: Any) -> None:
