@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from busy_steps import busy_steps
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm_harness import (
     ConnectorWorker,
@@ -137,14 +138,12 @@ def drain(harness: VllmHarness, max_steps: int = 2000) -> None:
 def drain_collecting_stats(harness: VllmHarness, max_steps: int = 2000) -> list[dict[str, Any]]:
     """Step until idle; return every step's connector stats payload vLLM produced."""
     payloads = []
-    for _ in range(max_steps):
-        if not harness.is_busy():
-            return payloads
-        for outputs in harness.drain_step().outputs.values():
+    for record in busy_steps(harness, max_steps):
+        for outputs in record.outputs.values():
             stats = outputs.scheduler_stats
             if stats is not None and stats.kv_connector_stats is not None:
                 payloads.append(stats.kv_connector_stats)
-    raise AssertionError(f"engine still busy after {max_steps} steps")
+    return payloads
 
 
 def zero_blocks(harness: VllmHarness, rank: int = 0) -> Callable[[tuple[int, ...]], None]:

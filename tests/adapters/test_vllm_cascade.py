@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from kvtier_vllm import (
     PROM_LABELS,
     SCHEDULING,
@@ -85,8 +86,8 @@ class Observed:
         for start in range(0, len(items), wave):
             for request_id, prompt in items[start : start + wave]:
                 harness.add_request(request_id, prompt, max_tokens=4)
-            while harness.scheduler.has_requests():
-                self.add(harness.step())
+            for record in busy_steps(harness):
+                self.add(record)
 
 
 @pytest.mark.parametrize("scheduling", ["sync", "async_pipelined"])

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from kvtier_vllm import (
     CONNECTOR,
     MODULE,
@@ -61,8 +62,7 @@ def run_waves(
     for start in range(0, len(items), wave):
         for request_id, prompt in items[start : start + wave]:
             harness.add_request(request_id, prompt, **kw)
-        while harness.is_busy():
-            record = harness.step()
+        for record in busy_steps(harness):
             num_preempted += len(record.scheduler_output.preempted_req_ids or ())
             for outputs in record.outputs.values():
                 stats = outputs.scheduler_stats

@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from kvtier_vllm import (
     SCHEDULING,
     PollGate,
@@ -60,8 +61,8 @@ def test_failed_load_fails_the_request_under_vllms_default_policy() -> None:
     PollGate(offload_worker(harness)).fail_loads(zero_blocks(harness))
     harness.add_request("x", AGAIN["again-req-0"], max_tokens=3)
     errors = []
-    while harness.scheduler.has_requests():
-        for outputs in harness.step().outputs.values():
+    for record in busy_steps(harness):
+        for outputs in record.outputs.values():
             errors += [o.request_id for o in outputs.outputs if o.finish_reason is not None]
     assert errors == ["x"]
     assert harness.requests["x"].status == RequestStatus.FINISHED_ERROR

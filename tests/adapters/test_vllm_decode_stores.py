@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from kvtier_vllm import SCHEDULING, check_quiescent, kvtier_harness, scheduler_side
 from vllm_harness import VllmHarness
 
@@ -50,8 +51,7 @@ def test_every_block_behind_the_eager_cursor_is_stored(config: str) -> None:
     request = harness.add_request("long", PROMPT, max_tokens=NUM_OUTPUT_TOKENS)
     selector = scheduler_side(harness).offload.selector
     unhashed = stored = max_cursor = 0
-    while harness.is_busy():
-        record = harness.drain_step()
+    for record in busy_steps(harness):
         for outputs in record.outputs.values():
             stats = outputs.scheduler_stats
             payload = None if stats is None else stats.kv_connector_stats

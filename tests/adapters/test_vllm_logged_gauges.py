@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from faulty_worker import FaultyWorker
 from multi_connector import MultiWorker, multi_harness
 from test_vllm_multi_connector_gauges import NAMES, PROMPTS, kvtier_children, true_gauges
@@ -70,9 +71,10 @@ def test_each_intervals_log_line_sums_every_kvtier_connectors_gauges() -> None:
     lines: list[str] = []
     for request_id, prompt in PROMPTS.items():
         harness.add_request(request_id, prompt, 3)
-    while harness.is_busy():
+    for record in busy_steps(harness):
+        sent = senders.copy()  # this step's senders
         senders.clear()
-        for outputs in harness.step().outputs.values():
+        for outputs in record.outputs.values():
             stats = outputs.scheduler_stats
             if stats is not None and stats.kv_connector_stats is not None:
                 logging.observe(stats.kv_connector_stats)
@@ -84,7 +86,7 @@ def test_each_intervals_log_line_sums_every_kvtier_connectors_gauges() -> None:
         truth = {name: float(value) for name, value in true_gauges(harness).items()}
         assert logged_gauges(line) == truth, line
         num_lines += 1
-        silent = kvtier_children(harness)[1 - senders[0]] if len(senders) == 1 else None
+        silent = kvtier_children(harness)[1 - sent[0]] if len(sent) == 1 else None
         if silent is not None and any(silent.scheduler_side.offload.stats_gauges()):
             num_alone += 1  # a connector with gauges above 0 sent nothing this interval
     assert num_lines

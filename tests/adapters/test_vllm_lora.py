@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from gpu_eviction import evict_from_gpu
 from kvtier_vllm import (
     SCHEDULING,
@@ -133,8 +134,8 @@ def test_two_adapters_under_max_loras_one_load_their_own_prefixes(scheduling: st
         for request_id, (prompt, lora) in runs.items():
             harness.add_request(f"again-{request_id}", [*prompt, 7], 3, lora_request=lora)
         adapters: list[set[str | None]] = []  # each run of steps' adapters, in order
-        while harness.is_busy():
-            scheduled = harness.drain_step().num_scheduled_tokens
+        for record in busy_steps(harness):
+            scheduled = record.num_scheduled_tokens
             loras = [harness.requests[r].lora_request for r in scheduled]
             names = {lora.lora_name if lora else None for lora in loras}
             if names and names != (adapters or [None])[-1]:

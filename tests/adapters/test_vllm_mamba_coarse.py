@@ -29,6 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import test_vllm_random_ops
+from busy_steps import busy_steps
 from forward_faults import drain_deferred_frees
 from gpu_eviction import evict_from_gpu
 from kvtier_vllm import check_quiescent, drain, kvtier_harness, scheduler_side
@@ -73,8 +74,7 @@ def test_vllm_keeps_and_copies_a_partial_tail_state_and_kvtier_sees_whole_blocks
         assert not layout.supports_fine_grained_hits
         harness.add_request("r", PROMPTS["req-0"], max_tokens=4)
         chunks, copies = [], []
-        while harness.is_busy():
-            record = harness.drain_step()
+        for record in busy_steps(harness):
             chunks += record.num_scheduled_tokens.values()
             copies += record.scheduler_output.kv_cache_block_copies or ()
         # A 64-token chunk, one to the last hash boundary of the prompt (96), the rest.

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from faulty_worker import FaultyWorker
 from kvtier_vllm import PROM_LABELS, kvtier_harness
 from multi_connector import multi_harness
@@ -90,8 +91,8 @@ def test_two_kvtier_childrens_gauges_add_up_in_every_view() -> None:
             assert harness.scheduler.reset_prefix_cache()
         for request_id, prompt in batch.items():
             harness.add_request(request_id, prompt, 3)
-        while harness.is_busy():
-            for outputs in harness.step().outputs.values():
+        for record in busy_steps(harness):
+            for outputs in record.outputs.values():
                 stats = outputs.scheduler_stats
                 payload = stats.kv_connector_stats if stats is not None else None
                 if payload is not None:
@@ -126,8 +127,8 @@ def test_one_connectors_gauges_are_unchanged() -> None:
     connector = harness.scheduler.connector
     for request_id, prompt in PROMPTS.items():
         harness.add_request(request_id, prompt, 3)
-    while harness.is_busy():
-        for outputs in harness.step().outputs.values():
+    for record in busy_steps(harness):
+        for outputs in record.outputs.values():
             stats = outputs.scheduler_stats
             if stats is not None and stats.kv_connector_stats is not None:
                 metrics.observe(stats.kv_connector_stats, engine_idx=0)
@@ -187,8 +188,8 @@ def test_data_parallel_engines_gauges_add_up_in_the_aggregated_log_line(
         for request_id, prompt in PROMPTS.items():
             harness.add_request(request_id, prompt, 3)
         busy = []  # payloads whose gauges are not all 0
-        while harness.is_busy():
-            for outputs in harness.step().outputs.values():
+        for record in busy_steps(harness):
+            for outputs in record.outputs.values():
                 stats = outputs.scheduler_stats
                 payload = stats.kv_connector_stats if stats is not None else None
                 if payload is not None and any(summed_gauges(payload["gauges"]).values()):

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from kvtier_vllm import kvtier_harness, offload_worker
 from multi_connector import MultiWorker, multi_harness
 from vllm_harness import ConnectorWorker, VllmHarness, shared_prefix_prompts
@@ -40,8 +41,7 @@ def kvtier_counters(harness: VllmHarness, batches: Sequence[Mapping[str, Sequenc
             assert harness.scheduler.reset_prefix_cache()
         for request_id, prompt in batch.items():
             harness.add_request(request_id, prompt, 3)
-        while harness.is_busy():
-            record = harness.step()
+        for record in busy_steps(harness):
             num_steps += 1
             for outputs in record.outputs.values():
                 stats = outputs.scheduler_stats

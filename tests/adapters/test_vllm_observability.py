@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from busy_steps import busy_steps
 from kvtier_vllm import (
     PROM_LABELS,
     SCHEDULING,
@@ -403,8 +404,8 @@ def test_stats_of_a_multi_connector_child_survive_the_front_end() -> None:
     for request_id, prompt in PROMPTS.items():
         harness.add_request(request_id, prompt, max_tokens=3)
     num_payloads = 0
-    while harness.scheduler.has_requests():
-        for outputs in harness.step().outputs.values():
+    for record in busy_steps(harness):
+        for outputs in record.outputs.values():
             stats = decoder.decode(encoder.encode(outputs)).scheduler_stats  # the IPC
             if stats is not None and stats.kv_connector_stats:
                 logging.observe(stats.kv_connector_stats)

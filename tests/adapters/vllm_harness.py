@@ -43,6 +43,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from busy_steps import busy_steps
 from fake_drafter import FakeDrafter
 from fake_drafter import token_at as _token_at
 from open_harnesses import OPEN, forget
@@ -301,11 +302,7 @@ class VllmHarness:
         copies are then waited for (`wait_for_copies`), so `max_steps` bounds the steps
         of a stalled engine, not the time a CPU-starved copy thread takes.
         """
-        for num_steps in range(max_steps):
-            if not self.is_busy():
-                return num_steps
-            self.drain_step()
-        raise AssertionError(f"engine still busy after {max_steps} steps")
+        return sum(1 for _ in busy_steps(self, max_steps))
 
     def drain_step(self) -> StepRecord:
         """One step of a loop that steps until idle under a step cap: `step`, then,
