@@ -103,3 +103,17 @@ def test_stats_rebuilt_from_a_payload_leave_the_payload_unchanged() -> None:
         "gauges": {"0.0": {"tier_blocks_in_use": 3}},
         "info": {"0.0": {"tier": "cpu"}},
     }
+
+
+def test_both_roles_size_lazy_walks_by_vllms_batch_token_budget() -> None:
+    # `max_batched_tokens` sets how many GPU free-queue blocks lazy mode visits per step
+    # (`lazy_target`) and a cascade plan's demotions: vLLM's budget, not a default.
+    harness = kvtier_harness(max_num_batched_tokens=64)
+    try:
+        assert harness.vllm_config.scheduler_config.max_num_batched_tokens == 64
+        scheduler = harness.scheduler.connector
+        worker = harness.workers[0].connector  # type: ignore[attr-defined]
+        assert scheduler.offload_config.max_batched_tokens == 64  # type: ignore[union-attr]
+        assert worker.offload_config.max_batched_tokens == 64
+    finally:
+        harness.close()
