@@ -23,6 +23,7 @@ from vllm.v1.request import RequestStatus
 from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
 from kvtier.offload.plan import Tier
+from kvtier.offload.protocols import TableUpdate
 
 
 @pytest.fixture
@@ -194,6 +195,30 @@ def test_a_finish_after_every_plans_outputs_came_stays_confirmed_through_a_later
         except RuntimeError:
             side.on_finished(SimpleNamespace(request_id="c", status=aborted), ([2],))
         assert unconfirmed == []
+    finally:
+        harness.close()
+
+
+def test_each_step_hands_kvtier_vllms_full_tables_and_finishes() -> None:
+    # A new request's blocks are its whole table (REPLACE): only there does kvtier look
+    # for prefix hits on blocks whose KV is unconfirmed or held back, which it must not
+    # store; later steps append. The step's finished requests end their hand-offs.
+    harness = kvtier_harness()
+    try:
+        offload = scheduler_side(harness).offload
+        build = offload.build_plan
+        steps: list[Any] = []
+
+        def recorded(step: Any) -> Any:
+            steps.append(step)
+            return build(step)
+
+        offload.build_plan = recorded  # type: ignore[method-assign]
+        harness.run_requests({"a": list(range(1000, 1040))}, max_tokens=3)
+        updates = [s.table_update for step in steps for s in step.scheduled]
+        assert updates == [TableUpdate.REPLACE, TableUpdate.APPEND, TableUpdate.APPEND]
+        finishes = [set(step.finished_request_ids) for step in steps]
+        assert [f for f in finishes if f] == [{"a"}], finishes
     finally:
         harness.close()
 
