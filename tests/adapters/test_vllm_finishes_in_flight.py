@@ -84,6 +84,17 @@ def test_a_finish_is_cleared_by_the_output_of_the_plan_it_awaited(
     assert unconfirmed == []
 
 
+def test_a_fault_unconfirms_each_suspect_once(overlapped: Any, monkeypatch: Any) -> None:
+    # By a later fault the blocks of `a` may hold another request's KV: unconfirming
+    # them again would drop that request's stores.
+    side, unconfirmed = watched(overlapped, monkeypatch)
+    plan(side)
+    finish(side, "a")
+    fault(side)
+    fault(side)
+    assert unconfirmed == ["a"]
+
+
 def test_a_suspect_older_than_the_horizon_is_dropped_but_not_a_recent_one(
     overlapped: Any, monkeypatch: Any
 ) -> None:
