@@ -117,3 +117,25 @@ def test_both_roles_size_lazy_walks_by_vllms_batch_token_budget() -> None:
         assert worker.offload_config.max_batched_tokens == 64
     finally:
         harness.close()
+
+
+@pytest.mark.parametrize(("decode", "prefill"), [(2, 1), (1, 2)])
+def test_either_kind_of_context_parallelism_is_refused_at_start_up(
+    decode: int, prefill: int
+) -> None:
+    # A context-parallel rank holds a share of each block's tokens: its blocks are not
+    # the prefix blocks kvtier keys them as.
+    from kvtier.adapters.vllm.scheduler_side import SchedulerSide
+
+    harness = kvtier_harness()
+    try:
+        connector: Any = harness.scheduler.connector
+        parallel = harness.vllm_config.parallel_config
+        parallel.decode_context_parallel_size = decode
+        parallel.prefill_context_parallel_size = prefill
+        with pytest.raises(ValueError, match="does not support context parallelism"):
+            SchedulerSide(
+                harness.vllm_config, harness.kv_cache_config, connector.offload_config, ()
+            )
+    finally:
+        harness.close()
