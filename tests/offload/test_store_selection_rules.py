@@ -156,3 +156,19 @@ def test_lazy_target_follows_the_group_kinds() -> None:
     )
     assert lazy_target(layout, 10) == 2 * (3 + (2 + 1) + 2)
     assert lazy_target(full_layout(block_size=4), 16) == 2 * 4
+
+
+def test_without_fine_grained_hits_a_store_waits_for_the_whole_scheduler_block() -> None:
+    """SPEC §6.5: confirmed tokens round down to the scheduler block unless fine-grained.
+    Groups of 4 and 8 tokens (scheduler block 8): 12 confirmed tokens store the 4-token
+    group's first two blocks and the 8-token group's first, not the 4-token group's
+    third, whose scheduler block is not whole yet."""
+    layout = KVLayout((KVGroupSpec(FULL, 4, 64), KVGroupSpec(FULL, 8, 64)))
+    engine = SimEngine(layout, num_gpu_blocks=16)
+    engine.admit(make_request("a", range(12), outputs=[1]))
+    engine.schedule("a")
+    engine.step()  # 12 tokens computed
+    tables = [list(t) for t in engine.tables["a"]]
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    assert sorted(store.src_block_ids) == sorted([*tables[0][:2], tables[1][0]])
