@@ -1,0 +1,49 @@
+"""The token check and blocks appended to a running request's table: their positions
+count from the end of its table, so the fills noted for them before are forgotten."""
+
+from __future__ import annotations
+
+from sim import Admission, SimEngine, config, full_layout, make_request
+from test_token_check import colliding
+
+
+def test_a_block_appended_past_the_local_prefix_forgets_its_earlier_fill() -> None:
+    """A fills blocks 0..3. D (its first 12 tokens A's, block 3 other tokens under A's
+    hash: a collision) hits A's blocks 0 and 1 on the GPU (its local prefix: positions
+    0 and 1), computes block 2 in a first chunk and block 3 in a second, appended into
+    A's old block 3, and is preempted before a step notes it. B (hashed as A) shares
+    D's blocks from the GPU cache and stores them. Block 3 holds D's KV: A's old note
+    must be gone (the appended block is at position 3, not 0), or it is stored with
+    A's tag and A's tokens are served D's KV."""
+    engine = SimEngine(full_layout(), config(token_check=True), num_gpu_blocks=6)
+    a_tokens = [*range(8), *range(100, 108), 1]
+    engine.run(make_request("a", a_tokens))
+    engine.drain()
+    a_blocks = engine.worker.stores()[0].src_block_ids
+    assert len(a_blocks) == 4
+    tier = engine.scheduler.tier_pool
+    for slot in range(1, tier.num_blocks):  # only later stores can serve A's tokens
+        if tier.key(slot) is not None:
+            tier.discard_keys(slot)
+    for block in a_blocks[2:]:  # D hits blocks 0 and 1 only
+        engine.gpu.discard_keys(block)
+    engine.gpu.touch([a_blocks[2]])  # queue it last: D reuses A's block 3 at position 3
+    engine.gpu.free([a_blocks[2]])
+    d_tokens = [*range(8), *range(100, 104), *range(200, 204), 2]
+    assert engine.admit(colliding("d", d_tokens, a_tokens)) == Admission(8, 0, 0)
+    engine.schedule("d", 4)
+    engine.step()
+    engine.schedule("d", 4)  # appended: position 3
+    engine.step()
+    assert engine.tables["d"][0][3] == a_blocks[3]
+    d = engine.preempt("d")  # before any step visits (and notes) its block 3
+    b = colliding("b", [*d_tokens[:16], 9], a_tokens)
+    assert engine.admit(b) == Admission(16, 0, 0)  # D's blocks, shared by key
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    engine.finish("d", d)  # aborted while waiting
+    engine.evict_gpu()
+    # Blocks 0..2 hold A's tokens (stored by B with A's and D's equal tags); block 3 not.
+    assert engine.admit(make_request("a2", a_tokens)) == Admission(0, 12, 12)
