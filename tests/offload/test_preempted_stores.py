@@ -97,3 +97,25 @@ def test_tokens_counted_computed_ahead_are_not_counted_twice() -> None:
     stored = {b for job in engine.step().jobs for b in job.src_block_ids}
     assert table[1] not in stored
     engine.check()
+
+
+def test_a_block_a_full_tier_leaves_of_a_preemption_counts_as_dropped() -> None:
+    """The preemption's stores are its last (its table goes): a block the tier has no
+    slot for is never retried, so it counts as dropped, not deferred (SPEC §6.10)."""
+    layout, eager = full_layout(), config(store_mode=StoreMode.EAGER)
+    engine = SimEngine(layout, eager, num_gpu_blocks=16, num_tier_blocks=4)  # 3 slots
+    engine.auto_complete = False  # the first step's stores keep their slots
+    engine.admit(make_request("r", range(20)))
+    engine.schedule("r", 8)
+    engine.step()
+    engine.schedule("r", 8)
+    engine.step()  # stores tokens 0-8 (2 slots); computes 8-16
+    engine.scheduler.take_stats()
+    engine.preempt("r")
+    (store,) = engine.step().jobs
+    assert len(store.src_block_ids) == 1  # the last slot
+    outcomes = engine.scheduler.take_stats().store_outcomes
+    assert outcomes == {"stored": 1, "dropped_tier_full": 1}
+    engine.worker.complete_all()
+    engine.drain()
+    engine.check()
