@@ -10,7 +10,7 @@ keys (`GpuPoolView.discard_keys_of`), so a later request with that prompt recomp
 from __future__ import annotations
 
 import pytest
-from sim import SimEngine, config, full_layout, make_request
+from sim import Admission, SimEngine, config, full_layout, keep_unwritten_keys, make_request
 from test_same_step_preemption import schedule_then_preempt, victim_engine
 from test_store_selection_lazy import window_group
 
@@ -120,4 +120,39 @@ def test_blocks_a_window_dropped_before_an_unconfirmed_finish_lose_their_keys(
     assert None not in [engine.gpu.key(b) for b in dropped]
     engine.finish("r", computed=False)
     assert [engine.gpu.key(b) for b in dropped] == [None, None]
+    engine.check()
+
+
+def test_a_window_block_recovered_by_key_is_never_a_failed_forwards_copy() -> None:
+    """A null window position is recovered from the GPU cache by its key (SPEC §6.5),
+    but not from a block of unconfirmed compute: x's forward failed and its blocks keep
+    their keys (an engine that ignores `discard_keys_of`); y computes the same prompt
+    into its own blocks, drops its window's first two and finishes. Their recovery
+    stores y's copies of those keys, never x's unwritten blocks."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4),
+        )
+    )
+    engine = SimEngine(layout, config(store_mode=StoreMode.EAGER), num_gpu_blocks=24)
+    keep_unwritten_keys(engine)
+    engine.admit(make_request("x", range(13)))
+    engine.schedule("x")
+    engine.step()
+    x_first = engine.tables["x"][0][0]
+    engine.fail_forward("x")
+    engine.finish("x", computed=False)
+    engine.gpu.discard_keys(x_first)  # y misses its first block: it computes all
+    assert engine.admit(make_request("y", range(13))) == Admission(0, 0, 0)
+    engine.schedule("y")
+    engine.step()
+    y_blocks = {b for table in engine.tables["y"] for b in table}  # x's reused too
+    window = list(engine.tables["y"][1])
+    engine.drop_blocks("y", 1, [0, 1])
+    engine.finish("y")
+    (store,) = engine.step().jobs
+    assert set(window[:2]) <= set(store.src_block_ids)
+    assert set(store.src_block_ids) <= y_blocks  # none of x's left unwritten
+    engine.drain()
     engine.check()
