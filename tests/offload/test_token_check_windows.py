@@ -1,0 +1,47 @@
+"""The token check and sliding-window positions recovered from the GPU cache by key."""
+
+from __future__ import annotations
+
+from sim import Admission, SimEngine, config, make_request
+from test_token_check import colliding
+
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+
+
+def test_a_recovered_window_block_keeps_the_tag_of_its_own_fill() -> None:
+    """B (hashed as A, other tokens: a collision) fills window blocks; the tier forgets
+    them. A computes its own blocks, its window drops positions 0 and 1, and its finish
+    recovers them by key from the GPU cache: B's older copies. Those hold B's KV, so
+    they are stored with B's noted tags, never A's (SPEC §6.5, the token check): a
+    request of A's first 8 tokens must not be served them."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4),
+        )
+    )
+    engine = SimEngine(layout, config(token_check=True), num_gpu_blocks=40, num_tier_blocks=16)
+    a_tokens = [*range(12), 1]
+    engine.admit(colliding("b", [*range(50, 62), 1], a_tokens))
+    engine.schedule("b")
+    engine.step()
+    b_first = engine.tables["b"][0][0]
+    b_window = list(engine.tables["b"][1])
+    engine.finish("b")
+    engine.drain()
+    tier = engine.scheduler.tier_pool
+    for slot in range(1, tier.num_blocks):  # only A's stores can serve A's tokens
+        if tier.key(slot) is not None:
+            tier.discard_keys(slot)
+    engine.gpu.discard_keys(b_first)  # A misses its first block: it computes all
+    assert engine.admit(make_request("a", a_tokens)) == Admission(0, 0, 0)
+    engine.schedule("a")
+    engine.step()
+    engine.drop_blocks("a", 1, [0, 1])
+    engine.finish("a")
+    (store,) = engine.step().jobs
+    assert set(b_window[:2]) <= set(store.src_block_ids)  # recovered: B's copies
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.lookup(make_request("a2", [*range(8), 90])).num_offered_tokens == 0
+    engine.check()
