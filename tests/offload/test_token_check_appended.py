@@ -1,5 +1,6 @@
-"""The token check and blocks appended to a running request's table: their positions
-count from the end of its table, so the fills noted for them before are forgotten."""
+"""The token check at positions counted against a request's local prefix: blocks appended
+to its table count from the end of it (the fills noted for them before are forgotten); a
+partial tail at the prefix's end is the request's own fill."""
 
 from __future__ import annotations
 
@@ -47,3 +48,21 @@ def test_a_block_appended_past_the_local_prefix_forgets_its_earlier_fill() -> No
     engine.evict_gpu()
     # Blocks 0..2 hold A's tokens (stored by B with A's and D's equal tags); block 3 not.
     assert engine.admit(make_request("a2", a_tokens)) == Admission(0, 12, 12)
+
+
+def test_a_partial_tail_at_the_local_prefixs_end_is_stored_with_its_tag() -> None:
+    """Fine-grained hits: b hits a's first 8-token block on the GPU (its local prefix
+    ends at position 1) and computes 4 more tokens; its finish stores that partial tail
+    at position 1, which b filled itself, with its tag: c, of b's first 12 tokens, hits
+    all 12 in the tier."""
+    layout = full_layout(block_size=8, hash_block_size=4)
+    engine = SimEngine(layout, config(token_check=True, fine_grained_hits=True))
+    engine.run(make_request("a", [*range(8), 1]))
+    engine.drain()
+    assert engine.admit(make_request("b", [*range(12), 2])) == Admission(8, 0, 0)
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.lookup(make_request("c", [*range(12), 3])).num_offered_tokens == 12
