@@ -149,3 +149,23 @@ def test_a_reset_that_waits_for_a_load_hides_the_tier_at_once() -> None:
     assert engine.scheduler.lookup(c, 0) == 0
     engine.check()
     assert engine.scheduler.reset() is True
+
+
+def test_an_abandoned_stores_report_leaves_a_later_store_of_its_keys_in_flight() -> None:
+    """The abandoned store's keys were let go at the reset; "d", admitted since, stores
+    them afresh. The abandoned store reporting must not take them off the in-flight keys
+    again: "e", of the same prompt, would store them a second time."""
+    engine, old = store_while_a_reset_waits(range(300, 308))
+    engine.worker.complete(old)  # d's store of the same keys is still in flight
+    engine.step()
+    engine.evict_gpu()
+    engine.scheduler.take_stats()
+    engine.admit(make_request("e", range(300, 308)))
+    engine.schedule("e")
+    assert engine.step().jobs == ()
+    engine.finish("e")
+    assert engine.step().jobs == ()
+    assert engine.scheduler.take_stats().store_outcomes == {"skipped_in_flight": 2}
+    engine.auto_complete = True
+    engine.drain()
+    engine.check()
