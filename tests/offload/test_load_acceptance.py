@@ -103,3 +103,34 @@ def test_a_declined_hit_releases_its_pin_quietly(caplog: pytest.LogCaptureFixtur
     assert "b" not in engine.scheduler.loads.pins
     assert engine.step().jobs == ()
     engine.check()
+
+
+def test_a_shorter_acceptance_after_a_local_prefix_loads_the_blocks_after_it() -> None:
+    """As above, after a local prefix of 4 tokens (block 0 of both groups cached on the
+    GPU): the hit of the 8 accepted tokens is looked up again from the prefix's end, so
+    block 2 of each group's load is the request's block 2, not its block 1."""
+    layout = KVLayout((KVGroupSpec(FULL, 4, 64), KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4)))
+    engine = SimEngine(layout, config(), num_gpu_blocks=32, num_tier_blocks=16)
+    a = make_request("a", range(20))
+    engine.run(a)
+    engine.drain()
+    firsts = {block_key(layout, a, group_id, 0) for group_id in (0, 1)}
+    for block_id in range(1, engine.gpu.num_blocks):  # only block 0 stays on the GPU
+        if engine.gpu.key(block_id) not in (None, *firsts):
+            engine.gpu.discard_keys(block_id)
+    b = make_request("b", [*range(20), 7])
+    found = engine.lookup(b)
+    assert (found.num_local_tokens, found.num_offered_tokens) == (4, 16)
+    engine.allocate(b, found, 8)
+    (load,) = engine.step().jobs  # poll() checks the loaded content
+    full, sliding = engine.tables["b"]
+    tier = engine.scheduler.tier_pool
+    pairs = dict(zip(load.dst_block_ids, load.src_block_ids, strict=True))
+    assert pairs == {
+        full[1]: tier.cached_block(block_key(layout, b, 0, 1)),
+        full[2]: tier.cached_block(block_key(layout, b, 0, 2)),
+        sliding[2]: tier.cached_block(block_key(layout, b, 1, 2)),
+    }
+    engine.schedule("b")
+    engine.step()  # check_kv before the forward pass: every block b reads is right
+    engine.check()
