@@ -169,3 +169,27 @@ def test_an_abandoned_stores_report_leaves_a_later_store_of_its_keys_in_flight()
     engine.auto_complete = True
     engine.drain()
     engine.check()
+
+
+def test_a_request_looked_up_before_a_reset_is_never_stored() -> None:
+    """b is looked up before the reset (its GPU prefix and a tier hit pinned) and
+    allocated after it: its prefix's KV, and all b computes from it, predates the reset
+    (e.g. old weights), so none of its blocks may reach the emptied tier."""
+    engine = SimEngine(full_layout(), config(), num_gpu_blocks=24, num_tier_blocks=16)
+    engine.run(make_request("c", [*range(16), 1]))
+    engine.drain()
+    engine.evict_gpu()
+    engine.run(make_request("a", [*range(8), 2]))  # blocks 0-1 loaded onto the GPU
+    engine.drain()
+    b = make_request("b", [*range(16), 3])
+    found = engine.lookup(b)
+    assert (found.num_local_tokens, found.num_offered_tokens) == (8, 8)
+    assert engine.scheduler.reset() is True
+    assert engine.allocate(b, found, 0) == Admission(8, 8, 0)  # the tier hit is gone
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
+    engine.check()
