@@ -25,6 +25,14 @@ def stored_engine(second: KVGroupSpec, tokens: range) -> SimEngine:
     return engine
 
 
+def loaded_pairs(engine: SimEngine, request_id: str) -> tuple[dict[int, int], list[list[int]]]:
+    """Step once, which issues the request's one load (poll() checks the loaded
+    content); return the load's GPU block -> tier slot pairs and the request's tables."""
+    (load,) = engine.step().jobs
+    pairs = dict(zip(load.dst_block_ids, load.src_block_ids, strict=True))
+    return pairs, engine.tables[request_id]
+
+
 def test_a_shorter_acceptance_loads_the_sliding_window_before_its_end() -> None:
     """Scenario 6, hybrid: accepting 8 of 20 offered tokens loads sliding-window block 1."""
     engine = stored_engine(KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4), range(20))
@@ -32,10 +40,8 @@ def test_a_shorter_acceptance_loads_the_sliding_window_before_its_end() -> None:
     found = engine.lookup(b)
     assert found.num_offered_tokens == 20
     engine.allocate(b, found, 8)
-    (load,) = engine.step().jobs  # poll() checks the loaded content
-    full, sliding = engine.tables["b"]
+    pairs, (full, sliding) = loaded_pairs(engine, "b")
     tier = engine.scheduler.tier_pool
-    pairs = dict(zip(load.dst_block_ids, load.src_block_ids, strict=True))
     assert pairs == {
         full[0]: tier.cached_block(block_key(engine.layout, b, 0, 0)),
         full[1]: tier.cached_block(block_key(engine.layout, b, 0, 1)),
@@ -122,10 +128,8 @@ def test_a_shorter_acceptance_after_a_local_prefix_loads_the_blocks_after_it() -
     found = engine.lookup(b)
     assert (found.num_local_tokens, found.num_offered_tokens) == (4, 16)
     engine.allocate(b, found, 8)
-    (load,) = engine.step().jobs  # poll() checks the loaded content
-    full, sliding = engine.tables["b"]
+    pairs, (full, sliding) = loaded_pairs(engine, "b")
     tier = engine.scheduler.tier_pool
-    pairs = dict(zip(load.dst_block_ids, load.src_block_ids, strict=True))
     assert pairs == {
         full[1]: tier.cached_block(block_key(layout, b, 0, 1)),
         full[2]: tier.cached_block(block_key(layout, b, 0, 2)),

@@ -7,24 +7,15 @@ from __future__ import annotations
 import logging
 
 import pytest
+from collisions import colliding, stored_by_a_sharer
 from sim import Admission, SimEngine, SimRequest, block_key, config, full_layout, make_request
 from test_scenarios_cascade import cascade_engine, holds, keys_of
 from test_scenarios_hybrid import hybrid_engine, store_with_state_handoff
 
-from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.core.keys import make_key
 from kvtier.core.token_tags import token_tag
 from kvtier.offload.config import CascadeMode, ConfigError, OffloadConfig, StoreMode
 from kvtier.offload.plan import SlotRecord, Tier
-
-
-def colliding(request_id: str, tokens: list[int], hashed_as: list[int]) -> SimRequest:
-    """Return a request of `tokens` whose block hashes are those of `hashed_as` (a forged
-    hash collision: same hashes, other tokens)."""
-    assert len(tokens) == len(hashed_as)
-    hasher = RequestHasher(BlockHasher(4))
-    hasher.extend(hashed_as)
-    return SimRequest(request_id, list(tokens), len(tokens), hasher)
 
 
 def checked_engine(token_check: bool = True, **kwargs: object) -> SimEngine:
@@ -363,15 +354,8 @@ def test_a_reused_gpu_block_forgets_the_tag_of_its_earlier_fill() -> None:
     engine.schedule("d")
     engine.step()  # D computes into A's old blocks (3 usable: it must reuse them)
     assert a_blocks <= set(engine.tables["d"][0])
-    d = engine.preempt("d")  # before any step visits (and notes) D's blocks
-    b = colliding("b", [70, 71, 72, 73, 74, 75, 76, 77, 78], a_tokens)
-    assert engine.admit(b) == Admission(8, 0, 0)  # D's blocks, shared by key
-    engine.schedule("b")
-    engine.step()
-    engine.finish("b")
-    engine.drain()
-    engine.finish("d", d)  # aborted while waiting
-    engine.evict_gpu()
+    b_tokens = [70, 71, 72, 73, 74, 75, 76, 77, 78]
+    assert stored_by_a_sharer(engine, b_tokens, a_tokens) == Admission(8, 0, 0)
     assert engine.admit(make_request("a2", a_tokens)) == Admission(0, 0, 0)
 
 

@@ -4,8 +4,8 @@ partial tail at the prefix's end is the request's own fill."""
 
 from __future__ import annotations
 
+from collisions import colliding, stored_by_a_sharer
 from sim import Admission, SimEngine, config, full_layout, make_request
-from test_token_check import colliding
 
 
 def test_a_block_appended_past_the_local_prefix_forgets_its_earlier_fill() -> None:
@@ -37,15 +37,8 @@ def test_a_block_appended_past_the_local_prefix_forgets_its_earlier_fill() -> No
     engine.schedule("d", 4)  # appended: position 3
     engine.step()
     assert engine.tables["d"][0][3] == a_blocks[3]
-    d = engine.preempt("d")  # before any step visits (and notes) its block 3
-    b = colliding("b", [*d_tokens[:16], 9], a_tokens)
-    assert engine.admit(b) == Admission(16, 0, 0)  # D's blocks, shared by key
-    engine.schedule("b")
-    engine.step()
-    engine.finish("b")
-    engine.drain()
-    engine.finish("d", d)  # aborted while waiting
-    engine.evict_gpu()
+    # D preempted before any step visits (and notes) its block 3
+    assert stored_by_a_sharer(engine, [*d_tokens[:16], 9], a_tokens) == Admission(16, 0, 0)
     # Blocks 0..2 hold A's tokens (stored by B with A's and D's equal tags); block 3 not.
     assert engine.admit(make_request("a2", a_tokens)) == Admission(0, 12, 12)
 

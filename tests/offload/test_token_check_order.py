@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from collisions import colliding
 from sim import Admission, SimEngine, block_key, config, full_layout, make_request
-from test_token_check import colliding, expected_tags
+from test_token_check import expected_tags
 
 from kvtier.core.keys import make_key
 

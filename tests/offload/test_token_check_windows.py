@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collisions import colliding
 from sim import Admission, SimEngine, config, make_request
-from test_token_check import colliding
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 
