@@ -35,6 +35,15 @@ from kvtier.adapters.vllm.stats import (
 
 PROMPTS = shared_prefix_prompts(4, prefix_len=48, suffix_len=5, num_prefixes=4)
 AGAIN = {f"again-{r}": [*p, 9] for r, p in PROMPTS.items()}
+# The connector's `info` labels for `kvtier_harness()`'s CPU tier of 256 blocks.
+CPU_TIER_INFO = {
+    "tier": "CPU",
+    "store_mode": "eager",
+    "num_tier_blocks": "256",
+    "disk_io_mode": "",  # no disk tier, no disk I/O mode
+    "cascade": "",
+    "num_disk_blocks": "",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -166,14 +175,7 @@ def test_connector_stats_aggregate_in_vllms_stats_path() -> None:
     assert flat["stored_blocks"] == flat["store_outcome.stored"] >= 4 * 3
     assert flat["tier_blocks_in_use"] == 0
     (info,) = total.data["info"].values()  # one source: one connector
-    assert info == {
-        "tier": "CPU",
-        "store_mode": "eager",
-        "num_tier_blocks": "256",
-        "disk_io_mode": "",  # no disk tier, no disk I/O mode
-        "cascade": "",
-        "num_disk_blocks": "",
-    }
+    assert info == CPU_TIER_INFO
     lines: list[str] = []
     logging = KVConnectorLogging(harness.vllm_config.kv_transfer_config)
     for payload in payloads:

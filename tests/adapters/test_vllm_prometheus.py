@@ -15,7 +15,7 @@ from kvtier_vllm import (
     observed_metrics,
 )
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from test_vllm_observability import collect_stats
+from test_vllm_observability import CPU_TIER_INFO, collect_stats
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 from vllm.v1.engine import EngineCoreOutputs
@@ -53,15 +53,7 @@ def test_prometheus_metrics_build_and_observe() -> None:
     assert value("kvtier:hit_tokens_total", labels) == 4 * 48
     assert value("kvtier:store_outcomes_total", {**labels, "outcome": "stored"}) >= 12
     assert value("kvtier:tier_blocks_in_use", labels) == 0
-    info = {
-        **labels,
-        "tier": "CPU",
-        "store_mode": "eager",
-        "num_tier_blocks": "256",
-        "disk_io_mode": "",  # no disk tier, no disk I/O mode
-        "cascade": "",
-        "num_disk_blocks": "",
-    }
+    info = {**labels, **CPU_TIER_INFO}
     assert value("kvtier:info", info) == 1
     assert value("kvtier:tier_hit_tokens_total", {**labels, "tier": "CPU"}) == 4 * 48
     loaded = {**labels, "transfer_type": "CPU_to_GPU"}
