@@ -92,7 +92,26 @@ class SimEngine(SimEngineCore):
         left = request.num_tokens - request.num_computed_tokens
         num_tokens = left if num_tokens is None else num_tokens
         assert 0 < num_tokens <= left, f"{request_id}: cannot schedule {num_tokens} of {left}"
-        end = request.num_computed_tokens + num_tokens
+        self._allocate_through(request_id, request.num_computed_tokens + num_tokens)
+        self._scheduled[request_id] = num_tokens
+        return num_tokens
+
+    def schedule_drafts(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """Schedule a decoding request's last token and `num_drafts` draft tokens
+        (speculative decoding); its forward accepts the first `num_accepted` (its next
+        outputs), as vLLM's rejection sampler: the step counts every draft, the request
+        then holds the KV of its last token and the accepted drafts and samples one more
+        token. The rejected drafts' positions keep what they held (wrong KV)."""
+        request = self.requests[request_id]
+        assert request.num_computed_tokens == request.num_tokens - 1, f"{request_id}: no decode"
+        assert num_accepted <= num_drafts
+        assert num_accepted < len(request.future_token_ids), "the bonus token is an output"
+        self._allocate_through(request_id, request.num_tokens + num_drafts)
+        self._scheduled[request_id] = 1 + num_drafts
+        self._drafts[request_id] = num_accepted
+
+    def _allocate_through(self, request_id: str, end: int) -> None:
+        """Give the request the GPU blocks its tokens up to `end` need."""
         table = self.tables[request_id]
         appended = self._appended.setdefault(request_id, [[] for _ in self.layout.groups])
         for group_id, group in enumerate(self.layout.groups):
@@ -101,8 +120,6 @@ class SimEngine(SimEngineCore):
             )
             table[group_id].extend(new)
             appended[group_id].extend(new)
-        self._scheduled[request_id] = num_tokens
-        return num_tokens
 
     def count_ahead(self, request_id: str) -> None:
         """Count the tokens scheduled for the next step as computed but unconfirmed
@@ -182,7 +199,13 @@ class SimEngine(SimEngineCore):
             self.worker.complete_all()
         self.worker.submit(plan)
         for request_id, num_tokens in scheduled.items():
-            self.compute(self.requests[request_id], num_tokens)
+            request = self.requests[request_id]
+            accepted = self._drafts.pop(request_id, None)
+            if accepted is not None:  # its accepted drafts are its next tokens
+                for _ in range(accepted):
+                    request.append_output()
+                num_tokens = 1 + accepted
+            self.compute(request, num_tokens)
         if self.auto_complete:
             self.worker.complete_all()
         self.poll()
@@ -202,6 +225,7 @@ class SimEngine(SimEngineCore):
         self._free_table(table)
         self.loading.pop(request_id, None)
         self._scheduled.pop(request_id, None)
+        self._drafts.pop(request_id, None)
         self._appended.pop(request_id, None)
         self._replace.discard(request_id)
         self._finished.add(request_id)
@@ -215,6 +239,7 @@ class SimEngine(SimEngineCore):
         self._take_ahead(request)
         request.num_computed_tokens = 0
         self._scheduled.pop(request_id, None)
+        self._drafts.pop(request_id, None)
         self._appended.pop(request_id, None)
         self._replace.discard(request_id)
         self._preempted.add(request_id)

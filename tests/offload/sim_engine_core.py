@@ -87,6 +87,7 @@ class SimEngineCore:
         self._replace: set[str] = set()
         self._appended: dict[str, list[list[int]]] = {}
         self._scheduled: dict[str, int] = {}
+        self._drafts: dict[str, int] = {}  # scheduled with drafts: how many it accepts
         self._finished: set[str] = set()
         self._preempted: set[str] = set()
         self._handoffs: list[Handoff] = []

@@ -9,7 +9,6 @@ from sim_request import config, full_layout, make_request
 
 from kvtier.offload.config import StoreMode
 from kvtier.offload.preempted_stores import forget_last_step
-from kvtier.offload.protocols import ScheduledRequest, StepInput, TableUpdate
 
 
 def engine_with(num_tokens: int, num_gpu_blocks: int = 16) -> SimEngine:
@@ -130,21 +129,14 @@ def test_a_preempted_requests_rejected_drafts_are_not_walked() -> None:
     # Mutation check: without the bound by the last token, the walk reached block 3
     # (tokens 12-15): {'dropped_unhashed': 1}.
     engine = SimEngine(full_layout(), config(store_mode=StoreMode.EAGER), num_gpu_blocks=16)
-    request = make_request("r", range(12), outputs=[100, 101])
+    request = make_request("r", range(12), outputs=[100, 101, 102])
     engine.admit(request)
     engine.schedule("r")
     engine.step()  # computes 0-12, samples token 12
-    assert (request.num_tokens, request.num_computed_tokens) == (13, 12)
-    (draft_block,) = engine.gpu.allocate(1)  # block 3: the last token's, the drafts'
-    engine.tables["r"][0].append(draft_block)
-    drafts = ScheduledRequest(request, ((draft_block,),), 4, TableUpdate.APPEND)
-    plan = engine.scheduler.build_plan(StepInput(scheduled=(drafts,)))
-    assert len(plan.jobs[0].src_block_ids) == 3  # blocks 0-2, confirmed
-    engine.worker.submit(plan)
-    engine.worker.complete_all()
-    engine.poll()
-    request.num_computed_tokens = 13  # its 3 drafts rejected: the last token's KV only
-    request.append_output()  # the bonus token: 14 tokens
+    engine.schedule_drafts("r", 3, num_accepted=0)
+    (store,) = engine.step().jobs
+    assert len(store.src_block_ids) == 3  # blocks 0-2, confirmed
+    assert (request.num_tokens, request.num_computed_tokens) == (14, 13)
     engine.scheduler.take_stats()
     engine.preempt("r")
     assert not engine.step().jobs
