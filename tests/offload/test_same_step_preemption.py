@@ -11,7 +11,7 @@ tests/adapters/test_vllm_priority_victim.py.)
 from __future__ import annotations
 
 import pytest
-from sim import SimEngine
+from sim import SimEngine, block_key
 from sim_request import config, full_layout, make_request
 
 from kvtier.offload.config import StoreMode
@@ -108,4 +108,37 @@ def test_tokens_counted_computed_ahead_do_not_move_a_victims_unwritten_blocks(
     assert stored.isdisjoint(unwritten)
     for block_id in unwritten:  # nor served as a hit by the engine
         assert engine.gpu.key(block_id) is None
+    engine.check()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_a_same_step_victims_rejected_draft_block_is_held_back(mode: StoreMode) -> None:
+    """Its last step scheduled its last token (12) and 3 drafts, accepting 2 (speculative
+    decoding): that step counts up to 16, but the KV of its bonus token (15) was never
+    computed (a rejected draft's KV is there). Scheduled again, the block of tokens 12-15
+    is full and hashed, then it is preempted in that step: what its forwards wrote ends
+    at its last token, so that block is held back and its key dropped, and a request of
+    the same tokens hits only blocks 0-2 (through vLLM:
+    tests/adapters/test_vllm_priority_victim_drafts.py)."""
+    # Mutation check: bounded by `num_tokens` (not `num_tokens - 1`), or not bounded
+    # by the last token at all, the block kept its key: lazy stored it ('assert 4 not in
+    # {1, 2, 3, 4}'), eager left it keyed for a local hit ('assert b'...' is None').
+    engine = victim_engine(mode)
+    request = make_request("r", range(12), outputs=range(100, 110))
+    engine.admit(request)
+    engine.schedule("r")
+    engine.step()  # computes 0-12, samples token 12
+    engine.schedule_drafts("r", 3, num_accepted=2)
+    engine.step()  # computes 12-15, samples token 15
+    assert (request.num_tokens, request.num_computed_tokens) == (16, 15)
+    (block,) = schedule_then_preempt(engine, "r", 1)  # hashed as its bonus token is scheduled
+    assert engine.gpu.key(block) == block_key(engine.layout, request, 0, 3)
+    stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
+    assert block not in stored
+    assert engine.gpu.key(block) is None
+    again = engine.admit(make_request("s", [*request.token_ids, 7]))
+    assert again is not None
+    assert again.num_local_tokens == 12
+    engine.schedule("s")
+    engine.step()  # reads every block it hit
     engine.check()
