@@ -36,11 +36,11 @@ def select_preempted(selector: StoreSelector, request_id: str) -> None:
     From where its last scheduled step ends (`written_end`, kept by `select_scheduled`
     from the tokens confirmed then, so a step in flight before it is not counted; the
     view's counts are reset by now), bounded by `num_tokens - 1`, the tokens whose KV it
-    holds: a step that ended beyond scheduled draft tokens the request rejected. That
-    is what the bound acts on under vLLM 0.33, which never preempts a request with a
-    step in flight while kvtier runs (its `kv_both` role defers block frees); kept for
-    an engine that does: it then stops at what this step's selection would confirm (a
-    decode step in flight has no new token yet).
+    holds (its last step may have ended past draft tokens it then rejected). Under vLLM
+    0.33 that is all the bound acts on: with kvtier's `kv_both` role vLLM defers block
+    frees and never preempts a request with a step in flight. It stays for an engine
+    that does: a decode step in flight has no new token yet, so the bound stops where
+    this step's selection would confirm.
     A block must still hold the request's key at its position (the engine may have
     given it to another request since, which lost or changed the key) and be out of
     `unconfirmed` (a same-step victim's, a failed forward's): a group's walk stops at
