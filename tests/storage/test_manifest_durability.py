@@ -167,20 +167,37 @@ def test_a_failed_manifest_sync_drops_every_record(
     restarted.close()
 
 
-def test_the_tombstones_of_a_failed_write_are_synced_at_once(
+class FailingWriteIO(FlakyIO):
+    """Real I/O until `events` is set; then each data write is noted there and fails."""
+
+    events: list[Event] | None = None
+
+    def pwrite(self, fd: int, data: memoryview, offset: int) -> int:
+        if self.events is None:
+            return super().pwrite(fd, data, offset)
+        self.events.append(("failed pwrite", "slots"))
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
+def test_the_tombstones_of_a_failed_write_are_synced_before_it_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A write that fails may have overwritten part of its slots: their records are
-    dropped, durably, before the failure is reported."""
-    io = FlakyIO()
+    """A write that fails may have overwritten part of its slots: their records were
+    dropped, durably, before its first byte was written (so nothing is left to drop when
+    it fails), and a restart offers neither slot."""
+    io = FailingWriteIO()
     tier = DiskTier(tier_config(tmp_path), io)
     slots = np.arange(1, 3, dtype=np.int64)
     tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in slots]).result()
-    io.write_errno = errno.EIO
-    events = record_calls(monkeypatch, tmp_path)
+    events = io.events = record_calls(monkeypatch, tmp_path)
     with pytest.raises(DiskIOError):
         tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in slots]).result()
     monkeypatch.undo()
-    (tombstone,) = [i for i, event in enumerate(events) if event == ("write", "manifest")]
-    assert any(is_sync(e, "manifest") for e in events[tombstone:]), events
+    # the tombstones of slots 1 and 2 (one append), then its sync, then the failed write
+    assert events[0] == ("write", "manifest"), events
+    assert is_sync(events[1], "manifest"), events
+    assert events[2:] == [("failed pwrite", "slots")], events
     tier.close()
+    restarted = DiskTier(tier_config(tmp_path))
+    assert restarted.recovered_slots() == []
+    restarted.close()

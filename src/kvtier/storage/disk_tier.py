@@ -300,12 +300,10 @@ class DiskTier:
         slots = slot_ids.tolist()
         self._records.prepare_write(slots)
         self._checksums.invalidate(slot_ids)
-        try:
-            for a, b in consecutive_runs(slot_ids):
-                self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
-        except BaseException:
-            self._records.write_failed(slots)
-            raise
+        # A failed write leaves its slots invalid and without records: `prepare_write`
+        # dropped them, durably, and a slot gets one only once this thread wrote it.
+        for a, b in consecutive_runs(slot_ids):
+            self._file.write(buffer.memory[a * size : b * size], int(slot_ids[a]))
         self._checksums.written(slot_ids, sums)
         self._records.written(slots, sums, records)  # appended at the group's commit
 

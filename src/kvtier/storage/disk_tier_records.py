@@ -6,12 +6,13 @@ A persistent tier (`DiskTierConfig.fingerprint` set) keeps its slot file and a m
 slots, and it appends to the manifest as it goes. Every write tombstones the slots'
 earlier records *before* writing (a slot reused for another block, or rewritten without
 records), so a restart cannot offer them over the new bytes; a write with records then
-appends one put record per slot after the slot's data is written, and tombstones the
-slots if the write fails (their old bytes may be partly overwritten). A read that fails
-verification tombstones the slot (when that cannot be appended, persistence ends: the
-record would fail again after every restart), and so does `forget` (copies the scheduler
-dropped, which may be suspect although their bytes match their checksum: its tombstones
-are synced before it returns).
+appends one put record per slot after the slot's data is written. A write that fails
+(its slots' old bytes may be partly overwritten) has nothing left to drop: its slots lost
+their records, durably, before it began, and only the store I/O thread, after a write
+succeeds, gives a slot a record. A read that fails verification tombstones the slot
+(when that cannot be appended, persistence ends: the record would fail again after every
+restart), and so does `forget` (copies the scheduler dropped, which may be suspect
+although their bytes match their checksum: its tombstones are synced before it returns).
 
 Durability, by group commit (see `pending_puts`): a written slot's put record waits,
 with those of the other slots written meanwhile, until the store queue is idle (no other
@@ -35,13 +36,12 @@ in this run: the tier then works as a non-persistent one whose files are kept, a
 next open finds nothing to restore.
 
 `DiskRecords` keeps this order; the tier calls it around each write (`queued`,
-`prepare_write`, `write_failed`, `written`, `write_done`, `commit`). A non-persistent
-tier's records hold no manifest, and every call is then a no-op.
+`prepare_write`, `written`, `write_done`, `commit`). A non-persistent tier's records
+hold no manifest, and every call is then a no-op.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -211,16 +211,6 @@ class DiskRecords:
         if not self.pending.forget(slots):  # the old records would describe new bytes
             self.end(f"cannot drop the manifest records of {len(slots)} slots being rewritten")
         self.sync_log()
-
-    def write_failed(self, slots: Sequence[int]) -> None:
-        """Tombstone `slots` after a failed write (their old bytes may be partly
-        overwritten); never raises for a failed sync: the write's own error is the one
-        raised."""
-        if self.log is None:
-            return
-        self.log.forget(slots)
-        with contextlib.suppress(OSError):
-            self.sync_log()
 
     def written(
         self, slots: Sequence[int], sums: np.ndarray, records: tuple[SlotRecord, ...] | None
