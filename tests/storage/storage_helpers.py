@@ -129,3 +129,11 @@ def collect(ref: weakref.ref[object], timeout_s: float = 10.0) -> None:
         assert time.monotonic() < deadline, "the object was never collected"
         gc.collect()
         time.sleep(0.01)
+
+
+def on_another_device(info: os.stat_result) -> os.stat_result:
+    """Return `info` moved to another device, same inode number: a file of another
+    filesystem (one mounted over the directory, say) whose inode number happens to match."""
+    fields = list(info[:10])  # st_mode, st_ino, st_dev, ...: the integer fields
+    fields[2] += 1
+    return os.stat_result(fields)

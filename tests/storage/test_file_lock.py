@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from storage_helpers import num_open_fds
+from storage_helpers import num_open_fds, on_another_device
 
 from kvtier.storage import DiskIOMode, SlotFile, slot_file_open
 from kvtier.storage.file_lock import (
     DiskTierBusyError,
     finish_removal,
     is_locked,
+    lock_exclusive,
     remove_held_file,
 )
 
@@ -235,3 +236,50 @@ def test_a_symlink_to_the_held_file_is_not_the_held_file(tmp_path: Path) -> None
         assert link.is_symlink()
     finally:
         slot_file.close()
+
+
+def lstat_on_another_device(monkeypatch: pytest.MonkeyPatch, path: Path) -> None:
+    """Make `os.lstat(path)` report the file there on another device, same inode number."""
+    real_lstat = os.lstat
+
+    def lstat(name: Any) -> os.stat_result:
+        info = real_lstat(name)
+        return on_another_device(info) if os.fspath(name) == str(path) else info
+
+    monkeypatch.setattr(os, "lstat", lstat)
+
+
+def test_a_file_of_the_same_inode_number_on_another_device_was_not_locked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(s31, mutant D15) A lock taken on a file that the path, checked next, shows on
+    another device is refused as a replaced file, though the inode numbers match: files
+    are told apart by device and inode."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"opened")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        lstat_on_another_device(monkeypatch, path)
+        with pytest.raises(DiskTierBusyError, match="replaced by another process"):
+            lock_exclusive(fd, str(path))
+    finally:
+        os.close(fd)
+
+
+def test_a_file_of_the_same_inode_number_on_another_device_is_not_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(s31, mutant D15) Neither the removal at close nor its finishing after an interrupt
+    removes a file that the path shows on another device, though its inode number is the
+    held file's."""
+    path = tmp_path / "rank0.slots"
+    path.write_bytes(b"held")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        lstat_on_another_device(monkeypatch, path)
+        remove_held_file(fd, str(path))
+        assert "replaced by another file" in caplog.text
+        finish_removal(fd, str(path))
+        assert path.read_bytes() == b"held"
+    finally:
+        os.close(fd)

@@ -1,9 +1,13 @@
 """`ManifestLog.close` cut short by an interrupt (KeyboardInterrupt) as its `with` over
 the append lock exits, before `__exit__` runs (forced here by a line tracer): the lock
-stays taken, yet a retried close finishes and no later call waits for the lock."""
+stays taken, yet a retried close finishes and no later call waits for the lock. And one
+cut short right after it closed its descriptor: the retry leaves alone the number, open
+on another file by then."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -12,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from storage_helpers import num_open_fds
+from storage_helpers import num_open_fds, on_another_device
 
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import ManifestIdentity
@@ -100,3 +104,43 @@ def test_calls_after_a_close_cut_short_as_it_releases_the_lock_return(tmp_path: 
         assert returns_in_a_thread(lambda call=call: results.append(call())), call
     assert results == [None, False, True, True, None, None]
     assert log.ended
+
+
+def test_a_retried_close_leaves_the_closed_number_open_on_another_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(s31, mutant D15) A close cut short right after closing the log's descriptor leaves
+    the retry a number that may be open on another file by then: one on another device is
+    not the log's, though its inode number is, and is neither synced nor closed."""
+    log = ManifestLog(str(tmp_path / "m.manifest"), IDENTITY.encode(), {})
+    log_fd = log._fd
+    assert log_fd is not None
+    logged = os.fstat(log_fd)
+    real_close, real_fstat = os.close, os.fstat
+
+    def close_then_interrupt(fd: int) -> None:
+        real_close(fd)
+        if fd == log_fd:
+            raise InterruptError
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "close", close_then_interrupt)
+        with pytest.raises(InterruptError):
+            log.close()
+    other = tmp_path / "other"
+    other.write_bytes(b"")
+    fd = os.open(other, os.O_RDONLY)
+    if fd != log_fd:  # the lowest free number, unless another thread took it meanwhile
+        os.dup2(fd, log_fd)
+        os.close(fd)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(
+                os, "fstat", lambda n: on_another_device(logged) if n == log_fd else real_fstat(n)
+            )
+            log.close()
+        assert os.path.exists(f"/proc/self/fd/{log_fd}"), "the retry closed another file"
+        assert os.fstat(log_fd).st_ino == os.stat(other).st_ino
+    finally:
+        with contextlib.suppress(OSError):  # closed by the retry when the test fails
+            os.close(log_fd)
