@@ -277,7 +277,7 @@ def test_symlinks_are_never_followed(tmp_path: Path, caplog: pytest.LogCaptureFi
     victim.write_bytes(b"keep me")
     link = tmp_path / "kvtier-rank0.slots"
     link.symlink_to(victim)
-    with pytest.raises(FileExistsError, match="symlink"):
+    with pytest.raises(FileExistsError, match="disk tier file is a symlink"):
         open_tier_files(tmp_path)
     link.unlink()
     slot_file, log, _ = open_tier_files(tmp_path)

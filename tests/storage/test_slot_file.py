@@ -125,7 +125,7 @@ def test_symlink_is_refused_and_its_target_untouched(tmp_path: Path, persistent:
     target.write_bytes(b"keep me")
     link = tmp_path / "rank0.slots"
     link.symlink_to(target)
-    with pytest.raises(FileExistsError, match="symlink"):
+    with pytest.raises(FileExistsError, match="disk tier file is a symlink"):
         SlotFile(str(link), 2, 4096, DiskIOMode.PAGE_CACHE, persistent=persistent)
     assert target.read_bytes() == b"keep me"
     assert link.is_symlink()

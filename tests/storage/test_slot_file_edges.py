@@ -1,7 +1,7 @@
 """Slot file edges: sizes that are not positive, part-slot buffers, a recreated persistent
 file (locked, the old file's space given back before the new one is sized), opening under
-the fork lock, a file's mode under any umask, stale or foreign files at the path, space
-allocated at open (with or without fallocate), and the fork list after close."""
+the fork lock, a file's mode under any umask, stale or foreign files (or a symlink) at the
+path, space allocated at open (with or without fallocate), and the fork list after close."""
 
 from __future__ import annotations
 
@@ -160,6 +160,31 @@ def test_a_persistent_file_created_by_another_opener_meanwhile_is_reused(
     assert reopened.reused
     reopened.close()
     assert path.exists()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_symlink_put_at_the_path_meanwhile_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persistent: bool
+) -> None:
+    """(s31, mutant B22) The path named nothing, then its exclusive create found a
+    symlink there (another process made it in between): the open fails saying so, never
+    following it nor removing it. The match is on the message's own words: the path in
+    it holds the test's name."""
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep me")
+    path = tmp_path / "rank0.slots"
+    real_create = slot_file_open.create_exclusive
+
+    def create_exclusive(name: str, mode: DiskIOMode) -> int:
+        path.symlink_to(target)  # the other process wins the race
+        monkeypatch.setattr(slot_file_open, "create_exclusive", real_create)
+        return real_create(name, mode)
+
+    monkeypatch.setattr(slot_file_open, "create_exclusive", create_exclusive)
+    with pytest.raises(FileExistsError, match="disk tier file is a symlink"):
+        SlotFile(str(path), 2, SLOT, DiskIOMode.PAGE_CACHE, persistent=persistent)
+    assert target.read_bytes() == b"keep me"
+    assert path.is_symlink()
 
 
 def test_a_file_created_under_a_narrow_umask_is_still_0600(tmp_path: Path) -> None:
