@@ -49,6 +49,30 @@ def test_only_a_key_that_goes_with_the_others_is_offered(
 
 
 @pytest.mark.parametrize(
+    ("extra", "misspelt", "repeated"),
+    [
+        # Was 'keys like it: disk_bytes', and the keys listed.
+        ({"cpu_bytes": GIB, "pcu_bytes": GIB}, "pcu_bytes", "cpu_bytes"),
+        # Was "did you mean 'cpu_bytes_to_use_per_rank'?".
+        (
+            {"cpu_bytes_to_use": GIB, "pcu_bytes_to_use": GIB},
+            "pcu_bytes_to_use",
+            "cpu_bytes_to_use",
+        ),
+        # Was 'keys like it: cpu_bytes_to_use, cpu_bytes_to_use_per_rank', and the keys listed.
+        ({"num_cpu_blocks": 4, "num_cpu_block": 4}, "num_cpu_block", "num_cpu_blocks"),
+    ],
+)
+def test_a_key_closest_to_one_given_is_said_to_repeat_it(
+    extra: dict[str, object], misspelt: str, repeated: str
+) -> None:
+    """(s31) A second CPU size by a typo beside the first is told so, never steered to
+    another setting (the disk tier's size, the per-rank size) nor given the key listing."""
+    named = f"{misspelt} (looks like {repeated!r}, which is given already)"
+    assert refusal(extra) == f"unknown kv_connector_extra_config key: {named}"
+
+
+@pytest.mark.parametrize(
     ("extra", "not_offered"),
     [
         # Was "did you mean 'cpu_bytes_to_use'?": the CPU tier's size.

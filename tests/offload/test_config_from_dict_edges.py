@@ -4,6 +4,7 @@ both tiers, and the edges of `num_tier_blocks` (a mutation run on offload/config
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -94,23 +95,36 @@ def test_the_disk_keys_ignored_are_named_in_order(caplog: pytest.LogCaptureFixtu
     [
         ({"memory": 1}, "memory (keys like it: cpu_bytes, disk_bytes); valid keys: "),
         ({"HOST_MEMORY": 1}, "HOST_MEMORY (keys like it: cpu_bytes); valid keys: "),
-        ({"cpu_bytes": MIB, "CPU_BYTES": 1}, "key: CPU_BYTES; valid keys: "),
+        ({"cpu_bytes": MIB, "CPU_BYTES": 1}, "CPU_BYTES (looks like 'cpu_bytes', which is "),
     ],
 )
 def test_a_size_key_is_hinted_at_the_byte_sizes_of_its_own_tier(
     values: dict[str, object], named: str
 ) -> None:
     """A size word alone names both tiers' sizes; a key in capitals is read as lower case
-    (`HOST_MEMORY` is the CPU tier's size, `CPU_BYTES` beside cpu_bytes none of disk's)."""
+    (`HOST_MEMORY` is the CPU tier's size, `CPU_BYTES` beside cpu_bytes repeats it)."""
     with pytest.raises(ConfigError) as refused:
         OffloadConfig.from_dict(values)
     assert named in str(refused.value)
 
 
-def test_a_misspelt_key_is_never_offered_a_key_given_beside_it() -> None:
-    """`disk_pat` beside `disk_path` cannot have meant it: the next closest is offered."""
-    with pytest.raises(ConfigError, match=r"disk_pat \(did you mean 'disk_persist'\?\)$"):
-        OffloadConfig.from_dict({**DISK, "disk_pat": True})
+@pytest.mark.parametrize(
+    ("given", "misspelt", "twin"),
+    [
+        ({"cpu_bytes": MIB}, "pcu_bytes", "cpu_bytes"),  # was offered disk_bytes
+        ({"disk_bytes": MIB}, "dsik_bytes", "disk_bytes"),  # was offered cpu_bytes
+        (DISK, "disk_pat", "disk_path"),  # was offered disk_persist
+    ],
+)
+def test_a_misspelt_key_closest_to_a_key_given_is_said_to_repeat_it(
+    given: dict[str, object], misspelt: str, twin: str
+) -> None:
+    """(s31) A misspelt key whose closest valid key is given beside it most likely repeats
+    that key by a typo: the message says so, and offers no runner-up (another setting:
+    `pcu_bytes` beside cpu_bytes was offered the disk tier's size), nor lists the keys."""
+    named = f"{misspelt} (looks like {twin!r}, which is given already)"
+    with pytest.raises(ConfigError, match=f"^unknown offload config key: {re.escape(named)}$"):
+        OffloadConfig.from_dict({**given, misspelt: MIB})
 
 
 @pytest.mark.parametrize(

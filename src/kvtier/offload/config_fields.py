@@ -1,6 +1,7 @@
 """The values of `OffloadConfig`'s fields (see `config`): the mode enums, each field's
 type and bounds, and the normalization a value gets before the config holds it; and
-`check_known_keys`, which names the closest valid key for a misspelt one (or lists them).
+`check_known_keys`, which names the closest valid key for a misspelt one (or lists them),
+or the key given that it seems to repeat.
 """
 
 from __future__ import annotations
@@ -76,19 +77,33 @@ def check_known_keys(
     offered only when it is the closest valid key a misspelt key could mean, or (when
     that one is not offered) the key `instead` names in its place (its spelling beside
     the keys given) and close to the misspelt key too; never a runner-up, which is
-    another setting (`dis_io_mode` is not `store_mode`). `notes` (key -> text) is said
-    after a key offered: that the other keys given would leave it without effect.
+    another setting (`dis_io_mode` is not `store_mode`). A misspelt key whose closest
+    valid key is given too most likely repeats it by a typo: the message says so, and
+    offers nothing (`pcu_bytes` beside `cpu_bytes` is no `disk_bytes`). `notes` (key ->
+    text) is said after a key offered: that the other keys given would leave it without
+    effect.
     """
     given = {str(key) for key in keys}
     unknown = sorted(given - set(valid))
     if not unknown:
         return
     offered = sorted(valid if suggest is None else set(suggest) & set(valid))
-    offers = {key: _offer(key, given, valid, offered, instead or {}) for key in unknown}
-    named = [_named(key, offer, given, offered, notes or {}) for key, offer in offers.items()]
+    closest = {key: _closest(key, valid) for key in unknown}
+    repeated = {key: meant for key, meant in closest.items() if meant in given}
+    spellings = {key: other for key, other in (instead or {}).items() if other in valid}
+    offers = {
+        key: None if key in repeated else _offer(key, meant, given, offered, spellings)
+        for key, meant in closest.items()
+    }
+    named = [
+        f"{key} (looks like {repeated[key]!r}, which is given already)"
+        if key in repeated
+        else _named(key, offer, given, offered, notes or {})
+        for key, offer in offers.items()
+    ]
     noun = "key" if len(named) == 1 else "keys"
     message = f"unknown {where} {noun}: {', '.join(named)}"
-    if None in offers.values():
+    if any(offer is None and key not in repeated for key, offer in offers.items()):
         which = "valid keys" if len(offered) == len(valid) else "keys valid with the others given"
         message += f"; {which}: {', '.join(offered)}"
     raise ConfigError(message)
@@ -119,26 +134,30 @@ def _noted(text: str, keys: Iterable[str], notes: Mapping[str, str]) -> str:
     return " ".join([text, *said]) if text.endswith("?") else "; ".join([text, *said])
 
 
+def _closest(key: str, valid: Collection[str]) -> str | None:
+    """Return the valid key closest to the misspelt `key` among those it could mean
+    (see `_could_mean`), or None when none is close."""
+    by_lower = {name.lower(): name for name in valid}  # `CPU_BYTES`: cpu_bytes
+    fits = sorted(n for n in by_lower if _could_mean(key.lower(), n))
+    close = difflib.get_close_matches(key.lower(), fits, n=1)
+    return by_lower[close[0]] if close else None
+
+
 def _offer(
     key: str,
+    meant: str | None,
     given: Collection[str],
-    valid: Collection[str],
     offered: Collection[str],
     instead: Mapping[str, str],
 ) -> str | None:
-    """Return the key to offer for the misspelt `key` (see `check_known_keys`), or None."""
-    by_lower = {name.lower(): name for name in valid}  # `CPU_BYTES`: cpu_bytes
-    fits = sorted(  # not a key given too: the misspelt one cannot have meant it
-        n for n, name in by_lower.items() if name not in given and _could_mean(key.lower(), n)
-    )
-    close = difflib.get_close_matches(key.lower(), fits, n=1)
-    if not close:
+    """Return the key to offer for the misspelt `key`, whose closest valid key is `meant`
+    and not given (see `check_known_keys`; `instead` names valid keys only), or None."""
+    if meant is None:
         return None
-    meant = by_lower[close[0]]
     if meant in offered:
         return meant
     other = instead.get(meant)
-    if other is None or other in given or other not in valid:
+    if other is None or other in given:
         return None
     return other if difflib.get_close_matches(key.lower(), [other.lower()], n=1) else None
 
