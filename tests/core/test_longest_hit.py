@@ -166,6 +166,25 @@ def test_sliding_window_respects_cap() -> None:
     assert hit(lay, hashes, index, 100) == LongestHit(96, ((N,) * 4 + (bid(0, 4), bid(0, 5)),))
 
 
+def test_a_window_of_one_token_still_needs_the_block_ending_at_the_hit() -> None:
+    """A window of 1 needs no block, but a hit is a prefix seen before: with only such
+    groups cached, the block ending at the hit is looked up (vLLM's manager stops at the
+    first cached block), served as null. Nothing cached is no hit."""
+    lay, hashes, index = sliding_layout(window=1), make_hashes(6), {}
+    assert hit(lay, hashes, index) == LongestHit(0, ((),))
+    cache_blocks(index, hashes, lay, 0, [1, 3])
+    assert hit(lay, hashes, index) == LongestHit(64, ((N,) * 4,))
+    assert hit(lay, hashes, index, 63) == LongestHit(32, ((N, N),))
+
+
+def test_a_window_of_one_token_beside_full_attention_needs_no_block() -> None:
+    """Beside a full-attention group (whose blocks prove the prefix) a window of 1 needs
+    none of its own blocks: SPEC §5's ceil((window - 1) / block_size) = 0."""
+    lay, hashes, index = layout(group(FULL), group(SLIDING, 16, 1)), make_hashes(4), {}
+    cache_blocks(index, hashes, lay, 0, range(3))
+    assert hit(lay, hashes, index) == LongestHit(48, (tuple(bid(0, i) for i in range(3)), (N,) * 3))
+
+
 # --- state --------------------------------------------------------------------------
 
 

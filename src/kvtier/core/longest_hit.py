@@ -4,7 +4,9 @@ Every group judges a candidate hit length by its own rule; the hybrid hit is the
 point where all groups accept the same length:
 
     full attention   every block of [0, T) cached             (scan left to right)
-    sliding window   the last `num_window_blocks` before T     (scan right to left)
+    sliding window   the last `num_window_blocks` before T     (scan right to left;
+                     where every cacheable group is a window of one token, which
+                     needs none, the block ending at T, looked up, not served)
     state            the block that ends at T                  (scan right to left)
     scratch          always accepts; never loaded
 
@@ -171,14 +173,18 @@ class _FullMatcher(_GroupMatcher):
 
 
 class _SlidingMatcher(_GroupMatcher):
-    def _window(self, end: int) -> range:
-        return range(max(0, end - self.group.num_window_blocks), end)
+    # Blocks before T looked up though a window of one token needs none (`_hybrid_hit`).
+    min_blocks = 0
+
+    def _window(self, end: int, num_blocks: int = 0) -> range:
+        return range(max(0, end - max(self.group.num_window_blocks, num_blocks)), end)
 
     def best_at_most(self, num_tokens: int, unit: int) -> int:
         bs = self.group.block_size
         tokens = _floor(num_tokens, unit)
         while tokens > 0:
-            missing = [j for j in self._window(tokens // bs) if self.block(j) is None]
+            window = self._window(tokens // bs, self.min_blocks)
+            missing = [j for j in window if self.block(j) is None]
             if not missing:
                 return tokens
             tokens = _floor(missing[-1] * bs, unit)
@@ -327,6 +333,15 @@ def _hybrid_hit(
     fixed point (module docstring); `max_num_tokens` is an int by now."""
     unit = layout.hash_block_size if fine else layout.scheduler_block_size
     limit = len(hashes) * layout.hash_block_size
+    # A hit is a prefix seen before: each group's rule looks up the key at its end but a
+    # sliding window of one token's (it needs no block). Where only such groups cache,
+    # they look up the block ending at the hit, as vLLM's manager does (it stops at the
+    # first cached block), and serve it as null; else a prompt never seen was a hit.
+    unproven = all(
+        layout.groups[g].kind is GroupKind.SLIDING_WINDOW
+        and layout.groups[g].num_window_blocks == 0
+        for g in layout.cacheable_group_ids
+    )
     matchers: list[_FullMatcher | _SlidingMatcher | _StateMatcher | _ProvenMatcher] = []
     for group_id in layout.cacheable_group_ids:
         kind = layout.groups[group_id].kind
@@ -336,6 +351,7 @@ def _hybrid_hit(
             attention = _FullMatcher(*args, fine)
         elif kind is GroupKind.SLIDING_WINDOW:
             attention = _SlidingMatcher(*args)
+            attention.min_blocks = int(unproven)
         else:
             matchers.append(_StateMatcher(*args))
         if attention is not None:

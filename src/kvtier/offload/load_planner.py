@@ -139,6 +139,8 @@ class LoadPlanner(RecomputeGate):
         # Tail first: a released pin frees them in this order, so that the prefix's
         # tail is evicted before its root, as after a load (SPEC §4).
         pinned = [b for ids in hit.block_ids for b in ids if b != NULL_BLOCK_ID][::-1]
+        if not pinned:  # windows of one token need no block: a load would copy none
+            return 0
         self.index.touch(pinned)
         self.pins[request.request_id] = LookupPin(num_local_tokens, hit, pinned)
         return hit.num_tokens

@@ -1,0 +1,61 @@
+"""Local hit counts of a model whose only layers slide over a window of one token.
+
+Regression: such a layer attends to no earlier token, so its group needs no cached
+block before a hit, and the longest hit took every prompt, seen or not: a fresh prompt
+was reported as a local (GPU prefix cache) hit of all its whole blocks, and its stats
+overstated the hits. A hit must be a prefix served before (SPEC §5): its last block is
+cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvtier.engine.config import AttentionKind, ModelConfig
+from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.sampling import SamplingParams
+from kvtier.offload.config import OffloadConfig
+
+MODEL = dataclasses.replace(
+    ModelConfig.tiny_hybrid(),
+    layer_kinds=(AttentionKind.SLIDING, AttentionKind.SLIDING),
+    sliding_window=1,
+)
+ENGINE = EngineConfig(block_size=4, num_gpu_blocks=32)
+TWO = SamplingParams(max_tokens=2, ignore_eos=True)
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two whole blocks before its last token
+
+
+def test_a_prompt_never_seen_is_no_local_hit() -> None:
+    with LLM(MODEL, engine=ENGINE) as llm:
+        (out,) = llm.generate([PROMPT], TWO)
+        assert (out.num_local_hit_tokens, out.num_cached_tokens) == (0, 0)
+        assert llm.stats.num_local_hit_tokens == 0
+        assert llm.stats.num_computed_tokens == len(PROMPT) + 1  # every prompt token, one decode
+
+
+def test_a_prompt_served_before_hits_its_whole_blocks_with_the_same_tokens() -> None:
+    with LLM(MODEL, engine=ENGINE) as llm:
+        (first,) = llm.generate([PROMPT], TWO)
+        (again,) = llm.generate([PROMPT], TWO)
+        other = [20, 21, 22, 23, 24, 25, 26, 27, 9]  # same last token, other prefix
+        (fresh,) = llm.generate([other], TWO)
+    assert again.num_local_hit_tokens == 8
+    assert again.output_token_ids == first.output_token_ids
+    assert fresh.num_local_hit_tokens == 0
+
+
+def test_with_a_cpu_tier_the_tokens_are_those_without_it_and_nothing_is_loaded() -> None:
+    """The tier holds the block ending a hit, but a hit of this model loads no block:
+    the tier offers none (it divided by the 0 blocks to load), the tokens are recomputed."""
+    offload = OffloadConfig(cpu_bytes=64 * 4 * MODEL.kv_bytes_per_token())
+    other = list(range(60, 100))  # evicts PROMPT from the GPU cache
+    outputs = {}
+    for name, tier in (("off", None), ("cpu", offload)):
+        with LLM(MODEL, tier, EngineConfig(block_size=4, num_gpu_blocks=12)) as llm:
+            outputs[name] = [llm.generate([p], TWO)[0] for p in (PROMPT, other, PROMPT, other)]
+            llm.drain()
+            assert llm.stats.num_external_hit_tokens == 0
+    assert [o.output_token_ids for o in outputs["cpu"]] == [
+        o.output_token_ids for o in outputs["off"]
+    ]
