@@ -6,11 +6,12 @@ prompt hit, a stop) passes them. Here the oracle is `dense_logits`: each prompt 
 alone, unpaged and unbatched. Hypothesis draws what those properties keep fixed: EOS and
 stop tokens (requests stop early, at their first token too), `max_num_seqs` of 1 or 2,
 token budgets below the block size, GPU pools at the peak one request needs, models
-whose sliding window comes first or spans one token, prompts an exact number of blocks
-long, and tiers off, CPU or disk, with a worker that holds reports back and fails a job
-load now and then (its failed loads scribble over their GPU blocks). Each workload runs
-three times, shuffled, so later rounds hit the GPU cache and the tier. After it, every
-GPU block is free (nothing leaked) and the offload scheduler's invariants hold.
+whose sliding window comes first or spans one token (beside full attention or alone),
+prompts an exact number of blocks long, and tiers off, CPU or disk, with a worker that
+holds reports back and fails a job load now and then (its failed loads scribble over
+their GPU blocks). Each workload runs three times, shuffled, so later rounds hit the GPU
+cache and the tier. After it, every GPU block is free (nothing leaked) and the offload
+scheduler's invariants hold.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ MODELS = {
         _HYBRID, layer_kinds=(AttentionKind.SLIDING, AttentionKind.FULL), sliding_window=5
     ),
     "hybrid-w1": dataclasses.replace(_HYBRID, sliding_window=1),
+    "sliding-only-w1": dataclasses.replace(
+        _HYBRID, layer_kinds=(AttentionKind.SLIDING,) * 2, sliding_window=1
+    ),
 }
 PROMPT_VOCAB = 8  # prompts from few ids share prefixes
 MAX_STEPS = 20_000  # a stuck engine fails the example instead of hanging pytest
