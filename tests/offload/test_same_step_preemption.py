@@ -142,3 +142,16 @@ def test_a_same_step_victims_rejected_draft_block_is_held_back(mode: StoreMode) 
     engine.schedule("s")
     engine.step()  # reads every block it hit
     engine.check()
+
+
+def test_a_finished_request_leaves_no_last_step_behind() -> None:
+    """Where each request's last scheduled step ends is kept only while it may still be
+    preempted: a finished request's entry (its view, token ids and all) goes with it,
+    else every request a long-running engine served stayed referenced (a mutant that
+    kept them left 3 entries here)."""
+    engine = victim_engine(StoreMode.EAGER)
+    for i in range(3):
+        engine.run(make_request(f"r{i}", range(9)))
+    engine.step()
+    assert not engine.scheduler._plans._written
+    engine.check()
