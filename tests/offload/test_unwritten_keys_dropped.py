@@ -14,6 +14,7 @@ from sim import Admission, SimEngine, config, full_layout, keep_unwritten_keys, 
 from test_same_step_preemption import schedule_then_preempt, victim_engine
 from test_store_selection_lazy import window_group
 
+from kvtier.core.keys import make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 
@@ -155,4 +156,76 @@ def test_a_window_block_recovered_by_key_is_never_a_failed_forwards_copy() -> No
     assert set(window[:2]) <= set(store.src_block_ids)
     assert set(store.src_block_ids) <= y_blocks  # none of x's left unwritten
     engine.drain()
+    engine.check()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_a_finish_learned_unconfirmed_before_the_next_plan_stores_none_of_its_blocks(
+    mode: StoreMode,
+) -> None:
+    """r's finish queues its final stores (eager: its 4 whole blocks); before the next
+    plan the engine learns that the forward counted in them failed (`unconfirm_finished`:
+    vLLM's user abort while that step was in flight). The queued stores are dropped:
+    issued, they copied KV never computed into the tier under r's keys (a mutant that
+    kept them stored all 4 blocks, wrong KV for any later hit)."""
+    engine = SimEngine(
+        full_layout(), config(store_mode=mode, max_batched_tokens=16), num_gpu_blocks=8
+    )
+    r = make_request("r", range(17))
+    engine.admit(r)
+    engine.schedule("r", 16)
+    engine.step()  # computes 0-16: nothing confirmed at this plan
+    table = [list(ids) for ids in engine.tables["r"]]
+    engine.fail_forward("r")
+    engine.finish("r")
+    engine.scheduler.unconfirm_finished(r, table)
+    assert stored_blocks(engine, 4).isdisjoint(table[0])
+    assert [engine.gpu.key(b) for b in table[0]] == [None] * 4
+    engine.check()
+
+
+def test_an_unconfirmed_finish_leaves_the_keys_of_blocks_another_request_runs_on() -> None:
+    """r and s compute the same prompt at once, each into its own blocks. r's window
+    drops its first two blocks, then r's forward fails: the keys of those null
+    positions name r's freed blocks and s's blocks in use. Only r's lose them: s wrote
+    its own and runs on them (a mutant dropping every held block's keys took s's too:
+    a lost prefix hit on valid KV)."""
+    layout = KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64), window_group()))
+    engine = SimEngine(layout, config(max_batched_tokens=32), num_gpu_blocks=20)
+    engine.admit(make_request("r", range(17)))
+    engine.admit(make_request("s", range(17)))  # the same prompt; neither hits
+    engine.schedule("r", 16)
+    engine.schedule("s", 16)
+    engine.step()
+    dropped, s_window = engine.tables["r"][1][:2], engine.tables["s"][1][:2]
+    engine.drop_blocks("r", 1, [0, 1])
+    engine.finish("r", computed=False)
+    assert [engine.gpu.key(b) for b in dropped] == [None, None]
+    assert None not in [engine.gpu.key(b) for b in s_window]
+    engine.check()
+
+
+def test_a_boundary_state_keyed_past_the_state_tables_length_loses_its_key() -> None:
+    """A state group of 8-token blocks over 4-token hash blocks: a request's table of 2
+    positions spans 4 hashes, and vLLM's Mamba "align" mode may key a copied-out state
+    at any of them (`boundary_states`). After a failed forward each loses its key,
+    the one at the third hash too (a mutant looking at one hash per table position
+    left it cached, a hit on a state never computed)."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 8, 64),
+            KVGroupSpec(GroupKind.STATE, 8, 64),
+        ),
+        configured_hash_block_size=4,
+    )
+    engine = SimEngine(layout, config(max_batched_tokens=16), num_gpu_blocks=12)
+    r = make_request("r", range(17))
+    engine.admit(r)
+    engine.schedule("r", 16)
+    engine.step()
+    (copy,) = engine.gpu.allocate(1)  # the state copied out at token 12, keyed there
+    engine.gpu.insert_key(make_key(r.block_hashes[2], 1), copy, 8)
+    engine.gpu.free([copy])
+    engine.finish("r", computed=False)
+    assert engine.gpu.key(copy) is None
     engine.check()
