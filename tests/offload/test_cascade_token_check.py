@@ -172,3 +172,20 @@ def test_a_store_over_a_disk_copy_the_check_cannot_serve_is_no_promotion() -> No
     engine.drain()
     engine.check()
     assert engine.scheduler.take_stats().num_promoted_blocks == 2
+
+
+def test_a_persistent_tiers_demotion_records_carry_the_cpu_copys_tags() -> None:
+    """A persistent disk's slot records keep each demoted copy's token tag: a restart
+    restores it tagged, and the check serves it (a mutant recorded no tag: the restored
+    copies were never served, a miss at every restart)."""
+    engine = cascade_engine(WT, num_cpu=5, num_disk=12, token_check=True, disk_persist=True)
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    (demotion,) = [
+        job
+        for plan in engine.worker.plans
+        for job in plan.jobs
+        if (job.src_tier, job.dst_tier) == (Tier.CPU, Tier.DISK)
+    ]
+    assert [r.tag for r in demotion.dst_records] == expected_tags(list(range(8)))
+    engine.check()
