@@ -16,6 +16,7 @@ from test_cascade_demotions import WT, cache, key, make
 from test_cascade_write_back_failures import FailingDisk
 from test_scenarios_cascade import cascade_engine, demotion_in_flight, holds, keys_of
 
+from kvtier.core.block_pool import BlockPool
 from kvtier.offload.cascade import MAX_DEMOTION_ATTEMPTS, Cascade
 from kvtier.offload.config import CascadeMode
 from kvtier.offload.plan import Tier
@@ -125,6 +126,19 @@ def test_retries_back_off_and_stop_after_the_last_attempt() -> None:
     cpu.check_invariants()
 
 
+def test_the_back_off_doubles_up_to_32_plans() -> None:
+    """Six failed reports in a row: the next retry waits 32 plans (2, 4, ... doubling,
+    at most 32), so a disk down for long is written to rarely (a mutant capping the wait
+    at 4 plans retried on plan 3)."""
+    cpu, _, cascade = make(WT)
+    blocks = cache(cpu, [key(i) for i in range(6)])
+    for block in blocks:  # each its own failed report
+        cascade.after_stores([block])
+        fail_queued(cascade)
+    assert retried_on_plans(cascade, 40)[:1] == [31]
+    cpu.check_invariants()
+
+
 def test_a_success_ends_the_back_off() -> None:
     cpu, disk, cascade = make(WT)
     blocks = cache(cpu, [key(0), key(1)])
@@ -204,3 +218,26 @@ def test_a_plan_does_not_walk_the_retries_in_flight() -> None:
     cascade.complete(items, succeeded=False, abandoned=False)  # back to waiting
     assert cascade.retry == {(it.cpu_block_id, it.key): 2 for it in items}
     assert cascade.retrying == {}
+
+
+def test_issued_retries_wait_apart_while_disk_slots_are_free() -> None:
+    """As above, with free disk slots left after the retries were issued: a plan that
+    may issue more still walks none of those in flight (a mutant left them among the
+    waiting retries: the next plans walked them, the disk being not full)."""
+    cpu, disk = BlockPool(9), BlockPool(20)
+    cascade = Cascade(cpu, disk, WT, reserve=8)
+    blocks = cache(cpu, [key(i) for i in range(cpu.num_usable_blocks)])
+    cascade.after_stores(blocks)
+    fail_queued(cascade)
+    cascade.retry = CountingDict(cascade.retry)
+    for _ in range(2):  # the back-off: 2 plans
+        cascade.select_retries()
+    items = cascade.take_queued()
+    assert len(items) == len(blocks)
+    assert disk.num_free() > 0
+    assert set(cascade.retrying) == {(it.cpu_block_id, it.key) for it in items}
+    walks = cascade.retry.num_walks
+    for _ in range(3):
+        cascade.select_retries()
+    assert cascade.take_queued() == []
+    assert cascade.retry.num_walks == walks, "a plan walked the retries in flight"
