@@ -1,0 +1,95 @@
+"""How `Cascade` chooses demotions (`offload/cascade.py`): a retry in flight is not
+waiting too, write-back leaves the disk copies of its victims and of CPU hits where
+they are, a retry dropped for want of a disk slot keeps the attempts it spent, and a
+block whose keys a failed load discards is no longer given up."""
+
+from __future__ import annotations
+
+from test_cascade_demotions import WB, WT, cache, free_keys, key, make
+from test_cascade_write_through_retries import fail_queued
+
+from kvtier.offload.cascade import MAX_DEMOTION_ATTEMPTS
+
+
+def test_a_block_reported_stored_while_its_retry_is_in_flight_is_not_waiting_too() -> None:
+    """A retry in flight waits apart (`retrying`); the block reported stored again
+    meanwhile finds its key in flight and is not added to the waiting retries as well
+    (a mutant added it: a retry both waiting and running)."""
+    cpu, _, cascade = make(WT)
+    (block,) = cache(cpu, [key(0)])
+    cascade.after_stores([block])
+    fail_queued(cascade)
+    for _ in range(2):  # the back-off
+        cascade.select_retries()
+    (item,) = cascade.take_queued()
+    assert set(cascade.retrying) == {(block, key(0))}
+    cascade.after_stores([block])
+    assert cascade.take_queued() == []
+    assert not cascade.retry.keys() & cascade.retrying.keys()
+    cascade.complete([item], succeeded=True, abandoned=False)
+    assert cascade.retry == {}
+    assert cascade.retrying == {}
+
+
+def test_write_back_leaves_the_disk_copy_of_a_victim_already_on_disk_in_place() -> None:
+    """Write-back walks its next CPU victims every step; one already on disk is not
+    demoted, and its disk copy is not refreshed either: the walk is no use of it (a
+    mutant refreshed it, making key 0 the disk's most recently used)."""
+    cpu, disk, cascade = make(WB)
+    cache(disk, [key(0), key(1)])
+    cache(cpu, [key(i) for i in (0, *range(10, 10 + cpu.num_usable_blocks - 1))])
+    cascade.select_write_back()  # the next 2 victims: key 0 (on disk), key 10
+    assert [item.key for item in cascade.take_queued()] == [key(10)]
+    assert [k for k in free_keys(disk) if k is not None] == [key(0), key(1)]
+
+
+def test_a_retry_dropped_for_want_of_a_disk_slot_keeps_its_spent_attempts() -> None:
+    """A block that failed twice is reported stored again while every disk slot is
+    pinned: its demotion is dropped with no attempt spent, and none given back either.
+    In all it is written MAX_DEMOTION_ATTEMPTS times (a mutant reset its count to 0 on
+    the drop: 5 failed writes, not 3)."""
+    cpu, disk, cascade = make(WT)
+    (block,) = cache(cpu, [key(0)])
+    cascade.after_stores([block])
+    num_failed = len(fail_queued(cascade))
+    while cascade.retry.get((block, key(0))) != MAX_DEMOTION_ATTEMPTS - 1:
+        cascade.select_retries()
+        num_failed += len(fail_queued(cascade))
+    cascade.set_aside.make_room(disk.num_usable_blocks)  # the failed slots back
+    pinned = disk.allocate(disk.num_free())  # loads pin every disk slot
+    cascade.after_stores([block])
+    assert cascade.take_queued() == []
+    assert cascade.retry == {(block, key(0)): MAX_DEMOTION_ATTEMPTS - 1}
+    disk.free(pinned)
+    for _ in range(80):
+        cascade.select_retries()
+        num_failed += len(fail_queued(cascade))
+    assert num_failed == MAX_DEMOTION_ATTEMPTS
+    assert cascade.retry == {}
+
+
+def test_a_write_back_cpu_hit_leaves_the_disk_copy_in_place() -> None:
+    """Only write-through keeps the disk's order in step with CPU hits (the disk holds
+    what the CPU holds); write-back's disk holds CPU victims, and a CPU hit is no use of
+    their disk copies (a mutant refreshed key 0's: the disk's order became [1, 0])."""
+    cpu, disk, cascade = make(WB)
+    cache(disk, [key(0), key(1)])
+    cpu_blocks = cache(cpu, [key(0)])
+    cascade.after_cpu_loads(cpu_blocks)
+    assert [k for k in free_keys(disk) if k is not None] == [key(0), key(1)]
+
+
+def test_a_given_up_block_whose_keys_are_discarded_is_given_up_no_more() -> None:
+    """A write-back demotion failed: the block is given up until a demotion succeeds.
+    A failed load then discards its keys (`before_cpu_discard` first): the pair goes
+    (a mutant kept it: a given-up pair outliving its block's key)."""
+    cpu, _, cascade = make(WB)
+    cache(cpu, [key(i) for i in range(cpu.num_usable_blocks)])
+    cascade.select_write_back()
+    items = cascade.take_queued()
+    cascade.complete(items, succeeded=False, abandoned=False)
+    assert cascade.failed == {(item.cpu_block_id, item.key) for item in items}
+    block = items[0].cpu_block_id
+    cascade.before_cpu_discard(block)
+    cpu.discard_keys(block)
+    assert cascade.failed == {(item.cpu_block_id, item.key) for item in items[1:]}
