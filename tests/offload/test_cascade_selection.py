@@ -1,12 +1,13 @@
 """How `Cascade` chooses demotions (`offload/cascade.py`): a retry in flight is not
 waiting too, write-back leaves the disk copies of its victims and of CPU hits where
-they are, a retry dropped for want of a disk slot keeps the attempts it spent, and a
-block whose keys a failed load discards is no longer given up."""
+they are, a retry dropped for want of a disk slot keeps the attempts it spent, a block
+whose keys a failed load discards is no longer given up nor retried, an eviction is
+lost only with no copy of its key coming, and a reset ends the back-off."""
 
 from __future__ import annotations
 
 from test_cascade_demotions import WB, WT, cache, free_keys, key, make
-from test_cascade_write_through_retries import fail_queued
+from test_cascade_write_through_retries import fail_queued, retried_on_plans
 
 from kvtier.offload.cascade import MAX_DEMOTION_ATTEMPTS
 
@@ -93,3 +94,48 @@ def test_a_given_up_block_whose_keys_are_discarded_is_given_up_no_more() -> None
     cascade.before_cpu_discard(block)
     cpu.discard_keys(block)
     assert cascade.failed == {(item.cpu_block_id, item.key) for item in items[1:]}
+
+
+def test_a_retry_in_flight_whose_keys_are_discarded_waits_no_more() -> None:
+    """A failed load discards the keys of a block whose retry is in flight: its copy
+    registers nothing, and the retry is forgotten at once (a mutant kept it among the
+    retries in flight: a retry outliving its block's key)."""
+    cpu, _, cascade = make(WT)
+    (block,) = cache(cpu, [key(0)])
+    cascade.after_stores([block])
+    fail_queued(cascade)
+    for _ in range(2):  # the back-off
+        cascade.select_retries()
+    (item,) = cascade.take_queued()
+    cascade.before_cpu_discard(block)
+    cpu.discard_keys(block)
+    assert cascade.retrying == {}
+    cascade.complete([item], succeeded=True, abandoned=False)
+    assert cascade.retry == {}
+
+
+def test_an_evicted_copy_of_a_key_whose_demotion_is_in_flight_is_not_lost() -> None:
+    """Two CPU blocks hold key 0; one's demotion is in flight when the other is evicted:
+    the disk gets the key, so nothing is lost (a mutant counted a lost block)."""
+    cpu, _, cascade = make(WT)
+    moving, other = cache(cpu, [key(0), key(0)])
+    cascade.after_stores([moving])
+    (item,) = cascade.take_queued()
+    cpu.allocate(cpu.num_free())  # evicts `other`, and the unhashed blocks
+    assert cpu.key(other) is None
+    assert cascade.take_counters().num_lost_blocks == 0
+    cascade.complete([item], succeeded=True, abandoned=False)
+
+
+def test_a_reset_ends_the_back_off() -> None:
+    """Four failed reports in a row put the next retry 16 plans off; a reset forgets
+    them, and the first failure after it waits 2 plans (a mutant kept the count: 32)."""
+    cpu, _, cascade = make(WT)
+    blocks = cache(cpu, [key(i) for i in range(5)])
+    for block in blocks[:4]:
+        cascade.after_stores([block])
+        fail_queued(cascade)
+    cascade.forget_all()  # a reset
+    cascade.after_stores(blocks[4:])
+    fail_queued(cascade)
+    assert retried_on_plans(cascade, 40)[:1] == [1]
