@@ -15,6 +15,7 @@ import pytest
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.offload.partial_states import is_partial_state
 from kvtier.offload.protocols import Handoff
 from kvtier.offload.stats import StepCounters
 from kvtier.offload.store_selection import StoreSelector
@@ -35,13 +36,14 @@ def layout(state_block_size: int) -> KVLayout:
     )
 
 
-def selector(state_block_size: int, num_tier_blocks: int = 8) -> StoreSelector:
-    """Free GPU blocks, in eviction order: a state keyed half-way into its block (4 of 8
-    tokens), a whole state, a full-attention block keyed half-way (a partial tail)."""
-    gpu = BlockPool(4)
-    blocks = gpu.allocate(3)
+def selector(state_block_size: int, num_tier_blocks: int = 8, unhashed: int = 0) -> StoreSelector:
+    """Free GPU blocks, in eviction order: `unhashed` unhashed ones, a state keyed
+    half-way into its block (4 of 8 tokens), a whole state, a full-attention block keyed
+    half-way (a partial tail)."""
+    gpu = BlockPool(4 + unhashed)
+    blocks = gpu.allocate(3 + unhashed)
     entries = [(key(0, 1), 4), (key(1, 1), state_block_size), (key(2, 0), 4)]
-    for block_id, (block_key, num_tokens) in zip(blocks, entries, strict=True):
+    for block_id, (block_key, num_tokens) in zip(blocks, entries, strict=False):
         gpu.insert_key(block_key, block_id, min(num_tokens, state_block_size))
     gpu.free(blocks)
     return StoreSelector(
@@ -94,3 +96,34 @@ def test_a_hand_off_of_a_state_keyed_inside_its_block_is_dropped(
     partial = next(iter(chosen.gpu_pool.iter_free_after(None)))
     chosen.select_handoffs([Handoff("r", 1, partial)], frozenset(), require_tracked=False)
     assert chosen.counters.handoff_outcomes == {outcome: 1}
+
+
+def test_a_state_block_with_no_token_count_recorded_is_whole() -> None:
+    """A pool that records no token count for a key (0) keeps a state block whole, as
+    before counts were recorded (a mutant took it for a partial state: never stored)."""
+    gpu = BlockPool(4)
+    (block,) = gpu.allocate(1)
+    gpu.insert_key(key(1, 1), block, 0)
+    assert not is_partial_state(layout(8), gpu, block)
+    gpu.insert_key(key(3, 1), gpu.allocate(1)[0], 4)  # a count inside the block
+    assert is_partial_state(layout(8), gpu, block + 1)
+
+
+def test_an_unhashed_block_the_walk_passes_is_no_partial_state() -> None:
+    """An unhashed free block heads the walk (reused first): it is skipped as unhashed,
+    not counted a dropped partial state (a mutant filtered it out with the partial
+    states: dropped_partial_state 2)."""
+    chosen = selector(8, unhashed=1)
+    _, _, whole, full_tail = chosen.gpu_pool.iter_free_after(None)
+    chosen.select_lazy(8)
+    assert chosen.take_queued().gpu_block_ids == [whole, full_tail]
+    assert chosen.counters.store_outcomes["dropped_partial_state"] == 1
+
+
+def test_a_hand_off_of_an_unhashed_state_block_is_dropped_as_unhashed() -> None:
+    """A hand-off of a state block with no key, beside a coarse state group: dropped
+    unhashed (a mutant read the group of its missing key: TypeError)."""
+    chosen = selector(8, unhashed=1)
+    unhashed = next(iter(chosen.gpu_pool.iter_free_after(None)))
+    chosen.select_handoffs([Handoff("r", 1, unhashed)], frozenset(), require_tracked=False)
+    assert chosen.counters.handoff_outcomes == {"dropped_unhashed": 1}
