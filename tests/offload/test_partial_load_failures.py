@@ -125,6 +125,23 @@ def test_named_blocks_of_an_event_the_report_does_not_fail_refuse_it() -> None:
     engine.check()
 
 
+def test_named_blocks_of_a_zero_count_failure_or_of_other_types_refuse_the_report() -> None:
+    """A failure count of 0 fails no worker's copy: blocks named for it are refused as
+    for an event not failed; so are names that are not block ids (mutants took both)."""
+    engine, load = two_loads_in_one_event()
+    event = load.event_id
+    named = frozenset({load.src_block_ids[0]})
+    zero = WorkerReport(done={event: 1}, failed={event: 0}, bad_blocks={event: named})
+    with pytest.raises(ValueError, match="does not fail"):
+        engine.scheduler.apply_report(zero)
+    text = WorkerReport(failed={event: 1}, bad_blocks={event: frozenset({"1"})})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="not a frozenset"):
+        engine.scheduler.apply_report(text)
+    assert engine.scheduler.apply_report(WorkerReport(done={event: 1})).finished_loads == ("b", "c")
+    engine.worker.in_flight.clear()
+    engine.check()
+
+
 def test_merge_unites_named_blocks_only_when_every_failure_named_its_own() -> None:
     named = [
         WorkerReport(failed={1: 1, 2: 1}, bad_blocks={1: frozenset({3}), 2: frozenset({4})}),
