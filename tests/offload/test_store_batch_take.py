@@ -1,4 +1,5 @@
-"""`StoreBatch.take`: the stores of some GPU blocks taken out with their extras."""
+"""`StoreBatch`: stores appended with their tags, and the stores of some GPU blocks taken
+out with their extras."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_take_keeps_each_stores_extras_with_it() -> None:
     assert taken.secondary_payloads == {}
     assert (taken.loras, taken.counts) == ({1: lora_b}, {0: 9})
     assert taken.extra_keys == {1: (("salt", "s"),)}
+
+
+def test_extend_tags_the_stores_it_appends_not_the_first_ones() -> None:
+    """`extend`'s tags are indexed among the stores it appends (a mutant put them on the
+    batch's first stores: another block's tag on store 0, whose copy the check would
+    then never serve)."""
+    stores = StoreBatch()
+    stores.add(1, 11, key(1))
+    stores.extend([2, 3], [12, 13], [key(2), key(3)], tags={1: b"t3"})
+    assert stores.tags == {2: b"t3"}
+    assert stores.take({3}).tags == {0: b"t3"}
