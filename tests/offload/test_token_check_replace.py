@@ -71,3 +71,21 @@ def test_a_tagged_copy_is_kept_and_a_non_persistent_tier_drops_no_records() -> N
     assert tags(engine.scheduler, keys) == before
     assert forgotten(engine) == []
     engine.check()
+
+
+def test_a_store_of_a_key_with_a_tagged_copy_replaces_nothing() -> None:
+    """b skips the prefix cache (no hit: it computes the whole prompt) and stores
+    nothing of it: the tagged copies are served as they are, and kept (a mutant replaced
+    them too: new slots, the old ones' records dropped)."""
+    engine = disk_engine()
+    engine.run(make_request("a", [*range(8), 9]))
+    engine.drain()
+    keys = keys_of(range(8), 2)
+    slots = [engine.scheduler.tier_pool.cached_block(key) for key in keys]
+    engine.scheduler.take_stats()
+    engine.run(make_request("b", [*range(8), 9], skip_prefix_cache=True))
+    engine.drain()
+    assert engine.scheduler.take_stats().store_outcomes == {"skipped_already_cached": 2}
+    assert [engine.scheduler.tier_pool.cached_block(key) for key in keys] == slots
+    assert forgotten(engine) == []
+    engine.check()
