@@ -1,7 +1,8 @@
 """`OffloadConfig.prepare_host` at its edges (`offload/host.py`): a budget equal to what
 the machine has passes and one byte more is refused, an unknown machine size refuses
 nothing, a directory created for a disk tier too large for its file system is removed
-again, and a probe file another user owns is left alone."""
+again, a probe file another user owns is left alone, and a disk path without a disk tier
+is not touched."""
 
 from __future__ import annotations
 
@@ -74,3 +75,14 @@ def test_a_dead_processs_probe_another_user_owns_is_left_alone(
     age(theirs)
     disk_config(tmp_path).prepare_host()
     assert list(tmp_path.iterdir()) == [theirs]
+
+
+def test_a_disk_path_without_a_disk_tier_is_not_touched(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """disk_bytes 0: disk_path is ignored (with a warning), and no directory is made for
+    it (a mutant checked and created it all the same)."""
+    config = OffloadConfig(cpu_bytes=MIB, disk_path=str(tmp_path / "tier"))
+    assert "ignoring disk_path" in caplog.text
+    config.prepare_host()
+    assert not (tmp_path / "tier").exists()
