@@ -155,3 +155,28 @@ def test_a_finished_request_leaves_no_last_step_behind() -> None:
     engine.step()
     assert not engine.scheduler._plans._written
     engine.check()
+
+
+@pytest.mark.parametrize("mode", [StoreMode.LAZY, StoreMode.EAGER])
+def test_a_victims_unwritten_blocks_of_two_hash_blocks_each_are_held_back(
+    mode: StoreMode,
+) -> None:
+    """8-token blocks over 4-token hash blocks: a block's key is its last hash block's.
+    The victim's unwritten blocks are found by those keys (a mutant looked them up by
+    each block's first hash: it found none, and the lazy walk stored both, KV never
+    computed)."""
+    engine = SimEngine(
+        full_layout(block_size=8, hash_block_size=4),
+        config(store_mode=mode, max_batched_tokens=16),
+        num_gpu_blocks=16,
+        preempts_scheduled=True,
+    )
+    engine.admit(make_request("r", range(49)))
+    engine.schedule("r", 16)
+    engine.step()  # blocks 0 and 1 written
+    unwritten = schedule_then_preempt(engine, "r", 16)
+    assert len(unwritten) == 2
+    stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
+    assert stored.isdisjoint(unwritten)
+    assert [engine.gpu.key(b) for b in unwritten] == [None, None]
+    engine.check()
