@@ -203,6 +203,20 @@ def test_scenario_29_block_stored_fields_follow_the_group_kind() -> None:
     assert handed_off.medium == "CPU"
 
 
+def test_scenario_29_a_block_of_two_hash_blocks_is_chained_to_the_block_before() -> None:
+    """Scenario 29: 8-token blocks over 4-token hash blocks: a block's event names its
+    last hash block's hash and, as parent, the previous block's (a mutant named the hash
+    block just before its own: hash 2, not hash 1)."""
+    engine = SimEngine(full_layout(block_size=8, hash_block_size=4), config(events=True))
+    a = make_request("a", range(17))
+    engine.run(a)
+    engine.drain()
+    events = stored_events(engine.scheduler.take_events())
+    assert [e.block_hash for e in events] == [a.block_hashes[1], a.block_hashes[3]]
+    assert [e.parent_block_hash for e in events] == [None, a.block_hashes[1]]
+    assert events[1].token_ids == tuple(range(8, 16))
+
+
 def test_scenario_29_events_without_payload_still_name_their_group_kind() -> None:
     """Scenario 29: hand-off and lazy BlockStored events (no token payload) keep the group
     kind and sliding window of their group."""
