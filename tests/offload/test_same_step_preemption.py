@@ -180,3 +180,18 @@ def test_a_victims_unwritten_blocks_of_two_hash_blocks_each_are_held_back(
     assert stored.isdisjoint(unwritten)
     assert [engine.gpu.key(b) for b in unwritten] == [None, None]
     engine.check()
+
+
+def test_the_search_for_unwritten_blocks_stops_at_the_last_hashed_block() -> None:
+    """A short victim: the unwritten positions the search may look at (up to a step's
+    tokens past what was written) run past its hashes; it stops at the first position
+    not hashed yet (a mutant read one hash past the end: IndexError)."""
+    engine = victim_engine(StoreMode.LAZY)
+    engine.admit(make_request("r", range(17)))
+    engine.schedule("r", 8)
+    engine.step()
+    unwritten = schedule_then_preempt(engine, "r", 8)
+    assert len(unwritten) == 2
+    stored = {b for _ in range(4) for job in engine.step().jobs for b in job.src_block_ids}
+    assert stored.isdisjoint(unwritten)
+    engine.check()
