@@ -308,3 +308,32 @@ def test_an_event_takes_its_slowest_workers_time() -> None:
         dataclasses.replace(engine.worker.take_report(), seconds={store.event_id: 0.2})
     )
     assert engine.scheduler.take_stats().transfer_seconds == {"GPU_to_CPU": 0.5}
+
+
+def test_a_copy_that_registers_nothing_is_still_a_new_count() -> None:
+    """A demotion every worker copied, of a CPU block whose keys a failed load dropped
+    meanwhile, registers nothing and counts no demoted block: its bytes and copy time
+    alone are this step's counts (a mutant's `has_new_counts` ignored them, and an
+    adapter skipping the publish would have lost them)."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=9, num_disk=12)
+    engine.auto_complete = False
+    engine.admit(make_request("a", range(8)))
+    engine.schedule("a")
+    engine.step()
+    engine.finish("a")
+    engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
+    engine.poll()
+    demotion = next_job(engine, Tier.CPU, Tier.DISK)
+    cascade = engine.scheduler.cascade
+    assert cascade is not None
+    for block_id in demotion.src_block_ids:  # as a failed load of them does
+        cascade.before_cpu_discard(block_id)
+        cascade.cpu_pool.discard_keys(block_id)
+    engine.scheduler.take_stats()
+    engine.worker.complete(demotion.event_id)
+    engine.poll()
+    assert engine.scheduler.has_new_counts()
+    stats = engine.scheduler.take_stats()
+    assert stats.num_demoted_blocks == 0
+    assert stats.transfer_bytes == {"CPU_to_DISK": 2 * BYTES_PER_BLOCK}
+    engine.check()
