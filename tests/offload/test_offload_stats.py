@@ -337,3 +337,21 @@ def test_a_copy_that_registers_nothing_is_still_a_new_count() -> None:
     assert stats.num_demoted_blocks == 0
     assert stats.transfer_bytes == {"CPU_to_DISK": 2 * BYTES_PER_BLOCK}
     engine.check()
+
+
+def test_a_failed_load_alone_is_a_new_count() -> None:
+    """A load whose copy failed counts no loaded block, no bytes and no hit tokens: its
+    failure is the step's only count (a mutant's `has_new_counts` ignored it)."""
+    engine = SimEngine(full_layout())
+    engine.run(make_request("a", range(9)))
+    engine.drain()
+    engine.evict_gpu()
+    engine.auto_complete = False
+    assert engine.admit(make_request("b", range(9))) == Admission(0, 8, 8)
+    (load,) = engine.step().jobs
+    engine.scheduler.take_stats()
+    engine.worker.fail(load.event_id)
+    engine.poll()
+    assert engine.scheduler.has_new_counts()
+    assert engine.scheduler.take_stats().num_failed_loads == 1
+    engine.check()
