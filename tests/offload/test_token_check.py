@@ -65,7 +65,9 @@ def test_a_collision_counts_once_per_request_however_often_it_is_looked_up() -> 
     b = colliding("b", tokens, [*range(8), 58])
     for _ in range(4):
         assert engine.scheduler.lookup(b, 0) == 0
+    assert engine.scheduler.has_new_counts()  # the mismatch alone (a lookup counts nothing else)
     assert engine.scheduler.take_stats().num_tag_mismatches == 1
+    assert not engine.scheduler.has_new_counts()
     assert engine.scheduler.lookup(colliding("c", tokens, [*range(8), 58]), 0) == 0
     assert engine.scheduler.take_stats().num_tag_mismatches == 1
     engine.scheduler.on_finished(b, [[]])
