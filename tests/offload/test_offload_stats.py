@@ -9,7 +9,7 @@ import pickle
 
 from sim import BYTES_PER_BLOCK, Admission, SimEngine, config, full_layout, make_request
 from sim_worker import SECONDS_PER_BLOCK
-from test_scenarios_cascade import cascade_engine, keys_of, next_job
+from test_scenarios_cascade import cascade_engine, demotion_in_flight, keys_of, next_job
 
 from kvtier.offload.config import CascadeMode
 from kvtier.offload.plan import Tier
@@ -315,15 +315,7 @@ def test_a_copy_that_registers_nothing_is_still_a_new_count() -> None:
     meanwhile, registers nothing and counts no demoted block: its bytes and copy time
     alone are this step's counts (a mutant's `has_new_counts` ignored them, and an
     adapter skipping the publish would have lost them)."""
-    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=9, num_disk=12)
-    engine.auto_complete = False
-    engine.admit(make_request("a", range(8)))
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
-    engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
-    engine.poll()
-    demotion = next_job(engine, Tier.CPU, Tier.DISK)
+    engine, demotion = demotion_in_flight()
     cascade = engine.scheduler.cascade
     assert cascade is not None
     for block_id in demotion.src_block_ids:  # as a failed load of them does
@@ -336,6 +328,19 @@ def test_a_copy_that_registers_nothing_is_still_a_new_count() -> None:
     stats = engine.scheduler.take_stats()
     assert stats.num_demoted_blocks == 0
     assert stats.transfer_bytes == {"CPU_to_DISK": 2 * BYTES_PER_BLOCK}
+    engine.check()
+
+
+def test_a_failed_demotion_alone_is_a_new_count() -> None:
+    """A failed demotion counts only in the cascade's counters (a mutant's
+    `has_new_counts` ignored those)."""
+    engine, demotion = demotion_in_flight()
+    engine.scheduler.take_stats()
+    engine.worker.fail(demotion.event_id)
+    engine.poll()
+    assert engine.scheduler.has_new_counts()
+    assert engine.scheduler.take_stats().num_failed_demotions == 2
+    assert not engine.scheduler.has_new_counts()
     engine.check()
 
 
