@@ -11,7 +11,7 @@ from sim import BYTES_PER_BLOCK, Admission, SimEngine, config, full_layout, make
 from sim_worker import SECONDS_PER_BLOCK
 from test_scenarios_cascade import cascade_engine, demotion_in_flight, keys_of, next_job
 
-from kvtier.offload.config import CascadeMode
+from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 from kvtier.offload.plan import Tier
 from kvtier.offload.transfers import FailedLoad
 
@@ -254,6 +254,10 @@ def test_a_cascade_names_its_mode_and_disk_size_in_the_info_labels() -> None:
     cpu_only = SimEngine(full_layout()).scheduler.take_stats().info
     assert "cascade" not in cpu_only
     assert "disk_io_mode" not in cpu_only  # regression: a CPU tier named a disk I/O mode
+    disk = OffloadConfig(disk_bytes=1 << 20, disk_path="unused", disk_io_mode=DiskIOMode.PAGE_CACHE)
+    disk_only = SimEngine(full_layout(), disk, num_tier_blocks=9).scheduler.take_stats().info
+    assert "cascade" not in disk_only
+    assert disk_only["disk_io_mode"] == "page_cache"  # a mutant named it only with a cascade
 
 
 def test_transfers_count_bytes_and_copy_time_per_direction() -> None:
