@@ -1,0 +1,58 @@
+"""`rewind`: a request whose load failed, back to the tokens it keeps (docs/load_failures.md).
+
+The request has 8 local tokens (blocks 7, 8) and loaded 16 from the tier into blocks
+20..23; the load of tokens [8, 24) failed.
+"""
+
+from __future__ import annotations
+
+from kvtier.core.hashing import BlockHasher, RequestHasher
+from kvtier.core.kv_groups import KVLayout
+from kvtier.engine.load_failure import rewind
+from kvtier.engine.request import Request
+from kvtier.engine.sampling import SamplingParams
+from kvtier.offload.transfers import FailedLoad
+
+SINGLE = KVLayout.single(4, 64)
+FAILED = FailedLoad("r", 8, 24)
+
+
+def loaded_request() -> Request:
+    """Return the request as its failed load left it: 24 tokens computed, 16 external."""
+    return Request(
+        request_id="r",
+        prompt_token_ids=list(range(24)),
+        params=SamplingParams(max_tokens=1),
+        hasher=RequestHasher(BlockHasher(4)),
+        num_computed_tokens=24,
+        block_tables=[[7, 8, 20, 21, 22, 23]],
+        num_external_tokens=16,
+        num_external_tokens_total=16,
+        needs_full_table=False,
+    )
+
+
+def test_a_kept_prefix_takes_only_the_lost_tokens_off_the_hit_count() -> None:
+    request = loaded_request()
+    assert rewind(SINGLE, request, FAILED, (22,)) == 16
+    assert (request.num_computed_tokens, request.num_external_tokens_total) == (16, 8)
+    assert request.skip_external
+    assert not request.needs_full_table  # its blocks stand: only new ones are appended
+
+
+def test_nothing_kept_takes_the_loads_tokens_off_not_the_local_ones() -> None:
+    """A load dropped before it was issued (no suspects) keeps nothing: the request
+    recomputes from 0, its table sent whole, and loses the 16 tokens the load was to
+    bring, not its 8 local ones too (the hit count never goes below 0)."""
+    request = loaded_request()
+    assert rewind(SINGLE, request, FAILED, None) == 0
+    assert (request.num_computed_tokens, request.num_external_tokens_total) == (0, 0)
+    assert request.needs_full_table
+
+
+def test_a_repeated_rewind_takes_the_tokens_off_once() -> None:
+    """A rewind cut short by an interrupt is redone: the count drops once."""
+    request = loaded_request()
+    rewind(SINGLE, request, FAILED, (22,))
+    assert rewind(SINGLE, request, FAILED, (22,)) == 16
+    assert request.num_external_tokens_total == 8
