@@ -97,3 +97,16 @@ def test_short_block_table_is_rejected() -> None:
 def test_metadata_checks_lengths() -> None:
     with pytest.raises(ValueError, match="3 slots for 2 new tokens"):
         AttentionMetadata(torch.zeros(3, dtype=torch.int64), torch.zeros(1, 1), (0,), (2,))
+
+
+def test_write_kv_casts_keys_and_values_to_the_cache_dtype() -> None:
+    """float32 K/V written into a bfloat16 cache land in their slots, rounded."""
+    cache = torch.zeros(kv_cache_shape(3, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    key = torch.randn(2, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    value = torch.randn(2, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    write_kv(cache, key, value, torch.tensor([5, 10]))  # block 1 offset 1, block 2 offset 2
+    assert torch.equal(cache[0, 1, 1], key[0].bfloat16())
+    assert torch.equal(cache[0, 2, 2], key[1].bfloat16())
+    assert torch.equal(cache[1, 2, 2], value[1].bfloat16())
+    assert int(cache.count_nonzero()) == 4 * NUM_KV_HEADS * HEAD_DIM
