@@ -164,3 +164,34 @@ def test_an_interrupt_right_after_an_admitted_request_left_waiting(loading: bool
     scheduler = llm.scheduler
     scheduler.waiting = PopLeftRaises(scheduler.waiting, interrupted, loading)
     served_after_an_interrupt(llm, arm, interrupted, stepped=True)
+
+
+class AppendRaises(list[Any]):
+    """`running`: its first `append` raises a Ctrl-C before appending."""
+
+    def __init__(self, items: Any, interrupted: list[bool]) -> None:
+        super().__init__(items)
+        self.interrupted = interrupted
+
+    def append(self, item: Any) -> None:
+        interrupt_once(self.interrupted, "Ctrl-C right before running.append()")
+        super().append(item)
+
+
+def test_an_interrupt_before_an_admitted_request_joined_running() -> None:
+    """The head of `waiting`, marked running, never reached `running`: the next
+    schedule leaves it waiting (admitted again), not dropped from every queue."""
+    llm, arm = new_engine(TIGHT)
+    interrupted: list[bool] = []
+    scheduler = llm.scheduler
+    schedule = scheduler.schedule
+
+    def scheduling() -> Any:
+        scheduler.running = AppendRaises(scheduler.running, interrupted)
+        try:
+            return schedule()
+        finally:
+            scheduler.running = list(scheduler.running)
+
+    scheduler.schedule = scheduling  # type: ignore[method-assign]
+    served_after_a_preemption_interrupt(llm, arm, interrupted)
