@@ -6,10 +6,14 @@ The request has 8 local tokens (blocks 7, 8) and loaded 16 from the tier into bl
 
 from __future__ import annotations
 
+from collections import deque
+
+from kvtier.core.block_pool import BlockPool
 from kvtier.core.hashing import BlockHasher, RequestHasher
 from kvtier.core.kv_groups import KVLayout
 from kvtier.engine.load_failure import rewind
-from kvtier.engine.request import Request
+from kvtier.engine.queue_recovery import QueueRecovery
+from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.transfers import FailedLoad
 
@@ -56,3 +60,25 @@ def test_a_repeated_rewind_takes_the_tokens_off_once() -> None:
     rewind(SINGLE, request, FAILED, (22,))
     assert rewind(SINGLE, request, FAILED, (22,)) == 16
     assert request.num_external_tokens_total == 8
+
+
+class Recovery(QueueRecovery):
+    """`QueueRecovery` alone over a pool of 16 blocks, without offloading."""
+
+    def __init__(self) -> None:
+        self.layout, self.pool, self.offload = SINGLE, BlockPool(16), None
+        self.waiting, self.running, self.loading = deque(), [], {}
+        self._unfreed, self._aborting = [], {}
+
+
+def test_an_unqueued_load_is_rewound_losing_only_its_own_tokens() -> None:
+    """A request admitted to a load an interrupt kept from being queued (`_unload`):
+    it recomputes from 0, its blocks freed, and its hit count loses the 16 tokens of
+    that load, not its 8 local ones too."""
+    recovery = Recovery()
+    request = loaded_request()
+    request.block_tables = [recovery.pool.allocate(6)]
+    recovery._unload(request)
+    assert (request.num_computed_tokens, request.num_external_tokens_total) == (0, 0)
+    assert (request.status, request.block_tables) == (RequestStatus.WAITING, [[]])
+    assert recovery.pool.num_free() == recovery.pool.num_usable_blocks
