@@ -1,4 +1,5 @@
-"""`rewind`: a request whose load failed, back to the tokens it keeps (docs/load_failures.md).
+"""`rewind`: a request whose load failed, back to the tokens it keeps (docs/load_failures.md),
+alone and through `QueueRecovery`, which also frees the tables an interrupt left taken.
 
 The request has 8 local tokens (blocks 7, 8) and loaded 16 from the tier into blocks
 20..23; the load of tokens [8, 24) failed.
@@ -81,4 +82,15 @@ def test_an_unqueued_load_is_rewound_losing_only_its_own_tokens() -> None:
     recovery._unload(request)
     assert (request.num_computed_tokens, request.num_external_tokens_total) == (0, 0)
     assert (request.status, request.block_tables) == (RequestStatus.WAITING, [[]])
+    assert recovery.pool.num_free() == recovery.pool.num_usable_blocks
+
+
+def test_ending_cut_short_aborts_frees_the_tables_taken() -> None:
+    """Tables taken from a request whose frees an interrupt cut short (`_unfreed`, a
+    preemption's or an abort's) are freed by `end_aborts`, which `_settle` and
+    `LLM.reset_prefix_cache` run before reading the queues and the pool."""
+    recovery = Recovery()
+    recovery._unfreed = [recovery.pool.allocate(3), recovery.pool.allocate(2)]
+    recovery.end_aborts()
+    assert not recovery._unfreed
     assert recovery.pool.num_free() == recovery.pool.num_usable_blocks
