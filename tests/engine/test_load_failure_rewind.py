@@ -79,6 +79,7 @@ def test_an_unqueued_load_is_rewound_losing_only_its_own_tokens() -> None:
     recovery = Recovery()
     request = loaded_request()
     request.block_tables = [recovery.pool.allocate(6)]
+    request.status = RequestStatus.WAITING_FOR_LOAD
     recovery._unload(request)
     assert (request.num_computed_tokens, request.num_external_tokens_total) == (0, 0)
     assert (request.status, request.block_tables) == (RequestStatus.WAITING, [[]])
