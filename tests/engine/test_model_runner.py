@@ -178,6 +178,9 @@ def test_blocks_written_by_two_sequences_are_rejected() -> None:
         runner.run(BatchInput((written, step([3], 4, ((3, 2),)))))
     with pytest.raises(ValueError, match=r"block 2, which the step writes, is also used by seq"):
         runner.run(BatchInput((step([3], 8, ((3, 2, 4),)), written)))
+    # A partly filled block the step writes into (tokens 6, 7 of block 2) counts too.
+    with pytest.raises(ValueError, match=r"sequence 0, group 0: block 2, which the step writes"):
+        runner.run(BatchInput((step([5, 6], 6, ((1, 2),)), step([3], 8, ((3, 2, 4),)))))
     # A full block both only read is a shared prefix: allowed.
     runner.run(BatchInput((step([1, 2], 4, ((1, 2),)), step([3], 4, ((1, 3),)))))
 
