@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -125,12 +126,22 @@ def test_invalid_batches_are_rejected() -> None:
         (step([], 0, good), "0 new tokens"),
         (step([999], 0, good), "outside the vocab"),
         (step([1], 0, ((1, 99), (3, 4))), "block ids outside"),
+        (step([128], 0, good), r"token ids \[128\] outside the vocab"),  # vocab_size 128
+        (step([1], 0, ((1, 64), (3, 4))), r"block ids outside 0\.\.63"),  # 64 blocks
+        (step([1], -1, good), "1 new tokens after -1 cached ones"),
     ]
     for seq, message in cases:
         with pytest.raises(ValueError, match=message):
             runner.run(BatchInput((seq,)))
     # A sliding window of 8 at position 12 only needs blocks 1..3: block 0 may be null.
     runner.run(BatchInput((step([1], 12, ((1, 2, 5, 6), (0, 4, 7, 8))),)))
+
+
+def test_a_sequence_past_max_position_is_rejected() -> None:
+    runner = make_runner(dataclasses.replace(ModelConfig.tiny(), max_position=16))
+    runner.run(BatchInput((step([1], 15, ((1, 2, 3, 4),)),)))  # position 15: the last
+    with pytest.raises(ValueError, match="17 tokens exceed max_position=16"):
+        runner.run(BatchInput((step([1], 16, ((1, 2, 3, 4, 5),)),)))
 
 
 @pytest.mark.parametrize(
