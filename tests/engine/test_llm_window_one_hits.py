@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvtier.core.keys import make_key
 from kvtier.engine.config import AttentionKind, ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig
 
@@ -45,16 +47,30 @@ def test_a_prompt_served_before_hits_its_whole_blocks_with_the_same_tokens() -> 
     assert fresh.num_local_hit_tokens == 0
 
 
+def run(llm: LLM, prompt: list[int]) -> Request:
+    """Run `prompt` to its end, and its blocks' stores too: the next request's lookup
+    finds them in the tier (not only when the store thread happened to finish first)."""
+    request = llm.add_request(prompt, TWO)
+    while request.status is not RequestStatus.FINISHED:
+        llm.step()
+    llm.drain()
+    return request
+
+
 def test_with_a_cpu_tier_the_tokens_are_those_without_it_and_nothing_is_loaded() -> None:
-    """The tier holds the block ending a hit, but a hit of this model loads no block:
-    the tier offers none (it divided by the 0 blocks to load), the tokens are recomputed."""
+    """The tier holds the block ending a hit (asserted), but a hit of this model loads no
+    block: the tier offers none (it divided by the 0 blocks to load), the tokens are
+    recomputed."""
     offload = OffloadConfig(cpu_bytes=64 * 4 * MODEL.kv_bytes_per_token())
     other = list(range(60, 100))  # evicts PROMPT from the GPU cache
     outputs = {}
     for name, tier in (("off", None), ("cpu", offload)):
         with LLM(MODEL, tier, EngineConfig(block_size=4, num_gpu_blocks=12)) as llm:
-            outputs[name] = [llm.generate([p], TWO)[0] for p in (PROMPT, other, PROMPT, other)]
-            llm.drain()
+            first = run(llm, PROMPT)
+            if llm.offload is not None:
+                end = make_key(first.block_hashes[1], 0)  # the block ending a hit of 8
+                assert llm.offload.scheduler.index.cached_block(end) is not None
+            outputs[name] = [first] + [run(llm, p) for p in (other, PROMPT, other)]
             assert llm.stats.num_external_hit_tokens == 0
     assert [o.output_token_ids for o in outputs["cpu"]] == [
         o.output_token_ids for o in outputs["off"]
