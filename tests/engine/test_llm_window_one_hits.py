@@ -29,6 +29,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two whole blocks before its last token
 
 
 def test_a_prompt_never_seen_is_no_local_hit() -> None:
+    """A fresh prompt hits nothing: every token is computed, and the stats count no hit."""
     with LLM(MODEL, engine=ENGINE) as llm:
         (out,) = llm.generate([PROMPT], TWO)
         assert (out.num_local_hit_tokens, out.num_cached_tokens) == (0, 0)
@@ -37,6 +38,8 @@ def test_a_prompt_never_seen_is_no_local_hit() -> None:
 
 
 def test_a_prompt_served_before_hits_its_whole_blocks_with_the_same_tokens() -> None:
+    """The same prompt again hits its 2 whole blocks and samples the same tokens; a prompt
+    ending in the same token after another prefix hits nothing."""
     with LLM(MODEL, engine=ENGINE) as llm:
         (first,) = llm.generate([PROMPT], TWO)
         (again,) = llm.generate([PROMPT], TWO)
@@ -58,9 +61,9 @@ def run(llm: LLM, prompt: list[int]) -> Request:
 
 
 def test_with_a_cpu_tier_the_tokens_are_those_without_it_and_nothing_is_loaded() -> None:
-    """The tier holds the block ending a hit (asserted), but a hit of this model loads no
-    block: the tier offers none (it divided by the 0 blocks to load), the tokens are
-    recomputed."""
+    """(SPEC §9 scenario 31) The tokens are those without a tier. The tier holds the block
+    ending a hit (asserted), but a hit of this model loads no block: the tier offers none
+    (it divided by the 0 blocks to load), the tokens are recomputed."""
     offload = OffloadConfig(cpu_bytes=64 * 4 * MODEL.kv_bytes_per_token())
     other = list(range(60, 100))  # evicts PROMPT from the GPU cache
     outputs = {}

@@ -119,9 +119,10 @@ def test_a_size_key_is_hinted_at_the_byte_sizes_of_its_own_tier(
 def test_a_misspelt_key_closest_to_a_key_given_is_said_to_repeat_it(
     given: dict[str, object], misspelt: str, twin: str
 ) -> None:
-    """(s31) A misspelt key whose closest valid key is given beside it most likely repeats
-    that key by a typo: the message says so, and offers no runner-up (another setting:
-    `pcu_bytes` beside cpu_bytes was offered the disk tier's size), nor lists the keys."""
+    """(s31, SPEC §9 scenario 27) A misspelt key whose closest valid key is given beside
+    it most likely repeats that key by a typo: the message says so, and offers no
+    runner-up (another setting: `pcu_bytes` beside cpu_bytes was offered the disk tier's
+    size), nor lists the keys."""
     named = f"{misspelt} (looks like {twin!r}, which is given already)"
     with pytest.raises(ConfigError, match=f"^unknown offload config key: {re.escape(named)}$"):
         OffloadConfig.from_dict({**given, misspelt: MIB})
