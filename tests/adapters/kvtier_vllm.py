@@ -21,6 +21,7 @@ from vllm_harness import (
     ConnectorWorker,
     FakeKVCache,
     HarnessConfig,
+    StepRecord,
     VllmHarness,
     connector_worker_factory,
 )
@@ -144,6 +145,21 @@ def drain_collecting_stats(harness: VllmHarness, max_steps: int = 2000) -> list[
             if stats is not None and stats.kv_connector_stats is not None:
                 payloads.append(stats.kv_connector_stats)
     return payloads
+
+
+def store_outcomes(record: StepRecord) -> dict[str, int]:
+    """Return one step's store outcomes (`stored`, `dropped_unhashed`, ...) by count, over
+    the connector stats of every output of the step."""
+    counts: dict[str, int] = {}
+    for outputs in record.outputs.values():
+        stats = outputs.scheduler_stats
+        payload = None if stats is None else stats.kv_connector_stats
+        if payload:
+            for name, value in KVTierConnector.build_kv_connector_stats(payload).reduce().items():
+                if name.startswith("store_outcome."):
+                    outcome = name.removeprefix("store_outcome.")
+                    counts[outcome] = counts.get(outcome, 0) + int(value)
+    return counts
 
 
 def zero_blocks(harness: VllmHarness, rank: int = 0) -> Callable[[tuple[int, ...]], None]:

@@ -18,10 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from busy_steps import busy_steps
-from kvtier_vllm import SCHEDULING, check_quiescent, kvtier_harness, scheduler_side
+from kvtier_vllm import SCHEDULING, check_quiescent, kvtier_harness, scheduler_side, store_outcomes
 from vllm_harness import VllmHarness
 
-from kvtier.adapters.vllm import KVTierConnector
 from kvtier.core.keys import Key, make_key
 
 PROMPT = list(range(7000, 7020))  # 1 full block and 4 tokens
@@ -52,13 +51,9 @@ def test_every_block_behind_the_eager_cursor_is_stored(config: str) -> None:
     selector = scheduler_side(harness).offload.selector
     unhashed = stored = max_cursor = 0
     for record in busy_steps(harness):
-        for outputs in record.outputs.values():
-            stats = outputs.scheduler_stats
-            payload = None if stats is None else stats.kv_connector_stats
-            if payload:
-                counters = KVTierConnector.build_kv_connector_stats(payload).reduce()
-                unhashed += counters.get("store_outcome.dropped_unhashed", 0)
-                stored += counters.get("store_outcome.stored", 0)
+        outcomes = store_outcomes(record)
+        unhashed += outcomes.get("dropped_unhashed", 0)
+        stored += outcomes.get("stored", 0)
         state = selector.tracked.get("long")
         if state is None:
             continue

@@ -19,13 +19,12 @@ import pytest
 pytest.importorskip("vllm")
 
 from busy_steps import busy_steps
-from kvtier_vllm import check_quiescent, drain, kvtier_harness, scheduler_side
+from kvtier_vllm import check_quiescent, drain, kvtier_harness, scheduler_side, store_outcomes
 from table_mirror import audit_tier
 from test_vllm_priority_victim import BLOCK, CONFIG, preempt_in_the_step_that_scheduled_it, tokens
 from vllm.v1.request import RequestStatus
 from vllm_harness import StepRecord
 
-from kvtier.adapters.vllm import KVTierConnector
 from kvtier.core.keys import make_key
 
 
@@ -56,14 +55,7 @@ def test_a_preempted_requests_last_step_reaches_the_tier(async_scheduling: bool)
 
 def unhashed(record: StepRecord) -> int:
     """Return the blocks a step's store selection counted as dropped for want of a hash."""
-    count = 0
-    for outputs in record.outputs.values():
-        stats = outputs.scheduler_stats
-        payload = None if stats is None else stats.kv_connector_stats
-        if payload:
-            counters = KVTierConnector.build_kv_connector_stats(payload).reduce()
-            count += int(counters.get("store_outcome.dropped_unhashed", 0))
-    return count
+    return store_outcomes(record).get("dropped_unhashed", 0)
 
 
 def test_a_preempted_requests_rejected_drafts_are_not_walked() -> None:
