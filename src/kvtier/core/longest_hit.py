@@ -337,7 +337,7 @@ def _hybrid_hit(
     # sliding window of one token's (it needs no block). Where only such groups cache,
     # they look up the block ending at the hit, as vLLM's manager does (it stops at the
     # first cached block), and serve it as null; else a prompt never seen was a hit.
-    unproven = all(
+    only_window_one = all(
         layout.groups[g].kind is GroupKind.SLIDING_WINDOW
         and layout.groups[g].num_window_blocks == 0
         for g in layout.cacheable_group_ids
@@ -351,7 +351,7 @@ def _hybrid_hit(
             attention = _FullMatcher(*args, fine)
         elif kind is GroupKind.SLIDING_WINDOW:
             attention = _SlidingMatcher(*args)
-            attention.min_blocks = int(unproven)
+            attention.min_blocks = int(only_window_one)
         else:
             matchers.append(_StateMatcher(*args))
         if attention is not None:
