@@ -7,7 +7,7 @@ lost only with no copy of its key coming, and a reset ends the back-off."""
 from __future__ import annotations
 
 from test_cascade_demotions import WB, WT, cache, free_keys, key, make
-from test_cascade_write_through_retries import fail_queued, retried_on_plans
+from test_cascade_write_through_retries import fail_queued, retried_on_plans, retries_in_flight
 
 from kvtier.offload.cascade import MAX_DEMOTION_ATTEMPTS
 
@@ -18,11 +18,7 @@ def test_a_block_reported_stored_while_its_retry_is_in_flight_is_not_waiting_too
     (a mutant added it: a retry both waiting and running)."""
     cpu, _, cascade = make(WT)
     (block,) = cache(cpu, [key(0)])
-    cascade.after_stores([block])
-    fail_queued(cascade)
-    for _ in range(2):  # the back-off
-        cascade.select_retries()
-    (item,) = cascade.take_queued()
+    (item,) = retries_in_flight(cascade, [block])
     assert set(cascade.retrying) == {(block, key(0))}
     cascade.after_stores([block])
     assert cascade.take_queued() == []
@@ -102,11 +98,7 @@ def test_a_retry_in_flight_whose_keys_are_discarded_waits_no_more() -> None:
     retries in flight: a retry outliving its block's key)."""
     cpu, _, cascade = make(WT)
     (block,) = cache(cpu, [key(0)])
-    cascade.after_stores([block])
-    fail_queued(cascade)
-    for _ in range(2):  # the back-off
-        cascade.select_retries()
-    (item,) = cascade.take_queued()
+    (item,) = retries_in_flight(cascade, [block])
     cascade.before_cpu_discard(block)
     cpu.discard_keys(block)
     assert cascade.retrying == {}

@@ -17,7 +17,7 @@ from test_cascade_write_back_failures import FailingDisk
 from test_scenarios_cascade import cascade_engine, demotion_in_flight, holds, keys_of
 
 from kvtier.core.block_pool import BlockPool
-from kvtier.offload.cascade import MAX_DEMOTION_ATTEMPTS, Cascade
+from kvtier.offload.cascade import MAX_DEMOTION_ATTEMPTS, Cascade, MoveItem
 from kvtier.offload.config import CascadeMode
 from kvtier.offload.plan import Tier
 
@@ -100,6 +100,16 @@ def fail_queued(cascade: Cascade) -> list[bytes]:
     if items:  # as a plan issues a job only for demotions
         cascade.complete(items, succeeded=False, abandoned=False)
     return [item.key for item in items]
+
+
+def retries_in_flight(cascade: Cascade, blocks: list[int]) -> list[MoveItem]:
+    """Register `blocks` in the CPU tier, fail their write-through demotions and plan
+    past the back-off (2 plans); return the retries issued, in flight now."""
+    cascade.after_stores(blocks)
+    fail_queued(cascade)
+    for _ in range(2):  # the back-off: 2 plans
+        cascade.select_retries()
+    return cascade.take_queued()
 
 
 def retried_on_plans(cascade: Cascade, num_plans: int) -> list[int]:
@@ -203,12 +213,8 @@ def test_a_plan_does_not_walk_the_retries_in_flight() -> None:
     only to find every one in flight. Retries in flight now wait apart (`retrying`)."""
     cpu, _, cascade = make(WT, reserve=8)  # a plan may issue them all
     blocks = cache(cpu, [key(i) for i in range(cpu.num_usable_blocks)])
-    cascade.after_stores(blocks)
-    fail_queued(cascade)
+    items = retries_in_flight(cascade, blocks)
     cascade.retry = CountingDict(cascade.retry)
-    for _ in range(2):  # the back-off: 2 plans
-        cascade.select_retries()
-    items = cascade.take_queued()
     assert len(items) == len(blocks)  # every block retried, in flight now
     walks = cascade.retry.num_walks
     for _ in range(10):
@@ -227,12 +233,8 @@ def test_issued_retries_wait_apart_while_disk_slots_are_free() -> None:
     cpu, disk = BlockPool(9), BlockPool(20)
     cascade = Cascade(cpu, disk, WT, reserve=8)
     blocks = cache(cpu, [key(i) for i in range(cpu.num_usable_blocks)])
-    cascade.after_stores(blocks)
-    fail_queued(cascade)
+    items = retries_in_flight(cascade, blocks)
     cascade.retry = CountingDict(cascade.retry)
-    for _ in range(2):  # the back-off: 2 plans
-        cascade.select_retries()
-    items = cascade.take_queued()
     assert len(items) == len(blocks)
     assert disk.num_free() > 0
     assert set(cascade.retrying) == {(it.cpu_block_id, it.key) for it in items}
