@@ -43,19 +43,13 @@ def test_an_abandoned_demotions_report_keeps_a_later_demotion_of_its_key_in_flig
     third copy of the key could have been issued beside b's)."""
     engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=9, num_disk=12)
     engine.auto_complete = False
-    engine.admit(make_request("a", range(300, 308)))
-    engine.schedule("a")
-    engine.step()
-    engine.finish("a")
+    engine.run(make_request("a", range(300, 308)))
     engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
     engine.poll()
     old = next_job(engine, Tier.CPU, Tier.DISK)  # left in flight
     assert engine.scheduler.reset() is False
     engine.evict_gpu()
-    engine.admit(make_request("b", range(300, 308)))
-    engine.schedule("b")
-    engine.step()
-    engine.finish("b")
+    engine.run(make_request("b", range(300, 308)))
     engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
     engine.poll()
     new = next_job(engine, Tier.CPU, Tier.DISK)
