@@ -16,6 +16,7 @@ from test_llm_submit_failures import (
     generate_all,
     new_engine,
     prompts,
+    recorded_plans,
     reference,
 )
 
@@ -30,14 +31,7 @@ def test_a_failed_flush_is_retried_before_a_plan_that_needs_none() -> None:
     llm, arm = new_engine(engine)
     offload = llm.offload
     assert offload is not None
-    built: list[TransferPlan] = []
-    build_plan = offload.scheduler.build_plan
-
-    def recording(step: Any) -> TransferPlan:
-        built.append(build_plan(step))
-        return built[-1]
-
-    offload.scheduler.build_plan = recording  # type: ignore[method-assign]
+    built = recorded_plans(llm)
     flush = offload.worker.flush
     flushed_at: list[int] = []  # how many plans were built when a flush succeeded
     armed = [True]

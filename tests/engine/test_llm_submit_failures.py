@@ -90,6 +90,22 @@ def new_engine(engine: EngineConfig = ENGINE) -> tuple[LLM, Callable[[], None]]:
     return llm, arm
 
 
+def recorded_plans(llm: LLM) -> list[TransferPlan]:
+    """Return the list every plan the engine's offload scheduler builds from now on is
+    appended to."""
+    assert llm.offload is not None
+    scheduler = llm.offload.scheduler
+    built: list[TransferPlan] = []
+    build_plan = scheduler.build_plan
+
+    def recording(step: Any) -> TransferPlan:
+        built.append(build_plan(step))
+        return built[-1]
+
+    scheduler.build_plan = recording  # type: ignore[method-assign]
+    return built
+
+
 def assert_consistent_and_drained(llm: LLM, arm: Callable[[], None]) -> None:
     """Check the invariants, then that `drain` returns and frees every GPU block."""
     assert llm.offload is not None
@@ -175,14 +191,7 @@ def test_a_failed_preemption_flush_fails_the_plan() -> None:
     llm, arm = new_engine(engine)
     offload = llm.offload
     assert offload is not None
-    built: list[TransferPlan] = []
-    build_plan = offload.scheduler.build_plan
-
-    def recording(step: Any) -> TransferPlan:
-        built.append(build_plan(step))
-        return built[-1]
-
-    offload.scheduler.build_plan = recording  # type: ignore[method-assign]
+    built = recorded_plans(llm)
     flush = offload.worker.flush
     armed = [True]
 
