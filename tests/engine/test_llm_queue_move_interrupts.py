@@ -195,3 +195,42 @@ def test_an_interrupt_before_an_admitted_request_joined_running() -> None:
 
     scheduler.schedule = scheduling  # type: ignore[method-assign]
     served_after_a_preemption_interrupt(llm, arm, interrupted)
+
+
+class AppendLeftRaises(deque[Any]):
+    """`waiting`: its first `appendleft` of a request running behind another (a
+    preemption's victim, still in `running`) appends, then raises a Ctrl-C."""
+
+    def __init__(self, items: Any, interrupted: list[bool], running: list[Any]) -> None:
+        super().__init__(items)
+        self.interrupted, self.running = interrupted, running
+
+    def appendleft(self, item: Any) -> None:
+        super().appendleft(item)
+        if item in self.running[1:]:
+            interrupt_once(self.interrupted, f"Ctrl-C right after waiting.appendleft() ({item})")
+
+
+def test_a_victim_caught_in_both_queues_behind_another_is_queued_once() -> None:
+    """A Ctrl-C between a preemption's `waiting.appendleft` and `running.pop`, its victim
+    not the first running: the next schedule takes it out of `running` (`_settle`
+    checks the last running, the victim's place), so no request is ever queued twice
+    or both waiting and running, and the turn ends as one never interrupted."""
+    llm, arm = new_engine(TIGHT)
+    interrupted: list[bool] = []
+    scheduler = llm.scheduler
+    schedule = scheduler.schedule
+
+    def scheduling() -> Any:
+        scheduler.waiting = AppendLeftRaises(scheduler.waiting, interrupted, scheduler.running)
+        try:
+            step = schedule()
+        finally:
+            scheduler.waiting = deque(scheduler.waiting)
+        queued = [r.request_id for r in [*scheduler.waiting, *scheduler.running]]
+        queued += [*scheduler.loading]
+        assert len(set(queued)) == len(queued), f"queued twice: {queued}"
+        return step
+
+    scheduler.schedule = scheduling  # type: ignore[method-assign]
+    served_after_a_preemption_interrupt(llm, arm, interrupted)
