@@ -46,7 +46,9 @@ class DiskWritesFail:
         return getattr(self.worker, name)
 
 
-def test_drain_ends_with_a_disk_that_fails_every_write_back_demotion(tmp_path: Path) -> None:
+def failing_write_back_engine(tmp_path: Path) -> LLM:
+    """A tiny model's engine (24 GPU blocks of 4 tokens) over a write-back cascade of 8
+    CPU and 16 disk blocks under `tmp_path`, whose disk fails every write."""
     model = ModelConfig.tiny()
     block_bytes = model.kv_bytes_per_token() * 4
     config = OffloadConfig(
@@ -59,6 +61,12 @@ def test_drain_ends_with_a_disk_that_fails_every_write_back_demotion(tmp_path: P
     llm = LLM(model, config, EngineConfig(block_size=4, num_gpu_blocks=24))
     assert llm.offload is not None
     llm.offload.worker = DiskWritesFail(llm.offload.worker)
+    return llm
+
+
+def test_drain_ends_with_a_disk_that_fails_every_write_back_demotion(tmp_path: Path) -> None:
+    llm = failing_write_back_engine(tmp_path)
+    assert llm.offload is not None
     arm = with_watchdog(llm, MAX_STEPS)
     arm()
     params = SamplingParams(max_tokens=2, ignore_eos=True)

@@ -11,13 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from step_watchdog import with_watchdog
-from test_llm_cascade_failures import MAX_STEPS, DiskWritesFail
+from test_llm_cascade_failures import MAX_STEPS, failing_write_back_engine
 
-from kvtier.engine.config import ModelConfig
-from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.offload_side import OffloadTotals
 from kvtier.engine.sampling import SamplingParams
-from kvtier.offload.config import CascadeMode, DiskIOMode, OffloadConfig
 
 # Counters `totals` sums over polls (hit_tokens is cumulative already; the events are
 # counted by the offload side itself; transfer times are floats).
@@ -29,18 +26,8 @@ SUMMED = [
 
 
 def test_totals_add_up_every_polls_counters(tmp_path: Path) -> None:
-    model = ModelConfig.tiny()
-    block_bytes = model.kv_bytes_per_token() * 4
-    config = OffloadConfig(
-        cpu_bytes=8 * block_bytes,
-        disk_bytes=16 * block_bytes,
-        disk_path=str(tmp_path),
-        disk_io_mode=DiskIOMode.PAGE_CACHE,
-        cascade=CascadeMode.WRITE_BACK,
-    )
-    llm = LLM(model, config, EngineConfig(block_size=4, num_gpu_blocks=24))
+    llm = failing_write_back_engine(tmp_path)
     assert llm.offload is not None
-    llm.offload.worker = DiskWritesFail(llm.offload.worker)
     polled: list[Any] = []
     take_stats = llm.offload.scheduler.take_stats
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from itertools import count
 from typing import Any
 
@@ -93,14 +94,17 @@ def served_after_a_preemption_interrupt(llm: LLM, arm: Any, landed: list[bool]) 
     llm.shutdown()
 
 
-def test_an_interrupt_right_after_a_preempted_request_left_running() -> None:
+def served_with_running_raising(raising: Callable[[Any, list[bool]], list[Any]]) -> None:
+    """Run the tight turn with `running` wrapped in `raising` (which raises a Ctrl-C
+    once, noting it in the list it is given) during each `schedule`; check it ends as
+    an engine without offloading."""
     llm, arm = new_engine(TIGHT)
     interrupted: list[bool] = []
     scheduler = llm.scheduler
     schedule = scheduler.schedule
 
-    def scheduling() -> Any:  # `running.pop()` is a preemption's (or `_settle`'s)
-        scheduler.running = PoppingRaises(scheduler.running, interrupted)
+    def scheduling() -> Any:
+        scheduler.running = raising(scheduler.running, interrupted)
         try:
             return schedule()
         finally:
@@ -108,6 +112,11 @@ def test_an_interrupt_right_after_a_preempted_request_left_running() -> None:
 
     scheduler.schedule = scheduling  # type: ignore[method-assign]
     served_after_a_preemption_interrupt(llm, arm, interrupted)
+
+
+def test_an_interrupt_right_after_a_preempted_request_left_running() -> None:
+    # `running.pop()` is a preemption's (or `_settle`'s)
+    served_with_running_raising(PoppingRaises)
 
 
 def test_an_interrupt_at_any_line_of_a_preemption() -> None:
@@ -181,20 +190,7 @@ class AppendRaises(list[Any]):
 def test_an_interrupt_before_an_admitted_request_joined_running() -> None:
     """The head of `waiting`, marked running, never reached `running`: the next
     schedule leaves it waiting (admitted again), not dropped from every queue."""
-    llm, arm = new_engine(TIGHT)
-    interrupted: list[bool] = []
-    scheduler = llm.scheduler
-    schedule = scheduler.schedule
-
-    def scheduling() -> Any:
-        scheduler.running = AppendRaises(scheduler.running, interrupted)
-        try:
-            return schedule()
-        finally:
-            scheduler.running = list(scheduler.running)
-
-    scheduler.schedule = scheduling  # type: ignore[method-assign]
-    served_after_a_preemption_interrupt(llm, arm, interrupted)
+    served_with_running_raising(AppendRaises)
 
 
 class AppendLeftRaises(deque[Any]):
