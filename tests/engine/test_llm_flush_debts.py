@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from test_llm_submit_failures import (
     ENGINE,
+    PREEMPTING,
     assert_consistent_and_drained,
     generate_all,
     new_engine,
@@ -20,15 +21,13 @@ from test_llm_submit_failures import (
     reference,
 )
 
-from kvtier.engine.llm import EngineConfig
 from kvtier.offload.plan import TransferPlan
 
 
 def test_a_failed_flush_is_retried_before_a_plan_that_needs_none() -> None:
     """The flush before a preemption's plan fails; the next `prepare` flushes first,
     though its own plan (no preemption) asks for no flush."""
-    engine = EngineConfig(block_size=4, num_gpu_blocks=8, max_num_batched_tokens=24)
-    llm, arm = new_engine(engine)
+    llm, arm = new_engine(PREEMPTING)
     offload = llm.offload
     assert offload is not None
     built = recorded_plans(llm)

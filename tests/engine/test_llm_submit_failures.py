@@ -23,6 +23,8 @@ from kvtier.offload.plan import TransferPlan
 MIB = 1 << 20
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
 ENGINE = EngineConfig(block_size=4, num_gpu_blocks=20, max_num_batched_tokens=24)
+# A pool of 8 blocks: 4 prompts of 16 tokens preempt one another.
+PREEMPTING = EngineConfig(block_size=4, num_gpu_blocks=8, max_num_batched_tokens=24)
 MAX_STEPS = 2000  # a hang fails the test instead of blocking pytest
 
 
@@ -187,8 +189,7 @@ def test_a_refused_load_plan_makes_its_request_recompute(
 
 def test_a_failed_preemption_flush_fails_the_plan() -> None:
     """The tiny pool forces preemptions; the first flush before a plan with jobs fails."""
-    engine = EngineConfig(block_size=4, num_gpu_blocks=8, max_num_batched_tokens=24)
-    llm, arm = new_engine(engine)
+    llm, arm = new_engine(PREEMPTING)
     offload = llm.offload
     assert offload is not None
     built = recorded_plans(llm)
@@ -208,7 +209,7 @@ def test_a_failed_preemption_flush_fails_the_plan() -> None:
     assert not armed[0], "no preemption with transfers happened"
     assert_consistent_and_drained(llm, arm)
     arm()
-    assert generate_all(llm, calls) == reference(calls, engine)
+    assert generate_all(llm, calls) == reference(calls, PREEMPTING)
     llm.shutdown()
 
 
