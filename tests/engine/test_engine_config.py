@@ -125,6 +125,10 @@ def test_llama_with_old_style_rope_theta(tmp_path: Path) -> None:
             {"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
             'rope_type="llama3" not supported',
         ),
+        (  # the legacy key and its legacy "type" (s32 mutation run: both went unread)
+            {"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}},
+            'rope_type="linear" not supported',
+        ),
         ({"hidden_act": "gelu"}, 'hidden_act="gelu" not supported'),
         ({"mlp_bias": True}, "mlp_bias=true not supported"),
         (

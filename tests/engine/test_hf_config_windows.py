@@ -26,6 +26,18 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen2 window on, default layers": {"use_sliding_window": True, "sliding_window": 4},
     "qwen2 window on, default size": {"use_sliding_window": True, "max_window_layers": 1},
     "qwen2 window on, null size": {"use_sliding_window": True, "sliding_window": None},
+    # s32 mutation run: both of these went unpinned.
+    "llama with use_sliding_window": {
+        "architectures": ["LlamaForCausalLM"],
+        "use_sliding_window": True,
+        "sliding_window": 4,
+        "max_window_layers": 0,
+    },
+    "qwen2 window on every layer": {
+        "use_sliding_window": True,
+        "sliding_window": 4,
+        "max_window_layers": 0,
+    },
 }
 EXPECTED: dict[str, tuple[int | None, tuple[AttentionKind, ...]]] = {
     "llama with a window key": (None, (FULL,) * NUM_LAYERS),
@@ -33,6 +45,8 @@ EXPECTED: dict[str, tuple[int | None, tuple[AttentionKind, ...]]] = {
     "qwen2 window on, default layers": (4, (FULL,) * 28 + (SLIDING,) * 2),
     "qwen2 window on, default size": (4096, (FULL,) + (SLIDING,) * 29),
     "qwen2 window on, null size": (None, (FULL,) * NUM_LAYERS),
+    "llama with use_sliding_window": (None, (FULL,) * NUM_LAYERS),
+    "qwen2 window on every layer": (4, (SLIDING,) * NUM_LAYERS),
 }
 
 
