@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -73,6 +74,31 @@ def test_never_downloads(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
+def test_a_file_is_not_a_checkpoint_directory(tmp_path: Path) -> None:
+    """Mutant (s32): a file path taken for the directory was refused for holding no
+    *.safetensors files, naming not what was wrong with it."""
+    _save_checkpoint(tmp_path)
+    not_a_directory = r"config\.json is not a local checkpoint directory"
+    with pytest.raises(FileNotFoundError, match=not_a_directory):
+        load_model(tmp_path / "config.json")
+
+
+def test_a_tied_checkpoint_ignores_a_stored_lm_head(tmp_path: Path) -> None:
+    """With tied embeddings the output layer is the embedding (transformers ties them
+    over a stored `lm_head.weight`). Mutant (s32): a stored one refused as "no model
+    parameter" passed every test."""
+    tied = dataclasses.replace(ModelConfig.tiny(), tie_word_embeddings=True)
+    model = build_model(tied, seed=3)
+    tensors = {f"model.{name}": p.detach().clone() for name, p in model.named_parameters()}
+    tensors["lm_head.weight"] = torch.zeros_like(model.embed_tokens.weight)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    hf = {**TINY_HF_CONFIG, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    loaded = load_model(tmp_path)
+    assert loaded.lm_head is None
+    assert torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight)
+
+
 def test_a_tensor_stored_in_two_files_is_refused(tmp_path: Path) -> None:
     """Regression: without an index every *.safetensors file is read, and a stale shard
     beside a newer copy silently won or lost by file name order."""
@@ -89,6 +115,7 @@ def test_a_tensor_stored_in_two_files_is_refused(tmp_path: Path) -> None:
     ("index", "message"),
     [
         ("{", "is not valid JSON"),
+        ('{"weight_map": {}}', "must hold a non-empty object weight_map"),
         ('{"metadata": {}}', "must hold a non-empty object weight_map"),
         ('{"weight_map": ["a.safetensors"]}', "must hold a non-empty object weight_map"),
         ("[1]", "must hold a non-empty object weight_map"),

@@ -45,3 +45,21 @@ def test_float_tensors_of_another_precision_are_cast(tmp_path: Path) -> None:
     assert loaded.embed_tokens.weight.dtype == torch.float32
     expected = model.embed_tokens.weight.to(torch.bfloat16).float()
     assert torch.equal(loaded.embed_tokens.weight, expected)
+
+
+def test_the_model_takes_the_dtype_and_device_asked_for(tmp_path: Path) -> None:
+    """`load_model(dtype=..., device=...)` builds the model in that dtype on that device
+    (the meta device stands for a GPU here). Mutants (s32): the dtype or the device
+    dropped (a float32 model on the CPU) passed every test."""
+    model = build_model(ModelConfig.tiny(), seed=3)
+    tensors = {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    tensors["lm_head.weight"] = tensors.pop("model.lm_head.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(TINY_HF_CONFIG))
+    loaded = load_model(tmp_path, dtype=torch.bfloat16)
+    assert loaded.config.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    expected = model.embed_tokens.weight.to(torch.bfloat16)
+    assert torch.equal(loaded.embed_tokens.weight, expected)
+    on_meta = load_model(tmp_path, device="meta")
+    assert {p.device.type for p in on_meta.parameters()} == {"meta"}
