@@ -29,6 +29,7 @@ from kvtier.engine.sampling import SamplingParams
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 IM_END = "<|im_end|>"
+NO_ID = 'no id found for eos_token "<|im_end|>"'
 
 
 def _write(path: Path, name: str, data: object) -> None:
@@ -108,8 +109,23 @@ def test_eos_stop_token_ids_are_the_generation_eos_ids_but_the_tokenizers(
         ({"tokenizer_config.json": "{bad"}, "could not be read"),
         ({"tokenizer_config.json": {"eos_token": 5}}, "eos_token is 5, not a token"),
         ({"tokenizer_config.json": {"eos_token": "</s>"}}, 'no id found for eos_token "</s>"'),
+        # Malformed in other ways (s32 mutation run: each one unchecked went unnoticed,
+        # most as a crash, so a bad tokenizer file refused the checkpoint).
+        ({"tokenizer_config.json": "[1]"}, "tokenizer_config.json is no JSON object"),
+        ({"tokenizer_config.json": {}, "special_tokens_map.json": {"eos_token": 5}},
+         "special_tokens_map.json: eos_token is 5, not a token"),
+        ({"tokenizer_config.json": {"eos_token": IM_END,
+                                    "added_tokens_decoder": {"x": {"content": IM_END}}}}, NO_ID),
+        ({"tokenizer_config.json": {"eos_token": IM_END,
+                                    "added_tokens_decoder": {"7": IM_END}}}, NO_ID),
+        ({"tokenizer_config.json": {"eos_token": IM_END},
+          "tokenizer.json": {"added_tokens": [{"id": "7", "content": IM_END}]}}, NO_ID),
+        ({"tokenizer_config.json": {"eos_token": IM_END},
+          "tokenizer.json": {"added_tokens": None, "model": {"vocab": {IM_END: -1}}}}, NO_ID),
+        ({"tokenizer_config.json": {"eos_token": IM_END},
+          "tokenizer.json": {"added_tokens": [], "model": None}}, NO_ID),
     ],
-)
+)  # fmt: skip
 def test_unreadable_tokenizer_files_are_logged_not_refused(
     tmp_path: Path, files: dict[str, Any], message: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -121,6 +137,18 @@ def test_unreadable_tokenizer_files_are_logged_not_refused(
         config = ModelConfig.from_hf_config(tmp_path)
     assert message in caplog.text
     assert (config.eos_token_ids, config.eos_stop_token_ids) == ((2, 7), (7,))
+
+
+def test_a_checkpoint_without_tokenizer_files_logs_no_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Naming no tokenizer EOS is normal (a bare checkpoint), not worth a warning.
+    Mutant (s32): a missing `eos_token` warned "eos_token is null, not a token"."""
+    _write(tmp_path, "config.json", {**TINY_HF_CONFIG, "eos_token_id": 2})
+    _write(tmp_path, "tokenizer_config.json", {"model_max_length": 8})
+    with caplog.at_level(logging.WARNING):
+        assert ModelConfig.from_hf_config(tmp_path).eos_token_ids == (2,)
+    assert caplog.records == []
 
 
 def test_a_hand_built_model_config_checks_its_eos_stop_token_ids() -> None:
