@@ -34,3 +34,29 @@ def test_an_empty_first_prompt_and_a_non_int_count_are_refused() -> None:
     with pytest.raises(TypeError, match=r"^num_turns must be an int, got '3'$"):
         ChatWorkload(num_turns="3")  # type: ignore[arg-type]
     assert ChatWorkload(num_system_tokens=0, num_document_tokens=0).num_user_tokens == 64
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_conversations", 0, "num_conversations must be > 0, got 0"),
+        ("num_turns", 0, "num_turns must be > 0, got 0"),
+        ("num_answer_tokens", 0, "num_answer_tokens must be > 0, got 0"),
+        ("vocab_size", 0, "vocab_size must be > 0, got 0"),
+        ("num_system_tokens", -1, "num_system_tokens must be >= 0, got -1"),
+        ("num_document_tokens", -1, "num_document_tokens must be >= 0, got -1"),
+        ("num_user_tokens", -1, "num_user_tokens must be >= 0, got -1"),
+    ],
+)
+def test_each_count_out_of_range_is_refused_naming_it(field: str, value: int, message: str) -> None:
+    """Found by a mutation run (s32): each of these was unpinned. Accepted, a count of
+    0 served nothing or failed later in `run_chat`, and a negative prompt part drew no
+    tokens, as if it were 0."""
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        ChatWorkload(**{field: value})
+
+
+def test_a_bool_count_is_refused() -> None:
+    """`True` is an int to isinstance; as a count it is a mistake (mutant, s32)."""
+    with pytest.raises(TypeError, match=r"^num_turns must be an int, got True$"):
+        ChatWorkload(num_turns=True)
