@@ -6,7 +6,7 @@ a `generation_config.json`'s other EOS ids as stop token ids, reported as the
 has no tokenizer, so it reads the id from the files transformers reads it from:
 `tokenizer_config.json`'s `eos_token` (a str or `{"content": str}`; a legacy
 `special_tokens_map.json`'s wins where `tokenizer_config.json` has no
-`added_tokens_decoder`, as transformers 5 reads them), looked up in its
+`added_tokens_decoder`, even a null one, as transformers 5 reads them), looked up in its
 `added_tokens_decoder`, then in `tokenizer.json`'s `added_tokens` and `model.vocab`.
 The files only name which id vLLM treats as the EOS: one that is missing or malformed
 is logged and left out (None), never a reason to refuse the checkpoint.
@@ -33,7 +33,7 @@ def tokenizer_eos_token_id(directory: Path) -> int | None:
     eos, source = config.get("eos_token"), TOKENIZER_CONFIG_FILE
     if "added_tokens_decoder" not in config:  # transformers' legacy path: the map wins
         special = _json_object(directory / SPECIAL_TOKENS_MAP_FILE)
-        if special is not None and special.get("eos_token") is not None:
+        if special is not None and "eos_token" in special:  # a null one too: no EOS
             eos, source = special["eos_token"], SPECIAL_TOKENS_MAP_FILE
     if isinstance(eos, dict):
         eos = eos.get("content")
