@@ -177,3 +177,15 @@ def test_the_files_skip_special_tokens_is_taken_or_said_not_applied(
     with caplog.at_level(logging.WARNING), LLM(path, engine=ENGINE) as llm:
         assert llm.get_default_sampling_params().skip_special_tokens is True
     assert "skip_special_tokens" not in caplog.text
+
+
+def test_a_min_p_alone_without_a_temperature_is_warned_of_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """min_p is one of the filters vLLM would sample with. Mutant (s32 mutation run):
+    min_p left out of the warning's filters passed every test (a file giving min_p
+    alone was left off in silence)."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"min_p": 0.1}))
+    with caplog.at_level(logging.WARNING):
+        default_sampling_params(tmp_path)
+    assert "sets min_p=0.1 but no temperature: greedy here" in caplog.text
