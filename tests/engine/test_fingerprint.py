@@ -13,10 +13,11 @@ import torch
 import kvtier
 from kvtier.core.hashing import BlockHasher, HashAlgo
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
-from kvtier.engine.config import ModelConfig
+from kvtier.engine.config import AttentionKind, ModelConfig
 from kvtier.engine.fingerprint import kv_fingerprint
 
 LAYOUT = KVLayout((KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 1024),))
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def fingerprint(source: Path | None, device: str = "cpu", seed: str | None = None) -> str:
@@ -131,3 +132,51 @@ def test_eos_ids_which_change_no_kv_keep_the_fingerprint() -> None:
     assert kv_fingerprint(None, wider, 0, LAYOUT, hasher, "cpu") != kv_fingerprint(
         None, model, 0, LAYOUT, hasher, "cpu"
     )
+
+
+KV_CHANGES = {
+    "vocab_size": {"vocab_size": 256},
+    "hidden_size": {"hidden_size": 128},
+    "intermediate_size": {"intermediate_size": 256},
+    "num_layers": {"num_layers": 3, "layer_kinds": (AttentionKind.FULL,) * 3},
+    "num_heads": {"num_heads": 8},
+    "num_kv_heads": {"num_kv_heads": 4},
+    "head_dim": {"head_dim": 32},
+    "sliding layers": {"layer_kinds": ModelConfig.tiny_hybrid().layer_kinds, "sliding_window": 8},
+    "rope_theta": {"rope_theta": 500000.0},
+    "rms_norm_eps": {"rms_norm_eps": 1e-5},
+    "qkv_bias": {"qkv_bias": True},
+    "o_proj_bias": {"o_proj_bias": True},
+}
+
+
+@pytest.mark.parametrize("change", KV_CHANGES)
+def test_each_model_value_the_kv_depends_on_changes_it(change: str) -> None:
+    """The same KV layout (same bytes per block), another model: the cached KV is not its
+    own. Mutants (s32 mutation run): rope_theta or the dtype left out passed every test."""
+    hasher = BlockHasher(4, HashAlgo.SHA256, None)
+    model = ModelConfig.tiny()
+    other = dataclasses.replace(model, **KV_CHANGES[change])
+    assert kv_fingerprint(None, other, 0, LAYOUT, hasher, "cpu") != kv_fingerprint(
+        None, model, 0, LAYOUT, hasher, "cpu"
+    )
+
+
+def test_a_dtype_of_the_same_size_changes_it() -> None:
+    """float16 and bfloat16 KV blocks have the same size but other bytes."""
+    hasher = BlockHasher(4, HashAlgo.SHA256, None)
+    half, brain = (dataclasses.replace(ModelConfig.tiny(), dtype=d) for d in HALF_DTYPES)
+    assert kv_fingerprint(None, half, 0, LAYOUT, hasher, "cpu") != kv_fingerprint(
+        None, brain, 0, LAYOUT, hasher, "cpu"
+    )
+
+
+def test_a_change_past_the_first_chunk_of_a_weights_file_changes_it(tmp_path: Path) -> None:
+    """Every byte is digested. Mutant (s32): only each chunk's first 16 bytes digested
+    passed every test (each rewrite changed the first bytes)."""
+    content = bytearray(b"A" * ((8 << 20) + 64))
+    path = checkpoint(tmp_path / "ckpt", bytes(content))
+    before = fingerprint(path)
+    content[-1:] = b"B"
+    (path / "model.safetensors").write_bytes(bytes(content))
+    assert fingerprint(path) != before
