@@ -1,8 +1,9 @@
 """config.json values that a mutation run (s32) could misread with every test passing,
 pinned as transformers 5 reads them (and cross-checked against it where it is installed):
 a nested `rope_parameters.rope_theta` wins over a top-level `rope_theta`, a left-out
-theta is 10000, a Qwen2's `o_proj` has no bias whatever `attention_bias` says, and token
-id 0 is an EOS id like any other.
+theta is 10000, a Qwen2's `o_proj` has no bias whatever `attention_bias` says, token
+id 0 is an EOS id like any other, and the first supported architecture listed is read
+(as vLLM's registry tries them in order).
 """
 
 from __future__ import annotations
@@ -80,3 +81,14 @@ def test_token_id_0_is_an_eos_id(tmp_path: Path) -> None:
     assert (config.eos_token_ids, config.eos_stop_token_ids) == ((0, 5), (5,))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
     assert ModelConfig.from_hf_config(tmp_path).eos_token_ids == (0,)
+
+
+def test_the_first_supported_architecture_listed_is_read(tmp_path: Path) -> None:
+    """As vLLM's model registry, which tries `architectures` in order. Mutant (s32):
+    only the first entry looked at (the checkpoint refused) passed every test."""
+    path = _write(tmp_path, LLAMA)
+    hf = json.loads((path / "config.json").read_text())
+    hf["architectures"] = ["NotAModelForCausalLM", QWEN2, LLAMA]
+    (path / "config.json").write_text(json.dumps(hf))
+    config = ModelConfig.from_hf_config(path)
+    assert (config.qkv_bias, config.max_position, config.eos_token_ids) == (True, 32768, ())
