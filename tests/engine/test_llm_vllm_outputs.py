@@ -12,6 +12,7 @@ import dataclasses
 
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.outputs import output_of
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig
 
@@ -87,3 +88,17 @@ def test_num_cached_tokens_counts_a_tier_hit_too() -> None:
         (again,) = llm.generate([[*PROMPT, 7]], FREE)
     assert (again.num_local_hit_tokens, again.num_external_hit_tokens) == (0, 8)
     assert again.num_cached_tokens == 8
+
+
+def test_the_output_times_are_the_requests_ttft_and_tpot() -> None:
+    """Mutant (s32 mutation run): `output_of` swapping ttft_s and tpot_s passed every
+    test (the demo's TTFT columns would have shown time per output token)."""
+    with small_llm() as llm:
+        request = llm.add_request(PROMPT, FREE)
+        while not llm.step():
+            pass
+        out = output_of(request, llm.model_config)
+    assert request.ttft is not None
+    assert request.tpot is not None
+    assert request.ttft != request.tpot
+    assert (out.ttft_s, out.tpot_s) == (request.ttft, request.tpot)
