@@ -118,6 +118,10 @@ def test_eos_stop_token_ids_are_the_generation_eos_ids_but_the_tokenizers(
                                     "added_tokens_decoder": {"x": {"content": IM_END}}}}, NO_ID),
         ({"tokenizer_config.json": {"eos_token": IM_END,
                                     "added_tokens_decoder": {"7": IM_END}}}, NO_ID),
+        # A key str.isdigit takes for a number though int() refuses it (s32 review).
+        ({"tokenizer_config.json": {"eos_token": IM_END,
+                                    "added_tokens_decoder": {"\u00b2": {"content": IM_END}}}},
+         NO_ID),
         ({"tokenizer_config.json": {"eos_token": IM_END},
           "tokenizer.json": {"added_tokens": [{"id": "7", "content": IM_END}]}}, NO_ID),
         ({"tokenizer_config.json": {"eos_token": IM_END},

@@ -79,7 +79,7 @@ def _id_in_added_tokens_decoder(decoder: object, content: str) -> int | None:
     if not isinstance(decoder, dict):
         return None
     for key, token in decoder.items():
-        if isinstance(token, dict) and token.get("content") == content and key.isdigit():
+        if isinstance(token, dict) and token.get("content") == content and key.isdecimal():
             return int(key)
     return None
 
