@@ -77,3 +77,18 @@ def test_one_run_whose_tier_served_nothing_is_named_alone() -> None:
         " --gpu-blocks, so that histories leave the GPU"
     )
     assert _untested_runs_note([run("offload off", 0), run("CPU tier", 16)]) is None
+
+
+def test_two_runs_whose_tiers_served_nothing_are_named_in_the_plural() -> None:
+    """Two such runs are joined with "and" and take the plural ("runs", "their tiers"):
+    the tests named one run or three, so a plural that began at three runs passed."""
+
+    def run(name: str, tier_hits: int) -> RunResult:
+        return RunResult(name, (TurnResult(0, 1, 64, 0.1, (1,), 0, tier_hits),), 1.0, 0, 0)
+
+    results = [run("offload off", 0), run("CPU tier", 0), run("disk tier", 16), run("CPU+disk", 0)]
+    assert _untested_runs_note(results) == (
+        "the CPU tier and CPU+disk runs served no tokens from their tiers: their tokens were"
+        " computed as with offload off, so comparing them tests no tier; use more"
+        " --conversations or fewer --gpu-blocks, so that histories leave the GPU"
+    )
