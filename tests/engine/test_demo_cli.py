@@ -75,6 +75,12 @@ def test_demo_runs_every_configuration(
             "--block-size=256 --gpu-blocks=8 --cpu-mib=1",
             "--cpu-mib=1 is too small for the CPU tier run: cpu_bytes=1048576 holds 0 blocks of",
         ),
+        # Found by a mutation run (s32): the CPU+disk run's CPU budget could be named
+        # --cpu-mib, the option that sizes another run.
+        (
+            "--block-size=256 --gpu-blocks=8 --cascade-cpu-mib=1",
+            "--cascade-cpu-mib=1 is too small for the CPU+disk run: cpu_bytes=1048576 holds 0",
+        ),
         (
             "--cascade-cpu-mib=600 --disk-mib=100",
             "--cascade-cpu-mib=600 is larger than --disk-mib=100: with --cascade write_through",
