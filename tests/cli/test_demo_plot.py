@@ -124,6 +124,17 @@ def test_each_line_runs_by_turn_with_a_tick_per_turn_and_a_legend() -> None:
         plt.close(fig)
 
 
+def test_the_axes_say_turn_and_milliseconds() -> None:
+    """The y values are the mean TTFT in ms (`_mean_ttft_ms_by_turn`). Found by a mutation
+    run (s32): a y axis labelled in seconds passed every test."""
+    fig = ttft_figure(ttft_ms_by_turn())
+    try:
+        (ax,) = fig.axes
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("turn", "mean TTFT (ms)")
+    finally:
+        plt.close(fig)
+
+
 def test_the_plot_is_drawn_without_a_display() -> None:
     """Found by a mutation run (s29): not selecting Agg passed every test, which run where
     Agg is the default anyway; on a desktop pyplot's default backend opens windows."""
