@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from test_demo_options import demo_parser
 
-from kvtier.cli.demo_ranges import check_dependencies, check_options
+from kvtier.cli.demo_ranges import check_dependencies, check_dirs, check_options
 from kvtier.cli.main import main
 
 REFUSED_WITHOUT_TORCH = """
@@ -109,6 +109,18 @@ def test_a_missing_torch_is_refused_naming_it_without_a_traceback() -> None:
     )
 
 
+def test_a_missing_module_other_than_torch_is_not_called_a_missing_torch() -> None:
+    """A broken install (here rich.progress, imported with the demo) keeps its traceback,
+    which names the module: only a missing torch gets the install hint. Found by a
+    mutation run (s32): a hint for any missing module passed every test."""
+    code = "import sys\nsys.modules['rich.progress'] = None  # a broken install\n"
+    code += REFUSED_WITHOUT_TORCH.format(options=["--conversations", "1", "--turns", "1"])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout
+    assert "ModuleNotFoundError: import of rich.progress halted" in done.stderr
+    assert "the demo needs torch" not in done.stderr
+
+
 NO_DIRECT_IO = """
 import errno, os
 _open = os.open
@@ -191,6 +203,24 @@ def test_each_number_is_refused_just_below_its_least_value_and_taken_at_it(
     check_options(demo_parser().parse_args([option, str(least), *cascade]))  # no error
 
 
+@pytest.mark.parametrize("given", ["--system-tokens", "--document-tokens", "--user-tokens"])
+def test_a_first_prompt_of_one_kind_of_message_alone_is_taken(given: str) -> None:
+    """Only all three message lengths at 0 leave the first prompt empty. Found by a mutation
+    run (s32): a check that left out --user-tokens (refusing `--system-tokens 0
+    --document-tokens 0 --user-tokens 64`) passed every test."""
+    zeros = [f"{o}=0" for o in ("--system-tokens", "--document-tokens", "--user-tokens")]
+    options = [o for o in zeros if not o.startswith(given)] + [f"{given}=1"]
+    check_options(demo_parser().parse_args(options))  # no error
+
+
+def test_write_back_takes_a_cascade_cpu_tier_larger_than_the_disk() -> None:
+    """Only write_through needs the disk to hold every CPU block. Found by a mutation run
+    (s32): the check could refuse `--cascade write_back --cascade-cpu-mib 64 --disk-mib 32`
+    with every test passing."""
+    options = ["--cascade", "write_back", "--cascade-cpu-mib", "64", "--disk-mib", "32"]
+    check_options(demo_parser().parse_args(options))  # no error
+
+
 def test_the_most_turns_are_taken_and_one_more_conversation_is_refused() -> None:
     check_options(demo_parser().parse_args(["--conversations", "100", "--turns", "100"]))
     args = demo_parser().parse_args(["--conversations", "101", "--turns", "100"])
@@ -221,6 +251,27 @@ def test_the_temp_dir_without_direct_io_is_refused_when_no_disk_dir_is_given(
         " page_cache, or a --disk-dir on a block device\n"
     )
     assert list((tmp_path / "tmp").iterdir()) == []  # the probe file is gone
+
+
+@pytest.mark.parametrize("error", [errno.EACCES, errno.EPERM, errno.EIO])
+def test_an_o_direct_open_failing_otherwise_is_left_to_the_run(
+    error: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only EINVAL says the filesystem has no direct I/O; another failure of the probe's
+    open is not reported as one (the run names it). Found by a mutation run (s32): a probe
+    that took every OSError for "refused O_DIRECT" passed every test."""
+    real_open = os.open
+
+    def failing_direct_io(path: str, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(error, os.strerror(error), path)
+        return real_open(path, flags, *args, **kwargs)
+
+    (tmp_path / "tier").mkdir()
+    monkeypatch.setattr(os, "open", failing_direct_io)
+    options = ["--disk-dir", str(tmp_path / "tier"), "--out", str(tmp_path / "out")]
+    check_dirs(demo_parser().parse_args(options))  # no error
+    assert list((tmp_path / "tier").iterdir()) == []  # the probe file is gone
 
 
 def test_a_dependency_failing_with_any_error_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
