@@ -53,3 +53,16 @@ def test_the_defaults_pass_the_checks_and_send_histories_to_every_tier(tmp_path:
     assert args.disk_mib * MIB >= history  # ... and so does the disk tier
     # "smaller than the demo's KV, so CPU evictions are demoted and served from disk"
     assert args.cascade_cpu_mib * MIB < history
+
+
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def test_the_readme_states_the_defaults_make_demo_runs_with() -> None:
+    """The README says `make demo` serves "eight conversations" with a cascade CPU tier of
+    "32 MiB by default". Found by a mutation run (s32): --conversations' default could
+    change (9) with every test passing, the README then describing another demo."""
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    args = demo_parser().parse_args([])
+    assert f"{NUMBER_WORDS[args.conversations]} conversations, each" in readme
+    assert f"the CPU+disk cascade, {args.cascade_cpu_mib} MiB by default" in readme

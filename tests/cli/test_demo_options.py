@@ -127,6 +127,38 @@ def test_the_help_of_a_demo_option_with_choices_explains_each_choice() -> None:
             assert f"{choice} (" in (action.help or ""), (action.option_strings, choice)
 
 
+# What each choice does, as the README's configuration table says: a word its
+# explanation in `kvtier demo --help` must hold.
+CHOICE_MEANINGS = {
+    "write_through": "every block at once",
+    "write_back": "about to evict",
+    "direct": "O_DIRECT",
+    "page_cache": "buffered",
+}
+
+
+def test_the_help_explains_each_choice_by_what_it_does() -> None:
+    """Found by a mutation run (s32): --cascade's (or --disk-io's) help could explain
+    write_through as write_back does, and the reverse, with every test passing."""
+    explained = {}
+    for action in demo_parser()._actions:
+        text = " ".join((action.help or "").split())
+        for choice in action.choices or ():
+            explained[choice] = text.split(f"{choice} (", 1)[1].split(")", 1)[0]
+    assert explained.keys() == CHOICE_MEANINGS.keys()
+    for choice, meaning in CHOICE_MEANINGS.items():
+        assert meaning in explained[choice], (choice, explained[choice])
+
+
+def test_the_help_of_each_tier_size_names_its_tier() -> None:
+    """Found by a mutation run (s32): --cpu-mib's help could say "disk tier size" with
+    every test passing."""
+    helps = {action.dest: action.help or "" for action in demo_parser()._actions}
+    assert helps["cpu_mib"].startswith("CPU tier size in MiB")
+    assert helps["disk_mib"].startswith("disk tier size in MiB")
+    assert helps["cascade_cpu_mib"].startswith("CPU tier size in front of the disk tier")
+
+
 def test_the_help_of_each_numeric_demo_option_states_its_least_value() -> None:
     # Regression: the help gave no range, so nothing told a user that --system-tokens 0 is
     # taken but --answer-tokens 0, --cpu-mib 0 or --gpu-blocks 1 are refused.
