@@ -66,6 +66,15 @@ def test_runs_whose_tiers_served_nothing_are_named_before_the_verdict(
     )
 
 
+def test_the_demo_says_where_it_plotted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the verdict, the results name the plot's path. Found by a mutation run
+    (s32): the demo could write its plot without a word of where, with every test passing."""
+    model_dir = save_tiny_checkpoint(tmp_path / "ckpt")
+    assert run_demo(tmp_path, f"--model-dir={model_dir}", "--disk-io=page_cache") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"TTFT per turn plotted to {tmp_path / 'out' / 'demo_ttft.png'}" in lines
+
+
 def test_one_run_whose_tier_served_nothing_is_named_alone() -> None:
     def run(name: str, tier_hits: int) -> RunResult:
         return RunResult(name, (TurnResult(0, 1, 64, 0.1, (1,), 0, tier_hits),), 1.0, 0, 0)
