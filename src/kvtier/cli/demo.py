@@ -46,7 +46,10 @@ def run_demo(args: argparse.Namespace) -> int:
     Returns 0 when every configuration produced identical tokens and the plot was
     written, 1 when they differ, the plot could not be written or a run's tier could not
     be made (the verdict line and stderr say which) and 2 for a bad option (the message,
-    on stderr, names it).
+    on stderr, names it). A run whose tier served no tokens is named before the verdict
+    but leaves the status as it is: its tokens are still right, and options that keep
+    every history on the GPU (one conversation) or a tier too small to keep one until its
+    next turn are the user's to choose.
     """
     console = results_console()
     display = progress_console()
