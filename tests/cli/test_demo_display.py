@@ -45,6 +45,21 @@ def test_a_closed_pipe_raises_once_then_the_console_is_quiet() -> None:
     console.print("the verdict")  # quiet: nothing written, nothing raised
 
 
+def test_the_wide_console_of_a_pipe_ends_the_demo_on_a_closed_pipe_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The console made PIPE_WIDTH wide for a pipe is a DemoConsole too: rich's own
+    handler would exit 1, as for a failed run. Found by a mutation run (s32): a plain
+    Console there passed every test (the closed-pipe test's subprocess inherits COLUMNS
+    from the test run, so it takes the other branch)."""
+    monkeypatch.setattr(demo_display.sys, "stdout", ClosedPipe())  # not a terminal
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = results_console()
+    assert console.width == PIPE_WIDTH
+    with pytest.raises(BrokenPipeError):
+        console.print("the table")
+
+
 class Proxy(io.StringIO):
     """What a rich live display puts in sys.stderr: it prints above the display."""
 
