@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.core.policies.admission import DoorkeeperAdmission
 from kvtier.core.policies.dueling import DuelingPolicy
+from kvtier.core.policies.lfuda import LFUDAPolicy
 from kvtier.core.policies.sketch import CountMinSketch, Doorkeeper
 
 BAD: list[tuple[str, Callable[[object], object], object]] = [
@@ -28,6 +29,11 @@ BAD: list[tuple[str, Callable[[object], object], object]] = [
     ("width", lambda v: CountMinSketch(v, 8), 4.0),  # type: ignore[arg-type]
     ("aging_period", lambda v: CountMinSketch(16, v), 1.5),  # type: ignore[arg-type]
     ("aging_period", lambda v: CountMinSketch(16, v), 0),  # type: ignore[arg-type]
+    # F is a sketch count, which saturates at 15.
+    ("max_frequency", lambda v: LFUDAPolicy(16, max_frequency=v), 0),  # type: ignore[arg-type]
+    ("max_frequency", lambda v: LFUDAPolicy(16, max_frequency=v), 16),  # type: ignore[arg-type]
+    ("max_frequency", lambda v: LFUDAPolicy(16, max_frequency=v), True),  # type: ignore[arg-type]
+    ("max_frequency", lambda v: LFUDAPolicy(16, max_frequency=v), 2.0),  # type: ignore[arg-type]
 ]
 
 
@@ -43,5 +49,7 @@ def test_good_parameters_are_accepted() -> None:
     DuelingPolicy(16, z=0, max_shadow_blocks=1)
     DuelingPolicy(16, z=2.5)
     DoorkeeperAdmission(16, 1)
+    LFUDAPolicy(16, max_frequency=1)
+    LFUDAPolicy(16, max_frequency=15)
     CountMinSketch(1, 1)
     Doorkeeper(1)
