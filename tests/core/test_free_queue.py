@@ -120,6 +120,16 @@ def test_check_invariants_catches_a_wrong_length(length_error: int, message: str
         queue.check_invariants()
 
 
+def test_check_invariants_catches_a_tail_link_to_a_block_before_the_last() -> None:
+    """`push_cached` appends after the sentinel's back link: one naming block 3 of
+    [1..5] would link a freed block after 3 and cut 4 and 5 off (found by a mutation
+    run: the check could be dropped with every test passing)."""
+    queue = make_queue(fill=range(1, 6))
+    queue._prev[queue.num_blocks] = 3
+    with pytest.raises(AssertionError, match="the tail link is not the last block"):
+        queue.check_invariants()
+
+
 def test_check_invariants_stops_at_a_cycle() -> None:
     """A link pointing back into the queue fails the check instead of looping forever."""
     queue = make_queue(fill=range(1, 6))
