@@ -138,3 +138,16 @@ def test_a_key_of_zero_tokens_is_accepted() -> None:
     pool.insert_key(make_test_key(1), block_id, 0)
     assert pool.cached_block(make_test_key(1)) == block_id
     pool.check_invariants()
+
+
+def test_secondary_keys_of_names_every_block_asked_about_that_holds_some() -> None:
+    """Blocks a and c hold secondary keys, b none: the answer names a and c, the last id
+    asked about included."""
+    pool = make_pool(5)
+    a, b, c = pool.allocate(3)
+    for block_id, i in ((a, 0), (b, 1), (c, 2)):
+        pool.insert_key(make_test_key(i), block_id, 16)
+    pool.insert_key(make_test_key(10), a, 8)
+    pool.insert_key(make_test_key(12), c, 8)
+    assert pool.secondary_keys_of([a, b, c]) == {a: (make_test_key(10),), c: (make_test_key(12),)}
+    assert pool.secondary_keys_of([c]) == {c: (make_test_key(12),)}
