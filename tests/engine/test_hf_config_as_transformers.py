@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import TINY_HF_CONFIG
 
 from kvtier.engine.config import ModelConfig
 
@@ -21,14 +22,9 @@ LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
 
 def _write(tmp_path: Path, architecture: str, **overrides: Any) -> Path:
     hf = {
+        **TINY_HF_CONFIG,
         "architectures": [architecture],
         "model_type": "llama" if architecture == LLAMA else "qwen2",
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         **overrides,
     }
     (tmp_path / "config.json").write_text(json.dumps(hf))
