@@ -255,3 +255,17 @@ def test_block_extra_keys_name_what_enters_each_block_of_any_size() -> None:
 def test_block_extra_keys_refuse_a_range_that_is_not_a_block(start: int, end: int) -> None:
     with pytest.raises(ValueError, match=rf"\[{start}, {end}\) are not a block"):
         RequestHasher(make_hasher(4)).block_extra_keys(start, end)
+
+
+@pytest.mark.parametrize(
+    ("block_index", "hash_block_size", "message"),
+    [(-1, 16, "block index -1 < 0"), (0, 0, "hash_block_size 0 < 1")],
+)
+def test_extra_keys_for_block_refuse_a_block_before_the_prompt_or_of_no_tokens(
+    block_index: int, hash_block_size: int, message: str
+) -> None:
+    """Block -1 would start before the prompt, and blocks of 0 tokens would all start at
+    position 0: both name the bad value (a mutation run, s32, found neither check tested)."""
+    extras = RequestExtras(mm_items=(MultiModalItem("img", 0, 4),))
+    with pytest.raises(ValueError, match=message):
+        extra_keys_for_block(extras, block_index, hash_block_size)

@@ -56,6 +56,13 @@ def test_extra_keys_of_an_engine_s_own_types_are_tagged_by_repr() -> None:
     assert token_tag(None, [1], ("x",)) != token_tag(None, [1], ("repr:'x'",))
 
 
+def test_a_key_refused_part_way_is_tagged_by_its_repr_alone() -> None:
+    """A tuple whose encoding fails after its first items is tagged as its repr, without
+    the bytes already written for those items (a mutation run, s32, left them in with
+    every test passing)."""
+    assert token_tag(None, [1], ((7, "a", True),)) == token_tag(None, [1], ("repr:(7, 'a', True)",))
+
+
 def test_a_token_outside_int64_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match="not int64"):
         token_tag(None, [2**63], ())
