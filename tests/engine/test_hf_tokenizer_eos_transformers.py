@@ -60,3 +60,37 @@ def test_the_eos_id_matches_auto_tokenizer(tmp_path: Path, case: str) -> None:
     path = _write(tmp_path, CASES[case][0])
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     assert tokenizer_eos_token_id(path) == tokenizer.eos_token_id
+
+
+# A Unigram model (SentencePiece-converted checkpoints: T5, Llama-1's converted
+# tokenizers) lists its vocab as [piece, score] pairs whose index is the id; a piece
+# listed twice takes its last index, as the tokenizers library builds its map.
+UNIGRAM_VOCABS: dict[str, tuple[list[list[Any]], int | None]] = {
+    "eos in the vocab": ([["<unk>", 0.0], ["a", -1.0], ["b", -1.5], ["</s>", 0.0]], 3),
+    "eos listed twice": ([["<unk>", 0.0], ["</s>", 0.0], ["a", -1.0], ["</s>", -2.0]], 3),
+    "eos first": ([["</s>", 0.0], ["<unk>", 0.0], ["a", -1.0]], 0),
+}
+
+
+def _write_unigram(path: Path, vocab: list[list[Any]]) -> Path:
+    model = {"type": "Unigram", "unk_id": 0 if vocab[0][0] == "<unk>" else 1, "vocab": vocab}
+    (path / "tokenizer.json").write_text(json.dumps(TOKENIZER_JSON | {"model": model}))
+    (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    return path
+
+
+@pytest.mark.parametrize("case", UNIGRAM_VOCABS)
+def test_a_unigram_vocab_gives_the_eos_its_index(tmp_path: Path, case: str) -> None:
+    """Regression (s33): a Unigram tokenizer.json's list vocab was never searched, so a
+    checkpoint naming its EOS only there ran with no tokenizer EOS, and generation went
+    on past the token vLLM stops at."""
+    vocab, expected = UNIGRAM_VOCABS[case]
+    assert tokenizer_eos_token_id(_write_unigram(tmp_path, vocab)) == expected
+
+
+@pytest.mark.parametrize("case", UNIGRAM_VOCABS)
+def test_a_unigram_eos_matches_auto_tokenizer(tmp_path: Path, case: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = _write_unigram(tmp_path, UNIGRAM_VOCABS[case][0])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    assert tokenizer_eos_token_id(path) == tokenizer.eos_token_id

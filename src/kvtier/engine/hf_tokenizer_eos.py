@@ -7,7 +7,8 @@ has no tokenizer, so it reads the id from the files transformers reads it from:
 `tokenizer_config.json`'s `eos_token` (a str or `{"content": str}`; a legacy
 `special_tokens_map.json`'s wins where `tokenizer_config.json` has no
 `added_tokens_decoder`, even a null one, as transformers 5 reads them), looked up in its
-`added_tokens_decoder`, then in `tokenizer.json`'s `added_tokens` and `model.vocab`.
+`added_tokens_decoder`, then in `tokenizer.json`'s `added_tokens` and `model.vocab`
+(a dict, or a Unigram model's list of `[piece, score]` pairs).
 The files only name which id vLLM treats as the EOS: one that is missing or malformed
 is logged and left out (None), never a reason to refuse the checkpoint.
 """
@@ -96,5 +97,17 @@ def _id_in_tokenizer_json(path: Path, content: str) -> int | None:
             return token_id if type(token_id) is int and token_id >= 0 else None
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs, the id is the index
+        return _id_in_unigram_vocab(vocab, content)
     token_id = vocab.get(content) if isinstance(vocab, dict) else None
     return token_id if type(token_id) is int and token_id >= 0 else None
+
+
+def _id_in_unigram_vocab(vocab: list[Any], content: str) -> int | None:
+    """Return the index of `content`'s last `[piece, score]` pair (tokenizers maps a
+    piece listed twice to its last id), or None."""
+    found = None
+    for index, entry in enumerate(vocab):
+        if isinstance(entry, list) and entry and entry[0] == content:
+            found = index
+    return found
