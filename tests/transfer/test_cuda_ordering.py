@@ -244,3 +244,29 @@ def test_a_failed_copy_waits_for_the_work_it_already_queued(cuda: FakeCuda, kind
     kinds = [entry[0] for entry in cuda.log]
     assert "copy_" in kinds, "the first region was not queued before the failure"
     assert cuda.log[-1] == ("sync", "lane"), "the failed job left its copies running"
+
+
+@pytest.mark.parametrize("kind", ["store", "load"])
+def test_an_interrupted_copy_waits_for_the_work_it_already_queued(
+    cuda: FakeCuda, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above for a KeyboardInterrupt landing between two regions' copies (s33
+    mutant: `except Exception` let it leave the first region's copies running)."""
+    row_runs = copiers._row_runs
+    calls = itertools.count()
+
+    def interrupted(rows: np.ndarray) -> list[tuple[int, int, int]]:
+        if next(calls) == 1:  # the second region
+            raise KeyboardInterrupt
+        return row_runs(rows)
+
+    monkeypatch.setattr(copiers, "_row_runs", interrupted)
+    engine, host = engine_and_host((4, 6))
+    copier = CudaCopier(ENGINE_DEVICE)
+    copy = functools.partial(copier.store, engine, BLOCKS, host, SLOTS)
+    if kind == "load":
+        copy = functools.partial(copier.load, host, SLOTS, engine, BLOCKS)
+    with pytest.raises(KeyboardInterrupt):
+        copy()
+    assert "copy_" in [entry[0] for entry in cuda.log]
+    assert cuda.log[-1] == ("sync", "lane"), "the interrupted job left its copies running"
