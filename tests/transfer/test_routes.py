@@ -9,12 +9,14 @@ bytes. Distinct recording copiers pin the route table here.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.offload.plan import SlotRecord
+from kvtier.transfer.disk_mover import PartlyLoadedError
 from kvtier.transfer.routes import LaneCopiers, Route, Task, run_task
 
 pytestmark = pytest.mark.timeout(30)
@@ -94,3 +96,81 @@ def test_disk_routes_stage_through_the_copier_of_their_other_tier() -> None:
     assert _run(Route.DISK_LOAD) == [("disk.load", "engine", s, ENGINE, d)]
     assert _run(Route.DEMOTE, RECORDS) == [("disk.store", "host", HOST, s, d, RECORDS)]
     assert _run(Route.PROMOTE) == [("disk.load", "host", s, HOST, d)]
+
+
+class Marker:
+    """A compute-done event that records its host-side wait."""
+
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.calls = calls
+
+    def synchronize(self) -> None:
+        self.calls.append(("marker", "synchronize"))
+
+
+@pytest.mark.parametrize("route", list(Route))
+def test_every_route_first_waits_for_the_forward_pass(route: Route) -> None:
+    """Before any copy, the engine copier waits on the job's compute-done marker (on a
+    GPU, a store issued before it would read blocks the forward pass is still writing);
+    a disk route also waits for it on the lane thread, so that its timing starts after."""
+    calls: list[tuple[Any, ...]] = []
+    copiers = LaneCopiers(RecordingCopier("engine", calls), RecordingCopier("host", calls))  # type: ignore[arg-type]
+    marker = Marker(calls)
+    run_task(Task(route, SRC, DST, marker), copiers, ENGINE, HOST, RecordingDisk(calls))  # type: ignore[arg-type]
+    assert calls[0] == ("engine", "wait_for_compute", marker)
+    waits = [call for call in calls if call == ("marker", "synchronize")]
+    on_disk = route not in (Route.HOST_STORE, Route.HOST_LOAD)
+    assert waits == ([("marker", "synchronize")] if on_disk else [])
+    if on_disk:
+        assert calls[1] == ("marker", "synchronize")
+
+
+@pytest.mark.parametrize("route", list(Route))
+def test_an_empty_job_copies_nothing(route: Route) -> None:
+    calls: list[tuple[Any, ...]] = []
+    copiers = LaneCopiers(RecordingCopier("engine", calls), RecordingCopier("host", calls))  # type: ignore[arg-type]
+    empty = np.array([], dtype=np.int64)
+    task = Task(route, empty, empty, Marker(calls))
+    assert run_task(task, copiers, ENGINE, HOST, RecordingDisk(calls)) is None  # type: ignore[arg-type]
+    assert calls == []
+
+
+class SlowDisk(RecordingDisk):
+    """A disk mover whose calls take `seconds`; loads fail part-way when told to."""
+
+    def __init__(self, calls: list[tuple[Any, ...]], seconds: float, fail: bool) -> None:
+        super().__init__(calls)
+        self.seconds, self.fail = seconds, fail
+
+    def store(self, copier: Any, src: Any, src_ids: Any, slot_ids: Any, records: Any) -> None:
+        time.sleep(self.seconds)
+
+    def load(self, copier: Any, slot_ids: Any, dst: Any, dst_ids: Any) -> None:
+        time.sleep(self.seconds)
+        if self.fail:
+            raise PartlyLoadedError({5}, "slot 5 is bad", "/tier/slots", None)
+
+
+@pytest.mark.parametrize("route", [Route.DISK_STORE, Route.DISK_LOAD, Route.DEMOTE, Route.PROMOTE])
+def test_a_disk_job_is_timed_on_its_lane(route: Route) -> None:
+    """A disk job's completion carries the seconds its staging copies and I/O took."""
+    calls: list[tuple[Any, ...]] = []
+    copiers = LaneCopiers(RecordingCopier("engine", calls), RecordingCopier("host", calls))  # type: ignore[arg-type]
+    disk = SlowDisk(calls, 0.05, fail=False)
+    done = run_task(Task(route, SRC, DST, None, RECORDS), copiers, ENGINE, HOST, disk)  # type: ignore[arg-type]
+    assert done is not None
+    assert done.is_done()
+    assert 0.05 <= done.elapsed_s() < 5
+
+
+@pytest.mark.parametrize("route", [Route.DISK_LOAD, Route.PROMOTE])
+def test_a_partly_failed_load_is_timed_too(route: Route) -> None:
+    """A load whose good blocks were copied before a bad slot raised carries the time
+    they took (they count in the load's throughput)."""
+    calls: list[tuple[Any, ...]] = []
+    copiers = LaneCopiers(RecordingCopier("engine", calls), RecordingCopier("host", calls))  # type: ignore[arg-type]
+    disk = SlowDisk(calls, 0.05, fail=True)
+    with pytest.raises(PartlyLoadedError) as caught:
+        run_task(Task(route, SRC, DST, None), copiers, ENGINE, HOST, disk)  # type: ignore[arg-type]
+    assert caught.value.seconds is not None
+    assert 0.05 <= caught.value.seconds < 5
