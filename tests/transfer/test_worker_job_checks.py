@@ -44,6 +44,15 @@ def submit_one(bad: TransferJob) -> None:
         (np.array([2**64 - 1], dtype=np.uint64), (0,), r"GPU ids \[18446744073709551615\]"),
         (np.array([1]), np.array([-1]), r"event 7: CPU ids \[-1\] outside \[0, 8\)"),
         (3, 4, r"event 7: GPU ids must be a tuple of ints, got int"),
+        # s33 mutation run (job_checks.py): each passed every older case.
+        (np.array([[1], [2]]), (0, 1), r"GPU ids must be a 1-D integer array, got int64 of"),
+        (np.array([True, False]), (0, 1), r"GPU ids must be a 1-D integer array, got bool"),
+        ((1, 2**70, 3), (0, 1, 2), r"GPU ids \[1180591620717411303424\] outside \[0, 16\)"),
+        (
+            (*range(16), 0, 1),
+            tuple(range(18)),
+            r"CPU ids \[8, 9, 10, 11, 12, 13, 14, 15\] outside",
+        ),
     ],
 )
 def test_block_ids_must_be_ints_in_range(src: object, dst: object, message: str) -> None:
@@ -53,6 +62,32 @@ def test_block_ids_must_be_ints_in_range(src: object, dst: object, message: str)
     for name, value in zip(
         ("event_id", "src_tier", "dst_tier", "src_block_ids", "dst_block_ids", "dst_records"),
         (7, Tier.GPU, Tier.CPU, src, dst, ()),
+        strict=True,
+    ):
+        object.__setattr__(bad, name, value)
+    with pytest.raises(ValueError, match=message):
+        submit_one(bad)
+
+
+@pytest.mark.parametrize(
+    ("dst", "message"),
+    [
+        ((3, 3), r"event 7: repeated destination ids \[3\]$"),
+        ((1, 4, 1, 1, 2), r"event 7: repeated destination ids \[1\]$"),
+        ((0, 1, 2, 3, 4, 5, 6, 7) * 2, r"repeated destination ids \[0, 1, 2, 3, 4, 5, 6, 7\]$"),
+    ],
+)
+def test_a_pickled_job_with_repeated_destinations_is_refused(
+    dst: tuple[int, ...], message: str
+) -> None:
+    """A job that skipped `TransferJob.__post_init__` (pickled) and copies two blocks
+    into one destination is refused, naming each repeated id once (s33 mutants: repeats
+    looked for two apart went unseen; each repeat was listed as often as it repeated)."""
+    bad = TransferJob.__new__(TransferJob)
+    src = tuple(i % 8 for i in range(len(dst)))  # CPU slots may repeat
+    for name, value in zip(
+        ("event_id", "src_tier", "dst_tier", "src_block_ids", "dst_block_ids", "dst_records"),
+        (7, Tier.CPU, Tier.GPU, src, dst, ()),
         strict=True,
     ):
         object.__setattr__(bad, name, value)
