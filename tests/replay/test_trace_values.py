@@ -32,3 +32,12 @@ def test_a_line_too_deep_to_decode_again_is_rendered_from_what_the_reader_read()
     too_deep = '{"a": [1E2, ' + "[" * 100_000 + "]" * 100_000 + "]}"
     read = {"a": [100.0, [[[]]]]}
     assert value_as_written(too_deep, read, "a") == "[100.0, [[[]]]]"
+
+
+def test_a_value_of_exactly_max_chars_is_shown_whole() -> None:
+    """The cut starts past MAX_CHARS characters (a mutation run moved it to MAX_CHARS
+    itself and no test saw)."""
+    fits = '"' + "x" * (MAX_CHARS - 2) + '"'
+    assert written_as(fits) == fits
+    longer = '"' + "x" * (MAX_CHARS - 1) + '"'
+    assert written_as(longer) == longer[:MAX_CHARS] + " ..."
