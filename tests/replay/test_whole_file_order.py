@@ -1,6 +1,7 @@
-"""`whole_file`'s error naming and output order, found by the first mutation run on
-whole_file.py: an OSError with no file name (a full disk) on a regular file, and the
-flush that keeps a command's printed lines before what it writes to /dev/stdout."""
+"""`whole_file`'s error naming, output order and temporary files, found by the first
+mutation run on whole_file.py: an OSError with no file name (a full disk) on a regular
+file or from a rename, the flush that keeps a command's printed lines before what it
+writes to /dev/stdout, the hidden temporary file, and which paths are written in place."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.replay.whole_file import whole_file
+from kvtier.replay.whole_file import descriptor_of, file_set, whole_file, written_in_place
 
 
 def test_a_full_disk_on_a_regular_file_is_named_with_the_path(tmp_path: Path) -> None:
@@ -47,3 +48,44 @@ def test_lines_printed_before_a_write_to_stdout_come_first() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "printed first\nwritten second\n"
+
+
+def test_the_temporary_file_is_hidden_beside_the_target(tmp_path: Path) -> None:
+    """While a file is written, the folder shows only a hidden `.NAME.*.part` file (a
+    shell glob `*.json` never picks up a half-written one)."""
+    with whole_file(tmp_path / "r.json") as file:
+        file.write("{}")
+        (temp,) = os.listdir(tmp_path)
+    assert temp.startswith(".r.json.")
+    assert temp.endswith(".part")
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_a_failed_rename_names_the_target(tmp_path: Path) -> None:
+    """A set's rename that fails (the target became a non-empty folder meanwhile) names
+    the file asked for, not the hidden temporary one."""
+    target = tmp_path / "r.json"
+    with pytest.raises(OSError) as raised, file_set():  # noqa: PT012 - the set ends last
+        with whole_file(target) as file:
+            file.write("{}")
+        target.mkdir()
+        (target / "inside").write_text("x")
+    assert raised.value.filename == str(target)
+    assert sorted(os.listdir(tmp_path)) == ["r.json"]  # the temporary file is removed
+
+
+def test_only_devices_pipes_and_descriptors_are_written_in_place(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "file").write_text("x")
+    assert written_in_place(fifo)
+    assert written_in_place("/dev/null")
+    assert written_in_place("/dev/stdout")
+    assert not written_in_place(tmp_path / "file")
+    assert not written_in_place(tmp_path / "new")
+
+
+def test_a_descriptor_path_is_the_whole_name(tmp_path: Path) -> None:
+    """`/dev/fd/3.json` is no descriptor (a file of that name would be replaced)."""
+    assert descriptor_of("/dev/fd/3.json") is None
+    assert descriptor_of("/proc/self/fd/1x") is None
