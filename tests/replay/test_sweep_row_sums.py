@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,16 @@ def test_the_plot_takes_the_format_of_its_suffix(tmp_path: Path) -> None:
     plot_sweep(tmp_path / "sweep.png", points, "png", 0.5)
     assert b"<svg" in (tmp_path / "sweep.svg").read_bytes()[:500]
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_json_write_that_fails_leaves_the_old_file(tmp_path: Path) -> None:
+    """`--json` is written whole or not at all: a value JSON cannot hold fails the write,
+    and the file keeps what it held (not an empty or half-written file)."""
+    records = doc_trace(seed=3, num_requests=20)
+    points = run_sweep(records, TWO_TIERS, ["lru"], [6 * BLOCK])
+    path = tmp_path / "r.json"
+    path.write_text("old\n")
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        write_json(path, points, "doc.jsonl", summarize(records, BLOCK), {"bad": object()})
+    assert path.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["r.json"]
