@@ -61,6 +61,9 @@ def test_a_worker_peek_is_repeated_until_acknowledged_and_poll_lets_go_at_once()
     first = worker.peek()
     worker.check_invariants()
     assert (first.done, first.failed) == ({1: 1, 2: 1}, {})
+    # Each done event carries the seconds its copies took (s33 mutant: none reported).
+    assert set(first.seconds) == {1, 2}
+    assert all(isinstance(s, float) and 0 <= s < 60 for s in first.seconds.values())
     assert worker.peek() == first  # a caller cut short before it stored the report
     worker.submit(TransferPlan(step_id=1, jobs=(job(3, Tier.GPU, Tier.CPU, [3], [3]),)))
     worker.flush()
