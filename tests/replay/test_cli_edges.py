@@ -224,6 +224,20 @@ def test_json_to_stdout_stays_pure_with_stderr_closed(tmp_path: Path) -> None:
     assert json.loads(done.stdout)["points"]
 
 
+def test_json_to_stdout_stays_pure_when_stderr_s_reader_left(tmp_path: Path) -> None:
+    """`--json /dev/stdout 2>&1 >x | head -0`: stderr, which takes the summary and the
+    table, breaks at its first line; the rest is dropped, not printed into the JSON."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        argv = command(str(trace_file(tmp_path)), *SMALL, "--json", "/dev/stdout")
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=write_end, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0
+    assert json.loads(done.stdout)["points"]
+
+
 def test_an_existing_file_that_is_not_writable_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
