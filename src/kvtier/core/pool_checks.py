@@ -97,6 +97,7 @@ def _check_keys(pool: BlockPool) -> None:
             held = [keys[block_id], *secondary.get(block_id, ())]
             assert key in held, f"index maps a key to block {block_id}, which lacks it"
     assert all(more.values()), "an empty list of further blocks is kept for a key"
+    assert all(secondary.values()), "an empty list of secondary keys is kept for a block"
     assert more.keys() <= index.keys(), "further blocks of a key missing from the index"
     for block_id in pool._tags:
         assert keys[block_id] is not None, f"block {block_id}: a token tag, no key"
