@@ -73,3 +73,46 @@ def test_a_new_block_starts_without_an_earlier_request() -> None:
     with sigterm_unwinds():
         raise_if_terminated()  # nothing arrived in this block
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_system_exit_swallowed_without_sigterm_is_still_printed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only the SystemExit of a SIGTERM that arrived is kept quiet: a finalizer's own
+    `sys.exit()` is reported as the interpreter would."""
+    printed: list[type[BaseException]] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(u.exc_type))
+
+    def callback() -> None:
+        sys.exit(3)
+
+    with sigterm_unwinds():
+        thing = _Thing()
+        weakref.finalize(thing, callback)
+        del thing
+        gc.collect()
+    assert printed == [SystemExit]
+
+
+def test_the_block_puts_back_the_sigterm_handler_and_the_unraisable_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`kvtier generate` run by a program (not through `run_command`, which puts back
+    its own): the program's SIGTERM handler and unraisable hook are back after."""
+
+    def mine(signum: int, frame: object) -> None:
+        raise AssertionError("not called")
+
+    def hook(unraisable: object) -> None:
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        with sigterm_unwinds():
+            assert signal.getsignal(signal.SIGTERM) is not mine
+            assert sys.unraisablehook is not hook
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert sys.unraisablehook is hook
+    finally:
+        signal.signal(signal.SIGTERM, previous)
