@@ -138,3 +138,16 @@ def test_a_capacity_above_10_to_the_18_tokens_is_refused_naming_the_field() -> N
         cpu(MAX_TOKENS + 1)
     with pytest.raises(ReplayError, match=f"^gpu_capacity_tokens must be {bound}$"):
         ReplayConfig(tiers=(cpu(),), gpu_capacity_tokens=MAX_TOKENS + 1)
+
+
+def test_a_named_tier_gets_its_own_default_link() -> None:
+    """`TierConfig.named`: CPU 25 GB/s, DISK 5 GB/s (`cost.DEFAULT_LINK_GBPS`)."""
+    assert TierConfig.named("CPU", 100).link_gbps == 25.0
+    assert TierConfig.named("DISK", 100).link_gbps == 5.0
+
+
+def test_the_largest_block_size_is_taken() -> None:
+    config = ReplayConfig(
+        tiers=(TierConfig.named("CPU", MAX_BLOCK_SIZE),), block_size=MAX_BLOCK_SIZE
+    )
+    assert config.block_size == MAX_BLOCK_SIZE
