@@ -140,6 +140,22 @@ def test_an_ignored_signal_does_not_hide_the_next_one() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
+def test_an_ignored_signal_stays_ignored_for_child_processes() -> None:
+    """`kvtier replay ... &` starts with SIGINT ignored: holding signals around a write
+    leaves it ignored (not wrapped in a Python handler, which a child process started
+    afterwards would not inherit: Ctrl-C for the script would reach it)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals_deferred():
+            pass
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        child = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+        done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+        assert done.stdout == "True\n"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_signal_as_a_file_set_ends_leaves_no_temporary_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
