@@ -151,3 +151,10 @@ def test_the_largest_block_size_is_taken() -> None:
         tiers=(TierConfig.named("CPU", MAX_BLOCK_SIZE),), block_size=MAX_BLOCK_SIZE
     )
     assert config.block_size == MAX_BLOCK_SIZE
+
+
+def test_a_negative_gpu_capacity_is_refused() -> None:
+    with pytest.raises(ReplayError, match=r"^gpu capacity must be 0 \(no GPU tier\) or at least"):
+        ReplayConfig(
+            tiers=(TierConfig.named("CPU", 10 * BLOCK),), block_size=BLOCK, gpu_capacity_tokens=-1
+        )
