@@ -78,3 +78,33 @@ def test_a_signal_arriving_as_the_hold_ends_is_delivered(
         pass
     assert signals._state.arrived == []
     assert signals._state.depth == 0
+
+
+@pytest.mark.parametrize("handler", [signal.SIG_DFL, None], ids=["SIG_DFL", "set-outside-python"])
+def test_a_held_signal_with_the_default_action_is_raised_with_it(
+    monkeypatch: pytest.MonkeyPatch, handler: object
+) -> None:
+    """SIGTERM held whose handler was the default action (or one set outside Python,
+    which `signal.getsignal` gives as None): at the block's end SIGTERM gets its default
+    action back, then is raised (which ends the process; recorded here)."""
+    real_getsignal = signal.getsignal
+    raised: list[tuple[int, object]] = []
+
+    def getsignal(signum: int) -> object:
+        return handler if signum == signal.SIGTERM else real_getsignal(signum)
+
+    def raise_signal(signum: int) -> None:
+        raised.append((signum, real_getsignal(signum)))
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        monkeypatch.setattr(signal, "getsignal", getsignal)
+        monkeypatch.setattr(signal, "raise_signal", raise_signal)
+        with signals_deferred():
+            monkeypatch.setattr(signal, "getsignal", real_getsignal)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # held by the wrapper
+        assert raised == [(signal.SIGTERM, signal.SIG_DFL)]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
