@@ -36,7 +36,7 @@ from kvtier.replay.ascii_number import ascii_int
 from kvtier.replay.command import BROKEN_PIPE_STATUS
 from kvtier.replay.option_types import attach_dashed_values
 from kvtier.replay.outputs import check_file_path, json_output_path, shell_word
-from kvtier.replay.signals import sigterm_unwinds
+from kvtier.replay.signals import raise_if_terminated, sigterm_unwinds
 from kvtier.replay.stdout_lines import progress_bar_disable
 from kvtier.replay.store_once import StoreOnce
 from kvtier.replay.trace import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, TraceRecord, write_trace
@@ -280,7 +280,9 @@ def write(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         with sigterm_unwinds():
             check_file_path("out", args.out)  # before the work, not after it
             records = _generate_with_progress(config)
+            raise_if_terminated()  # one a finalizer swallowed: before any file is written
             _write_with_progress(args.out, records)
+            raise_if_terminated()  # in the block: it forgets the request as it ends
     except KeyboardInterrupt:
         print(f"\n{parser.prog}: interrupted", file=sys.stderr)
         return 130
