@@ -116,3 +116,17 @@ def test_the_block_puts_back_the_sigterm_handler_and_the_unraisable_hook(
         assert sys.unraisablehook is hook
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_block_inside_another_keeps_the_outer_block_s_request() -> None:
+    """`kvtier generate` under `run_command`: its block runs inside the command's. A
+    SIGTERM swallowed before the inner block began is still raised at the next safe
+    point (the inner block's start and end cleared it: the command ran on, exit 0)."""
+    with sigterm_unwinds():
+        _sigterm_inside_a_finalizer()
+        with sigterm_unwinds():
+            pass
+        with pytest.raises(SystemExit) as raised:
+            raise_if_terminated()
+    assert raised.value.code == TERMINATED_STATUS
+    raise_if_terminated()  # handled as the outer block ended

@@ -35,15 +35,22 @@ def sigterm_unwinds() -> Iterator[None]:
     ignored", which the block's unraisable hook keeps quiet) and the command would run
     on: the request is remembered too, and `raise_if_terminated`, called at a command's
     safe points (after each demo turn, after the command), raises it again. Does nothing
-    outside the main thread (no handler can be set there).
+    outside the main thread (no handler can be set there), nor inside another such block
+    (`kvtier generate` under `run_command`), whose request it must not forget.
     """
     if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    in_place = signal.getsignal(signal.SIGTERM)
+    if getattr(getattr(in_place, "inner", in_place), "unwinds", False):  # inside a block
         yield
         return
 
     def terminate(signum: int, frame: object) -> None:
         _requested.set()
         raise SystemExit(TERMINATED_STATUS)
+
+    terminate.unwinds = True  # type: ignore[attr-defined]
 
     previous_hook = sys.unraisablehook
 
