@@ -7,33 +7,15 @@ printed "Exception ignored" with a traceback and the demo ran on to its end, exi
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import sys
 import time
-import weakref
 
 import pytest
 
+from finalizers import run_in_a_finalizer, sigterm_inside_a_finalizer
 from kvtier.replay.signals import TERMINATED_STATUS, raise_if_terminated, sigterm_unwinds
-
-
-class _Thing:
-    pass
-
-
-def _sigterm_inside_a_finalizer() -> None:
-    """Deliver SIGTERM while a `weakref.finalize` callback runs (which swallows errors)."""
-
-    def callback() -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)  # the handler runs here, in the callback's frame
-
-    thing = _Thing()
-    weakref.finalize(thing, callback)
-    del thing
-    gc.collect()
 
 
 def test_a_swallowed_sigterm_is_raised_at_the_next_safe_point(
@@ -42,7 +24,7 @@ def test_a_swallowed_sigterm_is_raised_at_the_next_safe_point(
     printed: list[type[BaseException]] = []  # what the interpreter would print
     monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(u.exc_type))
     with sigterm_unwinds():
-        _sigterm_inside_a_finalizer()  # swallowed there, and not printed as a traceback
+        sigterm_inside_a_finalizer()  # swallowed there, and not printed as a traceback
         with pytest.raises(SystemExit) as raised:
             raise_if_terminated()
         assert printed == []
@@ -57,10 +39,7 @@ def _other_error_inside_a_finalizer() -> None:
     def callback() -> None:
         raise ValueError("a finalizer's own error")
 
-    thing = _Thing()
-    weakref.finalize(thing, callback)
-    del thing
-    gc.collect()
+    run_in_a_finalizer(callback)
 
 
 def test_a_new_block_starts_without_an_earlier_request() -> None:
@@ -87,10 +66,7 @@ def test_a_system_exit_swallowed_without_sigterm_is_still_printed(
         sys.exit(3)
 
     with sigterm_unwinds():
-        thing = _Thing()
-        weakref.finalize(thing, callback)
-        del thing
-        gc.collect()
+        run_in_a_finalizer(callback)
     assert printed == [SystemExit]
 
 
@@ -123,7 +99,7 @@ def test_a_block_inside_another_keeps_the_outer_block_s_request() -> None:
     SIGTERM swallowed before the inner block began is still raised at the next safe
     point (the inner block's start and end cleared it: the command ran on, exit 0)."""
     with sigterm_unwinds():
-        _sigterm_inside_a_finalizer()
+        sigterm_inside_a_finalizer()
         with sigterm_unwinds():
             pass
         with pytest.raises(SystemExit) as raised:

@@ -9,11 +9,9 @@ from __future__ import annotations
 import argparse
 import gc
 import io
-import os
 import signal
 import subprocess
 import sys
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 import pytest
 from replay_helpers import BLOCK, doc_trace
 
+from finalizers import sigterm_inside_a_finalizer
 from kvtier.replay.command import run_command
 from kvtier.replay.trace import write_trace
 
@@ -66,14 +65,7 @@ def test_a_sigterm_swallowed_in_a_finalizer_ends_the_command() -> None:
     status."""
 
     def run(args: argparse.Namespace) -> int:
-        def callback() -> None:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)  # the handler runs here, in the callback's frame
-
-        thing = _Thing()
-        weakref.finalize(thing, callback)
-        del thing
-        gc.collect()
+        sigterm_inside_a_finalizer()
         return 0
 
     with pytest.raises(SystemExit) as exit_info:

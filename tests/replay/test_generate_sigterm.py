@@ -4,35 +4,15 @@ leaves no trace file behind."""
 
 from __future__ import annotations
 
-import gc
-import os
 import signal
-import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from finalizers import sigterm_inside_a_finalizer
 from kvtier.cli.main import main as kvtier_main
 from kvtier.replay import generate
-
-
-class _Thing:
-    pass
-
-
-def _sigterm_inside_a_finalizer() -> None:
-    """Deliver SIGTERM while a `weakref.finalize` callback runs (which swallows errors)."""
-
-    def callback() -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.05)  # the handler runs here, in the callback's frame
-
-    thing = _Thing()
-    weakref.finalize(thing, callback)
-    del thing
-    gc.collect()
 
 
 @pytest.mark.parametrize(
@@ -49,7 +29,7 @@ def test_a_sigterm_swallowed_as_the_trace_is_made_stops_the_generator(
 
     def made_as_sigterm_is_swallowed(config: generate.ChatWorkloadConfig) -> object:
         records = made(config)
-        _sigterm_inside_a_finalizer()
+        sigterm_inside_a_finalizer()
         return records
 
     monkeypatch.setattr(generate, "_generate_with_progress", made_as_sigterm_is_swallowed)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transfer_helpers import random_rows, reference_copy
 
 from kvtier.transfer.block_copy import (
     CopyStrategy,
@@ -16,21 +17,6 @@ from kvtier.transfer.block_copy import (
     row_dtype,
     runs_of,
 )
-
-
-def reference_copy(
-    src: torch.Tensor, src_ids: np.ndarray, dst: torch.Tensor, dst_ids: np.ndarray
-) -> torch.Tensor:
-    """Return what `dst` must look like after the copy (one row at a time)."""
-    out = dst.clone()
-    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
-        out[d] = src[s]
-    return out
-
-
-def random_rows(rows: int, width: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
 
 
 @st.composite

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transfer_helpers import random_rows, reference_copy
 
 from kvtier.transfer import block_copy
 from kvtier.transfer.block_copy import (
@@ -24,28 +25,13 @@ from kvtier.transfer.block_copy import (
     run_copy,
 )
 
-
-def _random_bytes(rows: int, width: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
-
-
-def _reference(
-    src: torch.Tensor, src_ids: np.ndarray, dst: torch.Tensor, dst_ids: np.ndarray
-) -> torch.Tensor:
-    out = dst.clone()
-    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
-        out[d] = src[s]
-    return out
-
-
 # Byte rows that fail exactly one of the conditions for reading them as int64 words.
 _NOT_WORD_ROWS = {
-    "bytes not adjacent": lambda: _random_bytes(6, 32, 1)[:, ::2],  # stride(1) 2, width 16
-    "row stride not a word": lambda: _random_bytes(6, 20, 2)[:, :16],  # stride(0) 20
-    "offset not a word": lambda: _random_bytes(7, 16, 3).view(-1)[4:84].view(5, 16),
+    "bytes not adjacent": lambda: random_rows(6, 32, 1)[:, ::2],  # stride(1) 2, width 16
+    "row stride not a word": lambda: random_rows(6, 20, 2)[:, :16],  # stride(0) 20
+    "offset not a word": lambda: random_rows(7, 16, 3).view(-1)[4:84].view(5, 16),
     "offset not a word at a word address": lambda: _offset_on_a_word_address(),
-    "width not a word": lambda: _random_bytes(6, 16, 4)[:, :12],  # stride(0) 16
+    "width not a word": lambda: random_rows(6, 16, 4)[:, :12],  # stride(0) 16
 }
 
 
@@ -55,7 +41,7 @@ def _offset_on_a_word_address() -> torch.Tensor:
     storage = torch.from_numpy(np.zeros(200, dtype=np.uint8)[4:])  # starts at 4 mod 8
     assert storage.data_ptr() % 8 == 4
     rows = storage.view(-1)[4:84].view(5, 16)
-    rows.copy_(_random_bytes(5, 16, 3))
+    rows.copy_(random_rows(5, 16, 3))
     assert rows.data_ptr() % 8 == 0
     assert rows.storage_offset() == 4
     return rows
@@ -66,14 +52,14 @@ def test_byte_rows_that_are_not_whole_words_copy_as_bytes(case: str) -> None:
     """Each of the four conditions alone keeps rows as bytes: viewed as int64, such rows
     fail to view (or would move the wrong bytes)."""
     src = _NOT_WORD_ROWS[case]()
-    words = _random_bytes(5, 16, 9)
+    words = random_rows(5, 16, 9)
     assert row_dtype(src) == torch.uint8
     assert row_dtype(words) == torch.int64
     if src.size(1) == words.size(1):
         assert row_dtype(src, words) == row_dtype(words, src) == torch.uint8
-    dst = _random_bytes(8, src.size(1), 5)
+    dst = random_rows(8, src.size(1), 5)
     src_ids, dst_ids = np.array([4, 0, 2, 1]), np.array([7, 3, 0, 5])
-    expected = _reference(src, src_ids, dst, dst_ids)
+    expected = reference_copy(src, src_ids, dst, dst_ids)
     copy_blocks(src, src_ids, dst, dst_ids)
     assert torch.equal(dst, expected)
 
@@ -108,7 +94,7 @@ def test_a_share_of_a_plan_writes_exactly_its_rows(
     race them."""
     s, d = np.array(src_ids), np.array(dst_ids)
     plan = plan_copy(s, d, 64)
-    src, dst = _random_bytes(32, 64, 6), torch.zeros(32, 64, dtype=torch.uint8)
+    src, dst = random_rows(32, 64, 6), torch.zeros(32, 64, dtype=torch.uint8)
     scratch = new_scratch(64)
     copy_rows(plan, as_rows(src), as_rows(dst), a, b, scratch)
     # The plan's row order: destination-sorted, source-sorted, or as given.
@@ -129,12 +115,12 @@ def test_a_strided_gather_in_several_chunks_copies_every_row(
     """Strided small rows are gathered a chunk of SCRATCH_BYTES at a time: every chunk,
     the last one short, lands in its own rows."""
     monkeypatch.setattr(block_copy, "SCRATCH_BYTES", 3 * 32)  # 3 rows a chunk
-    wide = _random_bytes(20, 64, 7)
+    wide = random_rows(20, 64, 7)
     src = wide[:, :32]  # not C-contiguous: the chunked path
-    dst = _random_bytes(20, 32, 8)
+    dst = random_rows(20, 32, 8)
     src_ids = np.array([19, 2, 7, 7, 11, 0, 5, 13, 3, 16])
     dst_ids = np.arange(4, 14)  # one run: a gather into dst rows 4..14
-    expected = _reference(src, src_ids, dst, dst_ids)
+    expected = reference_copy(src, src_ids, dst, dst_ids)
     copy_blocks(src, src_ids, dst, dst_ids)
     assert torch.equal(dst, expected)
 
@@ -147,12 +133,12 @@ def test_a_strided_gather_in_several_chunks_copies_every_row(
 def test_a_scratch_that_does_not_fit_is_replaced_not_used(scratch: np.ndarray) -> None:
     """`run_copy` stages through a scratch of the region's width and dtype: one that
     differs in either is set aside for a fresh one, and the copy is exact."""
-    src, dst = _random_bytes(40, 16, 10), _random_bytes(40, 16, 11)
+    src, dst = random_rows(40, 16, 10), random_rows(40, 16, 11)
     src_ids = np.array([30, 3, 17, 9, 25, 1, 38, 12])
     dst_ids = np.array([5, 33, 20, 0, 14, 27, 8, 39])
     plan = plan_copy(src_ids, dst_ids, 16)
     assert plan.strategy is CopyStrategy.SCRATCH
-    expected = _reference(src, src_ids, dst, dst_ids)
+    expected = reference_copy(src, src_ids, dst, dst_ids)
     run_copy(plan, src, dst, scratch)
     assert torch.equal(dst, expected)
     assert not scratch.any()
@@ -161,12 +147,12 @@ def test_a_scratch_that_does_not_fit_is_replaced_not_used(scratch: np.ndarray) -
 def test_copy_blocks_stages_in_the_scratch_it_is_given() -> None:
     """A byte scratch handed to `copy_blocks` is seen as rows of the copied dtype and
     used, not set aside for a fresh 4 MiB one on every call."""
-    src, dst = _random_bytes(40, 16, 12), _random_bytes(40, 16, 13)
+    src, dst = random_rows(40, 16, 12), random_rows(40, 16, 13)
     src_ids = np.array([30, 3, 17, 9, 25, 1, 38, 12])
     dst_ids = np.array([5, 33, 20, 0, 14, 27, 8, 39])
     assert plan_copy(src_ids, dst_ids, 16).strategy is CopyStrategy.SCRATCH
     scratch = np.zeros((64, 16), dtype=np.uint8)
-    expected = _reference(src, src_ids, dst, dst_ids)
+    expected = reference_copy(src, src_ids, dst, dst_ids)
     copy_blocks(src, src_ids, dst, dst_ids, scratch)
     assert torch.equal(dst, expected)
     assert scratch[:8].tobytes() == src[torch.from_numpy(src_ids)].numpy().tobytes()
@@ -176,7 +162,7 @@ def test_a_scratch_plan_without_scratch_is_refused() -> None:
     """`copy_rows` needs scratch rows for a SCRATCH plan: it says so (ValueError)."""
     plan = plan_copy(np.array([6, 0, 3, 9]), np.array([1, 7, 4, 10]), 8)
     assert plan.strategy is CopyStrategy.SCRATCH
-    rows = as_rows(_random_bytes(12, 8, 14))
+    rows = as_rows(random_rows(12, 8, 14))
     with pytest.raises(ValueError, match="needs scratch rows"):
         copy_rows(plan, rows, rows.copy(), 0, 4, None)
 

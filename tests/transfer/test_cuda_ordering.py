@@ -136,6 +136,16 @@ BLOCKS = np.array([6, 1, 3], dtype=np.int64)
 SLOTS = np.array([4, 0, 2], dtype=np.int64)
 
 
+def store_or_load(
+    copier: CudaCopier, kind: str, engine: list[torch.Tensor], host: list[torch.Tensor]
+) -> Callable[[], None]:
+    """Return the copier's store (engine -> host) or load (host -> engine) of the test's
+    blocks and slots, ready to call."""
+    if kind == "load":
+        return functools.partial(copier.load, host, SLOTS, engine, BLOCKS)
+    return functools.partial(copier.store, engine, BLOCKS, host, SLOTS)
+
+
 def run_copy(copier: CudaCopier, kind: str) -> None:
     """Run one of the copier's four copies on engine blocks BLOCKS and slots / rows."""
     engine, host = engine_and_host()
@@ -236,9 +246,7 @@ def test_a_failed_copy_waits_for_the_work_it_already_queued(cuda: FakeCuda, kind
     engine, host = engine_and_host((4, 6))
     host[1] = torch.zeros(5, 5, dtype=torch.int64)  # wrong width: the second region fails
     copier = CudaCopier(ENGINE_DEVICE)
-    copy = functools.partial(copier.store, engine, BLOCKS, host, SLOTS)
-    if kind == "load":
-        copy = functools.partial(copier.load, host, SLOTS, engine, BLOCKS)
+    copy = store_or_load(copier, kind, engine, host)
     with pytest.raises(RuntimeError):
         copy()
     kinds = [entry[0] for entry in cuda.log]
@@ -263,9 +271,7 @@ def test_an_interrupted_copy_waits_for_the_work_it_already_queued(
     monkeypatch.setattr(copiers, "_row_runs", interrupted)
     engine, host = engine_and_host((4, 6))
     copier = CudaCopier(ENGINE_DEVICE)
-    copy = functools.partial(copier.store, engine, BLOCKS, host, SLOTS)
-    if kind == "load":
-        copy = functools.partial(copier.load, host, SLOTS, engine, BLOCKS)
+    copy = store_or_load(copier, kind, engine, host)
     with pytest.raises(KeyboardInterrupt):
         copy()
     assert "copy_" in [entry[0] for entry in cuda.log]

@@ -27,6 +27,18 @@ def submit_one(bad: TransferJob) -> None:
             worker.check_invariants()
 
 
+def unchecked_job(src_tier: Tier, dst_tier: Tier, src: object, dst: object) -> TransferJob:
+    """Return event 7 as a pickled job may arrive: `__post_init__`'s checks skipped."""
+    bad = TransferJob.__new__(TransferJob)
+    for name, value in zip(
+        ("event_id", "src_tier", "dst_tier", "src_block_ids", "dst_block_ids", "dst_records"),
+        (7, src_tier, dst_tier, src, dst, ()),
+        strict=True,
+    ):
+        object.__setattr__(bad, name, value)
+    return bad
+
+
 @pytest.mark.parametrize(
     ("src", "dst", "message"),
     [
@@ -58,15 +70,8 @@ def submit_one(bad: TransferJob) -> None:
 def test_block_ids_must_be_ints_in_range(src: object, dst: object, message: str) -> None:
     """Regression: 1.7 / "3" / True were coerced (1.7 copied block 1) and reported done;
     2**70 and uint64 max raised a bare OverflowError without the event id."""
-    bad = TransferJob.__new__(TransferJob)  # bypass __post_init__'s len() on non-sequences
-    for name, value in zip(
-        ("event_id", "src_tier", "dst_tier", "src_block_ids", "dst_block_ids", "dst_records"),
-        (7, Tier.GPU, Tier.CPU, src, dst, ()),
-        strict=True,
-    ):
-        object.__setattr__(bad, name, value)
     with pytest.raises(ValueError, match=message):
-        submit_one(bad)
+        submit_one(unchecked_job(Tier.GPU, Tier.CPU, src, dst))
 
 
 @pytest.mark.parametrize(
@@ -83,16 +88,9 @@ def test_a_pickled_job_with_repeated_destinations_is_refused(
     """A job that skipped `TransferJob.__post_init__` (pickled) and copies two blocks
     into one destination is refused, naming each repeated id once (s33 mutants: repeats
     looked for two apart went unseen; each repeat was listed as often as it repeated)."""
-    bad = TransferJob.__new__(TransferJob)
     src = tuple(i % 8 for i in range(len(dst)))  # CPU slots may repeat
-    for name, value in zip(
-        ("event_id", "src_tier", "dst_tier", "src_block_ids", "dst_block_ids", "dst_records"),
-        (7, Tier.CPU, Tier.GPU, src, dst, ()),
-        strict=True,
-    ):
-        object.__setattr__(bad, name, value)
     with pytest.raises(ValueError, match=message):
-        submit_one(bad)
+        submit_one(unchecked_job(Tier.CPU, Tier.GPU, src, dst))
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,23 @@ from kvtier.transfer.lanes import TransferLane
 from kvtier.transfer.regions import RegionSet, TensorLayout
 
 
+def reference_copy(
+    src: torch.Tensor, src_ids: np.ndarray, dst: torch.Tensor, dst_ids: np.ndarray
+) -> torch.Tensor:
+    """Return what `dst` must look like after copying rows `src_ids` to `dst_ids` (one
+    row at a time)."""
+    out = dst.clone()
+    for s, d in zip(src_ids.tolist(), dst_ids.tolist(), strict=True):
+        out[d] = src[s]
+    return out
+
+
+def random_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Return `[rows, width]` random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, width), dtype=torch.uint8, generator=gen)
+
+
 def kv_per_layer(
     num_layers: int,
     num_blocks: int,
