@@ -74,3 +74,24 @@ def test_a_capacity_beyond_an_exabyte_of_tokens_is_a_usage_error_naming_it(
 def test_the_largest_capacity_is_taken() -> None:
     args = parse("--capacity", "1000000000G", "--disk", str(10**18), "--gpu-capacity", "1000")
     assert (args.capacity, args.disk_capacity, args.gpu_capacity) == ([10**18], 10**18, 1000)
+
+
+def test_a_capacity_given_twice_is_replayed_once(tmp_path: Path) -> None:
+    """--capacity is repeatable; a repeat is one capacity, as a repeated --policy is one
+    policy (a mutant keeping the repeat replayed it twice)."""
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, doc_trace(seed=5, num_requests=10))
+    argv = [str(trace), "--block-size", str(BLOCK), "--capacity", "80", "--capacity", "160"]
+    plan = plan_replay(parse_for([*argv, "--capacity", "80"]))
+    assert plan.capacities == [80, 160]
+
+
+def test_a_gpu_tier_exactly_the_largest_request_is_accepted(tmp_path: Path) -> None:
+    """The largest request must fit the GPU tier: exactly its size fits (a mutant refused
+    it as too large)."""
+    records = doc_trace(seed=5, num_requests=10)
+    trace = tmp_path / "doc.jsonl"
+    write_trace(trace, records)
+    gpu = max(len(r.hash_ids) for r in records) * BLOCK
+    argv = [str(trace), "--block-size", str(BLOCK), "--gpu-capacity", str(gpu)]
+    assert plan_replay(parse_for(argv)).base.gpu_capacity_tokens == gpu
