@@ -138,6 +138,9 @@ def test_a_generator_option_given_twice_is_a_usage_error(
         (["--pair", "1k", "2k", "--pair", "3k", "4k"], "(['1k', '2k'], then ['3k', '4k'])"),
         (["--level", "5k", "--level"], "('5k', then 7)"),  # the second is `const`
         (["--level", "--level", "5k"], "(7, then '5k')"),
+        # `const` equal to the earlier text's value: still not that text (a mutant that
+        # kept the texts of earlier occurrences named '7' twice)
+        (["--level", "7", "--level"], "('7', then 7)"),
     ],
 )
 def test_a_repeat_of_a_multi_or_optional_valued_option_names_what_was_given(
