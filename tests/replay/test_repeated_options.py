@@ -166,3 +166,24 @@ def test_a_policy_named_twice_is_replayed_once(tmp_path: Path) -> None:
     assert main(argv) == 0
     points = json.loads(out.read_text())["points"]
     assert [p["policy"] for p in points] == ["arc", "lru", "belady"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "both"),
+    [
+        (["--size", "2k", "--size", "3k"], "('2k', then '3k')"),
+        (["--size", "--size", "3k"], "(7, then '3k')"),  # the first is `const`
+    ],
+)
+def test_a_string_default_converted_by_an_earlier_parse_is_not_named(
+    capsys: pytest.CaptureFixture[str], argv: list[str], both: str
+) -> None:
+    """argparse converts a string default when the option is not given (`kvtier demo`'s
+    --out has one): a parse without the option leaves that text among the type's
+    conversions. A later parse's repeat names its own texts, or the `const`, not it."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--size", action=StoreOnce, type=parse_tokens, nargs="?", const=7, default="5k"
+    )
+    assert parser.parse_args([]).size == 5000
+    expect_usage_error(capsys, lambda: parser.parse_args(argv), f"given twice {both}:")
