@@ -161,14 +161,30 @@ def test_main_without_argv_reads_sys_argv_and_ends_the_process_on_ctrl_c_at_exit
 def test_a_json_name_too_long_for_the_file_system_is_an_error_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The check of the output paths before the run meets the system's refusal
-    (ENAMETOOLONG): a usage error naming the path, not a traceback."""
+    """A name longer than the file system takes (ENAMETOOLONG) is a usage error naming
+    the option, the path and the limit, found before the run (nothing on stdout)."""
     too_long = str(tmp_path / ("x" * 300 + ".json"))
     assert cli.main([*_argv(tmp_path), "--json", too_long]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("kvtier replay: error: [Errno 36] File name too long")
-    assert too_long in err
+    assert err.startswith(f"kvtier replay: error: --json {too_long}: the name xxxxxxxxxxxxxxxx...")
+    assert "is 305 bytes long, more than the 255 a file name can have here" in err
+
+
+def test_a_sweep_folder_name_too_long_is_refused_before_the_sweep_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--sweep --out new/<300 bytes>`: the sweep used to run to its end and then fail
+    writing ("writing the results failed: [Errno 36] File name too long"); the name is
+    now refused before the run, and no folder is made."""
+    trace = _trace(tmp_path)
+    out_folder = tmp_path / "new" / ("y" * 300)
+    argv = [str(trace), "--block-size", str(BLOCK), "--sweep", "--quiet", "--out", str(out_folder)]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"kvtier replay: error: --out {out_folder}: the name yyyy")
+    assert not (tmp_path / "new").exists()
 
 
 RUN_ON_ITS_OWN = """

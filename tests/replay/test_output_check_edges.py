@@ -1,6 +1,7 @@
 """Checks of where `kvtier replay` writes, at edges the first mutation run on outputs.py
 found untested: a descriptor open for reading only, a hard link to the trace, and an
-existing `--out` folder whose `sweep.csv` cannot be a file."""
+existing `--out` folder whose `sweep.csv` cannot be a file; and paths longer than the
+system takes."""
 
 from __future__ import annotations
 
@@ -40,3 +41,27 @@ def test_an_existing_out_folder_is_checked_for_each_file_it_gets(tmp_path: Path)
     (tmp_path / "sweep.csv").mkdir()
     with pytest.raises(ReplayError, match=r"sweep\.csv: is a directory, give a file name"):
         check_folder_path("--out", str(tmp_path), ["sweep.csv", "sweep.png"])
+
+
+def test_a_path_longer_than_the_system_takes_is_refused_naming_its_length(
+    tmp_path: Path,
+) -> None:
+    """Every name short, the whole path past PATH_MAX (4096 bytes on Linux with the null
+    byte): refused before the run, by its length, for a file and for a folder."""
+    text = str(tmp_path) + "/d" * 2100 + "/r.json"
+    size = len(text.encode())
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX") - 1
+    message = f"the path is {size} bytes long, more than the {limit} a path can have here"
+    with pytest.raises(ReplayError, match=f"^--json .*: {message}$"):
+        check_file_path("--json", text)
+    with pytest.raises(ReplayError, match=f"^--out .*: {message}$"):
+        check_folder_path("--out", text, ["sweep.csv"])
+
+
+def test_a_name_at_the_limit_passes_and_one_byte_more_is_refused(tmp_path: Path) -> None:
+    """NAME_MAX (255 bytes on Linux) is the longest name a file can have; the name's
+    bytes count, not its characters (`é` is two)."""
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    check_file_path("--json", str(tmp_path / ("n" * limit)))
+    with pytest.raises(ReplayError, match=f"is {limit + 1} bytes long, more than the {limit}"):
+        check_file_path("--json", str(tmp_path / ("é" + "n" * (limit - 1))))
