@@ -173,6 +173,19 @@ def test_a_missing_folder_under_a_folder_is_only_said_to_be_missing(
     assert capsys.readouterr().err.endswith(f"error: --disk-dir={folder} does not exist\n")
 
 
+@pytest.mark.parametrize("option", ["--disk-dir", "--out", "--model-dir"])
+def test_a_folder_name_too_long_for_the_system_is_refused_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    """Regression (s34): a 300-byte folder name (ENAMETOOLONG) ended the demo with a
+    traceback from `Path.exists` ("OSError: [Errno 36] File name too long")."""
+    folder = tmp_path / ("d" * 300)
+    assert main(["demo", option, str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvtier demo: error: {option}={folder}: the name dddddddddddddddd...")
+    assert err.endswith("is 300 bytes long, more than the 255 a file name can have here\n")
+
+
 # The least value of each numeric option, as `kvtier demo --help` states it.
 LEAST_VALUES = {
     "--conversations": 1,

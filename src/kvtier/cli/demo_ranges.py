@@ -16,7 +16,12 @@ import tempfile
 from pathlib import Path
 
 from kvtier.cli.demo_plot import PLOT_NAME
-from kvtier.replay.outputs import check_creates_files, file_kind, nearest_existing
+from kvtier.replay.outputs import (
+    check_creates_files,
+    check_name_lengths,
+    file_kind,
+    nearest_existing,
+)
 
 # The least value of each numeric option (message lengths may be 0, not all of them).
 OPTION_MINIMUMS = {
@@ -76,6 +81,10 @@ def check_dirs(args: argparse.Namespace) -> None:
     """Raise ValueError when --disk-dir or --out cannot hold the demo's files (the plot's
     path in --out a folder too), or --model-dir is not a folder (its contents are checked
     with the engine imported)."""
+    for flag in ("--disk-dir", "--out", "--model-dir"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:  # before Path.exists, which raises OSError on such a name
+            check_name_lengths(f"{flag}={value}", value)
     if args.disk_dir is not None:
         disk_dir = Path(args.disk_dir)
         if not disk_dir.exists():  # the demo makes its temporary directory inside it

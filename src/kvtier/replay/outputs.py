@@ -61,7 +61,7 @@ def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
     are the folders the command creates before it writes the file (`--out` and its new
     parents, see `folders_to_make`): the file may go in one of them.
     """
-    check_name_lengths(option, text)
+    check_name_lengths(f"{option} {shell_word(text)}", text)
     path = Path(text)
     if names_a_folder(text) and not path.is_dir():
         if path.exists():  # `t.jsonl/`: the folder it names is a file
@@ -97,9 +97,10 @@ def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
     check_creates_files(f"{option} {text}", target.parent)
 
 
-def check_name_lengths(option: str, text: str) -> None:
-    """Raise `ReplayError` when a name in the path `text`, or the whole path, is longer
-    than the system takes (ENAMETOOLONG): found before the run, not when writing after it.
+def check_name_lengths(what: str, text: str) -> None:
+    """Raise `ReplayError` (starting with `what`) when a name in the path `text`, or the
+    whole path, is longer than the system takes (ENAMETOOLONG): found before the run, not
+    when writing after it (and before `Path.exists`, which raises OSError then).
 
     The limits are asked of the folder that exists nearest the path (`pathconf`); where
     the system does not say, Linux's 255 bytes per name and 4096 per path apply.
@@ -111,14 +112,14 @@ def check_name_lengths(option: str, text: str) -> None:
         size = len(os.fsencode(name))
         if name != "/" and size > name_max:
             raise ReplayError(
-                f"{option} {shell_word(text)}: the name {name[:16]}... is {size} bytes long,"
+                f"{what}: the name {name[:16]}... is {size} bytes long,"
                 f" more than the {name_max} a file name can have here"
             )
     path_max = _path_limit(where, "PC_PATH_MAX", 4096)
     size = len(os.fsencode(text))  # as the system gets it, relative to the current folder
     if size >= path_max:  # PATH_MAX counts the terminating null byte
         raise ReplayError(
-            f"{option} {shell_word(text)}: the path is {size} bytes long, more than the"
+            f"{what}: the path is {size} bytes long, more than the"
             f" {path_max - 1} a path can have here"
         )
 
@@ -191,7 +192,7 @@ def nearest_existing(path: Path) -> Path:
 def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
     """Raise `ReplayError` unless the folder `text` (as typed) is, or can be made, a folder
     to write `names` in."""
-    check_name_lengths(option, text)
+    check_name_lengths(f"{option} {shell_word(text)}", text)
     folder = Path(text)
     if folder.exists():
         if not folder.is_dir():
