@@ -65,6 +65,22 @@ def test_a_parent_that_is_a_file_is_named_as_not_a_directory(tmp_path: Path) -> 
         disk_config(afile / "tier").prepare_host()
 
 
+def test_a_disk_path_longer_than_the_system_takes_is_named_at_start_up(tmp_path: Path) -> None:
+    """Regression (s34): a 300-byte folder name (ENAMETOOLONG) raised a bare OSError from
+    `Path.exists`, naming no key; so did a path past PATH_MAX made of short names."""
+    long_name = tmp_path / ("t" * 300)
+    with pytest.raises(
+        ConfigError, match=r"^disk_path='.*': the name tttttttttttttttt\.\.\. is 300"
+    ):
+        disk_config(long_name).prepare_host()
+    long_path = str(tmp_path) + "/t" * 2100
+    with pytest.raises(
+        ConfigError, match=r"^disk_path='.*': the path is \d+ bytes long, more than"
+    ):
+        disk_config(long_path).prepare_host()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_home_and_relative_paths_are_made_absolute_when_the_config_is_built(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -16,12 +16,8 @@ import tempfile
 from pathlib import Path
 
 from kvtier.cli.demo_plot import PLOT_NAME
-from kvtier.replay.outputs import (
-    check_creates_files,
-    check_name_lengths,
-    file_kind,
-    nearest_existing,
-)
+from kvtier.offload.path_limits import nearest_existing
+from kvtier.replay.outputs import check_creates_files, check_name_lengths, file_kind
 
 # The least value of each numeric option (message lengths may be 0, not all of them).
 OPTION_MINIMUMS = {

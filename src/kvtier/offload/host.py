@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from kvtier.offload.config_error import ConfigError
+from kvtier.offload.path_limits import path_length_problem
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ def _cgroup_limit(path: Path) -> int | None:
 
 def _prepare_directory(disk_path: str) -> Path | None:
     """Check `disk_path` is a writable directory; create it if missing and return it then."""
+    too_long = path_length_problem(disk_path)
+    if too_long is not None:  # `Path.exists` would raise OSError (ENAMETOOLONG)
+        raise ConfigError(f"disk_path={disk_path!r}: {too_long}")
     path = Path(disk_path)
     created = None
     if not path.exists() and not path.is_symlink():

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvtier.offload.path_limits import nearest_existing, path_length_problem
 from kvtier.replay.config import ReplayError
 from kvtier.replay.signals import signals_deferred
 from kvtier.replay.whole_file import descriptor_of
@@ -61,7 +62,7 @@ def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
     are the folders the command creates before it writes the file (`--out` and its new
     parents, see `folders_to_make`): the file may go in one of them.
     """
-    check_name_lengths(f"{option} {shell_word(text)}", text)
+    check_name_lengths(f"{option} {text}", text)
     path = Path(text)
     if names_a_folder(text) and not path.is_dir():
         if path.exists():  # `t.jsonl/`: the folder it names is a file
@@ -100,37 +101,10 @@ def check_file_path(option: str, text: str, made: Sequence[Path] = ()) -> None:
 def check_name_lengths(what: str, text: str) -> None:
     """Raise `ReplayError` (starting with `what`) when a name in the path `text`, or the
     whole path, is longer than the system takes (ENAMETOOLONG): found before the run, not
-    when writing after it (and before `Path.exists`, which raises OSError then).
-
-    The limits are asked of the folder that exists nearest the path (`pathconf`); where
-    the system does not say, Linux's 255 bytes per name and 4096 per path apply.
-    """
-    where = nearest_existing(Path(os.path.abspath(text)))
-    where = where if where.is_dir() else where.parent
-    name_max = _path_limit(where, "PC_NAME_MAX", 255)
-    for name in Path(text).parts:
-        size = len(os.fsencode(name))
-        if name != "/" and size > name_max:
-            raise ReplayError(
-                f"{what}: the name {name[:16]}... is {size} bytes long,"
-                f" more than the {name_max} a file name can have here"
-            )
-    path_max = _path_limit(where, "PC_PATH_MAX", 4096)
-    size = len(os.fsencode(text))  # as the system gets it, relative to the current folder
-    if size >= path_max:  # PATH_MAX counts the terminating null byte
-        raise ReplayError(
-            f"{what}: the path is {size} bytes long, more than the"
-            f" {path_max - 1} a path can have here"
-        )
-
-
-def _path_limit(folder: Path, name: str, default: int) -> int:
-    """Return `os.pathconf(folder, name)`, or `default` where the system sets no limit."""
-    try:
-        limit = os.pathconf(folder, name)
-    except (OSError, ValueError):
-        return default
-    return limit if limit > 0 else default
+    when writing after it (and before `Path.exists`, which raises OSError then)."""
+    problem = path_length_problem(text)
+    if problem is not None:
+        raise ReplayError(f"{what}: {problem}")
 
 
 def _steps_out_of_folders(folder: Path, made: Sequence[Path]) -> bool:
@@ -181,18 +155,10 @@ def folders_to_make(folder: Path) -> list[Path]:
     return [f for f in (folder, *folder.parents) if not f.exists()]
 
 
-def nearest_existing(path: Path) -> Path:
-    """Return `path`, or its nearest ancestor that exists: where mkdir(parents=True)
-    would start creating folders (a symbolic link to nothing exists: mkdir fails there)."""
-    while not os.path.lexists(path) and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_folder_path(option: str, text: str, names: Sequence[str]) -> None:
     """Raise `ReplayError` unless the folder `text` (as typed) is, or can be made, a folder
     to write `names` in."""
-    check_name_lengths(f"{option} {shell_word(text)}", text)
+    check_name_lengths(f"{option} {text}", text)
     folder = Path(text)
     if folder.exists():
         if not folder.is_dir():
