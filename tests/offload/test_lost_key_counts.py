@@ -53,3 +53,29 @@ def test_a_store_whose_block_lost_its_key_registers_the_count_selected(
     if events:
         (event,) = tier.take_events()
         assert event.block_size == num_tokens
+
+
+def test_each_store_keeps_its_own_count_when_several_are_queued() -> None:
+    """Two stores selected one by one: a whole block (8 tokens), then a partial entry
+    (4). Both blocks lose their keys before the copies complete: each registers its own
+    count (a mutant noted the second store's count at index 0: the whole block
+    registered 4 tokens, the partial entry 8, half of them never computed under it)."""
+    gpu = BlockPool(4)
+    whole, partial = gpu.allocate(2)
+    keys = [make_key(hashlib.sha256(name).digest(), 0) for name in (b"whole", b"partial")]
+    gpu.insert_key(keys[0], whole, 8)
+    gpu.insert_key(keys[1], partial, 4)
+    tier = BlockPool(4, medium=Tier.CPU.value)
+    selector = StoreSelector(
+        LAYOUT, gpu, tier, StepCounters(), record_payload=False, fine_grained=True
+    )
+    selector.try_select(whole)
+    selector.try_select(partial)
+    stores = selector.take_queued()
+    gpu.discard_keys(whole)
+    gpu.discard_keys(partial)
+    registrar = Registrar(LAYOUT, Tier.CPU, tier, events=False)
+    records = registrar.records(stores, gpu)
+    assert [(r.key, r.num_tokens) for r in records] == [(keys[0], 8), (keys[1], 4)]
+    registrar.register_all(stores, gpu)
+    assert [tier.num_tokens(b) for b in stores.tier_block_ids] == [8, 4]
