@@ -40,25 +40,46 @@ def test_a_preempted_requests_last_step_is_stored() -> None:
     engine.check()
 
 
-@pytest.mark.parametrize("taken", [False, True], ids=["free", "taken_by_another"])
-def test_a_block_given_to_another_request_since_is_not_stored(taken: bool) -> None:
+@pytest.mark.parametrize("num_taken", [0, 1, 2], ids=["free", "tail_taken", "two_taken"])
+def test_a_block_given_to_another_request_since_is_not_stored(num_taken: int) -> None:
     """Freed at the preemption, its blocks may go to another request in the same step
     (vLLM's preemptor), which gives them its own keys as it schedules them, before its
-    forward writes them: the walk stops at the first block not under the request's key."""
+    forward writes them: the walk stops at the first block not under the request's key,
+    and stores nothing past it (two taken: a mutant that walked on past the first cut
+    the table at the second, and copied the first, unwritten, under the taker's key)."""
     engine = engine_with(17, num_gpu_blocks=5)  # r's 4 blocks, no other free one
     engine.schedule("r", 16)
     engine.step()  # computes 0-16: nothing selected yet
     table = list(engine.tables["r"][0])
     engine.preempt("r")
-    if taken:  # the preemptor takes the block freed first (the tail) and hashes it
-        q = make_request("q", range(100, 104))
+    if num_taken:  # the preemptor takes the blocks freed first (the tail first), hashes them
+        q = make_request("q", range(100, 100 + 4 * num_taken))
         engine.admit(q)
-        engine.schedule("q", 4)
-        (block_id,) = engine.tables["q"][0]
-        assert block_id == table[3]
-        engine.gpu.insert_key(block_key(engine.layout, q, 0, 0), block_id, 4)  # as vLLM
+        engine.schedule("q", 4 * num_taken)
+        taken = engine.tables["q"][0]
+        assert taken == table[::-1][:num_taken]
+        for pos, block_id in enumerate(taken):  # as vLLM
+            engine.gpu.insert_key(block_key(engine.layout, q, 0, pos), block_id, 4)
     stored = [b for job in engine.step().jobs for b in job.src_block_ids]
-    assert stored == (table[:3] if taken else table)
+    assert stored == table[: len(table) - num_taken]
+    engine.check()
+
+
+def test_with_the_token_check_a_preemption_stores_nothing_of_its_last_step() -> None:
+    """The token check notes each GPU block's fill as the scheduled requests take their
+    blocks; a preempted request's blocks may be another's by then, so its last step is
+    not stored (`select_preempted`): the later request hits only what the step before it
+    stored (a mutant walked it as without the check: a hit of 16 tokens)."""
+    layout, checked = full_layout(), config(store_mode=StoreMode.EAGER, token_check=True)
+    engine = SimEngine(layout, checked, num_gpu_blocks=16)
+    engine.admit(make_request("r", range(20)))
+    engine.schedule("r", 8)
+    engine.step()
+    engine.schedule("r", 8)
+    engine.step()  # selects tokens 0-8; computes 8-16
+    engine.preempt("r")
+    assert not engine.step().jobs
+    assert tier_hit(engine, 20) == 8
     engine.check()
 
 
