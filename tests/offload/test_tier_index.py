@@ -4,6 +4,7 @@ either tier."""
 
 from __future__ import annotations
 
+import pytest
 from test_cascade_demotions import key
 
 from kvtier.core.block_pool import BlockPool
@@ -27,3 +28,32 @@ def test_a_disk_blocks_tag_is_its_primary_keys_not_a_secondary_keys() -> None:
         assert index.tag(block_id, key(2)) is None
         assert index.tag(block_id) == b"t" * 16
     assert index.cached_block(key(2)) == 1
+
+
+def test_an_index_spans_one_or_two_tiers_only() -> None:
+    """No tier, or three, is refused: the shared id space splits at one offset, so a
+    third pool's ids would fall in the second's (a mutant accepted three tiers and never
+    looked in the third)."""
+    cpu, disk, more = BlockPool(5), BlockPool(5), BlockPool(5)
+    for pools in ([], [(Tier.CPU, cpu), (Tier.DISK, disk), (Tier.DISK, more)]):
+        with pytest.raises(ValueError, match="one or two lower tiers"):
+            TierIndex(pools)
+
+
+def test_unpinning_across_tiers_keeps_each_tiers_order() -> None:
+    """Hit blocks unpinned tail first, in both tiers: each tier's blocks join its free
+    queue in the order given, so its prefix tails are evicted before their roots (a
+    mutant unpinned each tier's blocks in reverse: roots first)."""
+    cpu, disk = BlockPool(5), BlockPool(5)
+    index = TierIndex([(Tier.CPU, cpu), (Tier.DISK, disk)])
+    for pool, base in ((cpu, 0), (disk, 10)):
+        pool.touch([1, 2, 3])
+        for block_id in (1, 2, 3):
+            pool.insert_key(key(base + block_id), block_id, 4)
+        pool.free([1, 2, 3])
+    offset = cpu.num_blocks
+    hit = [1, 2, 3, 1 + offset, 2 + offset, 3 + offset]
+    index.touch(hit)
+    index.free(hit[::-1])
+    for pool in (cpu, disk):
+        assert list(pool.iter_free_after(None))[-3:] == [3, 2, 1]
