@@ -7,6 +7,8 @@ import pytest
 from sim import SimEngine, block_key
 from sim_request import config, full_layout, make_request
 
+from kvtier.core.block_pool import NULL_BLOCK_ID
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 from kvtier.offload.preempted_stores import forget_last_step
 
@@ -162,4 +164,64 @@ def test_a_preempted_requests_rejected_drafts_are_not_walked() -> None:
     engine.preempt("r")
     assert not engine.step().jobs
     assert engine.scheduler.take_stats().store_outcomes == {}
+    engine.check()
+
+
+def test_a_window_block_reused_before_the_cursor_does_not_stop_the_walk() -> None:
+    """A sliding window frees blocks the request no longer reads, after they were stored
+    (behind its cursor); the engine may give them to anyone, who re-keys them. Preempted,
+    the request's walk starts at its cursors, so its last step's window blocks are stored
+    all the same (a mutant walked from position 0: the evicted block cut the window's
+    table there, and its last step's window blocks were lost)."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4),
+        )
+    )
+    engine = SimEngine(layout, config(store_mode=StoreMode.EAGER), num_gpu_blocks=24)
+    engine.admit(make_request("r", range(20)))
+    engine.schedule("r", 8)
+    engine.step()
+    engine.schedule("r", 8)
+    engine.step()  # stores tokens 0-8 of both groups; computes 8-16
+    full, window = (list(table) for table in engine.tables["r"])
+    engine.drop_blocks("r", 1, [0, 1])  # out of the window: freed, stored already
+    engine.evict_gpu()  # reused: they lose their keys
+    assert engine.gpu.key(window[0]) is None
+    engine.preempt("r")
+    stored = {b for job in engine.step().jobs for b in job.src_block_ids}
+    assert stored == {*full[2:4], *window[2:4]}
+    engine.check()
+
+
+def test_a_window_null_the_walk_reaches_is_recovered_not_an_end() -> None:
+    """b's GPU hit of 16 tokens leaves its window's positions 0-2 null (SPEC §6.5: a null
+    slot is recovered from the GPU cache by its key). A full tier (c's stores in flight)
+    holds both cursors at 0 in b's step; the stores complete, then b is preempted: its
+    walk passes the nulls, and a's cached window blocks are stored with its full blocks
+    (a mutant took a null for a block given away: the window's walk ended at position 0)."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4),
+        )
+    )
+    eager = config(store_mode=StoreMode.EAGER)
+    engine = SimEngine(layout, eager, num_gpu_blocks=64, num_tier_blocks=9)  # 8 slots
+    engine.auto_complete = False
+    engine.run(make_request("c", range(100, 133)))  # fills the tier
+    engine.run(make_request("a", range(16)))  # stores nothing: its blocks stay GPU-cached
+    b = make_request("b", range(21))
+    assert engine.admit(b).num_local_tokens == 16
+    assert engine.tables["b"][1][:3] == [NULL_BLOCK_ID] * 3
+    engine.schedule("b", 4)
+    full = list(engine.tables["b"][0])  # 5 blocks: the hit's 4, then tokens 16-20
+    assert not engine.step().jobs  # the tier is full: both cursors stay at 0
+    engine.worker.complete_all()
+    engine.poll()
+    engine.preempt("b")
+    (store,) = engine.step().jobs
+    recovered = [engine.gpu.cached_block(block_key(layout, b, 1, pos)) for pos in range(3)]
+    assert store.src_block_ids == (*full, *recovered)  # 8 slots: the rest is dropped
     engine.check()
