@@ -243,3 +243,20 @@ def test_issued_retries_wait_apart_while_disk_slots_are_free() -> None:
         cascade.select_retries()
     assert cascade.take_queued() == []
     assert cascade.retry.num_walks == walks, "a plan walked the retries in flight"
+
+
+def test_a_failed_demotion_of_a_block_that_lost_its_key_meanwhile_is_not_retried() -> None:
+    """A demotion fails after its CPU block lost the key it copied (discarded, e.g. a
+    failed load): nothing of that key is left to demote, so no retry waits for it (a
+    mutant kept one: a retry entry no plan could issue nor drop, its block's new key
+    demoted in its name)."""
+    cpu, _, cascade = make(WT)
+    (block,) = cache(cpu, [key(0)])
+    cascade.after_stores([block])
+    items = cascade.take_queued()
+    assert [item.key for item in items] == [key(0)]
+    cascade.before_cpu_discard(block)
+    cpu.discard_keys(block)
+    cascade.complete(items, succeeded=False, abandoned=False)
+    assert cascade.retry == {}
+    cpu.check_invariants()
