@@ -225,3 +225,26 @@ def test_a_window_null_the_walk_reaches_is_recovered_not_an_end() -> None:
     recovered = [engine.gpu.cached_block(block_key(layout, b, 1, pos)) for pos in range(3)]
     assert store.src_block_ids == (*full, *recovered)  # 8 slots: the rest is dropped
     engine.check()
+
+
+def test_a_preemption_stores_whole_scheduler_blocks_only() -> None:
+    """SPEC §6.5: confirmed tokens are rounded down to the scheduler block (8 tokens: the
+    groups' blocks are 8 and 4) before any is stored, so every group stores the same
+    span. r's last step wrote tokens 0-12; preempted, it stores tokens 0-8 of both
+    groups, as the step's own selection would have (a mutant did not round: it stored
+    the 4-token group's block of tokens 8-12 too, past the span the other group stores)."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 8, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 64),
+        )
+    )
+    engine = SimEngine(layout, config(store_mode=StoreMode.EAGER), num_gpu_blocks=24)
+    engine.admit(make_request("r", range(20)))
+    engine.schedule("r", 12)
+    engine.step()  # computes 0-12: nothing confirmed before it
+    full, window = (list(table) for table in engine.tables["r"])
+    engine.preempt("r")
+    stored = [b for job in engine.step().jobs for b in job.src_block_ids]
+    assert stored == [full[0], *window[:2]]
+    engine.check()
