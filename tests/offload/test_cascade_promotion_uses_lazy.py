@@ -105,3 +105,28 @@ def test_a_handed_off_promotion_counts_one_use_lazy() -> None:
 def test_a_block_another_request_hands_off_counts_its_use() -> None:
     assert _handed_off(StoreMode.EAGER, "c") == [3, 3, 3]
     assert _handed_off(StoreMode.LAZY, "c") == [3, 3, 3]
+
+
+def test_a_reset_forgets_which_blocks_loads_filled() -> None:
+    """b loads a's blocks from disk, then the tiers are reset (SPEC §6.9): what b loaded
+    is no tier's copy any more. c computes the same prompt afresh (skipping the GPU
+    cache), its copies reach disk, and leave the CPU tier. b's blocks, stored by the
+    walk once b finishes, are then a use of c's disk copies like any other: counted
+    (LFU-DA's counts outlive the reset: 3, then 4). A mutant kept the load's record
+    across the reset: the store counted as b's load's use, the disk copies untouched."""
+    engine = _engine(StoreMode.LAZY)
+    _load(engine, "b", 7)
+    assert engine.scheduler.reset()
+    engine.run(make_request("c", [*range(12), 9], skip_prefix_cache=True))
+    _settle(engine)
+    engine.run(make_request("other", range(200, 212)))  # evicts c's copies from the CPU
+    _settle(engine)
+    assert not any(holds(engine, Tier.CPU, key) for key in A_KEYS)
+    assert [_disk_uses(engine, key) for key in A_KEYS] == [3, 3, 3]
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    _settle(engine)
+    assert all(holds(engine, Tier.CPU, key) for key in A_KEYS), "not promoted"
+    assert [_disk_uses(engine, key) for key in A_KEYS] == [4, 4, 4]
+    engine.check()
