@@ -193,3 +193,30 @@ def test_a_request_looked_up_before_a_reset_is_never_stored() -> None:
     engine.evict_gpu()
     assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
     engine.check()
+
+
+def test_a_request_allocated_before_a_reset_and_looked_up_again_is_never_stored() -> None:
+    """b ran before a first reset (no longer stored since), was preempted and looked up
+    again (nothing in the emptied tier: no pin, its GPU prefix of 8 tokens found), then
+    a second reset came before its allocation. Its KV still predates a reset: nothing of
+    it reaches the tier (a mutant let the second reset miss it, tracked by no table and
+    holding no pin: all 16 tokens were stored)."""
+    engine = SimEngine(full_layout(), config(), num_gpu_blocks=24, num_tier_blocks=16)
+    b = make_request("b", [*range(16), 3])
+    engine.admit(b)
+    engine.schedule("b", 8)
+    engine.step()  # computes 0-8
+    assert engine.scheduler.reset() is True
+    engine.preempt("b")
+    engine.step()
+    found = engine.lookup(b)  # admitted afresh as far as the first reset goes
+    assert (found.num_local_tokens, found.num_offered_tokens) == (8, 0)
+    assert engine.scheduler.reset() is True
+    assert engine.allocate(b, found, 0) == Admission(8, 0, 0)
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
+    engine.check()
