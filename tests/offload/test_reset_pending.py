@@ -220,3 +220,27 @@ def test_a_request_allocated_before_a_reset_and_looked_up_again_is_never_stored(
     engine.evict_gpu()
     assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
     engine.check()
+
+
+def test_a_request_looked_up_without_a_hit_before_a_reset_is_never_stored() -> None:
+    """As `test_a_request_looked_up_before_a_reset_is_never_stored`, but b's lookup found
+    no tier hit, so it pinned nothing: its GPU prefix of 8 tokens (a's, from before the
+    reset) is still old KV, and nothing of b may reach the emptied tier. (Found by the
+    s34 mutation run on tier_reset.py: the reset missed such a request, tracked by no
+    table and holding no pin, and all 16 of its tokens were stored.)"""
+    engine = SimEngine(full_layout(), config(), num_gpu_blocks=24, num_tier_blocks=16)
+    engine.run(make_request("a", [*range(8), 2]))
+    engine.drain()
+    assert engine.scheduler.reset() is True
+    b = make_request("b", [*range(16), 3])
+    found = engine.lookup(b)
+    assert (found.num_local_tokens, found.num_offered_tokens) == (8, 0)
+    assert engine.scheduler.reset() is True
+    assert engine.allocate(b, found, 0) == Admission(8, 0, 0)
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
+    engine.check()

@@ -83,6 +83,9 @@ class LoadPlanner(RecomputeGate):
         self.recompute_unasked: set[str] = set()  # not looked up since their load failed
         self._recompute_asked: set[str] = set()  # of `recompute_next`, in this pass
         self.allocated: set[str] = set()
+        # Requests looked up and not allocated (nor finished) since: a reset between the
+        # two leaves them the KV their lookup found, which predates it (`TierReset`).
+        self.looked_up: set[str] = set()
         # Per request, the block tables `on_allocated` last queued a load (or its failure)
         # into (`holds_load`).
         self.queued_for: dict[str, Sequence[Sequence[int]]] = {}
@@ -105,6 +108,7 @@ class LoadPlanner(RecomputeGate):
             _check_count("num_local_tokens", num_local_tokens)
         if max_tokens is not None:
             _check_count("max_tokens", max_tokens)
+        self.looked_up.add(request.request_id)
         pin = self.pins.pop(request.request_id, None)
         if pin is not None:
             self.index.free(pin.pinned)
@@ -158,6 +162,7 @@ class LoadPlanner(RecomputeGate):
         assert self.gpu_pool is not None, "no GPU pool bound"
         request_id = request.request_id
         self.allocated.add(request_id)
+        self.looked_up.discard(request_id)
         self.recompute_next.discard(request_id)
         self.recompute_unasked.discard(request_id)
         # The pin stays in `pins` until the load is queued (or failed): an interrupt
@@ -338,6 +343,7 @@ class LoadPlanner(RecomputeGate):
         assert self.gpu_pool is not None, "no GPU pool bound"
         self.release_pin(request_id)
         self.allocated.discard(request_id)
+        self.looked_up.discard(request_id)
         self.queued_for.pop(request_id, None)
         self.recompute_next.discard(request_id)
         self.recompute_unasked.discard(request_id)

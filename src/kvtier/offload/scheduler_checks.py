@@ -30,6 +30,9 @@ def check_scheduler_invariants(scheduler: OffloadScheduler) -> None:
         "recompute of a finished request"
     )
     assert scheduler.loads.recompute_unasked <= scheduler.loads.recompute_next
+    assert set(scheduler.loads.pins) <= scheduler.loads.looked_up | scheduler.loads.allocated, (
+        "a lookup pin of a request neither looked up nor allocated (a reset would miss it)"
+    )
     refs = {tier: Counter[int]() for tier in scheduler.index.tiers}
     gpu_refs: Counter[int] = Counter()
     for pin in scheduler.loads.pins.values():

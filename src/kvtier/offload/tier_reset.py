@@ -64,7 +64,8 @@ class TierReset:
         retries, emptying the tier again).
         """
         loads = self._loads
-        selector.across_reset |= set(selector.tracked) | loads.allocated | set(loads.pins)
+        # A pin's request is looked up, or allocated once `on_allocated` consumes the pin.
+        selector.across_reset |= set(selector.tracked) | loads.allocated | loads.looked_up
         loads.fail_all()
         selector.release(selector.take_queued())
         if selector.set_aside is not None:  # a disk-only tier's slots of failed stores
