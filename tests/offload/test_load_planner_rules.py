@@ -65,6 +65,29 @@ def test_a_block_table_one_block_short_raises_and_leaves_no_pin() -> None:
     engine.check()
 
 
+def test_holds_load_names_only_the_tables_of_a_live_requests_queued_load() -> None:
+    """`holds_load` tells an engine recovering from an interrupt (Ctrl-C) whether the
+    outcome of a request's load is on its way: True only for the very block tables
+    `on_allocated` queued it into. A request preempted after its load and allocated
+    new tables, whose `on_allocated` was cut short, holds none (its earlier load's
+    outcome came long ago: waiting for another would hang it); once it finished, it
+    holds none for its first tables either (no entry is left behind)."""
+    engine = stored_engine()
+    b = make_request("b", [*range(12), 7])
+    assert engine.admit(b) is not None
+    first = engine.tables["b"]
+    assert engine.scheduler.holds_load("b", first)
+    engine.step()  # the load completes
+    engine.preempt("b")
+    assert engine.scheduler.lookup(b, 0) == 12
+    tables = [engine.gpu.allocate(4)]  # on_allocated(b, tables, 12) never runs
+    assert not engine.scheduler.holds_load("b", tables)
+    engine.scheduler.on_finished(b, tables, computed=False)  # then aborted
+    engine.gpu.free(tables[0][::-1])
+    assert not engine.scheduler.holds_load("b", first)
+    engine.check()
+
+
 def test_finishing_a_request_whose_load_is_still_queued_frees_its_gpu_blocks() -> None:
     """SPEC §6.7: nothing not yet issued is kept. A request aborted before its load was
     issued releases the load's pins on its GPU destinations and tier blocks."""
