@@ -47,6 +47,20 @@ def test_on_allocated_refuses_a_negative_number_of_external_tokens() -> None:
     assert tier_refs(engine) == [0] * len(tier_refs(engine))
 
 
+def test_on_allocated_refuses_external_tokens_that_end_inside_a_hash_block() -> None:
+    """SPEC §6.3: `n_external` must be a multiple of the hash block. Accepting 6 of 12
+    offered tokens raises an error naming the count, queues nothing and leaks no pin
+    (a hit's tier blocks pinned for good are never evicted again)."""
+    engine = _first_request_stored()
+    b = make_request("b", [*range(12), 7])
+    assert engine.scheduler.lookup(b, 0) == 12
+    table = engine.gpu.allocate(4)
+    with pytest.raises(ValueError, match="num_external_tokens=6 is not a multiple"):
+        engine.scheduler.on_allocated(b, [table], 6)
+    assert engine.scheduler.loads.queued == []
+    assert tier_refs(engine) == [0] * len(tier_refs(engine))
+
+
 def test_lookup_refuses_a_negative_local_prefix() -> None:
     """SPEC §6.2: bad input raises an error naming the value.
 

@@ -3,6 +3,7 @@ cannot be trusted, so that an engine keeps the prefix before the first of them."
 
 from __future__ import annotations
 
+import pytest
 from sim import SimEngine, full_layout, make_request
 from test_partial_load_failures_shared import loads_in_one_event
 
@@ -29,9 +30,11 @@ def test_without_names_every_block_of_each_load_is_suspect() -> None:
     engine.check()
 
 
-def test_a_block_named_bad_is_not_loaded_for_a_lookup_pinned_before() -> None:
+@pytest.mark.parametrize("position", [0, 1])
+def test_a_block_named_bad_is_not_loaded_for_a_lookup_pinned_before(position: int) -> None:
     """c looks up (and pins) the same tier blocks as b; b's load then names one bad.
-    c is allocated afterwards: its load fails before issue, never reading that block."""
+    c is allocated afterwards: its load fails before issue, never reading that block,
+    whichever block of the hit it is (not only the first one)."""
     engine = SimEngine(full_layout(), num_gpu_blocks=24, num_tier_blocks=8)
     engine.run(make_request("a", range(8)))
     engine.drain()
@@ -43,7 +46,7 @@ def test_a_block_named_bad_is_not_loaded_for_a_lookup_pinned_before() -> None:
     found = engine.lookup(c)
     assert found.num_offered_tokens == 8
     (load_b,) = engine.step().jobs
-    bad = load_b.src_block_ids[0]
+    bad = load_b.src_block_ids[position]
     engine.worker.corrupt(load_b.event_id, 0, [bad])
     engine.worker.complete(load_b.event_id)
     assert [f.request_id for f in engine.poll().failed_loads] == ["b"]
