@@ -58,6 +58,36 @@ def test_a_volatile_disk_gets_no_slot_records(cascade: bool) -> None:
     assert all(job.dst_records == () for job in all_jobs)
 
 
+@pytest.mark.parametrize("cascade", [False, True], ids=["disk", "cpu+disk"])
+def test_after_a_reset_of_a_persistent_disk_no_job_carries_records(cascade: bool) -> None:
+    """`TransferPlan.end_persistence`: after a reset, KV stored may be of other weights
+    than the fingerprint names, so every later plan says persistence ended and no job
+    into the disk carries slot records for its manifest (SPEC §6.9)."""
+    values: dict[str, object] = {"disk_bytes": 2 * MIB, "disk_path": "unused"}
+    if cascade:
+        values.update(cpu_bytes=MIB, cascade=CascadeMode.WRITE_THROUGH)
+    config = OffloadConfig(**values, disk_persist=True)  # type: ignore[arg-type]
+    engine = SimEngine(
+        full_layout(), config, num_tier_blocks=5, num_disk_blocks=9 if cascade else 0
+    )
+    engine.run(make_request("a", range(8)))
+    engine.drain()
+    into_disk = [
+        job for plan in engine.worker.plans for job in plan.jobs if job.dst_tier is Tier.DISK
+    ]
+    assert [len(job.dst_records) for job in into_disk] == [2]
+    assert engine.scheduler.reset()
+    seen = len(engine.worker.plans)
+    engine.run(make_request("b", range(100, 108)))
+    engine.drain()
+    later = engine.worker.plans[seen:]
+    assert later
+    assert all(plan.end_persistence for plan in later)
+    into_disk = [job for plan in later for job in plan.jobs if job.dst_tier is Tier.DISK]
+    assert [job.dst_records for job in into_disk] == [()]
+    engine.check()
+
+
 def test_write_through_cpu_hits_keep_their_disk_copies_from_eviction() -> None:
     """Write-through: a load served from the CPU refreshes the blocks' disk copies, so
     the disk evicts blocks nobody used since (here b's) rather than the hot ones (a's)."""
