@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import pytest
 from sim import SimEngine, block_key, config, make_request
+from test_cascade_promotion_uses import A_KEYS, _evict_from_cpu
+from test_scenarios_cascade import cascade_engine, holds
 
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.offload.config import CascadeMode
+from kvtier.offload.plan import Tier
 from kvtier.offload.transfers import FailedLoad
 
 FULL = GroupKind.FULL_ATTENTION
@@ -137,4 +141,25 @@ def test_a_shorter_acceptance_after_a_local_prefix_loads_the_blocks_after_it() -
     }
     engine.schedule("b")
     engine.step()  # check_kv before the forward pass: every block b reads is right
+    engine.check()
+
+
+def test_a_shorter_acceptance_loads_the_pinned_copies_not_newer_ones() -> None:
+    """SPEC §6.3: the load takes the first pinned blocks of the hit. b's lookup pins a's
+    blocks on disk; c then promotes them into the CPU tier before b is allocated. b,
+    accepting 8 of its 12 tokens, loads its two pinned disk copies, as it would have
+    loaded all 12: the lookup's hit is not looked up again (a full-attention layout)."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, 4, 12)
+    engine.run(make_request("a", range(12)))
+    engine.drain()
+    _evict_from_cpu(engine, 100)
+    b = make_request("b", [*range(12), 7])
+    found = engine.lookup(b)
+    assert found.num_offered_tokens == 12
+    engine.run(make_request("c", [*range(12), 8]))  # loads from disk, promotes to CPU
+    engine.drain()
+    assert all(holds(engine, Tier.CPU, key) for key in A_KEYS)
+    engine.allocate(b, found, 8)
+    (load,) = [job for job in engine.step().jobs if job.is_load]
+    assert (load.src_tier, load.num_blocks) == (Tier.DISK, 2)
     engine.check()
