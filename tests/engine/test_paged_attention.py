@@ -110,3 +110,54 @@ def test_write_kv_casts_keys_and_values_to_the_cache_dtype() -> None:
     assert torch.equal(cache[0, 2, 2], key[1].bfloat16())
     assert torch.equal(cache[1, 2, 2], value[1].bfloat16())
     assert int(cache.count_nonzero()) == 4 * NUM_KV_HEADS * HEAD_DIM
+
+
+def test_scale_is_the_one_given() -> None:
+    """`scale` multiplies the scores: scale 3/sqrt(D) on q is the default scale on 3q."""
+    cache, tables, slots, queries, _ = _random_case(2, None)
+    slot_mapping = torch.cat(slots)
+    write_kv(
+        cache, torch.cat([q[1] for q in queries]), torch.cat([q[2] for q in queries]), slot_mapping
+    )
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=torch.tensor(tables),
+        num_cached_tokens=tuple(c for c, _ in SPANS),
+        num_new_tokens=tuple(n for _, n in SPANS),
+    )
+    query = torch.cat([q[0] for q in queries])
+    scaled = paged_attention(query, cache, metadata, None, scale=3 * HEAD_DIM**-0.5)
+    expected = paged_attention(3 * query, cache, metadata, None, scale=HEAD_DIM**-0.5)
+    torch.testing.assert_close(scaled, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_before_the_window_are_never_read() -> None:
+    """A block wholly out of the window is not looked up (any id may sit there): a decode
+    step reads the window's blocks only, not the whole table."""
+    cache = torch.randn(kv_cache_shape(4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM))
+    # 10 cached tokens, window 3: the new token at 10 sees 8..10, all in block 2 of the table.
+    table = [10**6, 10**6, 3, 0]
+    metadata = AttentionMetadata(
+        torch.tensor([3 * BLOCK_SIZE + 2]), torch.tensor([table]), (10,), (1,)
+    )
+    query = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    out = paged_attention(query, cache, metadata, 3, scale=HEAD_DIM**-0.5)
+    key, value = cache[0, 3, :3], cache[1, 3, :3]
+    expected = reference_attention(query, key, value, torch.tensor([2]), None)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("cached", "new", "num_tables", "message"),
+    [
+        ((0, 0), (1,), 1, "2 cached counts for 1 new counts"),
+        ((0,), (1,), 2, "2 block tables for 1 sequences"),
+    ],
+)
+def test_metadata_checks_counts_and_tables(
+    cached: tuple[int, ...], new: tuple[int, ...], num_tables: int, message: str
+) -> None:
+    """One cached count and one block table per sequence, else a clear error."""
+    slots = torch.zeros(sum(new), dtype=torch.int64)
+    with pytest.raises(ValueError, match=message):
+        AttentionMetadata(slots, torch.zeros(num_tables, 1, dtype=torch.int64), cached, new)
