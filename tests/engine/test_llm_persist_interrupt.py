@@ -151,3 +151,45 @@ def test_records_an_unsubmitted_plan_was_to_drop_go_with_the_next_plan(tmp_path:
     llm.shutdown()
     with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as again:
         assert disk_copies(again) == held  # none of the 5 dropped ones
+
+
+class RefusingPlan(RefusingForget):
+    """`RefusingForget`; the first plan that carries dropped slots is refused whole
+    (OSError) before the worker took any of it."""
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__(worker)
+        self.refused_plan: TransferPlan | None = None
+
+    def submit(self, plan: TransferPlan) -> None:
+        if plan.forget_slots and self.refused_plan is None:
+            self.refused_plan = plan
+            raise OSError("refused")
+        super().submit(plan)
+
+
+def test_records_a_refused_plan_was_to_drop_go_with_a_later_plan(tmp_path: Path) -> None:
+    """A failed disk load's records go with the next plan (the hand-over right after the
+    report was refused), and the worker refuses that plan before taking any of it: a
+    later plan drops them (SPEC §6.8: a failed event registers nothing), and a restart
+    restores none of the 5 dropped blocks."""
+    llm = LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE)
+    side = llm.offload
+    assert side is not None
+    faults = held_on_the_tiers_only(llm, RefusingPlan)
+    step_until_its_disk_load_failed(llm, faults, OSError)
+    dropped = faults.refused
+    assert dropped is not None
+    assert len(dropped) == 5
+    with pytest.raises(OSError, match="refused"):
+        llm.step()
+    assert faults.refused_plan is not None
+    assert set(faults.refused_plan.forget_slots) == set(dropped)
+    llm.generate([list(range(90, 95))], PARAMS)  # the next plans
+    llm.drain()
+    assert not side.scheduler.dropped_slots
+    assert set(dropped) <= {s for plan in faults.carried for s in plan}
+    held = disk_copies(llm)
+    llm.shutdown()
+    with LLM(MODEL, kv_offload=persistent(tmp_path, cascade=False), engine=ENGINE) as again:
+        assert disk_copies(again) == held  # none of the 5 dropped ones
