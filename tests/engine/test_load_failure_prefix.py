@@ -51,6 +51,12 @@ def test_a_suspect_at_or_past_the_loads_end_keeps_nothing() -> None:
     assert valid_prefix(SINGLE, TABLE, FailedLoad("r", 8, 20), (23,)) == 0
 
 
+def test_a_suspect_in_the_local_prefix_keeps_nothing() -> None:
+    """A suspect block before the load's first token (block 8 holds local tokens
+    [4, 8)) is not one the load wrote: the report is not trusted, nothing is kept."""
+    assert valid_prefix(SINGLE, TABLE, FAILED, (8,)) == 0
+
+
 def test_outcomes_joined_across_polls_keep_each_loads_suspects() -> None:
     """Outcomes the engine has not applied yet are joined into one (`unapplied_outcome`):
     each failed load keeps its suspect blocks, so its request still keeps its valid

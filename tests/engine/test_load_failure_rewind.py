@@ -95,3 +95,14 @@ def test_ending_cut_short_aborts_frees_the_tables_taken() -> None:
     recovery.end_aborts()
     assert not recovery._unfreed
     assert recovery.pool.num_free() == recovery.pool.num_usable_blocks
+
+
+def test_a_load_after_the_first_token_leaves_the_hit_count() -> None:
+    """A request that has its first token (resumed after a preemption) had its hits
+    counted by the admission that token came from: a later failed load takes nothing
+    off, though the request still never asks the tier again."""
+    request = loaded_request()
+    request.first_token_time = 1.0
+    assert rewind(SINGLE, request, FAILED, (22,)) == 16
+    assert (request.num_computed_tokens, request.num_external_tokens_total) == (16, 16)
+    assert request.skip_external
