@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from engine_helpers import reference_attention
@@ -50,11 +52,11 @@ def _random_case(seed: int, sliding_window: int | None) -> tuple[torch.Tensor, .
     return cache, tables, slots, queries, expected
 
 
-@pytest.mark.parametrize("sliding_window", [None, 1, 3, 4, 8, 13])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_paged_attention_equals_dense(seed: int, sliding_window: int | None) -> None:
-    cache, tables, slots, queries, expected = _random_case(seed, sliding_window)
-    cache[:, 0] = torch.nan  # the null block holds garbage
+def _step(
+    cache: torch.Tensor, tables: Any, slots: Any, queries: Any
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Write the step's new KV of `_random_case`'s sequences into `cache`; return the
+    step's metadata and its queries."""
     slot_mapping = torch.cat(slots)
     write_kv(
         cache, torch.cat([q[1] for q in queries]), torch.cat([q[2] for q in queries]), slot_mapping
@@ -65,7 +67,15 @@ def test_paged_attention_equals_dense(seed: int, sliding_window: int | None) -> 
         num_cached_tokens=tuple(c for c, _ in SPANS),
         num_new_tokens=tuple(n for _, n in SPANS),
     )
-    query = torch.cat([q[0] for q in queries])
+    return metadata, torch.cat([q[0] for q in queries])
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 3, 4, 8, 13])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_attention_equals_dense(seed: int, sliding_window: int | None) -> None:
+    cache, tables, slots, queries, expected = _random_case(seed, sliding_window)
+    cache[:, 0] = torch.nan  # the null block holds garbage
+    metadata, query = _step(cache, tables, slots, queries)
     out = paged_attention(query, cache, metadata, sliding_window, scale=HEAD_DIM**-0.5)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
@@ -115,17 +125,7 @@ def test_write_kv_casts_keys_and_values_to_the_cache_dtype() -> None:
 def test_scale_is_the_one_given() -> None:
     """`scale` multiplies the scores: scale 3/sqrt(D) on q is the default scale on 3q."""
     cache, tables, slots, queries, _ = _random_case(2, None)
-    slot_mapping = torch.cat(slots)
-    write_kv(
-        cache, torch.cat([q[1] for q in queries]), torch.cat([q[2] for q in queries]), slot_mapping
-    )
-    metadata = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        block_tables=torch.tensor(tables),
-        num_cached_tokens=tuple(c for c, _ in SPANS),
-        num_new_tokens=tuple(n for _, n in SPANS),
-    )
-    query = torch.cat([q[0] for q in queries])
+    metadata, query = _step(cache, tables, slots, queries)
     scaled = paged_attention(query, cache, metadata, None, scale=3 * HEAD_DIM**-0.5)
     expected = paged_attention(3 * query, cache, metadata, None, scale=HEAD_DIM**-0.5)
     torch.testing.assert_close(scaled, expected, atol=1e-5, rtol=1e-5)

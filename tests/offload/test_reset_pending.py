@@ -171,6 +171,18 @@ def test_an_abandoned_stores_report_leaves_a_later_store_of_its_keys_in_flight()
     engine.check()
 
 
+def assert_b_never_stored(engine: SimEngine) -> None:
+    """Run b (allocated, tokens 0-16) to its end; assert the tier then offers nothing of
+    its 16 tokens to a request sharing them."""
+    engine.schedule("b")
+    engine.step()
+    engine.finish("b")
+    engine.drain()
+    engine.evict_gpu()
+    assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
+    engine.check()
+
+
 def test_a_request_looked_up_before_a_reset_is_never_stored() -> None:
     """b is looked up before the reset (its GPU prefix and a tier hit pinned) and
     allocated after it: its prefix's KV, and all b computes from it, predates the reset
@@ -186,13 +198,7 @@ def test_a_request_looked_up_before_a_reset_is_never_stored() -> None:
     assert (found.num_local_tokens, found.num_offered_tokens) == (8, 8)
     assert engine.scheduler.reset() is True
     assert engine.allocate(b, found, 0) == Admission(8, 8, 0)  # the tier hit is gone
-    engine.schedule("b")
-    engine.step()
-    engine.finish("b")
-    engine.drain()
-    engine.evict_gpu()
-    assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
-    engine.check()
+    assert_b_never_stored(engine)
 
 
 def test_a_request_allocated_before_a_reset_and_looked_up_again_is_never_stored() -> None:
@@ -213,13 +219,7 @@ def test_a_request_allocated_before_a_reset_and_looked_up_again_is_never_stored(
     assert (found.num_local_tokens, found.num_offered_tokens) == (8, 0)
     assert engine.scheduler.reset() is True
     assert engine.allocate(b, found, 0) == Admission(8, 0, 0)
-    engine.schedule("b")
-    engine.step()
-    engine.finish("b")
-    engine.drain()
-    engine.evict_gpu()
-    assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
-    engine.check()
+    assert_b_never_stored(engine)
 
 
 def test_a_request_looked_up_without_a_hit_before_a_reset_is_never_stored() -> None:
@@ -237,10 +237,4 @@ def test_a_request_looked_up_without_a_hit_before_a_reset_is_never_stored() -> N
     assert (found.num_local_tokens, found.num_offered_tokens) == (8, 0)
     assert engine.scheduler.reset() is True
     assert engine.allocate(b, found, 0) == Admission(8, 0, 0)
-    engine.schedule("b")
-    engine.step()
-    engine.finish("b")
-    engine.drain()
-    engine.evict_gpu()
-    assert engine.lookup(make_request("p", [*range(16), 4])).num_offered_tokens == 0
-    engine.check()
+    assert_b_never_stored(engine)
