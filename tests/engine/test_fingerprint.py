@@ -109,6 +109,61 @@ def test_release_device_and_hashing_are_in_it_but_not_the_root_hash() -> None:
     assert root not in fingerprint(None)  # it stands for the hash seed: kept out of files
 
 
+def test_a_random_models_seed_is_in_it_a_checkpoints_is_not(tmp_path: Path) -> None:
+    """Random weights from another seed give other KV; a checkpoint's weights are its
+    files. Mutant (s35): the seed left out (a constant) passed every test."""
+    hasher = BlockHasher(4, HashAlgo.SHA256, None)
+    model = ModelConfig.tiny()
+    assert kv_fingerprint(None, model, 1, LAYOUT, hasher, "cpu") != kv_fingerprint(
+        None, model, 2, LAYOUT, hasher, "cpu"
+    )
+    path = checkpoint(tmp_path / "ckpt", b"A" * 64)
+    assert kv_fingerprint(path, model, 1, LAYOUT, hasher, "cpu") == kv_fingerprint(
+        path, model, 2, LAYOUT, hasher, "cpu"
+    )
+
+
+LAYOUT_CHANGES = {
+    "block size": KVGroupSpec(GroupKind.FULL_ATTENTION, 8, 1024),
+    "bytes per block": KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 2048),
+    "kind": KVGroupSpec(GroupKind.STATE, 4, 1024),
+}
+
+
+@pytest.mark.parametrize("change", LAYOUT_CHANGES)
+def test_each_value_of_the_kv_layout_changes_it(change: str) -> None:
+    """How KV lies in a block is part of what a block's bytes mean (SPEC §7). Mutants
+    (s35): each of a group's kind, block size, bytes per block and window, and the
+    groups as a whole, left out passed every test."""
+    hasher = BlockHasher(4, HashAlgo.SHA256, None)
+    model = ModelConfig.tiny()
+    other = KVLayout((LAYOUT_CHANGES[change],))
+    assert kv_fingerprint(None, model, 0, other, hasher, "cpu") != kv_fingerprint(
+        None, model, 0, LAYOUT, hasher, "cpu"
+    )
+
+
+def test_a_sliding_groups_window_changes_it() -> None:
+    hasher = BlockHasher(4, HashAlgo.SHA256, None)
+    model = ModelConfig.tiny()
+    eight, sixteen = (
+        KVLayout((KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 1024, window),)) for window in (8, 16)
+    )
+    assert kv_fingerprint(None, model, 0, eight, hasher, "cpu") != kv_fingerprint(
+        None, model, 0, sixteen, hasher, "cpu"
+    )
+
+
+def test_the_hash_algorithm_and_block_size_are_in_it() -> None:
+    """Blocks keyed by another hashing are another cache. Mutants (s35): the algorithm
+    or the hash block size left out passed every test."""
+    model = ModelConfig.tiny()
+    hashers = [BlockHasher(4, HashAlgo.SHA256, None), BlockHasher(4, HashAlgo.XXHASH, None)]
+    hashers.append(BlockHasher(8, HashAlgo.SHA256, None))
+    documents = [json.loads(kv_fingerprint(None, model, 0, LAYOUT, h, "cpu")) for h in hashers]
+    assert [d["hash"][:2] for d in documents] == [["sha256", 4], ["xxhash", 4], ["sha256", 8]]
+
+
 def test_the_torch_release_is_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Another torch release's kernels may round differently, as another device's do."""
     before = fingerprint(None)
@@ -120,10 +175,12 @@ def test_the_torch_release_is_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_eos_ids_which_change_no_kv_keep_the_fingerprint() -> None:
     """Regression (review): the model's EOS ids were part of it, so a
     generation_config.json added beside a checkpoint (its end-of-turn id joins the EOS
-    ids) made the persistent disk tier drop every block, though no KV byte changed."""
+    ids, and is reported as a stop token) made the persistent disk tier drop every block,
+    though no KV byte changed. Mutant (s35): the stop-token ids kept in it passed."""
     hasher = BlockHasher(4, HashAlgo.SHA256, None)
     model = ModelConfig.tiny()
-    other = dataclasses.replace(model, eos_token_ids=(*model.eos_token_ids, 5))
+    eos = (*model.eos_token_ids, 5)
+    other = dataclasses.replace(model, eos_token_ids=eos, eos_stop_token_ids=(5,))
     assert model != other
     assert kv_fingerprint(None, other, 0, LAYOUT, hasher, "cpu") == kv_fingerprint(
         None, model, 0, LAYOUT, hasher, "cpu"
@@ -177,6 +234,11 @@ def test_a_change_past_the_first_chunk_of_a_weights_file_changes_it(tmp_path: Pa
     content = bytearray(b"A" * ((8 << 20) + 64))
     path = checkpoint(tmp_path / "ckpt", bytes(content))
     before = fingerprint(path)
-    content[-1:] = b"B"
-    (path / "model.safetensors").write_bytes(bytes(content))
-    assert fingerprint(path) != before
+    assert json.loads(before)["weights"]["files"]["model.safetensors"].startswith(
+        f"{len(content)}:"  # the whole file's size (mutant s35: the last chunk's)
+    )
+    for offset in (len(content) - 1, 5000):  # mutant s35: a chunk's first 4 KiB digested
+        changed = bytearray(content)
+        changed[offset] = ord("B")
+        (path / "model.safetensors").write_bytes(bytes(changed))
+        assert fingerprint(path) != before
