@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from kvtier.core.extra_keys import RequestExtras
+from kvtier.core.hashing import BlockHasher, HashAlgo, RequestHasher
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.request import Request
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig, StoreMode
 
 ENGINE = EngineConfig(block_size=4, num_gpu_blocks=17)
+HASHER = BlockHasher(4, HashAlgo.SHA256, None)
 
 
 def test_ttft_is_to_the_first_token_and_tpot_the_mean_gap_after_it() -> None:
@@ -35,6 +39,40 @@ def test_blocks_extra_keys_are_those_of_each_block() -> None:
     expected = [request.block_extra_keys(start, start + 4) for start in (0, 4, 8)]
     assert request.blocks_extra_keys(4, 3) == expected
     llm.shutdown()
+
+
+def test_ttft_counts_from_arrival_and_a_request_without_tokens_has_no_tpot() -> None:
+    """Arrival at 10, first token at 12.5: ttft 2.5 (mutant s35: the token's time alone).
+    A request finished before its first token (aborted) has no tpot, not a TypeError
+    (mutant s35: only the finish time checked)."""
+    request = Request("r", [1, 2, 3], SamplingParams(), RequestHasher(HASHER))
+    request.arrival_time = 10.0
+    request.finish_time = 11.0
+    assert (request.ttft, request.tpot) == (None, None)
+    request.append_output(4, 12.5)
+    assert request.ttft == 2.5
+
+
+def test_outputs_are_counted_apart_from_the_prompt_and_never_placeholders() -> None:
+    """The reference engine confirms every token the step it is computed, so none is a
+    placeholder (the offload side's confirmed tokens, SPEC §6.5), and the prompt stays
+    the prompt. Mutants (s35): either counting the outputs passed the request tests."""
+    request = Request("r", [1, 2, 3], SamplingParams(), RequestHasher(HASHER))
+    request.append_output(4, 1.0)
+    request.append_output(5, 2.0)
+    assert (request.num_prompt_tokens, request.num_tokens) == (3, 5)
+    assert request.num_output_placeholders == 0
+
+
+def test_blocks_extra_keys_follow_each_blocks_position() -> None:
+    """A cache salt keys the first block alone (as vLLM's): each block's own extra keys.
+    Mutant (s35): the first block's keys for every block passed (the engine's own
+    requests carry no extras)."""
+    hasher = RequestHasher(HASHER, RequestExtras(cache_salt="salt"))
+    request = Request("r", list(range(12)), SamplingParams(), hasher)
+    keys = request.blocks_extra_keys(4, 3)
+    assert keys == [request.block_extra_keys(s, s + 4) for s in (0, 4, 8)]
+    assert keys[0] != keys[1]
 
 
 def test_lazy_stores_with_events_serve_a_prompt_again() -> None:
