@@ -4,9 +4,14 @@ counts or leaves in flight."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from sim import block_key, make_request
+from test_completion import interrupt_after_noting
 from test_partial_load_failures_shared import loads_in_one_event
 from test_scenarios_cascade import demotion_in_flight
+from test_scenarios_lifecycle import loading_engine
 from test_worker_reports import engine_with_a_store
 
 from kvtier.offload.plan import Tier, TransferJob, WorkerReport
@@ -95,3 +100,46 @@ def test_a_demotion_a_reset_abandoned_counts_as_abandoned() -> None:
     assert engine.scheduler.reset() is False
     assert engine.scheduler.store_events_in_flight() == (1, 1)
     engine.worker.in_flight.clear()
+
+
+def test_a_report_after_an_apply_cut_short_leaves_the_counted_event_as_counted() -> None:
+    """A Ctrl-C cut short the apply of a's completed store before any of its steps ran;
+    a worker's report of the same event (as failed) arrives before the next apply. The
+    event was counted complete and succeeded: the report is ignored, the store registers
+    a's blocks (a mutant counted it again: the store turned failed mid-apply)."""
+    engine, event_id = engine_with_a_store()
+    completion: Any = engine.scheduler._completion
+    apply_steps = completion._apply_steps
+    interrupted: list[bool] = []
+
+    def applying(*args: Any) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        apply_steps(*args)
+
+    completion._apply_steps = applying
+    with pytest.raises(KeyboardInterrupt):
+        engine.scheduler.apply_report(WorkerReport(done={event_id: 1}))
+    engine.scheduler.apply_report(WorkerReport(failed={event_id: 1}))
+    key = block_key(engine.layout, make_request("x", range(8)), 0, 0)
+    assert engine.scheduler.tier_pool.cached_block(key) is not None
+    assert engine.scheduler.take_stats().num_failed_stores == 0
+    engine.worker.in_flight.clear()
+    engine.check()
+
+
+def test_a_load_applied_in_part_pins_no_gpu_block() -> None:
+    """`holds_gpu_blocks_alone` (vLLM's `has_pending_block_frees`): once an apply cut
+    short released b's load pins, b alone holds its blocks; the event still in the book
+    pins none of them (a mutant counted its released pins: the engine waited for frees
+    no report brings)."""
+    engine, _ = loading_engine()
+    (load,) = engine.step().jobs
+    interrupt_after_noting(engine)
+    with pytest.raises(KeyboardInterrupt):
+        engine.scheduler.apply_report(WorkerReport(done={load.event_id: 1}))
+    assert engine.scheduler.is_in_flight(load.event_id)
+    assert not engine.scheduler.holds_gpu_blocks_alone()
+    assert engine.scheduler.apply_report(WorkerReport()).finished_loads == ("b",)
+    engine.check()
