@@ -75,6 +75,19 @@ def test_a_record_the_manifest_cannot_hold_is_refused_before_it_is_queued(
         reopened.close()
 
 
+def test_a_non_persistent_tier_ignores_the_records_it_is_given(tmp_path: Path) -> None:
+    """Without a manifest the records are not written anywhere, so none is refused (the
+    same job may go to either kind of tier). Mutant (s35 run on
+    storage/disk_tier_records.py): records checked without a manifest passed every
+    storage test."""
+    tier = DiskTier(config(tmp_path, fingerprint=None))
+    bad = SlotRecord(b"k" * 100_000, 16)  # longer than a manifest record holds
+    tier.check_records([bad])
+    tier.write_slots(tier.store_buffers[0], ids(0), [bad]).result()
+    tier.check_invariants()
+    tier.close()
+
+
 @pytest.mark.parametrize(
     "slot_ids",
     [
