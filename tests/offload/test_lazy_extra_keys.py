@@ -157,3 +157,25 @@ def test_a_finish_notes_each_block_under_its_own_position_s_key_only() -> None:
     assert all(walk.extra_keys[b] for b in (10, 20))  # the salt
     assert all(walk.extra_keys[b] for b in (12, 24))  # the item
     assert walk.extra_keys[12] != walk.extra_keys[10]
+
+
+@pytest.mark.parametrize("chunk", [8, 10], ids=["whole-blocks", "partial-block"])
+def test_a_request_aborted_mid_prefill_notes_its_computed_blocks(chunk: int) -> None:
+    """A request aborted after its first prefill chunk: its table is shorter than its
+    prompt's hashes (and after a partial chunk its last block holds no key). Its finish
+    notes the extra keys of the whole blocks it computed, and the walk stores those
+    blocks with them, as for a request that ran to its end."""
+    cfg = config(events=True, store_mode=StoreMode.LAZY, max_batched_tokens=16)
+    engine = SimEngine(full_layout(), cfg, num_gpu_blocks=9)
+    request = make_request("a", range(16), extras=RequestExtras(cache_salt="tenant-1"))
+    assert engine.admit(request) is not None  # type: ignore[arg-type]
+    engine.schedule("a", chunk)
+    engine.step()
+    engine.finish("a")
+    for _ in range(3):  # the walk copies its freed blocks
+        engine.step()
+    engine.drain()
+    hashes = request.block_hashes
+    assert extra_keys_by_hash(engine) == {
+        (0, hashes[i]): request.block_extra_keys(4 * i, 4 * i + 4) for i in range(2)
+    }
