@@ -79,3 +79,24 @@ def test_each_store_keeps_its_own_count_when_several_are_queued() -> None:
     assert [(r.key, r.num_tokens) for r in records] == [(keys[0], 8), (keys[1], 4)]
     registrar.register_all(stores, gpu)
     assert [tier.num_tokens(b) for b in stores.tier_block_ids] == [8, 4]
+
+
+def test_a_walk_over_keyed_blocks_only_notes_a_partial_entry_s_count() -> None:
+    """The walk's run of keyed blocks only is taken whole (`take_whole_run`), as the
+    common steady state: a partial entry's count (4 of 8 tokens) is noted as the
+    per-block loop notes it, and registered once its block lost its keys."""
+    gpu = BlockPool(2)  # one block besides the null one: the free queue is keyed only
+    (block,) = gpu.allocate(1)
+    key = make_key(hashlib.sha256(b"first hash block").digest(), 0)
+    gpu.insert_key(key, block, 4)
+    gpu.free([block])
+    tier = BlockPool(4, medium=Tier.CPU.value)
+    selector = StoreSelector(
+        LAYOUT, gpu, tier, StepCounters(), record_payload=False, fine_grained=True
+    )
+    selector.select_lazy(4)
+    stores = selector.take_queued()
+    assert (stores.keys, stores.counts) == ([key], {0: 4})
+    gpu.discard_keys(block)
+    Registrar(LAYOUT, Tier.CPU, tier, events=False).register_all(stores, gpu)
+    assert tier.num_tokens(tier.cached_block(key)) == 4

@@ -5,9 +5,10 @@ counted, and never offered to the admission policy or noted for the token check.
 from __future__ import annotations
 
 import pytest
-from sim import SimEngine, config, full_layout, make_request
+from sim import SimEngine, block_key, config, full_layout, make_request
 from test_cascade_demotions import WB, cache, key, make
 
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 
 
@@ -96,3 +97,32 @@ def test_a_dropped_demotion_counts_again_once_its_key_came_back() -> None:
     assert cascade.take_counters().num_dropped_demotions == 1
     disk.free(pinned)
     cpu.check_invariants()
+
+
+def test_a_finish_at_a_full_tier_counts_a_window_null_the_gpu_evicted_as_null() -> None:
+    """SPEC §6.10: a finished request's blocks a full tier leaves are dropped, each
+    counted once: a window's null position whose block the GPU cache still holds needed
+    a slot (`dropped_tier_full`), one whose block is gone had nothing to store
+    (`dropped_null`), also past the position the full tier stopped at."""
+    layout = KVLayout(
+        (
+            KVGroupSpec(GroupKind.FULL_ATTENTION, 4, 64),
+            KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 4),
+        )
+    )
+    engine = SimEngine(layout, num_gpu_blocks=24, num_tier_blocks=16)
+    a = make_request("a", range(12))
+    assert engine.admit(a) is not None
+    engine.schedule("a")
+    engine.step()  # computed: nothing selected yet (eager selects confirmed blocks)
+    window = list(engine.tables["a"][1])
+    engine.drop_blocks("a", 1, [0, 1])  # out of the window: null in the table
+    engine.gpu.discard_keys(window[1])  # the GPU cache evicted position 1's block
+    assert engine.gpu.cached_block(block_key(layout, a, 1, 0)) == window[0]
+    assert engine.gpu.cached_block(block_key(layout, a, 1, 1)) is None
+    fill_tier(engine)
+    engine.scheduler.take_stats()
+    engine.finish("a")
+    assert engine.step().jobs == ()
+    outcomes = engine.scheduler.take_stats().store_outcomes
+    assert outcomes == {"dropped_tier_full": 5, "dropped_null": 1}

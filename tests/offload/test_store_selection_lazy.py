@@ -275,3 +275,27 @@ def test_blocks_a_window_dropped_before_an_unconfirmed_finish_are_not_stored() -
 
 def window_group() -> KVGroupSpec:
     return KVGroupSpec(GroupKind.SLIDING_WINDOW, 4, 64, 8)
+
+
+def test_a_block_keyed_afresh_since_its_copy_is_stored_under_its_new_key() -> None:
+    """SPEC §6.6: the walk skips a block it copied before only while it holds the key
+    copied. One that took another key unnoticed (a request that grew into it was
+    preempted in the same scheduling pass, so no plan named it) holds other KV: the
+    walk stores it under its new key."""
+    selector = lazy_selector(1)
+    selector.select_lazy(8)
+    stores = selector.take_queued()
+    selector.lazy.note_stores(stores)
+    (block,) = stores.gpu_block_ids
+    gpu = selector.gpu_pool
+    gpu.free([block])  # the copy completed (its pin and in-flight key go) ...
+    selector.in_flight_keys.difference_update(stores.keys)  # ... and the tier evicted it
+    selector.select_lazy(8)
+    assert not selector.queued
+    assert selector.counters.store_outcomes == {"stored": 1, "skipped_stored_before": 1}
+    assert gpu.allocate(1) == [block]  # its key goes
+    gpu.insert_key(key(5), block, 4)
+    gpu.free([block])
+    selector.lazy.cursor = None  # the preemption restarts the walk
+    selector.select_lazy(8)
+    assert selector.queued.keys == [key(5)]

@@ -125,6 +125,21 @@ def test_the_whole_run_path_is_taken_for_a_run_of_new_keys() -> None:
     assert take_whole_run(selector, duplicate, gpu.keys(duplicate)) is None  # in flight now
 
 
+def test_a_run_holding_a_key_in_flight_stores_the_other_blocks_only() -> None:
+    """A key already in flight (another request's store of the same prefix) is not
+    stored twice: the whole-run path declines the run and the loop skips that block."""
+    gpu = BlockPool(4)
+    gpu_ids = gpu.allocate(3)
+    for i, block_id in enumerate(gpu_ids):
+        gpu.insert_key(key(i), block_id, 4)
+    selector = store_selector(gpu, BlockPool(8))
+    selector.in_flight_keys.add(key(1))
+    assert take_whole_run(selector, gpu_ids, gpu.keys(gpu_ids)) is None
+    assert select_run(selector, gpu_ids, 0, 3) == 3
+    assert selector.queued.keys == [key(0), key(2)]
+    assert selector.counters.store_outcomes == {"stored": 2, "skipped_in_flight": 1}
+
+
 class AdmitEveryKey:
     """Admits every key, as `AdmitAll` does, without being one: `select_run` asks it."""
 
