@@ -90,3 +90,20 @@ def test_a_reset_counts_a_block_still_waiting_for_a_slot_as_deferred_again() -> 
     selector.lazy.clear()
     selector.select_lazy(8)
     assert selector.counters.store_outcomes == {"stored": 1, "deferred_tier_full": 2}
+
+
+def test_a_block_selected_then_released_counts_as_deferred_again() -> None:
+    """A deferred block counts once while it waits, until selected: its copy failed (the
+    store released), it waits for a slot anew and counts again."""
+    gpu, (block,) = keyed_pool(1)
+    tier = BlockPool(2)  # one slot
+    selector = store_selector(gpu, tier)
+    pinned = tier.allocate(1)
+    selector.select_lazy(8)  # no room: deferred
+    tier.free(pinned)
+    selector.select_lazy(8)  # selected
+    assert selector.queued.gpu_block_ids == [block]
+    selector.release(selector.take_queued(), failed=True)
+    tier.allocate(1)
+    selector.select_lazy(8)  # no room again
+    assert selector.counters.store_outcomes == {"stored": 1, "deferred_tier_full": 2}

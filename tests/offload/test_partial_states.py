@@ -127,3 +127,31 @@ def test_a_hand_off_of_an_unhashed_state_block_is_dropped_as_unhashed() -> None:
     unhashed = next(iter(chosen.gpu_pool.iter_free_after(None)))
     chosen.select_handoffs([Handoff("r", 1, unhashed)], frozenset(), require_tracked=False)
     assert chosen.counters.handoff_outcomes == {"dropped_unhashed": 1}
+
+
+def test_a_walk_a_full_tier_stops_past_a_partial_state_resumes_where_it_stopped() -> None:
+    """Free blocks: a partial state, a block already in the tier, a partial tail. The
+    tier has no free slot: the walk drops the partial state, skips the cached block and
+    stops at the tail. Its cursor is the cached block (the last it passed, counted in
+    the walk's run without the partial state): the next walk counts nothing again."""
+    gpu = BlockPool(4)
+    partial, cached, tail = gpu.allocate(3)
+    gpu.insert_key(key(0, 1), partial, 4)
+    gpu.insert_key(key(5, 0), cached, 8)
+    gpu.insert_key(key(2, 0), tail, 4)
+    gpu.free([partial, cached, tail])
+    tier = BlockPool(2)
+    (slot,) = tier.allocate(1)  # the tier's one slot, pinned: no room
+    tier.insert_key(key(5, 0), slot, 8)
+    chosen = StoreSelector(
+        layout(8), gpu, tier, StepCounters(), record_payload=False, fine_grained=False
+    )
+    chosen.select_lazy(8)
+    assert chosen.lazy.cursor == cached
+    chosen.select_lazy(8)
+    assert not chosen.queued
+    assert chosen.counters.store_outcomes == {
+        "dropped_partial_state": 1,
+        "skipped_already_cached": 1,
+        "deferred_tier_full": 1,
+    }

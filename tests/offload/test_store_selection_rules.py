@@ -6,14 +6,19 @@ import hashlib
 
 import pytest
 from sim import SimEngine, block_key, config, full_layout, make_request
+from test_scenarios_config_events import stored_events
 
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
 from kvtier.offload.config import StoreMode
 from kvtier.offload.lazy_walk import lazy_target
+from kvtier.offload.plan import Tier
 from kvtier.offload.protocols import ScheduledRequest, StepInput, TableUpdate
+from kvtier.offload.registration import Registrar
 from kvtier.offload.scheduler import OffloadScheduler, SchedulerSetup
+from kvtier.offload.stats import StepCounters
+from kvtier.offload.store_selection import StoreSelector
 
 FULL = GroupKind.FULL_ATTENTION
 
@@ -172,3 +177,33 @@ def test_without_fine_grained_hits_a_store_waits_for_the_whole_scheduler_block()
     engine.finish("a")
     (store,) = engine.step().jobs
     assert sorted(store.src_block_ids) == sorted([*tables[0][:2], tables[1][0]])
+
+
+def test_each_stored_block_s_partial_entry_event_carries_its_own_tokens() -> None:
+    """Eager, events on, 8-token blocks over 4-token hashes: a block stored under its
+    whole key registers the partial entry it also holds (a secondary key), whose event
+    carries the payload captured at selection: that block's first 4 tokens, for each
+    block of the request (`StoreBatch.secondary_payloads`, by store index)."""
+    layout = KVLayout((KVGroupSpec(FULL, 8, 64),), configured_hash_block_size=4)
+    request = make_request("r", range(16))
+    hashes = request.block_hashes
+    gpu = BlockPool(3)
+    blocks = gpu.allocate(2)
+    for pos, block_id in enumerate(blocks):
+        gpu.insert_key(make_key(hashes[2 * pos + 1], 0), block_id, 8)
+        gpu.insert_key(make_key(hashes[2 * pos], 0), block_id, 4)  # its partial entry
+    tier = BlockPool(4, record_events=True, medium=Tier.CPU.value)
+    selector = StoreSelector(
+        layout, gpu, tier, StepCounters(), record_payload=True, fine_grained=True
+    )
+    selector.track("r")
+    state = selector.tracked["r"]
+    state.block_ids = [list(blocks)]
+    request.num_computed_tokens = 16
+    selector.select_request(request, state)
+    stores = selector.take_queued()
+    assert stores.gpu_block_ids == blocks
+    Registrar(layout, Tier.CPU, tier, events=True).register_all(stores, gpu)
+    tokens = {e.block_hash: tuple(e.token_ids) for e in stored_events(tier.take_events())}
+    assert tokens[hashes[0]] == tuple(range(4))
+    assert tokens[hashes[2]] == tuple(range(8, 12))
