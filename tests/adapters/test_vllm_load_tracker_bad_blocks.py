@@ -92,3 +92,12 @@ def test_unsplit_lists_the_named_failures_of_the_last_call_failed_whole() -> Non
     tracker.update({})
     assert tracker.complete([], []) == (set(), set())
     assert tracker.unsplit == set()
+
+
+def test_a_load_job_of_an_event_the_plan_does_not_list_keeps_no_parts() -> None:
+    """A job that came by pickle skipped the plan's own check that its event is listed:
+    its parts are not kept, not even until the next plan (no leak: `is_idle`)."""
+    tracker = LoadTracker()
+    tracker.update({}, [load(1, (1,))])
+    assert not tracker._parts
+    assert tracker.is_idle()
