@@ -91,6 +91,7 @@ def test_a_request_with_extras_gets_vllms_own_extra_keys(fields: dict[str, Any])
         (1, 96, 32),  # group 1 has 32-token blocks
         (1, 80, 16),
         (0, None, 0),  # vLLM recorded no count
+        (0, 0, 0),  # nor a zero count: none, as the batched `token_counts` read it
     ],
 )
 def test_tokens_in_block_counts_the_blocks_own_tokens(
@@ -197,7 +198,18 @@ class HalfSlottedBlock:
         return self._block_hash
 
 
-@pytest.mark.parametrize("block_type", [ComputedHashBlock, HalfSlottedBlock])
+class SlotsBesideTheNames:
+    """Slots named like vLLM's beside plain `block_hash` attributes (no properties): the
+    slots may hold anything (here: stale values), the names are what the block says."""
+
+    __slots__ = ("_block_hash", "_block_hash_num_tokens", "block_hash", "block_hash_num_tokens")
+
+    def __init__(self, key: bytes, end: int) -> None:
+        self.block_hash, self.block_hash_num_tokens = key, end
+        self._block_hash, self._block_hash_num_tokens = None, None
+
+
+@pytest.mark.parametrize("block_type", [ComputedHashBlock, HalfSlottedBlock, SlotsBesideTheNames])
 def test_batched_reads_of_other_blocks_go_through_the_names(block_type: type) -> None:
     """The slots are read only where both names are properties over them (vLLM 0.33's
     `KVCacheBlock`); any other block is read through its names, as the view says."""

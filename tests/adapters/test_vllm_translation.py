@@ -93,8 +93,10 @@ def test_gpu_pool_view_touch_free_and_free_queue_order() -> None:
     order = list(view.iter_free_after(None))
     assert order[-3:] == ids
     assert list(view.iter_free_after(ids[0])) == ids[1:]
+    assert list(view.iter_free_after(0)) == order  # the null block is never free: the head
     view.touch([ids[0]])
     assert pool.blocks[ids[0]].ref_cnt == 1
+    assert (view.block(ids[0]).ref_count, view.block(ids[1]).ref_count) == (1, 0)
     assert list(view.iter_free_after(ids[0])) == order[:-3] + ids[1:]  # busy: from the head
     view.free([ids[0]])
     assert list(view.iter_free_after(None))[-1] == ids[0]  # back at the MRU end
