@@ -5,6 +5,7 @@ aggregates no outputs, while its `parallel_config.world_size` counts every engin
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import vllm_engine
 from kvtier_vllm import SLOT_BYTES, kvtier_harness, scheduler_side
 
 from kvtier.adapters.vllm.connector import connector_config
+from kvtier.adapters.vllm.scheduler_side import _workers_heard
 
 PROMPT = list(range(100, 165))  # 4 full blocks and one token
 
@@ -55,6 +57,34 @@ def test_tensor_parallel_engines_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     launched(monkeypatch, data_parallel=1, tensor_parallel=2)
     with pytest.raises(ValueError, match="external_launcher"):
         kvtier_harness()
+
+
+@pytest.mark.parametrize(
+    ("backend", "tensor", "pipeline", "world", "heard"),
+    [
+        ("mp", 2, 2, 4, 4),  # every rank's output, aggregated
+        ("external_launcher", 1, 1, 2, 1),  # its own rank's only (two data-parallel engines)
+        ("external_launcher", 2, 1, 2, None),
+        ("external_launcher", 1, 2, 2, None),
+    ],
+)
+def test_the_workers_heard_and_the_launcher_s_refused_groups(
+    backend: str, tensor: int, pipeline: int, world: int, heard: int | None
+) -> None:
+    """The launcher refuses a pipeline's stages as it refuses tensor ranks: each stage's
+    engine would plan alone (called directly: the harness builds no pipeline stage's
+    KV cache, and the tier sizing would refuse its whole model first)."""
+    parallel = SimpleNamespace(
+        distributed_executor_backend=backend,
+        tensor_parallel_size=tensor,
+        pipeline_parallel_size=pipeline,
+        world_size=world,
+    )
+    if heard is None:
+        with pytest.raises(ValueError, match="external_launcher"):
+            _workers_heard(parallel)
+    else:
+        assert _workers_heard(parallel) == heard
 
 
 def test_cpu_bytes_to_use_is_shared_by_the_engines_as_vllm_shares_it(

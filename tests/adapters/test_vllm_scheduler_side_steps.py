@@ -199,6 +199,44 @@ def test_a_finish_after_every_plans_outputs_came_stays_confirmed_through_a_later
         harness.close()
 
 
+def test_a_finish_stays_suspect_while_a_later_plan_awaits_its_outputs(
+    monkeypatch: Any,
+) -> None:
+    # Plan 2 is in flight when "a" stops; plan 1's outputs then arrive: only finishes
+    # before plan 1's end are confirmed, so plan 2's fault (the handler's abort) still
+    # unconfirms a (confirmed, its store could hold KV of a forward that never ran).
+    harness = kvtier_harness(async_scheduling=True, batch_queue_size=2)
+    try:
+        side = scheduler_side(harness)
+        monkeypatch.setattr(side.offload, "on_finished", lambda view, ids, computed: False)
+        unconfirmed: list[str] = []
+        monkeypatch.setattr(
+            side.offload,
+            "unconfirm_finished",
+            lambda view, tables: unconfirmed.append(view.request_id),
+        )
+        first = side.build_metadata(SchedulerOutput.make_empty()).plan.step_id
+        side.build_metadata(SchedulerOutput.make_empty())
+        stopped, aborted = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED
+        side.on_finished(SimpleNamespace(request_id="a", status=stopped), ([1],))
+        output = KVTierWorkerMetadata(steps={0: first})
+        side.apply_output(KVConnectorOutput(kv_connector_worker_meta=output))
+        try:
+            raise RuntimeError("a fault")
+        except RuntimeError:
+            side.on_finished(SimpleNamespace(request_id="c", status=aborted), ([2],))
+        assert unconfirmed == ["a"]
+    finally:
+        harness.close()
+
+
+def test_worker_metadata_of_another_kind_is_refused(side: SchedulerSide) -> None:
+    # Read as "nothing finished", it would leave every load kvtier issued waiting for
+    # good (vLLM waits for its request), and every store and pin held.
+    with pytest.raises(TypeError, match="unexpected worker metadata"):
+        side.apply_output(KVConnectorOutput(kv_connector_worker_meta=object()))
+
+
 def test_each_step_hands_kvtier_vllms_full_tables_and_finishes() -> None:
     # A new request's blocks are its whole table (REPLACE): only there does kvtier look
     # for prefix hits on blocks whose KV is unconfirmed or held back, which it must not
