@@ -22,6 +22,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.adapters.vllm.metadata import KVTierWorkerMetadata
 from kvtier.adapters.vllm.scheduler_side import SchedulerSide
+from kvtier.core.keys import make_key
 from kvtier.offload.plan import Tier
 from kvtier.offload.protocols import TableUpdate
 
@@ -79,6 +80,19 @@ def test_on_allocated_hands_kvtier_the_request_it_is_given(
     assert [view.request is new for view in views] == [True]
 
 
+def test_the_pool_view_counts_each_group_s_tokens_with_its_own_block_size(
+    side: SchedulerSide, monkeypatch: Any
+) -> None:
+    # A hybrid's groups may have blocks of different sizes: a view sized by the first
+    # group's alone would count the 32 tokens of a group-1 block's key as 16.
+    groups = [SimpleNamespace(block_size=16), SimpleNamespace(block_size=32)]
+    monkeypatch.setattr(side, "layout", SimpleNamespace(groups=groups))
+    views = capture_views(side, monkeypatch, "bind_gpu_pool", None)
+    block = SimpleNamespace(block_hash=make_key(bytes(32), 1), block_hash_num_tokens=96)
+    side.bind_gpu_block_pool(SimpleNamespace(blocks=[block]))
+    assert [view.num_tokens(0) for view in views] == [32]
+
+
 def test_a_hit_split_is_reported_once_for_the_request_and_tokens_just_allocated(
     side: SchedulerSide, monkeypatch: Any
 ) -> None:
@@ -113,6 +127,16 @@ def test_a_load_dropped_before_issue_is_echoed_though_an_output_is_applied_first
     waiting = SimpleNamespace(request_id="a", num_computed_tokens=0)
     side.on_allocated(waiting, SimpleNamespace(get_block_ids=lambda: ([],)), 16)
     side.apply_output(KVConnectorOutput())
+    metadata = side.build_metadata(SchedulerOutput.make_empty())
+    assert metadata.unissued_failed_request_ids == ("a",)
+
+
+def test_a_load_dropped_at_allocation_is_echoed_by_the_next_plan(side: SchedulerSide) -> None:
+    # vLLM allocates in `schedule()` and builds that step's plan right after, with no
+    # output applied between: the plan carries the drop (taken a plan later, vLLM would
+    # hold the request's blocks a step longer for a load that never runs).
+    waiting = SimpleNamespace(request_id="a", num_computed_tokens=0)
+    side.on_allocated(waiting, SimpleNamespace(get_block_ids=lambda: ([],)), 16)
     metadata = side.build_metadata(SchedulerOutput.make_empty())
     assert metadata.unissued_failed_request_ids == ("a",)
 
