@@ -183,12 +183,8 @@ class Cascade(DemotionCompletion):
             key = cpu_pool.key(block_id)
             if key is None:
                 continue
-            if key in self.in_flight_keys:  # not copied twice at once
-                # Write-through: demoted once that copy lands. It may be another block's,
-                # whose keys were discarded since (a failed load): it registers nothing.
-                if through and (block_id, key) not in self.retrying:
-                    self.retry.setdefault((block_id, key), 0)
-                continue
+            # Looked up before the copies in flight: a key held on disk by another block's
+            # demotion (a secondary key) may be in flight as well.
             disk_block = self._disk_copy(block_id, key)
             if disk_block is not None:  # held on disk (maybe by another block's demotion):
                 if counted is None or block_id not in counted:  # nothing to retry, nor
@@ -197,6 +193,12 @@ class Cascade(DemotionCompletion):
                     self.retry.pop((block_id, key), None)
                 if self.dropped:
                     self.dropped.discard((block_id, key))
+                continue
+            if key in self.in_flight_keys:  # not copied twice at once
+                # Write-through: demoted once that copy lands. It may be another block's,
+                # whose keys were discarded since (a failed load): it registers nothing.
+                if through and (block_id, key) not in self.retrying:
+                    self.retry.setdefault((block_id, key), 0)
                 continue
             chosen.append((block_id, key))
         if self.mode is CascadeMode.WRITE_THROUGH:
