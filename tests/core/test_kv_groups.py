@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
+from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout, tokens_inside_block
 
 FULL = GroupKind.FULL_ATTENTION
 SLIDING = GroupKind.SLIDING_WINDOW
@@ -216,6 +216,34 @@ def test_blocks_per_hash() -> None:
     """blocks_per_hash is how many hash blocks one block of the group spans."""
     lay = layout(group(FULL, 64), group(SLIDING, 16), group(STATE, 32))
     assert [lay.blocks_per_hash(g) for g in range(3)] == [4, 1, 2]
+
+
+def test_coarse_state_groups_are_the_state_groups_spanning_several_hash_blocks() -> None:
+    """Only a state group's block keyed inside it is never served (SPEC §5): a full or
+    sliding group's is, and a state block of one hash block has no inside. Mutants
+    (s35): any kind, or a state block of exactly one hash block, counted as coarse
+    passed every core test."""
+    lay = layout(group(FULL, 32), group(SLIDING, 32), group(STATE, 32), group(STATE, 16))
+    assert lay.hash_block_size == 16
+    assert lay.coarse_state_groups == {2: 32}
+
+
+def test_keys_inside_blocks_ignores_scratch_groups() -> None:
+    """A scratch group is never stored, so its block size keys nothing. Mutant (s35):
+    scratch groups counted passed every core test."""
+    assert not layout(group(FULL, 16), group(SCRATCH, 64)).keys_inside_blocks
+    assert layout(group(FULL, 16), group(STATE, 32)).keys_inside_blocks
+
+
+@pytest.mark.parametrize(
+    ("prefix_tokens", "expected"), [(1, 1), (15, 15), (16, 16), (17, 1), (53, 5), (64, 16)]
+)
+def test_tokens_inside_block_counts_a_whole_block_as_its_size(
+    prefix_tokens: int, expected: int
+) -> None:
+    """vLLM's count of the tokens inside the block a prefix ends in: a prefix ending on a
+    block boundary fills its block. Mutant (s35): 15 there passed every core test."""
+    assert tokens_inside_block(prefix_tokens, 16) == expected
 
 
 # --- fine-grained hits --------------------------------------------------------------
