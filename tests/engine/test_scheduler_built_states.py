@@ -217,3 +217,38 @@ def test_the_last_running_request_short_of_blocks_a_load_holds_is_preempted() ->
     assert step.work[0].table_update is TableUpdate.REPLACE
     assert alone.num_computed_tokens == 0  # recomputed from scratch
     assert llm.scheduler.running == [alone]
+
+
+class NoFreesPending(FreesPending):
+    """An offload side whose transfers hold no GPU block alone (and no tier hits)."""
+
+    def holds_gpu_blocks_alone(self) -> bool:
+        return False
+
+
+def test_a_windowed_request_alone_short_of_a_block_a_store_holds_is_not_stuck() -> None:
+    """Sliding-window layers only (window 8, blocks of 4), 3 usable blocks: the only
+    running request holds the null block where its window left and blocks of its own; it
+    needs one more. A waiting request back from its load holds the third, which a store in
+    flight also reads. The idle block is released, the store keeps it: the running
+    request does not hold the pool (the null block is none of its own), so it is
+    preempted and admitted again with the chunk that fits, not taken for a request that
+    never fits the pool (the engine aborts those, "no progress possible").
+    Mutation: `_holds_the_pool` counted the null block as one of its own (step.stuck)."""
+    model = dataclasses.replace(
+        ModelConfig.tiny(),
+        layer_kinds=(AttentionKind.SLIDING, AttentionKind.SLIDING),
+        sliding_window=8,
+    )
+    llm = LLM(model, engine=EngineConfig(block_size=4, num_gpu_blocks=4))  # 3 usable
+    llm.scheduler.offload = NoFreesPending()  # type: ignore[assignment]
+    alone = placed(running(llm, list(range(13)), 0), 12, [NULL_BLOCK_ID, *llm.pool.allocate(2)])
+    idle = back_from_load(llm, list(range(40, 49)), 4)
+    llm.pool.pin(idle.block_tables[0])
+    assert llm.pool.num_free() == 0
+    step = llm.scheduler.schedule()
+    assert step.stuck is None
+    assert step.preempted_ids == {alone.request_id, idle.request_id}
+    assert step.released_ids == {idle.request_id}
+    assert [(work.request, work.num_new_tokens) for work in step.work] == [(alone, 8)]
+    assert (alone.num_computed_tokens, idle.block_tables) == (0, [[]])
