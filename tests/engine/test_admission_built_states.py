@@ -153,3 +153,68 @@ def test_a_hit_on_blocks_a_running_request_holds_takes_no_free_block_for_them() 
     assert shared.num_local_tokens_total == 8
     assert shared.block_tables[0][:2] == first.block_tables[0][:2]
     assert llm.pool.num_free() == 0
+
+
+def test_a_request_back_from_a_one_token_load_keeps_its_block_and_its_hit() -> None:
+    """Blocks of 1 token: a 2-token prompt loads its first token from the tier. Back from
+    the load it holds 1 computed token: it runs its second on the block it loaded (not
+    admitted anew), keeps its external hit, and leaves every block free once finished.
+    Mutation: "back from a load" taken as more than 1 computed token (admitted anew over
+    its table: the loaded block leaked, its hit counted as a local one)."""
+    tier = TierWithHit(1)
+    llm = LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=1, num_gpu_blocks=5))
+    llm.scheduler.offload = tier  # type: ignore[assignment]
+    request = llm.add_request([5, 6], ONE)
+    llm.scheduler.schedule()
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING_FOR_LOAD, 1)
+    (loaded,) = request.block_tables[0]
+    tier.num_tokens = 0
+    llm.scheduler.apply_offload(ReportOutcome(finished_loads=(request.request_id,)))
+    step = llm.scheduler.schedule()
+    assert [(work.request, work.num_new_tokens) for work in step.work] == [(request, 1)]
+    assert request.block_tables[0][0] == loaded
+    assert (request.num_local_tokens_total, request.num_external_tokens_total) == (0, 1)
+    assert llm.scheduler.complete(step, [7], 0.0) == [request]
+    assert llm.pool.num_free() == llm.pool.num_usable_blocks
+
+
+def test_a_load_reserves_one_batch_of_its_own_chunk_not_its_whole_rest() -> None:
+    """Full attention, blocks of 4, batches of 8 tokens, 10 usable blocks: a request runs
+    on 2; a 40-token prompt with a 16-token tier hit needs its 4 hit blocks and, once
+    loaded, the 2 blocks of its next chunk (one batch, 8 tokens), not the 6 of its whole
+    rest: 6 of the 8 free. It is admitted to load.
+    Mutation: its whole rest reserved (it waited, WAITING)."""
+    tier = TierWithHit(0)
+    llm = LLM(
+        ModelConfig.tiny(),
+        engine=EngineConfig(block_size=4, num_gpu_blocks=11, max_num_batched_tokens=8),
+    )
+    llm.scheduler.offload = tier  # type: ignore[assignment]
+    runner = llm.add_request(list(range(5)), SamplingParams(max_tokens=3, ignore_eos=True))
+    llm.scheduler.complete(llm.scheduler.schedule(), [9], 0.0)
+    assert llm.pool.num_free() == 8
+    tier.num_tokens = 16
+    loader = llm.add_request(list(range(20, 60)), ONE)
+    step = llm.scheduler.schedule()
+    assert [(work.request, work.num_new_tokens) for work in step.work] == [(runner, 1)]
+    assert (loader.status, loader.num_external_tokens) == (RequestStatus.WAITING_FOR_LOAD, 16)
+    assert llm.pool.num_free() == 4
+
+
+def test_a_load_reserves_one_batch_of_each_loading_requests_chunk() -> None:
+    """Full attention, blocks of 4, batches of 8 tokens, 12 usable blocks, 16-token tier
+    hits: a 40-token prompt loads (4 blocks; its next chunk, one batch, needs 2 more).
+    A 17-token prompt needs 4 + 1 blocks and the first's 2: 7 of the 8 free. Both load.
+    Mutation: the first's whole rest (6 blocks) reserved (the second waited)."""
+    tier = TierWithHit(16)
+    llm = LLM(
+        ModelConfig.tiny(),
+        engine=EngineConfig(block_size=4, num_gpu_blocks=13, max_num_batched_tokens=8),
+    )
+    llm.scheduler.offload = tier  # type: ignore[assignment]
+    first = llm.add_request(list(range(40)), ONE)
+    second = llm.add_request(list(range(50, 67)), ONE)
+    llm.scheduler.schedule()
+    assert list(llm.scheduler.loading.values()) == [first, second]
+    assert (second.status, second.num_external_tokens) == (RequestStatus.WAITING_FOR_LOAD, 16)
+    assert llm.pool.num_free() == 4
