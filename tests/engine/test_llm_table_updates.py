@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
+from kvtier.engine.request import RequestStatus
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.plan import TransferPlan
@@ -35,3 +37,28 @@ def test_a_request_sends_its_table_whole_once_then_only_new_blocks() -> None:
     appended = [block for _, ids in seen for block in ids]
     assert len(appended) == len(set(appended)) == 5  # 18 tokens computed: 5 blocks, each once
     llm.shutdown()
+
+
+def test_a_request_admitted_again_after_a_preemption_sends_its_table_whole() -> None:
+    """Blocks of 4, 4 usable: two requests ran (their works applied). The older grows
+    into the block the newer needs: the newer is preempted (its tables dropped on the
+    offload side). Once the older finishes, the newer is admitted again on its first
+    block (a local hit) and one fresh block: its work carries the whole table
+    (REPLACE), hit block first, though its earlier works were all applied.
+    Mutation: a preemption left `needs_full_table` unset (APPEND of the fresh block
+    only: the offload side would take it for the table's first position)."""
+    llm = LLM(ModelConfig.tiny(), engine=EngineConfig(block_size=4, num_gpu_blocks=5))
+    scheduler = llm.scheduler
+    older = llm.add_request(list(range(7)), SamplingParams(max_tokens=4, ignore_eos=True))
+    newer = llm.add_request(list(range(20, 24)), SamplingParams(max_tokens=9, ignore_eos=True))
+    steps = []
+    for _ in range(5):
+        step = scheduler.schedule()
+        steps.append(step)
+        scheduler.complete(step, [1] * len(step.work), 0.0)
+    assert steps[2].preempted_ids == {newer.request_id}
+    assert older.status is RequestStatus.FINISHED
+    (work,) = steps[4].work
+    assert (work.request, work.num_new_tokens) == (newer, 2)
+    assert work.table_update is TableUpdate.REPLACE
+    assert work.new_block_ids == tuple(map(tuple, newer.block_tables))

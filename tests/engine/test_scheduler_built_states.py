@@ -252,3 +252,19 @@ def test_a_windowed_request_alone_short_of_a_block_a_store_holds_is_not_stuck() 
     assert step.released_ids == {idle.request_id}
     assert [(work.request, work.num_new_tokens) for work in step.work] == [(alone, 8)]
     assert (alone.num_computed_tokens, idle.block_tables) == (0, [[]])
+
+
+def test_running_requests_past_the_token_budget_get_no_empty_work() -> None:
+    """Batches of 2 tokens: three requests decode, one token each. The first two use the
+    budget; the third gets no work this step (not a work of 0 tokens, which the model
+    runner refuses).
+    Mutation: the running loop went on at a budget of 0 (a third work, 0 tokens)."""
+    llm = LLM(
+        ModelConfig.tiny(),
+        engine=EngineConfig(block_size=4, num_gpu_blocks=9, max_num_batched_tokens=2),
+    )
+    first, second, third = (running(llm, list(range(10 * i, 10 * i + 3)), 2) for i in range(3))
+    step = llm.scheduler.schedule()
+    assert [(work.request, work.num_new_tokens) for work in step.work] == [(first, 1), (second, 1)]
+    assert third.num_computed_tokens == 2
+    assert llm.scheduler.running == [first, second, third]
