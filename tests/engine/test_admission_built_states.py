@@ -10,7 +10,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.request import Request, RequestStatus
 from kvtier.engine.sampling import SamplingParams
-from kvtier.offload.transfers import ReportOutcome
+from kvtier.offload.transfers import FailedLoad, ReportOutcome
 
 ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -218,3 +218,26 @@ def test_a_load_reserves_one_batch_of_each_loading_requests_chunk() -> None:
     assert list(llm.scheduler.loading.values()) == [first, second]
     assert (second.status, second.num_external_tokens) == (RequestStatus.WAITING_FOR_LOAD, 16)
     assert llm.pool.num_free() == 4
+
+
+def test_a_load_reported_both_finished_and_failed_counts_as_finished() -> None:
+    """Full attention, blocks of 4: a 17-token prompt loads a 16-token tier hit. An
+    outcome names its load both finished and failed (a request both finished and failed:
+    finished): it keeps its 16 loaded tokens and blocks, cached, and its hit; it is not
+    rewound nor told to skip the tier.
+    Mutation: a failure rewound it even when its load was reported finished (its blocks
+    freed, recomputed from token 0)."""
+    tier = TierWithHit(16)
+    llm = with_tier(ModelConfig.tiny(), 10, tier)
+    request = llm.add_request(list(range(17)), ONE)
+    llm.scheduler.schedule()
+    table = list(request.block_tables[0])
+    assert (request.status, len(table)) == (RequestStatus.WAITING_FOR_LOAD, 4)
+    rid = request.request_id
+    outcome = ReportOutcome(finished_loads=(rid,), failed_loads=(FailedLoad(rid, 0, 16),))
+    llm.scheduler.apply_offload(outcome)
+    assert list(llm.scheduler.waiting) == [request]
+    assert (request.status, request.num_computed_tokens) == (RequestStatus.WAITING, 16)
+    assert request.block_tables == [table]
+    assert all(llm.pool.key(block) is not None for block in table)
+    assert (request.skip_external, request.num_external_tokens_total) == (False, 16)
