@@ -241,3 +241,28 @@ def test_a_load_reported_both_finished_and_failed_counts_as_finished() -> None:
     assert request.block_tables == [table]
     assert all(llm.pool.key(block) is not None for block in table)
     assert (request.skip_external, request.num_external_tokens_total) == (False, 16)
+
+
+def test_a_finished_load_queued_after_a_preemption_cut_short_leaves_it_in_one_queue() -> None:
+    """A preemption cut short by an interrupt (Ctrl-C) left the preempted request at the
+    head of `waiting` and still last in `running`. A load finishing now is applied first
+    (the engine applies an outcome before it schedules): the cut-short move is finished
+    before the loaded request goes to the front of `waiting`, so the preempted request
+    is in one queue only, behind it.
+    Mutation: `apply_offload` did not `_settle` first (the loaded request in front hid
+    the half-moved one from the next `_settle`: in `running` and `waiting` both)."""
+    tier = TierWithHit(16)
+    llm = with_tier(ModelConfig.tiny(), 10, tier)
+    loaded = llm.add_request(list(range(17)), ONE)
+    llm.scheduler.schedule()
+    assert loaded.status is RequestStatus.WAITING_FOR_LOAD
+    caught = llm.add_request(list(range(40, 45)), ONE)
+    caught.block_tables, caught.num_computed_tokens = [llm.pool.allocate(1)], 4
+    scheduler = llm.scheduler
+    scheduler.running.append(caught)  # it ran; then its preemption was cut short:
+    caught.status = RequestStatus.WAITING  # in `waiting` (its place), still in `running`
+    assert list(scheduler.waiting) == [caught]
+    scheduler.apply_offload(ReportOutcome(finished_loads=(loaded.request_id,)))
+    assert scheduler.running == []
+    assert list(scheduler.waiting) == [loaded, caught]
+    assert (caught.num_computed_tokens, len(caught.block_tables[0])) == (4, 1)
