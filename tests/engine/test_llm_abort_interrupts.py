@@ -105,3 +105,29 @@ def test_an_interrupt_at_any_line_of_an_abort_while_a_load_is_in_flight() -> Non
         if not landed:
             assert n > 6, f"only {n - 1} lines ran"
             return
+
+
+def test_aborting_another_engines_finished_request_of_the_same_id_leaves_a_cut_short_abort() -> (
+    None
+):
+    """An abort of `req-0` was cut short once it was FINISHED, still in `waiting`. The
+    caller then aborts a finished request of another engine, `req-0` there too (a
+    finished request is left as is, whoever's it is). The cut-short abort is untouched:
+    the next step ends it, nothing runs, the engine is idle.
+    Mutation: `abort` matched the pending abort by id, not by request (it dropped the
+    pending abort: `req-0` stayed in `waiting`, FINISHED, the engine never idle)."""
+    llm = LLM(None, engine=ENGINE)
+    caught = llm.add_request(PROMPTS[0], LONG)
+    scheduler = llm.scheduler
+    scheduler._aborting[caught.request_id] = caught  # `abort`, cut short past its mark:
+    caught.status, caught.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
+    other = LLM(None, engine=ENGINE)
+    stranger = other.add_request(PROMPTS[1], PARAMS)
+    while other.scheduler.has_unfinished():
+        other.step()
+    assert stranger.request_id == caught.request_id
+    llm.abort_request(stranger)
+    assert llm.step() == []
+    assert not scheduler.has_unfinished()
+    assert caught.output_token_ids == []
+    assert_idle(llm)
