@@ -135,3 +135,32 @@ def test_chain_tags_is_token_tag_block_by_block() -> None:
         chain_tags(None, [2**63] * 4, 4, 0, 1, extras)
     with pytest.raises(ValueError, match="39 token ids do not fill hash blocks up to 10 of 4"):
         chain_tags(None, tokens[:39], 4, 0, 10, extras)  # tagged a short block (regression)
+
+
+def test_an_int_key_outside_int64_is_tagged_by_its_repr() -> None:
+    """The block hash refuses such a key with ValueError, not TypeError: the tag falls back
+    to the repr all the same (a token check must never fail a store). Mutant (s35): only
+    TypeError caught passed every core test."""
+    big = token_tag(None, [1], (2**70,))
+    assert big == token_tag(None, [1], (f"repr:{2**70!r}",))
+    assert big != token_tag(None, [1], (2**71,))
+
+
+def test_chain_tags_asks_each_block_for_its_own_extra_keys() -> None:
+    """`extra_keys(start, end)` gets each hash block's token range. Mutant (s35): an empty
+    range passed every core test (their callables ignore the range)."""
+    asked: list[tuple[int, int]] = []
+
+    def extras(start: int, end: int) -> tuple[object, ...]:
+        asked.append((start, end))
+        return ("salt",) if start == 0 else ()
+
+    tags = chain_tags(None, list(range(12)), 4, 0, 3, extras)
+    assert asked == [(0, 4), (4, 8), (8, 12)]
+    assert tags[0] == token_tag(None, [0, 1, 2, 3], ("salt",))
+
+
+def test_chain_tags_refuses_a_token_that_is_no_int_naming_it() -> None:
+    """Mutant (s35): a TypeError (a float token) escaped unconverted."""
+    with pytest.raises(ValueError, match="not int64"):
+        chain_tags(None, [1, 2, 3, 4.5], 4, 0, 1, lambda start, end: ())
