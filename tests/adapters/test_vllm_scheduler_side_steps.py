@@ -175,12 +175,18 @@ def test_finishes_during_a_plan_in_flight_are_unconfirmed_by_a_fault_only(
         harness.close()
 
 
-def check_fault_only(side: SchedulerSide, monkeypatch: Any) -> None:
+def recorded_unconfirms(side: SchedulerSide, monkeypatch: Any) -> list[str]:
+    """Stub the offload side's finishes; return the list `unconfirm_finished` fills."""
     monkeypatch.setattr(side.offload, "on_finished", lambda view, ids, computed: False)
     unconfirmed: list[str] = []
     monkeypatch.setattr(
         side.offload, "unconfirm_finished", lambda view, tables: unconfirmed.append(view.request_id)
     )
+    return unconfirmed
+
+
+def check_fault_only(side: SchedulerSide, monkeypatch: Any) -> None:
+    unconfirmed = recorded_unconfirms(side, monkeypatch)
     side.build_metadata(SchedulerOutput.make_empty())
     stopped, aborted = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED
     for name in ("a", "b"):
@@ -202,13 +208,7 @@ def test_a_finish_after_every_plans_outputs_came_stays_confirmed_through_a_later
     harness = kvtier_harness(async_scheduling=True, batch_queue_size=2)
     try:
         side = scheduler_side(harness)
-        monkeypatch.setattr(side.offload, "on_finished", lambda view, ids, computed: False)
-        unconfirmed: list[str] = []
-        monkeypatch.setattr(
-            side.offload,
-            "unconfirm_finished",
-            lambda view, tables: unconfirmed.append(view.request_id),
-        )
+        unconfirmed = recorded_unconfirms(side, monkeypatch)
         step = side.build_metadata(SchedulerOutput.make_empty()).plan.step_id
         output = KVTierWorkerMetadata(steps={0: step})
         side.apply_output(KVConnectorOutput(kv_connector_worker_meta=output))
@@ -232,13 +232,7 @@ def test_a_finish_stays_suspect_while_a_later_plan_awaits_its_outputs(
     harness = kvtier_harness(async_scheduling=True, batch_queue_size=2)
     try:
         side = scheduler_side(harness)
-        monkeypatch.setattr(side.offload, "on_finished", lambda view, ids, computed: False)
-        unconfirmed: list[str] = []
-        monkeypatch.setattr(
-            side.offload,
-            "unconfirm_finished",
-            lambda view, tables: unconfirmed.append(view.request_id),
-        )
+        unconfirmed = recorded_unconfirms(side, monkeypatch)
         first = side.build_metadata(SchedulerOutput.make_empty()).plan.step_id
         side.build_metadata(SchedulerOutput.make_empty())
         stopped, aborted = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED

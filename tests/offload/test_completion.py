@@ -26,18 +26,25 @@ def prefix_keys(num_blocks: int) -> list[bytes]:
     return [block_key(full_layout(), request, 0, i) for i in range(num_blocks)]
 
 
-def test_a_completed_load_frees_its_tier_blocks_tail_first() -> None:
-    """SPEC §4: once b's load of a's two blocks completes, the tier evicts the tail
-    block before the root, so a shorter prefix still hits (head first, the root went
-    first and the tail it keeps serves no lookup)."""
-    engine = SimEngine(full_layout(), num_tier_blocks=3)  # two usable tier blocks
+def load_of_a_into_b(engine: SimEngine, tier: Tier) -> TransferJob:
+    """Store a's two blocks, evict them from the GPU, admit b sharing them: return b's
+    load from `tier`, not completed (`auto_complete` off)."""
     engine.run(make_request("a", range(8)))
     engine.drain()
     engine.evict_gpu()
     engine.auto_complete = False
     assert engine.admit(make_request("b", [*range(8), 99])) is not None
     (load,) = engine.step().jobs
-    assert load.src_tier is Tier.CPU
+    assert load.src_tier is tier
+    return load
+
+
+def test_a_completed_load_frees_its_tier_blocks_tail_first() -> None:
+    """SPEC §4: once b's load of a's two blocks completes, the tier evicts the tail
+    block before the root, so a shorter prefix still hits (head first, the root went
+    first and the tail it keeps serves no lookup)."""
+    engine = SimEngine(full_layout(), num_tier_blocks=3)  # two usable tier blocks
+    load = load_of_a_into_b(engine, Tier.CPU)
     engine.worker.complete(load.event_id)
     assert engine.poll().finished_loads == ("b",)
     engine.auto_complete = True
@@ -131,13 +138,7 @@ def test_a_failed_load_of_a_persistent_disk_names_its_slots_for_the_manifest() -
     """A failed load's suspect disk copies lose their keys, and their manifest records
     go with the next plan (`forget_slots`): a restart must not restore them."""
     engine = disk_only(persist=True)
-    engine.run(make_request("a", range(8)))
-    engine.drain()
-    engine.evict_gpu()
-    engine.auto_complete = False
-    assert engine.admit(make_request("b", [*range(8), 5])) is not None
-    (load,) = engine.step().jobs
-    assert load.src_tier is Tier.DISK
+    load = load_of_a_into_b(engine, Tier.DISK)
     engine.worker.fail(load.event_id)
     assert [f.request_id for f in engine.poll().failed_loads] == ["b"]
     assert set(load.src_block_ids) <= set(engine.step().forget_slots)
