@@ -285,3 +285,51 @@ def test_another_connectors_metadata_is_refused_by_name(worker: Any) -> None:
         worker.connector.bind_connector_metadata(KVConnectorMetadata())
     with pytest.raises(TypeError, match="expected KVTierMetadata"):
         worker.connector.handle_preemptions(KVConnectorMetadata())
+
+
+def test_stores_of_a_forward_that_raised_fail_though_wait_for_save_comes_first(
+    worker: Any,
+) -> None:
+    # Model Runner V1 calls `wait_for_save` first in the `finally` around a forward that
+    # raised: plan 1's store may read a block the forward never wrote (or another
+    # request's local hit the step computes), so it fails, and the step counts as a
+    # failed forward (s35 WS20).
+    connector = worker.connector
+    connector.bind_connector_metadata(KVTierMetadata(TransferPlan(1, (store(1),))))
+    connector.start_load_kv(None)
+    try:
+        raise RuntimeError("the forward raised")
+    except RuntimeError:
+        connector.wait_for_save()
+        end_step(connector)
+    _, _, meta = run_step(connector, KVTierMetadata(TransferPlan(2)))
+    assert isinstance(meta, KVTierWorkerMetadata)
+    assert meta.failed_forward_step == 1
+    assert meta.report.failed == {1: 1}
+    assert not meta.report.done
+
+
+def test_a_plan_s_slot_drops_are_submitted_without_any_load(worker: Any, monkeypatch: Any) -> None:
+    # `forget_slots` and `end_persistence` go with the loads' submit even when the plan
+    # has neither loads nor demotions: kept back, the worker would keep those slots
+    # (s35 WS17).
+    offload = worker.connector.worker_side.worker
+    submitted: list[TransferPlan] = []
+    monkeypatch.setattr(offload, "submit", submitted.append)
+    plan = TransferPlan(1, forget_slots=(3,))
+    run_step(worker.connector, KVTierMetadata(plan))
+    assert [p.forget_slots for p in submitted] == [(3,)]
+
+
+def test_a_plan_that_needs_a_flush_finishes_every_transfer_first(
+    worker: Any, monkeypatch: Any
+) -> None:
+    # A preempted request's GPU blocks may be reused at once: every copy in flight ends
+    # before the step (s35 WS28).
+    offload = worker.connector.worker_side.worker
+    flushes: list[None] = []
+    monkeypatch.setattr(offload, "flush", lambda: flushes.append(None))
+    worker.connector.handle_preemptions(KVTierMetadata(TransferPlan(1, need_flush=True)))
+    assert flushes == [None]
+    worker.connector.handle_preemptions(KVTierMetadata(TransferPlan(2)))
+    assert flushes == [None]
