@@ -37,13 +37,7 @@ def step(connector: Any, plan: TransferPlan, processed_step: int = 0) -> tuple[A
     """Run one step as vLLM's model runner does; return (finished, failed, invalid
     blocks, worker metadata)."""
     connector.bind_connector_metadata(KVTierMetadata(plan, processed_step=processed_step))
-    connector.start_load_kv(None)
-    connector.wait_for_save()
-    results = connector.get_transfer_results(set())
-    invalid = connector.get_block_ids_with_load_errors()
-    meta = connector.build_connector_worker_meta()
-    connector.clear_connector_metadata()
-    return results.finished_recving, results.failed_recving, invalid, meta
+    return step_bound(connector)
 
 
 def load_plan(parts: tuple[int, ...] = ()) -> TransferPlan:
