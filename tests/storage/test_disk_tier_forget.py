@@ -35,15 +35,21 @@ def tier_config(tmp_path: Path) -> DiskTierConfig:
     )
 
 
+def tier_with_four_records(config: DiskTierConfig) -> DiskTier:
+    """Open the tier and write slots 1 to 4, each with its record (`rec`)."""
+    tier = DiskTier(config)
+    slots = np.arange(1, 5, dtype=np.int64)
+    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    return tier
+
+
 def test_a_disk_tier_that_cannot_drop_records_drops_them_all(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`DiskTier.forget` names copies the scheduler let go (maybe suspect): when their
     tombstones cannot be appended, the restart restores nothing rather than them."""
     config = tier_config(tmp_path)
-    tier = DiskTier(config)
-    slots = np.arange(1, 5, dtype=np.int64)
-    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier = tier_with_four_records(config)
     tier.forget([1])
     assert [slot for slot, _ in tier.recovered_slots()] == []  # this run wrote them all
 
@@ -65,9 +71,7 @@ def test_a_disk_tier_that_cannot_drop_records_drops_them_all(
 
 def test_a_disk_tier_restores_what_it_did_not_forget(tmp_path: Path) -> None:
     config = tier_config(tmp_path)
-    tier = DiskTier(config)
-    slots = np.arange(1, 5, dtype=np.int64)
-    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier = tier_with_four_records(config)
     tier.forget([1, 3])
     tier.close()
     tier = DiskTier(config)
@@ -84,9 +88,7 @@ def test_a_rewrite_whose_old_records_cannot_be_dropped_drops_them_all(
     old records first; when that append fails, every record goes, as for `forget`: the
     old record of slot 2 would describe bytes it no longer holds."""
     config = tier_config(tmp_path)
-    tier = DiskTier(config)
-    slots = np.arange(1, 5, dtype=np.int64)
-    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier = tier_with_four_records(config)
     tier.close()
     tier = DiskTier(config)
     assert [slot for slot, _ in tier.recovered_slots()] == [1, 2, 3, 4]
@@ -111,9 +113,7 @@ def test_a_forget_whose_tombstones_cannot_be_synced_drops_every_record(
     """`forget`'s tombstones are synced before it returns (a crash must not bring back a
     copy the scheduler let go); when that fails, every record goes."""
     config = tier_config(tmp_path)
-    tier = DiskTier(config)
-    slots = np.arange(1, 5, dtype=np.int64)
-    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier = tier_with_four_records(config)
     real_fsync = os.fsync
 
     def failing_fsync(fd: int) -> None:
@@ -137,9 +137,7 @@ def test_prepare_overwrite_drops_the_records_of_slots_about_to_be_written(
     """A job's slots lose their records up front (one sync for the job); its batches then
     append the new ones. Out-of-range ids and a closed tier are refused."""
     config = tier_config(tmp_path)
-    tier = DiskTier(config)
-    slots = np.arange(1, 5, dtype=np.int64)
-    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier = tier_with_four_records(config)
     tier.close()
     tier = DiskTier(config)
     tier.prepare_overwrite([2, 3])
@@ -163,9 +161,7 @@ def test_prepare_overwrite_whose_tombstones_cannot_be_appended_drops_every_recor
     (s35 run on storage/disk_tier_records.py): a failure ignored there passed every
     storage test (the recovered records of slots 1 and 4 were still offered)."""
     config = tier_config(tmp_path)
-    tier = DiskTier(config)
-    slots = np.arange(1, 5, dtype=np.int64)
-    tier.write_slots(tier.store_buffers[0], slots, [rec(s) for s in range(1, 5)]).result()
+    tier = tier_with_four_records(config)
     tier.close()
     tier = DiskTier(config)
 
