@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIP_ARGS ?=
 
 .PHONY: demo test lint types pytest setup line-budget clean bench-cascade \
-	bench-policies
+	bench-policies test-deep
 
 include mk/vllm.mk
 
@@ -45,6 +45,19 @@ PYTEST_ARGS := $(if $(filter 0,$(PYTEST_WORKERS)),,-n auto --maxprocesses $(PYTE
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The property tests (those drawing examples with hypothesis) with EXAMPLES_SCALE times
+# their examples (KVTIER_EXAMPLES_SCALE, read by tests/example_counts.py): a hunt for rare
+# cases, not a CI step. A failing example found here goes into its test as an @example.
+# The adapters' property tests run in test-vllm-deep.
+EXAMPLES_SCALE ?= 10
+# Each test may take EXAMPLES_SCALE times its usual time limit (pyproject: 300 s).
+DEEP_TIMEOUT = --timeout $$((300 * $(EXAMPLES_SCALE)))
+PROPERTY_TESTS = $(shell grep -rlE --include='test_*.py' 'scaled_examples|explore.engine' tests)
+
+test-deep: $(STAMP)
+	KVTIER_EXAMPLES_SCALE=$(EXAMPLES_SCALE) $(BIN)/pytest -q $(PYTEST_ARGS) $(DEEP_TIMEOUT) \
+		$(filter-out tests/adapters/%,$(PROPERTY_TESTS))
 
 # CPU-only vs DISK-only vs the CPU -> DISK cascade at equal bytes (trace replay, ~1 min
 # on 2 cores; BENCH_ARGS=--json PATH).

@@ -11,7 +11,7 @@ VLLM_REQS := mk/vllm-requirements-cpu.txt mk/vllm-requirements-kvtier.txt
 VLLM_ENV := VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 VLLM_PIP := $(VLLM_BIN)/pip install -q --no-deps -c $(VLLM_VENV)/pin.txt
 
-.PHONY: test-vllm setup-vllm bench-vllm
+.PHONY: test-vllm setup-vllm bench-vllm test-vllm-deep
 
 setup-vllm: $(VLLM_STAMP)
 
@@ -26,6 +26,11 @@ $(VLLM_STAMP): $(VLLM_REQS) pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_ENV) timeout 1200 $(VLLM_BIN)/python -m pytest -q $(PYTEST_ARGS) tests/adapters
+
+# The adapters' property tests with EXAMPLES_SCALE times their examples (see test-deep).
+test-vllm-deep: $(VLLM_STAMP)
+	$(VLLM_ENV) KVTIER_EXAMPLES_SCALE=$(EXAMPLES_SCALE) $(VLLM_BIN)/python -m pytest -q \
+		$(PYTEST_ARGS) $(DEEP_TIMEOUT) $(filter tests/adapters/%,$(PROPERTY_TESTS))
 
 # kvtier's connector vs vLLM's SimpleCPUOffloadConnector, scheduler side (BENCH_ARGS=--quick).
 bench-vllm: $(VLLM_STAMP)

@@ -15,6 +15,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.adapters.vllm.load_tracker import LoadTracker
 from kvtier.offload.plan import Tier, TransferJob, WorkerReport
 from kvtier.offload.transfers import IssuedTransfer, LoadItem, LoadProgress, TransferBook
@@ -46,7 +47,7 @@ def rank_report(kind: str, named: frozenset[int]) -> WorkerReport:
     return WorkerReport(failed={EVENT: 1})
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 @given(scenarios())
 def test_the_ranks_fail_the_requests_the_scheduler_fails(scenario: tuple[Any, ...]) -> None:
     parts, outcomes, order, cuts = scenario
@@ -109,7 +110,7 @@ reports_st = st.builds(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 @given(st.lists(reports_st, min_size=1, max_size=5), st.randoms(use_true_random=False))
 def test_merge_is_associative_and_commutative(reports: list[WorkerReport], rnd: Any) -> None:
     """vLLM aggregates the ranks' metadata pairwise, in any order and grouping."""

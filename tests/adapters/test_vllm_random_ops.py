@@ -56,6 +56,8 @@ from random_ops import (
 )
 from random_ops_driver import Run, run_example
 
+from example_counts import scaled_examples
+
 RANKS = st.integers(0, 1)
 STEPS = st.builds(Step, st.integers(1, 8))
 ADDS = st.builds(
@@ -109,12 +111,12 @@ ENGINES = [
 
 
 def explore(engine: Engine, max_examples: int = 50) -> collections.Counter[str]:
-    """Run `max_examples` examples of random operations on `engine` (the same ones on
-    every run: derandomized); return what they exercised, added up."""
+    """Run `max_examples` examples (times `KVTIER_EXAMPLES_SCALE`) of random operations on
+    `engine` (the same ones on every run: derandomized); return what they exercised, added up."""
     totals: collections.Counter[str] = collections.Counter()
 
     @settings(
-        max_examples=max_examples,
+        max_examples=scaled_examples(max_examples),
         deadline=None,
         derandomize=True,
         database=None,

@@ -29,6 +29,8 @@ from test_vllm_random_ops import OP_KINDS, RANKS
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm_engine import KVGroupDef
 
+from example_counts import scaled_examples
+
 OPS = st.sampled_from([*OP_KINDS, *[st.builds(FailPart, RANKS)] * 3]).flatmap(lambda k: k)
 
 ENGINES = [
@@ -91,7 +93,7 @@ def test_loads_failing_by_block_never_serve_wrong_kv(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hits = count_scans(monkeypatch)
-    totals = explore(engine, max_examples=20)
+    totals = explore(engine, max_examples=scaled_examples(20))
     assert totals["failed_load_part"] > 0, "no load failed by block"
     assert totals["random_hit_tokens"] + totals["replay_hit_tokens"] > 0
     print(engine.name, dict(hits))

@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolError
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored, KVEvent
 from kvtier.core.keys import Key, key_block_hash, make_key
@@ -278,6 +279,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 
 BlockPoolMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None
+    max_examples=scaled_examples(300), stateful_step_count=40, deadline=None
 )
 test_block_pool_matches_model = BlockPoolMachine.TestCase

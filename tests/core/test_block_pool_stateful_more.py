@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolError
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored
 from kvtier.core.keys import Key, key_block_hash, key_group_id, make_key
@@ -212,5 +213,7 @@ class Machine(RuleBasedStateMachine):
             assert len(pool.cached_blocks(key)) == len(holders)
 
 
-Machine.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
+Machine.TestCase.settings = settings(
+    max_examples=scaled_examples(400), stateful_step_count=40, deadline=None
+)
 test_more = Machine.TestCase

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.core.free_queue import LRUFreeQueue
 
 
@@ -147,7 +148,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled_examples(200), deadline=None)
 @given(ops=OPS)
 def test_matches_a_list_model(ops: list[tuple[str, int]]) -> None:
     """Random pushes, removals and pops leave the same order as a plain list."""

@@ -10,6 +10,7 @@ from hashing_helpers import make_hasher
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.core.hashing import (
     DEFAULT_SEED,
     BlockHasher,
@@ -160,7 +161,7 @@ def test_request_hasher_names_a_bad_token_s_position_in_the_request() -> None:
     request.check_invariants()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled_examples(60), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2**31), max_size=60),
     cuts=st.lists(st.integers(0, 60), max_size=8),

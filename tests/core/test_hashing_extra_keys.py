@@ -11,6 +11,7 @@ from hashing_helpers import make_hasher
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.core.hashing import (
     MultiModalItem,
     RequestExtras,
@@ -154,7 +155,7 @@ def test_multimodal_item_boundaries() -> None:
     assert extra_keys_for_block(extras, 3, 4) == ()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled_examples(60), deadline=None)
 @given(
     gaps_and_lengths=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 9)), max_size=8),
     hash_block_size=st.integers(1, 6),

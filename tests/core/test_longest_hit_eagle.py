@@ -37,6 +37,7 @@ from test_longest_hit_properties import (
     reference_accepts,
 )
 
+from example_counts import scaled_examples
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import LongestHit, find_longest_hit
 
@@ -119,7 +120,7 @@ def only_group(lay: KVLayout, group_id: int) -> KVLayout:
 
 
 @hybrid_cases
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 def test_the_eagle_hit_is_the_largest_length_accepted_with_its_proof(
     lay: KVLayout, num_hashes: int, cap: int, want_fine: bool, data: st.DataObject
 ) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from longest_hit_helpers import COARSE, FINE, FULL, SLIDING, STATE, layout
 from test_longest_hit_properties import hybrid_case, hybrid_cases, reference_accepts
 
+from example_counts import scaled_examples
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import find_longest_hit
 
@@ -47,7 +48,7 @@ def vllm_accepts(
 
 
 @hybrid_cases
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 def test_the_eagle_hit_is_vllms(
     lay: KVLayout, num_hashes: int, cap: int, want_fine: bool, data: st.DataObject
 ) -> None:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from longest_hit_helpers import COARSE, FINE, FULL, SCRATCH, SLIDING, group, layout, make_hashes
 
+from example_counts import scaled_examples
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import _hybrid_hit, _lone_full_hit, find_longest_hit
@@ -46,7 +47,7 @@ class RecordingIndex:
     cap=st.integers(-5, 450),
     data=st.data(),
 )
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=scaled_examples(500), deadline=None)
 def test_lone_full_hit_is_the_general_hit(
     lay: KVLayout, num_hashes: int, cap: int, data: st.DataObject
 ) -> None:

@@ -29,6 +29,7 @@ from longest_hit_helpers import (
     make_hashes,
 )
 
+from example_counts import scaled_examples
 from kvtier.core.keys import BlockHash
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.longest_hit import LongestHit
@@ -115,7 +116,7 @@ def cached_sets(draw: st.DrawFn, num_groups: int, num_hashes: int) -> dict[int, 
     cap=st.integers(0, 400),
     data=st.data(),
 )
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 def test_single_full_group_matches_brute_force(
     block_size: int, num_hashes: int, cap: int, data: st.DataObject
 ) -> None:
@@ -170,7 +171,7 @@ def hybrid_case(
 
 
 @hybrid_cases
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 def test_hybrid_hit_is_the_largest_length_every_group_accepts(
     lay: KVLayout, num_hashes: int, cap: int, want_fine: bool, data: st.DataObject
 ) -> None:

@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolError
 from kvtier.core.keys import Key, make_key
 from kvtier.core.policies import EVICTION_POLICIES, DuelingPolicy, EvictionPolicy
@@ -174,6 +175,6 @@ class PolicyPoolMachine(RuleBasedStateMachine):
 
 
 PolicyPoolMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
+    max_examples=scaled_examples(150), stateful_step_count=40, deadline=None
 )
 TestPolicyPool = PolicyPoolMachine.TestCase

@@ -24,6 +24,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool, PoolError
 from kvtier.core.events import AllCleared, BlockRemoved, BlockStored
 from kvtier.core.keys import Key, key_block_hash, key_group_id, make_key
@@ -253,6 +254,6 @@ class PolicyEventsMachine(RuleBasedStateMachine):
 
 
 PolicyEventsMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None
+    max_examples=scaled_examples(300), stateful_step_count=40, deadline=None
 )
 TestPolicyEvents = PolicyEventsMachine.TestCase

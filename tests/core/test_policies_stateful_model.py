@@ -23,6 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.free_queue import FreeQueue
 from kvtier.core.keys import Key, make_key
@@ -271,6 +272,6 @@ class PolicyModelMachine(RuleBasedStateMachine):
 
 
 PolicyModelMachine.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=40, deadline=None
+    max_examples=scaled_examples(120), stateful_step_count=40, deadline=None
 )
 TestPolicyModel = PolicyModelMachine.TestCase

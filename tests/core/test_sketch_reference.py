@@ -12,6 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.core.keys import Key, make_key
 from kvtier.core.policies import DoorkeeperAdmission
 from kvtier.core.policies.sketch import _MULTIPLIERS, CountMinSketch, Doorkeeper
@@ -88,7 +89,7 @@ class ReferenceSketch:
 keys = st.builds(make_key, st.binary(min_size=8, max_size=8), st.sampled_from([0, 1, 7, 2**32 - 1]))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled_examples(200), deadline=None)
 @given(
     window=st.integers(1, 40),
     ops=st.lists(st.tuples(st.sampled_from(["contains", "insert", "both"]), keys), max_size=300),
@@ -110,7 +111,7 @@ def test_doorkeeper_answers_as_the_reference(window: int, ops: list[tuple[str, K
         doorkeeper.check_invariants()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=scaled_examples(100), deadline=None)
 @given(num_blocks=st.integers(2, 20), offers=st.lists(keys, max_size=300))
 def test_door_admits_on_the_references_second_sighting(num_blocks: int, offers: list[Key]) -> None:
     """`door` admits exactly the offers the reference filter had seen, and counts the rest."""
@@ -126,7 +127,7 @@ def test_door_admits_on_the_references_second_sighting(num_blocks: int, offers: 
     assert admission.num_rejected == num_rejected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled_examples(200), deadline=None)
 @given(
     width=st.integers(1, 200),
     period=st.integers(1, 60),

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from step_watchdog import with_watchdog
 
+from example_counts import scaled_examples
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.llm import LLM, EngineConfig
 from kvtier.engine.request import Request, RequestStatus
@@ -366,7 +367,7 @@ class StepApiMachine(RuleBasedStateMachine):
 
 
 StepApiMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=scaled_examples(60),
     stateful_step_count=40,
     deadline=None,
     derandomize=True,  # the same examples on every run

@@ -18,6 +18,7 @@ from engine_helpers import dense_logits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.engine.config import AttentionKind, CacheConfig, LayerGroup, ModelConfig
 from kvtier.engine.model import build_model
 from kvtier.engine.paged_attention import first_key_position
@@ -68,7 +69,7 @@ def _null_out_of_window(runner: ModelRunner, seq: _Seq, seqs: list[_Seq]) -> Non
                 runner.kv_tensors[layer][:, block, :num_dead] = torch.nan
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=scaled_examples(40), deadline=None)
 @given(config=_configs(), block_size=st.integers(1, 5), data=st.data())
 def test_random_paged_steps_equal_dense_forward(
     config: ModelConfig, block_size: int, data: st.DataObject

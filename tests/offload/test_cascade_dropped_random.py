@@ -18,6 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_cascade_demotions import WB, WT, key
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key
 from kvtier.offload.cascade import Cascade, MoveItem
@@ -36,7 +37,7 @@ def store(cpu: BlockPool, cascade: Cascade, rng: random.Random) -> None:
 
 
 @pytest.mark.parametrize("mode", [WT, WB])
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), num_ops=st.integers(1, 120))
 # Regression (s35, found by a random run): a CPU block counted as dropped whose key the
 # disk held as another block's secondary key stayed counted while a copy of that key was

@@ -25,6 +25,7 @@ from sim import SimEngine, make_request
 from test_cascade_demotions import WT, cache, key
 from test_scenarios_cascade import cascade_engine, holds, keys_of
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key
 from kvtier.offload.cascade import Cascade
@@ -302,7 +303,7 @@ def test_a_bound_that_is_not_an_int_of_at_least_1_is_refused(
         Cascade(cpu, disk, WT, reserve=reserve, retries_per_plan=retries_per_plan)  # type: ignore[arg-type]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 @given(
     num=st.integers(1, 24),
     bound=st.integers(1, 5),

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim import SimEngine, block_key, config, full_layout, make_request
 
+from example_counts import scaled_examples
 from kvtier.offload.plan import Tier
 
 prompts = st.lists(st.integers(0, 2), min_size=6, max_size=30)
@@ -28,7 +29,7 @@ def eagle_engine() -> SimEngine:
     cut=st.integers(4, 30),
     suffix=st.lists(st.integers(0, 2), max_size=6),
 )
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled_examples(200), deadline=None)
 def test_an_eagle_hit_pins_and_loads_exactly_the_blocks_before_its_proof(
     stored: list[list[int]], which: int, cut: int, suffix: list[int]
 ) -> None:

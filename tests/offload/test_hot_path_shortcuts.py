@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim_request import make_request, pool_states, store_selector
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.core.kv_groups import GroupKind, KVGroupSpec, KVLayout
@@ -52,7 +53,7 @@ def selected(selector: StoreSelector, request_id: str) -> tuple[Any, ...]:
     )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(
     num_blocks=st.integers(1, 12),
     tier_blocks=st.integers(2, 10),
@@ -104,7 +105,7 @@ def key(i: int) -> Key:
 ids = st.integers(1, 16)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(
     stored=st.dictionaries(ids, st.integers(0, 3)),
     held=st.dictionaries(ids, st.integers(0, 3)),
@@ -136,7 +137,7 @@ def test_noting_blocks_in_use_forgets_what_a_pop_per_block_forgets(
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled_examples(200), deadline=None)
 @given(
     ops=st.lists(
         st.tuples(st.sampled_from(["store", "evict", "discard", "reset"]), st.integers(0, 9)),
@@ -196,7 +197,7 @@ HYBRID = KVLayout(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(
     local=st.integers(0, 4),
     hit=st.lists(st.lists(st.integers(0, 3), max_size=8), min_size=2, max_size=2),

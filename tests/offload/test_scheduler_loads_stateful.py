@@ -26,11 +26,13 @@ from hypothesis import HealthCheck, settings
 from load_heavy_machine import LoadHeavy
 from scheduler_model_checks import LazySchedulerMachine, SchedulerMachine
 
+from example_counts import scaled_examples
+
 # 150 examples per machine: the file runs in about 30 s; on the code before 07e84d8 (a
 # finished request's load outcome given to a new one of its id) about half the machines
 # fail within 100 examples.
 LOAD_SETTINGS = settings(
-    max_examples=150,
+    max_examples=scaled_examples(150),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

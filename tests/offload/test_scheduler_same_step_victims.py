@@ -24,6 +24,8 @@ from disk_tier_machines import WriteBackLazyMachine, WriteThroughMachine
 from hypothesis import HealthCheck, event, note, settings
 from scheduler_model_checks import LazySchedulerMachine, SchedulerMachine
 
+from example_counts import scaled_examples
+
 
 class SameStepVictims(SchedulerMachine):
     """Preempt about a quarter of the running requests a step scheduled, in that step."""
@@ -61,7 +63,7 @@ class SameStepWriteBackLazy(SameStepVictims, WriteBackLazyMachine):
 
 
 SETTINGS = settings(
-    max_examples=150,
+    max_examples=scaled_examples(150),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

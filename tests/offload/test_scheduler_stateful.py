@@ -47,13 +47,15 @@ from disk_tier_machines import (
 from hypothesis import HealthCheck, settings
 from scheduler_model_checks import LazySchedulerMachine, SchedulerMachine
 
+from example_counts import scaled_examples
+
 STATEFUL_SETTINGS = settings(
-    max_examples=1000,
+    max_examples=scaled_examples(1000),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-CASCADE_SETTINGS = settings(STATEFUL_SETTINGS, max_examples=400)
+CASCADE_SETTINGS = settings(STATEFUL_SETTINGS, max_examples=scaled_examples(400))
 SchedulerMachine.TestCase.settings = STATEFUL_SETTINGS
 LazySchedulerMachine.TestCase.settings = STATEFUL_SETTINGS
 # Write-through runs as many examples as the plain ones: with 400, a key stored again

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim_request import store_selector
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.offload.disk_slots import SetAsideSlots
@@ -74,7 +75,7 @@ def state(selector: StoreSelector, returned: int) -> tuple[Any, ...]:
     )
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=scaled_examples(500), deadline=None)
 @given(held_case())
 def test_held_slots_come_back_at_the_same_point_in_both_run_paths(
     case: tuple[StoreSelector, list[int]],

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sim_request import pool_states, store_selector
 
+from example_counts import scaled_examples
 from kvtier.core.block_pool import NULL_BLOCK_ID, BlockPool
 from kvtier.core.keys import Key, make_key
 from kvtier.offload.stats import StoreOutcome
@@ -92,7 +93,7 @@ def assert_same_as_the_loop(selector: StoreSelector, table: list[int], pos: int,
     )
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=scaled_examples(600), deadline=None)
 @given(selector_and_run())
 def test_the_whole_run_path_leaves_what_the_per_block_loop_leaves(
     case: tuple[StoreSelector, list[int], int, int],
@@ -156,7 +157,7 @@ class AdmitEveryKey:
         """Nothing to check."""
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 @given(selector_and_run())
 def test_admit_all_is_not_asked_and_selects_as_a_policy_asked_per_block(
     case: tuple[StoreSelector, list[int], int, int],

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_model import BLOCK, RefTier, serve_on_gpu, traces
 
+from example_counts import scaled_examples
 from kvtier.replay.tier_replay import ReleaseOrder, ReplayConfig, TierConfig, replay_trace
 from kvtier.replay.trace import TraceRecord
 
@@ -44,7 +45,7 @@ def small(records: list[TraceRecord]) -> bool:
     return len({h for r in records for h in r.hash_ids}) <= 8 and len(records) <= 8
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(traces().filter(small), st.integers(1, 3))
 def test_belady_reaches_the_optimum_with_no_tier_in_front(
     records: list[TraceRecord], capacity: int
@@ -55,7 +56,7 @@ def test_belady_reaches_the_optimum_with_no_tier_in_front(
     assert cpu.num_hit_blocks == optimum(ids, [0] * len(ids), capacity)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(traces().filter(small), st.integers(1, 3), st.integers(0, 2))
 def test_belady_reaches_the_optimum_behind_a_gpu_tier_with_the_scheduler_release(
     records: list[TraceRecord], capacity: int, extra_gpu_blocks: int

@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference_model import BLOCK, RefTier, serve_on_gpu, traces
 
+from example_counts import scaled_examples
 from kvtier.replay.tier_replay import ReplayConfig, TierConfig, replay_trace
 from kvtier.replay.trace import TraceRecord
 
@@ -91,7 +92,7 @@ RERANKED = [
 ]
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=scaled_examples(500), deadline=None)
 @example(records=RERANKED, gpu=0, caps=[2, 3], policy="oracle-lfu")
 @given(
     traces(),

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_model import BLOCK, RefTier, refresh, serve_on_gpu, store, traces
 
+from example_counts import scaled_examples
 from kvtier.replay.cli import main
 from kvtier.replay.cost import CostModel
 from kvtier.replay.tier_replay import (
@@ -138,7 +139,7 @@ def check(
 GPU = st.sampled_from([0, 4, 7])  # blocks; a request has at most 4 + its prefix's
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(
     traces(),
     GPU,
@@ -152,7 +153,7 @@ def test_independent_tiers_match_the_reference(
     check(records, gpu, caps, None, order)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(traces(), GPU, st.integers(1, 10), st.integers(1, 12), st.sampled_from([WT, WB]))
 def test_cascade_matches_the_reference(
     records: list[TraceRecord], gpu: int, cpu: int, disk: int, mode: CascadeMode
@@ -161,7 +162,7 @@ def test_cascade_matches_the_reference(
     check(records, gpu, [cpu, disk], mode)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=scaled_examples(25), deadline=None)
 @given(traces(), st.integers(1, 6), st.integers(1, 12), st.sampled_from([None, WT, WB]))
 def test_the_cli_json_reports_the_reference_numbers(
     tmp_path_factory: pytest.TempPathFactory,

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import kvtier.storage.disk_tier as disk_tier_module
+from example_counts import scaled_examples
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOMode, DiskTier, DiskTierConfig
 from kvtier.storage.manifest import open_manifest
@@ -394,6 +395,6 @@ class DiskTierMachine(RuleBasedStateMachine):
 
 
 DiskTierMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=25, deadline=None
+    max_examples=scaled_examples(100), stateful_step_count=25, deadline=None
 )
 test_disk_tier_machine = DiskTierMachine.TestCase

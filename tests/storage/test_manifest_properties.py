@@ -18,6 +18,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage import DiskIOMode, ManifestIdentity, SlotFile
 from kvtier.storage.manifest import ManifestEntry, open_manifest, read_manifest
@@ -120,7 +121,7 @@ def offset_inside(data: st.DataObject, model: Model, index: int, label: str) -> 
     return model.offset(index) + data.draw(st.integers(0, length - 1), label=label)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled_examples(150), deadline=None)
 @given(ops=operations, data=st.data())
 def test_any_cut_after_the_last_compaction_recovers_the_records_before_it(
     ops: list[tuple[str, list]], data: st.DataObject
@@ -137,7 +138,7 @@ def test_any_cut_after_the_last_compaction_recovers_the_records_before_it(
         assert read_manifest(str(path), IDENTITY) == model.after(num_whole)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=scaled_examples(150), deadline=None)
 @given(ops=operations, data=st.data())
 def test_a_damaged_byte_costs_only_its_record(
     ops: list[tuple[str, list]], data: st.DataObject

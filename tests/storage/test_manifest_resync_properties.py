@@ -18,6 +18,7 @@ from pathlib import Path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.offload.plan import SlotRecord
 from kvtier.storage.manifest import ManifestEntry, ManifestIdentity, read_manifest
 from kvtier.storage.manifest_format import encode_put, encode_tombstone
@@ -120,7 +121,7 @@ def whole_anyway(records: list[bytes], body: bytes, touched: set[int]) -> list[i
     flip=[(0, 2, 1)],
     insert=[(2, b"\x00")],
 )
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 @given(history=histories, flip=flips, insert=inserts)
 def test_damage_costs_exactly_the_records_it_touches(
     history: History, flip: list[tuple[int, int, int]], insert: list[tuple[int, bytes]]

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transfer_helpers import random_rows, reference_copy
 
+from example_counts import scaled_examples
 from kvtier.transfer.block_copy import (
     CopyStrategy,
     copy_blocks,
@@ -41,7 +42,7 @@ def copy_cases(draw: st.DrawFn) -> tuple[int, int, np.ndarray, np.ndarray]:
     return rows, width, np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled_examples(60), deadline=None)
 @given(case=copy_cases(), use_scratch=st.booleans())
 def test_copy_blocks_matches_row_by_row_copy(
     case: tuple[int, int, np.ndarray, np.ndarray], use_scratch: bool

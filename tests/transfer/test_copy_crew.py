@@ -15,12 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier.transfer.copy_crew as copy_crew
+from example_counts import scaled_examples
 from kvtier.transfer.block_copy import CopyStrategy, as_rows, plan_copy
 from kvtier.transfer.copiers import CpuCopier, StagingRows
 from kvtier.transfer.copy_crew import CopyCrew, RegionCopy, crew_size, share_out
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=scaled_examples(200), deadline=None)
 @given(
     sizes=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 5000)), max_size=6),
     parts=st.integers(1, 6),
@@ -72,7 +73,7 @@ def batches(
     return rows, regions, src_ids, dst_ids
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=scaled_examples(80), deadline=None)
 @given(case=batches(), size=st.integers(1, 4))
 def test_a_batch_split_over_threads_copies_exactly_the_asked_rows(
     case: tuple[int, list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray], size: int

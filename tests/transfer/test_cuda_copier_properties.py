@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.transfer import copiers
 from kvtier.transfer.copiers import CudaCopier, StagingRows
 
@@ -76,7 +77,7 @@ CHUNKS = st.sampled_from([1, 8, 40, 1 << 20])
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=scaled_examples(80), deadline=None)
 @given(case=cases(), chunk=CHUNKS, data=st.data())
 def test_copy_matches_row_by_row(
     direction: str, case: Case, chunk: int, data: st.DataObject
@@ -95,7 +96,7 @@ def test_copy_matches_row_by_row(
     assert all(torch.equal(t, x) for t, x in zip(targets, expected, strict=True))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled_examples(60), deadline=None)
 @given(case=cases(), data=st.data())
 def test_staging_round_trip_matches_row_by_row(case: Case, data: st.DataObject) -> None:
     engine, num = case.engine, case.num

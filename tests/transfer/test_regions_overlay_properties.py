@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.transfer.regions import discover_regions
 
 View = tuple[int, int, int]  # (byte offset, block stride, bytes per block)
@@ -54,7 +55,7 @@ def overlaid_views(draw: st.DrawFn) -> list[View]:
     return views
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=scaled_examples(400), deadline=None)
 @given(views=overlaid_views(), num_blocks=st.integers(2, 5), own_storages=st.booleans())
 def test_a_layout_is_refused_exactly_when_a_byte_has_two_block_ids(
     views: list[View], num_blocks: int, own_storages: bool

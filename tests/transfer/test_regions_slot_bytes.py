@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from example_counts import scaled_examples
 from kvtier.transfer.regions import discover_regions, slot_bytes
 
 Row = tuple[int, int, int]  # (byte offset, block stride, bytes per block)
@@ -24,7 +25,7 @@ def rows_of_one_storage(draw: st.DrawFn) -> list[Row]:
     return rows
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=scaled_examples(300), deadline=None)
 @given(rows=rows_of_one_storage(), num_blocks=st.integers(1, 4))
 def test_slot_bytes_are_what_the_registered_regions_hold(rows: list[Row], num_blocks: int) -> None:
     """Regression: with one block `discover_regions` merges views whatever their stride

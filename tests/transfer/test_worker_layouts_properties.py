@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transfer_helpers import fill_random, job, run_plan
 
+from example_counts import scaled_examples
 from kvtier.offload.config_fields import DiskIOMode
 from kvtier.offload.plan import Tier
 from kvtier.transfer import OffloadWorker, WorkerConfig
@@ -93,7 +94,7 @@ def block_of(layout: Layout, tensors: list[torch.Tensor], i: int, block_id: int)
     return tensors[i].select(layout.block_dims[i], block_id).contiguous().view(torch.uint8)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=scaled_examples(40), deadline=None)
 @given(layout=layouts(), batch_bytes=st.sampled_from([1, 256, 1 << 20]), data=st.data())
 def test_blocks_come_back_whole_through_every_route(
     layout: Layout, batch_bytes: int, data: st.DataObject

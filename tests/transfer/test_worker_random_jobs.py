@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from transfer_helpers import FaultyIO, block_bytes, kv_per_layer, make_worker
 
+from example_counts import scaled_examples
 from kvtier.offload.plan import Tier, TransferJob, TransferPlan, WorkerReport
 from kvtier.storage import DiskIOMode
 from kvtier.transfer import OffloadWorker, WorkerConfig
@@ -315,7 +316,7 @@ class WorkerJobsMachine(RuleBasedStateMachine):
 
 
 WorkerJobsMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=scaled_examples(200),
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
