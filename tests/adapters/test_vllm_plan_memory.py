@@ -52,3 +52,44 @@ def test_a_step_is_processed_only_once_every_worker_s_output_of_it_was_applied()
     memory.applied(KVTierWorkerMetadata(steps={2: 2}), KVConnectorOutput())
     assert memory.processed_step == 2
     assert memory.metadata(TransferPlan(5), ()).processed_step == 2
+
+
+def test_plans_say_no_fault_until_a_worker_reports_one() -> None:
+    """0 is "none": a plan saying 1 would pass for one built after a rank's failed
+    forward of step 1 was known, and that rank would run its stores."""
+    memory = PlanMemory(lambda event_id: False)
+    assert memory.metadata(TransferPlan(1), ()).fault_step == 0
+    memory.applied(KVTierWorkerMetadata(), KVConnectorOutput())
+    assert memory.metadata(TransferPlan(2), ()).fault_step == 0
+
+
+def test_a_plan_s_own_echoes_are_not_its_earlier_echoes() -> None:
+    """A plan echoes its own never-issued loads; `earlier_echoes` are those of earlier
+    plans, for a rank that never bound them, and a plan sent keeps what it said."""
+    memory = PlanMemory(lambda event_id: False, num_workers=2)
+    first = memory.metadata(TransferPlan(1), ("b",))
+    assert (first.unissued_failed_request_ids, first.earlier_echoes) == (("b",), {})
+    second = memory.metadata(TransferPlan(2), ("c",))
+    assert second.earlier_echoes == {1: ("b",)}
+    assert first.earlier_echoes == {}
+    assert memory.metadata(TransferPlan(3), ()).earlier_echoes == {1: ("b",), 2: ("c",)}
+
+
+def test_plans_acknowledge_the_worker_outputs_applied() -> None:
+    """Each plan carries, per worker, the output numbers vLLM applied (all up to 2,
+    and 4 above them): the worker sends 3 again, not the rest."""
+    memory = PlanMemory(lambda event_id: False)
+    assert memory.metadata(TransferPlan(1), ()).acks == {}
+    memory.applied(KVTierWorkerMetadata(sent={7: (1, (1, 2, 4))}), KVConnectorOutput())
+    assert memory.metadata(TransferPlan(2), ()).acks == {7: (2, (4,))}
+
+
+def test_only_the_echoes_every_worker_reported_are_forgotten() -> None:
+    memory = PlanMemory(lambda event_id: False)
+    memory.metadata(TransferPlan(1), ("b",))
+    memory.metadata(TransferPlan(2), ("c", "d"))
+    finished = KVConnectorOutput(finished_recving={"b", "c"})
+    memory.applied(KVTierWorkerMetadata(recving={0: frozenset({"b", "c"})}), finished)
+    assert memory.echoes == {2: ("d",)}
+    memory.echoes.clear()  # a copy: the memory keeps its own
+    assert memory.metadata(TransferPlan(3), ()).earlier_echoes == {2: ("d",)}
