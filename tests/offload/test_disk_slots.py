@@ -103,3 +103,67 @@ def test_slots_given_back_to_make_room_start_the_next_trials_afresh() -> None:
     fresh = fail(disk, aside, 3)
     aside.note_succeeded([])
     assert aside.on_trial == set(fresh)
+
+
+def test_bad_slots_come_back_too_when_the_disk_needs_room() -> None:
+    """Only a bad slot is held, and a job needs more slots than are free: it comes back
+    on trial with the rest (a mutant gave back suspects only: the disk ran out of room;
+    another left it held as well as on trial)."""
+    disk = BlockPool(6)
+    aside = SetAsideSlots(disk)
+    a, b = halved_to_one(disk, aside)
+    aside.note_succeeded([])
+    assert fail(disk, aside, 1) == [a]
+    aside.note_succeeded([])
+    assert succeed(disk, aside, 1) == [b]  # b passed: only the bad slot is held
+    assert aside.held() == [a]
+    aside.make_room(disk.num_free() + 1)
+    aside.check_invariants()
+    assert len(aside) == 0
+    assert aside.on_trial == {a}
+    assert disk.num_free() == 5
+
+
+def test_a_reset_forgets_the_bad_slots_and_the_trials() -> None:
+    """`clear` while a bad slot is held and a trial of one is pending: every slot is
+    free, none on trial, and the next suspects come back all at once (mutants kept the
+    bad slot held though freed, kept the trial pending, or kept trials of one)."""
+    disk = BlockPool(17)
+    aside = SetAsideSlots(disk)
+    a, b = halved_to_one(disk, aside)
+    aside.note_succeeded([])
+    assert fail(disk, aside, 1) == [a]  # bad
+    group = fail(disk, aside, 2)
+    aside.note_succeeded([])  # b and the 2 fresh suspects on trial
+    assert set(fail(disk, aside, 3)) == {b, *group}  # failed together: trials of one
+    aside.note_succeeded([])
+    assert len(aside.on_trial) == 1
+    aside.clear()
+    aside.check_invariants()
+    assert (len(aside), aside.on_trial, disk.num_free()) == (0, set(), 16)
+    fresh = fail(disk, aside, 3)
+    aside.note_succeeded([])
+    assert aside.on_trial == set(fresh)
+
+
+def test_a_failed_trial_group_of_three_is_tried_again_one_slot_first() -> None:
+    """The trial size halves, rounded down (a mutant rounded up: 2 slots came back)."""
+    disk = BlockPool(17)
+    aside = SetAsideSlots(disk)
+    fail(disk, aside, 3)
+    aside.note_succeeded([])
+    assert len(fail(disk, aside, 3)) == 3  # the three on trial, failed together
+    assert aside.trial_size == 1
+    aside.note_succeeded([])
+    assert len(aside.on_trial) == 1
+
+
+def test_every_suspect_comes_back_at_once_however_many() -> None:
+    """Before any trial failed, the first group is every suspect (a mutant capped the
+    first trial size at 64 slots)."""
+    disk = BlockPool(81)
+    aside = SetAsideSlots(disk)
+    suspects = fail(disk, aside, 70)
+    aside.note_succeeded([])
+    assert aside.on_trial == set(suspects)
+    assert len(aside) == 0
