@@ -102,6 +102,8 @@ def test_a_directory_that_cannot_be_created_is_named(
 
 def test_the_probe_leaves_no_descriptor_open(tmp_path: Path) -> None:
     """Each check closes its probe (a mutant leaked one descriptor per start)."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd here")
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         disk_config(tmp_path).prepare_host()
