@@ -4,7 +4,7 @@ lets go of nothing a later demotion of its key holds."""
 
 from __future__ import annotations
 
-from sim import make_request
+from sim import SimEngine, make_request
 from test_cascade_demotions import key
 from test_scenarios_cascade import cascade_engine, next_job
 
@@ -12,7 +12,20 @@ from kvtier.core.block_pool import BlockPool
 from kvtier.offload.cascade import Cascade
 from kvtier.offload.config import CascadeMode
 from kvtier.offload.dropped_slots import DroppedSlots
-from kvtier.offload.plan import Tier
+from kvtier.offload.plan import Tier, TransferJob
+
+
+def abandoned_demotion() -> tuple[SimEngine, TransferJob]:
+    """Return a write-through engine whose reset abandoned a's CPU -> DISK demotion, and
+    that demotion's job, still in flight (the worker completes nothing by itself)."""
+    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=9, num_disk=12)
+    engine.auto_complete = False
+    engine.run(make_request("a", range(300, 308)))
+    engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
+    engine.poll()
+    old = next_job(engine, Tier.CPU, Tier.DISK)  # left in flight
+    assert engine.scheduler.reset() is False
+    return engine, old
 
 
 def test_a_demotion_that_registers_nothing_names_its_slot_for_the_manifest() -> None:
@@ -41,13 +54,7 @@ def test_an_abandoned_demotions_report_keeps_a_later_demotion_of_its_key_in_flig
     prompt and demotes it again. The abandoned move's report must not take that key
     out of the in-flight demotions (a mutant did: the invariant check failed, and a
     third copy of the key could have been issued beside b's)."""
-    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=9, num_disk=12)
-    engine.auto_complete = False
-    engine.run(make_request("a", range(300, 308)))
-    engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
-    engine.poll()
-    old = next_job(engine, Tier.CPU, Tier.DISK)  # left in flight
-    assert engine.scheduler.reset() is False
+    engine, old = abandoned_demotion()
     engine.evict_gpu()
     engine.run(make_request("b", range(300, 308)))
     engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from sim import SimEngine, make_request
 from test_cascade_demotions import WT, key
+from test_demotion_completion import abandoned_demotion
 from test_scenarios_cascade import cascade_engine, next_job
 
 from kvtier.core.block_pool import BlockPool
@@ -118,13 +119,7 @@ def test_an_abandoned_demotions_report_says_nothing_about_the_disk_now(
     have been written before the fault, so it neither shows the disk works (mutants
     retried b at once and gave b's suspect slots back) nor counts as a failure in a row
     (a mutant doubled b's back-off: no retry at the second plan)."""
-    engine = cascade_engine(CascadeMode.WRITE_THROUGH, num_cpu=9, num_disk=12)
-    engine.auto_complete = False
-    engine.run(make_request("a", range(300, 308)))
-    engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
-    engine.poll()
-    old = next_job(engine, Tier.CPU, Tier.DISK)  # left in flight
-    assert engine.scheduler.reset() is False
+    engine, old = abandoned_demotion()
     engine.run(make_request("b", range(400, 408)))
     engine.worker.complete(next_job(engine, Tier.GPU, Tier.CPU).event_id)
     engine.poll()
