@@ -33,7 +33,6 @@ from random_workloads import MAX_STEPS_PER_CALL, MODELS, Workload, plan_submissi
 from step_watchdog import with_watchdog
 from workload_runner import generate_both, offload_config
 
-from example_counts import scaled_examples
 from kvtier.engine.llm import LLM, EngineConfig, RequestOutput
 from kvtier.offload.plan import TransferPlan, WorkerReport
 
@@ -188,7 +187,7 @@ def test_random_workloads_match_offload_off_under_harsh_faults() -> None:
     totals: Counter[str] = Counter()
 
     @settings(
-        max_examples=scaled_examples(80),
+        max_examples=80,
         deadline=None,
         derandomize=True,
         database=None,

@@ -24,7 +24,6 @@ from random_workloads import MODELS, TIER_KINDS, VOCAB, WORKLOAD_SETTINGS
 from step_watchdog import with_watchdog
 from workload_runner import kv_group_spec, on_one_thread
 
-from example_counts import scaled_examples
 from kvtier.core.kv_groups import KVLayout
 from kvtier.core.policies import EVICTION_POLICIES
 from kvtier.engine.llm import LLM, EngineConfig
@@ -221,7 +220,7 @@ def run_example(ex: dict[str, Any], totals: Counter[str]) -> None:
 def test_late_copies_aborts_and_resets_match_offload_off() -> None:
     totals: Counter[str] = Counter()
 
-    @settings(max_examples=scaled_examples(25), **WORKLOAD_SETTINGS)
+    @settings(max_examples=25, **WORKLOAD_SETTINGS)
     @given(examples())
     def check(ex: dict[str, Any]) -> None:
         run_example(ex, totals)

@@ -17,13 +17,11 @@ from hypothesis import strategies as st
 from random_workloads import MODELS, WORKLOAD_SETTINGS, Workload, workloads
 from workload_runner import on_one_thread, run_workload
 
-from example_counts import scaled_examples
-
 
 def test_random_workloads_in_tight_pools_match_offload_off() -> None:
     totals: Counter[str] = Counter()
 
-    @settings(max_examples=scaled_examples(60), **WORKLOAD_SETTINGS)
+    @settings(max_examples=60, **WORKLOAD_SETTINGS)
     @given(workloads(), st.sampled_from(sorted(MODELS)))
     def check(workload: Workload, model: str) -> None:
         run_workload(dataclasses.replace(workload, model=model), totals, tight=True)

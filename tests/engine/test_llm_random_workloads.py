@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from random_workloads import TIER_KINDS, PromptSpec, Workload, workloads
 from workload_runner import on_one_thread, run_workload
 
-from example_counts import scaled_examples
 from kvtier.engine.sampling import SamplingParams
 from kvtier.offload.config import StoreMode
 
@@ -30,7 +29,7 @@ def test_random_workloads_match_offload_off() -> None:
     totals: Counter[str] = Counter()
 
     @settings(
-        max_examples=scaled_examples(120),
+        max_examples=120,
         deadline=None,
         derandomize=True,  # the same examples on every run
         database=None,
